@@ -1,0 +1,169 @@
+#pragma once
+// Layers with hand-written forward and backward. Backward *accumulates* into gradients,
+// as autograd does, one sample at a time in batch order: that fixed order is what lets
+// sharded training match unsharded training bit for bit when each rank holds one sample.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "examples/engine/tensor.hpp"
+
+namespace engine {
+
+struct Mat {  // activations: rows = samples
+  std::int64_t rows = 0, cols = 0;
+  std::vector<float> v;
+  Mat() = default;
+  Mat(std::int64_t r, std::int64_t c) : rows(r), cols(c), v(static_cast<std::size_t>(r * c), 0.0f) {}
+  float& at(std::int64_t r, std::int64_t c) { return v[static_cast<std::size_t>(r * cols + c)]; }
+  float at(std::int64_t r, std::int64_t c) const { return v[static_cast<std::size_t>(r * cols + c)]; }
+};
+
+// Deterministic pseudo-random numbers in [-1, 1) from (seed, index): every rank and the
+// unsharded reference build identical initial weights and data without sharing state.
+inline float uniform(std::uint64_t seed, std::uint64_t i) {
+  std::uint64_t z = seed * 0x9e3779b97f4a7c15ull + i + 0x632be59bd9b4e019ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(static_cast<double>(z >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+inline void fill_uniform(Tensor& t, std::uint64_t seed, float scale) {
+  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = scale * uniform(seed, static_cast<std::uint64_t>(i));
+}
+
+// y = x W^T + b, W: [out, in]
+class Linear {
+ public:
+  Linear(std::int64_t in, std::int64_t out, std::uint64_t seed, Allocator& alloc = heap())
+      : weight({out, in}, alloc), bias({out}, alloc), weight_grad({out, in}, alloc), bias_grad({out}, alloc), in_(in), out_(out) {
+    fill_uniform(weight, seed, 1.0f / std::sqrt(static_cast<float>(in)));
+    fill_uniform(bias, seed + 1, 0.1f);
+  }
+
+  Mat forward(const Mat& x) {
+    x_ = x;
+    Mat y(x.rows, out_);
+    for (std::int64_t b = 0; b < x.rows; ++b)
+      for (std::int64_t o = 0; o < out_; ++o) {
+        float acc = bias[o];
+        for (std::int64_t i = 0; i < in_; ++i) acc += x.at(b, i) * weight[o * in_ + i];
+        y.at(b, o) = acc;
+      }
+    return y;
+  }
+
+  Mat backward(const Mat& dy) {
+    Mat dx(dy.rows, in_);
+    for (std::int64_t b = 0; b < dy.rows; ++b)
+      for (std::int64_t o = 0; o < out_; ++o) {
+        const float g = dy.at(b, o);
+        bias_grad[o] += g;
+        for (std::int64_t i = 0; i < in_; ++i) {
+          weight_grad[o * in_ + i] += g * x_.at(b, i);
+          dx.at(b, i) += g * weight[o * in_ + i];
+        }
+      }
+    return dx;
+  }
+
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("weight", weight, weight_grad);
+    f("bias", bias, bias_grad);
+  }
+
+  Tensor weight, bias, weight_grad, bias_grad;
+
+ private:
+  std::int64_t in_, out_;
+  Mat x_;
+};
+
+// y = x * g, one gain per feature: a module with a single parameter.
+class Gain {
+ public:
+  Gain(std::int64_t dim, std::uint64_t seed, Allocator& alloc = heap()) : gain({dim}, alloc), gain_grad({dim}, alloc) {
+    for (std::int64_t i = 0; i < dim; ++i) gain[i] = 1.0f + 0.1f * uniform(seed, static_cast<std::uint64_t>(i));
+  }
+  Mat forward(const Mat& x) {
+    x_ = x;
+    Mat y = x;
+    for (std::int64_t b = 0; b < x.rows; ++b)
+      for (std::int64_t j = 0; j < x.cols; ++j) y.at(b, j) *= gain[j];
+    return y;
+  }
+  Mat backward(const Mat& dy) {
+    Mat dx = dy;
+    for (std::int64_t b = 0; b < dy.rows; ++b)
+      for (std::int64_t j = 0; j < dy.cols; ++j) {
+        gain_grad[j] += dy.at(b, j) * x_.at(b, j);
+        dx.at(b, j) *= gain[j];
+      }
+    return dx;
+  }
+  template <class F>
+  void visit_parameters(F&& f) { f("gain", gain, gain_grad); }
+
+  Tensor gain, gain_grad;
+
+ private:
+  Mat x_;
+};
+
+// Residual MLP block: y = x + fc2(relu(fc1(x))). `adapter` is a zero-size parameter (a
+// disabled low-rank adapter, say): it exists, has an FQN, and holds no elements.
+class Block {
+ public:
+  Block(std::int64_t dim, std::int64_t hidden, std::uint64_t seed, Allocator& alloc = heap())
+      : fc1(dim, hidden, seed, alloc), fc2(hidden, dim, seed + 7, alloc), adapter({0, dim}, alloc), adapter_grad({0, dim}, alloc) {}
+
+  Mat forward(const Mat& x) {
+    Mat h = fc1.forward(x);
+    mask_.assign(h.v.size(), 0);
+    for (std::size_t i = 0; i < h.v.size(); ++i)
+      if (h.v[i] > 0) mask_[i] = 1; else h.v[i] = 0;
+    Mat y = fc2.forward(h);
+    for (std::size_t i = 0; i < y.v.size(); ++i) y.v[i] += x.v[i];
+    return y;
+  }
+  Mat backward(const Mat& dy) {
+    Mat dh = fc2.backward(dy);
+    for (std::size_t i = 0; i < dh.v.size(); ++i) if (!mask_[i]) dh.v[i] = 0;
+    Mat dx = fc1.backward(dh);
+    for (std::size_t i = 0; i < dx.v.size(); ++i) dx.v[i] += dy.v[i];
+    return dx;
+  }
+
+  template <class F>
+  void visit_parameters(F&& f) { f("adapter", adapter, adapter_grad); }
+  template <class F>
+  void visit_children(F&& f) {
+    f("fc1", fc1);
+    f("fc2", fc2);
+  }
+
+  Linear fc1, fc2;
+  Tensor adapter, adapter_grad;
+
+ private:
+  std::vector<std::uint8_t> mask_;
+};
+
+// Mean squared error over all elements; returns the loss and writes d(loss)/d(out).
+inline double mse(const Mat& out, const Mat& target, Mat& dout) {
+  dout = Mat(out.rows, out.cols);
+  const float scale = 2.0f / static_cast<float>(out.rows * out.cols);
+  double loss = 0;
+  for (std::size_t i = 0; i < out.v.size(); ++i) {
+    const float d = out.v[i] - target.v[i];
+    loss += static_cast<double>(d) * d;
+    dout.v[i] = d * scale;
+  }
+  return loss / static_cast<double>(out.v.size());
+}
+
+}  // namespace engine

@@ -1,0 +1,103 @@
+#pragma once
+// Non-owning, type-erased references to a Communicator and a Device. A unit's type names
+// its module and policies, not the backend (as in the design's Sharded<Block, FullShard>);
+// the backend is picked at construction and reached through one indirect call per
+// collective or allocation, which is noise next to the work behind it.
+#include "fsdp/communicator.hpp"
+#include "fsdp/device.hpp"
+
+namespace fsdp::detail {
+
+class CommRef {
+ public:
+  template <Communicator C>
+  explicit CommRef(C& c) : obj_(&c), vt_(&table<C>) {}
+  int rank() const { return rank_cached(); }
+  int size() const { return vt_->size(obj_); }
+  Work all_gather(const void* s, void* r, std::size_t n, DType t) const { return vt_->all_gather(obj_, s, r, n, t); }
+  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) const {
+    return vt_->reduce_scatter(obj_, s, r, n, t, op);
+  }
+  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) const {
+    return vt_->all_reduce(obj_, s, r, n, t, op);
+  }
+  Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) const {
+    return vt_->broadcast(obj_, s, r, n, t, root);
+  }
+  Work barrier() const { return vt_->barrier(obj_); }
+  const void* address() const { return obj_; }
+
+ private:
+  struct VTable {
+    int (*rank)(void*);
+    int (*size)(void*);
+    Work (*all_gather)(void*, const void*, void*, std::size_t, DType);
+    Work (*reduce_scatter)(void*, const void*, void*, std::size_t, DType, ReduceOp);
+    Work (*all_reduce)(void*, const void*, void*, std::size_t, DType, ReduceOp);
+    Work (*broadcast)(void*, const void*, void*, std::size_t, DType, int);
+    Work (*barrier)(void*);
+  };
+  template <class C>
+  static constexpr VTable table{
+      [](void* o) { return static_cast<int>(static_cast<C*>(o)->rank()); },
+      [](void* o) { return static_cast<int>(static_cast<C*>(o)->size()); },
+      [](void* o, const void* s, void* r, std::size_t n, DType t) -> Work { return static_cast<C*>(o)->all_gather(s, r, n, t); },
+      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op) -> Work {
+        return static_cast<C*>(o)->reduce_scatter(s, r, n, t, op);
+      },
+      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op) -> Work {
+        return static_cast<C*>(o)->all_reduce(s, r, n, t, op);
+      },
+      [](void* o, const void* s, void* r, std::size_t n, DType t, int root) -> Work {
+        return static_cast<C*>(o)->broadcast(s, r, n, t, root);
+      },
+      [](void* o) -> Work { return static_cast<C*>(o)->barrier(); },
+  };
+  int rank_cached() const { return vt_->rank(obj_); }
+  void* obj_;
+  const VTable* vt_;
+};
+
+class DeviceRef {
+ public:
+  template <Device D>
+  explicit DeviceRef(D& d) : obj_(&d), vt_(&table<D>) {}
+  DeviceId id() const { return vt_->id(obj_); }
+  void* allocate(std::size_t bytes, MemorySpace s) const { return vt_->allocate(obj_, bytes, s); }
+  void deallocate(void* p, std::size_t bytes, MemorySpace s) const { vt_->deallocate(obj_, p, bytes, s); }
+  void copy(void* d, const void* s, std::size_t bytes) const { vt_->copy(obj_, d, s, bytes); }
+  void fill_zero(void* p, std::size_t bytes) const { vt_->fill_zero(obj_, p, bytes); }
+  void scale(void* p, std::size_t n, DType t, double f) const { vt_->scale(obj_, p, n, t, f); }
+  void accumulate(void* d, const void* s, std::size_t n, DType t) const { vt_->accumulate(obj_, d, s, n, t); }
+  void synchronize() const { vt_->synchronize(obj_); }
+  MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
+
+ private:
+  struct VTable {
+    DeviceId (*id)(void*);
+    void* (*allocate)(void*, std::size_t, MemorySpace);
+    void (*deallocate)(void*, void*, std::size_t, MemorySpace);
+    void (*copy)(void*, void*, const void*, std::size_t);
+    void (*fill_zero)(void*, void*, std::size_t);
+    void (*scale)(void*, void*, std::size_t, DType, double);
+    void (*accumulate)(void*, void*, const void*, std::size_t, DType);
+    void (*synchronize)(void*);
+    MemoryStats (*stats)(void*, MemorySpace);
+  };
+  template <class D>
+  static constexpr VTable table{
+      [](void* o) -> DeviceId { return static_cast<D*>(o)->id(); },
+      [](void* o, std::size_t b, MemorySpace s) -> void* { return static_cast<D*>(o)->allocate(b, s); },
+      [](void* o, void* p, std::size_t b, MemorySpace s) { static_cast<D*>(o)->deallocate(p, b, s); },
+      [](void* o, void* d, const void* s, std::size_t b) { static_cast<D*>(o)->copy(d, s, b); },
+      [](void* o, void* p, std::size_t b) { static_cast<D*>(o)->fill_zero(p, b); },
+      [](void* o, void* p, std::size_t n, DType t, double f) { static_cast<D*>(o)->scale(p, n, t, f); },
+      [](void* o, void* d, const void* s, std::size_t n, DType t) { static_cast<D*>(o)->accumulate(d, s, n, t); },
+      [](void* o) { static_cast<D*>(o)->synchronize(); },
+      [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },
+  };
+  void* obj_;
+  const VTable* vt_;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,76 @@
+#pragma once
+// Element-wise loops on host memory shared by the host device and the host collectives.
+// f32/f64 get plain typed loops; 16-bit types round to their dtype after every operation,
+// the way a device kernel working in that dtype would.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/dtype.hpp"
+
+namespace fsdp::detail {
+
+template <class F>
+void for_each_typed(DType t, F&& f) {  // f(tag) with tag a pointer-type of the dtype
+  switch (t) {
+    case DType::f32: f(static_cast<float*>(nullptr)); return;
+    case DType::f64: f(static_cast<double*>(nullptr)); return;
+    case DType::i8: f(static_cast<std::int8_t*>(nullptr)); return;
+    case DType::u8: f(static_cast<std::uint8_t*>(nullptr)); return;
+    case DType::i32: f(static_cast<std::int32_t*>(nullptr)); return;
+    case DType::i64: f(static_cast<std::int64_t*>(nullptr)); return;
+    case DType::f16: case DType::bf16: f(static_cast<std::uint16_t*>(nullptr)); return;
+  }
+}
+
+inline bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
+
+inline float half_load(std::uint16_t v, DType t) {
+  return t == DType::f16 ? f16_bits_to_float(v) : bf16_bits_to_float(v);
+}
+inline std::uint16_t half_store(float v, DType t) {
+  return t == DType::f16 ? float_to_f16_bits(v) : float_to_bf16_bits(v);
+}
+
+template <class T>
+T combine(T a, T b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::max: return std::max(a, b);
+    case ReduceOp::min: return std::min(a, b);
+    default: return static_cast<T>(a + b);
+  }
+}
+
+inline void host_scale(void* p, std::size_t n, DType t, double factor) {
+  if (is_half(t)) {
+    auto* q = static_cast<std::uint16_t*>(p);
+    for (std::size_t i = 0; i < n; ++i) q[i] = half_store(half_load(q[i], t) * static_cast<float>(factor), t);
+    return;
+  }
+  for_each_typed(t, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto* q = static_cast<T*>(p);
+    const T f = static_cast<T>(factor);
+    for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<T>(q[i] * f);
+  });
+}
+
+// dst[i] = dst[i] (op) src[i]
+inline void host_combine(void* dst, const void* src, std::size_t n, DType t, ReduceOp op) {
+  if (is_half(t)) {
+    auto* d = static_cast<std::uint16_t*>(dst);
+    auto* s = static_cast<const std::uint16_t*>(src);
+    for (std::size_t i = 0; i < n; ++i)
+      d[i] = half_store(combine(half_load(d[i], t), half_load(s[i], t), op), t);
+    return;
+  }
+  for_each_typed(t, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    auto* d = static_cast<T*>(dst);
+    auto* s = static_cast<const T*>(src);
+    for (std::size_t i = 0; i < n; ++i) d[i] = combine(d[i], s[i], op);
+  });
+}
+
+}  // namespace fsdp::detail

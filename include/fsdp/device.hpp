@@ -1,0 +1,50 @@
+#pragma once
+// The Device concept: every byte the library allocates goes through it, so it can count
+// live and peak bytes per memory space; plus the few element-wise operations the library
+// runs on its own buffers (zeroing, scaling by the divide factors, accumulating gradients).
+#include <concepts>
+#include <cstddef>
+#include <string_view>
+
+#include "fsdp/dtype.hpp"
+#include "fsdp/tensor.hpp"
+
+namespace fsdp {
+
+// "device" is where computation happens (GPU memory on CUDA, plain host memory on the
+// host device); "host" is the offload target (pinned memory on CUDA).
+enum class MemorySpace : std::uint8_t { device, host };
+
+constexpr std::string_view name_of(MemorySpace s) { return s == MemorySpace::device ? "device" : "host"; }
+
+struct MemoryStats {
+  std::size_t live_bytes = 0;
+  std::size_t peak_bytes = 0;
+  std::size_t allocations = 0;  // number of allocate() calls, for tests and benchmarks
+};
+
+template <class D>
+concept Device = requires(D& d, std::size_t bytes, std::size_t count, void* p, const void* cp,
+                          MemorySpace s, DType t, double factor) {
+  { d.id() } -> std::convertible_to<DeviceId>;
+  { d.allocate(bytes, s) } -> std::convertible_to<void*>;
+  d.deallocate(p, bytes, s);
+  d.copy(p, cp, bytes);                 // any direction between this device's spaces
+  d.fill_zero(p, bytes);
+  d.scale(p, count, t, factor);         // p[i] *= factor
+  d.accumulate(p, cp, count, t);        // p[i] += cp[i]
+  d.synchronize();                      // all queued work on this device is done
+  { d.stats(s) } -> std::convertible_to<MemoryStats>;
+  d.reset_peak(s);                      // peak := live
+};
+
+template <class D>
+constexpr void check_device() {
+  static_assert(Device<D>,
+                "fsdp: this type is not an fsdp::Device. It needs id(), allocate(bytes, space), "
+                "deallocate(ptr, bytes, space), copy(dst, src, bytes), fill_zero(ptr, bytes), "
+                "scale(ptr, count, dtype, factor), accumulate(dst, src, count, dtype), "
+                "synchronize(), stats(space) and reset_peak(space). See docs/concepts.md#device.");
+}
+
+}  // namespace fsdp

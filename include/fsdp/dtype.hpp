@@ -1,0 +1,135 @@
+#pragma once
+// Element types the library moves and reduces, with host conversions for the 16-bit ones.
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+enum class DType : std::uint8_t { f32, f64, f16, bf16, i8, u8, i32, i64 };
+
+constexpr std::size_t size_of(DType t) {
+  switch (t) {
+    case DType::f64: case DType::i64: return 8;
+    case DType::f32: case DType::i32: return 4;
+    case DType::f16: case DType::bf16: return 2;
+    case DType::i8: case DType::u8: return 1;
+  }
+  return 0;
+}
+
+constexpr std::string_view name_of(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+    case DType::i8: return "i8";
+    case DType::u8: return "u8";
+    case DType::i32: return "i32";
+    case DType::i64: return "i64";
+  }
+  return "?";
+}
+
+constexpr bool is_floating(DType t) {
+  return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16;
+}
+
+// Tag types so policies can name dtypes at compile time: MixedPrecision<bf16, float>.
+struct f16 { static constexpr DType value = DType::f16; };
+struct bf16 { static constexpr DType value = DType::bf16; };
+template <class T> struct dtype_of;  // C++ type -> DType
+template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
+template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
+template <> struct dtype_of<f16> { static constexpr DType value = DType::f16; };
+template <> struct dtype_of<bf16> { static constexpr DType value = DType::bf16; };
+template <> struct dtype_of<std::int8_t> { static constexpr DType value = DType::i8; };
+template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::u8; };
+template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::i32; };
+template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::i64; };
+template <class T> inline constexpr DType dtype_v = dtype_of<T>::value;
+
+// ---- host conversions, round-to-nearest-even, NaN stays NaN, overflow goes to inf ----
+
+inline std::uint16_t float_to_bf16_bits(float f) {
+  std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // ties go to the even neighbour
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+inline float bf16_bits_to_float(std::uint16_t h) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+inline std::uint16_t float_to_f16_bits(float f) {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);  // rounds to 0 (ties to even 0)
+    const std::uint32_t exp = abs >> 23;
+    const std::uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 126u - exp;  // result = mant >> (shift) in half-subnormal units
+    std::uint32_t r = mant >> shift;
+    const std::uint32_t rem = mant & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  std::uint32_t r = abs - 0x38000000u;  // rebias exponent 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (r >> 13));
+}
+
+inline float f16_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return std::bit_cast<float>(sign);
+    int e = -1;  // normalise the subnormal
+    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+    return std::bit_cast<float>(sign | static_cast<std::uint32_t>(112 - e) << 23 | (mant & 0x3ffu) << 13);
+  }
+  return std::bit_cast<float>(sign | (exp + 112u) << 23 | mant << 13);
+}
+
+// Reads element i of a buffer of dtype t as double / writes it back (host only; used by
+// host reductions and casts, never on a per-element hot path of f32 which has its own loop).
+inline double load_as_double(const void* p, std::size_t i, DType t) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::f16: return f16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::bf16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DType::i8: return static_cast<const std::int8_t*>(p)[i];
+    case DType::u8: return static_cast<const std::uint8_t*>(p)[i];
+    case DType::i32: return static_cast<const std::int32_t*>(p)[i];
+    case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
+  }
+  return 0;
+}
+
+inline void store_from_double(void* p, std::size_t i, DType t, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); return;
+    case DType::f64: static_cast<double*>(p)[i] = v; return;
+    case DType::f16: static_cast<std::uint16_t*>(p)[i] = float_to_f16_bits(static_cast<float>(v)); return;
+    case DType::bf16: static_cast<std::uint16_t*>(p)[i] = float_to_bf16_bits(static_cast<float>(v)); return;
+    case DType::i8: static_cast<std::int8_t*>(p)[i] = static_cast<std::int8_t>(v); return;
+    case DType::u8: static_cast<std::uint8_t*>(p)[i] = static_cast<std::uint8_t>(v); return;
+    case DType::i32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); return;
+    case DType::i64: static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(v); return;
+  }
+}
+
+}  // namespace fsdp

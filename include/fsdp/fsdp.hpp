@@ -1,0 +1,18 @@
+#pragma once
+// Everything an engine needs: concepts, policies, units, the root, and the host backend.
+#include "fsdp/communicator.hpp"
+#include "fsdp/device.hpp"
+#include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/flat_param.hpp"
+#include "fsdp/module.hpp"
+#include "fsdp/policies.hpp"
+#include "fsdp/sharded.hpp"
+#include "fsdp/sharded_model.hpp"
+#include "fsdp/tensor.hpp"
+#include "fsdp/training_state.hpp"
+#include "fsdp/unit.hpp"
+#include "fsdp/work.hpp"
+#include "fsdp/host/host_device.hpp"
+#include "fsdp/host/host_tensor.hpp"
+#include "fsdp/host/thread_group.hpp"

@@ -1,0 +1,64 @@
+#pragma once
+// HostDevice: plain host memory with exact byte accounting per memory space. Both spaces
+// are host RAM here; keeping them apart lets host-only tests measure what offloading to
+// "host" saves on "device", as it would on a GPU.
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "fsdp/detail/host_math.hpp"
+#include "fsdp/device.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+class HostDevice {
+ public:
+  static constexpr std::size_t alignment = 64;  // cache line; also what vector loads want
+
+  DeviceId id() const { return {DeviceKind::cpu, 0}; }
+
+  void* allocate(std::size_t bytes, MemorySpace space = MemorySpace::device) {
+    if (bytes == 0) return nullptr;
+    void* p = ::operator new(bytes, std::align_val_t{alignment}, std::nothrow);
+    if (!p) detail::fail("HostDevice: out of memory allocating ", bytes, " bytes in ", name_of(space), " space");
+    auto& s = stats_[index(space)];
+    s.live_bytes += bytes;
+    s.peak_bytes = std::max(s.peak_bytes, s.live_bytes);
+    ++s.allocations;
+    return p;
+  }
+
+  void deallocate(void* p, std::size_t bytes, MemorySpace space = MemorySpace::device) {
+    if (!p) return;
+    auto& s = stats_[index(space)];
+    if (bytes > s.live_bytes)
+      detail::fail("HostDevice: freeing ", bytes, " bytes in ", name_of(space), " space but only ",
+                   s.live_bytes, " are live (double free or wrong size)");
+    s.live_bytes -= bytes;
+    ::operator delete(p, std::align_val_t{alignment});
+  }
+
+  void copy(void* dst, const void* src, std::size_t bytes) { if (bytes) std::memmove(dst, src, bytes); }
+  void fill_zero(void* p, std::size_t bytes) { if (bytes) std::memset(p, 0, bytes); }
+  void scale(void* p, std::size_t n, DType t, double f) { detail::host_scale(p, n, t, f); }
+  void accumulate(void* dst, const void* src, std::size_t n, DType t) {
+    detail::host_combine(dst, src, n, t, ReduceOp::sum);
+  }
+  void synchronize() {}
+
+  MemoryStats stats(MemorySpace space = MemorySpace::device) const { return stats_[index(space)]; }
+  void reset_peak(MemorySpace space = MemorySpace::device) {
+    auto& s = stats_[index(space)];
+    s.peak_bytes = s.live_bytes;
+  }
+
+ private:
+  static std::size_t index(MemorySpace s) { return static_cast<std::size_t>(s); }
+  std::array<MemoryStats, 2> stats_{};
+};
+
+static_assert(Device<HostDevice>);
+
+}  // namespace fsdp

@@ -1,0 +1,61 @@
+#pragma once
+// HostTensor: a minimal tensor for host-only engines and tests. It owns its storage until
+// the library rebinds it to a view of library-owned storage.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "fsdp/tensor.hpp"
+
+namespace fsdp {
+
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(std::vector<std::int64_t> shape, DType dtype = DType::f32)
+      : shape_(std::move(shape)), dtype_(dtype) {
+    std::int64_t n = 1;
+    for (auto d : shape_) n *= d;
+    owned_.assign(static_cast<std::size_t>(n) * size_of(dtype_), std::byte{0});
+    data_ = owned_.empty() ? nullptr : owned_.data();
+  }
+
+  std::span<const std::int64_t> shape() const { return shape_; }
+  DType dtype() const { return dtype_; }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto d : shape_) n *= d;
+    return n;
+  }
+  void* data() { return data_; }
+  const void* data() const { return data_; }
+  template <class T> T* as() { return static_cast<T*>(data_); }
+  template <class T> const T* as() const { return static_cast<const T*>(data_); }
+  bool owns_storage() const { return !owned_.empty(); }
+
+  // Becomes a view of `p` (nullptr: no storage); drops any storage it owned.
+  void rebind(void* p) {
+    owned_.clear();
+    owned_.shrink_to_fit();
+    data_ = p;
+  }
+
+ private:
+  std::vector<std::int64_t> shape_;
+  DType dtype_ = DType::f32;
+  std::vector<std::byte> owned_;
+  void* data_ = nullptr;
+};
+
+template <>
+struct tensor_traits<HostTensor> {
+  static DType dtype(const HostTensor& t) { return t.dtype(); }
+  static std::span<const std::int64_t> shape(const HostTensor& t) { return t.shape(); }
+  static void* data(HostTensor& t) { return t.data(); }
+  static DeviceId device(const HostTensor&) { return {DeviceKind::cpu, 0}; }
+  static void rebind(HostTensor& t, void* p) { t.rebind(p); }
+};
+
+static_assert(Tensor<HostTensor>);
+
+}  // namespace fsdp

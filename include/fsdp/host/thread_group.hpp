@@ -1,0 +1,266 @@
+#pragma once
+// ThreadGroup: N ranks as threads of one process, for tests, examples and single-host CPU
+// runs. Collectives rendezvous in shared memory; each rank reads its peers' buffers
+// directly and reduces in rank order 0..N-1, so results are bitwise reproducible.
+//
+// Nothing hangs: every collective checks that all ranks made the same call (op, count,
+// dtype, reduce op, root) and fails on every rank with both calls named if not; a rank
+// that throws aborts the group, a rank that returns while others wait for it is reported,
+// and a wait longer than the timeout fails naming the ranks that never arrived.
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/detail/host_math.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier };
+
+inline std::string_view name_of(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::all_gather: return "all_gather";
+    case CollectiveKind::reduce_scatter: return "reduce_scatter";
+    case CollectiveKind::all_reduce: return "all_reduce";
+    case CollectiveKind::broadcast: return "broadcast";
+    case CollectiveKind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+struct CollectiveCall {
+  CollectiveKind kind = CollectiveKind::barrier;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t count = 0;
+  DType dtype = DType::f32;
+  ReduceOp op = ReduceOp::sum;
+  int root = 0;
+  std::uint64_t seq = 0;  // per-rank call number, for messages
+
+  bool same_shape(const CollectiveCall& o) const {
+    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root;
+  }
+  std::string describe() const {
+    std::ostringstream os;
+    os << name_of(kind);
+    if (kind != CollectiveKind::barrier) os << "(count=" << count << ", dtype=" << fsdp::name_of(dtype);
+    if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) os << ", op=" << fsdp::name_of(op);
+    if (kind == CollectiveKind::broadcast) os << ", root=" << root;
+    if (kind != CollectiveKind::barrier) os << ")";
+    os << " as collective #" << seq;
+    return os.str();
+  }
+};
+
+// State shared by the ranks of one ThreadGroup::run.
+struct ThreadGroupState {
+  explicit ThreadGroupState(int n, std::chrono::milliseconds timeout)
+      : size(n), timeout(timeout), arrived_gen(n, 0), exited(n, false), posted(n) {}
+
+  const int size;
+  const std::chrono::milliseconds timeout;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::uint64_t generation = 0;  // completed barrier phases
+  int arrived = 0;
+  std::vector<std::uint64_t> arrived_gen;  // generation each rank last arrived in, plus one
+  std::vector<bool> exited;
+  bool aborted = false;
+  int abort_origin = -1;  // the rank whose failure aborted the group
+  std::string abort_reason;
+  std::vector<CollectiveCall> posted;
+
+  void abort(int origin, std::string reason) {  // caller holds mu
+    if (!aborted) { aborted = true; abort_origin = origin; abort_reason = std::move(reason); }
+    cv.notify_all();
+  }
+
+  // Waits until every rank has arrived in the current phase.
+  void arrive_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call) {
+    if (aborted) fail("rank ", rank, ": ", call.describe(), " not started: ", abort_reason);
+    const std::uint64_t gen = generation;
+    arrived_gen[rank] = gen + 1;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (generation == gen) {
+      if (aborted) fail("rank ", rank, ": ", call.describe(), " aborted: ", abort_reason);
+      for (int r = 0; r < size; ++r) {
+        if (exited[r] && arrived_gen[r] <= gen) {
+          std::ostringstream os;
+          os << "rank " << r << " finished without joining " << call.describe() << " that rank " << rank
+             << " is waiting in (ranks ran different numbers of collectives)";
+          abort(rank, os.str());
+          fail(abort_reason);
+        }
+      }
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && generation == gen && !aborted) {
+        std::ostringstream os;
+        os << "rank " << rank << ": " << call.describe() << " timed out after " << timeout.count()
+           << " ms; ranks that never arrived:";
+        for (int r = 0; r < size; ++r) if (arrived_gen[r] <= gen) os << ' ' << r;
+        abort(rank, os.str());
+        fail(abort_reason);
+      }
+    }
+  }
+};
+
+}  // namespace detail
+
+class ThreadGroup;
+
+// One rank's handle. Collectives complete before they return (the returned Work is
+// already done); overlap comes from the per-rank executor added on top of this.
+class ThreadComm {
+ public:
+  int rank() const { return rank_; }
+  int size() const { return state_->size; }
+
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
+    return run({detail::CollectiveKind::all_gather, send, recv, count, t});
+  }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return run({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return run({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
+  }
+  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
+    if (root < 0 || root >= size()) detail::fail("rank ", rank_, ": broadcast root ", root, " is outside [0, ", size(), ")");
+    return run({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
+  }
+  Work barrier() { return run({detail::CollectiveKind::barrier}); }
+
+ private:
+  friend class ThreadGroup;
+  ThreadComm(int rank, std::shared_ptr<detail::ThreadGroupState> s) : rank_(rank), state_(std::move(s)) {}
+
+  Work run(detail::CollectiveCall call) {
+    auto& st = *state_;
+    call.seq = seq_++;
+    std::unique_lock lk(st.mu);
+    st.posted[rank_] = call;
+    st.arrive_and_wait(lk, rank_, call);  // phase 1: every rank has posted its buffers
+    for (int r = 0; r < st.size; ++r) {
+      if (!st.posted[r].same_shape(call)) {
+        std::ostringstream os;
+        os << "collective mismatch: rank " << rank_ << " called " << call.describe() << " but rank " << r
+           << " called " << st.posted[r].describe();
+        st.abort(rank_, os.str());
+        detail::fail(st.abort_reason);
+      }
+    }
+    std::vector<detail::CollectiveCall> peers = st.posted;
+    lk.unlock();
+    execute(call, peers);  // read peers' send buffers, write only our own recv buffer
+    lk.lock();
+    st.arrive_and_wait(lk, rank_, call);  // phase 2: nobody reuses a send buffer still being read
+    return Work{};
+  }
+
+  void execute(const detail::CollectiveCall& c, const std::vector<detail::CollectiveCall>& peers) const {
+    const std::size_t esize = size_of(c.dtype);
+    const std::size_t bytes = c.count * esize;
+    const int n = static_cast<int>(peers.size());
+    auto* out = static_cast<std::byte*>(c.recv);
+    auto in = [&](int r, std::size_t elem_offset) {
+      return static_cast<const std::byte*>(peers[r].send) + elem_offset * esize;
+    };
+    switch (c.kind) {
+      case detail::CollectiveKind::all_gather:
+        for (int r = 0; r < n; ++r)
+          if (in(r, 0) != out + r * bytes) std::memcpy(out + r * bytes, in(r, 0), bytes);
+        break;
+      case detail::CollectiveKind::reduce_scatter:
+      case detail::CollectiveKind::all_reduce: {
+        const std::size_t off = c.kind == detail::CollectiveKind::reduce_scatter ? rank_ * c.count : 0;
+        // Accumulate into a scratch copy so in-place calls never read a half-written output.
+        std::vector<std::byte> acc(in(0, off), in(0, off) + bytes);
+        const ReduceOp op = c.op == ReduceOp::avg ? ReduceOp::sum : c.op;
+        for (int r = 1; r < n; ++r) detail::host_combine(acc.data(), in(r, off), c.count, c.dtype, op);
+        if (c.op == ReduceOp::avg) detail::host_scale(acc.data(), c.count, c.dtype, 1.0 / n);
+        if (bytes) std::memcpy(out, acc.data(), bytes);
+        break;
+      }
+      case detail::CollectiveKind::broadcast:
+        if (in(c.root, 0) != out && bytes) std::memcpy(out, in(c.root, 0), bytes);
+        break;
+      case detail::CollectiveKind::barrier:
+        break;
+    }
+  }
+
+  int rank_;
+  std::shared_ptr<detail::ThreadGroupState> state_;
+  std::uint64_t seq_ = 0;
+};
+
+static_assert(Communicator<ThreadComm>);
+
+struct ThreadGroupOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // longest wait in one collective
+};
+
+class ThreadGroup {
+ public:
+  using Options = ThreadGroupOptions;
+
+  explicit ThreadGroup(int size, Options options = {}) : size_(size), options_(options) {
+    if (size < 1) detail::fail("ThreadGroup: size must be at least 1, got ", size);
+  }
+  int size() const { return size_; }
+
+  // Runs fn(ThreadComm&) on `size` threads, one per rank, and joins them. If any rank
+  // threw, rethrows the first failure (the one that aborted the group, not the echoes it
+  // caused on the other ranks).
+  template <class Fn>
+  void run(Fn&& fn) {
+    auto state = std::make_shared<detail::ThreadGroupState>(size_, options_.timeout);
+    std::vector<std::exception_ptr> errors(size_);
+    auto body = [&](int rank) {
+      ThreadComm comm(rank, state);
+      try {
+        fn(comm);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+        std::string what = "a non-standard exception";
+        try { throw; } catch (const std::exception& e) { what = e.what(); } catch (...) {}
+        std::lock_guard lk(state->mu);
+        state->abort(rank, "rank " + std::to_string(rank) + " failed: " + what);
+      }
+      std::lock_guard lk(state->mu);
+      state->exited[rank] = true;
+      state->cv.notify_all();
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(size_);
+    for (int r = 1; r < size_; ++r) threads.emplace_back(body, r);
+    body(0);  // rank 0 on the calling thread: one fewer thread, and debuggers stop there
+    for (auto& t : threads) t.join();
+    if (state->abort_origin >= 0 && errors[state->abort_origin]) std::rethrow_exception(errors[state->abort_origin]);
+    for (auto& e : errors) if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  int size_;
+  Options options_;
+};
+
+}  // namespace fsdp

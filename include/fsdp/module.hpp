@@ -1,0 +1,76 @@
+#pragma once
+// The Module customization point: how the library walks an engine's model.
+//
+//   visit_parameters(m, f)  calls f(std::string_view name, T& param, T& grad) for each of
+//                           m's *own* parameters (not its children's); T models fsdp::Tensor.
+//   visit_children(m, f)    calls f(std::string_view name, Child& child) for each direct
+//                           child module. Optional: a module without it is a leaf.
+//
+// Either as members (m.visit_parameters(f)) or as free functions found by ADL. The library
+// joins names with '.' into fully qualified names (FQNs) such as "blocks.3.weight", the keys
+// of state dicts and checkpoints.
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "fsdp/tensor.hpp"
+
+namespace fsdp {
+
+namespace detail {
+struct param_visitor_archetype {
+  template <class T> void operator()(std::string_view, T&, T&) const {}
+};
+struct child_visitor_archetype {
+  template <class C> void operator()(std::string_view, C&) const {}
+};
+
+template <class M, class F>
+concept member_param_visit = requires(M& m, F f) { m.visit_parameters(f); };
+template <class M, class F>
+concept adl_param_visit = requires(M& m, F f) { visit_parameters(m, f); };
+template <class M, class F>
+concept member_child_visit = requires(M& m, F f) { m.visit_children(f); };
+template <class M, class F>
+concept adl_child_visit = requires(M& m, F f) { visit_children(m, f); };
+}  // namespace detail
+
+template <class M>
+concept Module = detail::member_param_visit<M, detail::param_visitor_archetype> ||
+                 detail::adl_param_visit<M, detail::param_visitor_archetype>;
+
+// Own parameters of m: f(name, param, grad).
+template <class M, class F>
+void for_each_own_parameter(M& m, F&& f) {
+  static_assert(Module<M>,
+                "fsdp: this type is not an fsdp::Module. Provide visit_parameters(M&, F) (member "
+                "or free function found by ADL) that calls f(std::string_view name, T& param, "
+                "T& grad) for each of the module's own parameters. See docs/concepts.md#module.");
+  auto checked = [&](std::string_view name, auto& param, auto& grad) {
+    using P = std::remove_cvref_t<decltype(param)>;
+    static_assert(Tensor<P>, "fsdp: visit_parameters passed a parameter whose type does not "
+                             "satisfy fsdp::Tensor (specialize fsdp::tensor_traits for it)");
+    static_assert(std::is_same_v<P, std::remove_cvref_t<decltype(grad)>>,
+                  "fsdp: a parameter and its gradient must have the same tensor type");
+    f(name, param, grad);
+  };
+  if constexpr (detail::member_param_visit<M, decltype(checked)>) m.visit_parameters(checked);
+  else visit_parameters(m, checked);
+}
+
+// Direct children of m: f(name, child). Leaves have none.
+template <class M, class F>
+void for_each_child(M& m, F&& f) {
+  if constexpr (detail::member_child_visit<M, detail::child_visitor_archetype>) m.visit_children(f);
+  else if constexpr (detail::adl_child_visit<M, detail::child_visitor_archetype>) visit_children(m, f);
+}
+
+inline std::string join_fqn(std::string_view prefix, std::string_view name) {
+  if (prefix.empty()) return std::string(name);
+  std::string s;
+  s.reserve(prefix.size() + 1 + name.size());
+  s.append(prefix).append(".").append(name);
+  return s;
+}
+
+}  // namespace fsdp

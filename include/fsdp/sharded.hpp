@@ -1,0 +1,351 @@
+#pragma once
+// fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module). At
+// construction it takes over the module's parameters (all of its subtree, except children
+// whose type is listed in the `exclude` wrap_types, which become units of their own):
+// it copies this rank's slice into a flat shard, checks that every rank built the same
+// unit, and rebinds the engine's tensors to "no storage". The hooks then make the
+// parameters valid exactly while the engine computes with them.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/device.hpp"
+#include "fsdp/flat_param.hpp"
+#include "fsdp/module.hpp"
+#include "fsdp/policies.hpp"
+#include "fsdp/unit.hpp"
+
+namespace fsdp {
+
+// Types whose instances become units of their own (FSDP's ModuleWrapPolicy).
+template <class... Types>
+struct wrap_types {
+  template <class T>
+  static constexpr bool contains = (std::is_same_v<T, Types> || ...);
+};
+
+struct UnitOptions {
+  std::string fqn;  // the module's FQN within the model ("" for the root): names parameters
+};
+
+// FSDP's split of the 1/N average into a factor before and one after the reduction,
+// so low-precision gradients neither overflow in the sum nor underflow before it.
+inline double gradient_predivide_factor(int world) {
+  int factor = 1;
+  while (world % factor == 0 && static_cast<double>(world) / factor > factor) factor *= 2;
+  return factor;
+}
+
+namespace detail {
+
+// One parameter as the unit holds it: where to rebind the engine's tensors.
+struct ParamBinding {
+  void* param = nullptr;
+  void* grad = nullptr;
+  void (*rebind)(void* tensor, void* data) = nullptr;
+};
+
+struct CollectedParam {
+  ParamInfo info;
+  DType dtype;
+  DeviceId device;
+  const void* data;
+  ParamBinding binding;
+};
+
+template <class Exclude, class M>
+void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out) {
+  for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
+    using T = std::remove_cvref_t<decltype(param)>;
+    using Tr = tensor_traits<T>;
+    CollectedParam c;
+    c.info.fqn = join_fqn(prefix, name);
+    for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
+    c.info.numel = numel(param);
+    c.dtype = Tr::dtype(param);
+    c.device = Tr::device(param);
+    c.data = Tr::data(param);
+    c.binding = {&param, &grad, [](void* t, void* data) { Tr::rebind(*static_cast<T*>(t), data); }};
+    out.push_back(std::move(c));
+  });
+  for_each_child(m, [&](std::string_view name, auto& child) {
+    using C = std::remove_cvref_t<decltype(child)>;
+    if constexpr (!Exclude::template contains<C>) collect_parameters<Exclude>(child, join_fqn(prefix, name), out);
+  });
+}
+
+}  // namespace detail
+
+template <class Module, class... Ps>
+class Sharded final : public UnitBase {
+ public:
+  using module_type = Module;
+  using config = Policies<Ps...>;
+
+  template <Communicator C, Device D, class Exclude = wrap_types<>>
+  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude = {})
+      : UnitBase(std::move(options.fqn), comm.rank(), &module), comm_(comm), device_(device) {
+    world_ = comm_.size();
+    std::vector<detail::CollectedParam> params;
+    detail::collect_parameters<Exclude>(module, fqn_, params);
+    validate_local(params);
+    build_flat_params(params);
+    detail::check_same_across_ranks(comm_, fingerprint(), "unit '" + display_name() + "'", describe_local());
+    take_over_storage(params);
+  }
+
+  // Adapters for the type-erased entry points.
+  template <Communicator C, Device D>
+  Sharded(Module& module, C& comm, D& device, std::string fqn) : Sharded(module, comm, device, UnitOptions{std::move(fqn)}) {}
+
+  ~Sharded() override {
+    for (auto& fp : flat_) {
+      release(fp.full, fp.layout.padded_bytes());
+      release(fp.full_grad, fp.layout.padded_bytes());
+      release(fp.shard, fp.layout.shard_bytes());
+      release(fp.shard_grad, fp.layout.shard_bytes());
+      for (auto& b : fp.bindings) { b.rebind(b.param, nullptr); b.rebind(b.grad, nullptr); }
+    }
+  }
+
+  void pre_forward() override {
+    expect({TrainingState::IDLE}, "pre_forward");
+    unshard();
+    state_ = TrainingState::FORWARD;
+  }
+
+  void post_forward() override {
+    expect({TrainingState::FORWARD}, "post_forward");
+    if constexpr (config::strategy::reshard_after_forward) reshard();
+    state_ = TrainingState::IDLE;
+  }
+
+  void pre_backward() override {
+    expect({TrainingState::IDLE}, "pre_backward");
+    unshard();
+    for (auto& fp : flat_) {
+      fp.full_grad = device_.allocate(fp.layout.padded_bytes(), MemorySpace::device);
+      device_.fill_zero(fp.full_grad, fp.layout.padded_bytes());  // engines accumulate into grads
+      bind(fp, fp.full_grad, &detail::ParamBinding::grad);
+    }
+    state_ = TrainingState::BACKWARD_PRE;
+  }
+
+  void post_backward() override {
+    expect({TrainingState::BACKWARD_PRE}, "post_backward");
+    reshard();  // parameters first, as FSDP does: their memory is free before the reduction
+    const double pre = gradient_predivide_factor(world_);
+    const double post = world_ / pre;
+    for (auto& fp : flat_) {
+      const auto& L = fp.layout;
+      const auto S = static_cast<std::size_t>(L.shard_numel());
+      bind(fp, nullptr, &detail::ParamBinding::grad);
+      if (pre != 1.0) device_.scale(fp.full_grad, static_cast<std::size_t>(L.padded_numel()), L.dtype(), 1.0 / pre);
+      // Right after zero_grad the sharded gradient is zero: reduce straight into it.
+      void* out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
+      comm_.reduce_scatter(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
+      if (post != 1.0) device_.scale(out, S, L.dtype(), 1.0 / post);
+      if (out != fp.shard_grad) {
+        device_.accumulate(fp.shard_grad, out, S, L.dtype());
+        device_.deallocate(out, L.shard_bytes(), MemorySpace::device);
+      }
+      release(fp.full_grad, L.padded_bytes());
+    }
+    grad_is_zero_ = false;
+    state_ = TrainingState::BACKWARD_POST;
+  }
+
+  void finish_backward() override {
+    expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
+    state_ = TrainingState::IDLE;
+  }
+
+  void zero_grad() override {
+    expect({TrainingState::IDLE}, "zero_grad");
+    for (auto& fp : flat_) device_.fill_zero(fp.shard_grad, fp.layout.shard_bytes());
+    grad_is_zero_ = true;
+  }
+
+  void begin_summon_full_params() override {
+    expect({TrainingState::IDLE}, "summon_full_params");
+    unshard();
+    state_ = TrainingState::SUMMON_FULL_PARAMS;
+  }
+
+  void end_summon_full_params(bool writeback) override {
+    expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
+    if (writeback) {
+      for (auto& fp : flat_) {
+        const auto& L = fp.layout;
+        const std::size_t esize = size_of(L.dtype());
+        device_.copy(fp.shard, static_cast<std::byte*>(fp.full) + rank_ * L.shard_bytes(),
+                     static_cast<std::size_t>(L.valid_shard_numel(rank_)) * esize);
+      }
+    }
+    reshard();
+    state_ = TrainingState::IDLE;
+  }
+
+  std::span<const ShardView> shards() const override { return views_; }
+
+  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
+  std::vector<const FlatParamLayout*> layouts() const {
+    std::vector<const FlatParamLayout*> out;
+    for (auto& fp : flat_) out.push_back(&fp.layout);
+    return out;
+  }
+
+ private:
+  struct FlatParam {
+    explicit FlatParam(FlatParamLayout l) : layout(std::move(l)) {}
+    FlatParamLayout layout;
+    std::vector<detail::ParamBinding> bindings;  // parallel to layout.params()
+    void* shard = nullptr;       // shard_numel elements, this rank's
+    void* shard_grad = nullptr;  // shard_numel elements, reduced gradient
+    void* full = nullptr;        // padded_numel elements while unsharded
+    void* full_grad = nullptr;   // padded_numel elements during backward
+  };
+
+  std::string display_name() const { return fqn_.empty() ? "<root>" : fqn_; }
+
+  void validate_local(const std::vector<detail::CollectedParam>& params) const {
+    std::unordered_map<const void*, const std::string*> seen;
+    for (auto& p : params) {
+      if (!is_floating(p.dtype))
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn, "' has dtype ",
+                     name_of(p.dtype), "; only floating-point parameters (f32, f64, f16, bf16) can be sharded");
+      if (p.device.kind != device_.id().kind)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn,
+                     "' is on a different kind of device than the unit's Device");
+      if (p.info.numel > 0 && p.data == nullptr)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn,
+                     "' has no storage; is it already managed by another unit?");
+      if (p.binding.param == p.binding.grad)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn,
+                     "' was visited with the same tensor as parameter and gradient");
+      if (auto [it, fresh] = seen.emplace(p.binding.param, &p.info.fqn); !fresh)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameters '", *it->second, "' and '",
+                     p.info.fqn, "' are the same tensor; shared parameters are not supported");
+    }
+  }
+
+  void build_flat_params(const std::vector<detail::CollectedParam>& params) {
+    std::vector<DType> order;  // dtypes in order of first appearance
+    for (auto& p : params)
+      if (std::find(order.begin(), order.end(), p.dtype) == order.end()) order.push_back(p.dtype);
+    flat_.reserve(order.size());
+    for (DType t : order) {
+      std::vector<ParamInfo> infos;
+      std::vector<detail::ParamBinding> bindings;
+      for (auto& p : params)
+        if (p.dtype == t) { infos.push_back(p.info); bindings.push_back(p.binding); }
+      auto& fp = flat_.emplace_back(FlatParamLayout(t, std::move(infos), world_));
+      fp.bindings = std::move(bindings);
+    }
+  }
+
+  detail::Fingerprint fingerprint() const {
+    detail::Fingerprint f;
+    f.add(fqn_);
+    f.add_count(flat_.size());
+    for (auto& fp : flat_) {
+      f.add_count(static_cast<std::uint64_t>(fp.layout.dtype()));
+      for (auto& p : fp.layout.params()) {
+        f.add(p.fqn);
+        f.add_count(p.shape.size());
+        for (auto d : p.shape) f.add_count(static_cast<std::uint64_t>(d));
+      }
+    }
+    return f;
+  }
+
+  std::string describe_local() const {
+    std::ostringstream os;
+    std::size_t n = 0;
+    std::int64_t elems = 0;
+    for (auto& fp : flat_) { n += fp.layout.params().size(); elems += fp.layout.numel(); }
+    os << n << " parameters, " << elems << " elements";
+    const char* sep = ": ";
+    for (auto& fp : flat_)
+      for (auto& p : fp.layout.params()) {
+        os << sep << p.fqn << " [";
+        for (std::size_t i = 0; i < p.shape.size(); ++i) os << (i ? "," : "") << p.shape[i];
+        os << "] " << name_of(fp.layout.dtype());
+        sep = ", ";
+      }
+    return os.str();
+  }
+
+  // Copies this rank's slices into fresh shards and leaves the engine's tensors empty.
+  void take_over_storage(const std::vector<detail::CollectedParam>& params) {
+    std::unordered_map<void*, const void*> data_of;
+    for (auto& p : params) data_of[p.binding.param] = p.data;
+    for (auto& fp : flat_) {
+      const auto& L = fp.layout;
+      const std::size_t esize = size_of(L.dtype());
+      fp.shard = device_.allocate(L.shard_bytes(), MemorySpace::device);
+      fp.shard_grad = device_.allocate(L.shard_bytes(), MemorySpace::device);
+      device_.fill_zero(fp.shard, L.shard_bytes());
+      device_.fill_zero(fp.shard_grad, L.shard_bytes());
+      for (std::size_t i = 0; i < L.params().size(); ++i) {
+        const ShardSlice s = L.slice(i, rank_);
+        if (s.count == 0) continue;
+        device_.copy(static_cast<std::byte*>(fp.shard) + s.shard_offset * esize,
+                     static_cast<const std::byte*>(data_of[fp.bindings[i].param]) + s.param_begin * esize,
+                     static_cast<std::size_t>(s.count) * esize);
+      }
+      bind(fp, nullptr, &detail::ParamBinding::param);
+      bind(fp, nullptr, &detail::ParamBinding::grad);
+      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(rank_)});
+    }
+  }
+
+  void unshard() {
+    for (auto& fp : flat_) {
+      const auto& L = fp.layout;
+      fp.full = device_.allocate(L.padded_bytes(), MemorySpace::device);
+      comm_.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype()).wait();
+      bind(fp, fp.full, &detail::ParamBinding::param);
+    }
+  }
+
+  void reshard() {
+    for (auto& fp : flat_) {
+      bind(fp, nullptr, &detail::ParamBinding::param);
+      release(fp.full, fp.layout.padded_bytes());
+    }
+  }
+
+  // Points every parameter's param (or grad) tensor into `base`, or at nothing.
+  void bind(FlatParam& fp, void* base, void* detail::ParamBinding::*which) {
+    const std::size_t esize = size_of(fp.layout.dtype());
+    const auto& infos = fp.layout.params();
+    for (std::size_t i = 0; i < fp.bindings.size(); ++i) {
+      auto& b = fp.bindings[i];
+      b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr);
+    }
+  }
+
+  void release(void*& p, std::size_t bytes) {
+    if (p) device_.deallocate(p, bytes, MemorySpace::device);
+    p = nullptr;
+  }
+
+  detail::CommRef comm_;
+  detail::DeviceRef device_;
+  int world_ = 1;
+  std::vector<FlatParam> flat_;
+  std::vector<ShardView> views_;
+  bool grad_is_zero_ = true;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,110 @@
+#pragma once
+// UnitBase: what the root and the engine see of a sharded unit, whatever its module type
+// and policies: the lifecycle hooks, the training state, and the flat shards the
+// optimizer steps on.
+#include <exception>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "fsdp/dtype.hpp"
+#include "fsdp/training_state.hpp"
+
+namespace fsdp {
+
+// One flat shard of a unit as the optimizer sees it: this rank's slice of the unit's
+// parameters of one dtype and the matching slice of the reduced gradient. Padding is
+// left out: numel counts only real parameter elements.
+struct ShardView {
+  std::string_view unit;  // FQN of the unit ("" for the root)
+  DType dtype = DType::f32;
+  void* param = nullptr;
+  void* grad = nullptr;
+  std::int64_t numel = 0;
+};
+
+class UnitBase {
+ public:
+  virtual ~UnitBase() = default;
+  UnitBase(const UnitBase&) = delete;
+  UnitBase& operator=(const UnitBase&) = delete;
+
+  // Hooks, in the order a training step calls them. Each checks the state first.
+  virtual void pre_forward() = 0;    // IDLE -> FORWARD: all-gather; parameters become valid
+  virtual void post_forward() = 0;   // FORWARD -> IDLE: free unsharded parameters
+  virtual void pre_backward() = 0;   // IDLE -> BACKWARD_PRE: all-gather; zeroed gradients bound
+  virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
+  // Called by the root once per backward: waits for this unit's reductions; -> IDLE.
+  virtual void finish_backward() = 0;
+  virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero
+
+  // Parameters unsharded outside training (inspection, init, export): IDLE ->
+  // SUMMON_FULL_PARAMS. With writeback, edits to the full parameters are kept.
+  virtual void begin_summon_full_params() = 0;
+  virtual void end_summon_full_params(bool writeback) = 0;
+
+  virtual std::span<const ShardView> shards() const = 0;
+
+  const std::string& fqn() const { return fqn_; }
+  TrainingState state() const { return state_; }
+  int rank() const { return rank_; }
+  const void* module_address() const { return module_; }
+
+  // RAII around the engine's forward / backward of this unit. The backward scope skips
+  // post_backward when it is left by an exception: a collective during unwinding could
+  // only make things worse.
+  class ForwardScope {
+   public:
+    explicit ForwardScope(UnitBase& u) : u_(u) { u_.pre_forward(); }
+    ~ForwardScope() noexcept(false) {
+      if (std::uncaught_exceptions() == exceptions_) u_.post_forward();
+    }
+    ForwardScope(const ForwardScope&) = delete;
+    ForwardScope& operator=(const ForwardScope&) = delete;
+   private:
+    UnitBase& u_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  class BackwardScope {
+   public:
+    explicit BackwardScope(UnitBase& u) : u_(u) { u_.pre_backward(); }
+    ~BackwardScope() noexcept(false) {
+      if (std::uncaught_exceptions() == exceptions_) u_.post_backward();
+    }
+    BackwardScope(const BackwardScope&) = delete;
+    BackwardScope& operator=(const BackwardScope&) = delete;
+   private:
+    UnitBase& u_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  class SummonScope {
+   public:
+    SummonScope(UnitBase& u, bool writeback) : u_(u), writeback_(writeback) { u_.begin_summon_full_params(); }
+    ~SummonScope() noexcept(false) {
+      // Leaving by exception: reshard without writeback, so half-edited values are dropped.
+      u_.end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
+    }
+    SummonScope(const SummonScope&) = delete;
+    SummonScope& operator=(const SummonScope&) = delete;
+   private:
+    UnitBase& u_;
+    bool writeback_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+
+  [[nodiscard]] ForwardScope forward_scope() { return ForwardScope(*this); }
+  [[nodiscard]] BackwardScope backward_scope() { return BackwardScope(*this); }
+  [[nodiscard]] SummonScope summon_full_params(bool writeback = false) { return SummonScope(*this, writeback); }
+
+ protected:
+  UnitBase(std::string fqn, int rank, const void* module) : fqn_(std::move(fqn)), rank_(rank), module_(module) {}
+  void expect(std::initializer_list<TrainingState> states, std::string_view hook) const {
+    detail::expect_state(state_, states, hook, fqn_, rank_);
+  }
+  std::string fqn_;
+  TrainingState state_ = TrainingState::IDLE;
+  int rank_ = 0;
+  const void* module_ = nullptr;
+};
+
+}  // namespace fsdp

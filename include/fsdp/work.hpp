@@ -1,0 +1,42 @@
+#pragma once
+// fsdp::Work: the handle an asynchronous collective returns. A default-constructed Work is
+// already complete, so a backend whose collectives finish inside the call pays nothing.
+#include <memory>
+#include <utility>
+
+namespace fsdp {
+
+class Work {
+ public:
+  struct Pending {
+    virtual ~Pending() = default;
+    virtual void wait() = 0;        // blocks until complete; throws fsdp::Error on failure
+    virtual bool ready() = 0;       // non-blocking poll
+  };
+
+  Work() = default;
+  explicit Work(std::unique_ptr<Pending> p) : pending_(std::move(p)) {}
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&& o) noexcept {
+    if (this != &o) { finish_quietly(); pending_ = std::move(o.pending_); }
+    return *this;
+  }
+  // A handle dropped without wait() still waits: the buffers it reads or writes may be
+  // freed right after, and a use-after-free is worse than a stall.
+  ~Work() { finish_quietly(); }
+
+  void wait() {
+    if (!pending_) return;
+    auto p = std::move(pending_);
+    p->wait();
+  }
+  bool ready() const { return !pending_ || pending_->ready(); }
+
+ private:
+  void finish_quietly() noexcept {
+    try { wait(); } catch (...) {}  // the backend reports the failure on its next call
+  }
+  std::unique_ptr<Pending> pending_;
+};
+
+}  // namespace fsdp

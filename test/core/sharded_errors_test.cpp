@@ -1,0 +1,237 @@
+// Bad input is an fsdp::Error naming what and where, on every rank, and never a hang.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "examples/engine/fsdp_integration.hpp"
+
+namespace {
+
+using fsdp::HostTensor;
+
+// A tiny module with parameters chosen per rank, to build disagreeing units on purpose.
+struct Layer {
+  std::vector<HostTensor> params, grads;
+  std::vector<std::string> names;
+  void add(std::string name, std::vector<std::int64_t> shape, fsdp::DType t = fsdp::DType::f32) {
+    names.push_back(std::move(name));
+    params.emplace_back(shape, t);
+    grads.emplace_back(shape, t);
+  }
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (std::size_t i = 0; i < params.size(); ++i) f(names[i], params[i], grads[i]);
+  }
+};
+
+struct Net {
+  Layer a, b;
+  template <class F>
+  void visit_parameters(F&&) {}
+  template <class F>
+  void visit_children(F&& f) {
+    f("a", a);
+    f("b", b);
+  }
+};
+
+struct Wide {  // a third child on some ranks only
+  Layer a, b, c;
+  bool third = false;
+  template <class F> void visit_parameters(F&&) {}
+  template <class F> void visit_children(F&& f) { f("a", a); f("b", b); if (third) f("c", c); }
+};
+
+struct Tied {  // one tensor registered under two names
+  HostTensor w{{2, 2}}, g{{2, 2}};
+  template <class F> void visit_parameters(F&& f) { f("embed", w, g); f("unembed", w, g); }
+};
+
+// Runs fn on every rank with a short collective timeout; returns each rank's fsdp::Error
+// message ("" if it threw none). Reaching the end of this function is the no-hang check.
+template <class Fn>
+std::vector<std::string> errors_per_rank(int world, Fn fn) {
+  std::vector<std::string> msgs(world);
+  fsdp::ThreadGroup group(world, fsdp::ThreadGroupOptions{std::chrono::milliseconds(2000)});
+  try {
+    group.run([&](fsdp::ThreadComm& comm) {
+      try {
+        fn(comm);
+      } catch (const fsdp::Error& e) {
+        msgs[comm.rank()] = e.what();
+      }
+    });
+  } catch (const std::exception& e) {
+    FAIL("a rank escaped with a non-fsdp error: ", e.what());
+  }
+  return msgs;
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("hooks called in the wrong state name the unit, the state and the expected states") {
+  auto msgs = errors_per_rank(2, [](fsdp::ThreadComm& comm) {
+    engine::Model model(engine::ModelConfig{});
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& unit = sm.unit("blocks.1");
+    unit.post_forward();  // never entered forward
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(contains(msgs[r], "unit 'blocks.1' on rank " + std::to_string(r)));
+    CHECK(contains(msgs[r], "post_forward called in state IDLE; expected FORWARD"));
+  }
+}
+
+TEST_CASE("every out-of-order transition is refused and leaves the state unchanged") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(engine::ModelConfig{});
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& u = sm.unit("gain");
+    using S = fsdp::TrainingState;
+
+    CHECK_THROWS_WITH_AS(u.post_backward(), doctest::Contains("post_backward called in state IDLE; expected BACKWARD_PRE"), fsdp::Error);
+    u.pre_forward();
+    CHECK(u.state() == S::FORWARD);
+    CHECK_THROWS_WITH_AS(u.pre_forward(), doctest::Contains("pre_forward called in state FORWARD; expected IDLE"), fsdp::Error);
+    CHECK_THROWS_WITH_AS(u.pre_backward(), doctest::Contains("pre_backward called in state FORWARD; expected IDLE"), fsdp::Error);
+    CHECK_THROWS_WITH_AS(u.zero_grad(), doctest::Contains("zero_grad called in state FORWARD"), fsdp::Error);
+    CHECK_THROWS_WITH_AS(sm.finish_backward(), doctest::Contains("unit 'gain' on rank 0: finish_backward called in state FORWARD; expected BACKWARD_POST or IDLE"), fsdp::Error);
+    CHECK(u.state() == S::FORWARD);
+    u.post_forward();
+    u.pre_backward();
+    CHECK(u.state() == S::BACKWARD_PRE);
+    CHECK_THROWS_WITH_AS(sm.finish_backward(), doctest::Contains("state BACKWARD_PRE"), fsdp::Error);
+    CHECK_THROWS_WITH_AS(u.begin_summon_full_params(), doctest::Contains("summon_full_params called in state BACKWARD_PRE; expected IDLE"), fsdp::Error);
+    u.post_backward();
+    CHECK(u.state() == S::BACKWARD_POST);
+    CHECK_THROWS_WITH_AS(u.pre_forward(), doctest::Contains("pre_forward called in state BACKWARD_POST; expected IDLE"), fsdp::Error);
+    sm.finish_backward();
+    CHECK(u.state() == S::IDLE);
+    {
+      auto s = u.summon_full_params();
+      CHECK(u.state() == S::SUMMON_FULL_PARAMS);
+      CHECK_THROWS_WITH_AS(u.pre_forward(), doctest::Contains("state SUMMON_FULL_PARAMS"), fsdp::Error);
+    }
+    CHECK(u.state() == S::IDLE);
+  });
+}
+
+TEST_CASE("a root-level hook error names the root unit") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(engine::ModelConfig{});
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    CHECK_THROWS_WITH_AS(sm.unit_for(&model).post_backward(), doctest::Contains("unit '<root>' on rank 0"), fsdp::Error);
+  });
+}
+
+TEST_CASE("an integer parameter is refused on every rank, naming it") {
+  auto msgs = errors_per_rank(3, [](fsdp::ThreadComm& comm) {
+    Net net;
+    net.a.add("weight", {4, 2});
+    net.a.add("step_count", {1}, fsdp::DType::i64);
+    fsdp::HostDevice device;
+    fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(contains(msgs[r], "unit 'a' on rank " + std::to_string(r)));
+    CHECK(contains(msgs[r], "parameter 'a.step_count' has dtype i64"));
+  }
+}
+
+TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and both ranks' parameters") {
+  SUBCASE("different parameter count") {
+    auto msgs = errors_per_rank(4, [](fsdp::ThreadComm& comm) {
+      Net net;
+      net.a.add("weight", {4, 3});
+      net.b.add("weight", {3, 3});
+      if (comm.rank() == 2) net.b.add("bias", {3});
+      fsdp::HostDevice device;
+      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+    });
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "unit 'b' differs across ranks"));
+      CHECK(contains(msgs[r], "rank 0 has 1 parameters, 9 elements: b.weight [3,3] f32"));
+      CHECK(contains(msgs[r], "rank 2 has 2 parameters, 12 elements"));
+    }
+  }
+  SUBCASE("same count, different shape") {
+    auto msgs = errors_per_rank(2, [](fsdp::ThreadComm& comm) {
+      Net net;
+      net.a.add("weight", comm.rank() == 1 ? std::vector<std::int64_t>{2, 6} : std::vector<std::int64_t>{3, 4});
+      fsdp::HostDevice device;
+      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+    });
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "unit 'a' differs across ranks"));
+      CHECK(contains(msgs[r], "a.weight [3,4]"));
+      CHECK(contains(msgs[r], "a.weight [2,6]"));
+    }
+  }
+  SUBCASE("different dtype") {
+    auto msgs = errors_per_rank(2, [](fsdp::ThreadComm& comm) {
+      Net net;
+      net.a.add("weight", {3, 4}, comm.rank() == 0 ? fsdp::DType::f32 : fsdp::DType::bf16);
+      fsdp::HostDevice device;
+      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+    });
+    for (int r = 0; r < 2; ++r) CHECK(contains(msgs[r], "unit 'a' differs across ranks"));
+  }
+  SUBCASE("different set of units") {
+    auto msgs = errors_per_rank(3, [](fsdp::ThreadComm& comm) {
+      Wide w;
+      w.third = comm.rank() == 1;
+      fsdp::HostDevice device;
+      fsdp::shard<fsdp::FullShard>(w, comm, device, fsdp::wrap_types<Layer>{});
+    });
+    for (int r = 0; r < 3; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "the set of units differs across ranks"));
+      CHECK(contains(msgs[r], "rank 1 has 4 units (root + wrapped: a, b, c)"));
+    }
+  }
+}
+
+TEST_CASE("a rank that runs a different unit fails every rank instead of hanging") {
+  // Units of different sizes: their all-gathers cannot pair, and the thread backend says so.
+  // (Two units of the same size would pair silently; the first-iteration execution-order
+  // check is what catches that case.)
+  auto msgs = errors_per_rank(3, [](fsdp::ThreadComm& comm) {
+    engine::Model model(engine::ModelConfig{});
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    sm.unit(comm.rank() == 1 ? "gain" : "blocks.0").pre_forward();
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(contains(msgs[r], "collective mismatch"));
+    CHECK(contains(msgs[r], "all_gather(count="));
+  }
+}
+
+TEST_CASE("parameters the library cannot take over are named") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    fsdp::HostDevice device;
+    SUBCASE("the same tensor twice") {
+      Tied tied;
+      CHECK_THROWS_WITH_AS(fsdp::Sharded<Tied>(tied, comm, device), doctest::Contains("parameters 'embed' and 'unembed' are the same tensor"), fsdp::Error);
+    }
+    SUBCASE("a module wrapped twice") {
+      Layer l;
+      l.add("weight", {2, 3});
+      fsdp::Sharded<Layer> first(l, comm, device, "l");
+      CHECK_THROWS_WITH_AS(fsdp::Sharded<Layer>(l, comm, device, "again"), doctest::Contains("parameter 'again.weight' has no storage"), fsdp::Error);
+    }
+  });
+}

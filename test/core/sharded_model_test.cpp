@@ -1,0 +1,171 @@
+// The root and unit behaviours around the training step: wrapping, lookup, zero-copy
+// views, summon_full_params, gradient accumulation, padding, divide factors.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "examples/engine/fsdp_integration.hpp"
+
+namespace {
+engine::ModelConfig small() {
+  engine::ModelConfig c;
+  c.blocks = 2;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("shard() makes the root first, then one unit per wrapped module, depth first") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    std::vector<std::string> names;
+    for (auto& u : sm) names.push_back(u->fqn());
+    CHECK(names == std::vector<std::string>{"", "blocks.0", "blocks.1", "gain"});
+    CHECK(&sm.unit_for(&model.blocks[1]) == &sm.unit("blocks.1"));
+    CHECK(sm.find_unit_for(&model.embed) == nullptr);  // part of the root unit, not a unit
+    CHECK_THROWS_WITH_AS(sm.unit("blocks.7"), "fsdp: ShardedModel: no unit named 'blocks.7'; units are: '<root>', 'blocks.0', 'blocks.1', 'gain'", fsdp::Error);
+  });
+}
+
+TEST_CASE("parameters are zero-copy views into the unit's unsharded buffer, and absent otherwise") {
+  fsdp::ThreadGroup(3).run([](fsdp::ThreadComm& comm) {
+    const auto c = small();
+    engine::Model reference(c);
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& block = model.blocks[0];
+    CHECK(block.fc1.weight.data() == nullptr);  // the engine's own storage was released
+    CHECK(block.fc1.weight_grad.data() == nullptr);
+    auto& unit = sm.unit("blocks.0");
+    {
+      auto scope = unit.forward_scope();
+      // Back to back in FQN order: fc1.weight, fc1.bias, fc2.weight, fc2.bias (the adapter has 0 elements).
+      CHECK(block.fc1.bias.data() == block.fc1.weight.data() + block.fc1.weight.numel());
+      CHECK(block.fc2.weight.data() == block.fc1.bias.data() + block.fc1.bias.numel());
+      CHECK(std::memcmp(block.fc2.weight.data(), reference.blocks[0].fc2.weight.data(), 4 * block.fc2.weight.numel()) == 0);
+      CHECK(block.fc1.weight_grad.data() == nullptr);  // gradients exist only during backward
+    }
+    CHECK(block.fc1.weight.data() == nullptr);
+    {
+      auto scope = unit.backward_scope();
+      CHECK(block.fc1.weight.data() != nullptr);
+      CHECK(block.fc1.bias_grad.data() == block.fc1.weight_grad.data() + block.fc1.weight.numel());
+      for (std::int64_t i = 0; i < block.fc1.weight_grad.numel(); ++i) REQUIRE(block.fc1.weight_grad[i] == 0.0f);
+    }
+    CHECK(block.fc1.weight_grad.data() == nullptr);
+    sm.finish_backward();
+  });
+}
+
+TEST_CASE("summon_full_params shows the full parameters; writeback keeps edits, the default drops them") {
+  fsdp::ThreadGroup(4).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& unit = sm.unit("gain");
+    {
+      auto s = unit.summon_full_params();
+      for (std::int64_t i = 0; i < model.gain.gain.numel(); ++i) model.gain.gain[i] = -1.0f;
+    }
+    {
+      auto s = unit.summon_full_params(/*writeback=*/true);
+      CHECK(model.gain.gain[0] != -1.0f);  // the edit above was dropped
+      for (std::int64_t i = 0; i < model.gain.gain.numel(); ++i) model.gain.gain[i] = static_cast<float>(i);
+    }
+    auto s = unit.summon_full_params();
+    for (std::int64_t i = 0; i < model.gain.gain.numel(); ++i) CHECK(model.gain.gain[i] == static_cast<float>(i));
+    CHECK(device.stats().live_bytes > 0);
+  });
+}
+
+TEST_CASE("gradients accumulate across backward passes until zero_grad") {
+  const auto c = small();
+  const int world = 4;
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    engine::UnitHooks hooks{sm};
+    auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+    auto backward_once = [&] {
+      engine::Mat dout;
+      auto out = model.forward(batch.x, hooks);
+      engine::mse(out, batch.y, dout);
+      model.backward(dout, hooks);
+      sm.finish_backward();
+    };
+    auto grads = [&] {
+      std::vector<float> g;
+      for (auto& v : sm.shards()) g.insert(g.end(), static_cast<float*>(v.grad), static_cast<float*>(v.grad) + v.numel);
+      return g;
+    };
+    sm.zero_grad();
+    backward_once();
+    const auto once = grads();
+    CHECK(std::any_of(once.begin(), once.end(), [](float x) { return x != 0.0f; }));
+    backward_once();
+    const auto twice = grads();
+    for (std::size_t i = 0; i < once.size(); ++i) CHECK(twice[i] == once[i] + once[i]);
+    sm.zero_grad();
+    for (float g : grads()) CHECK(g == 0.0f);
+    backward_once();
+    CHECK(grads() == once);
+  });
+}
+
+TEST_CASE("padding never leaks into the shards the optimizer sees") {
+  const auto c = small();
+  for (int world : {2, 3, 8}) {
+    std::vector<std::int64_t> total(world, 0);
+    fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+      engine::Sgd sgd(0.1f);
+      engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+      for (auto& v : sm.shards()) total[comm.rank()] += v.numel;
+      // The padded tail of each shard (beyond numel) is still zero after a step.
+      auto& gain = static_cast<fsdp::Sharded<engine::Gain, fsdp::FullShard>&>(sm.unit("gain"));
+      const auto* layout = gain.layouts().at(0);
+      const auto& view = gain.shards()[0];
+      for (std::int64_t i = view.numel; i < layout->shard_numel(); ++i) {
+        CHECK(static_cast<float*>(view.param)[i] == 0.0f);
+        CHECK(static_cast<float*>(view.grad)[i] == 0.0f);
+      }
+    });
+    engine::Model model(c);
+    std::int64_t numel = 0;
+    for (auto& p : engine::named_parameters(model)) numel += p.param->numel();
+    CHECK(std::accumulate(total.begin(), total.end(), std::int64_t{0}) == numel);
+  }
+}
+
+TEST_CASE("gradient divide factors follow FSDP: a power of two before, the rest after, product N") {
+  // FSDP doubles the pre-factor while it divides N and stays below N / factor.
+  CHECK(fsdp::gradient_predivide_factor(1) == 1);
+  CHECK(fsdp::gradient_predivide_factor(2) == 2);
+  CHECK(fsdp::gradient_predivide_factor(3) == 2);
+  CHECK(fsdp::gradient_predivide_factor(4) == 2);
+  CHECK(fsdp::gradient_predivide_factor(8) == 4);
+  CHECK(fsdp::gradient_predivide_factor(16) == 4);
+  CHECK(fsdp::gradient_predivide_factor(64) == 8);
+  CHECK(fsdp::gradient_predivide_factor(6) == 4);
+}
+
+TEST_CASE("units can be built by hand and added to a root") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    fsdp::ShardedModel sm;
+    sm.emplace<fsdp::Sharded<engine::Block>>(model.blocks[0], comm, device, "blocks.0");
+    sm.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard>>(model.blocks[1], comm, device, "blocks.1");
+    CHECK(sm.size() == 2);
+    CHECK(sm.unit("blocks.1").shards()[0].numel == (13 * 7 + 7 + 7 * 13 + 13) / 2);
+    CHECK_THROWS_WITH_AS(sm.emplace<fsdp::Sharded<engine::Gain>>(model.gain, comm, device, "blocks.0"),
+                         doctest::Contains("two units named 'blocks.0'"), fsdp::Error);
+  });
+}
