@@ -1,5 +1,6 @@
-// The README's main example: the reference model trained with FullShard on N in-process
-// ranks, next to the same model trained unsharded on the same global batch. Each step
+// The README's main example: the reference model trained sharded on N in-process ranks
+// (FullShard unless --strategy says otherwise), next to the same model trained unsharded
+// on the same global batch. Each step
 // prints the loss of both and every rank's live / peak bytes as counted by its Device;
 // the last line sums it up:
 //   final: loss=<x> unsharded_loss=<y> peak_bytes_per_rank=<a> unsharded_peak_bytes=<b>
@@ -14,9 +15,9 @@
 
 int main(int argc, char** argv) {
   int ranks = 4, steps = 20, batch_per_rank = 8;
-  std::string optimizer = "adamw";
+  std::string optimizer = "adamw", strategy = "FULL_SHARD", mesh_text;
   engine::ModelConfig model_config{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
-  CLI::App app{"Train the reference model with fsdp FullShard on in-process ranks"};
+  CLI::App app{"Train the reference model sharded with fsdp on in-process ranks"};
   app.add_option("--ranks", ranks, "number of ranks (threads)")->check(CLI::Range(1, 256));
   app.add_option("--steps", steps, "training steps")->check(CLI::Range(1, 1000000));
   app.add_option("--batch", batch_per_rank, "samples per rank per step")->check(CLI::Range(1, 1 << 20));
@@ -24,7 +25,25 @@ int main(int argc, char** argv) {
   app.add_option("--blocks", model_config.blocks, "residual blocks")->check(CLI::Range(0, 1000));
   app.add_option("--dim", model_config.dim, "model width")->check(CLI::Range(1, 1 << 16));
   app.add_option("--hidden", model_config.hidden, "block hidden width")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--strategy", strategy, "sharding strategy: " + fsdp::strategy_names() + " (any case)");
+  app.add_option("--mesh", mesh_text,
+                 "REPLICATExSHARD ranks for the hybrid strategies (default: 2 x ranks/2 when ranks is even and "
+                 "at least 4, else 1 x ranks)");
   CLI11_PARSE(app, argc, argv);
+  fsdp::MeshShape mesh_shape{1, ranks};
+  try {
+    fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
+    if (!mesh_text.empty()) mesh_shape = fsdp::parse_mesh_shape(mesh_text);
+    else if (ranks >= 4 && ranks % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
+      if (decltype(s)::hybrid) mesh_shape = {2, ranks / 2};
+    });
+    if (mesh_shape.size() != ranks)
+      throw fsdp::Error("--mesh " + mesh_shape.str() + " needs " + std::to_string(mesh_shape.size()) + " ranks, not " +
+                        std::to_string(ranks));
+  } catch (const fsdp::Error& e) {
+    fmt::print(stderr, "{}\n", e.what());
+    return 2;
+  }
 
   const auto make_sgd = [] { return engine::Sgd(0.05f); };
   engine::AdamW::Options adam;
@@ -49,37 +68,43 @@ int main(int argc, char** argv) {
   std::mutex print;
   fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
     const int r = comm.rank();
+    // A mesh serves every strategy: the hybrid ones shard inside its shard groups, the
+    // others use its whole world.
+    fsdp::DeviceMesh mesh(comm, mesh_shape);
     engine::Model model(model_config);
     fsdp::HostDevice device;
-    auto sharded = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-    engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
-    engine::AdamW adamw(adam, alloc);
-    engine::Sgd sgd = make_sgd();
-    for (int s = 0; s < steps; ++s) {
-      auto batch = engine::make_batch(model_config, s, static_cast<std::int64_t>(r) * batch_per_rank, batch_per_rank);
-      double local = optimizer == "sgd" ? engine::sharded_step(model, sharded, sgd, batch)
-                                        : engine::sharded_step(model, sharded, adamw, batch);
-      double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
-      comm.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
-      stats[static_cast<std::size_t>(r)] = device.stats();
-      comm.barrier().wait();  // every rank's stats for this step are in
-      if (r == 0) {
-        std::vector<std::size_t> live, peak;
-        for (auto& st : stats) { live.push_back(st.live_bytes); peak.push_back(st.peak_bytes); }
-        std::lock_guard lk(print);
-        fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
-                   reference_loss[static_cast<std::size_t>(s)], live, peak);
-        loss[static_cast<std::size_t>(s)] = global;
+    fsdp::with_strategy(strategy, [&](auto chosen) {
+      auto sharded = fsdp::shard<decltype(chosen)>(model, mesh, device, engine::Wrap{});
+      engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
+      engine::AdamW adamw(adam, alloc);
+      engine::Sgd sgd = make_sgd();
+      for (int s = 0; s < steps; ++s) {
+        auto batch = engine::make_batch(model_config, s, static_cast<std::int64_t>(r) * batch_per_rank, batch_per_rank);
+        double local = optimizer == "sgd" ? engine::sharded_step(model, sharded, sgd, batch)
+                                          : engine::sharded_step(model, sharded, adamw, batch);
+        double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
+        comm.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
+        stats[static_cast<std::size_t>(r)] = device.stats();
+        comm.barrier().wait();  // every rank's stats for this step are in
+        if (r == 0) {
+          std::vector<std::size_t> live, peak;
+          for (auto& st : stats) { live.push_back(st.live_bytes); peak.push_back(st.peak_bytes); }
+          std::lock_guard lk(print);
+          fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
+                     reference_loss[static_cast<std::size_t>(s)], live, peak);
+          loss[static_cast<std::size_t>(s)] = global;
+        }
+        comm.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
       }
-      comm.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
-    }
+    });
   });
 
   std::size_t peak = 0;
   for (auto& st : stats) peak = std::max(peak, st.peak_bytes);
   const std::size_t unsharded_peak = reference_device.stats().peak_bytes;
-  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}\n", model_config.blocks,
-             model_config.dim, model_config.hidden, ranks, batch_per_rank, optimizer);
+  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh\n",
+             model_config.blocks, model_config.dim, model_config.hidden, ranks, batch_per_rank, optimizer, strategy,
+             mesh_shape.str());
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(peak) / static_cast<double>(unsharded_peak));
   fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", loss.back(),
              reference_loss.back(), peak, unsharded_peak);

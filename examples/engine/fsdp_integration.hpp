@@ -17,12 +17,13 @@
 
 namespace engine {
 
+// Modules are looked up by address and type: a module's first member shares its address.
 struct UnitHooks {
   fsdp::ShardedModel& model;
-  void before_forward(const void* m) { if (auto* u = model.find_unit_for(m)) u->pre_forward(); }
-  void after_forward(const void* m) { if (auto* u = model.find_unit_for(m)) u->post_forward(); }
-  void before_backward(const void* m) { if (auto* u = model.find_unit_for(m)) u->pre_backward(); }
-  void after_backward(const void* m) { if (auto* u = model.find_unit_for(m)) u->post_backward(); }
+  template <class M> void before_forward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->pre_forward(); }
+  template <class M> void after_forward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->post_forward(); }
+  template <class M> void before_backward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->pre_backward(); }
+  template <class M> void after_backward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->post_backward(); }
 };
 
 inline std::vector<Slot> slots(const fsdp::ShardedModel& m) {

@@ -20,7 +20,7 @@ constexpr std::string_view name_of(MemorySpace s) { return s == MemorySpace::dev
 struct MemoryStats {
   std::size_t live_bytes = 0;
   std::size_t peak_bytes = 0;
-  std::size_t allocations = 0;  // number of allocate() calls, for tests and benchmarks
+  std::size_t allocations = 0;  // allocate() calls of one byte or more, for tests and benchmarks
 };
 
 template <class D>

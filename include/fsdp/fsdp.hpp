@@ -1,7 +1,9 @@
 #pragma once
 // Everything an engine needs: concepts, policies, units, the root, and the host backend.
 #include "fsdp/communicator.hpp"
+#include "fsdp/counting_communicator.hpp"
 #include "fsdp/device.hpp"
+#include "fsdp/device_mesh.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/flat_param.hpp"
@@ -9,6 +11,7 @@
 #include "fsdp/policies.hpp"
 #include "fsdp/sharded.hpp"
 #include "fsdp/sharded_model.hpp"
+#include "fsdp/strategy_name.hpp"
 #include "fsdp/tensor.hpp"
 #include "fsdp/training_state.hpp"
 #include "fsdp/unit.hpp"

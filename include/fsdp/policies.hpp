@@ -13,11 +13,36 @@ struct mixed_precision_slot { static constexpr const char* name = "MixedPrecisio
 struct cpu_offload_slot { static constexpr const char* name = "CpuOffload"; };
 
 // ---- ShardingStrategy ----
-// ZeRO-3: parameters, gradients and optimizer state sharded; parameters all-gathered
-// before forward and again before backward, freed after each.
-struct FullShard {
+// Each says how parameters are split and how gradients are reduced:
+//   shards_parameters      parameters are split across the shard group (else replicated)
+//   reshard_after_forward  unsharded parameters are freed after forward (else kept until
+//                          the end of that unit's backward, so backward needs no all-gather)
+//   hybrid                 the shard group is one dimension of a DeviceMesh; gradient shards
+//                          are then all-reduced across the other (replicate) dimension
+struct FullShard {  // ZeRO-3
   using fsdp_policy_slot = sharding_strategy_slot;
-  static constexpr bool reshard_after_forward = true;
+  static constexpr const char* name = "FULL_SHARD";
+  static constexpr bool shards_parameters = true, reshard_after_forward = true, hybrid = false;
+};
+struct ShardGradOp {  // ZeRO-2
+  using fsdp_policy_slot = sharding_strategy_slot;
+  static constexpr const char* name = "SHARD_GRAD_OP";
+  static constexpr bool shards_parameters = true, reshard_after_forward = false, hybrid = false;
+};
+struct NoShard {  // DDP: replicated parameters, gradients all-reduced
+  using fsdp_policy_slot = sharding_strategy_slot;
+  static constexpr const char* name = "NO_SHARD";
+  static constexpr bool shards_parameters = false, reshard_after_forward = false, hybrid = false;
+};
+struct HybridShard {  // ZeRO-3 inside a shard group, replicated across groups
+  using fsdp_policy_slot = sharding_strategy_slot;
+  static constexpr const char* name = "HYBRID_SHARD";
+  static constexpr bool shards_parameters = true, reshard_after_forward = true, hybrid = true;
+};
+struct HybridShardZero2 {  // ZeRO-2 inside a shard group, replicated across groups
+  using fsdp_policy_slot = sharding_strategy_slot;
+  static constexpr const char* name = "HYBRID_SHARD_ZERO2";
+  static constexpr bool shards_parameters = true, reshard_after_forward = false, hybrid = true;
 };
 
 // ---- BackwardPrefetch ----
@@ -64,7 +89,8 @@ template <class... Ps>
 struct Policies {
   static_assert(detail::all_policies<Ps...>::value,
                 "fsdp: a template argument of fsdp::Sharded after the Module is not an fsdp policy. "
-                "Policies are ShardingStrategy (FullShard), BackwardPrefetch (NoBackwardPrefetch), "
+                "Policies are ShardingStrategy (FullShard, ShardGradOp, NoShard, HybridShard, "
+                "HybridShardZero2), BackwardPrefetch (NoBackwardPrefetch), "
                 "MixedPrecision (FullPrecision) and CpuOffload (NoOffload), in any order.");
 };
 

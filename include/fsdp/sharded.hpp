@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/device.hpp"
+#include "fsdp/device_mesh.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
@@ -56,10 +58,42 @@ struct ParamBinding {
 
 struct CollectedParam {
   ParamInfo info;
-  DType dtype;
+  DType dtype, grad_dtype;
+  std::vector<std::int64_t> grad_shape;
   DeviceId device;
   const void* data;
   ParamBinding binding;
+};
+
+// The process groups one unit talks to, whatever the strategy.
+struct UnitGroups {
+  CommRef world;      // all ranks: setup checks
+  CommRef shard;      // parameters are split across it (unused when the strategy replicates)
+  CommRef replicate;  // gradients are all-reduced across it (when replicate_size > 1)
+  int shard_size = 1, shard_rank = 0, replicate_size = 1;
+
+  template <class Strategy, Communicator C>
+  static UnitGroups flat(C& comm) {
+    static_assert(!Strategy::hybrid,
+                  "fsdp: HybridShard and HybridShardZero2 shard inside one dimension of a mesh and "
+                  "replicate across the other: pass an fsdp::DeviceMesh instead of a communicator");
+    UnitGroups g{CommRef(comm), CommRef(comm), CommRef(comm)};
+    if constexpr (Strategy::shards_parameters) g.shard_size = comm.size(), g.shard_rank = comm.rank();
+    else g.replicate_size = comm.size();
+    return g;
+  }
+
+  template <class Strategy, class Mesh>
+  static UnitGroups from_mesh(Mesh& mesh) {
+    if constexpr (!Strategy::hybrid) return flat<Strategy>(mesh.world());
+    else {
+      UnitGroups g{CommRef(mesh.world()), CommRef(mesh.shard_group()), CommRef(mesh.replicate_group())};
+      g.shard_size = mesh.shard_group().size();
+      g.shard_rank = mesh.shard_group().rank();
+      g.replicate_size = mesh.replicate_group().size();
+      return g;
+    }
+  }
 };
 
 template <class Exclude, class M>
@@ -72,6 +106,8 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
     for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
     c.info.numel = numel(param);
     c.dtype = Tr::dtype(param);
+    c.grad_dtype = Tr::dtype(grad);
+    for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
     c.device = Tr::device(param);
     c.data = Tr::data(param);
     c.binding = {&param, &grad, [](void* t, void* data) { Tr::rebind(*static_cast<T*>(t), data); }};
@@ -90,31 +126,38 @@ class Sharded final : public UnitBase {
  public:
   using module_type = Module;
   using config = Policies<Ps...>;
+  using strategy = typename config::strategy;
 
+  // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
-  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude = {})
-      : UnitBase(std::move(options.fqn), comm.rank(), &module), comm_(comm), device_(device) {
-    world_ = comm_.size();
-    std::vector<detail::CollectedParam> params;
-    detail::collect_parameters<Exclude>(module, fqn_, params);
-    validate_local(params);
-    build_flat_params(params);
-    detail::check_same_across_ranks(comm_, fingerprint(), "unit '" + display_name() + "'", describe_local());
-    take_over_storage(params);
-  }
+  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(options), exclude) {}
 
-  // Adapters for the type-erased entry points.
-  template <Communicator C, Device D>
-  Sharded(Module& module, C& comm, D& device, std::string fqn) : Sharded(module, comm, device, UnitOptions{std::move(fqn)}) {}
+  // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
+  // its replicate groups; the others use its whole world as above.
+  template <SplittableCommunicator C, Device D, class Exclude = wrap_types<>>
+  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(options),
+                exclude) {}
+
+  template <class Group, Device D>
+  Sharded(Module& module, Group& group, D& device, std::string fqn)
+      : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
 
   ~Sharded() override {
     for (auto& fp : flat_) {
-      release(fp.full, fp.layout.padded_bytes());
-      release(fp.full_grad, fp.layout.padded_bytes());
+      if (fp.full != fp.shard) release(fp.full, fp.layout.padded_bytes());
+      release_full_grad(fp);
       release(fp.shard, fp.layout.shard_bytes());
       release(fp.shard_grad, fp.layout.shard_bytes());
       for (auto& b : fp.bindings) { b.rebind(b.param, nullptr); b.rebind(b.grad, nullptr); }
     }
+  }
+
+  // "shard group of S ranks, replicate group of R ranks": units of one model must agree.
+  std::string groups() const override {
+    return "shard group of " + std::to_string(groups_.shard_size) + " ranks, replicate group of " +
+           std::to_string(groups_.replicate_size) + " ranks";
   }
 
   void pre_forward() override {
@@ -125,16 +168,20 @@ class Sharded final : public UnitBase {
 
   void post_forward() override {
     expect({TrainingState::FORWARD}, "post_forward");
-    if constexpr (config::strategy::reshard_after_forward) reshard();
+    if constexpr (strategy::reshard_after_forward) release_unsharded();
     state_ = TrainingState::IDLE;
   }
 
   void pre_backward() override {
     expect({TrainingState::IDLE}, "pre_backward");
-    unshard();
+    unshard();  // a no-op where forward left the parameters unsharded
     for (auto& fp : flat_) {
-      fp.full_grad = device_.allocate(fp.layout.padded_bytes(), MemorySpace::device);
-      device_.fill_zero(fp.full_grad, fp.layout.padded_bytes());  // engines accumulate into grads
+      if (!strategy::shards_parameters && grad_is_zero_) {
+        fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
+      } else {
+        fp.full_grad = device_.allocate(fp.layout.padded_bytes(), MemorySpace::device);
+        device_.fill_zero(fp.full_grad, fp.layout.padded_bytes());  // engines accumulate into grads
+      }
       bind(fp, fp.full_grad, &detail::ParamBinding::grad);
     }
     state_ = TrainingState::BACKWARD_PRE;
@@ -142,23 +189,11 @@ class Sharded final : public UnitBase {
 
   void post_backward() override {
     expect({TrainingState::BACKWARD_PRE}, "post_backward");
-    reshard();  // parameters first, as FSDP does: their memory is free before the reduction
-    const double pre = gradient_predivide_factor(world_);
-    const double post = world_ / pre;
+    release_unsharded();  // parameters first, as FSDP does: their memory is free before the reduction
     for (auto& fp : flat_) {
-      const auto& L = fp.layout;
-      const auto S = static_cast<std::size_t>(L.shard_numel());
       bind(fp, nullptr, &detail::ParamBinding::grad);
-      if (pre != 1.0) device_.scale(fp.full_grad, static_cast<std::size_t>(L.padded_numel()), L.dtype(), 1.0 / pre);
-      // Right after zero_grad the sharded gradient is zero: reduce straight into it.
-      void* out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
-      comm_.reduce_scatter(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
-      if (post != 1.0) device_.scale(out, S, L.dtype(), 1.0 / post);
-      if (out != fp.shard_grad) {
-        device_.accumulate(fp.shard_grad, out, S, L.dtype());
-        device_.deallocate(out, L.shard_bytes(), MemorySpace::device);
-      }
-      release(fp.full_grad, L.padded_bytes());
+      reduce_gradient(fp);
+      release_full_grad(fp);
     }
     grad_is_zero_ = false;
     state_ = TrainingState::BACKWARD_POST;
@@ -167,6 +202,11 @@ class Sharded final : public UnitBase {
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
     state_ = TrainingState::IDLE;
+  }
+
+  void reshard() override {
+    expect({TrainingState::IDLE}, "reshard");
+    release_unsharded();
   }
 
   void zero_grad() override {
@@ -187,11 +227,12 @@ class Sharded final : public UnitBase {
       for (auto& fp : flat_) {
         const auto& L = fp.layout;
         const std::size_t esize = size_of(L.dtype());
-        device_.copy(fp.shard, static_cast<std::byte*>(fp.full) + rank_ * L.shard_bytes(),
-                     static_cast<std::size_t>(L.valid_shard_numel(rank_)) * esize);
+        if (fp.full == fp.shard) continue;  // replicated: the parameters are the shard
+        device_.copy(fp.shard, static_cast<std::byte*>(fp.full) + groups_.shard_rank * L.shard_bytes(),
+                     static_cast<std::size_t>(L.valid_shard_numel(groups_.shard_rank)) * esize);
       }
     }
-    reshard();
+    release_unsharded();
     state_ = TrainingState::IDLE;
   }
 
@@ -205,6 +246,20 @@ class Sharded final : public UnitBase {
   }
 
  private:
+  template <class Exclude>
+  Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
+      : UnitBase(std::move(options.fqn), groups.world.rank(), &module, typeid(Module)), groups_(groups), device_(device) {
+    const int world = groups_.shard_size * groups_.replicate_size;
+    pre_divide_ = gradient_predivide_factor(world);
+    post_divide_ = world / pre_divide_;
+    std::vector<detail::CollectedParam> params;
+    detail::collect_parameters<Exclude>(module, fqn_, params);
+    validate_local(params);
+    build_flat_params(params);
+    detail::check_same_across_ranks(groups_.world, fingerprint(), "unit '" + display_name() + "'", describe_local());
+    take_over_storage(params);
+  }
+
   struct FlatParam {
     explicit FlatParam(FlatParamLayout l) : layout(std::move(l)) {}
     FlatParamLayout layout;
@@ -216,6 +271,9 @@ class Sharded final : public UnitBase {
   };
 
   std::string display_name() const { return fqn_.empty() ? "<root>" : fqn_; }
+  static std::string describe(DeviceId d) {
+    return (d.kind == DeviceKind::cpu ? "cpu:" : "cuda:") + std::to_string(d.index);
+  }
 
   void validate_local(const std::vector<detail::CollectedParam>& params) const {
     std::unordered_map<const void*, const std::string*> seen;
@@ -223,9 +281,12 @@ class Sharded final : public UnitBase {
       if (!is_floating(p.dtype))
         detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn, "' has dtype ",
                      name_of(p.dtype), "; only floating-point parameters (f32, f64, f16, bf16) can be sharded");
-      if (p.device.kind != device_.id().kind)
-        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn,
-                     "' is on a different kind of device than the unit's Device");
+      if (p.device != device_.id())
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn, "' is on device ",
+                     describe(p.device), " but the unit's Device is ", describe(device_.id()));
+      if (p.grad_dtype != p.dtype || p.grad_shape != p.info.shape)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": the gradient of parameter '", p.info.fqn,
+                     "' does not have the parameter's shape and dtype");
       if (p.info.numel > 0 && p.data == nullptr)
         detail::fail("unit '", display_name(), "' on rank ", rank_, ": parameter '", p.info.fqn,
                      "' has no storage; is it already managed by another unit?");
@@ -248,7 +309,7 @@ class Sharded final : public UnitBase {
       std::vector<detail::ParamBinding> bindings;
       for (auto& p : params)
         if (p.dtype == t) { infos.push_back(p.info); bindings.push_back(p.binding); }
-      auto& fp = flat_.emplace_back(FlatParamLayout(t, std::move(infos), world_));
+      auto& fp = flat_.emplace_back(FlatParamLayout(t, std::move(infos), groups_.shard_size));
       fp.bindings = std::move(bindings);
     }
   }
@@ -256,6 +317,7 @@ class Sharded final : public UnitBase {
   detail::Fingerprint fingerprint() const {
     detail::Fingerprint f;
     f.add(fqn_);
+    f.add(groups());
     f.add_count(flat_.size());
     for (auto& fp : flat_) {
       f.add_count(static_cast<std::uint64_t>(fp.layout.dtype()));
@@ -282,6 +344,7 @@ class Sharded final : public UnitBase {
         os << "] " << name_of(fp.layout.dtype());
         sep = ", ";
       }
+    os << " (" << groups() << ")";
     return os.str();
   }
 
@@ -297,31 +360,63 @@ class Sharded final : public UnitBase {
       device_.fill_zero(fp.shard, L.shard_bytes());
       device_.fill_zero(fp.shard_grad, L.shard_bytes());
       for (std::size_t i = 0; i < L.params().size(); ++i) {
-        const ShardSlice s = L.slice(i, rank_);
+        const ShardSlice s = L.slice(i, groups_.shard_rank);
         if (s.count == 0) continue;
         device_.copy(static_cast<std::byte*>(fp.shard) + s.shard_offset * esize,
                      static_cast<const std::byte*>(data_of[fp.bindings[i].param]) + s.param_begin * esize,
                      static_cast<std::size_t>(s.count) * esize);
       }
-      bind(fp, nullptr, &detail::ParamBinding::param);
       bind(fp, nullptr, &detail::ParamBinding::grad);
-      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(rank_)});
+      if constexpr (strategy::shards_parameters) {
+        bind(fp, nullptr, &detail::ParamBinding::param);
+      } else {  // replicated: the parameters live in the "shard" for good
+        fp.full = fp.shard;
+        bind(fp, fp.full, &detail::ParamBinding::param);
+      }
+      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(groups_.shard_rank)});
     }
   }
 
+  // Makes the parameters valid: all-gathers the shards into a fresh unsharded buffer,
+  // unless they are valid already (replicated, or kept since forward).
   void unshard() {
     for (auto& fp : flat_) {
+      if (fp.full) continue;
       const auto& L = fp.layout;
       fp.full = device_.allocate(L.padded_bytes(), MemorySpace::device);
-      comm_.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype()).wait();
+      groups_.shard.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype()).wait();
       bind(fp, fp.full, &detail::ParamBinding::param);
     }
   }
 
-  void reshard() {
+  void release_unsharded() {
+    if constexpr (!strategy::shards_parameters) return;  // replicated parameters stay valid
     for (auto& fp : flat_) {
       bind(fp, nullptr, &detail::ParamBinding::param);
       release(fp.full, fp.layout.padded_bytes());
+    }
+  }
+
+  // Averages the unit's unsharded gradient over every rank into its sharded gradient:
+  // reduce-scatter over the shard group (all-reduce when parameters are replicated), then
+  // all-reduce of the shard over the replicate group, with FSDP's pre and post factors.
+  void reduce_gradient(FlatParam& fp) {
+    const auto& L = fp.layout;
+    const auto S = static_cast<std::size_t>(L.shard_numel());
+    if (pre_divide_ != 1.0) device_.scale(fp.full_grad, static_cast<std::size_t>(L.padded_numel()), L.dtype(), 1.0 / pre_divide_);
+    // Right after zero_grad the sharded gradient is zero: reduce straight into it (in place
+    // when the engine already accumulated into it).
+    void* out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
+    if constexpr (strategy::shards_parameters) {
+      groups_.shard.reduce_scatter(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
+      if (groups_.replicate_size > 1) groups_.replicate.all_reduce(out, out, S, L.dtype(), ReduceOp::sum).wait();
+    } else {
+      groups_.replicate.all_reduce(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
+    }
+    if (post_divide_ != 1.0) device_.scale(out, S, L.dtype(), 1.0 / post_divide_);
+    if (out != fp.shard_grad) {
+      device_.accumulate(fp.shard_grad, out, S, L.dtype());
+      device_.deallocate(out, L.shard_bytes(), MemorySpace::device);
     }
   }
 
@@ -335,14 +430,19 @@ class Sharded final : public UnitBase {
     }
   }
 
+  void release_full_grad(FlatParam& fp) {
+    if (fp.full_grad == fp.shard_grad) fp.full_grad = nullptr;  // an alias, not an allocation
+    else release(fp.full_grad, fp.layout.padded_bytes());
+  }
+
   void release(void*& p, std::size_t bytes) {
     if (p) device_.deallocate(p, bytes, MemorySpace::device);
     p = nullptr;
   }
 
-  detail::CommRef comm_;
+  detail::UnitGroups groups_;
   detail::DeviceRef device_;
-  int world_ = 1;
+  double pre_divide_ = 1.0, post_divide_ = 1.0;
   std::vector<FlatParam> flat_;
   std::vector<ShardView> views_;
   bool grad_is_zero_ = true;

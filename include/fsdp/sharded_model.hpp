@@ -1,12 +1,14 @@
 #pragma once
 // ShardedModel: the root over a model's units (FSDP's root instance). It owns the units,
-// finds the unit of a module, ends each backward (finish_backward waits for every
-// reduction, the job of FSDP's queued root callback) and lists the flat shards for the
-// optimizer. fsdp::shard builds one from a model and a wrap policy.
+// finds the unit of a module, ends each backward (finish_backward, the job of FSDP's
+// queued root callback: every unit back to IDLE, after checking each finished its
+// backward) and lists the flat shards for the optimizer. fsdp::shard builds one from a
+// model and a wrap policy.
 #include <memory>
 #include <sstream>
 #include <string_view>
-#include <unordered_map>
+#include <map>
+#include <typeindex>
 #include <vector>
 
 #include "fsdp/sharded.hpp"
@@ -33,7 +35,15 @@ class ShardedModel {
       if (u->fqn() == unit->fqn())
         detail::fail("ShardedModel: two units named '", unit->fqn().empty() ? "<root>" : unit->fqn(), "' on rank ",
                      unit->rank());
-    by_module_[unit->module_address()] = unit.get();
+    if (!units_.empty() && unit->groups() != units_.front()->groups())
+      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", unit->groups(),
+                   " but unit '", units_.front()->fqn().empty() ? "<root>" : units_.front()->fqn(), "' a ",
+                   units_.front()->groups(), "; every unit of a model must use the same groups");
+    const ModuleKey key{unit->module_address(), unit->module_type()};
+    if (by_module_.count(key))
+      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
+                   by_module_[key]->fqn(), "' already manages");
+    by_module_[key] = unit.get();
     views_.insert(views_.end(), unit->shards().begin(), unit->shards().end());
     units_.push_back(std::move(unit));
   }
@@ -44,13 +54,16 @@ class ShardedModel {
   auto end() { return units_.end(); }
 
   // The unit that manages `module`, or nullptr.
-  UnitBase* find_unit_for(const void* module) const {
-    auto it = by_module_.find(module);
+  template <class M>
+  UnitBase* find_unit_for(const M& module) const {
+    auto it = by_module_.find(ModuleKey{&module, typeid(M)});
     return it == by_module_.end() ? nullptr : it->second;
   }
-  UnitBase& unit_for(const void* module) const {
+  template <class M>
+  UnitBase& unit_for(const M& module) const {
     if (auto* u = find_unit_for(module)) return *u;
-    detail::fail("ShardedModel: the module at ", module, " is not a unit; units are: ", unit_names());
+    detail::fail("ShardedModel: the ", typeid(M).name(), " at ", static_cast<const void*>(&module),
+                 " is not a unit; units are: ", unit_names());
   }
   UnitBase& unit(std::string_view fqn) const {
     for (auto& u : units_) if (u->fqn() == fqn) return *u;
@@ -67,6 +80,12 @@ class ShardedModel {
     for (auto& u : units_) u->zero_grad();
   }
 
+  // Frees the unsharded parameters that ShardGradOp-like strategies keep after forward;
+  // call it after a forward-only pass.
+  void reshard() {
+    for (auto& u : units_) u->reshard();
+  }
+
   // This rank's flat shards of every unit, for the optimizer.
   std::span<const ShardView> shards() const { return views_; }
 
@@ -78,8 +97,9 @@ class ShardedModel {
     return os.str();
   }
 
+  using ModuleKey = std::pair<const void*, std::type_index>;
   std::vector<std::unique_ptr<UnitBase>> units_;
-  std::unordered_map<const void*, UnitBase*> by_module_;
+  std::map<ModuleKey, UnitBase*> by_module_;
   std::vector<ShardView> views_;
 };
 
@@ -97,12 +117,29 @@ void for_each_wrapped(M& m, const std::string& prefix, F&& f) {
 }
 }  // namespace detail
 
-// Shards `model` over `comm`: every descendant whose type is in Wrap becomes a unit (with
-// its whole subtree), and the parameters left over form the root unit, named "". Units are
-// listed root first, then in depth-first order. Every rank must make the same call.
-template <class... Ps, Module M, class C, class D, class... Wrap>
-ShardedModel shard(M& model, C& comm, D& device, wrap_types<Wrap...> wrap = {}) {
-  check_communicator<C>();
+namespace detail {
+template <class G> struct is_mesh : std::false_type {};
+template <class C> struct is_mesh<DeviceMesh<C>> : std::true_type {};
+
+template <class Group>
+auto& world_of(Group& g) {
+  if constexpr (is_mesh<Group>::value) return g.world();
+  else return g;
+}
+}  // namespace detail
+
+// Shards `model` over `group` (a communicator, or a DeviceMesh for the hybrid strategies):
+// every descendant whose type is in Wrap becomes a unit (with its whole subtree), and the
+// parameters left over form the root unit, named "". Units are listed root first, then in
+// depth-first order. Every rank must make the same call.
+template <class... Ps, class M, class Group, class D, class... Wrap>
+ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap = {}) {
+  static_assert(Module<M>,
+                "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
+                "(member or ADL; it may visit nothing) and visit_children for its submodules. "
+                "See docs/concepts.md#module.");
+  auto& comm = detail::world_of(group);
+  check_communicator<std::remove_cvref_t<decltype(comm)>>();
   check_device<D>();
   using W = wrap_types<Wrap...>;
   // Agree on the set of units first: a rank with a different model structure would
@@ -120,9 +157,9 @@ ShardedModel shard(M& model, C& comm, D& device, wrap_types<Wrap...> wrap = {}) 
                                   std::to_string(count) + " units (root" + (count > 1 ? " + wrapped" : "") +
                                       names.str() + ")");
   ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, comm, device, UnitOptions{}, wrap);
+  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{}, wrap);
   detail::for_each_wrapped<W>(model, "", [&](auto& child, std::string fqn) {
-    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(child, comm, device, UnitOptions{std::move(fqn)});
+    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(child, group, device, UnitOptions{std::move(fqn)});
   });
   return out;
 }

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <typeindex>
 
 #include "fsdp/dtype.hpp"
 #include "fsdp/training_state.hpp"
@@ -34,9 +35,12 @@ class UnitBase {
   virtual void post_forward() = 0;   // FORWARD -> IDLE: free unsharded parameters
   virtual void pre_backward() = 0;   // IDLE -> BACKWARD_PRE: all-gather; zeroed gradients bound
   virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
-  // Called by the root once per backward: waits for this unit's reductions; -> IDLE.
+  // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
   virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero
+  // IDLE only: frees unsharded parameters a strategy kept after forward (ShardGradOp keeps
+  // them for backward; after a forward-only pass, such as evaluation, call this).
+  virtual void reshard() = 0;
 
   // Parameters unsharded outside training (inspection, init, export): IDLE ->
   // SUMMON_FULL_PARAMS. With writeback, edits to the full parameters are kept.
@@ -44,11 +48,16 @@ class UnitBase {
   virtual void end_summon_full_params(bool writeback) = 0;
 
   virtual std::span<const ShardView> shards() const = 0;
+  // The process groups the unit uses, in words; every unit of a model must use the same.
+  virtual std::string groups() const = 0;
 
   const std::string& fqn() const { return fqn_; }
   TrainingState state() const { return state_; }
   int rank() const { return rank_; }
+  // The module this unit manages: its address and type together (a module's first member
+  // has the same address as the module itself).
   const void* module_address() const { return module_; }
+  std::type_index module_type() const { return module_type_; }
 
   // RAII around the engine's forward / backward of this unit. The backward scope skips
   // post_backward when it is left by an exception: a collective during unwinding could
@@ -97,7 +106,8 @@ class UnitBase {
   [[nodiscard]] SummonScope summon_full_params(bool writeback = false) { return SummonScope(*this, writeback); }
 
  protected:
-  UnitBase(std::string fqn, int rank, const void* module) : fqn_(std::move(fqn)), rank_(rank), module_(module) {}
+  UnitBase(std::string fqn, int rank, const void* module, std::type_index type)
+      : fqn_(std::move(fqn)), rank_(rank), module_(module), module_type_(type) {}
   void expect(std::initializer_list<TrainingState> states, std::string_view hook) const {
     detail::expect_state(state_, states, hook, fqn_, rank_);
   }
@@ -105,6 +115,7 @@ class UnitBase {
   TrainingState state_ = TrainingState::IDLE;
   int rank_ = 0;
   const void* module_ = nullptr;
+  std::type_index module_type_;
 };
 
 }  // namespace fsdp

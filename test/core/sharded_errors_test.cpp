@@ -129,7 +129,7 @@ TEST_CASE("a root-level hook error names the root unit") {
     engine::Model model(engine::ModelConfig{});
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-    CHECK_THROWS_WITH_AS(sm.unit_for(&model).post_backward(), doctest::Contains("unit '<root>' on rank 0"), fsdp::Error);
+    CHECK_THROWS_WITH_AS(sm.unit_for(model).post_backward(), doctest::Contains("unit '<root>' on rank 0"), fsdp::Error);
   });
 }
 
@@ -205,8 +205,8 @@ TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and bo
 
 TEST_CASE("a rank that runs a different unit fails every rank instead of hanging") {
   // Units of different sizes: their all-gathers cannot pair, and the thread backend says so.
-  // (Two units of the same size would pair silently; the first-iteration execution-order
-  // check is what catches that case.)
+  // Two units of the same size would pair silently today; catching that is the job of the
+  // first-iteration execution-order check (planned with prefetch).
   auto msgs = errors_per_rank(3, [](fsdp::ThreadComm& comm) {
     engine::Model model(engine::ModelConfig{});
     fsdp::HostDevice device;

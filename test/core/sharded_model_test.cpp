@@ -24,9 +24,34 @@ TEST_CASE("shard() makes the root first, then one unit per wrapped module, depth
     std::vector<std::string> names;
     for (auto& u : sm) names.push_back(u->fqn());
     CHECK(names == std::vector<std::string>{"", "blocks.0", "blocks.1", "gain"});
-    CHECK(&sm.unit_for(&model.blocks[1]) == &sm.unit("blocks.1"));
-    CHECK(sm.find_unit_for(&model.embed) == nullptr);  // part of the root unit, not a unit
+    CHECK(&sm.unit_for(model.blocks[1]) == &sm.unit("blocks.1"));
+    CHECK(sm.find_unit_for(model.embed) == nullptr);  // part of the root unit, not a unit
     CHECK_THROWS_WITH_AS(sm.unit("blocks.7"), "fsdp: ShardedModel: no unit named 'blocks.7'; units are: '<root>', 'blocks.0', 'blocks.1', 'gain'", fsdp::Error);
+  });
+}
+
+namespace {
+struct Leaf {
+  fsdp::HostTensor w{{3}}, g{{3}};
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); }
+};
+struct Outer {  // its first member has its address
+  Leaf first, second;
+  fsdp::HostTensor bias{{2}}, bias_grad{{2}};
+  template <class F> void visit_parameters(F&& f) { f("bias", bias, bias_grad); }
+  template <class F> void visit_children(F&& f) { f("first", first); f("second", second); }
+};
+}  // namespace
+
+TEST_CASE("a module and its first member share an address but are different units") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    Outer outer;
+    REQUIRE(static_cast<const void*>(&outer) == static_cast<const void*>(&outer.first));
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(outer, comm, device, fsdp::wrap_types<Leaf>{});
+    CHECK(sm.unit_for(outer).fqn() == "");
+    CHECK(sm.unit_for(outer.first).fqn() == "first");
+    CHECK(sm.unit_for(outer.second).fqn() == "second");
   });
 }
 
@@ -43,7 +68,8 @@ TEST_CASE("parameters are zero-copy views into the unit's unsharded buffer, and 
     auto& unit = sm.unit("blocks.0");
     {
       auto scope = unit.forward_scope();
-      // Back to back in FQN order: fc1.weight, fc1.bias, fc2.weight, fc2.bias (the adapter has 0 elements).
+      // Back to back in visit order: the block's own adapter (0 elements), fc1.weight,
+      // fc1.bias, fc2.weight, fc2.bias.
       CHECK(block.fc1.bias.data() == block.fc1.weight.data() + block.fc1.weight.numel());
       CHECK(block.fc2.weight.data() == block.fc1.bias.data() + block.fc1.bias.numel());
       CHECK(std::memcmp(block.fc2.weight.data(), reference.blocks[0].fc2.weight.data(), 4 * block.fc2.weight.numel()) == 0);
@@ -82,13 +108,15 @@ TEST_CASE("summon_full_params shows the full parameters; writeback keeps edits, 
   });
 }
 
-TEST_CASE("gradients accumulate across backward passes until zero_grad") {
+TEST_CASE_TEMPLATE("gradients accumulate across backward passes until zero_grad", Strategy, fsdp::FullShard,
+                   fsdp::ShardGradOp, fsdp::NoShard, fsdp::HybridShard) {
   const auto c = small();
   const int world = 4;
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     engine::Model model(c);
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    fsdp::DeviceMesh mesh(comm, fsdp::MeshShape{2, 2});
+    auto sm = fsdp::shard<Strategy>(model, mesh, device, engine::Wrap{});
     engine::UnitHooks hooks{sm};
     auto batch = engine::make_batch(c, 0, comm.rank(), 1);
     auto backward_once = [&] {
@@ -145,7 +173,8 @@ TEST_CASE("padding never leaks into the shards the optimizer sees") {
 }
 
 TEST_CASE("gradient divide factors follow FSDP: a power of two before, the rest after, product N") {
-  // FSDP doubles the pre-factor while it divides N and stays below N / factor.
+  // FSDP doubles the pre-factor, starting at 1, while the current factor divides N and is
+  // below N / factor (so the result need not divide N: 6 gives 4).
   CHECK(fsdp::gradient_predivide_factor(1) == 1);
   CHECK(fsdp::gradient_predivide_factor(2) == 2);
   CHECK(fsdp::gradient_predivide_factor(3) == 2);

@@ -109,7 +109,7 @@ TEST_CASE("the reference model has the edge cases the parity tests rely on") {
   fsdp::HostDevice device;
   fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
     auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-    CHECK(&sm.unit("gain") == sm.find_unit_for(&model.gain));  // a one-parameter unit
+    CHECK(&sm.unit("gain") == sm.find_unit_for(model.gain));  // a one-parameter unit
     CHECK(sm.unit("gain").shards().size() == 1);
   });
   CHECK(model.blocks[0].adapter.numel() == 0);  // a zero-size parameter inside each block

@@ -12,7 +12,7 @@ class CommRef {
  public:
   template <Communicator C>
   explicit CommRef(C& c) : obj_(&c), vt_(&table<C>) {}
-  int rank() const { return rank_cached(); }
+  int rank() const { return vt_->rank(obj_); }
   int size() const { return vt_->size(obj_); }
   Work all_gather(const void* s, void* r, std::size_t n, DType t) const { return vt_->all_gather(obj_, s, r, n, t); }
   Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) const {
@@ -53,7 +53,6 @@ class CommRef {
       },
       [](void* o) -> Work { return static_cast<C*>(o)->barrier(); },
   };
-  int rank_cached() const { return vt_->rank(obj_); }
   void* obj_;
   const VTable* vt_;
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/dtype.hpp"
@@ -51,8 +52,12 @@ inline void host_scale(void* p, std::size_t n, DType t, double factor) {
   for_each_typed(t, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* q = static_cast<T*>(p);
-    const T f = static_cast<T>(factor);
-    for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<T>(q[i] * f);
+    if constexpr (std::is_integral_v<T>) {  // p[i] *= factor: converting factor to T would truncate it
+      for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<T>(q[i] * factor);
+    } else {
+      const T f = static_cast<T>(factor);
+      for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<T>(q[i] * f);
+    }
   });
 }
 

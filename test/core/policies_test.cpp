@@ -1,0 +1,133 @@
+// fsdp/policies.hpp: resolving fsdp::Policies<P...> into one policy per slot.
+//
+// The library ships one policy per slot, and each is also that slot's default, so the
+// tests add their own policies (any type naming a slot is a policy) to tell "picked"
+// from "defaulted". Misuse (non-policies, two policies for a slot) is a compile error,
+// checked by policy_errors_test.sh.
+#include <doctest/doctest.h>
+
+#include <string_view>
+#include <type_traits>
+
+#include "fsdp/policies.hpp"
+
+namespace {
+
+// Test-only policies, one per slot, distinct from the library's defaults and from any
+// policy the library ships.
+struct TestStrategy {
+  using fsdp_policy_slot = fsdp::sharding_strategy_slot;
+  static constexpr bool reshard_after_forward = false;
+};
+struct TestPrefetch { using fsdp_policy_slot = fsdp::backward_prefetch_slot; };
+struct TestPrecision { using fsdp_policy_slot = fsdp::mixed_precision_slot; };
+struct TestOffload { using fsdp_policy_slot = fsdp::cpu_offload_slot; };
+
+struct NotAPolicy {};
+
+template <class P, class Strategy, class Prefetch, class Mixed, class Offload>
+constexpr bool resolves_to =
+    std::is_same_v<typename P::strategy, Strategy> && std::is_same_v<typename P::backward_prefetch, Prefetch> &&
+    std::is_same_v<typename P::mixed_precision, Mixed> && std::is_same_v<typename P::cpu_offload, Offload>;
+
+}  // namespace
+
+TEST_CASE("the Policy concept: a type naming a slot") {
+  static_assert(fsdp::Policy<fsdp::FullShard>);
+  static_assert(fsdp::Policy<fsdp::NoBackwardPrefetch>);
+  static_assert(fsdp::Policy<fsdp::FullPrecision>);
+  static_assert(fsdp::Policy<fsdp::NoOffload>);
+  static_assert(fsdp::Policy<TestStrategy>);
+  static_assert(!fsdp::Policy<int>);
+  static_assert(!fsdp::Policy<NotAPolicy>);
+  static_assert(!fsdp::Policy<fsdp::sharding_strategy_slot>);  // a slot is not a policy
+  CHECK(fsdp::Policy<TestOffload>);
+  CHECK_FALSE(fsdp::Policy<void*>);
+}
+
+TEST_CASE("each library policy belongs to its slot") {
+  static_assert(std::is_same_v<fsdp::FullShard::fsdp_policy_slot, fsdp::sharding_strategy_slot>);
+  static_assert(std::is_same_v<fsdp::NoBackwardPrefetch::fsdp_policy_slot, fsdp::backward_prefetch_slot>);
+  static_assert(std::is_same_v<fsdp::FullPrecision::fsdp_policy_slot, fsdp::mixed_precision_slot>);
+  static_assert(std::is_same_v<fsdp::NoOffload::fsdp_policy_slot, fsdp::cpu_offload_slot>);
+  static_assert(fsdp::FullShard::reshard_after_forward);
+  CHECK(std::string_view(fsdp::sharding_strategy_slot::name) == "ShardingStrategy");
+  CHECK(std::string_view(fsdp::backward_prefetch_slot::name) == "BackwardPrefetch");
+  CHECK(std::string_view(fsdp::mixed_precision_slot::name) == "MixedPrecision");
+  CHECK(std::string_view(fsdp::cpu_offload_slot::name) == "CpuOffload");
+}
+
+TEST_CASE("the library's sharding strategies each fill the ShardingStrategy slot") {
+  CHECK(resolves_to<fsdp::Policies<fsdp::ShardGradOp>, fsdp::ShardGradOp, fsdp::NoBackwardPrefetch,
+                    fsdp::FullPrecision, fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<fsdp::NoOffload, fsdp::NoShard>, fsdp::NoShard, fsdp::NoBackwardPrefetch,
+                    fsdp::FullPrecision, fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<TestPrecision, fsdp::HybridShard>, fsdp::HybridShard, fsdp::NoBackwardPrefetch,
+                    TestPrecision, fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<fsdp::HybridShardZero2>, fsdp::HybridShardZero2, fsdp::NoBackwardPrefetch,
+                    fsdp::FullPrecision, fsdp::NoOffload>);
+}
+
+TEST_CASE("no policies: every slot gets its default") {
+  using P = fsdp::Policies<>;
+  static_assert(std::is_same_v<P::strategy, fsdp::FullShard>);
+  static_assert(std::is_same_v<P::backward_prefetch, fsdp::NoBackwardPrefetch>);
+  static_assert(std::is_same_v<P::mixed_precision, fsdp::FullPrecision>);
+  static_assert(std::is_same_v<P::cpu_offload, fsdp::NoOffload>);
+  CHECK(resolves_to<P, fsdp::FullShard, fsdp::NoBackwardPrefetch, fsdp::FullPrecision, fsdp::NoOffload>);
+}
+
+TEST_CASE("the library's own policies, spelled out, resolve to themselves") {
+  using P = fsdp::Policies<fsdp::NoOffload, fsdp::FullPrecision, fsdp::NoBackwardPrefetch, fsdp::FullShard>;
+  CHECK(resolves_to<P, fsdp::FullShard, fsdp::NoBackwardPrefetch, fsdp::FullPrecision, fsdp::NoOffload>);
+}
+
+TEST_CASE("each slot alone: that slot picked, the others defaulted") {
+  CHECK(resolves_to<fsdp::Policies<TestStrategy>, TestStrategy, fsdp::NoBackwardPrefetch, fsdp::FullPrecision,
+                    fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<TestPrefetch>, fsdp::FullShard, TestPrefetch, fsdp::FullPrecision,
+                    fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<TestPrecision>, fsdp::FullShard, fsdp::NoBackwardPrefetch, TestPrecision,
+                    fsdp::NoOffload>);
+  CHECK(resolves_to<fsdp::Policies<TestOffload>, fsdp::FullShard, fsdp::NoBackwardPrefetch,
+                    fsdp::FullPrecision, TestOffload>);
+  // Two slots, the other two defaulted.
+  CHECK(resolves_to<fsdp::Policies<TestOffload, TestStrategy>, TestStrategy, fsdp::NoBackwardPrefetch,
+                    fsdp::FullPrecision, TestOffload>);
+  // Mixed with library policies.
+  CHECK(resolves_to<fsdp::Policies<fsdp::FullShard, TestPrecision>, fsdp::FullShard, fsdp::NoBackwardPrefetch,
+                    TestPrecision, fsdp::NoOffload>);
+}
+
+namespace {
+
+// All 24 orders of the four test policies resolve the same way.
+template <class... Ps>
+constexpr bool all_four_resolved = resolves_to<fsdp::Policies<Ps...>, TestStrategy, TestPrefetch, TestPrecision, TestOffload>;
+
+template <class A, class B, class C, class D>
+constexpr bool orders_with_first = all_four_resolved<A, B, C, D> && all_four_resolved<A, B, D, C> &&
+                                   all_four_resolved<A, C, B, D> && all_four_resolved<A, C, D, B> &&
+                                   all_four_resolved<A, D, B, C> && all_four_resolved<A, D, C, B>;
+
+}  // namespace
+
+TEST_CASE("all four slots in every order") {
+  using S = TestStrategy;
+  using B = TestPrefetch;
+  using M = TestPrecision;
+  using O = TestOffload;
+  static_assert(orders_with_first<S, B, M, O>);
+  static_assert(orders_with_first<B, S, M, O>);
+  static_assert(orders_with_first<M, S, B, O>);
+  static_assert(orders_with_first<O, S, B, M>);
+  CHECK(orders_with_first<S, B, M, O>);
+  CHECK(orders_with_first<O, M, B, S>);
+}
+
+TEST_CASE("a resolved policy keeps its members") {
+  using P = fsdp::Policies<TestPrecision, TestStrategy>;
+  static_assert(!P::strategy::reshard_after_forward);
+  static_assert(fsdp::Policies<>::strategy::reshard_after_forward);
+  CHECK_FALSE(P::strategy::reshard_after_forward);
+}

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Compile-time diagnostics: misusing a policy, a tensor type or a communicator must stop
+# compilation with the library's own readable message, and correct code must compile.
+#
+# Usage: policy_errors_test.sh [INCLUDE_DIR]
+#   INCLUDE_DIR defaults to <this script's dir>/../../include. From a Bazel sh_test, put
+#   the headers in `data` (e.g. data = ["//:fsdp"] or a glob of include/fsdp/**) and pass
+#   their directory relative to the runfiles root, where the test runs: args = ["include"].
+# Needs only bash, g++, grep and mktemp. Prints one line per case; exits non-zero if any
+# case is wrong.
+set -u
+
+inc="${1:-$(dirname "$0")/../../include}"
+if [[ ! -f "$inc/fsdp/policies.hpp" ]]; then
+  echo "FAIL: include dir '$inc' has no fsdp/policies.hpp"
+  exit 2
+fi
+if ! command -v g++ >/dev/null 2>&1; then
+  echo "FAIL: g++ not found on PATH"
+  exit 2
+fi
+
+tmp="$(mktemp -d "${TEST_TMPDIR:-${TMPDIR:-/tmp}}/fsdp_policy_errors.XXXXXX")" || exit 2
+trap 'rm -rf "$tmp"' EXIT
+
+failures=0
+
+# compile NAME: compiles $tmp/NAME.cpp (syntax and template instantiation only) and
+# leaves the diagnostics in $tmp/NAME.log. Returns g++'s exit status.
+compile() {
+  g++ -std=c++20 -fsyntax-only -I"$inc" "$tmp/$1.cpp" >"$tmp/$1.log" 2>&1
+}
+
+# expect_error NAME MESSAGE < SOURCE: the snippet must fail to compile, and the
+# diagnostics must contain MESSAGE (a fixed string).
+expect_error() {
+  local name="$1" message="$2"
+  cat >"$tmp/$name.cpp"
+  if compile "$name"; then
+    echo "FAIL: $name: compiled, expected an error containing \"$message\""
+    failures=$((failures + 1))
+  elif ! grep -qF -- "$message" "$tmp/$name.log"; then
+    echo "FAIL: $name: failed to compile but without \"$message\"; diagnostics:"
+    sed 's/^/    /' "$tmp/$name.log" | head -n 30
+    failures=$((failures + 1))
+  else
+    echo "PASS: $name: rejected with \"$message\""
+  fi
+}
+
+# expect_ok NAME < SOURCE: the snippet must compile cleanly.
+expect_ok() {
+  local name="$1"
+  cat >"$tmp/$name.cpp"
+  if compile "$name"; then
+    echo "PASS: $name: compiles"
+  else
+    echo "FAIL: $name: expected to compile; diagnostics:"
+    sed 's/^/    /' "$tmp/$name.log" | head -n 30
+    failures=$((failures + 1))
+  fi
+}
+
+expect_error non_policy_argument "is not an fsdp policy" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<int> p;
+EOF
+
+expect_error two_sharding_strategies "more than one policy for the ShardingStrategy slot" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::FullShard, fsdp::FullShard> p;
+EOF
+
+expect_error two_different_strategies "more than one policy for the ShardingStrategy slot" <<'EOF'
+#include "fsdp/policies.hpp"
+struct MyStrategy { using fsdp_policy_slot = fsdp::sharding_strategy_slot; };
+fsdp::Policies<fsdp::NoOffload, MyStrategy, fsdp::FullShard> p;
+EOF
+
+expect_error unknown_tensor_type "no fsdp::tensor_traits" <<'EOF'
+#include <cstdint>
+#include "fsdp/tensor.hpp"
+struct MyTensor { int rows = 2, cols = 3; };
+std::int64_t f(const MyTensor& t) { return fsdp::numel(t); }
+EOF
+
+expect_error not_a_communicator "is not an fsdp::Communicator" <<'EOF'
+#include "fsdp/communicator.hpp"
+void f() { fsdp::check_communicator<int>(); }
+EOF
+
+# The same kinds of use, done right: must compile (so the errors above come from the
+# misuse, not from the snippets' scaffolding).
+expect_ok valid_usage <<'EOF'
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include "fsdp/communicator.hpp"
+#include "fsdp/policies.hpp"
+#include "fsdp/tensor.hpp"
+#include "fsdp/host/host_tensor.hpp"
+#include "fsdp/host/thread_group.hpp"
+
+struct MyTensor { std::int64_t shape_[2] = {2, 3}; void* data_ = nullptr; };
+template <> struct fsdp::tensor_traits<MyTensor> {
+  static fsdp::DType dtype(const MyTensor&) { return fsdp::DType::f32; }
+  static std::span<const std::int64_t> shape(const MyTensor& t) { return t.shape_; }
+  static void* data(MyTensor& t) { return t.data_; }
+  static fsdp::DeviceId device(const MyTensor&) { return {}; }
+  static void rebind(MyTensor& t, void* p) { t.data_ = p; }
+};
+
+fsdp::Policies<fsdp::NoOffload, fsdp::FullShard> p;
+static_assert(std::is_same_v<decltype(p)::strategy, fsdp::FullShard>);
+std::int64_t f(const MyTensor& t) { return fsdp::numel(t); }
+std::int64_t g(const fsdp::HostTensor& t) { return fsdp::numel(t); }
+void h() { fsdp::check_communicator<fsdp::ThreadComm>(); }
+EOF
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures case(s) wrong"
+  exit 1
+fi
+echo "all cases as expected"
