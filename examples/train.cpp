@@ -9,13 +9,17 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <mutex>
+
+#include <fsdp/async_communicator.hpp>
+#include <fsdp/trace_json.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 
 int main(int argc, char** argv) {
   int ranks = 4, steps = 20, batch_per_rank = 8;
-  std::string optimizer = "adamw", strategy = "FULL_SHARD", mesh_text;
+  std::string optimizer = "adamw", strategy = "FULL_SHARD", mesh_text, trace_dir;
   engine::ModelConfig model_config{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
   CLI::App app{"Train the reference model sharded with fsdp on in-process ranks"};
   app.add_option("--ranks", ranks, "number of ranks (threads)")->check(CLI::Range(1, 256));
@@ -29,6 +33,7 @@ int main(int argc, char** argv) {
   app.add_option("--mesh", mesh_text,
                  "REPLICATExSHARD ranks for the hybrid strategies (default: 2 x ranks/2 when ranks is even and "
                  "at least 4, else 1 x ranks)");
+  app.add_option("--trace", trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
   CLI11_PARSE(app, argc, argv);
   fsdp::MeshShape mesh_shape{1, ranks};
   try {
@@ -68,13 +73,21 @@ int main(int argc, char** argv) {
   std::mutex print;
   fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
     const int r = comm.rank();
+    // Collectives run on this rank's communication thread, overlapping compute; every
+    // collective of this rank goes through it, so all ranks issue them in one order.
+    fsdp::Trace trace(r);
+    fsdp::Trace* tracing = trace_dir.empty() ? nullptr : &trace;
+    fsdp::AsyncCommunicator stream(comm, tracing);
     // A mesh serves every strategy: the hybrid ones shard inside its shard groups, the
     // others use its whole world.
-    fsdp::DeviceMesh mesh(comm, mesh_shape);
+    fsdp::DeviceMesh mesh(stream, mesh_shape);
+    mesh.shard_group().set_trace(tracing);
+    mesh.replicate_group().set_trace(tracing);
     engine::Model model(model_config);
     fsdp::HostDevice device;
     fsdp::with_strategy(strategy, [&](auto chosen) {
       auto sharded = fsdp::shard<decltype(chosen)>(model, mesh, device, engine::Wrap{});
+      sharded.set_trace(tracing);
       engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
       engine::AdamW adamw(adam, alloc);
       engine::Sgd sgd = make_sgd();
@@ -83,9 +96,9 @@ int main(int argc, char** argv) {
         double local = optimizer == "sgd" ? engine::sharded_step(model, sharded, sgd, batch)
                                           : engine::sharded_step(model, sharded, adamw, batch);
         double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
-        comm.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
+        stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
         stats[static_cast<std::size_t>(r)] = device.stats();
-        comm.barrier().wait();  // every rank's stats for this step are in
+        stream.barrier().wait();  // every rank's stats for this step are in
         if (r == 0) {
           std::vector<std::size_t> live, peak;
           for (auto& st : stats) { live.push_back(st.live_bytes); peak.push_back(st.peak_bytes); }
@@ -94,9 +107,13 @@ int main(int argc, char** argv) {
                      reference_loss[static_cast<std::size_t>(s)], live, peak);
           loss[static_cast<std::size_t>(s)] = global;
         }
-        comm.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
+        stream.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
       }
     });
+    if (tracing) {
+      std::filesystem::create_directories(trace_dir);
+      fsdp::write_chrome_json(trace, (std::filesystem::path(trace_dir) / ("rank" + std::to_string(r) + ".json")).string());
+    }
   });
 
   std::size_t peak = 0;
@@ -106,6 +123,7 @@ int main(int argc, char** argv) {
              model_config.blocks, model_config.dim, model_config.hidden, ranks, batch_per_rank, optimizer, strategy,
              mesh_shape.str());
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(peak) / static_cast<double>(unsharded_peak));
+  if (!trace_dir.empty()) fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", trace_dir, ranks - 1);
   fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", loss.back(),
              reference_loss.back(), peak, unsharded_peak);
   return 0;

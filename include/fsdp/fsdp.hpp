@@ -1,11 +1,14 @@
 #pragma once
 // Everything an engine needs: concepts, policies, units, the root, and the host backend.
+// (fsdp/trace_json.hpp, which writes traces with nlohmann::json, is included on its own.)
+#include "fsdp/async_communicator.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
+#include "fsdp/execution_order.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
@@ -13,6 +16,7 @@
 #include "fsdp/sharded_model.hpp"
 #include "fsdp/strategy_name.hpp"
 #include "fsdp/tensor.hpp"
+#include "fsdp/trace.hpp"
 #include "fsdp/training_state.hpp"
 #include "fsdp/unit.hpp"
 #include "fsdp/work.hpp"

@@ -11,6 +11,7 @@ struct sharding_strategy_slot { static constexpr const char* name = "ShardingStr
 struct backward_prefetch_slot { static constexpr const char* name = "BackwardPrefetch"; };
 struct mixed_precision_slot { static constexpr const char* name = "MixedPrecision"; };
 struct cpu_offload_slot { static constexpr const char* name = "CpuOffload"; };
+struct forward_prefetch_slot { static constexpr const char* name = "ForwardPrefetch"; };
 
 // ---- ShardingStrategy ----
 // Each says how parameters are split and how gradients are reduced:
@@ -46,7 +47,30 @@ struct HybridShardZero2 {  // ZeRO-2 inside a shard group, replicated across gro
 };
 
 // ---- BackwardPrefetch ----
-struct NoBackwardPrefetch { using fsdp_policy_slot = backward_prefetch_slot; };
+// When the next unit's all-gather is issued during backward (the next unit in the
+// backward order recorded on the first iteration):
+struct BackwardPre {  // before this unit's backward: most overlap, one more unit alive
+  using fsdp_policy_slot = backward_prefetch_slot;
+  static constexpr const char* name = "BACKWARD_PRE";
+};
+struct BackwardPost {  // after this unit's backward, once its parameters are freed
+  using fsdp_policy_slot = backward_prefetch_slot;
+  static constexpr const char* name = "BACKWARD_POST";
+};
+struct NoBackwardPrefetch {  // each unit gathers when its backward starts
+  using fsdp_policy_slot = backward_prefetch_slot;
+  static constexpr const char* name = "NONE";
+};
+
+// ---- ForwardPrefetch ----
+struct ForwardPrefetch {  // issue the next unit's all-gather before this unit's forward
+  using fsdp_policy_slot = forward_prefetch_slot;
+  static constexpr bool enabled = true;
+};
+struct NoForwardPrefetch {
+  using fsdp_policy_slot = forward_prefetch_slot;
+  static constexpr bool enabled = false;
+};
 
 // ---- MixedPrecision ----
 struct FullPrecision { using fsdp_policy_slot = mixed_precision_slot; };
@@ -76,7 +100,8 @@ struct all_policies : std::bool_constant<(Policy<Ps> && ...)> {};
 template <class... Ps>
 struct resolve_policies_impl {
   using strategy = typename pick_slot<sharding_strategy_slot, FullShard, Ps...>::type;
-  using backward_prefetch = typename pick_slot<backward_prefetch_slot, NoBackwardPrefetch, Ps...>::type;
+  using backward_prefetch = typename pick_slot<backward_prefetch_slot, BackwardPre, Ps...>::type;
+  using forward_prefetch = typename pick_slot<forward_prefetch_slot, NoForwardPrefetch, Ps...>::type;
   using mixed_precision = typename pick_slot<mixed_precision_slot, FullPrecision, Ps...>::type;
   using cpu_offload = typename pick_slot<cpu_offload_slot, NoOffload, Ps...>::type;
 };
@@ -90,8 +115,9 @@ struct Policies {
   static_assert(detail::all_policies<Ps...>::value,
                 "fsdp: a template argument of fsdp::Sharded after the Module is not an fsdp policy. "
                 "Policies are ShardingStrategy (FullShard, ShardGradOp, NoShard, HybridShard, "
-                "HybridShardZero2), BackwardPrefetch (NoBackwardPrefetch), "
-                "MixedPrecision (FullPrecision) and CpuOffload (NoOffload), in any order.");
+                "HybridShardZero2), BackwardPrefetch (BackwardPre, BackwardPost, NoBackwardPrefetch), "
+                "ForwardPrefetch (ForwardPrefetch, NoForwardPrefetch), MixedPrecision (FullPrecision) "
+                "and CpuOffload (NoOffload), in any order.");
 };
 
 template <class... Ps>
@@ -105,6 +131,8 @@ struct Policies<Ps...> : detail::resolve_policies_impl<Ps...> {
                 "fsdp: more than one policy for the MixedPrecision slot");
   static_assert(detail::count_in_slot<cpu_offload_slot, Ps...> <= 1,
                 "fsdp: more than one policy for the CpuOffload slot");
+  static_assert(detail::count_in_slot<forward_prefetch_slot, Ps...> <= 1,
+                "fsdp: more than one policy for the ForwardPrefetch slot");
 };
 
 }  // namespace fsdp

@@ -24,6 +24,7 @@
 #include "fsdp/flat_param.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
+#include "fsdp/trace.hpp"
 #include "fsdp/unit.hpp"
 
 namespace fsdp {
@@ -127,6 +128,9 @@ class Sharded final : public UnitBase {
   using module_type = Module;
   using config = Policies<Ps...>;
   using strategy = typename config::strategy;
+  using prefetch_policy = typename config::backward_prefetch;
+  static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
+  static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
@@ -146,6 +150,9 @@ class Sharded final : public UnitBase {
 
   ~Sharded() override {
     for (auto& fp : flat_) {
+      fp.gather_work = Work{};  // waits: the buffers below may still be in use by a collective
+      fp.reduce_work = Work{};
+      if (fp.reduce_out && fp.reduce_out != fp.shard_grad) device_.deallocate(fp.reduce_out, fp.layout.shard_bytes(), MemorySpace::device);
       if (fp.full != fp.shard) release(fp.full, fp.layout.padded_bytes());
       release_full_grad(fp);
       release(fp.shard, fp.layout.shard_bytes());
@@ -162,18 +169,27 @@ class Sharded final : public UnitBase {
 
   void pre_forward() override {
     expect({TrainingState::IDLE}, "pre_forward");
+    if (order_) order_->enter(*this, Pass::forward, groups_.world, prefetches_forward);
     unshard();
+    if (order_) {  // the next unit's all-gather now runs behind this unit's forward
+      if (!forward_prefetch_.empty()) for (auto* u : forward_prefetch_) u->prefetch();
+      else if constexpr (prefetches_forward) if (auto* next = order_->next(Pass::forward)) next->prefetch();
+    }
     state_ = TrainingState::FORWARD;
+    compute_begin_ = now_if_traced();
   }
 
   void post_forward() override {
     expect({TrainingState::FORWARD}, "post_forward");
-    if constexpr (strategy::reshard_after_forward) release_unsharded();
+    record_compute("forward");
+    if constexpr (strategy::reshard_after_forward)
+      if (!order_ || !order_->keeps_after_forward(*this)) release_unsharded();
     state_ = TrainingState::IDLE;
   }
 
   void pre_backward() override {
     expect({TrainingState::IDLE}, "pre_backward");
+    if (order_) order_->enter(*this, Pass::backward, groups_.world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
     for (auto& fp : flat_) {
       if (!strategy::shards_parameters && grad_is_zero_) {
@@ -184,23 +200,59 @@ class Sharded final : public UnitBase {
       }
       bind(fp, fp.full_grad, &detail::ParamBinding::grad);
     }
+    if (order_) {
+      if (!backward_prefetch_.empty()) for (auto* u : backward_prefetch_) u->prefetch();
+      else if constexpr (std::is_same_v<prefetch_policy, BackwardPre>)
+        if (auto* next = order_->next(Pass::backward)) next->prefetch();
+    }
     state_ = TrainingState::BACKWARD_PRE;
+    compute_begin_ = now_if_traced();
   }
 
   void post_backward() override {
     expect({TrainingState::BACKWARD_PRE}, "post_backward");
+    record_compute("backward");
     release_unsharded();  // parameters first, as FSDP does: their memory is free before the reduction
+    if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
+      if (order_ && backward_prefetch_.empty())
+        if (auto* next = order_->next(Pass::backward)) next->prefetch();
+    bool inline_done = true;
     for (auto& fp : flat_) {
       bind(fp, nullptr, &detail::ParamBinding::grad);
-      reduce_gradient(fp);
-      release_full_grad(fp);
+      inline_done = start_reduction(fp) && inline_done;
     }
     grad_is_zero_ = false;
     state_ = TrainingState::BACKWARD_POST;
+    // A reduction that finished inside the call is completed now; one still running
+    // overlaps the next unit's backward and is completed at that unit's post_backward
+    // (or at finish_backward), at the latest.
+    if (inline_done || !order_) finish_reduction();
+    else order_->reduction_issued(*this);
+  }
+
+  void prefetch() override {
+    if (!order_ || !order_->may_prefetch() || state_ != TrainingState::IDLE) return;
+    bool issued = false;
+    for (auto& fp : flat_) {
+      if (fp.full) continue;
+      start_gather(fp);
+      issued = true;
+    }
+    if (issued) { prefetched_ = true; order_->prefetch_issued(); }
+  }
+
+  void finish_reduction() override {
+    for (auto& fp : flat_) {
+      if (!fp.reducing) continue;
+      fp.reducing = false;
+      wait_traced(fp.reduce_work, "wait reduce_scatter");
+      finish_gradient(fp);
+    }
   }
 
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
+    finish_reduction();
     state_ = TrainingState::IDLE;
   }
 
@@ -268,6 +320,10 @@ class Sharded final : public UnitBase {
     void* shard_grad = nullptr;  // shard_numel elements, reduced gradient
     void* full = nullptr;        // padded_numel elements while unsharded
     void* full_grad = nullptr;   // padded_numel elements during backward
+    Work gather_work;            // the all-gather into `full`, until its first use
+    Work reduce_work;            // the reduction out of `full_grad`, until finished
+    void* reduce_out = nullptr;  // where it reduces to
+    bool reducing = false;
   };
 
   std::string display_name() const { return fqn_.empty() ? "<root>" : fqn_; }
@@ -377,16 +433,23 @@ class Sharded final : public UnitBase {
     }
   }
 
-  // Makes the parameters valid: all-gathers the shards into a fresh unsharded buffer,
+  // Issues the all-gather of one flat parameter into a fresh unsharded buffer.
+  void start_gather(FlatParam& fp) {
+    const auto& L = fp.layout;
+    fp.full = device_.allocate(L.padded_bytes(), MemorySpace::device);
+    fp.gather_work = groups_.shard.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype());
+  }
+
+  // Makes the parameters valid: waits for a prefetched all-gather, or issues one and waits,
   // unless they are valid already (replicated, or kept since forward).
   void unshard() {
     for (auto& fp : flat_) {
-      if (fp.full) continue;
-      const auto& L = fp.layout;
-      fp.full = device_.allocate(L.padded_bytes(), MemorySpace::device);
-      groups_.shard.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype()).wait();
+      if (!fp.full) start_gather(fp);
+      if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");
+      fp.gather_work = Work{};
       bind(fp, fp.full, &detail::ParamBinding::param);
     }
+    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
   }
 
   void release_unsharded() {
@@ -400,23 +463,54 @@ class Sharded final : public UnitBase {
   // Averages the unit's unsharded gradient over every rank into its sharded gradient:
   // reduce-scatter over the shard group (all-reduce when parameters are replicated), then
   // all-reduce of the shard over the replicate group, with FSDP's pre and post factors.
-  void reduce_gradient(FlatParam& fp) {
+  // start_reduction issues the first collective; finish_gradient does the rest once it is
+  // done. Returns whether the collective completed inside the call.
+  bool start_reduction(FlatParam& fp) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     if (pre_divide_ != 1.0) device_.scale(fp.full_grad, static_cast<std::size_t>(L.padded_numel()), L.dtype(), 1.0 / pre_divide_);
     // Right after zero_grad the sharded gradient is zero: reduce straight into it (in place
     // when the engine already accumulated into it).
-    void* out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
-    if constexpr (strategy::shards_parameters) {
-      groups_.shard.reduce_scatter(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
-      if (groups_.replicate_size > 1) groups_.replicate.all_reduce(out, out, S, L.dtype(), ReduceOp::sum).wait();
-    } else {
-      groups_.replicate.all_reduce(fp.full_grad, out, S, L.dtype(), ReduceOp::sum).wait();
+    fp.reduce_out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
+    if constexpr (strategy::shards_parameters)
+      fp.reduce_work = groups_.shard.reduce_scatter(fp.full_grad, fp.reduce_out, S, L.dtype(), ReduceOp::sum);
+    else
+      fp.reduce_work = groups_.replicate.all_reduce(fp.full_grad, fp.reduce_out, S, L.dtype(), ReduceOp::sum);
+    fp.reducing = true;
+    return fp.reduce_work.completed_inline();
+  }
+
+  void finish_gradient(FlatParam& fp) {
+    const auto& L = fp.layout;
+    const auto S = static_cast<std::size_t>(L.shard_numel());
+    void* out = fp.reduce_out;
+    if (strategy::shards_parameters && groups_.replicate_size > 1)
+    {
+      Work w = groups_.replicate.all_reduce(out, out, S, L.dtype(), ReduceOp::sum);
+      wait_traced(w, "wait all_reduce");
     }
     if (post_divide_ != 1.0) device_.scale(out, S, L.dtype(), 1.0 / post_divide_);
     if (out != fp.shard_grad) {
       device_.accumulate(fp.shard_grad, out, S, L.dtype());
       device_.deallocate(out, L.shard_bytes(), MemorySpace::device);
+    }
+    fp.reduce_out = nullptr;
+    release_full_grad(fp);
+  }
+
+  // ---- tracing: one pointer test when off ----
+  Trace* trace() const { return order_ ? order_->trace : nullptr; }
+  Trace::Clock::time_point now_if_traced() const { return trace() ? Trace::Clock::now() : Trace::Clock::time_point{}; }
+  void record_compute(const char* pass) {
+    if (Trace* t = trace()) t->add(std::string(pass) + " " + display_name(), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
+  }
+  void wait_traced(Work& w, const char* what) {
+    if (Trace* t = trace()) {
+      const auto begin = Trace::Clock::now();
+      w.wait();
+      t->add(std::string(what) + " " + display_name(), "wait", Trace::Lane::compute, begin, Trace::Clock::now());
+    } else {
+      w.wait();
     }
   }
 
@@ -443,6 +537,8 @@ class Sharded final : public UnitBase {
   detail::UnitGroups groups_;
   detail::DeviceRef device_;
   double pre_divide_ = 1.0, post_divide_ = 1.0;
+  bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
+  Trace::Clock::time_point compute_begin_{};
   std::vector<FlatParam> flat_;
   std::vector<ShardView> views_;
   bool grad_is_zero_ = true;

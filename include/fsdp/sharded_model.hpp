@@ -17,7 +17,7 @@ namespace fsdp {
 
 class ShardedModel {
  public:
-  ShardedModel() = default;
+  ShardedModel() : order_(std::make_unique<ExecutionOrder>()) {}
   ShardedModel(ShardedModel&&) noexcept = default;
   ShardedModel& operator=(ShardedModel&&) noexcept = default;
 
@@ -44,6 +44,8 @@ class ShardedModel {
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
                    by_module_[key]->fqn(), "' already manages");
     by_module_[key] = unit.get();
+    unit->attach(order_.get());
+    order_->add_unit(unit.get());
     views_.insert(views_.end(), unit->shards().begin(), unit->shards().end());
     units_.push_back(std::move(unit));
   }
@@ -56,6 +58,7 @@ class ShardedModel {
   // The unit that manages `module`, or nullptr.
   template <class M>
   UnitBase* find_unit_for(const M& module) const {
+    static_assert(!std::is_pointer_v<M>, "fsdp: pass the module itself (unit_for(block)), not a pointer to it");
     auto it = by_module_.find(ModuleKey{&module, typeid(M)});
     return it == by_module_.end() ? nullptr : it->second;
   }
@@ -73,8 +76,24 @@ class ShardedModel {
   // Ends a backward pass: every unit that ran backward has finished its reduction, and
   // every unit is IDLE again. A unit left in FORWARD or BACKWARD_PRE is an error.
   void finish_backward() {
+    order_->finish_reductions();
     for (auto& u : units_) u->finish_backward();
+    order_->end_iteration();
   }
+
+  // Records every unit's forward, backward and waits (and, with an AsyncCommunicator
+  // given the same Trace, its collectives) into `trace`; nullptr stops. Off by default.
+  void set_trace(Trace* trace) { order_->trace = trace; }
+
+  // At most `n` units gathered ahead of the one computing (FSDP's limit_all_gathers);
+  // a prefetch beyond it is skipped and that unit gathers when its hook runs. Default 2.
+  void set_max_prefetched_units(int n) {
+    if (n < 0) detail::fail("ShardedModel: the prefetch limit must be >= 0, got ", n);
+    order_->max_prefetched = n;
+  }
+
+  // The recorded execution order (after the first iteration), for tests and tools.
+  const ExecutionOrder& execution_order() const { return *order_; }
 
   void zero_grad() {
     for (auto& u : units_) u->zero_grad();
@@ -101,6 +120,7 @@ class ShardedModel {
   std::vector<std::unique_ptr<UnitBase>> units_;
   std::map<ModuleKey, UnitBase*> by_module_;
   std::vector<ShardView> views_;
+  std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
 };
 
 namespace detail {

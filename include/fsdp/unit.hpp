@@ -7,8 +7,11 @@
 #include <string>
 #include <string_view>
 #include <typeindex>
+#include <algorithm>
+#include <vector>
 
 #include "fsdp/dtype.hpp"
+#include "fsdp/execution_order.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp {
@@ -50,6 +53,20 @@ class UnitBase {
   virtual std::span<const ShardView> shards() const = 0;
   // The process groups the unit uses, in words; every unit of a model must use the same.
   virtual std::string groups() const = 0;
+
+  // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
+  virtual void prefetch() = 0;
+  // Completes a reduction that post_backward left in flight (asynchronous backends).
+  virtual void finish_reduction() = 0;
+
+  // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
+  // when set, these units are gathered at this unit's pre_forward / pre_backward instead
+  // of the next unit in the recorded order.
+  void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
+  void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
+
+  // The root's shared execution order; set when the unit joins a ShardedModel.
+  void attach(ExecutionOrder* order) { order_ = order; }
 
   const std::string& fqn() const { return fqn_; }
   TrainingState state() const { return state_; }
@@ -116,6 +133,69 @@ class UnitBase {
   int rank_ = 0;
   const void* module_ = nullptr;
   std::type_index module_type_;
+  ExecutionOrder* order_ = nullptr;
+  std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
 };
+
+// ---- ExecutionOrder, now that UnitBase is complete ----
+
+inline std::string ExecutionOrder::name_of(int index) const {
+  if (index < 0 || index >= static_cast<int>(units_.size())) return "<not a unit of this model>";
+  const auto& f = units_[index]->fqn();
+  return f.empty() ? "<root>" : f;
+}
+
+inline void ExecutionOrder::enter(UnitBase& u, Pass pass, const detail::CommRef& world, bool prefetching) {
+  const int idx = index_of(u);
+  auto& order = pass == Pass::forward ? forward_ : backward_;
+  auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
+  auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
+  const char* pass_name = pass == Pass::forward ? "forward" : "backward";
+  if (pass == Pass::backward && !forward_recorded_) forward_recorded_ = true;  // backward ends the first forward
+  if (!recorded && std::find(order.begin(), order.end(), idx) != order.end()) recorded = true;  // a second pass
+  if (!recorded) {
+    if (world.size() > 1) {  // every rank must be entering the same unit here
+      const std::int32_t mine = idx;
+      std::vector<std::int32_t> all(static_cast<std::size_t>(world.size()));
+      world.all_gather(&mine, all.data(), 1, DType::i32).wait();
+      for (std::int32_t other : all) {
+        if (other == mine) continue;
+        std::ostringstream os;
+        os << "ranks run units in different orders: at " << pass_name << " step #" << step << " of the first iteration";
+        for (std::size_t r = 0; r < all.size(); ++r) os << (r ? "," : "") << " rank " << r << " runs '" << name_of(all[r]) << "'";
+        os << " (seen on rank " << world.rank() << ")";
+        throw Error(os.str());
+      }
+    }
+    if (pass == Pass::backward && order.empty()) first_backward_ = &u;
+    order.push_back(idx);
+    ++step;
+    return;
+  }
+  if (step == order.size()) step = 0;  // a new pass
+  if (order[step] != idx && prefetching)
+    detail::fail("unit '", name_of(idx), "' on rank ", world.rank(), " runs at ", pass_name, " step #", step,
+                 " where the first iteration ran '", name_of(order[step]),
+                 "'; prefetching follows the first iteration's order, so a model whose order changes needs "
+                 "NoBackwardPrefetch and NoForwardPrefetch");
+  ++step;
+}
+
+inline void ExecutionOrder::reduction_issued(UnitBase& u) {
+  reducing_.push_back(&u);
+  while (reducing_.size() > 1) {
+    UnitBase* oldest = reducing_.front();
+    reducing_.pop_front();
+    oldest->finish_reduction();
+  }
+}
+
+inline void ExecutionOrder::finish_reductions() {
+  while (!reducing_.empty()) {
+    UnitBase* oldest = reducing_.front();
+    reducing_.pop_front();
+    oldest->finish_reduction();
+  }
+}
 
 }  // namespace fsdp

@@ -31,6 +31,10 @@ class Work {
     p->wait();
   }
   bool ready() const { return !pending_ || pending_->ready(); }
+  // True when the backend finished the collective inside the call (a synchronous backend
+  // always, an asynchronous one never): a property of the backend, not of timing, so the
+  // library can free buffers at points that do not depend on a race.
+  bool completed_inline() const { return !pending_; }
 
  private:
   void finish_quietly() noexcept {

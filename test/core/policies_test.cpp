@@ -48,6 +48,9 @@ TEST_CASE("the Policy concept: a type naming a slot") {
 TEST_CASE("each library policy belongs to its slot") {
   static_assert(std::is_same_v<fsdp::FullShard::fsdp_policy_slot, fsdp::sharding_strategy_slot>);
   static_assert(std::is_same_v<fsdp::NoBackwardPrefetch::fsdp_policy_slot, fsdp::backward_prefetch_slot>);
+  static_assert(std::is_same_v<fsdp::BackwardPre::fsdp_policy_slot, fsdp::backward_prefetch_slot>);
+  static_assert(std::is_same_v<fsdp::BackwardPost::fsdp_policy_slot, fsdp::backward_prefetch_slot>);
+  static_assert(std::is_same_v<fsdp::ForwardPrefetch::fsdp_policy_slot, fsdp::forward_prefetch_slot>);
   static_assert(std::is_same_v<fsdp::FullPrecision::fsdp_policy_slot, fsdp::mixed_precision_slot>);
   static_assert(std::is_same_v<fsdp::NoOffload::fsdp_policy_slot, fsdp::cpu_offload_slot>);
   static_assert(fsdp::FullShard::reshard_after_forward);
@@ -58,23 +61,24 @@ TEST_CASE("each library policy belongs to its slot") {
 }
 
 TEST_CASE("the library's sharding strategies each fill the ShardingStrategy slot") {
-  CHECK(resolves_to<fsdp::Policies<fsdp::ShardGradOp>, fsdp::ShardGradOp, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<fsdp::ShardGradOp>, fsdp::ShardGradOp, fsdp::BackwardPre,
                     fsdp::FullPrecision, fsdp::NoOffload>);
-  CHECK(resolves_to<fsdp::Policies<fsdp::NoOffload, fsdp::NoShard>, fsdp::NoShard, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<fsdp::NoOffload, fsdp::NoShard>, fsdp::NoShard, fsdp::BackwardPre,
                     fsdp::FullPrecision, fsdp::NoOffload>);
-  CHECK(resolves_to<fsdp::Policies<TestPrecision, fsdp::HybridShard>, fsdp::HybridShard, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<TestPrecision, fsdp::HybridShard>, fsdp::HybridShard, fsdp::BackwardPre,
                     TestPrecision, fsdp::NoOffload>);
-  CHECK(resolves_to<fsdp::Policies<fsdp::HybridShardZero2>, fsdp::HybridShardZero2, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<fsdp::HybridShardZero2>, fsdp::HybridShardZero2, fsdp::BackwardPre,
                     fsdp::FullPrecision, fsdp::NoOffload>);
 }
 
 TEST_CASE("no policies: every slot gets its default") {
   using P = fsdp::Policies<>;
   static_assert(std::is_same_v<P::strategy, fsdp::FullShard>);
-  static_assert(std::is_same_v<P::backward_prefetch, fsdp::NoBackwardPrefetch>);
+  static_assert(std::is_same_v<P::backward_prefetch, fsdp::BackwardPre>);
+  static_assert(std::is_same_v<P::forward_prefetch, fsdp::NoForwardPrefetch>);
   static_assert(std::is_same_v<P::mixed_precision, fsdp::FullPrecision>);
   static_assert(std::is_same_v<P::cpu_offload, fsdp::NoOffload>);
-  CHECK(resolves_to<P, fsdp::FullShard, fsdp::NoBackwardPrefetch, fsdp::FullPrecision, fsdp::NoOffload>);
+  CHECK(resolves_to<P, fsdp::FullShard, fsdp::BackwardPre, fsdp::FullPrecision, fsdp::NoOffload>);
 }
 
 TEST_CASE("the library's own policies, spelled out, resolve to themselves") {
@@ -83,19 +87,19 @@ TEST_CASE("the library's own policies, spelled out, resolve to themselves") {
 }
 
 TEST_CASE("each slot alone: that slot picked, the others defaulted") {
-  CHECK(resolves_to<fsdp::Policies<TestStrategy>, TestStrategy, fsdp::NoBackwardPrefetch, fsdp::FullPrecision,
+  CHECK(resolves_to<fsdp::Policies<TestStrategy>, TestStrategy, fsdp::BackwardPre, fsdp::FullPrecision,
                     fsdp::NoOffload>);
   CHECK(resolves_to<fsdp::Policies<TestPrefetch>, fsdp::FullShard, TestPrefetch, fsdp::FullPrecision,
                     fsdp::NoOffload>);
-  CHECK(resolves_to<fsdp::Policies<TestPrecision>, fsdp::FullShard, fsdp::NoBackwardPrefetch, TestPrecision,
+  CHECK(resolves_to<fsdp::Policies<TestPrecision>, fsdp::FullShard, fsdp::BackwardPre, TestPrecision,
                     fsdp::NoOffload>);
-  CHECK(resolves_to<fsdp::Policies<TestOffload>, fsdp::FullShard, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<TestOffload>, fsdp::FullShard, fsdp::BackwardPre,
                     fsdp::FullPrecision, TestOffload>);
   // Two slots, the other two defaulted.
-  CHECK(resolves_to<fsdp::Policies<TestOffload, TestStrategy>, TestStrategy, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<TestOffload, TestStrategy>, TestStrategy, fsdp::BackwardPre,
                     fsdp::FullPrecision, TestOffload>);
   // Mixed with library policies.
-  CHECK(resolves_to<fsdp::Policies<fsdp::FullShard, TestPrecision>, fsdp::FullShard, fsdp::NoBackwardPrefetch,
+  CHECK(resolves_to<fsdp::Policies<fsdp::FullShard, TestPrecision>, fsdp::FullShard, fsdp::BackwardPre,
                     TestPrecision, fsdp::NoOffload>);
 }
 

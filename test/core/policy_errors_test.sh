@@ -89,6 +89,27 @@ expect_error not_a_communicator "is not an fsdp::Communicator" <<'EOF'
 void f() { fsdp::check_communicator<int>(); }
 EOF
 
+expect_error hybrid_without_mesh "pass an fsdp::DeviceMesh instead of a communicator" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {
+  fsdp::HostTensor w{{2}}, g{{2}};
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); }
+};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) { fsdp::Sharded<M, fsdp::HybridShard> u(m, c, d); }
+EOF
+
+expect_error unit_lookup_by_pointer "pass the module itself" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {};
+void f(fsdp::ShardedModel& sm, M& m) { sm.find_unit_for(&m); }
+EOF
+
+expect_error root_not_a_module "the model passed to fsdp::shard is not an fsdp::Module" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct NotAModule {};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, NotAModule& m) { fsdp::shard<fsdp::FullShard>(m, c, d); }
+EOF
+
 # The same kinds of use, done right: must compile (so the errors above come from the
 # misuse, not from the snippets' scaffolding).
 expect_ok valid_usage <<'EOF'

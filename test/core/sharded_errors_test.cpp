@@ -203,20 +203,21 @@ TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and bo
   }
 }
 
-TEST_CASE("a rank that runs a different unit fails every rank instead of hanging") {
-  // Units of different sizes: their all-gathers cannot pair, and the thread backend says so.
-  // Two units of the same size would pair silently today; catching that is the job of the
-  // first-iteration execution-order check (planned with prefetch).
-  auto msgs = errors_per_rank(3, [](fsdp::ThreadComm& comm) {
-    engine::Model model(engine::ModelConfig{});
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-    sm.unit(comm.rank() == 1 ? "gain" : "blocks.0").pre_forward();
-  });
-  for (int r = 0; r < 3; ++r) {
-    CAPTURE(msgs[r]);
-    CHECK(contains(msgs[r], "collective mismatch"));
-    CHECK(contains(msgs[r], "all_gather(count="));
+TEST_CASE("a rank that runs a different unit fails every rank, naming what each ran, instead of hanging") {
+  // The first iteration checks the order at every unit before its all-gather, so even units
+  // of the same size (whose all-gathers would pair silently) are caught.
+  for (const char* other : {"gain", "blocks.1"}) {
+    CAPTURE(other);
+    auto msgs = errors_per_rank(3, [&](fsdp::ThreadComm& comm) {
+      engine::Model model(engine::ModelConfig{});
+      fsdp::HostDevice device;
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+      sm.unit(comm.rank() == 1 ? other : "blocks.0").pre_forward();
+    });
+    for (int r = 0; r < 3; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], std::string("ranks run units in different orders: at forward step #0 of the first iteration rank 0 runs 'blocks.0', rank 1 runs '") + other + "', rank 2 runs 'blocks.0'"));
+    }
   }
 }
 

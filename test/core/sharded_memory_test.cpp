@@ -1,4 +1,5 @@
-// Per-rank memory counted by the Device equals the FullShard formula, to the byte.
+// Per-rank memory counted by the Device equals the FullShard formula, to the byte, without
+// prefetch (test/core/prefetch_test.cpp covers what each prefetch mode adds).
 //
 // With N ranks, unit u holding n_u parameter elements of 4 bytes:
 //   padded P_u = ceil(n_u / N) * N * 4 bytes, shard S_u = P_u / N,
@@ -56,10 +57,11 @@ TEST_CASE("FullShard per-rank peak equals the formula, to the byte") {
   for (int world : {1, 2, 3, 4, 8}) {
     CAPTURE(world);
     std::vector<fsdp::MemoryStats> after_setup(world), after_train(world), after_eval(world);
+    std::vector<std::size_t> kept_after_eval(world);
     fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
       engine::Model model(c);  // initial weights on the engine's heap, not the Device
       fsdp::HostDevice device;
-      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+      auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
       after_setup[comm.rank()] = device.stats();
 
       engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
@@ -70,6 +72,10 @@ TEST_CASE("FullShard per-rank peak equals the formula, to the byte") {
       device.reset_peak();
       engine::UnitHooks hooks{sm};
       model.forward(engine::make_batch(c, 9, comm.rank(), 1).x, hooks);  // evaluation: forward only
+      // The unit backward starts with (the root here) keeps its parameters at the end of
+      // forward, to skip a free-and-gather; after a forward-only pass reshard() frees them.
+      kept_after_eval[comm.rank()] = device.stats().live_bytes;
+      sm.reshard();
       after_eval[comm.rank()] = device.stats();
     });
     for (int r = 0; r < world; ++r) {
@@ -80,6 +86,7 @@ TEST_CASE("FullShard per-rank peak equals the formula, to the byte") {
       CHECK(after_setup[r].peak_bytes == e.steady_params_grads);
       CHECK(after_train[r].live_bytes == steady);
       CHECK(after_train[r].peak_bytes == steady + 2 * e.root_padded + 2 * e.max_layer_padded);
+      CHECK(kept_after_eval[r] == steady + e.root_padded);
       CHECK(after_eval[r].live_bytes == steady);
       CHECK(after_eval[r].peak_bytes == steady + e.root_padded + e.max_layer_padded);
     }
@@ -94,7 +101,7 @@ TEST_CASE("sharding divides the parameter and gradient memory by N") {
     fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
       engine::Model model(c);
       fsdp::HostDevice device;
-      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+      auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
       if (comm.rank() == 0) live = device.stats().live_bytes;
     });
     if (world == 1) one_rank = live;
@@ -112,7 +119,7 @@ TEST_CASE("gradient accumulation without zero_grad costs one shard-sized buffer,
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     engine::Model model(c);
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
     engine::Sgd sgd(0.0f);
     engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
     const auto first = device.stats();

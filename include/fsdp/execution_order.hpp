@@ -1,0 +1,89 @@
+#pragma once
+// ExecutionOrder: what the root knows about the order its units run in. The first
+// iteration (up to the first finish_backward) records the forward and the backward order,
+// checking at every unit that all ranks run the same unit at the same place — a rank
+// that diverges is an fsdp::Error on every rank, naming what each rank ran, before any
+// mismatched collective can pair wrong buffers or hang. Later iterations prefetch along
+// the recorded order, and a unit that runs out of that order is reported.
+#include <cstdint>
+#include <algorithm>
+#include <deque>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+class UnitBase;
+class Trace;
+
+enum class Pass : std::uint8_t { forward, backward };
+
+class ExecutionOrder {
+ public:
+  // At most this many units gathered ahead of the one computing (FSDP's limit_all_gathers).
+  int max_prefetched = 2;
+  Trace* trace = nullptr;  // where units record their spans; null: no tracing
+
+  void add_unit(UnitBase* u) { units_.push_back(u); }
+  bool recording() const { return recording_; }
+
+  // Called by a unit as it enters a pass, before any collective of its own. While the
+  // pass is being recorded, checks across `world` that every rank enters the same unit;
+  // afterwards, when the unit prefetches, that the unit runs where it ran before.
+  void enter(UnitBase& u, Pass pass, const detail::CommRef& world, bool prefetching);
+
+  // The unit that runs after `u` in `pass`, per the recorded order (null: none / not yet).
+  // The unit that runs after the one that just entered `pass`, per the recorded order
+  // (null: the pass is still being recorded, or it was the last unit).
+  UnitBase* next(Pass pass) const {
+    if (recording_) return nullptr;
+    const auto& order = pass == Pass::forward ? forward_ : backward_;
+    const std::size_t at = pass == Pass::forward ? forward_step_ : backward_step_;  // already past the unit
+    return at < order.size() ? units_[order[at]] : nullptr;
+  }
+
+  // Whether `u`, leaving forward now, is the unit backward starts with: it then keeps its
+  // parameters (freeing and re-gathering them back to back would only cost an all-gather;
+  // FSDP2 does the same for its root).
+  bool keeps_after_forward(const UnitBase& u) const {
+    return !recording_ && first_backward_ == &u && forward_step_ == forward_.size();
+  }
+
+  // Prefetch accounting: units whose all-gather was issued ahead of their own hook.
+  bool may_prefetch() const { return prefetched_ < max_prefetched; }
+  void prefetch_issued() { ++prefetched_; }
+  void prefetch_consumed() { --prefetched_; }
+
+  // Asynchronous reductions: at most one unit's reduction stays in flight.
+  void reduction_issued(UnitBase& u);
+  void finish_reductions();
+
+  // End of an iteration (the root's finish_backward).
+  void end_iteration() {
+    if (!backward_.empty()) recording_ = false, forward_recorded_ = backward_recorded_ = true;
+    forward_step_ = backward_step_ = 0;
+  }
+
+ private:
+  int index_of(const UnitBase& u) const {
+    for (std::size_t i = 0; i < units_.size(); ++i) if (units_[i] == &u) return static_cast<int>(i);
+    return -1;
+  }
+  std::string name_of(int index) const;
+
+  std::vector<UnitBase*> units_;  // in the root's order
+  const UnitBase* first_backward_ = nullptr;
+  std::vector<int> forward_, backward_;  // recorded on the first iteration
+  std::size_t forward_step_ = 0, backward_step_ = 0;
+  bool recording_ = true;  // until the first iteration with a backward ends
+  bool forward_recorded_ = false, backward_recorded_ = false;
+  int prefetched_ = 0;
+  std::deque<UnitBase*> reducing_;
+};
+
+}  // namespace fsdp
