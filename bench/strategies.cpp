@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
                         run<fsdp::NoShard>(c, ranks, steps, batch), run<fsdp::HybridShard>(c, ranks, steps, batch),
                         run<fsdp::HybridShardZero2>(c, ranks, steps, batch)};
 
-  fmt::print("model: {} blocks, dim {}, hidden {} ({} ranks x {} samples, AdamW); bytes are per rank per step\n\n",
+  fmt::print("model: {} blocks, dim {}, hidden {} ({} ranks x {} samples, AdamW; default BackwardPre prefetch; "
+             "synchronous ThreadComm); bytes are per rank per step\n\n",
              c.blocks, c.dim, c.hidden, ranks, batch);
   fmt::print("| strategy | mesh | step ms | all-gather B | reduce-scatter B | all-reduce B | total comm B | peak B/rank | peak vs unsharded |\n");
   fmt::print("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");

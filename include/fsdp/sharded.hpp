@@ -4,7 +4,8 @@
 // whose type is listed in the `exclude` wrap_types, which become units of their own):
 // it copies this rank's slice into a flat shard, checks that every rank built the same
 // unit, and rebinds the engine's tensors to "no storage". The hooks then make the
-// parameters valid exactly while the engine computes with them.
+// parameters valid exactly while the engine computes with them; inside a ShardedModel
+// they also follow its ExecutionOrder to prefetch and to keep one reduction in flight.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -502,7 +503,9 @@ class Sharded final : public UnitBase {
   Trace* trace() const { return order_ ? order_->trace : nullptr; }
   Trace::Clock::time_point now_if_traced() const { return trace() ? Trace::Clock::now() : Trace::Clock::time_point{}; }
   void record_compute(const char* pass) {
-    if (Trace* t = trace()) t->add(std::string(pass) + " " + display_name(), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
+    Trace* t = trace();
+    if (t && compute_begin_ != Trace::Clock::time_point{})  // not when tracing began mid-pass
+      t->add(std::string(pass) + " " + display_name(), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
   void wait_traced(Work& w, const char* what) {
     if (Trace* t = trace()) {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numeric>
 
 #include "examples/engine/fsdp_integration.hpp"
@@ -196,5 +197,36 @@ TEST_CASE("units can be built by hand and added to a root") {
     CHECK(sm.unit("blocks.1").shards()[0].numel == (13 * 7 + 7 + 7 * 13 + 13) / 2);
     CHECK_THROWS_WITH_AS(sm.emplace<fsdp::Sharded<engine::Gain>>(model.gain, comm, device, "blocks.0"),
                          doctest::Contains("two units named 'blocks.0'"), fsdp::Error);
+  });
+}
+
+TEST_CASE("set_trace records each unit's forward and backward, and waits; nothing when off") {
+  const auto c = small();
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    fsdp::Trace trace(comm.rank());
+    fsdp::AsyncCommunicator stream(comm);
+    auto sm = fsdp::shard<fsdp::FullShard>(model, stream, device, engine::Wrap{});
+    engine::Sgd sgd(0.01f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    CHECK(trace.size() == 0);  // off by default
+    sm.set_trace(&trace);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1));
+    sm.set_trace(nullptr);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 2, comm.rank(), 1));
+    std::map<std::string, int> count;
+    for (const auto& e : trace.events()) {
+      CHECK(e.lane == fsdp::Trace::Lane::compute);
+      CHECK(e.begin <= e.end);
+      ++count[e.category + " " + e.name];
+    }
+    for (const char* unit : {"<root>", "blocks.0", "blocks.1", "gain"}) {
+      CHECK(count[std::string("forward forward ") + unit] == 1);
+      CHECK(count[std::string("backward backward ") + unit] == 1);
+    }
+    int waits = 0;
+    for (auto& [key, n] : count) if (key.rfind("wait ", 0) == 0) waits += n;
+    CHECK(waits > 0);  // an asynchronous backend is waited for somewhere
   });
 }
