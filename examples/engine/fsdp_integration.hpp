@@ -6,8 +6,10 @@
 //  - slots(): the units' flat shards -> the engine optimizer's slots
 //  - DeviceAllocator: optimizer state allocated (and counted) through the fsdp Device
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
@@ -26,21 +28,47 @@ struct UnitHooks {
   template <class M> void after_backward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->post_backward(); }
 };
 
+namespace detail {
+// Refuses a shard the f32 optimizers cannot step: its parameters, or (where the library's
+// ShardView reports it separately) its gradient, in another dtype.
+template <class View>
+void check_f32_shard(const View& v) {
+  if (v.dtype != fsdp::DType::f32)
+    throw fsdp::Error("reference engine optimizers step on f32 only; unit '" + std::string(v.unit) + "' has " +
+                      std::string(fsdp::name_of(v.dtype)));
+  if constexpr (requires { v.grad_dtype; }) {
+    if (v.grad_dtype != fsdp::DType::f32)
+      throw fsdp::Error("reference engine optimizers step on f32 only; unit '" + std::string(v.unit) +
+                        "' has a " + std::string(fsdp::name_of(v.grad_dtype)) + " gradient");
+  }
+}
+}  // namespace detail
+
 inline std::vector<Slot> slots(const fsdp::ShardedModel& m) {
   std::vector<Slot> out;
   for (const auto& v : m.shards()) {
-    if (v.dtype != fsdp::DType::f32)
-      throw fsdp::Error("reference engine optimizers step on f32 only; unit '" + std::string(v.unit) + "' has " +
-                        std::string(fsdp::name_of(v.dtype)));
+    detail::check_f32_shard(v);
     out.push_back({static_cast<float*>(v.param), static_cast<const float*>(v.grad), v.numel});
   }
   return out;
 }
 
-inline std::vector<Slot> slots(Model& m) {  // unsharded: the model's own tensors
+inline std::vector<Slot> slots(Model& m) {  // unsharded: the model's own tensors, which must be f32
   std::vector<Slot> out;
-  for (auto& p : named_parameters(m)) out.push_back({p.param->data(), p.grad->data(), p.param->numel()});
+  for (auto& p : named_parameters(m)) {
+    if (p.param->dtype() != fsdp::DType::f32 || p.grad->dtype() != fsdp::DType::f32)
+      throw fsdp::Error("reference engine optimizers step on f32 only; parameter '" + p.fqn + "' has " +
+                        std::string(fsdp::name_of(p.param->dtype())) + " (gradient " +
+                        std::string(fsdp::name_of(p.grad->dtype())) + ")");
+    out.push_back({p.param->data(), p.grad->data(), p.param->numel()});
+  }
   return out;
+}
+
+// Zeroes every gradient of the model, whatever its dtype (all-zero bits are +0 in each).
+inline void zero_grads(Model& m) {
+  for (auto& p : named_parameters(m))
+    if (p.grad->raw()) std::memset(p.grad->raw(), 0, static_cast<std::size_t>(p.grad->numel()) * fsdp::size_of(p.grad->dtype()));
 }
 
 template <fsdp::Device D>
@@ -72,12 +100,59 @@ double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, c
 // The same step without fsdp, on the whole batch.
 template <class Optimizer>
 double unsharded_step(Model& model, Optimizer& opt, const Batch& batch) {
-  for (auto& p : named_parameters(model)) std::fill_n(p.grad->data(), p.grad->numel(), 0.0f);
+  zero_grads(model);
   Mat out = model.forward(batch.x);
   Mat dout;
   const double loss = mse(out, batch.y, dout);
   model.backward(dout);
   const auto s = slots(model);
+  opt.step(s);
+  return loss;
+}
+
+// The same step under mixed precision, without fsdp: the reference for fsdp's
+// MixedPrecision<Param, Reduce, Buffer>. `master` holds the f32 parameters and buffers the
+// optimizer steps; `compute` is a Model of the same config built with param_dtype = Param
+// and buffer_dtype = Buffer. The step
+//  (a) copies the master parameters into `compute`, rounded to Param, and its buffers,
+//      rounded to Buffer;
+//  (b) zeroes the compute gradients and runs forward and backward on the whole batch, the
+//      gradients accumulating in Param sample by sample as the layers do;
+//  (c) sets each master gradient to the compute gradient rounded to `reduce`, then to f32;
+//  (d) steps `opt` on the master's slots.
+// Returns the loss.
+template <class Optimizer>
+double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const Batch& batch, fsdp::DType reduce) {
+  round_to(reduce, 0.0f);  // refuses a reduce dtype that is not floating, before any work
+  auto mp = named_parameters(master), cp = named_parameters(compute);
+  auto mb = named_buffers(master), cb = named_buffers(compute);
+  auto mismatch = [](const std::string& what) {
+    throw fsdp::Error("unsharded_mixed_step: master and compute models differ: " + what);
+  };
+  if (mp.size() != cp.size() || mb.size() != cb.size()) mismatch("parameter or buffer count");
+  for (std::size_t k = 0; k < mp.size(); ++k) {
+    if (mp[k].fqn != cp[k].fqn || mp[k].param->numel() != cp[k].param->numel()) mismatch("parameter '" + mp[k].fqn + "'");
+    Tensor& from = *mp[k].param;
+    Tensor& to = *cp[k].param;
+    for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
+  }
+  for (std::size_t k = 0; k < mb.size(); ++k) {
+    if (mb[k].fqn != cb[k].fqn || mb[k].buffer->numel() != cb[k].buffer->numel()) mismatch("buffer '" + mb[k].fqn + "'");
+    Tensor& from = *mb[k].buffer;
+    Tensor& to = *cb[k].buffer;
+    for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
+  }
+  zero_grads(compute);
+  Mat out = compute.forward(batch.x);
+  Mat dout;
+  const double loss = mse(out, batch.y, dout);
+  compute.backward(dout);
+  for (std::size_t k = 0; k < mp.size(); ++k) {
+    const Tensor& from = *cp[k].grad;
+    Tensor& to = *mp[k].grad;
+    for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, round_to(reduce, from.get(i)));
+  }
+  const auto s = slots(master);
   opt.step(s);
   return loss;
 }
@@ -88,8 +163,11 @@ inline std::vector<std::pair<std::string, std::vector<float>>> gather_full_param
   std::deque<fsdp::UnitBase::SummonScope> summoned;
   for (auto& u : sharded) summoned.emplace_back(*u, false);
   std::vector<std::pair<std::string, std::vector<float>>> out;
-  for (auto& p : named_parameters(model))
-    out.emplace_back(p.fqn, std::vector<float>(p.param->data(), p.param->data() + p.param->numel()));
+  for (auto& p : named_parameters(model)) {
+    std::vector<float> v(static_cast<std::size_t>(p.param->numel()));
+    for (std::int64_t i = 0; i < p.param->numel(); ++i) v[static_cast<std::size_t>(i)] = p.param->get(i);
+    out.emplace_back(p.fqn, std::move(v));
+  }
   return out;
 }
 

@@ -2,6 +2,10 @@
 // Layers with hand-written forward and backward. Backward *accumulates* into gradients,
 // as autograd does, one sample at a time in batch order: that fixed order is what lets
 // sharded training match unsharded training bit for bit when each rank holds one sample.
+// Parameters, gradients and buffers may be f32, f16 or bf16 (engine::Tensor's dtypes):
+// the layers read them as floats and accumulate gradients in the gradient's own dtype
+// (each add rounded once). Activations (Mat) are always float. With f32 tensors the
+// arithmetic is plain float arithmetic, in the same order whatever the dtypes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,15 +35,18 @@ inline float uniform(std::uint64_t seed, std::uint64_t i) {
   return static_cast<float>(static_cast<double>(z >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
+// Values computed in float, then rounded to t's dtype.
 inline void fill_uniform(Tensor& t, std::uint64_t seed, float scale) {
-  for (std::int64_t i = 0; i < t.numel(); ++i) t[i] = scale * uniform(seed, static_cast<std::uint64_t>(i));
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, scale * uniform(seed, static_cast<std::uint64_t>(i)));
 }
 
 // y = x W^T + b, W: [out, in]
 class Linear {
  public:
-  Linear(std::int64_t in, std::int64_t out, std::uint64_t seed, Allocator& alloc = heap())
-      : weight({out, in}, alloc), bias({out}, alloc), weight_grad({out, in}, alloc), bias_grad({out}, alloc), in_(in), out_(out) {
+  Linear(std::int64_t in, std::int64_t out, std::uint64_t seed, Allocator& alloc = heap(),
+         fsdp::DType dtype = fsdp::DType::f32)
+      : weight({out, in}, alloc, dtype), bias({out}, alloc, dtype), weight_grad({out, in}, alloc, dtype),
+        bias_grad({out}, alloc, dtype), in_(in), out_(out) {
     fill_uniform(weight, seed, 1.0f / std::sqrt(static_cast<float>(in)));
     fill_uniform(bias, seed + 1, 0.1f);
   }
@@ -47,26 +54,30 @@ class Linear {
   Mat forward(const Mat& x) {
     x_ = x;
     Mat y(x.rows, out_);
-    for (std::int64_t b = 0; b < x.rows; ++b)
-      for (std::int64_t o = 0; o < out_; ++o) {
-        float acc = bias[o];
-        for (std::int64_t i = 0; i < in_; ++i) acc += x.at(b, i) * weight[o * in_ + i];
-        y.at(b, o) = acc;
-      }
+    with_access([&](auto w, auto bias_) {
+      for (std::int64_t b = 0; b < x.rows; ++b)
+        for (std::int64_t o = 0; o < out_; ++o) {
+          float acc = bias_.get(o);
+          for (std::int64_t i = 0; i < in_; ++i) acc += x.at(b, i) * w.get(o * in_ + i);
+          y.at(b, o) = acc;
+        }
+    }, weight, bias);
     return y;
   }
 
   Mat backward(const Mat& dy) {
     Mat dx(dy.rows, in_);
-    for (std::int64_t b = 0; b < dy.rows; ++b)
-      for (std::int64_t o = 0; o < out_; ++o) {
-        const float g = dy.at(b, o);
-        bias_grad[o] += g;
-        for (std::int64_t i = 0; i < in_; ++i) {
-          weight_grad[o * in_ + i] += g * x_.at(b, i);
-          dx.at(b, i) += g * weight[o * in_ + i];
+    with_access([&](auto w, auto wg, auto bg) {
+      for (std::int64_t b = 0; b < dy.rows; ++b)
+        for (std::int64_t o = 0; o < out_; ++o) {
+          const float g = dy.at(b, o);
+          bg.add(o, g);
+          for (std::int64_t i = 0; i < in_; ++i) {
+            wg.add(o * in_ + i, g * x_.at(b, i));
+            dx.at(b, i) += g * w.get(o * in_ + i);
+          }
         }
-      }
+    }, weight, weight_grad, bias_grad);
     return dx;
   }
 
@@ -83,32 +94,44 @@ class Linear {
   Mat x_;
 };
 
-// y = x * g, one gain per feature: a module with a single parameter.
+// y = x * g * s, one gain g per feature and a fixed scale s per feature: a module with a
+// single parameter and a single buffer (state that is not trained: no gradient, never
+// stepped, but part of the model, so it follows the model's buffer dtype).
 class Gain {
  public:
-  Gain(std::int64_t dim, std::uint64_t seed, Allocator& alloc = heap()) : gain({dim}, alloc), gain_grad({dim}, alloc) {
-    for (std::int64_t i = 0; i < dim; ++i) gain[i] = 1.0f + 0.1f * uniform(seed, static_cast<std::uint64_t>(i));
+  Gain(std::int64_t dim, std::uint64_t seed, Allocator& alloc = heap(), fsdp::DType dtype = fsdp::DType::f32,
+       fsdp::DType buffer_dtype = fsdp::DType::f32)
+      : gain({dim}, alloc, dtype), gain_grad({dim}, alloc, dtype), scale({dim}, alloc, buffer_dtype) {
+    for (std::int64_t i = 0; i < dim; ++i) gain.set(i, 1.0f + 0.1f * uniform(seed, static_cast<std::uint64_t>(i)));
+    for (std::int64_t i = 0; i < dim; ++i) scale.set(i, 1.0f + 0.05f * uniform(seed + 3, static_cast<std::uint64_t>(i)));
   }
   Mat forward(const Mat& x) {
     x_ = x;
     Mat y = x;
-    for (std::int64_t b = 0; b < x.rows; ++b)
-      for (std::int64_t j = 0; j < x.cols; ++j) y.at(b, j) *= gain[j];
+    with_access([&](auto g, auto s) {
+      for (std::int64_t b = 0; b < x.rows; ++b)
+        for (std::int64_t j = 0; j < x.cols; ++j) y.at(b, j) = y.at(b, j) * g.get(j) * s.get(j);
+    }, gain, scale);
     return y;
   }
   Mat backward(const Mat& dy) {
     Mat dx = dy;
-    for (std::int64_t b = 0; b < dy.rows; ++b)
-      for (std::int64_t j = 0; j < dy.cols; ++j) {
-        gain_grad[j] += dy.at(b, j) * x_.at(b, j);
-        dx.at(b, j) *= gain[j];
-      }
+    with_access([&](auto g, auto gg, auto s) {
+      for (std::int64_t b = 0; b < dy.rows; ++b)
+        for (std::int64_t j = 0; j < dy.cols; ++j) {
+          gg.add(j, dy.at(b, j) * x_.at(b, j) * s.get(j));
+          dx.at(b, j) = dx.at(b, j) * g.get(j) * s.get(j);
+        }
+    }, gain, gain_grad, scale);
     return dx;
   }
   template <class F>
   void visit_parameters(F&& f) { f("gain", gain, gain_grad); }
+  template <class F>
+  void visit_buffers(F&& f) { f("scale", scale); }
 
   Tensor gain, gain_grad;
+  Tensor scale;  // buffer
 
  private:
   Mat x_;
@@ -118,8 +141,10 @@ class Gain {
 // disabled low-rank adapter, say): it exists, has an FQN, and holds no elements.
 class Block {
  public:
-  Block(std::int64_t dim, std::int64_t hidden, std::uint64_t seed, Allocator& alloc = heap())
-      : fc1(dim, hidden, seed, alloc), fc2(hidden, dim, seed + 7, alloc), adapter({0, dim}, alloc), adapter_grad({0, dim}, alloc) {}
+  Block(std::int64_t dim, std::int64_t hidden, std::uint64_t seed, Allocator& alloc = heap(),
+        fsdp::DType dtype = fsdp::DType::f32)
+      : fc1(dim, hidden, seed, alloc, dtype), fc2(hidden, dim, seed + 7, alloc, dtype), adapter({0, dim}, alloc, dtype),
+        adapter_grad({0, dim}, alloc, dtype) {}
 
   Mat forward(const Mat& x) {
     Mat h = fc1.forward(x);

@@ -2,7 +2,8 @@
 // The reference model: embed -> blocks -> gain -> head, trained with MSE on a synthetic
 // regression task. Forward and backward call `hooks` around the whole model and around
 // each top-level layer; the engine does not know what the hooks do (fsdp's integration
-// in fsdp_integration.hpp turns them into unit lifecycle calls).
+// in fsdp_integration.hpp turns them into unit lifecycle calls). Parameters (and their
+// gradients) and buffers may be built in f32, f16 or bf16.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,11 +27,16 @@ struct NoHooks {
 
 class Model {
  public:
-  explicit Model(const ModelConfig& c, Allocator& alloc = heap())
-      : config(c), embed(c.in, c.dim, c.seed * 1000, alloc), gain(c.dim, c.seed * 1000 + 500, alloc),
-        head(c.dim, c.out, c.seed * 1000 + 900, alloc) {
+  // Initial values are computed in float, the same for every dtype, then rounded to the
+  // parameter (or buffer) dtype; gradients take the parameter dtype.
+  explicit Model(const ModelConfig& c, Allocator& alloc = heap(), fsdp::DType param_dtype = fsdp::DType::f32,
+                 fsdp::DType buffer_dtype = fsdp::DType::f32)
+      : config(c), embed(c.in, c.dim, c.seed * 1000, alloc, param_dtype),
+        gain(c.dim, c.seed * 1000 + 500, alloc, param_dtype, buffer_dtype),
+        head(c.dim, c.out, c.seed * 1000 + 900, alloc, param_dtype) {
     blocks.reserve(static_cast<std::size_t>(c.blocks));
-    for (int i = 0; i < c.blocks; ++i) blocks.emplace_back(c.dim, c.hidden, c.seed * 1000 + 10 * (i + 1), alloc);
+    for (int i = 0; i < c.blocks; ++i)
+      blocks.emplace_back(c.dim, c.hidden, c.seed * 1000 + 10 * (i + 1), alloc, param_dtype);
   }
 
   template <class Hooks = NoHooks>
@@ -91,6 +97,12 @@ struct NamedParam {
   Tensor* grad;
 };
 
+// Every buffer with its FQN, in the same walk.
+struct NamedBuffer {
+  std::string fqn;
+  Tensor* buffer;
+};
+
 template <class M>
 void collect(M& m, const std::string& prefix, std::vector<NamedParam>& out) {
   auto join = [&](std::string_view n) { return prefix.empty() ? std::string(n) : prefix + "." + std::string(n); };
@@ -100,8 +112,23 @@ void collect(M& m, const std::string& prefix, std::vector<NamedParam>& out) {
     m.visit_children([&](std::string_view n, auto& c) { collect(c, join(n), out); });
 }
 
+template <class M>
+void collect(M& m, const std::string& prefix, std::vector<NamedBuffer>& out) {
+  auto join = [&](std::string_view n) { return prefix.empty() ? std::string(n) : prefix + "." + std::string(n); };
+  if constexpr (requires { m.visit_buffers([](std::string_view, Tensor&) {}); })
+    m.visit_buffers([&](std::string_view n, Tensor& b) { out.push_back({join(n), &b}); });
+  if constexpr (requires { m.visit_children([](std::string_view, auto&) {}); })
+    m.visit_children([&](std::string_view n, auto& c) { collect(c, join(n), out); });
+}
+
 inline std::vector<NamedParam> named_parameters(Model& m) {
   std::vector<NamedParam> out;
+  collect(m, "", out);
+  return out;
+}
+
+inline std::vector<NamedBuffer> named_buffers(Model& m) {
+  std::vector<NamedBuffer> out;
   collect(m, "", out);
   return out;
 }

@@ -33,6 +33,8 @@ concept Device = requires(D& d, std::size_t bytes, std::size_t count, void* p, c
   d.fill_zero(p, bytes);
   d.scale(p, count, t, factor);         // p[i] *= factor
   d.accumulate(p, cp, count, t);        // p[i] += cp[i]
+  d.cast(p, t, cp, t, count);           // p[i] = cp[i] converted between dtypes (to, from);
+                                        // like copy, the source may be in either space
   d.synchronize();                      // all queued work on this device is done
   { d.stats(s) } -> std::convertible_to<MemoryStats>;
   d.reset_peak(s);                      // peak := live
@@ -44,6 +46,7 @@ constexpr void check_device() {
                 "fsdp: this type is not an fsdp::Device. It needs id(), allocate(bytes, space), "
                 "deallocate(ptr, bytes, space), copy(dst, src, bytes), fill_zero(ptr, bytes), "
                 "scale(ptr, count, dtype, factor), accumulate(dst, src, count, dtype), "
+                "cast(dst, dst_dtype, src, src_dtype, count), "
                 "synchronize(), stats(space) and reset_peak(space). See docs/concepts.md#device.");
 }
 

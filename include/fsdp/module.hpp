@@ -5,6 +5,10 @@
 //                           m's *own* parameters (not its children's); T models fsdp::Tensor.
 //   visit_children(m, f)    calls f(std::string_view name, Child& child) for each direct
 //                           child module. Optional: a module without it is a leaf.
+//   visit_buffers(m, f)     calls f(std::string_view name, T& buffer) for each of m's own
+//                           non-trainable tensors (running statistics and the like).
+//                           Optional: MixedPrecision casts them, sync_module_states
+//                           broadcasts them.
 //
 // Either as members (m.visit_parameters(f)) or as free functions found by ADL. The library
 // joins names with '.' into fully qualified names (FQNs) such as "blocks.3.weight", the keys
@@ -63,6 +67,28 @@ template <class M, class F>
 void for_each_child(M& m, F&& f) {
   if constexpr (detail::member_child_visit<M, detail::child_visitor_archetype>) m.visit_children(f);
   else if constexpr (detail::adl_child_visit<M, detail::child_visitor_archetype>) visit_children(m, f);
+}
+
+namespace detail {
+struct buffer_visitor_archetype {
+  template <class T> void operator()(std::string_view, T&) const {}
+};
+template <class M, class F>
+concept member_buffer_visit = requires(M& m, F f) { m.visit_buffers(f); };
+template <class M, class F>
+concept adl_buffer_visit = requires(M& m, F f) { visit_buffers(m, f); };
+}  // namespace detail
+
+// Own buffers of m: f(name, buffer). Modules without visit_buffers have none.
+template <class M, class F>
+void for_each_own_buffer(M& m, F&& f) {
+  auto checked = [&](std::string_view name, auto& buffer) {
+    static_assert(Tensor<std::remove_cvref_t<decltype(buffer)>>,
+                  "fsdp: visit_buffers passed a buffer whose type does not satisfy fsdp::Tensor");
+    f(name, buffer);
+  };
+  if constexpr (detail::member_buffer_visit<M, detail::buffer_visitor_archetype>) m.visit_buffers(checked);
+  else if constexpr (detail::adl_buffer_visit<M, detail::buffer_visitor_archetype>) visit_buffers(m, checked);
 }
 
 inline std::string join_fqn(std::string_view prefix, std::string_view name) {

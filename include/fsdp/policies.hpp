@@ -4,6 +4,8 @@
 // policies for the same slot, stop compilation with a message naming the slot.
 #include <type_traits>
 
+#include "fsdp/dtype.hpp"
+
 namespace fsdp {
 
 // ---- slots ----
@@ -73,10 +75,39 @@ struct NoForwardPrefetch {
 };
 
 // ---- MixedPrecision ----
-struct FullPrecision { using fsdp_policy_slot = mixed_precision_slot; };
+// FSDP's MixedPrecision: the sharded master parameters keep their own dtype; each unshard
+// casts the shard to Param before the all-gather (so the all-gather moves Param-sized
+// bytes) and computation sees Param; gradients (computed in Param) are reduced in Reduce
+// and kept in the master dtype, or in Reduce with KeepLowPrecisionGrads; buffers are
+// computed with in Buffer. Reduce and Buffer default to Param. Dtypes are named by type:
+// float, double, fsdp::bf16, fsdp::f16. A dtype equal to a tensor's own is no cast.
+template <class Param, class Reduce = Param, class Buffer = Param, bool KeepLowPrecisionGrads = false>
+struct MixedPrecision {
+  using fsdp_policy_slot = mixed_precision_slot;
+  static constexpr bool enabled = true;
+  static constexpr DType param = dtype_v<Param>, reduce = dtype_v<Reduce>, buffer = dtype_v<Buffer>;
+  static constexpr bool keep_low_precision_grads = KeepLowPrecisionGrads;
+  static_assert(is_floating(param) && is_floating(reduce) && is_floating(buffer),
+                "fsdp: MixedPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16)");
+};
+struct FullPrecision {
+  using fsdp_policy_slot = mixed_precision_slot;
+  static constexpr bool enabled = false;
+  static constexpr bool keep_low_precision_grads = false;
+};
 
 // ---- CpuOffload ----
-struct NoOffload { using fsdp_policy_slot = cpu_offload_slot; };
+// OffloadParams: sharded parameters and gradients live in the Device's host space (pinned
+// memory on CUDA); the shard is copied to the device before each all-gather and the reduced
+// gradient back after each reduction; the optimizer steps on host memory.
+struct OffloadParams {
+  using fsdp_policy_slot = cpu_offload_slot;
+  static constexpr bool offload = true;
+};
+struct NoOffload {
+  using fsdp_policy_slot = cpu_offload_slot;
+  static constexpr bool offload = false;
+};
 
 template <class P>
 concept Policy = requires { typename P::fsdp_policy_slot; };
@@ -116,8 +147,8 @@ struct Policies {
                 "fsdp: a template argument of fsdp::Sharded after the Module is not an fsdp policy. "
                 "Policies are ShardingStrategy (FullShard, ShardGradOp, NoShard, HybridShard, "
                 "HybridShardZero2), BackwardPrefetch (BackwardPre, BackwardPost, NoBackwardPrefetch), "
-                "ForwardPrefetch (ForwardPrefetch, NoForwardPrefetch), MixedPrecision (FullPrecision) "
-                "and CpuOffload (NoOffload), in any order.");
+                "ForwardPrefetch (ForwardPrefetch, NoForwardPrefetch), MixedPrecision (FullPrecision, "
+                "MixedPrecision<Param, Reduce, Buffer>) and CpuOffload (NoOffload, OffloadParams), in any order.");
 };
 
 template <class... Ps>

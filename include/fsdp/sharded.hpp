@@ -39,6 +39,9 @@ struct wrap_types {
 
 struct UnitOptions {
   std::string fqn;  // the module's FQN within the model ("" for the root): names parameters
+  // Broadcast rank 0's parameters and buffers to every rank at construction, as FSDP's
+  // sync_module_states does: ranks that initialised differently then start the same.
+  bool sync_module_states = false;
 };
 
 // FSDP's split of the 1/N average into a factor before and one after the reduction,
@@ -51,11 +54,32 @@ inline double gradient_predivide_factor(int world) {
 
 namespace detail {
 
+// Points a tensor at `data`, shown in `dtype` (its own dtype unless MixedPrecision).
+using RebindFn = void (*)(void* tensor, void* data, DType dtype);
+
+template <class T>
+RebindFn rebind_fn() {
+  return [](void* t, void* data, DType d) {
+    if constexpr (RebindableAs<T>) tensor_traits<T>::rebind(*static_cast<T*>(t), data, d);
+    else tensor_traits<T>::rebind(*static_cast<T*>(t), data);  // only ever asked for its own dtype
+  };
+}
+
 // One parameter as the unit holds it: where to rebind the engine's tensors.
 struct ParamBinding {
   void* param = nullptr;
   void* grad = nullptr;
-  void (*rebind)(void* tensor, void* data) = nullptr;
+  RebindFn rebind = nullptr;
+};
+
+// A buffer (non-trainable tensor) as the unit found it.
+struct CollectedBuffer {
+  std::string fqn;
+  DType dtype;
+  std::int64_t numel;
+  void* data;
+  void* tensor;
+  RebindFn rebind;
 };
 
 struct CollectedParam {
@@ -98,11 +122,18 @@ struct UnitGroups {
   }
 };
 
-template <class Exclude, class M>
-void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out) {
+// Walks m's subtree (minus children whose type is in Exclude) for parameters and buffers.
+// ChangesDtype: MixedPrecision will show them in another dtype, which needs the 3-argument
+// tensor_traits::rebind.
+template <class Exclude, bool ChangesDtype, class M>
+void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
+                        std::vector<CollectedBuffer>& buffers) {
   for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
     using T = std::remove_cvref_t<decltype(param)>;
     using Tr = tensor_traits<T>;
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
+                  "static void rebind(T&, void* data, fsdp::DType)");
     CollectedParam c;
     c.info.fqn = join_fqn(prefix, name);
     for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
@@ -112,12 +143,20 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
     for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
     c.device = Tr::device(param);
     c.data = Tr::data(param);
-    c.binding = {&param, &grad, [](void* t, void* data) { Tr::rebind(*static_cast<T*>(t), data); }};
+    c.binding = {&param, &grad, rebind_fn<T>()};
     out.push_back(std::move(c));
+  });
+  for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
+    using T = std::remove_cvref_t<decltype(buffer)>;
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
+    buffers.push_back({join_fqn(prefix, name), tensor_traits<T>::dtype(buffer), numel(buffer),
+                       tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>()});
   });
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
-    if constexpr (!Exclude::template contains<C>) collect_parameters<Exclude>(child, join_fqn(prefix, name), out);
+    if constexpr (!Exclude::template contains<C>)
+      collect_parameters<Exclude, ChangesDtype>(child, join_fqn(prefix, name), out, buffers);
   });
 }
 
@@ -130,8 +169,10 @@ class Sharded final : public UnitBase {
   using config = Policies<Ps...>;
   using strategy = typename config::strategy;
   using prefetch_policy = typename config::backward_prefetch;
+  using precision = typename config::mixed_precision;
   static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
   static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
+  static constexpr bool offload = config::cpu_offload::offload;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
@@ -153,12 +194,17 @@ class Sharded final : public UnitBase {
     for (auto& fp : flat_) {
       fp.gather_work = Work{};  // waits: the buffers below may still be in use by a collective
       fp.reduce_work = Work{};
-      if (fp.reduce_out && fp.reduce_out != fp.shard_grad) device_.deallocate(fp.reduce_out, fp.layout.shard_bytes(), MemorySpace::device);
-      if (fp.full != fp.shard) release(fp.full, fp.layout.padded_bytes());
+      release_reduction_buffers(fp);
+      release_unsharded_params(fp);
       release_full_grad(fp);
-      release(fp.shard, fp.layout.shard_bytes());
-      release(fp.shard_grad, fp.layout.shard_bytes());
-      for (auto& b : fp.bindings) { b.rebind(b.param, nullptr); b.rebind(b.grad, nullptr); }
+      release(fp.shard, fp.shard_bytes(), shard_space);
+      release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
+      for (auto& b : fp.bindings) { b.rebind(b.param, nullptr, fp.master()); b.rebind(b.grad, nullptr, fp.master()); }
+    }
+    for (auto& b : buffers_) {
+      b.rebind(b.tensor, nullptr, b.dtype);
+      release(b.master, bytes(b.numel, b.dtype), MemorySpace::device);
+      release(b.cast, bytes(b.numel, precision_buffer()), MemorySpace::device);
     }
   }
 
@@ -193,13 +239,13 @@ class Sharded final : public UnitBase {
     if (order_) order_->enter(*this, Pass::backward, groups_.world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
     for (auto& fp : flat_) {
-      if (!strategy::shards_parameters && grad_is_zero_) {
+      if (fp.direct && grad_is_zero_) {
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
       } else {
-        fp.full_grad = device_.allocate(fp.layout.padded_bytes(), MemorySpace::device);
-        device_.fill_zero(fp.full_grad, fp.layout.padded_bytes());  // engines accumulate into grads
+        fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
+        device_.fill_zero(fp.full_grad, fp.full_bytes());  // engines accumulate into grads
       }
-      bind(fp, fp.full_grad, &detail::ParamBinding::grad);
+      bind(fp, fp.full_grad, &detail::ParamBinding::grad, fp.compute);
     }
     if (order_) {
       if (!backward_prefetch_.empty()) for (auto* u : backward_prefetch_) u->prefetch();
@@ -219,7 +265,7 @@ class Sharded final : public UnitBase {
         if (auto* next = order_->next(Pass::backward)) next->prefetch();
     bool inline_done = true;
     for (auto& fp : flat_) {
-      bind(fp, nullptr, &detail::ParamBinding::grad);
+      bind(fp, nullptr, &detail::ParamBinding::grad, fp.master());
       inline_done = start_reduction(fp) && inline_done;
     }
     grad_is_zero_ = false;
@@ -236,7 +282,7 @@ class Sharded final : public UnitBase {
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.full) continue;
-      start_gather(fp);
+      start_gather(fp, fp.compute);
       issued = true;
     }
     if (issued) { prefetched_ = true; order_->prefetch_issued(); }
@@ -254,6 +300,7 @@ class Sharded final : public UnitBase {
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
     finish_reduction();
+    if constexpr (offload) device_.synchronize();  // gradients copied to host are complete
     state_ = TrainingState::IDLE;
   }
 
@@ -264,27 +311,32 @@ class Sharded final : public UnitBase {
 
   void zero_grad() override {
     expect({TrainingState::IDLE}, "zero_grad");
-    for (auto& fp : flat_) device_.fill_zero(fp.shard_grad, fp.layout.shard_bytes());
+    for (auto& fp : flat_) device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
     grad_is_zero_ = true;
   }
 
+  // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
+  // summon_full_params and state dicts show, whatever the mixed precision.
   void begin_summon_full_params() override {
     expect({TrainingState::IDLE}, "summon_full_params");
-    unshard();
+    release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
+    for (auto& fp : flat_) {
+      start_gather(fp, fp.master());
+      finish_gather(fp, fp.master());
+    }
+    show_buffers_in_master_dtype(true);
     state_ = TrainingState::SUMMON_FULL_PARAMS;
   }
 
   void end_summon_full_params(bool writeback) override {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
-    if (writeback) {
-      for (auto& fp : flat_) {
-        const auto& L = fp.layout;
-        const std::size_t esize = size_of(L.dtype());
-        if (fp.full == fp.shard) continue;  // replicated: the parameters are the shard
-        device_.copy(fp.shard, static_cast<std::byte*>(fp.full) + groups_.shard_rank * L.shard_bytes(),
-                     static_cast<std::size_t>(L.valid_shard_numel(groups_.shard_rank)) * esize);
-      }
+    for (auto& fp : flat_) {
+      const auto& L = fp.layout;
+      if (!writeback || fp.full == fp.shard) continue;  // replicated in place: edits are already there
+      const void* mine = static_cast<std::byte*>(fp.full) + groups_.shard_rank * L.shard_bytes();
+      device_.copy(fp.shard, mine, static_cast<std::size_t>(L.valid_shard_numel(groups_.shard_rank)) * size_of(fp.master()));
     }
+    show_buffers_in_master_dtype(false, writeback);
     release_unsharded();
     state_ = TrainingState::IDLE;
   }
@@ -299,6 +351,13 @@ class Sharded final : public UnitBase {
   }
 
  private:
+  static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
+  static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
+  static DType precision_buffer() {
+    if constexpr (precision::enabled) return precision::buffer;
+    else return DType::f32;  // unused: without mixed precision buffers are not copied
+  }
+
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
       : UnitBase(std::move(options.fqn), groups.world.rank(), &module, typeid(Module)), groups_(groups), device_(device) {
@@ -306,25 +365,52 @@ class Sharded final : public UnitBase {
     pre_divide_ = gradient_predivide_factor(world);
     post_divide_ = world / pre_divide_;
     std::vector<detail::CollectedParam> params;
-    detail::collect_parameters<Exclude>(module, fqn_, params);
+    std::vector<detail::CollectedBuffer> buffers;
+    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers);
     validate_local(params);
     build_flat_params(params);
     detail::check_same_across_ranks(groups_.world, fingerprint(), "unit '" + display_name() + "'", describe_local());
+    if (options.sync_module_states) broadcast_from_rank0(params, buffers);
     take_over_storage(params);
+    take_over_buffers(buffers);
   }
 
   struct FlatParam {
     explicit FlatParam(FlatParamLayout l) : layout(std::move(l)) {}
     FlatParamLayout layout;
     std::vector<detail::ParamBinding> bindings;  // parallel to layout.params()
-    void* shard = nullptr;       // shard_numel elements, this rank's
-    void* shard_grad = nullptr;  // shard_numel elements, reduced gradient
-    void* full = nullptr;        // padded_numel elements while unsharded
-    void* full_grad = nullptr;   // padded_numel elements during backward
+    DType compute = DType::f32;  // what the engine computes with (MixedPrecision's Param)
+    DType reduce = DType::f32;   // what gradients are reduced in
+    DType grad = DType::f32;     // what the sharded gradient is kept in
+    bool direct = false;         // replicated, same dtype, not offloaded: the shard *is* the parameters
+    void* shard = nullptr;       // shard_numel master-dtype elements, this rank's (host space when offloaded)
+    void* shard_grad = nullptr;  // shard_numel `grad`-dtype elements, the reduced gradient
+    void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
+    DType full_dtype = DType::f32;
+    void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
     Work gather_work;            // the all-gather into `full`, until its first use
-    Work reduce_work;            // the reduction out of `full_grad`, until finished
-    void* reduce_out = nullptr;  // where it reduces to
+    Work reduce_work;            // the reduction, until finished
+    void* reduce_in = nullptr;   // full_grad cast to `reduce`, when that differs
+    void* reduce_out = nullptr;  // shard_numel `reduce`-dtype elements: where it reduces to
+    bool into_shard_grad = false;
     bool reducing = false;
+
+    DType master() const { return layout.dtype(); }
+    std::size_t shard_bytes() const { return bytes(layout.shard_numel(), master()); }
+    std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
+    std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
+  };
+
+  // A buffer cast for computation: the unit keeps the master copy (original dtype) and
+  // the cast one, and points the engine's tensor at the one in use.
+  struct BufferCopy {
+    std::string fqn;
+    DType dtype;
+    std::int64_t numel;
+    void* tensor;
+    detail::RebindFn rebind;
+    void* master = nullptr;
+    void* cast = nullptr;
   };
 
   std::string display_name() const { return fqn_.empty() ? "<root>" : fqn_; }
@@ -405,6 +491,17 @@ class Sharded final : public UnitBase {
     return os.str();
   }
 
+  void broadcast_from_rank0(const std::vector<detail::CollectedParam>& params,
+                            const std::vector<detail::CollectedBuffer>& buffers) {
+    for (auto& p : params)
+      if (p.info.numel > 0) {
+        void* data = const_cast<void*>(p.data);
+        groups_.world.broadcast(data, data, static_cast<std::size_t>(p.info.numel), p.dtype, 0).wait();
+      }
+    for (auto& b : buffers)
+      if (b.numel > 0) groups_.world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
+  }
+
   // Copies this rank's slices into fresh shards and leaves the engine's tensors empty.
   void take_over_storage(const std::vector<detail::CollectedParam>& params) {
     std::unordered_map<void*, const void*> data_of;
@@ -412,71 +509,149 @@ class Sharded final : public UnitBase {
     for (auto& fp : flat_) {
       const auto& L = fp.layout;
       const std::size_t esize = size_of(L.dtype());
-      fp.shard = device_.allocate(L.shard_bytes(), MemorySpace::device);
-      fp.shard_grad = device_.allocate(L.shard_bytes(), MemorySpace::device);
-      device_.fill_zero(fp.shard, L.shard_bytes());
-      device_.fill_zero(fp.shard_grad, L.shard_bytes());
+      fp.compute = fp.reduce = fp.grad = fp.master();
+      if constexpr (precision::enabled) {
+        fp.compute = precision::param;
+        fp.reduce = precision::reduce;
+        fp.grad = precision::keep_low_precision_grads ? precision::reduce : fp.master();
+      }
+      fp.direct = !strategy::shards_parameters && !offload && fp.compute == fp.master() && fp.reduce == fp.master();
+      fp.shard = device_.allocate(fp.shard_bytes(), shard_space);
+      fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
+      device_.fill_zero(fp.shard, fp.shard_bytes());
+      device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
       for (std::size_t i = 0; i < L.params().size(); ++i) {
-        const ShardSlice s = L.slice(i, groups_.shard_rank);
-        if (s.count == 0) continue;
-        device_.copy(static_cast<std::byte*>(fp.shard) + s.shard_offset * esize,
-                     static_cast<const std::byte*>(data_of[fp.bindings[i].param]) + s.param_begin * esize,
-                     static_cast<std::size_t>(s.count) * esize);
+        const ShardSlice sl = L.slice(i, groups_.shard_rank);
+        if (sl.count == 0) continue;
+        device_.copy(static_cast<std::byte*>(fp.shard) + sl.shard_offset * esize,
+                     static_cast<const std::byte*>(data_of[fp.bindings[i].param]) + sl.param_begin * esize,
+                     static_cast<std::size_t>(sl.count) * esize);
       }
-      bind(fp, nullptr, &detail::ParamBinding::grad);
-      if constexpr (strategy::shards_parameters) {
-        bind(fp, nullptr, &detail::ParamBinding::param);
-      } else {  // replicated: the parameters live in the "shard" for good
+      bind(fp, nullptr, &detail::ParamBinding::grad, fp.master());
+      if (fp.direct) {  // replicated: the parameters live in the "shard" for good
         fp.full = fp.shard;
-        bind(fp, fp.full, &detail::ParamBinding::param);
+        fp.full_dtype = fp.master();
+        bind(fp, fp.full, &detail::ParamBinding::param, fp.master());
+      } else {
+        bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
       }
-      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(groups_.shard_rank)});
+      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(groups_.shard_rank), fp.grad});
     }
   }
 
-  // Issues the all-gather of one flat parameter into a fresh unsharded buffer.
-  void start_gather(FlatParam& fp) {
-    const auto& L = fp.layout;
-    fp.full = device_.allocate(L.padded_bytes(), MemorySpace::device);
-    fp.gather_work = groups_.shard.all_gather(fp.shard, fp.full, static_cast<std::size_t>(L.shard_numel()), L.dtype());
+  // Under MixedPrecision with a Buffer dtype other than a buffer's own, the unit keeps the
+  // buffer in both dtypes and shows the cast one to the engine; otherwise buffers stay the
+  // engine's.
+  void take_over_buffers(const std::vector<detail::CollectedBuffer>& buffers) {
+    if constexpr (precision::enabled) {
+      for (auto& b : buffers) {
+        if (b.dtype == precision::buffer || !is_floating(b.dtype)) continue;
+        BufferCopy c{b.fqn, b.dtype, b.numel, b.tensor, b.rebind};
+        c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
+        c.cast = device_.allocate(bytes(b.numel, precision::buffer), MemorySpace::device);
+        if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
+        device_.cast(c.cast, precision::buffer, c.master, b.dtype, static_cast<std::size_t>(b.numel));
+        c.rebind(c.tensor, c.cast, precision::buffer);
+        buffers_.push_back(std::move(c));
+      }
+    }
   }
 
-  // Makes the parameters valid: waits for a prefetched all-gather, or issues one and waits,
-  // unless they are valid already (replicated, or kept since forward).
+  // Summon shows buffers in their own dtype; leaving it casts them back (keeping edits).
+  void show_buffers_in_master_dtype(bool show, bool keep_edits = false) {
+    for (auto& b : buffers_) {
+      const auto n = static_cast<std::size_t>(b.numel);
+      if (show) {
+        device_.cast(b.master, b.dtype, b.cast, precision_buffer(), n);  // training may have updated it
+        b.rebind(b.tensor, b.master, b.dtype);
+      } else {
+        if (keep_edits) device_.cast(b.cast, precision_buffer(), b.master, b.dtype, n);
+        b.rebind(b.tensor, b.cast, precision_buffer());
+      }
+    }
+  }
+
+  // Issues the all-gather of one flat parameter, in dtype `as`, into a fresh unsharded
+  // buffer. When the shard is offloaded or cast, it is copied (and cast) straight into this
+  // rank's slot of that buffer and gathered in place (NCCL's in-place all-gather), so no
+  // staging copy is ever alive. Replicated parameters need no collective.
+  void start_gather(FlatParam& fp, DType as) {
+    const auto& L = fp.layout;
+    const auto S = static_cast<std::size_t>(L.shard_numel());
+    fp.full_dtype = as;
+    if (fp.direct) { fp.full = fp.shard; return; }
+    const std::int64_t n = strategy::shards_parameters ? L.padded_numel() : L.shard_numel();
+    fp.full = device_.allocate(bytes(n, as), MemorySpace::device);
+    void* mine = static_cast<std::byte*>(fp.full) + (strategy::shards_parameters ? groups_.shard_rank : 0) * bytes(L.shard_numel(), as);
+    const bool staged = offload || as != fp.master() || !strategy::shards_parameters;
+    if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
+    if constexpr (strategy::shards_parameters)
+      fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as);
+  }
+
+  void finish_gather(FlatParam& fp, DType as) {
+    if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");
+    fp.gather_work = Work{};
+    bind(fp, fp.full, &detail::ParamBinding::param, as);
+  }
+
+  // Makes the parameters valid in the compute dtype: waits for a prefetched all-gather, or
+  // issues one and waits, unless they are valid already (replicated in place, or kept
+  // since forward).
   void unshard() {
     for (auto& fp : flat_) {
-      if (!fp.full) start_gather(fp);
-      if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");
-      fp.gather_work = Work{};
-      bind(fp, fp.full, &detail::ParamBinding::param);
+      if (!fp.full) start_gather(fp, fp.compute);
+      finish_gather(fp, fp.compute);
     }
     if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
   }
 
   void release_unsharded() {
-    if constexpr (!strategy::shards_parameters) return;  // replicated parameters stay valid
     for (auto& fp : flat_) {
-      bind(fp, nullptr, &detail::ParamBinding::param);
-      release(fp.full, fp.layout.padded_bytes());
+      if (fp.direct) continue;  // replicated parameters stay valid
+      fp.gather_work = Work{};  // a prefetched all-gather may still be writing into the buffer
+      bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
+      release_unsharded_params(fp);
     }
+    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }  // gathered ahead, never used
+  }
+
+  void release_unsharded_params(FlatParam& fp) {
+    if (!fp.full || fp.full == fp.shard) return;
+    const std::int64_t n = strategy::shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();
+    device_.deallocate(fp.full, bytes(n, fp.full_dtype), MemorySpace::device);
+    fp.full = nullptr;
   }
 
   // Averages the unit's unsharded gradient over every rank into its sharded gradient:
-  // reduce-scatter over the shard group (all-reduce when parameters are replicated), then
-  // all-reduce of the shard over the replicate group, with FSDP's pre and post factors.
-  // start_reduction issues the first collective; finish_gradient does the rest once it is
-  // done. Returns whether the collective completed inside the call.
+  // cast to the reduce dtype if needed; reduce-scatter over the shard group (all-reduce
+  // when parameters are replicated), then all-reduce of the shard over the replicate group;
+  // FSDP's pre and post factors in the reduce dtype; then into the sharded gradient (cast
+  // to its dtype, copied to host when offloaded). start_reduction issues the first
+  // collective and returns whether it completed inside the call; finish_gradient does the
+  // rest once it has.
   bool start_reduction(FlatParam& fp) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
-    if (pre_divide_ != 1.0) device_.scale(fp.full_grad, static_cast<std::size_t>(L.padded_numel()), L.dtype(), 1.0 / pre_divide_);
-    // Right after zero_grad the sharded gradient is zero: reduce straight into it (in place
-    // when the engine already accumulated into it).
-    fp.reduce_out = grad_is_zero_ ? fp.shard_grad : device_.allocate(L.shard_bytes(), MemorySpace::device);
+    const auto padded = static_cast<std::size_t>(L.padded_numel());
+    void* in = fp.full_grad;
+    if (fp.reduce != fp.compute) {
+      fp.reduce_in = device_.allocate(bytes(L.padded_numel(), fp.reduce), MemorySpace::device);
+      device_.cast(fp.reduce_in, fp.reduce, fp.full_grad, fp.compute, padded);
+      release_full_grad(fp);  // cast: the compute-dtype gradient is no longer needed
+      in = fp.reduce_in;
+    }
+    if (pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
+    // Right after zero_grad a device-resident sharded gradient of the reduce dtype is zero:
+    // reduce straight into it (in place when the engine already accumulated into it).
+    fp.into_shard_grad = grad_is_zero_;
+    fp.reduce_out = grad_is_zero_ && !offload && fp.grad == fp.reduce
+                        ? fp.shard_grad
+                        : device_.allocate(bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
     if constexpr (strategy::shards_parameters)
-      fp.reduce_work = groups_.shard.reduce_scatter(fp.full_grad, fp.reduce_out, S, L.dtype(), ReduceOp::sum);
+      fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
     else
-      fp.reduce_work = groups_.replicate.all_reduce(fp.full_grad, fp.reduce_out, S, L.dtype(), ReduceOp::sum);
+      fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
     fp.reducing = true;
     return fp.reduce_work.completed_inline();
   }
@@ -485,18 +660,43 @@ class Sharded final : public UnitBase {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     void* out = fp.reduce_out;
-    if (strategy::shards_parameters && groups_.replicate_size > 1)
-    {
-      Work w = groups_.replicate.all_reduce(out, out, S, L.dtype(), ReduceOp::sum);
+    if (strategy::shards_parameters && groups_.replicate_size > 1) {
+      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
       wait_traced(w, "wait all_reduce");
     }
-    if (post_divide_ != 1.0) device_.scale(out, S, L.dtype(), 1.0 / post_divide_);
+    if (post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
     if (out != fp.shard_grad) {
-      device_.accumulate(fp.shard_grad, out, S, L.dtype());
-      device_.deallocate(out, L.shard_bytes(), MemorySpace::device);
+      // Bring the result to the sharded gradient's dtype and memory space, then add it.
+      void* in_grad_dtype = out;
+      if (fp.grad != fp.reduce) {
+        in_grad_dtype = device_.allocate(bytes(L.shard_numel(), fp.grad), MemorySpace::device);
+        device_.cast(in_grad_dtype, fp.grad, out, fp.reduce, S);
+      }
+      void* src = in_grad_dtype;
+      if (offload) {
+        src = device_.allocate(fp.shard_grad_bytes(), MemorySpace::host);
+        device_.copy(src, in_grad_dtype, fp.shard_grad_bytes());
+      }
+      if (fp.into_shard_grad) device_.copy(fp.shard_grad, src, fp.shard_grad_bytes());
+      else device_.accumulate(fp.shard_grad, src, S, fp.grad);
+      if (src != in_grad_dtype) device_.deallocate(src, fp.shard_grad_bytes(), MemorySpace::host);
+      if (in_grad_dtype != out) device_.deallocate(in_grad_dtype, bytes(L.shard_numel(), fp.grad), MemorySpace::device);
     }
-    fp.reduce_out = nullptr;
+    release_reduction_buffers(fp);
     release_full_grad(fp);
+  }
+
+  void release_reduction_buffers(FlatParam& fp) {
+    if (fp.reduce_out && fp.reduce_out != fp.shard_grad)
+      device_.deallocate(fp.reduce_out, bytes(fp.layout.shard_numel(), fp.reduce), MemorySpace::device);
+    fp.reduce_out = nullptr;
+    if (fp.reduce_in) device_.deallocate(fp.reduce_in, bytes(fp.layout.padded_numel(), fp.reduce), MemorySpace::device);
+    fp.reduce_in = nullptr;
+  }
+
+  void release_full_grad(FlatParam& fp) {
+    if (fp.full_grad == fp.shard_grad) fp.full_grad = nullptr;  // an alias, not an allocation
+    else release(fp.full_grad, fp.full_bytes(), MemorySpace::device);
   }
 
   // ---- tracing: one pointer test when off ----
@@ -517,23 +717,18 @@ class Sharded final : public UnitBase {
     }
   }
 
-  // Points every parameter's param (or grad) tensor into `base`, or at nothing.
-  void bind(FlatParam& fp, void* base, void* detail::ParamBinding::*which) {
-    const std::size_t esize = size_of(fp.layout.dtype());
+  // Points every parameter's param (or grad) tensor into `base`, shown in `dtype`, or at nothing.
+  void bind(FlatParam& fp, void* base, void* detail::ParamBinding::*which, DType dtype) {
+    const std::size_t esize = size_of(dtype);
     const auto& infos = fp.layout.params();
     for (std::size_t i = 0; i < fp.bindings.size(); ++i) {
       auto& b = fp.bindings[i];
-      b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr);
+      b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr, dtype);
     }
   }
 
-  void release_full_grad(FlatParam& fp) {
-    if (fp.full_grad == fp.shard_grad) fp.full_grad = nullptr;  // an alias, not an allocation
-    else release(fp.full_grad, fp.layout.padded_bytes());
-  }
-
-  void release(void*& p, std::size_t bytes) {
-    if (p) device_.deallocate(p, bytes, MemorySpace::device);
+  void release(void*& p, std::size_t n, MemorySpace space) {
+    if (p) device_.deallocate(p, n, space);
     p = nullptr;
   }
 
@@ -543,6 +738,7 @@ class Sharded final : public UnitBase {
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   Trace::Clock::time_point compute_begin_{};
   std::vector<FlatParam> flat_;
+  std::vector<BufferCopy> buffers_;
   std::vector<ShardView> views_;
   bool grad_is_zero_ = true;
 };

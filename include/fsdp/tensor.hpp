@@ -31,6 +31,8 @@ namespace detail { template <class> inline constexpr bool always_false = false; 
 //   DeviceId        device(const T&)
 //   void            rebind(T&, void* data)   // make T a view of `data` (same shape and dtype);
 //                                            // data == nullptr means "no storage" (resharded)
+// and, only for MixedPrecision, which shows parameters in another dtype:
+//   void            rebind(T&, void* data, DType)  // view of `data` in that dtype
 template <class T>
 struct tensor_traits {
   static_assert(detail::always_false<T>,
@@ -49,6 +51,10 @@ concept Tensor = requires(T& t, const T& ct, void* p) {
   { tensor_traits<T>::device(ct) } -> std::convertible_to<DeviceId>;
   { tensor_traits<T>::rebind(t, p) };
 };
+
+// Tensors the library can show in another dtype (MixedPrecision needs it).
+template <class T>
+concept RebindableAs = Tensor<T> && requires(T& t, void* p, DType d) { tensor_traits<T>::rebind(t, p, d); };
 
 // Element count from the shape, the way every caller needs it.
 template <Tensor T>

@@ -18,13 +18,15 @@ namespace fsdp {
 
 // One flat shard of a unit as the optimizer sees it: this rank's slice of the unit's
 // parameters of one dtype and the matching slice of the reduced gradient. Padding is
-// left out: numel counts only real parameter elements.
+// left out: numel counts only real parameter elements. The gradient has the parameters'
+// dtype unless MixedPrecision keeps low-precision gradients.
 struct ShardView {
   std::string_view unit;  // FQN of the unit ("" for the root)
   DType dtype = DType::f32;
   void* param = nullptr;
   void* grad = nullptr;
   std::int64_t numel = 0;
+  DType grad_dtype = DType::f32;
 };
 
 class UnitBase {

@@ -240,3 +240,31 @@ TEST_CASE("without prefetch a later change of order is fine") {
     CHECK(sm.unit("blocks.2").state() == fsdp::TrainingState::IDLE);
   });
 }
+
+TEST_CASE("reshard() of a unit gathered ahead but never run frees it and its prefetch slot") {
+  const auto c = config();
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    fsdp::AsyncCommunicator stream(comm);
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, stream, device, engine::Wrap{});
+    engine::Sgd sgd(0.01f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    sm.set_max_prefetched_units(1);
+    const auto steady = device.stats().live_bytes;
+    auto& root = sm.unit_for(model);
+    root.set_forward_prefetch({&sm.unit("blocks.2")});
+    root.pre_forward();  // gathers blocks.2 ahead
+    root.post_forward();
+    sm.reshard();        // blocks.2 never ran: its buffer and its prefetch slot are released
+    CHECK(device.stats().live_bytes == steady);
+    root.set_forward_prefetch({&sm.unit("blocks.1")});
+    root.pre_forward();  // the slot is free again: blocks.1 is gathered ahead
+    const std::int64_t block = c.dim * c.hidden + c.hidden + c.hidden * c.dim + c.dim;
+    const std::int64_t root_numel = c.in * c.dim + c.dim + c.dim * c.out + c.out;
+    auto padded = [](std::int64_t n) { return static_cast<std::size_t>((n + 1) / 2 * 2) * 4; };
+    CHECK(device.stats().live_bytes == steady + padded(root_numel) + padded(block));
+    root.post_forward();
+    sm.reshard();
+  });
+}

@@ -1,6 +1,8 @@
 // Bad input is an fsdp::Error naming what and where, on every rank, and never a hang.
 #include <doctest/doctest.h>
 
+#include "test/support/rank_errors.hpp"
+
 #include <chrono>
 #include <mutex>
 #include <string>
@@ -52,25 +54,8 @@ struct Tied {  // one tensor registered under two names
 
 // Runs fn on every rank with a short collective timeout; returns each rank's fsdp::Error
 // message ("" if it threw none). Reaching the end of this function is the no-hang check.
-template <class Fn>
-std::vector<std::string> errors_per_rank(int world, Fn fn) {
-  std::vector<std::string> msgs(world);
-  fsdp::ThreadGroup group(world, fsdp::ThreadGroupOptions{std::chrono::milliseconds(2000)});
-  try {
-    group.run([&](fsdp::ThreadComm& comm) {
-      try {
-        fn(comm);
-      } catch (const fsdp::Error& e) {
-        msgs[comm.rank()] = e.what();
-      }
-    });
-  } catch (const std::exception& e) {
-    FAIL("a rank escaped with a non-fsdp error: ", e.what());
-  }
-  return msgs;
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test_support::contains;
+using test_support::errors_per_rank;
 
 }  // namespace
 

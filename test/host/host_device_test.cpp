@@ -366,3 +366,25 @@ TEST_CASE("accumulate on f32, f64 and bf16") {
     CHECK(bf16_value(x) == 1.0f + 1.0f / 64);
   }
 }
+
+TEST_CASE("HostDevice::cast converts between every floating dtype, rounding to nearest even") {
+  fsdp::HostDevice dev;
+  const std::vector<float> src{1.0f, -2.5f, 3.14159265f, 65519.99f, 1e-8f, -0.0f, 70000.0f};
+  std::vector<std::uint16_t> bf(src.size()), hf(src.size());
+  dev.cast(bf.data(), fsdp::DType::bf16, src.data(), fsdp::DType::f32, src.size());
+  dev.cast(hf.data(), fsdp::DType::f16, src.data(), fsdp::DType::f32, src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    CHECK(bf[i] == fsdp::float_to_bf16_bits(src[i]));
+    CHECK(hf[i] == fsdp::float_to_f16_bits(src[i]));
+  }
+  std::vector<double> wide(src.size());
+  dev.cast(wide.data(), fsdp::DType::f64, hf.data(), fsdp::DType::f16, src.size());  // 16-bit -> f64: exact
+  for (std::size_t i = 0; i < src.size(); ++i) CHECK(wide[i] == static_cast<double>(fsdp::f16_bits_to_float(hf[i])));
+  std::vector<std::uint16_t> back(src.size());
+  dev.cast(back.data(), fsdp::DType::bf16, hf.data(), fsdp::DType::f16, src.size());  // 16 -> 16 through float
+  for (std::size_t i = 0; i < src.size(); ++i) CHECK(back[i] == fsdp::float_to_bf16_bits(fsdp::f16_bits_to_float(hf[i])));
+  std::vector<float> same(src.size());
+  dev.cast(same.data(), fsdp::DType::f32, src.data(), fsdp::DType::f32, src.size());  // same dtype: a copy
+  CHECK(std::memcmp(same.data(), src.data(), 4 * src.size()) == 0);
+  CHECK(dev.stats().allocations == 0);  // casting allocates nothing
+}

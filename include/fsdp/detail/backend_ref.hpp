@@ -68,6 +68,7 @@ class DeviceRef {
   void fill_zero(void* p, std::size_t bytes) const { vt_->fill_zero(obj_, p, bytes); }
   void scale(void* p, std::size_t n, DType t, double f) const { vt_->scale(obj_, p, n, t, f); }
   void accumulate(void* d, const void* s, std::size_t n, DType t) const { vt_->accumulate(obj_, d, s, n, t); }
+  void cast(void* d, DType to, const void* s, DType from, std::size_t n) const { vt_->cast(obj_, d, to, s, from, n); }
   void synchronize() const { vt_->synchronize(obj_); }
   MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
 
@@ -80,6 +81,7 @@ class DeviceRef {
     void (*fill_zero)(void*, void*, std::size_t);
     void (*scale)(void*, void*, std::size_t, DType, double);
     void (*accumulate)(void*, void*, const void*, std::size_t, DType);
+    void (*cast)(void*, void*, DType, const void*, DType, std::size_t);
     void (*synchronize)(void*);
     MemoryStats (*stats)(void*, MemorySpace);
   };
@@ -92,6 +94,7 @@ class DeviceRef {
       [](void* o, void* p, std::size_t b) { static_cast<D*>(o)->fill_zero(p, b); },
       [](void* o, void* p, std::size_t n, DType t, double f) { static_cast<D*>(o)->scale(p, n, t, f); },
       [](void* o, void* d, const void* s, std::size_t n, DType t) { static_cast<D*>(o)->accumulate(d, s, n, t); },
+      [](void* o, void* d, DType to, const void* s, DType from, std::size_t n) { static_cast<D*>(o)->cast(d, to, s, from, n); },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },
   };

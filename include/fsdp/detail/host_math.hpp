@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "fsdp/communicator.hpp"
@@ -76,6 +77,25 @@ inline void host_combine(void* dst, const void* src, std::size_t n, DType t, Red
     auto* s = static_cast<const T*>(src);
     for (std::size_t i = 0; i < n; ++i) d[i] = combine(d[i], s[i], op);
   });
+}
+
+// dst[i] = src[i] converted from `from` to `to`, rounding to nearest even. The 16-bit
+// types go through float, which holds every f16 and bf16 value exactly.
+inline void host_cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
+  if (to == from) {
+    if (n && dst != src) std::memmove(dst, src, n * size_of(to));
+    return;
+  }
+  if (to == DType::f64 || from == DType::f64) {
+    for (std::size_t i = 0; i < n; ++i) store_from_double(dst, i, to, load_as_double(src, i, from));
+    return;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    const float v = is_half(from) ? half_load(static_cast<const std::uint16_t*>(src)[i], from)
+                                  : static_cast<float>(load_as_double(src, i, from));
+    if (is_half(to)) static_cast<std::uint16_t*>(dst)[i] = half_store(v, to);
+    else store_from_double(dst, i, to, v);
+  }
 }
 
 }  // namespace fsdp::detail

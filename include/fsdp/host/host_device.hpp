@@ -46,6 +46,7 @@ class HostDevice {
   void accumulate(void* dst, const void* src, std::size_t n, DType t) {
     detail::host_combine(dst, src, n, t, ReduceOp::sum);
   }
+  void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
   void synchronize() {}
 
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return stats_[index(space)]; }
