@@ -29,15 +29,18 @@ class ExecutionOrder {
   int max_prefetched = 2;
   Trace* trace = nullptr;  // where units record their spans; null: no tracing
 
-  void add_unit(UnitBase* u) { units_.push_back(u); }
+  // Registers a unit; returns its index, which the unit passes back to enter().
+  int add_unit(UnitBase* u) {
+    units_.push_back(u);
+    return static_cast<int>(units_.size()) - 1;
+  }
   bool recording() const { return recording_; }
 
   // Called by a unit as it enters a pass, before any collective of its own. While the
   // pass is being recorded, checks across `world` that every rank enters the same unit;
   // afterwards, when the unit prefetches, that the unit runs where it ran before.
-  void enter(UnitBase& u, Pass pass, const detail::CommRef& world, bool prefetching);
+  void enter(UnitBase& u, int index, Pass pass, const detail::CommRef& world, bool prefetching);
 
-  // The unit that runs after `u` in `pass`, per the recorded order (null: none / not yet).
   // The unit that runs after the one that just entered `pass`, per the recorded order
   // (null: the pass is still being recorded, or it was the last unit).
   UnitBase* next(Pass pass) const {
@@ -70,10 +73,6 @@ class ExecutionOrder {
   }
 
  private:
-  int index_of(const UnitBase& u) const {
-    for (std::size_t i = 0; i < units_.size(); ++i) if (units_[i] == &u) return static_cast<int>(i);
-    return -1;
-  }
   std::string name_of(int index) const;
 
   std::vector<UnitBase*> units_;  // in the root's order

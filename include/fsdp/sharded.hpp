@@ -216,7 +216,7 @@ class Sharded final : public UnitBase {
 
   void pre_forward() override {
     expect({TrainingState::IDLE}, "pre_forward");
-    if (order_) order_->enter(*this, Pass::forward, groups_.world, prefetches_forward);
+    if (order_) order_->enter(*this, order_index_, Pass::forward, groups_.world, prefetches_forward);
     unshard();
     if (order_) {  // the next unit's all-gather now runs behind this unit's forward
       if (!forward_prefetch_.empty()) for (auto* u : forward_prefetch_) u->prefetch();
@@ -236,7 +236,7 @@ class Sharded final : public UnitBase {
 
   void pre_backward() override {
     expect({TrainingState::IDLE}, "pre_backward");
-    if (order_) order_->enter(*this, Pass::backward, groups_.world, prefetches_backward);
+    if (order_) order_->enter(*this, order_index_, Pass::backward, groups_.world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
     for (auto& fp : flat_) {
       if (fp.direct && grad_is_zero_) {

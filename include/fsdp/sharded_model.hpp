@@ -45,7 +45,6 @@ class ShardedModel {
                    by_module_[key]->fqn(), "' already manages");
     by_module_[key] = unit.get();
     unit->attach(order_.get());
-    order_->add_unit(unit.get());
     views_.insert(views_.end(), unit->shards().begin(), unit->shards().end());
     units_.push_back(std::move(unit));
   }

@@ -68,7 +68,7 @@ class UnitBase {
   void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
 
   // The root's shared execution order; set when the unit joins a ShardedModel.
-  void attach(ExecutionOrder* order) { order_ = order; }
+  void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
 
   const std::string& fqn() const { return fqn_; }
   TrainingState state() const { return state_; }
@@ -136,6 +136,7 @@ class UnitBase {
   const void* module_ = nullptr;
   std::type_index module_type_;
   ExecutionOrder* order_ = nullptr;
+  int order_index_ = -1;  // this unit's index in the order
   std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
 };
 
@@ -147,8 +148,7 @@ inline std::string ExecutionOrder::name_of(int index) const {
   return f.empty() ? "<root>" : f;
 }
 
-inline void ExecutionOrder::enter(UnitBase& u, Pass pass, const detail::CommRef& world, bool prefetching) {
-  const int idx = index_of(u);
+inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {
   auto& order = pass == Pass::forward ? forward_ : backward_;
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
