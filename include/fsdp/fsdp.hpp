@@ -1,6 +1,7 @@
 #pragma once
 // Everything an engine needs: concepts, policies, units, the root, and the host backend.
-// (fsdp/trace_json.hpp, which writes traces with nlohmann::json, is included on its own.)
+// (fsdp/trace_json.hpp, which writes traces with nlohmann::json, and the CUDA adapters in
+// fsdp/cuda/ are included on their own.)
 #include "fsdp/async_communicator.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
@@ -10,6 +11,7 @@
 #include "fsdp/error.hpp"
 #include "fsdp/execution_order.hpp"
 #include "fsdp/flat_param.hpp"
+#include "fsdp/grad_scaler.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
 #include "fsdp/sharded.hpp"

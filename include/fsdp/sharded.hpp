@@ -672,14 +672,17 @@ class Sharded final : public UnitBase {
         in_grad_dtype = device_.allocate(bytes(L.shard_numel(), fp.grad), MemorySpace::device);
         device_.cast(in_grad_dtype, fp.grad, out, fp.reduce, S);
       }
-      void* src = in_grad_dtype;
-      if (offload) {
-        src = device_.allocate(fp.shard_grad_bytes(), MemorySpace::host);
-        device_.copy(src, in_grad_dtype, fp.shard_grad_bytes());
+      if (fp.into_shard_grad) {  // zero before: a plain copy (device to host when offloaded)
+        device_.copy(fp.shard_grad, in_grad_dtype, fp.shard_grad_bytes());
+      } else {
+        void* src = in_grad_dtype;
+        if (offload) {  // accumulate on the host, where the sharded gradient lives
+          src = device_.allocate(fp.shard_grad_bytes(), MemorySpace::host);
+          device_.copy(src, in_grad_dtype, fp.shard_grad_bytes());
+        }
+        device_.accumulate(fp.shard_grad, src, S, fp.grad);
+        if (src != in_grad_dtype) device_.deallocate(src, fp.shard_grad_bytes(), MemorySpace::host);
       }
-      if (fp.into_shard_grad) device_.copy(fp.shard_grad, src, fp.shard_grad_bytes());
-      else device_.accumulate(fp.shard_grad, src, S, fp.grad);
-      if (src != in_grad_dtype) device_.deallocate(src, fp.shard_grad_bytes(), MemorySpace::host);
       if (in_grad_dtype != out) device_.deallocate(in_grad_dtype, bytes(L.shard_numel(), fp.grad), MemorySpace::device);
     }
     release_reduction_buffers(fp);

@@ -147,12 +147,17 @@ auto& world_of(Group& g) {
 }
 }  // namespace detail
 
+struct ShardOptions {
+  // Broadcast rank 0's parameters and buffers to every rank first (FSDP's sync_module_states).
+  bool sync_module_states = false;
+};
+
 // Shards `model` over `group` (a communicator, or a DeviceMesh for the hybrid strategies):
 // every descendant whose type is in Wrap becomes a unit (with its whole subtree), and the
 // parameters left over form the root unit, named "". Units are listed root first, then in
 // depth-first order. Every rank must make the same call.
 template <class... Ps, class M, class Group, class D, class... Wrap>
-ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap = {}) {
+ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap = {}, ShardOptions options = {}) {
   static_assert(Module<M>,
                 "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
                 "(member or ADL; it may visit nothing) and visit_children for its submodules. "
@@ -176,9 +181,10 @@ ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap =
                                   std::to_string(count) + " units (root" + (count > 1 ? " + wrapped" : "") +
                                       names.str() + ")");
   ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{}, wrap);
+  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{"", options.sync_module_states}, wrap);
   detail::for_each_wrapped<W>(model, "", [&](auto& child, std::string fqn) {
-    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(child, group, device, UnitOptions{std::move(fqn)});
+    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(child, group, device,
+                                                                      UnitOptions{std::move(fqn), options.sync_module_states});
   });
   return out;
 }

@@ -169,6 +169,7 @@ TEST_CASE("OffloadParams: sharded parameters and gradients live in host space; t
     CAPTURE(r);
     CHECK(host_off[r].peak_bytes == 0);
     CHECK(host_on[r].live_bytes == shards);
+    CHECK(host_on[r].peak_bytes == shards);  // after zero_grad the reduced gradient is copied straight in
     CHECK(dev_on[r].live_bytes == 0);
     CHECK(dev_off[r].live_bytes == shards);
     CHECK(dev_off[r].peak_bytes - dev_on[r].peak_bytes == shards);
@@ -247,8 +248,7 @@ TEST_CASE("sync_module_states starts every rank from rank 0's parameters and buf
       c.seed = 1 + static_cast<std::uint64_t>(comm.rank());  // every rank initialises differently
       engine::Model model(c);
       fsdp::HostDevice device;
-      fsdp::ShardedModel sm;
-      sm.emplace<fsdp::Sharded<engine::Model>>(model, comm, device, fsdp::UnitOptions{"", sync});
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, fsdp::ShardOptions{.sync_module_states = sync});
       scale0[comm.rank()] = model.gain.scale[0];
       got[comm.rank()] = engine::gather_full_parameters(model, sm);
     });

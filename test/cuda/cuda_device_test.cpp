@@ -1,0 +1,491 @@
+// fsdp/cuda/cuda_device.hpp: CudaDevice against fsdp::HostDevice. Every case that needs a
+// GPU is skipped (reported as skipped by doctest, never as passed) when
+// fsdp::cuda_device_count() is 0, e.g. on a build machine with the toolkit but no driver.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fsdp/cuda/cuda_device.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/host/host_device.hpp"
+
+namespace {
+
+using fsdp::CudaDevice;
+using fsdp::DType;
+using fsdp::HostDevice;
+using fsdp::MemorySpace;
+
+constexpr MemorySpace kDev = MemorySpace::device;
+constexpr MemorySpace kHost = MemorySpace::host;
+
+const bool no_gpu = fsdp::cuda_device_count() == 0;
+
+constexpr DType kAll[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
+                          DType::i8,  DType::u8,  DType::i32, DType::i64};
+constexpr DType kFloats[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
+
+using Bytes = std::vector<unsigned char>;
+
+// Host bytes -> fresh device buffer (owned by `dev`'s accounting) and back.
+struct DeviceBuffer {
+  CudaDevice& dev;
+  std::size_t bytes;
+  void* p;
+  DeviceBuffer(CudaDevice& d, std::size_t n) : dev(d), bytes(n), p(d.allocate(n, kDev)) {}
+  DeviceBuffer(CudaDevice& d, const Bytes& host) : DeviceBuffer(d, host.size()) { dev.copy(p, host.data(), bytes); }
+  ~DeviceBuffer() { dev.deallocate(p, bytes, kDev); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  Bytes read() const {
+    Bytes out(bytes);
+    dev.copy(out.data(), p, bytes);
+    dev.synchronize();
+    return out;
+  }
+};
+
+bool is_nan(const unsigned char* p, DType t) {
+  switch (t) {
+    case DType::f32: { float v; std::memcpy(&v, p, 4); return std::isnan(v); }
+    case DType::f64: { double v; std::memcpy(&v, p, 8); return std::isnan(v); }
+    case DType::f16: { std::uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fffu) > 0x7c00u; }
+    case DType::bf16: { std::uint16_t h; std::memcpy(&h, p, 2); return (h & 0x7fffu) > 0x7f80u; }
+    default: return false;
+  }
+}
+
+// Bitwise equality, element by element. Where HostDevice produced a NaN by arithmetic,
+// only NaN-ness is compared: CPUs and GPUs make different NaN bit patterns (x86 keeps the
+// operand's sign and payload or gives 0xffc00000; NVIDIA gives 0x7fffffff).
+void check_same(const Bytes& expected, const Bytes& actual, DType t, const std::string& what) {
+  REQUIRE(expected.size() == actual.size());
+  const std::size_t es = fsdp::size_of(t);
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < expected.size() / es; ++i) {
+    const unsigned char* e = expected.data() + i * es;
+    const unsigned char* a = actual.data() + i * es;
+    if (std::memcmp(e, a, es) == 0) continue;
+    if (is_nan(e, t) && is_nan(a, t)) continue;
+    if (mismatches++ < 5) {
+      std::uint64_t eb = 0, ab = 0;
+      std::memcpy(&eb, e, es);
+      std::memcpy(&ab, a, es);
+      MESSAGE(what, ": element ", i, " expected bits 0x", std::hex, eb, " got 0x", ab);
+    }
+  }
+  CHECK_MESSAGE(mismatches == 0, what, ": ", mismatches, " mismatching elements");
+}
+
+// Values of dtype t from doubles (through HostDevice's own f64 -> t conversion).
+Bytes from_doubles(const std::vector<double>& v, DType t) {
+  Bytes out(v.size() * fsdp::size_of(t));
+  HostDevice{}.cast(out.data(), t, v.data(), DType::f64, v.size());
+  return out;
+}
+
+// Inputs for arithmetic on dtype t: every 16-bit pattern for f16/bf16 (normals,
+// subnormals, zeros of both signs, infinities, NaNs), random bits plus edge values for f32/f64,
+// small values for the integers (so that results stay in range: overflow is UB on the host).
+Bytes arithmetic_inputs(DType t, std::mt19937_64& rng) {
+  if (t == DType::f16 || t == DType::bf16) {
+    std::vector<std::uint16_t> h;
+    for (std::uint32_t b = 0; b < 65536; ++b) h.push_back(static_cast<std::uint16_t>(b));
+    Bytes out(h.size() * 2);
+    std::memcpy(out.data(), h.data(), out.size());
+    return out;
+  }
+  if (t == DType::f32) {
+    std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 1e-45f, -1e-45f, 1.17549435e-38f, 5.9e-39f,
+                            3.4e38f, -3.4e38f, std::numeric_limits<float>::infinity(), 0.1f, 1.5f};
+    for (int i = 0; i < 20000; ++i) {
+      const float f = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));
+      v.push_back(std::isnan(f) ? 2.0f : f);
+    }
+    Bytes out(v.size() * 4);
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  }
+  if (t == DType::f64) {
+    std::vector<double> v = {0.0, -0.0, 1.0, 4.9e-324, -4.9e-324, 2.2250738585072014e-308, 1.7e308, 0.1};
+    for (int i = 0; i < 20000; ++i) {
+      const double d = std::bit_cast<double>(rng());
+      v.push_back(std::isnan(d) ? 3.0 : d);
+    }
+    Bytes out(v.size() * 8);
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  }
+  std::vector<double> v;
+  const double lo = t == DType::u8 ? 0 : t == DType::i8 ? -40 : -1e6;
+  const double hi = t == DType::u8 ? 80 : t == DType::i8 ? 40 : 1e6;
+  std::uniform_int_distribution<std::int64_t> d(static_cast<std::int64_t>(lo), static_cast<std::int64_t>(hi));
+  for (int i = 0; i < 5000; ++i) v.push_back(static_cast<double>(d(rng)));
+  return from_doubles(v, t);
+}
+
+// A second operand of the same length (a shuffled copy: same value range).
+Bytes shuffled(const Bytes& in, DType t, std::mt19937_64& rng) {
+  const std::size_t es = fsdp::size_of(t), n = in.size() / es;
+  std::vector<std::size_t> idx(n);
+  for (std::size_t i = 0; i < n; ++i) idx[i] = i;
+  std::shuffle(idx.begin(), idx.end(), rng);
+  Bytes out(in.size());
+  for (std::size_t i = 0; i < n; ++i) std::memcpy(out.data() + i * es, in.data() + idx[i] * es, es);
+  return out;
+}
+
+// Cast sources of dtype `from` suitable for casting to `to`: every 16-bit pattern (NaNs
+// included) for f16/bf16; for f32 and f64 random bits plus values exactly halfway between
+// neighbouring f16 and bf16 values (ties), and values around the subnormal ranges; when
+// either side is an integer, values inside both ranges (out-of-range is UB on the host).
+Bytes cast_inputs(DType from, DType to, std::mt19937_64& rng) {
+  const bool integral = !fsdp::is_floating(from) || !fsdp::is_floating(to);
+  if (integral) {
+    const bool u8 = from == DType::u8 || to == DType::u8;
+    const bool i8 = from == DType::i8 || to == DType::i8;
+    const bool half = from == DType::f16 || to == DType::f16;  // f16 tops out at 65504
+    const double lo = u8 ? 0 : i8 ? -128 : half ? -60000 : -1e6;
+    const double hi = u8 ? 255 : i8 ? 127 : half ? 60000 : 1e6;
+    std::uniform_real_distribution<double> d(lo, hi);
+    std::vector<double> v = {0.0, lo, hi, 0.5, -0.5, 1.5, 2.5};
+    for (int i = 0; i < 5000; ++i) v.push_back(fsdp::is_floating(from) ? d(rng) : std::trunc(d(rng)));
+    for (double& x : v) x = std::clamp(x, lo, hi);
+    return from_doubles(v, from);
+  }
+  if (from == DType::f16 || from == DType::bf16) return arithmetic_inputs(from, rng);  // all 65536 patterns
+  std::vector<double> v;
+  // Ties and near-ties of every f16 / bf16 binade, normal and subnormal.
+  for (int e = -26; e <= 16; ++e) {
+    for (int m : {0, 1, 2, 3, 511, 1023}) {
+      const double f16_ulp = std::ldexp(1.0, std::max(e, -14) - 10);
+      const double base = std::ldexp(1.0, e) + m * f16_ulp;
+      for (double frac : {0.5, 0.25, 0.75, 0.5 + 1e-7, 0.5 - 1e-7}) {
+        v.push_back(base + frac * f16_ulp);
+        v.push_back(-(base + frac * f16_ulp));
+      }
+    }
+  }
+  for (int e = -134; e <= 127; e += 3) {
+    const double bf16_ulp = std::ldexp(1.0, std::max(e, -126) - 7);
+    for (int m : {0, 1, 2, 127}) {
+      const double base = std::ldexp(1.0, e) + m * bf16_ulp;
+      v.push_back(base + 0.5 * bf16_ulp);
+      v.push_back(-(base + 0.5 * bf16_ulp));
+    }
+  }
+  v.push_back(0.0);
+  v.push_back(-0.0);
+  v.push_back(65504.0);
+  v.push_back(65520.0);  // the f16 overflow tie
+  v.push_back(3.5e38);
+  v.push_back(std::numeric_limits<double>::infinity());
+  v.push_back(std::numeric_limits<double>::quiet_NaN());
+  if (from == DType::f64) {
+    v.push_back(1e300);
+    v.push_back(1e-300);
+    for (int i = 0; i < 20000; ++i) {
+      std::uniform_real_distribution<double> d(-70000.0, 70000.0);
+      v.push_back(d(rng));
+    }
+    for (int i = 0; i < 5000; ++i) {
+      const double d = std::bit_cast<double>(rng());
+      v.push_back(std::isnan(d) ? 1.0 : d);
+    }
+    return from_doubles(v, DType::f64);
+  }
+  std::vector<float> f;
+  for (double d : v) f.push_back(static_cast<float>(d));
+  for (int i = 0; i < 20000; ++i) f.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(rng())));
+  Bytes out(f.size() * 4);
+  std::memcpy(out.data(), f.data(), out.size());
+  return out;
+}
+
+std::string label(const char* op, DType a, DType b = DType::f32, bool two = false) {
+  std::string s = std::string(op) + " " + std::string(fsdp::name_of(a));
+  if (two) s += " <- " + std::string(fsdp::name_of(b));
+  return s;
+}
+
+}  // namespace
+
+// ---- without a GPU -------------------------------------------------------------------
+
+TEST_CASE("cuda_device_count does not throw and is never negative (0 without a driver)") {
+  int n = -1;
+  CHECK_NOTHROW(n = fsdp::cuda_device_count());
+  CHECK(n >= 0);
+  CHECK(fsdp::cuda_device_count() == n);  // asking again gives the same answer
+}
+
+TEST_CASE("NVRTC compiles the kernel source, with no GPU needed") {
+  for (auto [major, minor] : {std::pair{7, 5}, std::pair{8, 0}, std::pair{9, 0}}) {
+    CAPTURE(major);
+    CAPTURE(minor);
+    fsdp::detail::CudaKernelImage image;
+    REQUIRE_NOTHROW(image = fsdp::detail::compile_cuda_kernels(major, minor));
+    CHECK(image.arch == "sm_" + std::to_string(major * 10 + minor));
+    CHECK(image.code.size() > 0);
+  }
+  // A device newer than this NVRTC gets PTX for the newest architecture it knows.
+  const auto ptx = fsdp::detail::compile_cuda_kernels(99, 9);
+  CHECK(ptx.arch.rfind("compute_", 0) == 0);
+  REQUIRE(!ptx.code.empty());
+  CHECK(ptx.code.back() == '\0');
+  const std::string text(ptx.code.data());
+  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast"}) CHECK(text.find(k) != std::string::npos);
+}
+
+// ---- on a GPU ------------------------------------------------------------------------
+
+TEST_CASE("CudaDevice models fsdp::Device and identifies as cuda:N" * doctest::skip(no_gpu)) {
+  static_assert(fsdp::Device<CudaDevice>);
+  CudaDevice dev;
+  CHECK(dev.id() == fsdp::DeviceId{fsdp::DeviceKind::cuda, 0});
+  CHECK(dev.stream() != nullptr);
+  dev.synchronize();
+  CudaDevice last(fsdp::cuda_device_count() - 1);
+  CHECK(last.id() == fsdp::DeviceId{fsdp::DeviceKind::cuda, fsdp::cuda_device_count() - 1});
+  CHECK(last.stream() != dev.stream());
+}
+
+TEST_CASE("live, peak and allocation counts per memory space" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  for (MemorySpace s : {kDev, kHost}) {
+    CHECK(dev.stats(s).live_bytes == 0);
+    CHECK(dev.stats(s).peak_bytes == 0);
+    CHECK(dev.stats(s).allocations == 0);
+  }
+  void* a = dev.allocate(100, kDev);
+  void* b = dev.allocate(300, kDev);
+  void* h = dev.allocate(1000, kHost);
+  REQUIRE(a);
+  REQUIRE(b);
+  REQUIRE(h);
+  CHECK(dev.stats(kDev).live_bytes == 400);
+  CHECK(dev.stats(kDev).peak_bytes == 400);
+  CHECK(dev.stats(kDev).allocations == 2);
+  CHECK(dev.stats(kHost).live_bytes == 1000);
+  CHECK(dev.stats(kHost).peak_bytes == 1000);
+  CHECK(dev.stats(kHost).allocations == 1);
+
+  cudaPointerAttributes attr{};
+  REQUIRE(cudaPointerGetAttributes(&attr, h) == cudaSuccess);
+  CHECK(attr.type == cudaMemoryTypeHost);  // pinned
+  dev.synchronize();                       // stream-ordered allocation is complete
+  REQUIRE(cudaPointerGetAttributes(&attr, a) == cudaSuccess);
+  CHECK(attr.type == cudaMemoryTypeDevice);
+  CHECK(attr.device == 0);
+
+  dev.deallocate(b, 300, kDev);
+  CHECK(dev.stats(kDev).live_bytes == 100);
+  CHECK(dev.stats(kDev).peak_bytes == 400);
+  void* c = dev.allocate(450, kDev);
+  CHECK(dev.stats(kDev).peak_bytes == 550);
+  CHECK(dev.stats(kDev).allocations == 3);
+  dev.reset_peak(kDev);
+  CHECK(dev.stats(kDev).peak_bytes == 550);
+  dev.deallocate(c, 450, kDev);
+  dev.reset_peak(kDev);
+  CHECK(dev.stats(kDev).peak_bytes == 100);
+  CHECK(dev.stats(kHost).peak_bytes == 1000);  // untouched
+
+  void* z = dev.allocate(0, kDev);  // zero bytes: nothing counted
+  CHECK(dev.stats(kDev).allocations == 3);
+  CHECK_NOTHROW(dev.fill_zero(z, 0));
+  CHECK_NOTHROW(dev.copy(z, z, 0));
+  dev.deallocate(z, 0, kDev);
+
+  dev.deallocate(a, 100, kDev);
+  dev.deallocate(h, 1000, kHost);
+  for (MemorySpace s : {kDev, kHost}) CHECK(dev.stats(s).live_bytes == 0);
+  dev.synchronize();
+}
+
+TEST_CASE("copies round-trip host <-> device and fill_zero zeroes both spaces" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  constexpr std::size_t n = (1 << 20) + 13;
+  Bytes src(n);
+  std::mt19937 rng(7);
+  for (auto& b : src) b = static_cast<unsigned char>(rng());
+
+  auto* pinned = static_cast<unsigned char*>(dev.allocate(n, kHost));
+  void* d1 = dev.allocate(n, kDev);
+  void* d2 = dev.allocate(n, kDev);
+  auto* back = static_cast<unsigned char*>(dev.allocate(n, kHost));
+  std::memcpy(pinned, src.data(), n);
+  dev.copy(d1, pinned, n);          // host -> device
+  dev.copy(d2, d1, n);              // device -> device
+  dev.copy(back, d2, n);            // device -> host
+  dev.synchronize();
+  CHECK(std::memcmp(back, src.data(), n) == 0);
+
+  Bytes pageable(n, 0);             // ordinary host memory works too
+  dev.copy(pageable.data(), d2, n);
+  dev.synchronize();
+  CHECK(pageable == src);
+
+  dev.fill_zero(static_cast<unsigned char*>(d1) + 5, n - 10);
+  dev.copy(back, d1, n);
+  dev.synchronize();
+  CHECK(std::memcmp(back, src.data(), 5) == 0);
+  CHECK(std::memcmp(back + n - 5, src.data() + n - 5, 5) == 0);
+  CHECK(std::all_of(back + 5, back + n - 5, [](unsigned char c) { return c == 0; }));
+
+  dev.fill_zero(pinned, n);         // the host (pinned) space too
+  dev.synchronize();
+  CHECK(std::all_of(pinned, pinned + n, [](unsigned char c) { return c == 0; }));
+
+  dev.deallocate(pinned, n, kHost);
+  dev.deallocate(back, n, kHost);
+  dev.deallocate(d1, n, kDev);
+  dev.deallocate(d2, n, kDev);
+}
+
+TEST_CASE("scale matches HostDevice bitwise for every dtype" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  std::mt19937_64 rng(1);
+  for (DType t : kAll) {
+    const Bytes in = arithmetic_inputs(t, rng);
+    const std::size_t n = in.size() / fsdp::size_of(t);
+    for (double factor : {0.5, 1.0 / 3.0, 3.0, -2.5, 1e-3, 0.125, 1.0 / 7.0, 0.0}) {
+      if (t == DType::u8 && factor < 0) continue;  // negative -> unsigned is UB on the host
+      Bytes expected = in;
+      host.scale(expected.data(), n, t, factor);
+      DeviceBuffer buf(dev, in);
+      dev.scale(buf.p, n, t, factor);
+      check_same(expected, buf.read(), t, label("scale", t) + " by " + std::to_string(factor));
+    }
+  }
+  CHECK(!dev.kernel_arch().empty());
+  MESSAGE("kernels loaded from ", dev.kernel_arch());
+}
+
+TEST_CASE("accumulate matches HostDevice bitwise for every dtype" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  std::mt19937_64 rng(2);
+  for (DType t : kAll) {
+    const Bytes a = arithmetic_inputs(t, rng);
+    const std::size_t n = a.size() / fsdp::size_of(t);
+    for (int round = 0; round < 3; ++round) {
+      const Bytes b = round == 0 ? a : shuffled(a, t, rng);  // a + a, then random pairs
+      Bytes expected = a;
+      host.accumulate(expected.data(), b.data(), n, t);
+      DeviceBuffer dst(dev, a), src(dev, b);
+      dev.accumulate(dst.p, src.p, n, t);
+      check_same(expected, dst.read(), t, label("accumulate", t));
+    }
+  }
+}
+
+TEST_CASE("16-bit accumulate rounds ties to even and keeps subnormals" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  // bf16: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 (-> 1, even); 1 + 3*2^-8 -> 1 + 2^-6;
+  // f16: 2^-24 + 2^-24 = 2^-23 (subnormals add exactly); 2048 + 1 is a tie (-> 2048).
+  const std::vector<std::pair<DType, std::vector<double>>> cases = {
+      {DType::bf16, {1.0, 1.0 + 1.0 / 128, 1e-40, 3.0}},
+      {DType::f16, {std::ldexp(1.0, -24), 2048.0, 2050.0, 65504.0}},
+  };
+  const std::vector<std::vector<double>> addends = {
+      {1.0 / 256, 1.0 / 256, 1e-40, 1.0 / 64},
+      {std::ldexp(1.0, -24), 1.0, 1.0, 16.0},
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    const DType t = cases[c].first;
+    const Bytes a = from_doubles(cases[c].second, t), b = from_doubles(addends[c], t);
+    Bytes expected = a;
+    host.accumulate(expected.data(), b.data(), 4, t);
+    DeviceBuffer dst(dev, a), src(dev, b);
+    dev.accumulate(dst.p, src.p, 4, t);
+    check_same(expected, dst.read(), t, label("tie accumulate", t));
+  }
+}
+
+TEST_CASE("cast matches HostDevice bitwise between every pair of dtypes" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  std::mt19937_64 rng(3);
+  for (DType from : kAll) {
+    for (DType to : kAll) {
+      const Bytes in = cast_inputs(from, to, rng);
+      const std::size_t n = in.size() / fsdp::size_of(from);
+      Bytes expected(n * fsdp::size_of(to));
+      host.cast(expected.data(), to, in.data(), from, n);
+      DeviceBuffer src(dev, in), dst(dev, expected.size());
+      dev.cast(dst.p, to, src.p, from, n);
+      check_same(expected, dst.read(), to, label("cast", to, from, true));
+    }
+  }
+}
+
+TEST_CASE("cast reads a pinned host-space source, as offloaded shards do" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  std::mt19937_64 rng(4);
+  for (DType from : kFloats) {
+    for (DType to : kFloats) {
+      const Bytes in = cast_inputs(from, to, rng);
+      const std::size_t n = in.size() / fsdp::size_of(from);
+      auto* pinned = static_cast<unsigned char*>(dev.allocate(in.size(), kHost));
+      std::memcpy(pinned, in.data(), in.size());
+      Bytes expected(n * fsdp::size_of(to));
+      host.cast(expected.data(), to, in.data(), from, n);
+      DeviceBuffer dst(dev, expected.size());
+      dev.cast(dst.p, to, pinned, from, n);
+      check_same(expected, dst.read(), to, label("cast from pinned", to, from, true));
+      dev.deallocate(pinned, in.size(), kHost);
+    }
+  }
+}
+
+TEST_CASE("errors are fsdp::Error naming the device and leave the counts alone" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  void* a = dev.allocate(128, kDev);
+  CHECK_THROWS_AS(dev.deallocate(a, 129, kDev), fsdp::Error);
+  CHECK(dev.stats(kDev).live_bytes == 128);
+  CHECK_THROWS_AS(dev.deallocate(a, 128, kHost), fsdp::Error);  // wrong space's account
+  CHECK(dev.stats(kHost).live_bytes == 0);
+  try {
+    dev.deallocate(a, 1000, kDev);
+    FAIL("expected fsdp::Error");
+  } catch (const fsdp::Error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("1000") != std::string::npos);
+    CHECK(msg.find("128") != std::string::npos);
+    CHECK(msg.find("cuda:0") != std::string::npos);
+  }
+  dev.deallocate(a, 128, kDev);
+  CHECK(dev.stats(kDev).live_bytes == 0);
+
+  // A failing CUDA call: the message names the call, CUDA's error and the device.
+  try {
+    dev.allocate(std::size_t{1} << 60, kDev);
+    FAIL("expected fsdp::Error");
+  } catch (const fsdp::Error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("cudaMallocAsync") != std::string::npos);
+    CHECK(msg.find("cuda:0") != std::string::npos);
+    CHECK(msg.find("cudaErrorMemoryAllocation") != std::string::npos);
+  }
+  CHECK(dev.stats(kDev).live_bytes == 0);
+  CHECK(dev.stats(kDev).allocations == 1);
+  void* b = dev.allocate(64, kDev);  // the device still works afterwards
+  dev.fill_zero(b, 64);
+  dev.synchronize();
+  dev.deallocate(b, 64, kDev);
+
+  CHECK_THROWS_AS(CudaDevice(fsdp::cuda_device_count()), fsdp::Error);  // no such device
+  CHECK_THROWS_AS(CudaDevice(-1), fsdp::Error);
+}
