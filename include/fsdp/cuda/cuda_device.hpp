@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/detail/memory_counter.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
@@ -333,19 +334,13 @@ class CudaDevice {
       check(cudaMallocAsync(&p, bytes, stream_), "cudaMallocAsync(", bytes, " bytes)");
     else
       check(cudaMallocHost(&p, bytes), "cudaMallocHost(", bytes, " bytes)");
-    auto& s = stats_[index(space)];
-    s.live_bytes += bytes;
-    s.peak_bytes = std::max(s.peak_bytes, s.live_bytes);
-    ++s.allocations;
+    counter_.allocated(bytes, space);
     return p;
   }
 
   void deallocate(void* p, std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (!p) return;
-    auto& s = stats_[index(space)];
-    if (bytes > s.live_bytes)
-      detail::fail("CudaDevice(cuda:", index_, "): freeing ", bytes, " bytes in ", name_of(space),
-                   " space but only ", s.live_bytes, " are live (double free or wrong size)");
+    counter_.check_free(bytes, space, "CudaDevice(cuda:" + std::to_string(index_) + ")");
     Guard g(*this);
     if (space == MemorySpace::device) {
       check(cudaFreeAsync(p, stream_), "cudaFreeAsync");
@@ -353,7 +348,7 @@ class CudaDevice {
       check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (before cudaFreeHost)");
       check(cudaFreeHost(p), "cudaFreeHost");
     }
-    s.live_bytes -= bytes;
+    counter_.freed(bytes, space);
   }
 
   void copy(void* dst, const void* src, std::size_t bytes) {
@@ -404,11 +399,8 @@ class CudaDevice {
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
-  MemoryStats stats(MemorySpace space = MemorySpace::device) const { return stats_[index(space)]; }
-  void reset_peak(MemorySpace space = MemorySpace::device) {
-    auto& s = stats_[index(space)];
-    s.peak_bytes = s.live_bytes;
-  }
+  MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
+  void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
 
   // Which code the kernels were loaded from ("sm_90" CUBIN or "compute_XY" PTX); empty
   // before the first scale/accumulate/cast.
@@ -434,7 +426,6 @@ class CudaDevice {
     int prev = -1;
   };
 
-  static std::size_t index(MemorySpace s) { return static_cast<std::size_t>(s); }
 
   template <class... Parts>
   void check(cudaError_t e, const char* call, Parts&&... parts) const {
@@ -485,7 +476,7 @@ class CudaDevice {
   int index_;
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;
-  std::array<MemoryStats, 2> stats_{};
+  detail::MemoryCounter counter_;
   std::once_flag loaded_;
   cudaLibrary_t library_ = nullptr;
   Kernels kernels_;

@@ -8,6 +8,7 @@
 #include <new>
 
 #include "fsdp/detail/host_math.hpp"
+#include "fsdp/detail/memory_counter.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/error.hpp"
 
@@ -23,20 +24,14 @@ class HostDevice {
     if (bytes == 0) return nullptr;
     void* p = ::operator new(bytes, std::align_val_t{alignment}, std::nothrow);
     if (!p) detail::fail("HostDevice: out of memory allocating ", bytes, " bytes in ", name_of(space), " space");
-    auto& s = stats_[index(space)];
-    s.live_bytes += bytes;
-    s.peak_bytes = std::max(s.peak_bytes, s.live_bytes);
-    ++s.allocations;
+    counter_.allocated(bytes, space);
     return p;
   }
 
   void deallocate(void* p, std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (!p) return;
-    auto& s = stats_[index(space)];
-    if (bytes > s.live_bytes)
-      detail::fail("HostDevice: freeing ", bytes, " bytes in ", name_of(space), " space but only ",
-                   s.live_bytes, " are live (double free or wrong size)");
-    s.live_bytes -= bytes;
+    counter_.check_free(bytes, space, "HostDevice");
+    counter_.freed(bytes, space);
     ::operator delete(p, std::align_val_t{alignment});
   }
 
@@ -49,15 +44,11 @@ class HostDevice {
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
   void synchronize() {}
 
-  MemoryStats stats(MemorySpace space = MemorySpace::device) const { return stats_[index(space)]; }
-  void reset_peak(MemorySpace space = MemorySpace::device) {
-    auto& s = stats_[index(space)];
-    s.peak_bytes = s.live_bytes;
-  }
+  MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
+  void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
 
  private:
-  static std::size_t index(MemorySpace s) { return static_cast<std::size_t>(s); }
-  std::array<MemoryStats, 2> stats_{};
+  detail::MemoryCounter counter_;
 };
 
 static_assert(Device<HostDevice>);
