@@ -87,7 +87,7 @@ class AsyncCommunicator {
   // split() can return by value and DeviceMesh can store the groups. A moved-from object
   // may only be destroyed or assigned to.
   AsyncCommunicator(AsyncCommunicator&&) noexcept = default;
-  AsyncCommunicator& operator=(AsyncCommunicator&&) noexcept = default;  // the old stream drains and joins first
+  AsyncCommunicator& operator=(AsyncCommunicator&&) noexcept = default;  // the old stream drains and joins once replaced
   ~AsyncCommunicator() = default;                                         // ~Stream drains and joins
 
   // Cached at construction: the wrapped communicator belongs to the worker.

@@ -32,7 +32,7 @@ concept Device = requires(D& d, std::size_t bytes, std::size_t count, void* p, c
   d.copy(p, cp, bytes);                 // any direction between this device's spaces
   d.fill_zero(p, bytes);
   d.scale(p, count, t, factor);         // p[i] *= factor
-  d.accumulate(p, cp, count, t);        // p[i] += cp[i]
+  d.accumulate(p, cp, count, t);        // p[i] += cp[i]; like copy, either may be in either space
   d.cast(p, t, cp, t, count);           // p[i] = cp[i] converted between dtypes (to, from);
                                         // like copy, the source may be in either space
   d.synchronize();                      // all queued work on this device is done

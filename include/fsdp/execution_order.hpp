@@ -4,7 +4,8 @@
 // checking at every unit that all ranks run the same unit at the same place — a rank
 // that diverges is an fsdp::Error on every rank, naming what each rank ran, before any
 // mismatched collective can pair wrong buffers or hang. Later iterations prefetch along
-// the recorded order, and a unit that runs out of that order is reported.
+// the recorded order, and a prefetching unit that runs out of that order is reported (a
+// unit gathered ahead that does not run is dropped at finish_backward).
 #include <cstdint>
 #include <algorithm>
 #include <deque>
@@ -34,7 +35,6 @@ class ExecutionOrder {
     units_.push_back(u);
     return static_cast<int>(units_.size()) - 1;
   }
-  bool recording() const { return recording_; }
 
   // Called by a unit as it enters a pass, before any collective of its own. While the
   // pass is being recorded, checks across `world` that every rank enters the same unit;

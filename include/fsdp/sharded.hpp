@@ -217,6 +217,9 @@ class Sharded final : public UnitBase {
   void pre_forward() override {
     expect({TrainingState::IDLE}, "pre_forward");
     if (order_) order_->enter(*this, order_index_, Pass::forward, groups_.world, prefetches_forward);
+    // Parameters kept since a forward that no backward consumed may predate an optimizer
+    // step: gather afresh.
+    if (kept_) release_unsharded();
     unshard();
     if (order_) {  // the next unit's all-gather now runs behind this unit's forward
       if (!forward_prefetch_.empty()) for (auto* u : forward_prefetch_) u->prefetch();
@@ -229,8 +232,8 @@ class Sharded final : public UnitBase {
   void post_forward() override {
     expect({TrainingState::FORWARD}, "post_forward");
     record_compute("forward");
-    if constexpr (strategy::reshard_after_forward)
-      if (!order_ || !order_->keeps_after_forward(*this)) release_unsharded();
+    if (strategy::reshard_after_forward && (!order_ || !order_->keeps_after_forward(*this))) release_unsharded();
+    else kept_ = true;  // valid for this unit's next pre_backward only
     state_ = TrainingState::IDLE;
   }
 
@@ -238,6 +241,7 @@ class Sharded final : public UnitBase {
     expect({TrainingState::IDLE}, "pre_backward");
     if (order_) order_->enter(*this, order_index_, Pass::backward, groups_.world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
+    kept_ = false;
     for (auto& fp : flat_) {
       if (fp.direct && grad_is_zero_) {
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
@@ -278,7 +282,9 @@ class Sharded final : public UnitBase {
   }
 
   void prefetch() override {
-    if (!order_ || !order_->may_prefetch() || state_ != TrainingState::IDLE) return;
+    if (!order_ || state_ != TrainingState::IDLE) return;
+    if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
+    if (!order_->may_prefetch()) return;
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.full) continue;
@@ -300,6 +306,7 @@ class Sharded final : public UnitBase {
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
     finish_reduction();
+    if (prefetched_) release_unsharded();  // gathered ahead for a pass it did not run in
     if constexpr (offload) device_.synchronize();  // gradients copied to host are complete
     state_ = TrainingState::IDLE;
   }
@@ -371,8 +378,28 @@ class Sharded final : public UnitBase {
     build_flat_params(params);
     detail::check_same_across_ranks(groups_.world, fingerprint(), "unit '" + display_name() + "'", describe_local());
     if (options.sync_module_states) broadcast_from_rank0(params, buffers);
-    take_over_storage(params);
-    take_over_buffers(buffers);
+    // Copy everything first; rebind the engine's tensors (which frees their storage) only
+    // once nothing can fail, so a failed construction loses no data and leaks nothing.
+    try {
+      copy_shards(params);
+      copy_buffers(buffers);
+    } catch (...) {
+      free_copies();
+      throw;
+    }
+    take_over();
+  }
+
+  void free_copies() {
+    for (auto& fp : flat_) {
+      release(fp.shard, fp.shard_bytes(), shard_space);
+      release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
+    }
+    for (auto& b : buffers_) {
+      release(b.master, bytes(b.numel, b.dtype), MemorySpace::device);
+      release(b.cast, bytes(b.numel, precision_buffer()), MemorySpace::device);
+    }
+    buffers_.clear();
   }
 
   struct FlatParam {
@@ -502,8 +529,8 @@ class Sharded final : public UnitBase {
       if (b.numel > 0) groups_.world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
   }
 
-  // Copies this rank's slices into fresh shards and leaves the engine's tensors empty.
-  void take_over_storage(const std::vector<detail::CollectedParam>& params) {
+  // Copies this rank's slices into fresh shards (the engine's tensors are not touched).
+  void copy_shards(const std::vector<detail::CollectedParam>& params) {
     std::unordered_map<void*, const void*> data_of;
     for (auto& p : params) data_of[p.binding.param] = p.data;
     for (auto& fp : flat_) {
@@ -527,6 +554,12 @@ class Sharded final : public UnitBase {
                      static_cast<const std::byte*>(data_of[fp.bindings[i].param]) + sl.param_begin * esize,
                      static_cast<std::size_t>(sl.count) * esize);
       }
+    }
+  }
+
+  // Points the engine's parameters, gradients and cast buffers at the unit's storage.
+  void take_over() {
+    for (auto& fp : flat_) {
       bind(fp, nullptr, &detail::ParamBinding::grad, fp.master());
       if (fp.direct) {  // replicated: the parameters live in the "shard" for good
         fp.full = fp.shard;
@@ -535,24 +568,23 @@ class Sharded final : public UnitBase {
       } else {
         bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
       }
-      views_.push_back({fqn_, L.dtype(), fp.shard, fp.shard_grad, L.valid_shard_numel(groups_.shard_rank), fp.grad});
+      views_.push_back({fqn_, fp.master(), fp.shard, fp.shard_grad, fp.layout.valid_shard_numel(groups_.shard_rank), fp.grad});
     }
+    for (auto& b : buffers_) b.rebind(b.tensor, b.cast, precision_buffer());
   }
 
   // Under MixedPrecision with a Buffer dtype other than a buffer's own, the unit keeps the
   // buffer in both dtypes and shows the cast one to the engine; otherwise buffers stay the
   // engine's.
-  void take_over_buffers(const std::vector<detail::CollectedBuffer>& buffers) {
+  void copy_buffers(const std::vector<detail::CollectedBuffer>& buffers) {
     if constexpr (precision::enabled) {
       for (auto& b : buffers) {
         if (b.dtype == precision::buffer || !is_floating(b.dtype)) continue;
-        BufferCopy c{b.fqn, b.dtype, b.numel, b.tensor, b.rebind};
+        auto& c = buffers_.emplace_back(BufferCopy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind});  // freed by free_copies on failure
         c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
         c.cast = device_.allocate(bytes(b.numel, precision::buffer), MemorySpace::device);
         if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
         device_.cast(c.cast, precision::buffer, c.master, b.dtype, static_cast<std::size_t>(b.numel));
-        c.rebind(c.tensor, c.cast, precision::buffer);
-        buffers_.push_back(std::move(c));
       }
     }
   }
@@ -590,7 +622,7 @@ class Sharded final : public UnitBase {
   }
 
   void finish_gather(FlatParam& fp, DType as) {
-    if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");
+    if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");  // no empty spans
     fp.gather_work = Work{};
     bind(fp, fp.full, &detail::ParamBinding::param, as);
   }
@@ -614,6 +646,7 @@ class Sharded final : public UnitBase {
       release_unsharded_params(fp);
     }
     if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }  // gathered ahead, never used
+    kept_ = false;
   }
 
   void release_unsharded_params(FlatParam& fp) {
@@ -672,17 +705,9 @@ class Sharded final : public UnitBase {
         in_grad_dtype = device_.allocate(bytes(L.shard_numel(), fp.grad), MemorySpace::device);
         device_.cast(in_grad_dtype, fp.grad, out, fp.reduce, S);
       }
-      if (fp.into_shard_grad) {  // zero before: a plain copy (device to host when offloaded)
-        device_.copy(fp.shard_grad, in_grad_dtype, fp.shard_grad_bytes());
-      } else {
-        void* src = in_grad_dtype;
-        if (offload) {  // accumulate on the host, where the sharded gradient lives
-          src = device_.allocate(fp.shard_grad_bytes(), MemorySpace::host);
-          device_.copy(src, in_grad_dtype, fp.shard_grad_bytes());
-        }
-        device_.accumulate(fp.shard_grad, src, S, fp.grad);
-        if (src != in_grad_dtype) device_.deallocate(src, fp.shard_grad_bytes(), MemorySpace::host);
-      }
+      // Into the sharded gradient, wherever it lives (device to host when offloaded).
+      if (fp.into_shard_grad) device_.copy(fp.shard_grad, in_grad_dtype, fp.shard_grad_bytes());
+      else device_.accumulate(fp.shard_grad, in_grad_dtype, S, fp.grad);
       if (in_grad_dtype != out) device_.deallocate(in_grad_dtype, bytes(L.shard_numel(), fp.grad), MemorySpace::device);
     }
     release_reduction_buffers(fp);
@@ -739,6 +764,7 @@ class Sharded final : public UnitBase {
   detail::DeviceRef device_;
   double pre_divide_ = 1.0, post_divide_ = 1.0;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
+  bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   Trace::Clock::time_point compute_begin_{};
   std::vector<FlatParam> flat_;
   std::vector<BufferCopy> buffers_;

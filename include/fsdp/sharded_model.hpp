@@ -98,8 +98,8 @@ class ShardedModel {
     for (auto& u : units_) u->zero_grad();
   }
 
-  // Frees the unsharded parameters that ShardGradOp-like strategies keep after forward;
-  // call it after a forward-only pass.
+  // Frees unsharded parameters kept after forward for a backward that is not coming
+  // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.
   void reshard() {
     for (auto& u : units_) u->reshard();
   }

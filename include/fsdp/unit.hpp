@@ -43,8 +43,9 @@ class UnitBase {
   // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
   virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero
-  // IDLE only: frees unsharded parameters a strategy kept after forward (ShardGradOp keeps
-  // them for backward; after a forward-only pass, such as evaluation, call this).
+  // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
+  // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
+  // pass, such as evaluation, call this to free them (the next forward regathers anyway).
   virtual void reshard() = 0;
 
   // Parameters unsharded outside training (inspection, init, export): IDLE ->
@@ -153,7 +154,7 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
   const char* pass_name = pass == Pass::forward ? "forward" : "backward";
-  if (pass == Pass::backward && !forward_recorded_) forward_recorded_ = true;  // backward ends the first forward
+  if (pass == Pass::backward) forward_recorded_ = true;  // backward ends the first forward
   if (!recorded && std::find(order.begin(), order.end(), idx) != order.end()) recorded = true;  // a second pass
   if (!recorded) {
     if (world.size() > 1) {  // every rank must be entering the same unit here

@@ -221,3 +221,33 @@ TEST_CASE("parameters the library cannot take over are named") {
     }
   });
 }
+
+namespace {
+struct FailingDevice : fsdp::HostDevice {  // fails its n-th allocation
+  int left;
+  explicit FailingDevice(int n) : left(n) {}
+  void* allocate(std::size_t bytes, fsdp::MemorySpace space = fsdp::MemorySpace::device) {
+    if (left-- == 0) fsdp::detail::fail("injected out of memory");
+    return HostDevice::allocate(bytes, space);
+  }
+};
+struct TwoDtypes {
+  HostTensor w{{4}}, g{{4}}, v{{4}, fsdp::DType::f64}, gv{{4}, fsdp::DType::f64};
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); f("v", v, gv); }
+};
+}  // namespace
+
+TEST_CASE("a construction that fails part way leaks nothing and leaves the engine's parameters intact") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    for (int fail_at : {0, 1, 2, 3}) {  // 4 allocations: shard + gradient for each of two dtypes
+      CAPTURE(fail_at);
+      TwoDtypes m;
+      m.w.as<float>()[0] = 3.0f;
+      FailingDevice device(fail_at);
+      CHECK_THROWS_WITH_AS(fsdp::Sharded<TwoDtypes>(m, comm, device), "fsdp: injected out of memory", fsdp::Error);
+      CHECK(device.stats().live_bytes == 0);
+      REQUIRE(m.w.owns_storage());
+      CHECK(m.w.as<float>()[0] == 3.0f);
+    }
+  });
+}

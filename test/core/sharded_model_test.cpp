@@ -230,3 +230,58 @@ TEST_CASE("set_trace records each unit's forward and backward, and waits; nothin
     CHECK(waits > 0);  // an asynchronous backend is waited for somewhere
   });
 }
+
+namespace {
+struct Root3 {  // root parameters + two leaf units
+  fsdp::HostTensor w{{4}}, g{{4}};
+  Leaf a, b;
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); }
+  template <class F> void visit_children(F&& f) { f("a", a); f("b", b); }
+};
+
+void set_shards(fsdp::UnitBase& u, float value) {  // what an optimizer step does
+  for (auto& v : u.shards())
+    for (std::int64_t i = 0; i < v.numel; ++i) static_cast<float*>(v.param)[i] = value;
+}
+}  // namespace
+
+TEST_CASE("no unsharded copy outlives an optimizer step: kept or prefetched parameters are gathered afresh") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    Root3 m;
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(m, comm, device, fsdp::wrap_types<Leaf>{});
+    auto& root = sm.unit("");
+    auto& a = sm.unit("a");
+    auto& b = sm.unit("b");
+    auto forward = [&] { root.pre_forward(); a.pre_forward(); a.post_forward(); b.pre_forward(); b.post_forward(); root.post_forward(); };
+    auto backward = [&] { root.pre_backward(); b.pre_backward(); b.post_backward(); a.pre_backward(); a.post_backward(); root.post_backward(); sm.finish_backward(); };
+    forward();
+    backward();  // records the order: backward starts with the root, which then keeps its parameters after forward
+    forward();   // a forward with no backward (evaluation): the root keeps its gathered parameters
+    set_shards(root, 7.0f);
+    root.pre_forward();
+    for (int i = 0; i < 4; ++i) CHECK(m.w.as<float>()[i] == 7.0f);
+    root.post_forward();
+    sm.reshard();
+
+    // A unit gathered ahead that does not run, then an optimizer step.
+    root.set_forward_prefetch({&b});
+    root.pre_forward();  // prefetches b
+    a.pre_forward();
+    a.post_forward();
+    root.post_forward();  // b skipped in this pass
+    root.pre_backward();
+    a.pre_backward();
+    a.post_backward();
+    root.post_backward();
+    sm.finish_backward();  // drops b's unused copy
+    set_shards(b, 5.0f);
+    root.pre_forward();
+    b.pre_forward();
+    for (int i = 0; i < 3; ++i) CHECK(m.b.w.as<float>()[i] == 5.0f);
+    b.post_forward();
+    root.post_forward();
+    sm.reshard();
+    CHECK(device.stats().live_bytes == 2 * 4 * (2 + 2 + 2));  // only the shards: 3 units x (params + grads), 2 floats each
+  });
+}
