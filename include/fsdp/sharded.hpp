@@ -416,6 +416,7 @@ class Sharded final : public UnitBase {
     DType full_dtype = DType::f32;
     void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
     Work gather_work;            // the all-gather into `full`, until its first use
+    bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
     Work reduce_work;            // the reduction, until finished
     void* reduce_in = nullptr;   // full_grad cast to `reduce`, when that differs
     void* reduce_out = nullptr;  // shard_numel `reduce`-dtype elements: where it reduces to
@@ -612,6 +613,7 @@ class Sharded final : public UnitBase {
     const auto S = static_cast<std::size_t>(L.shard_numel());
     fp.full_dtype = as;
     if (fp.direct) { fp.full = fp.shard; return; }
+    fp.unbound = true;
     const std::int64_t n = strategy::shards_parameters ? L.padded_numel() : L.shard_numel();
     fp.full = device_.allocate(bytes(n, as), MemorySpace::device);
     void* mine = static_cast<std::byte*>(fp.full) + (strategy::shards_parameters ? groups_.shard_rank : 0) * bytes(L.shard_numel(), as);
@@ -621,19 +623,21 @@ class Sharded final : public UnitBase {
       fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as);
   }
 
+  // Hands a gathered buffer to the engine: waits for its all-gather, binds the parameters.
   void finish_gather(FlatParam& fp, DType as) {
     if (!fp.gather_work.completed_inline()) wait_traced(fp.gather_work, "wait all_gather");  // no empty spans
     fp.gather_work = Work{};
     bind(fp, fp.full, &detail::ParamBinding::param, as);
+    fp.unbound = false;
   }
 
   // Makes the parameters valid in the compute dtype: waits for a prefetched all-gather, or
-  // issues one and waits, unless they are valid already (replicated in place, or kept
-  // since forward).
+  // issues one and waits. Parameters already valid (replicated in place, or kept since
+  // forward) cost nothing: not even a rebind.
   void unshard() {
     for (auto& fp : flat_) {
       if (!fp.full) start_gather(fp, fp.compute);
-      finish_gather(fp, fp.compute);
+      if (fp.unbound) finish_gather(fp, fp.compute);
     }
     if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
   }
@@ -642,6 +646,7 @@ class Sharded final : public UnitBase {
     for (auto& fp : flat_) {
       if (fp.direct) continue;  // replicated parameters stay valid
       fp.gather_work = Work{};  // a prefetched all-gather may still be writing into the buffer
+      fp.unbound = false;
       bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
     }

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <span>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/host/host_device.hpp"
+#include "test/support/device_accounting.hpp"
 
 namespace {
 
@@ -260,54 +262,19 @@ TEST_CASE("CudaDevice models fsdp::Device and identifies as cuda:N" * doctest::s
 
 TEST_CASE("live, peak and allocation counts per memory space" * doctest::skip(no_gpu)) {
   CudaDevice dev;
-  for (MemorySpace s : {kDev, kHost}) {
-    CHECK(dev.stats(s).live_bytes == 0);
-    CHECK(dev.stats(s).peak_bytes == 0);
-    CHECK(dev.stats(s).allocations == 0);
-  }
-  void* a = dev.allocate(100, kDev);
-  void* b = dev.allocate(300, kDev);
-  void* h = dev.allocate(1000, kHost);
-  REQUIRE(a);
-  REQUIRE(b);
-  REQUIRE(h);
-  CHECK(dev.stats(kDev).live_bytes == 400);
-  CHECK(dev.stats(kDev).peak_bytes == 400);
-  CHECK(dev.stats(kDev).allocations == 2);
-  CHECK(dev.stats(kHost).live_bytes == 1000);
-  CHECK(dev.stats(kHost).peak_bytes == 1000);
-  CHECK(dev.stats(kHost).allocations == 1);
-
-  cudaPointerAttributes attr{};
-  REQUIRE(cudaPointerGetAttributes(&attr, h) == cudaSuccess);
-  CHECK(attr.type == cudaMemoryTypeHost);  // pinned
-  dev.synchronize();                       // stream-ordered allocation is complete
-  REQUIRE(cudaPointerGetAttributes(&attr, a) == cudaSuccess);
-  CHECK(attr.type == cudaMemoryTypeDevice);
-  CHECK(attr.device == 0);
-
-  dev.deallocate(b, 300, kDev);
-  CHECK(dev.stats(kDev).live_bytes == 100);
-  CHECK(dev.stats(kDev).peak_bytes == 400);
-  void* c = dev.allocate(450, kDev);
-  CHECK(dev.stats(kDev).peak_bytes == 550);
-  CHECK(dev.stats(kDev).allocations == 3);
-  dev.reset_peak(kDev);
-  CHECK(dev.stats(kDev).peak_bytes == 550);
-  dev.deallocate(c, 450, kDev);
-  dev.reset_peak(kDev);
-  CHECK(dev.stats(kDev).peak_bytes == 100);
-  CHECK(dev.stats(kHost).peak_bytes == 1000);  // untouched
-
-  void* z = dev.allocate(0, kDev);  // zero bytes: nothing counted
-  CHECK(dev.stats(kDev).allocations == 3);
+  test_support::check_memory_accounting(dev, [&](void* d, void* h) {
+    cudaPointerAttributes attr{};
+    REQUIRE(cudaPointerGetAttributes(&attr, h) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeHost);  // pinned
+    dev.synchronize();                       // stream-ordered allocation is complete
+    REQUIRE(cudaPointerGetAttributes(&attr, d) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeDevice);
+    CHECK(attr.device == 0);
+  });
+  void* z = dev.allocate(0, kDev);  // zero-byte operations are no-ops, not CUDA errors
   CHECK_NOTHROW(dev.fill_zero(z, 0));
   CHECK_NOTHROW(dev.copy(z, z, 0));
   dev.deallocate(z, 0, kDev);
-
-  dev.deallocate(a, 100, kDev);
-  dev.deallocate(h, 1000, kHost);
-  for (MemorySpace s : {kDev, kHost}) CHECK(dev.stats(s).live_bytes == 0);
   dev.synchronize();
 }
 
@@ -413,41 +380,34 @@ TEST_CASE("16-bit accumulate rounds ties to even and keeps subnormals" * doctest
   }
 }
 
-TEST_CASE("cast matches HostDevice bitwise between every pair of dtypes" * doctest::skip(no_gpu)) {
+// Casts every pair of `types` on the GPU from a source in `space` and compares bitwise
+// with HostDevice.
+void check_casts(std::span<const DType> types, MemorySpace space, std::uint64_t seed) {
   CudaDevice dev;
   HostDevice host;
-  std::mt19937_64 rng(3);
-  for (DType from : kAll) {
-    for (DType to : kAll) {
+  std::mt19937_64 rng(seed);
+  for (DType from : types) {
+    for (DType to : types) {
       const Bytes in = cast_inputs(from, to, rng);
       const std::size_t n = in.size() / fsdp::size_of(from);
       Bytes expected(n * fsdp::size_of(to));
       host.cast(expected.data(), to, in.data(), from, n);
-      DeviceBuffer src(dev, in), dst(dev, expected.size());
-      dev.cast(dst.p, to, src.p, from, n);
-      check_same(expected, dst.read(), to, label("cast", to, from, true));
+      auto* src = static_cast<unsigned char*>(dev.allocate(in.size(), space));
+      dev.copy(src, in.data(), in.size());
+      DeviceBuffer dst(dev, expected.size());
+      dev.cast(dst.p, to, src, from, n);
+      check_same(expected, dst.read(), to, label(space == kHost ? "cast from pinned" : "cast", to, from, true));
+      dev.deallocate(src, in.size(), space);
     }
   }
 }
 
+TEST_CASE("cast matches HostDevice bitwise between every pair of dtypes" * doctest::skip(no_gpu)) {
+  check_casts(kAll, kDev, 3);
+}
+
 TEST_CASE("cast reads a pinned host-space source, as offloaded shards do" * doctest::skip(no_gpu)) {
-  CudaDevice dev;
-  HostDevice host;
-  std::mt19937_64 rng(4);
-  for (DType from : kFloats) {
-    for (DType to : kFloats) {
-      const Bytes in = cast_inputs(from, to, rng);
-      const std::size_t n = in.size() / fsdp::size_of(from);
-      auto* pinned = static_cast<unsigned char*>(dev.allocate(in.size(), kHost));
-      std::memcpy(pinned, in.data(), in.size());
-      Bytes expected(n * fsdp::size_of(to));
-      host.cast(expected.data(), to, in.data(), from, n);
-      DeviceBuffer dst(dev, expected.size());
-      dev.cast(dst.p, to, pinned, from, n);
-      check_same(expected, dst.read(), to, label("cast from pinned", to, from, true));
-      dev.deallocate(pinned, in.size(), kHost);
-    }
-  }
+  check_casts(kFloats, kHost, 4);
 }
 
 TEST_CASE("errors are fsdp::Error naming the device and leave the counts alone" * doctest::skip(no_gpu)) {

@@ -12,6 +12,7 @@
 
 #include "fsdp/error.hpp"
 #include "fsdp/host/host_device.hpp"
+#include "test/support/device_accounting.hpp"
 
 namespace {
 
@@ -69,46 +70,7 @@ TEST_CASE("HostDevice models fsdp::Device and identifies as cpu:0") {
 
 TEST_CASE("live, peak and allocation counts per memory space") {
   HostDevice dev;
-  for (MemorySpace s : {kDev, kHost}) {
-    const auto st = dev.stats(s);
-    CHECK(st.live_bytes == 0);
-    CHECK(st.peak_bytes == 0);
-    CHECK(st.allocations == 0);
-  }
-
-  void* a = dev.allocate(100, kDev);
-  void* b = dev.allocate(300, kDev);
-  void* h = dev.allocate(1000, kHost);
-  REQUIRE(a);
-  REQUIRE(b);
-  REQUIRE(h);
-  CHECK(dev.stats(kDev).live_bytes == 400);
-  CHECK(dev.stats(kDev).peak_bytes == 400);
-  CHECK(dev.stats(kDev).allocations == 2);
-  CHECK(dev.stats(kHost).live_bytes == 1000);  // host bytes are not device bytes
-  CHECK(dev.stats(kHost).peak_bytes == 1000);
-  CHECK(dev.stats(kHost).allocations == 1);
-
-  dev.deallocate(b, 300, kDev);
-  CHECK(dev.stats(kDev).live_bytes == 100);
-  CHECK(dev.stats(kDev).peak_bytes == 400);   // peak remembers
-  CHECK(dev.stats(kDev).allocations == 2);    // counts allocate() calls, not live blocks
-  CHECK(dev.stats(kHost).live_bytes == 1000);
-
-  void* c = dev.allocate(200, kDev);           // 300 live < old peak 400
-  CHECK(dev.stats(kDev).live_bytes == 300);
-  CHECK(dev.stats(kDev).peak_bytes == 400);
-  void* d = dev.allocate(250, kDev);           // 550 live: new peak
-  CHECK(dev.stats(kDev).peak_bytes == 550);
-  CHECK(dev.stats(kDev).allocations == 4);
-
-  dev.deallocate(c, 200, kDev);
-  dev.deallocate(d, 250, kDev);
-  dev.deallocate(a, 100, kDev);
-  dev.deallocate(h, 1000, kHost);
-  for (MemorySpace s : {kDev, kHost}) CHECK(dev.stats(s).live_bytes == 0);
-  CHECK(dev.stats(kDev).peak_bytes == 550);
-  CHECK(dev.stats(kHost).peak_bytes == 1000);
+  test_support::check_memory_accounting(dev, [](void* d, void* h) { CHECK(d != h); });
 }
 
 TEST_CASE("the default memory space is device") {
