@@ -97,6 +97,26 @@ double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, c
   return loss;
 }
 
+// One fp16 step with dynamic loss scaling (fsdp::ShardedGradScaler): backward from the
+// loss multiplied by the scale, then the optimizer steps on the unscaled gradients unless
+// some rank found inf/NaN. Returns whether the optimizer stepped (the same on every rank).
+template <class Optimizer, class Scaler>
+bool sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local) {
+  sharded.zero_grad();
+  UnitHooks hooks{sharded};
+  Mat dout;
+  mse(model.forward(local.x, hooks), local.y, dout);
+  for (auto& v : dout.v) v = static_cast<float>(v * scaler.scale());  // backward from the scaled loss
+  model.backward(dout, hooks);
+  sharded.finish_backward();
+  const bool stepped = scaler.step(sharded.shards(), [&] {
+    const auto s = slots(sharded);
+    opt.step(s);
+  });
+  scaler.update();
+  return stepped;
+}
+
 // The same step without fsdp, on the whole batch.
 template <class Optimizer>
 double unsharded_step(Model& model, Optimizer& opt, const Batch& batch) {

@@ -50,4 +50,12 @@ constexpr void check_device() {
                 "synchronize(), stats(space) and reset_peak(space). See docs/concepts.md#device.");
 }
 
+// A Device that can also run ShardedGradScaler's unscale where the gradients are:
+// p[i] *= inv_scale for f32/f64/f16/bf16, the product taken in double and rounded once;
+// returns (after waiting for it) whether any result is inf or NaN.
+template <class D>
+concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DType t, double f) {
+  { d.unscale(p, n, t, f) } -> std::convertible_to<bool>;
+};
+
 }  // namespace fsdp

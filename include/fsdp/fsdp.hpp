@@ -16,6 +16,7 @@
 #include "fsdp/policies.hpp"
 #include "fsdp/sharded.hpp"
 #include "fsdp/sharded_model.hpp"
+#include "fsdp/staged_communicator.hpp"
 #include "fsdp/strategy_name.hpp"
 #include "fsdp/tensor.hpp"
 #include "fsdp/trace.hpp"

@@ -18,11 +18,11 @@
 //   scaler.step(model.shards(), [&] { optimizer.step(); });  // unscales, skips on inf/NaN
 //   scaler.update();
 //
-// One scaler per rank; it is not shared between threads. Gradients here are host memory
-// (what the host device and CPU offload produce): the unscale and the inf/NaN check are a
-// plain loop. A CUDA build would run them as one fused kernel over the shards (PyTorch's
-// _amp_foreach_non_finite_check_and_unscale_) writing a device flag, and all-reduce that
-// flag without a round trip to the host.
+// One scaler per rank; it is not shared between threads. Built with only a communicator,
+// it unscales with a host loop, so the gradients must be host memory (the host device, or
+// CPU offload). Built with a Device as well, it unscales where the gradients live, with
+// the device's unscale (one kernel per shard on CUDA, each returning its inf/NaN flag).
+// The agreed flag is a 4-byte host value, all-reduced with one collective per step.
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -32,6 +32,8 @@
 #include <utility>
 
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/host_math.hpp"
+#include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/unit.hpp"
@@ -58,41 +60,28 @@ DType grad_dtype_of(const View& v) {
   }
 }
 
-// g[i] *= inv_scale for i < n, in place; returns true when any result is inf or NaN (an
-// inf/NaN gradient stays one; with a scale below 1 the unscale itself can overflow, and
-// that step must be skipped as well). The product is taken in double and rounded once to
-// the gradient's dtype.
-template <class T>
-bool unscale_typed(T* g, std::int64_t n, double inv_scale) {
-  bool bad = false;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const T v = static_cast<T>(static_cast<double>(g[i]) * inv_scale);
-    bad |= !std::isfinite(v);
-    g[i] = v;
-  }
-  return bad;
-}
-
-inline bool unscale_half(std::uint16_t* g, std::int64_t n, double inv_scale, DType t) {
-  bool bad = false;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float in = t == DType::f16 ? f16_bits_to_float(g[i]) : bf16_bits_to_float(g[i]);
-    const float v = static_cast<float>(static_cast<double>(in) * inv_scale);
-    const std::uint16_t bits = t == DType::f16 ? float_to_f16_bits(v) : float_to_bf16_bits(v);
-    // Checked after rounding: a finite float can still round to the 16-bit type's inf.
-    const float stored = t == DType::f16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
-    bad |= !std::isfinite(stored);
-    g[i] = bits;
-  }
-  return bad;
-}
-
 }  // namespace detail
 
 template <Communicator C>
 class ShardedGradScaler {
  public:
-  explicit ShardedGradScaler(C& comm, GradScalerOptions options = {}) : comm_(comm), opt_(options) {
+  // Unscales on the host: the gradient shards must be host memory.
+  explicit ShardedGradScaler(C& comm, GradScalerOptions options = {})
+      : ShardedGradScaler(comm, &detail::host_unscale, options) {}
+
+  // Unscales on `device`, wherever its gradient shards live (device or host space).
+  template <Device D>
+  ShardedGradScaler(C& comm, D& device, GradScalerOptions options = {})
+      : ShardedGradScaler(comm, [&device](void* p, std::size_t n, DType t, double inv) { return device.unscale(p, n, t, inv); },
+                          options) {
+    static_assert(UnscalingDevice<D>,
+                  "fsdp: ShardedGradScaler(comm, device) needs a Device with unscale(ptr, count, dtype, inv_scale) "
+                  "-> bool (fsdp::UnscalingDevice); HostDevice and CudaDevice have it");
+  }
+
+ private:
+  ShardedGradScaler(C& comm, std::function<bool(void*, std::size_t, DType, double)> unscale, GradScalerOptions options)
+      : comm_(comm), opt_(options), unscale_(std::move(unscale)) {
     const auto& o = opt_;
     if (!(std::isfinite(o.init_scale) && o.init_scale >= std::numeric_limits<double>::min()))
       fail("init_scale must be a positive finite number, got ", o.init_scale);
@@ -103,6 +92,8 @@ class ShardedGradScaler {
     if (o.growth_interval < 1) fail("growth_interval must be at least 1, got ", o.growth_interval);
     scale_ = o.init_scale;
   }
+
+ public:
   ShardedGradScaler(const ShardedGradScaler&) = delete;
   ShardedGradScaler& operator=(const ShardedGradScaler&) = delete;
 
@@ -132,18 +123,8 @@ class ShardedGradScaler {
       local = 2.0f + static_cast<float>(comm_.rank());
     } else {
       const double inv = 1.0 / scale_;
-      for (const ShardView& s : shards) {
-        const DType t = detail::grad_dtype_of(s);
-        bool bad = false;
-        switch (t) {
-          case DType::f32: bad = detail::unscale_typed(static_cast<float*>(s.grad), s.numel, inv); break;
-          case DType::f64: bad = detail::unscale_typed(static_cast<double*>(s.grad), s.numel, inv); break;
-          case DType::f16:
-          case DType::bf16: bad = detail::unscale_half(static_cast<std::uint16_t*>(s.grad), s.numel, inv, t); break;
-          default: break;  // rejected by check_shard
-        }
-        if (bad) local = 1.0f;
-      }
+      for (const ShardView& s : shards)  // dtypes were checked by check_shard
+        if (s.numel > 0 && unscale_(s.grad, static_cast<std::size_t>(s.numel), detail::grad_dtype_of(s), inv)) local = 1.0f;
     }
     float agreed = 0.0f;
     comm_.all_reduce(&local, &agreed, 1, DType::f32, ReduceOp::max).wait();
@@ -217,6 +198,7 @@ class ShardedGradScaler {
 
   C& comm_;
   GradScalerOptions opt_;
+  std::function<bool(void*, std::size_t, DType, double)> unscale_;
   double scale_ = 1.0;
   int good_steps_ = 0;
   bool found_inf_ = false;

@@ -544,3 +544,44 @@ TEST_CASE("the gradient dtype comes from ShardView::grad_dtype where the view ha
   set_grad_dtype(v, DType::f64);
   CHECK(fsdp::detail::grad_dtype_of(v) == DType::f64);
 }
+
+// A HostDevice that counts its unscale calls and the elements they covered, to see that a
+// scaler built with a Device unscales through it.
+struct CountingUnscaleDevice : fsdp::HostDevice {
+  int calls = 0;
+  std::size_t elements = 0;
+  bool unscale(void* p, std::size_t n, DType t, double inv) {
+    ++calls;
+    elements += n;
+    return fsdp::HostDevice::unscale(p, n, t, inv);
+  }
+};
+
+TEST_CASE("built with a Device, the scaler unscales through it, with the same results and decisions") {
+  static_assert(fsdp::UnscalingDevice<CountingUnscaleDevice>);
+  fsdp::ThreadGroup(2, kShort).run([&](ThreadComm& comm) {
+    CountingUnscaleDevice device;
+    ShardedGradScaler<ThreadComm> on_device(comm, device, {.init_scale = 1024.0});
+    ShardedGradScaler<ThreadComm> on_host(comm, {.init_scale = 1024.0});
+    for (int round = 0; round < 2; ++round) {  // round 1 puts an inf in rank 1's shard
+      std::vector<Grad> a = {Grad(DType::f32, 7, 1), Grad(DType::bf16, 4), Grad(DType::f16, 0)};
+      for (auto& g : a)
+        for (std::int64_t i = 0; i < g.numel; ++i) g.set(i, (comm.rank() + 1) * (i - 3) * 1024.0 / 3);
+      if (round == 1 && comm.rank() == 1) a[1].set(2, kInf);
+      std::vector<Grad> b = a;
+      std::vector<fsdp::ShardView> va, vb;
+      for (auto& g : a) va.push_back(g.view());
+      for (auto& g : b) vb.push_back(g.view());
+      const int calls_before = device.calls;
+      const bool skip_device = on_device.unscale(va), skip_host = on_host.unscale(vb);
+      CHECK(skip_device == (round == 1));  // every rank skips when one rank saw inf
+      CHECK(skip_host == skip_device);
+      CHECK(device.calls - calls_before == 2);  // the empty shard is not visited
+      for (std::size_t k = 0; k < a.size(); ++k) CHECK(a[k].bytes == b[k].bytes);  // padding untouched in both
+      on_device.update();
+      on_host.update();
+      CHECK(on_device.scale() == on_host.scale());
+    }
+    CHECK(device.elements == 2 * (7 + 4));
+  });
+}

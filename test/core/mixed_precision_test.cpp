@@ -287,18 +287,8 @@ TEST_CASE("fp16 with the sharded loss scaler: trains like unscaled fp16, and ski
       auto sm = fsdp::shard<fsdp::FullShard, fsdp::MixedPrecision<fsdp::f16>>(model, comm, device, engine::Wrap{});
       fsdp::ShardedGradScaler scaler(comm, fsdp::GradScalerOptions{.init_scale = init});
       engine::Sgd sgd(0.05f);
-      engine::UnitHooks hooks{sm};
-      for (int s = 0; s < steps; ++s) {
-        const auto batch = engine::make_batch(c, s, comm.rank(), 1);
-        sm.zero_grad();
-        engine::Mat dout;
-        engine::mse(model.forward(batch.x, hooks), batch.y, dout);
-        for (auto& v : dout.v) v = static_cast<float>(v * scaler.scale());  // backward from the scaled loss
-        model.backward(dout, hooks);
-        sm.finish_backward();
-        if (scaler.step(sm.shards(), [&] { auto sl = engine::slots(sm); sgd.step(sl); })) ++stepped[comm.rank()];
-        scaler.update();
-      }
+      for (int s = 0; s < steps; ++s)
+        if (engine::sharded_scaled_step(model, sm, sgd, scaler, engine::make_batch(c, s, comm.rank(), 1))) ++stepped[comm.rank()];
       final_scale[comm.rank()] = scaler.scale();
       per_rank[comm.rank()] = engine::gather_full_parameters(model, sm);
     });

@@ -112,6 +112,26 @@ EOF
 
 # The same kinds of use, done right: must compile (so the errors above come from the
 # misuse, not from the snippets' scaffolding).
+expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, count, dtype, inv_scale)" <<'EOF'
+#include "fsdp/grad_scaler.hpp"
+#include "fsdp/host/host_device.hpp"
+#include "fsdp/host/thread_group.hpp"
+struct PlainDevice : fsdp::HostDevice { void unscale() = delete; };  // a Device without unscale
+void f(fsdp::ThreadComm& comm, PlainDevice& d) { fsdp::ShardedGradScaler scaler(comm, d); }
+EOF
+
+expect_ok scaler_on_a_device <<'EOF'
+#include "fsdp/grad_scaler.hpp"
+#include "fsdp/host/host_device.hpp"
+#include "fsdp/host/thread_group.hpp"
+void f(fsdp::ThreadComm& comm, fsdp::HostDevice& d) {
+  fsdp::ShardedGradScaler scaler(comm, d, fsdp::GradScalerOptions{.init_scale = 1024});  // as in the docs
+  static_assert(std::is_same_v<decltype(scaler), fsdp::ShardedGradScaler<fsdp::ThreadComm>>);
+  fsdp::GradScalerOptions o;
+  fsdp::ShardedGradScaler<fsdp::ThreadComm> on_host(comm, o);  // options, not a device
+}
+EOF
+
 expect_ok valid_usage <<'EOF'
 #include <cstdint>
 #include <span>

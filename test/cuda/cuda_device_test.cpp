@@ -244,7 +244,8 @@ TEST_CASE("NVRTC compiles the kernel source, with no GPU needed") {
   REQUIRE(!ptx.code.empty());
   CHECK(ptx.code.back() == '\0');
   const std::string text(ptx.code.data());
-  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast"}) CHECK(text.find(k) != std::string::npos);
+  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast", "fsdp_unscale"})
+    CHECK(text.find(k) != std::string::npos);
 }
 
 // ---- on a GPU ------------------------------------------------------------------------
@@ -353,6 +354,33 @@ TEST_CASE("accumulate matches HostDevice bitwise for every dtype" * doctest::ski
       dev.accumulate(dst.p, src.p, n, t);
       check_same(expected, dst.read(), t, label("accumulate", t));
     }
+  }
+}
+
+TEST_CASE("unscale matches HostDevice bitwise and flags the same inf/NaN" * doctest::skip(no_gpu)) {
+  static_assert(fsdp::UnscalingDevice<CudaDevice>);
+  CudaDevice dev;
+  HostDevice host;
+  std::mt19937_64 rng(5);
+  for (DType t : kFloats) {
+    const Bytes in = arithmetic_inputs(t, rng);  // holds inf and NaN among ordinary values
+    const std::size_t n = in.size() / fsdp::size_of(t);
+    // 1/65536 is exact; 1/3 rounds in double; 1e30 overflows every dtype but f64.
+    for (double inv : {1.0 / 65536, 1.0 / 3.0, 1e30}) {
+      Bytes expected = in;
+      const bool host_bad = host.unscale(expected.data(), n, t, inv);
+      DeviceBuffer buf(dev, in);
+      CHECK(dev.unscale(buf.p, n, t, inv) == host_bad);
+      check_same(expected, buf.read(), t, label("unscale", t) + " by " + std::to_string(inv));
+    }
+    // Only finite values and an unscale that keeps them finite: no flag.
+    const Bytes ones = from_doubles(std::vector<double>(1000, 3.0), t);
+    DeviceBuffer buf(dev, ones);
+    CHECK_FALSE(dev.unscale(buf.p, 1000, t, 0.5));
+    Bytes halves = ones;
+    CHECK_FALSE(host.unscale(halves.data(), 1000, t, 0.5));
+    check_same(halves, buf.read(), t, label("unscale finite", t));
+    CHECK_FALSE(dev.unscale(buf.p, 0, t, 1e300));  // nothing to look at
   }
 }
 

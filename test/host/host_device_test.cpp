@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -350,3 +351,29 @@ TEST_CASE("HostDevice::cast converts between every floating dtype, rounding to n
   CHECK(std::memcmp(same.data(), src.data(), 4 * src.size()) == 0);
   CHECK(dev.stats().allocations == 0);  // casting allocates nothing
 }
+
+TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after rounding") {
+  static_assert(fsdp::UnscalingDevice<HostDevice>);
+  HostDevice dev;
+  std::vector<float> f = {3.0f, -6.0f, 1.0f};
+  CHECK_FALSE(dev.unscale(f.data(), f.size(), DType::f32, 1.0 / 3.0));
+  CHECK(f == std::vector<float>{1.0f, -2.0f, static_cast<float>(1.0 / 3.0)});
+  f = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
+  CHECK(dev.unscale(f.data(), f.size(), DType::f32, 0.5));
+  CHECK(f[0] == 0.5f);  // the rest is still unscaled
+  CHECK(f[2] == 1.0f);
+  f = {3e38f};
+  CHECK(dev.unscale(f.data(), 1, DType::f32, 4.0));  // a finite value can overflow
+  // f16: 120000 is a finite float but beyond f16's largest value, 65504.
+  std::uint16_t h = fsdp::float_to_f16_bits(60000.0f);
+  CHECK(dev.unscale(&h, 1, DType::f16, 2.0));
+  CHECK(std::isinf(fsdp::f16_bits_to_float(h)));
+  h = fsdp::float_to_f16_bits(60000.0f);
+  CHECK_FALSE(dev.unscale(&h, 1, DType::f16, 0.5));
+  CHECK(fsdp::f16_bits_to_float(h) == 30000.0f);
+  std::int32_t i = 4;
+  CHECK(dev.unscale(&i, 1, DType::i32, 0.5));  // not a floating dtype: reported, untouched
+  CHECK(i == 4);
+  CHECK_FALSE(dev.unscale(&i, 0, DType::i32, 0.5));
+}
+

@@ -9,10 +9,9 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
+#include "test/support/full_params.hpp"
 
 namespace test_support {
-
-using Params = std::vector<std::pair<std::string, std::vector<float>>>;  // FQN -> values
 
 // `steps` AdamW steps of the unsharded model on global batches of `global_batch` samples.
 inline Params reference_params(const engine::ModelConfig& c, int steps, int global_batch) {
@@ -23,15 +22,6 @@ inline Params reference_params(const engine::ModelConfig& c, int steps, int glob
   for (auto& np : engine::named_parameters(model))
     p.emplace_back(np.fqn, std::vector<float>(np.param->data(), np.param->data() + np.param->numel()));
   return p;
-}
-
-inline bool bitwise_equal(const Params& a, const Params& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].first != b[i].first || a[i].second.size() != b[i].second.size() ||
-        std::memcmp(a[i].second.data(), b[i].second.data(), 4 * a[i].second.size()) != 0)
-      return false;
-  return true;
 }
 
 // Largest absolute difference; infinity when names or sizes differ.

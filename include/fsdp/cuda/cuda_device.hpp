@@ -6,7 +6,7 @@
 //     since a queued copy may still read it;
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
 //   - fill_zero: cudaMemsetAsync;
-//   - scale / accumulate / cast: kernels compiled at run time with NVRTC for this GPU's
+//   - scale / accumulate / cast / unscale: kernels compiled at run time with NVRTC for this GPU's
 //     architecture (once per CudaDevice, on first use), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
 //     Only the CUDA runtime (libcudart) and NVRTC (libnvrtc) are used, never the driver
@@ -196,6 +196,39 @@ extern "C" __global__ void fsdp_accumulate(void* dst, const void* src, u64 n, in
   }
 }
 
+__device__ __forceinline__ bool finite_f32(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+__device__ __forceinline__ bool finite_f64(double v) {
+  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+
+// ShardedGradScaler's unscale, as fsdp::detail::host_unscale: the product in double,
+// rounded once; *nonfinite = 1 if any result is inf/NaN (every writer stores the same 1).
+extern "C" __global__ void fsdp_unscale(void* p, u64 n, int t, double inv, u32* nonfinite) {
+  bool bad = false;
+  switch (t) {
+    case F32: {
+      float* q = (float*)p;
+      FSDP_FOR_EACH(i, n) { const float v = (float)((double)q[i] * inv); bad |= !finite_f32(v); q[i] = v; }
+      break;
+    }
+    case F64: {
+      double* q = (double*)p;
+      FSDP_FOR_EACH(i, n) { const double v = q[i] * inv; bad |= !finite_f64(v); q[i] = v; }
+      break;
+    }
+    case F16: case BF16: {
+      u16* q = (u16*)p;
+      FSDP_FOR_EACH(i, n) {
+        const u16 b = half_store((float)((double)half_load(q[i], t) * inv), t);
+        bad |= !finite_f32(half_load(b, t));
+        q[i] = b;
+      }
+      break;
+    }
+  }
+  if (bad) *nonfinite = 1u;
+}
+
 // to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast.
 extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int from, u64 n) {
   if (from == F32 && is_half(to)) {  // the mixed-precision hot paths
@@ -317,6 +350,7 @@ class CudaDevice {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
+    if (flag_) cudaFree(flag_);
     if (library_) cudaLibraryUnload(library_);
     if (have_prev && prev != index_) cudaSetDevice(prev);
     (void)cudaGetLastError();
@@ -394,6 +428,25 @@ class CudaDevice {
     launch(kernels().cast, "fsdp_cast", n, args);
   }
 
+  // ShardedGradScaler's unscale (see UnscalingDevice): one kernel, then waits for its
+  // inf/NaN flag. Dtypes other than f32/f64/f16/bf16 are left alone and reported as not
+  // finite, as on the host device.
+  bool unscale(void* p, std::size_t n, DType t, double inv_scale) {
+    if (n == 0) return false;
+    if (!is_floating(t)) return true;
+    Guard g(*this);
+    if (!flag_) check(cudaMalloc(reinterpret_cast<void**>(&flag_), sizeof(unsigned)), "cudaMalloc(unscale flag)");
+    check(cudaMemsetAsync(flag_, 0, sizeof(unsigned), stream_), "cudaMemsetAsync(unscale flag)");
+    unsigned long long count = n;
+    int dtype = static_cast<int>(t);
+    void* args[] = {&p, &count, &dtype, &inv_scale, &flag_};
+    launch(kernels().unscale, "fsdp_unscale", n, args);
+    unsigned found = 0;
+    check(cudaMemcpyAsync(&found, flag_, sizeof found, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync(unscale flag)");
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    return found != 0;
+  }
+
   void synchronize() {
     Guard g(*this);
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -408,7 +461,7 @@ class CudaDevice {
 
  private:
   struct Kernels {
-    cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr;
+    cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr, unscale = nullptr;
   };
 
   // Makes this device current for the calling thread, restoring the previous one after.
@@ -448,7 +501,8 @@ class CudaDevice {
             "cudaLibraryLoadData(", image.arch, ")");
       Kernels k;
       const std::pair<cudaKernel_t*, const char*> names[] = {
-          {&k.scale, "fsdp_scale"}, {&k.accumulate, "fsdp_accumulate"}, {&k.cast, "fsdp_cast"}};
+          {&k.scale, "fsdp_scale"}, {&k.accumulate, "fsdp_accumulate"}, {&k.cast, "fsdp_cast"},
+          {&k.unscale, "fsdp_unscale"}};
       for (auto [slot, name] : names) {
         const cudaError_t e = cudaLibraryGetKernel(slot, lib, name);
         if (e != cudaSuccess) {
@@ -476,6 +530,7 @@ class CudaDevice {
   int index_;
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;
+  unsigned* flag_ = nullptr;  // unscale's inf/NaN flag: 4 device bytes of its own, not counted
   detail::MemoryCounter counter_;
   std::once_flag loaded_;
   cudaLibrary_t library_ = nullptr;
@@ -483,6 +538,6 @@ class CudaDevice {
   std::string arch_;
 };
 
-static_assert(Device<CudaDevice>);
+static_assert(UnscalingDevice<CudaDevice>);
 
 }  // namespace fsdp

@@ -3,6 +3,7 @@
 // f32/f64 get plain typed loops; 16-bit types round to their dtype after every operation,
 // the way a device kernel working in that dtype would.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -96,6 +97,35 @@ inline void host_cast(void* dst, DType to, const void* src, DType from, std::siz
     if (is_half(to)) static_cast<std::uint16_t*>(dst)[i] = half_store(v, to);
     else store_from_double(dst, i, to, v);
   }
+}
+
+// ShardedGradScaler's unscale: p[i] *= inv_scale for the floating dtypes, the product
+// taken in double and rounded once to the dtype; returns whether any result is inf or NaN
+// (checked after rounding: a finite product can round to a 16-bit type's inf). Other
+// dtypes are the caller's error; they are left alone and reported as not finite.
+inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
+  bool bad = false;
+  if (is_half(t)) {
+    auto* q = static_cast<std::uint16_t*>(p);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint16_t bits = half_store(static_cast<float>(static_cast<double>(half_load(q[i], t)) * inv_scale), t);
+      bad |= !std::isfinite(half_load(bits, t));
+      q[i] = bits;
+    }
+    return bad;
+  }
+  auto typed = [&](auto* q) {
+    using T = std::remove_pointer_t<decltype(q)>;
+    for (std::size_t i = 0; i < n; ++i) {
+      const T v = static_cast<T>(static_cast<double>(q[i]) * inv_scale);
+      bad |= !std::isfinite(v);
+      q[i] = v;
+    }
+  };
+  if (t == DType::f32) typed(static_cast<float*>(p));
+  else if (t == DType::f64) typed(static_cast<double*>(p));
+  else return n > 0;
+  return bad;
 }
 
 }  // namespace fsdp::detail

@@ -43,6 +43,8 @@ class HostDevice {
   }
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
   void synchronize() {}
+  // ShardedGradScaler's unscale (see UnscalingDevice): true when any result is inf/NaN.
+  bool unscale(void* p, std::size_t n, DType t, double inv_scale) { return detail::host_unscale(p, n, t, inv_scale); }
 
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
   void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
@@ -51,6 +53,6 @@ class HostDevice {
   detail::MemoryCounter counter_;
 };
 
-static_assert(Device<HostDevice>);
+static_assert(UnscalingDevice<HostDevice>);
 
 }  // namespace fsdp
