@@ -18,6 +18,7 @@
 #include "fsdp/error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
+#include "test/support/gpu.hpp"
 
 namespace {
 
@@ -29,7 +30,7 @@ using fsdp::MemorySpace;
 constexpr MemorySpace kDev = MemorySpace::device;
 constexpr MemorySpace kHost = MemorySpace::host;
 
-const bool no_gpu = fsdp::cuda_device_count() == 0;
+using test_support::no_gpu;
 
 constexpr DType kAll[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
                           DType::i8,  DType::u8,  DType::i32, DType::i64};

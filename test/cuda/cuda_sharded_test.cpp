@@ -16,6 +16,7 @@
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/fsdp.hpp"
 #include "test/support/device_training.hpp"
+#include "test/support/gpu.hpp"
 
 namespace {
 
@@ -23,7 +24,7 @@ using fsdp::CudaDevice;
 using fsdp::HostDevice;
 using fsdp::ThreadComm;
 
-const bool no_gpu = fsdp::cuda_device_count() == 0;
+using test_support::no_gpu;
 constexpr int kWorld = 4;
 
 // Rank r on GPU r % (visible GPUs): with one GPU, every rank shares it (own streams).
