@@ -52,7 +52,7 @@ Row run(std::string name, int ranks, int steps) {
       if (s == steps - 1) counted.reset();
       const auto batch = engine::make_batch(kConfig, s, comm.rank() * kBatch, kBatch);
       if constexpr (Fp16Scaler) {  // the scaler loop of the doc's fp16 section
-        if (!engine::sharded_scaled_step(model, sm, sgd, scaler, batch)) ++skipped;
+        if (!engine::sharded_scaled_step(model, sm, sgd, scaler, batch).stepped) ++skipped;
       } else {
         engine::sharded_step(model, sm, sgd, batch);
       }

@@ -71,12 +71,15 @@ inline void zero_grads(Model& m) {
     if (p.grad->raw()) std::memset(p.grad->raw(), 0, static_cast<std::size_t>(p.grad->numel()) * fsdp::size_of(p.grad->dtype()));
 }
 
+// In `space`: the device space by default; the host space for optimizer state next to
+// shards that OffloadParams put there.
 template <fsdp::Device D>
 struct DeviceAllocator final : Allocator {
-  explicit DeviceAllocator(D& d) : device(d) {}
-  void* allocate(std::size_t bytes) override { return device.allocate(bytes, fsdp::MemorySpace::device); }
-  void deallocate(void* p, std::size_t bytes) override { device.deallocate(p, bytes, fsdp::MemorySpace::device); }
+  explicit DeviceAllocator(D& d, fsdp::MemorySpace s = fsdp::MemorySpace::device) : device(d), space(s) {}
+  void* allocate(std::size_t bytes) override { return device.allocate(bytes, space); }
+  void deallocate(void* p, std::size_t bytes) override { device.deallocate(p, bytes, space); }
   D& device;
+  fsdp::MemorySpace space;
 };
 
 // The units of the reference model: one per block, one for the gain, the rest at the root.
@@ -99,13 +102,19 @@ double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, c
 
 // One fp16 step with dynamic loss scaling (fsdp::ShardedGradScaler): backward from the
 // loss multiplied by the scale, then the optimizer steps on the unscaled gradients unless
-// some rank found inf/NaN. Returns whether the optimizer stepped (the same on every rank).
+// some rank found inf/NaN. Returns the local loss and whether the optimizer stepped (the
+// same on every rank).
+struct ScaledStep {
+  double loss;
+  bool stepped;
+};
+
 template <class Optimizer, class Scaler>
-bool sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local) {
+ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local) {
   sharded.zero_grad();
   UnitHooks hooks{sharded};
   Mat dout;
-  mse(model.forward(local.x, hooks), local.y, dout);
+  const double loss = mse(model.forward(local.x, hooks), local.y, dout);
   for (auto& v : dout.v) v = static_cast<float>(v * scaler.scale());  // backward from the scaled loss
   model.backward(dout, hooks);
   sharded.finish_backward();
@@ -114,7 +123,7 @@ bool sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& o
     opt.step(s);
   });
   scaler.update();
-  return stepped;
+  return {loss, stepped};
 }
 
 // The same step without fsdp, on the whole batch.

@@ -288,7 +288,8 @@ TEST_CASE("fp16 with the sharded loss scaler: trains like unscaled fp16, and ski
       fsdp::ShardedGradScaler scaler(comm, fsdp::GradScalerOptions{.init_scale = init});
       engine::Sgd sgd(0.05f);
       for (int s = 0; s < steps; ++s)
-        if (engine::sharded_scaled_step(model, sm, sgd, scaler, engine::make_batch(c, s, comm.rank(), 1))) ++stepped[comm.rank()];
+        if (engine::sharded_scaled_step(model, sm, sgd, scaler, engine::make_batch(c, s, comm.rank(), 1)).stepped)
+          ++stepped[comm.rank()];
       final_scale[comm.rank()] = scaler.scale();
       per_rank[comm.rank()] = engine::gather_full_parameters(model, sm);
     });
