@@ -69,7 +69,8 @@ class ShardedGradScaler {
   explicit ShardedGradScaler(C& comm, GradScalerOptions options = {})
       : ShardedGradScaler(comm, &detail::host_unscale, options) {}
 
-  // Unscales on `device`, wherever its gradient shards live (device or host space).
+  // Unscales on `device`, wherever its gradient shards live (device or host space). The
+  // device is held by reference and must outlive the scaler.
   template <Device D>
   ShardedGradScaler(C& comm, D& device, GradScalerOptions options = {})
       : ShardedGradScaler(comm, [&device](void* p, std::size_t n, DType t, double inv) { return device.unscale(p, n, t, inv); },
