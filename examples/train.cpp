@@ -21,25 +21,21 @@
 
 namespace {
 
-// The command line's names for the compile-time MixedPrecision policies.
-template <class F>
-void with_precision(const std::string& name, F&& f) {
-  if (name == "bf16") f(fsdp::MixedPrecision<fsdp::bf16>{});
-  else if (name == "fp16") f(fsdp::MixedPrecision<fsdp::f16>{});
-  else f(fsdp::FullPrecision{});
+// --precision names: the dtype computation sees.
+fsdp::DType precision_dtype(const std::string& name) {
+  return name == "bf16" ? fsdp::DType::bf16 : name == "fp16" ? fsdp::DType::f16 : fsdp::DType::f32;
 }
 
-// fp16 computation needs the loss scaler.
-template <class Precision>
-constexpr bool computes_in_fp16() {
-  if constexpr (Precision::enabled) return Precision::param == fsdp::DType::f16;
-  else return false;
-}
-
+// Runtime --precision and --offload -> the compile-time policies: f(Precision{}, Offload{}).
 template <class F>
-void with_offload(bool offload, F&& f) {
-  if (offload) f(fsdp::OffloadParams{});
-  else f(fsdp::NoOffload{});
+void with_precision_and_offload(fsdp::DType param, bool offload, F&& f) {
+  auto with_offload = [&](auto precision) {
+    if (offload) f(precision, fsdp::OffloadParams{});
+    else f(precision, fsdp::NoOffload{});
+  };
+  if (param == fsdp::DType::bf16) with_offload(fsdp::MixedPrecision<fsdp::bf16>{});
+  else if (param == fsdp::DType::f16) with_offload(fsdp::MixedPrecision<fsdp::f16>{});
+  else with_offload(fsdp::FullPrecision{});
 }
 
 }  // namespace
@@ -89,9 +85,7 @@ int main(int argc, char** argv) {
   // Unsharded reference: one model, the whole global batch, every byte through a counting
   // Device. Under --precision bf16 / fp16 it computes with a 16-bit copy of the model, as
   // MixedPrecision does (without loss scaling, so fp16 agrees only roughly).
-  const fsdp::DType param_dtype = precision == "bf16"   ? fsdp::DType::bf16
-                                  : precision == "fp16" ? fsdp::DType::f16
-                                                        : fsdp::DType::f32;
+  const fsdp::DType param_dtype = precision_dtype(precision);
   fsdp::HostDevice reference_device;
   engine::DeviceAllocator<fsdp::HostDevice> reference_alloc(reference_device);
   engine::Model reference(model_config, reference_alloc);
@@ -129,23 +123,19 @@ int main(int argc, char** argv) {
     engine::Model model(model_config);
     fsdp::HostDevice device;
     // Runtime flags -> compile-time policies: one instantiation per combination.
-    fsdp::with_strategy(strategy, [&](auto chosen) { with_precision(precision, [&](auto mixed) { with_offload(offload, [&](auto off) {
-      using Precision = decltype(mixed);
-      auto sharded = fsdp::shard<decltype(chosen), Precision, decltype(off)>(model, mesh, device, engine::Wrap{});
+    auto train = [&](auto chosen, auto mixed, auto off) {
+      auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(off)>(model, mesh, device, engine::Wrap{});
       sharded.set_trace(tracing);
       // Optimizer state next to the shards it steps: host space when they are offloaded.
-      engine::DeviceAllocator<fsdp::HostDevice> alloc(device, offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
+      engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
       engine::AdamW adamw(adam, alloc);
       engine::Sgd sgd = make_sgd();
-      fsdp::ShardedGradScaler scaler(stream, device);  // used by fp16 only
+      fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
       auto step = [&](auto& opt, const engine::Batch& batch) {
-        if constexpr (computes_in_fp16<Precision>()) {
-          const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch);
-          if (!result.stepped && r == 0) ++skipped_steps;
-          return result.loss;
-        } else {
-          return engine::sharded_step(model, sharded, opt, batch);
-        }
+        if (param_dtype != fsdp::DType::f16) return engine::sharded_step(model, sharded, opt, batch);
+        const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch);
+        if (!result.stepped && r == 0) ++skipped_steps;
+        return result.loss;
       };
       for (int s = 0; s < steps; ++s) {
         auto batch = engine::make_batch(model_config, s, static_cast<std::int64_t>(r) * batch_per_rank, batch_per_rank);
@@ -165,7 +155,10 @@ int main(int argc, char** argv) {
         }
         stream.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
       }
-    }); }); });
+    };
+    fsdp::with_strategy(strategy, [&](auto chosen) {
+      with_precision_and_offload(param_dtype, offload, [&](auto mixed, auto off) { train(chosen, mixed, off); });
+    });
     if (tracing) {
       std::filesystem::create_directories(trace_dir);
       fsdp::write_chrome_json(trace, (std::filesystem::path(trace_dir) / ("rank" + std::to_string(r) + ".json")).string());
@@ -182,7 +175,7 @@ int main(int argc, char** argv) {
              mesh_shape.str(), precision, offload ? ", offload" : "");
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(peak) / static_cast<double>(unsharded_peak));
   if (offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", host_peak);
-  if (precision == "fp16") fmt::print("fp16: the loss scaler skipped {} of {} steps\n", skipped_steps, steps);
+  if (param_dtype == fsdp::DType::f16) fmt::print("fp16: the loss scaler skipped {} of {} steps\n", skipped_steps, steps);
   if (!trace_dir.empty()) fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", trace_dir, ranks - 1);
   fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", loss.back(),
              reference_loss.back(), peak, unsharded_peak);

@@ -85,25 +85,34 @@ struct DeviceAllocator final : Allocator {
 // The units of the reference model: one per block, one for the gain, the rest at the root.
 using Wrap = fsdp::wrap_types<Block, Gain>;
 
-// One sharded training step on this rank's part of the global batch; returns the local loss.
-template <class Optimizer>
-double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local) {
+// Forward and backward of one sharded step on this rank's part of the global batch, from
+// the loss multiplied by `loss_scale` (fp16 loss scaling); the gradients are reduced when
+// it returns. Returns the local (unscaled) loss.
+inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, const Batch& local,
+                                       double loss_scale = 1.0) {
   sharded.zero_grad();
   UnitHooks hooks{sharded};
-  Mat out = model.forward(local.x, hooks);
   Mat dout;
-  const double loss = mse(out, local.y, dout);
+  const double loss = mse(model.forward(local.x, hooks), local.y, dout);
+  if (loss_scale != 1.0)
+    for (auto& v : dout.v) v = static_cast<float>(v * loss_scale);
   model.backward(dout, hooks);
   sharded.finish_backward();
+  return loss;
+}
+
+// One sharded training step; returns the local loss.
+template <class Optimizer>
+double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local) {
+  const double loss = sharded_forward_backward(model, sharded, local);
   const auto s = slots(sharded);
   opt.step(s);
   return loss;
 }
 
 // One fp16 step with dynamic loss scaling (fsdp::ShardedGradScaler): backward from the
-// loss multiplied by the scale, then the optimizer steps on the unscaled gradients unless
-// some rank found inf/NaN. Returns the local loss and whether the optimizer stepped (the
-// same on every rank).
+// scaled loss, then the optimizer steps on the unscaled gradients unless some rank found
+// inf/NaN. Returns the local loss and whether the optimizer stepped (the same on every rank).
 struct ScaledStep {
   double loss;
   bool stepped;
@@ -111,13 +120,7 @@ struct ScaledStep {
 
 template <class Optimizer, class Scaler>
 ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local) {
-  sharded.zero_grad();
-  UnitHooks hooks{sharded};
-  Mat dout;
-  const double loss = mse(model.forward(local.x, hooks), local.y, dout);
-  for (auto& v : dout.v) v = static_cast<float>(v * scaler.scale());  // backward from the scaled loss
-  model.backward(dout, hooks);
-  sharded.finish_backward();
+  const double loss = sharded_forward_backward(model, sharded, local, scaler.scale());
   const bool stepped = scaler.step(sharded.shards(), [&] {
     const auto s = slots(sharded);
     opt.step(s);

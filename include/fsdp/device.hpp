@@ -51,11 +51,16 @@ constexpr void check_device() {
 }
 
 // A Device that can also run ShardedGradScaler's unscale where the gradients are:
-// p[i] *= inv_scale for f32/f64/f16/bf16, the product taken in double and rounded once;
-// returns (after waiting for it) whether any result is inf or NaN.
+//   d.unscale(p, count, t, inv_scale)  p[i] *= inv_scale for f32/f64/f16/bf16, the product
+//                                      taken in double and rounded once; queued like the
+//                                      other operations, and remembers any inf/NaN result
+//   d.found_nonfinite()                waits for the queued unscales; whether any of them
+//                                      since the last call produced inf/NaN; forgets it
+// so a step's shards are unscaled with one wait, not one per shard.
 template <class D>
 concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DType t, double f) {
-  { d.unscale(p, n, t, f) } -> std::convertible_to<bool>;
+  d.unscale(p, n, t, f);
+  { d.found_nonfinite() } -> std::convertible_to<bool>;
 };
 
 }  // namespace fsdp

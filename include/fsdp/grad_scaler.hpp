@@ -19,10 +19,11 @@
 //   scaler.update();
 //
 // One scaler per rank; it is not shared between threads. Built with only a communicator,
-// it unscales with a host loop, so the gradients must be host memory (the host device, or
-// CPU offload). Built with a Device as well, it unscales where the gradients live, with
-// the device's unscale (one kernel per shard on CUDA, each returning its inf/NaN flag).
-// The agreed flag is a 4-byte host value, all-reduced with one collective per step.
+// it unscales with a host loop (a HostDevice of its own), so the gradients must be host
+// memory (the host device, or CPU offload). Built with a Device as well, it unscales where
+// the gradients live, with the device's unscale: on CUDA one kernel per shard and one wait
+// for the inf/NaN flag per step. The agreed flag is a 4-byte host value, all-reduced with
+// one collective per step.
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -32,10 +33,10 @@
 #include <utility>
 
 #include "fsdp/communicator.hpp"
-#include "fsdp/detail/host_math.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
+#include "fsdp/host/host_device.hpp"
 #include "fsdp/unit.hpp"
 
 namespace fsdp {
@@ -60,29 +61,35 @@ DType grad_dtype_of(const View& v) {
   }
 }
 
+// The Device a scaler unscales on, without making the scaler a template on it.
+struct UnscaleTarget {
+  void* device = nullptr;
+  void (*unscale)(void* device, void* p, std::size_t n, DType t, double inv_scale) = nullptr;
+  bool (*found_nonfinite)(void* device) = nullptr;
+
+  template <class D>
+  static UnscaleTarget of(D& d) {
+    static_assert(UnscalingDevice<D>,
+                  "fsdp: ShardedGradScaler(comm, device) needs a Device with unscale(ptr, count, dtype, inv_scale) "
+                  "and found_nonfinite() (fsdp::UnscalingDevice); HostDevice and CudaDevice have them");
+    return {&d, [](void* x, void* p, std::size_t n, DType t, double inv) { static_cast<D*>(x)->unscale(p, n, t, inv); },
+            [](void* x) { return static_cast<bool>(static_cast<D*>(x)->found_nonfinite()); }};
+  }
+};
+
 }  // namespace detail
 
 template <Communicator C>
 class ShardedGradScaler {
  public:
-  // Unscales on the host: the gradient shards must be host memory.
-  explicit ShardedGradScaler(C& comm, GradScalerOptions options = {})
-      : ShardedGradScaler(comm, &detail::host_unscale, options) {}
+  // Unscales on the host (with a HostDevice of its own): the gradient shards must be host memory.
+  explicit ShardedGradScaler(C& comm, GradScalerOptions options = {}) : ShardedGradScaler(comm, host_, options) {}
 
   // Unscales on `device`, wherever its gradient shards live (device or host space). The
   // device is held by reference and must outlive the scaler.
   template <Device D>
   ShardedGradScaler(C& comm, D& device, GradScalerOptions options = {})
-      : ShardedGradScaler(comm, [&device](void* p, std::size_t n, DType t, double inv) { return device.unscale(p, n, t, inv); },
-                          options) {
-    static_assert(UnscalingDevice<D>,
-                  "fsdp: ShardedGradScaler(comm, device) needs a Device with unscale(ptr, count, dtype, inv_scale) "
-                  "-> bool (fsdp::UnscalingDevice); HostDevice and CudaDevice have it");
-  }
-
- private:
-  ShardedGradScaler(C& comm, std::function<bool(void*, std::size_t, DType, double)> unscale, GradScalerOptions options)
-      : comm_(comm), opt_(options), unscale_(std::move(unscale)) {
+      : comm_(comm), opt_(options), target_(detail::UnscaleTarget::of(device)) {
     const auto& o = opt_;
     if (!(std::isfinite(o.init_scale) && o.init_scale >= std::numeric_limits<double>::min()))
       fail("init_scale must be a positive finite number, got ", o.init_scale);
@@ -125,7 +132,8 @@ class ShardedGradScaler {
     } else {
       const double inv = 1.0 / scale_;
       for (const ShardView& s : shards)  // dtypes were checked by check_shard
-        if (s.numel > 0 && unscale_(s.grad, static_cast<std::size_t>(s.numel), detail::grad_dtype_of(s), inv)) local = 1.0f;
+        if (s.numel > 0) target_.unscale(target_.device, s.grad, static_cast<std::size_t>(s.numel), detail::grad_dtype_of(s), inv);
+      if (target_.found_nonfinite(target_.device)) local = 1.0f;  // one wait for all shards
     }
     float agreed = 0.0f;
     comm_.all_reduce(&local, &agreed, 1, DType::f32, ReduceOp::max).wait();
@@ -199,7 +207,8 @@ class ShardedGradScaler {
 
   C& comm_;
   GradScalerOptions opt_;
-  std::function<bool(void*, std::size_t, DType, double)> unscale_;
+  HostDevice host_;  // what the communicator-only constructor unscales on
+  detail::UnscaleTarget target_;
   double scale_ = 1.0;
   int good_steps_ = 0;
   bool found_inf_ = false;

@@ -4,10 +4,10 @@
 // (ThreadComm), or any CPU transport, drive sharded training whose buffers live on a
 // GPU: several ranks on one GPU in one process, for tests and for machines without NCCL.
 //
-// Each collective: wait for the device's queued work (the send buffer may still be being
-// written on its stream), copy the send buffer to host, run the host collective, copy the
-// result back, wait again (the caller may read the result on the host, as the library
-// does with its own small collectives). So collectives complete inside the call and
+// Each collective: copy the send buffer to host behind the device's queued work (which
+// may still be writing it) and wait, run the host collective, copy the result back and
+// wait again (the caller may read the result on the host, as the library does with its
+// own small collectives). So collectives complete inside the call and
 // overlap nothing; NCCL is the fast path on a GPU. Pointers may be device memory, pinned
 // or plain host memory: the Device's copy handles every direction.
 //
@@ -34,7 +34,6 @@ class StagedCommunicator {
 
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
-  C& inner() { return *comm_; }
 
   Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
     const std::size_t chunk = count * size_of(t);
@@ -81,7 +80,7 @@ class StagedCommunicator {
       detail::fail("StagedCommunicator (rank ", rank(), "): null buffer for a collective of ", recv_bytes, " bytes");
     if (send_in_.size() < send_bytes) send_in_.resize(send_bytes);
     if (recv_out_.size() < recv_bytes) recv_out_.resize(recv_bytes);
-    device_->synchronize();
+    // The copy is queued behind whatever is still writing the send buffer on the device.
     if (send_bytes) device_->copy(send_in_.data(), send, send_bytes);
     device_->synchronize();
     run(send_in_.data(), recv_out_.data()).wait();

@@ -545,15 +545,19 @@ TEST_CASE("the gradient dtype comes from ShardView::grad_dtype where the view ha
   CHECK(fsdp::detail::grad_dtype_of(v) == DType::f64);
 }
 
-// A HostDevice that counts its unscale calls and the elements they covered, to see that a
-// scaler built with a Device unscales through it.
+// A HostDevice that counts its unscale calls, the elements they covered and the waits for
+// the inf/NaN flag, to see that a scaler built with a Device unscales through it.
 struct CountingUnscaleDevice : fsdp::HostDevice {
-  int calls = 0;
+  int calls = 0, waits = 0;
   std::size_t elements = 0;
-  bool unscale(void* p, std::size_t n, DType t, double inv) {
+  void unscale(void* p, std::size_t n, DType t, double inv) {
     ++calls;
     elements += n;
-    return fsdp::HostDevice::unscale(p, n, t, inv);
+    fsdp::HostDevice::unscale(p, n, t, inv);
+  }
+  bool found_nonfinite() {
+    ++waits;
+    return fsdp::HostDevice::found_nonfinite();
   }
 };
 
@@ -577,6 +581,7 @@ TEST_CASE("built with a Device, the scaler unscales through it, with the same re
       CHECK(skip_device == (round == 1));  // every rank skips when one rank saw inf
       CHECK(skip_host == skip_device);
       CHECK(device.calls - calls_before == 2);  // the empty shard is not visited
+      CHECK(device.waits == round + 1);         // one wait per step, not per shard
       for (std::size_t k = 0; k < a.size(); ++k) CHECK(a[k].bytes == b[k].bytes);  // padding untouched in both
       on_device.update();
       on_host.update();

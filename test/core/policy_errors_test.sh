@@ -112,7 +112,7 @@ EOF
 
 # The same kinds of use, done right: must compile (so the errors above come from the
 # misuse, not from the snippets' scaffolding).
-expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, count, dtype, inv_scale)" <<'EOF'
+expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, count, dtype, inv_scale) and found_nonfinite()" <<'EOF'
 #include "fsdp/grad_scaler.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/thread_group.hpp"

@@ -362,6 +362,7 @@ TEST_CASE("unscale matches HostDevice bitwise and flags the same inf/NaN" * doct
   static_assert(fsdp::UnscalingDevice<CudaDevice>);
   CudaDevice dev;
   HostDevice host;
+  CHECK_FALSE(dev.found_nonfinite());  // no unscale yet
   std::mt19937_64 rng(5);
   for (DType t : kFloats) {
     const Bytes in = arithmetic_inputs(t, rng);  // holds inf and NaN among ordinary values
@@ -369,20 +370,24 @@ TEST_CASE("unscale matches HostDevice bitwise and flags the same inf/NaN" * doct
     // 1/65536 is exact; 1/3 rounds in double; 1e30 overflows every dtype but f64.
     for (double inv : {1.0 / 65536, 1.0 / 3.0, 1e30}) {
       Bytes expected = in;
-      const bool host_bad = host.unscale(expected.data(), n, t, inv);
+      host.unscale(expected.data(), n, t, inv);
       DeviceBuffer buf(dev, in);
-      CHECK(dev.unscale(buf.p, n, t, inv) == host_bad);
+      dev.unscale(buf.p, n, t, inv);
+      CHECK(dev.found_nonfinite() == host.found_nonfinite());
       check_same(expected, buf.read(), t, label("unscale", t) + " by " + std::to_string(inv));
     }
-    // Only finite values and an unscale that keeps them finite: no flag.
-    const Bytes ones = from_doubles(std::vector<double>(1000, 3.0), t);
-    DeviceBuffer buf(dev, ones);
-    CHECK_FALSE(dev.unscale(buf.p, 1000, t, 0.5));
-    Bytes halves = ones;
-    CHECK_FALSE(host.unscale(halves.data(), 1000, t, 0.5));
-    check_same(halves, buf.read(), t, label("unscale finite", t));
-    CHECK_FALSE(dev.unscale(buf.p, 0, t, 1e300));  // nothing to look at
+    // Several finite unscales queued, then one wait: no flag; the flag was cleared above.
+    const Bytes threes = from_doubles(std::vector<double>(1000, 3.0), t);
+    DeviceBuffer a(dev, threes), b(dev, threes);
+    dev.unscale(a.p, 1000, t, 0.5);
+    dev.unscale(b.p, 1000, t, 0.5);
+    dev.unscale(b.p, 0, t, 1e300);  // nothing to look at
+    CHECK_FALSE(dev.found_nonfinite());
+    Bytes halves = threes;
+    host.unscale(halves.data(), 1000, t, 0.5);
+    check_same(halves, a.read(), t, label("unscale finite", t));
   }
+  CHECK_THROWS_AS(dev.unscale(nullptr, 1, DType::i32, 0.5), fsdp::Error);
 }
 
 TEST_CASE("16-bit accumulate rounds ties to even and keeps subnormals" * doctest::skip(no_gpu)) {

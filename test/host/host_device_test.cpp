@@ -352,28 +352,36 @@ TEST_CASE("HostDevice::cast converts between every floating dtype, rounding to n
   CHECK(dev.stats().allocations == 0);  // casting allocates nothing
 }
 
-TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after rounding") {
+TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after rounding, once") {
   static_assert(fsdp::UnscalingDevice<HostDevice>);
   HostDevice dev;
+  CHECK_FALSE(dev.found_nonfinite());  // nothing unscaled yet
   std::vector<float> f = {3.0f, -6.0f, 1.0f};
-  CHECK_FALSE(dev.unscale(f.data(), f.size(), DType::f32, 1.0 / 3.0));
+  dev.unscale(f.data(), f.size(), DType::f32, 1.0 / 3.0);
   CHECK(f == std::vector<float>{1.0f, -2.0f, static_cast<float>(1.0 / 3.0)});
+  CHECK_FALSE(dev.found_nonfinite());
   f = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
-  CHECK(dev.unscale(f.data(), f.size(), DType::f32, 0.5));
+  dev.unscale(f.data(), f.size(), DType::f32, 0.5);
   CHECK(f[0] == 0.5f);  // the rest is still unscaled
   CHECK(f[2] == 1.0f);
+  std::vector<float> fine = {4.0f};
+  dev.unscale(fine.data(), 1, DType::f32, 0.5);  // a later finite shard does not clear it
+  CHECK(dev.found_nonfinite());
+  CHECK_FALSE(dev.found_nonfinite());  // reading it clears it
   f = {3e38f};
-  CHECK(dev.unscale(f.data(), 1, DType::f32, 4.0));  // a finite value can overflow
+  dev.unscale(f.data(), 1, DType::f32, 4.0);  // a finite value can overflow
+  CHECK(dev.found_nonfinite());
   // f16: 120000 is a finite float but beyond f16's largest value, 65504.
   std::uint16_t h = fsdp::float_to_f16_bits(60000.0f);
-  CHECK(dev.unscale(&h, 1, DType::f16, 2.0));
+  dev.unscale(&h, 1, DType::f16, 2.0);
   CHECK(std::isinf(fsdp::f16_bits_to_float(h)));
+  CHECK(dev.found_nonfinite());
   h = fsdp::float_to_f16_bits(60000.0f);
-  CHECK_FALSE(dev.unscale(&h, 1, DType::f16, 0.5));
+  dev.unscale(&h, 1, DType::f16, 0.5);
   CHECK(fsdp::f16_bits_to_float(h) == 30000.0f);
+  CHECK_FALSE(dev.found_nonfinite());
   std::int32_t i = 4;
-  CHECK(dev.unscale(&i, 1, DType::i32, 0.5));  // not a floating dtype: reported, untouched
+  CHECK_THROWS_WITH_AS(dev.unscale(&i, 1, DType::i32, 0.5), "fsdp: HostDevice: unscale needs a floating dtype, got i32",
+                       fsdp::Error);
   CHECK(i == 4);
-  CHECK_FALSE(dev.unscale(&i, 0, DType::i32, 0.5));
 }
-

@@ -15,8 +15,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -24,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdp/detail/host_math.hpp>
 #include <fsdp/fsdp.hpp>
 
 #include "test/support/full_params.hpp"
@@ -61,25 +60,15 @@ struct fsdp::tensor_traits<test_support::DevTensor> {
 
 namespace test_support {
 
-
-// Host <-> Device element transfers in any floating dtype, through float.
+// Host <-> Device element transfers in any floating dtype, through float, converted by
+// the library's own host casts.
 template <fsdp::Device D>
 std::vector<float> read_floats(D& dev, const DevTensor& t) {
   std::vector<unsigned char> raw(t.bytes());
   if (!raw.empty()) dev.copy(raw.data(), t.data, raw.size());
   dev.synchronize();
   std::vector<float> out(static_cast<std::size_t>(t.numel()));
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    const unsigned char* p = raw.data() + i * fsdp::size_of(t.dtype);
-    std::uint16_t h;
-    switch (t.dtype) {
-      case fsdp::DType::f32: std::memcpy(&out[i], p, 4); break;
-      case fsdp::DType::f64: { double d; std::memcpy(&d, p, 8); out[i] = static_cast<float>(d); break; }
-      case fsdp::DType::f16: std::memcpy(&h, p, 2); out[i] = fsdp::f16_bits_to_float(h); break;
-      case fsdp::DType::bf16: std::memcpy(&h, p, 2); out[i] = fsdp::bf16_bits_to_float(h); break;
-      default: FAIL("read_floats: not a floating dtype");
-    }
-  }
+  fsdp::detail::host_cast(out.data(), fsdp::DType::f32, raw.data(), t.dtype, out.size());
   return out;
 }
 
@@ -87,17 +76,7 @@ template <fsdp::Device D>
 void write_floats(D& dev, DevTensor& t, const std::vector<float>& v) {
   REQUIRE(v.size() == static_cast<std::size_t>(t.numel()));
   std::vector<unsigned char> raw(t.bytes());
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    unsigned char* p = raw.data() + i * fsdp::size_of(t.dtype);
-    std::uint16_t h;
-    switch (t.dtype) {
-      case fsdp::DType::f32: std::memcpy(p, &v[i], 4); break;
-      case fsdp::DType::f64: { const double d = v[i]; std::memcpy(p, &d, 8); break; }
-      case fsdp::DType::f16: h = fsdp::float_to_f16_bits(v[i]); std::memcpy(p, &h, 2); break;
-      case fsdp::DType::bf16: h = fsdp::float_to_bf16_bits(v[i]); std::memcpy(p, &h, 2); break;
-      default: FAIL("write_floats: not a floating dtype");
-    }
-  }
+  fsdp::detail::host_cast(raw.data(), t.dtype, v.data(), fsdp::DType::f32, v.size());
   if (!raw.empty()) dev.copy(t.data, raw.data(), raw.size());
   dev.synchronize();
 }
@@ -184,9 +163,10 @@ double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const Devic
   // acts[k][s]: sample s's activations after layer k (k = 0: h0), kept for backward.
   std::vector<std::vector<std::vector<float>>> acts(net.layers.size() + 1, std::vector<std::vector<float>>(B));
   double loss = 0;
+  const auto scale = read_floats(dev, net.scale);  // a buffer: valid outside the root's scopes too
   {
     auto root_scope = root.forward_scope();
-    const auto gain = read_floats(dev, net.gain), scale = read_floats(dev, net.scale);
+    const auto gain = read_floats(dev, net.gain);
     for (std::size_t s = 0; s < B; ++s) {
       xs[s] = sample(rank, step, static_cast<int>(s), c.width, false);
       acts[0][s].resize(W);
@@ -228,7 +208,6 @@ double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const Devic
     accumulate_floats(dev, l.gw, gw);
     accumulate_floats(dev, l.gb, gb);
   }
-  const auto scale = read_floats(dev, net.scale);
   std::vector<float> ggain(W, 0.0f);
   for (std::size_t s = 0; s < B; ++s)
     for (std::size_t i = 0; i < W; ++i) ggain[i] += dh[s][i] * xs[s][i] * scale[i];
@@ -236,31 +215,23 @@ double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const Devic
   return loss;
 }
 
-// SGD on this rank's f32 shards: p += (-lr) * g, as Device::scale then Device::accumulate.
-// Shards in host memory (offloaded) are stepped by a host loop that reads the gradients
-// right after finish_backward, which is what that call's synchronization is for.
-template <fsdp::Device D>
-void sgd_step(D& dev, std::span<const fsdp::ShardView> shards, float lr, bool shards_on_host) {
+// SGD on this rank's f32 shards: p += (-lr) * g, as Device::scale then Device::accumulate
+// on `stepper`: the training Device, or a HostDevice for shards in host memory (offloaded),
+// which then reads the gradients right after finish_backward, as a CPU optimizer does; that
+// is what finish_backward's synchronization is for.
+template <fsdp::Device S>
+void sgd_step(S& stepper, std::span<const fsdp::ShardView> shards, float lr) {
   for (const auto& v : shards) {
     REQUIRE(v.dtype == fsdp::DType::f32);
     REQUIRE(v.grad_dtype == fsdp::DType::f32);
     const auto n = static_cast<std::size_t>(v.numel);
-    if (shards_on_host) {
-      auto* p = static_cast<float*>(v.param);
-      auto* g = static_cast<float*>(v.grad);
-      for (std::size_t i = 0; i < n; ++i) {
-        g[i] = g[i] * -lr;
-        p[i] = p[i] + g[i];
-      }
-    } else {
-      dev.scale(v.grad, n, fsdp::DType::f32, -lr);
-      dev.accumulate(v.param, v.grad, n, fsdp::DType::f32);
-    }
+    stepper.scale(v.grad, n, fsdp::DType::f32, -lr);
+    stepper.accumulate(v.param, v.grad, n, fsdp::DType::f32);
   }
 }
 
 struct DeviceTrainingResult {
-  Params params;          // rank 0's full parameters after training
+  Params params;               // rank 0's full parameters after training
   std::vector<double> losses;  // rank 0's, per step
   int skipped_steps = 0;       // fp16: steps the scaler skipped
   fsdp::MemoryStats device_space, host_space;  // rank 0's, over the training steps (after shard())
@@ -286,10 +257,7 @@ Params full_parameters(D& dev, Net<D>& net, fsdp::ShardedModel& sm) {
 template <class Strategy, class Precision, class Offload, fsdp::Device D, class WithComm>
 DeviceTrainingResult train_on_devices(const std::vector<D*>& devices, const DeviceTrainingConfig& c, WithComm with_comm) {
   const int world = static_cast<int>(devices.size());
-  constexpr bool fp16 = [] {
-    if constexpr (Precision::enabled) return Precision::param == fsdp::DType::f16;
-    else return false;
-  }();
+  constexpr bool fp16 = std::is_same_v<Precision, fsdp::MixedPrecision<fsdp::f16>>;  // needs the loss scaler
   std::vector<DeviceTrainingResult> per_rank(static_cast<std::size_t>(world));
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& tc) {
     D& dev = *devices[static_cast<std::size_t>(tc.rank())];
@@ -303,13 +271,16 @@ DeviceTrainingResult train_on_devices(const std::vector<D*>& devices, const Devi
       const std::size_t device_allocations = dev.stats(fsdp::MemorySpace::device).allocations;
       const std::size_t host_allocations = dev.stats(fsdp::MemorySpace::host).allocations;
       using Comm = std::remove_cvref_t<decltype(comm)>;
-      fsdp::ShardedGradScaler<Comm> scaler(comm, dev, {.init_scale = 1024.0});
-      const bool on_host = Offload::offload || dev.id().kind == fsdp::DeviceKind::cpu;
+      fsdp::ShardedGradScaler<Comm> scaler(comm, dev, {.init_scale = 1024.0});  // fp16 only
+      fsdp::HostDevice host;  // steps offloaded shards
       for (int step = 0; step < c.steps; ++step) {
         sm.zero_grad();
         out.losses.push_back(forward_backward(dev, net, sm, c, comm.rank(), step, fp16 ? scaler.scale() : 1.0));
         sm.finish_backward();
-        auto opt = [&] { sgd_step(dev, sm.shards(), c.lr, on_host); };
+        auto opt = [&] {
+          if constexpr (Offload::offload) sgd_step(host, sm.shards(), c.lr);
+          else sgd_step(dev, sm.shards(), c.lr);
+        };
         if constexpr (fp16) {
           if (!scaler.step(sm.shards(), opt)) ++out.skipped_steps;
           scaler.update();

@@ -202,7 +202,8 @@ __device__ __forceinline__ bool finite_f64(double v) {
 }
 
 // ShardedGradScaler's unscale, as fsdp::detail::host_unscale: the product in double,
-// rounded once; *nonfinite = 1 if any result is inf/NaN (every writer stores the same 1).
+// rounded once; *nonfinite = 1 if any result is inf/NaN (every writer stores the same 1;
+// the flag is cleared only by CudaDevice::found_nonfinite).
 extern "C" __global__ void fsdp_unscale(void* p, u64 n, int t, double inv, u32* nonfinite) {
   bool bad = false;
   switch (t) {
@@ -428,21 +429,28 @@ class CudaDevice {
     launch(kernels().cast, "fsdp_cast", n, args);
   }
 
-  // ShardedGradScaler's unscale (see UnscalingDevice): one kernel, then waits for its
-  // inf/NaN flag. Dtypes other than f32/f64/f16/bf16 are left alone and reported as not
-  // finite, as on the host device.
-  bool unscale(void* p, std::size_t n, DType t, double inv_scale) {
-    if (n == 0) return false;
-    if (!is_floating(t)) return true;
+  // ShardedGradScaler's unscale (see UnscalingDevice): one kernel per call, each setting a
+  // device flag on inf/NaN; found_nonfinite() reads and clears the flag with one wait.
+  void unscale(void* p, std::size_t n, DType t, double inv_scale) {
+    if (!is_floating(t)) detail::fail("CudaDevice(cuda:", index_, "): unscale needs a floating dtype, got ", name_of(t));
+    if (n == 0) return;
     Guard g(*this);
-    if (!flag_) check(cudaMalloc(reinterpret_cast<void**>(&flag_), sizeof(unsigned)), "cudaMalloc(unscale flag)");
-    check(cudaMemsetAsync(flag_, 0, sizeof(unsigned), stream_), "cudaMemsetAsync(unscale flag)");
+    if (!flag_) {
+      check(cudaMalloc(reinterpret_cast<void**>(&flag_), sizeof(unsigned)), "cudaMalloc(unscale flag)");
+      check(cudaMemsetAsync(flag_, 0, sizeof(unsigned), stream_), "cudaMemsetAsync(unscale flag)");
+    }
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&p, &count, &dtype, &inv_scale, &flag_};
     launch(kernels().unscale, "fsdp_unscale", n, args);
+  }
+
+  bool found_nonfinite() {
+    if (!flag_) return false;  // no unscale yet
+    Guard g(*this);
     unsigned found = 0;
     check(cudaMemcpyAsync(&found, flag_, sizeof found, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync(unscale flag)");
+    check(cudaMemsetAsync(flag_, 0, sizeof(unsigned), stream_), "cudaMemsetAsync(unscale flag)");
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
     return found != 0;
   }

@@ -99,10 +99,9 @@ inline void host_cast(void* dst, DType to, const void* src, DType from, std::siz
   }
 }
 
-// ShardedGradScaler's unscale: p[i] *= inv_scale for the floating dtypes, the product
+// ShardedGradScaler's unscale: p[i] *= inv_scale for a floating dtype `t`, the product
 // taken in double and rounded once to the dtype; returns whether any result is inf or NaN
-// (checked after rounding: a finite product can round to a 16-bit type's inf). Other
-// dtypes are the caller's error; they are left alone and reported as not finite.
+// (checked after rounding: a finite product can round to a 16-bit type's inf).
 inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
   bool bad = false;
   if (is_half(t)) {
@@ -122,9 +121,8 @@ inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
       q[i] = v;
     }
   };
-  if (t == DType::f32) typed(static_cast<float*>(p));
-  else if (t == DType::f64) typed(static_cast<double*>(p));
-  else return n > 0;
+  if (t == DType::f64) typed(static_cast<double*>(p));
+  else typed(static_cast<float*>(p));
   return bad;
 }
 

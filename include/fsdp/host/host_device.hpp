@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include "fsdp/detail/host_math.hpp"
 #include "fsdp/detail/memory_counter.hpp"
@@ -43,14 +44,19 @@ class HostDevice {
   }
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
   void synchronize() {}
-  // ShardedGradScaler's unscale (see UnscalingDevice): true when any result is inf/NaN.
-  bool unscale(void* p, std::size_t n, DType t, double inv_scale) { return detail::host_unscale(p, n, t, inv_scale); }
+  // ShardedGradScaler's unscale (see UnscalingDevice).
+  void unscale(void* p, std::size_t n, DType t, double inv_scale) {
+    if (!is_floating(t)) detail::fail("HostDevice: unscale needs a floating dtype, got ", name_of(t));
+    nonfinite_ |= detail::host_unscale(p, n, t, inv_scale);
+  }
+  bool found_nonfinite() { return std::exchange(nonfinite_, false); }
 
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
   void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
 
  private:
   detail::MemoryCounter counter_;
+  bool nonfinite_ = false;  // an unscale since the last found_nonfinite() saw inf/NaN
 };
 
 static_assert(UnscalingDevice<HostDevice>);
