@@ -1,0 +1,124 @@
+#pragma once
+// fsdp::Store: the key-value rendezvous that multi-process backends bootstrap from (the
+// role of torch.distributed's Store). Values are byte strings. TcpStore (fsdp/asio/) is the
+// multi-process one; HashStore below serves ranks that are threads of one process.
+//
+// Every blocking verb takes a timeout and throws fsdp::Error naming the keys it waited for.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+class Store {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Timeout = std::chrono::milliseconds;
+  virtual ~Store() = default;
+
+  virtual void set(std::string_view key, std::string_view value) = 0;
+  // Waits until `key` exists, then returns its value.
+  virtual std::string get(std::string_view key, Timeout timeout) = 0;
+  // Waits until every key exists.
+  virtual void wait(const std::vector<std::string>& keys, Timeout timeout) = 0;
+  // Adds `delta` to the integer stored at `key` (absent = 0) and returns the new value.
+  virtual std::int64_t add(std::string_view key, std::int64_t delta) = 0;
+  // Sets `key` to `desired` if its value is `expected` (or it is absent and `expected` is
+  // empty); returns the value now stored.
+  virtual std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) = 0;
+  // Removes `key`; true if it existed.
+  virtual bool delete_key(std::string_view key) = 0;
+  virtual std::int64_t num_keys() = 0;
+  // The value if present, without waiting.
+  virtual std::optional<std::string> try_get(std::string_view key) = 0;
+};
+
+// In-process store for ranks that are threads (tests, benchmarks of the TCP communicator
+// inside one process).
+class HashStore final : public Store {
+ public:
+  void set(std::string_view key, std::string_view value) override {
+    { std::lock_guard lk(mu_); map_[std::string(key)] = std::string(value); }
+    cv_.notify_all();
+  }
+  std::string get(std::string_view key, Timeout timeout) override {
+    wait({std::string(key)}, timeout);
+    std::lock_guard lk(mu_);
+    return map_.at(std::string(key));
+  }
+  void wait(const std::vector<std::string>& keys, Timeout timeout) override {
+    check_timeout(timeout);
+    std::unique_lock lk(mu_);
+    const auto deadline = Clock::now() + timeout;
+    for (const auto& k : keys) {
+      while (!map_.count(k)) {
+        if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !map_.count(k))
+          detail::fail("store: waited ", timeout.count(), " ms for key '", k, "', which no rank set");
+      }
+    }
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) override {
+    std::int64_t v = 0;
+    {
+      std::lock_guard lk(mu_);
+      auto& s = map_[std::string(key)];
+      if (!s.empty()) v = std::stoll(s);
+      v += delta;
+      s = std::to_string(v);
+    }
+    cv_.notify_all();
+    return v;
+  }
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) override {
+    std::string now;
+    {
+      std::lock_guard lk(mu_);
+      auto it = map_.find(std::string(key));
+      if (it == map_.end()) {
+        if (!expected.empty()) return std::string(expected);
+        now = map_[std::string(key)] = std::string(desired);
+      } else {
+        if (it->second == expected) it->second = std::string(desired);
+        now = it->second;
+      }
+    }
+    cv_.notify_all();
+    return now;
+  }
+  bool delete_key(std::string_view key) override {
+    std::lock_guard lk(mu_);
+    return map_.erase(std::string(key)) > 0;
+  }
+  std::int64_t num_keys() override {
+    std::lock_guard lk(mu_);
+    return static_cast<std::int64_t>(map_.size());
+  }
+  std::optional<std::string> try_get(std::string_view key) override {
+    std::lock_guard lk(mu_);
+    auto it = map_.find(std::string(key));
+    if (it == map_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  // Timeouts are positive and at most a day: a zero, negative or absurd value is a bug in
+  // the caller's units, not a wish to wait forever.
+  static void check_timeout(Timeout t) {
+    if (t.count() <= 0 || t > std::chrono::hours(24))
+      detail::fail("store: timeout must be in (0 ms, 24 h], got ", t.count(), " ms");
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string, std::less<>> map_;
+};
+
+}  // namespace fsdp
