@@ -23,50 +23,13 @@
 #include <vector>
 
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/collective_call.hpp"
 #include "fsdp/detail/host_math.hpp"
 #include "fsdp/error.hpp"
 
 namespace fsdp {
 
 namespace detail {
-
-enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier };
-
-inline std::string_view name_of(CollectiveKind k) {
-  switch (k) {
-    case CollectiveKind::all_gather: return "all_gather";
-    case CollectiveKind::reduce_scatter: return "reduce_scatter";
-    case CollectiveKind::all_reduce: return "all_reduce";
-    case CollectiveKind::broadcast: return "broadcast";
-    case CollectiveKind::barrier: return "barrier";
-  }
-  return "?";
-}
-
-struct CollectiveCall {
-  CollectiveKind kind = CollectiveKind::barrier;
-  const void* send = nullptr;
-  void* recv = nullptr;
-  std::size_t count = 0;
-  DType dtype = DType::f32;
-  ReduceOp op = ReduceOp::sum;
-  int root = 0;
-  std::uint64_t seq = 0;  // per-rank call number, for messages
-
-  bool same_shape(const CollectiveCall& o) const {
-    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root;
-  }
-  std::string describe() const {
-    std::ostringstream os;
-    os << name_of(kind);
-    if (kind != CollectiveKind::barrier) os << "(count=" << count << ", dtype=" << fsdp::name_of(dtype);
-    if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) os << ", op=" << fsdp::name_of(op);
-    if (kind == CollectiveKind::broadcast) os << ", root=" << root;
-    if (kind != CollectiveKind::barrier) os << ")";
-    os << " as collective #" << seq;
-    return os.str();
-  }
-};
 
 // State shared by the ranks of one group: the whole ThreadGroup (the root) or a group
 // split from it. Split groups share the root's mutex, abort flag and exit flags, so a
@@ -256,17 +219,7 @@ class ThreadComm {
         std::vector<std::byte> acc(in(0, off), in(0, off) + bytes);
         const ReduceOp op = c.op == ReduceOp::avg ? ReduceOp::sum : c.op;
         for (int r = 1; r < n; ++r) detail::host_combine(acc.data(), in(r, off), c.count, c.dtype, op);
-        if (c.op == ReduceOp::avg) {
-          if (is_floating(c.dtype)) {
-            detail::host_scale(acc.data(), c.count, c.dtype, 1.0 / n);
-          } else {  // integers: sum / n, truncating, as NCCL's ncclAvg (a factor 1/n would truncate to 0)
-            detail::for_each_typed(c.dtype, [&](auto* tag) {
-              using T = std::remove_pointer_t<decltype(tag)>;
-              auto* a = reinterpret_cast<T*>(acc.data());
-              for (std::size_t i = 0; i < c.count; ++i) a[i] = static_cast<T>(a[i] / n);
-            });
-          }
-        }
+        if (c.op == ReduceOp::avg) detail::finish_avg(acc.data(), c.count, c.dtype, n);
         return acc;
       }
       case detail::CollectiveKind::broadcast:

@@ -1,0 +1,270 @@
+#pragma once
+// TcpStore: the client of a TcpStoreServer, an fsdp::Store for ranks that are processes,
+// on one host or many (the role of torch.distributed's TCPStore). connect_store() below
+// is the usual entry: rank 0's process hosts the server and every rank connects to it,
+// configured from torchrun's variables (fsdp::DistEnv).
+//
+// One connection, one mutex around it: verbs from several threads take turns, and a get
+// or wait holds the connection while it waits, so a thread that must set the key another
+// thread waits for needs a TcpStore of its own. Every verb is bounded: a get or wait by
+// its own timeout (the server answers when it passes) plus options.timeout for the round
+// trip, any other verb by options.timeout. After a lost or timed-out connection the store
+// is unusable and every verb says why.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "fsdp/asio/deadline_socket.hpp"
+#include "fsdp/asio/store_protocol.hpp"
+#include "fsdp/asio/tcp_store_server.hpp"
+#include "fsdp/dist_env.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/store.hpp"
+
+namespace fsdp {
+
+struct TcpStoreOptions {
+  std::chrono::milliseconds timeout{300000};  // a verb's round trip (on top of a wait's own timeout)
+  std::string token;                          // what the server demands (FSDP_STORE_TOKEN); empty: none
+  std::chrono::milliseconds connect_timeout{60000};  // connecting retries until the server is up
+};
+
+class TcpStore final : public Store {
+ public:
+  // Connects, retrying with backoff until the server listens or connect_timeout passes,
+  // then presents the token.
+  TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options = {})
+      : host_(std::move(host)), port_(port), options_(std::move(options)) {
+    HashStore::check_timeout(options_.timeout);
+    HashStore::check_timeout(options_.connect_timeout);
+    connect();
+    handshake();
+  }
+
+  // A client of the store at MASTER_ADDR:MASTER_PORT; the token defaults to FSDP_STORE_TOKEN.
+  static std::shared_ptr<TcpStore> from_env(TcpStoreOptions options = {}) {
+    const DistEnv env = DistEnv::from_env();
+    if (options.token.empty()) options.token = env.token;
+    return std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
+  }
+
+  void set(std::string_view key, std::string_view value) override {
+    call(keyed(store_wire::Verb::set, key, value));
+  }
+  std::string get(std::string_view key, Timeout timeout) override {
+    auto r = keyed(store_wire::Verb::get, key);
+    return waiting(std::move(r), timeout).value;
+  }
+  void wait(const std::vector<std::string>& keys, Timeout timeout) override {
+    store_wire::Request r;
+    r.verb = store_wire::Verb::wait;
+    r.keys = keys;
+    waiting(std::move(r), timeout);
+  }
+  std::int64_t add(std::string_view key, std::int64_t delta) override {
+    auto r = keyed(store_wire::Verb::add, key);
+    r.delta = delta;
+    return call(r).number;
+  }
+  std::string compare_set(std::string_view key, std::string_view expected, std::string_view desired) override {
+    auto r = keyed(store_wire::Verb::compare_set, key, desired);
+    r.expected = std::string(expected);
+    return call(r).value;
+  }
+  bool delete_key(std::string_view key) override { return call(keyed(store_wire::Verb::delete_key, key)).flag; }
+  std::int64_t num_keys() override {
+    store_wire::Request r;
+    r.verb = store_wire::Verb::num_keys;
+    return call(r).number;
+  }
+  std::optional<std::string> try_get(std::string_view key) override {
+    auto reply = call(keyed(store_wire::Verb::try_get, key));
+    if (!reply.flag) return std::nullopt;
+    return std::move(reply.value);
+  }
+
+  // The local IP of this connection: the interface through which this host reaches the
+  // store, which is the one to advertise to peers.
+  std::string local_address() {
+    std::lock_guard lk(mu_);
+    boost::system::error_code ec;
+    const auto endpoint = socket_.socket().local_endpoint(ec);
+    if (ec) detail::fail(where(), ": no local address: ", broken_.empty() ? ec.message() : broken_);
+    return endpoint.address().to_string();
+  }
+  const std::string& host() const { return host_; }
+  std::uint16_t port() const { return port_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
+
+  static store_wire::Request keyed(store_wire::Verb verb, std::string_view key, std::string_view value = {}) {
+    store_wire::Request r;
+    r.verb = verb;
+    r.keys.emplace_back(key);
+    r.value = std::string(value);
+    return r;
+  }
+
+  void connect() {
+    const auto deadline = Clock::now() + options_.connect_timeout;
+    auto backoff = std::chrono::milliseconds(10);
+    for (int attempts = 1;; ++attempts) {
+      const auto ec = socket_.connect(host_, port_, deadline);
+      if (!ec) break;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left <= backoff)
+        detail::fail("could not reach the store at ", host_, ":", port_, " within ", options_.connect_timeout.count(),
+                     " ms (", attempts, " attempts; last error: ", ec.message(), ")");
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(2 * backoff, std::chrono::milliseconds(1000));
+    }
+    boost::system::error_code ignored;
+    socket_.socket().set_option(boost::asio::ip::tcp::no_delay(true), ignored);
+  }
+
+  // The server closes on a wrong token without a word, so a closed connection here means
+  // refused.
+  void handshake() {
+    if (options_.token.size() > store_wire::max_token_bytes)
+      detail::fail(where(), ": token of ", options_.token.size(), " bytes exceeds ", store_wire::max_token_bytes);
+    store_wire::Request hello;
+    hello.verb = store_wire::Verb::hello;
+    hello.token = options_.token;
+    store_wire::Reply reply;
+    try {
+      reply = exchange(hello, Clock::now() + options_.timeout);
+    } catch (const Error&) {
+      if (broken_code_ == boost::asio::error::eof || broken_code_ == boost::asio::error::connection_reset)
+        detail::fail("the store at ", host_, ":", port_, " refused this client: wrong or missing FSDP_STORE_TOKEN");
+      throw;
+    }
+    if (reply.status != store_wire::Status::ok)
+      detail::fail("the store at ", host_, ":", port_, " refused this client: ", reply.value);
+    limits_ = reply.limits;
+  }
+
+  // A get or wait: the server answers by `timeout` with the value or the keys missing.
+  store_wire::Reply waiting(store_wire::Request r, Timeout timeout) {
+    HashStore::check_timeout(timeout);
+    r.timeout_ms = static_cast<std::uint32_t>(timeout.count());
+    auto reply = call(r, timeout);
+    if (reply.status == store_wire::Status::timeout) {
+      std::ostringstream os;
+      if (r.keys.size() == 1) {
+        os << "waited " << timeout.count() << " ms for key '" << r.keys.front() << "', which no rank set";
+      } else {
+        os << "waited " << timeout.count() << " ms for " << r.keys.size() << " keys; no rank set";
+        for (std::size_t i = 0; i < reply.keys.size() && i < 8; ++i) os << " '" << reply.keys[i] << "'";
+        if (reply.keys.size() > 8) os << " and " << reply.keys.size() - 8 << " more";
+      }
+      detail::fail(where(), ": ", os.str());
+    }
+    return reply;
+  }
+
+  // One round trip. Status::error (the verb cannot be done) throws with the server's reason;
+  // the connection stays usable.
+  store_wire::Reply call(const store_wire::Request& r, Timeout waited = Timeout(0)) {
+    std::lock_guard lk(mu_);
+    if (!broken_.empty()) detail::fail(where(), ": ", what(r), " on a connection lost earlier: ", broken_);
+    for (const auto& k : r.keys)
+      if (k.size() > limits_.max_key_bytes)
+        detail::fail(where(), ": ", what(r), ": key of ", k.size(), " bytes exceeds the store's limit of ",
+                     limits_.max_key_bytes, " bytes");
+    for (const auto* v : {&r.value, &r.expected})
+      if (v->size() > limits_.max_value_bytes)
+        detail::fail(where(), ": ", what(r), ": value of ", v->size(), " bytes exceeds the store's limit of ",
+                     limits_.max_value_bytes, " bytes");
+    auto reply = exchange(r, Clock::now() + waited + options_.timeout);
+    if (reply.status == store_wire::Status::error) detail::fail(where(), ": ", what(r), ": ", reply.value);
+    return reply;
+  }
+
+  // Writes the request and reads its reply; any failure closes the connection for good.
+  store_wire::Reply exchange(const store_wire::Request& r, Clock::time_point deadline) {
+    const std::string frame = store_wire::encode(r);
+    if (frame.size() - 4 > limits_.max_frame_bytes())
+      lose(r, {}, "the request of " + std::to_string(frame.size()) + " bytes exceeds the store's frame limit");
+    if (auto ec = socket_.write(frame, deadline)) lose(r, ec, "");
+    unsigned char header[4];
+    if (auto ec = socket_.read(header, 4, deadline)) lose(r, ec, "");
+    try {
+      std::string payload(store_wire::frame_length(header, limits_.max_frame_bytes()), '\0');
+      if (auto ec = socket_.read(payload.data(), payload.size(), deadline)) lose(r, ec, "");
+      return store_wire::decode_reply(r.verb, payload, limits_);
+    } catch (const Error& e) {
+      if (!broken_.empty()) throw;
+      lose(r, {}, std::string("it sent a malformed reply: ") + e.what());
+    }
+  }
+
+  [[noreturn]] void lose(const store_wire::Request& r, boost::system::error_code ec, std::string reason) {
+    if (ec == boost::asio::error::timed_out) reason = "no reply within the deadline";
+    else if (ec == boost::asio::error::eof) reason = "the store closed the connection";
+    else if (ec) reason = ec.message();
+    socket_.close();
+    broken_code_ = ec;
+    broken_ = what(r) + " failed: " + reason;
+    detail::fail(where(), ": ", broken_);
+  }
+
+  static std::string what(const store_wire::Request& r) {
+    std::string s = store_wire::name_of(r.verb);
+    if (r.verb == store_wire::Verb::wait) return s + " for " + std::to_string(r.keys.size()) + " keys";
+    if (!r.keys.empty()) s += " '" + r.keys.front() + "'";
+    return s;
+  }
+
+  const std::string host_;
+  const std::uint16_t port_;
+  const TcpStoreOptions options_;
+  std::mutex mu_;
+  detail::DeadlineSocket socket_;
+  store_wire::Limits limits_;  // the server's, from the handshake
+  std::string broken_;         // why the connection was lost; empty while it is up
+  boost::system::error_code broken_code_;
+};
+
+// What connect_store returns: the client, and on the hosting rank the server. The server
+// is declared first so that it outlives this process's own client.
+struct StoreConnection {
+  std::unique_ptr<TcpStoreServer> server;
+  std::shared_ptr<TcpStore> store;
+};
+
+// Every rank connects to MASTER_ADDR:MASTER_PORT; rank 0 first starts the server there,
+// listening on $FSDP_STORE_BIND (default 127.0.0.1), unless FSDP_STORE_EXTERNAL=1 says a
+// standalone server (tools/fsdp_store) already runs. The token defaults to env.token.
+inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
+  if (options.token.empty()) options.token = env.token;
+  const char* external = std::getenv("FSDP_STORE_EXTERNAL");
+  const std::string_view ext = external ? external : "";
+  if (!ext.empty() && ext != "0" && ext != "1")
+    detail::fail("environment: FSDP_STORE_EXTERNAL='", ext, "' is not 0 or 1");
+  StoreConnection c;
+  if (env.rank == 0 && ext != "1") {
+    TcpStoreServerOptions server;
+    const char* bind = std::getenv("FSDP_STORE_BIND");
+    if (bind && *bind) server.host = bind;
+    server.port = env.master_port;
+    server.token = options.token;
+    server.max_clients = std::max<std::size_t>(server.max_clients, 2 * static_cast<std::size_t>(env.world_size));
+    c.server = std::make_unique<TcpStoreServer>(std::move(server));
+  }
+  c.store = std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
+  return c;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,267 @@
+#pragma once
+// fsdp::MpiComm: an fsdp::Communicator over an MPI communicator (OpenMPI from Debian, MPI
+// 3.1). Each collective is MPI's nonblocking one, returned as an fsdp::Work:
+//
+//   all_gather -> MPI_Iallgather         reduce_scatter -> MPI_Ireduce_scatter_block
+//   all_reduce -> MPI_Iallreduce         broadcast -> MPI_Ibcast      barrier -> MPI_Ibarrier
+//
+// split() is MPI_Comm_split, so a DeviceMesh can be built over it. NCCL's in-place forms
+// (all_gather with send == recv + rank*count, reduce_scatter with recv == send + rank*count,
+// all_reduce with send == recv) become MPI_IN_PLACE; after an in-place reduce_scatter the
+// other ranks' chunks of the buffer are unspecified (MPI may use them as scratch). avg is a
+// sum divided by the group size once the collective completes: scaled by 1/N for floats,
+// truncating integer division for integers, as ThreadComm does. Sums are grouped the way
+// MPI's algorithm for the group size groups them (reproducible run to run, but beyond two
+// ranks not bitwise the rank-order sum ThreadComm computes).
+//
+// Nothing waits forever: Work::wait() gives up after MpiCommOptions::timeout, and creating a
+// communicator (world(), dup(), split()) first meets every rank in a nonblocking call with
+// the same timeout. Every failure is an fsdp::Error naming the rank, the communicator, the
+// collective and its sequence number, with MPI's error string. A collective that failed or
+// timed out breaks its communicator (later calls on it fail at once) and makes the
+// MpiSession abort the job when it ends; see mpi_session.hpp for why.
+//
+// As with any communicator, every rank must issue the same collectives in the same order,
+// from one thread at a time; buffers must stay untouched until the Work completes. MPI
+// progresses a collective only inside MPI calls, so computing between issue and wait()
+// overlaps nothing; AsyncCommunicator<MpiComm> runs collectives on a thread of their own.
+#include <array>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/mpi/mpi_session.hpp"
+#include "fsdp/mpi/mpi_work.hpp"
+
+namespace fsdp {
+
+struct MpiCommOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // longest wait() of one collective
+};
+
+class MpiComm {
+ public:
+  using Options = MpiCommOptions;
+
+  // A duplicate of MPI_COMM_WORLD; collective over every rank of the job.
+  static MpiComm world(const MpiSession& session, Options options = {}) {
+    return dup(session, MPI_COMM_WORLD, "world", options);
+  }
+
+  // A duplicate of `parent` (any communicator this rank belongs to), called `name` in
+  // messages; collective over `parent`'s ranks.
+  static MpiComm dup(const MpiSession& session, MPI_Comm parent, std::string name, Options options = {}) {
+    if (options.timeout.count() <= 0 || options.timeout > std::chrono::hours(24))
+      detail::fail("MpiComm '", name, "': timeout must be in (0 ms, 24 h], got ", options.timeout.count(), " ms");
+    auto& rt = session.rt_;
+    const auto where = "world rank " + std::to_string(rt->world_rank) + ": MpiComm '" + name + "': ";
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    int rc;
+    {
+      auto lk = rt->lock();
+      rc = MPI_Comm_idup(parent, &comm, &req);
+    }
+    if (rc == MPI_SUCCESS) rc = detail::mpi_test_until(*rt, req, std::chrono::steady_clock::now() + options.timeout);
+    if (rc == detail::kMpiTimedOut) {
+      const auto message = where + "MPI_Comm_idup did not complete within " + std::to_string(options.timeout.count()) +
+                           " ms (MpiCommOptions::timeout): a rank of the parent communicator never created its MpiComm";
+      rt->mark_failed(message);
+      detail::fail(message);
+    }
+    if (rc != MPI_SUCCESS) {
+      const auto message = where + "MPI_Comm_idup failed: " + detail::mpi_error_text(rc);
+      rt->mark_failed(message);
+      detail::fail(message);
+    }
+    return MpiComm(std::make_shared<detail::MpiCommState>(rt, comm, std::move(name), options.timeout));
+  }
+
+  MpiComm(MpiComm&&) noexcept = default;
+  MpiComm& operator=(MpiComm&&) noexcept = default;
+
+  int rank() const { return state_->rank; }
+  int size() const { return state_->size; }
+  MPI_Comm native() const { return state_->comm; }
+  const std::string& name() const { return state_->name; }
+  std::chrono::milliseconds timeout() const { return state_->timeout; }
+  // True after a collective on it failed or timed out.
+  bool broken() const { return !state_->broken_by().empty(); }
+
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
+    const auto call = next({detail::CollectiveKind::all_gather, send, recv, count, t});
+    const std::size_t chunk = count * size_of(t);
+    const bool in_place = address(send) == address(recv) + rank() * chunk;
+    check(call, send, chunk, recv, chunk * size(), in_place, "send == recv + rank*count");
+    const int n = static_cast<int>(count);
+    const MPI_Datatype type = types().datatype(t);
+    return start(call, "MPI_Iallgather", [&](MPI_Request* req) {
+      return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, type, recv, n, type, state_->comm, req);
+    });
+  }
+
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    const auto call = next({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
+    const std::size_t chunk = count * size_of(t);
+    const bool in_place = address(recv) == address(send) + rank() * chunk;
+    check(call, send, chunk * size(), recv, chunk, in_place, "recv == send + rank*count");
+    // In place, MPI reads the whole buffer and leaves the result in its first chunk.
+    auto* buffer = static_cast<std::byte*>(const_cast<void*>(send));
+    auto epilogue = average(op, recv, count, t);
+    if (in_place && chunk && rank() > 0) {
+      epilogue.move_from = buffer;
+      epilogue.move_to = static_cast<std::byte*>(recv);
+      epilogue.move_bytes = chunk;
+    }
+    const int n = static_cast<int>(count);
+    const MPI_Datatype type = types().datatype(t);
+    const MPI_Op mpi_op = reduction(t, op);
+    return start(
+        call, "MPI_Ireduce_scatter_block",
+        [&](MPI_Request* req) {
+          return in_place ? MPI_Ireduce_scatter_block(MPI_IN_PLACE, buffer, n, type, mpi_op, state_->comm, req)
+                          : MPI_Ireduce_scatter_block(send, recv, n, type, mpi_op, state_->comm, req);
+        },
+        epilogue);
+  }
+
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    const auto call = next({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
+    const std::size_t bytes = count * size_of(t);
+    const bool in_place = send == recv;
+    check(call, send, bytes, recv, bytes, in_place, "send == recv");
+    const int n = static_cast<int>(count);
+    const MPI_Datatype type = types().datatype(t);
+    const MPI_Op mpi_op = reduction(t, op);
+    return start(
+        call, "MPI_Iallreduce",
+        [&](MPI_Request* req) {
+          return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, n, type, mpi_op, state_->comm, req);
+        },
+        average(op, recv, count, t));
+  }
+
+  // Only the root's `send` is read (it may equal `recv`, or be null on the other ranks).
+  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
+    const auto call = next({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
+    if (root < 0 || root >= size())
+      detail::fail(where(), ": ", call.describe(), ": root ", root, " is outside [0, ", size(), ")");
+    const std::size_t bytes = count * size_of(t);
+    const bool is_root = rank() == root;
+    check(call, is_root ? send : recv, bytes, recv, bytes, true, "");
+    if (is_root && send != recv && bytes) std::memmove(recv, send, bytes);
+    const int n = static_cast<int>(count);
+    const MPI_Datatype type = types().datatype(t);
+    return start(call, "MPI_Ibcast",
+                 [&](MPI_Request* req) { return MPI_Ibcast(recv, n, type, root, state_->comm, req); });
+  }
+
+  Work barrier() {
+    const auto call = next({detail::CollectiveKind::barrier});
+    return start(call, "MPI_Ibarrier", [&](MPI_Request* req) { return MPI_Ibarrier(state_->comm, req); });
+  }
+
+  // MPI_Comm_split: collective over this communicator; ranks passing the same color form a
+  // new one, ordered by (key, rank). Colors must be >= 0: every rank first learns every
+  // rank's color (an all_gather bounded by the timeout), so a bad color fails on all ranks
+  // alike instead of leaving the others waiting in MPI_Comm_split.
+  MpiComm split(int color, int key) {
+    std::array<std::int32_t, 2> mine{color, key};
+    std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size()));
+    all_gather(mine.data(), all.data(), 2, DType::i32).wait();
+    for (int r = 0; r < size(); ++r)
+      if (all[2 * r] < 0)
+        detail::fail(where(), ": MpiComm::split color must be >= 0, but rank ", r, r == rank() ? " (this rank)" : "",
+                     " passed color ", all[2 * r]);
+    const std::uint64_t id = state_->splits++;
+    MPI_Comm comm = MPI_COMM_NULL;
+    int rc;
+    {
+      auto lk = state_->rt->lock();
+      rc = MPI_Comm_split(state_->comm, color, key, &comm);  // every rank is known to be here
+    }
+    if (rc != MPI_SUCCESS)
+      state_->fail_collective(where() + ": MPI_Comm_split(color " + std::to_string(color) + ", key " +
+                              std::to_string(key) + ") failed: " + detail::mpi_error_text(rc));
+    auto name = state_->name + "/split#" + std::to_string(id) + "(color " + std::to_string(color) + ")";
+    return MpiComm(std::make_shared<detail::MpiCommState>(state_->rt, comm, std::move(name), state_->timeout));
+  }
+
+ private:
+  explicit MpiComm(std::shared_ptr<detail::MpiCommState> state) : state_(std::move(state)) {}
+
+  static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+  const detail::MpiTypes& types() const { return state_->rt->types; }
+  std::string where() const { return state_->where(); }
+
+  // Numbers the call; refuses it on a broken communicator.
+  detail::CollectiveCall next(detail::CollectiveCall call) {
+    call.seq = state_->seq++;
+    const auto broken_by = state_->broken_by();
+    if (!broken_by.empty())
+      detail::fail(where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_by);
+    return call;
+  }
+
+  // Checks made before MPI sees the call (MPI itself would crash or corrupt memory).
+  void check(const detail::CollectiveCall& call, const void* send, std::size_t send_bytes, const void* recv,
+             std::size_t recv_bytes, bool in_place, const char* in_place_form) const {
+    if (call.count > static_cast<std::size_t>(INT_MAX))
+      detail::fail(where(), ": ", call.describe(), ": count exceeds INT_MAX (", INT_MAX,
+                   ") elements, the most an MPI 3.1 collective takes (OpenMPI 4.1 has no large-count "
+                   "MPI_*_c calls); split the buffer");
+    if (send_bytes && !send) detail::fail(where(), ": ", call.describe(), ": send buffer is null");
+    if (recv_bytes && !recv) detail::fail(where(), ": ", call.describe(), ": receive buffer is null");
+    const bool overlap = send_bytes && recv_bytes && address(send) < address(recv) + recv_bytes &&
+                         address(recv) < address(send) + send_bytes;
+    if (overlap && !in_place)
+      detail::fail(where(), ": ", call.describe(), ": send and receive buffers overlap without being the in-place form (",
+                   in_place_form, "); MPI forbids aliased buffers");
+  }
+
+  // The MPI_Op that computes `op` (avg: the sum, divided by the epilogue).
+  MPI_Op reduction(DType t, ReduceOp op) const { return types().op(t, op == ReduceOp::avg ? ReduceOp::sum : op); }
+
+  detail::MpiEpilogue average(ReduceOp op, void* recv, std::size_t count, DType t) const {
+    detail::MpiEpilogue e;
+    if (op == ReduceOp::avg) {
+      e.average = recv;
+      e.count = count;
+      e.dtype = t;
+      e.group_size = size();
+    }
+    return e;
+  }
+
+  // Issues the MPI call under the MPI lock; its Work polls it.
+  template <class Issue>
+  Work start(const detail::CollectiveCall& call, const char* mpi_function, Issue&& issue,
+             detail::MpiEpilogue epilogue = {}) {
+    MPI_Request req = MPI_REQUEST_NULL;
+    int rc;
+    {
+      auto lk = state_->rt->lock();
+      rc = issue(&req);
+    }
+    if (rc != MPI_SUCCESS)
+      state_->fail_collective(where() + ": " + call.describe() + " failed in " + mpi_function + ": " +
+                              detail::mpi_error_text(rc));
+    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue));
+  }
+
+  std::shared_ptr<detail::MpiCommState> state_;
+};
+
+static_assert(Communicator<MpiComm>);
+static_assert(SplittableCommunicator<MpiComm>);
+
+}  // namespace fsdp

@@ -1,0 +1,211 @@
+// Clients that misbehave: garbage, oversized frames, wrong or missing tokens, silence,
+// too many of them, or a store that is not there. Each ends in a clear error (or a closed
+// connection) within its timeout, and the server keeps serving the well-behaved clients.
+#include <doctest/doctest.h>
+
+#include <memory>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include <fsdp/asio/tcp_store.hpp>
+
+#include "store_test_support.hpp"
+
+using namespace store_test;
+
+namespace {
+
+fsdp::TcpStoreOptions with_token(std::string token) {
+  fsdp::TcpStoreOptions o;
+  o.timeout = 2000ms;
+  o.connect_timeout = 1000ms;
+  o.token = std::move(token);
+  return o;
+}
+
+std::string header(std::uint32_t n) {
+  return {char(n & 0xff), char((n >> 8) & 0xff), char((n >> 16) & 0xff), char(n >> 24)};
+}
+
+// The server must close `raw` promptly and send it nothing.
+void check_closed_silently(RawClient& raw) {
+  bool closed = false;
+  CHECK(raw.read_until_closed(2000ms, closed).empty());
+  CHECK(closed);
+}
+
+// A server that demands a token, and a client that has it.
+struct GuardedStore {
+  static fsdp::TcpStoreServerOptions options() {
+    fsdp::TcpStoreServerOptions o;
+    o.token = "s3cret";
+    return o;
+  }
+  fsdp::TcpStoreServer server{options()};
+  fsdp::TcpStore good{"127.0.0.1", server.port(), with_token("s3cret")};
+};
+
+}  // namespace
+
+TEST_CASE("garbage and oversized frames close that connection only") {
+  GuardedStore guarded;
+  auto& server = guarded.server;
+  auto& good = guarded.good;
+  good.set("k", "v");
+
+  SUBCASE("an HTTP request before the handshake: its first bytes read as a huge length") {
+    RawClient raw(server.port());
+    raw.send("GET / HTTP/1.1\r\nHost: store\r\n\r\n");
+    check_closed_silently(raw);
+  }
+  SUBCASE("a frame of a plausible length with an unknown verb") {
+    RawClient raw(server.port());
+    raw.send(header(3) + std::string("\x63\x00\x01", 3));
+    check_closed_silently(raw);
+  }
+  SUBCASE("a frame past the handshake limit before the handshake") {
+    RawClient raw(server.port());
+    raw.send(header(static_cast<std::uint32_t>(fsdp::store_wire::Limits::max_hello_bytes() + 1)));
+    check_closed_silently(raw);
+  }
+  SUBCASE("an authenticated client announcing a 4 GiB frame") {
+    RawClient raw(server.port());
+    raw.hello("s3cret");
+    raw.send(header(0xfffffff0u));
+    check_closed_silently(raw);
+  }
+  SUBCASE("an authenticated client sending a second hello") {
+    RawClient raw(server.port());
+    raw.hello("s3cret");
+    fsdp::store_wire::Request hello;
+    hello.verb = fsdp::store_wire::Verb::hello;
+    raw.send(fsdp::store_wire::encode(hello));
+    check_closed_silently(raw);
+  }
+  CHECK(server.stats().malformed == 1);
+  // The well-behaved client, connected all along, and a new one are both served.
+  CHECK(good.get("k", 500ms) == "v");
+  fsdp::TcpStore later("127.0.0.1", server.port(), with_token("s3cret"));
+  CHECK(later.get("k", 500ms) == "v");
+}
+
+TEST_CASE("a wrong or missing token is refused and gets nothing") {
+  GuardedStore guarded;
+  auto& server = guarded.server;
+  auto& good = guarded.good;
+  good.set("secret/key", "the value");
+  const std::string refused =
+      "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) + " refused this client: wrong or missing FSDP_STORE_TOKEN";
+
+  const auto t0 = Clock::now();
+  CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), with_token("wrong")); }) == refused);
+  CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), with_token("")); }) == refused);
+  CHECK(ms_since(t0) < 1000);
+
+  // A raw client with a wrong token that sends a get right behind its hello: the server
+  // answers neither.
+  RawClient raw(server.port());
+  fsdp::store_wire::Request hello, get;
+  hello.verb = fsdp::store_wire::Verb::hello;
+  hello.token = "s3creT";
+  get.verb = fsdp::store_wire::Verb::get;
+  get.keys = {"secret/key"};
+  get.timeout_ms = 100;
+  raw.send(fsdp::store_wire::encode(hello) + fsdp::store_wire::encode(get));
+  bool closed = false;
+  const std::string leaked = raw.read_until_closed(2000ms, closed);
+  CHECK(closed);
+  CHECK(leaked.empty());
+  CHECK_FALSE(contains(leaked, "the value"));
+
+  CHECK(server.stats().wrong_token == 3);
+  CHECK(server.stats().accepted == 1);
+  CHECK(good.get("secret/key", 500ms) == "the value");
+}
+
+TEST_CASE("a client that connects and says nothing is dropped after the handshake timeout") {
+  fsdp::TcpStoreServerOptions opts;
+  opts.handshake_timeout = 200ms;
+  fsdp::TcpStoreServer server(opts);
+  RawClient silent(server.port());
+  const auto t0 = Clock::now();
+  bool closed = false;
+  CHECK(silent.read_until_closed(2000ms, closed).empty());
+  CHECK(closed);
+  CHECK(ms_since(t0) >= 150);
+  CHECK(server.stats().idle == 1);
+  // An authenticated client may stay quiet for longer than that.
+  fsdp::TcpStore quiet("127.0.0.1", server.port(), with_token(""));
+  std::this_thread::sleep_for(300ms);
+  CHECK(quiet.num_keys() == 0);
+}
+
+TEST_CASE("clients past max_clients are refused with the reason") {
+  fsdp::TcpStoreServerOptions opts;
+  opts.max_clients = 2;
+  fsdp::TcpStoreServer server(opts);
+  fsdp::TcpStore one("127.0.0.1", server.port(), with_token(""));
+  fsdp::TcpStore two("127.0.0.1", server.port(), with_token(""));
+  CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), with_token("")); }) ==
+        "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) +
+            " refused this client: the store at 127.0.0.1:" + std::to_string(server.port()) + " serves at most 2 clients");
+  CHECK(server.stats().over_capacity == 1);
+  one.set("still", "served");
+  CHECK(two.get("still", 500ms) == "served");
+}
+
+TEST_CASE("a store nobody runs: an error within the connect timeout") {
+  const std::uint16_t port = unused_port();
+  auto options = with_token("");
+  options.connect_timeout = 300ms;
+  const auto t0 = Clock::now();
+  const std::string e = error_of([&] { fsdp::TcpStore("127.0.0.1", port, options); });
+  const auto took = ms_since(t0);
+  CHECK(contains(e, "fsdp: could not reach the store at 127.0.0.1:" + std::to_string(port) + " within 300 ms ("));
+  CHECK(contains(e, "last error: Connection refused)"));
+  CHECK(took < 300 + 200);
+}
+
+TEST_CASE("a listener that never answers the handshake: an error within the timeout") {
+  boost::asio::io_context io;
+  boost::asio::ip::tcp::acceptor mute(io, {boost::asio::ip::make_address("127.0.0.1"), 0});  // listens, never accepts
+  auto options = with_token("");
+  options.timeout = 200ms;
+  const auto t0 = Clock::now();
+  const std::string e = error_of([&] { fsdp::TcpStore("127.0.0.1", mute.local_endpoint().port(), options); });
+  CHECK(contains(e, "hello failed: no reply within the deadline"));
+  CHECK(ms_since(t0) < 1000);
+}
+
+TEST_CASE("a parked client that hangs up is let go at once; one that talks out of turn is dropped") {
+  fsdp::TcpStoreServer server;
+  auto parked_count_becomes = [&](std::uint64_t n) {
+    const auto deadline = Clock::now() + 2000ms;
+    while (server.stats().parked != n && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    return server.stats().parked == n;
+  };
+  fsdp::store_wire::Request get;
+  get.verb = fsdp::store_wire::Verb::get;
+  get.keys = {"never"};
+  get.timeout_ms = 60000;
+
+  auto leaving = std::make_unique<RawClient>(server.port());
+  leaving->hello();
+  leaving->send(fsdp::store_wire::encode(get));
+  REQUIRE(parked_count_becomes(1));
+  const auto t0 = Clock::now();
+  leaving.reset();  // hangs up, 60 s before its get would time out
+  CHECK(parked_count_becomes(0));
+  CHECK(ms_since(t0) < 1000);
+  CHECK(server.stats().malformed == 0);
+
+  RawClient chatty(server.port());
+  chatty.hello();
+  chatty.send(fsdp::store_wire::encode(get));
+  REQUIRE(parked_count_becomes(1));
+  chatty.send(fsdp::store_wire::encode(get));  // a second request before the first's reply
+  check_closed_silently(chatty);
+  CHECK(parked_count_becomes(0));
+  CHECK(server.stats().malformed == 1);
+}

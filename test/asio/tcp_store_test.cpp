@@ -1,0 +1,257 @@
+// TcpStore against a TcpStoreServer on loopback: every verb, waits that park without
+// blocking other clients, timeouts with their messages, HashStore parity, and the
+// environment-driven connect_store.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fsdp/asio/tcp_store.hpp>
+
+#include "store_test_support.hpp"
+
+using namespace store_test;
+
+namespace {
+
+fsdp::TcpStoreOptions quick() {
+  fsdp::TcpStoreOptions o;
+  o.timeout = 2000ms;
+  o.connect_timeout = 2000ms;
+  return o;
+}
+
+// A scenario through the Store interface that logs every answer, so two stores can be
+// compared. Timeout messages are logged from "waited" on (the prefix names the store).
+std::vector<std::string> scenario(fsdp::Store& s) {
+  std::vector<std::string> log;
+  auto note = [&](const auto& v) {
+    std::ostringstream os;
+    os << v;
+    log.push_back(os.str());
+  };
+  auto note_error = [&](auto&& fn) {
+    const std::string e = error_of(fn);
+    note(e.empty() ? std::string("<no error>") : e.substr(e.find("waited")));
+  };
+  s.set("a", "1");
+  s.set("b", std::string("x\0y", 3));
+  note(s.get("a", 100ms));
+  note(s.get("b", 100ms));
+  note(s.add("counter", 5));
+  note(s.add("counter", -7));
+  note(s.add("a", 41));
+  note(s.compare_set("cas", "", "first"));      // absent, expected empty: set
+  note(s.compare_set("cas", "nope", "x"));      // present, mismatch: unchanged
+  note(s.compare_set("cas", "first", "second"));
+  note(s.compare_set("absent", "want", "x"));   // absent, expected given: not set
+  note(s.try_get("absent").value_or("<none>"));
+  note(s.try_get("cas").value_or("<none>"));
+  note(s.num_keys());
+  note(s.delete_key("b"));
+  note(s.delete_key("b"));
+  note(s.num_keys());
+  s.wait({"a", "cas", "counter"}, 100ms);
+  note_error([&] { s.get("b", 30ms); });
+  note(s.compare_set("", "", "empty keys are keys too"));
+  note(s.get("", 10ms));
+  return log;
+}
+
+}  // namespace
+
+TEST_CASE("every verb, and the same answers as HashStore") {
+  fsdp::TcpStoreServer server;
+  fsdp::TcpStore store("127.0.0.1", server.port(), quick());
+  fsdp::HashStore reference;
+  const auto tcp = scenario(store);
+  const auto hash = scenario(reference);
+  CHECK(tcp == hash);
+  CHECK(tcp.front() == "1");
+  REQUIRE(tcp.size() == 18);
+  CHECK(tcp[4] == "42");       // add to "a", which held "1"
+  CHECK(tcp[8] == "want");     // compare_set on an absent key returns the expectation
+  CHECK(tcp[9] == "<none>");   // ... and did not set it
+  CHECK(tcp[11] == "4");       // a, b, counter, cas
+  CHECK(tcp[12] == "1");       // b existed
+  CHECK(tcp[13] == "0");       // ... and is gone
+  CHECK(tcp[15] == "waited 30 ms for key 'b', which no rank set");
+  CHECK(store.local_address() == "127.0.0.1");
+  CHECK(server.stats().accepted == 1);
+}
+
+TEST_CASE("a wait parks until another client sets the keys, and other clients carry on meanwhile") {
+  fsdp::TcpStoreServer server;
+  fsdp::TcpStore waiter("127.0.0.1", server.port(), quick());
+  fsdp::TcpStore other("127.0.0.1", server.port(), quick());
+  std::atomic<bool> waited{false};
+  std::string got;
+  std::thread t([&] {
+    waiter.wait({"late/1", "late/2"}, 2000ms);
+    waited = true;
+    got = waiter.get("late/2", 100ms);
+  });
+  // While that wait is parked, the server answers everyone else at once.
+  const auto t0 = Clock::now();
+  for (int i = 0; i < 50; ++i) other.set("busy/" + std::to_string(i), "x");
+  CHECK(other.get("busy/49", 100ms) == "x");
+  CHECK(ms_since(t0) < 1000);
+  other.set("late/1", "one");
+  std::this_thread::sleep_for(20ms);
+  CHECK_FALSE(waited.load());  // one of two keys
+  other.add("late/2", 7);      // any verb that sets a key wakes waiters
+  t.join();
+  CHECK(waited.load());
+  CHECK(got == "7");
+}
+
+TEST_CASE("get and wait time out with the missing keys named, and the connection stays usable") {
+  fsdp::TcpStoreServer server;
+  fsdp::TcpStore store("127.0.0.1", server.port(), quick());
+  const std::string prefix = "fsdp: store at 127.0.0.1:" + std::to_string(server.port()) + ": ";
+  auto t0 = Clock::now();
+  CHECK(error_of([&] { store.get("nobody", 150ms); }) == prefix + "waited 150 ms for key 'nobody', which no rank set");
+  const auto took = ms_since(t0);
+  CHECK(took >= 150);
+  CHECK(took < 1000);
+  store.set("k1", "v");
+  CHECK(error_of([&] { store.wait({"k1", "k2", "k3"}, 100ms); }) == prefix + "waited 100 ms for 3 keys; no rank set 'k2' 'k3'");
+  CHECK(store.get("k1", 100ms) == "v");
+  CHECK(error_of([&] { store.get("k1", 0ms); }) == "fsdp: store: timeout must be in (0 ms, 24 h], got 0 ms");
+  CHECK(contains(error_of([&] { store.wait({"k1"}, std::chrono::hours(25)); }), "timeout must be in (0 ms, 24 h]"));
+}
+
+TEST_CASE("add from many clients and many threads on one client") {
+  fsdp::TcpStoreServer server;
+  fsdp::TcpStore shared("127.0.0.1", server.port(), quick());
+  std::vector<std::thread> threads;
+  for (int c = 0; c < 4; ++c)  // clients of their own
+    threads.emplace_back([&] {
+      fsdp::TcpStore mine("127.0.0.1", server.port(), quick());
+      for (int i = 0; i < 100; ++i) mine.add("n", 1);
+    });
+  for (int c = 0; c < 4; ++c)  // threads sharing one client
+    threads.emplace_back([&] {
+      for (int i = 0; i < 100; ++i) shared.add("n", 2);
+    });
+  for (auto& t : threads) t.join();
+  CHECK(shared.add("n", 0) == 4 * 100 + 4 * 200);
+}
+
+TEST_CASE("verbs that cannot be done say why, and the connection stays usable") {
+  fsdp::TcpStoreServerOptions opts;
+  opts.limits = {16, 64};
+  fsdp::TcpStoreServer server(opts);
+  fsdp::TcpStore store("127.0.0.1", server.port(), quick());
+  const std::string prefix = "fsdp: store at 127.0.0.1:" + std::to_string(server.port()) + ": ";
+  store.set("text", "hello");
+  CHECK(error_of([&] { store.add("text", 1); }) == prefix + "add 'text': add to key 'text': its value 'hello' is not a 64-bit integer");
+  store.set("big", std::to_string(INT64_MAX));
+  CHECK(contains(error_of([&] { store.add("big", 1); }), "overflows a 64-bit integer"));
+  CHECK(error_of([&] { store.set("k", std::string(65, 'v')); }) ==
+        prefix + "set 'k': value of 65 bytes exceeds the store's limit of 64 bytes");
+  CHECK(error_of([&] { store.get(std::string(17, 'k'), 100ms); }) ==
+        prefix + "get '" + std::string(17, 'k') + "': key of 17 bytes exceeds the store's limit of 16 bytes");
+  CHECK(store.get("text", 100ms) == "hello");
+  CHECK(server.stats().malformed == 0);  // refused by the client, before sending
+}
+
+TEST_CASE("a server going away ends a parked wait at once, and later verbs say so") {
+  auto server = std::make_unique<fsdp::TcpStoreServer>();
+  fsdp::TcpStore store("127.0.0.1", server->port(), quick());
+  std::string error;
+  const auto t0 = Clock::now();
+  std::thread t([&] { error = error_of([&] { store.wait({"never"}, 5000ms); }); });
+  std::this_thread::sleep_for(50ms);
+  server.reset();  // must not hang on the parked connection
+  t.join();
+  CHECK(ms_since(t0) < 2000);
+  CHECK(contains(error, "wait for 1 keys failed: the store closed the connection"));
+  CHECK(contains(error_of([&] { store.set("k", "v"); }), "set 'k' on a connection lost earlier: wait for 1 keys failed"));
+}
+
+TEST_CASE("the client retries until the server listens") {
+  const std::uint16_t port = unused_port();
+  std::unique_ptr<fsdp::TcpStoreServer> server;
+  std::thread late([&] {
+    std::this_thread::sleep_for(200ms);
+    fsdp::TcpStoreServerOptions opts;
+    opts.port = port;
+    server = std::make_unique<fsdp::TcpStoreServer>(opts);
+  });
+  const auto t0 = Clock::now();
+  fsdp::TcpStore store("localhost", port, quick());  // by name: resolved on each attempt
+  late.join();
+  CHECK(ms_since(t0) >= 150);
+  store.set("up", "yes");
+  CHECK(store.get("up", 100ms) == "yes");
+}
+
+TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses an external one") {
+  const std::uint16_t port = unused_port();
+  fsdp::DistEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.world_size = 2;
+  env.token = "t0ken";
+  ::unsetenv("FSDP_STORE_EXTERNAL");
+  ::unsetenv("FSDP_STORE_BIND");
+  {
+    auto rank0 = fsdp::connect_store(env, quick());
+    REQUIRE(rank0.server);
+    CHECK(rank0.server->host() == "127.0.0.1");
+    env.rank = 1;
+    auto rank1 = fsdp::connect_store(env, quick());
+    CHECK_FALSE(rank1.server);
+    rank1.store->set("from/1", "hi");
+    CHECK(rank0.store->get("from/1", 500ms) == "hi");
+
+    // A standalone server already runs: rank 0 only connects.
+    ::setenv("FSDP_STORE_EXTERNAL", "1", 1);
+    env.rank = 0;
+    auto external = fsdp::connect_store(env, quick());
+    CHECK_FALSE(external.server);
+    CHECK(external.store->get("from/1", 500ms) == "hi");
+    ::setenv("FSDP_STORE_EXTERNAL", "yes", 1);
+    CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) == "fsdp: environment: FSDP_STORE_EXTERNAL='yes' is not 0 or 1");
+    ::unsetenv("FSDP_STORE_EXTERNAL");
+  }
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("RANK", "0", 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("FSDP_STORE_TOKEN", "from-env", 1);
+  {
+    fsdp::TcpStoreServerOptions opts;
+    opts.port = port;
+    opts.token = "from-env";
+    fsdp::TcpStoreServer server(opts);
+    auto store = fsdp::TcpStore::from_env(quick());  // the token comes from FSDP_STORE_TOKEN
+    CHECK(store->num_keys() == 0);
+    CHECK(server.stats().accepted == 1);
+  }
+  for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "FSDP_STORE_TOKEN"}) ::unsetenv(v);
+}
+
+TEST_CASE("bad options are refused with the value named") {
+  fsdp::TcpStoreServer server;
+  auto options = quick();
+  options.timeout = 0ms;
+  CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), options); }) ==
+        "fsdp: store: timeout must be in (0 ms, 24 h], got 0 ms");
+  fsdp::TcpStoreServerOptions taken;
+  taken.port = server.port();
+  CHECK(error_of([&] { fsdp::TcpStoreServer second(taken); }) ==
+        "fsdp: store server: could not listen on 127.0.0.1:" + std::to_string(server.port()) + ": Address already in use");
+  fsdp::TcpStoreServerOptions idle;
+  idle.handshake_timeout = 0ms;
+  CHECK(contains(error_of([&] { fsdp::TcpStoreServer s(idle); }), "handshake timeout must be in (0 ms, 24 h], got 0 ms"));
+  fsdp::TcpStoreServerOptions limits;
+  limits.limits.max_value_bytes = 0;
+  CHECK(contains(error_of([&] { fsdp::TcpStoreServer s(limits); }), "max value size must be in [1, 1 GiB], got 0 bytes"));
+}

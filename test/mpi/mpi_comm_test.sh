@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# MpiComm's doctest binary under mpirun, as 1, 2, 3, 4 and 8 processes on this host, then a
+# teardown run in which a timed-out collective must end the whole job (and nothing hangs).
+# Each run's rank 0 prints the run's doctest summary (a case passes if it passed on every
+# rank), so the log holds one summary line per run. Exits non-zero if any run failed.
+#
+# Usage: mpi_comm_test.sh TEST_BINARY
+set -u
+bin="$1"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# mpirun as root (containers, CI), on one host with no ssh, over shared memory and loopback
+# only. vader's single-copy mechanism (CMA) needs ptrace rights a sandbox may not grant.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_plm=isolated
+export OMPI_MCA_btl=self,vader
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+export OMPI_MCA_oob_tcp_if_include=lo
+# Per-test session directory and shared-memory files: in a PID namespace (Bazel's sandbox,
+# containers) concurrent mpiruns get equal PIDs, hence equal job ids, and would otherwise
+# map each other's segments in /dev/shm.
+export TMPDIR="${TEST_TMPDIR:-${TMPDIR:-/tmp}}"
+export OMPI_MCA_btl_vader_backing_directory="$TMPDIR"
+
+# run NP ARGS...: mpirun with a hard limit (a hang fails the run, never the suite's time).
+run() {
+  local np="$1"
+  shift
+  timeout -k 5 40 mpirun -np "$np" --oversubscribe --tag-output "$bin" "$@" 2>&1
+}
+
+for np in 1 2 3 4 8; do
+  start=$SECONDS
+  out=$(run "$np" --test-case-exclude='teardown*')
+  rc=$?
+  echo "$out"
+  echo "np=$np: exit $rc after $((SECONDS - start)) s"
+  [[ $rc == 0 ]] || fail "np=$np: mpirun exited with $rc"
+  grep -q '\[doctest\] test cases: [0-9]* | [0-9]* passed | 0 failed' <<<"$out" ||
+    fail "np=$np: no passing summary from rank 0"
+done
+
+# Rank 0 skips a barrier; the others time out after 500 ms, still pass their checks, and
+# their MpiSession then aborts the job instead of finalizing beside the dead collective.
+start=$SECONDS
+out=$(run 3 --test-case='teardown*')
+rc=$?
+echo "$out"
+echo "teardown: exit $rc after $((SECONDS - start)) s"
+[[ $rc != 0 && $rc != 124 && $rc != 137 ]] || fail "teardown: mpirun exited with $rc, expected MPI_Abort's status"
+grep -q '\[doctest\] test cases: 1 | 1 passed | 0 failed' <<<"$out" || fail "teardown: its test case did not pass"
+grep -q 'aborting the MPI job after a failed collective: rank [12] of MPI communicator' <<<"$out" ||
+  fail "teardown: no rank aborted the job"
+
+[[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
+exit $((failures > 0))

@@ -1,0 +1,99 @@
+// MpiComm's failures: each is an fsdp::Error that names the rank, the communicator and the
+// collective with its sequence number. Argument errors are caught before MPI sees the call
+// (where OpenMPI would crash or corrupt memory) and leave the communicator usable; a
+// collective one rank skips times out, breaks its communicator and ends the job.
+//
+// The last case ends the MPI job (MpiSession aborts it), so mpi_comm_test.sh runs it alone
+// (doctest's --test-case="teardown*") and the other runs exclude it.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "test/mpi/mpi_test_support.hpp"
+
+namespace {
+
+using fsdp::DType;
+using fsdp::ReduceOp;
+using test_mpi::contains;
+using test_mpi::error_of;
+
+TEST_CASE("argument errors: refused before MPI, named, and the communicator stays in step") {
+  auto comm = test_mpi::world();
+  const std::string me = "rank " + std::to_string(comm.rank()) + " of MPI communicator 'world'";
+  std::vector<float> a(8), b(8 * comm.size());
+  const std::size_t too_many = static_cast<std::size_t>(INT_MAX) + 1;
+
+  // Collective #0: more elements than an MPI 3.1 count holds (no buffer is touched).
+  std::string e = error_of([&] { comm.all_reduce(a.data(), b.data(), too_many, DType::f32, ReduceOp::sum); });
+  CHECK(contains(e, me));
+  CHECK(contains(e, "all_reduce(count=2147483648, dtype=f32, op=sum) as collective #0"));
+  CHECK(contains(e, "count exceeds INT_MAX (2147483647) elements"));
+  e = error_of([&] { comm.all_gather(a.data(), b.data(), too_many, DType::bf16); });
+  CHECK(contains(e, "all_gather(count=2147483648, dtype=bf16) as collective #1: count exceeds INT_MAX"));
+
+  // Null buffers (OpenMPI would dereference them) and aliasing that is not an in-place form.
+  e = error_of([&] { comm.all_gather(nullptr, b.data(), 4, DType::f32); });
+  CHECK(contains(e, "as collective #2: send buffer is null"));
+  e = error_of([&] { comm.reduce_scatter(b.data(), nullptr, 1, DType::f32, ReduceOp::sum); });
+  CHECK(contains(e, "receive buffer is null"));
+  e = error_of([&] { comm.all_reduce(b.data(), b.data() + 1, 4, DType::f32, ReduceOp::max); });
+  CHECK(contains(e, "send and receive buffers overlap without being the in-place form (send == recv)"));
+  if (comm.size() > 1) {
+    e = error_of([&] { comm.all_gather(b.data() + 1, b.data(), 2, DType::f32); });
+    CHECK(contains(e, "in-place form (send == recv + rank*count)"));
+  }
+  e = error_of([&] { comm.broadcast(a.data(), a.data(), 8, DType::f32, comm.size()); });
+  CHECK(contains(e, "broadcast(count=8, dtype=f32, root=" + std::to_string(comm.size()) + ")"));
+  CHECK(contains(e, "root " + std::to_string(comm.size()) + " is outside [0, " + std::to_string(comm.size()) + ")"));
+
+  // Nothing reached MPI: the ranks are still in step, and nothing is broken.
+  CHECK_FALSE(comm.broken());
+  std::int32_t one = 1, total = 0;
+  comm.all_reduce(&one, &total, 1, DType::i32, ReduceOp::sum).wait();
+  CHECK(total == comm.size());
+  CHECK_FALSE(test_mpi::session().failed());
+}
+
+TEST_CASE("timeouts outside (0 ms, 24 h] are refused") {
+  using std::chrono::milliseconds;
+  for (milliseconds bad : {milliseconds(0), milliseconds(-5), milliseconds(std::chrono::hours(25))}) {
+    const std::string e = error_of([&] { test_mpi::world(bad); });
+    CHECK(contains(e, "MpiComm 'world': timeout must be in (0 ms, 24 h], got " + std::to_string(bad.count()) + " ms"));
+  }
+}
+
+TEST_CASE("teardown: a barrier and a world() that rank 0 skips time out on the others, and end the job") {
+  using namespace std::chrono_literals;
+  auto comm = test_mpi::world(500ms);
+  if (comm.rank() == 0) return;  // the missing rank: it goes on to the end and waits there
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e = error_of([&] { comm.barrier().wait(); });
+  const auto waited = std::chrono::steady_clock::now() - start;
+  CHECK(contains(e, "rank " + std::to_string(comm.rank()) + " of MPI communicator 'world'"));
+  CHECK(contains(e, "barrier as collective #0 timed out after 500 ms"));
+  CHECK(contains(e, "the MPI job must be torn down"));
+  CHECK(waited >= 500ms);
+  CHECK(waited < 10s);
+  // The communicator is out of step with rank 0 now: nothing more runs on it.
+  CHECK(comm.broken());
+  std::int32_t v = 0;
+  const std::string next = error_of([&] { comm.all_reduce(&v, &v, 1, DType::i32, ReduceOp::sum); });
+  CHECK(contains(next, "all_reduce(count=1, dtype=i32, op=sum) as collective #1 not started: the communicator "
+                       "broke earlier: rank "));
+  // The session ends the job at its end (MPI_Abort) instead of finalizing beside a live
+  // collective; mpi_comm_test.sh checks that this run ends that way.
+  CHECK(test_mpi::session().failed());
+  CHECK(contains(test_mpi::session().failure(), "barrier as collective #0 timed out"));
+
+  // Making a communicator meets every rank within the timeout too.
+  const std::string dup = error_of([&] { test_mpi::world(300ms); });
+  CHECK(contains(dup, "world rank " + std::to_string(test_mpi::session().world_rank()) + ": MpiComm 'world': "
+                      "MPI_Comm_idup did not complete within 300 ms"));
+}
+
+}  // namespace

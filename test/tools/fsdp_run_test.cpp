@@ -1,0 +1,250 @@
+// fsdp_run end to end: the binary starts /bin/sh scripts as its ranks. What each rank
+// sees, how their output comes out, and how a failure, a signal or a timeout ends the job.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <initializer_list>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "test/tools/child_process.hpp"
+
+namespace {
+
+using namespace test_tools;
+using namespace std::string_literals;
+
+// Bazel puts the binary in the test's runfiles; a direct build names it in FSDP_RUN.
+std::string fsdp_run_path() {
+  if (const char* p = std::getenv("FSDP_RUN")) return p;
+  const char* runfiles = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  REQUIRE_MESSAGE(runfiles, "set FSDP_RUN to the fsdp_run binary when running outside Bazel");
+  return std::string(runfiles) + "/" + (workspace ? workspace : "fsdp") + "/tools/fsdp_run";
+}
+
+// fsdp_run FLAGS... sh -c SCRIPT, run to the end. The job gets no token from the test's
+// environment unless `env_changes` gives one.
+Finished fsdp_run(std::vector<std::string> flags, const std::string& script,
+                  std::vector<std::string> env_changes = {}) {
+  std::vector<std::string> argv{fsdp_run_path()};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.insert(argv.end(), {"/bin/sh", "-c", script});
+  env_changes.insert(env_changes.begin(), {"FSDP_STORE_TOKEN", "FSDP_STORE_BIND"});
+  return ChildProcess(argv, env_changes).wait();
+}
+
+const char* const kPrintEnv =
+    "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE "
+    "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TOKEN=$FSDP_STORE_TOKEN BIND=${FSDP_STORE_BIND-unset}\"";
+
+// rank -> the rest of its one line "[rank R] ..."; fails on a line without a prefix.
+std::map<int, std::string> by_rank(const std::string& out) {
+  std::map<int, std::string> lines;
+  static const std::regex prefixed(R"(\[rank (\d+)\] (.*))");
+  for (const auto& line : lines_of(out)) {
+    std::smatch m;
+    REQUIRE_MESSAGE(std::regex_match(line, m, prefixed), "line without a rank prefix: '", line, "'");
+    CHECK_MESSAGE(lines.emplace(std::stoi(m[1]), m[2]).second, "rank ", m[1], " printed twice");
+  }
+  return lines;
+}
+
+// Every process whose pid rank r wrote to dir/<name><r> is gone.
+void check_gone(const TempDir& dir, const std::string& name, std::initializer_list<int> ranks) {
+  for (int r : ranks) {
+    const std::string path = dir.file(name + std::to_string(r)), pid = read_file(path);
+    REQUIRE_MESSAGE(!pid.empty(), path, " is empty");
+    CHECK_MESSAGE(process_gone(std::stoi(pid)), "pid ", pid, " (from ", path, ") still runs");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every rank sees torchrun's six variables, one port and one random token (nproc 1..4)") {
+  std::set<std::string> tokens;
+  for (int n = 1; n <= 4; ++n) {
+    CAPTURE(n);
+    const Finished f = fsdp_run({"--nproc", std::to_string(n)}, kPrintEnv);
+    REQUIRE(f.status == 0);
+    CHECK(f.err.empty());
+    const auto lines = by_rank(f.out);
+    REQUIRE(lines.size() == static_cast<std::size_t>(n));
+    std::smatch m;
+    REQUIRE(std::regex_search(lines.at(0), m, std::regex(R"(MASTER_PORT=(\d+) TOKEN=([0-9a-f]{32}) )")));
+    const std::string port = m[1], token = m[2];
+    CHECK(std::stoi(port) > 0);
+    CHECK(std::stoi(port) < 65536);
+    tokens.insert(token);
+    for (int r = 0; r < n; ++r)
+      CHECK(lines.at(r) == "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(n) +
+                               " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(n) +
+                               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " TOKEN=" + token + " BIND=unset");
+  }
+  CHECK(tokens.size() == 4);  // drawn afresh for every job
+}
+
+TEST_CASE("node 1 of 2: global ranks, the bind address and the user's token") {
+  const std::vector<std::string> flags{"--nnodes",      "2",        "--node-rank",     "1",    "--nproc", "2",
+                                       "--master-addr", "10.1.2.3", "--master-port", "29555"};
+  const Finished f = fsdp_run(flags, kPrintEnv, {"FSDP_STORE_TOKEN=s3cret"});
+  REQUIRE(f.status == 0);
+  const auto lines = by_rank(f.out);
+  REQUIRE(lines.size() == 2);
+  for (int local = 0; local < 2; ++local)
+    CHECK(lines.at(2 + local) == "RANK=" + std::to_string(2 + local) + " WORLD_SIZE=4 LOCAL_RANK=" +
+                                     std::to_string(local) +
+                                     " LOCAL_WORLD_SIZE=2 MASTER_ADDR=10.1.2.3 MASTER_PORT=29555 TOKEN=s3cret "
+                                     "BIND=10.1.2.3");
+
+  SUBCASE("--env carries the token too, and other variables") {
+    auto with_env = flags;
+    with_env.insert(with_env.end(), {"--env", "FSDP_STORE_TOKEN=t2", "--env", "EXTRA=a=b"});
+    const Finished g = fsdp_run(with_env, "echo \"$FSDP_STORE_TOKEN $EXTRA\"");
+    REQUIRE(g.status == 0);
+    CHECK(by_rank(g.out) == std::map<int, std::string>{{2, "t2 a=b"}, {3, "t2 a=b"}});
+  }
+  SUBCASE("without a token on several nodes nothing starts") {
+    const Finished g = fsdp_run(flags, "echo started");
+    CHECK(g.status == 1);
+    CHECK(g.out.empty());
+    CHECK(g.err.find("--nnodes 2 needs FSDP_STORE_TOKEN set to the same secret on every node") != std::string::npos);
+  }
+}
+
+TEST_CASE("stdout and stderr lines of 4 ranks stay whole, prefixed, in order and on their own stream") {
+  // Each line is written in two pieces, so the launcher has to join them.
+  const int kLines = 300;
+  const Finished f = fsdp_run({"--nproc", "4"}, "i=0; while [ $i -lt " + std::to_string(kLines) +
+                                                     " ]; do printf \"r$RANK-$i-\"; printf 'out\\n'; "
+                                                     "printf \"r$RANK-$i-\" >&2; printf 'err\\n' >&2; i=$((i+1)); done");
+  REQUIRE(f.status == 0);
+  for (const auto& [stream, text] : {std::pair{"out", f.out}, std::pair{"err", f.err}}) {
+    CAPTURE(stream);
+    std::map<int, int> next;  // rank -> the line number expected next
+    static const std::regex line_re(R"(\[rank (\d)\] r(\d)-(\d+)-(out|err))");
+    for (const auto& line : lines_of(text)) {
+      std::smatch m;
+      REQUIRE_MESSAGE(std::regex_match(line, m, line_re), "mangled line: '", line, "'");
+      const int rank = std::stoi(m[1]);
+      CHECK(m[2] == m[1]);
+      CHECK(m[4] == stream);
+      CHECK(std::stoi(m[3]) == next[rank]++);
+    }
+    REQUIRE(next.size() == 4);
+    for (const auto& [rank, count] : next) CHECK(count == kLines);
+  }
+}
+
+TEST_CASE("split writes, a partial last line and binary bytes come through intact") {
+  const Finished f = fsdp_run({}, "printf 'ab'; sleep 0.05; printf 'c\\nd\\000e\\377\\n'; printf 'tail'");
+  REQUIRE(f.status == 0);
+  CHECK(f.out == "[rank 0] abc\n[rank 0] d\0e\xff\n[rank 0] tail\n"s);  // "s": keeps the NUL
+
+  const Finished plain = fsdp_run({"--no-prefix"}, "printf 'as is'; printf ' err' >&2");
+  CHECK(plain.status == 0);
+  CHECK(plain.out == "as is");
+  CHECK(plain.err == " err");
+}
+
+TEST_CASE("a rank exiting 3 stops the sleeping ranks at once and fsdp_run exits 3") {
+  TempDir dir;
+  const Finished f = fsdp_run({"--nproc", "4"}, "echo $$ > " + dir.path() +
+                                                    "/pid$RANK; if [ $RANK = 1 ]; then sleep 0.2; exit 3; fi; "
+                                                    "exec sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s (rank 1 failed after 0.2 s; grace 3 s)");
+  CHECK(f.status == 3);
+  CHECK(f.seconds < 2.0);  // SIGTERM ended the sleepers; no wait for the grace period
+  CHECK(f.err == "fsdp_run: rank 1 exited with status 3; stopping the other ranks\n");
+  check_gone(dir, "pid", {0, 2, 3});
+}
+
+TEST_CASE("ranks that ignore SIGTERM get SIGKILL after --grace-ms, and what they started goes too") {
+  TempDir dir;
+  const std::string d = dir.path();
+  // Ranks 1 and 2 ignore SIGTERM and leave a background sleep behind; rank 0 fails once
+  // both are ready.
+  const Finished f = fsdp_run(
+      {"--nproc", "3", "--grace-ms", "300"},
+      "trap '' TERM; if [ $RANK = 0 ]; then i=0; while [ ! -e " + d + "/ready1 ] || [ ! -e " + d +
+          "/ready2 ]; do i=$((i+1)); [ $i -gt 1000 ] && exit 99; sleep 0.01; done; exit 5; fi; "
+          "sleep 30 & echo $! > " + d + "/child$RANK; touch " + d + "/ready$RANK; wait");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s with --grace-ms 300");
+  CHECK(f.status == 5);
+  CHECK(f.seconds >= 0.3);
+  CHECK(f.seconds < 3.0);
+  CHECK(f.err == "fsdp_run: rank 0 exited with status 5; stopping the other ranks\n");
+  check_gone(dir, "child", {1, 2});
+}
+
+TEST_CASE("a rank killed by SIGKILL: fsdp_run exits 137 and names the signal") {
+  const Finished f = fsdp_run({"--nproc", "3"}, "if [ $RANK = 2 ]; then kill -KILL $$; fi; exec sleep 30");
+  CHECK(f.status == 137);
+  CHECK(f.seconds < 2.0);
+  CHECK(f.err == "fsdp_run: rank 2 exited with status 137 (signal SIGKILL); stopping the other ranks\n");
+}
+
+TEST_CASE("SIGINT to fsdp_run reaches every rank; fsdp_run exits 130") {
+  TempDir dir;
+  ChildProcess job({fsdp_run_path(), "--nproc", "2", "/bin/sh", "-c",
+                    "trap 'echo \"rank $RANK got INT\"; exit 0' INT; sleep 30 & echo $! > " + dir.path() +
+                        "/child$RANK; touch " + dir.path() + "/ready$RANK; wait"},
+                   {"FSDP_STORE_TOKEN"});
+  REQUIRE(wait_for_files({dir.file("ready0"), dir.file("ready1")}));
+  ::kill(job.pid(), SIGINT);
+  const Finished f = job.wait();
+  CHECK(f.status == 130);
+  CHECK(f.seconds < 5.0);
+  const auto lines = by_rank(f.out);
+  CHECK(lines == std::map<int, std::string>{{0, "rank 0 got INT"}, {1, "rank 1 got INT"}});
+  CHECK(f.err == "fsdp_run: received SIGINT; forwarding it to the ranks\n");
+  // A shell's background job ignores SIGINT: it outlives its rank until fsdp_run, having
+  // stopped the job, kills what the ranks left behind.
+  check_gone(dir, "child", {0, 1});
+}
+
+TEST_CASE("--timeout-ms stops a job that runs too long and fails naming the ranks") {
+  const Finished f = fsdp_run({"--nproc", "2", "--timeout-ms", "300"}, "exec sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s with --timeout-ms 300");
+  CHECK(f.status == 1);
+  CHECK(f.seconds >= 0.3);
+  CHECK(f.seconds < 3.0);
+  CHECK(f.err.find("ranks 0, 1 were still running after the 300 ms timeout; they were stopped") != std::string::npos);
+}
+
+TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+      {{"--nproc", "0"}, "--nproc must be in [1, 4096], got 0"},
+      {{"--nproc", "many"}, "--nproc = many"},
+      {{"--nnodes", "0"}, "--nnodes must be at least 1"},
+      {{"--nnodes", "2", "--node-rank", "2", "--master-port", "29500"}, "--node-rank 2 is out of range [0, 1]"},
+      {{"--node-rank", "-1"}, "--node-rank -1 is out of range [0, 0]"},
+      {{"--master-port", "65536"}, "--master-port must be in [1, 65535] (or 0: pick a free one), got 65536"},
+      {{"--nnodes", "2", "--node-rank", "1"}, "--master-port is required with --nnodes 2"},
+      {{"--grace-ms", "0"}, "--grace-ms must be in (0 ms, 24 h], got 0 ms"},
+      {{"--timeout-ms", "-5"}, "--timeout-ms must be in (0 ms, 24 h] or 0 (none), got -5 ms"},
+      {{"--env", "RANK=3"}, "--env RANK: fsdp_run sets RANK itself"},
+      {{"--env", "NOEQUALS"}, "--env 'NOEQUALS' is not KEY=VALUE"},
+      {{"--bogus"}, "unknown option '--bogus'"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    CAPTURE(expected);
+    const Finished f = fsdp_run(flags, "echo started");
+    CHECK(f.status == 2);
+    CHECK(f.out.empty());
+    CHECK(f.err.find(expected) != std::string::npos);
+  }
+  const Finished none = ChildProcess({fsdp_run_path(), "--nproc", "2"}).wait();
+  CHECK(none.status == 2);
+  CHECK(none.err.find("missing the program to run") != std::string::npos);
+}
+
+TEST_CASE("a program that does not exist: exit 1 and a message naming it") {
+  const Finished f = ChildProcess({fsdp_run_path(), "--nproc", "2", "no-such-program-fsdp"}).wait();
+  CHECK(f.status == 1);
+  CHECK(f.err == "fsdp: launch: cannot start 'no-such-program-fsdp' for rank 0: No such file or directory "
+                 "(looked in PATH)\n");
+}

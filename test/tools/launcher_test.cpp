@@ -1,0 +1,164 @@
+// fsdp::launch as a library: fsdp_run's command-line parsing, find_free_port, run() in
+// this process (status, restored signal handling) and relaunch_self.
+#include <doctest/doctest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tools/launcher/cli.hpp"
+#include "tools/launcher/launcher.hpp"
+
+namespace {
+
+namespace launch = fsdp::launch;
+
+launch::Command parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "fsdp_run");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return launch::parse(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string parse_error(const std::vector<std::string>& args) {
+  try {
+    parse(args);
+  } catch (const fsdp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+using Strings = std::vector<std::string>;
+
+}  // namespace
+
+TEST_CASE("parse: options first, then the program with arguments that stay the program's") {
+  const auto c = parse({"--nproc", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                        "--master-port", "29500", "--grace-ms", "500", "--timeout-ms", "9000", "--no-prefix",
+                        "--env", "A=1", "--env", "B=x=y", "./train", "--nproc", "3", "--", "z"});
+  const launch::Options& o = c.options;
+  CHECK(o.nproc == 4);
+  CHECK(o.nnodes == 2);
+  CHECK(o.node_rank == 1);
+  CHECK(o.master_addr == "10.0.0.1");
+  CHECK(o.master_port == 29500);
+  CHECK(o.grace.count() == 500);
+  CHECK(o.timeout.count() == 9000);
+  CHECK_FALSE(o.prefix_output);
+  CHECK(o.env == std::vector<std::pair<std::string, std::string>>{{"A", "1"}, {"B", "x=y"}});
+  CHECK(c.argv == Strings{"./train", "--nproc", "3", "--", "z"});
+  CHECK(c.help.empty());
+
+  const auto defaults = parse({"prog"});
+  CHECK(defaults.options.nproc == 1);
+  CHECK(defaults.options.master_port == 0);
+  CHECK(defaults.options.prefix_output);
+  CHECK(defaults.options.grace.count() == 3000);
+  CHECK(defaults.options.timeout.count() == 0);
+  CHECK(parse({"--nproc-per-node", "2", "--", "-odd-name", "a"}).argv == Strings{"-odd-name", "a"});
+  CHECK(parse({"--nproc_per_node=2", "prog"}).options.nproc == 2);
+  CHECK(parse({"--help"}).help.find("--nproc") != std::string::npos);
+}
+
+TEST_CASE("parse and validate refuse bad values, naming flag and value") {
+  CHECK(parse_error({"--nproc", "0", "p"}) == "fsdp: launch: --nproc must be in [1, 4096], got 0");
+  CHECK(parse_error({"--nproc", "5000", "p"}) == "fsdp: launch: --nproc must be in [1, 4096], got 5000");
+  CHECK(parse_error({"--nnodes", "2", "--node-rank", "2", "--master-port", "1", "p"}) ==
+        "fsdp: launch: --node-rank 2 is out of range [0, 1] for --nnodes 2");
+  CHECK(parse_error({"--master-port", "-1", "p"}) ==
+        "fsdp: launch: --master-port must be in [1, 65535] (or 0: pick a free one), got -1");
+  CHECK(parse_error({"--master-addr", "", "p"}) == "fsdp: launch: --master-addr is empty");
+  CHECK(parse_error({"--grace-ms", "90000000", "p"}) == "fsdp: launch: --grace-ms must be in (0 ms, 24 h], got 90000000 ms");
+  CHECK(parse_error({"--env", "=v", "p"}) == "fsdp: launch: --env '=v' is not KEY=VALUE");
+  CHECK(parse_error({"--env", "WORLD_SIZE=9", "p"}) ==
+        "fsdp: launch: --env WORLD_SIZE: fsdp_run sets WORLD_SIZE itself, for each rank");
+  CHECK(parse_error({"--nproc", "2"}) ==
+        "fsdp: launch: missing the program to run (usage: fsdp_run [options] PROGRAM [ARGS...])");
+  CHECK(parse_error({"--"}) == "fsdp: launch: missing the program to run (usage: fsdp_run [options] PROGRAM [ARGS...])");
+  CHECK(parse_error({"-x", "p"}).find("unknown option '-x'") != std::string::npos);
+  CHECK(parse_error({"--nnodes", "x", "p"}).find("--nnodes") != std::string::npos);
+
+  launch::Options o;
+  o.nnodes = 3;
+  o.master_port = 0;
+  CHECK_THROWS_WITH_AS(launch::validate(o),
+                       "fsdp: launch: --master-port is required with --nnodes 3 (every node must name the same port; 0 "
+                       "picks a free one on a single node only)",
+                       fsdp::Error);
+}
+
+TEST_CASE("find_free_port gives a loopback port that can be bound") {
+  const int port = launch::find_free_port();
+  REQUIRE(port > 0);
+  REQUIRE(port < 65536);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  CHECK(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  ::close(fd);
+}
+
+TEST_CASE("run() in this process: the failing rank's status, and signal handling restored after") {
+  struct sigaction before_int {}, before_pipe {}, before_chld {}, after {};
+  ::sigaction(SIGINT, nullptr, &before_int);
+  ::sigaction(SIGPIPE, nullptr, &before_pipe);
+  ::sigaction(SIGCHLD, nullptr, &before_chld);
+
+  launch::Options o;
+  o.nproc = 3;
+  o.prefix_output = false;
+  CHECK(launch::run(o, {"sh", "-c", "[ $RANK = 2 ] && exit 5; exit 0"}) == 5);
+  CHECK(launch::run(o, {"sh", "-c", "exit 0"}) == 0);
+  CHECK_THROWS_WITH_AS(launch::run(o, {}), "fsdp: launch: missing the program to run", fsdp::Error);
+  o.nproc = 0;
+  CHECK_THROWS_AS(launch::run(o, {"true"}), fsdp::Error);
+
+  ::sigaction(SIGINT, nullptr, &after);
+  CHECK((after.sa_handler == before_int.sa_handler));
+  ::sigaction(SIGPIPE, nullptr, &after);
+  CHECK((after.sa_handler == before_pipe.sa_handler));
+  ::sigaction(SIGCHLD, nullptr, &after);
+  CHECK((after.sa_handler == before_chld.sa_handler));
+}
+
+// The child side of the next case: when relaunched, this binary is a rank and exits before
+// doctest runs. Rank 0 exits 40 + WORLD_SIZE if its arguments arrived unchanged (3 if not),
+// the others 0, so the status the parent sees covers arguments and environment.
+const bool relaunched_rank_exits = [] {
+  if (!std::getenv("FSDP_LAUNCHER_TEST_CHILD") || !fsdp::DistEnv::launched()) return false;
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  const std::string cmdline{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const auto env = fsdp::DistEnv::from_env();
+  if (env.rank != 0) std::_Exit(0);
+  std::_Exit(cmdline == std::string("launcher_test\0child\0two words\0", 30) ? 40 + env.world_size : 3);
+}();
+
+TEST_CASE("relaunch_self runs this program as the ranks, and refuses inside a launched process") {
+  launch::Options o;
+  o.nproc = 2;
+  o.prefix_output = false;
+  o.env = {{"FSDP_LAUNCHER_TEST_CHILD", "1"}};
+  const char* argv[] = {"launcher_test", "child", "two words"};
+  CHECK(launch::relaunch_self(o, 3, argv) == 42);
+
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  CHECK_THROWS_WITH_AS(launch::relaunch_self(o, 3, argv),
+                       "fsdp: launch: relaunch_self: this process already is rank 1 of a launched job (RANK and "
+                       "WORLD_SIZE are set); run as that rank instead",
+                       fsdp::Error);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}

@@ -1,0 +1,63 @@
+// fsdp_store: the rendezvous store's server as a process of its own, for jobs whose store
+// should not live inside rank 0 (ranks then run with FSDP_STORE_EXTERNAL=1).
+//
+//   fsdp_store [--host 127.0.0.1] [--port 29500] [--token-env FSDP_STORE_TOKEN] ...
+//
+// The token is read from an environment variable, never from the command line, where
+// other users of the machine could see it. Prints "fsdp_store: listening on HOST:PORT"
+// once it listens (--port 0 picks a free port), then serves until SIGINT or SIGTERM.
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include <fsdp/asio/tcp_store_server.hpp>
+
+int main(int argc, char** argv) {
+  CLI::App app{"Serve an fsdp rendezvous store (the server of fsdp::TcpStore)"};
+  fsdp::TcpStoreServerOptions options;
+  options.port = 29500;
+  std::string token_env = "FSDP_STORE_TOKEN";
+  long long handshake_ms = options.handshake_timeout.count();
+  app.add_option("--host", options.host, "address to listen on (0.0.0.0: every interface)")->capture_default_str();
+  app.add_option("--port", options.port, "port to listen on; 0 picks a free one")->capture_default_str()->check(CLI::Range(0, 65535));
+  auto* token_flag = app.add_option("--token-env", token_env, "environment variable holding the token clients must present")->capture_default_str();
+  app.add_option("--max-clients", options.max_clients, "connections served at once")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  app.add_option("--max-key-bytes", options.limits.max_key_bytes, "largest key")->capture_default_str();
+  app.add_option("--max-value-bytes", options.limits.max_value_bytes, "largest value")->capture_default_str();
+  app.add_option("--handshake-timeout-ms", handshake_ms, "drop a connection that has not said hello by then")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  // Blocked before the server's thread starts (threads inherit the mask), so that only
+  // sigwait() below receives them.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  const char* token = std::getenv(token_env.c_str());
+  if (token_flag->count() && !token) {
+    std::fprintf(stderr, "fsdp_store: --token-env %s: that variable is not set\n", token_env.c_str());
+    return 2;
+  }
+  options.token = token ? token : "";
+  options.handshake_timeout = std::chrono::milliseconds(handshake_ms);
+  try {
+    fsdp::TcpStoreServer server(options);
+    std::printf("fsdp_store: listening on %s:%u%s\n", server.host().c_str(), unsigned(server.port()),
+                options.token.empty() ? "" : " (token required)");
+    std::fflush(stdout);
+    int signal = 0;
+    sigwait(&stop, &signal);
+    std::printf("fsdp_store: stopping on signal %d\n", signal);
+  } catch (const fsdp::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,285 @@
+#pragma once
+// fsdp::launch: start the ranks of a job on this node, torchrun-style, and supervise them.
+//
+//   run(options, {"./train", "--steps", "10"})  starts options.nproc copies of ./train with
+//   MASTER_ADDR, MASTER_PORT, RANK (node_rank * nproc + i), WORLD_SIZE (nnodes * nproc),
+//   LOCAL_RANK (i) and LOCAL_WORLD_SIZE (nproc) set, as fsdp/dist_env.hpp reads them.
+//
+// Store variables: with several nodes FSDP_STORE_BIND=<master_addr>, so rank 0's store
+// listens where the other nodes connect (a single node keeps it on loopback). Every job has
+// an FSDP_STORE_TOKEN, the secret the store demands: the one in the environment if set,
+// else (single node) a random one that only this job's processes learn, through their
+// environment. With several nodes each node would draw a different one, so the user must
+// export the same FSDP_STORE_TOKEN on every node; run() refuses to start without it.
+//
+// Output: each line a rank writes becomes "[rank R] line" on the same stream (stdout or
+// stderr) of the launcher. Failure: when a rank exits non-zero or by a signal, the launcher
+// prints "fsdp_run: rank R exited with status S (signal NAME); stopping the other ranks",
+// sends SIGTERM to the others, SIGKILL after `grace`, and returns that rank's status (exit
+// code, or 128 + signal). SIGINT, SIGTERM and SIGHUP sent to the launcher go to every rank
+// (a second one kills them); run() then returns 128 + that signal. All ranks exiting 0
+// returns 0. Errors before the ranks run (bad options, a program that cannot start) and a
+// reached `timeout` throw fsdp::Error.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/dist_env.hpp"
+#include "fsdp/error.hpp"
+#include "tools/launcher/options.hpp"
+#include "tools/launcher/rank_process.hpp"
+#include "tools/launcher/signals.hpp"
+
+namespace fsdp::launch {
+
+// A TCP port free on 127.0.0.1 right now (the kernel's pick for port 0). Another process
+// may take it before the job binds it, as with torchrun's choice; the store then fails
+// naming the address.
+inline int find_free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) fsdp::detail::fail("launch: cannot create a socket to find a free port: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) fsdp::detail::fail("launch: cannot bind 127.0.0.1:0 to find a free port: ", std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+namespace detail {
+
+// 128 random bits as 32 hex digits.
+inline std::string random_token() {
+  std::random_device device;
+  std::string token;
+  for (int i = 0; i < 4; ++i) {
+    char word[9];
+    std::snprintf(word, sizeof word, "%08x", static_cast<unsigned>(device()));
+    token += word;
+  }
+  return token;
+}
+
+// The token to add to the ranks' environment; empty when the user already set one.
+inline std::string token_to_add(const Options& o) {
+  const char* set = std::getenv(kTokenVariable);
+  if ((set && *set) || std::any_of(o.env.begin(), o.env.end(), [](auto& kv) { return kv.first == kTokenVariable; }))
+    return "";
+  if (o.nnodes > 1)
+    fsdp::detail::fail("launch: --nnodes ", o.nnodes, " needs ", kTokenVariable,
+                       " set to the same secret on every node (e.g. export ", kTokenVariable,
+                       "=$(od -An -tx1 -N16 /dev/urandom | tr -d ' \\n')); one drawn per node would differ");
+  return random_token();
+}
+
+// One node's ranks, from start to the last one reaped.
+class Job {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // After the last rank exits, its pipes are read until EOF for at most this long (a
+  // process it left behind may hold them open).
+  static constexpr std::chrono::milliseconds kDrainAfterExit{500};
+  // Upper bound on one poll, should a wake-up ever be lost.
+  static constexpr std::chrono::milliseconds kMaxPoll{250};
+
+  Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv) : options_(o) {
+    validate(o);
+    LaunchSpec spec;
+    spec.program = std::move(program);
+    spec.search_path = search_path;
+    spec.argv = std::move(argv);
+    spec.port = o.master_port ? o.master_port : find_free_port();
+    spec.token = token_to_add(o);
+    spec.reset_sigpipe = !signals_.sigpipe_was_ignored();
+    for (int i = 0; i < o.nproc; ++i) {
+      ranks_.push_back(std::make_unique<RankProcess>(o.node_rank * o.nproc + i, i));
+      ranks_.back()->start(o, spec);
+    }
+  }
+
+  // Runs until every rank has exited; returns the job's status (see the top of the file).
+  int supervise() {
+    const auto started = Clock::now();
+    std::optional<Clock::time_point> drain_until;
+    for (;;) {
+      reap();
+      const auto now = Clock::now();
+      if (std::all_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r->exited(); })) {
+        if (stopping_ && !killed_) kill_all();  // what the stopped ranks left behind goes with them
+        if (!drain_until) drain_until = now + kDrainAfterExit;
+        if (!any_stream_open() || now >= *drain_until) break;
+      }
+      if (!stopping_ && options_.timeout.count() > 0 && now >= started + options_.timeout) {
+        timed_out_ = still_running();
+        say("fsdp_run: timeout of " + std::to_string(options_.timeout.count()) + " ms reached with ranks " +
+            timed_out_ + " still running; stopping them");
+        stop(SIGTERM);
+      }
+      if (stopping_ && !killed_ && now >= kill_at_) kill_all();
+      auto next = now + kMaxPoll;
+      if (drain_until) next = std::min(next, *drain_until);
+      if (stopping_ && !killed_) next = std::min(next, kill_at_);
+      if (!stopping_ && options_.timeout.count() > 0) next = std::min(next, started + options_.timeout);
+      wait_for_events(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
+    }
+    for (auto& r : ranks_) {
+      finish_stream(r->out());
+      finish_stream(r->err());
+    }
+    if (!timed_out_.empty())
+      fsdp::detail::fail("launch: ranks ", timed_out_, " were still running after the ", options_.timeout.count(),
+                         " ms timeout; they were stopped");
+    return result_.value_or(0);
+  }
+
+ private:
+  void reap() {
+    for (auto& r : ranks_) {
+      if (r->exited() || !r->try_reap() || stopping_ || r->status() == 0) continue;
+      // The first failure: its last output first, then the line saying what happened.
+      drain_stream(r->out());
+      drain_stream(r->err());
+      result_ = r->status();
+      std::string line = "fsdp_run: rank " + std::to_string(r->rank()) + " exited with status " +
+                         std::to_string(r->status());
+      if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
+      if (!still_running().empty()) line += "; stopping the other ranks";
+      say(line);
+      stop(SIGTERM);
+    }
+  }
+
+  // Sends `sig` to every rank still running; SIGKILL follows after the grace period.
+  void stop(int sig) {
+    stopping_ = true;
+    kill_at_ = Clock::now() + options_.grace;
+    for (auto& r : ranks_) r->signal(sig);
+  }
+
+  void kill_all() {
+    killed_ = true;
+    for (auto& r : ranks_) r->signal(SIGKILL);
+  }
+
+  void on_signal(int sig) {
+    if (sig == SIGCHLD) return;  // reap() runs next
+    if (!stopping_) {
+      say("fsdp_run: received " + signal_name(sig) + "; forwarding it to the ranks");
+      result_ = 128 + sig;
+      stop(sig);
+    } else if (!killed_) {
+      say("fsdp_run: received " + signal_name(sig) + " again; killing the ranks");
+      kill_all();
+    }
+  }
+
+  // Sleeps until a signal or rank output arrives, or `timeout` passes; handles them.
+  void wait_for_events(std::chrono::milliseconds timeout) {
+    std::vector<pollfd> fds{{signals_.fd(), POLLIN, 0}};
+    std::vector<RankProcess::Stream*> streams;
+    for (auto& r : ranks_)
+      for (auto* s : {&r->out(), &r->err()})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+    const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<long long>(timeout.count(), 0)));
+    if (ready <= 0) return;  // timeout, or EINTR: the loop checks everything again
+    if (fds[0].revents) {
+      for (int sig : signals_.take()) on_signal(sig);
+    }
+    for (std::size_t i = 0; i < streams.size(); ++i)
+      if (fds[i + 1].revents) read_once(*streams[i]);
+  }
+
+  // One read of what is there; false when nothing more is (now or ever).
+  static bool read_once(RankProcess::Stream& s) {
+    char buf[1 << 16];
+    const ssize_t n = ::read(s.fd, buf, sizeof buf);
+    if (n > 0) {
+      s.prefixer->feed(std::string_view(buf, static_cast<std::size_t>(n)));
+      return true;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+    finish_stream(s);  // EOF, or an error that ends the stream
+    return false;
+  }
+
+  // Reads what an exited rank left in its pipe: at most 1 MiB, as a process it started may
+  // still be writing.
+  static void drain_stream(RankProcess::Stream& s) {
+    for (int reads = 0; reads < 16 && s.fd >= 0 && read_once(s); ++reads) {
+    }
+  }
+
+  static void finish_stream(RankProcess::Stream& s) {
+    if (s.prefixer) s.prefixer->finish();
+    RankProcess::close_stream(s);
+  }
+
+  bool any_stream_open() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r->out().fd >= 0 || r->err().fd >= 0; });
+  }
+
+  // "1, 3" for the ranks that have not exited.
+  std::string still_running() const {
+    std::string list;
+    for (auto& r : ranks_)
+      if (!r->exited()) list += (list.empty() ? "" : ", ") + std::to_string(r->rank());
+    return list;
+  }
+
+  static void say(const std::string& line) { write_all(2, line + "\n"); }
+
+  Options options_;
+  SignalGuard signals_;  // before ranks_: installed before the first start, restored after the last reap
+  std::vector<std::unique_ptr<RankProcess>> ranks_;
+  std::optional<int> result_;
+  bool stopping_ = false, killed_ = false;
+  Clock::time_point kill_at_{};
+  std::string timed_out_;  // the ranks a reached timeout stopped
+};
+
+}  // namespace detail
+
+// Starts options.nproc ranks of argv (argv[0] is looked up in PATH) on this node and
+// supervises them until all have exited. Returns 0, or the status of the first rank that
+// failed, or 128 + a signal the launcher received. Not for two threads at once.
+inline int run(const Options& options, const std::vector<std::string>& argv) {
+  if (argv.empty() || argv[0].empty()) fsdp::detail::fail("launch: missing the program to run");
+  return detail::Job(options, argv[0], true, argv).supervise();
+}
+
+// Runs this very program (/proc/self/exe) as the job's ranks, with the same arguments:
+// `train --backend tcp` calls it when DistEnv::launched() is false, and each copy, seeing
+// RANK set, trains as one rank. Refuses to run inside a launched process (no recursion).
+inline int relaunch_self(const Options& options, int argc, const char* const* argv) {
+  if (fsdp::DistEnv::launched())
+    fsdp::detail::fail("launch: relaunch_self: this process already is rank ", std::getenv("RANK"),
+                       " of a launched job (RANK and WORLD_SIZE are set); run as that rank instead");
+  if (argc < 1 || !argv || !argv[0]) fsdp::detail::fail("launch: relaunch_self needs argv[0]");
+  std::vector<std::string> args(argv, argv + argc);
+  return detail::Job(options, "/proc/self/exe", false, std::move(args)).supervise();
+}
+
+}  // namespace fsdp::launch
