@@ -1,23 +1,32 @@
-// The README's main example: the reference model trained sharded on N in-process ranks
-// (FullShard unless --strategy says otherwise; f32 unless --precision says otherwise;
-// optionally with --offload), next to the same model trained unsharded on the same global
-// batch with the same casts. Each step prints the loss of both and every rank's live /
-// peak bytes in the Device's device space, as counted by its Device; the last line sums
-// it up:
+// The README's main example: the reference model trained sharded on N ranks (FullShard
+// unless --strategy says otherwise; f32 unless --precision says otherwise; optionally with
+// --offload), next to the same model trained unsharded on the same global batch with the
+// same casts. Each step prints the loss of both and every rank's live / peak bytes in the
+// Device's device space, as counted by its Device; the last line sums it up:
 //   final: loss=<x> unsharded_loss=<y> peak_bytes_per_rank=<a> unsharded_peak_bytes=<b>
+//
+// The ranks are threads of this process (--backend thread, the default), processes talking
+// TCP (--backend tcp: the program starts --nproc copies of itself through fsdp_run's
+// launcher), or MPI processes (--backend mpi, under mpirun / srun).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
-#include <mutex>
 #include <optional>
 
+#include <fsdp/asio/tcp_process_group.hpp>
 #include <fsdp/async_communicator.hpp>
+#include <fsdp/mpi/mpi_comm.hpp>
 #include <fsdp/trace_json.hpp>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "examples/engine/fsdp_integration.hpp"
+#include "tools/launcher/launcher.hpp"
 
 namespace {
 
@@ -38,146 +47,231 @@ void with_precision_and_offload(fsdp::DType param, bool offload, F&& f) {
   else with_offload(fsdp::FullPrecision{});
 }
 
+struct Config {
+  int steps = 20, batch_per_rank = 8;
+  std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", trace_dir;
+  bool offload = false;
+  engine::ModelConfig model{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
+};
+
+// What rank 0 knows at the end of training.
+struct Summary {
+  double loss = 0;
+  std::uint64_t fingerprint = 0;  // xxh64 of every trained parameter's bits, in FQN order
+  std::size_t peak = 0, host_peak = 0;
+  int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
+};
+
+// Unsharded reference: one model, the whole global batch, every byte through a counting
+// Device. Under --precision bf16 / fp16 it computes with a 16-bit copy of the model, as
+// MixedPrecision does (without loss scaling, so fp16 agrees only roughly).
+struct Reference {
+  std::vector<double> loss;
+  std::size_t peak = 0;
+};
+
+Reference train_unsharded(const Config& cfg, int world) {
+  const fsdp::DType param_dtype = precision_dtype(cfg.precision);
+  fsdp::HostDevice device;
+  engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
+  engine::Model model(cfg.model, alloc);
+  std::optional<engine::Model> compute;
+  if (param_dtype != fsdp::DType::f32) compute.emplace(cfg.model, alloc, param_dtype, param_dtype);
+  engine::AdamW::Options adam;
+  adam.lr = 1e-3f;
+  engine::AdamW adamw(adam, alloc);
+  engine::Sgd sgd(0.05f);
+  auto step = [&](auto& opt, const engine::Batch& batch) {
+    return compute ? engine::unsharded_mixed_step(model, *compute, opt, batch, param_dtype)
+                   : engine::unsharded_step(model, opt, batch);
+  };
+  Reference ref;
+  for (int s = 0; s < cfg.steps; ++s) {
+    auto batch = engine::make_batch(cfg.model, s, 0, static_cast<std::int64_t>(world) * cfg.batch_per_rank);
+    ref.loss.push_back(cfg.optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch));
+  }
+  ref.peak = device.stats().peak_bytes;
+  return ref;
+}
+
+// One rank's training on any communicator. Figures reach rank 0 through the communicator
+// itself (the ranks may be processes on other hosts), and rank 0 prints them.
+template <fsdp::SplittableCommunicator C>
+Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const Reference* reference) {
+  const int r = comm.rank();
+  const int world = comm.size();
+  const fsdp::DType param_dtype = precision_dtype(cfg.precision);
+  // Collectives run on this rank's communication thread, overlapping compute; every
+  // collective of this rank goes through it, so all ranks issue them in one order.
+  fsdp::Trace trace(r);
+  fsdp::Trace* tracing = cfg.trace_dir.empty() ? nullptr : &trace;
+  fsdp::AsyncCommunicator stream(comm, tracing);
+  // A mesh serves every strategy: the hybrid ones shard inside its shard groups, the
+  // others use its whole world.
+  fsdp::DeviceMesh mesh(stream, mesh_shape);
+  mesh.shard_group().set_trace(tracing);
+  mesh.replicate_group().set_trace(tracing);
+  engine::Model model(cfg.model);
+  fsdp::HostDevice device;
+  engine::AdamW::Options adam;
+  adam.lr = 1e-3f;
+  Summary summary;
+  // Runtime flags -> compile-time policies: one instantiation per combination.
+  auto train = [&](auto chosen, auto mixed, auto off) {
+    auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(off)>(model, mesh, device, engine::Wrap{});
+    sharded.set_trace(tracing);
+    // Optimizer state next to the shards it steps: host space when they are offloaded.
+    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
+    engine::AdamW adamw(adam, alloc);
+    engine::Sgd sgd(0.05f);
+    fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
+    auto step = [&](auto& opt, const engine::Batch& batch) {
+      if (param_dtype != fsdp::DType::f16) return engine::sharded_step(model, sharded, opt, batch);
+      const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch);
+      if (!result.stepped) ++summary.skipped_steps;
+      return result.loss;
+    };
+    for (int s = 0; s < cfg.steps; ++s) {
+      auto batch = engine::make_batch(cfg.model, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
+      double local = cfg.optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch);
+      double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
+      stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
+      const auto dev = device.stats(fsdp::MemorySpace::device);
+      const std::array<std::int64_t, 3> mine{static_cast<std::int64_t>(dev.live_bytes), static_cast<std::int64_t>(dev.peak_bytes),
+                                             static_cast<std::int64_t>(device.stats(fsdp::MemorySpace::host).peak_bytes)};
+      std::vector<std::int64_t> all(3 * static_cast<std::size_t>(world));
+      stream.all_gather(mine.data(), all.data(), 3, fsdp::DType::i64).wait();
+      if (r != 0) continue;
+      std::vector<std::int64_t> live, peak;
+      for (int q = 0; q < world; ++q) {
+        live.push_back(all[3 * q]);
+        peak.push_back(all[3 * q + 1]);
+        summary.peak = std::max(summary.peak, static_cast<std::size_t>(all[3 * q + 1]));
+        summary.host_peak = std::max(summary.host_peak, static_cast<std::size_t>(all[3 * q + 2]));
+      }
+      fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
+                 reference->loss[static_cast<std::size_t>(s)], live, peak);
+      std::fflush(stdout);
+      summary.loss = global;
+    }
+    // The trained parameters, gathered (a collective), fingerprinted: two runs trained the
+    // same model bit for bit exactly when their fingerprints agree.
+    XXH64_state_t* h = XXH64_createState();
+    XXH64_reset(h, 0);
+    for (const auto& [fqn, values] : engine::gather_full_parameters(model, sharded)) {
+      XXH64_update(h, fqn.data(), fqn.size());
+      XXH64_update(h, values.data(), values.size() * sizeof(float));
+    }
+    summary.fingerprint = XXH64_digest(h);
+    XXH64_freeState(h);
+  };
+  fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
+    with_precision_and_offload(param_dtype, cfg.offload, [&](auto mixed, auto off) { train(chosen, mixed, off); });
+  });
+  if (tracing) {
+    std::filesystem::create_directories(cfg.trace_dir);
+    fsdp::write_chrome_json(trace, (std::filesystem::path(cfg.trace_dir) / ("rank" + std::to_string(r) + ".json")).string());
+  }
+  return summary;
+}
+
+void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, const std::string& backend,
+                   const Summary& s, const Reference& ref) {
+  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh; "
+             "precision {}{}{}\n",
+             cfg.model.blocks, cfg.model.dim, cfg.model.hidden, world, cfg.batch_per_rank, cfg.optimizer, cfg.strategy,
+             mesh_shape.str(), cfg.precision, cfg.offload ? ", offload" : "",
+             backend == "thread" ? "" : "; backend " + backend);
+  fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
+  if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
+  if (precision_dtype(cfg.precision) == fsdp::DType::f16)
+    fmt::print("fp16: the loss scaler skipped {} of {} steps\n", s.skipped_steps, cfg.steps);
+  if (!cfg.trace_dir.empty())
+    fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", cfg.trace_dir, world - 1);
+  fmt::print("parameters: xxh64={:016x}\n", s.fingerprint);
+  fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", s.loss,
+             ref.loss.back(), s.peak, ref.peak);
+}
+
+// The mesh for `world` ranks: --mesh if given; 2 x world/2 for a hybrid strategy on an even
+// world of at least 4; else 1 x world.
+fsdp::MeshShape choose_mesh(const std::string& strategy, const std::string& mesh_text, int world) {
+  fsdp::MeshShape mesh{1, world};
+  fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
+  if (!mesh_text.empty()) mesh = fsdp::parse_mesh_shape(mesh_text);
+  else if (world >= 4 && world % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
+    if (decltype(s)::hybrid) mesh = {2, world / 2};
+  });
+  if (mesh.size() != world)
+    fsdp::detail::fail("--mesh ", mesh.str(), " needs ", mesh.size(), " ranks, not ", world);
+  return mesh;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int ranks = 4, steps = 20, batch_per_rank = 8;
-  std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", mesh_text, trace_dir;
-  bool offload = false;
-  engine::ModelConfig model_config{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
-  CLI::App app{"Train the reference model sharded with fsdp on in-process ranks"};
-  app.add_option("--ranks", ranks, "number of ranks (threads)")->check(CLI::Range(1, 256));
-  app.add_option("--steps", steps, "training steps")->check(CLI::Range(1, 1000000));
-  app.add_option("--batch", batch_per_rank, "samples per rank per step")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--optimizer", optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
-  app.add_option("--blocks", model_config.blocks, "residual blocks")->check(CLI::Range(0, 1000));
-  app.add_option("--dim", model_config.dim, "model width")->check(CLI::Range(1, 1 << 16));
-  app.add_option("--hidden", model_config.hidden, "block hidden width")->check(CLI::Range(1, 1 << 16));
-  app.add_option("--strategy", strategy, "sharding strategy: " + fsdp::strategy_names() + " (any case)");
+  Config cfg;
+  int ranks = 4, nproc = 4;
+  std::string backend = "thread", mesh_text;
+  CLI::App app{"Train the reference model sharded with fsdp on in-process ranks, TCP processes or MPI"};
+  app.add_option("--backend", backend, "thread (ranks are threads), tcp (processes; starts --nproc copies of itself) or mpi (under mpirun)")
+      ->check(CLI::IsMember({"thread", "tcp", "mpi"}));
+  app.add_option("--ranks", ranks, "number of ranks (threads) for --backend thread")->check(CLI::Range(1, 256));
+  app.add_option("--nproc", nproc, "number of processes for --backend tcp")->check(CLI::Range(1, 256));
+  app.add_option("--steps", cfg.steps, "training steps")->check(CLI::Range(1, 1000000));
+  app.add_option("--batch", cfg.batch_per_rank, "samples per rank per step")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--optimizer", cfg.optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
+  app.add_option("--blocks", cfg.model.blocks, "residual blocks")->check(CLI::Range(0, 1000));
+  app.add_option("--dim", cfg.model.dim, "model width")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--hidden", cfg.model.hidden, "block hidden width")->check(CLI::Range(1, 1 << 16));
+  app.add_option("--strategy", cfg.strategy, "sharding strategy: " + fsdp::strategy_names() + " (any case)");
   app.add_option("--mesh", mesh_text,
                  "REPLICATExSHARD ranks for the hybrid strategies (default: 2 x ranks/2 when ranks is even and "
                  "at least 4, else 1 x ranks)");
-  app.add_option("--precision", precision,
+  app.add_option("--precision", cfg.precision,
                  "fp32, bf16 (MixedPrecision<bf16>) or fp16 (MixedPrecision<f16> with a ShardedGradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_flag("--offload", offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
-  app.add_option("--trace", trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
+  app.add_flag("--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
+  app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
   CLI11_PARSE(app, argc, argv);
-  fsdp::MeshShape mesh_shape{1, ranks};
+
   try {
-    fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
-    if (!mesh_text.empty()) mesh_shape = fsdp::parse_mesh_shape(mesh_text);
-    else if (ranks >= 4 && ranks % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
-      if (decltype(s)::hybrid) mesh_shape = {2, ranks / 2};
-    });
-    if (mesh_shape.size() != ranks)
-      throw fsdp::Error("--mesh " + mesh_shape.str() + " needs " + std::to_string(mesh_shape.size()) + " ranks, not " +
-                        std::to_string(ranks));
+    if (backend == "thread") {
+      const auto mesh = choose_mesh(cfg.strategy, mesh_text, ranks);
+      const Reference ref = train_unsharded(cfg, ranks);
+      Summary summary;
+      fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
+        Summary s = train_rank(comm, cfg, mesh, &ref);
+        if (comm.rank() == 0) summary = s;
+      });
+      print_summary(cfg, ranks, mesh, backend, summary, ref);
+      return 0;
+    }
+    if (backend == "tcp" && !fsdp::DistEnv::launched()) {
+      choose_mesh(cfg.strategy, mesh_text, nproc);  // refuse bad flags before starting anything
+      fsdp::launch::Options launch;
+      launch.nproc = nproc;
+      return fsdp::launch::relaunch_self(launch, argc, argv);  // each copy runs the branch below
+    }
+    // One rank of a multi-process job.
+    auto run_rank = [&](auto& comm) {
+      const auto mesh = choose_mesh(cfg.strategy, mesh_text, comm.size());
+      std::optional<Reference> ref;
+      if (comm.rank() == 0) ref = train_unsharded(cfg, comm.size());
+      const Summary s = train_rank(comm, cfg, mesh, ref ? &*ref : nullptr);
+      if (comm.rank() == 0) print_summary(cfg, comm.size(), mesh, backend, s, *ref);
+    };
+    if (backend == "tcp") {
+      auto group = fsdp::TcpProcessGroup::from_env();
+      run_rank(group.comm());
+    } else {
+      fsdp::MpiSession session(argc, argv);
+      auto comm = fsdp::MpiComm::world(session);
+      run_rank(comm);
+    }
+    return 0;
   } catch (const fsdp::Error& e) {
     fmt::print(stderr, "{}\n", e.what());
     return 2;
   }
-
-  const auto make_sgd = [] { return engine::Sgd(0.05f); };
-  engine::AdamW::Options adam;
-  adam.lr = 1e-3f;
-
-  // Unsharded reference: one model, the whole global batch, every byte through a counting
-  // Device. Under --precision bf16 / fp16 it computes with a 16-bit copy of the model, as
-  // MixedPrecision does (without loss scaling, so fp16 agrees only roughly).
-  const fsdp::DType param_dtype = precision_dtype(precision);
-  fsdp::HostDevice reference_device;
-  engine::DeviceAllocator<fsdp::HostDevice> reference_alloc(reference_device);
-  engine::Model reference(model_config, reference_alloc);
-  std::optional<engine::Model> reference_compute;
-  if (param_dtype != fsdp::DType::f32) reference_compute.emplace(model_config, reference_alloc, param_dtype, param_dtype);
-  engine::AdamW reference_adam(adam, reference_alloc);
-  engine::Sgd reference_sgd = make_sgd();
-  std::vector<double> reference_loss;
-  auto reference_step = [&](auto& opt, const engine::Batch& batch) {
-    return reference_compute ? engine::unsharded_mixed_step(reference, *reference_compute, opt, batch, param_dtype)
-                             : engine::unsharded_step(reference, opt, batch);
-  };
-  for (int s = 0; s < steps; ++s) {
-    auto batch = engine::make_batch(model_config, s, 0, static_cast<std::int64_t>(ranks) * batch_per_rank);
-    reference_loss.push_back(optimizer == "sgd" ? reference_step(reference_sgd, batch) : reference_step(reference_adam, batch));
-  }
-
-  // Sharded: every rank builds the model, shards it, and trains on its slice of the batch.
-  std::vector<fsdp::MemoryStats> stats(static_cast<std::size_t>(ranks)), host_stats(stats.size());
-  int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
-  std::vector<double> loss(static_cast<std::size_t>(steps));
-  std::mutex print;
-  fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
-    const int r = comm.rank();
-    // Collectives run on this rank's communication thread, overlapping compute; every
-    // collective of this rank goes through it, so all ranks issue them in one order.
-    fsdp::Trace trace(r);
-    fsdp::Trace* tracing = trace_dir.empty() ? nullptr : &trace;
-    fsdp::AsyncCommunicator stream(comm, tracing);
-    // A mesh serves every strategy: the hybrid ones shard inside its shard groups, the
-    // others use its whole world.
-    fsdp::DeviceMesh mesh(stream, mesh_shape);
-    mesh.shard_group().set_trace(tracing);
-    mesh.replicate_group().set_trace(tracing);
-    engine::Model model(model_config);
-    fsdp::HostDevice device;
-    // Runtime flags -> compile-time policies: one instantiation per combination.
-    auto train = [&](auto chosen, auto mixed, auto off) {
-      auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(off)>(model, mesh, device, engine::Wrap{});
-      sharded.set_trace(tracing);
-      // Optimizer state next to the shards it steps: host space when they are offloaded.
-      engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
-      engine::AdamW adamw(adam, alloc);
-      engine::Sgd sgd = make_sgd();
-      fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
-      auto step = [&](auto& opt, const engine::Batch& batch) {
-        if (param_dtype != fsdp::DType::f16) return engine::sharded_step(model, sharded, opt, batch);
-        const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch);
-        if (!result.stepped && r == 0) ++skipped_steps;
-        return result.loss;
-      };
-      for (int s = 0; s < steps; ++s) {
-        auto batch = engine::make_batch(model_config, s, static_cast<std::int64_t>(r) * batch_per_rank, batch_per_rank);
-        double local = optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch);
-        double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
-        stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
-        stats[static_cast<std::size_t>(r)] = device.stats(fsdp::MemorySpace::device);
-        host_stats[static_cast<std::size_t>(r)] = device.stats(fsdp::MemorySpace::host);
-        stream.barrier().wait();  // every rank's stats for this step are in
-        if (r == 0) {
-          std::vector<std::size_t> live, peak;
-          for (auto& st : stats) { live.push_back(st.live_bytes); peak.push_back(st.peak_bytes); }
-          std::lock_guard lk(print);
-          fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
-                     reference_loss[static_cast<std::size_t>(s)], live, peak);
-          loss[static_cast<std::size_t>(s)] = global;
-        }
-        stream.barrier().wait();  // rank 0 has read the stats before anyone overwrites them
-      }
-    };
-    fsdp::with_strategy(strategy, [&](auto chosen) {
-      with_precision_and_offload(param_dtype, offload, [&](auto mixed, auto off) { train(chosen, mixed, off); });
-    });
-    if (tracing) {
-      std::filesystem::create_directories(trace_dir);
-      fsdp::write_chrome_json(trace, (std::filesystem::path(trace_dir) / ("rank" + std::to_string(r) + ".json")).string());
-    }
-  });
-
-  std::size_t peak = 0, host_peak = 0;
-  for (auto& st : stats) peak = std::max(peak, st.peak_bytes);
-  for (auto& st : host_stats) host_peak = std::max(host_peak, st.peak_bytes);
-  const std::size_t unsharded_peak = reference_device.stats().peak_bytes;
-  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh; "
-             "precision {}{}\n",
-             model_config.blocks, model_config.dim, model_config.hidden, ranks, batch_per_rank, optimizer, strategy,
-             mesh_shape.str(), precision, offload ? ", offload" : "");
-  fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(peak) / static_cast<double>(unsharded_peak));
-  if (offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", host_peak);
-  if (param_dtype == fsdp::DType::f16) fmt::print("fp16: the loss scaler skipped {} of {} steps\n", skipped_steps, steps);
-  if (!trace_dir.empty()) fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", trace_dir, ranks - 1);
-  fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", loss.back(),
-             reference_loss.back(), peak, unsharded_peak);
-  return 0;
 }

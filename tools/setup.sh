@@ -9,7 +9,7 @@ set -euo pipefail
 PACKAGES=(
   bazel-bootstrap bazel-platforms bazel-rules-java
   doctest-dev libboost-dev libcli11-dev libfmt-dev nlohmann-json3-dev
-  libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox
+  libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox libxxhash-dev
   g++ python3
 )
 

@@ -4,6 +4,7 @@
 // multi-process one; HashStore below serves ranks that are threads of one process.
 //
 // Every blocking verb takes a timeout and throws fsdp::Error naming the keys it waited for.
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -65,13 +66,20 @@ class HashStore final : public Store {
       }
     }
   }
+  // As TcpStore's server: the stored value must be exactly a 64-bit integer, and an
+  // overflowing sum is refused.
   std::int64_t add(std::string_view key, std::int64_t delta) override {
     std::int64_t v = 0;
     {
       std::lock_guard lk(mu_);
       auto& s = map_[std::string(key)];
-      if (!s.empty()) v = std::stoll(s);
-      v += delta;
+      if (!s.empty()) {
+        auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (ec != std::errc() || p != s.data() + s.size())
+          detail::fail("store: add to key '", key, "': its value '", s.substr(0, 64), "' is not a 64-bit integer");
+      }
+      if (__builtin_add_overflow(v, delta, &v))
+        detail::fail("store: add of ", delta, " to key '", key, "' (", s, ") overflows a 64-bit integer");
       s = std::to_string(v);
     }
     cv_.notify_all();

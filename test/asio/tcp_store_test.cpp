@@ -153,6 +153,11 @@ TEST_CASE("verbs that cannot be done say why, and the connection stays usable") 
   CHECK(error_of([&] { store.add("text", 1); }) == prefix + "add 'text': add to key 'text': its value 'hello' is not a 64-bit integer");
   store.set("big", std::to_string(INT64_MAX));
   CHECK(contains(error_of([&] { store.add("big", 1); }), "overflows a 64-bit integer"));
+  fsdp::HashStore local;  // the in-process store refuses the same adds
+  local.set("text", "12abc");
+  CHECK(error_of([&] { local.add("text", 1); }) == "fsdp: store: add to key 'text': its value '12abc' is not a 64-bit integer");
+  local.set("big", std::to_string(INT64_MAX));
+  CHECK(contains(error_of([&] { local.add("big", 1); }), "overflows a 64-bit integer"));
   CHECK(error_of([&] { store.set("k", std::string(65, 'v')); }) ==
         prefix + "set 'k': value of 65 bytes exceeds the store's limit of 64 bytes");
   CHECK(error_of([&] { store.get(std::string(17, 'k'), 100ms); }) ==

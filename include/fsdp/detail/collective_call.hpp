@@ -1,16 +1,23 @@
 #pragma once
 // A collective call as every backend describes it: which collective, its shape, and its
 // per-rank sequence number, so that messages read "all_gather(count=4, dtype=f32) as
-// collective #7" on every backend. Also the one definition of what avg means.
+// collective #7" on every backend. Also what backends share about calls: the Communicator
+// entry points that turn arguments into a CollectiveCall, what avg means, and how
+// split() orders the ranks of a new group.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/host_math.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/work.hpp"
 
 namespace fsdp::detail {
 
@@ -65,6 +72,44 @@ inline void finish_avg(void* sum, std::size_t n, DType t, int ranks) {
     auto* a = static_cast<T*>(sum);
     for (std::size_t i = 0; i < n; ++i) a[i] = static_cast<T>(a[i] / ranks);
   });
+}
+
+// The five collectives of the Communicator concept for a backend that runs every call
+// through one private `Work issue(CollectiveCall)` (made visible with
+// `friend class detail::CollectiveCalls<Backend>;`).
+template <class Backend>
+class CollectiveCalls {
+ public:
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
+    return self().issue({CollectiveKind::all_gather, send, recv, count, t});
+  }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return self().issue({CollectiveKind::reduce_scatter, send, recv, count, t, op});
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return self().issue({CollectiveKind::all_reduce, send, recv, count, t, op});
+  }
+  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
+    if (root < 0 || root >= self().size())
+      fail("rank ", self().rank(), ": broadcast root ", root, " is outside [0, ", self().size(), ")");
+    return self().issue({CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
+  }
+  Work barrier() { return self().issue({CollectiveKind::barrier}); }
+
+ private:
+  Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+// MPI_Comm_split's new group for `color`, from every rank's (color, key) gathered in rank
+// order ([color0, key0, color1, key1, ...]): its ranks ordered by (key, rank).
+inline std::vector<int> split_members(const std::vector<std::int32_t>& color_key, int color) {
+  std::vector<std::pair<std::int32_t, int>> members;  // (key, rank)
+  for (std::size_t r = 0; 2 * r < color_key.size(); ++r)
+    if (color_key[2 * r] == color) members.push_back({color_key[2 * r + 1], static_cast<int>(r)});
+  std::sort(members.begin(), members.end());
+  std::vector<int> ranks;
+  for (const auto& m : members) ranks.push_back(m.second);
+  return ranks;
 }
 
 }  // namespace fsdp::detail

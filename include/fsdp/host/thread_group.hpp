@@ -119,25 +119,10 @@ class ThreadGroup;
 
 // One rank's handle. Collectives complete before they return, so the returned Work is
 // already done.
-class ThreadComm {
+class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
  public:
   int rank() const { return rank_; }
   int size() const { return state_->size; }
-
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
-    return run({detail::CollectiveKind::all_gather, send, recv, count, t});
-  }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return run({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
-  }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return run({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
-  }
-  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
-    if (root < 0 || root >= size()) detail::fail("rank ", rank_, ": broadcast root ", root, " is outside [0, ", size(), ")");
-    return run({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
-  }
-  Work barrier() { return run({detail::CollectiveKind::barrier}); }
 
   // MPI_Comm_split: collective over this group; ranks passing the same color form a new
   // group, ordered by (key, rank).
@@ -146,16 +131,13 @@ class ThreadComm {
     std::array<std::int32_t, 2> mine{color, key};
     std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size()));
     all_gather(mine.data(), all.data(), 2, DType::i32).wait();
-    std::vector<std::pair<std::int32_t, int>> members;  // (key, rank) of my color
-    for (int r = 0; r < size(); ++r)
-      if (all[2 * r] == color) members.push_back({all[2 * r + 1], r});
-    std::sort(members.begin(), members.end());
+    const std::vector<int> members = detail::split_members(all, color);
     const std::uint64_t id = splits_++;
     std::vector<int> world;
     int new_rank = 0;
     for (std::size_t i = 0; i < members.size(); ++i) {
-      if (members[i].second == rank_) new_rank = static_cast<int>(i);
-      world.push_back(state_->world_ranks[members[i].second]);
+      if (members[i] == rank_) new_rank = static_cast<int>(i);
+      world.push_back(state_->world_ranks[members[i]]);
     }
     std::shared_ptr<detail::ThreadGroupState> group;
     {
@@ -169,9 +151,10 @@ class ThreadComm {
 
  private:
   friend class ThreadGroup;
+  friend class detail::CollectiveCalls<ThreadComm>;
   ThreadComm(int rank, std::shared_ptr<detail::ThreadGroupState> s) : rank_(rank), state_(std::move(s)) {}
 
-  Work run(detail::CollectiveCall call) {
+  Work issue(detail::CollectiveCall call) {
     auto& st = *state_;
     call.seq = seq_++;
     std::unique_lock lk(st.mu);

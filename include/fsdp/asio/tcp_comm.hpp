@@ -1,0 +1,133 @@
+#pragma once
+// fsdp::TcpComm: the Communicator for CPU processes on one or many hosts, over TCP with
+// Boost.Asio, bootstrapped from an fsdp::Store (TcpStore across processes, HashStore for
+// ranks that are threads).
+//
+//   auto store = std::make_shared<fsdp::TcpStore>(...);        // or fsdp::HashStore
+//   fsdp::TcpComm comm(store, rank, world_size);               // blocks until the ring is up
+//   fsdp::Work w = comm.all_gather(shard, full, n, fsdp::DType::f32);   // returns at once
+//   w.wait();                                                  // fsdp::Error on failure
+//
+// Collectives are rings (fsdp/asio/ring.hpp): every byte crosses every link once, as in
+// Gloo's and NCCL's rings, cut into segments that pipeline along the ring. Reductions run
+// in a fixed order (the partial for chunk c starts at rank c+1), so results are bitwise
+// the same from run to run; on 2 ranks they equal ThreadComm's.
+//
+// Asynchronous: each TcpComm has its own I/O thread that runs its collectives in the order
+// they were issued. As with NCCL, buffers must stay valid and untouched (send unwritten,
+// recv unread) until the Work completes, and every rank issues the same collectives in
+// the same order. Calls may come from any thread.
+//
+// Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names both
+// calls; a peer that exits or closes its communicator is named by its neighbours and the
+// reason travels the ring to the others (ABORT frames); a collective without progress for
+// `timeout` fails naming the rank that is behind; a rank that never joins fails
+// construction. After a failure the communicator is broken: later collectives fail.
+//
+// Store keys (under `prefix`): addr/<rank> while joining, last/<rank> and timeout after a
+// timeout. A prefix names one communicator at a time on a store; each rank removes its
+// keys when its communicator is destroyed, after which the prefix may be used again.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/asio/tcp_comm_core.hpp"
+#include "fsdp/communicator.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/store.hpp"
+#include "fsdp/work.hpp"
+
+namespace fsdp {
+
+struct TcpCommOptions {
+  // Longest time without progress in construction or in one collective.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // IP to listen on and advertise to the other ranks; empty: 127.0.0.1. Across hosts, the
+  // address of the interface that reaches them (e.g. the store connection's local one).
+  std::string address;
+  // Store keys of this communicator live under it; split() appends /split<n>/<color>.
+  std::string prefix = "fsdp/comm";
+  // Ring steps move in frames of at most this many bytes (a multiple of 8, same on every
+  // rank): large enough to amortise a frame's header and wake-up, small enough that a
+  // reduction overlaps the next frame's transfer.
+  std::size_t segment_bytes = 1 << 20;
+  // SO_SNDBUF / SO_RCVBUF of the ring sockets; 0 leaves Linux's autotuning (which grows
+  // to net.ipv4.tcp_wmem / tcp_rmem) in charge.
+  int socket_buffer_bytes = 0;
+};
+
+class TcpComm : public detail::CollectiveCalls<TcpComm> {
+ public:
+  using Options = TcpCommOptions;
+
+  // Collective over `size` ranks sharing `store`: blocks until this rank is connected to
+  // both ring neighbours, at most options.timeout.
+  TcpComm(std::shared_ptr<Store> store, int rank, int size, Options options = {}) {
+    if (!store) detail::fail("TcpComm on rank ", rank, ": the store is null");
+    if (size < 1 || rank < 0 || rank >= size) detail::fail("TcpComm: rank ", rank, " is outside a world of size ", size);
+    if (options.timeout.count() <= 0 || options.timeout > std::chrono::hours(24))
+      detail::fail("TcpComm on rank ", rank, ": timeout must be in (0 ms, 24 h], got ", options.timeout.count(), " ms");
+    if (options.segment_bytes < 8 || options.segment_bytes % 8 || options.segment_bytes > (std::size_t{1} << 30))
+      detail::fail("TcpComm on rank ", rank, ": segment_bytes must be a multiple of 8 in [8, 1 GiB], got ",
+                   options.segment_bytes);
+    if (options.prefix.empty() || options.prefix.size() > detail::Hello::kMaxPrefix)
+      detail::fail("TcpComm on rank ", rank, ": prefix must have 1 to ", detail::Hello::kMaxPrefix, " characters");
+    if (options.socket_buffer_bytes < 0)
+      detail::fail("TcpComm on rank ", rank, ": socket_buffer_bytes must be >= 0, got ", options.socket_buffer_bytes);
+    if (options.address.empty()) options.address = "127.0.0.1";
+    options_ = options;
+    core_ = std::make_unique<detail::TcpCommCore>(
+        std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
+                                               options.socket_buffer_bytes, options.timeout});
+  }
+
+  TcpComm(TcpComm&&) noexcept = default;
+  TcpComm& operator=(TcpComm&&) noexcept = default;
+  ~TcpComm() = default;  // runs what is queued, then closes the links
+
+  int rank() const { return core().identity().rank; }
+  int size() const { return core().identity().size; }
+  const Options& options() const { return options_; }
+
+  // MPI_Comm_split: collective over this communicator; ranks passing the same color form
+  // a new one, ordered by (key, rank), with prefix <prefix>/split<n>/<color>. The new
+  // communicator is independent (its own thread and sockets).
+  TcpComm split(int color, int key) {
+    if (color < 0) detail::fail("rank ", rank(), ": TcpComm::split color must be >= 0, got ", color);
+    const std::array<std::int32_t, 2> mine{color, key};
+    std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size()));
+    all_gather(mine.data(), all.data(), 2, DType::i32).wait();
+    const std::vector<int> members = detail::split_members(all, color);
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    Options o = options_;
+    o.prefix = options_.prefix + "/split" + std::to_string(splits_++) + "/" + std::to_string(color);
+    return TcpComm(core().store(), new_rank, static_cast<int>(members.size()), o);
+  }
+
+ private:
+  friend class detail::CollectiveCalls<TcpComm>;
+  const detail::TcpCommCore& core() const {
+    if (!core_) detail::fail("TcpComm used after it was moved from");
+    return *core_;
+  }
+  Work issue(detail::CollectiveCall call) {
+    core();
+    return core_->submit(call);
+  }
+
+  Options options_;
+  std::unique_ptr<detail::TcpCommCore> core_;
+  std::uint64_t splits_ = 0;  // split() calls so far: the same on every member
+};
+
+static_assert(Communicator<TcpComm>);
+static_assert(SplittableCommunicator<TcpComm>);
+
+}  // namespace fsdp

@@ -1,0 +1,99 @@
+#pragma once
+// fsdp::TcpProcessGroup: one rank of a multi-process job, set up from the launch
+// environment in one call (what torch.distributed.init_process_group does with env://):
+//
+//   auto group = fsdp::TcpProcessGroup::from_env();   // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//   train(group.comm());                              // an fsdp::TcpComm
+//
+// Rank 0 hosts the rendezvous store (unless FSDP_STORE_EXTERNAL=1); every rank connects to
+// it, then the ring. Environment knobs beyond torchrun's:
+//   FSDP_TIMEOUT_MS   longest wait in the store and in one collective (default 300000)
+//   FSDP_COMM_ADDR    the IP this rank listens on for its ring neighbours; default: the
+//                     local address of its connection to the store, i.e. the interface
+//                     that reaches MASTER_ADDR (127.0.0.1 on one host)
+// Teardown is ordered so no rank loses the store while it still needs it: the ranks meet
+// in a barrier, close their rings, count themselves out in the store, and rank 0 stops
+// the server last.
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "fsdp/asio/tcp_comm.hpp"
+#include "fsdp/asio/tcp_store.hpp"
+#include "fsdp/dist_env.hpp"
+
+namespace fsdp {
+
+class TcpProcessGroup {
+ public:
+  // Reads the environment (fsdp::DistEnv plus the knobs above); `comm_options`' timeout
+  // and address are taken from FSDP_TIMEOUT_MS / FSDP_COMM_ADDR when those are set.
+  static TcpProcessGroup from_env(TcpCommOptions comm_options = {}) {
+    return TcpProcessGroup(DistEnv::from_env(), std::move(comm_options));
+  }
+
+  TcpProcessGroup(const DistEnv& env, TcpCommOptions comm_options) : env_(env) {
+    if (auto ms = timeout_from_env()) comm_options.timeout = *ms;
+    TcpStoreOptions store_options;
+    store_options.timeout = comm_options.timeout;
+    store_options.connect_timeout = comm_options.timeout;
+    connection_ = connect_store(env_, store_options);
+    if (const char* addr = std::getenv("FSDP_COMM_ADDR"); addr && *addr) comm_options.address = addr;
+    else if (comm_options.address.empty()) comm_options.address = connection_.store->local_address();
+    comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(comm_options));
+  }
+
+  // Not movable: from_env() returns it by guaranteed copy elision.
+  TcpProcessGroup(TcpProcessGroup&&) = delete;
+  TcpProcessGroup& operator=(TcpProcessGroup&&) = delete;
+
+  ~TcpProcessGroup() {
+    if (!comm_) return;
+    const auto timeout = comm_->options().timeout;
+    bool healthy = true;
+    try {
+      comm_->barrier().wait();  // nobody tears down while a peer still talks to it
+    } catch (...) {
+      healthy = false;  // a failed job still shuts down; the failure was reported where it happened
+    }
+    comm_.reset();
+    if (!healthy) return;  // some rank may be dead: do not wait for it to count itself out
+    try {
+      connection_.store->add(done_key, 1);
+      if (connection_.server) {  // keep serving until every rank has counted itself out
+        const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, std::chrono::milliseconds(10000));
+        while (connection_.store->add(done_key, 0) < env_.world_size && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    } catch (...) {
+    }
+  }
+
+  TcpComm& comm() { return *comm_; }
+  Store& store() { return *connection_.store; }
+  const DistEnv& env() const { return env_; }
+
+ private:
+  static constexpr const char* done_key = "fsdp/process_group/done";
+
+  static std::optional<std::chrono::milliseconds> timeout_from_env() {
+    const char* v = std::getenv("FSDP_TIMEOUT_MS");
+    if (!v || !*v) return std::nullopt;
+    char* end = nullptr;
+    const long long ms = std::strtoll(v, &end, 10);
+    if (end == v || *end || ms <= 0 || ms > 24LL * 3600 * 1000)
+      detail::fail("environment: FSDP_TIMEOUT_MS='", v, "' is not a number of milliseconds in [1, 86400000]");
+    return std::chrono::milliseconds(ms);
+  }
+
+  DistEnv env_;
+  StoreConnection connection_;
+  std::optional<TcpComm> comm_;
+};
+
+}  // namespace fsdp

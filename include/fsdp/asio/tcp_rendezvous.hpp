@@ -1,0 +1,291 @@
+#pragma once
+// Joining TcpComm's ring through a Store. Each rank listens on an ephemeral port of its
+// address, publishes "addr:port" under <prefix>/addr/<rank>, connects to its right
+// neighbour (rank + 1) and accepts its left one (rank - 1). The connecting side opens
+// with a Hello (its rank, the communicator's prefix, world size, segment size); the
+// accepting side checks it and answers, so a peer of another communicator, another size
+// or another segment size is refused with a message on both ends instead of exchanging
+// misframed data later. Stray connections (not an fsdp handshake) are dropped and the
+// rank keeps listening. Everything ends by one deadline.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+
+#include "fsdp/asio/tcp_frame.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/store.hpp"
+
+namespace fsdp::detail {
+
+// Who this rank is in which ring, and the settings its neighbours must share.
+struct RingIdentity {
+  std::string prefix;
+  int rank = 0;
+  int size = 1;
+  std::string address;  // numeric IP to bind and advertise
+  std::size_t segment_bytes = 0;
+  int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning
+  std::chrono::milliseconds timeout{0};
+
+  int left() const { return (rank + size - 1) % size; }
+  int right() const { return (rank + 1) % size; }
+  std::string address_key(int r) const { return prefix + "/addr/" + std::to_string(r); }
+  std::string where() const { return "rank " + std::to_string(rank) + ": "; }
+};
+
+struct RingSockets {
+  boost::asio::ip::tcp::socket left, right;  // receive from rank-1 / send to rank+1 (ABORTs go both ways)
+};
+
+inline std::string format_endpoint(const boost::asio::ip::address& a, std::uint16_t port) {
+  return a.is_v6() ? "[" + a.to_string() + "]:" + std::to_string(port) : a.to_string() + ":" + std::to_string(port);
+}
+
+// "1.2.3.4:5" or "[::1]:5"; empty on anything else.
+inline std::optional<boost::asio::ip::tcp::endpoint> parse_endpoint(const std::string& s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon + 1 >= s.size()) return std::nullopt;
+  std::string host = s.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  boost::system::error_code ec;
+  const auto addr = boost::asio::ip::make_address(host, ec);
+  const std::string port_text = s.substr(colon + 1);
+  if (ec || port_text.find_first_not_of("0123456789") != std::string::npos || port_text.size() > 5) return std::nullopt;
+  const long port = std::stol(port_text);
+  if (port < 1 || port > 65535) return std::nullopt;
+  return boost::asio::ip::tcp::endpoint(addr, static_cast<std::uint16_t>(port));
+}
+
+inline void tune_socket(boost::asio::ip::tcp::socket& s, int buffer_bytes) {
+  boost::system::error_code ignored;
+  s.set_option(boost::asio::ip::tcp::no_delay(true), ignored);  // frames are written whole: never wait to coalesce
+  if (buffer_bytes > 0) {
+    s.set_option(boost::asio::socket_base::send_buffer_size(buffer_bytes), ignored);
+    s.set_option(boost::asio::socket_base::receive_buffer_size(buffer_bytes), ignored);
+  }
+}
+
+class RingJoiner {
+  using tcp = boost::asio::ip::tcp;
+  using error_code = boost::system::error_code;
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  RingJoiner(boost::asio::io_context& io, Store& store, const RingIdentity& id) : io_(io), store_(store), id_(id) {}
+
+  // Runs `io` (nobody else may run it meanwhile) until both links are up; throws
+  // fsdp::Error naming the neighbour and the communicator otherwise.
+  RingSockets join() {
+    deadline_ = Clock::now() + id_.timeout;
+    listen();
+    store_.set(id_.address_key(id_.rank), advertised_);
+    start_accept();
+    look_up_right();
+    while (!(left_ && right_done_) && !failure_ && io_.run_one_until(deadline_)) {
+    }
+    const bool ok = left_ && right_done_ && !failure_;
+    error_code ignored;
+    acceptor_.close(ignored);
+    timer_.cancel();
+    for (auto& in : incoming_) in->socket.close(ignored);
+    if (!ok) right_.close(ignored);
+    io_.restart();
+    while (io_.poll()) {  // the cancelled handlers finish here: none outlives this call
+    }
+    if (failure_) fail(*failure_);
+    if (!ok) fail(timeout_message());
+    return {std::move(*left_), std::move(right_)};
+  }
+
+ private:
+  struct Incoming {
+    explicit Incoming(boost::asio::io_context& io) : socket(io) {}
+    tcp::socket socket;
+    std::array<std::byte, Hello::kFixedSize> hello{};
+    std::string prefix, answer;
+  };
+
+  std::string waited() const { return std::to_string(id_.timeout.count()) + " ms"; }
+
+  void listen() {
+    error_code ec;
+    const auto addr = boost::asio::ip::make_address(id_.address, ec);
+    if (ec || addr.is_unspecified())
+      fail(id_.where(), "TcpComm address '", id_.address,
+           "' is not an IP address the other ranks can reach (use e.g. 127.0.0.1 or this host's address)");
+    const tcp::endpoint local(addr, 0);
+    acceptor_.open(local.protocol(), ec);
+    if (!ec) acceptor_.bind(local, ec);
+    if (!ec) acceptor_.listen(boost::asio::socket_base::max_listen_connections, ec);
+    if (ec) fail(id_.where(), "cannot listen on ", id_.address, " for communicator ", id_.prefix, ": ", ec.message());
+    advertised_ = format_endpoint(addr, acceptor_.local_endpoint().port());
+  }
+
+  // ---- the link to the right: find its address, connect, send Hello, read the answer ----
+  // Polls the store (backing off to 50 ms) so that this rank keeps answering its left
+  // neighbour meanwhile: a refused handshake then fails both ranks at once.
+  void look_up_right(std::chrono::milliseconds backoff = std::chrono::milliseconds(1)) {
+    if (auto text = store_.try_get(id_.address_key(id_.right()))) {
+      target_text_ = *text;
+      return connect();
+    }
+    timer_.expires_after(backoff);
+    timer_.async_wait([this, backoff](error_code ec) {
+      if (!ec) look_up_right(std::min(backoff * 2, std::chrono::milliseconds(50)));
+    });
+  }
+
+  void connect() {
+    const auto target = parse_endpoint(target_text_);
+    if (!target) {
+      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " published an unusable address '" + target_text_ +
+                 "' for communicator " + id_.prefix;
+      return;
+    }
+    right_ = tcp::socket(io_);
+    right_.async_connect(*target, [this](error_code ec) {
+      if (ec) return connect_failed(ec);
+      tune_socket(right_, id_.socket_buffer_bytes);
+      hello_ = Hello{id_.rank, id_.right(), id_.size, id_.segment_bytes, id_.prefix}.encode();
+      boost::asio::async_write(right_, boost::asio::buffer(hello_), [this](error_code ec, std::size_t) {
+        if (ec) return connect_failed(ec);
+        boost::asio::async_read(right_, boost::asio::buffer(reply_), [this](error_code ec, std::size_t) {
+          if (ec) return connect_failed(ec);
+          const auto n = HelloReply::decode_fixed(reply_.data());
+          if (!n) return refused("it answered with something that is not an fsdp TcpComm handshake");
+          if (*n == 0) {
+            right_done_ = true;
+            return;
+          }
+          refusal_.resize(*n);
+          boost::asio::async_read(right_, boost::asio::buffer(refusal_), [this](error_code ec, std::size_t) {
+            refused(ec ? "it closed the connection" : refusal_);
+          });
+        });
+      });
+    });
+  }
+  void refused(const std::string& why) {
+    failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " at " + target_text_ + " refused to join communicator " +
+               id_.prefix + ": " + why;
+  }
+  // The address may be stale (an earlier communicator of this prefix): read it again.
+  void connect_failed(error_code ec) {
+    if (ec == boost::asio::error::operation_aborted) return;
+    last_connect_error_ = ec.message();
+    error_code ignored;
+    right_.close(ignored);
+    timer_.expires_after(std::chrono::milliseconds(20));
+    timer_.async_wait([this](error_code ec) {
+      if (!ec) look_up_right();
+    });
+  }
+
+  // ---- the link from the left: accept, check the Hello, answer ----
+  // Keeps accepting while a connection shakes hands, so a stray client that connects and
+  // says nothing cannot keep the real neighbour waiting.
+  void start_accept() {
+    auto in = std::make_shared<Incoming>(io_);
+    incoming_.push_back(in);
+    acceptor_.async_accept(in->socket, [this, in](error_code ec) {
+      if (ec == boost::asio::error::operation_aborted) return;
+      start_accept();
+      if (ec) return;
+      tune_socket(in->socket, id_.socket_buffer_bytes);
+      boost::asio::async_read(in->socket, boost::asio::buffer(in->hello), [this, in](error_code ec, std::size_t) {
+        if (ec) return drop(*in, "it closed before its handshake");
+        std::size_t prefix_bytes = 0;
+        const auto hello = Hello::decode_fixed(in->hello.data(), prefix_bytes);
+        if (!hello) return drop(*in, "not an fsdp TcpComm handshake");
+        in->prefix.resize(prefix_bytes);
+        boost::asio::async_read(in->socket, boost::asio::buffer(in->prefix), [this, in, h = *hello](error_code ec, std::size_t) {
+          if (ec) return drop(*in, "it closed during its handshake");
+          if (in->prefix != id_.prefix)
+            return answer(in, "this port belongs to communicator " + id_.prefix + ", not " + in->prefix,
+                          [this, in] { drop(*in, "it asked for communicator " + in->prefix); });
+          std::string problem = check_hello(h);
+          if (problem.empty() && left_) problem = id_.where() + "a second rank " + std::to_string(h.from_rank) + " connected";
+          answer(in, problem, [this, in, problem] {
+            if (!problem.empty()) failure_ = problem;
+            else left_ = std::move(in->socket);
+          });
+        });
+      });
+    });
+  }
+  std::string check_hello(const Hello& h) const {
+    const std::string who = id_.where() + "rank " + std::to_string(h.from_rank) + " ";
+    const std::string me = ", but rank " + std::to_string(id_.rank) + " ";
+    if (h.size != id_.size)
+      return who + "joined communicator " + id_.prefix + " with size " + std::to_string(h.size) + me + "has size " +
+             std::to_string(id_.size);
+    if (h.from_rank != id_.left() || h.to_rank != id_.rank)
+      return who + "connected as the left neighbour of rank " + std::to_string(h.to_rank) + " in communicator " + id_.prefix +
+             me + "expects rank " + std::to_string(id_.left()) + " (two processes with the same rank?)";
+    if (h.segment_bytes != id_.segment_bytes)
+      return who + "uses segment_bytes=" + std::to_string(h.segment_bytes) + me + "uses " +
+             std::to_string(id_.segment_bytes) + " in communicator " + id_.prefix;
+    return {};
+  }
+  template <class Then>
+  void answer(const std::shared_ptr<Incoming>& in, const std::string& refusal, Then then) {
+    in->answer = HelloReply::encode(refusal);
+    boost::asio::async_write(in->socket, boost::asio::buffer(in->answer), [in, then](error_code ec, std::size_t) {
+      if (ec != boost::asio::error::operation_aborted) then();
+    });
+  }
+  void drop(Incoming& in, const std::string& why) {
+    error_code ignored;
+    rejected_ = "dropped a connection from " + in.socket.remote_endpoint(ignored).address().to_string() + " (" + why + ")";
+    in.socket.close(ignored);
+  }
+
+  std::string timeout_message() const {
+    auto never_joined = [&](int r) {
+      return id_.where() + "rank " + std::to_string(r) + " never joined communicator " + id_.prefix + " (waited " + waited() +
+             " for its address)";
+    };
+    std::string msg;
+    if (target_text_.empty()) {
+      msg = never_joined(id_.right());
+    } else if (!right_done_) {
+      msg = id_.where() + "could not connect to rank " + std::to_string(id_.right()) + " at " + target_text_ + " within " +
+            waited() + " (communicator " + id_.prefix + ")";
+      if (!last_connect_error_.empty()) msg += ": " + last_connect_error_;
+    } else if (!store_.try_get(id_.address_key(id_.left()))) {
+      msg = never_joined(id_.left());
+    } else {
+      msg = id_.where() + "rank " + std::to_string(id_.left()) + " published its address but did not connect to " +
+            advertised_ + " within " + waited() + " (communicator " + id_.prefix + ")";
+    }
+    if (!left_ && !rejected_.empty()) msg += "; meanwhile " + rejected_;
+    return msg;
+  }
+
+  boost::asio::io_context& io_;
+  Store& store_;
+  const RingIdentity& id_;
+  Clock::time_point deadline_;
+  tcp::acceptor acceptor_{io_};
+  tcp::socket right_{io_};
+  boost::asio::steady_timer timer_{io_};
+  std::vector<std::shared_ptr<Incoming>> incoming_;
+  std::optional<tcp::socket> left_;
+  bool right_done_ = false;
+  std::optional<std::string> failure_;
+  std::string advertised_, target_text_, hello_, refusal_, rejected_, last_connect_error_;
+  std::array<std::byte, HelloReply::kFixedSize> reply_{};
+};
+
+}  // namespace fsdp::detail

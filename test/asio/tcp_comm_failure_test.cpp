@@ -1,0 +1,264 @@
+// fsdp/asio/tcp_comm.hpp: failures. Each must reach every rank as an fsdp::Error that
+// names what happened and where, well within the timeout (returning at all is the no-hang
+// check): mismatched collectives, a rank that closes its communicator mid-collective, a
+// rank that never joins, a stalled rank, refused and stray handshakes, bad arguments.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+
+#include "fsdp/asio/tcp_comm.hpp"
+#include "tcp_world.hpp"
+
+namespace {
+
+using fsdp::DType;
+using fsdp::ReduceOp;
+using fsdp::TcpComm;
+using test_support::contains;
+using test_support::TcpWorld;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+fsdp::TcpCommOptions with_timeout(std::chrono::milliseconds t) {
+  auto o = test_support::ok_options();
+  o.timeout = t;
+  return o;
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+TEST_CASE("mismatched collectives fail on every rank, naming both calls, and break the communicator") {
+  TcpWorld world(3, with_timeout(5s));
+  std::vector<std::string> later(3);
+  const auto t0 = Clock::now();
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> in(12, 1.0f), out(12);
+    try {
+      if (r == 1) comm.reduce_scatter(in.data(), out.data(), 4, DType::f32, ReduceOp::sum).wait();
+      else comm.all_gather(in.data(), out.data(), 4, DType::f32).wait();
+    } catch (const fsdp::Error&) {
+      try {
+        comm.barrier().wait();  // broken: fails at once, quoting the first failure
+      } catch (const fsdp::Error& e) {
+        later[r] = e.what();
+      }
+      throw;
+    }
+  });
+  CHECK(seconds_since(t0) < 3.0);  // not the 5 s timeout
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "collective mismatch"));
+    CHECK(contains(errors[r], "all_gather(count=4, dtype=f32) as collective #0"));
+    CHECK(contains(errors[r], "reduce_scatter(count=4, dtype=f32, op=sum) as collective #0"));
+    CAPTURE(later[r]);
+    CHECK(contains(later[r], "rank " + std::to_string(r) + ": barrier as collective #1 aborted: collective mismatch"));
+  }
+}
+
+TEST_CASE("ranks one collective apart, and ranks that disagree on a broadcast's root, are mismatches") {
+  TcpWorld world(4, with_timeout(5s));
+  auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> buf(8, 0.0f), out(32);
+    if (r == 0) comm.barrier().wait();
+    comm.all_gather(buf.data(), out.data(), 8, DType::f32).wait();
+  });
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(contains(e, "collective mismatch"));
+    CHECK(contains(e, "all_gather(count=8, dtype=f32) as collective #0"));
+    CHECK(contains(e, "barrier as collective #0"));
+  }
+  // Every rank sits in the middle of its own chain: without the first empty frame on each
+  // link nobody would send anything.
+  TcpWorld again(4, with_timeout(5s));
+  const auto t0 = Clock::now();
+  errors = again.each([&](TcpComm& comm, int r) {
+    std::vector<float> buf(8, 0.0f);
+    comm.broadcast(buf.data(), buf.data(), 8, DType::f32, (r + 3) % 4).wait();
+  });
+  CHECK(seconds_since(t0) < 3.0);
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(contains(e, "collective mismatch"));
+    CHECK(contains(e, "broadcast(count=8, dtype=f32, root="));
+  }
+}
+
+TEST_CASE("a rank that closes its communicator mid-collective: every other rank fails naming it") {
+  TcpWorld world(4, with_timeout(5s));
+  const auto t0 = Clock::now();
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> in(1 << 16, 1.0f), out(1 << 16);
+    comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();  // all fine so far
+    if (r == 2) {
+      world.destroy(2);
+      return;
+    }
+    comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();
+  });
+  CHECK(seconds_since(t0) < 3.0);
+  CHECK(errors[2].empty());
+  for (int r : {0, 1, 3}) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "rank " + std::to_string(r) + ": "));
+    CHECK(contains(errors[r], "peer rank 2 closed the connection during all_reduce(count=65536, dtype=f32, op=sum) as "
+                              "collective #1 (did its process exit?)"));
+  }
+}
+
+TEST_CASE("a neighbour that finished and left: the next collective fails at once") {
+  TcpWorld world(2, with_timeout(5s));
+  world.destroy(1);
+  const auto t0 = Clock::now();
+  const auto errors = test_support::on_threads(1, [&](int) { world.comm(0).barrier().wait(); });
+  CHECK(seconds_since(t0) < 2.0);
+  CHECK(contains(errors[0], "rank 0: peer rank 1 closed the connection during barrier as collective #0"));
+}
+
+TEST_CASE("a rank that never joins fails construction on its neighbours, naming it") {
+  auto store = std::make_shared<fsdp::HashStore>();
+  const auto t0 = Clock::now();
+  const auto errors = test_support::on_threads(2, [&](int r) { TcpComm comm(store, r, 3, with_timeout(300ms)); });
+  CHECK(seconds_since(t0) < 2.0);
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "rank " + std::to_string(r) +
+                                  ": rank 2 never joined communicator fsdp/comm (waited 300 ms for its address)"));
+  }
+  CHECK(!store->try_get("fsdp/comm/addr/0"));  // a failed rank leaves no stale address behind
+}
+
+TEST_CASE("a stalled rank: the timeout names the rank that is behind, on every rank") {
+  TcpWorld world(3, with_timeout(400ms));
+  const auto t0 = Clock::now();
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> in(16, 1.0f), out(48);
+    comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
+    if (r == 2) std::this_thread::sleep_for(1500ms);  // "stuck in its own code"
+    comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
+  });
+  CHECK(seconds_since(t0) < 4.0);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "all_gather(count=16, dtype=f32) as collective #1"));
+    CHECK(contains(errors[r], "timed out after 400 ms without progress"));
+    CHECK(contains(errors[r], "behind: rank 2 did not report"));
+  }
+  CHECK(contains(errors[2], "rank 2: all_gather(count=16, dtype=f32) as collective #1 aborted: rank "));
+}
+
+TEST_CASE("handshakes: stray connections are dropped, a wrong world size or segment size is refused on both ends") {
+  auto store = std::make_shared<fsdp::HashStore>();
+  std::string stray_answer;
+  const auto errors = test_support::on_threads(2, [&](int r) {
+    if (r == 1) {
+      // Before rank 1 joins: a silent client, a client speaking garbage, and an fsdp rank
+      // of another communicator all knock on rank 0's port.
+      const auto addr = fsdp::detail::parse_endpoint(store->get("fsdp/comm/addr/0", 5s));
+      boost::asio::io_context io;
+      boost::asio::ip::tcp::socket silent(io), garbage(io), other(io);
+      silent.connect(*addr);
+      garbage.connect(*addr);
+      boost::asio::write(garbage, boost::asio::buffer(std::string(64, 'x')));
+      other.connect(*addr);
+      boost::asio::write(other, boost::asio::buffer(fsdp::detail::Hello{1, 0, 2, 1 << 20, "other/comm"}.encode()));
+      std::array<std::byte, fsdp::detail::HelloReply::kFixedSize> reply{};
+      boost::asio::read(other, boost::asio::buffer(reply));
+      stray_answer.resize(fsdp::detail::HelloReply::decode_fixed(reply.data()).value_or(0));
+      boost::asio::read(other, boost::asio::buffer(stray_answer));
+    }
+    TcpComm comm(store, r, 2, with_timeout(3s));
+    std::vector<std::int32_t> in{r}, out(2);
+    comm.all_gather(in.data(), out.data(), 1, DType::i32).wait();
+    if (out != std::vector<std::int32_t>{0, 1}) throw fsdp::Error("wrong all_gather result");
+  });
+  CHECK(errors[0].empty());
+  CHECK(errors[1].empty());
+  CHECK(contains(stray_answer, "this port belongs to communicator fsdp/comm, not other/comm"));
+
+  auto store2 = std::make_shared<fsdp::HashStore>();
+  const auto t0 = Clock::now();
+  auto refused = test_support::on_threads(2, [&](int r) { TcpComm comm(store2, r, r == 0 ? 2 : 3, with_timeout(3s)); });
+  CHECK(seconds_since(t0) < 2.0);  // refused at once, not timed out
+  for (const auto& e : refused) {
+    CAPTURE(e);
+    CHECK(contains(e, "rank 0 joined communicator fsdp/comm with size 2, but rank 1 has size 3"));
+  }
+
+  auto store3 = std::make_shared<fsdp::HashStore>();
+  refused = test_support::on_threads(2, [&](int r) {
+    auto o = with_timeout(3s);
+    o.segment_bytes = r == 0 ? 1024 : 2048;
+    TcpComm comm(store3, r, 2, o);
+  });
+  for (const auto& e : refused) {
+    CAPTURE(e);
+    CHECK(contains(e, "uses segment_bytes="));
+    CHECK(contains(e, "in communicator fsdp/comm"));
+  }
+}
+
+TEST_CASE("queued collectives finish before the communicator goes; a later prefix reuse works") {
+  auto store = std::make_shared<fsdp::HashStore>();
+  std::vector<int> ok(2, 0);
+  const auto errors = test_support::on_threads(2, [&](int r) {
+    std::vector<std::vector<float>> in(3, std::vector<float>(1000, static_cast<float>(r + 1))), out(3, std::vector<float>(1000));
+    std::vector<fsdp::Work> works;
+    {
+      TcpComm comm(store, r, 2, with_timeout(5s));
+      for (int i = 0; i < 3; ++i) works.push_back(comm.all_reduce(in[i].data(), out[i].data(), 1000, DType::f32, ReduceOp::sum));
+    }  // destroyed with three collectives queued
+    bool good = true;
+    for (int i = 0; i < 3; ++i) {
+      works[i].wait();
+      good = good && out[i][999] == 3.0f;
+    }
+    TcpComm again(store, r, 2, with_timeout(5s));  // same prefix, fresh addresses
+    again.barrier().wait();
+    ok[r] = good;
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_MESSAGE(errors[r].empty(), errors[r]);
+    CHECK(ok[r]);
+  }
+}
+
+TEST_CASE("bad arguments are fsdp::Errors that say what is wrong") {
+  auto store = std::make_shared<fsdp::HashStore>();
+  auto message = [](auto&& fn) {
+    try {
+      fn();
+    } catch (const fsdp::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto opts = test_support::ok_options();
+  opts.timeout = 0ms;
+  CHECK(contains(message([&] { TcpComm(store, 0, 1, opts); }), "timeout must be in (0 ms, 24 h], got 0 ms"));
+  opts = test_support::ok_options(12);
+  CHECK(contains(message([&] { TcpComm(store, 0, 1, opts); }), "segment_bytes must be a multiple of 8"));
+  opts = test_support::ok_options();
+  opts.address = "not-an-ip";
+  CHECK(contains(message([&] { TcpComm(store, 0, 2, opts); }), "address 'not-an-ip' is not an IP address"));
+  CHECK(contains(message([&] { TcpComm(store, 3, 2); }), "rank 3 is outside a world of size 2"));
+  CHECK(contains(message([&] { TcpComm(nullptr, 0, 1); }), "the store is null"));
+  TcpComm solo(store, 0, 1, test_support::ok_options());
+  float x = 1;
+  CHECK(contains(message([&] { solo.broadcast(&x, &x, 1, DType::f32, 1); }), "broadcast root 1 is outside [0, 1)"));
+  CHECK(contains(message([&] { solo.split(-1, 0); }), "split color must be >= 0, got -1"));
+  TcpComm moved = std::move(solo);
+  CHECK(contains(message([&] { solo.barrier(); }), "used after it was moved from"));
+  CHECK_NOTHROW(moved.barrier().wait());
+}

@@ -1,0 +1,226 @@
+// fsdp/asio/tcp_comm.hpp: results. Every collective on 1..8 ranks (threads with their own
+// TcpComm over loopback sockets) against the ring-order reference bit for bit, equality
+// with ThreadComm on 2 ranks, run-to-run reproducibility, asynchrony, split and a 2x2
+// DeviceMesh. Failures are in tcp_comm_failure_test.cpp.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "collective_cases.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/host/thread_group.hpp"
+#include "tcp_world.hpp"
+
+namespace {
+
+using fsdp::DType;
+using fsdp::ReduceOp;
+using fsdp::TcpComm;
+using K = fsdp::detail::CollectiveKind;
+using test_support::Bytes;
+using test_support::Case;
+using test_support::TcpWorld;
+using namespace std::chrono_literals;
+
+constexpr DType kDtypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i8, DType::u8, DType::i32, DType::i64};
+constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
+
+template <class C>
+fsdp::Work issue(C& comm, const fsdp::detail::CollectiveCall& c) {
+  switch (c.kind) {
+    case K::all_gather: return comm.all_gather(c.send, c.recv, c.count, c.dtype);
+    case K::reduce_scatter: return comm.reduce_scatter(c.send, c.recv, c.count, c.dtype, c.op);
+    case K::all_reduce: return comm.all_reduce(c.send, c.recv, c.count, c.dtype, c.op);
+    case K::broadcast: return comm.broadcast(c.send, c.recv, c.count, c.dtype, c.root);
+    case K::barrier: return comm.barrier();
+  }
+  return {};
+}
+
+// Runs every case on `world` (all ranks issue them in the same order, each waited before
+// the next) and returns outputs[case][rank].
+std::vector<std::vector<Bytes>> run_cases(TcpWorld& world, const std::vector<Case>& cases, std::uint32_t seed) {
+  std::vector<std::vector<Bytes>> out(cases.size(), std::vector<Bytes>(world.size()));
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      test_support::RankBuffers b(cases[i], test_support::random_input(cases[i], r, seed + i), r);
+      issue(comm, b.call(cases[i])).wait();
+      out[i][r] = b.result(cases[i]);
+    }
+  });
+  for (int r = 0; r < world.size(); ++r) REQUIRE_MESSAGE(errors[r].empty(), "rank ", r, ": ", errors[r]);
+  return out;
+}
+
+void check_against_reference(TcpWorld& world, const std::vector<Case>& cases, std::uint32_t seed = 1) {
+  const auto out = run_cases(world, cases, seed);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const auto inputs = test_support::inputs_for(c, seed + static_cast<std::uint32_t>(i));
+    for (int r = 0; r < c.ranks; ++r) {
+      CAPTURE(c.str());
+      CAPTURE(r);
+      CHECK(out[i][r] == test_support::ring_expected(c.kind, inputs, r, c.count, c.dtype, c.op, c.root));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("every collective on 1..8 ranks equals the ring-order reference, bit for bit") {
+  for (int n = 1; n <= 8; ++n) {
+    CAPTURE(n);
+    // Small segments: even these counts take several frames per step.
+    TcpWorld world(n, test_support::ok_options(16));
+    std::vector<Case> cases;
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, static_cast<std::size_t>(n > 1 ? n - 1 : 2), std::size_t{7},
+                              std::size_t{1003}})
+      for (bool in_place : {false, true}) {
+        cases.push_back({K::all_gather, n, count, DType::f32, ReduceOp::sum, 0, in_place});
+        cases.push_back({K::reduce_scatter, n, count, DType::f32, ReduceOp::sum, 0, in_place});
+        cases.push_back({K::all_reduce, n, count, DType::f32, ReduceOp::sum, 0, in_place});
+        cases.push_back({K::broadcast, n, count, DType::i32, ReduceOp::sum, n - 1, in_place});
+        cases.push_back({K::broadcast, n, count, DType::f64, ReduceOp::sum, 0, in_place});
+      }
+    cases.push_back({K::barrier, n, 0});
+    check_against_reference(world, cases);
+  }
+}
+
+TEST_CASE("every dtype and op, f16 and bf16 sums included") {
+  for (int n : {3, 4}) {
+    TcpWorld world(n, test_support::ok_options(24));
+    std::vector<Case> cases;
+    for (DType t : kDtypes)
+      for (ReduceOp op : kOps) {
+        cases.push_back({K::reduce_scatter, n, 37, t, op});
+        cases.push_back({K::all_reduce, n, 101, t, op, 0, true});
+      }
+    for (DType t : kDtypes) cases.push_back({K::all_gather, n, 13, t});
+    check_against_reference(world, cases);
+  }
+}
+
+TEST_CASE("large messages (a few MiB per rank) with the default segment size") {
+  for (int n : {2, 3, 4}) {
+    TcpWorld world(n);
+    const std::size_t count = (3u << 20) / 4 + 5;  // ~3 MiB of f32: several 1 MiB segments, a ragged end
+    check_against_reference(world, {{K::all_gather, n, count},
+                                    {K::reduce_scatter, n, count, DType::f32, ReduceOp::sum, 0, true},
+                                    {K::all_reduce, n, count * n + 1, DType::bf16, ReduceOp::sum},
+                                    {K::broadcast, n, count, DType::f32, ReduceOp::sum, 1}});
+  }
+}
+
+TEST_CASE("on 2 ranks every result equals ThreadComm's bit for bit") {
+  std::vector<Case> cases;
+  for (DType t : kDtypes) {
+    for (ReduceOp op : kOps) {
+      cases.push_back({K::reduce_scatter, 2, 333, t, op});
+      cases.push_back({K::all_reduce, 2, 777, t, op, 0, true});
+    }
+    cases.push_back({K::all_gather, 2, 100, t});
+    cases.push_back({K::broadcast, 2, 100, t, ReduceOp::sum, 1});
+  }
+  TcpWorld world(2, test_support::ok_options(64));
+  const auto tcp = run_cases(world, cases, 5);
+  std::vector<std::vector<Bytes>> thread(cases.size(), std::vector<Bytes>(2));
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    const int r = comm.rank();
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      test_support::RankBuffers b(cases[i], test_support::random_input(cases[i], r, 5 + static_cast<std::uint32_t>(i)), r);
+      issue(comm, b.call(cases[i])).wait();
+      thread[i][r] = b.result(cases[i]);
+    }
+  });
+  for (std::size_t i = 0; i < cases.size(); ++i)
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(cases[i].str());
+      CHECK(tcp[i][r] == thread[i][r]);
+    }
+}
+
+TEST_CASE("results are bitwise the same from run to run") {
+  const std::vector<Case> cases{{K::all_reduce, 5, 4099, DType::bf16, ReduceOp::sum},
+                                {K::reduce_scatter, 5, 999, DType::f32, ReduceOp::avg}};
+  std::vector<std::vector<std::vector<Bytes>>> runs;
+  for (std::size_t segment : {32, 1 << 20}) {  // different timing and framing, same order
+    TcpWorld world(5, test_support::ok_options(segment));
+    runs.push_back(run_cases(world, cases, 9));
+  }
+  CHECK(runs[0] == runs[1]);
+  for (int r = 1; r < 5; ++r) CHECK(runs[0][0][r] == runs[0][0][0]);  // all_reduce: the same on every rank
+}
+
+TEST_CASE("collectives return at once and complete in order on the communicator's thread") {
+  TcpWorld world(3);
+  std::atomic<bool> issued{false};
+  std::vector<int> ok(3, 0);
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> in(1000, static_cast<float>(r + 1)), out(1000, 0);
+    if (r == 0) {
+      // Issued before any peer calls: it cannot have completed, yet the call returned.
+      const auto t0 = std::chrono::steady_clock::now();
+      fsdp::Work w = comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum);
+      const bool returned_fast = std::chrono::steady_clock::now() - t0 < 100ms;
+      const bool pending = !w.ready();
+      issued = true;
+      w.wait();
+      ok[r] = returned_fast && pending && out[999] == 6.0f;
+    } else {
+      while (!issued) std::this_thread::sleep_for(1ms);
+      std::this_thread::sleep_for(50ms);
+      comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();
+      ok[r] = out[0] == 6.0f;
+    }
+    // Several outstanding at once, waited in reverse order.
+    constexpr int kCalls = 6;
+    std::vector<std::vector<std::int32_t>> bufs(kCalls, std::vector<std::int32_t>(3 * 64));
+    std::vector<std::int32_t> mine(64 * kCalls);
+    std::vector<fsdp::Work> works;
+    for (int i = 0; i < kCalls; ++i) {
+      for (int k = 0; k < 64; ++k) mine[i * 64 + k] = r * 1000 + i;
+      works.push_back(comm.all_gather(mine.data() + i * 64, bufs[i].data(), 64, DType::i32));
+    }
+    bool in_order = true;
+    for (int i = kCalls - 1; i >= 0; --i) {
+      works[i].wait();
+      for (int j = 0; j < i; ++j) in_order = in_order && works[j].ready();  // earlier ones finished first
+      for (int q = 0; q < 3; ++q) in_order = in_order && bufs[i][q * 64 + 5] == q * 1000 + i;
+    }
+    ok[r] = ok[r] && in_order;
+  });
+  for (int r = 0; r < 3; ++r) {
+    CHECK_MESSAGE(errors[r].empty(), errors[r]);
+    CHECK_MESSAGE(ok[r], "rank ", r);
+  }
+}
+
+TEST_CASE("split: MPI_Comm_split semantics; a 2x2 DeviceMesh over TcpComm") {
+  TcpWorld world(4, test_support::ok_options(64));
+  std::vector<std::vector<int>> seen(4);
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    // Colors 0 / 1 by parity, ordered by descending key: group ranks reverse world order.
+    TcpComm half = comm.split(r % 2, -r);
+    std::vector<std::int32_t> mine{r}, all(2);
+    half.all_gather(mine.data(), all.data(), 1, DType::i32).wait();
+    fsdp::DeviceMesh<TcpComm> mesh(comm, {2, 2});
+    std::vector<float> shard{static_cast<float>(r)}, full(2);
+    mesh.shard_group().all_gather(shard.data(), full.data(), 1, DType::f32).wait();
+    std::vector<float> grad{static_cast<float>(r)}, sum(1);
+    mesh.replicate_group().all_reduce(grad.data(), sum.data(), 1, DType::f32, ReduceOp::sum).wait();
+    TcpComm moved = std::move(half);  // movable, still working
+    moved.barrier().wait();
+    seen[r] = {moved.rank(), moved.size(), all[0], all[1], static_cast<int>(full[0]), static_cast<int>(full[1]),
+               static_cast<int>(sum[0]), mesh.shard_group().rank(), mesh.replicate_group().rank()};
+  });
+  for (int r = 0; r < 4; ++r) REQUIRE_MESSAGE(errors[r].empty(), errors[r]);
+  // world 0,2 -> color 0 in order (2, 0); world 1,3 -> color 1 in order (3, 1).
+  CHECK(seen[0] == std::vector<int>{1, 2, 2, 0, 0, 1, 2, 0, 0});
+  CHECK(seen[1] == std::vector<int>{1, 2, 3, 1, 0, 1, 4, 1, 0});
+  CHECK(seen[2] == std::vector<int>{0, 2, 2, 0, 2, 3, 2, 0, 1});
+  CHECK(seen[3] == std::vector<int>{0, 2, 3, 1, 2, 3, 4, 1, 1});
+}

@@ -1,0 +1,75 @@
+#pragma once
+// Ranks as threads of this process, each with its own fsdp::TcpComm over real loopback
+// sockets, sharing one fsdp::HashStore. Rank bodies never use doctest assertions: they
+// return what they saw, and the test checks it after every thread has joined.
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/asio/tcp_comm.hpp"
+#include "fsdp/store.hpp"
+
+namespace test_support {
+
+using namespace std::chrono_literals;
+
+// Options for tests that must succeed (a hang fails after 10 s instead of never).
+inline fsdp::TcpCommOptions ok_options(std::size_t segment_bytes = 1 << 20) {
+  fsdp::TcpCommOptions o;
+  o.timeout = 10s;
+  o.segment_bytes = segment_bytes;
+  return o;
+}
+
+// Runs fn(rank) on `n` threads and joins them; returns each rank's fsdp::Error message
+// ("" if none). Any other exception is rethrown after the join.
+inline std::vector<std::string> on_threads(int n, const std::function<void(int)>& fn) {
+  std::vector<std::string> errors(n);
+  std::vector<std::exception_ptr> other(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (const fsdp::Error& e) {
+        errors[r] = e.what();
+      } catch (...) {
+        other[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : other)
+    if (e) std::rethrow_exception(e);
+  return errors;
+}
+
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+class TcpWorld {
+ public:
+  explicit TcpWorld(int n, fsdp::TcpCommOptions o = ok_options()) : store_(std::make_shared<fsdp::HashStore>()), comms_(n) {
+    const auto errors = on_threads(n, [&](int r) { comms_[r].emplace(store_, r, n, o); });
+    for (const auto& e : errors)
+      if (!e.empty()) throw fsdp::Error("test world construction: " + e);
+  }
+  int size() const { return static_cast<int>(comms_.size()); }
+  fsdp::TcpComm& comm(int r) { return *comms_[r]; }
+  const std::shared_ptr<fsdp::HashStore>& store() const { return store_; }
+  void destroy(int r) { comms_[r].reset(); }
+
+  // fn(comm, rank) on every rank at once; each rank's fsdp::Error message.
+  std::vector<std::string> each(const std::function<void(fsdp::TcpComm&, int)>& fn) {
+    return on_threads(size(), [&](int r) { fn(*comms_[r], r); });
+  }
+
+ private:
+  std::shared_ptr<fsdp::HashStore> store_;
+  std::vector<std::optional<fsdp::TcpComm>> comms_;
+};
+
+}  // namespace test_support
