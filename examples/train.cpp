@@ -273,5 +273,8 @@ int main(int argc, char** argv) {
   } catch (const fsdp::Error& e) {
     fmt::print(stderr, "{}\n", e.what());
     return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "train: {}\n", e.what());
+    return 1;
   }
 }

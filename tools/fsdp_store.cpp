@@ -41,8 +41,8 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
   const char* token = std::getenv(token_env.c_str());
-  if (token_flag->count() && !token) {
-    std::fprintf(stderr, "fsdp_store: --token-env %s: that variable is not set\n", token_env.c_str());
+  if (token_flag->count() && (!token || !*token)) {  // an empty token would silently admit anyone
+    std::fprintf(stderr, "fsdp_store: --token-env %s: that variable is not set or is empty\n", token_env.c_str());
     return 2;
   }
   options.token = token ? token : "";

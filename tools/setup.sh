@@ -10,6 +10,7 @@ PACKAGES=(
   bazel-bootstrap bazel-platforms bazel-rules-java
   doctest-dev libboost-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox libxxhash-dev
+  clang-14 libclang-rt-14-dev
   g++ python3
 )
 

@@ -51,20 +51,14 @@ class HashStore final : public Store {
     cv_.notify_all();
   }
   std::string get(std::string_view key, Timeout timeout) override {
-    wait({std::string(key)}, timeout);
-    std::lock_guard lk(mu_);
-    return map_.at(std::string(key));
+    const std::vector<std::string> keys{std::string(key)};
+    std::unique_lock lk(mu_);
+    wait_locked(lk, keys, timeout);
+    return map_.find(keys.front())->second;  // under the same lock: a delete_key cannot come between
   }
   void wait(const std::vector<std::string>& keys, Timeout timeout) override {
-    check_timeout(timeout);
     std::unique_lock lk(mu_);
-    const auto deadline = Clock::now() + timeout;
-    for (const auto& k : keys) {
-      while (!map_.count(k)) {
-        if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !map_.count(k))
-          detail::fail("store: waited ", timeout.count(), " ms for key '", k, "', which no rank set");
-      }
-    }
+    wait_locked(lk, keys, timeout);
   }
   // As TcpStore's server: the stored value must be exactly a 64-bit integer, and an
   // overflowing sum is refused.
@@ -124,6 +118,17 @@ class HashStore final : public Store {
   }
 
  private:
+  void wait_locked(std::unique_lock<std::mutex>& lk, const std::vector<std::string>& keys, Timeout timeout) {
+    check_timeout(timeout);
+    const auto deadline = Clock::now() + timeout;
+    for (const auto& k : keys) {
+      while (!map_.count(k)) {
+        if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !map_.count(k))
+          detail::fail("store: waited ", timeout.count(), " ms for key '", k, "', which no rank set");
+      }
+    }
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, std::string, std::less<>> map_;

@@ -10,23 +10,15 @@
 #include <fsdp/asio/store_protocol.hpp>
 #include <fsdp/error.hpp>
 
+#include "test/support/errors.hpp"
+
 namespace store_test {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// The fsdp::Error message `fn` throws, "" if none.
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const fsdp::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test_support::contains;
+using test_support::error_of;
 
 inline long long ms_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();

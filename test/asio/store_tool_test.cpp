@@ -146,6 +146,10 @@ TEST_CASE("fsdp_store refuses a missing token variable, a bad flag and a taken p
   StoreProcess no_token({"--token-env", "TOOL_TEST_UNSET"});
   CHECK(no_token.exit_code() == 2);
   CHECK(contains(no_token.rest(), "--token-env TOOL_TEST_UNSET: that variable is not set"));
+  ::setenv("TOOL_TEST_EMPTY", "", 1);
+  StoreProcess empty_token({"--token-env", "TOOL_TEST_EMPTY"});
+  CHECK(empty_token.exit_code() == 2);
+  CHECK(contains(empty_token.rest(), "--token-env TOOL_TEST_EMPTY: that variable is not set or is empty"));
 
   StoreProcess bad_port({"--port", "70000"});
   CHECK(bad_port.exit_code() != 0);

@@ -213,11 +213,12 @@ TEST_CASE("queued collectives finish before the communicator goes; a later prefi
   auto store = std::make_shared<fsdp::HashStore>();
   std::vector<int> ok(2, 0);
   const auto errors = test_support::on_threads(2, [&](int r) {
-    std::vector<std::vector<float>> in(3, std::vector<float>(1000, static_cast<float>(r + 1))), out(3, std::vector<float>(1000));
+    std::vector<std::vector<float>> in(3, std::vector<float>(1000, r + 1.0f)), out(3, std::vector<float>(1000));
     std::vector<fsdp::Work> works;
     {
       TcpComm comm(store, r, 2, with_timeout(5s));
-      for (int i = 0; i < 3; ++i) works.push_back(comm.all_reduce(in[i].data(), out[i].data(), 1000, DType::f32, ReduceOp::sum));
+      for (int i = 0; i < 3; ++i)
+        works.push_back(comm.all_reduce(in[i].data(), out[i].data(), 1000, DType::f32, ReduceOp::sum));
     }  // destroyed with three collectives queued
     bool good = true;
     for (int i = 0; i < 3; ++i) {
@@ -252,6 +253,9 @@ TEST_CASE("bad arguments are fsdp::Errors that say what is wrong") {
   opts = test_support::ok_options();
   opts.address = "not-an-ip";
   CHECK(contains(message([&] { TcpComm(store, 0, 2, opts); }), "address 'not-an-ip' is not an IP address"));
+  opts.address = "0.0.0.0";  // where would the neighbours connect to?
+  CHECK(contains(message([&] { TcpComm(store, 0, 2, opts); }),
+                 "address '0.0.0.0' is not an IP address the other ranks can reach"));
   CHECK(contains(message([&] { TcpComm(store, 3, 2); }), "rank 3 is outside a world of size 2"));
   CHECK(contains(message([&] { TcpComm(nullptr, 0, 1); }), "the store is null"));
   TcpComm solo(store, 0, 1, test_support::ok_options());
@@ -261,4 +265,18 @@ TEST_CASE("bad arguments are fsdp::Errors that say what is wrong") {
   TcpComm moved = std::move(solo);
   CHECK(contains(message([&] { solo.barrier(); }), "used after it was moved from"));
   CHECK_NOTHROW(moved.barrier().wait());
+}
+
+TEST_CASE("published addresses: IPv4 and bracketed IPv6 with a port, nothing else") {
+  using fsdp::detail::parse_endpoint;
+  const auto v4 = parse_endpoint("10.1.2.3:29500");
+  REQUIRE(v4);
+  CHECK(v4->address().to_string() == "10.1.2.3");
+  CHECK(v4->port() == 29500);
+  const auto v6 = parse_endpoint("[::1]:80");
+  REQUIRE(v6);
+  CHECK(v6->address().is_v6());
+  CHECK(fsdp::detail::format_endpoint(v6->address(), 80) == "[::1]:80");
+  for (const char* bad : {"10.1.2.3", "10.1.2.3:", "10.1.2.3:0", "10.1.2.3:65536", "host:80", "10.1.2.3:8x", ":80"})
+    CHECK_MESSAGE(!parse_endpoint(bad), bad);
 }

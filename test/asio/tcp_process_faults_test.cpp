@@ -22,13 +22,14 @@
 #include <vector>
 
 #include "fsdp/asio/tcp_process_group.hpp"
+#include "test/support/errors.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test_support::contains;
 
 // A free loopback port for rank 0's store (bound, read, released; the store binds it at once).
 std::uint16_t free_port() {

@@ -96,7 +96,8 @@ TEST_CASE("a wrong or missing token is refused and gets nothing") {
   auto& good = guarded.good;
   good.set("secret/key", "the value");
   const std::string refused =
-      "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) + " refused this client: wrong or missing FSDP_STORE_TOKEN";
+      "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) + " refused this client: wrong or missing FSDP_STORE_TOKEN "
+      "(or the server is full, or is not an fsdp store)";
 
   const auto t0 = Clock::now();
   CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), with_token("wrong")); }) == refused);
@@ -153,6 +154,23 @@ TEST_CASE("clients past max_clients are refused with the reason") {
   CHECK(server.stats().over_capacity == 1);
   one.set("still", "served");
   CHECK(two.get("still", 500ms) == "served");
+}
+
+TEST_CASE("past max_clients, a client without the token still gets nothing, not even the refusal") {
+  fsdp::TcpStoreServerOptions opts;
+  opts.max_clients = 1;
+  opts.token = "s3cret";
+  fsdp::TcpStoreServer server(opts);
+  fsdp::TcpStore one("127.0.0.1", server.port(), with_token("s3cret"));
+  RawClient stray(server.port());
+  fsdp::store_wire::Request hello;
+  hello.verb = fsdp::store_wire::Verb::hello;
+  hello.token = "guess";
+  stray.send(fsdp::store_wire::encode(hello));
+  check_closed_silently(stray);
+  CHECK(server.stats().over_capacity == 1);
+  CHECK(server.stats().wrong_token == 1);
+  CHECK(one.num_keys() == 0);
 }
 
 TEST_CASE("a store nobody runs: an error within the connect timeout") {

@@ -90,11 +90,13 @@ TEST_CASE("a wait parks until another client sets the keys, and other clients ca
   fsdp::TcpStore waiter("127.0.0.1", server.port(), quick());
   fsdp::TcpStore other("127.0.0.1", server.port(), quick());
   std::atomic<bool> waited{false};
-  std::string got;
-  std::thread t([&] {
-    waiter.wait({"late/1", "late/2"}, 2000ms);
-    waited = true;
-    got = waiter.get("late/2", 100ms);
+  std::string got, error;
+  std::thread t([&] {  // an exception must not escape the thread (std::terminate)
+    error = error_of([&] {
+      waiter.wait({"late/1", "late/2"}, 10000ms);
+      waited = true;
+      got = waiter.get("late/2", 100ms);
+    });
   });
   // While that wait is parked, the server answers everyone else at once.
   const auto t0 = Clock::now();
@@ -106,6 +108,7 @@ TEST_CASE("a wait parks until another client sets the keys, and other clients ca
   CHECK_FALSE(waited.load());  // one of two keys
   other.add("late/2", 7);      // any verb that sets a key wakes waiters
   t.join();
+  CHECK(error == "");
   CHECK(waited.load());
   CHECK(got == "7");
 }
@@ -162,6 +165,10 @@ TEST_CASE("verbs that cannot be done say why, and the connection stays usable") 
         prefix + "set 'k': value of 65 bytes exceeds the store's limit of 64 bytes");
   CHECK(error_of([&] { store.get(std::string(17, 'k'), 100ms); }) ==
         prefix + "get '" + std::string(17, 'k') + "': key of 17 bytes exceeds the store's limit of 16 bytes");
+  // Every key within the limit, but together past the frame limit: refused before sending.
+  const std::vector<std::string> many(10, std::string(16, 'k'));
+  CHECK(error_of([&] { store.wait(many, 100ms); }) ==
+        prefix + "wait for 10 keys: the request of 209 bytes exceeds the store's frame limit of 157 bytes");
   CHECK(store.get("text", 100ms) == "hello");
   CHECK(server.stats().malformed == 0);  // refused by the client, before sending
 }
@@ -172,7 +179,10 @@ TEST_CASE("a server going away ends a parked wait at once, and later verbs say s
   std::string error;
   const auto t0 = Clock::now();
   std::thread t([&] { error = error_of([&] { store.wait({"never"}, 5000ms); }); });
-  std::this_thread::sleep_for(50ms);
+  // Only once the wait is parked: a wait sent after the server closed could read a reset.
+  for (auto until = Clock::now() + 2000ms; server->stats().parked == 0 && Clock::now() < until;)
+    std::this_thread::sleep_for(5ms);
+  CHECK(server->stats().parked == 1);
   server.reset();  // must not hang on the parked connection
   t.join();
   CHECK(ms_since(t0) < 2000);
@@ -259,4 +269,29 @@ TEST_CASE("bad options are refused with the value named") {
   fsdp::TcpStoreServerOptions limits;
   limits.limits.max_value_bytes = 0;
   CHECK(contains(error_of([&] { fsdp::TcpStoreServer s(limits); }), "max value size must be in [1, 1 GiB], got 0 bytes"));
+}
+
+TEST_CASE("HashStore: a get racing a delete_key returns the value, never another exception") {
+  fsdp::HashStore store;
+  std::atomic<bool> done{false};
+  std::thread churn([&] {
+    for (int i = 0; i < 20000 && !done; ++i) {
+      store.set("k", "v");
+      store.delete_key("k");
+    }
+    store.set("k", "v");  // the getter's last get finds it
+  });
+  std::string unexpected;
+  int got = 0;
+  for (int i = 0; i < 5000 && unexpected.empty(); ++i) {
+    try {
+      got += store.get("k", 2000ms) == "v";
+    } catch (const std::exception& e) {
+      unexpected = e.what();
+    }
+  }
+  done = true;
+  churn.join();
+  CHECK(unexpected == "");
+  CHECK(got > 0);
 }

@@ -14,6 +14,7 @@
 
 #include "fsdp/detail/host_math.hpp"
 #include "fsdp/mpi/mpi_comm.hpp"
+#include "test/support/errors.hpp"
 
 namespace test_mpi {
 
@@ -98,17 +99,7 @@ inline std::string label(const fsdp::MpiComm& comm, const char* what, fsdp::DTyp
   return os.str();
 }
 
-inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-// The fsdp::Error message `fn` throws, or "" if it throws none.
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const fsdp::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test_support::contains;
+using test_support::error_of;
 
 }  // namespace test_mpi

@@ -10,6 +10,8 @@
 
 #include <fsdp/fsdp.hpp>
 
+#include "test/support/errors.hpp"
+
 namespace test_support {
 
 template <class Fn>
@@ -28,7 +30,5 @@ std::vector<std::string> errors_per_rank(int world, Fn fn, std::chrono::millisec
   }
   return msgs;
 }
-
-inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 }  // namespace test_support

@@ -2,7 +2,9 @@
 // sees, how their output comes out, and how a failure, a signal or a timeout ends the job.
 #include <doctest/doctest.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <fstream>
 #include <initializer_list>
 #include <map>
 #include <regex>
@@ -85,6 +87,15 @@ TEST_CASE("every rank sees torchrun's six variables, one port and one random tok
                                " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " TOKEN=" + token + " BIND=unset");
   }
   CHECK(tokens.size() == 4);  // drawn afresh for every job
+}
+
+TEST_CASE("one node with a master address that is not loopback: rank 0's store binds to it") {
+  const Finished f = fsdp_run({"--nproc", "1", "--master-addr", "10.1.2.3", "--master-port", "29556"}, kPrintEnv);
+  REQUIRE(f.status == 0);
+  const auto lines = by_rank(f.out);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines.at(0).find("MASTER_ADDR=10.1.2.3 ") != std::string::npos);
+  CHECK(lines.at(0).find(" BIND=10.1.2.3") != std::string::npos);
 }
 
 TEST_CASE("node 1 of 2: global ranks, the bind address and the user's token") {
@@ -187,6 +198,29 @@ TEST_CASE("a rank killed by SIGKILL: fsdp_run exits 137 and names the signal") {
   CHECK(f.err == "fsdp_run: rank 2 exited with status 137 (signal SIGKILL); stopping the other ranks\n");
 }
 
+TEST_CASE("failures fsdp_run sees at once: the rank killed by a signal is named first and gives the status") {
+  // A killed rank's neighbours fail a moment later; should fsdp_run wake only after both,
+  // rank order must not make the neighbour the culprit. fsdp_run is stopped (SIGSTOP)
+  // while rank 1 exits 1 and rank 2 is killed, so it surely sees both in one look.
+  TempDir dir;
+  const std::string d = dir.path();
+  ChildProcess job({fsdp_run_path(), "--nproc", "3", "/bin/sh", "-c",
+                    "echo $$ > " + d + "/pid$RANK; touch " + d + "/ready$RANK; i=0; while [ ! -e " + d +
+                        "/go ]; do i=$((i+1)); [ $i -gt 1000 ] && exit 99; sleep 0.01; done; "
+                        "[ $RANK = 1 ] && exit 1; [ $RANK = 2 ] && kill -KILL $$; exec sleep 30"},
+                   {"FSDP_STORE_TOKEN"});
+  REQUIRE(wait_for_files({dir.file("ready0"), dir.file("ready1"), dir.file("ready2")}));
+  ::kill(job.pid(), SIGSTOP);
+  std::ofstream(dir.file("go")).put('1');
+  for (int r : {1, 2}) CHECK(process_gone(std::stoi(read_file(dir.file("pid" + std::to_string(r)))), 5s));
+  ::kill(job.pid(), SIGCONT);
+  const Finished f = job.wait();
+  CHECK(f.status == 137);
+  CHECK(f.err ==
+        "fsdp_run: rank 2 exited with status 137 (signal SIGKILL); rank 1 exited with status 1 too; stopping the other "
+        "ranks\n");
+}
+
 TEST_CASE("SIGINT to fsdp_run reaches every rank; fsdp_run exits 130") {
   TempDir dir;
   ChildProcess job({fsdp_run_path(), "--nproc", "2", "/bin/sh", "-c",
@@ -213,6 +247,12 @@ TEST_CASE("--timeout-ms stops a job that runs too long and fails naming the rank
   CHECK(f.seconds >= 0.3);
   CHECK(f.seconds < 3.0);
   CHECK(f.err.find("ranks 0, 1 were still running after the 300 ms timeout; they were stopped") != std::string::npos);
+
+  // Every rank done before the timeout, but a process it left holds the pipe while
+  // fsdp_run drains it: that is no timeout of the job.
+  const Finished done = fsdp_run({"--timeout-ms", "450"}, "sleep 3 & exit 0");  // exits at once
+  CHECK(done.status == 0);
+  CHECK(done.err.empty());
 }
 
 TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {

@@ -16,9 +16,10 @@
 // stderr) of the launcher. Failure: when a rank exits non-zero or by a signal, the launcher
 // prints "fsdp_run: rank R exited with status S (signal NAME); stopping the other ranks",
 // sends SIGTERM to the others, SIGKILL after `grace`, and returns that rank's status (exit
-// code, or 128 + signal). SIGINT, SIGTERM and SIGHUP sent to the launcher go to every rank
-// (a second one kills them); run() then returns 128 + that signal. All ranks exiting 0
-// returns 0. Errors before the ranks run (bad options, a program that cannot start) and a
+// code, or 128 + signal); ranks it finds failed at once are all named, one killed by a
+// signal first (the likelier cause). SIGINT, SIGTERM and SIGHUP sent to the launcher go
+// to every rank (a second one kills them); run() then returns 128 + that signal. All ranks
+// exiting 0 returns 0. Errors before the ranks run (bad options, a program that cannot start) and a
 // reached `timeout` throw fsdp::Error.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -129,7 +130,9 @@ class Job {
         if (!drain_until) drain_until = now + kDrainAfterExit;
         if (!any_stream_open() || now >= *drain_until) break;
       }
-      if (!stopping_ && options_.timeout.count() > 0 && now >= started + options_.timeout) {
+      // Once every rank has exited (draining their pipes), the timeout has nothing to stop.
+      const bool timing = !stopping_ && !drain_until && options_.timeout.count() > 0;
+      if (timing && now >= started + options_.timeout) {
         timed_out_ = still_running();
         say("fsdp_run: timeout of " + std::to_string(options_.timeout.count()) + " ms reached with ranks " +
             timed_out_ + " still running; stopping them");
@@ -139,7 +142,7 @@ class Job {
       auto next = now + kMaxPoll;
       if (drain_until) next = std::min(next, *drain_until);
       if (stopping_ && !killed_) next = std::min(next, kill_at_);
-      if (!stopping_ && options_.timeout.count() > 0) next = std::min(next, started + options_.timeout);
+      if (timing && !stopping_) next = std::min(next, started + options_.timeout);
       wait_for_events(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
     }
     for (auto& r : ranks_) {
@@ -154,19 +157,27 @@ class Job {
 
  private:
   void reap() {
-    for (auto& r : ranks_) {
-      if (r->exited() || !r->try_reap() || stopping_ || r->status() == 0) continue;
-      // The first failure: its last output first, then the line saying what happened.
+    std::vector<RankProcess*> failed;  // newly exited non-zero, before the job was stopped
+    for (auto& r : ranks_)
+      if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed.push_back(r.get());
+    if (failed.empty()) return;
+    // Several failures seen at once (the launcher was slow to wake) have lost their order.
+    // A rank killed by a signal is the likelier cause: its peers fail because it vanished.
+    std::stable_partition(failed.begin(), failed.end(), [](auto* r) { return r->killed_by_signal(); });
+    // The failure: its last output first, then the line saying what happened.
+    std::string line;
+    for (auto* r : failed) {
       drain_stream(r->out());
       drain_stream(r->err());
-      result_ = r->status();
-      std::string line = "fsdp_run: rank " + std::to_string(r->rank()) + " exited with status " +
-                         std::to_string(r->status());
+      line += (line.empty() ? "fsdp_run: rank " : "; rank ") + std::to_string(r->rank()) + " exited with status " +
+              std::to_string(r->status());
       if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
-      if (!still_running().empty()) line += "; stopping the other ranks";
-      say(line);
-      stop(SIGTERM);
+      if (r != failed.front()) line += " too";
     }
+    result_ = failed.front()->status();
+    if (!still_running().empty()) line += "; stopping the other ranks";
+    say(line);
+    stop(SIGTERM);
   }
 
   // Sends `sig` to every rank still running; SIGKILL follows after the grace period.

@@ -46,8 +46,11 @@ inline std::vector<std::string> rank_environment(const Options& o, const LaunchS
   set["WORLD_SIZE"] = std::to_string(o.nnodes * o.nproc);
   set["LOCAL_RANK"] = std::to_string(local_rank);
   set["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc);
-  // Several nodes: rank 0's store must listen where the other nodes connect.
-  if (o.nnodes > 1 && !std::getenv(kBindVariable) && !set.count(kBindVariable)) set[kBindVariable] = o.master_addr;
+  // Several nodes, or a master address that is not loopback: rank 0's store must listen
+  // where the ranks connect (its default is 127.0.0.1).
+  const bool loopback = o.master_addr == "localhost" || o.master_addr == "::1" || o.master_addr.rfind("127.", 0) == 0;
+  if ((o.nnodes > 1 || !loopback) && !std::getenv(kBindVariable) && !set.count(kBindVariable))
+    set[kBindVariable] = o.master_addr;
   if (!spec.token.empty()) set[kTokenVariable] = spec.token;
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -115,6 +118,12 @@ class RankProcess {
     posix_spawnattr_setpgroup(&attr, 0);  // a group of its own, named by its pid
     sigset_t defaults;
     sigemptyset(&defaults);
+    // The ranks start with no signal blocked, whatever the calling thread blocks, so the
+    // SIGTERM that stops a job reaches them.
+    sigset_t none;
+    sigemptyset(&none);
+    posix_spawnattr_setsigmask(&attr, &none);
+    flags |= POSIX_SPAWN_SETSIGMASK;
     if (spec.reset_sigpipe) {
       sigaddset(&defaults, SIGPIPE);
       posix_spawnattr_setsigdefault(&attr, &defaults);

@@ -155,7 +155,9 @@ class RingPlanner {
   }
 
   // Segment j of chunk c, in bytes from the layout's start (empty past the chunk's end).
-  std::size_t seg_begin(int c, std::size_t j) const { return (chunk_off_[c] + std::min(j * seg_elems_, chunk_len_[c])) * esize_; }
+  std::size_t seg_begin(int c, std::size_t j) const {
+    return (chunk_off_[c] + std::min(j * seg_elems_, chunk_len_[c])) * esize_;
+  }
   std::size_t seg_bytes(int c, std::size_t j) const {
     const std::size_t b = std::min(j * seg_elems_, chunk_len_[c]);
     return (std::min(b + seg_elems_, chunk_len_[c]) - b) * esize_;

@@ -110,8 +110,8 @@ struct FrameHeader {
       h.seq = get_le<std::uint64_t>(in + 16);
       h.count = get_le<std::uint64_t>(in + 24);
       h.bytes = get_le<std::uint64_t>(in + 32);
-      if (h.type == FrameType::abort && h.bytes > kMaxAbortBytes) problem = "abort frame of " + std::to_string(h.bytes) + " bytes";
-      else return h;
+      if (h.type != FrameType::abort || h.bytes <= kMaxAbortBytes) return h;
+      problem = "abort frame of " + std::to_string(h.bytes) + " bytes";
     }
     return std::nullopt;
   }

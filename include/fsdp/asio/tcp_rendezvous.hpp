@@ -209,7 +209,7 @@ class RingJoiner {
         const auto hello = Hello::decode_fixed(in->hello.data(), prefix_bytes);
         if (!hello) return drop(*in, "not an fsdp TcpComm handshake");
         in->prefix.resize(prefix_bytes);
-        boost::asio::async_read(in->socket, boost::asio::buffer(in->prefix), [this, in, h = *hello](error_code ec, std::size_t) {
+        auto on_prefix = [this, in, h = *hello](error_code ec, std::size_t) {
           if (ec) return drop(*in, "it closed during its handshake");
           if (in->prefix != id_.prefix)
             return answer(in, "this port belongs to communicator " + id_.prefix + ", not " + in->prefix,
@@ -220,7 +220,8 @@ class RingJoiner {
             if (!problem.empty()) failure_ = problem;
             else left_ = std::move(in->socket);
           });
-        });
+        };
+        boost::asio::async_read(in->socket, boost::asio::buffer(in->prefix), on_prefix);
       });
     });
   }

@@ -38,7 +38,9 @@ namespace fsdp::detail {
 // Asio's default completion condition moves at most 64 KiB per system call; a frame
 // goes in as few calls as the socket buffers allow.
 struct TransferWhole {
-  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const { return ec ? 0 : std::size_t{1} << 30; }
+  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const {
+    return ec ? 0 : std::size_t{1} << 30;
+  }
 };
 
 // How the ring tells its owner that a collective is stalled, and asks what to say when it
@@ -80,7 +82,7 @@ class TcpRing {
     plan_ = &plan;
     next_send_ = sends_done_ = recvs_done_ = 0;
     local_index_ = local_offset_ = 0;
-    const auto poll_every = std::clamp<Clock::duration>(timeout_ / 4, std::chrono::milliseconds(10), std::chrono::seconds(1));
+    const Clock::duration poll_every = std::clamp<Clock::duration>(timeout_ / 4, kPollMin, std::chrono::seconds(1));
     auto last_progress = progress_;
     auto last_progress_at = Clock::now();
     auto next_poll = last_progress_at + poll_every;
@@ -169,8 +171,10 @@ class TcpRing {
 
  private:
   enum class Left { reading_header, header_ready, reading_payload, closed };
+  using HeaderBytes = std::array<std::byte, FrameHeader::kSize>;
 
   static constexpr std::chrono::milliseconds kLostGrace{100};
+  static constexpr std::chrono::milliseconds kPollMin{10};
 
   std::string who(int r) const { return "rank " + std::to_string(r); }
   std::string where() const { return who(rank_) + ": "; }
@@ -192,7 +196,8 @@ class TcpRing {
     for (bool moved = true; moved && !local_failure_;) {
       moved = false;
       const auto& sends = plan_->sends;
-      if (!writing_ && !right_closed_ && !right_write_failed_ && next_send_ < sends.size() && sends[next_send_].after_recv < std::int64_t(recvs_done_)) {
+      const bool can_write = !writing_ && !right_closed_ && !right_write_failed_;
+      if (can_write && next_send_ < sends.size() && sends[next_send_].after_recv < std::int64_t(recvs_done_)) {
         write_frame(next_send_++);
         moved = true;
       }
@@ -227,12 +232,13 @@ class TcpRing {
       return true;
     }
     left_state_ = Left::reading_payload;
-    boost::asio::async_read(left_, boost::asio::buffer(f.dest, f.bytes), TransferWhole{}, [this](error_code ec, std::size_t) {
+    auto done = [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
       ++progress_;
       if (ec) return left_lost(ec);
       complete_recv();
-    });
+    };
+    boost::asio::async_read(left_, boost::asio::buffer(f.dest, f.bytes), TransferWhole{}, done);
     return false;
   }
 
@@ -246,7 +252,8 @@ class TcpRing {
     const SendFrame& f = plan_->sends[i];
     FrameHeader::data_for(*call_, static_cast<std::uint32_t>(i), f.bytes).encode(out_header_.data());
     writing_ = true;
-    const std::array<boost::asio::const_buffer, 2> frame{boost::asio::buffer(out_header_), boost::asio::buffer(f.data, f.bytes)};
+    const std::array<boost::asio::const_buffer, 2> frame{boost::asio::const_buffer(out_header_.data(), out_header_.size()),
+                                                         boost::asio::const_buffer(f.data, f.bytes)};
     boost::asio::async_write(right_, frame, TransferWhole{}, [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
       writing_ = false;
@@ -284,10 +291,10 @@ class TcpRing {
       }
     });
   }
-  std::optional<FrameHeader> decode(const std::array<std::byte, FrameHeader::kSize>& bytes, int from, const char* context) {
+  std::optional<FrameHeader> decode(const HeaderBytes& bytes, int from, const char* context) {
     std::string problem;
     auto h = FrameHeader::decode(bytes.data(), problem);
-    if (!h) protocol_ = where() + "malformed frame from " + who(from) + context + ": " + problem + " (stream out of step?)";
+    if (!h) protocol_ = where() + "malformed frame from " + who(from) + context + ": " + problem + " (out of step?)";
     return h;
   }
   void read_abort(tcp::socket& s, const FrameHeader& h, std::string& text) {
@@ -300,7 +307,8 @@ class TcpRing {
   }
   void send_abort(tcp::socket& s) {
     ++aborts_in_flight_;
-    boost::asio::async_write(s, boost::asio::buffer(abort_frame_), [this](error_code, std::size_t) { --aborts_in_flight_; });
+    boost::asio::async_write(s, boost::asio::buffer(abort_frame_),
+                             [this](error_code, std::size_t) { --aborts_in_flight_; });
   }
 
   void left_lost(error_code ec) {
@@ -324,8 +332,8 @@ class TcpRing {
   RingFailure lost(int peer, error_code ec) const {
     const bool closed = ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset ||
                         ec == boost::asio::error::broken_pipe || !ec;
-    std::string msg = where() + "peer " + who(peer) + (closed ? " closed the connection" : " is unreachable (" + ec.message() + ")") +
-                      " during " + call_->describe() + " (did its process exit?)";
+    const std::string what = closed ? " closed the connection" : " is unreachable (" + ec.message() + ")";
+    std::string msg = where() + "peer " + who(peer) + what + " during " + call_->describe() + " (did its process exit?)";
     return {msg, msg, true};
   }
 
@@ -351,7 +359,7 @@ class TcpRing {
 
   Left left_state_ = Left::closed;
   FrameHeader left_header_;
-  std::array<std::byte, FrameHeader::kSize> left_bytes_{}, right_bytes_{};
+  HeaderBytes left_bytes_{}, right_bytes_{};
   error_code left_error_, right_error_;
   bool right_closed_ = false, right_write_failed_ = false;
 

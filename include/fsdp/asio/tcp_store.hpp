@@ -147,7 +147,8 @@ class TcpStore final : public Store {
       reply = exchange(hello, Clock::now() + options_.timeout);
     } catch (const Error&) {
       if (broken_code_ == boost::asio::error::eof || broken_code_ == boost::asio::error::connection_reset)
-        detail::fail("the store at ", host_, ":", port_, " refused this client: wrong or missing FSDP_STORE_TOKEN");
+        detail::fail("the store at ", host_, ":", port_, " refused this client: wrong or missing FSDP_STORE_TOKEN "
+                     "(or the server is full, or is not an fsdp store)");
       throw;
     }
     if (reply.status != store_wire::Status::ok)
@@ -195,8 +196,9 @@ class TcpStore final : public Store {
   // Writes the request and reads its reply; any failure closes the connection for good.
   store_wire::Reply exchange(const store_wire::Request& r, Clock::time_point deadline) {
     const std::string frame = store_wire::encode(r);
-    if (frame.size() - 4 > limits_.max_frame_bytes())
-      lose(r, {}, "the request of " + std::to_string(frame.size()) + " bytes exceeds the store's frame limit");
+    if (frame.size() - 4 > limits_.max_frame_bytes())  // nothing sent: the connection stays usable
+      detail::fail(where(), ": ", what(r), ": the request of ", frame.size() - 4, " bytes exceeds the store's frame limit of ",
+                   limits_.max_frame_bytes(), " bytes");
     if (auto ec = socket_.write(frame, deadline)) lose(r, ec, "");
     unsigned char header[4];
     if (auto ec = socket_.read(header, 4, deadline)) lose(r, ec, "");

@@ -229,13 +229,14 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
 
   void handshake(const store_wire::Request& hello) {
     if (hello.verb != store_wire::Verb::hello) return drop(server_.counters_.malformed);
+    // The token first: only a client that has it may learn even that the store is full.
+    if (!server_.token_matches(hello.token)) return drop(server_.counters_.wrong_token);
     store_wire::Reply reply;
     if (!refusal_.empty()) {
       reply.status = store_wire::Status::error;
       reply.value = refusal_;
       return send(store_wire::Verb::hello, reply, /*then_close=*/true);
     }
-    if (!server_.token_matches(hello.token)) return drop(server_.counters_.wrong_token);
     authenticated_ = true;
     ++server_.counters_.accepted;
     timer_.cancel();

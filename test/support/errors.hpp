@@ -1,0 +1,22 @@
+#pragma once
+// Reading errors in tests: the fsdp::Error message a call throws, and substring checks.
+#include <string>
+
+#include <fsdp/error.hpp>
+
+namespace test_support {
+
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// The fsdp::Error message `fn` throws, "" if it throws none.
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const fsdp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace test_support
