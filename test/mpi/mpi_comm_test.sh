@@ -49,8 +49,9 @@ rc=$?
 echo "$out"
 echo "teardown: exit $rc after $((SECONDS - start)) s"
 [[ $rc != 0 && $rc != 124 && $rc != 137 ]] || fail "teardown: mpirun exited with $rc, expected MPI_Abort's status"
-grep -q '\[doctest\] test cases: 1 | 1 passed | 0 failed' <<<"$out" || fail "teardown: its test case did not pass"
-grep -q 'aborting the MPI job after a failed collective: rank [12] of MPI communicator' <<<"$out" ||
+[[ $(grep -c '\[mpi\] rank [12] (its MPI job failed: no totals across ranks): test cases: 1 | 1 passed | 0 failed' <<<"$out") == 2 ]] ||
+  fail "teardown: its test case did not pass on ranks 1 and 2"
+grep -q 'aborting the MPI job after a failed collective: world rank [12]: MpiComm .world.: MPI_Comm_idup' <<<"$out" ||
   fail "teardown: no rank aborted the job"
 
 [[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"

@@ -111,6 +111,17 @@ int main(int argc, char** argv) {
   if (!output.empty()) std::printf("%s", output.c_str());
   std::fflush(stdout);
 
+  if (session.failed()) {
+    // A test failed this rank's MPI job on purpose (the teardown run): fsdp makes no more
+    // MPI calls, so this rank reports its own cases, not as a doctest summary (which the
+    // suite's total would count once per rank).
+    const auto& mine = case_results();
+    const auto passed = std::count_if(mine.begin(), mine.end(), [](const auto& c) { return c.second; });
+    std::printf("[mpi] rank %d (its MPI job failed: no totals across ranks): test cases: %zu | %zu passed | %zu failed\n",
+                rank, mine.size(), static_cast<std::size_t>(passed), mine.size() - static_cast<std::size_t>(passed));
+    std::fflush(stdout);
+    return rc;
+  }
   int failures = 0;
   try {
     failures = total_over_ranks(totals);

@@ -119,7 +119,6 @@ class TcpCommCore {
   };
 
   void loop() {
-    if (ring_) ring_->start();
     for (;;) {
       while (!queue_.empty()) {
         Job job = std::move(queue_.front());

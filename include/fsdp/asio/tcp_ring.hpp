@@ -1,9 +1,8 @@
 #pragma once
-// TcpRing: one rank's two ring links, driven by its communicator's I/O thread. It carries
-// out a RingPlan (ring.hpp) with one frame in flight each way: frame i goes to the right
-// as soon as what it forwards has arrived, frame i from the left is read as soon as its
-// destination is free, and each arrival is reduced before the next one is read (the
-// socket buffers keep the peers streaming meanwhile).
+// TcpRing: one rank's ring links. It carries out a RingPlan (ring.hpp): the receiving half
+// (here, on the communicator's I/O thread) reads frame i from the left as soon as its
+// destination is free, checks its header, reduces it; the sending half (RingSender, on a
+// thread of its own) writes frame i to the right as soon as what it forwards has arrived.
 //
 // Both links are read all the time, also between collectives: the left one for the next
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
@@ -32,16 +31,9 @@
 #include "fsdp/asio/ring.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
+#include "fsdp/asio/tcp_ring_sender.hpp"
 
 namespace fsdp::detail {
-
-// Asio's default completion condition moves at most 64 KiB per system call; a frame
-// goes in as few calls as the socket buffers allow.
-struct TransferWhole {
-  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const {
-    return ec ? 0 : std::size_t{1} << 30;
-  }
-};
 
 // How the ring tells its owner that a collective is stalled, and asks what to say when it
 // gives up (TcpComm asks the other ranks through the store where they are).
@@ -54,8 +46,8 @@ struct StallObserver {
 };
 
 struct RingFailure {
-  std::string message;  // this rank's error for the collective that failed
-  std::string cause;    // the original reason, sent on in ABORT frames
+  std::string message;     // this rank's error for the collective that failed
+  std::string cause;       // the original reason, sent on in ABORT frames
   bool link_lost = false;  // a neighbour closed: a moment is left for its ABORT to arrive
 };
 
@@ -65,25 +57,24 @@ class TcpRing {
   using Clock = std::chrono::steady_clock;
 
  public:
+  // `io` is run by the calling thread from now on (the communicator's I/O thread).
   TcpRing(boost::asio::io_context& io, RingSockets links, const RingIdentity& id)
-      : io_(io), left_(std::move(links.left)), right_(std::move(links.right)), rank_(id.rank), size_(id.size),
-        left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout) {}
-
-  // Starts reading both links; call on the thread that runs `io`.
-  void start() {
+      : io_(io), left_(std::move(links.left)), rank_(id.rank), size_(id.size), left_rank_(id.left()),
+        right_rank_(id.right()), timeout_(id.timeout), sender_(std::move(links.right), id, counters_, io) {
     read_left_header();
-    watch_right();
   }
 
   // Carries out `plan` for `call` on the thread that runs `io`, running `io` meanwhile.
-  // On failure the links are closed and stay closed.
+  // Returns once no buffer of the call is touched any more. On failure the links are
+  // closed and stay closed.
   std::optional<RingFailure> run(const CollectiveCall& call, const RingPlan& plan, StallObserver& observer) {
     call_ = &call;
     plan_ = &plan;
-    next_send_ = sends_done_ = recvs_done_ = 0;
-    local_index_ = local_offset_ = 0;
+    recvs_done_ = local_index_ = local_offset_ = 0;
+    sent_base_ = counters_.sent.load();
+    sender_.begin(call, plan, counters_.received.load());
     const Clock::duration poll_every = std::clamp<Clock::duration>(timeout_ / 4, kPollMin, std::chrono::seconds(1));
-    auto last_progress = progress_;
+    auto last_progress = counters_.progress.load();
     auto last_progress_at = Clock::now();
     auto next_poll = last_progress_at + poll_every;
     std::optional<Clock::time_point> lost_at;
@@ -95,11 +86,10 @@ class TcpRing {
         // The neighbours that abort close their links right after sending ABORT, so the
         // closed link may be seen before the reason arrives on the other one.
         if (!lost_at) lost_at = Clock::now();
-        if (Clock::now() < *lost_at + kLostGrace) failure.reset();
-        else break;
+        if (Clock::now() >= *lost_at + kLostGrace) break;
+        failure.reset();
       }
-      const bool frames_done = sends_done_ == plan.sends.size() && recvs_done_ == plan.recvs.size();
-      if (failure || (frames_done && local_index_ == plan.local.size())) break;
+      if (failure || (frames_done() && local_index_ == plan.local.size())) break;
       if (local_index_ < plan.local.size()) {
         // This rank's own part (all_gather's own chunk, the broadcast root's copy) is
         // copied piece by piece between transfers instead of delaying the first frame.
@@ -108,11 +98,13 @@ class TcpRing {
         last_progress_at = Clock::now();
         continue;
       }
+      if (!sleep_until_sender_moves()) continue;
       const auto deadline = last_progress_at + timeout_;
       io_.run_one_until(std::min({deadline, next_poll, lost_at ? *lost_at + kLostGrace : deadline}));
+      counters_.receiver_waits.store(false);
       const auto now = Clock::now();
-      if (progress_ != last_progress) {
-        last_progress = progress_;
+      if (counters_.progress.load() != last_progress) {
+        last_progress = counters_.progress.load();
         last_progress_at = now;
         next_poll = now + poll_every;
       } else if (now >= deadline) {
@@ -134,39 +126,38 @@ class TcpRing {
   // passed on and turned into this ring's end. Empty if the ring is fine.
   std::optional<std::string> idle_failure() {
     std::optional<std::string> cause = peer_abort_ ? peer_abort_ : protocol_;
+    if (!cause && sender_.has_events()) {
+      const RightLinkEvents e = sender_.events();
+      cause = e.abort ? e.abort : e.protocol;
+    }
     if (cause) abort_and_close(*cause);
     return cause;
   }
 
-  bool closed() const { return closed_; }
-
   // Sends ABORT with `cause` to both neighbours (at most 1 s), then closes both links.
   void abort_and_close(const std::string& cause) {
     if (closed_) return;
-    const auto deadline = Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(1));
-    // A data frame in flight is finished first, so the right neighbour's stream stays in frame.
-    while (writing_ && io_.run_one_until(deadline)) {
-    }
+    sender_.abort(cause);
     const std::string reason = cause.substr(0, FrameHeader::kMaxAbortBytes);
     abort_frame_.assign(FrameHeader::kSize + reason.size(), '\0');
     FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_frame_.data()));
     std::copy(reason.begin(), reason.end(), abort_frame_.begin() + FrameHeader::kSize);
-    if (!writing_ && !right_closed_ && !right_write_failed_) send_abort(right_);
-    send_abort(left_);
-    while (aborts_in_flight_ > 0 && io_.run_one_until(deadline)) {
+    bool sent = false;
+    boost::asio::async_write(left_, boost::asio::buffer(abort_frame_), [&sent](error_code, std::size_t) { sent = true; });
+    // The sending half ends by its own 1 s deadline; this one is a backstop.
+    const auto deadline = Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(1));
+    const auto backstop = Clock::now() + std::chrono::seconds(10);
+    while (!sender_.events().shut && io_.run_one_until(backstop)) {
     }
-    close();
+    while (!sent && io_.run_one_until(deadline)) {
+    }
+    close_left();  // cancels the ABORT write if it is still pending: `sent` is set before returning
   }
 
+  // Closes both links (neighbours that still expect frames see the connection close).
   void close() {
-    if (closed_) return;
-    closed_ = true;
-    error_code ignored;
-    left_.shutdown(tcp::socket::shutdown_both, ignored);
-    right_.shutdown(tcp::socket::shutdown_both, ignored);
-    left_.close(ignored);
-    right_.close(ignored);
-    io_.poll();  // the cancelled operations' handlers run now, touching no buffer again
+    sender_.close();
+    close_left();
   }
 
  private:
@@ -178,6 +169,25 @@ class TcpRing {
 
   std::string who(int r) const { return "rank " + std::to_string(r); }
   std::string where() const { return who(rank_) + ": "; }
+
+  std::size_t sends_done() const { return counters_.sent.load() - sent_base_; }
+  bool frames_done() const { return recvs_done_ == plan_->recvs.size() && sends_done() == plan_->sends.size(); }
+
+  // Before sleeping when only the sending half can unblock this one (a destination still
+  // being sent from, or nothing left but sends): ask it for a wake-up. False if it moved
+  // meanwhile (no sleep needed).
+  bool sleep_until_sender_moves() {
+    const auto& recvs = plan_->recvs;
+    const std::size_t sent = sends_done();
+    const bool blocked = recvs_done_ == recvs.size() ? sent < plan_->sends.size()
+                                                     : left_state_ == Left::header_ready &&
+                                                           recvs[recvs_done_].after_send >= std::int64_t(sent);
+    if (!blocked) return true;
+    counters_.receiver_waits.store(true);
+    if (sends_done() == sent) return true;
+    counters_.receiver_waits.store(false);
+    return false;
+  }
 
   void copy_local_piece() {
     constexpr std::size_t kPiece = 256 * 1024;
@@ -191,22 +201,13 @@ class TcpRing {
     }
   }
 
-  // Starts every frame that may start now.
+  // Starts every receive that may start now.
   void pump() {
-    for (bool moved = true; moved && !local_failure_;) {
-      moved = false;
-      const auto& sends = plan_->sends;
-      const bool can_write = !writing_ && !right_closed_ && !right_write_failed_;
-      if (can_write && next_send_ < sends.size() && sends[next_send_].after_recv < std::int64_t(recvs_done_)) {
-        write_frame(next_send_++);
-        moved = true;
-      }
-      const auto& recvs = plan_->recvs;
-      if (left_state_ == Left::header_ready && recvs_done_ < recvs.size() &&
-          recvs[recvs_done_].after_send < std::int64_t(sends_done_)) {
-        if (!accept_header(recvs[recvs_done_])) return;
-        moved = read_payload(recvs[recvs_done_]);
-      }
+    const auto& recvs = plan_->recvs;
+    while (!local_failure_ && left_state_ == Left::header_ready && recvs_done_ < recvs.size() &&
+           recvs[recvs_done_].after_send < std::int64_t(sends_done())) {
+      if (!accept_header(recvs[recvs_done_])) return;
+      if (!read_payload(recvs[recvs_done_])) return;
     }
   }
 
@@ -214,8 +215,8 @@ class TcpRing {
   bool accept_header(const RecvFrame& f) {
     const FrameHeader& h = left_header_;
     if (!h.matches(*call_)) {
-      local_failure_ = "collective mismatch: rank " + std::to_string(rank_) + " called " + call_->describe() + " but rank " +
-                       std::to_string(left_rank_) + " called " + h.call().describe();
+      local_failure_ = "collective mismatch: rank " + std::to_string(rank_) + " called " + call_->describe() +
+                       " but rank " + std::to_string(left_rank_) + " called " + h.call().describe();
     } else if (h.index != recvs_done_ || h.bytes != f.bytes) {
       std::ostringstream os;
       os << where() << "frame " << h.index << " (" << h.bytes << " bytes) from rank " << left_rank_ << " in "
@@ -234,7 +235,7 @@ class TcpRing {
     left_state_ = Left::reading_payload;
     auto done = [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
-      ++progress_;
+      ++counters_.progress;
       if (ec) return left_lost(ec);
       complete_recv();
     };
@@ -245,88 +246,67 @@ class TcpRing {
   void complete_recv() {
     finish_recv(plan_->recvs[recvs_done_], call_->dtype, call_->op, size_);
     ++recvs_done_;
+    counters_.received.fetch_add(1);
+    if (counters_.sender_waits.exchange(false)) sender_.wake();
     read_left_header();
   }
 
-  void write_frame(std::size_t i) {
-    const SendFrame& f = plan_->sends[i];
-    FrameHeader::data_for(*call_, static_cast<std::uint32_t>(i), f.bytes).encode(out_header_.data());
-    writing_ = true;
-    const std::array<boost::asio::const_buffer, 2> frame{boost::asio::const_buffer(out_header_.data(), out_header_.size()),
-                                                         boost::asio::const_buffer(f.data, f.bytes)};
-    boost::asio::async_write(right_, frame, TransferWhole{}, [this](error_code ec, std::size_t) {
-      if (ec == boost::asio::error::operation_aborted) return;
-      writing_ = false;
-      ++progress_;
-      // The peer's ABORT may still be waiting on this socket: the watcher reads it (or
-      // the end of the stream) and decides what failed.
-      if (ec) right_write_failed_ = true;
-      else ++sends_done_;
-    });
-  }
-
-  // ---- the readers that run all the time ----
+  // Reads the left link all the time: the next frame's header waits for its collective.
   void read_left_header() {
     left_state_ = Left::reading_header;
     boost::asio::async_read(left_, boost::asio::buffer(left_bytes_), [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
-      ++progress_;
+      ++counters_.progress;
       if (ec) return left_lost(ec);
-      if (auto h = decode(left_bytes_, left_rank_, "")) {
-        if (h->type == FrameType::abort) return read_abort(left_, *h, left_abort_);
+      std::string problem;
+      const auto h = FrameHeader::decode(left_bytes_.data(), problem);
+      if (!h) {
+        protocol_ = where() + "malformed frame from " + who(left_rank_) + ": " + problem + " (out of step?)";
+        left_state_ = Left::closed;
+      } else if (h->type == FrameType::abort) {
+        read_abort(h->bytes);
+      } else {
         left_header_ = *h;
         left_state_ = Left::header_ready;
-      } else {
-        left_state_ = Left::closed;
       }
     });
   }
-  void watch_right() {
-    boost::asio::async_read(right_, boost::asio::buffer(right_bytes_), [this](error_code ec, std::size_t) {
+  void read_abort(std::size_t bytes) {
+    left_abort_.resize(bytes);
+    boost::asio::async_read(left_, boost::asio::buffer(left_abort_), [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
-      if (ec) return right_lost(ec);
-      if (auto h = decode(right_bytes_, right_rank_, " on the link it only receives on")) {
-        if (h->type == FrameType::abort) return read_abort(right_, *h, right_abort_);
-        protocol_ = where() + who(right_rank_) + " sent a data frame backwards (not an fsdp TcpComm ring peer?)";
-      }
+      ++counters_.progress;
+      if (!peer_abort_) peer_abort_ = ec ? std::string("a neighbour aborted (its reason was cut off)") : left_abort_;
     });
-  }
-  std::optional<FrameHeader> decode(const HeaderBytes& bytes, int from, const char* context) {
-    std::string problem;
-    auto h = FrameHeader::decode(bytes.data(), problem);
-    if (!h) protocol_ = where() + "malformed frame from " + who(from) + context + ": " + problem + " (out of step?)";
-    return h;
-  }
-  void read_abort(tcp::socket& s, const FrameHeader& h, std::string& text) {
-    text.resize(h.bytes);
-    boost::asio::async_read(s, boost::asio::buffer(text), [this, &text](error_code ec, std::size_t) {
-      if (ec == boost::asio::error::operation_aborted) return;
-      ++progress_;
-      if (!peer_abort_) peer_abort_ = ec ? std::string("a neighbour aborted (its reason was cut off)") : text;
-    });
-  }
-  void send_abort(tcp::socket& s) {
-    ++aborts_in_flight_;
-    boost::asio::async_write(s, boost::asio::buffer(abort_frame_),
-                             [this](error_code, std::size_t) { --aborts_in_flight_; });
   }
 
   void left_lost(error_code ec) {
     left_state_ = Left::closed;
     left_error_ = ec;
   }
-  void right_lost(error_code ec) {
-    right_closed_ = true;
-    right_error_ = ec;
+  void close_left() {
+    if (closed_) return;
+    closed_ = true;
+    error_code ignored;
+    left_.shutdown(tcp::socket::shutdown_both, ignored);
+    left_.close(ignored);
+    io_.poll();  // the cancelled operations' handlers run now, touching no buffer again
   }
 
   // ---- what went wrong, if anything, for the current call ----
   std::optional<RingFailure> check() const {
     if (local_failure_) return RingFailure{*local_failure_, *local_failure_};
-    if (peer_abort_) return RingFailure{where() + call_->describe() + " aborted: " + *peer_abort_, *peer_abort_};
-    if (protocol_) return RingFailure{*protocol_ + " during " + call_->describe(), *protocol_};
+    std::optional<std::string> abort = peer_abort_, protocol = protocol_;
+    RightLinkEvents right;
+    if (sender_.has_events()) {
+      right = sender_.events();
+      if (!abort) abort = right.abort;
+      if (!protocol) protocol = right.protocol;
+    }
+    if (abort) return RingFailure{where() + call_->describe() + " aborted: " + *abort, *abort};
+    if (protocol) return RingFailure{*protocol + " during " + call_->describe(), *protocol};
     if (left_state_ == Left::closed && recvs_done_ < plan_->recvs.size()) return lost(left_rank_, left_error_);
-    if (right_closed_ && !writing_ && sends_done_ < plan_->sends.size()) return lost(right_rank_, right_error_);
+    if ((right.closed || right.shut) && sends_done() < plan_->sends.size()) return lost(right_rank_, right.error);
     return std::nullopt;
   }
   RingFailure lost(int peer, error_code ec) const {
@@ -339,33 +319,30 @@ class TcpRing {
 
   std::string state() const {
     std::ostringstream os;
-    os << "sent " << sends_done_ << " of " << plan_->sends.size() << " frames to rank " << right_rank_ << ", received "
-       << recvs_done_ << " of " << plan_->recvs.size() << " from rank " << left_rank_;
+    os << "sent " << sends_done() << " of " << plan_->sends.size() << " frames to rank " << right_rank_
+       << ", received " << recvs_done_ << " of " << plan_->recvs.size() << " from rank " << left_rank_;
     return os.str();
   }
 
   boost::asio::io_context& io_;
-  tcp::socket left_, right_;
+  tcp::socket left_;
   const int rank_, size_, left_rank_, right_rank_;
   const std::chrono::milliseconds timeout_;
+  RingCounters counters_;
+  RingSender sender_;  // after counters_: it uses them until it is gone
 
   const CollectiveCall* call_ = nullptr;
   const RingPlan* plan_ = nullptr;
-  std::size_t next_send_ = 0, sends_done_ = 0, recvs_done_ = 0;
+  std::uint64_t sent_base_ = 0;  // counters_.sent when the current collective began
+  std::size_t recvs_done_ = 0;
   std::size_t local_index_ = 0, local_offset_ = 0;  // LocalCopy in progress
-  std::uint64_t progress_ = 0;  // completed transfers, for the timeout
-  bool writing_ = false;
-  std::array<std::byte, FrameHeader::kSize> out_header_{};
 
   Left left_state_ = Left::closed;
   FrameHeader left_header_;
-  HeaderBytes left_bytes_{}, right_bytes_{};
-  error_code left_error_, right_error_;
-  bool right_closed_ = false, right_write_failed_ = false;
-
+  HeaderBytes left_bytes_{};
+  error_code left_error_;
   std::optional<std::string> local_failure_, peer_abort_, protocol_;
-  std::string left_abort_, right_abort_, abort_frame_;
-  int aborts_in_flight_ = 0;
+  std::string left_abort_, abort_frame_;
   bool closed_ = false;
 };
 

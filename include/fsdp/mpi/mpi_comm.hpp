@@ -68,7 +68,7 @@ class MpiComm {
     MPI_Request req = MPI_REQUEST_NULL;
     int rc;
     {
-      auto lk = rt->lock();
+      auto lk = rt->lock_for_call(where + "making the communicator");
       rc = MPI_Comm_idup(parent, &comm, &req);
     }
     if (rc == MPI_SUCCESS) rc = detail::mpi_test_until(*rt, req, std::chrono::steady_clock::now() + options.timeout);
@@ -186,7 +186,7 @@ class MpiComm {
     MPI_Comm comm = MPI_COMM_NULL;
     int rc;
     {
-      auto lk = state_->rt->lock();
+      auto lk = state_->rt->lock_for_call(where() + ": split");
       rc = MPI_Comm_split(state_->comm, color, key, &comm);  // every rank is known to be here
     }
     if (rc != MPI_SUCCESS)
@@ -249,7 +249,7 @@ class MpiComm {
     MPI_Request req = MPI_REQUEST_NULL;
     int rc;
     {
-      auto lk = state_->rt->lock();
+      auto lk = state_->rt->lock_for_call(where() + ": " + call.describe());
       rc = issue(&req);
     }
     if (rc != MPI_SUCCESS)

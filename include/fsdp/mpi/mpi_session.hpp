@@ -81,6 +81,17 @@ struct MpiRuntime {
     return serialize ? std::unique_lock<std::mutex>(mpi_mutex) : std::unique_lock<std::mutex>();
   }
 
+  // The lock for an MPI call, refused once the job has failed: any MPI call could progress
+  // a timed-out collective, which may still write into buffers that its caller freed
+  // while unwinding. After a failure fsdp makes no MPI call but MPI_Abort.
+  std::unique_lock<std::mutex> lock_for_call(const std::string& where) {
+    if (has_failed())
+      fail(where, ": not started: the MPI job already failed (", failure(),
+           "); fsdp makes no further MPI calls, since a timed-out collective could still write into freed "
+           "buffers. End the job (the MpiSession aborts it when it ends)");
+    return lock();
+  }
+
   // Records the first failure that leaves MPI in an unknown state.
   void mark_failed(const std::string& reason) {
     std::lock_guard lk(failure_mutex);

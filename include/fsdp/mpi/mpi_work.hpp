@@ -37,6 +37,7 @@ struct MpiCommState {
   MpiCommState(const MpiCommState&) = delete;
   MpiCommState& operator=(const MpiCommState&) = delete;
   ~MpiCommState() {
+    if (rt->has_failed()) return;  // no MPI call after a failure (see lock_for_call); the job aborts
     auto lk = rt->lock();
     MPI_Comm_free(&comm);  // deferred by MPI while a timed-out collective still uses it
   }
@@ -125,6 +126,7 @@ class MpiPending final : public Work::Pending {
   // complete.
   bool finish(bool blocking) {
     if (done_) return true;
+    if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
     const auto now = std::chrono::steady_clock::now();
     const int rc = mpi_test_until(*comm_->rt, req_, blocking ? now + comm_->timeout : now);
     if (rc == kMpiTimedOut) {

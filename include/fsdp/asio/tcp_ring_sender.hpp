@@ -1,0 +1,256 @@
+#pragma once
+// RingSender: the sending half of one rank's ring, on a thread of its own. TcpRing (the
+// receiving half, on the communicator's I/O thread) hands it each collective's plan; it
+// writes frame i to the right neighbour as soon as the receive that frame forwards has
+// arrived, and meanwhile watches the same socket for an ABORT coming back. With the halves
+// on two threads the kernel copies of sending and receiving run on two cores at once (one
+// thread doing both is bounded by one core), and a write waiting for the right neighbour
+// never delays a read from the left one.
+//
+// The halves share monotonic frame counters (RingCounters). A half wakes the other only
+// after the other said it waits (it raises its flag, then reads the counter again; with
+// sequentially consistent atomics one of the two always sees the other), so a stream of
+// frames costs no cross-thread wake-ups.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+
+#include "fsdp/asio/ring.hpp"
+#include "fsdp/asio/tcp_frame.hpp"
+#include "fsdp/asio/tcp_rendezvous.hpp"
+
+namespace fsdp::detail {
+
+// Asio's default completion condition moves at most 64 KiB per system call; a frame
+// goes in as few calls as the socket buffers allow.
+struct TransferWhole {
+  std::size_t operator()(const boost::system::error_code& ec, std::size_t) const {
+    return ec ? 0 : std::size_t{1} << 30;
+  }
+};
+
+struct RingCounters {
+  std::atomic<std::uint64_t> sent{0};       // frames written to the right, over all collectives
+  std::atomic<std::uint64_t> received{0};   // frames from the left, processed
+  std::atomic<std::uint64_t> progress{0};   // completed transfers either way, for the timeout
+  std::atomic<bool> receiver_waits{false};  // the receiving half sleeps until `sent` grows
+  std::atomic<bool> sender_waits{false};    // the sending half sleeps until `received` grows
+};
+
+// What happened on the link to the right, for the receiving half.
+struct RightLinkEvents {
+  bool closed = false;  // its reader saw the end of the stream or an error
+  boost::system::error_code error;
+  bool write_failed = false;
+  std::optional<std::string> abort;     // the right neighbour's ABORT reason
+  std::optional<std::string> protocol;  // a malformed frame
+  bool shut = false;                    // closed by abort() or close(): no buffer is touched any more
+};
+
+class RingSender {
+  using tcp = boost::asio::ip::tcp;
+  using error_code = boost::system::error_code;
+
+ public:
+  RingSender(tcp::socket right, const RingIdentity& id, RingCounters& counters, boost::asio::io_context& receiver_io)
+      : rank_(id.rank), right_rank_(id.right()), timeout_(id.timeout), counters_(counters), receiver_io_(receiver_io) {
+    error_code ec;
+    const auto local = right.local_endpoint(ec);
+    right_.assign(ec ? tcp::v4() : local.protocol(), right.release());  // to this thread's context
+    boost::asio::post(io_, [this] { watch(); });
+    thread_ = std::thread([this] { io_.run(); });
+  }
+  RingSender(const RingSender&) = delete;
+  RingSender& operator=(const RingSender&) = delete;
+  ~RingSender() {
+    boost::asio::post(io_, [this] {
+      shut_down();
+      keep_running_.reset();
+    });
+    thread_.join();
+  }
+
+  // ---- called from the receiving half's thread ----
+  // The plan's sends, once every receive frame i forwards has arrived (received_base +
+  // after_recv < counters.received). `call` and `plan` stay valid until the last send
+  // completed or shut is reported.
+  void begin(const CollectiveCall& call, const RingPlan& plan, std::uint64_t received_base) {
+    boost::asio::post(io_, [this, c = &call, p = &plan, received_base] {
+      if (p->sends.empty() || shut_) return;
+      call_ = c;
+      plan_ = p;
+      received_base_ = received_base;
+      next_ = 0;
+      pump();
+    });
+  }
+  void wake() {
+    boost::asio::post(io_, [this] { pump(); });
+  }
+  // Finishes a frame in flight, sends ABORT with `cause` and closes, within 1 s.
+  void abort(const std::string& cause) {
+    boost::asio::post(io_, [this, cause] { start_abort(cause); });
+  }
+  void close() {
+    boost::asio::post(io_, [this] { shut_down(); });
+  }
+
+  bool has_events() const { return has_events_.load(); }
+  RightLinkEvents events() const {
+    std::lock_guard lk(events_mu_);
+    return events_;
+  }
+
+ private:
+  std::uint64_t received() const { return counters_.received.load() - received_base_; }
+
+  // Starts the next send if it may start now.
+  void pump() {
+    while (plan_ && !writing_ && !aborting_ && !shut_ && next_ < plan_->sends.size()) {
+      const std::int64_t needs = plan_->sends[next_].after_recv;
+      if (needs >= 0 && static_cast<std::uint64_t>(needs) >= received()) {
+        counters_.sender_waits.store(true);
+        if (static_cast<std::uint64_t>(needs) >= received()) return;  // the receiving half wakes us
+        counters_.sender_waits.store(false);
+        continue;
+      }
+      write(next_++);
+    }
+  }
+
+  void write(std::size_t i) {
+    const SendFrame& f = plan_->sends[i];
+    FrameHeader::data_for(*call_, static_cast<std::uint32_t>(i), f.bytes).encode(header_.data());
+    writing_ = true;
+    const std::array<boost::asio::const_buffer, 2> frame{boost::asio::const_buffer(header_.data(), header_.size()),
+                                                         boost::asio::const_buffer(f.data, f.bytes)};
+    boost::asio::async_write(right_, frame, TransferWhole{}, [this](error_code ec, std::size_t) {
+      if (ec == boost::asio::error::operation_aborted) return;
+      writing_ = false;
+      ++counters_.progress;
+      if (ec) {
+        // The reader decides what failed: the peer's ABORT may still be waiting on this socket.
+        record([](RightLinkEvents& e) { e.write_failed = true; });
+        if (aborting_) shut_down();
+        return;
+      }
+      if (plan_ && next_ == plan_->sends.size()) {  // the last one: let go of the plan before saying so
+        plan_ = nullptr;
+        call_ = nullptr;
+      }
+      counters_.sent.fetch_add(1);
+      if (counters_.receiver_waits.exchange(false)) boost::asio::post(receiver_io_, [] {});
+      if (aborting_) send_abort_frame();
+      else pump();
+    });
+  }
+
+  // Reads the right link all the time: only an ABORT may come back on it.
+  void watch() {
+    boost::asio::async_read(right_, boost::asio::buffer(header_in_), [this](error_code ec, std::size_t) {
+      if (ec == boost::asio::error::operation_aborted || shut_) return;
+      ++counters_.progress;
+      if (ec) return record([ec](RightLinkEvents& e) {
+        e.closed = true;
+        e.error = ec;
+      });
+      std::string problem;
+      const auto h = FrameHeader::decode(header_in_.data(), problem);
+      if (h && h->type == FrameType::abort) {
+        abort_in_.resize(h->bytes);
+        boost::asio::async_read(right_, boost::asio::buffer(abort_in_), [this](error_code ec, std::size_t) {
+          if (ec == boost::asio::error::operation_aborted) return;
+          record([&](RightLinkEvents& e) { e.abort = ec ? "a neighbour aborted (its reason was cut off)" : abort_in_; });
+        });
+        return;
+      }
+      const std::string who = "rank " + std::to_string(rank_) + ": rank " + std::to_string(right_rank_);
+      record([&](RightLinkEvents& e) {
+        e.protocol = h ? who + " sent a data frame backwards (not an fsdp TcpComm ring peer?)"
+                       : who + " sent a malformed frame: " + problem + " (out of step?)";
+      });
+    });
+  }
+
+  void start_abort(const std::string& cause) {
+    if (shut_ || aborting_) return;
+    aborting_ = true;
+    plan_ = nullptr;  // no new frame starts
+    const std::string reason = cause.substr(0, FrameHeader::kMaxAbortBytes);
+    abort_out_.assign(FrameHeader::kSize + reason.size(), '\0');
+    FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_out_.data()));
+    std::copy(reason.begin(), reason.end(), abort_out_.begin() + FrameHeader::kSize);
+    deadline_.expires_after(std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(1)));
+    deadline_.async_wait([this](error_code ec) {
+      if (!ec) shut_down();  // best effort ends here
+    });
+    // A data frame in flight finishes first, so the right neighbour's stream stays in frame.
+    if (!writing_) send_abort_frame();
+  }
+  void send_abort_frame() {
+    const RightLinkEvents e = events();
+    if (e.closed || e.write_failed) return shut_down();
+    boost::asio::async_write(right_, boost::asio::buffer(abort_out_), [this](error_code, std::size_t) { shut_down(); });
+  }
+
+  void shut_down() {
+    if (shut_) return;
+    shut_ = true;
+    plan_ = nullptr;
+    call_ = nullptr;
+    deadline_.cancel();
+    error_code ignored;
+    right_.shutdown(tcp::socket::shutdown_both, ignored);
+    right_.close(ignored);
+    record([](RightLinkEvents& e) { e.shut = true; });
+  }
+
+  template <class Change>
+  void record(Change&& change) {
+    {
+      std::lock_guard lk(events_mu_);
+      change(events_);
+    }
+    has_events_.store(true);
+    boost::asio::post(receiver_io_, [] {});  // events are rare: always wake the receiving half
+  }
+
+  const int rank_, right_rank_;
+  const std::chrono::milliseconds timeout_;
+  RingCounters& counters_;
+  boost::asio::io_context& receiver_io_;
+
+  boost::asio::io_context io_{1};
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_{io_.get_executor()};
+  tcp::socket right_{io_};
+  boost::asio::steady_timer deadline_{io_};
+  std::thread thread_;
+
+  // This thread only:
+  const CollectiveCall* call_ = nullptr;
+  const RingPlan* plan_ = nullptr;
+  std::uint64_t received_base_ = 0;
+  std::size_t next_ = 0;
+  bool writing_ = false, aborting_ = false, shut_ = false;
+  std::array<std::byte, FrameHeader::kSize> header_{}, header_in_{};
+  std::string abort_in_, abort_out_;
+
+  mutable std::mutex events_mu_;
+  RightLinkEvents events_;
+  std::atomic<bool> has_events_{false};
+};
+
+}  // namespace fsdp::detail
