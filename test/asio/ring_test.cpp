@@ -141,3 +141,16 @@ TEST_CASE("different schedules give the same bits") {
   CHECK(a.outputs == b.outputs);
   for (int r = 1; r < 5; ++r) CHECK(a.outputs[r] == a.outputs[0]);
 }
+
+TEST_CASE("the test inputs make the summation order visible") {
+  // Otherwise the bit-for-bit checks against the ring order would prove nothing about it:
+  // the same bf16 / f16 sum in rank order 0..N-1 (ThreadComm's) must differ somewhere.
+  for (DType t : {DType::bf16, DType::f16}) {
+    const Case c{K::all_reduce, 4, 999, t, ReduceOp::sum};
+    const auto inputs = test_support::inputs_for(c, 21);
+    const Bytes ring = test_support::ring_expected(c.kind, inputs, 0, c.count, t, c.op, 0);
+    Bytes rank_order = inputs[0];
+    for (int r = 1; r < 4; ++r) fsdp::detail::host_combine(rank_order.data(), inputs[r].data(), c.count, t, c.op);
+    CHECK(ring != rank_order);
+  }
+}

@@ -27,8 +27,8 @@ using test_support::TcpWorld;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-fsdp::TcpCommOptions with_timeout(std::chrono::milliseconds t) {
-  auto o = test_support::ok_options();
+fsdp::TcpCommOptions with_timeout(std::chrono::milliseconds t, int io_threads = 1) {
+  auto o = test_support::ok_options(1 << 20, io_threads);
   o.timeout = t;
   return o;
 }
@@ -38,31 +38,34 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 }  // namespace
 
 TEST_CASE("mismatched collectives fail on every rank, naming both calls, and break the communicator") {
-  TcpWorld world(3, with_timeout(5s));
-  std::vector<std::string> later(3);
-  const auto t0 = Clock::now();
-  const auto errors = world.each([&](TcpComm& comm, int r) {
-    std::vector<float> in(12, 1.0f), out(12);
-    try {
-      if (r == 1) comm.reduce_scatter(in.data(), out.data(), 4, DType::f32, ReduceOp::sum).wait();
-      else comm.all_gather(in.data(), out.data(), 4, DType::f32).wait();
-    } catch (const fsdp::Error&) {
+  for (int io : test_support::kIoThreads) {
+    CAPTURE(io);
+    TcpWorld world(3, with_timeout(5s, io));
+    std::vector<std::string> later(3);
+    const auto t0 = Clock::now();
+    const auto errors = world.each([&](TcpComm& comm, int r) {
+      std::vector<float> in(12, 1.0f), out(12);
       try {
-        comm.barrier().wait();  // broken: fails at once, quoting the first failure
-      } catch (const fsdp::Error& e) {
-        later[r] = e.what();
+        if (r == 1) comm.reduce_scatter(in.data(), out.data(), 4, DType::f32, ReduceOp::sum).wait();
+        else comm.all_gather(in.data(), out.data(), 4, DType::f32).wait();
+      } catch (const fsdp::Error&) {
+        try {
+          comm.barrier().wait();  // broken: fails at once, quoting the first failure
+        } catch (const fsdp::Error& e) {
+          later[r] = e.what();
+        }
+        throw;
       }
-      throw;
+    });
+    CHECK(seconds_since(t0) < 3.0);  // not the 5 s timeout
+    for (int r = 0; r < 3; ++r) {
+      CAPTURE(errors[r]);
+      CHECK(contains(errors[r], "collective mismatch"));
+      CHECK(contains(errors[r], "all_gather(count=4, dtype=f32) as collective #0"));
+      CHECK(contains(errors[r], "reduce_scatter(count=4, dtype=f32, op=sum) as collective #0"));
+      CAPTURE(later[r]);
+      CHECK(contains(later[r], "rank " + std::to_string(r) + ": barrier as collective #1 aborted: collective mismatch"));
     }
-  });
-  CHECK(seconds_since(t0) < 3.0);  // not the 5 s timeout
-  for (int r = 0; r < 3; ++r) {
-    CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "collective mismatch"));
-    CHECK(contains(errors[r], "all_gather(count=4, dtype=f32) as collective #0"));
-    CHECK(contains(errors[r], "reduce_scatter(count=4, dtype=f32, op=sum) as collective #0"));
-    CAPTURE(later[r]);
-    CHECK(contains(later[r], "rank " + std::to_string(r) + ": barrier as collective #1 aborted: collective mismatch"));
   }
 }
 
@@ -81,7 +84,7 @@ TEST_CASE("ranks one collective apart, and ranks that disagree on a broadcast's 
   }
   // Every rank sits in the middle of its own chain: without the first empty frame on each
   // link nobody would send anything.
-  TcpWorld again(4, with_timeout(5s));
+  TcpWorld again(4, with_timeout(5s, 2));
   const auto t0 = Clock::now();
   errors = again.each([&](TcpComm& comm, int r) {
     std::vector<float> buf(8, 0.0f);
@@ -96,34 +99,40 @@ TEST_CASE("ranks one collective apart, and ranks that disagree on a broadcast's 
 }
 
 TEST_CASE("a rank that closes its communicator mid-collective: every other rank fails naming it") {
-  TcpWorld world(4, with_timeout(5s));
-  const auto t0 = Clock::now();
-  const auto errors = world.each([&](TcpComm& comm, int r) {
-    std::vector<float> in(1 << 16, 1.0f), out(1 << 16);
-    comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();  // all fine so far
-    if (r == 2) {
-      world.destroy(2);
-      return;
+  for (int io : test_support::kIoThreads) {
+    CAPTURE(io);
+    TcpWorld world(4, with_timeout(5s, io));
+    const auto t0 = Clock::now();
+    const auto errors = world.each([&](TcpComm& comm, int r) {
+      std::vector<float> in(1 << 16, 1.0f), out(1 << 16);
+      comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();  // all fine so far
+      if (r == 2) {
+        world.destroy(2);
+        return;
+      }
+      comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();
+    });
+    CHECK(seconds_since(t0) < 3.0);
+    CHECK(errors[2].empty());
+    for (int r : {0, 1, 3}) {
+      CAPTURE(errors[r]);
+      CHECK(contains(errors[r], "rank " + std::to_string(r) + ": "));
+      CHECK(contains(errors[r], "peer rank 2 closed the connection during all_reduce(count=65536, dtype=f32, op=sum) as "
+                                "collective #1 (did its process exit?)"));
     }
-    comm.all_reduce(in.data(), out.data(), in.size(), DType::f32, ReduceOp::sum).wait();
-  });
-  CHECK(seconds_since(t0) < 3.0);
-  CHECK(errors[2].empty());
-  for (int r : {0, 1, 3}) {
-    CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "rank " + std::to_string(r) + ": "));
-    CHECK(contains(errors[r], "peer rank 2 closed the connection during all_reduce(count=65536, dtype=f32, op=sum) as "
-                              "collective #1 (did its process exit?)"));
   }
 }
 
 TEST_CASE("a neighbour that finished and left: the next collective fails at once") {
-  TcpWorld world(2, with_timeout(5s));
-  world.destroy(1);
-  const auto t0 = Clock::now();
-  const auto errors = test_support::on_threads(1, [&](int) { world.comm(0).barrier().wait(); });
-  CHECK(seconds_since(t0) < 2.0);
-  CHECK(contains(errors[0], "rank 0: peer rank 1 closed the connection during barrier as collective #0"));
+  for (int io : test_support::kIoThreads) {
+    CAPTURE(io);
+    TcpWorld world(2, with_timeout(5s, io));
+    world.destroy(1);
+    const auto t0 = Clock::now();
+    const auto errors = test_support::on_threads(1, [&](int) { world.comm(0).barrier().wait(); });
+    CHECK(seconds_since(t0) < 2.0);
+    CHECK(contains(errors[0], "rank 0: peer rank 1 closed the connection during barrier as collective #0"));
+  }
 }
 
 TEST_CASE("a rank that never joins fails construction on its neighbours, naming it") {
@@ -140,22 +149,25 @@ TEST_CASE("a rank that never joins fails construction on its neighbours, naming 
 }
 
 TEST_CASE("a stalled rank: the timeout names the rank that is behind, on every rank") {
-  TcpWorld world(3, with_timeout(400ms));
-  const auto t0 = Clock::now();
-  const auto errors = world.each([&](TcpComm& comm, int r) {
-    std::vector<float> in(16, 1.0f), out(48);
-    comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
-    if (r == 2) std::this_thread::sleep_for(1500ms);  // "stuck in its own code"
-    comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
-  });
-  CHECK(seconds_since(t0) < 4.0);
-  for (int r = 0; r < 3; ++r) {
-    CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "all_gather(count=16, dtype=f32) as collective #1"));
-    CHECK(contains(errors[r], "timed out after 400 ms without progress"));
-    CHECK(contains(errors[r], "behind: rank 2 did not report"));
+  for (int io : test_support::kIoThreads) {
+    CAPTURE(io);
+    TcpWorld world(3, with_timeout(400ms, io));
+    const auto t0 = Clock::now();
+    const auto errors = world.each([&](TcpComm& comm, int r) {
+      std::vector<float> in(16, 1.0f), out(48);
+      comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
+      if (r == 2) std::this_thread::sleep_for(1500ms);  // "stuck in its own code"
+      comm.all_gather(in.data(), out.data(), 16, DType::f32).wait();
+    });
+    CHECK(seconds_since(t0) < 4.0);
+    for (int r = 0; r < 3; ++r) {
+      CAPTURE(errors[r]);
+      CHECK(contains(errors[r], "all_gather(count=16, dtype=f32) as collective #1"));
+      CHECK(contains(errors[r], "timed out after 400 ms without progress"));
+      CHECK(contains(errors[r], "behind: rank 2 did not report"));
+    }
+    CHECK(contains(errors[2], "rank 2: all_gather(count=16, dtype=f32) as collective #1 aborted: rank "));
   }
-  CHECK(contains(errors[2], "rank 2: all_gather(count=16, dtype=f32) as collective #1 aborted: rank "));
 }
 
 TEST_CASE("handshakes: stray connections are dropped, a wrong world size or segment size is refused on both ends") {

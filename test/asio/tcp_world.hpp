@@ -19,12 +19,16 @@ namespace test_support {
 using namespace std::chrono_literals;
 
 // Options for tests that must succeed (a hang fails after 10 s instead of never).
-inline fsdp::TcpCommOptions ok_options(std::size_t segment_bytes = 1 << 20) {
+inline fsdp::TcpCommOptions ok_options(std::size_t segment_bytes = 1 << 20, int io_threads = 1) {
   fsdp::TcpCommOptions o;
   o.timeout = 10s;
   o.segment_bytes = segment_bytes;
+  o.io_threads = io_threads;
   return o;
 }
+
+// Both ways of running a communicator: sending on the I/O thread, or on its own.
+constexpr int kIoThreads[] = {1, 2};
 
 // Runs fn(rank) on `n` threads and joins them; returns each rank's fsdp::Error message
 // ("" if none). Any other exception is rethrown after the join.

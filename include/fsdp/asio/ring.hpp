@@ -12,7 +12,7 @@
 //   broadcast       a chain root -> root+1 -> ... -> root-1, after one empty frame per link.
 //   barrier         all_gather of nothing: N-1 empty frames.
 // Steps are cut into segments of at most segment_bytes; frames go out segment-major in a
-// wavefront (step s of segment j at time j + s), so a rank forwards segment j while the
+// wavefront (step s of segment j at time j + 2s), so a rank forwards segment j while the
 // next ones are still arriving, and a reduction overlaps the transfers around it.
 //
 // Reduction order (fixed, so results are bitwise reproducible from run to run): the
@@ -131,6 +131,10 @@ class RingPlanner {
   static int mod(int a, int n) { return ((a % n) + n) % n; }
 
  private:
+  // A frame is forwarded kLag wavefronts after it arrived: slack for a rank that was
+  // descheduled for a moment, paid for in scratch slots of reduce-scatter.
+  static constexpr std::size_t kLag = 2;
+
   // A buffer that holds the chunk layout from byte `origin` on (a whole layout, or only
   // chunk `rank` of it); null for collectives without data.
   template <class Byte>
@@ -177,9 +181,9 @@ class RingPlanner {
     send_index_.assign(static_cast<std::size_t>(steps) * nseg_, -1);
     forwarder_.clear();
     slot_users_.clear();
-    for (std::size_t t = 0; t + 1 < nseg_ + steps; ++t) {  // wavefront: step s of segment t - s
-      for (int s = 0; s < steps && static_cast<std::size_t>(s) <= t; ++s) {
-        const std::size_t j = t - s;
+    for (std::size_t t = 0; t < nseg_ + (steps - 1) * kLag; ++t) {  // wavefront t: step s of segment t - s*kLag
+      for (int s = 0; s < steps && s * kLag <= t; ++s) {
+        const std::size_t j = t - s * kLag;
         if (j >= nseg_) continue;
         const bool reducing = s < reduce_steps;
         const int g = s - reduce_steps;
@@ -236,15 +240,16 @@ class RingPlanner {
     plan_.recvs.push_back(f);
   }
 
-  // Scratch for partial sums in flight. At most n-1 frames per wavefront use a slot, so
-  // with 2n slots a frame's slot was forwarded two wavefronts ago: it waits only when
-  // this rank's sends lag that far behind its receives, and never deadlocks.
+  // Scratch for partial sums in flight. At most n-1 frames per wavefront use a slot and
+  // each is forwarded kLag wavefronts after it arrived, so with 2 * kLag * n slots a frame
+  // waits for its slot only when this rank's sends lag far behind its receives. More than
+  // n slots never deadlock: the send that frees a slot depends only on earlier frames.
   void prepare_slots(int reduce_steps, bool in_place) {
     std::size_t longest = 0;
     for (auto len : chunk_len_) longest = std::max(longest, len);
     slot_bytes_ = std::min(seg_elems_, std::max<std::size_t>(longest, 1)) * esize_;
     const std::size_t users = (static_cast<std::size_t>(std::max(reduce_steps - 1, 0)) + (in_place ? 1 : 0)) * nseg_;
-    slots_ = std::min<std::size_t>(users, 2 * static_cast<std::size_t>(n_));
+    slots_ = std::min<std::size_t>(users, 2 * kLag * static_cast<std::size_t>(n_));
     if (scratch_.size() < slots_ * slot_bytes_) scratch_.resize(slots_ * slot_bytes_);
     next_slot_ = 0;
     slot_last_user_.assign(slots_, -1);

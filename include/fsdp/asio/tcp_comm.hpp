@@ -11,12 +11,14 @@
 // Collectives are rings (fsdp/asio/ring.hpp): every byte crosses every link once, as in
 // Gloo's and NCCL's rings, cut into segments that pipeline along the ring. Reductions run
 // in a fixed order (the partial for chunk c starts at rank c+1), so results are bitwise
-// the same from run to run; on 2 ranks they equal ThreadComm's.
+// the same from run to run. On 2 ranks they equal ThreadComm's (rank order), as a + b ==
+// b + a; max and min can differ only in which NaN or which signed zero of a tie they keep.
 //
 // Asynchronous: each TcpComm has its own I/O thread that runs its collectives in the order
-// they were issued. As with NCCL, buffers must stay valid and untouched (send unwritten,
-// recv unread) until the Work completes, and every rank issues the same collectives in
-// the same order. Calls may come from any thread.
+// they were issued (and, with io_threads = 2, a second one that sends). As with NCCL,
+// buffers must stay valid and untouched (send unwritten, recv unread) until the Work
+// completes, and every rank issues the same collectives in the same order. Calls may come
+// from any thread.
 //
 // Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names both
 // calls; a peer that exits or closes its communicator is named by its neighbours and the
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -61,6 +64,12 @@ struct TcpCommOptions {
   // SO_SNDBUF / SO_RCVBUF of the ring sockets; 0 leaves Linux's autotuning (which grows
   // to net.ipv4.tcp_wmem / tcp_rmem) in charge.
   int socket_buffer_bytes = 0;
+  // Threads moving this communicator's bytes: 1, the I/O thread sends and receives; 2,
+  // sending has a thread of its own, so both directions copy through the kernel on two
+  // cores at once (large messages, hosts with cores to spare) at the price of a
+  // cross-thread wake-up per ring step (small messages); 0, 2 where the host has at least
+  // 4 hardware threads, else 1.
+  int io_threads = 0;
 };
 
 class TcpComm : public detail::CollectiveCalls<TcpComm> {
@@ -81,11 +90,14 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
       detail::fail("TcpComm on rank ", rank, ": prefix must have 1 to ", detail::Hello::kMaxPrefix, " characters");
     if (options.socket_buffer_bytes < 0)
       detail::fail("TcpComm on rank ", rank, ": socket_buffer_bytes must be >= 0, got ", options.socket_buffer_bytes);
+    if (options.io_threads < 0 || options.io_threads > 2)
+      detail::fail("TcpComm on rank ", rank, ": io_threads must be 0 (automatic), 1 or 2, got ", options.io_threads);
+    const int io_threads = options.io_threads ? options.io_threads : std::thread::hardware_concurrency() >= 4 ? 2 : 1;
     if (options.address.empty()) options.address = "127.0.0.1";
     options_ = options;
     core_ = std::make_unique<detail::TcpCommCore>(
         std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
-                                               options.socket_buffer_bytes, options.timeout});
+                                               options.socket_buffer_bytes, io_threads == 2, options.timeout});
   }
 
   TcpComm(TcpComm&&) noexcept = default;

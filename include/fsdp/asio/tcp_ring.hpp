@@ -1,8 +1,9 @@
 #pragma once
 // TcpRing: one rank's ring links. It carries out a RingPlan (ring.hpp): the receiving half
 // (here, on the communicator's I/O thread) reads frame i from the left as soon as its
-// destination is free, checks its header, reduces it; the sending half (RingSender, on a
-// thread of its own) writes frame i to the right as soon as what it forwards has arrived.
+// destination is free, checks its header, reduces it; the sending half (RingSender, on the
+// same thread or its own) writes frame i to the right as soon as what it forwards has
+// arrived.
 //
 // Both links are read all the time, also between collectives: the left one for the next
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
@@ -60,7 +61,7 @@ class TcpRing {
   // `io` is run by the calling thread from now on (the communicator's I/O thread).
   TcpRing(boost::asio::io_context& io, RingSockets links, const RingIdentity& id)
       : io_(io), left_(std::move(links.left)), rank_(id.rank), size_(id.size), left_rank_(id.left()),
-        right_rank_(id.right()), timeout_(id.timeout), sender_(std::move(links.right), id, counters_, io) {
+        right_rank_(id.right()), timeout_(id.timeout), sender_(std::move(links.right), id, counters_, io, id.sender_thread) {
     read_left_header();
   }
 

@@ -1,11 +1,15 @@
 #pragma once
-// RingSender: the sending half of one rank's ring, on a thread of its own. TcpRing (the
-// receiving half, on the communicator's I/O thread) hands it each collective's plan; it
-// writes frame i to the right neighbour as soon as the receive that frame forwards has
-// arrived, and meanwhile watches the same socket for an ABORT coming back. With the halves
-// on two threads the kernel copies of sending and receiving run on two cores at once (one
-// thread doing both is bounded by one core), and a write waiting for the right neighbour
-// never delays a read from the left one.
+// RingSender: the sending half of one rank's ring. TcpRing (the receiving half, on the
+// communicator's I/O thread) hands it each collective's plan; it writes frame i to the
+// right neighbour as soon as the receive that frame forwards has arrived, and meanwhile
+// watches the same socket for an ABORT coming back.
+//
+// It runs on the I/O thread too, or on a thread of its own (own_thread). Its own thread
+// lets the kernel copies of sending and receiving run on two cores at once (one thread
+// doing both is bounded by one core) and a write waiting for the right neighbour never
+// delays a read; it costs a cross-thread wake-up per ring step where the sender waits
+// for a frame to forward, which is what small collectives pay for, and it only pays
+// where cores are to spare.
 //
 // The halves share monotonic frame counters (RingCounters). A half wakes the other only
 // after the other said it waits (it raises its flag, then reads the counter again; with
@@ -15,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -65,22 +70,34 @@ class RingSender {
   using error_code = boost::system::error_code;
 
  public:
-  RingSender(tcp::socket right, const RingIdentity& id, RingCounters& counters, boost::asio::io_context& receiver_io)
-      : rank_(id.rank), right_rank_(id.right()), timeout_(id.timeout), counters_(counters), receiver_io_(receiver_io) {
-    error_code ec;
-    const auto local = right.local_endpoint(ec);
-    right_.assign(ec ? tcp::v4() : local.protocol(), right.release());  // to this thread's context
-    boost::asio::post(io_, [this] { watch(); });
-    thread_ = std::thread([this] { io_.run(); });
+  // `right` belongs to `receiver_io`, which the receiving half's thread runs.
+  RingSender(tcp::socket right, const RingIdentity& id, RingCounters& counters, boost::asio::io_context& receiver_io,
+             bool own_thread)
+      : rank_(id.rank), right_rank_(id.right()), timeout_(id.timeout), counters_(counters), receiver_io_(receiver_io),
+        own_io_(own_thread ? std::make_unique<boost::asio::io_context>(1) : nullptr),
+        io_(own_io_ ? *own_io_ : receiver_io), right_(io_), deadline_(io_) {
+    if (own_io_) {
+      error_code ec;
+      const auto local = right.local_endpoint(ec);
+      right_.assign(ec ? tcp::v4() : local.protocol(), right.release());  // to this thread's context
+      keep_running_.emplace(own_io_->get_executor());
+      boost::asio::post(io_, [this] { watch(); });
+      thread_ = std::thread([this] { io_.run(); });
+    } else {
+      right_ = std::move(right);
+      watch();
+    }
   }
   RingSender(const RingSender&) = delete;
   RingSender& operator=(const RingSender&) = delete;
+  // With a thread of its own: stops it. Without: the receiving half's thread is no longer
+  // running `receiver_io` (its owner joined it).
   ~RingSender() {
-    boost::asio::post(io_, [this] {
+    on_my_thread([this] {
       shut_down();
       keep_running_.reset();
     });
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
 
   // ---- called from the receiving half's thread ----
@@ -88,7 +105,7 @@ class RingSender {
   // after_recv < counters.received). `call` and `plan` stay valid until the last send
   // completed or shut is reported.
   void begin(const CollectiveCall& call, const RingPlan& plan, std::uint64_t received_base) {
-    boost::asio::post(io_, [this, c = &call, p = &plan, received_base] {
+    on_my_thread([this, c = &call, p = &plan, received_base] {
       if (p->sends.empty() || shut_) return;
       call_ = c;
       plan_ = p;
@@ -98,14 +115,14 @@ class RingSender {
     });
   }
   void wake() {
-    boost::asio::post(io_, [this] { pump(); });
+    on_my_thread([this] { pump(); });
   }
   // Finishes a frame in flight, sends ABORT with `cause` and closes, within 1 s.
   void abort(const std::string& cause) {
-    boost::asio::post(io_, [this, cause] { start_abort(cause); });
+    on_my_thread([this, cause] { start_abort(cause); });
   }
   void close() {
-    boost::asio::post(io_, [this] { shut_down(); });
+    on_my_thread([this] { shut_down(); });
   }
 
   bool has_events() const { return has_events_.load(); }
@@ -116,6 +133,13 @@ class RingSender {
 
  private:
   std::uint64_t received() const { return counters_.received.load() - received_base_; }
+
+  // Runs `f` now when this half shares the caller's thread, else queues it on its own.
+  template <class F>
+  void on_my_thread(F&& f) {
+    if (own_io_) boost::asio::post(io_, std::forward<F>(f));
+    else f();
+  }
 
   // Starts the next send if it may start now.
   void pump() {
@@ -233,10 +257,11 @@ class RingSender {
   RingCounters& counters_;
   boost::asio::io_context& receiver_io_;
 
-  boost::asio::io_context io_{1};
-  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_{io_.get_executor()};
-  tcp::socket right_{io_};
-  boost::asio::steady_timer deadline_{io_};
+  std::unique_ptr<boost::asio::io_context> own_io_;  // with a thread of its own
+  boost::asio::io_context& io_;                      // *own_io_ or receiver_io_
+  std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> keep_running_;
+  tcp::socket right_;
+  boost::asio::steady_timer deadline_;
   std::thread thread_;
 
   // This thread only:
