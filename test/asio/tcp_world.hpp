@@ -13,6 +13,7 @@
 
 #include "fsdp/asio/tcp_comm.hpp"
 #include "fsdp/store.hpp"
+#include "test/support/errors.hpp"
 
 namespace test_support {
 
@@ -52,7 +53,6 @@ inline std::vector<std::string> on_threads(int n, const std::function<void(int)>
   return errors;
 }
 
-inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 class TcpWorld {
  public:
