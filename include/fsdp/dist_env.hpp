@@ -39,7 +39,7 @@ struct DistEnv {
     return e;
   }
 
- private:
+  // An environment variable's value (nullopt when unset or empty; an error when required).
   static std::optional<std::string> text(const char* name, bool required) {
     const char* v = std::getenv(name);
     if (!v || !*v) {
@@ -48,6 +48,7 @@ struct DistEnv {
     }
     return std::string(v);
   }
+  // An integer variable in [lo, hi]: anything else set there is an error naming it.
   static std::optional<long long> number(const char* name, long long lo, long long hi, bool required) {
     auto s = text(name, required);
     if (!s) return std::nullopt;

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fsdp/detail/timeout.hpp"
 #include "fsdp/error.hpp"
 
 namespace fsdp {
@@ -113,8 +114,7 @@ class HashStore final : public Store {
   // Timeouts are positive and at most a day: a zero, negative or absurd value is a bug in
   // the caller's units, not a wish to wait forever.
   static void check_timeout(Timeout t) {
-    if (t.count() <= 0 || t > std::chrono::hours(24))
-      detail::fail("store: timeout must be in (0 ms, 24 h], got ", t.count(), " ms");
+    detail::check_timeout(t, "store: timeout");
   }
 
  private:

@@ -11,6 +11,7 @@
 #include <fsdp/error.hpp>
 
 #include "test/support/errors.hpp"
+#include "tools/launcher/launcher.hpp"
 
 namespace store_test {
 
@@ -25,11 +26,7 @@ inline long long ms_since(Clock::time_point t) {
 }
 
 // A loopback port that was free a moment ago.
-inline std::uint16_t unused_port() {
-  boost::asio::io_context io;
-  boost::asio::ip::tcp::acceptor a(io, {boost::asio::ip::make_address("127.0.0.1"), 0});
-  return a.local_endpoint().port();
-}
+inline std::uint16_t unused_port() { return static_cast<std::uint16_t>(fsdp::launch::find_free_port()); }
 
 // A client that sends whatever bytes a test wants.
 class RawClient {

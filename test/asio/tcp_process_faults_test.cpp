@@ -23,6 +23,7 @@
 
 #include "fsdp/asio/tcp_process_group.hpp"
 #include "test/support/errors.hpp"
+#include "tools/launcher/launcher.hpp"
 
 namespace {
 
@@ -30,13 +31,6 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 using test_support::contains;
-
-// A free loopback port for rank 0's store (bound, read, released; the store binds it at once).
-std::uint16_t free_port() {
-  boost::asio::io_context io;
-  boost::asio::ip::tcp::acceptor a(io, {boost::asio::ip::make_address("127.0.0.1"), 0});
-  return a.local_endpoint().port();
-}
 
 struct RankResult {
   bool reported = false;  // the child wrote a report (it did not die first)
@@ -50,7 +44,7 @@ struct RankResult {
 std::vector<RankResult> run_ranks(int world, const std::vector<int>& started, std::chrono::milliseconds timeout,
                                   const std::function<void(fsdp::TcpComm&, int)>& body,
                                   std::chrono::milliseconds limit = 20s) {
-  const std::uint16_t port = free_port();
+  const auto port = static_cast<std::uint16_t>(fsdp::launch::find_free_port());
   std::vector<RankResult> results(static_cast<std::size_t>(world));
   std::vector<pid_t> pids(static_cast<std::size_t>(world), -1);
   std::vector<int> fds(static_cast<std::size_t>(world), -1);

@@ -43,6 +43,7 @@
 #include "fsdp/asio/tcp_comm_core.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/device_mesh.hpp"
+#include "fsdp/detail/timeout.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/store.hpp"
 #include "fsdp/work.hpp"
@@ -81,8 +82,7 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
   TcpComm(std::shared_ptr<Store> store, int rank, int size, Options options = {}) {
     if (!store) detail::fail("TcpComm on rank ", rank, ": the store is null");
     if (size < 1 || rank < 0 || rank >= size) detail::fail("TcpComm: rank ", rank, " is outside a world of size ", size);
-    if (options.timeout.count() <= 0 || options.timeout > std::chrono::hours(24))
-      detail::fail("TcpComm on rank ", rank, ": timeout must be in (0 ms, 24 h], got ", options.timeout.count(), " ms");
+    detail::check_timeout(options.timeout, "TcpComm on rank ", rank, ": timeout");
     if (options.segment_bytes < 8 || options.segment_bytes % 8 || options.segment_bytes > (std::size_t{1} << 30))
       detail::fail("TcpComm on rank ", rank, ": segment_bytes must be a multiple of 8 in [8, 1 GiB], got ",
                    options.segment_bytes);

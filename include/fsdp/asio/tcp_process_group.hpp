@@ -82,13 +82,9 @@ class TcpProcessGroup {
   static constexpr const char* done_key = "fsdp/process_group/done";
 
   static std::optional<std::chrono::milliseconds> timeout_from_env() {
-    const char* v = std::getenv("FSDP_TIMEOUT_MS");
-    if (!v || !*v) return std::nullopt;
-    char* end = nullptr;
-    const long long ms = std::strtoll(v, &end, 10);
-    if (end == v || *end || ms <= 0 || ms > 24LL * 3600 * 1000)
-      detail::fail("environment: FSDP_TIMEOUT_MS='", v, "' is not a number of milliseconds in [1, 86400000]");
-    return std::chrono::milliseconds(ms);
+    const auto ms = DistEnv::number("FSDP_TIMEOUT_MS", 1, 24LL * 3600 * 1000, false);
+    if (!ms) return std::nullopt;
+    return std::chrono::milliseconds(*ms);
   }
 
   DistEnv env_;

@@ -26,6 +26,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
+#include "fsdp/detail/timeout.hpp"
 #include "fsdp/asio/store_protocol.hpp"
 #include "fsdp/asio/store_table.hpp"
 #include "fsdp/error.hpp"
@@ -59,8 +60,7 @@ class TcpStoreServer {
     options_.limits.check();
     if (options_.max_clients == 0) detail::fail("store server: max_clients must be at least 1");
     const auto t = options_.handshake_timeout;
-    if (t.count() <= 0 || t > std::chrono::hours(24))
-      detail::fail("store server: handshake timeout must be in (0 ms, 24 h], got ", t.count(), " ms");
+    detail::check_timeout(t, "store server: handshake timeout");
     if (options_.token.size() > store_wire::max_token_bytes)
       detail::fail("store server: token of ", options_.token.size(), " bytes exceeds ", store_wire::max_token_bytes);
     listen();

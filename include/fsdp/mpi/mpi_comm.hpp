@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/detail/timeout.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/error.hpp"
@@ -60,8 +61,7 @@ class MpiComm {
   // A duplicate of `parent` (any communicator this rank belongs to), called `name` in
   // messages; collective over `parent`'s ranks.
   static MpiComm dup(const MpiSession& session, MPI_Comm parent, std::string name, Options options = {}) {
-    if (options.timeout.count() <= 0 || options.timeout > std::chrono::hours(24))
-      detail::fail("MpiComm '", name, "': timeout must be in (0 ms, 24 h], got ", options.timeout.count(), " ms");
+    detail::check_timeout(options.timeout, "MpiComm '", name, "': timeout");
     auto& rt = session.rt_;
     const auto where = "world rank " + std::to_string(rt->world_rank) + ": MpiComm '" + name + "': ";
     MPI_Comm comm = MPI_COMM_NULL;
