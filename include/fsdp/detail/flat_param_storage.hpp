@@ -1,0 +1,44 @@
+#pragma once
+// FlatParam: one flat parameter of a unit (its layout and the engine tensors that view it)
+// and every buffer the unit holds for it, with the state of its collectives in flight.
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "fsdp/detail/param_collection.hpp"
+#include "fsdp/flat_param.hpp"
+#include "fsdp/work.hpp"
+
+namespace fsdp {
+
+// One flat parameter and the storage the unit holds for it.
+struct FlatParam {
+  explicit FlatParam(FlatParamLayout l) : layout(std::move(l)) {}
+  FlatParamLayout layout;
+  std::vector<detail::ParamBinding> bindings;  // parallel to layout.params()
+  DType compute = DType::f32;  // what the engine computes with (MixedPrecision's Param)
+  DType reduce = DType::f32;   // what gradients are reduced in
+  DType grad = DType::f32;     // what the sharded gradient is kept in
+  bool direct = false;         // replicated, same dtype, not offloaded: the shard *is* the parameters
+  void* shard = nullptr;       // shard_numel master-dtype elements, this rank's (host space when offloaded)
+  void* shard_grad = nullptr;  // shard_numel `grad`-dtype elements, the reduced gradient
+  void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
+  DType full_dtype = DType::f32;
+  void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
+  Work gather_work;            // the all-gather into `full`, until its first use
+  bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
+  Work reduce_work;            // the reduction, until finished
+  void* reduce_in = nullptr;   // full_grad cast to `reduce`, when that differs
+  void* reduce_out = nullptr;  // shard_numel `reduce`-dtype elements: where it reduces to
+  bool into_shard_grad = false;
+  bool reducing = false;
+
+  static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
+  DType master() const { return layout.dtype(); }
+  std::size_t shard_bytes() const { return bytes(layout.shard_numel(), master()); }
+  std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
+  std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
+};
+
+}  // namespace fsdp

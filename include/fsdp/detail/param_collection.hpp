@@ -1,0 +1,126 @@
+#pragma once
+// What a unit finds when it walks its module: each parameter (FQN, shape, dtype, data, and
+// how to rebind the engine's tensor and gradient) and each buffer, type-erased so that the
+// rest of the unit does not depend on the engine's tensor type. Plus the local checks on
+// them that need no other rank.
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "fsdp/error.hpp"
+#include "fsdp/flat_param.hpp"
+#include "fsdp/module.hpp"
+#include "fsdp/tensor.hpp"
+
+namespace fsdp::detail {
+
+// Points a tensor at `data`, shown in `dtype` (its own dtype unless MixedPrecision).
+using RebindFn = void (*)(void* tensor, void* data, DType dtype);
+
+template <class T>
+RebindFn rebind_fn() {
+  return [](void* t, void* data, DType d) {
+    if constexpr (RebindableAs<T>) tensor_traits<T>::rebind(*static_cast<T*>(t), data, d);
+    else tensor_traits<T>::rebind(*static_cast<T*>(t), data);  // only ever asked for its own dtype
+  };
+}
+
+// One parameter as the unit holds it: where to rebind the engine's tensors.
+struct ParamBinding {
+  void* param = nullptr;
+  void* grad = nullptr;
+  RebindFn rebind = nullptr;
+};
+
+// A buffer (non-trainable tensor) as the unit found it.
+struct CollectedBuffer {
+  std::string fqn;
+  DType dtype;
+  std::int64_t numel;
+  void* data;
+  void* tensor;
+  RebindFn rebind;
+};
+
+struct CollectedParam {
+  ParamInfo info;
+  DType dtype, grad_dtype;
+  std::vector<std::int64_t> grad_shape;
+  DeviceId device;
+  const void* data;
+  ParamBinding binding;
+};
+
+// Walks m's subtree (minus children whose type is in Exclude) for parameters and buffers.
+// ChangesDtype: MixedPrecision will show them in another dtype, which needs the 3-argument
+// tensor_traits::rebind.
+template <class Exclude, bool ChangesDtype, class M>
+void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
+                        std::vector<CollectedBuffer>& buffers) {
+  for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
+    using T = std::remove_cvref_t<decltype(param)>;
+    using Tr = tensor_traits<T>;
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
+                  "static void rebind(T&, void* data, fsdp::DType)");
+    CollectedParam c;
+    c.info.fqn = join_fqn(prefix, name);
+    for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
+    c.info.numel = numel(param);
+    c.dtype = Tr::dtype(param);
+    c.grad_dtype = Tr::dtype(grad);
+    for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
+    c.device = Tr::device(param);
+    c.data = Tr::data(param);
+    c.binding = {&param, &grad, rebind_fn<T>()};
+    out.push_back(std::move(c));
+  });
+  for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
+    using T = std::remove_cvref_t<decltype(buffer)>;
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
+    buffers.push_back({join_fqn(prefix, name), tensor_traits<T>::dtype(buffer), numel(buffer),
+                       tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>()});
+  });
+  for_each_child(m, [&](std::string_view name, auto& child) {
+    using C = std::remove_cvref_t<decltype(child)>;
+    if constexpr (!Exclude::template contains<C>)
+      collect_parameters<Exclude, ChangesDtype>(child, join_fqn(prefix, name), out, buffers);
+  });
+}
+
+inline std::string describe(DeviceId d) {
+  return (d.kind == DeviceKind::cpu ? "cpu:" : "cuda:") + std::to_string(d.index);
+}
+
+// Checks one rank can make on its own before any collective: dtypes, devices, gradients
+// that match their parameters, storage present, no tensor visited twice.
+inline void validate_collected(const std::vector<CollectedParam>& params, const std::string& unit, int rank,
+                               DeviceId device) {
+  std::unordered_map<const void*, const std::string*> seen;
+  for (auto& p : params) {
+    if (!is_floating(p.dtype))
+      fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn, "' has dtype ", name_of(p.dtype),
+           "; only floating-point parameters (f32, f64, f16, bf16) can be sharded");
+    if (p.device != device)
+      fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn, "' is on device ", describe(p.device),
+           " but the unit's Device is ", describe(device));
+    if (p.grad_dtype != p.dtype || p.grad_shape != p.info.shape)
+      fail("unit '", unit, "' on rank ", rank, ": the gradient of parameter '", p.info.fqn,
+           "' does not have the parameter's shape and dtype");
+    if (p.info.numel > 0 && p.data == nullptr)
+      fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
+           "' has no storage; is it already managed by another unit?");
+    if (p.binding.param == p.binding.grad)
+      fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
+           "' was visited with the same tensor as parameter and gradient");
+    if (auto [it, fresh] = seen.emplace(p.binding.param, &p.info.fqn); !fresh)
+      fail("unit '", unit, "' on rank ", rank, ": parameters '", *it->second, "' and '", p.info.fqn,
+           "' are the same tensor; shared parameters are not supported");
+  }
+}
+
+}  // namespace fsdp::detail
