@@ -42,6 +42,8 @@ class AdamW {
   void step(std::span<const Slot> slots) {
     if (state_.empty())
       for (auto& s : slots) state_.push_back({Tensor({s.numel}, *alloc_), Tensor({s.numel}, *alloc_)});
+    if (state_.size() != slots.size()) throw fsdp::Error("AdamW: stepped on " + std::to_string(slots.size()) +
+                                                         " slots, but its state is for " + std::to_string(state_.size()));
     ++t_;
     const float c1 = 1.0f - std::pow(o_.beta1, static_cast<float>(t_));
     const float c2 = 1.0f - std::pow(o_.beta2, static_cast<float>(t_));
@@ -58,6 +60,17 @@ class AdamW {
       }
     }
   }
+
+ // For checkpoints: the moments of slot k (0: exp_avg, 1: exp_avg_sq), created zeroed for
+  // slots of the given sizes if the optimizer has not stepped yet; and the step count.
+  float* moment(int which, std::size_t k, std::span<const std::int64_t> numels) {
+    if (state_.empty())
+      for (auto n : numels) state_.push_back({Tensor({n}, *alloc_), Tensor({n}, *alloc_)});
+    auto& m = state_.at(k);
+    return which == 0 ? m.m.data() : m.v.data();
+  }
+  long step_count() const { return t_; }
+  void set_step_count(long t) { t_ = t; }
 
  private:
   struct Moments {

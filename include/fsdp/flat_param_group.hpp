@@ -14,6 +14,7 @@
 
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/gradient_reduction.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/unit_groups.hpp"
@@ -24,30 +25,6 @@
 
 namespace fsdp {
 
-// FSDP's split of the 1/N average into a factor before and one after the reduction,
-// so low-precision gradients neither overflow in the sum nor underflow before it.
-inline double gradient_predivide_factor(int world) {
-  int factor = 1;
-  while (world % factor == 0 && static_cast<double>(world) / factor > factor) factor *= 2;
-  return factor;
-}
-
-namespace detail {
-
-// Waits for a collective, as a span on the trace's compute lane when the model traces.
-struct TracedWait {
-  Trace* trace = nullptr;
-  const std::string* unit = nullptr;
-  void operator()(Work& w, const char* what) const {
-    if (!trace) return w.wait();
-    const auto begin = Trace::Clock::now();
-    w.wait();
-    trace->add(std::string(what) + " " + *unit, "wait", Trace::Lane::compute, begin, Trace::Clock::now());
-  }
-};
-
-}  // namespace detail
-
 template <class Config>
 class FlatParamGroup {
  public:
@@ -56,10 +33,8 @@ class FlatParamGroup {
   static constexpr bool offload = Config::cpu_offload::offload;
   static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
 
-  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device) : groups_(groups), device_(device) {
-    pre_divide_ = gradient_predivide_factor(groups_.world_size());
-    post_divide_ = groups_.world_size() / pre_divide_;
-  }
+  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device)
+      : groups_(groups), device_(device), reduction_(groups, device) {}
   FlatParamGroup(const FlatParamGroup&) = delete;
   FlatParamGroup& operator=(const FlatParamGroup&) = delete;
 
@@ -68,9 +43,9 @@ class FlatParamGroup {
     for (auto& fp : flat_) {
       fp.gather_work = Work{};  // waits: the buffers below may still be in use by a collective
       fp.reduce_work = Work{};
-      release_reduction_buffers(fp);
+      reduction_.release_reduction_buffers(fp);
       release_unsharded_params(fp);
-      release_full_grad(fp);
+      reduction_.release_full_grad(fp);
       release(fp.shard, fp.shard_bytes(), shard_space);
       release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
       if (took_over_)
@@ -159,19 +134,32 @@ class FlatParamGroup {
   }
 
   // Points the engine's parameters and gradients at the group's storage (or at nothing,
-  // until gathered) and appends the optimizer's view of each shard to `views`.
-  void take_over(std::string_view unit, std::vector<ShardView>& views) {
+  // until gathered) and appends the optimizer's view of each shard and parameter.
+  void take_over(std::string_view unit, std::vector<ShardView>& views, std::vector<ParamView>& params) {
     took_over_ = true;
+    for (std::size_t k = 0; k < flat_.size(); ++k) {
+      const auto& fp = flat_[k];
+      const auto& L = fp.layout;
+      for (std::size_t i = 0; i < L.params().size(); ++i) {
+        const auto& info = L.params()[i];
+        const ShardSlice sl = L.slice(i, groups_.shard_rank);
+        auto at = [&](void* base, DType t) { return sl.count ? static_cast<std::byte*>(base) + sl.shard_offset * size_of(t) : nullptr; };
+        params.push_back({unit, info.fqn, info.shape, fp.master(), info.numel, k, sl.param_begin, sl.count,
+                          sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space});
+        param_index_.push_back({k, i});
+      }
+    }
     for (auto& fp : flat_) {
-      bind(fp, nullptr, &detail::ParamBinding::grad, fp.master());
+      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
       if (fp.direct) {  // replicated: the parameters live in the "shard" for good
         fp.full = fp.shard;
         fp.full_dtype = fp.master();
-        bind(fp, fp.full, &detail::ParamBinding::param, fp.master());
+        detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, fp.master());
       } else {
-        bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
+        detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       }
-      views.push_back({unit, fp.master(), fp.shard, fp.shard_grad, fp.layout.valid_shard_numel(groups_.shard_rank), fp.grad});
+      views.push_back({unit, fp.master(), fp.shard, fp.shard_grad, fp.layout.valid_shard_numel(groups_.shard_rank), fp.grad,
+                       fp.layout.shard_numel(), shard_space});
     }
   }
 
@@ -199,7 +187,7 @@ class FlatParamGroup {
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
     if (!fp.gather_work.completed_inline()) wait(fp.gather_work, "wait all_gather");  // no empty spans
     fp.gather_work = Work{};
-    bind(fp, fp.full, &detail::ParamBinding::param, as);
+    detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, as);
     fp.unbound = false;
   }
 
@@ -232,6 +220,40 @@ class FlatParamGroup {
     }
   }
 
+  // Parameter i (in take_over's order) inside the unsharded buffer, in the dtype gathered.
+  void* full_parameter(std::size_t i) const {
+    const auto [k, j] = param_index_.at(i);
+    const auto& fp = flat_[k];
+    if (!fp.full || fp.unbound) return nullptr;
+    return static_cast<std::byte*>(fp.full) + fp.layout.params()[j].offset * size_of(fp.full_dtype);
+  }
+
+  // All-gathers an array laid out like flat parameter k's shard (its valid elements, in
+  // the shard's space) into host memory for the unpadded flat parameter, through device
+  // buffers (a collective backend may need device memory).
+  void gather_array(std::size_t k, const void* mine, void* full_host, DType dtype) const {
+    const auto& L = flat_.at(k).layout;
+    const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups_.shard_rank), dtype);
+    const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
+    const std::size_t total = strategy::shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
+    void* in = device_.allocate(S, MemorySpace::device);
+    void* out = nullptr;
+    try {
+      out = device_.allocate(total, MemorySpace::device);
+      device_.fill_zero(in, S);
+      if (valid) device_.copy(in, mine, valid);
+      if constexpr (strategy::shards_parameters) groups_.shard.all_gather(in, out, S / size_of(dtype), dtype).wait();
+      else device_.copy(out, in, S);
+      if (L.numel()) device_.copy(full_host, out, FlatParam::bytes(L.numel(), dtype));
+    } catch (...) {
+      if (out) device_.deallocate(out, total, MemorySpace::device);
+      device_.deallocate(in, S, MemorySpace::device);
+      throw;
+    }
+    device_.deallocate(out, total, MemorySpace::device);
+    device_.deallocate(in, S, MemorySpace::device);
+  }
+
   // Keeps edits made to summoned full parameters: this rank's slice back into its shard.
   void write_back() {
     for (auto& fp : flat_) {
@@ -247,50 +269,17 @@ class FlatParamGroup {
       if (fp.direct) continue;  // replicated parameters stay valid
       fp.gather_work = Work{};  // a prefetched all-gather may still be writing into the buffer
       fp.unbound = false;
-      bind(fp, nullptr, &detail::ParamBinding::param, fp.master());
+      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
     }
   }
 
-  // ---- gradients ----
+  // ---- gradients (the reduction owns their buffers) ----
 
-  // Binds zeroed unsharded gradients for the engine to accumulate into. `grad_is_zero`:
-  // nothing was reduced since zero_grad.
-  void bind_gradients(bool grad_is_zero) {
-    for (auto& fp : flat_) {
-      if (fp.direct && grad_is_zero) {
-        fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
-      } else {
-        fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
-        device_.fill_zero(fp.full_grad, fp.full_bytes());  // engines accumulate into grads
-      }
-      bind(fp, fp.full_grad, &detail::ParamBinding::grad, fp.compute);
-    }
-  }
-
-  // Unbinds the gradients and issues every reduction; returns whether all completed inside
-  // the call.
-  bool start_reductions(bool grad_is_zero) {
-    bool inline_done = true;
-    for (auto& fp : flat_) {
-      bind(fp, nullptr, &detail::ParamBinding::grad, fp.master());
-      inline_done = start_reduction(fp, grad_is_zero) && inline_done;
-    }
-    return inline_done;
-  }
-
-  void finish_reductions(const detail::TracedWait& wait) {
-    for (auto& fp : flat_) {
-      if (!fp.reducing) continue;
-      fp.reducing = false;
-      wait(fp.reduce_work, "wait reduce_scatter");
-      finish_gradient(fp, wait);
-    }
-  }
-
-  void zero_grad() {
-    for (auto& fp : flat_) device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
-  }
+  void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }
+  bool start_reductions(bool grad_is_zero) { return reduction_.start_reductions(flat_, grad_is_zero); }
+  void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
+  void zero_grad() { reduction_.zero_grad(flat_); }
 
  private:
   std::int64_t full_numel(const FlatParam& fp) const {
@@ -303,87 +292,6 @@ class FlatParamGroup {
     fp.full = nullptr;
   }
 
-  // Averages the unit's unsharded gradient over every rank into its sharded gradient:
-  // cast to the reduce dtype if needed; reduce-scatter over the shard group (all-reduce
-  // when parameters are replicated), then all-reduce of the shard over the replicate group;
-  // FSDP's pre and post factors in the reduce dtype; then into the sharded gradient (cast
-  // to its dtype, copied to host when offloaded). start_reduction issues the first
-  // collective and returns whether it completed inside the call; finish_gradient does the
-  // rest once it has.
-  bool start_reduction(FlatParam& fp, bool grad_is_zero) {
-    const auto& L = fp.layout;
-    const auto S = static_cast<std::size_t>(L.shard_numel());
-    const auto padded = static_cast<std::size_t>(L.padded_numel());
-    void* in = fp.full_grad;
-    if (fp.reduce != fp.compute) {
-      fp.reduce_in = device_.allocate(FlatParam::bytes(L.padded_numel(), fp.reduce), MemorySpace::device);
-      device_.cast(fp.reduce_in, fp.reduce, fp.full_grad, fp.compute, padded);
-      release_full_grad(fp);  // cast: the compute-dtype gradient is no longer needed
-      in = fp.reduce_in;
-    }
-    if (pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
-    // Right after zero_grad a device-resident sharded gradient of the reduce dtype is zero:
-    // reduce straight into it (in place when the engine already accumulated into it).
-    fp.into_shard_grad = grad_is_zero;
-    fp.reduce_out = grad_is_zero && !offload && fp.grad == fp.reduce
-                        ? fp.shard_grad
-                        : device_.allocate(FlatParam::bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
-    if constexpr (strategy::shards_parameters)
-      fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
-    else
-      fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
-    fp.reducing = true;
-    return fp.reduce_work.completed_inline();
-  }
-
-  void finish_gradient(FlatParam& fp, const detail::TracedWait& wait) {
-    const auto& L = fp.layout;
-    const auto S = static_cast<std::size_t>(L.shard_numel());
-    void* out = fp.reduce_out;
-    if (strategy::shards_parameters && groups_.replicate_size > 1) {
-      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
-      wait(w, "wait all_reduce");
-    }
-    if (post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
-    if (out != fp.shard_grad) {
-      // Bring the result to the sharded gradient's dtype and memory space, then add it.
-      void* in_grad_dtype = out;
-      if (fp.grad != fp.reduce) {
-        in_grad_dtype = device_.allocate(FlatParam::bytes(L.shard_numel(), fp.grad), MemorySpace::device);
-        device_.cast(in_grad_dtype, fp.grad, out, fp.reduce, S);
-      }
-      // Into the sharded gradient, wherever it lives (device to host when offloaded).
-      if (fp.into_shard_grad) device_.copy(fp.shard_grad, in_grad_dtype, fp.shard_grad_bytes());
-      else device_.accumulate(fp.shard_grad, in_grad_dtype, S, fp.grad);
-      if (in_grad_dtype != out) device_.deallocate(in_grad_dtype, FlatParam::bytes(L.shard_numel(), fp.grad), MemorySpace::device);
-    }
-    release_reduction_buffers(fp);
-    release_full_grad(fp);
-  }
-
-  void release_reduction_buffers(FlatParam& fp) {
-    if (fp.reduce_out && fp.reduce_out != fp.shard_grad)
-      device_.deallocate(fp.reduce_out, FlatParam::bytes(fp.layout.shard_numel(), fp.reduce), MemorySpace::device);
-    fp.reduce_out = nullptr;
-    if (fp.reduce_in) device_.deallocate(fp.reduce_in, FlatParam::bytes(fp.layout.padded_numel(), fp.reduce), MemorySpace::device);
-    fp.reduce_in = nullptr;
-  }
-
-  void release_full_grad(FlatParam& fp) {
-    if (fp.full_grad == fp.shard_grad) fp.full_grad = nullptr;  // an alias, not an allocation
-    else release(fp.full_grad, fp.full_bytes(), MemorySpace::device);
-  }
-
-  // Points every parameter's param (or grad) tensor into `base`, shown in `dtype`, or at nothing.
-  void bind(FlatParam& fp, void* base, void* detail::ParamBinding::*which, DType dtype) {
-    const std::size_t esize = size_of(dtype);
-    const auto& infos = fp.layout.params();
-    for (std::size_t i = 0; i < fp.bindings.size(); ++i) {
-      auto& b = fp.bindings[i];
-      b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr, dtype);
-    }
-  }
-
   void release(void*& p, std::size_t n, MemorySpace space) {
     if (p) device_.deallocate(p, n, space);
     p = nullptr;
@@ -391,8 +299,9 @@ class FlatParamGroup {
 
   detail::UnitGroups groups_;
   detail::DeviceRef device_;
-  double pre_divide_ = 1.0, post_divide_ = 1.0;
+  detail::GradientReduction<Config> reduction_;
   std::vector<FlatParam> flat_;
+  std::vector<std::pair<std::size_t, std::size_t>> param_index_;  // parameter -> (flat, index in it)
   bool took_over_ = false;
 };
 

@@ -178,6 +178,35 @@ class Sharded final : public UnitBase {
   }
 
   std::span<const ShardView> shards() const override { return views_; }
+  std::span<const ParamView> parameters() const override { return params_; }
+  std::span<const BufferView> buffers() const override { return buffer_views_; }
+  void* buffer_data(std::size_t i) const override {
+    const auto& b = all_buffers_.at(i);
+    return b.data_of(b.tensor);
+  }
+  void* full_parameter(std::size_t i) const override {
+    if (state_ != TrainingState::SUMMON_FULL_PARAMS)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
+    return group_.full_parameter(i);
+  }
+  void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
+    if (bytes) group_.device().copy(dst, src, bytes);
+  }
+  void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const override {
+    group_.gather_array(shard, mine, full_host, dtype);
+  }
+  bool saves_shards() const override {
+    const auto& g = group_.groups();
+    return g.replicate_size == 1 || g.replicate.rank() == 0;
+  }
+  bool all_ranks_agree(bool ok) const override {
+    const auto& world = group_.groups().world;
+    if (world.size() == 1) return ok;
+    std::int32_t mine = ok ? 1 : 0, all = 0;
+    world.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min).wait();
+    return all == 1;
+  }
 
   // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
   std::vector<const FlatParamLayout*> layouts() const {
@@ -209,8 +238,10 @@ class Sharded final : public UnitBase {
     // members free their copies).
     group_.copy_shards(params);
     buffers_.copy(buffers, buffer_cast_dtype());
-    group_.take_over(fqn_, views_);
+    group_.take_over(fqn_, views_, params_);
     buffers_.show_cast();
+    all_buffers_ = std::move(buffers);
+    for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
   }
 
   static std::optional<DType> buffer_cast_dtype() {
@@ -261,6 +292,9 @@ class Sharded final : public UnitBase {
   bool grad_is_zero_ = true;
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;
+  std::vector<ParamView> params_;
+  std::vector<detail::CollectedBuffer> all_buffers_;
+  std::vector<BufferView> buffer_views_;
 };
 
 }  // namespace fsdp

@@ -46,6 +46,7 @@ class ShardedModel {
     by_module_[key] = unit.get();
     unit->attach(order_.get());
     views_.insert(views_.end(), unit->shards().begin(), unit->shards().end());
+    params_.insert(params_.end(), unit->parameters().begin(), unit->parameters().end());
     units_.push_back(std::move(unit));
   }
 
@@ -106,6 +107,9 @@ class ShardedModel {
 
   // This rank's flat shards of every unit, for the optimizer.
   std::span<const ShardView> shards() const { return views_; }
+  // Every parameter of every unit as this rank holds it (unit by unit, in unit order):
+  // FQN, shape, dtype and where its elements lie in this rank's shard and in the parameter.
+  std::span<const ParamView> parameters() const { return params_; }
 
  private:
   std::string unit_names() const {
@@ -119,6 +123,7 @@ class ShardedModel {
   std::vector<std::unique_ptr<UnitBase>> units_;
   std::map<ModuleKey, UnitBase*> by_module_;
   std::vector<ShardView> views_;
+  std::vector<ParamView> params_;
   std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
 };
 

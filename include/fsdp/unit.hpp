@@ -2,6 +2,7 @@
 // UnitBase: what the root and the engine see of a sharded unit, whatever its module type
 // and policies: the lifecycle hooks, the training state, and the flat shards the
 // optimizer steps on.
+#include <cstdint>
 #include <exception>
 #include <span>
 #include <string>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/execution_order.hpp"
 #include "fsdp/training_state.hpp"
@@ -27,6 +29,35 @@ struct ShardView {
   void* grad = nullptr;
   std::int64_t numel = 0;
   DType grad_dtype = DType::f32;
+  std::int64_t padded_numel = 0;  // the shard's size with padding (every rank's shard has it)
+  MemorySpace space = MemorySpace::device;  // host when OffloadParams put the shard there
+};
+
+// One parameter as this rank holds it: the elements [param_begin, param_begin + count) of
+// the flattened parameter, which sit at shard_offset in shards()[shard] of its unit. A
+// shard may cut through a parameter, so count may be anything from 0 to numel. What an
+// optimizer needs for per-parameter rules (weight-decay masks) and what state dicts and
+// checkpoints are made of; no cast to a concrete unit type is needed.
+struct ParamView {
+  std::string_view unit;  // FQN of the unit ("" for the root)
+  std::string_view fqn;   // the parameter's FQN in the model
+  std::span<const std::int64_t> shape;
+  DType dtype = DType::f32;  // the master dtype: what shards and checkpoints hold
+  std::int64_t numel = 0;    // of the whole parameter
+  std::size_t shard = 0;     // index into the unit's shards()
+  std::int64_t param_begin = 0, count = 0, shard_offset = 0;
+  void* param = nullptr;  // this rank's elements (nullptr when count == 0)
+  void* grad = nullptr;   // the matching elements of the sharded gradient, in grad_dtype
+  DType grad_dtype = DType::f32;
+  MemorySpace space = MemorySpace::device;
+};
+
+// A buffer (non-trainable tensor: running statistics, masks) of a unit.
+struct BufferView {
+  std::string_view unit, fqn;
+  std::span<const std::int64_t> shape;
+  DType dtype = DType::f32;  // its own dtype (MixedPrecision may show it cast to the engine)
+  std::int64_t numel = 0;
 };
 
 class UnitBase {
@@ -54,6 +85,29 @@ class UnitBase {
   virtual void end_summon_full_params(bool writeback) = 0;
 
   virtual std::span<const ShardView> shards() const = 0;
+  // Every parameter and buffer of the unit, in visit order (parameters grouped by dtype as
+  // their flat shards are).
+  virtual std::span<const ParamView> parameters() const = 0;
+  virtual std::span<const BufferView> buffers() const = 0;
+  // The current storage of buffers()[i] (engine or unit memory, in buffers()[i].dtype while
+  // summoned, else in the dtype the engine computes with).
+  virtual void* buffer_data(std::size_t i) const = 0;
+  // While summoned: the full parameters()[i], in its master dtype (writable when the summon
+  // writes back). An error in any other state.
+  virtual void* full_parameter(std::size_t i) const = 0;
+  // Copies bytes through the unit's Device: either side may be host or device memory.
+  virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) const = 0;
+  // All-gathers an array laid out like shards()[shard] (its numel valid elements of
+  // `dtype`, in the shard's memory space; for example an optimizer moment) into
+  // `full_host`, host memory for the flat parameter's unpadded elements. A collective over
+  // the shard group.
+  virtual void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const = 0;
+  // Whether `ok` holds on every rank of the world (a collective): so that no rank goes on
+  // to change state, or to commit a file, that another rank has found wrong.
+  virtual bool all_ranks_agree(bool ok) const = 0;
+  // Whether this rank's shards are the copy a sharded checkpoint saves: replicas (NoShard,
+  // the replicate dimension of HybridShard) hold the same elements, and one copy is saved.
+  virtual bool saves_shards() const = 0;
   // The process groups the unit uses, in words; every unit of a model must use the same.
   virtual std::string groups() const = 0;
 

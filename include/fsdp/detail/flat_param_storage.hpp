@@ -8,6 +8,7 @@
 
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/flat_param.hpp"
+#include "fsdp/trace.hpp"
 #include "fsdp/work.hpp"
 
 namespace fsdp {
@@ -40,5 +41,31 @@ struct FlatParam {
   std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
 };
+
+namespace detail {
+
+// Points every parameter's param (or grad) tensor into `base`, shown in `dtype`, or at nothing.
+inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::*which, DType dtype) {
+  const std::size_t esize = size_of(dtype);
+  const auto& infos = fp.layout.params();
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) {
+    auto& b = fp.bindings[i];
+    b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr, dtype);
+  }
+}
+
+// Waits for a collective, as a span on the trace's compute lane when the model traces.
+struct TracedWait {
+  Trace* trace = nullptr;
+  const std::string* unit = nullptr;
+  void operator()(Work& w, const char* what) const {
+    if (!trace) return w.wait();
+    const auto begin = Trace::Clock::now();
+    w.wait();
+    trace->add(std::string(what) + " " + *unit, "wait", Trace::Lane::compute, begin, Trace::Clock::now());
+  }
+};
+
+}  // namespace detail
 
 }  // namespace fsdp

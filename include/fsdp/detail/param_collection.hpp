@@ -35,6 +35,14 @@ struct ParamBinding {
   RebindFn rebind = nullptr;
 };
 
+// Reads a tensor's current storage.
+using DataFn = void* (*)(void* tensor);
+
+template <class T>
+DataFn data_fn() {
+  return [](void* t) -> void* { return tensor_traits<T>::data(*static_cast<T*>(t)); };
+}
+
 // A buffer (non-trainable tensor) as the unit found it.
 struct CollectedBuffer {
   std::string fqn;
@@ -43,6 +51,8 @@ struct CollectedBuffer {
   void* data;
   void* tensor;
   RebindFn rebind;
+  std::vector<std::int64_t> shape;
+  DataFn data_of = nullptr;
 };
 
 struct CollectedParam {
@@ -82,8 +92,10 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
     using T = std::remove_cvref_t<decltype(buffer)>;
     static_assert(!ChangesDtype || RebindableAs<T>,
                   "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
+    std::vector<std::int64_t> shape;
+    for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
     buffers.push_back({join_fqn(prefix, name), tensor_traits<T>::dtype(buffer), numel(buffer),
-                       tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>()});
+                       tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>()});
   });
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;

@@ -1,0 +1,174 @@
+#pragma once
+// State dicts of a ShardedModel (and of the engine's optimizer), keyed by clean FQNs — the
+// parameters' own names, no unit prefixes — and always in master dtypes, whatever the
+// mixed precision or offload:
+//  - full:    every parameter and buffer whole, gathered one unit at a time (so device
+//             memory stays near one unit), in host memory, on every rank or rank 0 only;
+//  - sharded: this rank's slice of each parameter (a 1-D element range of the flattened
+//             tensor) and of each optimizer state, no collective; buffers on one rank;
+//  - local:   the raw flat shards with their layout (ShardView and ParamView).
+// Loading is in fsdp/checkpoint/load_state.hpp.
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/optimizer_state.hpp"
+#include "fsdp/sharded_model.hpp"
+
+namespace fsdp {
+
+enum class StateKind : std::uint8_t { param, buffer, optim };
+
+inline const char* name_of(StateKind k) {
+  return k == StateKind::param ? "param" : k == StateKind::buffer ? "buffer" : "optim";
+}
+
+// A tensor in host memory.
+struct StateTensor {
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::vector<std::byte> data;
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    return n;
+  }
+};
+
+struct FullStateDict {
+  std::map<std::string, StateTensor> tensors;                        // parameters and buffers by FQN
+  std::map<std::string, std::map<std::string, StateTensor>> optim;   // state name -> FQN -> tensor
+  std::map<std::string, std::string> optim_scalars;                  // e.g. "step"
+};
+
+// Elements [begin, begin + count) of the flattened tensor `fqn` (of global `shape`).
+struct StateSlice {
+  StateKind kind = StateKind::param;
+  std::string state;  // the optimizer state's name (kind == optim)
+  std::string fqn;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::int64_t begin = 0, count = 0;
+  std::vector<std::byte> data;
+};
+
+struct ShardedStateDict {
+  int rank = 0, world = 1;
+  std::vector<StateSlice> slices;
+  std::map<std::string, std::string> optim_scalars;
+};
+
+namespace detail {
+
+inline std::vector<std::byte> to_host(const UnitBase& u, const void* src, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  u.copy_bytes(out.data(), src, bytes);
+  return out;
+}
+
+inline std::vector<std::int64_t> shape_of(std::span<const std::int64_t> s) { return {s.begin(), s.end()}; }
+
+// Calls f(unit, view, model-level shard index) for every parameter of the model.
+template <class F>
+void for_each_param(ShardedModel& model, F&& f) {
+  std::size_t first_shard = 0;
+  for (auto& u : model) {
+    for (const auto& p : u->parameters()) f(*u, p, first_shard + p.shard);
+    first_shard += u->shards().size();
+  }
+}
+
+}  // namespace detail
+
+// This rank's slices: parameters (and optimizer states) where this rank's shards are the
+// saved copy (see UnitBase::saves_shards), buffers on world rank 0. No collective.
+inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* optimizer = nullptr) {
+  ShardedStateDict out;
+  if (model.size() == 0) return out;
+  out.rank = model[0].rank();
+  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
+  detail::for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
+    // An empty parameter has no elements to own: rank 0 records it, so it is not missing.
+    if (!u.saves_shards() || (p.count == 0 && (p.numel > 0 || out.rank != 0))) return;
+    const auto esize = size_of(p.dtype);
+    out.slices.push_back({StateKind::param, "", std::string(p.fqn), p.dtype, detail::shape_of(p.shape), p.param_begin,
+                          p.count, detail::to_host(u, p.param, static_cast<std::size_t>(p.count) * esize)});
+    for (const auto& name : names) {
+      const DType t = optimizer->state_dtype(name);
+      const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
+      out.slices.push_back({StateKind::optim, name, std::string(p.fqn), t, detail::shape_of(p.shape), p.param_begin,
+                            p.count,
+                            detail::to_host(u, base + p.shard_offset * size_of(t), static_cast<std::size_t>(p.count) * size_of(t))});
+    }
+  });
+  if (out.rank == 0)
+    for (auto& u : model)
+      for (std::size_t i = 0; i < u->buffers().size(); ++i) {
+        const auto& b = u->buffers()[i];
+        out.slices.push_back({StateKind::buffer, "", std::string(b.fqn), b.dtype, detail::shape_of(b.shape), 0, b.numel,
+                              detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))});
+      }
+  if (optimizer) out.optim_scalars = optimizer->scalars();
+  return out;
+}
+
+struct FullStateDictOptions {
+  bool rank0_only = false;  // other ranks take part in the gathers but return an empty dict
+};
+
+// Every parameter and buffer whole, in master dtypes: each unit summoned in turn (one
+// unit's full parameters on the device at a time). With an optimizer, its states gathered
+// the same way. A collective: every rank calls it.
+inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimizer = nullptr,
+                                     FullStateDictOptions options = {}) {
+  FullStateDict out;
+  if (model.size() == 0) return out;
+  const bool keep = !options.rank0_only || model[0].rank() == 0;
+  for (auto& u : model) {
+    auto summoned = u->summon_full_params();
+    const auto params = u->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      if (keep)
+        out.tensors[std::string(p.fqn)] = {p.dtype, detail::shape_of(p.shape),
+                                           detail::to_host(*u, u->full_parameter(i), static_cast<std::size_t>(p.numel) * size_of(p.dtype))};
+    }
+    for (std::size_t i = 0; i < u->buffers().size() && keep; ++i) {
+      const auto& b = u->buffers()[i];
+      out.tensors[std::string(b.fqn)] = {b.dtype, detail::shape_of(b.shape),
+                                         detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))};
+    }
+  }
+  if (!optimizer) return out;
+  std::size_t first_shard = 0;
+  for (auto& u : model) {
+    for (const auto& name : optimizer->state_names()) {
+      const DType t = optimizer->state_dtype(name);
+      for (std::size_t k = 0; k < u->shards().size(); ++k) {
+        const auto& view = u->shards()[k];
+        std::int64_t flat_numel = 0;  // the flat parameter's unpadded size: its parameters' sum
+        for (const auto& p : u->parameters()) if (p.shard == k) flat_numel += p.numel;
+        std::vector<std::byte> flat(static_cast<std::size_t>(flat_numel) * size_of(t));
+        u->gather_like_shard(k, optimizer->state(name, first_shard + k, view.numel), flat.data(), t);
+        std::int64_t offset = 0;  // parameters lie back to back in visit order
+        for (const auto& p : u->parameters()) {
+          if (p.shard != k) continue;
+          if (keep) {
+            auto& dst = out.optim[name][std::string(p.fqn)];
+            dst = {t, detail::shape_of(p.shape), {}};
+            const auto* from = flat.data() + offset * size_of(t);
+            dst.data.assign(from, from + p.numel * size_of(t));
+          }
+          offset += p.numel;
+        }
+      }
+    }
+    first_shard += u->shards().size();
+  }
+  if (keep) out.optim_scalars = optimizer->scalars();
+  return out;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,155 @@
+#pragma once
+// StateSource: where a load reads from — a full state dict in memory, the sharded state
+// dicts of N ranks, or checkpoint files — as element ranges of flattened tensors, so a
+// model on any number of ranks reads exactly the slices it owns, whatever wrote them.
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fsdp/checkpoint/state_dict.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+
+// Names one tensor of a training state.
+struct StateKey {
+  StateKind kind = StateKind::param;
+  std::string state;  // optimizer state name (kind == optim), else empty
+  std::string fqn;
+  friend auto operator<=>(const StateKey& a, const StateKey& b) {
+    return std::tie(a.kind, a.state, a.fqn) <=> std::tie(b.kind, b.state, b.fqn);
+  }
+  friend bool operator==(const StateKey&, const StateKey&) = default;
+  std::string describe() const {
+    if (kind == StateKind::optim) return "optimizer state '" + state + "' of '" + fqn + "'";
+    return std::string(name_of(kind)) + " '" + fqn + "'";
+  }
+};
+
+struct TensorMeta {
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+};
+
+class StateSource {
+ public:
+  virtual ~StateSource() = default;
+  virtual std::string name() const = 0;  // for messages: "checkpoint /path" or "full state dict"
+  virtual std::optional<TensorMeta> find(const StateKey& key) const = 0;
+  // Elements [begin, begin + count) of the flattened tensor into host memory `dst`.
+  virtual void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const = 0;
+  virtual std::vector<StateKey> keys() const = 0;
+  virtual std::map<std::string, std::string> optim_scalars() const = 0;
+};
+
+namespace detail {
+inline std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+}  // namespace detail
+
+// A full state dict held in memory.
+class FullStateDictSource final : public StateSource {
+ public:
+  explicit FullStateDictSource(const FullStateDict& sd) : sd_(sd) {}
+  std::string name() const override { return "full state dict"; }
+  std::optional<TensorMeta> find(const StateKey& key) const override {
+    const StateTensor* t = lookup(key);
+    if (!t) return std::nullopt;
+    return TensorMeta{t->dtype, t->shape};
+  }
+  void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const override {
+    const StateTensor* t = lookup(key);
+    if (!t) detail::fail(name(), ": no ", key.describe());
+    const auto esize = size_of(t->dtype);
+    if (begin < 0 || count < 0 || begin + count > t->numel() ||
+        t->data.size() != static_cast<std::size_t>(t->numel()) * esize)
+      detail::fail(name(), ": ", key.describe(), " holds ", t->data.size(), " bytes; elements [", begin, ", ",
+                   begin + count, ") of a ", t->numel(), "-element ", name_of(t->dtype), " tensor were asked for");
+    if (count) std::memcpy(dst, t->data.data() + begin * esize, static_cast<std::size_t>(count) * esize);
+  }
+  std::vector<StateKey> keys() const override {
+    std::vector<StateKey> out;
+    for (auto& [fqn, t] : sd_.tensors) out.push_back({StateKind::param, "", fqn});  // param or buffer: see find
+    for (auto& [state, m] : sd_.optim)
+      for (auto& [fqn, t] : m) out.push_back({StateKind::optim, state, fqn});
+    return out;
+  }
+  std::map<std::string, std::string> optim_scalars() const override { return sd_.optim_scalars; }
+
+ private:
+  // Parameters and buffers share one FQN namespace in a full state dict.
+  const StateTensor* lookup(const StateKey& key) const {
+    if (key.kind == StateKind::optim) {
+      auto s = sd_.optim.find(key.state);
+      if (s == sd_.optim.end()) return nullptr;
+      auto it = s->second.find(key.fqn);
+      return it == s->second.end() ? nullptr : &it->second;
+    }
+    auto it = sd_.tensors.find(key.fqn);
+    return it == sd_.tensors.end() ? nullptr : &it->second;
+  }
+  const FullStateDict& sd_;
+};
+
+// The sharded state dicts of every rank that saved (any number): a read of a range takes
+// each part from the slice that holds it; a part no slice holds is an error.
+class ShardedStateDictsSource final : public StateSource {
+ public:
+  explicit ShardedStateDictsSource(const std::vector<ShardedStateDict>& dicts) {
+    for (auto& d : dicts) {
+      for (auto& s : d.slices) {
+        auto& e = entries_[StateKey{s.kind, s.state, s.fqn}];
+        if (!e.slices.empty() && (e.meta.dtype != s.dtype || e.meta.shape != s.shape))
+          detail::fail("sharded state dicts disagree on the dtype or shape of ", StateKey{s.kind, s.state, s.fqn}.describe());
+        e.meta = {s.dtype, s.shape};
+        e.slices.push_back(&s);
+      }
+      if (scalars_.empty()) scalars_ = d.optim_scalars;
+    }
+  }
+  std::string name() const override { return "sharded state dicts"; }
+  std::optional<TensorMeta> find(const StateKey& key) const override {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return std::nullopt;
+    return it->second.meta;
+  }
+  void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const override {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) detail::fail(name(), ": no ", key.describe());
+    const auto esize = size_of(it->second.meta.dtype);
+    std::int64_t covered = 0;
+    for (const StateSlice* s : it->second.slices) {
+      const std::int64_t lo = std::max(begin, s->begin), hi = std::min(begin + count, s->begin + s->count);
+      if (hi <= lo) continue;
+      std::memcpy(static_cast<std::byte*>(dst) + (lo - begin) * esize, s->data.data() + (lo - s->begin) * esize,
+                  static_cast<std::size_t>(hi - lo) * esize);
+      covered += hi - lo;
+    }
+    if (covered != count)  // slices of one tensor never overlap, so a shortfall is a gap
+      detail::fail(name(), ": elements [", begin, ", ", begin + count, ") of ", key.describe(),
+                   " are not all in any slice (", covered, " of ", count, " found)");
+  }
+  std::vector<StateKey> keys() const override {
+    std::vector<StateKey> out;
+    for (auto& [k, e] : entries_) out.push_back(k);
+    return out;
+  }
+  std::map<std::string, std::string> optim_scalars() const override { return scalars_; }
+
+ private:
+  struct Entry {
+    TensorMeta meta;
+    std::vector<const StateSlice*> slices;
+  };
+  std::map<StateKey, Entry> entries_;
+  std::map<std::string, std::string> scalars_;
+};
+
+}  // namespace fsdp
