@@ -35,6 +35,8 @@ struct UnitOptions {
   // Broadcast rank 0's parameters and buffers to every rank at construction, as FSDP's
   // sync_module_states does: ranks that initialised differently then start the same.
   bool sync_module_states = false;
+  // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
+  bool defer_take_over = false;
 };
 
 template <class Module, class... Ps>
@@ -238,11 +240,20 @@ class Sharded final : public UnitBase {
     // members free their copies).
     group_.copy_shards(params);
     buffers_.copy(buffers, buffer_cast_dtype());
-    group_.take_over(fqn_, views_, params_);
-    buffers_.show_cast();
     all_buffers_ = std::move(buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
+    if (!options.defer_take_over) take_over();
   }
+
+ public:
+  void take_over() override {
+    if (took_over_) return;
+    took_over_ = true;
+    group_.take_over(fqn_, views_, params_);
+    buffers_.show_cast();
+  }
+
+ private:
 
   static std::optional<DType> buffer_cast_dtype() {
     if constexpr (precision::enabled) return precision::buffer;
@@ -290,6 +301,7 @@ class Sharded final : public UnitBase {
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;
+  bool took_over_ = false;
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;

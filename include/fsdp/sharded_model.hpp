@@ -45,9 +45,14 @@ class ShardedModel {
                    by_module_[key]->fqn(), "' already manages");
     by_module_[key] = unit.get();
     unit->attach(order_.get());
-    views_.insert(views_.end(), unit->shards().begin(), unit->shards().end());
-    params_.insert(params_.end(), unit->parameters().begin(), unit->parameters().end());
     units_.push_back(std::move(unit));
+    refresh_views();
+  }
+
+  // Completes setup of units built with UnitOptions::defer_take_over (fsdp::shard's).
+  void take_over() {
+    for (auto& u : units_) u->take_over();
+    refresh_views();
   }
 
   std::size_t size() const { return units_.size(); }
@@ -112,6 +117,15 @@ class ShardedModel {
   std::span<const ParamView> parameters() const { return params_; }
 
  private:
+  void refresh_views() {
+    views_.clear();
+    params_.clear();
+    for (auto& u : units_) {
+      views_.insert(views_.end(), u->shards().begin(), u->shards().end());
+      params_.insert(params_.end(), u->parameters().begin(), u->parameters().end());
+    }
+  }
+
   std::string unit_names() const {
     std::ostringstream os;
     for (std::size_t i = 0; i < units_.size(); ++i)
@@ -185,12 +199,15 @@ ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap =
   detail::check_same_across_ranks(detail::CommRef(comm), f, "the set of units",
                                   std::to_string(count) + " units (root" + (count > 1 ? " + wrapped" : "") +
                                       names.str() + ")");
+  // Every unit is built (its copies made, every check passed) before any takes over the
+  // engine's tensors: a failure anywhere leaves the engine's model exactly as it was.
   ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{"", options.sync_module_states}, wrap);
+  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{"", options.sync_module_states, true}, wrap);
   detail::for_each_wrapped<W>(model, "", [&](auto& child, std::string fqn) {
-    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(child, group, device,
-                                                                      UnitOptions{std::move(fqn), options.sync_module_states});
+    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(
+        child, group, device, UnitOptions{std::move(fqn), options.sync_module_states, true});
   });
+  out.take_over();
   return out;
 }
 

@@ -111,6 +111,11 @@ class UnitBase {
   // The process groups the unit uses, in words; every unit of a model must use the same.
   virtual std::string groups() const = 0;
 
+  // Completes setup: points the engine's tensors at the unit's storage (their own storage
+  // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard
+  // defers it until every unit is built, so a failed shard leaves the model as it was.
+  virtual void take_over() = 0;
+
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
   virtual void prefetch() = 0;
   // Completes a reduction that post_backward left in flight (asynchronous backends).

@@ -251,3 +251,35 @@ TEST_CASE("a construction that fails part way leaks nothing and leaves the engin
     }
   });
 }
+
+TEST_CASE("fsdp::shard that fails at a later unit leaves every engine parameter as it was, on every rank") {
+  // Rank 1's blocks have another hidden size: the root unit is built on both ranks, then
+  // blocks.0 disagrees. The root must not have taken the engine's parameters over.
+  std::vector<std::string> errors(2);
+  std::vector<bool> intact(2, false);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::ModelConfig c;
+    if (comm.rank() == 1) c.hidden = 8;
+    engine::Model model(c);
+    std::vector<std::vector<float>> before;
+    for (auto& p : engine::named_parameters(model)) before.emplace_back(p.param->data(), p.param->data() + p.param->numel());
+    fsdp::HostDevice device;
+    try {
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    } catch (const fsdp::Error& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    bool same = device.stats().live_bytes == 0;
+    auto params = engine::named_parameters(model);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const float* d = params[i].param->data();
+      same = same && (d != nullptr || before[i].empty()) && std::equal(before[i].begin(), before[i].end(), d);
+    }
+    intact[static_cast<std::size_t>(comm.rank())] = same;
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(errors[static_cast<std::size_t>(r)].find("blocks.0") != std::string::npos);
+    CHECK(intact[static_cast<std::size_t>(r)]);
+  }
+}
