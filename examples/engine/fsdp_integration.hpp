@@ -65,6 +65,36 @@ inline std::vector<Slot> slots(Model& m) {  // unsharded: the model's own tensor
   return out;
 }
 
+// Weight-decay masks that decay only matrices (2-D parameters), one per slot, built from the
+// per-parameter views: no cast to a unit type. The sharded form marks the elements each
+// parameter has in this rank's shards; the unsharded one, each parameter whole.
+using DecayMasks = std::vector<std::vector<std::uint8_t>>;
+
+inline DecayMasks decay_masks(const fsdp::ShardedModel& m) {
+  DecayMasks out;
+  for (const auto& v : m.shards()) out.emplace_back(static_cast<std::size_t>(v.numel), std::uint8_t{0});
+  for (const auto& p : m.parameters())
+    if (p.shape.size() == 2)
+      std::fill_n(out[p.model_shard].begin() + p.shard_offset, p.count, std::uint8_t{1});
+  return out;
+}
+
+inline DecayMasks decay_masks(Model& m) {
+  DecayMasks out;
+  for (auto& p : named_parameters(m))
+    out.emplace_back(static_cast<std::size_t>(p.param->numel()), std::uint8_t{p.param->shape().size() == 2});
+  return out;
+}
+
+// Slots with weight decay where `masks` say (masks from decay_masks of the same model).
+template <class M>
+std::vector<Slot> masked_slots(M& m, const DecayMasks& masks) {
+  auto out = slots(m);
+  if (out.size() != masks.size()) throw fsdp::Error("masked_slots: the masks are for another model");
+  for (std::size_t k = 0; k < out.size(); ++k) out[k].decay = masks[k].data();
+  return out;
+}
+
 // Zeroes every gradient of the model, whatever its dtype (all-zero bits are +0 in each).
 inline void zero_grads(Model& m) {
   for (auto& p : named_parameters(m))

@@ -16,6 +16,7 @@ struct Slot {
   float* param;
   const float* grad;
   std::int64_t numel;
+  const std::uint8_t* decay = nullptr;  // per element: 1 = apply weight decay (nullptr: everywhere)
 };
 
 class Sgd {
@@ -53,7 +54,7 @@ class AdamW {
       float* v = state_[k].v.data();
       for (std::int64_t i = 0; i < s.numel; ++i) {
         const float g = s.grad[i];
-        s.param[i] -= o_.lr * o_.weight_decay * s.param[i];
+        if (!s.decay || s.decay[i]) s.param[i] -= o_.lr * o_.weight_decay * s.param[i];
         m[i] = o_.beta1 * m[i] + (1.0f - o_.beta1) * g;
         v[i] = o_.beta2 * v[i] + (1.0f - o_.beta2) * g * g;
         s.param[i] -= o_.lr * (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps);

@@ -144,7 +144,7 @@ class FlatParamGroup {
         const auto& info = L.params()[i];
         const ShardSlice sl = L.slice(i, groups_.shard_rank);
         auto at = [&](void* base, DType t) { return sl.count ? static_cast<std::byte*>(base) + sl.shard_offset * size_of(t) : nullptr; };
-        params.push_back({unit, info.fqn, info.shape, fp.master(), info.numel, k, sl.param_begin, sl.count,
+        params.push_back({unit, info.fqn, info.shape, fp.master(), info.numel, k, k, sl.param_begin, sl.count,
                           sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space});
         param_index_.push_back({k, i});
       }

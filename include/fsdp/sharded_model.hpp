@@ -121,8 +121,12 @@ class ShardedModel {
     views_.clear();
     params_.clear();
     for (auto& u : units_) {
+      const std::size_t first = views_.size();
       views_.insert(views_.end(), u->shards().begin(), u->shards().end());
-      params_.insert(params_.end(), u->parameters().begin(), u->parameters().end());
+      for (ParamView p : u->parameters()) {
+        p.model_shard = first + p.shard;
+        params_.push_back(p);
+      }
     }
   }
 

@@ -45,6 +45,7 @@ struct ParamView {
   DType dtype = DType::f32;  // the master dtype: what shards and checkpoints hold
   std::int64_t numel = 0;    // of the whole parameter
   std::size_t shard = 0;     // index into the unit's shards()
+  std::size_t model_shard = 0;  // index into ShardedModel::shards() (the unit's own: = shard)
   std::int64_t param_begin = 0, count = 0, shard_offset = 0;
   void* param = nullptr;  // this rank's elements (nullptr when count == 0)
   void* grad = nullptr;   // the matching elements of the sharded gradient, in grad_dtype

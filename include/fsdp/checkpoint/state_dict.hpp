@@ -73,11 +73,12 @@ inline std::vector<std::int64_t> shape_of(std::span<const std::int64_t> s) { ret
 // Calls f(unit, view, model-level shard index) for every parameter of the model.
 template <class F>
 void for_each_param(ShardedModel& model, F&& f) {
-  std::size_t first_shard = 0;
-  for (auto& u : model) {
-    for (const auto& p : u->parameters()) f(*u, p, first_shard + p.shard);
-    first_shard += u->shards().size();
-  }
+  std::size_t k = 0;
+  for (auto& u : model)
+    for (std::size_t i = 0; i < u->parameters().size(); ++i, ++k) {
+      const ParamView& p = model.parameters()[k];
+      f(*u, p, p.model_shard);
+    }
 }
 
 }  // namespace detail
