@@ -1,5 +1,6 @@
 #pragma once
 // Element types the library moves and reduces, with host conversions for the 16-bit ones.
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +56,7 @@ template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType
 template <class T> inline constexpr DType dtype_v = dtype_of<T>::value;
 
 // ---- host conversions, round-to-nearest-even, NaN stays NaN, overflow goes to inf ----
+// float -> 16-bit here; double -> 16-bit (one rounding, not two through float) below.
 
 inline std::uint16_t float_to_bf16_bits(float f) {
   std::uint32_t u = std::bit_cast<std::uint32_t>(f);
@@ -103,6 +105,35 @@ inline float f16_bits_to_float(std::uint16_t h) {
   return std::bit_cast<float>(sign | (exp + 112u) << 23 | mant << 13);
 }
 
+namespace detail {
+// double -> a 16-bit float format with `kExpBits` exponent and `kMantBits` mantissa bits,
+// rounded once (never through float, which would round twice): round to nearest, ties to
+// even; NaN stays NaN (quiet), overflow goes to inf, subnormals and signed zero kept.
+template <int kExpBits, int kMantBits>
+std::uint16_t double_to_16bit(double d) {
+  constexpr int bias = (1 << (kExpBits - 1)) - 1;
+  constexpr std::uint64_t inf = ((std::uint64_t{1} << kExpBits) - 1) << kMantBits;
+  const std::uint64_t u = std::bit_cast<std::uint64_t>(d);
+  const auto sign = static_cast<std::uint16_t>((u >> 48) & 0x8000u);
+  const std::uint64_t abs = u & 0x7fffffffffffffffull;
+  if (abs > 0x7ff0000000000000ull) return static_cast<std::uint16_t>(sign | inf | (1u << (kMantBits - 1)));
+  const int e = static_cast<int>(abs >> 52) - 1023;  // unbiased; double subnormals are far below
+  if (e < -bias - kMantBits) return sign;            // under half the smallest subnormal: zero
+  const std::uint64_t m = (abs & 0xfffffffffffffull) | (std::uint64_t{1} << 52);
+  // Bits of m below the target's quantum: its mantissa width, plus the shift to subnormal.
+  const int drop = 52 - kMantBits + std::max(0, 1 - bias - e);
+  std::uint64_t r = m >> drop;
+  const std::uint64_t rest = m & ((std::uint64_t{1} << drop) - 1), half = std::uint64_t{1} << (drop - 1);
+  if (rest > half || (rest == half && (r & 1u))) ++r;
+  // r carries into the exponent on its own when rounding up to the next binade.
+  const std::uint64_t bits = (static_cast<std::uint64_t>(std::max(e + bias, 1) - 1) << kMantBits) + r;
+  return static_cast<std::uint16_t>(sign | std::min(bits, inf));
+}
+}  // namespace detail
+
+inline std::uint16_t double_to_bf16_bits(double d) { return detail::double_to_16bit<8, 7>(d); }
+inline std::uint16_t double_to_f16_bits(double d) { return detail::double_to_16bit<5, 10>(d); }
+
 // Reads element i of a buffer of dtype t as double / writes it back (host only; used by
 // host reductions and casts, never on a per-element hot path of f32 which has its own loop).
 inline double load_as_double(const void* p, std::size_t i, DType t) {
@@ -119,12 +150,13 @@ inline double load_as_double(const void* p, std::size_t i, DType t) {
   return 0;
 }
 
+// Integer dtypes truncate toward zero and need v in their range (fsdp::cast checks it).
 inline void store_from_double(void* p, std::size_t i, DType t, double v) {
   switch (t) {
     case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); return;
     case DType::f64: static_cast<double*>(p)[i] = v; return;
-    case DType::f16: static_cast<std::uint16_t*>(p)[i] = float_to_f16_bits(static_cast<float>(v)); return;
-    case DType::bf16: static_cast<std::uint16_t*>(p)[i] = float_to_bf16_bits(static_cast<float>(v)); return;
+    case DType::f16: static_cast<std::uint16_t*>(p)[i] = double_to_f16_bits(v); return;
+    case DType::bf16: static_cast<std::uint16_t*>(p)[i] = double_to_bf16_bits(v); return;
     case DType::i8: static_cast<std::int8_t*>(p)[i] = static_cast<std::int8_t>(v); return;
     case DType::u8: static_cast<std::uint8_t*>(p)[i] = static_cast<std::uint8_t>(v); return;
     case DType::i32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); return;

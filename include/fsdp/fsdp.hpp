@@ -3,6 +3,7 @@
 // (fsdp/trace_json.hpp, which writes traces with nlohmann::json, and the CUDA adapters in
 // fsdp/cuda/ are included on their own.)
 #include "fsdp/async_communicator.hpp"
+#include "fsdp/cast.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
 #include "fsdp/device.hpp"

@@ -5,11 +5,18 @@
 // points a parameter (and its gradient) at storage it owns, which is what makes unshard
 // zero-copy — the all-gather output *is* the parameters.
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <ranges>
+#include <sstream>
+#include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
 
 namespace fsdp {
 
@@ -56,12 +63,64 @@ concept Tensor = requires(T& t, const T& ct, void* p) {
 template <class T>
 concept RebindableAs = Tensor<T> && requires(T& t, void* p, DType d) { tensor_traits<T>::rebind(t, p, d); };
 
-// Element count from the shape, the way every caller needs it.
+namespace detail {
+
+template <class Range>
+std::string format_shape(Range&& shape) {
+  std::ostringstream os;
+  os << '[';
+  const char* sep = "";
+  for (auto d : shape) { os << sep << +d; sep = ", "; }
+  os << ']';
+  return os.str();
+}
+
+// Names the tensor in a shape error: " of 'blocks.0.weight'", or nothing.
+inline std::string of_what(std::string_view what) {
+  return what.empty() ? std::string() : " of '" + std::string(what) + "'";
+}
+
+// numel * size_of(t) as a byte count, refusing a negative count or one that overflows.
+template <std::integral N>
+std::size_t checked_bytes(N numel, DType t, std::string_view what) {
+  std::size_t bytes = 0;
+  if (std::cmp_less(numel, 0)) fail("element count ", +numel, of_what(what), " is negative");
+  if (__builtin_mul_overflow(numel, size_of(t), &bytes))
+    fail(+numel, " elements of ", name_of(t), of_what(what), " are more bytes than size_t holds");
+  return bytes;
+}
+
+}  // namespace detail
+
+// Element count of a shape (any range of integers), refusing what is not one: a negative
+// dimension, or a product beyond int64. `what` names the tensor in the error (its FQN).
+template <class Shape>
+  requires std::ranges::input_range<Shape>
+std::int64_t checked_numel(Shape&& shape, std::string_view what) {
+  std::int64_t n = 1;
+  std::size_t dim = 0;
+  for (auto d : shape) {
+    static_assert(std::integral<decltype(d)>, "fsdp: shape dimensions must be integers");
+    const char* problem = nullptr;
+    if (std::cmp_less(d, 0)) problem = "is negative";
+    else if (!std::in_range<std::int64_t>(d)) problem = "is beyond int64";
+    else if (__builtin_mul_overflow(n, static_cast<std::int64_t>(d), &n)) problem = "makes the element count overflow int64";
+    if (problem) {
+      if constexpr (std::ranges::forward_range<Shape>)
+        detail::fail("shape ", detail::format_shape(shape), detail::of_what(what), ": dimension ", dim, " (", +d, ") ",
+                     problem);
+      else
+        detail::fail("shape", detail::of_what(what), ": dimension ", dim, " (", +d, ") ", problem);
+    }
+    ++dim;
+  }
+  return n;
+}
+
+// Element count from the shape, the way every caller needs it (checked as above).
 template <Tensor T>
 std::int64_t numel(const T& t) {
-  std::int64_t n = 1;
-  for (auto d : tensor_traits<T>::shape(t)) n *= static_cast<std::int64_t>(d);
-  return n;
+  return checked_numel(tensor_traits<T>::shape(t), {});
 }
 
 }  // namespace fsdp

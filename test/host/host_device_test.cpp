@@ -352,6 +352,27 @@ TEST_CASE("HostDevice::cast converts between every floating dtype, rounding to n
   CHECK(dev.stats().allocations == 0);  // casting allocates nothing
 }
 
+TEST_CASE("HostDevice::cast from f64 and i64 rounds once, not twice through float") {
+  fsdp::HostDevice dev;
+  // Just above the bf16 midpoint between 1 and 1 + 2^-7: float would round it onto the
+  // midpoint, and then to the even 1.0.
+  const double x = 1.0039062509313226;
+  std::uint16_t h = 0;
+  dev.cast(&h, fsdp::DType::bf16, &x, fsdp::DType::f64, 1);
+  CHECK(h == 0x3f81);
+  const double y = 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40);  // likewise for f16
+  dev.cast(&h, fsdp::DType::f16, &y, fsdp::DType::f64, 1);
+  CHECK(fsdp::f16_bits_to_float(h) == 1.0f + std::ldexp(1.0f, -10));
+  const std::int64_t big = (std::int64_t{1} << 60) + (std::int64_t{1} << 36) + 1;  // above a float midpoint
+  float f = 0;
+  dev.cast(&f, fsdp::DType::f32, &big, fsdp::DType::i64, 1);
+  CHECK(f == std::ldexp(1.0f, 60) + std::ldexp(1.0f, 37));
+  const double nan = std::numeric_limits<double>::quiet_NaN();  // no integer holds NaN
+  std::int32_t i = 7;
+  CHECK_THROWS_AS(dev.cast(&i, fsdp::DType::i32, &nan, fsdp::DType::f64, 1), fsdp::Error);
+  CHECK(i == 7);
+}
+
 TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after rounding, once") {
   static_assert(fsdp::UnscalingDevice<HostDevice>);
   HostDevice dev;
@@ -380,6 +401,11 @@ TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after 
   dev.unscale(&h, 1, DType::f16, 0.5);
   CHECK(fsdp::f16_bits_to_float(h) == 30000.0f);
   CHECK_FALSE(dev.found_nonfinite());
+  // One rounding: 1 * (1 + 2^-11 + 2^-40) is just above the f16 midpoint 1 + 2^-11; a
+  // product rounded to float first would land on it and go to the even 1.0.
+  h = fsdp::float_to_f16_bits(1.0f);
+  dev.unscale(&h, 1, DType::f16, 1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40));
+  CHECK(fsdp::f16_bits_to_float(h) == 1.0f + std::ldexp(1.0f, -10));
   std::int32_t i = 4;
   CHECK_THROWS_WITH_AS(dev.unscale(&i, 1, DType::i32, 0.5), "fsdp: HostDevice: unscale needs a floating dtype, got i32",
                        fsdp::Error);

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -736,4 +737,67 @@ TEST_CASE("broadcast with a root outside the group fails on every rank") {
       CHECK(contains(msgs[r], "root " + std::to_string(bad_root)));
     }
   }
+}
+
+TEST_CASE("ThreadGroup refuses a timeout of 0, below 0 or over a day, naming it in ms") {
+  for (const auto t : {0ms, -5ms, std::chrono::milliseconds(std::chrono::hours(24) + 1ms),
+                       std::chrono::milliseconds(std::chrono::hours(24 * 365))}) {
+    CAPTURE(t.count());
+    std::string msg;
+    try {
+      ThreadGroup group(2, ThreadGroupOptions{t});
+    } catch (const fsdp::Error& e) {
+      msg = e.what();
+    }
+    CAPTURE(msg);
+    CHECK(contains(msg, "ThreadGroup: timeout must be in (0 ms, 24 h], got " + std::to_string(t.count()) + " ms"));
+  }
+  CHECK_NOTHROW(ThreadGroup(2, ThreadGroupOptions{1ms}));
+  CHECK_NOTHROW(ThreadGroup(2, ThreadGroupOptions{std::chrono::hours(24)}));
+}
+
+TEST_CASE("split groups are released when no communicator uses them") {
+  const int n = 4;
+  std::vector<std::size_t> baseline(n), after_splits(n), while_kept(n), at_end(n);
+  std::vector<int> wrong_sum(n, 0);
+  ThreadGroup(n, kOk).run([&](ThreadComm& c) {
+    const int r = c.rank();
+    baseline[r] = c.live_split_groups();
+    for (int i = 0; i < 300; ++i) {  // each iteration makes 2 groups, then drops them
+      ThreadComm half = c.split(r % 2, r);
+      ThreadComm pair = half.split(0, -r);  // a split of a split
+      float x = 1.0f, sum = 0.0f;
+      pair.all_reduce(&x, &sum, 1, DType::f32, ReduceOp::sum).wait();
+      wrong_sum[r] += sum != 2.0f;
+    }
+    c.barrier().wait();  // every rank has dropped its groups
+    after_splits[r] = c.live_split_groups();
+    ThreadComm kept = c.split(0, r);
+    c.barrier().wait();
+    while_kept[r] = c.live_split_groups();
+    kept.barrier().wait();
+  });
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(baseline[r] == 0);
+    CHECK(wrong_sum[r] == 0);
+    CHECK(after_splits[r] == baseline[r]);
+    CHECK(while_kept[r] == 1);
+  }
+}
+
+TEST_CASE("a split communicator kept past run() stays usable for errors, not a dangling root") {
+  std::vector<std::unique_ptr<ThreadComm>> kept(2);
+  ThreadGroup(2, kShort).run([&](ThreadComm& c) { kept[c.rank()] = std::make_unique<ThreadComm>(c.split(0, c.rank())); });
+  CHECK(kept[0]->live_split_groups() == 1);
+  // Rank 1's thread is gone: a collective reports it instead of touching freed state.
+  std::string msg;
+  try {
+    kept[0]->barrier().wait();
+  } catch (const fsdp::Error& e) {
+    msg = e.what();
+  }
+  CAPTURE(msg);
+  CHECK(contains(msg, "rank 1 finished without joining barrier"));
+  kept.clear();
 }

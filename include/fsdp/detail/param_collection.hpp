@@ -79,7 +79,7 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
     CollectedParam c;
     c.info.fqn = join_fqn(prefix, name);
     for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
-    c.info.numel = numel(param);
+    c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
     c.dtype = Tr::dtype(param);
     c.grad_dtype = Tr::dtype(grad);
     for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
@@ -94,7 +94,9 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
                   "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
     std::vector<std::int64_t> shape;
     for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
-    buffers.push_back({join_fqn(prefix, name), tensor_traits<T>::dtype(buffer), numel(buffer),
+    std::string fqn = join_fqn(prefix, name);
+    const std::int64_t n = checked_numel(shape, fqn);
+    buffers.push_back({std::move(fqn), tensor_traits<T>::dtype(buffer), n,
                        tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>()});
   });
   for_each_child(m, [&](std::string_view name, auto& child) {

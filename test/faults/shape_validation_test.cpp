@@ -1,0 +1,82 @@
+// Shapes the library cannot size (fsdp/tensor.hpp): a negative dimension or an element
+// or byte count past what int64 / size_t hold is an fsdp::Error naming the shape and the
+// tensor, never a wrapped count that allocates too little.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+#include <list>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fsdp/error.hpp"
+#include "fsdp/tensor.hpp"
+#include "test/support/errors.hpp"
+
+namespace {
+
+// A tensor with just a shape, as an engine might hand one over.
+struct ShapeOnly {
+  std::vector<std::int64_t> dims;
+};
+
+using test_support::contains;
+using test_support::error_of;
+
+constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+
+}  // namespace
+
+template <>
+struct fsdp::tensor_traits<ShapeOnly> {
+  static DType dtype(const ShapeOnly&) { return DType::f32; }
+  static std::span<const std::int64_t> shape(const ShapeOnly& t) { return t.dims; }
+  static void* data(ShapeOnly&) { return nullptr; }
+  static DeviceId device(const ShapeOnly&) { return {}; }
+  static void rebind(ShapeOnly&, void*) {}
+};
+
+TEST_CASE("checked_numel multiplies what fits") {
+  CHECK(fsdp::checked_numel(std::vector<std::int64_t>{}, "scalar") == 1);
+  CHECK(fsdp::checked_numel(std::vector<std::int64_t>{3, 0, 5}, "empty") == 0);
+  CHECK(fsdp::checked_numel(std::vector<int>{2, 3, 4}, "w") == 24);
+  CHECK(fsdp::checked_numel(std::list<std::size_t>{7, 11}, "w") == 77);  // any range of integers
+  CHECK(fsdp::checked_numel(std::vector<std::int64_t>{kMax}, "w") == kMax);
+  CHECK(fsdp::checked_numel(std::vector<std::int64_t>{std::int64_t{1} << 31, std::int64_t{1} << 31}, "w") ==
+        std::int64_t{1} << 62);
+  CHECK(fsdp::numel(ShapeOnly{{4, 5}}) == 20);
+}
+
+TEST_CASE("a negative dimension is an error naming the shape, the dimension and the tensor") {
+  const std::string msg = error_of([] { fsdp::checked_numel(std::vector<std::int64_t>{2, -3, 4}, "blocks.0.fc1.weight"); });
+  CHECK(msg == "fsdp: shape [2, -3, 4] of 'blocks.0.fc1.weight': dimension 1 (-3) is negative");
+  // A zero elsewhere does not hide it.
+  CHECK(contains(error_of([] { fsdp::checked_numel(std::vector<int>{0, -1}, "b"); }), "dimension 1 (-1) is negative"));
+  CHECK(error_of([] { fsdp::numel(ShapeOnly{{-1}}); }) == "fsdp: shape [-1]: dimension 0 (-1) is negative");
+}
+
+TEST_CASE("an element count beyond int64 is an error, not a wrapped number") {
+  // 2^32 * 2^32 wraps to 0 in int64 arithmetic.
+  const std::vector<std::int64_t> wraps{std::int64_t{1} << 32, std::int64_t{1} << 32};
+  CHECK(error_of([&] { fsdp::checked_numel(wraps, "embed.weight"); }) ==
+        "fsdp: shape [4294967296, 4294967296] of 'embed.weight': dimension 1 (4294967296) makes the element count "
+        "overflow int64");
+  CHECK(contains(error_of([] { fsdp::checked_numel(std::vector<std::int64_t>{kMax, 2}, "x"); }), "overflow int64"));
+  CHECK(contains(error_of([] { fsdp::numel(ShapeOnly{{3, kMax / 2}}); }), "dimension 1"));
+  // An unsigned dimension past int64 on its own.
+  CHECK(contains(error_of([] { fsdp::checked_numel(std::vector<std::uint64_t>{1, std::uint64_t{1} << 63}, "u"); }),
+                 "dimension 1 (9223372036854775808) is beyond int64"));
+}
+
+TEST_CASE("checked_bytes refuses negative counts and byte counts past size_t") {
+  CHECK(fsdp::detail::checked_bytes(std::int64_t{10}, fsdp::DType::f64, "w") == 80);
+  CHECK(fsdp::detail::checked_bytes(std::size_t{0}, fsdp::DType::bf16, "w") == 0);
+  CHECK(fsdp::detail::checked_bytes(kMax, fsdp::DType::u8, "w") == static_cast<std::size_t>(kMax));
+  CHECK(error_of([] { fsdp::detail::checked_bytes(std::int64_t{-2}, fsdp::DType::f32, "w"); }) ==
+        "fsdp: element count -2 of 'w' is negative");
+  CHECK(error_of([] { fsdp::detail::checked_bytes(kMax, fsdp::DType::f32, "flat_param"); }) ==
+        "fsdp: 9223372036854775807 elements of f32 of 'flat_param' are more bytes than size_t holds");
+  CHECK(contains(error_of([] { fsdp::detail::checked_bytes(std::numeric_limits<std::size_t>::max() / 2, fsdp::DType::i32, ""); }),
+                 "elements of i32 are more bytes than size_t holds"));
+}
