@@ -135,12 +135,33 @@ __device__ double load_as_double(const void* p, u64 i, int t) {
   return 0;
 }
 
+// double -> 16-bit in one rounding step (through float would round twice).
+__device__ u16 double_to_16bit(double d, int exp_bits, int mant_bits) {
+  const int bias = (1 << (exp_bits - 1)) - 1;
+  const u64 inf = ((1ull << exp_bits) - 1) << mant_bits;
+  const u64 u = (u64)__double_as_longlong(d);
+  const u16 sign = (u16)((u >> 48) & 0x8000u);
+  const u64 abs = u & 0x7fffffffffffffffull;
+  if (abs > 0x7ff0000000000000ull) return (u16)(sign | inf | (1ull << (mant_bits - 1)));
+  const int e = (int)(abs >> 52) - 1023;
+  if (e < -bias - mant_bits) return sign;
+  const u64 m = (abs & 0xfffffffffffffull) | (1ull << 52);
+  const int sub = 1 - bias - e;
+  const int drop = 52 - mant_bits + (sub > 0 ? sub : 0);
+  u64 r = m >> drop;
+  const u64 rest = m & ((1ull << drop) - 1), half = 1ull << (drop - 1);
+  if (rest > half || (rest == half && (r & 1u))) ++r;
+  const int biased = e + bias > 1 ? e + bias : 1;
+  const u64 bits = ((u64)(biased - 1) << mant_bits) + r;
+  return (u16)(sign | (bits < inf ? bits : inf));
+}
+
 __device__ void store_from_double(void* p, u64 i, int t, double v) {
   switch (t) {
     case F32: ((float*)p)[i] = (float)v; return;
     case F64: ((double*)p)[i] = v; return;
-    case F16: ((u16*)p)[i] = float_to_f16_bits((float)v); return;
-    case BF16: ((u16*)p)[i] = float_to_bf16_bits((float)v); return;
+    case F16: ((u16*)p)[i] = double_to_16bit(v, 5, 10); return;
+    case BF16: ((u16*)p)[i] = double_to_16bit(v, 8, 7); return;
     case I8: ((signed char*)p)[i] = (signed char)v; return;
     case U8: ((unsigned char*)p)[i] = (unsigned char)v; return;
     case I32: ((int*)p)[i] = (int)v; return;

@@ -1,0 +1,125 @@
+#pragma once
+// write_file_atomically: a file is either its old content (or absent) or complete, even if
+// the process dies mid-write. The caller's function writes into a temporary file next to
+// the target (".<name>.tmp-<pid>-<random>", so it is on the same file system and hidden
+// from globs); then the file is fsynced, renamed over the target and the directory is
+// fsynced so that the rename itself survives a crash. On any failure the temporary file
+// is removed and the target is untouched.
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/checkpoint/file_io.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint {
+
+// What a completed write produced: the file's size and the XXH64 of all its bytes.
+struct WriteResult {
+  std::uint64_t bytes = 0;
+  std::uint64_t xxh64 = 0;
+};
+
+// Where write_file_atomically's function writes: buffered, counts the bytes and hashes
+// them as they go, so the checksum costs no second pass over the file.
+class FileSink {
+ public:
+  FileSink(const FileSink&) = delete;
+  FileSink& operator=(const FileSink&) = delete;
+
+  void write(const void* data, std::size_t n) {
+    if (n == 0) return;
+    hash_.update(data, n);
+    bytes_ += n;
+    if (n >= buffer_.capacity()) {  // large writes skip the copy
+      flush();
+      detail::write_all(fd_, data, n, temp_);
+      return;
+    }
+    if (buffer_.size() + n > buffer_.capacity()) flush();
+    const auto* p = static_cast<const std::byte*>(data);
+    buffer_.insert(buffer_.end(), p, p + n);
+  }
+  void write(std::span<const std::byte> bytes) { write(bytes.data(), bytes.size()); }
+  void write(std::string_view text) { write(text.data(), text.size()); }
+
+  std::uint64_t bytes_written() const { return bytes_; }
+  std::uint64_t xxh64() const { return hash_.digest(); }
+  // The file being written (the target, not the temporary name), for messages.
+  const std::filesystem::path& path() const { return target_; }
+
+ private:
+  friend WriteResult write_file_atomically(const std::filesystem::path&, const std::function<void(FileSink&)>&);
+  FileSink(int fd, std::filesystem::path temp, std::filesystem::path target)
+      : fd_(fd), temp_(std::move(temp)), target_(std::move(target)) {
+    buffer_.reserve(std::size_t{1} << 20);
+  }
+  void flush() {
+    if (buffer_.empty()) return;
+    detail::write_all(fd_, buffer_.data(), buffer_.size(), temp_);
+    buffer_.clear();
+  }
+
+  int fd_;
+  std::filesystem::path temp_;
+  std::filesystem::path target_;
+  std::vector<std::byte> buffer_;
+  std::uint64_t bytes_ = 0;
+  Xxh64 hash_;
+};
+
+namespace detail {
+// An exception's message without fsdp::Error's "fsdp: " prefix, for wrapping it.
+inline std::string_view message_of(const std::exception& e) {
+  std::string_view m = e.what();
+  if (m.substr(0, 6) == "fsdp: ") m.remove_prefix(6);
+  return m;
+}
+}  // namespace detail
+
+// Runs `write(sink)` into a temporary file and publishes it as `path` (see the top of this
+// file). Failures, including an exception from `write`, throw fsdp::Error "cannot write
+// '<path>': <reason>"; exceptions that are not std::exception are rethrown as they are.
+inline WriteResult write_file_atomically(const std::filesystem::path& path,
+                                         const std::function<void(FileSink&)>& write) {
+  if (!path.has_filename()) fsdp::detail::fail("cannot write '", path.string(), "': the path names no file");
+  const std::filesystem::path dir = detail::parent_or_dot(path);
+  const std::filesystem::path temp =
+      dir / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" + detail::random_token());
+  bool renamed = false;
+  auto remove_temp = [&] {
+    if (!renamed) ::unlink(temp.c_str());
+  };
+  try {
+    detail::UniqueFd fd = detail::open_fd(temp, O_WRONLY | O_CREAT | O_EXCL, "to write a temporary file");
+    FileSink sink(fd.get(), temp, path);
+    write(sink);
+    sink.flush();
+    detail::fsync_fd(fd.get(), temp);
+    if (const int err = fd.close_checked())
+      fsdp::detail::fail("closing '", temp.string(), "' failed: ", detail::errno_text(err));
+    if (::rename(temp.c_str(), path.c_str()) != 0)
+      fsdp::detail::fail("renaming '", temp.string(), "' to it failed: ", detail::errno_text(errno));
+    renamed = true;
+    detail::fsync_directory(dir);
+    return {sink.bytes_written(), sink.xxh64()};
+  } catch (const std::exception& e) {
+    remove_temp();
+    fsdp::detail::fail("cannot write '", path.string(), "': ", detail::message_of(e));
+  } catch (...) {
+    remove_temp();
+    throw;
+  }
+}
+
+}  // namespace fsdp::checkpoint

@@ -1,0 +1,146 @@
+#pragma once
+// CheckpointIndex: the index.json of a sharded checkpoint directory. It says which files
+// the checkpoint has (with size and XXH64), which tensors it holds (entries: FQN, kind,
+// dtype, global shape) and where each element of each tensor is (slices: a 1-D range
+// [begin, begin + count) of the flattened global tensor, held by one tensor of one file).
+// Slices of one tensor never overlap and, in an index loaded from disk, cover it exactly,
+// so any reader can find each element in exactly one file: that is what lets a checkpoint
+// written by N ranks load into M (see read_planner.hpp). Plus user metadata (step,
+// data-loader position, RNG state) as strings.
+//
+//   {"format": "fsdp-sharded-checkpoint", "version": 1, "world_size": 2,
+//    "metadata": {"step": "100"},
+//    "files": [{"name": "rank-00000.safetensors", "bytes": 4160, "xxh64": "9f0c..."}, ...],
+//    "entries": [{"fqn": "fc.weight", "kind": "param", "dtype": "F32", "shape": [16, 32]},
+//                {"fqn": "fc.weight", "kind": "optim", "state": "exp_avg", "dtype": "F32", ...}],
+//    "slices": [{"fqn": "fc.weight", "kind": "param", "file": "rank-00000.safetensors",
+//                "key": "fc.weight", "begin": 0, "count": 256}, ...]}
+#include <compare>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "fsdp/checkpoint/atomic_file.hpp"
+#include "fsdp/checkpoint/safetensors_header.hpp"
+#include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint {
+
+enum class EntryKind : std::uint8_t { param, buffer, optim };
+
+inline constexpr std::string_view kind_name(EntryKind k) {
+  switch (k) {
+    case EntryKind::param: return "param";
+    case EntryKind::buffer: return "buffer";
+    case EntryKind::optim: return "optim";
+  }
+  return "?";
+}
+
+inline std::optional<EntryKind> kind_from_name(std::string_view s) {
+  for (EntryKind k : {EntryKind::param, EntryKind::buffer, EntryKind::optim})
+    if (kind_name(k) == s) return k;
+  return std::nullopt;
+}
+
+// Which tensor: a parameter or buffer by FQN, or optimizer state `state` ("exp_avg",
+// "step", ...) of the parameter `fqn`. `state` is empty unless kind is optim.
+struct TensorId {
+  std::string fqn;
+  EntryKind kind = EntryKind::param;
+  std::string state;
+
+  TensorId() = default;
+  TensorId(std::string fqn_, EntryKind kind_ = EntryKind::param, std::string state_ = {})
+      : fqn(std::move(fqn_)), kind(kind_), state(std::move(state_)) {}
+  static TensorId param(std::string fqn) { return {std::move(fqn), EntryKind::param}; }
+  static TensorId buffer(std::string fqn) { return {std::move(fqn), EntryKind::buffer}; }
+  static TensorId optim(std::string fqn, std::string state) { return {std::move(fqn), EntryKind::optim, std::move(state)}; }
+
+  friend auto operator<=>(const TensorId&, const TensorId&) = default;
+  friend bool operator==(const TensorId&, const TensorId&) = default;
+};
+
+// "'fc.weight'", "buffer 'bn.mean'", "optimizer state 'exp_avg' of 'fc.weight'".
+inline std::string describe(const TensorId& id) {
+  switch (id.kind) {
+    case EntryKind::param: return "'" + id.fqn + "'";
+    case EntryKind::buffer: return "buffer '" + id.fqn + "'";
+    case EntryKind::optim: return "optimizer state '" + id.state + "' of '" + id.fqn + "'";
+  }
+  return "?";
+}
+
+struct IndexFile {
+  std::string name;  // relative to the checkpoint directory, one path component
+  std::uint64_t bytes = 0;
+  std::uint64_t xxh64 = 0;
+};
+
+struct IndexEntry {
+  TensorId id;
+  DType dtype = DType::f32;
+  Shape shape;  // global shape; [] is a scalar
+};
+
+// Elements [begin, begin + count) of the flattened tensor `id` are tensor `key` of `file`.
+struct IndexSlice {
+  TensorId id;
+  std::string file;
+  std::string key;
+  std::uint64_t begin = 0;
+  std::uint64_t count = 0;
+};
+
+struct CheckpointIndex {
+  static constexpr std::string_view format_name = "fsdp-sharded-checkpoint";
+  static constexpr std::uint64_t format_version = 1;
+
+  std::string source = "<in-memory index>";  // where it came from, for messages
+  int world_size = 1;                        // ranks that wrote the checkpoint
+  std::vector<IndexFile> files;
+  std::vector<IndexEntry> entries;
+  std::vector<IndexSlice> slices;
+  std::map<std::string, std::string, std::less<>> metadata;
+
+  // Linear searches; ReadPlanner has the indexed lookup.
+  const IndexEntry* find(const TensorId& id) const {
+    for (const IndexEntry& e : entries)
+      if (e.id == id) return &e;
+    return nullptr;
+  }
+  const IndexFile* find_file(std::string_view name) const {
+    for (const IndexFile& f : files)
+      if (f.name == name) return &f;
+    return nullptr;
+  }
+
+  // Everything but completeness: world size, unique and plain file names, unique entries
+  // with valid shapes, slices that name a known file and entry and stay inside the tensor,
+  // a (file, key) used once, no two slices of a tensor overlapping.
+  void validate() const;
+  // validate(), and every element of every entry is in some slice.
+  void check_complete() const;
+
+  nlohmann::ordered_json to_json() const;
+  // to_json() as text: one line per file, entry and slice.
+  std::string dump() const;
+  // Parses and check_complete()s; `source` (the index path) names it in errors.
+  static CheckpointIndex from_json(const nlohmann::json& j, std::string source);
+  static CheckpointIndex load(const std::filesystem::path& path);
+  // check_complete()s, then writes the JSON atomically.
+  WriteResult save(const std::filesystem::path& path) const;
+};
+
+}  // namespace fsdp::checkpoint
+
+#include "fsdp/checkpoint/checkpoint_index_json.hpp"  // to_json, from_json, load, save
+#include "fsdp/checkpoint/read_planner.hpp"           // validate, check_complete

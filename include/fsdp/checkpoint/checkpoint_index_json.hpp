@@ -1,0 +1,212 @@
+#pragma once
+// CheckpointIndex as JSON (the format is shown in checkpoint_index.hpp): writing, and
+// reading with a check of every field, so a damaged or foreign index is an error that
+// names the index file and the field or tensor, never a wrong load.
+#include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "fsdp/checkpoint/atomic_file.hpp"
+#include "fsdp/checkpoint/checkpoint_index.hpp"
+#include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/checkpoint/file_io.hpp"
+#include "fsdp/checkpoint/json_checks.hpp"
+#include "fsdp/checkpoint/safetensors_header.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint {
+
+namespace detail {
+
+inline void put_id(nlohmann::ordered_json& j, const TensorId& id) {
+  j["fqn"] = id.fqn;
+  j["kind"] = kind_name(id.kind);
+  if (id.kind == EntryKind::optim) j["state"] = id.state;
+}
+
+// Reads fields with messages "checkpoint index '<source>': <where>: ...".
+class IndexJsonReader {
+ public:
+  explicit IndexJsonReader(const std::string& source) : source_(source) {}
+
+  template <class... Parts>
+  [[noreturn]] void fail_at(const std::string& where, Parts&&... parts) const {
+    fail("checkpoint index '", source_, "': ", where, ": ", std::forward<Parts>(parts)...);
+  }
+
+  // `j` must be an object with every `required` field and no field outside both lists.
+  void check_fields(const nlohmann::json& j, const std::string& where, std::initializer_list<const char*> required,
+                    std::initializer_list<const char*> optional = {}) const {
+    if (!j.is_object()) fail_at(where, "expected an object, got ", json_text(j));
+    for (const char* f : required)
+      if (!j.contains(f)) fail_at(where, "the field '", f, "' is missing");
+    for (auto& [key, v] : j.items()) {
+      bool known = false;
+      for (auto list : {required, optional})
+        for (const char* f : list) known = known || key == f;
+      if (!known) fail_at(where, "unknown field '", key, "'");
+    }
+  }
+  std::string string_field(const nlohmann::json& j, const char* f, const std::string& where) const {
+    if (!j.at(f).is_string()) fail_at(where, "'", f, "' must be a string, got ", json_text(j.at(f)));
+    return j.at(f).get<std::string>();
+  }
+  std::uint64_t u64_field(const nlohmann::json& j, const char* f, const std::string& where) const {
+    std::uint64_t v = 0;
+    if (!json_to_u64(j.at(f), UINT64_MAX, v)) fail_at(where, "'", f, "' must be an integer >= 0, got ", json_text(j.at(f)));
+    return v;
+  }
+  const nlohmann::json& array_field(const nlohmann::json& j, const char* f, const std::string& where) const {
+    if (!j.at(f).is_array()) fail_at(where, "'", f, "' must be an array, got ", json_text(j.at(f)));
+    return j.at(f);
+  }
+  TensorId id(const nlohmann::json& j, const std::string& where) const {
+    TensorId id;
+    id.fqn = string_field(j, "fqn", where);
+    const auto kind = kind_from_name(string_field(j, "kind", where));
+    if (!kind) fail_at(where + " ('" + id.fqn + "')", "kind ", json_text(j["kind"]), " is not \"param\", \"buffer\" or \"optim\"");
+    id.kind = *kind;
+    if (j.contains("state")) id.state = string_field(j, "state", where + " ('" + id.fqn + "')");
+    return id;
+  }
+
+ private:
+  const std::string& source_;
+};
+
+}  // namespace detail
+
+inline nlohmann::ordered_json CheckpointIndex::to_json() const {
+  nlohmann::ordered_json j;
+  j["format"] = format_name;
+  j["version"] = format_version;
+  j["world_size"] = world_size;
+  j["metadata"] = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : metadata) j["metadata"][k] = v;
+  j["files"] = nlohmann::ordered_json::array();
+  for (const IndexFile& f : files) j["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"xxh64", xxh64_hex(f.xxh64)}});
+  j["entries"] = nlohmann::ordered_json::array();
+  for (const IndexEntry& e : entries) {
+    nlohmann::ordered_json o;
+    detail::put_id(o, e.id);
+    o["dtype"] = safetensors_dtype_name(e.dtype);
+    o["shape"] = e.shape;
+    j["entries"].push_back(std::move(o));
+  }
+  j["slices"] = nlohmann::ordered_json::array();
+  for (const IndexSlice& s : slices) {
+    nlohmann::ordered_json o;
+    detail::put_id(o, s.id);
+    o["file"] = s.file;
+    o["key"] = s.key;
+    o["begin"] = s.begin;
+    o["count"] = s.count;
+    j["slices"].push_back(std::move(o));
+  }
+  return j;
+}
+
+inline std::string CheckpointIndex::dump() const {
+  const nlohmann::ordered_json j = to_json();
+  std::string text = "{";
+  for (const auto& [key, value] : j.items()) {
+    text += (text.size() > 1 ? ",\n " : "\n ") + nlohmann::json(key).dump() + ": ";
+    if (!value.is_array() || value.empty()) {
+      text += value.dump();
+      continue;
+    }
+    text += "[";
+    for (std::size_t i = 0; i < value.size(); ++i) text += (i ? ",\n  " : "\n  ") + value[i].dump();
+    text += "\n ]";
+  }
+  return text + "\n}\n";
+}
+
+inline CheckpointIndex CheckpointIndex::from_json(const nlohmann::json& j, std::string source) {
+  CheckpointIndex ix;
+  ix.source = std::move(source);
+  const detail::IndexJsonReader r(ix.source);
+  const std::string top = "top level";
+  r.check_fields(j, top, {"format", "version", "world_size", "metadata", "files", "entries", "slices"});
+  if (!j["format"].is_string() || j["format"].get<std::string>() != format_name)
+    r.fail_at(top, "format ", detail::json_text(j["format"]), " is not \"", format_name, "\" (not an fsdp sharded checkpoint index)");
+  if (r.u64_field(j, "version", top) != format_version)
+    r.fail_at(top, "unknown version ", detail::json_text(j["version"]), " (this build reads version ", format_version, ")");
+  const std::uint64_t world = r.u64_field(j, "world_size", top);
+  if (world < 1 || world > 1u << 30) r.fail_at(top, "world_size ", world, " is not in [1, 2^30]");
+  ix.world_size = static_cast<int>(world);
+  if (!j["metadata"].is_object()) r.fail_at(top, "'metadata' must be an object, got ", detail::json_text(j["metadata"]));
+  for (auto& [k, v] : j["metadata"].items()) {
+    if (!v.is_string()) r.fail_at("metadata '" + k + "'", "the value must be a string, got ", detail::json_text(v));
+    ix.metadata.emplace(k, v.get<std::string>());
+  }
+  for (const auto& f : r.array_field(j, "files", top)) {
+    const std::string where = "files[" + std::to_string(ix.files.size()) + "]";
+    r.check_fields(f, where, {"name", "bytes", "xxh64"});
+    IndexFile file{r.string_field(f, "name", where), r.u64_field(f, "bytes", where), 0};
+    const auto h = parse_xxh64_hex(r.string_field(f, "xxh64", where));
+    if (!h) r.fail_at(where + " ('" + file.name + "')", "xxh64 ", detail::json_text(f["xxh64"]), " is not 16 hex digits");
+    file.xxh64 = *h;
+    ix.files.push_back(std::move(file));
+  }
+  for (const auto& e : r.array_field(j, "entries", top)) {
+    const std::string where = "entries[" + std::to_string(ix.entries.size()) + "]";
+    r.check_fields(e, where, {"fqn", "kind", "dtype", "shape"}, {"state"});
+    IndexEntry entry;
+    entry.id = r.id(e, where);
+    const std::string named = where + " (" + describe(entry.id) + ")";
+    const auto dtype = dtype_from_safetensors(r.string_field(e, "dtype", named));
+    if (!dtype) r.fail_at(named, "dtype ", detail::json_text(e["dtype"]), " is not supported");
+    entry.dtype = *dtype;
+    for (const auto& d : r.array_field(e, "shape", named)) {
+      std::uint64_t dim = 0;
+      if (!detail::json_to_u64(d, INT64_MAX, dim))
+        r.fail_at(named, "shape ", detail::json_text(e["shape"]), " has a dimension that is not an integer in [0, 2^63)");
+      entry.shape.push_back(static_cast<std::int64_t>(dim));
+    }
+    ix.entries.push_back(std::move(entry));
+  }
+  for (const auto& s : r.array_field(j, "slices", top)) {
+    const std::string where = "slices[" + std::to_string(ix.slices.size()) + "]";
+    r.check_fields(s, where, {"fqn", "kind", "file", "key", "begin", "count"}, {"state"});
+    IndexSlice slice;
+    slice.id = r.id(s, where);
+    const std::string named = where + " (" + describe(slice.id) + ")";
+    slice.file = r.string_field(s, "file", named);
+    slice.key = r.string_field(s, "key", named);
+    slice.begin = r.u64_field(s, "begin", named);
+    slice.count = r.u64_field(s, "count", named);
+    ix.slices.push_back(std::move(slice));
+  }
+  ix.check_complete();
+  return ix;
+}
+
+inline CheckpointIndex CheckpointIndex::load(const std::filesystem::path& path) {
+  detail::UniqueFd fd = detail::open_fd(path, O_RDONLY, "to read a checkpoint index");
+  const std::uint64_t size = detail::file_size_of(fd.get(), path);
+  std::string text(size, '\0');
+  if (detail::pread_up_to(fd.get(), text.data(), size, 0, path) != size)
+    detail::fail("checkpoint index '", path.string(), "' shrank while it was read");
+  detail::JsonChecker checker;
+  if (!nlohmann::json::sax_parse(text, &checker)) {
+    if (checker.too_deep)
+      detail::fail("checkpoint index '", path.string(), "' nests deeper than ", detail::JsonChecker::max_depth, " levels");
+    detail::fail("checkpoint index '", path.string(), "' is not valid JSON: ", checker.error);
+  }
+  if (!checker.duplicate.empty())
+    detail::fail("checkpoint index '", path.string(), "' has the key '", checker.duplicate, "' twice in one object");
+  return from_json(nlohmann::json::parse(text), path.string());
+}
+
+inline WriteResult CheckpointIndex::save(const std::filesystem::path& path) const {
+  check_complete();
+  const std::string text = dump();
+  return write_file_atomically(path, [&](FileSink& sink) { sink.write(text); });
+}
+
+}  // namespace fsdp::checkpoint

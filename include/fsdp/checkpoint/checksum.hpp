@@ -1,0 +1,50 @@
+#pragma once
+// Checksums of checkpoint files: streaming XXH64 (seed 0) and its text form in an index,
+// 16 lowercase hex digits of the digest (XXH64's canonical, big-endian form, as xxhsum prints it).
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace fsdp::checkpoint {
+
+// XXH64 over bytes fed in pieces; the digest equals XXH64 of their concatenation.
+class Xxh64 {
+ public:
+  Xxh64() { XXH64_reset(&state_, 0); }
+  void update(const void* data, std::size_t n) {
+    if (n != 0) XXH64_update(&state_, data, n);
+  }
+  std::uint64_t digest() const { return XXH64_digest(&state_); }
+
+ private:
+  XXH64_state_t state_;
+};
+
+inline std::string xxh64_hex(std::uint64_t h) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, h >>= 4) s[static_cast<std::size_t>(i)] = digits[h & 0xf];
+  return s;
+}
+
+// Exactly 16 hex digits (either case); anything else is nullopt.
+inline std::optional<std::uint64_t> parse_xxh64_hex(std::string_view s) {
+  if (s.size() != 16) return std::nullopt;
+  std::uint64_t h = 0;
+  for (char c : s) {
+    int v;
+    if (c >= '0' && c <= '9') v = c - '0';
+    else if (c >= 'a' && c <= 'f') v = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') v = c - 'A' + 10;
+    else return std::nullopt;
+    h = h << 4 | static_cast<std::uint64_t>(v);
+  }
+  return h;
+}
+
+}  // namespace fsdp::checkpoint

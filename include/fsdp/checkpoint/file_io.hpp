@@ -1,0 +1,153 @@
+#pragma once
+// POSIX file plumbing for checkpoints: an owned descriptor, writes and positioned reads
+// that finish or fail (never loop without progress), fsync of files and directories, and
+// the whole-file XXH64. Every failure names the path and the system's reason.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint::detail {
+
+using fsdp::detail::fail;
+
+inline std::string errno_text(int err) { return std::generic_category().message(err); }
+
+// Closes on destruction; close_checked() reports a failed close (NFS reports write errors there).
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  ~UniqueFd() { reset(); }
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  void reset() {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  }
+  int close_checked() {  // 0 or the errno of close()
+    if (fd_ < 0) return 0;
+    return ::close(std::exchange(fd_, -1)) == 0 ? 0 : errno;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// `flags` without O_CLOEXEC (added here); mode is used with O_CREAT.
+inline UniqueFd open_fd(const std::filesystem::path& path, int flags, const char* why, mode_t mode = 0666) {
+  int fd;
+  do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) fail("cannot open '", path.string(), "' ", why, ": ", errno_text(errno));
+  return UniqueFd(fd);
+}
+
+inline std::uint64_t file_size_of(int fd, const std::filesystem::path& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) fail("cannot stat '", path.string(), "': ", errno_text(errno));
+  if (!S_ISREG(st.st_mode)) fail("'", path.string(), "' is not a regular file");
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+// Writes all n bytes; a write that makes no progress is an error, not a retry loop.
+inline void write_all(int fd, const void* data, std::size_t n, const std::filesystem::path& path) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) fail("cannot write '", path.string(), "': ", errno_text(errno));
+    if (w == 0) fail("cannot write '", path.string(), "': the write made no progress (disk full?)");
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+// Reads up to n bytes at `offset`; returns fewer only at end of file.
+inline std::uint64_t pread_up_to(int fd, void* dst, std::uint64_t n, std::uint64_t offset,
+                                 const std::filesystem::path& path) {
+  auto* p = static_cast<char*>(dst);
+  std::uint64_t done = 0;
+  while (done < n) {
+    const std::uint64_t chunk = std::min<std::uint64_t>(n - done, std::uint64_t{1} << 30);
+    const ssize_t r = ::pread(fd, p + done, chunk, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) fail("cannot read '", path.string(), "' at byte ", offset + done, ": ", errno_text(errno));
+    if (r == 0) break;
+    done += static_cast<std::uint64_t>(r);
+  }
+  return done;
+}
+
+inline void fsync_fd(int fd, const std::filesystem::path& path) {
+  int rc;
+  do rc = ::fsync(fd);
+  while (rc != 0 && errno == EINTR);
+  if (rc != 0) fail("cannot fsync '", path.string(), "': ", errno_text(errno));
+}
+
+// Makes renames and creations inside `dir` durable.
+inline void fsync_directory(const std::filesystem::path& dir) {
+  UniqueFd fd = open_fd(dir, O_RDONLY | O_DIRECTORY, "to fsync the directory");
+  fsync_fd(fd.get(), dir);
+}
+
+// XXH64 of the first `size` bytes; a file shorter than that is an error.
+inline std::uint64_t xxh64_of_fd(int fd, std::uint64_t size, const std::filesystem::path& path) {
+  Xxh64 h;
+  std::vector<char> buf(std::min<std::uint64_t>(size, std::uint64_t{4} << 20));
+  for (std::uint64_t off = 0; off < size;) {
+    const std::uint64_t n = std::min<std::uint64_t>(buf.size(), size - off);
+    if (pread_up_to(fd, buf.data(), n, off, path) != n)
+      fail("'", path.string(), "' ended before byte ", size, " while computing its checksum (it shrank)");
+    h.update(buf.data(), n);
+    off += n;
+  }
+  return h.digest();
+}
+
+inline std::uint64_t file_xxh64(const std::filesystem::path& path) {
+  UniqueFd fd = open_fd(path, O_RDONLY, "to compute its checksum");
+  return xxh64_of_fd(fd.get(), file_size_of(fd.get(), path), path);
+}
+
+// 16 hex digits that make temporary names unique among processes and threads.
+inline std::string random_token() {
+  std::random_device rd;
+  return xxh64_hex(static_cast<std::uint64_t>(rd()) << 32 | rd());
+}
+
+// A path's parent for creating siblings: "." when it has none.
+inline std::filesystem::path parent_or_dot(const std::filesystem::path& p) {
+  return p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+}
+
+// One plain path component: no separators, not empty, '.' or '..'.
+inline void check_file_name(std::string_view name, std::string_view where) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string_view::npos ||
+      name.find('\0') != std::string_view::npos)
+    fail("checkpoint '", where, "': file name '", name, "' must be one plain path component");
+}
+
+}  // namespace fsdp::checkpoint::detail

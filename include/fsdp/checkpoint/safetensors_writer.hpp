@@ -1,0 +1,144 @@
+#pragma once
+// SafetensorsWriter: collects tensors (names, dtypes, shapes and where their bytes come
+// from) and writes one safetensors file atomically. A tensor's bytes come either from host
+// memory that stays valid until write() returns, or from a fill function called during
+// write(): that lets a caller produce one tensor at a time (gather it, copy it to host,
+// drop it) so a full checkpoint never needs the whole model in memory at once.
+//
+// The file is deterministic: the same adds and metadata give the same bytes. Tensors are
+// laid out in the order they were added; the header lists them in that order after
+// "__metadata__" (sorted by key).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/atomic_file.hpp"
+#include "fsdp/checkpoint/safetensors_header.hpp"
+#include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint {
+
+class SafetensorsWriter {
+ public:
+  // Called once per tensor during write(), in the order the tensors were added, with a
+  // host buffer of exactly that tensor's bytes (empty for a tensor with no elements) to
+  // fill completely. The buffer is reused for the next tensor; its bytes are what is
+  // written. An exception from it fails the write (no file is left).
+  using Fill = std::function<void(std::span<std::byte> out)>;
+
+  // Adds a tensor whose bytes are at `host_data` (not copied: it must stay valid and
+  // unchanged until write() returns; may be null only for a tensor with no elements).
+  void add(std::string name, DType dtype, Shape shape, const void* host_data) {
+    const std::uint64_t bytes = checked_new_bytes(name, dtype, shape);
+    if (host_data == nullptr && bytes != 0) fail_tensor(name, "host data is null");
+    push(std::move(name), dtype, std::move(shape), bytes).data = host_data;
+  }
+  void add(std::string name, DType dtype, Shape shape, Fill fill) {
+    const std::uint64_t bytes = checked_new_bytes(name, dtype, shape);
+    if (!fill) fail_tensor(name, "the fill function is empty");
+    push(std::move(name), dtype, std::move(shape), bytes).fill = std::move(fill);
+  }
+
+  // A "__metadata__" entry; setting a key again replaces its value.
+  void set_metadata(std::string key, std::string value) {
+    try {
+      detail::json_string(key);
+      detail::json_string(value);
+    } catch (const nlohmann::json::exception&) {
+      detail::fail("safetensors writer: metadata '", key, "' is not valid UTF-8");
+    }
+    metadata_[std::move(key)] = std::move(value);
+  }
+
+  std::size_t size() const { return tensors_.size(); }
+  std::uint64_t data_bytes() const { return data_bytes_; }
+  // The header JSON, padded (see format_safetensors_header).
+  std::string header() const {
+    std::vector<TensorInfo> infos;
+    infos.reserve(tensors_.size());
+    for (const Pending& p : tensors_) infos.push_back(p.info);
+    return format_safetensors_header(infos, metadata_);
+  }
+
+  // Streams the whole file into `sink`: length, header, then each tensor's bytes.
+  void write_to(FileSink& sink) const {
+    const std::string h = header();
+    const std::uint64_t n = h.size();
+    sink.write(&n, sizeof n);  // little-endian (asserted in safetensors_header.hpp)
+    sink.write(h);
+    std::vector<std::byte> buffer;
+    for (const Pending& p : tensors_) {
+      if (p.data != nullptr || !p.fill) {
+        sink.write(p.data, p.info.bytes());
+        continue;
+      }
+      buffer.resize(p.info.bytes());
+      try {
+        p.fill(std::span<std::byte>(buffer.data(), buffer.size()));
+      } catch (const std::exception& e) {
+        fail_tensor(p.info.name, "producing its bytes failed: ", detail::message_of(e));
+      }
+      sink.write(buffer.data(), buffer.size());
+    }
+  }
+
+  // Writes the file atomically (see write_file_atomically); returns its size and XXH64.
+  WriteResult write(const std::filesystem::path& path) const {
+    return write_file_atomically(path, [this](FileSink& sink) { write_to(sink); });
+  }
+
+ private:
+  struct Pending {
+    TensorInfo info;
+    const void* data = nullptr;
+    Fill fill;
+  };
+
+  template <class... Parts>
+  [[noreturn]] static void fail_tensor(const std::string& name, Parts&&... parts) {
+    detail::fail("safetensors writer: tensor '", name, "': ", std::forward<Parts>(parts)...);
+  }
+
+  // The bytes of a tensor that may be added; throws naming it if it may not.
+  std::uint64_t checked_new_bytes(const std::string& name, DType dtype, const Shape& shape) const {
+    if (name.empty()) fail_tensor(name, "the name is empty");
+    if (name.rfind("__", 0) == 0) fail_tensor(name, "names starting with \"__\" are reserved by the format");
+    try {
+      detail::json_string(name);
+    } catch (const nlohmann::json::exception&) {
+      fail_tensor(name, "the name is not valid UTF-8");
+    }
+    if (names_.count(name) != 0) fail_tensor(name, "added twice");
+    for (std::int64_t d : shape)
+      if (d < 0) fail_tensor(name, "shape ", detail::shape_text(shape), " has a negative dimension");
+    const auto bytes = detail::checked_bytes(shape, dtype);
+    std::uint64_t end;
+    if (!bytes || __builtin_add_overflow(data_bytes_, *bytes, &end))
+      fail_tensor(name, "shape ", detail::shape_text(shape), " of ", safetensors_dtype_name(dtype),
+                  " overflows 64-bit byte offsets");
+    return *bytes;
+  }
+
+  Pending& push(std::string name, DType dtype, Shape shape, std::uint64_t bytes) {
+    names_.insert(name);
+    tensors_.push_back({TensorInfo{std::move(name), dtype, std::move(shape), data_bytes_, data_bytes_ + bytes}, nullptr, {}});
+    data_bytes_ += bytes;
+    return tensors_.back();
+  }
+
+  std::vector<Pending> tensors_;
+  std::set<std::string, std::less<>> names_;
+  std::map<std::string, std::string, std::less<>> metadata_;
+  std::uint64_t data_bytes_ = 0;
+};
+
+}  // namespace fsdp::checkpoint

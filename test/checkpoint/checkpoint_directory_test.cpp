@@ -1,0 +1,213 @@
+// fsdp/checkpoint/checkpoint_directory.hpp: a checkpoint directory is complete or absent
+// (or the previous one), whatever happens during the save: an exception, an abort, or the
+// process killed at any point, including between commit's renames.
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+
+#include <chrono>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fsdp/checkpoint/checkpoint_directory.hpp>
+
+#include "test/checkpoint/checkpoint_test_support.hpp"
+#include "test/checkpoint/child_process.hpp"
+#include "test/checkpoint/sharded_fixture.hpp"
+#include "test/support/errors.hpp"
+
+using fsdp::checkpoint::checkpoint_leftovers;
+using fsdp::checkpoint::CheckpointDirectory;
+using fsdp::checkpoint::FileSink;
+using fsdp::checkpoint::restore_interrupted_checkpoint;
+using test_support::check_fixture;
+using test_support::contains;
+using test_support::error_of;
+using test_support::names_in;
+using test_support::write_fixture;
+
+namespace {
+void save_generation(const std::filesystem::path& dir, int g) {
+  CheckpointDirectory d = CheckpointDirectory::begin(dir);
+  write_fixture(d, 2, g);
+  d.commit();
+}
+}  // namespace
+
+TEST_CASE("commit publishes a complete directory and leaves nothing else") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  CheckpointDirectory d = CheckpointDirectory::begin(dir, "tok");
+  CHECK(d.staging() == tmp / "ckpt.partial-tok");
+  CHECK(d.target() == dir);
+  CHECK(d.pending());
+  write_fixture(d, 3, 1);
+  CHECK(!std::filesystem::exists(dir));  // nothing visible before commit
+  d.commit();
+  CHECK(!d.pending());
+  CHECK(check_fixture(dir, 2) == 1);
+  CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+  CHECK(names_in(dir) == std::vector<std::string>{"index.json", "rank-00000.safetensors", "rank-00001.safetensors",
+                                                  "rank-00002.safetensors"});
+  // Replacing it: the new one in place, the old one gone.
+  save_generation(dir, 2);
+  CHECK(check_fixture(dir, 3) == 2);
+  CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+  CHECK(checkpoint_leftovers(dir).empty());
+  // A trailing slash names the same directory.
+  save_generation(tmp.path() / "ckpt/", 3);
+  CHECK(check_fixture(dir, 1) == 3);
+  CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+}
+
+TEST_CASE("an abandoned save removes its staging directory and leaves the old checkpoint") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  save_generation(dir, 1);
+  {
+    CheckpointDirectory d = CheckpointDirectory::begin(dir);
+    write_fixture(d, 2, 2);
+  }  // destroyed without commit
+  CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+  CHECK(check_fixture(dir, 2) == 1);
+  const std::string err = error_of([&] {
+    CheckpointDirectory d = CheckpointDirectory::begin(dir);
+    write_fixture(d, 2, 2, [n = 0]() mutable {
+      if (++n == 4) throw std::runtime_error("rank 1 failed during the save");
+    });
+    d.commit();
+  });
+  CHECK(contains(err, "rank 1 failed during the save"));
+  CHECK(contains(err, "rank-00000.safetensors"));  // the file being written when it failed
+  CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+  CHECK(check_fixture(dir, 1) == 1);
+  CheckpointDirectory d = CheckpointDirectory::begin(dir);
+  d.abort();
+  CHECK(!d.pending());
+  CHECK(!std::filesystem::exists(d.staging()));
+  CHECK(contains(error_of([&] { d.commit(); }), "already committed or aborted"));
+}
+
+TEST_CASE("misuse is refused with the checkpoint path") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin(tmp / "missing" / "ckpt"); }),
+                 "its parent directory '" + (tmp / "missing").string() + "' does not exist"));
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin(dir, "a/b"); }), "staging token 'a/b' must be"));
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin(dir, ""); }), "staging token ''"));
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin("."); }), "must name a directory"));
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin(".."); }), "must name a directory"));
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin("/"); }), "must name a directory"));
+  CheckpointDirectory d = CheckpointDirectory::begin(dir, "same");
+  CHECK(contains(error_of([&] { CheckpointDirectory::begin(dir, "same"); }), "File exists"));
+  CHECK(contains(error_of([&] { d.file("../escape"); }), "file name '../escape' must be one plain path component"));
+  CHECK(contains(error_of([&] { d.file(".."); }), "must be one plain path component"));
+  CHECK(contains(error_of([&] { d.file(""); }), "must be one plain path component"));
+  d.write_file("a.bin", [](FileSink& s) { s.write("a"); });
+  d.commit();
+  CHECK(contains(error_of([&] { d.commit(); }), "checkpoint '" + dir.string() + "': cannot commit it: it was already committed"));
+  CHECK(contains(error_of([&] { d.write_file("b.bin", [](FileSink&) {}); }), "cannot write a file into it"));
+  // A regular file where the directory should go is not replaced.
+  test_support::write_bytes(tmp / "file", "precious");
+  CheckpointDirectory f = CheckpointDirectory::begin(tmp / "file");
+  CHECK(contains(error_of([&] { f.commit(); }), "it exists and is not a directory"));
+  CHECK(test_support::read_bytes(tmp / "file") == "precious");
+}
+
+TEST_CASE("other writers find the staging directory by its token") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  CheckpointDirectory d = CheckpointDirectory::begin(dir, "step-40_r0");
+  const auto staging = CheckpointDirectory::staging_path(dir, "step-40_r0");
+  CHECK(staging == d.staging());
+  fsdp::checkpoint::write_file_atomically(staging / "from-rank-1", [](FileSink& s) { s.write("1"); });
+  d.commit();
+  CHECK(test_support::read_bytes(dir / "from-rank-1") == "1");
+}
+
+TEST_CASE("a crash between commit's renames leaves the old checkpoint, which restore puts back") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  CHECK(!restore_interrupted_checkpoint(dir));  // nothing at all
+  save_generation(dir, 1);
+  CHECK(!restore_interrupted_checkpoint(dir));  // nothing to restore
+  std::filesystem::rename(dir, tmp / "ckpt.old-abc");  // what the first rename did
+  std::filesystem::create_directory(tmp / "ckpt.partial-abc");
+  CHECK(checkpoint_leftovers(dir) == std::vector<std::filesystem::path>{tmp / "ckpt.old-abc", tmp / "ckpt.partial-abc"});
+  CHECK(restore_interrupted_checkpoint(dir));
+  CHECK(check_fixture(dir, 2) == 1);
+  std::filesystem::rename(dir, tmp / "ckpt.old-1");
+  std::filesystem::create_directory(tmp / "ckpt.old-2");
+  const std::string err = error_of([&] { restore_interrupted_checkpoint(dir); });
+  CHECK(contains(err, "several old copies exist"));
+  CHECK(contains(err, "ckpt.old-1"));
+  CHECK(contains(err, "ckpt.old-2"));
+}
+
+namespace {
+// Leftovers of a killed save: gone before the next round.
+void clean_leftovers(const std::filesystem::path& dir) {
+  for (const auto& p : checkpoint_leftovers(dir)) std::filesystem::remove_all(p);
+}
+}  // namespace
+
+TEST_CASE("a process killed at chosen points of a save leaves the old checkpoint or the new one") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  save_generation(dir, 1);
+  // Stops: while producing each of the first 3 tensors (files partly written), after all
+  // files and the index but before commit, and after commit.
+  for (int kill_at : {1, 2, 3, 4, 5}) {
+    CAPTURE(kill_at);
+    test_support::ChildProcess child([&](const test_support::Parent& parent) {
+      CheckpointDirectory d = CheckpointDirectory::begin(dir);
+      int tensors = 0;
+      write_fixture(d, 2, 2, [&] {
+        if (++tensors <= 3) {
+          parent.report('t');
+          parent.wait_for_go();
+        }
+      });
+      parent.report('c');
+      parent.wait_for_go();
+      d.commit();
+      parent.report('d');
+      parent.wait_for_go();
+    });
+    for (int stop = 1; stop <= kill_at; ++stop) {
+      REQUIRE(child.next() == (stop <= 3 ? 't' : stop == 4 ? 'c' : 'd'));
+      if (stop < kill_at) child.go();
+    }
+    child.kill();
+    REQUIRE(WIFSIGNALED(child.wait()));
+    CHECK(!restore_interrupted_checkpoint(dir));
+    CHECK(check_fixture(dir, 3) == (kill_at <= 4 ? 1 : 2));
+    CHECK(checkpoint_leftovers(dir).size() == (kill_at <= 4 ? 1u : 0u));  // the killed save's staging
+    clean_leftovers(dir);
+    if (kill_at == 5) save_generation(dir, 1);
+  }
+}
+
+TEST_CASE("a process killed at random points of repeated saves always leaves a complete checkpoint") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  save_generation(dir, 1);
+  int restored = 0, generation_seen = 0;
+  for (int round = 0; round < 12; ++round) {
+    test_support::ChildProcess child([&](const test_support::Parent&) {
+      for (int g = 2;; ++g) save_generation(dir, g);
+    });
+    std::this_thread::sleep_for(std::chrono::microseconds(2000 + 8000 * round));
+    child.kill();
+    REQUIRE(WIFSIGNALED(child.wait()));
+    restored += restore_interrupted_checkpoint(dir) ? 1 : 0;
+    const int g = check_fixture(dir, 1 + round % 5);
+    CHECK(g >= 1);
+    generation_seen = std::max(generation_seen, g);
+    clean_leftovers(dir);
+  }
+  MESSAGE("latest generation seen ", generation_seen, "; restored after a kill between renames ", restored, " times");
+}

@@ -1,0 +1,109 @@
+#pragma once
+// A small sharded checkpoint written the way the state-dict layer will write one: N
+// "ranks" each write their slices of every tensor (FSDP-style contiguous ranges, so the
+// last ranks may own nothing) into their own file in a staging directory, then the index
+// goes next to them and the directory is committed. Values encode (generation, tensor,
+// element), so a reader can check every element it gets.
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <fsdp/checkpoint/checkpoint_directory.hpp>
+#include <fsdp/checkpoint/checkpoint_index.hpp>
+#include <fsdp/checkpoint/safetensors.hpp>
+#include <fsdp/checkpoint/sharded_checkpoint_reader.hpp>
+
+namespace test_support {
+
+struct FixtureTensor {
+  fsdp::checkpoint::TensorId id;
+  fsdp::DType dtype;
+  fsdp::checkpoint::Shape shape;
+};
+
+inline std::vector<FixtureTensor> fixture_tensors() {
+  using fsdp::DType;
+  using fsdp::checkpoint::TensorId;
+  return {{TensorId::param("fc.weight"), DType::f32, {37}},
+          {TensorId::buffer("bn.mean"), DType::f64, {5}},
+          {TensorId::optim("fc.weight", "exp_avg"), DType::f32, {37}},
+          {TensorId::optim("fc.weight", "step"), DType::i64, {}},
+          {TensorId::param("empty"), DType::bf16, {0}}};
+}
+
+// Element i of tensor t in generation g, exactly representable in each dtype used here.
+inline double fixture_value(int g, std::size_t t, std::uint64_t i) {
+  return static_cast<double>(g * 1000 + static_cast<int>(t) * 100) + static_cast<double>(i);
+}
+
+inline std::uint64_t fixture_numel(const FixtureTensor& t) {
+  std::uint64_t n = 1;
+  for (auto d : t.shape) n *= static_cast<std::uint64_t>(d);
+  return n;
+}
+
+// [begin, count) of rank r of n over `numel` elements: ceil(numel / n) each.
+inline std::pair<std::uint64_t, std::uint64_t> fixture_range(std::uint64_t numel, int n, int r) {
+  const std::uint64_t shard = (numel + n - 1) / n;
+  const std::uint64_t begin = std::min(numel, shard * r);
+  return {begin, std::min(numel, begin + shard) - begin};
+}
+
+inline std::string fixture_key(const fsdp::checkpoint::TensorId& id) {
+  return id.kind == fsdp::checkpoint::EntryKind::optim ? id.fqn + "." + id.state : id.fqn;
+}
+
+// Writes generation g from n ranks into the staging directory of `dir`. `on_tensor` runs
+// before each tensor's bytes are produced (a hook for kill tests).
+inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int n, int g,
+                          const std::function<void()>& on_tensor = {}) {
+  using namespace fsdp::checkpoint;
+  const auto tensors = fixture_tensors();
+  CheckpointIndex index;
+  index.world_size = n;
+  index.metadata = {{"generation", std::to_string(g)}, {"step", std::to_string(10 * g)}};
+  for (const auto& t : tensors) index.entries.push_back({t.id, t.dtype, t.shape});
+  for (int r = 0; r < n; ++r) {
+    SafetensorsWriter writer;
+    for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
+      const FixtureTensor& t = tensors[ti];
+      const auto [begin, count] = fixture_range(fixture_numel(t), n, r);
+      if (count == 0) continue;
+      writer.add(fixture_key(t.id), t.dtype, {static_cast<std::int64_t>(count)},
+                 [=, &on_tensor](std::span<std::byte> out) {
+                   if (on_tensor) on_tensor();
+                   for (std::uint64_t i = 0; i < count; ++i)
+                     fsdp::store_from_double(out.data(), i, t.dtype, fixture_value(g, ti, begin + i));
+                 });
+      index.slices.push_back({t.id, rank_file_name(r), fixture_key(t.id), begin, count});
+    }
+    const WriteResult written = writer.write(dir.file(rank_file_name(r)));
+    index.files.push_back({rank_file_name(r), written.bytes, written.xxh64});
+  }
+  index.save(dir.file(std::string(index_file_name)));
+}
+
+// Reads the whole checkpoint as m ranks would and checks every element against
+// generation g. Returns g as the index's metadata says.
+inline int check_fixture(const std::filesystem::path& dir, int m) {
+  using namespace fsdp::checkpoint;
+  const ShardedCheckpointReader reader(dir);
+  const int g = std::stoi(reader.index().metadata.at("generation"));
+  const auto tensors = fixture_tensors();
+  for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
+    const FixtureTensor& t = tensors[ti];
+    for (int r = 0; r < m; ++r) {
+      const auto [begin, count] = fixture_range(fixture_numel(t), m, r);
+      std::vector<std::byte> out(count * fsdp::size_of(t.dtype));
+      reader.read(t.id, begin, count, out.data(), out.size());
+      for (std::uint64_t i = 0; i < count; ++i)
+        if (fsdp::load_as_double(out.data(), i, t.dtype) != fixture_value(g, ti, begin + i))
+          throw std::runtime_error("element " + std::to_string(begin + i) + " of " + describe(t.id) + " is wrong");
+    }
+  }
+  return g;
+}
+
+}  // namespace test_support
