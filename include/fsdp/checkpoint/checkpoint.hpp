@@ -1,0 +1,28 @@
+#pragma once
+// Checkpoints on disk, saved by N ranks and loaded by any M:
+//  - sharded: a directory of per-rank safetensors files plus index.json, committed
+//    atomically (fsdp/checkpoint/sharded_checkpoint.hpp);
+//  - full: one plain safetensors file of whole tensors under their FQNs, the optimizer's
+//    state in a sibling file (fsdp/checkpoint/full_checkpoint.hpp).
+// Every save and load is a collective; a rank that fails makes every rank fail, and a load
+// verifies everything before it writes into the model or the optimizer.
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "fsdp/checkpoint/full_checkpoint.hpp"
+#include "fsdp/checkpoint/sharded_checkpoint.hpp"
+
+namespace fsdp {
+
+// The user metadata a checkpoint was saved with: a sharded checkpoint directory's (its
+// index, without the optimizer's scalars) or a full checkpoint file's __metadata__. Not a
+// collective; it does not verify checksums.
+inline std::map<std::string, std::string> read_checkpoint_metadata(const std::filesystem::path& path) {
+  if (std::filesystem::is_directory(path))
+    return detail::user_metadata(checkpoint::CheckpointIndex::load(path / std::string(checkpoint::index_file_name)).metadata);
+  const auto file = checkpoint::SafetensorsFile::open(path);
+  return {file.metadata().begin(), file.metadata().end()};
+}
+
+}  // namespace fsdp

@@ -1,0 +1,29 @@
+#pragma once
+// The agreement step every checkpoint collective shares: each rank runs its part, catching
+// its own error; then all ranks agree, so a rank that failed makes every rank fail (with
+// its own message where it has one) and nothing waits on a rank that gave up.
+#include <exception>
+#include <string>
+
+#include "fsdp/error.hpp"
+#include "fsdp/sharded_model.hpp"
+
+namespace fsdp::detail {
+
+// Runs `part` on this rank, then agrees with every rank; throws on every rank if any failed.
+template <class F>
+void run_agreed(ShardedModel& model, const std::string& what, F&& part) {
+  if (model.size() == 0) fail(what, ": the model has no units (no communicator to agree through)");
+  std::string error;
+  try {
+    part();
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "unknown error";
+  }
+  if (model[0].all_ranks_agree(error.empty())) return;
+  if (!error.empty()) fail(what, " on rank ", model[0].rank(), ": ", error);
+  fail(what, " on rank ", model[0].rank(), ": another rank failed (its error says why)");
+}
+
+}  // namespace fsdp::detail
