@@ -6,6 +6,8 @@
 // of hooks or training states: that is the unit's state machine (fsdp/sharded.hpp).
 #include <algorithm>
 #include <cstddef>
+#include <functional>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -54,6 +56,7 @@ class FlatParamGroup {
   }
 
   const detail::UnitGroups& groups() const { return groups_; }
+  bool took_over() const { return took_over_; }
   const detail::DeviceRef& device() const { return device_; }
   std::vector<FlatParam>& flat() { return flat_; }
   const std::vector<FlatParam>& flat() const { return flat_; }
@@ -97,9 +100,7 @@ class FlatParamGroup {
     const char* sep = ": ";
     for (auto& fp : flat_)
       for (auto& p : fp.layout.params()) {
-        os << sep << p.fqn << " [";
-        for (std::size_t i = 0; i < p.shape.size(); ++i) os << (i ? "," : "") << p.shape[i];
-        os << "] " << name_of(fp.layout.dtype());
+        os << sep << p.fqn << " " << detail::format_shape(p.shape) << " " << name_of(fp.layout.dtype());
         sep = ", ";
       }
     return os.str();
@@ -236,22 +237,16 @@ class FlatParamGroup {
     const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups_.shard_rank), dtype);
     const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
     const std::size_t total = strategy::shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
-    void* in = device_.allocate(S, MemorySpace::device);
-    void* out = nullptr;
-    try {
-      out = device_.allocate(total, MemorySpace::device);
-      device_.fill_zero(in, S);
-      if (valid) device_.copy(in, mine, valid);
-      if constexpr (strategy::shards_parameters) groups_.shard.all_gather(in, out, S / size_of(dtype), dtype).wait();
-      else device_.copy(out, in, S);
-      if (L.numel()) device_.copy(full_host, out, FlatParam::bytes(L.numel(), dtype));
-    } catch (...) {
-      if (out) device_.deallocate(out, total, MemorySpace::device);
-      device_.deallocate(in, S, MemorySpace::device);
-      throw;
-    }
-    device_.deallocate(out, total, MemorySpace::device);
-    device_.deallocate(in, S, MemorySpace::device);
+    // Both buffers freed however this ends.
+    std::unique_ptr<void, std::function<void(void*)>> in(nullptr, [&](void* p) { device_.deallocate(p, S, MemorySpace::device); });
+    std::unique_ptr<void, std::function<void(void*)>> out(nullptr, [&](void* p) { device_.deallocate(p, total, MemorySpace::device); });
+    in.reset(device_.allocate(S, MemorySpace::device));
+    out.reset(device_.allocate(total, MemorySpace::device));
+    device_.fill_zero(in.get(), S);
+    if (valid) device_.copy(in.get(), mine, valid);
+    if constexpr (strategy::shards_parameters) groups_.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
+    else device_.copy(out.get(), in.get(), S);
+    if (L.numel()) device_.copy(full_host, out.get(), FlatParam::bytes(L.numel(), dtype));
   }
 
   // Keeps edits made to summoned full parameters: this rank's slice back into its shard.

@@ -179,6 +179,12 @@ class Sharded final : public UnitBase {
     state_ = TrainingState::IDLE;
   }
 
+  void take_over() override {
+    if (group_.took_over()) return;
+    group_.take_over(fqn_, views_, params_);
+    buffers_.show_cast();
+  }
+
   std::span<const ShardView> shards() const override { return views_; }
   std::span<const ParamView> parameters() const override { return params_; }
   std::span<const BufferView> buffers() const override { return buffer_views_; }
@@ -188,7 +194,7 @@ class Sharded final : public UnitBase {
   }
   void* full_parameter(std::size_t i) const override {
     if (state_ != TrainingState::SUMMON_FULL_PARAMS)
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+      detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
                    "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
     return group_.full_parameter(i);
   }
@@ -226,13 +232,13 @@ class Sharded final : public UnitBase {
     std::vector<detail::CollectedParam> params;
     std::vector<detail::CollectedBuffer> buffers;
     detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers);
-    detail::validate_collected(params, display_name(), rank_, device.id());
+    detail::validate_collected(params, display_name_, rank_, device.id());
     group_.build(params);
     detail::Fingerprint f;
     f.add(fqn_);
     f.add(groups());
     group_.add_to(f);
-    detail::check_same_across_ranks(group_.groups().world, f, "unit '" + display_name() + "'",
+    detail::check_same_across_ranks(group_.groups().world, f, "unit '" + display_name_ + "'",
                                     group_.describe() + " (" + groups() + ")");
     if (options.sync_module_states) broadcast_from_rank0(params, buffers);
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
@@ -245,22 +251,11 @@ class Sharded final : public UnitBase {
     if (!options.defer_take_over) take_over();
   }
 
- public:
-  void take_over() override {
-    if (took_over_) return;
-    took_over_ = true;
-    group_.take_over(fqn_, views_, params_);
-    buffers_.show_cast();
-  }
-
- private:
-
   static std::optional<DType> buffer_cast_dtype() {
     if constexpr (precision::enabled) return precision::buffer;
     else return std::nullopt;  // without mixed precision buffers stay the engine's
   }
 
-  std::string display_name() const { return fqn_.empty() ? "<root>" : fqn_; }
 
   void broadcast_from_rank0(const std::vector<detail::CollectedParam>& params,
                             const std::vector<detail::CollectedBuffer>& buffers) {
@@ -292,16 +287,15 @@ class Sharded final : public UnitBase {
   void record_compute(const char* pass) {
     Trace* t = trace();
     if (t && compute_begin_ != Trace::Clock::time_point{})  // not when tracing began mid-pass
-      t->add(std::string(pass) + " " + display_name(), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
+      t->add(std::string(pass) + " " + display_name_, pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
   detail::BufferCopies buffers_;
   FlatParamGroup<config> group_;
-  std::string display_name_ = display_name();
+  const std::string display_name_ = fqn_.empty() ? "<root>" : fqn_;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;
-  bool took_over_ = false;
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;

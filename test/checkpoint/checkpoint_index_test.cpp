@@ -15,21 +15,19 @@
 #include "test/support/errors.hpp"
 
 using fsdp::DType;
+using fsdp::StateKey;
 using fsdp::checkpoint::CheckpointIndex;
-using fsdp::checkpoint::EntryKind;
-using fsdp::checkpoint::IndexSlice;
 using fsdp::checkpoint::ReadPlanner;
 using fsdp::checkpoint::ReadStep;
-using fsdp::checkpoint::TensorId;
 using test_support::contains;
 using test_support::error_of;
 
 namespace {
 
-const TensorId weight = TensorId::param("fc.weight");
-const TensorId mean = TensorId::buffer("bn.mean");
-const TensorId exp_avg = TensorId::optim("fc.weight", "exp_avg");
-const TensorId step = TensorId::optim("fc.weight", "step");
+const StateKey weight = StateKey::param("fc.weight");
+const StateKey mean = StateKey::buffer("bn.mean");
+const StateKey exp_avg = StateKey::optim("fc.weight", "exp_avg");
+const StateKey step = StateKey::optim("fc.weight", "step");
 
 // Two ranks: fc.weight [4, 6] split 13 + 11, bn.mean and the step count on rank 0, an
 // empty parameter with no slice at all.
@@ -42,7 +40,7 @@ CheckpointIndex sample_index() {
                 {mean, DType::f32, {6}},
                 {exp_avg, DType::f32, {4, 6}},
                 {step, DType::i64, {}},
-                {TensorId::param("empty"), DType::bf16, {0, 5}}};
+                {StateKey::param("empty"), DType::bf16, {0, 5}}};
   ix.slices = {{weight, "rank-00000.safetensors", "fc.weight", 0, 13},
                {weight, "rank-00001.safetensors", "fc.weight", 13, 11},
                {mean, "rank-00000.safetensors", "bn.mean", 0, 6},
@@ -76,7 +74,7 @@ TEST_CASE("an index round-trips through JSON text and through a file") {
   CHECK(loaded.to_json() == ix.to_json());
   CHECK(loaded.source == (dir / "index.json").string());
   CHECK(loaded.find(exp_avg) != nullptr);
-  CHECK(loaded.find(TensorId::optim("fc.weight", "exp_avg_sq")) == nullptr);
+  CHECK(loaded.find(StateKey::optim("fc.weight", "exp_avg_sq")) == nullptr);
   CHECK(loaded.find_file("rank-00001.safetensors")->bytes == 2048);
 }
 
@@ -115,7 +113,10 @@ TEST_CASE("a damaged or inconsistent index is refused with the index path and th
        "slice of buffer 'bn.var' in file 'rank-00000.safetensors' (key 'bn.mean'): no entry for that tensor"},
       {"slice outside the tensor", [](auto& j) { j["slices"][1]["count"] = 12; },
        "slice of 'fc.weight' in file 'rank-00001.safetensors' (key 'fc.weight'): elements [13, +12) are outside the tensor's 24 elements"},
-      {"empty slice", [](auto& j) { j["slices"][5]["count"] = 0; }, "optimizer state 'step' of 'fc.weight' in file 'rank-00000.safetensors' (key 'fc.weight.step'): the slice is empty"},
+      {"empty slice outside the tensor", [](auto& j) { j["slices"][5]["begin"] = 2; j["slices"][5]["count"] = 0; },
+       "optimizer state 'step' of 'fc.weight' in file 'rank-00000.safetensors' (key 'fc.weight.step'): elements [2, +0) are outside the tensor's 1 elements"},
+      {"only an empty slice of a tensor", [](auto& j) { j["slices"][5]["count"] = 0; },
+       "elements [0, 1) of optimizer state 'step' of 'fc.weight' are in no file"},
       {"negative begin", [](auto& j) { j["slices"][0]["begin"] = -1; }, "slices[0] ('fc.weight'): 'begin' must be an integer >= 0, got -1"},
       {"key used twice", [](auto& j) { j["slices"][2]["key"] = "fc.weight"; }, "another slice uses the same key of the same file"},
       {"overlapping slices", [](auto& j) { j["slices"][1]["begin"] = 12; j["slices"][1]["count"] = 12; },
@@ -135,6 +136,30 @@ TEST_CASE("a damaged or inconsistent index is refused with the index path and th
     CHECK_MESSAGE(contains(err, "'/ckpt/index.json'"), err);
     CHECK_MESSAGE(contains(err, c.expected), err);
   }
+}
+
+TEST_CASE("count-0 slices (ranks that saved none of a tensor) are accepted and hold nothing") {
+  CheckpointIndex ix = sample_index();
+  const StateKey empty = StateKey::param("empty");
+  // One at the start of fc.weight, where a full slice starts too, one at its end, and two
+  // of the zero-element tensor, which is complete with or without them.
+  ix.slices.push_back({weight, "rank-00001.safetensors", "fc.weight.none", 0, 0});
+  ix.slices.push_back({weight, "rank-00000.safetensors", "fc.weight.end", 24, 0});
+  ix.slices.push_back({empty, "rank-00000.safetensors", "empty", 0, 0});
+  ix.slices.push_back({empty, "rank-00001.safetensors", "empty", 0, 0});
+  const CheckpointIndex back = CheckpointIndex::from_json(nlohmann::json::parse(ix.dump()), "x");  // check_complete()s
+  CHECK(back.slices.size() == 10);
+  const ReadPlanner planner(back);
+  const auto steps = planner.plan(weight, 0, 24);
+  REQUIRE(steps.size() == 2);
+  CHECK(steps[0].key == "fc.weight");
+  CHECK(steps[0].count == 13);
+  CHECK(steps[1].key == "fc.weight");
+  CHECK(steps[1].count == 11);
+  CHECK(planner.plan(empty, 0, 0).empty());
+  // Still refused: an empty slice in a file the index does not list.
+  ix.slices.push_back({empty, "rank-00002.safetensors", "empty", 0, 0});
+  CHECK(contains(error_of([&] { ix.validate(); }), "the file is not in \"files\""));
 }
 
 TEST_CASE("loading an index that is missing or not JSON names the file") {
@@ -172,7 +197,7 @@ TEST_CASE("plans name the file tensor, its offset and the destination offset of 
   CHECK(steps[1].count == 5);
   CHECK(steps[1].dst_offset == 3);
   CHECK(planner.plan(weight, 24, 0).empty());
-  CHECK(planner.plan(TensorId::param("empty"), 0, 0).empty());
+  CHECK(planner.plan(StateKey::param("empty"), 0, 0).empty());
   steps = planner.plan(step, 0, 1);
   REQUIRE(steps.size() == 1);
   CHECK(steps[0].key == "fc.weight.step");
@@ -180,7 +205,7 @@ TEST_CASE("plans name the file tensor, its offset and the destination offset of 
   CHECK(contains(error_of([&] { planner.plan(weight, 20, 5); }),
                  "checkpoint '<in-memory index>': elements [20, +5) of 'fc.weight' are outside its 24 elements (shape [4, 6])"));
   CHECK(contains(error_of([&] { planner.plan(weight, UINT64_MAX, 2); }), "are outside its 24 elements"));
-  CHECK(contains(error_of([&] { planner.plan(TensorId::optim("fc.weight", "exp_avg_sq"), 0, 1); }),
+  CHECK(contains(error_of([&] { planner.plan(StateKey::optim("fc.weight", "exp_avg_sq"), 0, 1); }),
                  "no entry for optimizer state 'exp_avg_sq' of 'fc.weight'"));
 }
 

@@ -4,120 +4,93 @@
 // missing checkpoint is an error on every rank that names it, and loads nothing.
 #include <doctest/doctest.h>
 
-#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include <fsdp/checkpoint/checkpoint.hpp>
 
-#include "examples/engine/checkpoint_integration.hpp"
-#include "examples/engine/fsdp_integration.hpp"
 #include "test/checkpoint/checkpoint_test_support.hpp"
-#include "test/support/errors.hpp"
-#include "test/support/reference_training.hpp"
+#include "test/checkpoint/resume_training.hpp"
+
+using test_support::Params;
+using test_support::load_expecting_failure;
+using test_support::resume;
+using test_support::train;
 
 namespace {
 
-using Params = test_support::Params;
-using Hook = std::function<void(fsdp::ShardedModel&, engine::AdamWState&, int)>;
-
-engine::ModelConfig config(std::uint64_t seed = 1) {
-  engine::ModelConfig c;
-  c.blocks = 3;
-  c.seed = seed;
-  return c;
-}
-
-constexpr int kGlobalBatch = 12;  // divisible by 1, 2, 3, 4
-
-// Steps [first, last) of AdamW training on `world` ranks after `before` on each rank, then
-// `after`. Returns rank 0's full parameters.
-template <class Strategy>
-Params train(int world, int first, int last, std::uint64_t seed, const Hook& before, const Hook& after) {
-  auto c = config(seed);
-  std::vector<Params> out(static_cast<std::size_t>(world));
-  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
-    engine::Model model(c);
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<Strategy>(model, comm, device, engine::Wrap{});
-    engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
-    engine::AdamW opt({}, alloc);
-    engine::AdamWState state(opt, sm);
-    if (before) before(sm, state, comm.rank());
-    const int local = kGlobalBatch / world;
-    for (int s = first; s < last; ++s) engine::sharded_step(model, sm, opt, engine::make_batch(c, s, comm.rank() * local, local));
-    if (after) after(sm, state, comm.rank());
-    out[static_cast<std::size_t>(comm.rank())] = engine::gather_full_parameters(model, sm);
+// `steps` steps of training on `world` ranks, then a sharded checkpoint of them in `dir`.
+void save_sharded_after(int steps, int world, const std::filesystem::path& dir,
+                        const std::map<std::string, std::string>& metadata = {}) {
+  train<fsdp::FullShard>(world, 0, steps, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+    fsdp::save_sharded_checkpoint(dir, sm, &st, metadata);
   });
-  return out[0];
-}
-
-Params resume(int m, const Hook& load) {
-  // seed 7: the fresh model starts elsewhere, so only the load can bring it back.
-  return m % 2 ? train<fsdp::ShardGradOp>(m, 3, 6, 7, load, nullptr) : train<fsdp::FullShard>(m, 3, 6, 7, load, nullptr);
-}
-
-// Every rank's error and whether its parameters stayed as they were, for a load on 2 ranks.
-struct FailedLoad {
-  std::vector<std::string> errors = std::vector<std::string>(2);
-  std::vector<bool> untouched = std::vector<bool>(2);
-};
-FailedLoad load_expecting_failure(const std::function<void(fsdp::ShardedModel&, engine::AdamWState&)>& load) {
-  FailedLoad out;
-  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
-    const auto r = static_cast<std::size_t>(comm.rank());
-    engine::Model model(config(7));
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-    engine::AdamW opt({});
-    engine::AdamWState st(opt, sm);
-    const Params before = engine::gather_full_parameters(model, sm);
-    out.errors[r] = test_support::error_of([&] { load(sm, st); });
-    out.untouched[r] = engine::gather_full_parameters(model, sm) == before && opt.step_count() == 0;
-  });
-  return out;
 }
 
 }  // namespace
 
 TEST_CASE("a sharded checkpoint saved on N ranks resumes on M ranks and another strategy") {
-  const Params uninterrupted = test_support::reference_params(config(), 6, kGlobalBatch);
+  const Params uninterrupted = test_support::uninterrupted_params(6);
   for (auto [n, m] : {std::pair{2, 3}, {4, 1}, {1, 2}}) {
     CAPTURE(n);
     CAPTURE(m);
     test_support::TempDir tmp;
     const auto dir = tmp / "ckpt";
-    train<fsdp::FullShard>(n, 0, 3, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-      fsdp::save_sharded_checkpoint(dir, sm, &st, {{"step", "3"}, {"loader", "epoch 0 batch 3"}});
-    });
+    save_sharded_after(3, n, dir, {{"step", "3"}, {"loader", "epoch 0 batch 3"}});
     auto names = test_support::names_in(dir);
     CHECK(names.size() == static_cast<std::size_t>(n) + 1);  // rank files and index.json
     CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});  // no staging left
     const auto metadata = fsdp::read_checkpoint_metadata(dir);
     CHECK(metadata == std::map<std::string, std::string>{{"step", "3"}, {"loader", "epoch 0 batch 3"}});
     const Params resumed = resume(m, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-      auto report = fsdp::load_sharded_checkpoint(dir, sm, &st);
-      CHECK(report.missing.empty());
-      CHECK(report.unexpected.empty());
+      fsdp::load_sharded_checkpoint(dir, sm, &st);
       CHECK(fsdp::ShardedCheckpointSource(dir).optim_scalars().at("step") == "3");
     });
     CHECK(test_support::max_difference(resumed, uninterrupted) < 2e-5);
   }
 }
 
+TEST_CASE("a zero-element parameter goes through a sharded checkpoint: a count-0 slice from every saving rank") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  save_sharded_after(1, 3, dir);
+  const auto index = fsdp::checkpoint::CheckpointIndex::load(dir / "index.json");
+  for (const auto& id : {fsdp::StateKey::param("blocks.0.adapter"), fsdp::StateKey::optim("blocks.0.adapter", "exp_avg")}) {
+    CAPTURE(id.describe());
+    const auto* entry = index.find(id);
+    REQUIRE(entry != nullptr);
+    CHECK(entry->shape == fsdp::checkpoint::Shape{0, 13});
+    std::vector<std::string> files;
+    for (const auto& s : index.slices)
+      if (s.id == id) {
+        CHECK(s.count == 0);
+        files.push_back(s.file);
+      }
+    CHECK(files == std::vector<std::string>{fsdp::checkpoint::rank_file_name(0), fsdp::checkpoint::rank_file_name(1),
+                                            fsdp::checkpoint::rank_file_name(2)});
+  }
+  // A strict load on another number of ranks needs it: it would be "missing" otherwise.
+  train<fsdp::FullShard>(2, 0, 0, 7, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+    const fsdp::ShardedCheckpointSource source(dir);
+    const auto meta = source.find(fsdp::StateKey::param("blocks.0.adapter"));
+    REQUIRE(meta.has_value());
+    CHECK(meta->shape == std::vector<std::int64_t>{0, 13});
+    fsdp::load_state(sm, source, &st);
+  }, nullptr);
+}
+
 TEST_CASE("saving over an older sharded checkpoint replaces it") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
   for (const char* step : {"1", "2"})
-    train<fsdp::FullShard>(2, 0, 1, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-      fsdp::save_sharded_checkpoint(dir, sm, &st, {{"step", step}});
-    });
+    save_sharded_after(1, 2, dir, {{"step", step}});
   CHECK(fsdp::read_checkpoint_metadata(dir).at("step") == "2");
   CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
 }
 
 TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resumes on other ranks") {
-  const Params uninterrupted = test_support::reference_params(config(), 6, kGlobalBatch);
+  const Params uninterrupted = test_support::uninterrupted_params(6);
   for (auto [n, m] : {std::pair{3, 2}, {1, 3}}) {
     CAPTURE(n);
     CAPTURE(m);
@@ -128,7 +101,7 @@ TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resume
     });
     CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"model.optimizer.safetensors", "model.safetensors"});
     const auto opened = fsdp::checkpoint::SafetensorsFile::open(file);
-    engine::Model probe(config());
+    engine::Model probe(test_support::resume_config());
     for (auto& p : engine::named_parameters(probe)) {
       CAPTURE(p.fqn);
       const auto* t = opened.find(p.fqn);
@@ -139,9 +112,7 @@ TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resume
     for (auto& b : engine::named_buffers(probe)) CHECK(opened.find(b.fqn) != nullptr);
     CHECK(fsdp::read_checkpoint_metadata(file) == std::map<std::string, std::string>{{"step", "3"}});
     const Params resumed = resume(m, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-      auto report = fsdp::load_full_checkpoint(file, sm, &st);
-      CHECK(report.missing.empty());
-      CHECK(report.unexpected.empty());
+      fsdp::load_full_checkpoint(file, sm, &st);
     });
     CHECK(test_support::max_difference(resumed, uninterrupted) < 2e-5);
   }
@@ -150,15 +121,13 @@ TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resume
 TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, and loads nothing") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
-  train<fsdp::FullShard>(2, 0, 2, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-    fsdp::save_sharded_checkpoint(dir, sm, &st);
-  });
+  save_sharded_after(2, 2, dir);
   const auto victim = dir / fsdp::checkpoint::rank_file_name(1);
   std::string bytes = test_support::read_bytes(victim);
   REQUIRE(bytes.size() > 16);
   bytes[bytes.size() - 5] ^= 0x40;  // in the data, not the header
   test_support::write_bytes(victim, bytes);
-  const auto failed = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st) {
+  const auto failed = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
     fsdp::load_sharded_checkpoint(dir, sm, &st);
   });
   for (std::size_t r = 0; r < 2; ++r) {
@@ -173,10 +142,10 @@ TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, 
 TEST_CASE("a checkpoint that does not exist is an error naming it on every rank") {
   test_support::TempDir tmp;
   const auto dir = tmp / "no-such-checkpoint";
-  const auto sharded = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st) {
+  const auto sharded = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
     fsdp::load_sharded_checkpoint(dir, sm, &st);
   });
-  const auto full = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st) {
+  const auto full = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
     fsdp::load_full_checkpoint(dir / "model.safetensors", sm, &st);
   });
   for (std::size_t r = 0; r < 2; ++r) {

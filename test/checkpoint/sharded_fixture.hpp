@@ -1,9 +1,9 @@
 #pragma once
-// A small sharded checkpoint written the way the state-dict layer will write one: N
-// "ranks" each write their slices of every tensor (FSDP-style contiguous ranges, so the
-// last ranks may own nothing) into their own file in a staging directory, then the index
-// goes next to them and the directory is committed. Values encode (generation, tensor,
-// element), so a reader can check every element it gets.
+// A small sharded checkpoint written the way save_sharded_checkpoint writes one: N
+// "ranks" each write a slice of every tensor (FSDP-style contiguous ranges, so the last
+// ranks may own nothing and write a count-0 slice) into their own file in a staging
+// directory, then the index goes next to them and the directory is committed. Values
+// encode (generation, tensor, element), so a reader can check every element it gets.
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -18,19 +18,19 @@
 namespace test_support {
 
 struct FixtureTensor {
-  fsdp::checkpoint::TensorId id;
+  fsdp::StateKey id;
   fsdp::DType dtype;
   fsdp::checkpoint::Shape shape;
 };
 
 inline std::vector<FixtureTensor> fixture_tensors() {
   using fsdp::DType;
-  using fsdp::checkpoint::TensorId;
-  return {{TensorId::param("fc.weight"), DType::f32, {37}},
-          {TensorId::buffer("bn.mean"), DType::f64, {5}},
-          {TensorId::optim("fc.weight", "exp_avg"), DType::f32, {37}},
-          {TensorId::optim("fc.weight", "step"), DType::i64, {}},
-          {TensorId::param("empty"), DType::bf16, {0}}};
+  using fsdp::StateKey;
+  return {{StateKey::param("fc.weight"), DType::f32, {37}},
+          {StateKey::buffer("bn.mean"), DType::f64, {5}},
+          {StateKey::optim("fc.weight", "exp_avg"), DType::f32, {37}},
+          {StateKey::optim("fc.weight", "step"), DType::i64, {}},
+          {StateKey::param("empty"), DType::bf16, {0}}};
 }
 
 // Element i of tensor t in generation g, exactly representable in each dtype used here.
@@ -51,8 +51,8 @@ inline std::pair<std::uint64_t, std::uint64_t> fixture_range(std::uint64_t numel
   return {begin, std::min(numel, begin + shard) - begin};
 }
 
-inline std::string fixture_key(const fsdp::checkpoint::TensorId& id) {
-  return id.kind == fsdp::checkpoint::EntryKind::optim ? id.fqn + "." + id.state : id.fqn;
+inline std::string fixture_key(const fsdp::StateKey& id) {
+  return id.kind == fsdp::StateKind::optim ? id.fqn + "." + id.state : id.fqn;
 }
 
 // Writes generation g from n ranks into the staging directory of `dir`. `on_tensor` runs
@@ -70,7 +70,6 @@ inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int 
     for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
       const FixtureTensor& t = tensors[ti];
       const auto [begin, count] = fixture_range(fixture_numel(t), n, r);
-      if (count == 0) continue;
       writer.add(fixture_key(t.id), t.dtype, {static_cast<std::int64_t>(count)},
                  [=, &on_tensor](std::span<std::byte> out) {
                    if (on_tensor) on_tensor();
@@ -100,7 +99,7 @@ inline int check_fixture(const std::filesystem::path& dir, int m) {
       reader.read(t.id, begin, count, out.data(), out.size());
       for (std::uint64_t i = 0; i < count; ++i)
         if (fsdp::load_as_double(out.data(), i, t.dtype) != fixture_value(g, ti, begin + i))
-          throw std::runtime_error("element " + std::to_string(begin + i) + " of " + describe(t.id) + " is wrong");
+          throw std::runtime_error("element " + std::to_string(begin + i) + " of " + t.id.describe() + " is wrong");
     }
   }
   return g;

@@ -146,7 +146,7 @@ TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and bo
     for (int r = 0; r < 4; ++r) {
       CAPTURE(msgs[r]);
       CHECK(contains(msgs[r], "unit 'b' differs across ranks"));
-      CHECK(contains(msgs[r], "rank 0 has 1 parameters, 9 elements: b.weight [3,3] f32"));
+      CHECK(contains(msgs[r], "rank 0 has 1 parameters, 9 elements: b.weight [3, 3] f32"));
       CHECK(contains(msgs[r], "rank 2 has 2 parameters, 12 elements"));
     }
   }
@@ -160,8 +160,8 @@ TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and bo
     for (int r = 0; r < 2; ++r) {
       CAPTURE(msgs[r]);
       CHECK(contains(msgs[r], "unit 'a' differs across ranks"));
-      CHECK(contains(msgs[r], "a.weight [3,4]"));
-      CHECK(contains(msgs[r], "a.weight [2,6]"));
+      CHECK(contains(msgs[r], "a.weight [3, 4]"));
+      CHECK(contains(msgs[r], "a.weight [2, 6]"));
     }
   }
   SUBCASE("different dtype") {

@@ -5,25 +5,27 @@
 #include <exception>
 #include <string>
 
+#include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/sharded_model.hpp"
 
 namespace fsdp::detail {
 
 // Runs `part` on this rank, then agrees with every rank; throws on every rank if any failed.
+// `outcome` ends both messages (e.g. "; nothing was loaded").
 template <class F>
-void run_agreed(ShardedModel& model, const std::string& what, F&& part) {
+void run_agreed(ShardedModel& model, const std::string& what, F&& part, const char* outcome = "") {
   if (model.size() == 0) fail(what, ": the model has no units (no communicator to agree through)");
   std::string error;
   try {
     part();
   } catch (const std::exception& e) {
-    error = e.what();
+    error = checkpoint::detail::message_of(e);  // quoted below under this rank's own "fsdp: "
     if (error.empty()) error = "unknown error";
   }
   if (model[0].all_ranks_agree(error.empty())) return;
-  if (!error.empty()) fail(what, " on rank ", model[0].rank(), ": ", error);
-  fail(what, " on rank ", model[0].rank(), ": another rank failed (its error says why)");
+  if (!error.empty()) fail(what, " on rank ", model[0].rank(), ": ", error, outcome);
+  fail(what, " on rank ", model[0].rank(), ": another rank failed (its error says why)", outcome);
 }
 
 }  // namespace fsdp::detail

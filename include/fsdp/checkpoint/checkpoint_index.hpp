@@ -5,8 +5,9 @@
 // [begin, begin + count) of the flattened global tensor, held by one tensor of one file).
 // Slices of one tensor never overlap and, in an index loaded from disk, cover it exactly,
 // so any reader can find each element in exactly one file: that is what lets a checkpoint
-// written by N ranks load into M (see read_planner.hpp). Plus user metadata (step,
-// data-loader position, RNG state) as strings.
+// written by N ranks load into M (see read_planner.hpp). A slice may have count 0 (a rank
+// that saved none of the tensor); a tensor with no elements is complete with no element.
+// Plus user metadata (step, data-loader position, RNG state) as strings.
 //
 //   {"format": "fsdp-sharded-checkpoint", "version": 1, "world_size": 2,
 //    "metadata": {"step": "100"},
@@ -15,69 +16,22 @@
 //                {"fqn": "fc.weight", "kind": "optim", "state": "exp_avg", "dtype": "F32", ...}],
 //    "slices": [{"fqn": "fc.weight", "kind": "param", "file": "rank-00000.safetensors",
 //                "key": "fc.weight", "begin": 0, "count": 256}, ...]}
-#include <compare>
 #include <cstdint>
 #include <filesystem>
 #include <map>
-#include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
+#include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 
 namespace fsdp::checkpoint {
-
-enum class EntryKind : std::uint8_t { param, buffer, optim };
-
-inline constexpr std::string_view kind_name(EntryKind k) {
-  switch (k) {
-    case EntryKind::param: return "param";
-    case EntryKind::buffer: return "buffer";
-    case EntryKind::optim: return "optim";
-  }
-  return "?";
-}
-
-inline std::optional<EntryKind> kind_from_name(std::string_view s) {
-  for (EntryKind k : {EntryKind::param, EntryKind::buffer, EntryKind::optim})
-    if (kind_name(k) == s) return k;
-  return std::nullopt;
-}
-
-// Which tensor: a parameter or buffer by FQN, or optimizer state `state` ("exp_avg",
-// "step", ...) of the parameter `fqn`. `state` is empty unless kind is optim.
-struct TensorId {
-  std::string fqn;
-  EntryKind kind = EntryKind::param;
-  std::string state;
-
-  TensorId() = default;
-  TensorId(std::string fqn_, EntryKind kind_ = EntryKind::param, std::string state_ = {})
-      : fqn(std::move(fqn_)), kind(kind_), state(std::move(state_)) {}
-  static TensorId param(std::string fqn) { return {std::move(fqn), EntryKind::param}; }
-  static TensorId buffer(std::string fqn) { return {std::move(fqn), EntryKind::buffer}; }
-  static TensorId optim(std::string fqn, std::string state) { return {std::move(fqn), EntryKind::optim, std::move(state)}; }
-
-  friend auto operator<=>(const TensorId&, const TensorId&) = default;
-  friend bool operator==(const TensorId&, const TensorId&) = default;
-};
-
-// "'fc.weight'", "buffer 'bn.mean'", "optimizer state 'exp_avg' of 'fc.weight'".
-inline std::string describe(const TensorId& id) {
-  switch (id.kind) {
-    case EntryKind::param: return "'" + id.fqn + "'";
-    case EntryKind::buffer: return "buffer '" + id.fqn + "'";
-    case EntryKind::optim: return "optimizer state '" + id.state + "' of '" + id.fqn + "'";
-  }
-  return "?";
-}
 
 struct IndexFile {
   std::string name;  // relative to the checkpoint directory, one path component
@@ -86,14 +40,14 @@ struct IndexFile {
 };
 
 struct IndexEntry {
-  TensorId id;
+  StateKey id;
   DType dtype = DType::f32;
   Shape shape;  // global shape; [] is a scalar
 };
 
 // Elements [begin, begin + count) of the flattened tensor `id` are tensor `key` of `file`.
 struct IndexSlice {
-  TensorId id;
+  StateKey id;
   std::string file;
   std::string key;
   std::uint64_t begin = 0;
@@ -112,7 +66,7 @@ struct CheckpointIndex {
   std::map<std::string, std::string, std::less<>> metadata;
 
   // Linear searches; ReadPlanner has the indexed lookup.
-  const IndexEntry* find(const TensorId& id) const {
+  const IndexEntry* find(const StateKey& id) const {
     for (const IndexEntry& e : entries)
       if (e.id == id) return &e;
     return nullptr;

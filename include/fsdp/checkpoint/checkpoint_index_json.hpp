@@ -22,10 +22,10 @@ namespace fsdp::checkpoint {
 
 namespace detail {
 
-inline void put_id(nlohmann::ordered_json& j, const TensorId& id) {
+inline void put_id(nlohmann::ordered_json& j, const StateKey& id) {
   j["fqn"] = id.fqn;
-  j["kind"] = kind_name(id.kind);
-  if (id.kind == EntryKind::optim) j["state"] = id.state;
+  j["kind"] = name_of(id.kind);
+  if (id.kind == StateKind::optim) j["state"] = id.state;
 }
 
 // Reads fields with messages "checkpoint index '<source>': <where>: ...".
@@ -64,10 +64,10 @@ class IndexJsonReader {
     if (!j.at(f).is_array()) fail_at(where, "'", f, "' must be an array, got ", json_text(j.at(f)));
     return j.at(f);
   }
-  TensorId id(const nlohmann::json& j, const std::string& where) const {
-    TensorId id;
+  StateKey id(const nlohmann::json& j, const std::string& where) const {
+    StateKey id;
     id.fqn = string_field(j, "fqn", where);
-    const auto kind = kind_from_name(string_field(j, "kind", where));
+    const auto kind = state_kind_from_name(string_field(j, "kind", where));
     if (!kind) fail_at(where + " ('" + id.fqn + "')", "kind ", json_text(j["kind"]), " is not \"param\", \"buffer\" or \"optim\"");
     id.kind = *kind;
     if (j.contains("state")) id.state = string_field(j, "state", where + " ('" + id.fqn + "')");
@@ -158,7 +158,7 @@ inline CheckpointIndex CheckpointIndex::from_json(const nlohmann::json& j, std::
     r.check_fields(e, where, {"fqn", "kind", "dtype", "shape"}, {"state"});
     IndexEntry entry;
     entry.id = r.id(e, where);
-    const std::string named = where + " (" + describe(entry.id) + ")";
+    const std::string named = where + " (" + entry.id.describe() + ")";
     const auto dtype = dtype_from_safetensors(r.string_field(e, "dtype", named));
     if (!dtype) r.fail_at(named, "dtype ", detail::json_text(e["dtype"]), " is not supported");
     entry.dtype = *dtype;
@@ -175,7 +175,7 @@ inline CheckpointIndex CheckpointIndex::from_json(const nlohmann::json& j, std::
     r.check_fields(s, where, {"fqn", "kind", "file", "key", "begin", "count"}, {"state"});
     IndexSlice slice;
     slice.id = r.id(s, where);
-    const std::string named = where + " (" + describe(slice.id) + ")";
+    const std::string named = where + " (" + slice.id.describe() + ")";
     slice.file = r.string_field(s, "file", named);
     slice.key = r.string_field(s, "key", named);
     slice.begin = r.u64_field(s, "begin", named);

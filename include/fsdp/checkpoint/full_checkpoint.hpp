@@ -66,11 +66,11 @@ class FullCheckpointSource final : public StateSource {
   }
   std::vector<StateKey> keys() const override {
     std::vector<StateKey> out;
-    for (const auto& t : model_.tensors()) out.push_back({StateKind::param, "", t.name});  // param or buffer: see find
+    for (const auto& t : model_.tensors()) out.push_back(StateKey::param(t.name));  // param or buffer: see lookup
     if (optim_)
       for (const auto& t : optim_->tensors()) {
         const auto slash = t.name.find('/');
-        out.push_back({StateKind::optim, t.name.substr(0, slash), slash == std::string::npos ? "" : t.name.substr(slash + 1)});
+        out.push_back(StateKey::optim(slash == std::string::npos ? "" : t.name.substr(slash + 1), t.name.substr(0, slash)));
       }
     return out;
   }
@@ -99,9 +99,7 @@ class FullCheckpointSource final : public StateSource {
 // verifies every tensor before writing any.
 inline LoadReport load_full_checkpoint(const std::filesystem::path& file, ShardedModel& model,
                                        OptimizerState* optimizer = nullptr, LoadOptions options = {}) {
-  std::optional<FullCheckpointSource> source;
-  detail::run_agreed(model, "load_full_checkpoint '" + file.string() + "'", [&] { source.emplace(file); });
-  return load_state(model, *source, optimizer, options);
+  return detail::open_and_load<FullCheckpointSource>("load_full_checkpoint", file, model, optimizer, options);
 }
 
 }  // namespace fsdp

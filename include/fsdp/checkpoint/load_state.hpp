@@ -5,12 +5,15 @@
 // ranks agree that all of them succeeded; only then is anything written. A bad checkpoint
 // therefore leaves the model and the optimizer untouched on every rank.
 #include <cstddef>
-#include <map>
+#include <filesystem>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/checkpoint_collective.hpp"
+#include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/checkpoint/state_source.hpp"
 
 namespace fsdp {
@@ -28,37 +31,35 @@ struct LoadReport {
 
 namespace detail {
 
+// A slice of a parameter or of an optimizer state, and where it goes.
 struct StagedTensor {
-  void* dst;  // where it goes: a shard slice, an optimizer state slice, or a buffer
+  void* dst;
   std::vector<std::byte> bytes;
 };
 
-inline std::string shape_text(const std::vector<std::int64_t>& s) {
-  std::ostringstream os;
-  os << "[";
-  for (std::size_t i = 0; i < s.size(); ++i) os << (i ? "," : "") << s[i];
-  os << "]";
-  return os.str();
-}
+// A buffer of a unit: buffer_data(index) exists only while the unit is summoned.
+struct StagedBuffer {
+  std::size_t index;
+  std::vector<std::byte> bytes;
+};
 
 // Checks the source's entry for `key` against what the model holds and reads elements
-// [begin, begin + count) of it; nothing staged when the source lacks it and !strict.
-inline bool stage(const StateSource& src, const StateKey& key, DType dtype, const std::vector<std::int64_t>& shape,
-                  std::int64_t begin, std::int64_t count, void* dst, bool strict, std::vector<StagedTensor>& staged,
-                  LoadReport& report) {
+// [begin, begin + count) of it; nothing when the source lacks it and !strict.
+inline std::optional<std::vector<std::byte>> stage(const StateSource& src, const StateKey& key, DType dtype,
+                                                   const std::vector<std::int64_t>& shape, std::int64_t begin,
+                                                   std::int64_t count, bool strict, LoadReport& report) {
   const auto meta = src.find(key);
   if (!meta) {
-    if (strict) fail(src.name(), ": ", key.describe(), " is missing (the model has it, ", name_of(dtype), " ", shape_text(shape), ")");
+    if (strict) fail(src.name(), ": ", key.describe(), " is missing (the model has it, ", name_of(dtype), " ", format_shape(shape), ")");
     report.missing.push_back(key.describe());
-    return false;
+    return std::nullopt;
   }
   if (meta->dtype != dtype || meta->shape != shape)
-    fail(src.name(), ": ", key.describe(), " is ", name_of(meta->dtype), " ", shape_text(meta->shape), " but the model has ",
-         name_of(dtype), " ", shape_text(shape));
-  StagedTensor t{dst, std::vector<std::byte>(static_cast<std::size_t>(count) * size_of(dtype))};
-  if (count) src.read(key, begin, count, t.bytes.data());
-  staged.push_back(std::move(t));
-  return true;
+    fail(src.name(), ": ", key.describe(), " is ", name_of(meta->dtype), " ", format_shape(meta->shape), " but the model has ",
+         name_of(dtype), " ", format_shape(shape));
+  std::vector<std::byte> bytes(static_cast<std::size_t>(count) * size_of(dtype));
+  if (count) src.read(key, begin, count, bytes.data());
+  return bytes;
 }
 
 }  // namespace detail
@@ -69,39 +70,41 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   LoadReport report;
   if (model.size() == 0) return report;
   std::vector<detail::StagedTensor> params, optim;
-  std::vector<std::vector<detail::StagedTensor>> buffers(model.size());  // per unit
-  std::set<std::pair<std::string, std::string>> known;  // (state or "", fqn) the model has
-  std::string error;
-  try {
+  std::vector<std::vector<detail::StagedBuffer>> buffers(model.size());  // per unit
+  // Nothing is written before every rank has staged everything: a rank that fails stops
+  // every rank in the agreement.
+  detail::run_agreed(model, "load_state from " + src.name(), [&] {
+    std::set<StateKey> known;  // what the model has (a buffer as a param: sources may not tell them apart)
     const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
-    detail::for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
-      (void)u;
+    detail::for_each_param(model, [&](UnitBase&, const ParamView& p, std::size_t shard) {
       const auto shape = detail::shape_of(p.shape);
-      known.insert({"", std::string(p.fqn)});
-      detail::stage(src, {StateKind::param, "", std::string(p.fqn)}, p.dtype, shape, p.param_begin, p.count, p.param,
-                    options.strict, params, report);
+      const std::string fqn(p.fqn);
+      known.insert(StateKey::param(fqn));
+      if (auto bytes = detail::stage(src, StateKey::param(fqn), p.dtype, shape, p.param_begin, p.count, options.strict, report))
+        params.push_back({p.param, std::move(*bytes)});
       for (const auto& name : names) {
-        known.insert({name, std::string(p.fqn)});
+        known.insert(StateKey::optim(fqn, name));
         const DType t = optimizer->state_dtype(name);
         auto* base = static_cast<std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-        detail::stage(src, {StateKind::optim, name, std::string(p.fqn)}, t, shape, p.param_begin, p.count,
-                      base + p.shard_offset * size_of(t), options.strict, optim, report);
+        if (auto bytes = detail::stage(src, StateKey::optim(fqn, name), t, shape, p.param_begin, p.count, options.strict, report))
+          optim.push_back({base + p.shard_offset * size_of(t), std::move(*bytes)});
       }
     });
     for (std::size_t k = 0; k < model.size(); ++k) {
       UnitBase& u = model[k];
       for (std::size_t i = 0; i < u.buffers().size(); ++i) {
         const auto& b = u.buffers()[i];
-        known.insert({"", std::string(b.fqn)});
-        detail::stage(src, {StateKind::buffer, "", std::string(b.fqn)}, b.dtype, detail::shape_of(b.shape), 0, b.numel,
-                      reinterpret_cast<void*>(i), options.strict, buffers[k], report);  // dst resolved while summoned
+        known.insert(StateKey::param(std::string(b.fqn)));
+        if (auto bytes = detail::stage(src, StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0,
+                                       b.numel, options.strict, report))
+          buffers[k].push_back({i, std::move(*bytes)});
       }
     }
     std::vector<std::string> extra;
     for (const auto& key : src.keys()) {
-      const std::string state = key.kind == StateKind::optim ? key.state : "";
       if (key.kind == StateKind::optim && !optimizer) continue;  // a model-only load ignores optimizer state
-      if (!known.count({state, key.fqn})) extra.push_back(key.describe());
+      const StateKey as_known = key.kind == StateKind::buffer ? StateKey::param(key.fqn) : key;
+      if (!known.count(as_known)) extra.push_back(key.describe());
     }
     if (!extra.empty() && options.strict) {
       std::ostringstream os;
@@ -110,22 +113,14 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
       detail::fail(src.name(), ": holds ", extra.size(), " tensors the model does not have: ", os.str());
     }
     report.unexpected = std::move(extra);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  // Nothing has been written yet: a rank that failed stops every rank here.
-  if (!model[0].all_ranks_agree(error.empty())) {
-    if (!error.empty()) detail::fail("load_state on rank ", model[0].rank(), ": ", error, "; nothing was loaded");
-    detail::fail("load_state on rank ", model[0].rank(), ": another rank could not use ", src.name(),
-                 " (its error says why); nothing was loaded");
-  }
+  }, "; nothing was loaded");
   // Buffers first, through a summon that writes back (it also writes the gathered, still
   // unchanged parameters back into the shards, which the parameter copies then replace).
   for (std::size_t k = 0; k < model.size(); ++k) {
     if (buffers[k].empty()) continue;
     UnitBase& u = model[k];
     auto summoned = u.summon_full_params(true);
-    for (auto& b : buffers[k]) u.copy_bytes(u.buffer_data(reinterpret_cast<std::size_t>(b.dst)), b.bytes.data(), b.bytes.size());
+    for (auto& b : buffers[k]) u.copy_bytes(u.buffer_data(b.index), b.bytes.data(), b.bytes.size());
   }
   for (auto& t : params) model[0].copy_bytes(t.dst, t.bytes.data(), t.bytes.size());
   for (auto& t : optim) model[0].copy_bytes(t.dst, t.bytes.data(), t.bytes.size());
@@ -135,5 +130,19 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   }
   return report;
 }
+
+namespace detail {
+
+// The load of a checkpoint on disk, whatever its layout: every rank opens Source(path),
+// the ranks agree that all could, then load_state verifies every tensor before writing.
+template <class Source>
+LoadReport open_and_load(const std::string& what, const std::filesystem::path& path, ShardedModel& model,
+                         OptimizerState* optimizer, LoadOptions options) {
+  std::optional<Source> source;
+  run_agreed(model, what + " '" + path.string() + "'", [&] { source.emplace(path); });
+  return load_state(model, *source, optimizer, options);
+}
+
+}  // namespace detail
 
 }  // namespace fsdp

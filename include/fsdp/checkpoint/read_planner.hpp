@@ -31,15 +31,15 @@ struct ReadStep {
 
 namespace detail {
 
-[[noreturn]] inline void fail_gap(const std::string& source, const TensorId& id, std::uint64_t a, std::uint64_t b) {
-  fail("checkpoint '", source, "': elements [", a, ", ", b, ") of ", describe(id), " are in no file");
+[[noreturn]] inline void fail_gap(const std::string& source, const StateKey& id, std::uint64_t a, std::uint64_t b) {
+  fail("checkpoint '", source, "': elements [", a, ", ", b, ") of ", id.describe(), " are in no file");
 }
 
-// Entries by id and each tensor's slices sorted by begin (indexes into the index's
-// vectors), built with every check of CheckpointIndex::validate().
+// Entries by id and each tensor's slices with elements, sorted by begin (indexes into the
+// index's vectors), built with every check of CheckpointIndex::validate().
 struct SliceTable {
-  std::map<TensorId, std::size_t> entry;
-  std::map<TensorId, std::vector<std::size_t>> slices;
+  std::map<StateKey, std::size_t> entry;
+  std::map<StateKey, std::vector<std::size_t>> slices;
 
   explicit SliceTable(const CheckpointIndex& ix) {
     const std::string& src = ix.source;
@@ -51,30 +51,31 @@ struct SliceTable {
     }
     for (std::size_t i = 0; i < ix.entries.size(); ++i) {
       const IndexEntry& e = ix.entries[i];
-      const std::string what = describe(e.id);
+      const std::string what = e.id.describe();
       if (e.id.fqn.empty()) fail("checkpoint '", src, "': an entry has an empty fqn");
-      if ((e.id.kind == EntryKind::optim) == e.id.state.empty())
+      if ((e.id.kind == StateKind::optim) == e.id.state.empty())
         fail("checkpoint '", src, "': entry ", what, ": a state name is required for kind \"optim\" and only for it");
       if (!checked_bytes(e.shape, e.dtype))
-        fail("checkpoint '", src, "': entry ", what, ": shape ", shape_text(e.shape), " is negative or overflows");
+        fail("checkpoint '", src, "': entry ", what, ": shape ", format_shape(e.shape), " is negative or overflows");
       if (!entry.emplace(e.id, i).second) fail("checkpoint '", src, "': entry ", what, " is listed twice");
     }
     std::set<std::pair<std::string_view, std::string_view>> keys;
     for (std::size_t i = 0; i < ix.slices.size(); ++i) {
       const IndexSlice& s = ix.slices[i];
-      const std::string where = "slice of " + describe(s.id) + " in file '" + s.file + "' (key '" + s.key + "')";
+      const std::string where = "slice of " + s.id.describe() + " in file '" + s.file + "' (key '" + s.key + "')";
       const auto e = entry.find(s.id);
       if (e == entry.end()) fail("checkpoint '", src, "': ", where, ": no entry for that tensor");
       if (files.count(s.file) == 0) fail("checkpoint '", src, "': ", where, ": the file is not in \"files\"");
       if (s.key.empty()) fail("checkpoint '", src, "': ", where, ": the key is empty");
-      if (s.count == 0) fail("checkpoint '", src, "': ", where, ": the slice is empty");
       const std::uint64_t numel = *checked_numel(ix.entries[e->second].shape);
       if (s.begin > numel || s.count > numel - s.begin)
         fail("checkpoint '", src, "': ", where, ": elements [", s.begin, ", +", s.count, ") are outside the tensor's ",
              numel, " elements");
       if (!keys.emplace(s.file, s.key).second)
         fail("checkpoint '", src, "': ", where, ": another slice uses the same key of the same file");
-      slices[s.id].push_back(i);
+      // A count-0 slice (a saving rank that holds none of the tensor) holds no element:
+      // checked like any slice, then left out of the tables that place elements.
+      if (s.count > 0) slices[s.id].push_back(i);
     }
     for (auto& [id, list] : slices) {
       std::sort(list.begin(), list.end(), [&](std::size_t a, std::size_t b) { return ix.slices[a].begin < ix.slices[b].begin; });
@@ -82,7 +83,7 @@ struct SliceTable {
         const IndexSlice& p = ix.slices[list[k - 1]];
         const IndexSlice& s = ix.slices[list[k]];
         if (s.begin < p.begin + p.count)
-          fail("checkpoint '", src, "': slices of ", describe(id), " overlap: [", p.begin, ", ", p.begin + p.count,
+          fail("checkpoint '", src, "': slices of ", id.describe(), " overlap: [", p.begin, ", ", p.begin + p.count,
                ") in file '", p.file, "' and [", s.begin, ", ", s.begin + s.count, ") in file '", s.file, "'");
       }
     }
@@ -116,20 +117,20 @@ class ReadPlanner {
   const CheckpointIndex& index() const { return index_; }
 
   // The entry for `id`; an error naming the index and the tensor if there is none.
-  const IndexEntry& entry(const TensorId& id) const {
+  const IndexEntry& entry(const StateKey& id) const {
     const auto it = table_.entry.find(id);
-    if (it == table_.entry.end()) detail::fail("checkpoint '", index_.source, "': no entry for ", describe(id));
+    if (it == table_.entry.end()) detail::fail("checkpoint '", index_.source, "': no entry for ", id.describe());
     return index_.entries[it->second];
   }
 
   // The reads that bring elements [begin, begin + count) of `id`, in order; none for
   // count 0. A range outside the tensor or an element no slice holds is an error.
-  std::vector<ReadStep> plan(const TensorId& id, std::uint64_t begin, std::uint64_t count) const {
+  std::vector<ReadStep> plan(const StateKey& id, std::uint64_t begin, std::uint64_t count) const {
     const IndexEntry& e = entry(id);
     const std::uint64_t numel = *detail::checked_numel(e.shape);
     if (begin > numel || count > numel - begin)
-      detail::fail("checkpoint '", index_.source, "': elements [", begin, ", +", count, ") of ", describe(id),
-                   " are outside its ", numel, " elements (shape ", detail::shape_text(e.shape), ")");
+      detail::fail("checkpoint '", index_.source, "': elements [", begin, ", +", count, ") of ", id.describe(),
+                   " are outside its ", numel, " elements (shape ", detail::format_shape(e.shape), ")");
     std::vector<ReadStep> steps;
     if (count == 0) return steps;
     static const std::vector<std::size_t> none;

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint/json_checks.hpp"
+#include "fsdp/tensor.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 
@@ -85,11 +86,7 @@ inline std::optional<std::uint64_t> checked_bytes(const Shape& shape, DType t) {
   return bytes;
 }
 
-inline std::string shape_text(const Shape& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
+using fsdp::detail::format_shape;
 
 }  // namespace detail
 
@@ -186,7 +183,7 @@ class HeaderParser {
       t.shape.push_back(static_cast<std::int64_t>(v));
     }
     const auto bytes = checked_bytes(t.shape, t.dtype);
-    if (!bytes) fail_tensor(key, "shape ", shape_text(t.shape), " of ", safetensors_dtype_name(t.dtype), " overflows 64 bits");
+    if (!bytes) fail_tensor(key, "shape ", format_shape(t.shape), " of ", safetensors_dtype_name(t.dtype), " overflows 64 bits");
     const auto& offsets = j["data_offsets"];
     const bool pair = offsets.is_array() && offsets.size() == 2;
     if (!pair || !json_to_u64(offsets[0], UINT64_MAX, t.begin) || !json_to_u64(offsets[1], UINT64_MAX, t.end) ||
@@ -194,7 +191,7 @@ class HeaderParser {
       fail_tensor(key, "data_offsets ", json_text(offsets), " is not [begin, end] with 0 <= begin <= end");
     if (t.bytes() != *bytes)
       fail_tensor(key, "data_offsets ", json_text(offsets), " span ", t.bytes(), " bytes but shape ",
-                  shape_text(t.shape), " of ", safetensors_dtype_name(t.dtype), " needs ", *bytes);
+                  format_shape(t.shape), " of ", safetensors_dtype_name(t.dtype), " needs ", *bytes);
     return t;
   }
 

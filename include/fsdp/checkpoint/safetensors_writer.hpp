@@ -119,11 +119,11 @@ class SafetensorsWriter {
     }
     if (names_.count(name) != 0) fail_tensor(name, "added twice");
     for (std::int64_t d : shape)
-      if (d < 0) fail_tensor(name, "shape ", detail::shape_text(shape), " has a negative dimension");
+      if (d < 0) fail_tensor(name, "shape ", detail::format_shape(shape), " has a negative dimension");
     const auto bytes = detail::checked_bytes(shape, dtype);
     std::uint64_t end;
     if (!bytes || __builtin_add_overflow(data_bytes_, *bytes, &end))
-      fail_tensor(name, "shape ", detail::shape_text(shape), " of ", safetensors_dtype_name(dtype),
+      fail_tensor(name, "shape ", detail::format_shape(shape), " of ", safetensors_dtype_name(dtype),
                   " overflows 64-bit byte offsets");
     return *bytes;
   }

@@ -7,7 +7,7 @@
 //
 //   ckpt/index.json
 //   ckpt/rank-00000.safetensors   tensors "param/<fqn>", "optim/<state>/<fqn>", "buffer/<fqn>";
-//   ckpt/rank-00001.safetensors   __metadata__ "fsdp.slices": JSON of each key's begin and shape
+//   ckpt/rank-00001.safetensors   __metadata__ "fsdp.slices": JSON of each key's tensor, begin and shape
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -33,19 +33,10 @@ inline constexpr const char* checkpoint_token = "fsdp";           // every rank 
 inline constexpr const char* slices_metadata_key = "fsdp.slices";  // in each rank file's __metadata__
 inline constexpr const char* optim_scalar_prefix = "optim.";       // optimizer scalars in the index metadata
 
-inline checkpoint::EntryKind entry_kind(StateKind k) {
-  return k == StateKind::param ? checkpoint::EntryKind::param
-         : k == StateKind::buffer ? checkpoint::EntryKind::buffer : checkpoint::EntryKind::optim;
-}
-inline StateKind state_kind(checkpoint::EntryKind k) {
-  return k == checkpoint::EntryKind::param ? StateKind::param
-         : k == checkpoint::EntryKind::buffer ? StateKind::buffer : StateKind::optim;
-}
-inline checkpoint::TensorId tensor_id(const StateKey& k) { return {k.fqn, entry_kind(k.kind), k.state}; }
-inline StateKey state_key(const checkpoint::TensorId& id) { return {state_kind(id.kind), id.state, id.fqn}; }
-
-inline std::string slice_key(const StateSlice& s) {
-  return s.kind == StateKind::optim ? "optim/" + s.state + "/" + s.fqn : std::string(name_of(s.kind)) + "/" + s.fqn;
+// The slice's tensor name in its rank file: "param/<fqn>", "optim/<state>/<fqn>", "buffer/<fqn>".
+inline std::string slice_key(const StateKey& id) {
+  const std::string kind(name_of(id.kind));
+  return id.kind == StateKind::optim ? kind + "/" + id.state + "/" + id.fqn : kind + "/" + id.fqn;
 }
 
 inline void check_user_metadata(const std::map<std::string, std::string>& metadata, const std::string& where) {
@@ -64,17 +55,17 @@ std::map<std::string, std::string> user_metadata(const Map& index_metadata) {
   return out;
 }
 
-// This rank's file: its slices (those with elements) as tensors, every slice's place in
-// "fsdp.slices" (so tensors with no elements are still known to the index).
+// This rank's file: each slice (count 0 included) as a 1-D tensor, and in "fsdp.slices"
+// what its header cannot say: which tensor it is a slice of, the global shape, the begin.
 inline void write_rank_file(const std::filesystem::path& path, const ShardedStateDict& sd) {
   checkpoint::SafetensorsWriter writer;
   nlohmann::json places = nlohmann::json::object();
   for (const StateSlice& s : sd.slices) {
-    const std::string key = slice_key(s);
-    places[key] = {{"kind", name_of(s.kind)}, {"state", s.state}, {"fqn", s.fqn},
+    const std::string key = slice_key(s.id);
+    places[key] = {{"kind", name_of(s.id.kind)}, {"state", s.id.state}, {"fqn", s.id.fqn},
                    {"dtype", checkpoint::safetensors_dtype_name(s.dtype)}, {"shape", s.shape},
                    {"begin", s.begin}, {"count", s.count}};
-    if (s.count > 0) writer.add(key, s.dtype, {s.count}, s.data.data());
+    writer.add(key, s.dtype, {s.count}, s.data.data());
   }
   writer.set_metadata(slices_metadata_key, places.dump());
   writer.write(path);
@@ -89,19 +80,18 @@ inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::files
   if (it == file.metadata().end()) fail("checkpoint file '", path.string(), "': no '", slices_metadata_key, "' metadata");
   const nlohmann::json places = nlohmann::json::parse(it->second);  // outlives the loop's proxy
   for (const auto& [key, p] : places.items()) {
-    const auto kind = checkpoint::kind_from_name(p.at("kind").get<std::string>());
+    const auto kind = state_kind_from_name(p.at("kind").get<std::string>());
     const auto dtype = checkpoint::dtype_from_safetensors(p.at("dtype").get<std::string>());
     if (!kind || !dtype) fail("checkpoint file '", path.string(), "': slice '", key, "' has a bad kind or dtype");
-    const checkpoint::TensorId id{p.at("fqn").get<std::string>(), *kind, p.at("state").get<std::string>()};
+    const StateKey id{*kind, p.at("state").get<std::string>(), p.at("fqn").get<std::string>()};
     const auto shape = p.at("shape").get<checkpoint::Shape>();
     if (const checkpoint::IndexEntry* e = index.find(id)) {
       if (e->dtype != *dtype || e->shape != shape)
-        fail("checkpoint file '", path.string(), "': ", checkpoint::describe(id), " disagrees with another rank file on dtype or shape");
+        fail("checkpoint file '", path.string(), "': ", id.describe(), " disagrees with another rank file on dtype or shape");
     } else {
       index.entries.push_back({id, *dtype, shape});
     }
-    const auto count = p.at("count").get<std::uint64_t>();
-    if (count > 0) index.slices.push_back({id, name, key, p.at("begin").get<std::uint64_t>(), count});
+    index.slices.push_back({id, name, key, p.at("begin").get<std::uint64_t>(), p.at("count").get<std::uint64_t>()});
   }
 }
 
@@ -151,7 +141,7 @@ class ShardedCheckpointSource final : public StateSource {
  public:
   explicit ShardedCheckpointSource(const std::filesystem::path& dir) : reader_(dir) {
     reader_.verify_checksums();
-    for (const auto& e : reader_.index().entries) metas_[detail::state_key(e.id)] = {e.dtype, e.shape};
+    for (const auto& e : reader_.index().entries) metas_[e.id] = {e.dtype, e.shape};
   }
   std::string name() const override { return "checkpoint '" + reader_.dir().string() + "'"; }
   std::optional<TensorMeta> find(const StateKey& key) const override {
@@ -163,7 +153,7 @@ class ShardedCheckpointSource final : public StateSource {
     auto it = metas_.find(key);
     if (it == metas_.end()) detail::fail(name(), ": no ", key.describe());
     if (begin < 0 || count < 0) detail::fail(name(), ": ", key.describe(), ": negative range [", begin, ", +", count, ")");
-    reader_.read(detail::tensor_id(key), static_cast<std::uint64_t>(begin), static_cast<std::uint64_t>(count), dst,
+    reader_.read(key, static_cast<std::uint64_t>(begin), static_cast<std::uint64_t>(count), dst,
                  static_cast<std::uint64_t>(count) * size_of(it->second.dtype));
   }
   std::vector<StateKey> keys() const override {
@@ -190,9 +180,7 @@ class ShardedCheckpointSource final : public StateSource {
 // usable, then load_state verifies every tensor before writing any.
 inline LoadReport load_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model,
                                           OptimizerState* optimizer = nullptr, LoadOptions options = {}) {
-  std::optional<ShardedCheckpointSource> source;
-  detail::run_agreed(model, "load_sharded_checkpoint '" + dir.string() + "'", [&] { source.emplace(dir); });
-  return load_state(model, *source, optimizer, options);
+  return detail::open_and_load<ShardedCheckpointSource>("load_sharded_checkpoint", dir, model, optimizer, options);
 }
 
 }  // namespace fsdp

@@ -46,10 +46,10 @@ class ShardedCheckpointReader {
       for (const IndexSlice* s : by_file[f.name]) {
         const TensorInfo* t = o.file.find(s->key);
         const IndexEntry& e = planner_.entry(s->id);
-        if (t == nullptr) fail_file(f.name, "no tensor '", s->key, "' (it holds ", describe(s->id), ")");
+        if (t == nullptr) fail_file(f.name, "no tensor '", s->key, "' (it holds ", s->id.describe(), ")");
         if (t->dtype != e.dtype || t->numel() != s->count)
           fail_file(f.name, "tensor '", s->key, "' is ", safetensors_dtype_name(t->dtype), " with ", t->numel(),
-                    " elements but the index says ", describe(s->id), " is ", safetensors_dtype_name(e.dtype),
+                    " elements but the index says ", s->id.describe(), " is ", safetensors_dtype_name(e.dtype),
                     " and this slice has ", s->count);
       }
       if (o.file.tensors().size() != by_file[f.name].size())
@@ -65,14 +65,14 @@ class ShardedCheckpointReader {
   const std::filesystem::path& dir() const { return dir_; }
   const CheckpointIndex& index() const { return planner_.index(); }
   const ReadPlanner& planner() const { return planner_; }
-  const IndexEntry& entry(const TensorId& id) const { return planner_.entry(id); }
+  const IndexEntry& entry(const StateKey& id) const { return planner_.entry(id); }
 
   // Elements [begin, begin + count) of `id`, in the entry's dtype, into dst, which must
   // have exactly count * size_of(dtype) bytes.
-  void read(const TensorId& id, std::uint64_t begin, std::uint64_t count, void* dst, std::uint64_t dst_bytes) const {
+  void read(const StateKey& id, std::uint64_t begin, std::uint64_t count, void* dst, std::uint64_t dst_bytes) const {
     const std::size_t esize = size_of(entry(id).dtype);
     if (count > dst_bytes / esize || count * esize != dst_bytes)
-      detail::fail("checkpoint '", dir_.string(), "': reading ", count, " elements of ", describe(id), " needs ",
+      detail::fail("checkpoint '", dir_.string(), "': reading ", count, " elements of ", id.describe(), " needs ",
                    count, " * ", esize, " bytes but the destination has ", dst_bytes);
     for (const ReadStep& step : planner_.plan(id, begin, count)) {
       const Opened& o = verified(step.file);

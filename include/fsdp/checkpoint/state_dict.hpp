@@ -15,26 +15,17 @@
 #include <vector>
 
 #include "fsdp/checkpoint/optimizer_state.hpp"
+#include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/sharded_model.hpp"
 
 namespace fsdp {
-
-enum class StateKind : std::uint8_t { param, buffer, optim };
-
-inline const char* name_of(StateKind k) {
-  return k == StateKind::param ? "param" : k == StateKind::buffer ? "buffer" : "optim";
-}
 
 // A tensor in host memory.
 struct StateTensor {
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
   std::vector<std::byte> data;
-  std::int64_t numel() const {
-    std::int64_t n = 1;
-    for (auto d : shape) n *= d;
-    return n;
-  }
+  std::int64_t numel() const { return checked_numel(shape, {}); }
 };
 
 struct FullStateDict {
@@ -43,11 +34,9 @@ struct FullStateDict {
   std::map<std::string, std::string> optim_scalars;                  // e.g. "step"
 };
 
-// Elements [begin, begin + count) of the flattened tensor `fqn` (of global `shape`).
+// Elements [begin, begin + count) of the flattened tensor `id` (of global `shape`).
 struct StateSlice {
-  StateKind kind = StateKind::param;
-  std::string state;  // the optimizer state's name (kind == optim)
-  std::string fqn;
+  StateKey id;
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
   std::int64_t begin = 0, count = 0;
@@ -83,23 +72,24 @@ void for_each_param(ShardedModel& model, F&& f) {
 
 }  // namespace detail
 
-// This rank's slices: parameters (and optimizer states) where this rank's shards are the
-// saved copy (see UnitBase::saves_shards), buffers on world rank 0. No collective.
+// This rank's slices. Where this rank's shards are the saved copy (UnitBase::saves_shards):
+// a slice of every parameter and of its optimizer states, with count 0 where this rank
+// holds none of it, so every tensor is known, empty ones included. Buffers on world rank 0.
+// No collective.
 inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* optimizer = nullptr) {
   ShardedStateDict out;
   if (model.size() == 0) return out;
   out.rank = model[0].rank();
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
   detail::for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
-    // An empty parameter has no elements to own: rank 0 records it, so it is not missing.
-    if (!u.saves_shards() || (p.count == 0 && (p.numel > 0 || out.rank != 0))) return;
+    if (!u.saves_shards()) return;
     const auto esize = size_of(p.dtype);
-    out.slices.push_back({StateKind::param, "", std::string(p.fqn), p.dtype, detail::shape_of(p.shape), p.param_begin,
+    out.slices.push_back({StateKey::param(std::string(p.fqn)), p.dtype, detail::shape_of(p.shape), p.param_begin,
                           p.count, detail::to_host(u, p.param, static_cast<std::size_t>(p.count) * esize)});
     for (const auto& name : names) {
       const DType t = optimizer->state_dtype(name);
       const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-      out.slices.push_back({StateKind::optim, name, std::string(p.fqn), t, detail::shape_of(p.shape), p.param_begin,
+      out.slices.push_back({StateKey::optim(std::string(p.fqn), name), t, detail::shape_of(p.shape), p.param_begin,
                             p.count,
                             detail::to_host(u, base + p.shard_offset * size_of(t), static_cast<std::size_t>(p.count) * size_of(t))});
     }
@@ -108,7 +98,7 @@ inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* 
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) {
         const auto& b = u->buffers()[i];
-        out.slices.push_back({StateKind::buffer, "", std::string(b.fqn), b.dtype, detail::shape_of(b.shape), 0, b.numel,
+        out.slices.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0, b.numel,
                               detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))});
       }
   if (optimizer) out.optim_scalars = optimizer->scalars();

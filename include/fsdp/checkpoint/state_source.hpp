@@ -7,28 +7,13 @@
 #include <map>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "fsdp/checkpoint/state_dict.hpp"
+#include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/error.hpp"
 
 namespace fsdp {
-
-// Names one tensor of a training state.
-struct StateKey {
-  StateKind kind = StateKind::param;
-  std::string state;  // optimizer state name (kind == optim), else empty
-  std::string fqn;
-  friend auto operator<=>(const StateKey& a, const StateKey& b) {
-    return std::tie(a.kind, a.state, a.fqn) <=> std::tie(b.kind, b.state, b.fqn);
-  }
-  friend bool operator==(const StateKey&, const StateKey&) = default;
-  std::string describe() const {
-    if (kind == StateKind::optim) return "optimizer state '" + state + "' of '" + fqn + "'";
-    return std::string(name_of(kind)) + " '" + fqn + "'";
-  }
-};
 
 struct TensorMeta {
   DType dtype = DType::f32;
@@ -45,14 +30,6 @@ class StateSource {
   virtual std::vector<StateKey> keys() const = 0;
   virtual std::map<std::string, std::string> optim_scalars() const = 0;
 };
-
-namespace detail {
-inline std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
-}  // namespace detail
 
 // A full state dict held in memory.
 class FullStateDictSource final : public StateSource {
@@ -76,9 +53,9 @@ class FullStateDictSource final : public StateSource {
   }
   std::vector<StateKey> keys() const override {
     std::vector<StateKey> out;
-    for (auto& [fqn, t] : sd_.tensors) out.push_back({StateKind::param, "", fqn});  // param or buffer: see find
+    for (auto& [fqn, t] : sd_.tensors) out.push_back(StateKey::param(fqn));  // param or buffer: see lookup
     for (auto& [state, m] : sd_.optim)
-      for (auto& [fqn, t] : m) out.push_back({StateKind::optim, state, fqn});
+      for (auto& [fqn, t] : m) out.push_back(StateKey::optim(fqn, state));
     return out;
   }
   std::map<std::string, std::string> optim_scalars() const override { return sd_.optim_scalars; }
@@ -105,9 +82,9 @@ class ShardedStateDictsSource final : public StateSource {
   explicit ShardedStateDictsSource(const std::vector<ShardedStateDict>& dicts) {
     for (auto& d : dicts) {
       for (auto& s : d.slices) {
-        auto& e = entries_[StateKey{s.kind, s.state, s.fqn}];
+        auto& e = entries_[s.id];
         if (!e.slices.empty() && (e.meta.dtype != s.dtype || e.meta.shape != s.shape))
-          detail::fail("sharded state dicts disagree on the dtype or shape of ", StateKey{s.kind, s.state, s.fqn}.describe());
+          detail::fail("sharded state dicts disagree on the dtype or shape of ", s.id.describe());
         e.meta = {s.dtype, s.shape};
         e.slices.push_back(&s);
       }

@@ -1,0 +1,317 @@
+#pragma once
+// The element-wise kernels of fsdp::CudaDevice (scale, accumulate, cast, unscale) as NVRTC
+// source, and their compilation for one GPU architecture. Compiling needs NVRTC only, no
+// GPU, so CI checks that the source builds everywhere the toolkit is installed.
+#include <nvrtc.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fsdp/dtype.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp {
+namespace detail {
+
+// The kernels' dtype codes are fsdp::DType's values.
+static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f64) == 1 &&
+              static_cast<int>(DType::f16) == 2 && static_cast<int>(DType::bf16) == 3 &&
+              static_cast<int>(DType::i8) == 4 && static_cast<int>(DType::u8) == 5 &&
+              static_cast<int>(DType::i32) == 6 && static_cast<int>(DType::i64) == 7);
+
+// NVRTC source of the element-wise kernels. Self-contained: no #include, so it compiles
+// the same wherever NVRTC is installed. The 16-bit conversions are fsdp/dtype.hpp's,
+// line for line (double -> 16-bit rounds once, as detail::double_to_16bit does).
+inline constexpr std::string_view cuda_kernels_source = R"cuda(
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+enum { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I8 = 4, U8 = 5, I32 = 6, I64 = 7 };
+
+__device__ __forceinline__ u16 float_to_bf16_bits(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // ties go to the even neighbour
+  return (u16)(u >> 16);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(u16 h) { return __uint_as_float((u32)h << 16); }
+
+__device__ __forceinline__ u16 float_to_f16_bits(float f) {
+  const u32 u = __float_as_uint(f);
+  const u32 sign = (u >> 16) & 0x8000u;
+  const u32 abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return (u16)(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    if (abs < 0x33000000u) return (u16)sign;  // rounds to 0 (ties to even 0)
+    const u32 exp = abs >> 23;
+    const u32 mant = (abs & 0x7fffffu) | 0x800000u;
+    const u32 shift = 126u - exp;
+    u32 r = mant >> shift;
+    const u32 rem = mant & ((1u << shift) - 1u);
+    const u32 half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return (u16)(sign | r);
+  }
+  u32 r = abs - 0x38000000u;  // rebias exponent 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return (u16)(sign | (r >> 13));
+}
+
+__device__ __forceinline__ float f16_bits_to_float(u16 h) {
+  const u32 sign = (u32)(h & 0x8000u) << 16;
+  const u32 exp = (h >> 10) & 0x1fu;
+  u32 mant = h & 0x3ffu;
+  if (exp == 0x1f) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return __uint_as_float(sign);
+    int e = -1;  // normalise the subnormal
+    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
+    return __uint_as_float(sign | (u32)(112 - e) << 23 | (mant & 0x3ffu) << 13);
+  }
+  return __uint_as_float(sign | (exp + 112u) << 23 | mant << 13);
+}
+
+__device__ __forceinline__ bool is_half(int t) { return t == F16 || t == BF16; }
+__device__ __forceinline__ float half_load(u16 v, int t) {
+  return t == F16 ? f16_bits_to_float(v) : bf16_bits_to_float(v);
+}
+__device__ __forceinline__ u16 half_store(float v, int t) {
+  return t == F16 ? float_to_f16_bits(v) : float_to_bf16_bits(v);
+}
+
+__device__ double load_as_double(const void* p, u64 i, int t) {
+  switch (t) {
+    case F32: return ((const float*)p)[i];
+    case F64: return ((const double*)p)[i];
+    case F16: return f16_bits_to_float(((const u16*)p)[i]);
+    case BF16: return bf16_bits_to_float(((const u16*)p)[i]);
+    case I8: return ((const signed char*)p)[i];
+    case U8: return ((const unsigned char*)p)[i];
+    case I32: return ((const int*)p)[i];
+    case I64: return (double)((const i64*)p)[i];
+  }
+  return 0;
+}
+
+// double -> 16-bit in one rounding step (through float would round twice).
+__device__ u16 double_to_16bit(double d, int exp_bits, int mant_bits) {
+  const int bias = (1 << (exp_bits - 1)) - 1;
+  const u64 inf = ((1ull << exp_bits) - 1) << mant_bits;
+  const u64 u = (u64)__double_as_longlong(d);
+  const u16 sign = (u16)((u >> 48) & 0x8000u);
+  const u64 abs = u & 0x7fffffffffffffffull;
+  if (abs > 0x7ff0000000000000ull) return (u16)(sign | inf | (1ull << (mant_bits - 1)));
+  const int e = (int)(abs >> 52) - 1023;
+  if (e < -bias - mant_bits) return sign;
+  const u64 m = (abs & 0xfffffffffffffull) | (1ull << 52);
+  const int sub = 1 - bias - e;
+  const int drop = 52 - mant_bits + (sub > 0 ? sub : 0);
+  u64 r = m >> drop;
+  const u64 rest = m & ((1ull << drop) - 1), half = 1ull << (drop - 1);
+  if (rest > half || (rest == half && (r & 1u))) ++r;
+  const int biased = e + bias > 1 ? e + bias : 1;
+  const u64 bits = ((u64)(biased - 1) << mant_bits) + r;
+  return (u16)(sign | (bits < inf ? bits : inf));
+}
+
+__device__ void store_from_double(void* p, u64 i, int t, double v) {
+  switch (t) {
+    case F32: ((float*)p)[i] = (float)v; return;
+    case F64: ((double*)p)[i] = v; return;
+    case F16: ((u16*)p)[i] = double_to_16bit(v, 5, 10); return;
+    case BF16: ((u16*)p)[i] = double_to_16bit(v, 8, 7); return;
+    case I8: ((signed char*)p)[i] = (signed char)v; return;
+    case U8: ((unsigned char*)p)[i] = (unsigned char)v; return;
+    case I32: ((int*)p)[i] = (int)v; return;
+    case I64: ((i64*)p)[i] = (i64)v; return;
+  }
+}
+
+#define FSDP_FOR_EACH(i, n) \
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+template <class T> __device__ void scale_float(T* q, u64 n, double factor) {
+  const T f = (T)factor;
+  FSDP_FOR_EACH(i, n) q[i] = (T)(q[i] * f);
+}
+template <class T> __device__ void scale_int(T* q, u64 n, double factor) {  // not truncating factor
+  FSDP_FOR_EACH(i, n) q[i] = (T)(q[i] * factor);
+}
+template <class T> __device__ void add(T* d, const T* s, u64 n) {
+  FSDP_FOR_EACH(i, n) d[i] = (T)(d[i] + s[i]);
+}
+
+extern "C" __global__ void fsdp_scale(void* p, u64 n, int t, double factor) {
+  switch (t) {
+    case F32: scale_float((float*)p, n, factor); return;
+    case F64: scale_float((double*)p, n, factor); return;
+    case F16: case BF16: {
+      u16* q = (u16*)p;
+      const float f = (float)factor;
+      FSDP_FOR_EACH(i, n) q[i] = half_store(half_load(q[i], t) * f, t);
+      return;
+    }
+    case I8: scale_int((signed char*)p, n, factor); return;
+    case U8: scale_int((unsigned char*)p, n, factor); return;
+    case I32: scale_int((int*)p, n, factor); return;
+    case I64: scale_int((i64*)p, n, factor); return;
+  }
+}
+
+extern "C" __global__ void fsdp_accumulate(void* dst, const void* src, u64 n, int t) {
+  switch (t) {
+    case F32: add((float*)dst, (const float*)src, n); return;
+    case F64: add((double*)dst, (const double*)src, n); return;
+    case F16: case BF16: {
+      u16* d = (u16*)dst;
+      const u16* s = (const u16*)src;
+      FSDP_FOR_EACH(i, n) d[i] = half_store(half_load(d[i], t) + half_load(s[i], t), t);
+      return;
+    }
+    case I8: add((signed char*)dst, (const signed char*)src, n); return;
+    case U8: add((unsigned char*)dst, (const unsigned char*)src, n); return;
+    case I32: add((int*)dst, (const int*)src, n); return;
+    case I64: add((i64*)dst, (const i64*)src, n); return;
+  }
+}
+
+__device__ __forceinline__ bool finite_f32(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+__device__ __forceinline__ bool finite_f64(double v) {
+  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
+
+// ShardedGradScaler's unscale, as fsdp::detail::host_unscale: the product in double,
+// rounded once; *nonfinite = 1 if any result is inf/NaN (every writer stores the same 1;
+// the flag is cleared only by CudaDevice::found_nonfinite).
+extern "C" __global__ void fsdp_unscale(void* p, u64 n, int t, double inv, u32* nonfinite) {
+  bool bad = false;
+  switch (t) {
+    case F32: {
+      float* q = (float*)p;
+      FSDP_FOR_EACH(i, n) { const float v = (float)((double)q[i] * inv); bad |= !finite_f32(v); q[i] = v; }
+      break;
+    }
+    case F64: {
+      double* q = (double*)p;
+      FSDP_FOR_EACH(i, n) { const double v = q[i] * inv; bad |= !finite_f64(v); q[i] = v; }
+      break;
+    }
+    case F16: case BF16: {
+      u16* q = (u16*)p;
+      FSDP_FOR_EACH(i, n) {
+        const u16 b = half_store((float)((double)half_load(q[i], t) * inv), t);
+        bad |= !finite_f32(half_load(b, t));
+        q[i] = b;
+      }
+      break;
+    }
+  }
+  if (bad) *nonfinite = 1u;
+}
+
+// to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast.
+extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int from, u64 n) {
+  if (from == F32 && is_half(to)) {  // the mixed-precision hot paths
+    const float* s = (const float*)src;
+    u16* d = (u16*)dst;
+    FSDP_FOR_EACH(i, n) d[i] = half_store(s[i], to);
+    return;
+  }
+  if (is_half(from) && to == F32) {
+    const u16* s = (const u16*)src;
+    float* d = (float*)dst;
+    FSDP_FOR_EACH(i, n) d[i] = half_load(s[i], from);
+    return;
+  }
+  if (to == F64 || from == F64) {
+    FSDP_FOR_EACH(i, n) store_from_double(dst, i, to, load_as_double(src, i, from));
+    return;
+  }
+  FSDP_FOR_EACH(i, n) {
+    const float v = is_half(from) ? half_load(((const u16*)src)[i], from) : (float)load_as_double(src, i, from);
+    if (is_half(to)) ((u16*)dst)[i] = half_store(v, to);
+    else store_from_double(dst, i, to, (double)v);
+  }
+}
+)cuda";
+
+// Compiles cuda_kernels_source for compute capability major.minor: a CUBIN for sm_XY when
+// this NVRTC knows that architecture, else PTX for the newest compute_XY it supports that
+// is not newer than the device (the driver finishes it). Needs no GPU. Throws fsdp::Error
+// with NVRTC's log on failure.
+struct CudaKernelImage {
+  std::vector<char> code;  // CUBIN, or PTX with its terminating NUL
+  std::string arch;        // "sm_90" or "compute_90"
+};
+
+inline void nvrtc_check(nvrtcResult r, const char* call, int device_index) {
+  if (r != NVRTC_SUCCESS)
+    fail("CudaDevice(cuda:", device_index, "): ", call, " failed: ", nvrtcGetErrorString(r));
+}
+
+inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_index = 0) {
+  const int want = major * 10 + minor;
+  int num_archs = 0;
+  nvrtc_check(nvrtcGetNumSupportedArchs(&num_archs), "nvrtcGetNumSupportedArchs", device_index);
+  std::vector<int> archs(static_cast<std::size_t>(num_archs));
+  if (num_archs > 0) nvrtc_check(nvrtcGetSupportedArchs(archs.data()), "nvrtcGetSupportedArchs", device_index);
+  const bool exact = std::find(archs.begin(), archs.end(), want) != archs.end();
+  int use = want;
+  if (!exact) {
+    use = 0;
+    for (int a : archs)
+      if (a <= want) use = std::max(use, a);
+    if (use == 0)
+      fail("CudaDevice(cuda:", device_index, "): NVRTC supports no architecture up to compute capability ",
+           major, ".", minor);
+  }
+  CudaKernelImage image;
+  image.arch = (exact ? "sm_" : "compute_") + std::to_string(use);
+  const std::string arch_opt = "--gpu-architecture=" + image.arch;
+  const char* opts[] = {arch_opt.c_str(), "--std=c++17", "--fmad=false", "--ftz=false",
+                        "--prec-div=true", "--prec-sqrt=true"};
+
+  nvrtcProgram prog = nullptr;
+  const std::string src(cuda_kernels_source);
+  nvrtc_check(nvrtcCreateProgram(&prog, src.c_str(), "fsdp_cuda_kernels.cu", 0, nullptr, nullptr),
+              "nvrtcCreateProgram", device_index);
+  struct Destroy {
+    nvrtcProgram* p;
+    ~Destroy() { nvrtcDestroyProgram(p); }
+  } destroy{&prog};
+
+  const nvrtcResult compiled = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
+  if (compiled != NVRTC_SUCCESS) {
+    std::size_t log_size = 0;
+    std::string log;
+    if (nvrtcGetProgramLogSize(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+      log.resize(log_size);
+      if (nvrtcGetProgramLog(prog, log.data()) != NVRTC_SUCCESS) log.clear();
+      while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
+    }
+    fail("CudaDevice(cuda:", device_index, "): nvrtcCompileProgram(", arch_opt, ") failed: ",
+         nvrtcGetErrorString(compiled), "\n", log);
+  }
+  std::size_t size = 0;
+  if (exact) {
+    nvrtc_check(nvrtcGetCUBINSize(prog, &size), "nvrtcGetCUBINSize", device_index);
+    image.code.resize(size);
+    nvrtc_check(nvrtcGetCUBIN(prog, image.code.data()), "nvrtcGetCUBIN", device_index);
+  } else {
+    nvrtc_check(nvrtcGetPTXSize(prog, &size), "nvrtcGetPTXSize", device_index);  // includes the NUL
+    image.code.resize(size);
+    nvrtc_check(nvrtcGetPTX(prog, image.code.data()), "nvrtcGetPTX", device_index);
+  }
+  return image;
+}
+
+}  // namespace detail
+
+}  // namespace fsdp

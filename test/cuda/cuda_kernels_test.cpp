@@ -1,0 +1,27 @@
+// fsdp/cuda/cuda_kernels.hpp: the kernel source compiles with NVRTC for several
+// architectures, with no GPU needed (so it is checked on every build machine).
+#include <doctest/doctest.h>
+
+#include <string>
+#include <utility>
+
+#include "fsdp/cuda/cuda_kernels.hpp"
+
+TEST_CASE("NVRTC compiles the kernel source, with no GPU needed") {
+  for (auto [major, minor] : {std::pair{7, 5}, std::pair{8, 0}, std::pair{9, 0}}) {
+    CAPTURE(major);
+    CAPTURE(minor);
+    fsdp::detail::CudaKernelImage image;
+    REQUIRE_NOTHROW(image = fsdp::detail::compile_cuda_kernels(major, minor));
+    CHECK(image.arch == "sm_" + std::to_string(major * 10 + minor));
+    CHECK(image.code.size() > 0);
+  }
+  // A device newer than this NVRTC gets PTX for the newest architecture it knows.
+  const auto ptx = fsdp::detail::compile_cuda_kernels(99, 9);
+  CHECK(ptx.arch.rfind("compute_", 0) == 0);
+  REQUIRE(!ptx.code.empty());
+  CHECK(ptx.code.back() == '\0');
+  const std::string text(ptx.code.data());
+  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast", "fsdp_unscale"})
+    CHECK(text.find(k) != std::string::npos);
+}
