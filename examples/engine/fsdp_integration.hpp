@@ -7,7 +7,6 @@
 //  - DeviceAllocator: optimizer state allocated (and counted) through the fsdp Device
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <span>
 #include <string>
 #include <vector>
@@ -222,8 +221,7 @@ double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const
 // Full parameters by FQN, on every rank, read while every unit is summoned.
 inline std::vector<std::pair<std::string, std::vector<float>>> gather_full_parameters(Model& model,
                                                                                       fsdp::ShardedModel& sharded) {
-  std::deque<fsdp::UnitBase::SummonScope> summoned;
-  for (auto& u : sharded) summoned.emplace_back(*u, false);
+  auto summoned = sharded.summon_full_params();
   std::vector<std::pair<std::string, std::vector<float>>> out;
   for (auto& p : named_parameters(model)) {
     std::vector<float> v(static_cast<std::size_t>(p.param->numel()));

@@ -221,6 +221,21 @@ class FlatParamGroup {
     }
   }
 
+  // Moves the unsharded parameters into host memory and shows them there (a summon's
+  // offload_to_host). Parameters that are their own shard stay where they are.
+  void move_unsharded_to_host() {
+    for (auto& fp : flat_) {
+      if (!fp.full || fp.full == fp.shard || fp.full_space == MemorySpace::host) continue;
+      const std::size_t n = FlatParam::bytes(full_numel(fp), fp.full_dtype);
+      void* host = device_.allocate(n, MemorySpace::host);
+      device_.copy(host, fp.full, n);
+      device_.deallocate(fp.full, n, MemorySpace::device);
+      fp.full = host;
+      fp.full_space = MemorySpace::host;
+      detail::bind_tensors(fp, host, &detail::ParamBinding::param, fp.full_dtype);
+    }
+  }
+
   // Parameter i (in take_over's order) inside the unsharded buffer, in the dtype gathered.
   void* full_parameter(std::size_t i) const {
     const auto [k, j] = param_index_.at(i);
@@ -283,8 +298,9 @@ class FlatParamGroup {
 
   void release_unsharded_params(FlatParam& fp) {
     if (!fp.full || fp.full == fp.shard) return;
-    device_.deallocate(fp.full, FlatParam::bytes(full_numel(fp), fp.full_dtype), MemorySpace::device);
+    device_.deallocate(fp.full, FlatParam::bytes(full_numel(fp), fp.full_dtype), fp.full_space);
     fp.full = nullptr;
+    fp.full_space = MemorySpace::device;
   }
 
   void release(void*& p, std::size_t n, MemorySpace space) {

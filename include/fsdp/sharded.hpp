@@ -163,10 +163,18 @@ class Sharded final : public UnitBase {
 
   // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
   // summon_full_params and state dicts show, whatever the mixed precision.
-  void begin_summon_full_params() override {
+  using UnitBase::begin_summon_full_params;
+  void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
+    if (options.writeback && options.rank0_only)
+      detail::fail("unit '", display_name_, "' on rank ", rank_,
+                   ": summon_full_params with writeback and rank0_only: ranks other than 0 hold no full "
+                   "parameters to write back; summon with writeback on every rank instead");
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
     group_.unshard_master(waiter());
+    summon_holds_nothing_ = options.rank0_only && rank_ != 0;
+    if (summon_holds_nothing_) group_.release_unsharded();  // gathered only for rank 0's sake
+    else if (options.offload_to_host) group_.move_unsharded_to_host();
     buffers_.show_master(true);
     state_ = TrainingState::SUMMON_FULL_PARAMS;
   }
@@ -196,6 +204,9 @@ class Sharded final : public UnitBase {
     if (state_ != TrainingState::SUMMON_FULL_PARAMS)
       detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
                    "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
+    if (summon_holds_nothing_)
+      detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "'): the summon is rank0_only, so only rank 0 holds full parameters");
     return group_.full_parameter(i);
   }
   void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
@@ -296,6 +307,7 @@ class Sharded final : public UnitBase {
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;
+  bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;

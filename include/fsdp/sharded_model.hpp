@@ -4,6 +4,7 @@
 // queued root callback: every unit back to IDLE, after checking each finished its
 // backward) and lists the flat shards for the optimizer. fsdp::shard builds one from a
 // model and a wrap policy.
+#include <deque>
 #include <memory>
 #include <sstream>
 #include <string_view>
@@ -14,6 +15,20 @@
 #include "fsdp/sharded.hpp"
 
 namespace fsdp {
+
+// Every unit of a model summoned at once (FSDP's summon_full_params on the root; see
+// ShardedModel::summon_full_params). Ends each unit's summon when it goes; leaving by
+// exception drops the edits.
+class ModelSummon {
+ public:
+  template <class Units>
+  ModelSummon(Units& units, const SummonOptions& options) {
+    for (auto& u : units) scopes_.emplace_back(*u, options);  // in unit order: the same gathers on every rank
+  }
+
+ private:
+  std::deque<UnitBase::SummonScope> scopes_;  // a deque: the scopes never move
+};
 
 class ShardedModel {
  public:
@@ -103,6 +118,13 @@ class ShardedModel {
   void zero_grad() {
     for (auto& u : units_) u->zero_grad();
   }
+
+  // Every parameter whole, in its master dtype, in the engine's tensors until the returned
+  // scope ends; IDLE units only, a collective. With writeback each rank keeps the edits to
+  // its own slice, so edits must be the same on every rank. rank0_only: the other ranks
+  // gather for rank 0 and hold nothing (writeback with it is an error). offload_to_host:
+  // the full parameters live in host memory and the device holds one unit's at a time.
+  [[nodiscard]] ModelSummon summon_full_params(const SummonOptions& options = {}) { return ModelSummon(units_, options); }
 
   // Frees unsharded parameters kept after forward for a backward that is not coming
   // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.

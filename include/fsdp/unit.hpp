@@ -61,6 +61,13 @@ struct BufferView {
   std::int64_t numel = 0;
 };
 
+// How summon_full_params shows the full parameters (FSDP's arguments of the same names).
+struct SummonOptions {
+  bool writeback = false;        // edits are kept: each rank writes its own slice back to its shard
+  bool rank0_only = false;       // only world rank 0 keeps them; the others take part in the gathers
+  bool offload_to_host = false;  // kept in host memory, so the device holds one unit's at a time
+};
+
 class UnitBase {
  public:
   virtual ~UnitBase() = default;
@@ -81,8 +88,10 @@ class UnitBase {
   virtual void reshard() = 0;
 
   // Parameters unsharded outside training (inspection, init, export): IDLE ->
-  // SUMMON_FULL_PARAMS. With writeback, edits to the full parameters are kept.
-  virtual void begin_summon_full_params() = 0;
+  // SUMMON_FULL_PARAMS, a collective. Writeback with rank0_only is an error (the other
+  // ranks would have nothing to write back). With writeback, end_ keeps the edits.
+  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
+  void begin_summon_full_params() { begin_summon_full_params(SummonOptions{}); }
   virtual void end_summon_full_params(bool writeback) = 0;
 
   virtual std::span<const ShardView> shards() const = 0;
@@ -94,7 +103,8 @@ class UnitBase {
   // summoned, else in the dtype the engine computes with).
   virtual void* buffer_data(std::size_t i) const = 0;
   // While summoned: the full parameters()[i], in its master dtype (writable when the summon
-  // writes back). An error in any other state.
+  // writes back; in host memory under offload_to_host). An error in any other state, and
+  // on ranks other than 0 of a rank0_only summon.
   virtual void* full_parameter(std::size_t i) const = 0;
   // Copies bytes through the unit's Device: either side may be host or device memory.
   virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) const = 0;
@@ -168,7 +178,9 @@ class UnitBase {
   };
   class SummonScope {
    public:
-    SummonScope(UnitBase& u, bool writeback) : u_(u), writeback_(writeback) { u_.begin_summon_full_params(); }
+    SummonScope(UnitBase& u, const SummonOptions& options) : u_(u), writeback_(options.writeback) {
+      u_.begin_summon_full_params(options);
+    }
     ~SummonScope() noexcept(false) {
       // Leaving by exception: reshard without writeback, so half-edited values are dropped.
       u_.end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
@@ -183,7 +195,8 @@ class UnitBase {
 
   [[nodiscard]] ForwardScope forward_scope() { return ForwardScope(*this); }
   [[nodiscard]] BackwardScope backward_scope() { return BackwardScope(*this); }
-  [[nodiscard]] SummonScope summon_full_params(bool writeback = false) { return SummonScope(*this, writeback); }
+  [[nodiscard]] SummonScope summon_full_params(bool writeback = false) { return SummonScope(*this, {.writeback = writeback}); }
+  [[nodiscard]] SummonScope summon_full_params(const SummonOptions& options) { return SummonScope(*this, options); }
 
  protected:
   UnitBase(std::string fqn, int rank, const void* module, std::type_index type)

@@ -3,13 +3,16 @@
 //  - sharded: a directory of per-rank safetensors files plus index.json, committed
 //    atomically (fsdp/checkpoint/sharded_checkpoint.hpp);
 //  - full: one plain safetensors file of whole tensors under their FQNs, the optimizer's
-//    state in a sibling file (fsdp/checkpoint/full_checkpoint.hpp).
+//    state in a sibling file (fsdp/checkpoint/full_checkpoint.hpp);
+//  - either, written on a background thread while training goes on
+//    (fsdp/checkpoint/async_checkpoint.hpp).
 // Every save and load is a collective; a rank that fails makes every rank fail, and a load
 // verifies everything before it writes into the model or the optimizer.
 #include <filesystem>
 #include <map>
 #include <string>
 
+#include "fsdp/checkpoint/async_checkpoint.hpp"
 #include "fsdp/checkpoint/full_checkpoint.hpp"
 #include "fsdp/checkpoint/sharded_checkpoint.hpp"
 

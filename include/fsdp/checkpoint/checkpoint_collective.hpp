@@ -11,6 +11,17 @@
 
 namespace fsdp::detail {
 
+// Runs f; what it throws, for a later run_agreed (or another thread) to rethrow.
+template <class F>
+std::exception_ptr captured(F&& f) noexcept {
+  try {
+    f();
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
 // Runs `part` on this rank, then agrees with every rank; throws on every rank if any failed.
 // `outcome` ends both messages (e.g. "; nothing was loaded").
 template <class F>

@@ -4,6 +4,8 @@
 // The optimizer's state, if saved, goes into the sibling "<stem>.optimizer.safetensors"
 // with keys "<state>/<fqn>" and the optimizer's scalars in its __metadata__. Each file is
 // written atomically by rank 0; every rank reads them to load.
+#include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -23,27 +25,67 @@ inline std::filesystem::path optimizer_file_of(const std::filesystem::path& file
   return file.parent_path() / (file.stem().string() + ".optimizer.safetensors");
 }
 
-// A collective: every rank calls it (the gathers need every rank); rank 0 writes.
-inline void save_full_checkpoint(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer = nullptr,
-                                 const std::map<std::string, std::string>& metadata = {}) {
-  const FullStateDict sd = full_state_dict(model, optimizer, {.rank0_only = true});
-  detail::run_agreed(model, "save_full_checkpoint '" + file.string() + "'", [&] {
-    if (model[0].rank() != 0) return;
-    const auto optimizer_file = optimizer_file_of(file);
-    if (optimizer) {  // first, so a model file is never newer than its optimizer file
+namespace detail {
+
+// A full save in three steps, like ShardedSave: the constructor gathers every tensor into
+// rank 0's host memory (a collective), write() has rank 0 write the files (no collective,
+// any thread), commit() agrees that it did (a collective).
+class FullSave {
+ public:
+  FullSave(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer,
+           std::map<std::string, std::string> metadata)
+      : what_("save_full_checkpoint '" + file.string() + "'"), file_(file), metadata_(std::move(metadata)),
+        has_optimizer_(optimizer != nullptr), writes_(model.size() > 0 && model[0].rank() == 0),
+        snapshot_(full_state_dict(model, optimizer, {.rank0_only = true})) {}
+
+  const std::string& what() const { return what_; }
+  std::uint64_t bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& [fqn, t] : snapshot_.tensors) n += t.data.size();
+    for (const auto& [state, tensors] : snapshot_.optim)
+      for (const auto& [fqn, t] : tensors) n += t.data.size();
+    return n;
+  }
+
+  void write() const {
+    if (!writes_) return;
+    const auto optimizer_file = optimizer_file_of(file_);
+    if (has_optimizer_) {  // first, so a model file is never newer than its optimizer file
       checkpoint::SafetensorsWriter w;
-      for (const auto& [state, tensors] : sd.optim)
+      for (const auto& [state, tensors] : snapshot_.optim)
         for (const auto& [fqn, t] : tensors) w.add(state + "/" + fqn, t.dtype, t.shape, t.data.data());
-      for (const auto& [k, v] : sd.optim_scalars) w.set_metadata(k, v);
+      for (const auto& [k, v] : snapshot_.optim_scalars) w.set_metadata(k, v);
       w.write(optimizer_file);
     } else {
       std::filesystem::remove(optimizer_file);  // a stale one would load with the new model
     }
     checkpoint::SafetensorsWriter w;
-    for (const auto& [fqn, t] : sd.tensors) w.add(fqn, t.dtype, t.shape, t.data.data());
-    for (const auto& [k, v] : metadata) w.set_metadata(k, v);
-    w.write(file);
-  });
+    for (const auto& [fqn, t] : snapshot_.tensors) w.add(fqn, t.dtype, t.shape, t.data.data());
+    for (const auto& [k, v] : metadata_) w.set_metadata(k, v);
+    w.write(file_);
+  }
+
+  void commit(ShardedModel& model, std::exception_ptr write_failed = nullptr) {
+    run_agreed(model, what_, [&] {
+      if (write_failed) std::rethrow_exception(write_failed);
+    });
+  }
+
+ private:
+  std::string what_;
+  std::filesystem::path file_;
+  std::map<std::string, std::string> metadata_;
+  bool has_optimizer_, writes_;
+  FullStateDict snapshot_;
+};
+
+}  // namespace detail
+
+// A collective: every rank calls it (the gathers need every rank); rank 0 writes.
+inline void save_full_checkpoint(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer = nullptr,
+                                 const std::map<std::string, std::string>& metadata = {}) {
+  detail::FullSave save(file, model, optimizer, metadata);
+  save.commit(model, detail::captured([&] { save.write(); }));
 }
 
 // A full checkpoint file (and its optimizer file, where there is one) as a StateSource.

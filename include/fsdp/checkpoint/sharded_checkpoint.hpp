@@ -9,6 +9,8 @@
 //   ckpt/rank-00000.safetensors   tensors "param/<fqn>", "optim/<state>/<fqn>", "buffer/<fqn>";
 //   ckpt/rank-00001.safetensors   __metadata__ "fsdp.slices": JSON of each key's tensor, begin and shape
 #include <algorithm>
+#include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -97,42 +99,79 @@ inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::files
 
 }  // namespace detail
 
+namespace detail {
+
+// A sharded save in three steps, so that the middle one can run on a background thread
+// (AsyncCheckpointer): begin() agrees on the staging directory and snapshots this rank's
+// state into host memory (a collective), write() writes this rank's file (no collective,
+// any thread), commit() agrees that every rank wrote and has rank 0 index and publish the
+// directory (a collective). Until commit, the staging directory is removed if anything fails.
+class ShardedSave {
+ public:
+  ShardedSave(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer,
+              std::map<std::string, std::string> metadata)
+      : what_("save_sharded_checkpoint '" + dir.string() + "'"), metadata_(std::move(metadata)) {
+    run_agreed(model, what_, [&] {
+      check_user_metadata(metadata_, what_);
+      staging_dir_ = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), checkpoint_token);
+      snapshot_ = sharded_state_dict(model, optimizer);  // no collective: inside the agreement
+      if (model[0].rank() != 0) return;
+      std::filesystem::remove_all(staging_dir_);  // left by a save that was killed
+      staging_.emplace(checkpoint::CheckpointDirectory::begin(dir, checkpoint_token));
+    });
+  }
+
+  const std::string& what() const { return what_; }
+  std::uint64_t bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& s : snapshot_.slices) n += s.data.size();
+    return n;
+  }
+
+  void write() const { write_rank_file(staging_dir_ / checkpoint::rank_file_name(snapshot_.rank), snapshot_); }
+
+  // `write_failed`: what write() threw on this rank, if it ran elsewhere.
+  void commit(ShardedModel& model, std::exception_ptr write_failed = nullptr) {
+    run_agreed(model, what_, [&] {
+      if (write_failed) std::rethrow_exception(write_failed);
+    });
+    run_agreed(model, what_, [&] {
+      if (snapshot_.rank != 0) return;
+      // Every rank has written its file (the agreement above): the staging directory, fresh
+      // from begin(), holds exactly one per rank.
+      std::vector<std::filesystem::path> files;
+      for (const auto& e : std::filesystem::directory_iterator(staging_dir_)) files.push_back(e.path());
+      std::sort(files.begin(), files.end());
+      checkpoint::CheckpointIndex index;
+      index.world_size = static_cast<int>(files.size());
+      for (int r = 0; r < index.world_size; ++r)
+        if (files[static_cast<std::size_t>(r)].filename() != checkpoint::rank_file_name(r))
+          fail("staging directory '", staging_dir_.string(), "' holds '", files[static_cast<std::size_t>(r)].string(),
+               "' where '", checkpoint::rank_file_name(r), "' was expected");
+      for (const auto& f : files) index_rank_file(index, f);
+      for (const auto& [k, v] : metadata_) index.metadata[k] = v;
+      for (const auto& [k, v] : snapshot_.optim_scalars) index.metadata[optim_scalar_prefix + k] = v;
+      index.save(staging_dir_ / std::string(checkpoint::index_file_name));
+      staging_->commit();
+    });
+  }
+
+ private:
+  std::string what_;
+  std::map<std::string, std::string> metadata_;
+  std::optional<checkpoint::CheckpointDirectory> staging_;  // rank 0's; aborted (removed) unless committed
+  std::filesystem::path staging_dir_;
+  ShardedStateDict snapshot_;
+};
+
+}  // namespace detail
+
 // A collective: every rank calls it. `dir` is complete or absent afterwards (an older
 // checkpoint there is replaced only at the commit). A rank that fails makes every rank fail.
 inline void save_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer = nullptr,
                                     const std::map<std::string, std::string>& metadata = {}) {
-  const std::string what = "save_sharded_checkpoint '" + dir.string() + "'";
-  std::optional<checkpoint::CheckpointDirectory> staging;  // rank 0's; aborted (removed) if the save fails
-  std::filesystem::path staging_dir;
-  detail::run_agreed(model, what, [&] {
-    detail::check_user_metadata(metadata, what);
-    staging_dir = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), detail::checkpoint_token);
-    if (model[0].rank() != 0) return;
-    std::filesystem::remove_all(staging_dir);  // left by a save that was killed
-    staging.emplace(checkpoint::CheckpointDirectory::begin(dir, detail::checkpoint_token));
-  });
-  const ShardedStateDict sd = sharded_state_dict(model, optimizer);
-  const std::filesystem::path mine = staging_dir / checkpoint::rank_file_name(sd.rank);
-  detail::run_agreed(model, what, [&] { detail::write_rank_file(mine, sd); });
-  detail::run_agreed(model, what, [&] {
-    if (sd.rank != 0) return;
-    // Every rank has written its file (the agreement above): the staging directory, fresh
-    // from begin(), holds exactly one per rank.
-    std::vector<std::filesystem::path> files;
-    for (const auto& e : std::filesystem::directory_iterator(staging_dir)) files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    checkpoint::CheckpointIndex index;
-    index.world_size = static_cast<int>(files.size());
-    for (int r = 0; r < index.world_size; ++r)
-      if (files[static_cast<std::size_t>(r)].filename() != checkpoint::rank_file_name(r))
-        detail::fail("staging directory '", staging_dir.string(), "' holds '", files[static_cast<std::size_t>(r)].string(),
-                     "' where '", checkpoint::rank_file_name(r), "' was expected");
-    for (const auto& f : files) detail::index_rank_file(index, f);
-    for (const auto& [k, v] : metadata) index.metadata[k] = v;
-    for (const auto& [k, v] : sd.optim_scalars) index.metadata[detail::optim_scalar_prefix + k] = v;
-    index.save(staging_dir / std::string(checkpoint::index_file_name));
-    staging->commit();
-  });
+  detail::ShardedSave save(dir, model, optimizer, metadata);
+  save.commit(model, detail::captured([&] { save.write(); }));
 }
 
 // A sharded checkpoint directory as a StateSource. Every file's checksum is verified when

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/device.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/trace.hpp"
 #include "fsdp/work.hpp"
@@ -26,6 +27,7 @@ struct FlatParam {
   void* shard_grad = nullptr;  // shard_numel `grad`-dtype elements, the reduced gradient
   void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
   DType full_dtype = DType::f32;
+  MemorySpace full_space = MemorySpace::device;  // host only while a summon offloads it
   void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
   Work gather_work;            // the all-gather into `full`, until its first use
   bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
