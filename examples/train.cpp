@@ -8,6 +8,13 @@
 // The ranks are threads of this process (--backend thread, the default), processes talking
 // TCP (--backend tcp: the program starts --nproc copies of itself through fsdp_run's
 // launcher), or MPI processes (--backend mpi, under mpirun / srun).
+//
+// Checkpoints: --save DIR writes a sharded checkpoint of the model and the optimizer state
+// (plus the step, the global batch and, under fp16, the loss scaler's state) after the last
+// step, and every K steps with --save-every K. --resume DIR loads one on any number of ranks
+// with any strategy and continues from its step to --steps; with the same global batch
+// (ranks x --batch) the run sees the same data as one that never stopped, and on the same
+// ranks and strategy it trains bit for bit the same model.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -19,40 +26,22 @@
 
 #include <fsdp/asio/tcp_process_group.hpp>
 #include <fsdp/async_communicator.hpp>
+#include <fsdp/checkpoint/checkpoint.hpp>
 #include <fsdp/mpi/mpi_comm.hpp>
 #include <fsdp/trace_json.hpp>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "examples/engine/checkpoint_integration.hpp"
 #include "examples/engine/fsdp_integration.hpp"
+#include "examples/train_checkpoint.hpp"
+#include "examples/train_config.hpp"
 #include "tools/launcher/launcher.hpp"
 
 namespace {
 
-// --precision names: the dtype computation sees.
-fsdp::DType precision_dtype(const std::string& name) {
-  return name == "bf16" ? fsdp::DType::bf16 : name == "fp16" ? fsdp::DType::f16 : fsdp::DType::f32;
-}
-
-// Runtime --precision and --offload -> the compile-time policies: f(Precision{}, Offload{}).
-template <class F>
-void with_precision_and_offload(fsdp::DType param, bool offload, F&& f) {
-  auto with_offload = [&](auto precision) {
-    if (offload) f(precision, fsdp::OffloadParams{});
-    else f(precision, fsdp::NoOffload{});
-  };
-  if (param == fsdp::DType::bf16) with_offload(fsdp::MixedPrecision<fsdp::bf16>{});
-  else if (param == fsdp::DType::f16) with_offload(fsdp::MixedPrecision<fsdp::f16>{});
-  else with_offload(fsdp::FullPrecision{});
-}
-
-struct Config {
-  int steps = 20, batch_per_rank = 8;
-  std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", trace_dir;
-  bool offload = false;
-  engine::ModelConfig model{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
-};
+using namespace train_example;
 
 // What rank 0 knows at the end of training.
 struct Summary {
@@ -81,9 +70,11 @@ Reference train_unsharded(const Config& cfg, int world) {
   adam.lr = 1e-3f;
   engine::AdamW adamw(adam, alloc);
   engine::Sgd sgd(0.05f);
+  engine::BeforeStep clip;
+  if (cfg.clip > 0) clip = [&] { engine::clip_grad_norm(model, cfg.clip); };
   auto step = [&](auto& opt, const engine::Batch& batch) {
-    return compute ? engine::unsharded_mixed_step(model, *compute, opt, batch, param_dtype)
-                   : engine::unsharded_step(model, opt, batch);
+    return compute ? engine::unsharded_mixed_step(model, *compute, opt, batch, param_dtype, clip)
+                   : engine::unsharded_step(model, opt, batch, clip);
   };
   Reference ref;
   for (int s = 0; s < cfg.steps; ++s) {
@@ -97,7 +88,8 @@ Reference train_unsharded(const Config& cfg, int world) {
 // One rank's training on any communicator. Figures reach rank 0 through the communicator
 // itself (the ranks may be processes on other hosts), and rank 0 prints them.
 template <fsdp::SplittableCommunicator C>
-Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const Reference* reference) {
+Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const Reference* reference,
+                   const Resume* resume) {
   const int r = comm.rank();
   const int world = comm.size();
   const fsdp::DType param_dtype = precision_dtype(cfg.precision);
@@ -125,13 +117,38 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(0.05f);
     fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
+    engine::AdamWState adamw_state(adamw, sharded);
+    fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
+    const bool scaled = param_dtype == fsdp::DType::f16;
+    // Saves are written in the background while training goes on, and committed (a
+    // collective) before the next save and at the end.
+    fsdp::AsyncCheckpointer checkpointer(sharded, optimizer_state);
+    int saving_step = 0;
+    auto commit_save = [&] {
+      if (!checkpointer.pending()) return;
+      checkpointer.wait();
+      const auto& t = checkpointer.last_timing();
+      if (r == 0)
+        fmt::print("checkpoint: saved step {} to {} ({} B on rank 0, {:.0f}% of the write hidden behind training)\n",
+                   saving_step, cfg.save_dir, t.bytes, 100 * t.hidden_fraction());
+    };
+    int first_step = 0;
+    if (resume) {
+      fsdp::load_sharded_checkpoint(cfg.resume_dir, sharded, optimizer_state);
+      if (scaled) scaler.load_state(*resume->scaler);
+      summary.skipped_steps = resume->skipped_steps;
+      first_step = resume->step;
+      if (r == 0) fmt::print("checkpoint: resumed step {} from {} ({} ranks -> {} ranks)\n", first_step, cfg.resume_dir, resume->ranks, world);
+    }
+    engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
+    if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
     auto step = [&](auto& opt, const engine::Batch& batch) {
-      if (param_dtype != fsdp::DType::f16) return engine::sharded_step(model, sharded, opt, batch);
-      const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch);
+      if (!scaled) return engine::sharded_step(model, sharded, opt, batch, clip);
+      const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch, clip);
       if (!result.stepped) ++summary.skipped_steps;
       return result.loss;
     };
-    for (int s = 0; s < cfg.steps; ++s) {
+    for (int s = first_step; s < cfg.steps; ++s) {
       auto batch = engine::make_batch(cfg.model, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
       double local = cfg.optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch);
       double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
@@ -141,19 +158,28 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
                                              static_cast<std::int64_t>(device.stats(fsdp::MemorySpace::host).peak_bytes)};
       std::vector<std::int64_t> all(3 * static_cast<std::size_t>(world));
       stream.all_gather(mine.data(), all.data(), 3, fsdp::DType::i64).wait();
-      if (r != 0) continue;
-      std::vector<std::int64_t> live, peak;
-      for (int q = 0; q < world; ++q) {
-        live.push_back(all[3 * q]);
-        peak.push_back(all[3 * q + 1]);
-        summary.peak = std::max(summary.peak, static_cast<std::size_t>(all[3 * q + 1]));
-        summary.host_peak = std::max(summary.host_peak, static_cast<std::size_t>(all[3 * q + 2]));
+      if (r == 0) {
+        std::vector<std::int64_t> live, peak;
+        for (int q = 0; q < world; ++q) {
+          live.push_back(all[3 * q]);
+          peak.push_back(all[3 * q + 1]);
+          summary.peak = std::max(summary.peak, static_cast<std::size_t>(all[3 * q + 1]));
+          summary.host_peak = std::max(summary.host_peak, static_cast<std::size_t>(all[3 * q + 2]));
+        }
+        fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
+                   reference->loss[static_cast<std::size_t>(s)], live, peak);
+        std::fflush(stdout);
+        summary.loss = global;
       }
-      fmt::print("step {:>3}: loss={:.6f} unsharded_loss={:.6f} live_bytes={} peak_bytes={}\n", s + 1, global,
-                 reference->loss[static_cast<std::size_t>(s)], live, peak);
-      std::fflush(stdout);
-      summary.loss = global;
+      const int done = s + 1;
+      if (!cfg.save_dir.empty() && (done == cfg.steps || (cfg.save_every > 0 && done % cfg.save_every == 0))) {
+        commit_save();
+        const auto scaler_state = scaled ? std::optional(scaler.state()) : std::nullopt;
+        checkpointer.save_sharded(cfg.save_dir, checkpoint_metadata(cfg, world, done, scaler_state, summary.skipped_steps));
+        saving_step = done;
+      }
     }
+    commit_save();
     // The trained parameters, gathered (a collective), fingerprinted: two runs trained the
     // same model bit for bit exactly when their fingerprints agree.
     XXH64_state_t* h = XXH64_createState();
@@ -178,9 +204,10 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
 void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, const std::string& backend,
                    const Summary& s, const Reference& ref) {
   fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh; "
-             "precision {}{}{}\n",
+             "precision {}{}{}{}\n",
              cfg.model.blocks, cfg.model.dim, cfg.model.hidden, world, cfg.batch_per_rank, cfg.optimizer, cfg.strategy,
              mesh_shape.str(), cfg.precision, cfg.offload ? ", offload" : "",
+             cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "",
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
@@ -232,23 +259,35 @@ int main(int argc, char** argv) {
                  "fp32, bf16 (MixedPrecision<bf16>) or fp16 (MixedPrecision<f16> with a ShardedGradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
+  app.add_option("--clip", cfg.clip, "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
+  auto* save = app.add_option("--save", cfg.save_dir,
+                              "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");
+  app.add_option("--save-every", cfg.save_every, "also save every K steps (needs --save)")
+      ->check(CLI::Range(1, 1000000))
+      ->needs(save);
+  app.add_option("--resume", cfg.resume_dir,
+                 "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
+                 "step to --steps");
   CLI11_PARSE(app, argc, argv);
 
   try {
     if (backend == "thread") {
       const auto mesh = choose_mesh(cfg.strategy, mesh_text, ranks);
+      const auto resume = resume_point(cfg, ranks);
       const Reference ref = train_unsharded(cfg, ranks);
       Summary summary;
       fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
-        Summary s = train_rank(comm, cfg, mesh, &ref);
+        Summary s = train_rank(comm, cfg, mesh, &ref, resume ? &*resume : nullptr);
         if (comm.rank() == 0) summary = s;
       });
       print_summary(cfg, ranks, mesh, backend, summary, ref);
       return 0;
     }
     if (backend == "tcp" && !fsdp::DistEnv::launched()) {
-      choose_mesh(cfg.strategy, mesh_text, nproc);  // refuse bad flags before starting anything
+      choose_mesh(cfg.strategy, mesh_text, nproc);  // refuse bad flags and checkpoints before starting anything
+      resume_point(cfg, nproc);
       fsdp::launch::Options launch;
       launch.nproc = nproc;
       return fsdp::launch::relaunch_self(launch, argc, argv);  // each copy runs the branch below
@@ -256,9 +295,10 @@ int main(int argc, char** argv) {
     // One rank of a multi-process job.
     auto run_rank = [&](auto& comm) {
       const auto mesh = choose_mesh(cfg.strategy, mesh_text, comm.size());
+      const auto resume = resume_point(cfg, comm.size());
       std::optional<Reference> ref;
       if (comm.rank() == 0) ref = train_unsharded(cfg, comm.size());
-      const Summary s = train_rank(comm, cfg, mesh, ref ? &*ref : nullptr);
+      const Summary s = train_rank(comm, cfg, mesh, ref ? &*ref : nullptr, resume ? &*resume : nullptr);
       if (comm.rank() == 0) print_summary(cfg, comm.size(), mesh, backend, s, *ref);
     };
     if (backend == "tcp") {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <cmath>
+#include <functional>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
@@ -130,10 +132,15 @@ inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded
   return loss;
 }
 
+// Runs between the gradients and the optimizer step (gradient clipping); may be empty.
+using BeforeStep = std::function<void()>;
+
 // One sharded training step; returns the local loss.
 template <class Optimizer>
-double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local) {
+double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local,
+                    const BeforeStep& before_step = {}) {
   const double loss = sharded_forward_backward(model, sharded, local);
+  if (before_step) before_step();
   const auto s = slots(sharded);
   opt.step(s);
   return loss;
@@ -148,9 +155,11 @@ struct ScaledStep {
 };
 
 template <class Optimizer, class Scaler>
-ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local) {
+ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local,
+                               const BeforeStep& before_step = {}) {
   const double loss = sharded_forward_backward(model, sharded, local, scaler.scale());
-  const bool stepped = scaler.step(sharded.shards(), [&] {
+  const bool stepped = scaler.step(sharded.shards(), [&] {  // on unscaled, finite gradients
+    if (before_step) before_step();
     const auto s = slots(sharded);
     opt.step(s);
   });
@@ -160,12 +169,13 @@ ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimi
 
 // The same step without fsdp, on the whole batch.
 template <class Optimizer>
-double unsharded_step(Model& model, Optimizer& opt, const Batch& batch) {
+double unsharded_step(Model& model, Optimizer& opt, const Batch& batch, const BeforeStep& before_step = {}) {
   zero_grads(model);
   Mat out = model.forward(batch.x);
   Mat dout;
   const double loss = mse(out, batch.y, dout);
   model.backward(dout);
+  if (before_step) before_step();
   const auto s = slots(model);
   opt.step(s);
   return loss;
@@ -180,10 +190,11 @@ double unsharded_step(Model& model, Optimizer& opt, const Batch& batch) {
 //  (b) zeroes the compute gradients and runs forward and backward on the whole batch, the
 //      gradients accumulating in Param sample by sample as the layers do;
 //  (c) sets each master gradient to the compute gradient rounded to `reduce`, then to f32;
-//  (d) steps `opt` on the master's slots.
+//  (d) runs `before_step`, then steps `opt` on the master's slots.
 // Returns the loss.
 template <class Optimizer>
-double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const Batch& batch, fsdp::DType reduce) {
+double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const Batch& batch, fsdp::DType reduce,
+                            const BeforeStep& before_step = {}) {
   round_to(reduce, 0.0f);  // refuses a reduce dtype that is not floating, before any work
   auto mp = named_parameters(master), cp = named_parameters(compute);
   auto mb = named_buffers(master), cb = named_buffers(compute);
@@ -213,9 +224,23 @@ double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const
     Tensor& to = *mp[k].grad;
     for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, round_to(reduce, from.get(i)));
   }
+  if (before_step) before_step();
   const auto s = slots(master);
   opt.step(s);
   return loss;
+}
+
+// The unsharded counterpart of fsdp::clip_grad_norm with the 2-norm: scales every gradient
+// by max_norm / (norm + 1e-6) when that is below 1. Returns the norm before clipping.
+inline double clip_grad_norm(Model& model, double max_norm) {
+  double sum = 0;
+  for (auto& p : named_parameters(model))
+    for (std::int64_t i = 0; i < p.grad->numel(); ++i) sum += double(p.grad->get(i)) * p.grad->get(i);
+  const double norm = std::sqrt(sum), coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1)
+    for (auto& p : named_parameters(model))
+      for (std::int64_t i = 0; i < p.grad->numel(); ++i) p.grad->set(i, static_cast<float>(p.grad->get(i) * coefficient));
+  return norm;
 }
 
 // Full parameters by FQN, on every rank, read while every unit is summoned.

@@ -4,6 +4,7 @@
 // fsdp/cuda/ are included on their own.)
 #include "fsdp/async_communicator.hpp"
 #include "fsdp/cast.hpp"
+#include "fsdp/clip_grad_norm.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
 #include "fsdp/device.hpp"

@@ -17,6 +17,7 @@
 //   backward(scaler.scale_loss(loss));            // i.e. seed the output gradient with scale()
 //   scaler.step(model.shards(), [&] { optimizer.step(); });  // unscales, skips on inf/NaN
 //   scaler.update();
+//   // checkpoints: save scaler.state(), resume with scaler.load_state(saved)
 //
 // One scaler per rank; it is not shared between threads. Built with only a communicator,
 // it unscales with a host loop (a HostDevice of its own), so the gradients must be host
@@ -46,6 +47,12 @@ struct GradScalerOptions {
   double growth_factor = 2.0;    // scale *= growth_factor after growth_interval good steps
   double backoff_factor = 0.5;   // scale *= backoff_factor after a step with inf/NaN
   int growth_interval = 2000;    // consecutive good steps before the scale grows
+};
+
+// What a checkpoint keeps of a scaler to resume exactly: its scale and its growth tracker.
+struct GradScalerState {
+  double scale = 65536.0;
+  int good_steps = 0;
 };
 
 namespace detail {
@@ -111,6 +118,18 @@ class ShardedGradScaler {
   // Consecutive steps without inf/NaN since the scale last changed.
   int good_steps() const { return good_steps_; }
   const GradScalerOptions& options() const { return opt_; }
+
+  // For checkpoints: the state update() leaves behind, and putting it back between steps.
+  GradScalerState state() const { return {scale_, good_steps_}; }
+  void load_state(const GradScalerState& s) {
+    if (state_ != State::fresh) fail("load_state() between unscale()/step() and update(); load it between steps");
+    if (!(std::isfinite(s.scale) && s.scale >= std::numeric_limits<double>::min()))
+      fail("load_state(): the scale must be a positive finite number, got ", s.scale);
+    if (s.good_steps < 0 || s.good_steps >= opt_.growth_interval)
+      fail("load_state(): good_steps must be in [0, growth_interval ", opt_.growth_interval, "), got ", s.good_steps);
+    scale_ = s.scale;
+    good_steps_ = s.good_steps;
+  }
 
   // Divides this rank's gradient shards by scale() in place (only the first numel elements
   // of each: padding is left alone), checks them for inf/NaN, and agrees across the group.

@@ -72,6 +72,7 @@ class Sharded final : public UnitBase {
   ~Sharded() override { buffers_.unbind_and_release(); }
 
   // "shard group of S ranks, replicate group of R ranks": units of one model must agree.
+  int world_size() const override { return group_.groups().world.size(); }
   std::string groups() const override {
     const auto& g = group_.groups();
     return "shard group of " + std::to_string(g.shard_size) + " ranks, replicate group of " +
@@ -198,6 +199,8 @@ class Sharded final : public UnitBase {
   std::span<const BufferView> buffers() const override { return buffer_views_; }
   void* buffer_data(std::size_t i) const override {
     const auto& b = all_buffers_.at(i);
+    if (state_ != TrainingState::SUMMON_FULL_PARAMS)  // the tensor shows a cast copy under MixedPrecision
+      if (void* master = buffers_.current_master(b.tensor)) return master;
     return b.data_of(b.tensor);
   }
   void* full_parameter(std::size_t i) const override {

@@ -99,8 +99,10 @@ class UnitBase {
   // their flat shards are).
   virtual std::span<const ParamView> parameters() const = 0;
   virtual std::span<const BufferView> buffers() const = 0;
-  // The current storage of buffers()[i] (engine or unit memory, in buffers()[i].dtype while
-  // summoned, else in the dtype the engine computes with).
+  // buffers()[i]'s values in buffers()[i].dtype. While summoned: the storage the engine's
+  // tensor shows (write to it there). Otherwise, under MixedPrecision with a cast Buffer
+  // dtype: the unit's master copy, refreshed from the cast copy the engine computes with
+  // (read it only: the next refresh overwrites it).
   virtual void* buffer_data(std::size_t i) const = 0;
   // While summoned: the full parameters()[i], in its master dtype (writable when the summon
   // writes back; in host memory under offload_to_host). An error in any other state, and
@@ -121,6 +123,8 @@ class UnitBase {
   virtual bool saves_shards() const = 0;
   // The process groups the unit uses, in words; every unit of a model must use the same.
   virtual std::string groups() const = 0;
+  // The number of ranks of its world (shard group size x replicate group size).
+  virtual int world_size() const = 0;
 
   // Completes setup: points the engine's tensors at the unit's storage (their own storage
   // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard

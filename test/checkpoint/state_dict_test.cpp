@@ -4,6 +4,8 @@
 // every rank and leaves the model and optimizer untouched.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -165,4 +167,36 @@ TEST_CASE("strict = false loads what matches and reports the rest") {
   CHECK(values(loaded, "head.weight") == std::vector<float>(saved, saved + w.numel()));
   CHECK(values(loaded, "head.weight") != values(fresh, "head.weight"));
   CHECK(values(loaded, "head.bias") == values(fresh, "head.bias"));
+}
+
+TEST_CASE("under MixedPrecision a sharded state dict holds buffers in their own dtype, as a summon shows them") {
+  // The engine computes with bf16 copies of the f32 buffers; the state dict must hold the
+  // f32 values (rounded through bf16 at most), never the bf16 bytes read as f32.
+  engine::Model probe(test_support::resume_config());
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(test_support::resume_config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>(model, comm, device, engine::Wrap{});
+    const auto sharded = fsdp::sharded_state_dict(sm);
+    const auto full = fsdp::full_state_dict(sm);
+    if (comm.rank() != 0) return;
+    std::size_t buffers = 0;
+    for (auto& b : engine::named_buffers(probe)) {
+      CAPTURE(b.fqn);
+      const auto it = std::find_if(sharded.slices.begin(), sharded.slices.end(), [&](const fsdp::StateSlice& s) {
+        return s.id == fsdp::StateKey::buffer(b.fqn);
+      });
+      REQUIRE(it != sharded.slices.end());
+      CHECK(it->dtype == fsdp::DType::f32);
+      REQUIRE(it->data.size() == static_cast<std::size_t>(b.buffer->numel()) * sizeof(float));
+      CHECK(it->data == full.tensors.at(b.fqn).data);
+      const auto* saved = reinterpret_cast<const float*>(it->data.data());
+      for (std::int64_t i = 0; i < b.buffer->numel(); ++i) {
+        const float want = (*b.buffer)[i];
+        CHECK(std::fabs(saved[i] - want) <= std::fabs(want) / 256);
+      }
+      ++buffers;
+    }
+    CHECK(buffers > 0);
+  });
 }

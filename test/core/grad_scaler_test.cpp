@@ -590,3 +590,58 @@ TEST_CASE("built with a Device, the scaler unscales through it, with the same re
     CHECK(device.elements == 2 * (7 + 4));
   });
 }
+
+TEST_CASE("state() / load_state(): a scaler resumed from another's state makes the same decisions from then on") {
+  fsdp::ThreadGroup(1, kShort).run([](ThreadComm& comm) {
+    const fsdp::GradScalerOptions options{.init_scale = 8.0, .growth_factor = 2.0, .backoff_factor = 0.5, .growth_interval = 3};
+    // One step: a finite gradient, or NaN where `bad`; returns (scale, good steps) after update().
+    auto run = [](ShardedGradScaler<ThreadComm>& scaler, bool bad) {
+      Grad g(DType::f32, 1);
+      g.set(0, bad ? kNaN : scaler.scale_loss(0.5));
+      scaler.step(std::vector{g.view()}, [] {});
+      scaler.update();
+      return std::pair{scaler.scale(), scaler.good_steps()};
+    };
+    const std::vector<bool> before = {false, true, false, false, false, false};  // ends mid-streak: good_steps 1
+    const std::vector<bool> after = {false, false, true, false, false, false, false};
+    ShardedGradScaler<ThreadComm> original(comm, options);
+    for (bool bad : before) run(original, bad);
+    const fsdp::GradScalerState saved = original.state();
+    CHECK(saved.scale == original.scale());
+    CHECK(saved.good_steps == original.good_steps());
+    REQUIRE(saved.good_steps == 1);  // a growth tracker a fresh scaler would not have
+
+    ShardedGradScaler<ThreadComm> resumed(comm, options), fresh(comm, options);
+    resumed.load_state(saved);
+    bool fresh_differs = false;
+    for (bool bad : after) {
+      const auto want = run(original, bad);
+      CHECK(run(resumed, bad) == want);
+      fresh_differs = fresh_differs || run(fresh, bad) != want;
+    }
+    CHECK(fresh_differs);  // without the loaded state the scale would have gone another way
+  });
+}
+
+TEST_CASE("load_state() refuses a bad scale or growth tracker, and a call in the middle of a step; nothing changes") {
+  fsdp::ThreadGroup(1, kShort).run([](ThreadComm& comm) {
+    ShardedGradScaler<ThreadComm> scaler(comm, {.init_scale = 16.0, .growth_interval = 4});
+    for (double scale : {0.0, -2.0, kInf, kNaN})
+      CHECK_THROWS_WITH_AS(scaler.load_state({scale, 0}), doctest::Contains("the scale must be a positive finite number"),
+                           fsdp::Error);
+    for (int good : {-1, 4, 5})
+      CHECK_THROWS_WITH_AS(scaler.load_state({2.0, good}), doctest::Contains("good_steps must be in [0, growth_interval 4)"),
+                           fsdp::Error);
+    Grad g(DType::f32, 1);
+    g.set(0, 16.0);
+    CHECK_FALSE(scaler.unscale(std::vector{g.view()}));
+    CHECK_THROWS_WITH_AS(scaler.load_state({2.0, 0}), doctest::Contains("load_state() between unscale()/step() and update()"),
+                         fsdp::Error);
+    CHECK(scaler.scale() == 16.0);
+    CHECK(scaler.good_steps() == 0);
+    scaler.update();
+    scaler.load_state({2.0, 3});
+    CHECK(scaler.state().scale == 2.0);
+    CHECK(scaler.state().good_steps == 3);
+  });
+}

@@ -54,6 +54,18 @@ class BufferCopies {
     }
   }
 
+  // The master copy of the buffer whose engine tensor is `tensor`, brought up to date from
+  // the cast copy the engine computes with; nullptr for a buffer without copies. What state
+  // dicts read outside a summon.
+  void* current_master(const void* tensor) const {
+    for (const auto& c : copies_)
+      if (c.tensor == tensor) {
+        device_.cast(c.master, c.dtype, c.cast, cast_dtype_, static_cast<std::size_t>(c.numel));
+        return c.master;
+      }
+    return nullptr;
+  }
+
   // Hands the engine's tensors back empty and frees both copies (the unit's destructor).
   void unbind_and_release() {
     for (auto& c : copies_) c.rebind(c.tensor, nullptr, c.dtype);

@@ -1,0 +1,96 @@
+#pragma once
+// examples/train.cpp's checkpoints: the metadata a --save checkpoint carries beside the
+// model and the optimizer state, and the checks --resume makes before anything trains.
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <fsdp/checkpoint/checkpoint.hpp>
+#include <fsdp/grad_scaler.hpp>
+
+#include "examples/train_config.hpp"
+
+namespace train_example {
+
+// What a checkpoint of this example holds beside the model and the optimizer state (its
+// metadata): what a resumed run needs to continue exactly where the saved one stopped.
+struct Resume {
+  int step = 0;   // completed steps
+  int ranks = 0;  // that saved it
+  std::int64_t global_batch = 0;
+  std::string optimizer, model;
+  std::optional<fsdp::GradScalerState> scaler;  // fp16 runs
+  int skipped_steps = 0;                        // fp16: skipped so far
+};
+
+inline std::string model_text(const Config& cfg) {
+  return fmt::format("blocks {}, dim {}, hidden {}", cfg.model.blocks, cfg.model.dim, cfg.model.hidden);
+}
+
+inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg, int world, int step,
+                                                       const std::optional<fsdp::GradScalerState>& scaler, int skipped) {
+  std::map<std::string, std::string> m{{"train.step", std::to_string(step)},
+                                       {"train.ranks", std::to_string(world)},
+                                       {"train.global_batch", std::to_string(static_cast<std::int64_t>(world) * cfg.batch_per_rank)},
+                                       {"train.optimizer", cfg.optimizer},
+                                       {"train.model", model_text(cfg)}};
+  if (scaler) {
+    m["train.loss_scale"] = fmt::format("{}", scaler->scale);  // shortest text that reads back exactly
+    m["train.loss_scale_good_steps"] = std::to_string(scaler->good_steps);
+    m["train.skipped_steps"] = std::to_string(skipped);
+  }
+  return m;
+}
+
+// The checkpoint in cfg.resume_dir, checked against this run before anything trains: every
+// file's checksum, then the metadata. Not a collective: every rank (or the launcher) reads it.
+inline Resume read_resume(const Config& cfg, int world) {
+  const std::string where = "--resume '" + cfg.resume_dir + "'";
+  const auto metadata = fsdp::ShardedCheckpointSource(cfg.resume_dir).metadata();
+  auto text = [&](const std::string& key) {
+    auto it = metadata.find(key);
+    if (it == metadata.end()) fsdp::detail::fail(where, ": no metadata '", key, "' (not saved by this example's --save)");
+    return it->second;
+  };
+  auto number = [&](const std::string& key, auto value) {
+    const std::string t = text(key);
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), value);
+    if (ec != std::errc{} || end != t.data() + t.size()) fsdp::detail::fail(where, ": metadata '", key, "' is not a number: '", t, "'");
+    return value;
+  };
+  Resume r;
+  r.step = number("train.step", 0);
+  r.ranks = number("train.ranks", 0);
+  r.global_batch = number("train.global_batch", std::int64_t{0});
+  r.optimizer = text("train.optimizer");
+  r.model = text("train.model");
+  const std::int64_t global_batch = static_cast<std::int64_t>(world) * cfg.batch_per_rank;
+  if (r.global_batch != global_batch)
+    fsdp::detail::fail(where, ": saved with a global batch of ", r.global_batch, " samples, but this run's is ", global_batch,
+                       " (", world, " ranks x --batch ", cfg.batch_per_rank, "); resuming would train on other data");
+  if (cfg.steps <= r.step)
+    fsdp::detail::fail(where, ": saved after step ", r.step, "; --steps ", cfg.steps, " leaves nothing to train");
+  if (r.optimizer != cfg.optimizer)
+    fsdp::detail::fail(where, ": saved with --optimizer ", r.optimizer, ", this run uses ", cfg.optimizer);
+  if (r.model != model_text(cfg))
+    fsdp::detail::fail(where, ": saved for a model of ", r.model, ", this run's has ", model_text(cfg));
+  if (precision_dtype(cfg.precision) == fsdp::DType::f16) {
+    if (!metadata.count("train.loss_scale"))
+      fsdp::detail::fail(where, ": has no loss scaler state (not saved with --precision fp16), which this run needs");
+    r.scaler = fsdp::GradScalerState{number("train.loss_scale", 0.0), number("train.loss_scale_good_steps", 0)};
+    r.skipped_steps = number("train.skipped_steps", 0);
+  }
+  return r;
+}
+
+// The checkpoint to resume from, checked; none without --resume.
+inline std::optional<Resume> resume_point(const Config& cfg, int world) {
+  if (cfg.resume_dir.empty()) return std::nullopt;
+  return read_resume(cfg, world);
+}
+
+}  // namespace train_example

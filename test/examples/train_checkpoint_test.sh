@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# examples/train.cpp with --save / --resume: a run stopped after step 3 and resumed to step 6
+# trains what an uninterrupted 6-step run trains (bit for bit on the same ranks and strategy,
+# within a tolerance on other ranks, strategies and backends), for AdamW, SGD, bf16 and fp16;
+# a missing or damaged checkpoint, another global batch, nothing left to train, another
+# optimizer and --save-every without --save are refused before anything trains.
+#
+# Usage: train_checkpoint_test.sh TRAIN_BINARY
+set -u
+train="$1"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+tmp=$(mktemp -d "${TEST_TMPDIR:-/tmp}/train_checkpoint.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+
+# losses OUTPUT: "step loss unsharded_loss" for each step line.
+losses() { sed -n 's/^step *\([0-9]*\): loss=\([^ ]*\) unsharded_loss=\([^ ]*\) .*/\1 \2 \3/p' <<<"$1"; }
+# steps_from FIRST OUTPUT: the losses of steps >= FIRST.
+steps_from() { losses "$2" | awk -v first="$1" '$1 >= first'; }
+fingerprint() { sed -n 's/^parameters: xxh64=//p' <<<"$1"; }
+# max_diff A B: the largest |loss difference| between two step lists of the same steps.
+max_diff() {
+  paste -d' ' <(echo "$1") <(echo "$2") |
+    awk '$1 != $4 { bad = 1 } { d = $2 - $5; if (d < 0) d = -d; if (d > m) m = d } END { if (bad || NR == 0) print "mismatch"; else printf "%.3g\n", m }'
+}
+# A smaller model than the default keeps the script fast.
+small=(--blocks 3 --hidden 128)
+# run VAR NAME ARGS...: VAR = the output of a run that must succeed, without the launcher's
+# "[rank 0] " prefixes (--backend tcp).
+run() {
+  local -n into="$1"
+  local name="$2"
+  shift 2
+  into=$("$train" "${small[@]}" "$@" 2>&1) || fail "$name: exited with $? ($(tail -1 <<<"$into"))"
+  into=$(sed 's/^\[rank [0-9]*\] //' <<<"$into")
+}
+
+# (1) and (3): stopped and resumed on the same 4 ranks and strategy = uninterrupted, bitwise.
+for flags in "" "--optimizer sgd" "--precision bf16" "--precision fp16"; do
+  name="4 ranks${flags:+ $flags}"
+  dir="$tmp/ckpt${flags// /_}"
+  # shellcheck disable=SC2086
+  run whole "$name: 6 steps" --steps 6 $flags
+  # shellcheck disable=SC2086
+  run first "$name: save" --steps 3 --save-every 2 --save "$dir" $flags
+  saved=$(grep '^checkpoint: ' <<<"$first" | sed 's/ (.*//')  # without the size and the hidden share
+  [[ "$saved" == "checkpoint: saved step 2 to $dir"$'\n'"checkpoint: saved step 3 to $dir" ]] ||
+    fail "$name: --save-every 2 --steps 3 printed '$saved'"
+  # shellcheck disable=SC2086
+  run rest "$name: resume" --steps 6 --resume "$dir" $flags
+  grep -qx "checkpoint: resumed step 3 from $dir (4 ranks -> 4 ranks)" <<<"$rest" || fail "$name: no resume line"
+  want=$(steps_from 4 "$whole") got=$(losses "$rest")
+  if [[ -z "$want" || "$got" != "$want" ]]; then
+    fail "$name: steps 4..6 differ: uninterrupted '$want', resumed '$got'"
+  elif [[ -z "$(fingerprint "$whole")" || "$(fingerprint "$rest")" != "$(fingerprint "$whole")" ]]; then
+    fail "$name: parameters differ: $(fingerprint "$whole") vs $(fingerprint "$rest")"
+  elif [[ "$(grep '^fp16:' <<<"$whole")" != "$(grep '^fp16:' <<<"$rest")" ]]; then
+    fail "$name: loss scaler lines differ"
+  else
+    echo "PASS: $name: resumed at step 3, steps 4..6 and parameters $(fingerprint "$rest") bitwise equal"
+  fi
+  [[ -z "$flags" ]] && adamw_whole=$whole
+done
+
+# (2) Resharded: the fp32 AdamW checkpoint of 4 ranks (FULL_SHARD) resumed on other ranks,
+# strategies and backends with the same global batch of 32. Reductions run in another
+# order, so the losses agree to a tolerance.
+tolerance=1e-5
+adamw_dir="$tmp/ckpt"
+want=$(steps_from 4 "$adamw_whole")
+for flags in "--ranks 2 --batch 16 --strategy SHARD_GRAD_OP" "--ranks 8 --batch 4 --strategy HYBRID_SHARD" \
+  "--backend tcp --nproc 2 --batch 16 --strategy NO_SHARD"; do
+  # shellcheck disable=SC2086
+  run rest "$flags" --steps 6 --resume "$adamw_dir" $flags
+  ranks=$(sed -n 's/^checkpoint: resumed step 3 from .* (4 ranks -> \([0-9]*\) ranks)$/\1/p' <<<"$rest")
+  diff=$(max_diff "$want" "$(losses "$rest")")
+  if [[ -z "$ranks" ]]; then
+    fail "$flags: no resume line"
+  elif [[ "$diff" == mismatch ]] || awk -v d="$diff" -v t="$tolerance" 'BEGIN { exit !(d > t) }'; then
+    fail "$flags: steps 4..6 differ from the uninterrupted run by $diff (tolerance $tolerance)"
+  else
+    echo "PASS: $flags: 4 -> $ranks ranks, steps 4..6 within $diff of the uninterrupted run (tolerance $tolerance)"
+  fi
+done
+
+# (4) Refusals: an error naming the problem, a failing exit code, no training step.
+bad="$tmp/damaged"
+cp -r "$adamw_dir" "$bad"
+file="$bad/rank-00001.safetensors"
+offset=$(($(stat -c %s "$file") / 2))
+byte=$(od -An -tu1 -j "$offset" -N1 "$file" | tr -d ' ')
+printf "$(printf '\\%03o' $((byte ^ 1)))" | dd of="$file" bs=1 seek="$offset" conv=notrunc status=none
+cmp -s "$file" "$adamw_dir/rank-00001.safetensors" && fail "the byte flip did not change $file"
+refuse() {
+  local name="$1" expect="$2" out rc
+  shift 2
+  out=$("$train" "${small[@]}" "$@" 2>&1)
+  rc=$?
+  if ((rc == 0)); then
+    fail "$name: accepted"
+  elif grep -q '^step ' <<<"$out"; then
+    fail "$name: trained before refusing"
+  elif ! grep -qF -- "$expect" <<<"$out"; then
+    fail "$name: the error does not say '$expect': $out"
+  else
+    echo "PASS: $name: refused (exit $rc): $(grep -F -- "$expect" <<<"$out" | head -1 | cut -c1-150)"
+  fi
+}
+refuse "missing directory" "$tmp/none" --steps 6 --resume "$tmp/none"
+refuse "flipped byte" "rank-00001.safetensors" --steps 6 --resume "$bad"
+refuse "other global batch" "global batch of 32 samples, but this run's is 16" --steps 6 --ranks 2 --resume "$adamw_dir"
+refuse "nothing left to train" "saved after step 3; --steps 3 leaves nothing to train" --steps 3 --resume "$adamw_dir"
+refuse "other optimizer" "saved with --optimizer adamw" --steps 6 --optimizer sgd --resume "$adamw_dir"
+refuse "--save-every without --save" "--save-every requires --save" --steps 6 --save-every 2
+
+[[ $failures -eq 0 ]] && echo "all cases as expected" || { echo "$failures case(s) wrong"; exit 1; }
