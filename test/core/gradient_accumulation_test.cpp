@@ -337,3 +337,189 @@ TEST_CASE("bf16 reduce: the kept gradient is in the reduce dtype; with OffloadPa
     CHECK(f.sharding[r][Collective::reduce_scatter].bytes == grads);
   }
 }
+
+namespace {
+bool all_zero(const fsdp::ShardedModel& sm) {
+  for (const auto& v : sm.shards())
+    for (std::int64_t i = 0; i < v.numel; ++i)
+      if (static_cast<const float*>(v.grad)[i] != 0.0f) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("what the sharded gradient holds between micro-batches") {
+  const auto c = config();
+  fsdp::ThreadGroup(4).run([&](fsdp::ThreadComm& comm) {
+    fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, fsdp::MeshShape{2, 2});
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::HybridShard>(model, mesh, device, engine::Wrap{});
+    const auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+    sm.zero_grad();
+    {
+      auto scope = sm.no_sync();  // keep_unsharded: nothing reduced
+      micro_batch(model, sm, batch);
+    }
+    CHECK(all_zero(sm));
+    sm.set_requires_all_reduce(false);  // reduce-scattered, waiting for the all-reduce
+    micro_batch(model, sm, batch);
+    CHECK(all_zero(sm));
+    sm.set_requires_all_reduce(true);
+    micro_batch(model, sm, batch);
+    CHECK(!all_zero(sm));
+    sm.zero_grad();
+    sm.set_gradient_sync_mode(GradientSyncMode::reduce_every_microbatch);
+    {
+      auto scope = sm.no_sync();  // reduces anyway
+      micro_batch(model, sm, batch);
+    }
+    CHECK(!all_zero(sm));
+  });
+}
+
+TEST_CASE("zero_grad frees kept unsharded gradients and waiting shard-group sums") {
+  const auto c = config();
+  fsdp::ThreadGroup(4).run([&](fsdp::ThreadComm& comm) {
+    fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, fsdp::MeshShape{2, 2});
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::HybridShard, fsdp::MixedPrecision<fsdp::bf16, float>>(model, mesh, device, engine::Wrap{});
+    const auto dev = fsdp::MemorySpace::device;
+    const std::size_t idle = device.stats(dev).live_bytes;
+    const auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+    for (bool keep : {true, false}) {
+      CAPTURE(keep);
+      if (keep) sm.set_requires_gradient_sync(false);
+      else sm.set_requires_all_reduce(false);
+      micro_batch(model, sm, batch);
+      micro_batch(model, sm, batch);
+      const std::size_t kept = device.stats(dev).live_bytes - idle;
+      // f32 (the reduce dtype) unsharded gradients, or f32 shards of them.
+      CHECK(kept == (keep ? unsharded_grad_bytes(2) : unsharded_grad_bytes(2) / 2));
+      sm.zero_grad();
+      CHECK(device.stats(dev).live_bytes == idle);
+      sm.set_requires_gradient_sync(true);
+      sm.set_requires_all_reduce(true);
+    }
+  });
+}
+
+TEST_CASE("per-unit settings: only some units keep their gradients; parity holds") {
+  const int world = 2, k = 3;
+  std::vector<Params> per_rank(world);
+  std::vector<fsdp::CollectiveCounts> counts(world);
+  const auto c = config();
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    Counting counted(comm);
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, counted, device, engine::Wrap{});
+    engine::Sgd sgd(0.05f);
+    for (int s = 0; s < 3; ++s) {
+      counted.reset();
+      sm.zero_grad();
+      for (int j = 0; j < k; ++j) {
+        sm.unit("blocks.1").set_requires_gradient_sync(j == k - 1);
+        sm.unit("").set_requires_gradient_sync(j == k - 1);
+        micro_batch(model, sm, engine::make_batch(c, s * k + j, comm.rank(), 1));
+      }
+      const auto slots = engine::slots(sm);
+      sgd.step(slots);
+    }
+    counts[comm.rank()] = counted.counts();
+    per_rank[comm.rank()] = engine::gather_full_parameters(model, sm);
+  });
+  CHECK(max_difference(per_rank[0], reference(world, k, 3)) <= f32_tolerance);
+  const auto per_unit = unit_grad_bytes(world);
+  std::size_t expected = 0;  // root and blocks.1 once, the others every micro-batch
+  for (std::size_t u = 0; u < per_unit.size(); ++u) expected += (u == 0 || u == 2 ? 1 : k) * per_unit[u];
+  CHECK(counts[0][Collective::reduce_scatter].bytes == expected);
+}
+
+TEST_CASE("no_sync restores each unit's setting when it ends, also by an exception") {
+  const auto c = config();
+  fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    sm.unit("gain").set_requires_gradient_sync(false);
+    auto syncs = [&] {
+      std::vector<bool> out;
+      for (auto& u : sm) out.push_back(u->gradient_sync().requires_sync);
+      return out;
+    };
+    const auto before = syncs();
+    CHECK(before == std::vector<bool>{true, true, true, true, false});
+    {
+      auto scope = sm.no_sync();
+      CHECK(syncs() == std::vector<bool>(5, false));
+      {
+        auto inner = sm.no_sync();
+      }
+      CHECK(syncs() == std::vector<bool>(5, false));  // nested: the outer scope still holds
+    }
+    CHECK(syncs() == before);
+    try {
+      auto scope = sm.no_sync();
+      engine::UnitHooks hooks{sm};
+      model.forward(engine::make_batch(c, 0, 0, 1).x, hooks);
+      throw std::runtime_error("engine failure");
+    } catch (const std::runtime_error&) {
+    }
+    CHECK(syncs() == before);
+  });
+}
+
+TEST_CASE("changing the settings outside IDLE is an error naming the unit and its state") {
+  const auto c = config();
+  fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& unit = sm.unit("blocks.0");
+    auto f = unit.forward_scope();
+    CHECK_THROWS_WITH_AS(unit.set_requires_gradient_sync(false),
+                         "fsdp: unit 'blocks.0' on rank 0: set_requires_gradient_sync called in state FORWARD; expected IDLE",
+                         fsdp::Error);
+    CHECK_THROWS_WITH_AS(sm.set_requires_all_reduce(false),
+                         "fsdp: unit 'blocks.0' on rank 0: set_requires_all_reduce called in state FORWARD; expected IDLE",
+                         fsdp::Error);
+    CHECK_THROWS_AS(auto scope = sm.no_sync(), fsdp::Error);
+    for (auto& u : sm) CHECK(u->gradient_sync().requires_sync);  // a failed no_sync changes nothing
+  });
+}
+
+TEST_CASE("settings that differ across ranks fail on every rank, naming the unit and the ranks") {
+  const auto c = config();
+  auto run = [&](auto configure) {
+    return test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+      sm.zero_grad();
+      micro_batch(model, sm, engine::make_batch(c, 0, comm.rank(), 1));  // a first iteration in step
+      configure(sm, comm.rank());
+      micro_batch(model, sm, engine::make_batch(c, 1, comm.rank(), 1));
+      micro_batch(model, sm, engine::make_batch(c, 2, comm.rank(), 1));
+    });
+  };
+  SUBCASE("both ranks change, to different settings") {
+    const auto msgs = run([](fsdp::ShardedModel& sm, int rank) {
+      if (rank == 0) sm.set_requires_gradient_sync(false);
+      else sm.set_gradient_sync_mode(GradientSyncMode::reduce_every_microbatch);
+    });
+    for (int r = 0; r < 2; ++r)
+      CHECK(msgs[r] == "fsdp: unit '<root>': gradient sync settings differ across ranks (seen on rank " + std::to_string(r) +
+                           "): rank 0 sync off, all-reduce on, keep_unsharded; rank 1 sync on, all-reduce on, "
+                           "reduce_every_microbatch");
+  }
+  SUBCASE("one rank turns sync off, the other does not") {
+    const auto msgs = run([](fsdp::ShardedModel& sm, int rank) {
+      if (rank == 1) sm.set_requires_gradient_sync(false);
+    });
+    for (int r = 0; r < 2; ++r) CHECK(!msgs[r].empty());
+    CHECK(msgs[1].find("unit '<root>' on rank 1: its gradient sync settings changed at this backward (now sync off, "
+                       "all-reduce on, keep_unsharded) but another rank ran a different collective here") != std::string::npos);
+    CHECK(msgs[1].find("rank 0") != std::string::npos);  // the backend's message names the other rank
+  }
+}
