@@ -45,9 +45,8 @@ class FlatParamGroup {
     for (auto& fp : flat_) {
       fp.gather_work = Work{};  // waits: the buffers below may still be in use by a collective
       fp.reduce_work = Work{};
-      reduction_.release_reduction_buffers(fp);
+      reduction_.release_accumulated(fp);
       release_unsharded_params(fp);
-      reduction_.release_full_grad(fp);
       release(fp.shard, fp.shard_bytes(), shard_space);
       release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
       if (took_over_)
@@ -287,7 +286,9 @@ class FlatParamGroup {
   // ---- gradients (the reduction owns their buffers) ----
 
   void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }
-  bool start_reductions(bool grad_is_zero) { return reduction_.start_reductions(flat_, grad_is_zero); }
+  bool start_reductions(bool grad_is_zero, detail::GradientPlan plan) {
+    return reduction_.start_reductions(flat_, grad_is_zero, plan);
+  }
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   void zero_grad() { reduction_.zero_grad(flat_); }
 

@@ -104,6 +104,10 @@ class Sharded final : public UnitBase {
 
   void pre_backward() override {
     expect({TrainingState::IDLE}, "pre_backward");
+    if (sync_ != agreed_sync_) {  // only after a change: plain training runs no extra collective
+      detail::agree_gradient_sync(group_.groups().world, sync_, display_name_, rank_);
+      agreed_sync_ = sync_;
+    }
     if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
     kept_ = false;
@@ -124,8 +128,9 @@ class Sharded final : public UnitBase {
     if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
       if (order_ && backward_prefetch_.empty())
         if (auto* next = order_->next(Pass::backward)) next->prefetch();
-    const bool inline_done = group_.start_reductions(grad_is_zero_);
-    grad_is_zero_ = false;
+    const auto plan = gradient_plan();
+    const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
+    if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
     state_ = TrainingState::BACKWARD_POST;
     // A reduction that finished inside the call is completed now; one still running
     // overlaps the next unit's backward and is completed at that unit's post_backward
@@ -156,6 +161,7 @@ class Sharded final : public UnitBase {
     release_unsharded();
   }
 
+  // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
   void zero_grad() override {
     expect({TrainingState::IDLE}, "zero_grad");
     group_.zero_grad();
@@ -265,6 +271,13 @@ class Sharded final : public UnitBase {
     if (!options.defer_take_over) take_over();
   }
 
+  detail::GradientPlan gradient_plan() const {
+    if (!sync_.requires_sync && sync_.mode == GradientSyncMode::keep_unsharded) return detail::GradientPlan::keep_unsharded;
+    const bool all_reduces_shards = strategy::shards_parameters && group_.groups().replicate_size > 1;
+    if (all_reduces_shards && !sync_.requires_all_reduce) return detail::GradientPlan::reduce_partial;
+    return detail::GradientPlan::reduce;
+  }
+
   static std::optional<DType> buffer_cast_dtype() {
     if constexpr (precision::enabled) return precision::buffer;
     else return std::nullopt;  // without mixed precision buffers stay the engine's
@@ -309,7 +322,8 @@ class Sharded final : public UnitBase {
   const std::string display_name_ = fqn_.empty() ? "<root>" : fqn_;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
-  bool grad_is_zero_ = true;
+  bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
+  GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
   bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;

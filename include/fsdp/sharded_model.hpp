@@ -115,6 +115,7 @@ class ShardedModel {
   // The recorded execution order (after the first iteration), for tests and tools.
   const ExecutionOrder& execution_order() const { return *order_; }
 
+  // Zeroes the sharded gradients and frees what accumulation kept.
   void zero_grad() {
     for (auto& u : units_) u->zero_grad();
   }
@@ -125,6 +126,43 @@ class ShardedModel {
   // gather for rank 0 and hold nothing (writeback with it is an error). offload_to_host:
   // the full parameters live in host memory and the device holds one unit's at a time.
   [[nodiscard]] ModelSummon summon_full_params(const SummonOptions& options = {}) { return ModelSummon(units_, options); }
+
+  // Gradient accumulation (fsdp/gradient_sync.hpp) for every unit: FSDP2's names. IDLE only.
+  void set_requires_gradient_sync(bool on) {
+    for (auto& u : units_) u->set_requires_gradient_sync(on);
+  }
+  void set_requires_all_reduce(bool on) {
+    for (auto& u : units_) u->set_requires_all_reduce(on);
+  }
+  void set_gradient_sync_mode(GradientSyncMode m) {
+    for (auto& u : units_) u->set_gradient_sync_mode(m);
+  }
+
+  // FSDP1's no_sync: gradient sync off for every unit while the scope lives; each unit's
+  // setting is restored when it ends, also by an exception (then whatever state the units
+  // are in: a destructor must not throw).
+  class NoSyncScope {
+   public:
+    explicit NoSyncScope(ShardedModel& m) {
+      for (auto& u : m.units_) saved_.emplace_back(u.get(), u->gradient_sync().requires_sync);
+      try {
+        m.set_requires_gradient_sync(false);
+      } catch (...) {
+        restore();
+        throw;
+      }
+    }
+    ~NoSyncScope() { restore(); }
+    NoSyncScope(const NoSyncScope&) = delete;
+    NoSyncScope& operator=(const NoSyncScope&) = delete;
+
+   private:
+    void restore() noexcept {
+      for (auto& [u, on] : saved_) u->sync_.requires_sync = on;
+    }
+    std::vector<std::pair<UnitBase*, bool>> saved_;
+  };
+  [[nodiscard]] NoSyncScope no_sync() { return NoSyncScope(*this); }
 
   // Frees unsharded parameters kept after forward for a backward that is not coming
   // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.

@@ -14,6 +14,7 @@
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/execution_order.hpp"
+#include "fsdp/gradient_sync.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp {
@@ -67,6 +68,7 @@ struct SummonOptions {
   bool rank0_only = false;       // only world rank 0 keeps them; the others take part in the gathers
   bool offload_to_host = false;  // kept in host memory, so the device holds one unit's at a time
 };
+class ShardedModel;
 
 class UnitBase {
  public:
@@ -81,7 +83,7 @@ class UnitBase {
   virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
   // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
-  virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero
+  virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero; kept accumulation is freed
   // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
@@ -141,6 +143,14 @@ class UnitBase {
   // of the next unit in the recorded order.
   void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
+
+  // Gradient accumulation (fsdp/gradient_sync.hpp): the settings the unit's next
+  // post_backward reads. IDLE only; every rank must make the same calls (a unit checks
+  // that they did at its first backward after a change).
+  void set_requires_gradient_sync(bool on) { expect({TrainingState::IDLE}, "set_requires_gradient_sync"); sync_.requires_sync = on; }
+  void set_requires_all_reduce(bool on) { expect({TrainingState::IDLE}, "set_requires_all_reduce"); sync_.requires_all_reduce = on; }
+  void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
+  const GradientSync& gradient_sync() const { return sync_; }
 
   // The root's shared execution order; set when the unit joins a ShardedModel.
   void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
@@ -216,6 +226,10 @@ class UnitBase {
   ExecutionOrder* order_ = nullptr;
   int order_index_ = -1;  // this unit's index in the order
   std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
+  GradientSync sync_;
+
+ private:
+  friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
 };
 
 // ---- ExecutionOrder, now that UnitBase is complete ----

@@ -36,6 +36,11 @@ struct FlatParam {
   void* reduce_out = nullptr;  // shard_numel `reduce`-dtype elements: where it reduces to
   bool into_shard_grad = false;
   bool reducing = false;
+  // Accumulation without communication (fsdp/gradient_sync.hpp):
+  bool grad_kept = false;      // an unsynchronized backward kept the unsharded gradient: in
+                               // full_grad when reduce == compute, else summed in reduce_in
+  bool defer_all_reduce = false;  // this reduction stops after the shard group, into `partial`
+  void* partial = nullptr;     // shard_numel `reduce`-dtype shard-group sums awaiting the replicate all-reduce
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
   DType master() const { return layout.dtype(); }

@@ -21,6 +21,13 @@ inline double gradient_predivide_factor(int world) {
 
 namespace detail {
 
+// What one post_backward does with a unit's gradient (chosen from its GradientSync).
+enum class GradientPlan : std::uint8_t {
+  keep_unsharded,  // no communication: kept for the next backward to add into
+  reduce_partial,  // reduce inside the shard group only; the replicate all-reduce waits
+  reduce,          // the whole reduction into the sharded gradient
+};
+
 template <class Config>
 class GradientReduction {
  public:
@@ -32,11 +39,14 @@ class GradientReduction {
     post_divide_ = groups_.world_size() / pre_divide_;
   }
 
-  // Binds zeroed unsharded gradients for the engine to accumulate into. `grad_is_zero`:
-  // nothing was reduced since zero_grad.
+  // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
+  // unsynchronized backward kept, to add into). `grad_is_zero`: nothing was reduced into
+  // the sharded gradient since zero_grad.
   void bind_gradients(std::vector<FlatParam>& flat, bool grad_is_zero) {
     for (auto& fp : flat) {
-      if (fp.direct && grad_is_zero) {
+      if (fp.full_grad) {
+        // kept by an unsynchronized backward (reduce == compute): the engine adds into it
+      } else if (fp.direct && grad_is_zero) {
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
       } else {
         fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
@@ -46,13 +56,14 @@ class GradientReduction {
     }
   }
 
-  // Unbinds the gradients and issues every reduction; returns whether all completed inside
-  // the call.
-  bool start_reductions(std::vector<FlatParam>& flat, bool grad_is_zero) {
+  // Unbinds the gradients and issues every reduction the plan asks for; returns whether
+  // all completed inside the call.
+  bool start_reductions(std::vector<FlatParam>& flat, bool grad_is_zero, GradientPlan plan) {
     bool inline_done = true;
     for (auto& fp : flat) {
       bind_tensors(fp, nullptr, &ParamBinding::grad, fp.master());
-      inline_done = start_reduction(fp, grad_is_zero) && inline_done;
+      if (plan == GradientPlan::keep_unsharded) keep_unsharded(fp);
+      else inline_done = start_reduction(fp, grad_is_zero, plan == GradientPlan::reduce_partial) && inline_done;
     }
     return inline_done;
   }
@@ -66,12 +77,24 @@ class GradientReduction {
     }
   }
 
+  // Also drops what accumulation kept: unsharded gradients and shard-group sums.
   void zero_grad(std::vector<FlatParam>& flat) {
-    for (auto& fp : flat) device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
+    for (auto& fp : flat) {
+      release_accumulated(fp);
+      device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
+    }
+  }
+
+  // Frees what accumulation keeps between backwards (none of it is in flight in IDLE).
+  void release_accumulated(FlatParam& fp) {
+    release_reduction_buffers(fp);
+    release(fp.partial, FlatParam::bytes(fp.layout.shard_numel(), fp.reduce), MemorySpace::device);
+    release_full_grad(fp);
+    fp.grad_kept = false;
   }
 
   void release_reduction_buffers(FlatParam& fp) {
-    if (fp.reduce_out && fp.reduce_out != fp.shard_grad)
+    if (fp.reduce_out && fp.reduce_out != fp.shard_grad && fp.reduce_out != fp.partial)
       device_.deallocate(fp.reduce_out, FlatParam::bytes(fp.layout.shard_numel(), fp.reduce), MemorySpace::device);
     fp.reduce_out = nullptr;
     if (fp.reduce_in) device_.deallocate(fp.reduce_in, FlatParam::bytes(fp.layout.padded_numel(), fp.reduce), MemorySpace::device);
@@ -91,24 +114,28 @@ class GradientReduction {
   // to its dtype, copied to host when offloaded). start_reduction issues the first
   // collective and returns whether it completed inside the call; finish_gradient does the
   // rest once it has.
-  bool start_reduction(FlatParam& fp, bool grad_is_zero) {
+  bool start_reduction(FlatParam& fp, bool grad_is_zero, bool defer_all_reduce) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     const auto padded = static_cast<std::size_t>(L.padded_numel());
     void* in = fp.full_grad;
     if (fp.reduce != fp.compute) {
-      fp.reduce_in = device_.allocate(FlatParam::bytes(L.padded_numel(), fp.reduce), MemorySpace::device);
-      device_.cast(fp.reduce_in, fp.reduce, fp.full_grad, fp.compute, padded);
-      release_full_grad(fp);  // cast: the compute-dtype gradient is no longer needed
+      to_reduce_dtype(fp);
       in = fp.reduce_in;
     }
+    fp.grad_kept = false;  // whatever was kept is in `in` now
     if (pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
     // Right after zero_grad a device-resident sharded gradient of the reduce dtype is zero:
     // reduce straight into it (in place when the engine already accumulated into it).
-    fp.into_shard_grad = grad_is_zero;
-    fp.reduce_out = grad_is_zero && !offload && fp.grad == fp.reduce
-                        ? fp.shard_grad
-                        : device_.allocate(FlatParam::bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
+    // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial`.
+    fp.defer_all_reduce = defer_all_reduce;
+    fp.into_shard_grad = grad_is_zero && !defer_all_reduce;
+    const std::size_t out_bytes = FlatParam::bytes(L.shard_numel(), fp.reduce);
+    if (defer_all_reduce) fp.reduce_out = fp.partial ? device_.allocate(out_bytes, MemorySpace::device)
+                                                     : (fp.partial = device_.allocate(out_bytes, MemorySpace::device));
+    else fp.reduce_out = fp.into_shard_grad && !offload && fp.grad == fp.reduce
+                             ? fp.shard_grad
+                             : device_.allocate(out_bytes, MemorySpace::device);
     if constexpr (strategy::shards_parameters)
       fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
     else
@@ -121,6 +148,16 @@ class GradientReduction {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     void* out = fp.reduce_out;
+    if (fp.defer_all_reduce) {  // the shard-group sum waits for a later all-reduce
+      if (out != fp.partial) device_.accumulate(fp.partial, out, S, fp.reduce);
+      release_reduction_buffers(fp);
+      release_full_grad(fp);
+      return;
+    }
+    if (fp.partial) {  // sums whose all-reduce was deferred join this one
+      device_.accumulate(out, fp.partial, S, fp.reduce);
+      release(fp.partial, FlatParam::bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
+    }
     if (strategy::shards_parameters && groups_.replicate_size > 1) {
       Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
       wait(w, "wait all_reduce");
@@ -139,6 +176,30 @@ class GradientReduction {
       if (in_grad_dtype != out) device_.deallocate(in_grad_dtype, FlatParam::bytes(L.shard_numel(), fp.grad), MemorySpace::device);
     }
     release_reduction_buffers(fp);
+    release_full_grad(fp);
+  }
+
+  // An unsynchronized backward: no communication. FSDP2 accumulates in the reduce dtype;
+  // where that is the compute dtype the engine's buffer itself is kept and added into.
+  void keep_unsharded(FlatParam& fp) {
+    if (fp.reduce != fp.compute) to_reduce_dtype(fp);
+    fp.grad_kept = true;
+  }
+
+  // The compute-dtype gradient, cast to the reduce dtype, into reduce_in (added to what
+  // unsynchronized backwards kept there); the compute-dtype buffer is freed.
+  void to_reduce_dtype(FlatParam& fp) {
+    const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
+    const std::size_t bytes = FlatParam::bytes(fp.layout.padded_numel(), fp.reduce);
+    if (!fp.grad_kept) {
+      fp.reduce_in = device_.allocate(bytes, MemorySpace::device);
+      device_.cast(fp.reduce_in, fp.reduce, fp.full_grad, fp.compute, padded);
+    } else {
+      void* cast = device_.allocate(bytes, MemorySpace::device);
+      device_.cast(cast, fp.reduce, fp.full_grad, fp.compute, padded);
+      device_.accumulate(fp.reduce_in, cast, padded, fp.reduce);
+      device_.deallocate(cast, bytes, MemorySpace::device);
+    }
     release_full_grad(fp);
   }
 
