@@ -23,6 +23,8 @@
 #include <array>
 #include <filesystem>
 #include <optional>
+#include <span>
+#include <vector>
 
 #include <fsdp/asio/tcp_process_group.hpp>
 #include <fsdp/async_communicator.hpp>
@@ -59,6 +61,15 @@ struct Reference {
   std::size_t peak = 0;
 };
 
+// Step s's --accumulate micro-batches: samples [first, first + count) of each. Micro-batch j
+// of step s is the synthetic task's batch s * accumulate + j, so --accumulate 1 trains on
+// the batches of a run without it.
+std::vector<engine::Batch> micro_batches(const Config& cfg, int s, std::int64_t first, std::int64_t count) {
+  std::vector<engine::Batch> out;
+  for (int j = 0; j < cfg.accumulate; ++j) out.push_back(engine::make_batch(cfg.model, s * cfg.accumulate + j, first, count));
+  return out;
+}
+
 Reference train_unsharded(const Config& cfg, int world) {
   const fsdp::DType param_dtype = precision_dtype(cfg.precision);
   fsdp::HostDevice device;
@@ -72,14 +83,14 @@ Reference train_unsharded(const Config& cfg, int world) {
   engine::Sgd sgd(0.05f);
   engine::BeforeStep clip;
   if (cfg.clip > 0) clip = [&] { engine::clip_grad_norm(model, cfg.clip); };
-  auto step = [&](auto& opt, const engine::Batch& batch) {
-    return compute ? engine::unsharded_mixed_step(model, *compute, opt, batch, param_dtype, clip)
-                   : engine::unsharded_step(model, opt, batch, clip);
+  auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
+    return compute ? engine::unsharded_mixed_step(model, *compute, opt, micro, param_dtype, clip)
+                   : engine::unsharded_step(model, opt, micro, clip);
   };
   Reference ref;
   for (int s = 0; s < cfg.steps; ++s) {
-    auto batch = engine::make_batch(cfg.model, s, 0, static_cast<std::int64_t>(world) * cfg.batch_per_rank);
-    ref.loss.push_back(cfg.optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch));
+    const auto micro = micro_batches(cfg, s, 0, static_cast<std::int64_t>(world) * cfg.batch_per_rank);
+    ref.loss.push_back(cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro));
   }
   ref.peak = device.stats().peak_bytes;
   return ref;
@@ -142,15 +153,16 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
     if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
-    auto step = [&](auto& opt, const engine::Batch& batch) {
-      if (!scaled) return engine::sharded_step(model, sharded, opt, batch, clip);
-      const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, batch, clip);
+    if (cfg.sync_every_microbatch) sharded.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
+    auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
+      if (!scaled) return engine::sharded_step(model, sharded, opt, micro, clip);
+      const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, micro, clip);
       if (!result.stepped) ++summary.skipped_steps;
       return result.loss;
     };
     for (int s = first_step; s < cfg.steps; ++s) {
-      auto batch = engine::make_batch(cfg.model, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
-      double local = cfg.optimizer == "sgd" ? step(sgd, batch) : step(adamw, batch);
+      const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
+      double local = cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro);
       double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
       stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
       const auto dev = device.stats(fsdp::MemorySpace::device);
@@ -207,7 +219,10 @@ void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, con
              "precision {}{}{}{}\n",
              cfg.model.blocks, cfg.model.dim, cfg.model.hidden, world, cfg.batch_per_rank, cfg.optimizer, cfg.strategy,
              mesh_shape.str(), cfg.precision, cfg.offload ? ", offload" : "",
-             cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "",
+             fmt::format("{}{}", cfg.accumulate > 1 ? fmt::format("; {} micro-batches per step{}", cfg.accumulate,
+                                                                  cfg.sync_every_microbatch ? ", each reduced" : "")
+                                                    : "",
+                         cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : ""),
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
@@ -259,6 +274,12 @@ int main(int argc, char** argv) {
                  "fp32, bf16 (MixedPrecision<bf16>) or fp16 (MixedPrecision<f16> with a ShardedGradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
+  app.add_option("--accumulate", cfg.accumulate,
+                 "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
+                 "keeping unsharded gradients instead of reducing them")
+      ->check(CLI::Range(1, 1 << 16));
+  app.add_flag("--sync-every-microbatch", cfg.sync_every_microbatch,
+               "with --accumulate: reduce-scatter every micro-batch and accumulate sharded (less memory, more communication)");
   app.add_option("--clip", cfg.clip, "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm)")
       ->check(CLI::PositiveNumber);
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");

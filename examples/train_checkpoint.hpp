@@ -37,6 +37,7 @@ inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg,
                                        {"train.ranks", std::to_string(world)},
                                        {"train.global_batch", std::to_string(static_cast<std::int64_t>(world) * cfg.batch_per_rank)},
                                        {"train.optimizer", cfg.optimizer},
+                                       {"train.accumulate", std::to_string(cfg.accumulate)},
                                        {"train.model", model_text(cfg)}};
   if (scaler) {
     m["train.loss_scale"] = fmt::format("{}", scaler->scale);  // shortest text that reads back exactly
@@ -74,6 +75,9 @@ inline Resume read_resume(const Config& cfg, int world) {
                        " (", world, " ranks x --batch ", cfg.batch_per_rank, "); resuming would train on other data");
   if (cfg.steps <= r.step)
     fsdp::detail::fail(where, ": saved after step ", r.step, "; --steps ", cfg.steps, " leaves nothing to train");
+  if (const int k = number("train.accumulate", 0); k != cfg.accumulate)
+    fsdp::detail::fail(where, ": saved with --accumulate ", k, ", this run uses ", cfg.accumulate,
+                       "; resuming would train on other micro-batches");
   if (r.optimizer != cfg.optimizer)
     fsdp::detail::fail(where, ": saved with --optimizer ", r.optimizer, ", this run uses ", cfg.optimizer);
   if (r.model != model_text(cfg))

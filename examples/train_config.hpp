@@ -31,6 +31,8 @@ struct Config {
   std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", trace_dir;
   bool offload = false;
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping
+  int accumulate = 1;                  // --accumulate: micro-batches per step
+  bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only
   engine::ModelConfig model{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};

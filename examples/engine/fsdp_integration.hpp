@@ -116,12 +116,11 @@ struct DeviceAllocator final : Allocator {
 // The units of the reference model: one per block, one for the gain, the rest at the root.
 using Wrap = fsdp::wrap_types<Block, Gain>;
 
-// Forward and backward of one sharded step on this rank's part of the global batch, from
-// the loss multiplied by `loss_scale` (fp16 loss scaling); the gradients are reduced when
-// it returns. Returns the local (unscaled) loss.
-inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, const Batch& local,
-                                       double loss_scale = 1.0) {
-  sharded.zero_grad();
+// Forward and backward of one micro-batch on this rank's part of it, from the loss
+// multiplied by `loss_scale` (fp16 loss scaling), adding into the gradients; the gradients
+// are reduced when it returns unless sync is off (ShardedModel::no_sync). Returns the local
+// (unscaled) loss.
+inline double sharded_micro_batch(Model& model, fsdp::ShardedModel& sharded, const Batch& local, double loss_scale = 1.0) {
   UnitHooks hooks{sharded};
   Mat dout;
   const double loss = mse(model.forward(local.x, hooks), local.y, dout);
@@ -132,18 +131,45 @@ inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded
   return loss;
 }
 
+// One step's forward and backward over its micro-batches (gradient accumulation: the
+// gradient of the sum of their losses), from zeroed gradients. All but the last run with
+// gradient sync off, so under GradientSyncMode::keep_unsharded only the last communicates.
+// Returns the mean local loss.
+inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, std::span<const Batch> micro,
+                                       double loss_scale = 1.0) {
+  sharded.zero_grad();
+  double sum = 0;
+  for (std::size_t j = 0; j < micro.size(); ++j) {
+    if (j + 1 == micro.size()) {
+      sum += sharded_micro_batch(model, sharded, micro[j], loss_scale);
+    } else {
+      auto no_sync = sharded.no_sync();
+      sum += sharded_micro_batch(model, sharded, micro[j], loss_scale);
+    }
+  }
+  return sum / static_cast<double>(micro.size());
+}
+inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, const Batch& local, double loss_scale = 1.0) {
+  return sharded_forward_backward(model, sharded, std::span<const Batch>(&local, 1), loss_scale);
+}
+
 // Runs between the gradients and the optimizer step (gradient clipping); may be empty.
 using BeforeStep = std::function<void()>;
 
-// One sharded training step; returns the local loss.
+// One sharded training step over one batch or several micro-batches; returns the local loss.
 template <class Optimizer>
-double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local,
+double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, std::span<const Batch> micro,
                     const BeforeStep& before_step = {}) {
-  const double loss = sharded_forward_backward(model, sharded, local);
+  const double loss = sharded_forward_backward(model, sharded, micro);
   if (before_step) before_step();
   const auto s = slots(sharded);
   opt.step(s);
   return loss;
+}
+template <class Optimizer>
+double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, const Batch& local,
+                    const BeforeStep& before_step = {}) {
+  return sharded_step(model, sharded, opt, std::span<const Batch>(&local, 1), before_step);
 }
 
 // One fp16 step with dynamic loss scaling (fsdp::ShardedGradScaler): backward from the
@@ -155,9 +181,9 @@ struct ScaledStep {
 };
 
 template <class Optimizer, class Scaler>
-ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local,
-                               const BeforeStep& before_step = {}) {
-  const double loss = sharded_forward_backward(model, sharded, local, scaler.scale());
+ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler,
+                               std::span<const Batch> micro, const BeforeStep& before_step = {}) {
+  const double loss = sharded_forward_backward(model, sharded, micro, scaler.scale());
   const bool stepped = scaler.step(sharded.shards(), [&] {  // on unscaled, finite gradients
     if (before_step) before_step();
     const auto s = slots(sharded);
@@ -166,19 +192,31 @@ ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimi
   scaler.update();
   return {loss, stepped};
 }
+template <class Optimizer, class Scaler>
+ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, Scaler& scaler, const Batch& local,
+                               const BeforeStep& before_step = {}) {
+  return sharded_scaled_step(model, sharded, opt, scaler, std::span<const Batch>(&local, 1), before_step);
+}
 
-// The same step without fsdp, on the whole batch.
+// The same step without fsdp, on the whole batch (or each whole micro-batch in turn, the
+// gradients adding up). Returns the mean loss.
 template <class Optimizer>
-double unsharded_step(Model& model, Optimizer& opt, const Batch& batch, const BeforeStep& before_step = {}) {
+double unsharded_step(Model& model, Optimizer& opt, std::span<const Batch> micro, const BeforeStep& before_step = {}) {
   zero_grads(model);
-  Mat out = model.forward(batch.x);
-  Mat dout;
-  const double loss = mse(out, batch.y, dout);
-  model.backward(dout);
+  double sum = 0;
+  for (const Batch& batch : micro) {
+    Mat dout;
+    sum += mse(model.forward(batch.x), batch.y, dout);
+    model.backward(dout);
+  }
   if (before_step) before_step();
   const auto s = slots(model);
   opt.step(s);
-  return loss;
+  return sum / static_cast<double>(micro.size());
+}
+template <class Optimizer>
+double unsharded_step(Model& model, Optimizer& opt, const Batch& batch, const BeforeStep& before_step = {}) {
+  return unsharded_step(model, opt, std::span<const Batch>(&batch, 1), before_step);
 }
 
 // The same step under mixed precision, without fsdp: the reference for fsdp's
@@ -187,13 +225,14 @@ double unsharded_step(Model& model, Optimizer& opt, const Batch& batch, const Be
 // and buffer_dtype = Buffer. The step
 //  (a) copies the master parameters into `compute`, rounded to Param, and its buffers,
 //      rounded to Buffer;
-//  (b) zeroes the compute gradients and runs forward and backward on the whole batch, the
-//      gradients accumulating in Param sample by sample as the layers do;
+//  (b) zeroes the compute gradients and runs forward and backward on the whole batch (on
+//      each micro-batch in turn), the gradients accumulating in Param sample by sample as
+//      the layers do;
 //  (c) sets each master gradient to the compute gradient rounded to `reduce`, then to f32;
 //  (d) runs `before_step`, then steps `opt` on the master's slots.
-// Returns the loss.
+// Returns the (mean) loss.
 template <class Optimizer>
-double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const Batch& batch, fsdp::DType reduce,
+double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, std::span<const Batch> micro, fsdp::DType reduce,
                             const BeforeStep& before_step = {}) {
   round_to(reduce, 0.0f);  // refuses a reduce dtype that is not floating, before any work
   auto mp = named_parameters(master), cp = named_parameters(compute);
@@ -215,10 +254,12 @@ double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const
     for (std::int64_t i = 0; i < from.numel(); ++i) to.set(i, from.get(i));
   }
   zero_grads(compute);
-  Mat out = compute.forward(batch.x);
-  Mat dout;
-  const double loss = mse(out, batch.y, dout);
-  compute.backward(dout);
+  double sum = 0;
+  for (const Batch& batch : micro) {
+    Mat dout;
+    sum += mse(compute.forward(batch.x), batch.y, dout);
+    compute.backward(dout);
+  }
   for (std::size_t k = 0; k < mp.size(); ++k) {
     const Tensor& from = *cp[k].grad;
     Tensor& to = *mp[k].grad;
@@ -227,7 +268,12 @@ double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const
   if (before_step) before_step();
   const auto s = slots(master);
   opt.step(s);
-  return loss;
+  return sum / static_cast<double>(micro.size());
+}
+template <class Optimizer>
+double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, const Batch& batch, fsdp::DType reduce,
+                            const BeforeStep& before_step = {}) {
+  return unsharded_mixed_step(master, compute, opt, std::span<const Batch>(&batch, 1), reduce, before_step);
 }
 
 // The unsharded counterpart of fsdp::clip_grad_norm with the 2-norm: scales every gradient

@@ -2,7 +2,7 @@
 # examples/train.cpp, as the README's Quick start runs it: the default run ends with exactly
 # the `final:` line the README shows; --precision and --offload run every precision with
 # and without offload, and offload moves the shards and optimizer state out of device space;
-# bad flags are refused.
+# --accumulate and --clip match the unsharded reference; bad flags are refused.
 #
 # Usage: train_test.sh TRAIN_BINARY README
 set -u
@@ -41,7 +41,27 @@ for precision in fp32 bf16 fp16; do
   fi
 done
 
-for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3"; do
+# --accumulate and --clip: the unsharded reference accumulates and clips the same way, so
+# fp32 losses agree exactly; keeping unsharded gradients between micro-batches costs memory
+# that --sync-every-microbatch does not, and trains the same model.
+kept=$("$train" --steps 3 --accumulate 4 2>&1) || fail "--accumulate 4: exited with $?"
+each=$("$train" --steps 3 --accumulate 4 --sync-every-microbatch 2>&1) || fail "--sync-every-microbatch: exited with $?"
+clipped=$("$train" --steps 3 --clip 0.05 2>&1) || fail "--clip: exited with $?"
+plain=$("$train" --steps 3 2>&1) || fail "--steps 3: exited with $?"
+for run in kept each clipped; do
+  l=$(field loss "${!run}") u=$(field unsharded_loss "${!run}")
+  if [[ -n "$l" && "$l" == "$u" ]]; then echo "PASS: $run: loss $l equals the unsharded reference's"; else fail "$run: loss '$l' vs unsharded '$u'"; fi
+done
+pk=$(field peak_bytes_per_rank "$kept") pe=$(field peak_bytes_per_rank "$each")
+if [[ -n "$pk" && -n "$pe" ]] && ((pk > pe)) && [[ $(field loss "$kept") == $(field loss "$each") ]]; then
+  echo "PASS: --accumulate keeps unsharded gradients ($pk B peak) where --sync-every-microbatch does not ($pe B), same loss"
+else
+  fail "--accumulate peak '$pk' vs --sync-every-microbatch '$pe', losses $(field loss "$kept") vs $(field loss "$each")"
+fi
+[[ $(field loss "$clipped") != $(field loss "$plain") ]] && echo "PASS: --clip 0.05 changes training" ||
+  fail "--clip 0.05 left the loss at $(field loss "$plain")"
+
+for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done
