@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
+#include <chrono>
 #include <regex>
+#include <thread>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -120,6 +122,10 @@ int main(int argc, char** argv) {
     std::printf("[mpi] rank %d (its MPI job failed: no totals across ranks): test cases: %zu | %zu passed | %zu failed\n",
                 rank, mine.size(), static_cast<std::size_t>(passed), mine.size() - static_cast<std::size_t>(passed));
     std::fflush(stdout);
+    // This rank's session aborts the job when it ends, killing every rank: give the other
+    // ranks whose job failed (their timeouts end within milliseconds of this one's) time to
+    // print their line first. No MPI call can order this any more.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
     return rc;
   }
   int failures = 0;

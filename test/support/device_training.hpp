@@ -240,8 +240,7 @@ struct DeviceTrainingResult {
 // Full parameters, in their own dtype, read while every unit is summoned.
 template <fsdp::Device D>
 Params full_parameters(D& dev, Net<D>& net, fsdp::ShardedModel& sm) {
-  std::vector<std::unique_ptr<fsdp::UnitBase::SummonScope>> summoned;
-  for (auto& u : sm) summoned.push_back(std::make_unique<fsdp::UnitBase::SummonScope>(*u, false));
+  auto summoned = sm.summon_full_params();
   Params out;
   out.emplace_back("gain", read_floats(dev, net.gain));
   for (std::size_t i = 0; i < net.layers.size(); ++i) {
