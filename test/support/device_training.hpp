@@ -241,7 +241,7 @@ struct DeviceTrainingResult {
 template <fsdp::Device D>
 Params full_parameters(D& dev, Net<D>& net, fsdp::ShardedModel& sm) {
   std::vector<std::unique_ptr<fsdp::UnitBase::SummonScope>> summoned;
-  for (auto& u : sm) summoned.push_back(std::make_unique<fsdp::UnitBase::SummonScope>(*u, false));
+  for (auto& u : sm) summoned.push_back(std::make_unique<fsdp::UnitBase::SummonScope>(*u, fsdp::SummonOptions{}));
   Params out;
   out.emplace_back("gain", read_floats(dev, net.gain));
   for (std::size_t i = 0; i < net.layers.size(); ++i) {
