@@ -1,0 +1,320 @@
+#pragma once
+// fsdp::NcclComm: an fsdp::Communicator over NCCL (2.18+; written against 2.28), for
+// buffers in GPU memory:
+//
+//   all_gather -> ncclAllGather       reduce_scatter -> ncclReduceScatter
+//   all_reduce -> ncclAllReduce       broadcast -> ncclBroadcast
+//   barrier -> a one-element ncclAllReduce      split -> ncclCommSplit (for DeviceMesh)
+//
+// NCCL's in-place forms are the concept's own. avg is ncclAvg (see detail::nccl_op).
+// Every collective runs on the communicator's stream (its own, or NcclCommOptions::stream),
+// after the work already queued on NcclCommOptions::after, and returns a Work backed by a
+// CUDA event; several issued inside fsdp::nccl_group are launched together.
+//
+// Made by from_store() (one process per GPU: rank 0 puts the unique id in the rendezvous
+// store) or create() (one process driving several GPUs, one rank each). Communicators are
+// nonblocking; a watchdog aborts one whose collective is not complete within
+// NcclCommOptions::timeout, or that NCCL reports an error on (see nccl_state.hpp), so a
+// dead or stalled peer becomes an fsdp::Error on every survivor, never a hang.
+//
+// As with any communicator, every rank issues the same collectives in the same order, from
+// one thread at a time; buffers stay untouched until the Work completes.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/cuda/cuda_device.hpp"
+#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/nccl/nccl_group.hpp"
+#include "fsdp/nccl/nccl_state.hpp"
+#include "fsdp/nccl/nccl_types.hpp"
+#include "fsdp/store.hpp"
+#include "fsdp/work.hpp"
+
+namespace fsdp {
+
+class NcclComm {
+ public:
+  using Options = NcclCommOptions;
+
+  // Rank `rank` of `world` processes, on GPU `device`. Rank 0 makes the unique id and sets
+  // it in `store` under options.store_key; the others wait for it (options.timeout).
+  static NcclComm from_store(Store& store, int rank, int world, int device, Options options = {}) {
+    const std::string at = "NcclComm '" + options.name + "' rank " + std::to_string(rank) + " of " +
+                           std::to_string(world);
+    if (world < 1) detail::fail(at, ": the world size must be at least 1");
+    if (rank < 0 || rank >= world) detail::fail(at, ": rank is outside [0, ", world, ")");
+    detail::check_nccl_options(options, at);
+    check_device(device, at);
+    ncclUniqueId id;
+    if (rank == 0) {
+      detail::nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", at);
+      store.set(options.store_key, detail::nccl_unique_id_to_hex(id));
+    } else {
+      id = detail::nccl_unique_id_from_hex(store.get(options.store_key, options.timeout), options.store_key);
+    }
+    ncclComm_t comm = init(id, rank, world, device, options, at + " (cuda:" + std::to_string(device) + ")");
+    return NcclComm(detail::NcclCommState::make(comm, rank, world, device, options.name, options));
+  }
+
+  // One communicator per entry of `devices` (distinct GPUs), rank i on devices[i], all in
+  // this process. Drive them from one thread per rank, or issue theirs in an nccl_group.
+  static std::vector<NcclComm> create(const std::vector<int>& devices, Options options = {}) {
+    const std::string at = "NcclComm::create('" + options.name + "', " + std::to_string(devices.size()) + " GPUs)";
+    if (devices.empty()) detail::fail(at, ": no devices given");
+    detail::check_nccl_options(options, at);
+    for (std::size_t i = 0; i < devices.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (devices[j] == devices[i])
+          detail::fail(at, ": ranks ", j, " and ", i, " are both on cuda:", devices[i],
+                       "; NCCL needs one GPU per rank of a communicator");
+    for (int d : devices) check_device(d, at);
+    const int n = static_cast<int>(devices.size());
+    ncclUniqueId id;
+    detail::nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", at);
+    std::vector<ncclComm_t> comms(devices.size(), nullptr);
+    std::vector<ncclConfig_t> configs(devices.size(), detail::nccl_nonblocking_config(options.name.c_str()));
+    std::string error;
+    detail::CurrentDevice restore(devices[0], at);  // the loop below moves between devices
+    int caller_device = devices[0];
+    detail::cuda_check(cudaGetDevice(&caller_device), "cudaGetDevice", at);
+    ncclGroupStart();
+    for (int i = 0; i < n; ++i) {
+      if (cudaSetDevice(devices[i]) != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (error.empty()) error = "cudaSetDevice(" + std::to_string(devices[i]) + ") failed";
+        continue;
+      }
+      const ncclResult_t r = ncclCommInitRankConfig(&comms[i], n, id, i, &configs[i]);
+      if (r != ncclSuccess && r != ncclInProgress && error.empty())
+        error = "ncclCommInitRankConfig(rank " + std::to_string(i) + ") failed: " + detail::nccl_error_text(r);
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    cudaSetDevice(caller_device);
+    if (ended != ncclSuccess && ended != ncclInProgress && error.empty())
+      error = "ncclGroupEnd failed: " + detail::nccl_error_text(ended);
+    const auto deadline = detail::NcclClock::now() + options.timeout;
+    for (int i = 0; i < n && error.empty(); ++i) error = settled(comms[i], deadline, options, "ncclCommInitRankConfig");
+    if (!error.empty()) {
+      for (ncclComm_t c : comms)
+        if (c) ncclCommAbort(c);
+      detail::fail(at, ": ", error);
+    }
+    std::vector<NcclComm> out;
+    for (int i = 0; i < n; ++i) {
+      try {
+        out.push_back(NcclComm(detail::NcclCommState::make(comms[i], i, n, devices[i], options.name, options)));
+      } catch (...) {
+        for (int j = i + 1; j < n; ++j) ncclCommAbort(comms[j]);
+        throw;
+      }
+    }
+    return out;
+  }
+
+  NcclComm(NcclComm&&) noexcept = default;
+  NcclComm& operator=(NcclComm&&) noexcept = default;
+
+  int rank() const { return state_->rank; }
+  int size() const { return state_->size; }
+  int device() const { return state_->device; }
+  cudaStream_t stream() const { return state_->stream(); }
+  const std::string& name() const { return state_->name; }
+  std::chrono::milliseconds timeout() const { return state_->options.timeout; }
+  // Why a collective failed and the communicator was aborted; empty while healthy.
+  std::string broken_by() const { return state_->broken_by(); }
+  bool broken() const { return !broken_by().empty(); }
+
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
+    const auto call = next({detail::CollectiveKind::all_gather, send, recv, count, t});
+    const std::size_t chunk = count * size_of(t);
+    check_buffer(call, send, chunk, "send");
+    check_buffer(call, recv, chunk * size(), "receive");
+    const ncclDataType_t type = detail::nccl_dtype(t);
+    return start(call, "ncclAllGather",
+                 [&](ncclComm_t c, cudaStream_t s) { return ncclAllGather(send, recv, count, type, c, s); });
+  }
+
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    const auto call = next({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
+    const std::size_t chunk = count * size_of(t);
+    check_buffer(call, send, chunk * size(), "send");
+    check_buffer(call, recv, chunk, "receive");
+    const ncclDataType_t type = detail::nccl_dtype(t);
+    const ncclRedOp_t nccl_op = detail::nccl_op(op);
+    return start(call, "ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclReduceScatter(send, recv, count, type, nccl_op, c, s);
+    });
+  }
+
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    const auto call = next({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
+    const std::size_t bytes = count * size_of(t);
+    check_buffer(call, send, bytes, "send");
+    check_buffer(call, recv, bytes, "receive");
+    const ncclDataType_t type = detail::nccl_dtype(t);
+    const ncclRedOp_t nccl_op = detail::nccl_op(op);
+    return start(call, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(send, recv, count, type, nccl_op, c, s);
+    });
+  }
+
+  // Only the root's `send` is read (it may equal `recv`, or be null on the other ranks).
+  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
+    const auto call = next({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
+    if (root < 0 || root >= size())
+      detail::fail(state_->where(), ": ", call.describe(), ": root ", root, " is outside [0, ", size(), ")");
+    const std::size_t bytes = count * size_of(t);
+    if (rank() == root) check_buffer(call, send, bytes, "send");
+    check_buffer(call, recv, bytes, "receive");
+    const ncclDataType_t type = detail::nccl_dtype(t);
+    return start(call, "ncclBroadcast",
+                 [&](ncclComm_t c, cudaStream_t s) { return ncclBroadcast(send, recv, count, type, root, c, s); });
+  }
+
+  Work barrier() {
+    const auto call = next({detail::CollectiveKind::barrier});
+    void* scratch = state_->scratch();
+    return start(call, "ncclAllReduce(barrier)", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, c, s);
+    });
+  }
+
+  // ncclCommSplit: collective over this communicator; ranks passing the same color (>= 0)
+  // form a new one on the same GPU, ordered by (key, rank). Every rank first learns every
+  // rank's color (an all_gather), so a bad color fails on all ranks alike.
+  NcclComm split(int color, int key) {
+    const std::string at = state_->where() + ": split(color " + std::to_string(color) + ", key " +
+                           std::to_string(key) + ")";
+    const std::vector<std::int32_t> all = gather_color_keys(color, key, at);
+    for (int r = 0; r < size(); ++r)
+      if (all[2 * static_cast<std::size_t>(r)] < 0)
+        detail::fail(at, ": colors must be >= 0, but rank ", r, r == rank() ? " (this rank)" : "", " passed color ",
+                     all[2 * static_cast<std::size_t>(r)]);
+    const std::vector<int> members = detail::split_members(all, color);
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    Options child = state_->options;
+    child.name = state_->name + "/split#" + std::to_string(state_->next_split()) + "(color " + std::to_string(color) + ")";
+    ncclConfig_t config = detail::nccl_nonblocking_config(child.name.c_str());
+    ncclComm_t comm = nullptr;
+    {
+      auto lk = state_->lock();
+      if (!state_->broken_locked().empty()) detail::fail(at, ": the communicator broke earlier: ", state_->broken_locked());
+      detail::CurrentDevice current(device(), at);
+      const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, &comm, &config);
+      std::string error;
+      if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommSplit failed: " + detail::nccl_error_text(r);
+      const auto deadline = detail::NcclClock::now() + child.timeout;
+      if (error.empty()) error = settled(comm, deadline, child, "ncclCommSplit");
+      if (error.empty()) error = settled(state_->comm_locked(), deadline, child, "ncclCommSplit (parent)");
+      if (!error.empty()) {
+        if (comm) ncclCommAbort(comm);
+        state_->fail_locked(at + ": " + error, ~std::uint64_t{0});  // the ranks are out of step now
+      }
+    }
+    return NcclComm(detail::NcclCommState::make(comm, new_rank, static_cast<int>(members.size()), device(),
+                                                child.name, child));
+  }
+
+ private:
+  explicit NcclComm(std::shared_ptr<detail::NcclCommState> state) : state_(std::move(state)) {}
+
+  static void check_device(int device, const std::string& at) {
+    const int count = cuda_device_count();
+    if (count == 0)
+      detail::fail(at, ": cuda:", device, " requested, but no CUDA device is visible (no GPU or no driver); ",
+                   "NcclComm needs one GPU per rank");
+    if (device < 0 || device >= count)
+      detail::fail(at, ": no such CUDA device cuda:", device, " (", count, " visible)");
+  }
+
+  // "" once `comm` has left ncclInProgress successfully, else what went wrong.
+  static std::string settled(ncclComm_t comm, detail::NcclClock::time_point deadline, const Options& o,
+                             const char* call) {
+    if (!comm) return std::string(call) + " returned no communicator";
+    const ncclResult_t s = detail::nccl_settle(comm, deadline);
+    if (s == ncclSuccess) return {};
+    if (s == ncclInProgress)
+      return std::string(call) + " did not complete within " + std::to_string(o.timeout.count()) +
+             " ms (NcclCommOptions::timeout): not every rank joined";
+    return std::string(call) + " failed: " + detail::nccl_error_text(s, comm);
+  }
+
+  static ncclComm_t init(const ncclUniqueId& id, int rank, int world, int device, const Options& o,
+                         const std::string& at) {
+    detail::CurrentDevice current(device, at);
+    ncclConfig_t config = detail::nccl_nonblocking_config(o.name.c_str());
+    ncclComm_t comm = nullptr;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
+    std::string error;
+    if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommInitRankConfig failed: " + detail::nccl_error_text(r);
+    if (error.empty()) error = settled(comm, detail::NcclClock::now() + o.timeout, o, "ncclCommInitRankConfig");
+    if (!error.empty()) {
+      if (comm) ncclCommAbort(comm);
+      detail::fail(at, ": ", error, " (unique id from store key '", o.store_key, "')");
+    }
+    return comm;
+  }
+
+  detail::CollectiveCall next(detail::CollectiveCall call) {
+    call.seq = state_->next_seq();
+    const std::string broken_by = state_->broken_by();
+    if (!broken_by.empty())
+      detail::fail(state_->where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_by);
+    return call;
+  }
+
+  // NCCL reads and writes through GPU pointers: ordinary host memory would fault the
+  // kernel and poison the whole CUDA context, so it is refused here.
+  void check_buffer(const detail::CollectiveCall& call, const void* p, std::size_t bytes, const char* which) const {
+    if (bytes == 0) return;
+    if (!p) detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer is null");
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    if (e != cudaSuccess || a.type == cudaMemoryTypeUnregistered)
+      detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer ", p,
+                   " is not GPU or pinned host memory (NCCL needs memory the GPU can address)");
+  }
+
+  template <class Enqueue>
+  Work start(const detail::CollectiveCall& call, const char* nccl_function, Enqueue&& enqueue) {
+    auto f = state_->issue(call, nccl_function, std::forward<Enqueue>(enqueue));
+    return Work(std::make_unique<detail::NcclPending>(state_, std::move(f)));
+  }
+
+  // Every rank's (color, key), in rank order, through an all_gather on the GPU.
+  std::vector<std::int32_t> gather_color_keys(int color, int key, const std::string& at) {
+    const std::size_t n = 2 * static_cast<std::size_t>(size());
+    detail::CurrentDevice current(device(), at);
+    void* buffer = nullptr;
+    detail::cuda_check(cudaMalloc(&buffer, n * sizeof(std::int32_t)), "cudaMalloc(split colors)", at);
+    struct Free {
+      void* p;
+      ~Free() { cudaFree(p); }
+    } free_buffer{buffer};
+    const std::array<std::int32_t, 2> mine{color, key};
+    auto* mine_on_gpu = static_cast<std::int32_t*>(buffer) + 2 * static_cast<std::size_t>(rank());
+    detail::cuda_check(cudaMemcpy(mine_on_gpu, mine.data(), sizeof mine, cudaMemcpyHostToDevice), "cudaMemcpy", at);
+    all_gather(mine_on_gpu, buffer, 2, DType::i32).wait();
+    std::vector<std::int32_t> all(n);
+    detail::cuda_check(cudaMemcpy(all.data(), buffer, n * sizeof(std::int32_t), cudaMemcpyDeviceToHost), "cudaMemcpy",
+                       at);
+    return all;
+  }
+
+  std::shared_ptr<detail::NcclCommState> state_;
+};
+
+static_assert(Communicator<NcclComm>);
+static_assert(SplittableCommunicator<NcclComm>);
+
+}  // namespace fsdp

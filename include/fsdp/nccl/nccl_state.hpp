@@ -1,0 +1,350 @@
+#pragma once
+// The state behind an fsdp::NcclComm, shared with the Work its collectives return (so the
+// communicator outlives them), and its watchdog.
+//
+// Every collective is enqueued on the communicator's stream and followed there by a CUDA
+// event; its Work polls that event (cudaEventQuery), never blocks inside CUDA or NCCL. The
+// communicator is nonblocking, so no NCCL call blocks either. A thread per communicator,
+// the watchdog, looks at the oldest collective in flight every watchdog_interval: when NCCL
+// reports an asynchronous error, or the collective is not complete `timeout` after it was
+// issued, it aborts the communicator (ncclCommAbort, which also ends the kernels waiting on
+// a peer, so streams drain) and records why. From then on every wait() and every new call
+// throws an fsdp::Error with that reason, naming the collective, its sequence number and
+// the rank. Waiters check the same conditions themselves, so a wait is bounded even when
+// the watchdog is late.
+//
+// One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/nccl/nccl_types.hpp"
+#include "fsdp/work.hpp"
+
+namespace fsdp::detail {
+
+using NcclClock = std::chrono::steady_clock;
+
+// Between polls: a few yields (collectives often finish within microseconds), then short
+// sleeps so many waiting ranks on few cores do not starve the one that must progress.
+inline void nccl_backoff(int spins) {
+  if (spins < 64) std::this_thread::yield();
+  else std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+// Polls a nonblocking communicator until it leaves ncclInProgress or `deadline` passes.
+// Returns its state then (ncclInProgress: the deadline passed).
+inline ncclResult_t nccl_settle(ncclComm_t comm, NcclClock::time_point deadline) {
+  for (int spins = 0;; ++spins) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) return r;
+    if (state != ncclInProgress) return state;
+    if (NcclClock::now() >= deadline) return ncclInProgress;
+    nccl_backoff(spins);
+  }
+}
+
+struct NcclInFlight {
+  NcclInFlight() = default;
+  NcclInFlight(const NcclInFlight&) = delete;
+  NcclInFlight& operator=(const NcclInFlight&) = delete;
+  ~NcclInFlight() {
+    if (event) cudaEventDestroy(event);
+  }
+  CollectiveCall call;
+  cudaEvent_t event = nullptr;
+  NcclClock::time_point issued;
+  bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
+  bool complete = false;
+};
+
+class NcclCommState;
+
+// The collectives issued inside the calling thread's nccl_group (see nccl_group.hpp):
+// their events are recorded when the group ends, after NCCL has launched them.
+struct NcclGroupFrame {
+  std::vector<std::pair<std::shared_ptr<NcclCommState>, std::shared_ptr<NcclInFlight>>> issued;
+};
+inline thread_local NcclGroupFrame* nccl_active_group = nullptr;
+
+class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
+ public:
+  // Takes `comm` (initialized, this rank's): on failure here it is aborted.
+  static std::shared_ptr<NcclCommState> make(ncclComm_t comm, int rank, int size, int device, std::string name,
+                                             NcclCommOptions options) {
+    std::shared_ptr<NcclCommState> s(new NcclCommState(comm, rank, size, device, std::move(name), std::move(options)));
+    try {
+      s->start();
+    } catch (...) {
+      std::lock_guard lk(s->mu_);
+      s->abort_locked("creating the communicator failed", ~std::uint64_t{0});
+      throw;
+    }
+    return s;
+  }
+
+  NcclCommState(const NcclCommState&) = delete;
+  NcclCommState& operator=(const NcclCommState&) = delete;
+
+  ~NcclCommState() {  // errors cannot be reported from here
+    {
+      std::lock_guard lk(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    int prev = -1;
+    const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+    cudaSetDevice(device);
+    if (!aborted_) {  // a clean end flushes what was issued; bounded, then aborted
+      ncclResult_t r = ncclCommFinalize(comm_);
+      if (r == ncclSuccess || r == ncclInProgress) r = nccl_settle(comm_, NcclClock::now() + options.timeout);
+      if (r == ncclSuccess) ncclCommDestroy(comm_);
+      else ncclCommAbort(comm_);
+    }
+    in_flight_.clear();
+    if (after_event_) cudaEventDestroy(after_event_);
+    if (scratch_) cudaFree(scratch_);
+    if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
+    if (have_prev && prev != device) cudaSetDevice(prev);
+    (void)cudaGetLastError();
+  }
+
+  const int rank;
+  const int size;
+  const int device;
+  const std::string name;
+  const NcclCommOptions options;
+
+  cudaStream_t stream() const { return stream_; }
+  void* scratch() const { return scratch_; }  // 16 zeroed device bytes, for barrier()
+  std::uint64_t next_split() { return splits_++; }
+
+  // "NcclComm 'world' rank 1 of 4 (cuda:1)".
+  std::string where() const {
+    std::ostringstream os;
+    os << "NcclComm '" << name << "' rank " << rank << " of " << size << " (cuda:" << device << ")";
+    return os.str();
+  }
+
+  std::string broken_by() const {
+    std::lock_guard lk(mu_);
+    return broken_;
+  }
+
+  // The next collective's number (taken before checking its arguments, so that messages
+  // about a refused call name it too).
+  std::uint64_t next_seq() {
+    std::lock_guard lk(mu_);
+    return seq_++;
+  }
+
+  // Runs `enqueue(comm, stream)` (one NCCL call, returning its result) for `call` (numbered
+  // by next_seq), and follows it with an event (or leaves that to the enclosing nccl_group).
+  template <class Enqueue>
+  std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
+    std::lock_guard lk(mu_);
+    if (!broken_.empty())
+      fail(where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
+    const std::string at = where() + ": " + call.describe();
+    CurrentDevice current(device, at);
+    auto f = std::make_shared<NcclInFlight>();
+    f->call = call;
+    cuda_check(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+    if (options.after) {
+      cuda_check(cudaEventRecord(after_event_, options.after), "cudaEventRecord(after stream)", at);
+      cuda_check(cudaStreamWaitEvent(stream_, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
+    }
+    if (nccl_active_group) {  // before enqueuing: a failure below must not abort inside the open group
+      nccl_active_group->issued.push_back({shared_from_this(), f});
+      ++grouped_;
+    }
+    f->issued = NcclClock::now();
+    ncclResult_t r = enqueue(comm_, stream_);
+    if (r == ncclInProgress) r = nccl_settle(comm_, f->issued + options.timeout);
+    if (r == ncclInProgress)
+      fail_locked(at + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
+                      nccl_function + " (NcclCommOptions::timeout)",
+                  call.seq);
+    if (r != ncclSuccess) fail_locked(at + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq);
+    in_flight_.push_back(f);
+    if (!nccl_active_group) record_locked(*f);
+    return f;
+  }
+
+  // True once `f` has completed; throws when it failed, timed out, or the communicator broke.
+  bool poll(NcclInFlight& f) {
+    std::lock_guard lk(mu_);
+    if (f.complete) return true;
+    if (!broken_.empty()) {
+      if (broken_seq_ == f.call.seq) fail(broken_);
+      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+    }
+    if (!f.recorded)
+      fail(where(), ": wait() on ", f.call.describe(),
+           " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+    const std::string reason = inspect_locked(f);
+    if (!reason.empty()) fail_locked(reason, f.call.seq);
+    return f.complete;
+  }
+
+  // For nccl_group: the lock, and what the group's end does under it.
+  std::unique_lock<std::mutex> lock() { return std::unique_lock(mu_); }
+  const std::string& broken_locked() const { return broken_; }
+  ncclComm_t comm_locked() const { return comm_; }
+  void record_locked(NcclInFlight& f) {
+    const std::string at = where() + ": " + f.call.describe();
+    CurrentDevice current(device, at);
+    cuda_check(cudaEventRecord(f.event, stream_), "cudaEventRecord", at);
+    f.recorded = true;
+  }
+  // Records why the communicator broke (the first reason wins) and aborts it, unless an
+  // nccl_group that issued on it is still open: NCCL has not launched that group yet, so its
+  // end aborts instead (group_ended_locked).
+  void abort_locked(const std::string& reason, std::uint64_t seq) {
+    if (broken_.empty()) {
+      broken_ = reason + "; the communicator is aborted (ncclCommAbort)";
+      broken_seq_ = seq;
+    }
+    if (aborted_ || grouped_ > 0) return;
+    cudaSetDevice(device);  // NCCL frees the communicator's device memory
+    const ncclResult_t r = ncclCommAbort(comm_);
+    aborted_ = true;
+    if (r != ncclSuccess) broken_ += std::string(" (ncclCommAbort failed: ") + ncclGetErrorString(r) + ")";
+  }
+  // The group that issued `n` collectives here has ended (ncclGroupEnd returned).
+  void group_ended_locked(std::size_t n) {
+    grouped_ -= n;
+    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_);
+  }
+
+  [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq) {
+    abort_locked(reason, seq);
+    fail(broken_);
+  }
+
+ private:
+  NcclCommState(ncclComm_t comm, int rank, int size, int device, std::string name, NcclCommOptions options)
+      : rank(rank), size(size), device(device), name(std::move(name)), options(std::move(options)), comm_(comm) {}
+
+  void start() {
+    const std::string at = where();
+    CurrentDevice current(device, at);
+    int nccl_rank = -1, nccl_size = -1;
+    nccl_check(ncclCommUserRank(comm_, &nccl_rank), comm_, "ncclCommUserRank", at);
+    nccl_check(ncclCommCount(comm_, &nccl_size), comm_, "ncclCommCount", at);
+    if (nccl_rank != rank || nccl_size != size)
+      fail(at, ": NCCL made rank ", nccl_rank, " of ", nccl_size, " instead");
+    if (options.stream) {
+      stream_ = options.stream;
+    } else {
+      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
+      owns_stream_ = true;
+    }
+    if (options.after)
+      cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+    cuda_check(cudaMalloc(&scratch_, 16), "cudaMalloc(16 bytes for barrier)", at);
+    cuda_check(cudaMemset(scratch_, 0, 16), "cudaMemset(barrier bytes)", at);
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  // Why the communicator must be aborted while `f` is in flight, or "" (f.complete says
+  // whether it has finished).
+  std::string inspect_locked(NcclInFlight& f) {
+    const cudaError_t q = cudaEventQuery(f.event);
+    if (q == cudaSuccess) {
+      f.complete = true;
+      return {};
+    }
+    if (q != cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return where() + ": " + f.call.describe() + " failed: cudaEventQuery: " + cudaGetErrorString(q) + " (" +
+             cudaGetErrorName(q) + ")";
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess) state = r;
+    if (state != ncclSuccess && state != ncclInProgress)
+      return where() + ": " + f.call.describe() + " failed: NCCL reported an asynchronous error: " +
+             nccl_error_text(state, comm_);
+    const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(NcclClock::now() - f.issued);
+    if (age > options.timeout)
+      return where() + ": " + f.call.describe() + " did not complete within " +
+             std::to_string(options.timeout.count()) + " ms of being issued (NcclCommOptions::timeout): a peer is " +
+             "dead, stalled, or issued a different collective; NCCL async state: " + nccl_error_text(state, comm_);
+    return {};
+  }
+
+  void watch() {
+    cudaSetDevice(device);
+    std::unique_lock lk(mu_);
+    while (!stopping_) {
+      cv_.wait_for(lk, options.watchdog_interval);
+      if (stopping_ || aborted_) continue;
+      while (!in_flight_.empty() && in_flight_.front()->recorded) {  // one stream: they finish in order
+        NcclInFlight& f = *in_flight_.front();
+        const std::string reason = f.complete ? std::string() : inspect_locked(f);
+        if (!reason.empty()) {
+          abort_locked("watchdog: " + reason, f.call.seq);
+          break;
+        }
+        if (!f.complete) break;
+        in_flight_.pop_front();
+      }
+      if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+        if (r != ncclSuccess) state = r;
+        if (state != ncclSuccess && state != ncclInProgress)
+          abort_locked("watchdog: " + where() + ": NCCL reported an asynchronous error between collectives: " +
+                           nccl_error_text(state, comm_),
+                       ~std::uint64_t{0});
+      }
+    }
+  }
+
+  mutable std::mutex mu_;
+  ncclComm_t comm_;
+  bool aborted_ = false;
+  std::string broken_;              // why it was aborted; empty while healthy
+  std::uint64_t broken_seq_ = ~std::uint64_t{0};  // the collective that broke it
+  std::uint64_t seq_ = 0;
+  std::uint64_t splits_ = 0;
+  std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
+  std::deque<std::shared_ptr<NcclInFlight>> in_flight_;  // oldest first
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
+  cudaEvent_t after_event_ = nullptr;
+  void* scratch_ = nullptr;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread watchdog_;
+};
+
+// An issued collective as the Work it returns.
+class NcclPending final : public Work::Pending {
+ public:
+  NcclPending(std::shared_ptr<NcclCommState> state, std::shared_ptr<NcclInFlight> f)
+      : state_(std::move(state)), f_(std::move(f)) {}
+  void wait() override {
+    for (int spins = 0; !state_->poll(*f_); ++spins) nccl_backoff(spins);  // poll throws past the timeout
+  }
+  bool ready() override { return state_->poll(*f_); }
+
+ private:
+  std::shared_ptr<NcclCommState> state_;
+  std::shared_ptr<NcclInFlight> f_;
+};
+
+}  // namespace fsdp::detail

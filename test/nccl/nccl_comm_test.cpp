@@ -1,0 +1,405 @@
+// fsdp/nccl/nccl_comm.hpp. The mapping, validation and no-device cases run everywhere; the
+// cases that need a GPU (two GPUs for the multi-process one) report as skipped without
+// one. Cases that may crash or stall by design (the watchdog's) run in a child process.
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+// The multi-process case needs Boost.Asio (the TcpStore); tools/gpu_proof.sh builds this
+// file with g++ where Boost may be missing, and then compiles that case out.
+#if __has_include(<boost/asio.hpp>)
+#define FSDP_NCCL_TEST_TCP 1
+#include "fsdp/asio/tcp_store.hpp"
+#endif
+#include "fsdp/nccl/nccl_comm.hpp"
+#include "fsdp/store.hpp"
+#include "test/nccl/child_process.hpp"
+#include "test/support/errors.hpp"
+#include "test/support/gpu.hpp"
+
+namespace {
+
+using fsdp::DType;
+using fsdp::NcclComm;
+using fsdp::ReduceOp;
+using test_support::contains;
+using test_support::error_of;
+using test_support::no_gpu;
+
+constexpr DType kAll[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
+                          DType::i8,  DType::u8,  DType::i32, DType::i64};
+
+const bool fewer_than_two_gpus = fsdp::cuda_device_count() < 2;
+
+std::string role() {
+  const char* r = std::getenv("FSDP_NCCL_TEST_ROLE");
+  return r ? r : "";
+}
+
+// Rank r's element i: small integers, so every dtype holds them and their sums exactly.
+double value(int rank, std::size_t i) { return static_cast<double>(rank + 1 + static_cast<int>(i % 5)); }
+
+std::vector<unsigned char> encode(DType t, const std::vector<double>& v) {
+  std::vector<unsigned char> out(v.size() * fsdp::size_of(t));
+  for (std::size_t i = 0; i < v.size(); ++i) fsdp::store_from_double(out.data(), i, t, v[i]);
+  return out;
+}
+
+std::vector<double> decode(DType t, const std::vector<unsigned char>& bytes) {
+  std::vector<double> out(bytes.size() / fsdp::size_of(t));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = fsdp::load_as_double(bytes.data(), i, t);
+  return out;
+}
+
+// A device buffer filled from / read back to host values of one dtype.
+struct GpuBuffer {
+  DType t;
+  std::size_t n;
+  void* p = nullptr;
+  GpuBuffer(DType type, std::size_t count) : t(type), n(count) {
+    REQUIRE(cudaMalloc(&p, n * fsdp::size_of(t)) == cudaSuccess);
+    REQUIRE(cudaMemset(p, 0, n * fsdp::size_of(t)) == cudaSuccess);
+  }
+  ~GpuBuffer() { cudaFree(p); }
+  GpuBuffer(const GpuBuffer&) = delete;
+  GpuBuffer& operator=(const GpuBuffer&) = delete;
+  void set(const std::vector<double>& v, std::size_t offset = 0) {
+    const auto bytes = encode(t, v);
+    REQUIRE(cudaMemcpy(static_cast<char*>(p) + offset * fsdp::size_of(t), bytes.data(), bytes.size(),
+                       cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  std::vector<double> get() const {
+    std::vector<unsigned char> bytes(n * fsdp::size_of(t));
+    REQUIRE(cudaMemcpy(bytes.data(), p, bytes.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return decode(t, bytes);
+  }
+  void* at(std::size_t i) const { return static_cast<char*>(p) + i * fsdp::size_of(t); }
+};
+
+std::vector<double> rank_values(int rank, std::size_t n) {
+  std::vector<double> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = value(rank, i);
+  return v;
+}
+
+// Every collective of `comm` against host-computed expectations over `world` ranks whose
+// inputs are rank_values(r, ...). Returns failures as text (empty: all correct).
+std::string check_collectives(NcclComm& comm, int world) {
+  std::string failures;
+  auto expect = [&](bool ok, const std::string& what) {
+    if (!ok) failures += "  " + what + "\n";
+  };
+  const int me = comm.rank();
+  constexpr std::size_t n = 12;  // per rank
+  for (DType t : kAll) {
+    const std::string dt(fsdp::name_of(t));
+    {  // all_gather
+      GpuBuffer send(t, n), recv(t, n * world);
+      send.set(rank_values(me, n));
+      comm.all_gather(send.p, recv.p, n, t).wait();
+      const auto got = recv.get();
+      for (int r = 0; r < world; ++r)
+        for (std::size_t i = 0; i < n; ++i) expect(got[r * n + i] == value(r, i), "all_gather " + dt);
+    }
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
+      if (op == ReduceOp::avg && world != 1 && world != 2) continue;  // exact only for powers of two
+      auto reduced = [&](std::size_t i) {
+        double s = 0, hi = value(0, i), lo = value(0, i);
+        for (int r = 0; r < world; ++r) s += value(r, i), hi = std::max(hi, value(r, i)), lo = std::min(lo, value(r, i));
+        if (op == ReduceOp::sum) return s;
+        if (op == ReduceOp::max) return hi;
+        if (op == ReduceOp::min) return lo;
+        return fsdp::is_floating(t) ? s / world : static_cast<double>(static_cast<long long>(s) / world);
+      };
+      const std::string what = std::string(fsdp::name_of(op)) + " " + dt;
+      GpuBuffer all(t, n * world), chunk(t, n), out(t, n * world);
+      for (int r = 0; r < world; ++r) all.set(rank_values(me, n), r * n);
+      comm.reduce_scatter(all.p, chunk.p, n, t, op).wait();
+      const auto rs = chunk.get();
+      for (std::size_t i = 0; i < n; ++i) expect(rs[i] == reduced(i), "reduce_scatter " + what);
+      comm.all_reduce(all.p, out.p, n, t, op).wait();  // first n elements of each rank's buffer
+      const auto ar = out.get();
+      for (std::size_t i = 0; i < n; ++i) expect(ar[i] == reduced(i), "all_reduce " + what);
+      comm.all_reduce(all.p, all.p, n, t, op).wait();  // in place
+      const auto in_place = all.get();
+      for (std::size_t i = 0; i < n; ++i) expect(in_place[i] == reduced(i), "in-place all_reduce " + what);
+    }
+    {  // broadcast from the last rank, in place on the root
+      GpuBuffer buf(t, n);
+      buf.set(rank_values(me, n));
+      comm.broadcast(buf.p, buf.p, n, t, world - 1).wait();
+      const auto got = buf.get();
+      for (std::size_t i = 0; i < n; ++i) expect(got[i] == value(world - 1, i), "broadcast " + dt);
+    }
+  }
+  comm.barrier().wait();
+  return failures;
+}
+
+}  // namespace
+
+TEST_CASE("every fsdp::DType has the NCCL datatype of its kind and width") {
+  CHECK(fsdp::detail::nccl_dtype(DType::f32) == ncclFloat32);
+  CHECK(fsdp::detail::nccl_dtype(DType::f64) == ncclFloat64);
+  CHECK(fsdp::detail::nccl_dtype(DType::f16) == ncclFloat16);
+  CHECK(fsdp::detail::nccl_dtype(DType::bf16) == ncclBfloat16);
+  CHECK(fsdp::detail::nccl_dtype(DType::i8) == ncclInt8);
+  CHECK(fsdp::detail::nccl_dtype(DType::u8) == ncclUint8);
+  CHECK(fsdp::detail::nccl_dtype(DType::i32) == ncclInt32);
+  CHECK(fsdp::detail::nccl_dtype(DType::i64) == ncclInt64);
+  const auto bad = error_of([] { fsdp::detail::nccl_dtype(static_cast<DType>(42)); });
+  CHECK(contains(bad, "dtype code 42"));
+}
+
+TEST_CASE("reduce ops are NCCL's, avg is ncclAvg") {
+  CHECK(fsdp::detail::nccl_op(ReduceOp::sum) == ncclSum);
+  CHECK(fsdp::detail::nccl_op(ReduceOp::avg) == ncclAvg);
+  CHECK(fsdp::detail::nccl_op(ReduceOp::max) == ncclMax);
+  CHECK(fsdp::detail::nccl_op(ReduceOp::min) == ncclMin);
+  CHECK(contains(error_of([] { fsdp::detail::nccl_op(static_cast<ReduceOp>(9)); }), "reduce op code 9"));
+}
+
+TEST_CASE("the unique id survives the store as hex; malformed values name the key") {
+  ncclUniqueId id;
+  for (std::size_t i = 0; i < sizeof id.internal; ++i) id.internal[i] = static_cast<char>(i * 37 + 5);
+  const std::string hex = fsdp::detail::nccl_unique_id_to_hex(id);
+  CHECK(hex.size() == 2 * sizeof id.internal);
+  const ncclUniqueId back = fsdp::detail::nccl_unique_id_from_hex(hex, "k");
+  CHECK(std::memcmp(back.internal, id.internal, sizeof id.internal) == 0);
+  CHECK(contains(error_of([] { fsdp::detail::nccl_unique_id_from_hex("abc", "job/nccl"); }), "store key 'job/nccl' holds 3"));
+  std::string bad = hex;
+  bad[7] = 'x';
+  CHECK(contains(error_of([&] { fsdp::detail::nccl_unique_id_from_hex(bad, "job/nccl"); }), "'x', not a lowercase hex"));
+}
+
+TEST_CASE("arguments and options are refused before CUDA or the store is touched") {
+  fsdp::HashStore store;
+  auto from = [&](int rank, int world, fsdp::NcclCommOptions o) {
+    return error_of([&] { NcclComm::from_store(store, rank, world, 0, o); });
+  };
+  CHECK(contains(from(0, 0, {}), "world size must be at least 1"));
+  CHECK(contains(from(2, 2, {}), "rank 2 of 2: rank is outside [0, 2)"));
+  fsdp::NcclCommOptions zero;
+  zero.timeout = std::chrono::milliseconds(0);
+  CHECK(contains(from(0, 1, zero), "NcclCommOptions::timeout must be in (0 ms, 24 h], got 0 ms"));
+  fsdp::NcclCommOptions slow_watchdog;
+  slow_watchdog.timeout = std::chrono::milliseconds(100);
+  slow_watchdog.watchdog_interval = std::chrono::milliseconds(200);
+  CHECK(contains(from(0, 1, slow_watchdog), "watchdog_interval (200 ms) is longer than the timeout (100 ms)"));
+  fsdp::NcclCommOptions no_key;
+  no_key.store_key.clear();
+  CHECK(contains(from(0, 1, no_key), "store_key is empty"));
+  CHECK(store.num_keys() == 0);
+  CHECK(contains(error_of([] { NcclComm::create({}); }), "no devices given"));
+  CHECK(contains(error_of([] { NcclComm::create({0, 1, 0}); }), "ranks 0 and 2 are both on cuda:0"));
+}
+
+TEST_CASE("a GPU that is not there is an fsdp::Error naming it, not a crash") {
+  const int count = fsdp::cuda_device_count();
+  fsdp::HashStore store;
+  const auto e = error_of([&] { NcclComm::from_store(store, 0, 1, count); });
+  CHECK(contains(e, "NcclComm 'world' rank 0 of 1: "));
+  CHECK(contains(e, "cuda:" + std::to_string(count)));
+  CHECK(contains(e, count == 0 ? "no CUDA device is visible" : "no such CUDA device"));
+  CHECK(store.num_keys() == 0);  // refused before rank 0 published an id
+  CHECK(contains(error_of([&] { NcclComm::create({count}); }), "cuda:" + std::to_string(count)));
+}
+
+TEST_CASE("one rank: every collective and dtype against the host" * doctest::skip(no_gpu)) {
+  auto comms = NcclComm::create({0});
+  REQUIRE(comms.size() == 1);
+  NcclComm& comm = comms[0];
+  CHECK(comm.rank() == 0);
+  CHECK(comm.size() == 1);
+  CHECK(comm.device() == 0);
+  const std::string failures = check_collectives(comm, 1);
+  CHECK_MESSAGE(failures.empty(), failures);
+  CHECK(!comm.broken());
+}
+
+TEST_CASE("collectives wait for NcclCommOptions::after, e.g. CudaDevice's stream" * doctest::skip(no_gpu)) {
+  fsdp::CudaDevice dev(0);
+  fsdp::NcclCommOptions o;
+  o.after = dev.stream();
+  auto comms = NcclComm::create({0}, o);
+  constexpr std::size_t n = 1 << 20;
+  std::vector<float> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>(i % 1000);
+  void* src = dev.allocate(n * 4);
+  void* dst = dev.allocate(n * 4);
+  dev.copy(src, host.data(), n * 4);  // queued on the device's stream; not waited for
+  comms[0].all_reduce(src, dst, n, DType::f32, ReduceOp::sum).wait();
+  std::vector<float> got(n);
+  dev.copy(got.data(), dst, n * 4);
+  dev.synchronize();
+  CHECK(got == host);
+  dev.deallocate(src, n * 4);
+  dev.deallocate(dst, n * 4);
+  dev.synchronize();
+}
+
+TEST_CASE("host buffers, null buffers and a bad root are refused naming the call" * doctest::skip(no_gpu)) {
+  auto comms = NcclComm::create({0});
+  std::vector<float> host(4);
+  GpuBuffer dev(DType::f32, 4);
+  const auto e = error_of([&] { comms[0].all_reduce(host.data(), dev.p, 4, DType::f32, ReduceOp::sum); });
+  CHECK(contains(e, "NcclComm 'world' rank 0 of 1 (cuda:0): all_reduce(count=4, dtype=f32, op=sum) as collective #0"));
+  CHECK(contains(e, "send buffer"));
+  CHECK(contains(e, "not GPU or pinned host memory"));
+  CHECK(contains(error_of([&] { comms[0].all_gather(nullptr, dev.p, 4, DType::f32); }), "#1: the send buffer is null"));
+  CHECK(contains(error_of([&] { comms[0].broadcast(dev.p, dev.p, 4, DType::f32, 1); }), "root 1 is outside [0, 1)"));
+  CHECK(!comms[0].broken());  // refused calls never reached NCCL
+  comms[0].all_reduce(dev.p, dev.p, 4, DType::f32, ReduceOp::sum).wait();
+}
+
+TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::skip(fewer_than_two_gpus)) {
+  auto comms = NcclComm::create({0, 1});
+  constexpr std::size_t n = 64;
+  std::vector<std::unique_ptr<GpuBuffer>> send, recv;
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    send.push_back(std::make_unique<GpuBuffer>(DType::f32, n));
+    recv.push_back(std::make_unique<GpuBuffer>(DType::f32, n));
+    send[r]->set(rank_values(r, n));
+  }
+  std::vector<fsdp::Work> works;
+  fsdp::nccl_group([&] {
+    for (int r = 0; r < 2; ++r) works.push_back(comms[r].all_reduce(send[r]->p, recv[r]->p, n, DType::f32, ReduceOp::sum));
+    CHECK(contains(error_of([&] { works[0].wait(); }), "inside an nccl_group"));
+  });
+  for (auto& w : works) w.wait();
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    const auto got = recv[r]->get();
+    for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == value(0, i) + value(1, i));
+  }
+}
+
+// ---- cases run in child processes --------------------------------------------------
+
+namespace {
+
+std::string temp_path(const std::string& name) {
+  return "/tmp/fsdp_nccl_test_" + std::to_string(getpid()) + "_" + name + ".log";
+}
+
+// Watchdog child: the collective's stream is held back by a host function, so the
+// collective cannot complete; the watchdog must turn that into an Error. Exits with
+// _Exit so that nothing waits on the still-held stream.
+void watchdog_child() {
+  cudaStream_t held = nullptr;
+  if (cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking) != cudaSuccess) std::_Exit(3);
+  static std::atomic<bool> release{false};
+  cudaLaunchHostFunc(held, [](void*) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!release && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }, nullptr);
+  fsdp::NcclCommOptions o;
+  o.timeout = std::chrono::milliseconds(500);
+  o.watchdog_interval = std::chrono::milliseconds(5);
+  o.after = held;
+  auto comms = NcclComm::create({0}, o);
+  GpuBuffer buf(DType::f32, 4);
+  const auto start = std::chrono::steady_clock::now();
+  const auto e = error_of([&] { comms[0].all_reduce(buf.p, buf.p, 4, DType::f32, ReduceOp::sum).wait(); });
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  std::printf("WATCHDOG_ERROR: %s\nWATCHDOG_MS: %lld\n", e.c_str(), static_cast<long long>(ms.count()));
+  std::printf("AFTER_ERROR: %s\n", error_of([&] { comms[0].barrier(); }).c_str());
+  std::printf("BROKEN: %d\nWATCHDOG-DONE\n", comms[0].broken() ? 1 : 0);
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+
+#ifdef FSDP_NCCL_TEST_TCP
+// One of two processes on GPUs 0 and 1, meeting through the parent's TcpStore.
+void rank_child() {
+  const int rank = std::atoi(std::getenv("FSDP_NCCL_TEST_RANK"));
+  const auto port = static_cast<std::uint16_t>(std::atoi(std::getenv("FSDP_NCCL_TEST_PORT")));
+  fsdp::TcpStore store("127.0.0.1", port);
+  fsdp::NcclCommOptions o;
+  o.timeout = std::chrono::seconds(30);
+  NcclComm comm = NcclComm::from_store(store, rank, 2, rank, o);
+  std::string failures = check_collectives(comm, 2);
+  NcclComm alone = comm.split(rank, 0);  // two groups of one
+  if (alone.size() != 1 || alone.rank() != 0) failures += "  split sizes\n";
+  failures += check_collectives(alone, 1);
+  std::printf("%s%s\n", failures.c_str(), failures.empty() ? "COLLECTIVES-OK" : "COLLECTIVES-FAILED");
+  // A stalled peer: rank 1 joins a second communicator and then issues nothing.
+  fsdp::NcclCommOptions quick;
+  quick.timeout = std::chrono::milliseconds(1500);
+  quick.store_key = "stall";
+  NcclComm stall = NcclComm::from_store(store, rank, 2, rank, quick);
+  if (rank == 0) {
+    GpuBuffer buf(DType::f32, 4);
+    std::printf("STALL_ERROR: %s\n", error_of([&] { stall.all_reduce(buf.p, buf.p, 4, DType::f32, ReduceOp::sum).wait(); }).c_str());
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+  }
+  std::printf("RANK-DONE\n");
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+#endif
+
+}  // namespace
+
+TEST_CASE("nccl child process" * doctest::skip(role().empty())) {
+  if (role() == "watchdog") watchdog_child();
+#ifdef FSDP_NCCL_TEST_TCP
+  if (role() == "rank") rank_child();
+#endif
+  FAIL("unknown FSDP_NCCL_TEST_ROLE ", role());
+}
+
+TEST_CASE("the watchdog turns a collective that cannot complete into an Error" * doctest::skip(no_gpu)) {
+  const auto child = test_support::spawn_self("nccl child process", {"FSDP_NCCL_TEST_ROLE=watchdog"}, temp_path("watchdog"));
+  const auto r = test_support::wait_child(child, std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  INFO("child output:\n", r.output);
+  CHECK(!r.timed_out);
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.output, "WATCHDOG-DONE"));
+  CHECK(contains(r.output, "WATCHDOG_ERROR: fsdp: "));
+  CHECK(contains(r.output, "rank 0 of 1 (cuda:0): all_reduce(count=4, dtype=f32, op=sum) as collective #0"));
+  CHECK(contains(r.output, "did not complete within 500 ms"));
+  CHECK(contains(r.output, "ncclCommAbort"));
+  CHECK(contains(r.output, "AFTER_ERROR: fsdp: "));
+  CHECK(contains(r.output, "barrier as collective #1 not started: the communicator broke earlier"));
+  CHECK(contains(r.output, "BROKEN: 1"));
+}
+
+#ifdef FSDP_NCCL_TEST_TCP
+TEST_CASE("two processes through a TcpStore: collectives, split, a stalled peer" * doctest::skip(fewer_than_two_gpus)) {
+  fsdp::TcpStoreServer server;
+  std::vector<test_support::Child> children;
+  for (int r = 0; r < 2; ++r)
+    children.push_back(test_support::spawn_self(
+        "nccl child process",
+        {"FSDP_NCCL_TEST_ROLE=rank", "FSDP_NCCL_TEST_RANK=" + std::to_string(r),
+         "FSDP_NCCL_TEST_PORT=" + std::to_string(server.port())},
+        temp_path("rank" + std::to_string(r))));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (int r = 0; r < 2; ++r) {
+    const auto result = test_support::wait_child(children[r], deadline);
+    INFO("rank ", r, " output:\n", result.output);
+    CHECK(!result.timed_out);
+    CHECK(result.exit_code == 0);
+    CHECK(contains(result.output, "COLLECTIVES-OK"));
+    CHECK(contains(result.output, "RANK-DONE"));
+    if (r == 0) {
+      CHECK(contains(result.output, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of 2 (cuda:0): all_reduce("));
+      CHECK(contains(result.output, "as collective #0"));
+      CHECK(contains(result.output, "ncclCommAbort"));
+    }
+  }
+}
+#endif

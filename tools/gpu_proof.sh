@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# One-command GPU proof, for a machine with a GPU, the CUDA toolkit and NCCL but no Bazel.
+#
+#   tools/gpu_proof.sh            # build, run the tests with FSDP_REQUIRE_GPU=1, run the benches
+#   tools/gpu_proof.sh --build-only
+#
+# Builds the CUDA and NCCL test binaries and tools/gpu_proof/gpu_bench.cpp with g++ straight
+# from the headers, runs each test with FSDP_REQUIRE_GPU=1 (so a machine without a visible
+# GPU fails instead of skipping), then the benches (CudaDevice copy/cast throughput,
+# NcclComm all_gather/reduce_scatter bandwidth over sizes), and ends with
+#   gpu proof: N passed, M failed
+# counting doctest test cases (a binary that does not build counts as one failure).
+# Exit status 0 only when nothing failed.
+#
+# Where things are found (first match wins):
+#   CUDA:    $CUDA_HOME, the toolkit of the nvcc on PATH, /usr/local/cuda
+#   NCCL:    $NCCL_HOME, Python's nvidia.nccl package (pip nvidia-nccl-cu*), the CUDA dir
+#   doctest: $DOCTEST_INCLUDE, /usr/include, /usr/local/include, tools/gpu_proof/include
+#            (a directory holding doctest/doctest.h)
+#   Boost:   /usr/include or /usr/local/include; without it the NCCL test's two-process
+#            case (which needs two GPUs anyway) is compiled out.
+# Output: build logs and binaries in ${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}
+mkdir -p "$OUT"
+BUILD_ONLY=0
+[ "${1:-}" = "--build-only" ] && BUILD_ONLY=1
+
+die() { echo "gpu proof: $*" >&2; echo "gpu proof: 0 passed, 1 failed"; exit 1; }
+
+# ---- locate the toolchain --------------------------------------------------------------
+lib_dir_of() {  # the lib dir under $1 that holds a file matching $2 (lib64, lib, lib/x86_64-linux-gnu)
+  for d in "$1/lib64" "$1/lib" "$1/lib/x86_64-linux-gnu" "$1/targets/x86_64-linux/lib"; do
+    compgen -G "$d/$2" >/dev/null && { echo "$d"; return 0; }
+  done
+  return 1
+}
+
+CUDA=""
+for c in "${CUDA_HOME:-}" "$(command -v nvcc >/dev/null 2>&1 && dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")" /usr/local/cuda; do
+  [ -n "$c" ] && [ -f "$c/include/cuda_runtime.h" ] && { CUDA=$c; break; }
+done
+[ -n "$CUDA" ] || die "no CUDA toolkit found (cuda_runtime.h): set CUDA_HOME, or put nvcc on PATH"
+CUDA_LIB=$(lib_dir_of "$CUDA" 'libcudart.so*') || die "no libcudart under $CUDA"
+NVRTC_LIB=$(lib_dir_of "$CUDA" 'libnvrtc.so*') || die "no libnvrtc under $CUDA (CudaDevice compiles its kernels with NVRTC)"
+
+PY_NCCL=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.dirname(m.__file__) if getattr(m, "__file__", None) else list(m.__path__)[0])' 2>/dev/null || true)
+NCCL=""
+for c in "${NCCL_HOME:-}" "$PY_NCCL" "$CUDA" /usr; do
+  [ -n "$c" ] && [ -f "$c/include/nccl.h" ] && lib_dir_of "$c" 'libnccl.so*' >/dev/null && { NCCL=$c; break; }
+done
+[ -n "$NCCL" ] || die "no NCCL found (nccl.h + libnccl.so*): set NCCL_HOME, or pip install nvidia-nccl-cu13"
+NCCL_LIB=$(lib_dir_of "$NCCL" 'libnccl.so*')
+NCCL_VERSION=$(sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\).*/\2/p' "$NCCL/include/nccl.h" | paste -sd. -)
+
+DOCTEST=""
+for c in "${DOCTEST_INCLUDE:-}" /usr/include /usr/local/include tools/gpu_proof/include; do
+  [ -n "$c" ] && [ -f "$c/doctest/doctest.h" ] && { DOCTEST=$c; break; }
+done
+[ -n "$DOCTEST" ] || die "doctest/doctest.h not found. It is one header (MIT): install doctest-dev, or copy
+  /usr/include/doctest/doctest.h from a machine that has it to tools/gpu_proof/include/doctest/doctest.h
+  (or set DOCTEST_INCLUDE to the directory above doctest/)."
+
+CXX=${CXX:-g++}
+command -v "$CXX" >/dev/null || die "no C++ compiler ($CXX); set CXX to a C++20 compiler (g++ >= 11)"
+
+# libfoo.so, or only libfoo.so.N as pip wheels ship: link the name that exists.
+link_flag() {
+  if [ -e "$1/lib$2.so" ]; then echo "-l$2"; else echo "-l:$(basename "$(ls "$1"/lib"$2".so.* | head -1)")"; fi
+}
+LIBS=(-L"$CUDA_LIB" -L"$NVRTC_LIB" -L"$NCCL_LIB" -Wl,-rpath,"$CUDA_LIB" -Wl,-rpath,"$NVRTC_LIB" -Wl,-rpath,"$NCCL_LIB"
+      "$(link_flag "$NCCL_LIB" nccl)" "$(link_flag "$CUDA_LIB" cudart)" "$(link_flag "$NVRTC_LIB" nvrtc)" -pthread)
+INCLUDES=(-Iinclude -I. -I"$CUDA/include" -I"$NCCL/include" -I"$DOCTEST")
+[ -d "$CUDA/include/cccl" ] && INCLUDES+=(-I"$CUDA/include/cccl")
+CXXFLAGS=(-std=c++20 -O2 -g -Wall -Wextra)
+
+echo "gpu proof: CUDA $CUDA (libs $CUDA_LIB), NCCL $NCCL_VERSION at $NCCL, doctest $DOCTEST, $($CXX --version | head -1)"
+if [ -f /usr/include/boost/asio.hpp ] || [ -f /usr/local/include/boost/asio.hpp ]; then
+  echo "gpu proof: Boost found: the NCCL test's two-process case is built (it runs with >= 2 GPUs)"
+else
+  echo "gpu proof: no Boost: the NCCL test's two-process case is compiled out"
+fi
+
+# ---- build (in parallel) ---------------------------------------------------------------
+TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
+       test/nccl/nccl_comm_test.cpp)
+build() {  # build <name> <sources...>
+  local name=$1; shift
+  if "$CXX" "${CXXFLAGS[@]}" "${INCLUDES[@]}" "$@" -o "$OUT/$name" "${LIBS[@]}" >"$OUT/$name.build.log" 2>&1; then
+    echo ok >"$OUT/$name.build"
+  else
+    echo failed >"$OUT/$name.build"
+  fi
+}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+pids=()
+for t in "${TESTS[@]}"; do
+  build "$(basename "$t" .cpp)" "$t" test/doctest_main.cpp &
+  pids+=($!)
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
+done
+build gpu_bench tools/gpu_proof/gpu_bench.cpp &
+wait
+
+passed=0; failed=0; skipped=0
+for t in "${TESTS[@]}" gpu_bench; do
+  name=$(basename "$t" .cpp)
+  if [ "$(cat "$OUT/$name.build" 2>/dev/null)" != ok ]; then
+    echo "BUILD FAILED: $name (log: $OUT/$name.build.log)"; tail -20 "$OUT/$name.build.log" | sed 's/^/    /'
+    failed=$((failed + 1))
+  else
+    echo "built: $OUT/$name"
+  fi
+done
+if [ "$BUILD_ONLY" = 1 ]; then echo "gpu proof: built only; $failed build failures"; exit $((failed > 0)); fi
+
+# ---- tests ------------------------------------------------------------------------------
+echo
+echo "== tests (FSDP_REQUIRE_GPU=1) =="
+for t in "${TESTS[@]}"; do
+  name=$(basename "$t" .cpp)
+  [ -x "$OUT/$name" ] && [ "$(cat "$OUT/$name.build")" = ok ] || continue
+  FSDP_REQUIRE_GPU=1 timeout 600 "$OUT/$name" --no-version >"$OUT/$name.log" 2>&1
+  rc=$?
+  summary=$(grep -E '^\[doctest\] test cases:' "$OUT/$name.log" | tail -1)
+  p=$(echo "$summary" | sed -n 's/.*| *\([0-9]*\) passed.*/\1/p')
+  f=$(echo "$summary" | sed -n 's/.*| *\([0-9]*\) failed.*/\1/p')
+  s=$(echo "$summary" | sed -n 's/.*| *\([0-9]*\) skipped.*/\1/p')
+  p=${p:-0}; f=${f:-0}; s=${s:-0}
+  [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1  # crashed or timed out before its summary
+  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+  printf '%-22s rc=%-3s %3s passed %3s failed %3s skipped\n' "$name" "$rc" "$p" "$f" "$s"
+  if [ "$rc" -ne 0 ]; then
+    if grep -q 'FSDP_REQUIRE_GPU=1: a GPU is visible' "$OUT/$name.log" && grep -q 'ERROR: CHECK( fsdp::cuda_device_count() > 0 )' "$OUT/$name.log"; then
+      echo "    no GPU visible: FSDP_REQUIRE_GPU=1 failed this binary; its GPU cases were skipped"
+    fi
+    grep -E 'ERROR|error:|fatal' "$OUT/$name.log" | head -8 | sed 's/^/    /'
+    echo "    full log: $OUT/$name.log"
+  fi
+done
+
+# ---- benches ----------------------------------------------------------------------------
+echo
+echo "== benches =="
+if [ -x "$OUT/gpu_bench" ] && [ "$(cat "$OUT/gpu_bench.build")" = ok ]; then
+  timeout 600 "$OUT/gpu_bench" 2>&1 | tee "$OUT/gpu_bench.log"
+  brc=${PIPESTATUS[0]}
+  if [ "$brc" -eq 2 ]; then echo "benches not run: no GPU visible"
+  elif [ "$brc" -ne 0 ]; then echo "bench FAILED (rc=$brc)"; failed=$((failed + 1)); fi
+fi
+
+echo
+[ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (two-GPU cases on a one-GPU machine, or no GPU)"
+echo "gpu proof: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
