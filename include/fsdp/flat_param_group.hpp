@@ -235,6 +235,21 @@ class FlatParamGroup {
     }
   }
 
+  // Adds the unsharded parameters' bytes to `f` (a summon's writeback check) and returns
+  // whether any of them are their own shard (edited in place, so already kept).
+  bool hash_unsharded(detail::Fingerprint& f) const {
+    bool in_place = false;
+    std::vector<std::byte> host;
+    for (const auto& fp : flat_) {
+      if (!fp.full) continue;
+      in_place = in_place || fp.full == fp.shard;
+      host.resize(FlatParam::bytes(fp.layout.numel(), fp.full_dtype));
+      if (!host.empty()) device_.copy(host.data(), fp.full, host.size());
+      f.add_bytes(host.data(), host.size());
+    }
+    return in_place;
+  }
+
   // Parameter i (in take_over's order) inside the unsharded buffer, in the dtype gathered.
   void* full_parameter(std::size_t i) const {
     const auto [k, j] = param_index_.at(i);

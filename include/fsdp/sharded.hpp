@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <typeinfo>
 #include <utility>
+#include <cstdint>
+#include <sstream>
 #include <vector>
 
 #include "fsdp/communicator.hpp"
@@ -72,6 +74,35 @@ class Sharded final : public UnitBase {
   ~Sharded() override { buffers_.unbind_and_release(); }
 
   // "shard group of S ranks, replicate group of R ranks": units of one model must agree.
+  // Each rank writes back only its own slice of its own full copy, so edits made on some
+  // ranks only would be kept in some slices and lost in others: a collective hash of the
+  // full parameters and buffers first, and an error on every rank (nothing written back,
+  // the unit IDLE) when they differ.
+  void check_edits_agree() {
+    detail::Fingerprint f;
+    const bool in_place = group_.hash_unsharded(f);
+    for (std::size_t i = 0; i < buffer_views_.size(); ++i)
+      f.add_bytes(buffer_data(i), static_cast<std::size_t>(buffer_views_[i].numel) * size_of(buffer_views_[i].dtype));
+    const auto& world = group_.groups().world;
+    if (world.size() == 1) return;
+    std::uint64_t mine = f.value();
+    std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
+    world.all_gather(&mine, all.data(), 1, DType::i64).wait();
+    std::ostringstream differ;
+    for (std::size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0]) differ << (differ.tellp() ? ", " : "") << r;
+    if (differ.tellp() == 0) return;
+    buffers_.show_master(false);
+    release_unsharded();
+    state_ = TrainingState::IDLE;
+    detail::fail("unit '", display_name_, "' on rank ", rank_,
+                 ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
+                 "(rank(s) ", differ.str(), " differ from rank 0): each rank writes back only its own slice, so "
+                 "make the same edits on every rank; ",
+                 in_place ? "parameters replicated in place kept each rank's own edits"
+                          : "nothing was written back");
+  }
+
   int world_size() const override { return group_.groups().world.size(); }
   std::string groups() const override {
     const auto& g = group_.groups();
@@ -180,6 +211,7 @@ class Sharded final : public UnitBase {
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
     group_.unshard_master(waiter());
     summon_holds_nothing_ = options.rank0_only && rank_ != 0;
+    summon_checks_writeback_ = options.check_writeback;
     if (summon_holds_nothing_) group_.release_unsharded();  // gathered only for rank 0's sake
     else if (options.offload_to_host) group_.move_unsharded_to_host();
     buffers_.show_master(true);
@@ -188,6 +220,7 @@ class Sharded final : public UnitBase {
 
   void end_summon_full_params(bool writeback) override {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
+    if (writeback && summon_checks_writeback_) check_edits_agree();
     if (writeback) group_.write_back();
     buffers_.show_master(false, writeback);
     release_unsharded();
@@ -325,6 +358,7 @@ class Sharded final : public UnitBase {
   bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
   GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
   bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
+  bool summon_checks_writeback_ = true;
   Trace::Clock::time_point compute_begin_{};
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;

@@ -4,12 +4,13 @@
 // queued root callback: every unit back to IDLE, after checking each finished its
 // backward) and lists the flat shards for the optimizer. fsdp::shard builds one from a
 // model and a wrap policy.
-#include <deque>
+#include <exception>
 #include <memory>
 #include <sstream>
 #include <string_view>
 #include <map>
 #include <typeindex>
+#include <utility>
 #include <vector>
 
 #include "fsdp/sharded.hpp"
@@ -17,17 +18,49 @@
 namespace fsdp {
 
 // Every unit of a model summoned at once (FSDP's summon_full_params on the root; see
-// ShardedModel::summon_full_params). Ends each unit's summon when it goes; leaving by
-// exception drops the edits.
+// ShardedModel::summon_full_params). Ends each unit's summon when it goes, in unit order on
+// every rank (the writeback check is a collective per unit); leaving by exception drops the
+// edits. A unit whose end fails does not stop the others from ending: the first error is
+// rethrown after all have.
 class ModelSummon {
  public:
   template <class Units>
-  ModelSummon(Units& units, const SummonOptions& options) {
-    for (auto& u : units) scopes_.emplace_back(*u, options);  // in unit order: the same gathers on every rank
+  ModelSummon(Units& units, const SummonOptions& options) : writeback_(options.writeback) {
+    try {
+      for (auto& u : units) {  // in unit order: the same gathers on every rank
+        u->begin_summon_full_params(options);
+        summoned_.push_back(u.get());
+      }
+    } catch (...) {
+      end_all(false);
+      throw;
+    }
+  }
+  ModelSummon(ModelSummon&& o) noexcept
+      : summoned_(std::exchange(o.summoned_, {})), writeback_(o.writeback_), exceptions_(o.exceptions_) {}
+  ModelSummon(const ModelSummon&) = delete;
+  ModelSummon& operator=(const ModelSummon&) = delete;
+  ~ModelSummon() noexcept(false) {
+    const bool unwinding = std::uncaught_exceptions() != exceptions_;
+    if (auto error = end_all(writeback_ && !unwinding); error && !unwinding) std::rethrow_exception(error);
   }
 
  private:
-  std::deque<UnitBase::SummonScope> scopes_;  // a deque: the scopes never move
+  std::exception_ptr end_all(bool writeback) noexcept {
+    std::exception_ptr first;
+    for (UnitBase* u : std::exchange(summoned_, {})) {
+      try {
+        u->end_summon_full_params(writeback);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    return first;
+  }
+
+  std::vector<UnitBase*> summoned_;
+  bool writeback_;
+  int exceptions_ = std::uncaught_exceptions();
 };
 
 class ShardedModel {

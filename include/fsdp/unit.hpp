@@ -67,6 +67,10 @@ struct SummonOptions {
   bool writeback = false;        // edits are kept: each rank writes its own slice back to its shard
   bool rank0_only = false;       // only world rank 0 keeps them; the others take part in the gathers
   bool offload_to_host = false;  // kept in host memory, so the device holds one unit's at a time
+  // With writeback: hash the edited parameters and buffers across ranks at the end, and
+  // fail on every rank (writing nothing back) when they differ. A pass over the unit's
+  // full parameters and one 8-byte all-gather per unit.
+  bool check_writeback = true;
 };
 class ShardedModel;
 

@@ -169,3 +169,49 @@ TEST_CASE("offload_to_host: the full parameters in host memory, at most one unit
     CHECK(model.gain.gain.get(0) == 42.0f);
   });
 }
+
+TEST_CASE("writeback with edits made on one rank only is an error on every rank, and nothing is written back") {
+  const auto expected = initial();
+  std::vector<std::string> errors(3);
+  fsdp::ThreadGroup(3).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    errors[static_cast<std::size_t>(comm.rank())] = test_support::error_of([&] {
+      auto s = sm.summon_full_params({.writeback = true});
+      if (comm.rank() == 1) model.blocks[1].fc2.bias.set(0, 7.0f);  // rank 1 only
+    });
+    CHECK(all_idle(sm));
+    {
+      auto s = sm.summon_full_params();
+      CHECK(test_support::max_difference(shown(model), expected) == 0.0);  // no slice kept the edit
+    }
+    // The check can be turned off: then each rank keeps its own slice's edits, as FSDP does.
+    auto s = sm.summon_full_params({.writeback = true, .check_writeback = false});
+    if (comm.rank() == 1) model.blocks[1].fc2.bias.set(0, 7.0f);
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    CHECK(test_support::contains(e, "unit 'blocks.1' on rank " + std::to_string(r)));
+    CHECK(test_support::contains(e, "differ across ranks (rank(s) 1 differ from rank 0)"));
+    CHECK(test_support::contains(e, "nothing was written back"));
+  }
+}
+
+TEST_CASE("NoShard edits in place: a one-rank edit is still reported, saying the ranks now differ") {
+  std::vector<std::string> errors(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::NoShard>(model, comm, device, engine::Wrap{});
+    errors[static_cast<std::size_t>(comm.rank())] = test_support::error_of([&] {
+      auto s = sm.summon_full_params({.writeback = true});
+      if (comm.rank() == 0) model.gain.gain.set(0, 3.0f);
+    });
+  });
+  for (const auto& e : errors) {
+    CHECK(test_support::contains(e, "unit 'gain'"));
+    CHECK(test_support::contains(e, "parameters replicated in place kept each rank's own edits"));
+  }
+}

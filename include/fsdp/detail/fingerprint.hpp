@@ -24,6 +24,10 @@ class Fingerprint {  // FNV-1a, 64 bit
   void add_count(std::uint64_t v) {
     for (int i = 0; i < 8; ++i) mix(static_cast<unsigned char>(v >> (8 * i)));
   }
+  void add_bytes(const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) mix(p[i]);
+  }
   std::uint64_t value() const { return h_; }
 
  private:
