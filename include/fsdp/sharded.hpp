@@ -37,6 +37,12 @@ struct UnitOptions {
   bool sync_module_states = false;
   // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
   bool defer_take_over = false;
+  // Parts of the module's subtree (at any depth) this unit leaves out: modules that are
+  // units of their own (manual nesting: build the child's unit, then the parent's with the
+  // child listed here, so the parent takes what is left) and ignored modules; and ignored
+  // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
+  std::vector<ModuleId> skip_modules = {};
+  std::vector<const void*> skip_parameters = {};
 };
 
 template <class Module, class... Ps>
@@ -246,12 +252,15 @@ class Sharded final : public UnitBase {
  private:
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups unit_groups, detail::DeviceRef device, UnitOptions options, Exclude)
-      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), &module, typeid(Module)),
+      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), ModuleId::of(module).address,
+                 ModuleId::of(module).type),
         buffers_(device),
         group_(unit_groups, device) {
     std::vector<detail::CollectedParam> params;
     std::vector<detail::CollectedBuffer> buffers;
-    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers);
+    const detail::SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
+                               {options.skip_parameters.begin(), options.skip_parameters.end()}};
+    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
     detail::validate_collected(params, display_name_, rank_, device.id());
     group_.build(params);
     detail::Fingerprint f;
