@@ -1,8 +1,9 @@
 #pragma once
 // fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module) and its
 // state machine. At construction it takes over the module's parameters (all of its
-// subtree, except children whose type is listed in the `exclude` wrap_types, which become
-// units of their own): its FlatParamGroup copies this rank's slice into a flat shard, it
+// subtree, except children whose type is listed in the `exclude` wrap_types and what
+// UnitOptions::skip_* name: units of their own, ignored modules and parameters). Module may
+// be a polymorphic base (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat shard, it
 // checks that every rank built the same unit, and it rebinds the engine's tensors to "no
 // storage". The hooks then make the parameters valid exactly while the engine computes
 // with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch and to
