@@ -17,6 +17,7 @@
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
 #include "fsdp/sharded.hpp"
+#include "fsdp/shard.hpp"
 #include "fsdp/sharded_model.hpp"
 #include "fsdp/staged_communicator.hpp"
 #include "fsdp/strategy_name.hpp"

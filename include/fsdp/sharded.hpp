@@ -1,8 +1,9 @@
 #pragma once
 // fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module) and its
 // state machine. At construction it takes over the module's parameters (all of its
-// subtree, except children whose type is listed in the `exclude` wrap_types, which become
-// units of their own): its FlatParamGroup copies this rank's slice into a flat shard, it
+// subtree, except children whose type is listed in the `exclude` wrap_types and what
+// UnitOptions::skip_* name: units of their own, ignored modules and parameters). Module may
+// be a polymorphic base (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat shard, it
 // checks that every rank built the same unit, and it rebinds the engine's tensors to "no
 // storage". The hooks then make the parameters valid exactly while the engine computes
 // with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch and to
@@ -39,6 +40,12 @@ struct UnitOptions {
   bool sync_module_states = false;
   // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
   bool defer_take_over = false;
+  // Parts of the module's subtree (at any depth) this unit leaves out: modules that are
+  // units of their own (manual nesting: build the child's unit, then the parent's with the
+  // child listed here, so the parent takes what is left) and ignored modules; and ignored
+  // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
+  std::vector<ModuleId> skip_modules = {};
+  std::vector<const void*> skip_parameters = {};
 };
 
 template <class Module, class... Ps>
@@ -279,12 +286,15 @@ class Sharded final : public UnitBase {
  private:
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups unit_groups, detail::DeviceRef device, UnitOptions options, Exclude)
-      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), &module, typeid(Module)),
+      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), ModuleId::of(module).address,
+                 ModuleId::of(module).type),
         buffers_(device),
         group_(unit_groups, device) {
     std::vector<detail::CollectedParam> params;
     std::vector<detail::CollectedBuffer> buffers;
-    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers);
+    const detail::SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
+                               {options.skip_parameters.begin(), options.skip_parameters.end()}};
+    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
     detail::validate_collected(params, display_name_, rank_, device.id());
     group_.build(params);
     detail::Fingerprint f;

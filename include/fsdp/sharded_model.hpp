@@ -2,8 +2,8 @@
 // ShardedModel: the root over a model's units (FSDP's root instance). It owns the units,
 // finds the unit of a module, ends each backward (finish_backward, the job of FSDP's
 // queued root callback: every unit back to IDLE, after checking each finished its
-// backward) and lists the flat shards for the optimizer. fsdp::shard builds one from a
-// model and a wrap policy.
+// backward) and lists the flat shards for the optimizer. fsdp::shard (fsdp/shard.hpp)
+// builds one from a model and wrap policies.
 #include <exception>
 #include <memory>
 #include <sstream>
@@ -108,18 +108,33 @@ class ShardedModel {
   auto begin() { return units_.begin(); }
   auto end() { return units_.end(); }
 
-  // The unit that manages `module`, or nullptr.
+  // The unit that manages `module`, or nullptr. A polymorphic module may be passed as any
+  // of its bases (Layer&): it is identified by its dynamic type (ModuleId).
   template <class M>
   UnitBase* find_unit_for(const M& module) const {
     static_assert(!std::is_pointer_v<M>, "fsdp: pass the module itself (unit_for(block)), not a pointer to it");
-    auto it = by_module_.find(ModuleKey{&module, typeid(M)});
+    const ModuleId id = ModuleId::of(module);
+    auto it = by_module_.find(ModuleKey{id.address, id.type});
     return it == by_module_.end() ? nullptr : it->second;
   }
   template <class M>
   UnitBase& unit_for(const M& module) const {
     if (auto* u = find_unit_for(module)) return *u;
-    detail::fail("ShardedModel: the ", typeid(M).name(), " at ", static_cast<const void*>(&module),
+    detail::fail("ShardedModel: the ", ModuleId::of(module).type.name(), " at ", ModuleId::of(module).address,
                  " is not a unit; units are: ", unit_names());
+  }
+  // The unit whose module lies at `address` whatever its type (for hooks that only keep a
+  // pointer), or nullptr; an error when a module and its first member are both units there.
+  UnitBase* find_unit_at(const void* address) const {
+    UnitBase* found = nullptr;
+    for (const auto& [key, unit] : by_module_) {
+      if (key.first != address) continue;
+      if (found)
+        detail::fail("ShardedModel: units '", found->fqn(), "' and '", unit->fqn(), "' both manage a module at ",
+                     address, "; look the unit up by module (find_unit_for) instead");
+      found = unit;
+    }
+    return found;
   }
   UnitBase& unit(std::string_view fqn) const {
     for (auto& u : units_) if (u->fqn() == fqn) return *u;
@@ -239,20 +254,6 @@ class ShardedModel {
 };
 
 namespace detail {
-// Calls f(child, fqn) for each descendant whose type is in Wrap, depth first; does not
-// descend into them.
-template <class Wrap, class M, class F>
-void for_each_wrapped(M& m, const std::string& prefix, F&& f) {
-  for_each_child(m, [&](std::string_view name, auto& child) {
-    using Child = std::remove_cvref_t<decltype(child)>;
-    std::string fqn = join_fqn(prefix, name);
-    if constexpr (Wrap::template contains<Child>) f(child, std::move(fqn));
-    else for_each_wrapped<Wrap>(child, fqn, f);
-  });
-}
-}  // namespace detail
-
-namespace detail {
 template <class G> struct is_mesh : std::false_type {};
 template <class C> struct is_mesh<DeviceMesh<C>> : std::true_type {};
 
@@ -261,51 +262,7 @@ auto& world_of(Group& g) {
   if constexpr (is_mesh<Group>::value) return g.world();
   else return g;
 }
+
 }  // namespace detail
-
-struct ShardOptions {
-  // Broadcast rank 0's parameters and buffers to every rank first (FSDP's sync_module_states).
-  bool sync_module_states = false;
-};
-
-// Shards `model` over `group` (a communicator, or a DeviceMesh for the hybrid strategies):
-// every descendant whose type is in Wrap becomes a unit (with its whole subtree), and the
-// parameters left over form the root unit, named "". Units are listed root first, then in
-// depth-first order. Every rank must make the same call.
-template <class... Ps, class M, class Group, class D, class... Wrap>
-ShardedModel shard(M& model, Group& group, D& device, wrap_types<Wrap...> wrap = {}, ShardOptions options = {}) {
-  static_assert(Module<M>,
-                "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
-                "(member or ADL; it may visit nothing) and visit_children for its submodules. "
-                "See docs/concepts.md#module.");
-  auto& comm = detail::world_of(group);
-  check_communicator<std::remove_cvref_t<decltype(comm)>>();
-  check_device<D>();
-  using W = wrap_types<Wrap...>;
-  // Agree on the set of units first: a rank with a different model structure would
-  // otherwise pair its collectives with the wrong unit's.
-  detail::Fingerprint f;
-  std::ostringstream names;
-  std::size_t count = 1;
-  detail::for_each_wrapped<W>(model, "", [&](auto&, const std::string& fqn) {
-    f.add(fqn);
-    names << (count == 1 ? ": " : ", ") << fqn;
-    ++count;
-  });
-  f.add_count(count);
-  detail::check_same_across_ranks(detail::CommRef(comm), f, "the set of units",
-                                  std::to_string(count) + " units (root" + (count > 1 ? " + wrapped" : "") +
-                                      names.str() + ")");
-  // Every unit is built (its copies made, every check passed) before any takes over the
-  // engine's tensors: a failure anywhere leaves the engine's model exactly as it was.
-  ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, group, device, UnitOptions{"", options.sync_module_states, true}, wrap);
-  detail::for_each_wrapped<W>(model, "", [&](auto& child, std::string fqn) {
-    out.emplace<Sharded<std::remove_cvref_t<decltype(child)>, Ps...>>(
-        child, group, device, UnitOptions{std::move(fqn), options.sync_module_states, true});
-  });
-  out.take_over();
-  return out;
-}
 
 }  // namespace fsdp

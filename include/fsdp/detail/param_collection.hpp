@@ -4,9 +4,11 @@
 // rest of the unit does not depend on the engine's tensor type. Plus the local checks on
 // them that need no other rank.
 #include <cstdint>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -64,14 +66,22 @@ struct CollectedParam {
   ParamBinding binding;
 };
 
-// Walks m's subtree (minus children whose type is in Exclude) for parameters and buffers.
-// ChangesDtype: MixedPrecision will show them in another dtype, which needs the 3-argument
-// tensor_traits::rebind.
+// What a unit leaves out of its subtree, known at run time: modules (with their subtrees)
+// that are units of their own or ignored, and ignored parameters (by tensor address).
+struct SkipSet {
+  std::set<ModuleId> modules;
+  std::unordered_set<const void*> parameters;
+};
+
+// Walks m's subtree (minus children whose type is in Exclude, and what `skip` names) for
+// parameters and buffers. ChangesDtype: MixedPrecision will show them in another dtype,
+// which needs the 3-argument tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M>
 void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
-                        std::vector<CollectedBuffer>& buffers) {
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
   for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
     using T = std::remove_cvref_t<decltype(param)>;
+    if (skip.parameters.count(static_cast<const void*>(&param))) return;
     using Tr = tensor_traits<T>;
     static_assert(!ChangesDtype || RebindableAs<T>,
                   "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
@@ -102,7 +112,8 @@ void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedPa
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
     if constexpr (!Exclude::template contains<C>)
-      collect_parameters<Exclude, ChangesDtype>(child, join_fqn(prefix, name), out, buffers);
+      if (!skip.modules.count(ModuleId::of(child)))
+        collect_parameters<Exclude, ChangesDtype>(child, join_fqn(prefix, name), out, buffers, skip);
   });
 }
 
