@@ -72,6 +72,46 @@ void for_each_param(ShardedModel& model, F&& f) {
 
 }  // namespace detail
 
+namespace detail {
+
+// Where one slice of a sharded state dict lives: `src` in `unit`'s memory (shard space).
+struct SliceSource {
+  StateKey id;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::int64_t begin = 0, count = 0;
+  const UnitBase* unit = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes() const { return static_cast<std::size_t>(count) * size_of(dtype); }
+};
+
+// The slices sharded_state_dict copies, without copying them (a sharded save writes
+// straight from them). No collective.
+inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, OptimizerState* optimizer) {
+  std::vector<SliceSource> out;
+  if (model.size() == 0) return out;
+  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
+  for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
+    if (!u.saves_shards()) return;
+    out.push_back({StateKey::param(std::string(p.fqn)), p.dtype, shape_of(p.shape), p.param_begin, p.count, &u, p.param});
+    for (const auto& name : names) {
+      const DType t = optimizer->state_dtype(name);
+      const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
+      out.push_back({StateKey::optim(std::string(p.fqn), name), t, shape_of(p.shape), p.param_begin, p.count, &u,
+                     base + p.shard_offset * size_of(t)});
+    }
+  });
+  if (model[0].rank() == 0)
+    for (auto& u : model)
+      for (std::size_t i = 0; i < u->buffers().size(); ++i) {
+        const auto& b = u->buffers()[i];
+        out.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, shape_of(b.shape), 0, b.numel, u.get(), u->buffer_data(i)});
+      }
+  return out;
+}
+
+}  // namespace detail
+
 // This rank's slices. Where this rank's shards are the saved copy (UnitBase::saves_shards):
 // a slice of every parameter and of its optimizer states, with count 0 where this rank
 // holds none of it, so every tensor is known, empty ones included. Buffers on world rank 0.
@@ -80,27 +120,8 @@ inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* 
   ShardedStateDict out;
   if (model.size() == 0) return out;
   out.rank = model[0].rank();
-  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
-  detail::for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
-    if (!u.saves_shards()) return;
-    const auto esize = size_of(p.dtype);
-    out.slices.push_back({StateKey::param(std::string(p.fqn)), p.dtype, detail::shape_of(p.shape), p.param_begin,
-                          p.count, detail::to_host(u, p.param, static_cast<std::size_t>(p.count) * esize)});
-    for (const auto& name : names) {
-      const DType t = optimizer->state_dtype(name);
-      const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-      out.slices.push_back({StateKey::optim(std::string(p.fqn), name), t, detail::shape_of(p.shape), p.param_begin,
-                            p.count,
-                            detail::to_host(u, base + p.shard_offset * size_of(t), static_cast<std::size_t>(p.count) * size_of(t))});
-    }
-  });
-  if (out.rank == 0)
-    for (auto& u : model)
-      for (std::size_t i = 0; i < u->buffers().size(); ++i) {
-        const auto& b = u->buffers()[i];
-        out.slices.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0, b.numel,
-                              detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))});
-      }
+  for (auto& s : detail::sharded_slice_sources(model, optimizer))
+    out.slices.push_back({s.id, s.dtype, s.shape, s.begin, s.count, detail::to_host(*s.unit, s.src, s.bytes())});
   if (optimizer) out.optim_scalars = optimizer->scalars();
   return out;
 }
