@@ -8,12 +8,14 @@
 //             tensor) and of each optimizer state, no collective; buffers on one rank;
 //  - local:   the raw flat shards with their layout (ShardView and ParamView).
 // Loading is in fsdp/checkpoint/load_state.hpp.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/optimizer_state.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/sharded_model.hpp"
@@ -126,6 +128,54 @@ inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* 
   return out;
 }
 
+namespace detail {
+
+// One all-gather of a full state: flat parameter `shard` of `unit` — the parameters
+// themselves (`state` empty) or an optimizer state laid out like them — whose parameters
+// lie back to back in it, in visit order.
+struct FullGather {
+  UnitBase* unit = nullptr;
+  std::size_t shard = 0, model_shard = 0;
+  std::string state;  // "" for the parameters
+  DType dtype = DType::f32;
+  std::vector<std::size_t> params;  // indices into unit->parameters(), in the flat parameter's order
+  std::size_t bytes = 0;            // of the unpadded flat parameter
+};
+
+// Every rank's same sequence of gathers: the optimizer states' (unit, state, flat
+// parameter), then, with `params`, the parameters' (unit, flat parameter).
+inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer, bool params) {
+  std::vector<FullGather> out;
+  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
+  for (const bool of_params : {false, true}) {
+    if (of_params && !params) break;
+    std::size_t first_shard = 0;
+    for (auto& u : model) {
+      for (const auto& name : of_params ? std::vector<std::string>{""} : names)
+        for (std::size_t k = 0; k < u->shards().size(); ++k) {
+          FullGather g{u.get(), k, first_shard + k, name, of_params ? u->shards()[k].dtype : optimizer->state_dtype(name), {}, 0};
+          for (std::size_t i = 0; i < u->parameters().size(); ++i)
+            if (u->parameters()[i].shard == k) {
+              g.params.push_back(i);
+              g.bytes += static_cast<std::size_t>(u->parameters()[i].numel) * size_of(g.dtype);
+            }
+          out.push_back(std::move(g));
+        }
+      first_shard += u->shards().size();
+    }
+  }
+  return out;
+}
+
+// Runs gather g (a collective over the unit's shard group) into host memory of g.bytes.
+inline void gather(const FullGather& g, OptimizerState* optimizer, void* full_host) {
+  const ShardView& view = g.unit->shards()[g.shard];
+  const void* mine = g.state.empty() ? view.param : optimizer->state(g.state, g.model_shard, view.numel);
+  g.unit->gather_like_shard(g.shard, mine, full_host, g.dtype);
+}
+
+}  // namespace detail
+
 struct FullStateDictOptions {
   bool rank0_only = false;  // other ranks take part in the gathers but return an empty dict
 };
@@ -154,30 +204,20 @@ inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimi
     }
   }
   if (!optimizer) return out;
-  std::size_t first_shard = 0;
-  for (auto& u : model) {
-    for (const auto& name : optimizer->state_names()) {
-      const DType t = optimizer->state_dtype(name);
-      for (std::size_t k = 0; k < u->shards().size(); ++k) {
-        const auto& view = u->shards()[k];
-        std::int64_t flat_numel = 0;  // the flat parameter's unpadded size: its parameters' sum
-        for (const auto& p : u->parameters()) if (p.shard == k) flat_numel += p.numel;
-        std::vector<std::byte> flat(static_cast<std::size_t>(flat_numel) * size_of(t));
-        u->gather_like_shard(k, optimizer->state(name, first_shard + k, view.numel), flat.data(), t);
-        std::int64_t offset = 0;  // parameters lie back to back in visit order
-        for (const auto& p : u->parameters()) {
-          if (p.shard != k) continue;
-          if (keep) {
-            auto& dst = out.optim[name][std::string(p.fqn)];
-            dst = {t, detail::shape_of(p.shape), {}};
-            const auto* from = flat.data() + offset * size_of(t);
-            dst.data.assign(from, from + p.numel * size_of(t));
-          }
-          offset += p.numel;
-        }
-      }
+  const auto gathers = detail::full_gathers(model, optimizer, /*params=*/false);
+  std::size_t largest = 0;
+  for (const auto& g : gathers) largest = std::max(largest, g.bytes);
+  const checkpoint::HostArena flat(largest);  // reused, never zero-filled: each gather fills it
+  for (const auto& g : gathers) {
+    detail::gather(g, optimizer, flat.data());
+    if (!keep) continue;
+    std::size_t offset = 0;  // parameters lie back to back in visit order
+    for (const std::size_t i : g.params) {
+      const auto& p = g.unit->parameters()[i];
+      const std::size_t n = static_cast<std::size_t>(p.numel) * size_of(g.dtype);
+      out.optim[g.state][std::string(p.fqn)] = {g.dtype, detail::shape_of(p.shape), {flat.data() + offset, flat.data() + offset + n}};
+      offset += n;
     }
-    first_shard += u->shards().size();
   }
   if (keep) out.optim_scalars = optimizer->scalars();
   return out;
