@@ -259,19 +259,29 @@ class FlatParamGroup {
   }
 
   // All-gathers an array laid out like flat parameter k's shard (its valid elements, in
-  // the shard's space) into host memory for the unpadded flat parameter, through device
-  // buffers (a collective backend may need device memory).
+  // the shard's space) into host memory for the unpadded flat parameter. Where device
+  // memory is host memory and no rank's shard is padded, straight from `mine` into
+  // `full_host` (no buffer: a full save gathers every flat parameter three times); else
+  // through device buffers (a collective backend may need device memory).
   void gather_array(std::size_t k, const void* mine, void* full_host, DType dtype) const {
     const auto& L = flat_.at(k).layout;
     const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups_.shard_rank), dtype);
     const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
     const std::size_t total = strategy::shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
+    const bool host_memory = device_.id().kind == DeviceKind::cpu;
+    if (host_memory && L.padded_numel() == L.numel() && valid == S) {
+      if constexpr (strategy::shards_parameters)
+        groups_.shard.all_gather(mine, full_host, S / size_of(dtype), dtype).wait();
+      else if (S)
+        device_.copy(full_host, mine, S);
+      return;
+    }
     // Both buffers freed however this ends.
     std::unique_ptr<void, std::function<void(void*)>> in(nullptr, [&](void* p) { device_.deallocate(p, S, MemorySpace::device); });
     std::unique_ptr<void, std::function<void(void*)>> out(nullptr, [&](void* p) { device_.deallocate(p, total, MemorySpace::device); });
     in.reset(device_.allocate(S, MemorySpace::device));
     out.reset(device_.allocate(total, MemorySpace::device));
-    device_.fill_zero(in.get(), S);
+    if (valid < S) device_.fill_zero(static_cast<std::byte*>(in.get()) + valid, S - valid);
     if (valid) device_.copy(in.get(), mine, valid);
     if constexpr (strategy::shards_parameters) groups_.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
     else device_.copy(out.get(), in.get(), S);

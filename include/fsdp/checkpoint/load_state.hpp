@@ -5,6 +5,7 @@
 // ranks agree that all of them succeeded; only then is anything written. A bad checkpoint
 // therefore leaves the model and the optimizer untouched on every rank.
 #include <cstddef>
+#include <exception>
 #include <filesystem>
 #include <optional>
 #include <set>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/checkpoint_collective.hpp"
+#include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/checkpoint/state_source.hpp"
 
@@ -31,35 +33,29 @@ struct LoadReport {
 
 namespace detail {
 
-// A slice of a parameter or of an optimizer state, and where it goes.
-struct StagedTensor {
-  void* dst;
-  std::vector<std::byte> bytes;
+// Where one staged range goes: `offset` into the staging arena, then to `dst` (a parameter
+// or optimizer slice), or to buffer `buffer` of unit `unit` (buffer_data exists only
+// while the unit is summoned).
+struct StagedCopy {
+  std::size_t offset, bytes;
+  void* dst = nullptr;
+  std::size_t unit = 0, buffer = 0;
 };
 
-// A buffer of a unit: buffer_data(index) exists only while the unit is summoned.
-struct StagedBuffer {
-  std::size_t index;
-  std::vector<std::byte> bytes;
-};
-
-// Checks the source's entry for `key` against what the model holds and reads elements
-// [begin, begin + count) of it; nothing when the source lacks it and !strict.
-inline std::optional<std::vector<std::byte>> stage(const StateSource& src, const StateKey& key, DType dtype,
-                                                   const std::vector<std::int64_t>& shape, std::int64_t begin,
-                                                   std::int64_t count, bool strict, LoadReport& report) {
+// Checks the source's entry for `key` against what the model holds; false when the source
+// lacks it and !strict (it is then reported missing, not read).
+inline bool check_entry(const StateSource& src, const StateKey& key, DType dtype, const std::vector<std::int64_t>& shape,
+                        bool strict, LoadReport& report) {
   const auto meta = src.find(key);
   if (!meta) {
     if (strict) fail(src.name(), ": ", key.describe(), " is missing (the model has it, ", name_of(dtype), " ", format_shape(shape), ")");
     report.missing.push_back(key.describe());
-    return std::nullopt;
+    return false;
   }
   if (meta->dtype != dtype || meta->shape != shape)
     fail(src.name(), ": ", key.describe(), " is ", name_of(meta->dtype), " ", format_shape(meta->shape), " but the model has ",
          name_of(dtype), " ", format_shape(shape));
-  std::vector<std::byte> bytes(static_cast<std::size_t>(count) * size_of(dtype));
-  if (count) src.read(key, begin, count, bytes.data());
-  return bytes;
+  return true;
 }
 
 }  // namespace detail
@@ -69,25 +65,34 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
                              LoadOptions options = {}) {
   LoadReport report;
   if (model.size() == 0) return report;
-  std::vector<detail::StagedTensor> params, optim;
-  std::vector<std::vector<detail::StagedBuffer>> buffers(model.size());  // per unit
-  // Nothing is written before every rank has staged everything: a rank that fails stops
-  // every rank in the agreement.
-  detail::run_agreed(model, "load_state from " + src.name(), [&] {
+  // Every range this rank needs is checked, then read into one arena (not zero-filled: the
+  // reads fill it), in one read_all so a source can read each file in one pass.
+  std::vector<ReadRequest> requests;
+  std::vector<detail::StagedCopy> params_and_optim, buffers;
+  checkpoint::HostArena arena;
+  std::size_t total = 0;
+  auto want = [&](const StateKey& key, DType dtype, const std::vector<std::int64_t>& shape, std::int64_t begin,
+                  std::int64_t count, std::vector<detail::StagedCopy>& into, detail::StagedCopy copy) {
+    if (!detail::check_entry(src, key, dtype, shape, options.strict, report)) return;
+    copy.offset = total, copy.bytes = static_cast<std::size_t>(count) * size_of(dtype);
+    requests.push_back({key, begin, count, nullptr});
+    into.push_back(copy);
+    total += (copy.bytes + 63) / 64 * 64;  // each range cache-line aligned
+  };
+  auto stage = [&] {
     std::set<StateKey> known;  // what the model has (a buffer as a param: sources may not tell them apart)
     const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
     detail::for_each_param(model, [&](UnitBase&, const ParamView& p, std::size_t shard) {
       const auto shape = detail::shape_of(p.shape);
       const std::string fqn(p.fqn);
       known.insert(StateKey::param(fqn));
-      if (auto bytes = detail::stage(src, StateKey::param(fqn), p.dtype, shape, p.param_begin, p.count, options.strict, report))
-        params.push_back({p.param, std::move(*bytes)});
+      want(StateKey::param(fqn), p.dtype, shape, p.param_begin, p.count, params_and_optim, {0, 0, p.param});
       for (const auto& name : names) {
         known.insert(StateKey::optim(fqn, name));
         const DType t = optimizer->state_dtype(name);
         auto* base = static_cast<std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-        if (auto bytes = detail::stage(src, StateKey::optim(fqn, name), t, shape, p.param_begin, p.count, options.strict, report))
-          optim.push_back({base + p.shard_offset * size_of(t), std::move(*bytes)});
+        want(StateKey::optim(fqn, name), t, shape, p.param_begin, p.count, params_and_optim,
+             {0, 0, base + p.shard_offset * size_of(t)});
       }
     });
     for (std::size_t k = 0; k < model.size(); ++k) {
@@ -95,9 +100,8 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
       for (std::size_t i = 0; i < u.buffers().size(); ++i) {
         const auto& b = u.buffers()[i];
         known.insert(StateKey::param(std::string(b.fqn)));
-        if (auto bytes = detail::stage(src, StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0,
-                                       b.numel, options.strict, report))
-          buffers[k].push_back({i, std::move(*bytes)});
+        want(StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0, b.numel, buffers,
+             {0, 0, nullptr, k, i});
       }
     }
     std::vector<std::string> extra;
@@ -113,17 +117,30 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
       detail::fail(src.name(), ": holds ", extra.size(), " tensors the model does not have: ", os.str());
     }
     report.unexpected = std::move(extra);
+    arena = checkpoint::HostArena(total);
+    std::size_t i = 0;
+    for (const auto* list : {&params_and_optim, &buffers})
+      for (const auto& c : *list) requests[i++].dst = arena.data() + c.offset;
+    src.read_all(requests, model[0].rank(), model[0].world_size());
+  };
+  // Nothing is written before every rank has staged everything: a rank that fails stops
+  // every rank in the agreement, and a damaged file found by any rank is named on all.
+  const std::exception_ptr staged = detail::captured(stage);
+  const std::string damage = src.agree_damage([&](bool ok) { return model[0].all_ranks_agree(ok); });
+  detail::run_agreed(model, "load_state from " + src.name(), [&] {
+    if (staged) std::rethrow_exception(staged);
+    if (!damage.empty()) detail::fail(damage);
   }, "; nothing was loaded");
   // Buffers first, through a summon that writes back (it also writes the gathered, still
   // unchanged parameters back into the shards, which the parameter copies then replace).
-  for (std::size_t k = 0; k < model.size(); ++k) {
-    if (buffers[k].empty()) continue;
-    UnitBase& u = model[k];
+  for (std::size_t b = 0; b < buffers.size();) {
+    UnitBase& u = model[buffers[b].unit];
     auto summoned = u.summon_full_params(true);
-    for (auto& b : buffers[k]) u.copy_bytes(u.buffer_data(b.index), b.bytes.data(), b.bytes.size());
+    for (const std::size_t unit = buffers[b].unit; b < buffers.size() && buffers[b].unit == unit; ++b)
+      u.copy_bytes(u.buffer_data(buffers[b].buffer), arena.data() + buffers[b].offset, buffers[b].bytes);
   }
-  for (auto& t : params) model[0].copy_bytes(t.dst, t.bytes.data(), t.bytes.size());
-  for (auto& t : optim) model[0].copy_bytes(t.dst, t.bytes.data(), t.bytes.size());
+  for (const auto& c : params_and_optim)
+    if (c.bytes) model[0].copy_bytes(c.dst, arena.data() + c.offset, c.bytes);
   if (optimizer) {
     const auto scalars = src.optim_scalars();
     if (!scalars.empty()) optimizer->load_scalars(scalars);

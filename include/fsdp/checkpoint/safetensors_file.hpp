@@ -98,6 +98,22 @@ class SafetensorsFile {
     read_bytes(name, element_offset * size_of(t.dtype), count * size_of(t.dtype), dst);
   }
 
+  // Bytes [offset, offset + n) of the file itself (header included), for readers that
+  // stream a whole file; an error naming the file if they are not all there.
+  void read_file_bytes(void* dst, std::uint64_t n, std::uint64_t offset) const {
+    if (offset > file_bytes_ || n > file_bytes_ - offset)
+      detail::fail("safetensors file '", path_.string(), "': bytes [", offset, ", +", n, ") are outside its ", file_bytes_, " bytes");
+    read_at(dst, n, offset, "bytes at " + std::to_string(offset));
+  }
+  // Where tensor `name`'s element `element_offset` is in the file; an error if outside it.
+  std::uint64_t file_offset_of(std::string_view name, std::uint64_t element_offset, std::uint64_t count) const {
+    const TensorInfo& t = at(name);
+    if (element_offset > t.numel() || count > t.numel() - element_offset)
+      detail::fail("safetensors file '", path_.string(), "': tensor '", name, "': elements [", element_offset, ", +",
+                   count, ") are outside its ", t.numel(), " elements");
+    return data_offset() + t.begin + element_offset * size_of(t.dtype);
+  }
+
   // XXH64 of the whole file (all file_bytes()), read now; compare with an index's checksum.
   std::uint64_t xxh64() const { return detail::xxh64_of_fd(fd_.get(), file_bytes_, path_); }
 

@@ -8,6 +8,7 @@
 // The file is deterministic: the same adds and metadata give the same bytes. Tensors are
 // laid out in the order they were added; the header lists them in that order after
 // "__metadata__" (sorted by key).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
+#include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
@@ -46,6 +48,22 @@ class SafetensorsWriter {
     const std::uint64_t bytes = checked_new_bytes(name, dtype, shape);
     if (!fill) fail_tensor(name, "the fill function is empty");
     push(std::move(name), dtype, std::move(shape), bytes).fill = std::move(fill);
+  }
+
+  // Tensors laid out one after another whose bytes one call of `fill` produces together
+  // (their concatenation): for example the parameters of one gathered flat parameter.
+  struct Spec {
+    std::string name;
+    DType dtype = DType::f32;
+    Shape shape;
+  };
+  void add_together(std::vector<Spec> specs, Fill fill) {
+    if (specs.empty()) return;
+    if (!fill) fail_tensor(specs.front().name, "the fill function is empty");
+    const std::size_t first = tensors_.size();
+    for (Spec& t : specs) push(t.name, t.dtype, t.shape, checked_new_bytes(t.name, t.dtype, t.shape));
+    tensors_[first].fill = std::move(fill);
+    tensors_[first].together = specs.size();
   }
 
   // A "__metadata__" entry; setting a key again replaces its value.
@@ -75,19 +93,28 @@ class SafetensorsWriter {
     const std::uint64_t n = h.size();
     sink.write(&n, sizeof n);  // little-endian (asserted in safetensors_header.hpp)
     sink.write(h);
-    std::vector<std::byte> buffer;
-    for (const Pending& p : tensors_) {
+    auto fill_bytes = [&](std::size_t i) {  // of tensor i's fill, which may cover the next ones too
+      return tensors_[i + tensors_[i].together - 1].info.end - tensors_[i].info.begin;
+    };
+    std::uint64_t largest = 0;
+    for (std::size_t i = 0; i < tensors_.size(); ++i)
+      if (tensors_[i].fill) largest = std::max(largest, fill_bytes(i));
+    const HostArena buffer(static_cast<std::size_t>(largest));  // reused; every fill fills its part
+    for (std::size_t i = 0; i < tensors_.size();) {
+      const Pending& p = tensors_[i];
       if (p.data != nullptr || !p.fill) {
         sink.write(p.data, p.info.bytes());
+        ++i;
         continue;
       }
-      buffer.resize(p.info.bytes());
+      const std::span<std::byte> out(buffer.data(), static_cast<std::size_t>(fill_bytes(i)));
       try {
-        p.fill(std::span<std::byte>(buffer.data(), buffer.size()));
+        p.fill(out);
       } catch (const std::exception& e) {
         fail_tensor(p.info.name, "producing its bytes failed: ", detail::message_of(e));
       }
-      sink.write(buffer.data(), buffer.size());
+      sink.write(out.data(), out.size());
+      i += p.together;
     }
   }
 
@@ -101,6 +128,7 @@ class SafetensorsWriter {
     TensorInfo info;
     const void* data = nullptr;
     Fill fill;
+    std::size_t together = 1;  // tensors the fill produces: this one and the ones after it
   };
 
   template <class... Parts>
@@ -130,7 +158,7 @@ class SafetensorsWriter {
 
   Pending& push(std::string name, DType dtype, Shape shape, std::uint64_t bytes) {
     names_.insert(name);
-    tensors_.push_back({TensorInfo{std::move(name), dtype, std::move(shape), data_bytes_, data_bytes_ + bytes}, nullptr, {}});
+    tensors_.push_back({TensorInfo{std::move(name), dtype, std::move(shape), data_bytes_, data_bytes_ + bytes}, nullptr, {}, 1});
     data_bytes_ += bytes;
     return tensors_.back();
   }

@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <span>
 #include <map>
 #include <optional>
 #include <string>
@@ -59,25 +62,57 @@ std::map<std::string, std::string> user_metadata(const Map& index_metadata) {
 
 // This rank's file: each slice (count 0 included) as a 1-D tensor, and in "fsdp.slices"
 // what its header cannot say: which tensor it is a slice of, the global shape, the begin.
-inline void write_rank_file(const std::filesystem::path& path, const ShardedStateDict& sd) {
+// A slice with no unit is in host memory; one with a unit is copied from it while writing.
+inline checkpoint::WriteResult write_rank_file(const std::filesystem::path& path, const std::vector<SliceSource>& slices) {
   checkpoint::SafetensorsWriter writer;
   nlohmann::json places = nlohmann::json::object();
-  for (const StateSlice& s : sd.slices) {
+  for (const SliceSource& s : slices) {
     const std::string key = slice_key(s.id);
     places[key] = {{"kind", name_of(s.id.kind)}, {"state", s.id.state}, {"fqn", s.id.fqn},
                    {"dtype", checkpoint::safetensors_dtype_name(s.dtype)}, {"shape", s.shape},
                    {"begin", s.begin}, {"count", s.count}};
-    writer.add(key, s.dtype, {s.count}, s.data.data());
+    if (s.unit == nullptr || s.count == 0)
+      writer.add(key, s.dtype, {s.count}, s.src);
+    else
+      writer.add(key, s.dtype, {s.count}, [&s](std::span<std::byte> out) { s.unit->copy_bytes(out.data(), s.src, out.size()); });
   }
   writer.set_metadata(slices_metadata_key, places.dump());
-  writer.write(path);
+  return writer.write(path);
 }
 
-// Adds one rank file's entries and slices to the index, from its header.
-inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::filesystem::path& path) {
+// What a rank's write produced, left next to its file for rank 0's index (so the commit
+// reads headers only, never the data again) and removed before the commit.
+inline std::filesystem::path written_note_path(const std::filesystem::path& rank_file) {
+  return rank_file.parent_path() / ("." + rank_file.filename().string() + ".written");
+}
+inline void note_written(const std::filesystem::path& rank_file, const checkpoint::WriteResult& w) {
+  std::ofstream out(written_note_path(rank_file), std::ios::trunc);
+  out << w.bytes << " " << checkpoint::xxh64_hex(w.xxh64) << "\n";
+  out.close();
+  if (!out) fail("cannot write '", written_note_path(rank_file).string(), "'");
+}
+inline checkpoint::WriteResult read_written_note(const std::filesystem::path& rank_file) {
+  const auto note = written_note_path(rank_file);
+  std::ifstream in(note);
+  checkpoint::WriteResult w;
+  std::string hex;
+  std::optional<std::uint64_t> h;
+  if (!(in >> w.bytes >> hex) || !(h = checkpoint::parse_xxh64_hex(hex)))
+    fail("staging file '", note.string(), "' is missing or unreadable (did its rank write its file?)");
+  w.xxh64 = *h;
+  std::filesystem::remove(note);
+  return w;
+}
+
+// Adds one rank file's entries and slices to the index: from its header, with the size and
+// checksum its writer reported.
+inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::filesystem::path& path,
+                            const checkpoint::WriteResult& written) {
   const auto file = checkpoint::SafetensorsFile::open(path);
   const std::string name = path.filename().string();
-  index.files.push_back({name, file.file_bytes(), file.xxh64()});
+  if (file.file_bytes() != written.bytes)
+    fail("checkpoint file '", path.string(), "' has ", file.file_bytes(), " bytes but its writer wrote ", written.bytes);
+  index.files.push_back({name, written.bytes, written.xxh64});
   auto it = file.metadata().find(slices_metadata_key);
   if (it == file.metadata().end()) fail("checkpoint file '", path.string(), "': no '", slices_metadata_key, "' metadata");
   const nlohmann::json places = nlohmann::json::parse(it->second);  // outlives the loop's proxy
@@ -102,20 +137,29 @@ inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::files
 namespace detail {
 
 // A sharded save in three steps, so that the middle one can run on a background thread
-// (AsyncCheckpointer): begin() agrees on the staging directory and snapshots this rank's
-// state into host memory (a collective), write() writes this rank's file (no collective,
-// any thread), commit() agrees that every rank wrote and has rank 0 index and publish the
-// directory (a collective). Until commit, the staging directory is removed if anything fails.
+// (AsyncCheckpointer): the constructor agrees on the staging directory and, with
+// `snapshot`, copies this rank's state into host memory (a collective); write() writes this
+// rank's file (no collective; any thread when snapshotted, else the caller's, straight from
+// the shards) and notes its size and checksum; commit() agrees that every rank wrote and
+// has rank 0 index (headers and notes only) and publish the directory (a collective).
+// Until commit, the staging directory is removed if anything fails.
 class ShardedSave {
  public:
   ShardedSave(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer,
-              std::map<std::string, std::string> metadata)
+              std::map<std::string, std::string> metadata, bool snapshot = true)
       : what_("save_sharded_checkpoint '" + dir.string() + "'"), metadata_(std::move(metadata)) {
     run_agreed(model, what_, [&] {
       check_user_metadata(metadata_, what_);
       staging_dir_ = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), checkpoint_token);
-      snapshot_ = sharded_state_dict(model, optimizer);  // no collective: inside the agreement
-      if (model[0].rank() != 0) return;
+      rank_ = model[0].rank();
+      sources_ = sharded_slice_sources(model, optimizer);  // no collective: inside the agreement
+      if (snapshot)  // the same slices, copied: write() then needs nothing of the model
+        for (SliceSource& s : sources_) {
+          snapshot_.slices.push_back({s.id, s.dtype, s.shape, s.begin, s.count, to_host(*s.unit, s.src, s.bytes())});
+          s.unit = nullptr, s.src = snapshot_.slices.back().data.data();
+        }
+      if (optimizer) optim_scalars_ = optimizer->scalars();
+      if (rank_ != 0) return;
       std::filesystem::remove_all(staging_dir_);  // left by a save that was killed
       staging_.emplace(checkpoint::CheckpointDirectory::begin(dir, checkpoint_token));
     });
@@ -124,11 +168,14 @@ class ShardedSave {
   const std::string& what() const { return what_; }
   std::uint64_t bytes() const {
     std::uint64_t n = 0;
-    for (const auto& s : snapshot_.slices) n += s.data.size();
+    for (const auto& s : sources_) n += s.bytes();
     return n;
   }
 
-  void write() const { write_rank_file(staging_dir_ / checkpoint::rank_file_name(snapshot_.rank), snapshot_); }
+  void write() const {
+    const auto file = staging_dir_ / checkpoint::rank_file_name(rank_);
+    note_written(file, write_rank_file(file, sources_));
+  }
 
   // `write_failed`: what write() threw on this rank, if it ran elsewhere.
   void commit(ShardedModel& model, std::exception_ptr write_failed = nullptr) {
@@ -136,11 +183,12 @@ class ShardedSave {
       if (write_failed) std::rethrow_exception(write_failed);
     });
     run_agreed(model, what_, [&] {
-      if (snapshot_.rank != 0) return;
-      // Every rank has written its file (the agreement above): the staging directory, fresh
-      // from begin(), holds exactly one per rank.
+      if (rank_ != 0) return;
+      // Every rank has written its file and its note (the agreement above): the staging
+      // directory, fresh from begin(), holds exactly one file per rank.
       std::vector<std::filesystem::path> files;
-      for (const auto& e : std::filesystem::directory_iterator(staging_dir_)) files.push_back(e.path());
+      for (const auto& e : std::filesystem::directory_iterator(staging_dir_))
+        if (e.path().extension() != ".written") files.push_back(e.path());
       std::sort(files.begin(), files.end());
       checkpoint::CheckpointIndex index;
       index.world_size = static_cast<int>(files.size());
@@ -148,9 +196,9 @@ class ShardedSave {
         if (files[static_cast<std::size_t>(r)].filename() != checkpoint::rank_file_name(r))
           fail("staging directory '", staging_dir_.string(), "' holds '", files[static_cast<std::size_t>(r)].string(),
                "' where '", checkpoint::rank_file_name(r), "' was expected");
-      for (const auto& f : files) index_rank_file(index, f);
+      for (const auto& f : files) index_rank_file(index, f, read_written_note(f));
       for (const auto& [k, v] : metadata_) index.metadata[k] = v;
-      for (const auto& [k, v] : snapshot_.optim_scalars) index.metadata[optim_scalar_prefix + k] = v;
+      for (const auto& [k, v] : optim_scalars_) index.metadata[optim_scalar_prefix + k] = v;
       index.save(staging_dir_ / std::string(checkpoint::index_file_name));
       staging_->commit();
     });
@@ -161,7 +209,10 @@ class ShardedSave {
   std::map<std::string, std::string> metadata_;
   std::optional<checkpoint::CheckpointDirectory> staging_;  // rank 0's; aborted (removed) unless committed
   std::filesystem::path staging_dir_;
+  int rank_ = 0;
+  std::vector<SliceSource> sources_;  // what write() writes: into snapshot_ where there is one
   ShardedStateDict snapshot_;
+  std::map<std::string, std::string> optim_scalars_;
 };
 
 }  // namespace detail
@@ -170,16 +221,19 @@ class ShardedSave {
 // checkpoint there is replaced only at the commit). A rank that fails makes every rank fail.
 inline void save_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer = nullptr,
                                     const std::map<std::string, std::string>& metadata = {}) {
-  detail::ShardedSave save(dir, model, optimizer, metadata);
+  detail::ShardedSave save(dir, model, optimizer, metadata, /*snapshot=*/false);
   save.commit(model, detail::captured([&] { save.write(); }));
 }
 
-// A sharded checkpoint directory as a StateSource. Every file's checksum is verified when
-// it opens, so a damaged file is named on every rank before anything is loaded.
+// A sharded checkpoint directory as a StateSource. Opening reads the index and every file's
+// header. Checksums: read() verifies a file the first time it uses it; a load (read_all)
+// splits the files among the loading ranks (file i to rank i mod ranks), each hashing its
+// files whole while reading its own ranges from them, and agree_damage() names a damaged
+// file on every rank before anything is written. Every file is thus verified by exactly
+// one rank per load, whichever ranks read it.
 class ShardedCheckpointSource final : public StateSource {
  public:
   explicit ShardedCheckpointSource(const std::filesystem::path& dir) : reader_(dir) {
-    reader_.verify_checksums();
     for (const auto& e : reader_.index().entries) metas_[e.id] = {e.dtype, e.shape};
   }
   std::string name() const override { return "checkpoint '" + reader_.dir().string() + "'"; }
@@ -194,6 +248,26 @@ class ShardedCheckpointSource final : public StateSource {
     if (begin < 0 || count < 0) detail::fail(name(), ": ", key.describe(), ": negative range [", begin, ", +", count, ")");
     reader_.read(key, static_cast<std::uint64_t>(begin), static_cast<std::uint64_t>(count), dst,
                  static_cast<std::uint64_t>(count) * size_of(it->second.dtype));
+  }
+  void read_all(std::span<const ReadRequest> requests, int rank, int ranks) const override {
+    std::vector<checkpoint::ShardedCheckpointReader::Range> ranges;
+    for (const ReadRequest& r : requests) {
+      if (!metas_.count(r.key)) detail::fail(name(), ": no ", r.key.describe());
+      if (r.begin < 0 || r.count < 0) detail::fail(name(), ": ", r.key.describe(), ": negative range [", r.begin, ", +", r.count, ")");
+      if (r.count) ranges.push_back({r.key, static_cast<std::uint64_t>(r.begin), static_cast<std::uint64_t>(r.count), r.dst});
+    }
+    const auto n = static_cast<std::size_t>(std::max(ranks, 1));
+    reader_.read_all(ranges, [&](std::size_t file) { return file % n == static_cast<std::size_t>(rank); });
+  }
+  // One agreement when no rank found damage; else one per file, up to the first damaged one.
+  std::string agree_damage(const std::function<bool(bool)>& agree) const override {
+    const auto damaged = reader_.damaged();
+    if (agree(damaged.empty())) return "";
+    for (const auto& f : reader_.index().files)
+      if (!agree(!damaged.count(f.name)))
+        return name() + ": file '" + f.name + "': its XXH64 does not match the index (found by the rank that verified "
+               "it; the file is corrupt or from another save)";
+    return name() + ": a rank found a damaged file";  // unreachable: some rank named one
   }
   std::vector<StateKey> keys() const override {
     std::vector<StateKey> out;
@@ -215,8 +289,9 @@ class ShardedCheckpointSource final : public StateSource {
   std::map<StateKey, TensorMeta> metas_;
 };
 
-// A collective: every rank opens (and checksums) the checkpoint, the ranks agree it is
-// usable, then load_state verifies every tensor before writing any.
+// A collective: every rank opens the checkpoint (index and headers), the ranks agree it is
+// usable, then load_state reads and verifies every tensor (and every file's checksum,
+// split among the ranks) before writing any.
 inline LoadReport load_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model,
                                           OptimizerState* optimizer = nullptr, LoadOptions options = {}) {
   return detail::open_and_load<ShardedCheckpointSource>("load_sharded_checkpoint", dir, model, optimizer, options);

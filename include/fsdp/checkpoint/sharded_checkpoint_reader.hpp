@@ -5,12 +5,18 @@
 // header and size, and that each slice's tensor is in its file with the entry's dtype and
 // the slice's element count, and that no file holds a tensor the index does not list.
 // Checksums are verified per file the first time read() uses it (so a rank hashes only the
-// files it reads), or all at once with verify_checksums().
+// files it reads), all at once with verify_checksums(), or by read_all() for the files a
+// caller names, hashing each while it is read (one pass over the file, not two).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -80,6 +86,50 @@ class ShardedCheckpointReader {
     }
   }
 
+  // One range of read_all: elements [begin, begin + count) of `id` into dst (count * size bytes).
+  struct Range {
+    StateKey id;
+    std::uint64_t begin = 0, count = 0;
+    void* dst = nullptr;
+  };
+
+  // Reads every range. Files (by their place in index().files) for which `verify` is true
+  // are read whole, in order, and hashed as they are read: the ranges from them land in
+  // place and the rest is only hashed; a mismatch throws naming the file (after the bytes
+  // were read: the caller must not use them) and is remembered in damaged(). Other files
+  // are read only where the ranges are, unverified here (whoever verifies them reports).
+  void read_all(std::span<const Range> ranges, const std::function<bool(std::size_t)>& verify) const {
+    struct Piece {
+      std::uint64_t offset, bytes;
+      std::byte* dst;
+    };
+    std::map<std::string, std::vector<Piece>, std::less<>> pieces;
+    for (const Range& r : ranges) {
+      const std::size_t esize = size_of(entry(r.id).dtype);
+      for (const ReadStep& step : planner_.plan(r.id, r.begin, r.count)) {
+        const SafetensorsFile& f = files_.at(step.file).file;
+        pieces[step.file].push_back({f.file_offset_of(step.key, step.src_offset, step.count), step.count * esize,
+                                     static_cast<std::byte*>(r.dst) + step.dst_offset * esize});
+      }
+    }
+    const CheckpointIndex& ix = index();
+    for (std::size_t i = 0; i < ix.files.size(); ++i) {
+      const Opened& o = files_.at(ix.files[i].name);
+      auto& mine = pieces[ix.files[i].name];
+      if (checksums_ == Checksums::verify && verify(i) && !o.checked) {
+        stream_verified(ix.files[i].name, o, mine);
+      } else {
+        for (const Piece& p : mine) o.file.read_file_bytes(p.dst, p.bytes, p.offset);
+      }
+    }
+  }
+
+  // The files whose checksum did not match in this reader, by name.
+  std::set<std::string> damaged() const {
+    std::lock_guard lk(mu_);
+    return damaged_;
+  }
+
   // Hashes every file not verified yet and compares it with the index.
   void verify_checksums() const {
     for (const auto& [name, o] : files_) verified(name, true);
@@ -97,16 +147,57 @@ class ShardedCheckpointReader {
     detail::fail("checkpoint '", dir_.string(), "': file '", name, "': ", std::forward<Parts>(parts)...);
   }
 
+  // Reads file `name` from its first byte to its last in 1 MiB steps, each into its piece's
+  // destination (or a scratch buffer between pieces) and hashed while still in cache.
+  template <class Pieces>
+  void stream_verified(const std::string& name, const Opened& o, Pieces& pieces) const {
+    std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+    constexpr std::uint64_t step = std::uint64_t{1} << 20;
+    const auto scratch = std::make_unique_for_overwrite<std::byte[]>(step);
+    Xxh64 h;
+    std::uint64_t pos = 0;
+    auto hash_through = [&](std::uint64_t end, std::byte* dst) {  // [pos, end) into dst, or scratch
+      for (std::uint64_t off = pos; off < end;) {
+        const std::uint64_t n = std::min(step, end - off);
+        std::byte* to = dst ? dst + (off - pos) : scratch.get();
+        o.file.read_file_bytes(to, n, off);
+        h.update(to, n);
+        off += n;
+      }
+      pos = end;
+    };
+    std::vector<const typename Pieces::value_type*> overlapping;  // never from one load: read apart
+    for (const auto& p : pieces) {
+      if (p.offset < pos) {
+        overlapping.push_back(&p);
+        continue;
+      }
+      hash_through(p.offset, nullptr);
+      hash_through(p.offset + p.bytes, p.dst);
+    }
+    hash_through(o.file.file_bytes(), nullptr);
+    check_hash(name, o, h.digest());
+    for (const auto* p : overlapping) o.file.read_file_bytes(p->dst, p->bytes, p->offset);
+  }
+
+  void check_hash(const std::string& name, const Opened& o, std::uint64_t h) const {
+    std::lock_guard lk(mu_);
+    if (h != o.listed->xxh64) {
+      damaged_.insert(name);
+      fail_file(name, "its XXH64 is ", xxh64_hex(h), " but the index says ", xxh64_hex(o.listed->xxh64),
+                " (the file is corrupt or from another save)");
+    }
+    o.checked = true;
+  }
+
   const Opened& verified(const std::string& name, bool force = false) const {
     const Opened& o = files_.at(name);
     if (checksums_ == Checksums::skip && !force) return o;
-    std::lock_guard lk(mu_);
-    if (o.checked) return o;
-    const std::uint64_t h = o.file.xxh64();
-    if (h != o.listed->xxh64)
-      fail_file(name, "its XXH64 is ", xxh64_hex(h), " but the index says ", xxh64_hex(o.listed->xxh64),
-                " (the file is corrupt or from another save)");
-    o.checked = true;
+    {
+      std::lock_guard lk(mu_);
+      if (o.checked) return o;
+    }
+    check_hash(name, o, o.file.xxh64());
     return o;
   }
 
@@ -115,6 +206,7 @@ class ShardedCheckpointReader {
   ReadPlanner planner_;
   std::map<std::string, Opened, std::less<>> files_;
   mutable std::mutex mu_;
+  mutable std::set<std::string> damaged_;  // guarded by mu_
 };
 
 }  // namespace fsdp::checkpoint

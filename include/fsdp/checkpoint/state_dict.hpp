@@ -8,12 +8,14 @@
 //             tensor) and of each optimizer state, no collective; buffers on one rank;
 //  - local:   the raw flat shards with their layout (ShardView and ParamView).
 // Loading is in fsdp/checkpoint/load_state.hpp.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/optimizer_state.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/sharded_model.hpp"
@@ -72,6 +74,46 @@ void for_each_param(ShardedModel& model, F&& f) {
 
 }  // namespace detail
 
+namespace detail {
+
+// Where one slice of a sharded state dict lives: `src` in `unit`'s memory (shard space).
+struct SliceSource {
+  StateKey id;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::int64_t begin = 0, count = 0;
+  const UnitBase* unit = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes() const { return static_cast<std::size_t>(count) * size_of(dtype); }
+};
+
+// The slices sharded_state_dict copies, without copying them (a sharded save writes
+// straight from them). No collective.
+inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, OptimizerState* optimizer) {
+  std::vector<SliceSource> out;
+  if (model.size() == 0) return out;
+  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
+  for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
+    if (!u.saves_shards()) return;
+    out.push_back({StateKey::param(std::string(p.fqn)), p.dtype, shape_of(p.shape), p.param_begin, p.count, &u, p.param});
+    for (const auto& name : names) {
+      const DType t = optimizer->state_dtype(name);
+      const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
+      out.push_back({StateKey::optim(std::string(p.fqn), name), t, shape_of(p.shape), p.param_begin, p.count, &u,
+                     base + p.shard_offset * size_of(t)});
+    }
+  });
+  if (model[0].rank() == 0)
+    for (auto& u : model)
+      for (std::size_t i = 0; i < u->buffers().size(); ++i) {
+        const auto& b = u->buffers()[i];
+        out.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, shape_of(b.shape), 0, b.numel, u.get(), u->buffer_data(i)});
+      }
+  return out;
+}
+
+}  // namespace detail
+
 // This rank's slices. Where this rank's shards are the saved copy (UnitBase::saves_shards):
 // a slice of every parameter and of its optimizer states, with count 0 where this rank
 // holds none of it, so every tensor is known, empty ones included. Buffers on world rank 0.
@@ -80,30 +122,59 @@ inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* 
   ShardedStateDict out;
   if (model.size() == 0) return out;
   out.rank = model[0].rank();
-  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
-  detail::for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
-    if (!u.saves_shards()) return;
-    const auto esize = size_of(p.dtype);
-    out.slices.push_back({StateKey::param(std::string(p.fqn)), p.dtype, detail::shape_of(p.shape), p.param_begin,
-                          p.count, detail::to_host(u, p.param, static_cast<std::size_t>(p.count) * esize)});
-    for (const auto& name : names) {
-      const DType t = optimizer->state_dtype(name);
-      const auto* base = static_cast<const std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-      out.slices.push_back({StateKey::optim(std::string(p.fqn), name), t, detail::shape_of(p.shape), p.param_begin,
-                            p.count,
-                            detail::to_host(u, base + p.shard_offset * size_of(t), static_cast<std::size_t>(p.count) * size_of(t))});
-    }
-  });
-  if (out.rank == 0)
-    for (auto& u : model)
-      for (std::size_t i = 0; i < u->buffers().size(); ++i) {
-        const auto& b = u->buffers()[i];
-        out.slices.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, detail::shape_of(b.shape), 0, b.numel,
-                              detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))});
-      }
+  for (auto& s : detail::sharded_slice_sources(model, optimizer))
+    out.slices.push_back({s.id, s.dtype, s.shape, s.begin, s.count, detail::to_host(*s.unit, s.src, s.bytes())});
   if (optimizer) out.optim_scalars = optimizer->scalars();
   return out;
 }
+
+namespace detail {
+
+// One all-gather of a full state: flat parameter `shard` of `unit` — the parameters
+// themselves (`state` empty) or an optimizer state laid out like them — whose parameters
+// lie back to back in it, in visit order.
+struct FullGather {
+  UnitBase* unit = nullptr;
+  std::size_t shard = 0, model_shard = 0;
+  std::string state;  // "" for the parameters
+  DType dtype = DType::f32;
+  std::vector<std::size_t> params;  // indices into unit->parameters(), in the flat parameter's order
+  std::size_t bytes = 0;            // of the unpadded flat parameter
+};
+
+// Every rank's same sequence of gathers: the optimizer states' (unit, state, flat
+// parameter), then, with `params`, the parameters' (unit, flat parameter).
+inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer, bool params) {
+  std::vector<FullGather> out;
+  const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
+  for (const bool of_params : {false, true}) {
+    if (of_params && !params) break;
+    std::size_t first_shard = 0;
+    for (auto& u : model) {
+      for (const auto& name : of_params ? std::vector<std::string>{""} : names)
+        for (std::size_t k = 0; k < u->shards().size(); ++k) {
+          FullGather g{u.get(), k, first_shard + k, name, of_params ? u->shards()[k].dtype : optimizer->state_dtype(name), {}, 0};
+          for (std::size_t i = 0; i < u->parameters().size(); ++i)
+            if (u->parameters()[i].shard == k) {
+              g.params.push_back(i);
+              g.bytes += static_cast<std::size_t>(u->parameters()[i].numel) * size_of(g.dtype);
+            }
+          out.push_back(std::move(g));
+        }
+      first_shard += u->shards().size();
+    }
+  }
+  return out;
+}
+
+// Runs gather g (a collective over the unit's shard group) into host memory of g.bytes.
+inline void gather(const FullGather& g, OptimizerState* optimizer, void* full_host) {
+  const ShardView& view = g.unit->shards()[g.shard];
+  const void* mine = g.state.empty() ? view.param : optimizer->state(g.state, g.model_shard, view.numel);
+  g.unit->gather_like_shard(g.shard, mine, full_host, g.dtype);
+}
+
+}  // namespace detail
 
 struct FullStateDictOptions {
   bool rank0_only = false;  // other ranks take part in the gathers but return an empty dict
@@ -133,30 +204,20 @@ inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimi
     }
   }
   if (!optimizer) return out;
-  std::size_t first_shard = 0;
-  for (auto& u : model) {
-    for (const auto& name : optimizer->state_names()) {
-      const DType t = optimizer->state_dtype(name);
-      for (std::size_t k = 0; k < u->shards().size(); ++k) {
-        const auto& view = u->shards()[k];
-        std::int64_t flat_numel = 0;  // the flat parameter's unpadded size: its parameters' sum
-        for (const auto& p : u->parameters()) if (p.shard == k) flat_numel += p.numel;
-        std::vector<std::byte> flat(static_cast<std::size_t>(flat_numel) * size_of(t));
-        u->gather_like_shard(k, optimizer->state(name, first_shard + k, view.numel), flat.data(), t);
-        std::int64_t offset = 0;  // parameters lie back to back in visit order
-        for (const auto& p : u->parameters()) {
-          if (p.shard != k) continue;
-          if (keep) {
-            auto& dst = out.optim[name][std::string(p.fqn)];
-            dst = {t, detail::shape_of(p.shape), {}};
-            const auto* from = flat.data() + offset * size_of(t);
-            dst.data.assign(from, from + p.numel * size_of(t));
-          }
-          offset += p.numel;
-        }
-      }
+  const auto gathers = detail::full_gathers(model, optimizer, /*params=*/false);
+  std::size_t largest = 0;
+  for (const auto& g : gathers) largest = std::max(largest, g.bytes);
+  const checkpoint::HostArena flat(largest);  // reused, never zero-filled: each gather fills it
+  for (const auto& g : gathers) {
+    detail::gather(g, optimizer, flat.data());
+    if (!keep) continue;
+    std::size_t offset = 0;  // parameters lie back to back in visit order
+    for (const std::size_t i : g.params) {
+      const auto& p = g.unit->parameters()[i];
+      const std::size_t n = static_cast<std::size_t>(p.numel) * size_of(g.dtype);
+      out.optim[g.state][std::string(p.fqn)] = {g.dtype, detail::shape_of(p.shape), {flat.data() + offset, flat.data() + offset + n}};
+      offset += n;
     }
-    first_shard += u->shards().size();
   }
   if (keep) out.optim_scalars = optimizer->scalars();
   return out;

@@ -4,7 +4,9 @@
 // model on any number of ranks reads exactly the slices it owns, whatever wrote them.
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <span>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +22,13 @@ struct TensorMeta {
   std::vector<std::int64_t> shape;
 };
 
+// One range a load stages: elements [begin, begin + count) of `key` into host memory `dst`.
+struct ReadRequest {
+  StateKey key;
+  std::int64_t begin = 0, count = 0;
+  void* dst = nullptr;
+};
+
 class StateSource {
  public:
   virtual ~StateSource() = default;
@@ -29,6 +38,18 @@ class StateSource {
   virtual void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const = 0;
   virtual std::vector<StateKey> keys() const = 0;
   virtual std::map<std::string, std::string> optim_scalars() const = 0;
+
+  // A load's staging on `rank` of `ranks` loading together (load_state calls it once on
+  // every rank): every request read. A source with checksums may split verifying them
+  // among the ranks; agree_damage() then tells every rank what any rank found.
+  virtual void read_all(std::span<const ReadRequest> requests, int /*rank*/, int /*ranks*/) const {
+    for (const ReadRequest& r : requests)
+      if (r.count) read(r.key, r.begin, r.count, r.dst);
+  }
+  // A collective after read_all on every rank (also where it threw): "" when no rank found a
+  // damaged file, else the same message naming one on every rank. `agree` is
+  // UnitBase::all_ranks_agree.
+  virtual std::string agree_damage(const std::function<bool(bool)>& /*agree*/) const { return ""; }
 };
 
 // A full state dict held in memory.
