@@ -249,6 +249,13 @@ class Sharded final : public UnitBase {
       if (void* master = buffers_.current_master(b.tensor)) return master;
     return b.data_of(b.tensor);
   }
+  void load_buffer(std::size_t i, const void* values) override {
+    expect({TrainingState::IDLE}, "load_buffer");
+    const auto& b = all_buffers_.at(i);
+    if (buffers_.load(b.tensor, values)) return;
+    const std::size_t n = static_cast<std::size_t>(b.numel) * size_of(b.dtype);
+    if (n) group_.device().copy(b.data_of(b.tensor), values, n);
+  }
   void* full_parameter(std::size_t i) const override {
     if (state_ != TrainingState::SUMMON_FULL_PARAMS)
       detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,

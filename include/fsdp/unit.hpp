@@ -110,6 +110,10 @@ class UnitBase {
   // dtype: the unit's master copy, refreshed from the cast copy the engine computes with
   // (read it only: the next refresh overwrites it).
   virtual void* buffer_data(std::size_t i) const = 0;
+  // IDLE only: sets buffers()[i] from `values` (its dtype, numel elements, host or device
+  // memory), in the engine's tensor and in any copy MixedPrecision keeps. What loads use,
+  // with no summon (no gather) needed.
+  virtual void load_buffer(std::size_t i, const void* values) = 0;
   // While summoned: the full parameters()[i], in its master dtype (writable when the summon
   // writes back; in host memory under offload_to_host). An error in any other state, and
   // on ranks other than 0 of a rank0_only summon.

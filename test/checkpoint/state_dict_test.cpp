@@ -179,6 +179,17 @@ TEST_CASE("under MixedPrecision a sharded state dict holds buffers in their own 
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>(model, comm, device, engine::Wrap{});
     const auto sharded = fsdp::sharded_state_dict(sm);
     const auto full = fsdp::full_state_dict(sm);
+    {  // and it loads back into both copies, with no summon: zero the buffers, then load
+      {
+        auto s = sm.summon_full_params({.writeback = true});
+        for (auto& b : engine::named_buffers(model))
+          for (std::int64_t i = 0; i < b.buffer->numel(); ++i) b.buffer->set(i, 0.0f);
+      }
+      fsdp::load_state(sm, fsdp::FullStateDictSource(full));
+      const auto again = fsdp::full_state_dict(sm);
+      for (auto& b : engine::named_buffers(model)) CHECK(again.tensors.at(b.fqn).data == full.tensors.at(b.fqn).data);
+      for (auto& b : engine::named_buffers(model)) CHECK(b.buffer->get(0) != 0.0f);  // the engine's bf16 copy too
+    }
     if (comm.rank() != 0) return;
     std::size_t buffers = 0;
     for (auto& b : engine::named_buffers(probe)) {

@@ -34,8 +34,8 @@ struct LoadReport {
 namespace detail {
 
 // Where one staged range goes: `offset` into the staging arena, then to `dst` (a parameter
-// or optimizer slice), or to buffer `buffer` of unit `unit` (buffer_data exists only
-// while the unit is summoned).
+// or optimizer slice), or to buffer `buffer` of unit `unit` (through UnitBase::load_buffer,
+// which also updates a MixedPrecision cast copy).
 struct StagedCopy {
   std::size_t offset, bytes;
   void* dst = nullptr;
@@ -131,14 +131,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
     if (staged) std::rethrow_exception(staged);
     if (!damage.empty()) detail::fail(damage);
   }, "; nothing was loaded");
-  // Buffers first, through a summon that writes back (it also writes the gathered, still
-  // unchanged parameters back into the shards, which the parameter copies then replace).
-  for (std::size_t b = 0; b < buffers.size();) {
-    UnitBase& u = model[buffers[b].unit];
-    auto summoned = u.summon_full_params(true);
-    for (const std::size_t unit = buffers[b].unit; b < buffers.size() && buffers[b].unit == unit; ++b)
-      u.copy_bytes(u.buffer_data(buffers[b].buffer), arena.data() + buffers[b].offset, buffers[b].bytes);
-  }
+  for (const auto& b : buffers) model[b.unit].load_buffer(b.buffer, arena.data() + b.offset);
   for (const auto& c : params_and_optim)
     if (c.bytes) model[0].copy_bytes(c.dst, arena.data() + c.offset, c.bytes);
   if (optimizer) {

@@ -66,6 +66,19 @@ class BufferCopies {
     return nullptr;
   }
 
+  // Sets the buffer whose engine tensor is `tensor` from `values` (its own dtype, any
+  // memory): the master copy, and the cast copy the engine computes with. False for a
+  // buffer without copies.
+  bool load(const void* tensor, const void* values) {
+    for (auto& c : copies_)
+      if (c.tensor == tensor) {
+        if (c.numel) device_.copy(c.master, values, bytes(c.numel, c.dtype));
+        device_.cast(c.cast, cast_dtype_, c.master, c.dtype, static_cast<std::size_t>(c.numel));
+        return true;
+      }
+    return false;
+  }
+
   // Hands the engine's tensors back empty and frees both copies (the unit's destructor).
   void unbind_and_release() {
     for (auto& c : copies_) c.rebind(c.tensor, nullptr, c.dtype);
