@@ -204,30 +204,23 @@ class Bench {
     {
       std::optional<fsdp::detail::ShardedSave> save;
       std::exception_ptr failed;
-      phase(ss, "snapshot into host memory (agree, copy)", [&] { save.emplace(sharded(), sm, &state, std::map<std::string, std::string>{}); });
+      phase(ss, "snapshot into host memory (agree, copy; AsyncCheckpointer's path: the synchronous save writes from the shards)", [&] { save.emplace(sharded(), sm, &state, std::map<std::string, std::string>{}); });
       phase(ss, "write + fsync own rank file (all ranks at once)", [&] { failed = fsdp::detail::captured([&] { save->write(); }); });
-      phase(ss, "commit (agree; rank 0 re-reads every rank file for its XXH64, writes index.json, renames)",
+      phase(ss, "commit (agree; rank 0 reads the ranks' size and XXH64 notes and the headers, writes index.json, renames)",
             [&] { save->commit(sm, failed); });
-    }
-    if (root(comm)) {  // the commit's re-read alone, from the page cache as in the commit
-      const auto t0 = Clock::now();
-      for (const auto& e : fs::directory_iterator(sharded()))
-        if (e.path().extension() == ".safetensors") fsdp::checkpoint::detail::file_xxh64(e.path());
-      ss.emplace_back("  of which the XXH64 re-read of every rank file (measured apart, page cache warm)",
-                      std::chrono::duration<double>(Clock::now() - t0).count());
     }
     clear(comm, {full(), fsdp::optimizer_file_of(full())});
     {
       std::optional<fsdp::detail::FullSave> save;
       std::exception_ptr failed;
-      phase(fsv, "gather every tensor into rank 0's host memory", [&] { save.emplace(full(), sm, &state, std::map<std::string, std::string>{}); });
+      phase(fsv, "gather every tensor into rank 0's host memory (AsyncCheckpointer's snapshot; the synchronous save streams one flat parameter at a time)", [&] { save.emplace(full(), sm, &state, std::map<std::string, std::string>{}); });
       phase(fsv, "rank 0 writes + fsyncs both files (one thread)", [&] { failed = fsdp::detail::captured([&] { save->write(); }); });
       phase(fsv, "commit (agree)", [&] { save->commit(sm, failed); });
     }
     evict(comm, {sharded()});
     {
       std::optional<fsdp::ShardedCheckpointSource> src;
-      phase(sl, "open: index, headers, and XXH64 of EVERY rank file on EVERY rank", [&] { src.emplace(sharded()); });
+      phase(sl, "open: index and headers (each file's XXH64 is checked by one rank, while load_state reads)", [&] { src.emplace(sharded()); });
       phase(sl, "load_state: read own slices into staging buffers, agree, copy", [&] { fsdp::load_state(sm, *src, &state); });
     }
     evict(comm, {full(), fsdp::optimizer_file_of(full())});
