@@ -235,6 +235,28 @@ class FlatParamGroup {
     }
   }
 
+  // The reduced gradients whole, in the engine's gradient tensors, in the gradient dtype (a
+  // summon's with_grads; a collective). A replicated gradient is already whole.
+  void unshard_gradients() {
+    for (std::size_t k = 0; k < flat_.size(); ++k) {
+      auto& fp = flat_[k];
+      void* whole = fp.shard_grad;
+      if (!fp.direct) {
+        fp.summoned_grad = device_.allocate(FlatParam::bytes(fp.layout.numel(), fp.grad), MemorySpace::device);
+        gather_array(k, fp.shard_grad, fp.summoned_grad, fp.grad);
+        whole = fp.summoned_grad;
+      }
+      detail::bind_tensors(fp, whole, &detail::ParamBinding::grad, fp.grad);
+    }
+  }
+  void release_summoned_gradients() {
+    for (auto& fp : flat_) {
+      if (!fp.summoned_grad && !fp.direct) continue;
+      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
+      release(fp.summoned_grad, FlatParam::bytes(fp.layout.numel(), fp.grad), MemorySpace::device);
+    }
+  }
+
   // Adds the unsharded parameters' bytes to `f` (a summon's writeback check) and returns
   // whether any of them are their own shard (edited in place, so already kept).
   bool hash_unsharded(detail::Fingerprint& f) const {

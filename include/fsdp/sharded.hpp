@@ -100,6 +100,7 @@ class Sharded final : public UnitBase {
       if (all[r] != all[0]) differ << (differ.tellp() ? ", " : "") << r;
     if (differ.tellp() == 0) return;
     buffers_.show_master(false);
+    group_.release_summoned_gradients();
     release_unsharded();
     state_ = TrainingState::IDLE;
     detail::fail("unit '", display_name_, "' on rank ", rank_,
@@ -221,6 +222,16 @@ class Sharded final : public UnitBase {
     summon_checks_writeback_ = options.check_writeback;
     if (summon_holds_nothing_) group_.release_unsharded();  // gathered only for rank 0's sake
     else if (options.offload_to_host) group_.move_unsharded_to_host();
+    if (options.with_grads) {
+      try {
+        group_.unshard_gradients();
+      } catch (...) {
+        group_.release_summoned_gradients();
+        release_unsharded();
+        throw;
+      }
+      if (summon_holds_nothing_) group_.release_summoned_gradients();
+    }
     buffers_.show_master(true);
     state_ = TrainingState::SUMMON_FULL_PARAMS;
   }
@@ -229,6 +240,7 @@ class Sharded final : public UnitBase {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
     if (writeback && summon_checks_writeback_) check_edits_agree();
     if (writeback) group_.write_back();
+    group_.release_summoned_gradients();
     buffers_.show_master(false, writeback);
     release_unsharded();
     state_ = TrainingState::IDLE;

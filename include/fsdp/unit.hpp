@@ -71,6 +71,10 @@ struct SummonOptions {
   // fail on every rank (writing nothing back) when they differ. A pass over the unit's
   // full parameters and one 8-byte all-gather per unit.
   bool check_writeback = true;
+  // The reduced gradients whole as well, in the engine's gradient tensors (FSDP's
+  // with_grads): "are my gradients right?" after finish_backward. Read-only: edits to them
+  // are not kept. Gradients kept unsharded by gradient accumulation are not included.
+  bool with_grads = false;
 };
 class ShardedModel;
 

@@ -215,3 +215,41 @@ TEST_CASE("NoShard edits in place: a one-rank edit is still reported, saying the
     CHECK(test_support::contains(e, "parameters replicated in place kept each rank's own edits"));
   }
 }
+
+TEST_CASE_TEMPLATE("with_grads: after a backward the engine's gradient tensors show the whole reduced gradients", Strategy,
+                   fsdp::FullShard, fsdp::ShardGradOp, fsdp::NoShard, fsdp::HybridShard) {
+  // The unsharded engine's gradients of the same global batch (the mean over it, as the
+  // sharded reduction averages the ranks' means).
+  const auto c = config();
+  const int world = 4, local = 2;
+  engine::Model reference(c);
+  engine::zero_grads(reference);
+  {
+    const auto batch = engine::make_batch(c, 0, 0, world * local);
+    engine::Mat dout;
+    engine::mse(reference.forward(batch.x), batch.y, dout);
+    reference.backward(dout);
+  }
+  test_support::Params expected;
+  for (auto& p : engine::named_parameters(reference))
+    expected.emplace_back(p.fqn, std::vector<float>(p.grad->data(), p.grad->data() + p.grad->numel()));
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    fsdp::DeviceMesh mesh(comm, fsdp::MeshShape{2, 2});
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<Strategy>(model, mesh, device, engine::Wrap{});
+    engine::sharded_forward_backward(model, sm, engine::make_batch(c, 0, comm.rank() * local, local));
+    const auto live = device.stats().live_bytes;
+    {
+      auto s = sm.summon_full_params({.with_grads = true});
+      test_support::Params grads;
+      for (auto& p : engine::named_parameters(model)) {
+        REQUIRE(p.grad->raw() != nullptr);
+        grads.emplace_back(p.fqn, std::vector<float>(p.grad->data(), p.grad->data() + p.grad->numel()));
+      }
+      CHECK(test_support::max_difference(grads, expected) < 1e-6);
+    }
+    CHECK(model.blocks[0].fc1.weight_grad.raw() == nullptr);  // unbound again
+    CHECK(device.stats().live_bytes == live);                 // and freed
+  });
+}

@@ -28,6 +28,7 @@ struct FlatParam {
   void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
   DType full_dtype = DType::f32;
   MemorySpace full_space = MemorySpace::device;  // host only while a summon offloads it
+  void* summoned_grad = nullptr;  // the reduced gradient gathered whole (a summon's with_grads)
   void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
   Work gather_work;            // the all-gather into `full`, until its first use
   bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
