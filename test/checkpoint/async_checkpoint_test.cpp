@@ -48,7 +48,7 @@ TEST_CASE("an asynchronous sharded save holds the state of its call, while train
   const Params uninterrupted = test_support::uninterrupted_params(6);
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
-  std::vector<bool> absent_before_wait(2, false), pending(2, false);
+  std::vector<int> absent_before_wait(2, 0), pending(2, 0);  // not vector<bool>: ranks write apart
   std::vector<fsdp::AsyncSaveTiming> timing(2);
   train_with_checkpointer(2, 5, [&](int s, fsdp::AsyncCheckpointer& ckpt, fsdp::ShardedModel&, int r) {
     const auto i = static_cast<std::size_t>(r);

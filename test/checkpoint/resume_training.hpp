@@ -61,7 +61,7 @@ inline Params resume(int m, const Hook& load) {
 // load on 2 ranks.
 struct FailedLoad {
   std::vector<std::string> errors = std::vector<std::string>(2);
-  std::vector<bool> untouched = std::vector<bool>(2);
+  std::vector<char> untouched = std::vector<char>(2);  // not vector<bool>: ranks write apart
 };
 
 inline FailedLoad load_expecting_failure(const Hook& load) {

@@ -77,6 +77,23 @@ struct MyStrategy { using fsdp_policy_slot = fsdp::sharding_strategy_slot; };
 fsdp::Policies<fsdp::NoOffload, MyStrategy, fsdp::FullShard> p;
 EOF
 
+# fsdp::shard's wrap options: only wrap options, at most one of each kind.
+shard_prelude='#include "fsdp/fsdp.hpp"
+struct Net { fsdp::HostTensor w{{2, 2}}; };
+template <class F> void visit_parameters(Net& n, F&& f) { f("w", n.w); }'
+
+expect_error shard_non_option "is not a wrap option" <<EOF
+$shard_prelude
+void f(Net& n, fsdp::ThreadComm& c, fsdp::HostDevice& d) { auto m = fsdp::shard<fsdp::FullShard>(n, c, d, 42); }
+EOF
+
+expect_error shard_two_min_params "at most one wrap_min_params" <<EOF
+$shard_prelude
+void f(Net& n, fsdp::ThreadComm& c, fsdp::HostDevice& d) {
+  auto m = fsdp::shard<fsdp::FullShard>(n, c, d, fsdp::wrap_min_params(1), fsdp::wrap_min_params(2));
+}
+EOF
+
 expect_error unknown_tensor_type "no fsdp::tensor_traits" <<'EOF'
 #include <cstdint>
 #include "fsdp/tensor.hpp"

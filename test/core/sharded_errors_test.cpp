@@ -256,7 +256,7 @@ TEST_CASE("fsdp::shard that fails at a later unit leaves every engine parameter 
   // Rank 1's blocks have another hidden size: the root unit is built on both ranks, then
   // blocks.0 disagrees. The root must not have taken the engine's parameters over.
   std::vector<std::string> errors(2);
-  std::vector<bool> intact(2, false);
+  std::vector<char> intact(2, 0);  // not vector<bool>: ranks write apart
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
     engine::ModelConfig c;
     if (comm.rank() == 1) c.hidden = 8;
