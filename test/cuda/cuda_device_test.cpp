@@ -153,11 +153,13 @@ Bytes shuffled(const Bytes& in, DType t, std::mt19937_64& rng) {
 Bytes cast_inputs(DType from, DType to, std::mt19937_64& rng) {
   const bool integral = !fsdp::is_floating(from) || !fsdp::is_floating(to);
   if (integral) {
-    const bool u8 = from == DType::u8 || to == DType::u8;
-    const bool i8 = from == DType::i8 || to == DType::i8;
-    const bool half = from == DType::f16 || to == DType::f16;  // f16 tops out at 65504
-    const double lo = u8 ? 0 : i8 ? -128 : half ? -60000 : -1e6;
-    const double hi = u8 ? 255 : i8 ? 127 : half ? 60000 : 1e6;
+    // Values both dtypes hold (a cast out of range is an error): the intersection.
+    double lo = -1e6, hi = 1e6;
+    for (DType t : {from, to}) {
+      if (t == DType::u8) lo = std::max(lo, 0.0), hi = std::min(hi, 255.0);
+      if (t == DType::i8) lo = std::max(lo, -128.0), hi = std::min(hi, 127.0);
+      if (t == DType::f16) lo = std::max(lo, -60000.0), hi = std::min(hi, 60000.0);  // f16 tops out at 65504
+    }
     std::uniform_real_distribution<double> d(lo, hi);
     std::vector<double> v = {0.0, lo, hi, 0.5, -0.5, 1.5, 2.5};
     for (int i = 0; i < 5000; ++i) v.push_back(fsdp::is_floating(from) ? d(rng) : std::trunc(d(rng)));

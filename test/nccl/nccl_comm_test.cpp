@@ -192,6 +192,9 @@ TEST_CASE("arguments and options are refused before CUDA or the store is touched
   fsdp::NcclCommOptions zero;
   zero.timeout = std::chrono::milliseconds(0);
   CHECK(contains(from(0, 1, zero), "NcclCommOptions::timeout must be in (0 ms, 24 h], got 0 ms"));
+  fsdp::NcclCommOptions no_setup;
+  no_setup.setup_timeout = std::chrono::milliseconds(-1);
+  CHECK(contains(from(0, 1, no_setup), "NcclCommOptions::setup_timeout must be in (0 ms, 24 h], got -1 ms"));
   fsdp::NcclCommOptions slow_watchdog;
   slow_watchdog.timeout = std::chrono::milliseconds(100);
   slow_watchdog.watchdog_interval = std::chrono::milliseconds(200);
@@ -299,16 +302,18 @@ std::string temp_path(const std::string& name) {
 void watchdog_child() {
   cudaStream_t held = nullptr;
   if (cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking) != cudaSuccess) std::_Exit(3);
-  static std::atomic<bool> release{false};
-  cudaLaunchHostFunc(held, [](void*) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!release && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }, nullptr);
   fsdp::NcclCommOptions o;
   o.timeout = std::chrono::milliseconds(500);
   o.watchdog_interval = std::chrono::milliseconds(5);
   o.after = held;
   auto comms = NcclComm::create({0}, o);
+  // Held only now: NCCL's initialization synchronizes the device, so a stream held before
+  // it would have had to drain first (observed on an H200: the collective then ran at once).
+  static std::atomic<bool> release{false};
+  cudaLaunchHostFunc(held, [](void*) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!release && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }, nullptr);
   GpuBuffer buf(DType::f32, 4);
   const auto start = std::chrono::steady_clock::now();
   const auto e = error_of([&] { comms[0].all_reduce(buf.p, buf.p, 4, DType::f32, ReduceOp::sum).wait(); });

@@ -46,7 +46,7 @@ class NcclComm {
   using Options = NcclCommOptions;
 
   // Rank `rank` of `world` processes, on GPU `device`. Rank 0 makes the unique id and sets
-  // it in `store` under options.store_key; the others wait for it (options.timeout).
+  // it in `store` under options.store_key; the others wait for it (options.setup_timeout).
   static NcclComm from_store(Store& store, int rank, int world, int device, Options options = {}) {
     const std::string at = "NcclComm '" + options.name + "' rank " + std::to_string(rank) + " of " +
                            std::to_string(world);
@@ -59,7 +59,7 @@ class NcclComm {
       detail::nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", at);
       store.set(options.store_key, detail::nccl_unique_id_to_hex(id));
     } else {
-      id = detail::nccl_unique_id_from_hex(store.get(options.store_key, options.timeout), options.store_key);
+      id = detail::nccl_unique_id_from_hex(store.get(options.store_key, options.setup_timeout), options.store_key);
     }
     ncclComm_t comm = init(id, rank, world, device, options, at + " (cuda:" + std::to_string(device) + ")");
     return NcclComm(detail::NcclCommState::make(comm, rank, world, device, options.name, options));
@@ -101,7 +101,7 @@ class NcclComm {
     cudaSetDevice(caller_device);
     if (ended != ncclSuccess && ended != ncclInProgress && error.empty())
       error = "ncclGroupEnd failed: " + detail::nccl_error_text(ended);
-    const auto deadline = detail::NcclClock::now() + options.timeout;
+    const auto deadline = detail::NcclClock::now() + options.setup_timeout;
     for (int i = 0; i < n && error.empty(); ++i) error = settled(comms[i], deadline, options, "ncclCommInitRankConfig");
     if (!error.empty()) {
       for (ncclComm_t c : comms)
@@ -212,7 +212,7 @@ class NcclComm {
       const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, &comm, &config);
       std::string error;
       if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommSplit failed: " + detail::nccl_error_text(r);
-      const auto deadline = detail::NcclClock::now() + child.timeout;
+      const auto deadline = detail::NcclClock::now() + child.setup_timeout;
       if (error.empty()) error = settled(comm, deadline, child, "ncclCommSplit");
       if (error.empty()) error = settled(state_->comm_locked(), deadline, child, "ncclCommSplit (parent)");
       if (!error.empty()) {
@@ -243,8 +243,8 @@ class NcclComm {
     const ncclResult_t s = detail::nccl_settle(comm, deadline);
     if (s == ncclSuccess) return {};
     if (s == ncclInProgress)
-      return std::string(call) + " did not complete within " + std::to_string(o.timeout.count()) +
-             " ms (NcclCommOptions::timeout): not every rank joined";
+      return std::string(call) + " did not complete within " + std::to_string(o.setup_timeout.count()) +
+             " ms (NcclCommOptions::setup_timeout): not every rank joined";
     return std::string(call) + " failed: " + detail::nccl_error_text(s, comm);
   }
 
@@ -256,7 +256,7 @@ class NcclComm {
     const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
     std::string error;
     if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommInitRankConfig failed: " + detail::nccl_error_text(r);
-    if (error.empty()) error = settled(comm, detail::NcclClock::now() + o.timeout, o, "ncclCommInitRankConfig");
+    if (error.empty()) error = settled(comm, detail::NcclClock::now() + o.setup_timeout, o, "ncclCommInitRankConfig");
     if (!error.empty()) {
       if (comm) ncclCommAbort(comm);
       detail::fail(at, ": ", error, " (unique id from store key '", o.store_key, "')");

@@ -109,7 +109,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     cudaSetDevice(device);
     if (!aborted_) {  // a clean end flushes what was issued; bounded, then aborted
       ncclResult_t r = ncclCommFinalize(comm_);
-      if (r == ncclSuccess || r == ncclInProgress) r = nccl_settle(comm_, NcclClock::now() + options.timeout);
+      if (r == ncclSuccess || r == ncclInProgress) r = nccl_settle(comm_, NcclClock::now() + options.setup_timeout);
       if (r == ncclSuccess) ncclCommDestroy(comm_);
       else ncclCommAbort(comm_);
     }

@@ -21,9 +21,13 @@ namespace fsdp {
 
 struct NcclCommOptions {
   // Longest time one collective may take from the call that issued it (it may first queue
-  // behind work on its stream), and the bound on creating, splitting and finalizing. Past
-  // it the watchdog aborts the communicator (ncclCommAbort) and every wait() throws.
+  // behind work on its stream). Past it the watchdog aborts the communicator
+  // (ncclCommAbort) and every wait() throws.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // The bound on creating (unique id from the store included), splitting and finalizing a
+  // communicator: NCCL's first initialization in a process alone can take seconds, so it
+  // is apart from the collectives' timeout.
+  std::chrono::milliseconds setup_timeout{std::chrono::minutes(5)};
   // How often the watchdog looks at the oldest collective in flight and NCCL's async error.
   std::chrono::milliseconds watchdog_interval{10};
   // from_store(): where rank 0 puts the unique id. One key per communicator of a job.
@@ -41,6 +45,7 @@ namespace detail {
 
 inline void check_nccl_options(const NcclCommOptions& o, std::string_view where) {
   check_timeout(o.timeout, where, ": NcclCommOptions::timeout");
+  check_timeout(o.setup_timeout, where, ": NcclCommOptions::setup_timeout");
   check_timeout(o.watchdog_interval, where, ": NcclCommOptions::watchdog_interval");
   if (o.watchdog_interval > o.timeout)
     fail(where, ": NcclCommOptions::watchdog_interval (", o.watchdog_interval.count(),
