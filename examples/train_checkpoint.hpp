@@ -47,8 +47,9 @@ inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg,
   return m;
 }
 
-// The checkpoint in cfg.resume_dir, checked against this run before anything trains: every
-// file's checksum, then the metadata. Not a collective: every rank (or the launcher) reads it.
+// The checkpoint in cfg.resume_dir, checked against this run before anything trains: its
+// index and every file's header (checksums are verified by the load), then the metadata.
+// Not a collective: every rank (or the launcher) reads it.
 inline Resume read_resume(const Config& cfg, int world) {
   const std::string where = "--resume '" + cfg.resume_dir + "'";
   const auto metadata = fsdp::ShardedCheckpointSource(cfg.resume_dir).metadata();

@@ -27,15 +27,8 @@ using test_support::check_fixture;
 using test_support::contains;
 using test_support::error_of;
 using test_support::names_in;
+using test_support::save_fixture;
 using test_support::write_fixture;
-
-namespace {
-void save_generation(const std::filesystem::path& dir, int g) {
-  CheckpointDirectory d = CheckpointDirectory::begin(dir);
-  write_fixture(d, 2, g);
-  d.commit();
-}
-}  // namespace
 
 TEST_CASE("commit publishes a complete directory and leaves nothing else") {
   test_support::TempDir tmp;
@@ -53,12 +46,12 @@ TEST_CASE("commit publishes a complete directory and leaves nothing else") {
   CHECK(names_in(dir) == std::vector<std::string>{"index.json", "rank-00000.safetensors", "rank-00001.safetensors",
                                                   "rank-00002.safetensors"});
   // Replacing it: the new one in place, the old one gone.
-  save_generation(dir, 2);
+  save_fixture(dir, 2, 2);
   CHECK(check_fixture(dir, 3) == 2);
   CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
   CHECK(checkpoint_leftovers(dir).empty());
   // A trailing slash names the same directory.
-  save_generation(tmp.path() / "ckpt/", 3);
+  save_fixture(tmp.path() / "ckpt/", 2, 3);
   CHECK(check_fixture(dir, 1) == 3);
   CHECK(names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
 }
@@ -66,7 +59,7 @@ TEST_CASE("commit publishes a complete directory and leaves nothing else") {
 TEST_CASE("an abandoned save removes its staging directory and leaves the old checkpoint") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
-  save_generation(dir, 1);
+  save_fixture(dir, 2, 1);
   {
     CheckpointDirectory d = CheckpointDirectory::begin(dir);
     write_fixture(d, 2, 2);
@@ -132,7 +125,7 @@ TEST_CASE("a crash between commit's renames leaves the old checkpoint, which res
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
   CHECK(!restore_interrupted_checkpoint(dir));  // nothing at all
-  save_generation(dir, 1);
+  save_fixture(dir, 2, 1);
   CHECK(!restore_interrupted_checkpoint(dir));  // nothing to restore
   std::filesystem::rename(dir, tmp / "ckpt.old-abc");  // what the first rename did
   std::filesystem::create_directory(tmp / "ckpt.partial-abc");
@@ -157,7 +150,7 @@ void clean_leftovers(const std::filesystem::path& dir) {
 TEST_CASE("a process killed at chosen points of a save leaves the old checkpoint or the new one") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
-  save_generation(dir, 1);
+  save_fixture(dir, 2, 1);
   // Stops: while producing each of the first 3 tensors (files partly written), after all
   // files and the index but before commit, and after commit.
   for (int kill_at : {1, 2, 3, 4, 5}) {
@@ -187,18 +180,18 @@ TEST_CASE("a process killed at chosen points of a save leaves the old checkpoint
     CHECK(check_fixture(dir, 3) == (kill_at <= 4 ? 1 : 2));
     CHECK(checkpoint_leftovers(dir).size() == (kill_at <= 4 ? 1u : 0u));  // the killed save's staging
     clean_leftovers(dir);
-    if (kill_at == 5) save_generation(dir, 1);
+    if (kill_at == 5) save_fixture(dir, 2, 1);
   }
 }
 
 TEST_CASE("a process killed at random points of repeated saves always leaves a complete checkpoint") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";
-  save_generation(dir, 1);
+  save_fixture(dir, 2, 1);
   int restored = 0, generation_seen = 0;
   for (int round = 0; round < 12; ++round) {
     test_support::ChildProcess child([&](const test_support::Parent&) {
-      for (int g = 2;; ++g) save_generation(dir, g);
+      for (int g = 2;; ++g) save_fixture(dir, 2, g);
     });
     std::this_thread::sleep_for(std::chrono::microseconds(2000 + 8000 * round));
     child.kill();

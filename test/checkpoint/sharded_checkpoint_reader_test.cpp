@@ -26,9 +26,7 @@ using test_support::error_of;
 namespace {
 std::filesystem::path saved(const test_support::TempDir& tmp, int n, int g = 1) {
   const auto dir = tmp / ("ckpt-" + std::to_string(n));
-  CheckpointDirectory d = CheckpointDirectory::begin(dir);
-  test_support::write_fixture(d, n, g);
-  d.commit();
+  test_support::save_fixture(dir, n, g);
   return dir;
 }
 

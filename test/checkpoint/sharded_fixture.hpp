@@ -6,6 +6,7 @@
 // encode (generation, tensor, element), so a reader can check every element it gets.
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -39,9 +40,7 @@ inline double fixture_value(int g, std::size_t t, std::uint64_t i) {
 }
 
 inline std::uint64_t fixture_numel(const FixtureTensor& t) {
-  std::uint64_t n = 1;
-  for (auto d : t.shape) n *= static_cast<std::uint64_t>(d);
-  return n;
+  return static_cast<std::uint64_t>(fsdp::checked_numel(t.shape, {}));
 }
 
 // [begin, count) of rank r of n over `numel` elements: ceil(numel / n) each.
@@ -82,6 +81,13 @@ inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int 
     index.files.push_back({rank_file_name(r), written.bytes, written.xxh64});
   }
   index.save(dir.file(std::string(index_file_name)));
+}
+
+// A committed checkpoint of generation g from n ranks at `dir`.
+inline void save_fixture(const std::filesystem::path& dir, int n, int g) {
+  fsdp::checkpoint::CheckpointDirectory d = fsdp::checkpoint::CheckpointDirectory::begin(dir);
+  write_fixture(d, n, g);
+  d.commit();
 }
 
 // Reads the whole checkpoint as m ranks would and checks every element against

@@ -211,3 +211,20 @@ TEST_CASE("under MixedPrecision a sharded state dict holds buffers in their own 
     CHECK(buffers > 0);
   });
 }
+
+TEST_CASE("a full state dict inside a forward is an error naming the unit, on every rank") {
+  std::vector<std::string> errors(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(test_support::resume_config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& unit = sm.unit("gain");
+    unit.pre_forward();
+    errors[static_cast<std::size_t>(comm.rank())] = test_support::error_of([&] { fsdp::full_state_dict(sm); });
+    unit.post_forward();
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(test_support::contains(errors[static_cast<std::size_t>(r)], "unit 'gain' on rank " + std::to_string(r)));
+    CHECK(test_support::contains(errors[static_cast<std::size_t>(r)], "needs every unit IDLE, but it is FORWARD"));
+  }
+}

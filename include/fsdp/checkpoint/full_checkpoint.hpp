@@ -125,22 +125,17 @@ class FullSave {
   void write_files(SourceOf&& source_of) const {
     auto add = [&](checkpoint::SafetensorsWriter& w, std::size_t k) {
       const FullGather& g = gathers_[k];
-      std::vector<checkpoint::SafetensorsWriter::Spec> specs;
+      Source src = source_of(k);
+      std::vector<checkpoint::SafetensorsWriter::Spec> specs;  // for the fill
+      std::size_t offset = 0;  // into the host bytes: parameters lie back to back
       for (const std::size_t i : g.params) {
         const auto& p = g.unit->parameters()[i];
-        specs.push_back({g.state.empty() ? std::string(p.fqn) : g.state + "/" + std::string(p.fqn), g.dtype, shape_of(p.shape)});
+        std::string name = g.state.empty() ? std::string(p.fqn) : g.state + "/" + std::string(p.fqn);
+        if (src.fill) specs.push_back({std::move(name), g.dtype, shape_of(p.shape)});
+        else w.add(std::move(name), g.dtype, shape_of(p.shape), src.host + offset);
+        offset += static_cast<std::size_t>(p.numel) * size_of(g.dtype);
       }
-      Source src = source_of(k);
-      if (!src.fill) {
-        std::size_t offset = 0;
-        for (auto& t : specs) {
-          const std::size_t n = static_cast<std::size_t>(checked_numel(t.shape, {})) * size_of(t.dtype);
-          w.add(std::move(t.name), t.dtype, std::move(t.shape), src.host + offset);
-          offset += n;
-        }
-      } else {
-        w.add_together(std::move(specs), std::move(src.fill));
-      }
+      if (src.fill) w.add_together(std::move(specs), std::move(src.fill));
     };
     std::size_t k = 0;
     const auto optimizer_file = optimizer_file_of(file_);

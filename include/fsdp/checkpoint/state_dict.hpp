@@ -2,8 +2,8 @@
 // State dicts of a ShardedModel (and of the engine's optimizer), keyed by clean FQNs — the
 // parameters' own names, no unit prefixes — and always in master dtypes, whatever the
 // mixed precision or offload:
-//  - full:    every parameter and buffer whole, gathered one unit at a time (so device
-//             memory stays near one unit), in host memory, on every rank or rank 0 only;
+//  - full:    every parameter and buffer whole, gathered one flat parameter at a time
+//             (as a full save does), in host memory, on every rank or rank 0 only;
 //  - sharded: this rank's slice of each parameter (a 1-D element range of the flattened
 //             tensor) and of each optimizer state, no collective; buffers on one rank;
 //  - local:   the raw flat shards with their layout (ShardView and ParamView).
@@ -71,10 +71,6 @@ void for_each_param(ShardedModel& model, F&& f) {
       f(*u, p, p.model_shard);
     }
 }
-
-}  // namespace detail
-
-namespace detail {
 
 // Where one slice of a sharded state dict lives: `src` in `unit`'s memory (shard space).
 struct SliceSource {
@@ -145,6 +141,10 @@ struct FullGather {
 // Every rank's same sequence of gathers: the optimizer states' (unit, state, flat
 // parameter), then, with `params`, the parameters' (unit, flat parameter).
 inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer, bool params) {
+  for (auto& u : model)  // gathers between a unit's hooks would pair with its own collectives
+    if (u->state() != TrainingState::IDLE)
+      fail("unit '", u->fqn().empty() ? "<root>" : u->fqn(), "' on rank ", u->rank(), ": a full state dict or full ",
+           "checkpoint needs every unit IDLE, but it is ", name_of(u->state()));
   std::vector<FullGather> out;
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
   for (const bool of_params : {false, true}) {
@@ -180,46 +180,39 @@ struct FullStateDictOptions {
   bool rank0_only = false;  // other ranks take part in the gathers but return an empty dict
 };
 
-// Every parameter and buffer whole, in master dtypes: each unit summoned in turn (one
-// unit's full parameters on the device at a time). With an optimizer, its states gathered
-// the same way. A collective: every rank calls it.
+// Every parameter and buffer whole, in master dtypes, through the gathers a full save runs
+// (detail::full_gathers): one flat parameter at a time into a reused host buffer, so device
+// memory grows by one flat parameter at most. With an optimizer, its states gathered the
+// same way. A collective: every rank calls it.
 inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimizer = nullptr,
                                      FullStateDictOptions options = {}) {
   FullStateDict out;
   if (model.size() == 0) return out;
   const bool keep = !options.rank0_only || model[0].rank() == 0;
-  for (auto& u : model) {
-    auto summoned = u->summon_full_params();
-    const auto params = u->parameters();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      if (keep)
-        out.tensors[std::string(p.fqn)] = {p.dtype, detail::shape_of(p.shape),
-                                           detail::to_host(*u, u->full_parameter(i), static_cast<std::size_t>(p.numel) * size_of(p.dtype))};
-    }
-    for (std::size_t i = 0; i < u->buffers().size() && keep; ++i) {
-      const auto& b = u->buffers()[i];
-      out.tensors[std::string(b.fqn)] = {b.dtype, detail::shape_of(b.shape),
-                                         detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))};
-    }
-  }
-  if (!optimizer) return out;
-  const auto gathers = detail::full_gathers(model, optimizer, /*params=*/false);
+  const auto gathers = detail::full_gathers(model, optimizer, /*params=*/true);
   std::size_t largest = 0;
   for (const auto& g : gathers) largest = std::max(largest, g.bytes);
   const checkpoint::HostArena flat(largest);  // reused, never zero-filled: each gather fills it
   for (const auto& g : gathers) {
     detail::gather(g, optimizer, flat.data());
     if (!keep) continue;
+    auto& into = g.state.empty() ? out.tensors : out.optim[g.state];
     std::size_t offset = 0;  // parameters lie back to back in visit order
     for (const std::size_t i : g.params) {
       const auto& p = g.unit->parameters()[i];
       const std::size_t n = static_cast<std::size_t>(p.numel) * size_of(g.dtype);
-      out.optim[g.state][std::string(p.fqn)] = {g.dtype, detail::shape_of(p.shape), {flat.data() + offset, flat.data() + offset + n}};
+      into[std::string(p.fqn)] = {g.dtype, detail::shape_of(p.shape), {flat.data() + offset, flat.data() + offset + n}};
       offset += n;
     }
   }
-  if (keep) out.optim_scalars = optimizer->scalars();
+  if (!keep) return out;
+  for (auto& u : model)
+    for (std::size_t i = 0; i < u->buffers().size(); ++i) {
+      const auto& b = u->buffers()[i];
+      out.tensors[std::string(b.fqn)] = {b.dtype, detail::shape_of(b.shape),
+                                         detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))};
+    }
+  if (optimizer) out.optim_scalars = optimizer->scalars();
   return out;
 }
 
