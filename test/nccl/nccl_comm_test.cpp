@@ -3,14 +3,13 @@
 // one. Cases that may crash or stall by design (the watchdog's) run in a child process.
 #include <doctest/doctest.h>
 
-#include <fcntl.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,9 +22,9 @@
 #endif
 #include "fsdp/nccl/nccl_comm.hpp"
 #include "fsdp/store.hpp"
-#include "test/nccl/child_process.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
+#include "test/tools/child_process.hpp"
 
 namespace {
 
@@ -292,8 +291,11 @@ TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::s
 
 namespace {
 
-std::string temp_path(const std::string& name) {
-  return "/tmp/fsdp_nccl_test_" + std::to_string(getpid()) + "_" + name + ".log";
+// This test binary again, as a fresh process (CUDA cannot be used in a forked copy of one
+// that initialized it) that runs only the child-process case, in role `env`.
+std::unique_ptr<test_tools::ChildProcess> spawn_child(const std::vector<std::string>& env) {
+  return std::make_unique<test_tools::ChildProcess>(
+      std::vector<std::string>{"/proc/self/exe", "--test-case=nccl child process", "--no-version"}, env);
 }
 
 // Watchdog child: the collective's stream is held back by a host function, so the
@@ -367,43 +369,37 @@ TEST_CASE("nccl child process" * doctest::skip(role().empty())) {
 }
 
 TEST_CASE("the watchdog turns a collective that cannot complete into an Error" * doctest::skip(no_gpu)) {
-  const auto child = test_support::spawn_self("nccl child process", {"FSDP_NCCL_TEST_ROLE=watchdog"}, temp_path("watchdog"));
-  const auto r = test_support::wait_child(child, std::chrono::steady_clock::now() + std::chrono::seconds(60));
-  INFO("child output:\n", r.output);
-  CHECK(!r.timed_out);
-  CHECK(r.exit_code == 0);
-  CHECK(contains(r.output, "WATCHDOG-DONE"));
-  CHECK(contains(r.output, "WATCHDOG_ERROR: fsdp: "));
-  CHECK(contains(r.output, "rank 0 of 1 (cuda:0): all_reduce(count=4, dtype=f32, op=sum) as collective #0"));
-  CHECK(contains(r.output, "did not complete within 500 ms"));
-  CHECK(contains(r.output, "ncclCommAbort"));
-  CHECK(contains(r.output, "AFTER_ERROR: fsdp: "));
-  CHECK(contains(r.output, "barrier as collective #1 not started: the communicator broke earlier"));
-  CHECK(contains(r.output, "BROKEN: 1"));
+  const auto child = spawn_child({"FSDP_NCCL_TEST_ROLE=watchdog"});
+  const auto r = child->wait(std::chrono::seconds(60));  // fails the case if it runs longer
+  INFO("child stdout:\n", r.out, "\nstderr:\n", r.err);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "WATCHDOG-DONE"));
+  CHECK(contains(r.out, "WATCHDOG_ERROR: fsdp: "));
+  CHECK(contains(r.out, "rank 0 of 1 (cuda:0): all_reduce(count=4, dtype=f32, op=sum) as collective #0"));
+  CHECK(contains(r.out, "did not complete within 500 ms"));
+  CHECK(contains(r.out, "ncclCommAbort"));
+  CHECK(contains(r.out, "AFTER_ERROR: fsdp: "));
+  CHECK(contains(r.out, "barrier as collective #1 not started: the communicator broke earlier"));
+  CHECK(contains(r.out, "BROKEN: 1"));
 }
 
 #ifdef FSDP_NCCL_TEST_TCP
 TEST_CASE("two processes through a TcpStore: collectives, split, a stalled peer" * doctest::skip(fewer_than_two_gpus)) {
   fsdp::TcpStoreServer server;
-  std::vector<test_support::Child> children;
+  std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
   for (int r = 0; r < 2; ++r)
-    children.push_back(test_support::spawn_self(
-        "nccl child process",
-        {"FSDP_NCCL_TEST_ROLE=rank", "FSDP_NCCL_TEST_RANK=" + std::to_string(r),
-         "FSDP_NCCL_TEST_PORT=" + std::to_string(server.port())},
-        temp_path("rank" + std::to_string(r))));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    children.push_back(spawn_child({"FSDP_NCCL_TEST_ROLE=rank", "FSDP_NCCL_TEST_RANK=" + std::to_string(r),
+                                    "FSDP_NCCL_TEST_PORT=" + std::to_string(server.port())}));
   for (int r = 0; r < 2; ++r) {
-    const auto result = test_support::wait_child(children[r], deadline);
-    INFO("rank ", r, " output:\n", result.output);
-    CHECK(!result.timed_out);
-    CHECK(result.exit_code == 0);
-    CHECK(contains(result.output, "COLLECTIVES-OK"));
-    CHECK(contains(result.output, "RANK-DONE"));
+    const auto result = children[r]->wait(std::chrono::seconds(120));
+    INFO("rank ", r, " stdout:\n", result.out, "\nstderr:\n", result.err);
+    CHECK(result.status == 0);
+    CHECK(contains(result.out, "COLLECTIVES-OK"));
+    CHECK(contains(result.out, "RANK-DONE"));
     if (r == 0) {
-      CHECK(contains(result.output, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of 2 (cuda:0): all_reduce("));
-      CHECK(contains(result.output, "as collective #0"));
-      CHECK(contains(result.output, "ncclCommAbort"));
+      CHECK(contains(result.out, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of 2 (cuda:0): all_reduce("));
+      CHECK(contains(result.out, "as collective #0"));
+      CHECK(contains(result.out, "ncclCommAbort"));
     }
   }
 }

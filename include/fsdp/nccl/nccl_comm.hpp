@@ -6,7 +6,8 @@
 //   all_reduce -> ncclAllReduce       broadcast -> ncclBroadcast
 //   barrier -> a one-element ncclAllReduce      split -> ncclCommSplit (for DeviceMesh)
 //
-// NCCL's in-place forms are the concept's own. avg is ncclAvg (see detail::nccl_op).
+// NCCL's in-place forms are the concept's own. avg is ncclAvg (see detail::nccl_op). A
+// broadcast reads only the root's `send` (it may equal `recv`, or be null elsewhere).
 // Every collective runs on the communicator's stream (its own, or NcclCommOptions::stream),
 // after the work already queued on NcclCommOptions::after, and returns a Work backed by a
 // CUDA event; several issued inside fsdp::nccl_group are launched together.
@@ -41,7 +42,8 @@
 
 namespace fsdp {
 
-class NcclComm {
+// The five collectives come from detail::CollectiveCalls, through issue() below.
+class NcclComm : public detail::CollectiveCalls<NcclComm> {
  public:
   using Options = NcclCommOptions;
 
@@ -84,8 +86,6 @@ class NcclComm {
     std::vector<ncclConfig_t> configs(devices.size(), detail::nccl_nonblocking_config(options.name.c_str()));
     std::string error;
     detail::CurrentDevice restore(devices[0], at);  // the loop below moves between devices
-    int caller_device = devices[0];
-    detail::cuda_check(cudaGetDevice(&caller_device), "cudaGetDevice", at);
     ncclGroupStart();
     for (int i = 0; i < n; ++i) {
       if (cudaSetDevice(devices[i]) != cudaSuccess) {
@@ -98,7 +98,7 @@ class NcclComm {
         error = "ncclCommInitRankConfig(rank " + std::to_string(i) + ") failed: " + detail::nccl_error_text(r);
     }
     const ncclResult_t ended = ncclGroupEnd();
-    cudaSetDevice(caller_device);
+    cudaSetDevice(devices[0]);  // back where `restore` left it, so that it restores the caller's
     if (ended != ncclSuccess && ended != ncclInProgress && error.empty())
       error = "ncclGroupEnd failed: " + detail::nccl_error_text(ended);
     const auto deadline = detail::NcclClock::now() + options.setup_timeout;
@@ -132,61 +132,6 @@ class NcclComm {
   // Why a collective failed and the communicator was aborted; empty while healthy.
   std::string broken_by() const { return state_->broken_by(); }
   bool broken() const { return !broken_by().empty(); }
-
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
-    const auto call = next({detail::CollectiveKind::all_gather, send, recv, count, t});
-    const std::size_t chunk = count * size_of(t);
-    check_buffer(call, send, chunk, "send");
-    check_buffer(call, recv, chunk * size(), "receive");
-    const ncclDataType_t type = detail::nccl_dtype(t);
-    return start(call, "ncclAllGather",
-                 [&](ncclComm_t c, cudaStream_t s) { return ncclAllGather(send, recv, count, type, c, s); });
-  }
-
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const auto call = next({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
-    const std::size_t chunk = count * size_of(t);
-    check_buffer(call, send, chunk * size(), "send");
-    check_buffer(call, recv, chunk, "receive");
-    const ncclDataType_t type = detail::nccl_dtype(t);
-    const ncclRedOp_t nccl_op = detail::nccl_op(op);
-    return start(call, "ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(send, recv, count, type, nccl_op, c, s);
-    });
-  }
-
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const auto call = next({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
-    const std::size_t bytes = count * size_of(t);
-    check_buffer(call, send, bytes, "send");
-    check_buffer(call, recv, bytes, "receive");
-    const ncclDataType_t type = detail::nccl_dtype(t);
-    const ncclRedOp_t nccl_op = detail::nccl_op(op);
-    return start(call, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(send, recv, count, type, nccl_op, c, s);
-    });
-  }
-
-  // Only the root's `send` is read (it may equal `recv`, or be null on the other ranks).
-  Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
-    const auto call = next({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
-    if (root < 0 || root >= size())
-      detail::fail(state_->where(), ": ", call.describe(), ": root ", root, " is outside [0, ", size(), ")");
-    const std::size_t bytes = count * size_of(t);
-    if (rank() == root) check_buffer(call, send, bytes, "send");
-    check_buffer(call, recv, bytes, "receive");
-    const ncclDataType_t type = detail::nccl_dtype(t);
-    return start(call, "ncclBroadcast",
-                 [&](ncclComm_t c, cudaStream_t s) { return ncclBroadcast(send, recv, count, type, root, c, s); });
-  }
-
-  Work barrier() {
-    const auto call = next({detail::CollectiveKind::barrier});
-    void* scratch = state_->scratch();
-    return start(call, "ncclAllReduce(barrier)", [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, c, s);
-    });
-  }
 
   // ncclCommSplit: collective over this communicator; ranks passing the same color (>= 0)
   // form a new one on the same GPU, ordered by (key, rank). Every rank first learns every
@@ -264,12 +209,49 @@ class NcclComm {
     return comm;
   }
 
-  detail::CollectiveCall next(detail::CollectiveCall call) {
+  friend class detail::CollectiveCalls<NcclComm>;
+
+  // One NCCL call per collective, after its buffers are checked (`count` is per rank).
+  Work issue(detail::CollectiveCall call) {
     call.seq = state_->next_seq();
-    const std::string broken_by = state_->broken_by();
-    if (!broken_by.empty())
-      detail::fail(state_->where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_by);
-    return call;
+    const void* send = call.send;
+    void* recv = call.recv;
+    const std::size_t count = call.count;
+    const std::size_t bytes = count * size_of(call.dtype);
+    const std::size_t all = bytes * static_cast<std::size_t>(size());
+    const ncclDataType_t type = detail::nccl_dtype(call.dtype);
+    const ncclRedOp_t op = detail::nccl_op(call.op);
+    switch (call.kind) {
+      case detail::CollectiveKind::all_gather:
+        check_buffer(call, send, bytes, "send");
+        check_buffer(call, recv, all, "receive");
+        return start(call, "ncclAllGather",
+                     [&](ncclComm_t c, cudaStream_t s) { return ncclAllGather(send, recv, count, type, c, s); });
+      case detail::CollectiveKind::reduce_scatter:
+        check_buffer(call, send, all, "send");
+        check_buffer(call, recv, bytes, "receive");
+        return start(call, "ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
+          return ncclReduceScatter(send, recv, count, type, op, c, s);
+        });
+      case detail::CollectiveKind::all_reduce:
+        check_buffer(call, send, bytes, "send");
+        check_buffer(call, recv, bytes, "receive");
+        return start(call, "ncclAllReduce",
+                     [&](ncclComm_t c, cudaStream_t s) { return ncclAllReduce(send, recv, count, type, op, c, s); });
+      case detail::CollectiveKind::broadcast:  // only the root's `send` is read (others may pass null)
+        if (rank() == call.root) check_buffer(call, send, bytes, "send");
+        check_buffer(call, recv, bytes, "receive");
+        return start(call, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
+          return ncclBroadcast(send, recv, count, type, call.root, c, s);
+        });
+      case detail::CollectiveKind::barrier: {
+        void* scratch = state_->scratch();  // a one-element all_reduce
+        return start(call, "ncclAllReduce(barrier)", [&](ncclComm_t c, cudaStream_t s) {
+          return ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, c, s);
+        });
+      }
+    }
+    detail::fail(state_->where(), ": collective kind ", static_cast<int>(call.kind), " is not one NCCL runs");
   }
 
   // NCCL reads and writes through GPU pointers: ordinary host memory would fault the

@@ -20,7 +20,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <sstream>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -42,13 +42,19 @@ inline void nccl_backoff(int spins) {
   else std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
+// A communicator's asynchronous state (ncclInProgress while a nonblocking call is under
+// way), or why it could not be read.
+inline ncclResult_t nccl_async_state(ncclComm_t comm) {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+  return r != ncclSuccess ? r : state;
+}
+
 // Polls a nonblocking communicator until it leaves ncclInProgress or `deadline` passes.
 // Returns its state then (ncclInProgress: the deadline passed).
 inline ncclResult_t nccl_settle(ncclComm_t comm, NcclClock::time_point deadline) {
   for (int spins = 0;; ++spins) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-    if (r != ncclSuccess) return r;
+    const ncclResult_t state = nccl_async_state(comm);
     if (state != ncclInProgress) return state;
     if (NcclClock::now() >= deadline) return ncclInProgress;
     nccl_backoff(spins);
@@ -79,6 +85,14 @@ struct NcclGroupFrame {
 inline thread_local NcclGroupFrame* nccl_active_group = nullptr;
 
 class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
+  // "<where>: <call>" in messages, built only when one is.
+  struct CallAt {
+    const std::string& where;
+    const CollectiveCall& call;
+    std::string text() const { return where + ": " + call.describe(); }
+    friend std::ostream& operator<<(std::ostream& os, const CallAt& a) { return os << a.text(); }
+  };
+
  public:
   // Takes `comm` (initialized, this rank's): on failure here it is aborted.
   static std::shared_ptr<NcclCommState> make(ncclComm_t comm, int rank, int size, int device, std::string name,
@@ -132,11 +146,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::uint64_t next_split() { return splits_++; }
 
   // "NcclComm 'world' rank 1 of 4 (cuda:1)".
-  std::string where() const {
-    std::ostringstream os;
-    os << "NcclComm '" << name << "' rank " << rank << " of " << size << " (cuda:" << device << ")";
-    return os.str();
-  }
+  const std::string& where() const { return where_; }
 
   std::string broken_by() const {
     std::lock_guard lk(mu_);
@@ -157,7 +167,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     std::lock_guard lk(mu_);
     if (!broken_.empty())
       fail(where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
-    const std::string at = where() + ": " + call.describe();
+    const CallAt at{where_, call};  // streamed into a message only on failure
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
     f->call = call;
@@ -174,10 +184,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     ncclResult_t r = enqueue(comm_, stream_);
     if (r == ncclInProgress) r = nccl_settle(comm_, f->issued + options.timeout);
     if (r == ncclInProgress)
-      fail_locked(at + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
+      fail_locked(at.text() + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
                       nccl_function + " (NcclCommOptions::timeout)",
                   call.seq);
-    if (r != ncclSuccess) fail_locked(at + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq);
+    if (r != ncclSuccess)
+      fail_locked(at.text() + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq);
     in_flight_.push_back(f);
     if (!nccl_active_group) record_locked(*f);
     return f;
@@ -204,7 +215,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   const std::string& broken_locked() const { return broken_; }
   ncclComm_t comm_locked() const { return comm_; }
   void record_locked(NcclInFlight& f) {
-    const std::string at = where() + ": " + f.call.describe();
+    const CallAt at{where_, f.call};
     CurrentDevice current(device, at);
     cuda_check(cudaEventRecord(f.event, stream_), "cudaEventRecord", at);
     f.recorded = true;
@@ -236,7 +247,14 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
  private:
   NcclCommState(ncclComm_t comm, int rank, int size, int device, std::string name, NcclCommOptions options)
-      : rank(rank), size(size), device(device), name(std::move(name)), options(std::move(options)), comm_(comm) {}
+      : rank(rank),
+        size(size),
+        device(device),
+        name(std::move(name)),
+        options(std::move(options)),
+        where_("NcclComm '" + this->name + "' rank " + std::to_string(rank) + " of " + std::to_string(size) +
+               " (cuda:" + std::to_string(device) + ")"),
+        comm_(comm) {}
 
   void start() {
     const std::string at = where();
@@ -272,9 +290,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       return where() + ": " + f.call.describe() + " failed: cudaEventQuery: " + cudaGetErrorString(q) + " (" +
              cudaGetErrorName(q) + ")";
     }
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-    if (r != ncclSuccess) state = r;
+    const ncclResult_t state = nccl_async_state(comm_);
     if (state != ncclSuccess && state != ncclInProgress)
       return where() + ": " + f.call.describe() + " failed: NCCL reported an asynchronous error: " +
              nccl_error_text(state, comm_);
@@ -303,9 +319,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         in_flight_.pop_front();
       }
       if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
-        ncclResult_t state = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-        if (r != ncclSuccess) state = r;
+        const ncclResult_t state = nccl_async_state(comm_);
         if (state != ncclSuccess && state != ncclInProgress)
           abort_locked("watchdog: " + where() + ": NCCL reported an asynchronous error between collectives: " +
                            nccl_error_text(state, comm_),
@@ -314,6 +328,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
   }
 
+  const std::string where_;
   mutable std::mutex mu_;
   ncclComm_t comm_;
   bool aborted_ = false;
