@@ -109,24 +109,23 @@ inline bool accumulate_norm(const void* p, std::size_t n, DType t, double norm_t
 // Host staging for gradients that may live in device memory: bounded, reused chunk by chunk.
 constexpr std::size_t clip_chunk_bytes = std::size_t{1} << 18;
 
-inline std::string unit_name(const UnitBase& u) { return u.fqn().empty() ? "<root>" : u.fqn(); }
-
 // This rank's record; `why` gets the message of an invalid input or a non-finite gradient.
 inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int world_size, const ClipOptions& o,
                                      std::string& why) {
   ClipRecord rec{0, 0, ClipRecord::ok, o.max_norm, o.norm_type, o.error_if_nonfinite ? 1.0 : 0.0};
-  const std::string prefix = "clip_grad_norm on rank " + std::to_string(world_rank) + ": ";
-  auto invalid = [&](std::string msg) { rec.status = ClipRecord::invalid, why = prefix + msg; return rec; };
+  // Messages are built only when something is wrong.
+  auto prefix = [&] { return "clip_grad_norm on rank " + std::to_string(world_rank) + ": "; };
+  auto invalid = [&](std::string msg) { rec.status = ClipRecord::invalid, why = prefix() + msg; return rec; };
   if (auto bad = check_clip_options(o); !bad.empty()) return invalid(bad);
   for (auto& u : model) {
     const int unit_world = u->world_size();
     if (u->rank() != world_rank || unit_world != world_size)
-      return invalid("unit '" + unit_name(*u) + "' is on rank " + std::to_string(u->rank()) + " of a world of " +
+      return invalid("unit '" + std::string(u->display_name()) + "' is on rank " + std::to_string(u->rank()) + " of a world of " +
                      std::to_string(unit_world) + " ranks, but the communicator passed has rank " +
                      std::to_string(world_rank) + " of " + std::to_string(world_size) +
                      "; pass the world communicator the model was sharded over (or its DeviceMesh)");
     if (u->state() != TrainingState::IDLE)
-      return invalid("unit '" + unit_name(*u) + "' is in state " + std::string(name_of(u->state())) +
+      return invalid("unit '" + std::string(u->display_name()) + "' is in state " + std::string(name_of(u->state())) +
                      "; clip gradients after ShardedModel::finish_backward() and before the optimizer step");
     for (const ParamView& p : u->parameters()) {
       if (p.count == 0) continue;
@@ -148,7 +147,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
         if (!accumulate_norm(host.data(), n, p.grad_dtype, o.norm_type, rec.partial, &bad)) {
           rec.status = ClipRecord::nonfinite;
           const double v = load_as_double(host.data(), bad, p.grad_dtype);
-          why = prefix + "parameter '" + std::string(p.fqn) + "' (unit '" + unit_name(*u) + "') has a non-finite gradient (" +
+          why = prefix() + "parameter '" + std::string(p.fqn) + "' (unit '" + std::string(u->display_name()) + "') has a non-finite gradient (" +
                 number_text(v) + " at element " + std::to_string(p.param_begin + std::int64_t(done + bad)) + ")";
           rec.partial = std::fabs(v);  // inf or NaN: what the total becomes
           return rec;
@@ -188,16 +187,16 @@ ClipResult clip_grad_norm_impl(ShardedModel& model, Comm& world, const ClipOptio
   // One small collective: an all_gather rather than an all_reduce, so that every rank also
   // sees who failed, whether the options agree, and sums the partials in the same order.
   world.all_gather(&mine, all.data(), sizeof(ClipRecord) / sizeof(double), DType::f64).wait();
-  const std::string prefix = "clip_grad_norm on rank " + std::to_string(rank) + ": ";
-  if (mine.status == ClipRecord::invalid) fail(why, "; no gradient was changed");
+  auto fail = [rank](auto&&... parts) { detail::fail("clip_grad_norm on rank ", rank, ": ", parts...); };
+  if (mine.status == ClipRecord::invalid) detail::fail(why, "; no gradient was changed");
   for (int r = 0; r < size; ++r)
     if (all[r].status == ClipRecord::invalid) {
-      fail(prefix, "rank ", r, " was given inputs it cannot clip (see that rank's error); no gradient was changed");
+      fail("rank ", r, " was given inputs it cannot clip (see that rank's error); no gradient was changed");
     }
   for (int r = 1; r < size; ++r)
     if (all[r].max_norm != all[0].max_norm || all[r].norm_type != all[0].norm_type ||
         all[r].error_if_nonfinite != all[0].error_if_nonfinite)
-      fail(prefix, "ranks were given different options: rank 0 max_norm ", all[0].max_norm, ", norm_type ",
+      fail("ranks were given different options: rank 0 max_norm ", all[0].max_norm, ", norm_type ",
            all[0].norm_type, ", error_if_nonfinite ", all[0].error_if_nonfinite != 0 ? "true" : "false", "; rank ", r, " max_norm ",
            all[r].max_norm, ", norm_type ", all[r].norm_type, ", error_if_nonfinite ", all[r].error_if_nonfinite != 0 ? "true" : "false",
            "; every rank must pass the same ClipOptions. No gradient was changed");
@@ -218,18 +217,18 @@ ClipResult clip_grad_norm_impl(ShardedModel& model, Comm& world, const ClipOptio
   double expected = 0;  // every parameter is listed on every rank, with its whole numel
   for (const ParamView& p : model.parameters()) expected += static_cast<double>(p.numel);
   if (first_bad < 0 && counted != expected)
-    fail(prefix, "the ranks counted ", counted, " gradient elements but the model has ", expected,
+    fail("the ranks counted ", counted, " gradient elements but the model has ", expected,
          "; pass the world communicator the model was sharded over (for a DeviceMesh, the mesh or "
          "mesh.world()), not a sub-group. No gradient was changed");
 
   if (!std::isfinite(total)) {
     if (o.error_if_nonfinite) {
       const std::string norm = "the total " + norm_name(o.norm_type) + " of the gradients is ";
-      if (first_bad == rank) fail(why, ": ", norm, "not finite; no gradient was changed");
+      if (first_bad == rank) detail::fail(why, ": ", norm, "not finite; no gradient was changed");
       if (first_bad >= 0)
-        fail(prefix, norm, "not finite: rank ", first_bad,
+        fail(norm, "not finite: rank ", first_bad,
              " found a non-finite gradient (see that rank's error); no gradient was changed");
-      fail(prefix, norm, total, " although every gradient element is finite (the sum overflowed); no gradient was changed");
+      fail(norm, total, " although every gradient element is finite (the sum overflowed); no gradient was changed");
     }
     return {total, 1.0, false};  // never scale by a NaN or zero coefficient
   }

@@ -70,7 +70,7 @@ namespace detail {
 // whose settings first differ at some backward differ in whether they changed there, so one
 // side runs this all-gather while the other runs its reduction; either the values differ
 // (named below) or the collectives do (the backend's error, named below too).
-inline void agree_gradient_sync(const CommRef& world, const GradientSync& mine, const std::string& unit, int rank) {
+inline void agree_gradient_sync(const CommRef& world, const GradientSync& mine, std::string_view unit, int rank) {
   if (world.size() == 1) return;
   const std::int32_t code = mine.code();
   std::vector<std::int32_t> all(static_cast<std::size_t>(world.size()));

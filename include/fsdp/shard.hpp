@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fsdp/sharded_model.hpp"
@@ -245,20 +246,24 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   // would otherwise pair its collectives with the wrong unit's.
   UnitOptions unit_options{"", opts.sync_module_states, true, opts.ignored_modules, opts.ignored_parameters};
   detail::Fingerprint f;
-  std::ostringstream names;
   std::size_t count = 1;
   for (const auto& n : planner.nodes)
     if (n.unit) {
       f.add(n.fqn);
-      names << (count == 1 ? ": " : ", ") << n.fqn;
       ++count;
       unit_options.skip_modules.push_back(n.id);
     }
   f.add_count(count);
   for (const auto& fqn : planner.ignored) f.add("ignored " + fqn);
-  detail::check_same_across_ranks(detail::CommRef(comm), f, "the set of units",
-                                  std::to_string(count) + " units (root" + (count > 1 ? " + wrapped" : "") +
-                                      names.str() + "), " + std::to_string(planner.ignored.size()) + " ignored");
+  detail::check_same_across_ranks(detail::CommRef(comm), f, [] { return "the set of units"; }, [&] {
+    std::ostringstream os;  // built only on a mismatch
+    os << count << " units (root" << (count > 1 ? " + wrapped" : "");
+    const char* sep = ": ";
+    for (const auto& n : planner.nodes)
+      if (n.unit) os << std::exchange(sep, ", ") << n.fqn;
+    os << "), " << planner.ignored.size() << " ignored";
+    return os.str();
+  });
   // Every unit is built (its copies made, every check passed) before any takes over the
   // engine's tensors: a failure anywhere leaves the engine's model exactly as it was.
   ShardedModel out;

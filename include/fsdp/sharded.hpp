@@ -8,6 +8,7 @@
 // storage". The hooks then make the parameters valid exactly while the engine computes
 // with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch and to
 // keep one reduction in flight.
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -86,24 +87,24 @@ class Sharded final : public UnitBase {
   // full parameters and buffers first, and an error on every rank (nothing written back,
   // the unit IDLE) when they differ.
   void check_edits_agree() {
+    const auto& world = group_.groups().world;
+    if (world.size() == 1) return;  // one rank: nothing to compare, so no pass over the parameters
     detail::Fingerprint f;
     const bool in_place = group_.hash_unsharded(f);
     for (std::size_t i = 0; i < buffer_views_.size(); ++i)
       f.add_bytes(buffer_data(i), static_cast<std::size_t>(buffer_views_[i].numel) * size_of(buffer_views_[i].dtype));
-    const auto& world = group_.groups().world;
-    if (world.size() == 1) return;
     std::uint64_t mine = f.value();
     std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
     world.all_gather(&mine, all.data(), 1, DType::i64).wait();
+    if (std::all_of(all.begin(), all.end(), [&](std::uint64_t h) { return h == all[0]; })) return;
     std::ostringstream differ;
     for (std::size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0]) differ << (differ.tellp() ? ", " : "") << r;
-    if (differ.tellp() == 0) return;
     buffers_.show_master(false);
     group_.release_summoned_gradients();
     release_unsharded();
     state_ = TrainingState::IDLE;
-    detail::fail("unit '", display_name_, "' on rank ", rank_,
+    detail::fail("unit '", display_name(), "' on rank ", rank_,
                  ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
                  "(rank(s) ", differ.str(), " differ from rank 0): each rank writes back only its own slice, so "
                  "make the same edits on every rank; ",
@@ -144,7 +145,7 @@ class Sharded final : public UnitBase {
   void pre_backward() override {
     expect({TrainingState::IDLE}, "pre_backward");
     if (sync_ != agreed_sync_) {  // only after a change: plain training runs no extra collective
-      detail::agree_gradient_sync(group_.groups().world, sync_, display_name_, rank_);
+      detail::agree_gradient_sync(group_.groups().world, sync_, display_name(), rank_);
       agreed_sync_ = sync_;
     }
     if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, prefetches_backward);
@@ -213,7 +214,7 @@ class Sharded final : public UnitBase {
   void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
     if (options.writeback && options.rank0_only)
-      detail::fail("unit '", display_name_, "' on rank ", rank_,
+      detail::fail("unit '", display_name(), "' on rank ", rank_,
                    ": summon_full_params with writeback and rank0_only: ranks other than 0 hold no full "
                    "parameters to write back; summon with writeback on every rank instead");
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
@@ -270,10 +271,10 @@ class Sharded final : public UnitBase {
   }
   void* full_parameter(std::size_t i) const override {
     if (state_ != TrainingState::SUMMON_FULL_PARAMS)
-      detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
                    "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
     if (summon_holds_nothing_)
-      detail::fail("unit '", display_name_, "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
                    "'): the summon is rank0_only, so only rank 0 holds full parameters");
     return group_.full_parameter(i);
   }
@@ -314,14 +315,15 @@ class Sharded final : public UnitBase {
     const detail::SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
                                {options.skip_parameters.begin(), options.skip_parameters.end()}};
     detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
-    detail::validate_collected(params, display_name_, rank_, device.id());
+    detail::validate_collected(params, display_name(), rank_, device.id());
     group_.build(params);
     detail::Fingerprint f;
     f.add(fqn_);
     f.add(groups());
     group_.add_to(f);
-    detail::check_same_across_ranks(group_.groups().world, f, "unit '" + display_name_ + "'",
-                                    group_.describe() + " (" + groups() + ")");
+    detail::check_same_across_ranks(group_.groups().world, f, [&] {  // built only on a mismatch
+      return "unit '" + std::string(display_name()) + "'";
+    }, [&] { return group_.describe() + " (" + groups() + ")"; });
     if (options.sync_module_states) broadcast_from_rank0(params, buffers);
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
@@ -344,7 +346,6 @@ class Sharded final : public UnitBase {
     if constexpr (precision::enabled) return precision::buffer;
     else return std::nullopt;  // without mixed precision buffers stay the engine's
   }
-
 
   void broadcast_from_rank0(const std::vector<detail::CollectedParam>& params,
                             const std::vector<detail::CollectedBuffer>& buffers) {
@@ -371,17 +372,16 @@ class Sharded final : public UnitBase {
 
   // ---- tracing: one pointer test when off ----
   Trace* trace() const { return order_ ? order_->trace : nullptr; }
-  detail::TracedWait waiter() const { return {trace(), &display_name_}; }
+  detail::TracedWait waiter() const { return {trace(), display_name()}; }
   Trace::Clock::time_point now_if_traced() const { return trace() ? Trace::Clock::now() : Trace::Clock::time_point{}; }
   void record_compute(const char* pass) {
     Trace* t = trace();
     if (t && compute_begin_ != Trace::Clock::time_point{})  // not when tracing began mid-pass
-      t->add(std::string(pass) + " " + display_name_, pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
+      t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
   detail::BufferCopies buffers_;
   FlatParamGroup<config> group_;
-  const std::string display_name_ = fqn_.empty() ? "<root>" : fqn_;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad

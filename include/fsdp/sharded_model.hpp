@@ -81,11 +81,11 @@ class ShardedModel {
   void add(std::unique_ptr<UnitBase> unit) {
     for (auto& u : units_)
       if (u->fqn() == unit->fqn())
-        detail::fail("ShardedModel: two units named '", unit->fqn().empty() ? "<root>" : unit->fqn(), "' on rank ",
+        detail::fail("ShardedModel: two units named '", unit->display_name(), "' on rank ",
                      unit->rank());
     if (!units_.empty() && unit->groups() != units_.front()->groups())
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", unit->groups(),
-                   " but unit '", units_.front()->fqn().empty() ? "<root>" : units_.front()->fqn(), "' a ",
+                   " but unit '", units_.front()->display_name(), "' a ",
                    units_.front()->groups(), "; every unit of a model must use the same groups");
     const ModuleKey key{unit->module_address(), unit->module_type()};
     if (by_module_.count(key))
@@ -241,7 +241,7 @@ class ShardedModel {
   std::string unit_names() const {
     std::ostringstream os;
     for (std::size_t i = 0; i < units_.size(); ++i)
-      os << (i ? ", " : "") << "'" << (units_[i]->fqn().empty() ? "<root>" : units_[i]->fqn()) << "'";
+      os << (i ? ", " : "") << "'" << units_[i]->display_name() << "'";
     return os.str();
   }
 

@@ -168,6 +168,8 @@ class UnitBase {
   void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
 
   const std::string& fqn() const { return fqn_; }
+  // The FQN as messages and traces show it: "<root>" for the root.
+  std::string_view display_name() const { return fqn_.empty() ? std::string_view("<root>") : std::string_view(fqn_); }
   TrainingState state() const { return state_; }
   int rank() const { return rank_; }
   // The module this unit manages: its address and type together (a module's first member
@@ -248,8 +250,7 @@ class UnitBase {
 
 inline std::string ExecutionOrder::name_of(int index) const {
   if (index < 0 || index >= static_cast<int>(units_.size())) return "<not a unit of this model>";
-  const auto& f = units_[index]->fqn();
-  return f.empty() ? "<root>" : f;
+  return std::string(units_[index]->display_name());
 }
 
 inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {

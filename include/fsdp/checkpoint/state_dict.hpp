@@ -143,7 +143,7 @@ struct FullGather {
 inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer, bool params) {
   for (auto& u : model)  // gathers between a unit's hooks would pair with its own collectives
     if (u->state() != TrainingState::IDLE)
-      fail("unit '", u->fqn().empty() ? "<root>" : u->fqn(), "' on rank ", u->rank(), ": a full state dict or full ",
+      fail("unit '", u->display_name(), "' on rank ", u->rank(), ": a full state dict or full ",
            "checkpoint needs every unit IDLE, but it is ", name_of(u->state()));
   std::vector<FullGather> out;
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};

@@ -5,7 +5,6 @@
 // engine's and are not copied.
 #include <cstdint>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
@@ -27,7 +26,7 @@ class BufferCopies {
     cast_dtype_ = *cast_to;
     for (auto& b : buffers) {
       if (b.dtype == cast_dtype_ || !is_floating(b.dtype)) continue;
-      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind});  // freed by release on failure
+      auto& c = copies_.emplace_back(Copy{b.dtype, b.numel, b.tensor, b.rebind});  // freed by release on failure
       c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
       c.cast = device_.allocate(bytes(b.numel, cast_dtype_), MemorySpace::device);
       if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
@@ -87,7 +86,6 @@ class BufferCopies {
 
  private:
   struct Copy {
-    std::string fqn;
     DType dtype;
     std::int64_t numel;
     void* tensor;

@@ -35,8 +35,10 @@ class Fingerprint {  // FNV-1a, 64 bit
   std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
-inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::string& what,
-                                    const std::string& local_description) {
+// `what` and `describe` return the message's subject and this rank's description; they are
+// called only on a mismatch, so agreeing ranks build no text.
+template <class What, class Describe>
+void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& what, Describe&& describe) {
   const int n = comm.size();
   const int rank = comm.rank();
   if (n == 1) return;
@@ -47,14 +49,15 @@ inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, 
 
   // Slow path, taken by every rank together: exchange descriptions for the message.
   constexpr std::size_t cap = 4096;
-  std::string desc = local_description.substr(0, cap);
+  std::string desc = describe();
+  desc.resize(std::min(desc.size(), cap));
   desc.resize(cap, '\0');
   std::vector<char> descs(cap * n);
   comm.all_gather(desc.data(), descs.data(), cap, DType::u8).wait();
   auto text = [&](int r) { return std::string(descs.data() + r * cap, strnlen(descs.data() + r * cap, cap)); };
   int other = 1;
   while (all[other] == all[0]) ++other;
-  fail(what, " differs across ranks (seen on rank ", rank, "): rank 0 has ", text(0), "; rank ", other, " has ",
+  fail(what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", text(0), "; rank ", other, " has ",
        text(other));
 }
 

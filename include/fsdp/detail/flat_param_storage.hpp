@@ -3,6 +3,8 @@
 // and every buffer the unit holds for it, with the state of its collectives in flight.
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -65,12 +67,12 @@ inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::
 // Waits for a collective, as a span on the trace's compute lane when the model traces.
 struct TracedWait {
   Trace* trace = nullptr;
-  const std::string* unit = nullptr;
+  std::string_view unit;
   void operator()(Work& w, const char* what) const {
     if (!trace) return w.wait();
     const auto begin = Trace::Clock::now();
     w.wait();
-    trace->add(std::string(what) + " " + *unit, "wait", Trace::Lane::compute, begin, Trace::Clock::now());
+    trace->add(std::string(what).append(" ").append(unit), "wait", Trace::Lane::compute, begin, Trace::Clock::now());
   }
 };
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -123,7 +124,7 @@ inline std::string describe(DeviceId d) {
 
 // Checks one rank can make on its own before any collective: dtypes, devices, gradients
 // that match their parameters, storage present, no tensor visited twice.
-inline void validate_collected(const std::vector<CollectedParam>& params, const std::string& unit, int rank,
+inline void validate_collected(const std::vector<CollectedParam>& params, std::string_view unit, int rank,
                                DeviceId device) {
   std::unordered_map<const void*, const std::string*> seen;
   for (auto& p : params) {
