@@ -13,9 +13,11 @@
 //   }
 //   ckpt.wait();  // the last save is committed here (a collective)
 //
-// A save that is never waited for is not committed: its staging directory is removed and
-// the previous checkpoint at that path stays as it was. The snapshot costs host memory the
-// size of what this rank writes, until the save is committed.
+// A sharded save that is never waited for is not committed: every rank removes what it
+// wrote, rank 0 the staging directory, and the previous checkpoint at that path stays as it
+// was. A full save is one file that rank 0 writes atomically (optimizer file first): it
+// replaces the older file when rank 0's write ends, and wait() only reports whether it
+// did. The snapshot costs host memory the size of what this rank writes, until wait().
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -55,7 +57,10 @@ class AsyncCheckpointer {
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
   // Joins the writer; a save not waited for is discarded (see the top of this file).
-  ~AsyncCheckpointer() { join(); }
+  ~AsyncCheckpointer() {
+    join();
+    if (auto* s = std::get_if<std::shared_ptr<detail::ShardedSave>>(&save_)) (*s)->discard();
+  }
 
   // Collectives: every rank calls them. Waits for the save in flight first, then snapshots
   // and returns while the files are written.

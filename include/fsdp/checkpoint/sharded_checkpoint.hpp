@@ -177,6 +177,17 @@ class ShardedSave {
     note_written(file, write_rank_file(file, sources_));
   }
 
+  // A save dropped before its commit (no collective possible): this rank removes what it
+  // wrote and the staging directory if that leaves it empty. With rank 0's removal of the
+  // whole directory, whichever rank finishes last leaves nothing, whatever the order.
+  void discard() const noexcept {
+    std::error_code ignored;
+    const auto file = staging_dir_ / checkpoint::rank_file_name(rank_);
+    std::filesystem::remove(written_note_path(file), ignored);
+    std::filesystem::remove(file, ignored);
+    std::filesystem::remove(staging_dir_, ignored);  // only if empty
+  }
+
   // `write_failed`: what write() threw on this rank, if it ran elsewhere.
   void commit(ShardedModel& model, std::exception_ptr write_failed = nullptr) {
     run_agreed(model, what_, [&] {
