@@ -278,6 +278,7 @@ class Sharded final : public UnitBase {
                    "'): the summon is rank0_only, so only rank 0 holds full parameters");
     return group_.full_parameter(i);
   }
+  DeviceId device_id() const override { return group_.device().id(); }
   void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
     if (bytes) group_.device().copy(dst, src, bytes);
   }

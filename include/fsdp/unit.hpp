@@ -122,6 +122,8 @@ class UnitBase {
   // writes back; in host memory under offload_to_host). An error in any other state, and
   // on ranks other than 0 of a rank0_only summon.
   virtual void* full_parameter(std::size_t i) const = 0;
+  // Its Device's id(): whether its shards are in memory the host can address (cpu).
+  virtual DeviceId device_id() const = 0;
   // Copies bytes through the unit's Device: either side may be host or device memory.
   virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) const = 0;
   // All-gathers an array laid out like shards()[shard] (its numel valid elements of

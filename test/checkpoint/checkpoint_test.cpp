@@ -4,7 +4,10 @@
 // missing checkpoint is an error on every rank that names it, and loads nothing.
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <map>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -111,8 +114,10 @@ TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resume
     }
     for (auto& b : engine::named_buffers(probe)) CHECK(opened.find(b.fqn) != nullptr);
     CHECK(fsdp::read_checkpoint_metadata(file) == std::map<std::string, std::string>{{"step", "3"}});
+    fsdp::LoadOptions options;
+    options.stage_in_host_memory = m == 3;  // both ways of reading
     const Params resumed = resume(m, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-      fsdp::load_full_checkpoint(file, sm, &st);
+      fsdp::load_full_checkpoint(file, sm, &st, options);
     });
     CHECK(test_support::max_difference(resumed, uninterrupted) < 2e-5);
   }
@@ -127,16 +132,77 @@ TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, 
   REQUIRE(bytes.size() > 16);
   bytes[bytes.size() - 5] ^= 0x40;  // in the data, not the header
   test_support::write_bytes(victim, bytes);
-  const auto failed = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
-    fsdp::load_sharded_checkpoint(dir, sm, &st);
+  for (const bool staged : {false, true}) {  // checked then read in place, or read into host memory first
+    CAPTURE(staged);
+    fsdp::LoadOptions options;
+    options.stage_in_host_memory = staged;
+    const auto failed = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+      fsdp::load_sharded_checkpoint(dir, sm, &st, options);
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CAPTURE(failed.errors[r]);
+      CHECK(test_support::contains(failed.errors[r], fsdp::checkpoint::rank_file_name(1)));
+      CHECK(test_support::contains(failed.errors[r], "XXH64"));
+      CHECK(failed.untouched[r]);
+    }
+  }
+}
+
+namespace {
+
+// A checkpoint whose reads fail on rank 1 from the `fail_from`-th read_all call on (an I/O
+// error): every check passes, so only where the failing read happens differs.
+class FailingReads final : public fsdp::StateSource {
+ public:
+  FailingReads(const std::filesystem::path& dir, int rank, int fail_from) : inner_(dir), rank_(rank), fail_from_(fail_from) {}
+  std::string name() const override { return inner_.name(); }
+  std::optional<fsdp::TensorMeta> find(const fsdp::StateKey& k) const override { return inner_.find(k); }
+  void read(const fsdp::StateKey& k, std::int64_t b, std::int64_t c, void* d) const override { inner_.read(k, b, c, d); }
+  std::vector<fsdp::StateKey> keys() const override { return inner_.keys(); }
+  std::map<std::string, std::string> optim_scalars() const override { return inner_.optim_scalars(); }
+  bool reads_in_place() const override { return inner_.reads_in_place(); }
+  void verify(int rank, int ranks) const override { inner_.verify(rank, ranks); }
+  std::string agree_damage(const std::function<bool(bool)>& agree) const override { return inner_.agree_damage(agree); }
+  void read_all(std::span<const fsdp::ReadRequest> requests, int rank, int ranks) const override {
+    if (rank_ == 1 && ++calls_ >= fail_from_) fsdp::detail::fail("simulated EIO reading ", name());
+    inner_.read_all(requests, rank, ranks);
+  }
+
+ private:
+  fsdp::ShardedCheckpointSource inner_;
+  int rank_, fail_from_;
+  mutable int calls_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("an I/O error after the checks: staged, nothing is loaded; in place, every rank says the load is partial") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  save_sharded_after(2, 2, dir);
+  fsdp::LoadOptions staged;
+  staged.stage_in_host_memory = true;
+  // Staged: the one read_all (everything into host memory) fails on rank 1.
+  const auto before = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
+    fsdp::load_state(sm, FailingReads(dir, rank, 1), &st, staged);
+  });
+  // In place: the first read_all (the buffers) passes; the second (into the model) fails.
+  const auto after = load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
+    fsdp::load_state(sm, FailingReads(dir, rank, 2), &st);
   });
   for (std::size_t r = 0; r < 2; ++r) {
     CAPTURE(r);
-    CAPTURE(failed.errors[r]);
-    CHECK(test_support::contains(failed.errors[r], fsdp::checkpoint::rank_file_name(1)));
-    CHECK(test_support::contains(failed.errors[r], "XXH64"));
-    CHECK(failed.untouched[r]);
+    CAPTURE(before.errors[r]);
+    CAPTURE(after.errors[r]);
+    CHECK(test_support::contains(before.errors[r], "nothing was loaded"));
+    CHECK(before.untouched[r]);
+    CHECK(test_support::contains(after.errors[r], "partially loaded"));
+    CHECK(test_support::contains(after.errors[r], dir.string()));
   }
+  CHECK(test_support::contains(before.errors[1], "simulated EIO"));
+  CHECK(test_support::contains(after.errors[1], "simulated EIO"));
+  CHECK_FALSE(after.untouched[0]);  // rank 0's reads landed: the load really was in place
 }
 
 TEST_CASE("a checkpoint that does not exist is an error naming it on every rank") {

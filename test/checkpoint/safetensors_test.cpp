@@ -4,6 +4,8 @@
 // header (an error or a still-valid file, never a crash).
 #include <doctest/doctest.h>
 
+#include <cstring>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -179,16 +181,25 @@ TEST_CASE("a fill function that throws leaves no file and names the file and the
   test_support::TempDir dir;
   const auto path = dir / "ckpt.safetensors";
   test_support::write_bytes(path, "old content");
-  SafetensorsWriter w;
-  const std::vector<std::byte> big = pattern(2u << 20, 1);
-  w.add("first", DType::u8, {static_cast<std::int64_t>(big.size())}, big.data());
-  w.add("second", DType::f32, {4}, [](std::span<std::byte>) { throw std::runtime_error("gather failed on rank 3"); });
-  const std::string err = error_of([&] { w.write(path); });
-  CHECK(contains(err, "cannot write '" + path.string() + "'"));
-  CHECK(contains(err, "tensor 'second'"));
-  CHECK(contains(err, "gather failed on rank 3"));
-  CHECK(test_support::read_bytes(path) == "old content");
-  CHECK(test_support::names_in(dir.path()) == std::vector<std::string>{"ckpt.safetensors"});
+  const std::vector<std::byte> big = pattern(8u << 20, 1);
+  // The first tensor from host memory, or from a fill whose bytes are still being written
+  // on the writer's second thread when the next fill throws.
+  for (const bool first_filled : {false, true}) {
+    CAPTURE(first_filled);
+    SafetensorsWriter w;
+    const std::int64_t n = static_cast<std::int64_t>(big.size());
+    if (first_filled)
+      w.add("first", DType::u8, {n}, [&](std::span<std::byte> out) { std::memcpy(out.data(), big.data(), out.size()); });
+    else
+      w.add("first", DType::u8, {n}, big.data());
+    w.add("second", DType::f32, {4}, [](std::span<std::byte>) { throw std::runtime_error("gather failed on rank 3"); });
+    const std::string err = error_of([&] { w.write(path); });
+    CHECK(contains(err, "cannot write '" + path.string() + "'"));
+    CHECK(contains(err, "tensor 'second'"));
+    CHECK(contains(err, "gather failed on rank 3"));
+    CHECK(test_support::read_bytes(path) == "old content");
+    CHECK(test_support::names_in(dir.path()) == std::vector<std::string>{"ckpt.safetensors"});
+  }
 }
 
 TEST_CASE("the writer refuses bad names, shapes and data, naming the tensor") {

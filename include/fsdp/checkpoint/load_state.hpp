@@ -1,9 +1,10 @@
 #pragma once
 // load_state: puts a saved training state into a ShardedModel (and the engine's
 // optimizer) on any number of ranks. Verify first, write after: every tensor this rank
-// needs is checked (present, same dtype, same shape) and read into host memory; then the
-// ranks agree that all of them succeeded; only then is anything written. A bad checkpoint
-// therefore leaves the model and the optimizer untouched on every rank.
+// needs is checked (present, same dtype, same shape), checksums are verified (or, staged,
+// everything is read into host memory); then the ranks agree that all of them succeeded;
+// only then is anything written. A bad checkpoint therefore leaves the model and the
+// optimizer untouched on every rank.
 #include <cstddef>
 #include <exception>
 #include <filesystem>
@@ -24,6 +25,14 @@ struct LoadOptions {
   // false: tensors missing from the source keep their values, tensors the model does not
   // have are ignored; both are listed in the report instead of being errors.
   bool strict = true;
+  // Checkpoint files on a host device are checked first (keys, shapes, dtypes, sizes and,
+  // for sharded checkpoints, every file's checksum), then read straight into the model:
+  // after the checks only an I/O error can fail a read, and it is reported on every rank
+  // as a partial load. true: every range is read into host memory before anything is
+  // written, so even an I/O error leaves the model untouched (costs this rank's share of
+  // the state in host memory, and a copy). Sources in memory, and devices whose memory the
+  // host cannot address, are always staged.
+  bool stage_in_host_memory = false;
 };
 
 struct LoadReport {
@@ -65,9 +74,14 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
                              LoadOptions options = {}) {
   LoadReport report;
   if (model.size() == 0) return report;
-  // Every range this rank needs is checked, then read into one arena (not zero-filled: the
-  // reads fill it), in one read_all so a source can read each file in one pass.
-  std::vector<ReadRequest> requests;
+  const int rank = model[0].rank(), ranks = model[0].world_size();
+  // In place: parameters and optimizer state are read straight into the model after the
+  // agreement (host memory only; buffers always go through load_buffer). Staged: every
+  // range is read into one arena first (not zero-filled: the reads fill it), in one
+  // read_all so a source can read each file in one pass.
+  const bool in_place =
+      src.reads_in_place() && !options.stage_in_host_memory && model[0].device_id().kind == DeviceKind::cpu;
+  std::vector<ReadRequest> requests, staged_requests;
   std::vector<detail::StagedCopy> params_and_optim, buffers;
   checkpoint::HostArena arena;
   std::size_t total = 0;
@@ -75,11 +89,13 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
                   std::int64_t count, std::vector<detail::StagedCopy>& into, detail::StagedCopy copy) {
     if (!detail::check_entry(src, key, dtype, shape, options.strict, report)) return;
     copy.offset = total, copy.bytes = static_cast<std::size_t>(count) * size_of(dtype);
-    requests.push_back({key, begin, count, nullptr});
+    const bool staged = !in_place || !copy.dst;
+    (staged ? staged_requests : requests).push_back({key, begin, count, staged ? nullptr : copy.dst});
+    if (!staged) return;
     into.push_back(copy);
     total += (copy.bytes + 63) / 64 * 64;  // each range cache-line aligned
   };
-  auto stage = [&] {
+  auto check = [&] {
     std::set<StateKey> known;  // what the model has (a buffer as a param: sources may not tell them apart)
     const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
     detail::for_each_param(model, [&](UnitBase&, const ParamView& p, std::size_t shard) {
@@ -120,17 +136,25 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
     arena = checkpoint::HostArena(total);
     std::size_t i = 0;
     for (const auto* list : {&params_and_optim, &buffers})
-      for (const auto& c : *list) requests[i++].dst = arena.data() + c.offset;
-    src.read_all(requests, model[0].rank(), model[0].world_size());
+      for (const auto& c : *list) staged_requests[i++].dst = arena.data() + c.offset;
   };
-  // Nothing is written before every rank has staged everything: a rank that fails stops
-  // every rank in the agreement, and a damaged file found by any rank is named on all.
-  const std::exception_ptr staged = detail::captured(stage);
+  // Nothing is written before every rank has checked (and, staged, read) everything: a
+  // rank that fails stops every rank in the agreement, and a damaged file found by any rank
+  // is named on all.
+  const std::exception_ptr checked = detail::captured([&] {
+    check();
+    if (in_place) src.verify(rank, ranks);
+    src.read_all(staged_requests, rank, ranks);  // in place: only the buffers
+  });
   const std::string damage = src.agree_damage([&](bool ok) { return model[0].all_ranks_agree(ok); });
   detail::run_agreed(model, "load_state from " + src.name(), [&] {
-    if (staged) std::rethrow_exception(staged);
+    if (checked) std::rethrow_exception(checked);
     if (!damage.empty()) detail::fail(damage);
   }, "; nothing was loaded");
+  if (in_place)  // verified and agreed: only an I/O error can fail now, and every rank hears of it
+    detail::run_agreed(model, "load_state from " + src.name(), [&] { src.read_all(requests, rank, ranks); },
+                       "; the source had been checked, but reading it failed: the model and optimizer state are "
+                       "partially loaded (load again, or use LoadOptions::stage_in_host_memory)");
   for (const auto& b : buffers) model[b.unit].load_buffer(b.buffer, arena.data() + b.offset);
   for (const auto& c : params_and_optim)
     if (c.bytes) model[0].copy_bytes(c.dst, arena.data() + c.offset, c.bytes);

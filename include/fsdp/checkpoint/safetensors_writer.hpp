@@ -15,6 +15,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <map>
 #include <set>
 #include <span>
@@ -87,7 +88,9 @@ class SafetensorsWriter {
     return format_safetensors_header(infos, metadata_);
   }
 
-  // Streams the whole file into `sink`: length, header, then each tensor's bytes.
+  // Streams the whole file into `sink`: length, header, then each tensor's bytes. Filled
+  // bytes go to the sink on a second thread while the next fill runs on this one (two
+  // buffers of the largest fill), so producing them (a gather) overlaps writing them.
   void write_to(FileSink& sink) const {
     const std::string h = header();
     const std::uint64_t n = h.size();
@@ -97,25 +100,42 @@ class SafetensorsWriter {
       return tensors_[i + tensors_[i].together - 1].info.end - tensors_[i].info.begin;
     };
     std::uint64_t largest = 0;
-    for (std::size_t i = 0; i < tensors_.size(); ++i)
-      if (tensors_[i].fill) largest = std::max(largest, fill_bytes(i));
-    const HostArena buffer(static_cast<std::size_t>(largest));  // reused; every fill fills its part
+    std::size_t fills = 0;
+    for (std::size_t i = 0; i < tensors_.size(); i += tensors_[i].fill ? tensors_[i].together : 1)
+      if (tensors_[i].fill) largest = std::max(largest, fill_bytes(i)), ++fills;
+    const HostArena buffers[2] = {HostArena(static_cast<std::size_t>(largest)),
+                                  HostArena(fills > 1 ? static_cast<std::size_t>(largest) : 0)};
+    std::future<void> writing;  // the previous fill's bytes into the sink
+    auto written = [&] {        // waits for it; rethrows its error
+      if (writing.valid()) writing.get();
+    };
+    struct Drain {  // however this ends, no write still uses a buffer or the sink
+      std::future<void>& w;
+      ~Drain() {
+        if (w.valid()) w.wait();
+      }
+    } drain{writing};
+    int next = 0;
     for (std::size_t i = 0; i < tensors_.size();) {
       const Pending& p = tensors_[i];
       if (p.data != nullptr || !p.fill) {
+        written();
         sink.write(p.data, p.info.bytes());
         ++i;
         continue;
       }
-      const std::span<std::byte> out(buffer.data(), static_cast<std::size_t>(fill_bytes(i)));
+      const std::span<std::byte> out(buffers[next].data(), static_cast<std::size_t>(fill_bytes(i)));
       try {
         p.fill(out);
       } catch (const std::exception& e) {
         fail_tensor(p.info.name, "producing its bytes failed: ", detail::message_of(e));
       }
-      sink.write(out.data(), out.size());
+      written();
+      writing = std::async(std::launch::async, [&sink, out] { sink.write(out.data(), out.size()); });
+      next ^= 1;
       i += p.together;
     }
+    written();
   }
 
   // Writes the file atomically (see write_file_atomically); returns its size and XXH64.

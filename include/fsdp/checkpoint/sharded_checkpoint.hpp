@@ -267,9 +267,10 @@ class ShardedCheckpointSource final : public StateSource {
       if (r.begin < 0 || r.count < 0) detail::fail(name(), ": ", r.key.describe(), ": negative range [", r.begin, ", +", r.count, ")");
       if (r.count) ranges.push_back({r.key, static_cast<std::uint64_t>(r.begin), static_cast<std::uint64_t>(r.count), r.dst});
     }
-    const auto n = static_cast<std::size_t>(std::max(ranks, 1));
-    reader_.read_all(ranges, [&](std::size_t file) { return file % n == static_cast<std::size_t>(rank); });
+    reader_.read_all(ranges, verifies(rank, ranks));
   }
+  bool reads_in_place() const override { return true; }
+  void verify(int rank, int ranks) const override { reader_.verify_files(verifies(rank, ranks)); }
   // One agreement when no rank found damage; else one per file, up to the first damaged one.
   std::string agree_damage(const std::function<bool(bool)>& agree) const override {
     const auto damaged = reader_.damaged();
@@ -296,6 +297,11 @@ class ShardedCheckpointSource final : public StateSource {
   std::map<std::string, std::string> metadata() const { return detail::user_metadata(reader_.index().metadata); }
 
  private:
+  // File i is verified by rank i mod ranks.
+  static std::function<bool(std::size_t)> verifies(int rank, int ranks) {
+    const auto n = static_cast<std::size_t>(std::max(ranks, 1));
+    return [n, rank](std::size_t file) { return file % n == static_cast<std::size_t>(rank); };
+  }
   checkpoint::ShardedCheckpointReader reader_;
   std::map<StateKey, TensorMeta> metas_;
 };

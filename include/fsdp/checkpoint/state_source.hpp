@@ -39,13 +39,20 @@ class StateSource {
   virtual std::vector<StateKey> keys() const = 0;
   virtual std::map<std::string, std::string> optim_scalars() const = 0;
 
-  // A load's staging on `rank` of `ranks` loading together (load_state calls it once on
+  // A load's reads on `rank` of `ranks` loading together (load_state calls it once on
   // every rank): every request read. A source with checksums may split verifying them
   // among the ranks; agree_damage() then tells every rank what any rank found.
   virtual void read_all(std::span<const ReadRequest> requests, int /*rank*/, int /*ranks*/) const {
     for (const ReadRequest& r : requests)
       if (r.count) read(r.key, r.begin, r.count, r.dst);
   }
+  // Whether, once find() has checked every key and verify() and agree_damage() found no
+  // damage, a read can fail only through an I/O error. load_state then reads straight into
+  // the model (no host staging) unless LoadOptions::stage_in_host_memory.
+  virtual bool reads_in_place() const { return false; }
+  // Before such a load's agreement: this rank's share of the checksum work (the same split
+  // as read_all's), so that damage is found before anything is written.
+  virtual void verify(int /*rank*/, int /*ranks*/) const {}
   // A collective after read_all on every rank (also where it threw): "" when no rank found a
   // damaged file, else the same message naming one on every rank. `agree` is
   // UnitBase::all_ranks_agree.
