@@ -107,6 +107,7 @@ class Bench {
     if (!root(comm)) return;
     auto& row = r_.rows[name];
     row.name = name, row.direction = direction, row.baseline = baseline, row.files = files, row.bytes = bytes;
+    row.has_goal = name != kStagedLoad;
     row.seconds.push_back(seconds);
   }
   std::uint64_t share(int rank) const {  // rank's part of the N-files baseline

@@ -296,6 +296,13 @@ class Sharded final : public UnitBase {
     world.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min).wait();
     return all == 1;
   }
+  std::int64_t max_over_ranks(std::int64_t v) const override {
+    const auto& world = group_.groups().world;
+    if (world.size() == 1) return v;
+    std::int64_t all = 0;
+    world.all_reduce(&v, &all, 1, DType::i64, ReduceOp::max).wait();
+    return all;
+  }
 
   // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
   std::vector<const FlatParamLayout*> layouts() const {

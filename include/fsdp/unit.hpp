@@ -134,6 +134,9 @@ class UnitBase {
   // Whether `ok` holds on every rank of the world (a collective): so that no rank goes on
   // to change state, or to commit a file, that another rank has found wrong.
   virtual bool all_ranks_agree(bool ok) const = 0;
+  // The largest `v` of any rank of the world (a collective): how one rank's value (a
+  // random token, a size) reaches every rank.
+  virtual std::int64_t max_over_ranks(std::int64_t v) const = 0;
   // Whether this rank's shards are the copy a sharded checkpoint saves: replicas (NoShard,
   // the replicate dimension of HybridShard) hold the same elements, and one copy is saved.
   virtual bool saves_shards() const = 0;

@@ -123,6 +123,43 @@ TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resume
   }
 }
 
+TEST_CASE("a full save by every rank into one shared file writes the gathering save's bytes") {
+  test_support::TempDir tmp;
+  for (const int world : {3, 4}) {  // uneven and even shards; 4 ranks leave some padding
+    CAPTURE(world);
+    const auto shared = tmp / ("shared-" + std::to_string(world) + ".safetensors");
+    const auto gathered = tmp / ("gathered-" + std::to_string(world) + ".safetensors");
+    std::vector<char> wrote_shared(static_cast<std::size_t>(world));
+    train<fsdp::FullShard>(world, 0, 2, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int r) {
+      fsdp::detail::FullSave a(shared, sm, &st, {{"step", "2"}}, /*snapshot=*/false);
+      wrote_shared[static_cast<std::size_t>(r)] = fsdp::detail::save_full_shared(a, sm, &st);
+      fsdp::detail::FullSave b(gathered, sm, &st, {{"step", "2"}}, /*snapshot=*/false);
+      b.commit(sm, fsdp::detail::captured([&] { b.write_streaming(); }));
+    });
+    for (const char w : wrote_shared) CHECK(w);
+    CHECK(test_support::read_bytes(shared) == test_support::read_bytes(gathered));
+    CHECK(test_support::read_bytes(fsdp::optimizer_file_of(shared)) == test_support::read_bytes(fsdp::optimizer_file_of(gathered)));
+    CHECK(test_support::read_bytes(shared).size() > 1000);
+  }
+  CHECK(test_support::names_in(tmp.path()).size() == 8);  // no temporary file left
+}
+
+TEST_CASE("ranks that do not share rank 0's file system make the full save gather instead, leaving nothing") {
+  test_support::TempDir tmp;
+  std::vector<char> wrote_shared(2, 1);
+  train<fsdp::FullShard>(2, 0, 1, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int r) {
+    // Each rank's own directory stands for its own host's disk: same name, other files.
+    const auto own = tmp / ("host" + std::to_string(r));
+    std::filesystem::create_directories(own);
+    fsdp::detail::FullSave save(own / "model.safetensors", sm, &st, {}, /*snapshot=*/false);
+    wrote_shared[static_cast<std::size_t>(r)] = fsdp::detail::save_full_shared(save, sm, &st);
+  });
+  CHECK_FALSE(wrote_shared[0]);
+  CHECK_FALSE(wrote_shared[1]);
+  CHECK(test_support::names_in(tmp / "host0").empty());
+  CHECK(test_support::names_in(tmp / "host1").empty());
+}
+
 TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, and loads nothing") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";

@@ -84,6 +84,19 @@ inline void write_all(int fd, const void* data, std::size_t n, const std::filesy
   }
 }
 
+// Writes all n bytes at `offset` (the file position is not used).
+inline void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t offset, const std::filesystem::path& path) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) fail("cannot write '", path.string(), "' at byte ", offset, ": ", errno_text(errno));
+    if (w == 0) fail("cannot write '", path.string(), "' at byte ", offset, ": the write made no progress (disk full?)");
+    p += w, offset += static_cast<std::uint64_t>(w);
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
 // Reads up to n bytes at `offset`; returns fewer only at end of file.
 inline std::uint64_t pread_up_to(int fd, void* dst, std::uint64_t n, std::uint64_t offset,
                                  const std::filesystem::path& path) {

@@ -79,13 +79,16 @@ class SafetensorsWriter {
   }
 
   std::size_t size() const { return tensors_.size(); }
+  // Every tensor added, in file order; begin/end are offsets into the data section.
+  std::vector<TensorInfo> layout() const {
+    std::vector<TensorInfo> out;
+    for (const Pending& p : tensors_) out.push_back(p.info);
+    return out;
+  }
   std::uint64_t data_bytes() const { return data_bytes_; }
   // The header JSON, padded (see format_safetensors_header).
   std::string header() const {
-    std::vector<TensorInfo> infos;
-    infos.reserve(tensors_.size());
-    for (const Pending& p : tensors_) infos.push_back(p.info);
-    return format_safetensors_header(infos, metadata_);
+    return format_safetensors_header(layout(), metadata_);
   }
 
   // Streams the whole file into `sink`: length, header, then each tensor's bytes. Filled

@@ -1,0 +1,124 @@
+#pragma once
+// A full checkpoint written by every rank at once, where the ranks share a file system (one
+// host, or a cluster file system): rank 0 creates the files at their final size with their
+// headers; every rank writes the slices it saves (the parameters and optimizer states of
+// its shards; rank 0 also the buffers) at their offsets; rank 0 then publishes the files
+// as write_file_atomically does (fsync, rename, fsync of the directory). Nothing is
+// gathered: each byte is copied once, by the rank that holds it, and the ranks write in
+// parallel. The files are byte for byte those the gathering save writes.
+//
+// Whether the file system is shared is found out, not assumed: the temporary names carry a
+// random token that rank 0 draws and every rank learns; a rank that cannot open them (its
+// own disk on another host) makes every rank give up before a byte of data is written, and
+// the caller gathers to rank 0 instead.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/checkpoint_collective.hpp"
+#include "fsdp/checkpoint/file_io.hpp"
+#include "fsdp/checkpoint/full_save.hpp"
+#include "fsdp/checkpoint/state_dict.hpp"
+
+namespace fsdp::detail {
+
+// A collective. false: the shards are not in host memory, or some rank cannot open rank 0's
+// files; nothing was written and nothing is left. true: the checkpoint is committed.
+// Throws on every rank when the save fails; the target files are then untouched.
+inline bool save_full_shared(const FullSave& save, ShardedModel& model, OptimizerState* optimizer) {
+  if (model.size() == 0) return false;
+  const bool root = model[0].rank() == 0;
+  bool host = true;
+  for (auto& u : model) host = host && u->device_id().kind == DeviceKind::cpu;
+  if (!model[0].all_ranks_agree(host)) return false;
+
+  struct File {
+    std::filesystem::path target, temp;
+    checkpoint::SafetensorsWriter layout;
+    std::map<std::string, std::uint64_t, std::less<>> offset;  // of each tensor's first byte in the file
+    checkpoint::detail::UniqueFd fd;
+  };
+  std::vector<File> files(save.saves_optimizer() ? 2 : 1);  // the model's, then the optimizer's
+  checkpoint::SafetensorsWriter unused;
+  save.describe(files.size() == 2 ? files[1].layout : unused, files[0].layout);
+  files[0].target = save.file();
+  if (files.size() == 2) files[1].target = optimizer_file_of(save.file());
+
+  std::random_device rd;
+  const std::int64_t token = model[0].max_over_ranks(
+      root ? static_cast<std::int64_t>((std::uint64_t{rd()} << 31 ^ rd()) & 0x3fffffffffffffff) | 1 : 0);
+  for (File& f : files) {
+    f.temp = checkpoint::detail::parent_or_dot(f.target) /
+             ("." + f.target.filename().string() + ".tmp-shared-" + std::to_string(token));
+    // The header's size (only rank 0's header has the optimizer's scalars) from rank 0.
+    const std::string header = f.layout.header();
+    const auto data_begin = static_cast<std::uint64_t>(model[0].max_over_ranks(root ? 8 + std::int64_t(header.size()) : 0));
+    for (const auto& t : f.layout.layout()) f.offset[t.name] = data_begin + t.begin;
+  }
+  bool committed = false;
+  struct RemoveTemps {  // rank 0, however this ends short of the commit
+    std::vector<File>& files;
+    const bool& keep;
+    bool root;
+    ~RemoveTemps() {
+      if (root && !keep)
+        for (File& f : files) f.fd.reset(), ::unlink(f.temp.c_str());
+    }
+  } cleanup{files, committed, root};
+
+  const std::string what = "save_full_checkpoint '" + save.file().string() + "'";
+  run_agreed(model, what, [&] {  // rank 0 creates the files at their size, headers in place
+    if (!root) return;
+    for (File& f : files) {
+      f.fd = checkpoint::detail::open_fd(f.temp, O_WRONLY | O_CREAT | O_EXCL, "to write a temporary file");
+      const std::string header = f.layout.header();
+      const std::uint64_t n = header.size();
+      checkpoint::detail::pwrite_all(f.fd.get(), &n, sizeof n, 0, f.temp);
+      checkpoint::detail::pwrite_all(f.fd.get(), header.data(), header.size(), 8, f.temp);
+      if (::ftruncate(f.fd.get(), static_cast<off_t>(8 + n + f.layout.data_bytes())) != 0)
+        fail("cannot size '", f.temp.string(), "': ", checkpoint::detail::errno_text(errno));
+    }
+  }, "; nothing was saved");
+  bool opened = true;
+  if (!root)
+    for (File& f : files) {
+      const int fd = ::open(f.temp.c_str(), O_WRONLY | O_CLOEXEC);
+      opened = opened && fd >= 0;
+      f.fd = checkpoint::detail::UniqueFd(fd);
+    }
+  if (!model[0].all_ranks_agree(opened)) return false;  // not one file system: gather instead
+
+  run_agreed(model, what, [&] {  // every rank writes what it saves
+    for (const SliceSource& s : sharded_slice_sources(model, optimizer)) {
+      if (s.count == 0) continue;
+      File& f = files[s.id.kind == StateKind::optim ? 1 : 0];
+      const std::string name = s.id.kind == StateKind::optim ? s.id.state + "/" + s.id.fqn : s.id.fqn;
+      const std::uint64_t at = f.offset.at(name) + static_cast<std::uint64_t>(s.begin) * size_of(s.dtype);
+      checkpoint::detail::pwrite_all(f.fd.get(), s.src, s.bytes(), at, f.temp);
+    }
+    for (File& f : files) checkpoint::detail::fsync_fd(f.fd.get(), f.temp);
+    for (File& f : files)
+      if (const int err = f.fd.close_checked())
+        fail("closing '", f.temp.string(), "' failed: ", checkpoint::detail::errno_text(err));
+  }, "; nothing was saved");
+
+  run_agreed(model, what, [&] {  // rank 0 publishes: the optimizer file first, as the gathering save does
+    if (!root) return;
+    if (files.size() == 1) std::filesystem::remove(optimizer_file_of(save.file()));  // a stale one would load
+    for (std::size_t i = files.size(); i-- > 0;)
+      if (::rename(files[i].temp.c_str(), files[i].target.c_str()) != 0)
+        fail("renaming '", files[i].temp.string(), "' to '", files[i].target.string(), "' failed: ",
+             checkpoint::detail::errno_text(errno));
+    committed = true;
+    checkpoint::detail::fsync_directory(checkpoint::detail::parent_or_dot(save.file()));
+  });
+  return true;
+}
+
+}  // namespace fsdp::detail
