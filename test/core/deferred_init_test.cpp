@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -243,5 +244,23 @@ TEST_CASE("a model without storage needs deferred_init, and an init that cannot 
                    "parameters have no storage yet"));
     CHECK(has_no_storage(model));
     CHECK(device.stats().live_bytes == 0);
+  });
+}
+
+TEST_CASE("an init that gives a parameter storage of its own is copied from, and that storage released") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(config(engine::Init::deferred));
+    CountingAllocator own;
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, init_then("head", [&](engine::Linear& l) {
+      l.bias = engine::Tensor({3}, own);
+      l.bias.set(1, 7.0f);
+    }));
+    CHECK(own.peak == 3 * 4);
+    CHECK(own.live == 0);  // released once the root's shard was copied
+    const auto full = engine::gather_full_parameters(model, sm);
+    const auto bias = std::find_if(full.begin(), full.end(), [](auto& p) { return p.first == "head.bias"; });
+    REQUIRE(bias != full.end());
+    CHECK(bias->second == std::vector<float>{0.0f, 7.0f, 0.0f});
   });
 }
