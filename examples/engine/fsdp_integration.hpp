@@ -5,6 +5,7 @@
 //  - UnitHooks: the engine's forward/backward hook points -> unit lifecycle calls
 //  - slots(): the units' flat shards -> the engine optimizer's slots
 //  - DeviceAllocator: optimizer state allocated (and counted) through the fsdp Device
+//  - reset_parameters: the init callback of fsdp::deferred_init
 #include <algorithm>
 #include <cstring>
 #include <span>
@@ -115,6 +116,12 @@ struct DeviceAllocator final : Allocator {
 
 // The units of the reference model: one per block, one for the gain, the rest at the root.
 using Wrap = fsdp::wrap_types<Block, Gain>;
+
+// The init callback of fsdp::deferred_init for a model built with Init::deferred: each layer
+// computes the values it would have been built with.
+inline constexpr auto reset_parameters = [](auto& module, std::string_view) {
+  if constexpr (requires { module.reset_parameters(); }) module.reset_parameters();
+};
 
 // Forward and backward of one micro-batch on this rank's part of it, from the loss
 // multiplied by `loss_scale` (fp16 loss scaling), adding into the gradients; the gradients

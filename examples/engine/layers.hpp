@@ -40,15 +40,30 @@ inline void fill_uniform(Tensor& t, std::uint64_t seed, float scale) {
   for (std::int64_t i = 0; i < t.numel(); ++i) t.set(i, scale * uniform(seed, static_cast<std::uint64_t>(i)));
 }
 
+// When parameters get their values: at construction, or later (Init::deferred: parameters
+// and gradients are built with shapes and dtypes but no storage, and reset_parameters()
+// fills them once fsdp::deferred_init has bound storage to them).
+enum class Init { now, deferred };
+
+inline Tensor make_tensor(std::vector<std::int64_t> shape, Allocator& alloc, fsdp::DType dtype, Init init) {
+  return init == Init::now ? Tensor(std::move(shape), alloc, dtype) : Tensor::without_storage(std::move(shape), dtype);
+}
+
 // y = x W^T + b, W: [out, in]
 class Linear {
  public:
   Linear(std::int64_t in, std::int64_t out, std::uint64_t seed, Allocator& alloc = heap(),
-         fsdp::DType dtype = fsdp::DType::f32)
-      : weight({out, in}, alloc, dtype), bias({out}, alloc, dtype), weight_grad({out, in}, alloc, dtype),
-        bias_grad({out}, alloc, dtype), in_(in), out_(out) {
-    fill_uniform(weight, seed, 1.0f / std::sqrt(static_cast<float>(in)));
-    fill_uniform(bias, seed + 1, 0.1f);
+         fsdp::DType dtype = fsdp::DType::f32, Init init = Init::now)
+      : weight(make_tensor({out, in}, alloc, dtype, init)), bias(make_tensor({out}, alloc, dtype, init)),
+        weight_grad(make_tensor({out, in}, alloc, dtype, init)), bias_grad(make_tensor({out}, alloc, dtype, init)),
+        in_(in), out_(out), seed_(seed) {
+    if (init == Init::now) reset_parameters();
+  }
+
+  // The initial values, the same whenever they are computed.
+  void reset_parameters() {
+    fill_uniform(weight, seed_, 1.0f / std::sqrt(static_cast<float>(in_)));
+    fill_uniform(bias, seed_ + 1, 0.1f);
   }
 
   Mat forward(const Mat& x) {
@@ -91,6 +106,7 @@ class Linear {
 
  private:
   std::int64_t in_, out_;
+  std::uint64_t seed_;
   Mat x_;
 };
 
@@ -99,11 +115,16 @@ class Linear {
 // stepped, but part of the model, so it follows the model's buffer dtype).
 class Gain {
  public:
+  // The buffer is the engine's and always built with its values; Init::deferred defers the gain.
   Gain(std::int64_t dim, std::uint64_t seed, Allocator& alloc = heap(), fsdp::DType dtype = fsdp::DType::f32,
-       fsdp::DType buffer_dtype = fsdp::DType::f32)
-      : gain({dim}, alloc, dtype), gain_grad({dim}, alloc, dtype), scale({dim}, alloc, buffer_dtype) {
-    for (std::int64_t i = 0; i < dim; ++i) gain.set(i, 1.0f + 0.1f * uniform(seed, static_cast<std::uint64_t>(i)));
+       fsdp::DType buffer_dtype = fsdp::DType::f32, Init init = Init::now)
+      : gain(make_tensor({dim}, alloc, dtype, init)), gain_grad(make_tensor({dim}, alloc, dtype, init)),
+        scale({dim}, alloc, buffer_dtype), seed_(seed) {
+    if (init == Init::now) reset_parameters();
     for (std::int64_t i = 0; i < dim; ++i) scale.set(i, 1.0f + 0.05f * uniform(seed + 3, static_cast<std::uint64_t>(i)));
+  }
+  void reset_parameters() {
+    for (std::int64_t i = 0; i < gain.numel(); ++i) gain.set(i, 1.0f + 0.1f * uniform(seed_, static_cast<std::uint64_t>(i)));
   }
   Mat forward(const Mat& x) {
     x_ = x;
@@ -134,6 +155,7 @@ class Gain {
   Tensor scale;  // buffer
 
  private:
+  std::uint64_t seed_;
   Mat x_;
 };
 
@@ -142,9 +164,9 @@ class Gain {
 class Block {
  public:
   Block(std::int64_t dim, std::int64_t hidden, std::uint64_t seed, Allocator& alloc = heap(),
-        fsdp::DType dtype = fsdp::DType::f32)
-      : fc1(dim, hidden, seed, alloc, dtype), fc2(hidden, dim, seed + 7, alloc, dtype), adapter({0, dim}, alloc, dtype),
-        adapter_grad({0, dim}, alloc, dtype) {}
+        fsdp::DType dtype = fsdp::DType::f32, Init init = Init::now)
+      : fc1(dim, hidden, seed, alloc, dtype, init), fc2(hidden, dim, seed + 7, alloc, dtype, init),
+        adapter({0, dim}, alloc, dtype), adapter_grad({0, dim}, alloc, dtype) {}
 
   Mat forward(const Mat& x) {
     Mat h = fc1.forward(x);

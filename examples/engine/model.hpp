@@ -16,6 +16,7 @@ struct ModelConfig {
   std::int64_t in = 5, dim = 13, hidden = 7, out = 3;  // odd sizes on purpose
   int blocks = 3;
   std::uint64_t seed = 1;
+  Init init = Init::now;  // Init::deferred: parameters without storage until fsdp::deferred_init
 };
 
 struct NoHooks {
@@ -31,12 +32,12 @@ class Model {
   // parameter (or buffer) dtype; gradients take the parameter dtype.
   explicit Model(const ModelConfig& c, Allocator& alloc = heap(), fsdp::DType param_dtype = fsdp::DType::f32,
                  fsdp::DType buffer_dtype = fsdp::DType::f32)
-      : config(c), embed(c.in, c.dim, c.seed * 1000, alloc, param_dtype),
-        gain(c.dim, c.seed * 1000 + 500, alloc, param_dtype, buffer_dtype),
-        head(c.dim, c.out, c.seed * 1000 + 900, alloc, param_dtype) {
+      : config(c), embed(c.in, c.dim, c.seed * 1000, alloc, param_dtype, c.init),
+        gain(c.dim, c.seed * 1000 + 500, alloc, param_dtype, buffer_dtype, c.init),
+        head(c.dim, c.out, c.seed * 1000 + 900, alloc, param_dtype, c.init) {
     blocks.reserve(static_cast<std::size_t>(c.blocks));
     for (int i = 0; i < c.blocks; ++i)
-      blocks.emplace_back(c.dim, c.hidden, c.seed * 1000 + 10 * (i + 1), alloc, param_dtype);
+      blocks.emplace_back(c.dim, c.hidden, c.seed * 1000 + 10 * (i + 1), alloc, param_dtype, c.init);
   }
 
   template <class Hooks = NoHooks>

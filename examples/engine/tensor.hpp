@@ -69,6 +69,14 @@ class Tensor {
     bytes_ = bytes;
     if (bytes_) std::memset(data_, 0, bytes_);  // all-zero bits are +0 in every supported dtype
   }
+  // A shape and a dtype, no storage yet (deferred initialization: fsdp binds storage to it
+  // and the model's reset_parameters() fills it; see fsdp::deferred_init).
+  static Tensor without_storage(std::vector<std::int64_t> shape, fsdp::DType dtype = fsdp::DType::f32) {
+    Tensor t;
+    t.shape_ = std::move(shape);
+    t.dtype_ = check_supported(dtype);
+    return t;
+  }
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   Tensor(Tensor&& o) noexcept { *this = std::move(o); }

@@ -7,6 +7,7 @@
 #include "fsdp/clip_grad_norm.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
+#include "fsdp/deferred_init.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/dtype.hpp"

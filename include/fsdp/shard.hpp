@@ -13,6 +13,9 @@
 // Units may therefore nest; each parameter belongs to the innermost unit around it. Units
 // are listed root first, then in depth-first pre-order (a unit before the units nested
 // in it): the order of ShardedModel's iteration, shards() and parameters().
+//
+// fsdp::deferred_init(f) (fsdp/deferred_init.hpp), among the options, builds a model whose
+// parameters have no storage yet: each unit is initialized and sharded before the next.
 #include <functional>
 #include <set>
 #include <sstream>
@@ -21,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/deferred_init.hpp"
 #include "fsdp/sharded_model.hpp"
 #include "fsdp/wrap_policy.hpp"
 
@@ -163,15 +167,17 @@ class WrapPlanner {
 template <class M, class... Options>
 auto plan_units(M& model, const Options&... options) {
   static_assert((... && (is_wrap_types<Options>::value || is_wrap_if<Options>::value || is_min_params<Options>::value ||
-                         is_wrap_modules<Options>::value || is_shard_options<Options>::value)),
+                         is_wrap_modules<Options>::value || is_shard_options<Options>::value ||
+                         is_deferred_init<Options>::value)),
                 "fsdp: an argument of fsdp::shard after the device is not a wrap option. Options are "
-                "wrap_types<Ts...>{}, wrap_min_params(n), wrap_if(pred), wrap_modules(m...) and ShardOptions, "
-                "in any order, at most one of each");
+                "wrap_types<Ts...>{}, wrap_min_params(n), wrap_if(pred), wrap_modules(m...), ShardOptions and "
+                "deferred_init(f), in any order, at most one of each");
   static_assert(count_options<is_wrap_types, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_types");
   static_assert(count_options<is_wrap_if, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_if");
   static_assert(count_options<is_min_params, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_min_params");
   static_assert(count_options<is_wrap_modules, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_modules");
   static_assert(count_options<is_shard_options, Options...> <= 1, "fsdp: fsdp::shard takes at most one ShardOptions");
+  static_assert(count_options<is_deferred_init, Options...> <= 1, "fsdp: fsdp::shard takes at most one deferred_init");
   static const wrap_types<> no_types;
   static const NoPredicate no_pred;
   static const WrapMinParams no_min;
@@ -207,22 +213,35 @@ auto plan_units(M& model, const Options&... options) {
 
 // Builds, in the walk's order, the unit of each module in `units` below m (not m itself),
 // without entering ignored modules or wrap_types units (nothing inside them is a unit).
-template <class... Ps, class Types, class M, class Group, class D>
+// options_for(module, fqn) gives each unit's UnitOptions.
+template <class... Ps, class Types, class M, class Group, class D, class OptionsFor>
 void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
-                 Group& group, D& device, const UnitOptions& base, ShardedModel& out) {
+                 Group& group, D& device, const OptionsFor& options_for, ShardedModel& out) {
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
     const ModuleId id = ModuleId::of(child);
     if (ignored.count(id)) return;
     std::string cf = join_fqn(fqn, name);
-    if (units.count(id)) {
-      UnitOptions o = base;
-      o.fqn = cf;
-      out.emplace<Sharded<C, Ps...>>(child, group, device, std::move(o));
-    }
+    if (units.count(id)) out.emplace<Sharded<C, Ps...>>(child, group, device, options_for(child, cf));
     if constexpr (!Types::template contains<C>)
-      build_units<Ps...>(types, child, cf, units, ignored, group, device, base, out);
+      build_units<Ps...>(types, child, cf, units, ignored, group, device, options_for, out);
   });
+}
+
+// Each unit's options: the shared ones, its FQN, and its part of a deferred init.
+template <class Init>
+auto unit_options_for(const UnitOptions& base, const Init& init) {
+  auto skip = std::make_shared<const SkipSet>(
+      SkipSet{{base.skip_modules.begin(), base.skip_modules.end()}, {base.skip_parameters.begin(), base.skip_parameters.end()}});
+  return [&base, &init, skip](auto& module, const std::string& fqn) {
+    UnitOptions o = base;
+    o.fqn = fqn;
+    if constexpr (is_deferred_init<Init>::value) {
+      o.init = unit_init(init, module, fqn, skip);
+      o.check_init_agrees = init.check == InitCheck::ranks_agree;
+    }
+    return o;
+  };
 }
 }  // namespace detail
 
@@ -266,13 +285,18 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   });
   // Every unit is built (its copies made, every check passed) before any takes over the
   // engine's tensors: a failure anywhere leaves the engine's model exactly as it was.
+  // With deferred_init each unit also materializes, initializes and copies its shard before
+  // the next is built, so at most one unit's full parameters exist at a time.
+  static const detail::NoDeferredInit no_init;
+  const auto options_for =
+      detail::unit_options_for(unit_options, detail::pick_option<detail::is_deferred_init>(no_init, options...));
   ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, group, device, unit_options);
+  out.emplace<Sharded<M, Ps...>>(model, group, device, options_for(model, std::string()));
   std::set<ModuleId> units;
   for (const auto& n : planner.nodes) if (n.unit) units.insert(n.id);
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
   using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
-  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, out);
+  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, options_for, out);
   out.take_over();
   return out;
 }

@@ -21,6 +21,7 @@
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/buffer_copies.hpp"
+#include "fsdp/detail/deferred_storage.hpp"
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/unit_groups.hpp"
@@ -47,6 +48,11 @@ struct UnitOptions {
   // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
   std::vector<ModuleId> skip_modules = {};
   std::vector<const void*> skip_parameters = {};
+  // Deferred init (fsdp::deferred_init sets it for fsdp::shard): parameters without storage
+  // are bound to zeroed storage of the unit's, `init` fills them (it gets their tensors'
+  // addresses), the unit copies its shard and frees that storage. Empty: they are an error.
+  detail::InitCallback init = {};
+  bool check_init_agrees = false;  // then hash every parameter and fail if ranks differ
 };
 
 template <class Module, class... Ps>
@@ -191,7 +197,9 @@ class Sharded final : public UnitBase {
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
     finish_reduction();
-    if (prefetched_) release_unsharded();  // gathered ahead for a pass it did not run in
+    // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
+    // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.
+    if (prefetched_ || kept_) release_unsharded();
     if constexpr (offload) group_.device().synchronize();  // gradients copied to host are complete
     state_ = TrainingState::IDLE;
   }
@@ -323,7 +331,7 @@ class Sharded final : public UnitBase {
     const detail::SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
                                {options.skip_parameters.begin(), options.skip_parameters.end()}};
     detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
-    detail::validate_collected(params, display_name(), rank_, device.id());
+    detail::validate_collected(params, display_name(), rank_, device.id(), static_cast<bool>(options.init));
     group_.build(params);
     detail::Fingerprint f;
     f.add(fqn_);
@@ -332,6 +340,10 @@ class Sharded final : public UnitBase {
     detail::check_same_across_ranks(group_.groups().world, f, [&] {  // built only on a mismatch
       return "unit '" + std::string(display_name()) + "'";
     }, [&] { return group_.describe() + " (" + groups() + ")"; });
+    detail::DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
+    if (options.init)
+      detail::run_deferred_init(options.init, options.check_init_agrees, deferred, params, buffers,
+                                group_.groups().world, device, display_name(), rank_);
     if (options.sync_module_states) broadcast_from_rank0(params, buffers);
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
@@ -340,6 +352,7 @@ class Sharded final : public UnitBase {
     buffers_.copy(buffers, buffer_cast_dtype());
     all_buffers_ = std::move(buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
+    deferred.release();  // the shard is copied: one unit's full parameters at most, and only until here
     if (!options.defer_take_over) take_over();
   }
 

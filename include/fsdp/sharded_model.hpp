@@ -1,8 +1,8 @@
 #pragma once
 // ShardedModel: the root over a model's units (FSDP's root instance). It owns the units,
 // finds the unit of a module, ends each backward (finish_backward, the job of FSDP's
-// queued root callback: every unit back to IDLE, after checking each finished its
-// backward) and lists the flat shards for the optimizer. fsdp::shard (fsdp/shard.hpp)
+// queued root callback: every pending unit completed, every unit back to IDLE) and lists
+// the flat shards for the optimizer. fsdp::shard (fsdp/shard.hpp)
 // builds one from a model and wrap policies.
 #include <exception>
 #include <memory>
@@ -141,9 +141,17 @@ class ShardedModel {
     detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
   }
 
-  // Ends a backward pass: every unit that ran backward has finished its reduction, and
-  // every unit is IDLE again. A unit left in FORWARD or BACKWARD_PRE is an error.
+  // Ends a backward pass (the job of FSDP's queued final callback), so that an engine need
+  // not track which units' hooks fired: a unit whose pre_backward ran but post_backward did
+  // not gets its post_backward now (reverse unit order: nested units before the units around
+  // them; the same on every rank, as the reductions must be); every reduction is finished;
+  // a unit that ran no backward frees what its forward kept; every unit is IDLE again. A
+  // unit left in FORWARD is an error.
   void finish_backward() {
+    for (auto& u : units_)  // before any collective: the unit's own check names it and its state
+      if (u->state() == TrainingState::FORWARD) u->finish_backward();
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it)
+      if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
     order_->finish_reductions();
     for (auto& u : units_) u->finish_backward();
     order_->end_iteration();

@@ -37,6 +37,8 @@ struct Layer {
   virtual void visit_parameters(const ParamVisitor&) {}
   virtual void visit_children(const ChildVisitor&) {}
   virtual void visit_buffers(const BufferVisitor&) {}
+  // Computes the initial values of the layer's own parameters (deferred init calls it).
+  virtual void reset_parameters() {}
 
   Mat forward(const Mat& x, Hooks& h) {
     h.before_forward(*this);
@@ -57,8 +59,10 @@ struct Layer {
 };
 
 struct Linear final : Layer {
-  Linear(std::int64_t in, std::int64_t out, std::uint64_t seed) : lin(in, out, seed) {}
+  Linear(std::int64_t in, std::int64_t out, std::uint64_t seed, engine::Init init = engine::Init::now)
+      : lin(in, out, seed, engine::heap(), fsdp::DType::f32, init) {}
   void visit_parameters(const ParamVisitor& f) override { lin.visit_parameters(f); }
+  void reset_parameters() override { lin.reset_parameters(); }
   engine::Linear lin;
 
  protected:
@@ -84,8 +88,10 @@ struct Relu final : Layer {  // no parameters
 
 // A per-feature gain with a fixed scale buffer (engine::Gain's math).
 struct Norm final : Layer {
-  Norm(std::int64_t dim, std::uint64_t seed) : g(dim, seed) {}
+  Norm(std::int64_t dim, std::uint64_t seed, engine::Init init = engine::Init::now)
+      : g(dim, seed, engine::heap(), fsdp::DType::f32, fsdp::DType::f32, init) {}
   void visit_parameters(const ParamVisitor& f) override { g.visit_parameters(f); }
+  void reset_parameters() override { g.reset_parameters(); }
   void visit_buffers(const BufferVisitor& f) override { g.visit_buffers(f); }
   engine::Gain g;
 
@@ -134,20 +140,21 @@ constexpr std::int64_t in = 5, dim = 8, hidden = 6, out = 3;
 
 // layers.0 Linear 5->8 | layers.1 Residual(Linear 8->6, Relu, Linear 6->8) | layers.2 Norm |
 // layers.3 Residual(Linear 8->6, Relu, Linear 6->8, Norm) | layers.4 Linear 8->3
-inline std::unique_ptr<Sequence> make_net() {
+// (Init::deferred: parameters without storage, for fsdp::deferred_init.)
+inline std::unique_ptr<Sequence> make_net(engine::Init init = engine::Init::now) {
   auto net = std::make_unique<Sequence>("layers");
-  net->add<Linear>(in, dim, 11);
+  net->add<Linear>(in, dim, 11, init);
   auto& r1 = net->add<Residual>();
-  r1.add<Linear>(dim, hidden, 21);
+  r1.add<Linear>(dim, hidden, 21, init);
   r1.add<Relu>();
-  r1.add<Linear>(hidden, dim, 31);
-  net->add<Norm>(dim, 41);
+  r1.add<Linear>(hidden, dim, 31, init);
+  net->add<Norm>(dim, 41, init);
   auto& r2 = net->add<Residual>();
-  r2.add<Linear>(dim, hidden, 51);
+  r2.add<Linear>(dim, hidden, 51, init);
   r2.add<Relu>();
-  r2.add<Linear>(hidden, dim, 61);
-  r2.add<Norm>(dim, 71);
-  net->add<Linear>(dim, out, 81);
+  r2.add<Linear>(hidden, dim, 61, init);
+  r2.add<Norm>(dim, 71, init);
+  net->add<Linear>(dim, out, 81, init);
   return net;
 }
 

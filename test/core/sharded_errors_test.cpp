@@ -92,8 +92,7 @@ TEST_CASE("every out-of-order transition is refused and leaves the state unchang
     CHECK(u.state() == S::FORWARD);
     u.post_forward();
     u.pre_backward();
-    CHECK(u.state() == S::BACKWARD_PRE);
-    CHECK_THROWS_WITH_AS(sm.finish_backward(), doctest::Contains("state BACKWARD_PRE"), fsdp::Error);
+    CHECK(u.state() == S::BACKWARD_PRE);  // (finish_backward would complete it: test/core/autograd_engine_test.cpp)
     CHECK_THROWS_WITH_AS(u.begin_summon_full_params(), doctest::Contains("summon_full_params called in state BACKWARD_PRE; expected IDLE"), fsdp::Error);
     u.post_backward();
     CHECK(u.state() == S::BACKWARD_POST);

@@ -58,6 +58,24 @@ struct CollectedBuffer {
   DataFn data_of = nullptr;
 };
 
+// A tensor's shape, dtype and storage as they are now (read again after deferred init).
+struct TensorState {
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::f32;
+  void* data = nullptr;
+};
+using ReadFn = TensorState (*)(void* tensor);
+
+template <class T>
+ReadFn read_fn() {
+  return [](void* p) {
+    T& t = *static_cast<T*>(p);
+    TensorState s{{}, tensor_traits<T>::dtype(t), tensor_traits<T>::data(t)};
+    for (auto d : tensor_traits<T>::shape(t)) s.shape.push_back(static_cast<std::int64_t>(d));
+    return s;
+  };
+}
+
 struct CollectedParam {
   ParamInfo info;
   DType dtype, grad_dtype;
@@ -65,6 +83,9 @@ struct CollectedParam {
   DeviceId device;
   const void* data;
   ParamBinding binding;
+  ReadFn read = nullptr;
+
+  bool lacks_storage() const { return info.numel > 0 && data == nullptr; }
 };
 
 // What a unit leaves out of its subtree, known at run time: modules (with their subtrees)
@@ -74,47 +95,56 @@ struct SkipSet {
   std::unordered_set<const void*> parameters;
 };
 
+// f(module, fqn) for m and each module of its subtree that belongs to the same unit
+// (minus children whose type is in Exclude, and the modules `skip` names), in pre-order.
+template <class Exclude, class M, class F>
+void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, F&& f) {
+  f(m, prefix);
+  for_each_child(m, [&](std::string_view name, auto& child) {
+    using C = std::remove_cvref_t<decltype(child)>;
+    if constexpr (!Exclude::template contains<C>)
+      if (!skip.modules.count(ModuleId::of(child))) for_each_unit_module<Exclude>(child, join_fqn(prefix, name), skip, f);
+  });
+}
+
 // Walks m's subtree (minus children whose type is in Exclude, and what `skip` names) for
 // parameters and buffers. ChangesDtype: MixedPrecision will show them in another dtype,
 // which needs the 3-argument tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M>
-void collect_parameters(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
+void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
                         std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
-  for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
-    using T = std::remove_cvref_t<decltype(param)>;
-    if (skip.parameters.count(static_cast<const void*>(&param))) return;
-    using Tr = tensor_traits<T>;
-    static_assert(!ChangesDtype || RebindableAs<T>,
-                  "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
-                  "static void rebind(T&, void* data, fsdp::DType)");
-    CollectedParam c;
-    c.info.fqn = join_fqn(prefix, name);
-    for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
-    c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
-    c.dtype = Tr::dtype(param);
-    c.grad_dtype = Tr::dtype(grad);
-    for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
-    c.device = Tr::device(param);
-    c.data = Tr::data(param);
-    c.binding = {&param, &grad, rebind_fn<T>()};
-    out.push_back(std::move(c));
-  });
-  for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
-    using T = std::remove_cvref_t<decltype(buffer)>;
-    static_assert(!ChangesDtype || RebindableAs<T>,
-                  "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
-    std::vector<std::int64_t> shape;
-    for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
-    std::string fqn = join_fqn(prefix, name);
-    const std::int64_t n = checked_numel(shape, fqn);
-    buffers.push_back({std::move(fqn), tensor_traits<T>::dtype(buffer), n,
-                       tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>()});
-  });
-  for_each_child(m, [&](std::string_view name, auto& child) {
-    using C = std::remove_cvref_t<decltype(child)>;
-    if constexpr (!Exclude::template contains<C>)
-      if (!skip.modules.count(ModuleId::of(child)))
-        collect_parameters<Exclude, ChangesDtype>(child, join_fqn(prefix, name), out, buffers, skip);
+  for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
+    for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
+      using T = std::remove_cvref_t<decltype(param)>;
+      if (skip.parameters.count(static_cast<const void*>(&param))) return;
+      using Tr = tensor_traits<T>;
+      static_assert(!ChangesDtype || RebindableAs<T>,
+                    "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
+                    "static void rebind(T&, void* data, fsdp::DType)");
+      CollectedParam c;
+      c.info.fqn = join_fqn(prefix, name);
+      for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
+      c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
+      c.dtype = Tr::dtype(param);
+      c.grad_dtype = Tr::dtype(grad);
+      for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
+      c.device = Tr::device(param);
+      c.data = Tr::data(param);
+      c.binding = {&param, &grad, rebind_fn<T>()};
+      c.read = read_fn<T>();
+      out.push_back(std::move(c));
+    });
+    for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
+      using T = std::remove_cvref_t<decltype(buffer)>;
+      static_assert(!ChangesDtype || RebindableAs<T>,
+                    "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
+      std::vector<std::int64_t> shape;
+      for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
+      std::string fqn = join_fqn(prefix, name);
+      const std::int64_t n = checked_numel(shape, fqn);
+      buffers.push_back({std::move(fqn), tensor_traits<T>::dtype(buffer), n,
+                         tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>()});
+    });
   });
 }
 
@@ -123,9 +153,10 @@ inline std::string describe(DeviceId d) {
 }
 
 // Checks one rank can make on its own before any collective: dtypes, devices, gradients
-// that match their parameters, storage present, no tensor visited twice.
+// that match their parameters, storage present (unless deferred init will bind it), no
+// tensor visited twice.
 inline void validate_collected(const std::vector<CollectedParam>& params, std::string_view unit, int rank,
-                               DeviceId device) {
+                               DeviceId device, bool deferred_init = false) {
   std::unordered_map<const void*, const std::string*> seen;
   for (auto& p : params) {
     if (!is_floating(p.dtype))
@@ -136,10 +167,14 @@ inline void validate_collected(const std::vector<CollectedParam>& params, std::s
            " but the unit's Device is ", describe(device));
     if (p.grad_dtype != p.dtype || p.grad_shape != p.info.shape)
       fail("unit '", unit, "' on rank ", rank, ": the gradient of parameter '", p.info.fqn,
-           "' does not have the parameter's shape and dtype");
-    if (p.info.numel > 0 && p.data == nullptr)
+           "' does not have the parameter's shape and dtype (parameter ", format_shape(p.info.shape), " ",
+           name_of(p.dtype), ", gradient ", format_shape(p.grad_shape), " ", name_of(p.grad_dtype),
+           "); gradients created lazily by the first backward are not supported: give the gradient tensor "
+           "its parameter's shape and dtype when the model is built (it needs no storage)");
+    if (p.lacks_storage() && !deferred_init)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
-           "' has no storage; is it already managed by another unit?");
+           "' has no storage; is it already managed by another unit? (A model built from shapes and dtypes "
+           "alone needs fsdp::deferred_init.)");
     if (p.binding.param == p.binding.grad)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
            "' was visited with the same tensor as parameter and gradient");
