@@ -5,7 +5,9 @@
 // that diverges is an fsdp::Error on every rank, naming what each rank ran, before any
 // mismatched collective can pair wrong buffers or hang. Later iterations prefetch along
 // the recorded order, and a prefetching unit that runs out of that order is reported (a
-// unit gathered ahead that does not run is dropped at finish_backward).
+// unit gathered ahead that does not run is dropped at finish_backward). A unit used several
+// times per pass appears once per use; a forward-only pass before the first backward ends
+// with reshard(), or the next pass is recorded as more of the same one.
 #include <cstdint>
 #include <algorithm>
 #include <deque>
@@ -70,7 +72,25 @@ class ExecutionOrder {
   void end_iteration() {
     if (!backward_.empty()) recording_ = false, forward_recorded_ = backward_recorded_ = true;
     forward_step_ = backward_step_ = 0;
+    in_backward_ = false;
+    ++forward_pass_;
   }
+
+  // End of a forward-only pass (the root's reshard()): the next forward is a new pass.
+  void end_forward_pass() {
+    if (in_backward_) return;
+    if (!forward_.empty()) forward_recorded_ = true;
+    forward_step_ = 0;
+    ++forward_pass_;
+  }
+
+  // From the first pre_backward of a pass to finish_backward: a forward entry then is a
+  // recomputation (activation checkpointing), not a use of the unit in a new pass.
+  bool in_backward() const { return in_backward_; }
+  // Which forward pass the model is in: a unit counts its forward entries per pass. A pass
+  // ends at finish_backward, at reshard(), and (once the order is recorded) when the
+  // recorded forward order starts over.
+  std::uint64_t forward_pass() const { return forward_pass_; }
 
  private:
   std::string name_of(int index) const;
@@ -81,6 +101,8 @@ class ExecutionOrder {
   std::size_t forward_step_ = 0, backward_step_ = 0;
   bool recording_ = true;  // until the first iteration with a backward ends
   bool forward_recorded_ = false, backward_recorded_ = false;
+  bool in_backward_ = false;
+  std::uint64_t forward_pass_ = 0;
   int prefetched_ = 0;
   std::deque<UnitBase*> reducing_;
 };

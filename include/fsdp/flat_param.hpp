@@ -18,6 +18,7 @@ struct ParamInfo {
   std::vector<std::int64_t> shape;
   std::int64_t numel = 0;
   std::int64_t offset = 0;  // first element in the unsharded flat buffer
+  std::vector<std::string> aliases;  // its other FQNs when tied (one tensor under several names)
 };
 
 // The part of one parameter that one rank's shard holds.

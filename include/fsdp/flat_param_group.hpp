@@ -49,8 +49,10 @@ class FlatParamGroup {
       release_unsharded_params(fp);
       release(fp.shard, fp.shard_bytes(), shard_space);
       release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
-      if (took_over_)
-        for (auto& b : fp.bindings) { b.rebind(b.param, nullptr, fp.master()); b.rebind(b.grad, nullptr, fp.master()); }
+      if (took_over_) {
+        detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
+        detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
+      }
     }
   }
 
@@ -60,8 +62,9 @@ class FlatParamGroup {
   std::vector<FlatParam>& flat() { return flat_; }
   const std::vector<FlatParam>& flat() const { return flat_; }
 
-  // One flat parameter per dtype, in order of first appearance, parameters in visit order.
-  void build(const std::vector<detail::CollectedParam>& params) {
+  // One flat parameter per dtype, in order of first appearance, parameters in visit order;
+  // a tied parameter's other names follow it (shown wherever it is, never stored twice).
+  void build(const std::vector<detail::CollectedParam>& params, const std::vector<detail::TiedAlias>& aliases = {}) {
     std::vector<DType> order;
     for (auto& p : params)
       if (std::find(order.begin(), order.end(), p.dtype) == order.end()) order.push_back(p.dtype);
@@ -69,10 +72,17 @@ class FlatParamGroup {
     for (DType t : order) {
       std::vector<ParamInfo> infos;
       std::vector<detail::ParamBinding> bindings;
-      for (auto& p : params)
-        if (p.dtype == t) { infos.push_back(p.info); bindings.push_back(p.binding); }
+      std::vector<std::pair<std::size_t, detail::ParamBinding>> alias_bindings;
+      for (std::size_t j = 0; j < params.size(); ++j) {
+        if (params[j].dtype != t) continue;
+        infos.push_back(params[j].info);
+        bindings.push_back(params[j].binding);
+        for (auto& a : aliases)
+          if (a.canonical == j) { infos.back().aliases.push_back(a.fqn); alias_bindings.emplace_back(infos.size() - 1, a.binding); }
+      }
       auto& fp = flat_.emplace_back(FlatParamLayout(t, std::move(infos), groups_.shard_size));
       fp.bindings = std::move(bindings);
+      fp.alias_bindings = std::move(alias_bindings);
     }
   }
 
@@ -83,6 +93,8 @@ class FlatParamGroup {
       f.add_count(static_cast<std::uint64_t>(fp.layout.dtype()));
       for (auto& p : fp.layout.params()) {
         f.add(p.fqn);
+        f.add_count(p.aliases.size());
+        for (auto& a : p.aliases) f.add(a);
         f.add_count(p.shape.size());
         for (auto d : p.shape) f.add_count(static_cast<std::uint64_t>(d));
       }
@@ -99,7 +111,9 @@ class FlatParamGroup {
     const char* sep = ": ";
     for (auto& fp : flat_)
       for (auto& p : fp.layout.params()) {
-        os << sep << p.fqn << " " << detail::format_shape(p.shape) << " " << name_of(fp.layout.dtype());
+        os << sep << p.fqn;
+        for (auto& a : p.aliases) os << " = " << a;
+        os << " " << detail::format_shape(p.shape) << " " << name_of(fp.layout.dtype());
         sep = ", ";
       }
     return os.str();
@@ -145,7 +159,8 @@ class FlatParamGroup {
         const ShardSlice sl = L.slice(i, groups_.shard_rank);
         auto at = [&](void* base, DType t) { return sl.count ? static_cast<std::byte*>(base) + sl.shard_offset * size_of(t) : nullptr; };
         params.push_back({unit, info.fqn, info.shape, fp.master(), info.numel, k, k, sl.param_begin, sl.count,
-                          sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space});
+                          sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space,
+                          info.aliases});
         param_index_.push_back({k, i});
       }
     }
@@ -333,6 +348,11 @@ class FlatParamGroup {
   // ---- gradients (the reduction owns their buffers) ----
 
   void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }
+  // Between backward entries of one pass: the engine's gradients point at nothing while the
+  // unsharded gradient stays, for the next entry to add into.
+  void unbind_gradients() {
+    for (auto& fp : flat_) detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
+  }
   bool start_reductions(bool grad_is_zero, detail::GradientPlan plan) {
     return reduction_.start_reductions(flat_, grad_is_zero, plan);
   }

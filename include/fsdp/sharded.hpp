@@ -125,9 +125,14 @@ class Sharded final : public UnitBase {
            std::to_string(g.replicate_size) + " ranks";
   }
 
+  // A unit may be entered several times per pass (fsdp/detail/unit_uses.hpp). A
+  // recomputed forward is not part of the recorded order, and inside the unit's own
+  // backward it needs no all-gather.
   void pre_forward() override {
+    if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
     expect({TrainingState::IDLE}, "pre_forward");
     if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, prefetches_forward);
+    uses_.enter_forward(order_ ? order_->forward_pass() : 0);
     // Parameters kept since a forward that no backward consumed may predate an optimizer
     // step: gather afresh.
     if (kept_) release_unsharded();
@@ -142,6 +147,7 @@ class Sharded final : public UnitBase {
 
   void post_forward() override {
     expect({TrainingState::FORWARD}, "post_forward");
+    if (uses_.recompute_from) return end_recompute();
     record_compute("forward");
     if (strategy::reshard_after_forward && (!order_ || !order_->keeps_after_forward(*this))) release_unsharded();
     else kept_ = true;  // valid for this unit's next pre_backward only
@@ -149,10 +155,17 @@ class Sharded final : public UnitBase {
   }
 
   void pre_backward() override {
-    expect({TrainingState::IDLE}, "pre_backward");
-    if (sync_ != agreed_sync_) {  // only after a change: plain training runs no extra collective
-      detail::agree_gradient_sync(group_.groups().world, sync_, display_name(), rank_);
-      agreed_sync_ = sync_;
+    if (!uses_.awaits_backward(state_)) {
+      if (state_ == TrainingState::BACKWARD_POST)
+        detail::fail("unit '", display_name(), "' on rank ", rank_, ": pre_backward called after the unit's last backward ",
+                     "entry of this pass (it ran forward ", uses_.forward_entries(), " time(s) and backward as often, so its ",
+                     "gradient was reduced); a unit runs backward once per forward entry until finish_backward");
+      expect({TrainingState::IDLE}, "pre_backward");
+      if (sync_ != agreed_sync_) {  // only after a change: plain training runs no extra collective
+        detail::agree_gradient_sync(group_.groups().world, sync_, display_name(), rank_);
+        agreed_sync_ = sync_;
+      }
+      uses_.start_backward();
     }
     if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, prefetches_backward);
     unshard();  // a no-op where forward left the parameters unsharded
@@ -174,19 +187,17 @@ class Sharded final : public UnitBase {
     if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
       if (order_ && backward_prefetch_.empty())
         if (auto* next = order_->next(Pass::backward)) next->prefetch();
-    const auto plan = gradient_plan();
-    const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
-    if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
     state_ = TrainingState::BACKWARD_POST;
+    if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates
     // A reduction that finished inside the call is completed now; one still running
     // overlaps the next unit's backward and is completed at that unit's post_backward
     // (or at finish_backward), at the latest.
-    if (inline_done || !order_) finish_reduction();
+    if (start_reduction() || !order_) finish_reduction();
     else order_->reduction_issued(*this);
   }
 
   void prefetch() override {
-    if (!order_ || state_ != TrainingState::IDLE) return;
+    if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
     if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
     if (!order_->may_prefetch()) return;
     if (group_.start_gathers()) { prefetched_ = true; order_->prefetch_issued(); }
@@ -196,7 +207,9 @@ class Sharded final : public UnitBase {
 
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
+    if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
     finish_reduction();
+    uses_.end_pass();
     // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
     // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.
     if (prefetched_ || kept_) release_unsharded();
@@ -207,6 +220,7 @@ class Sharded final : public UnitBase {
   void reshard() override {
     expect({TrainingState::IDLE}, "reshard");
     release_unsharded();
+    uses_.end_forward_pass();
   }
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
@@ -332,7 +346,9 @@ class Sharded final : public UnitBase {
                                {options.skip_parameters.begin(), options.skip_parameters.end()}};
     detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
     detail::validate_collected(params, display_name(), rank_, device.id(), static_cast<bool>(options.init));
-    group_.build(params);
+    for (auto& p : params) storage_.push_back({detail::storage_key(p), p.info.fqn});
+    const auto aliases = detail::take_ties(params, display_name(), rank_);
+    group_.build(params, aliases);
     detail::Fingerprint f;
     f.add(fqn_);
     f.add(groups());
@@ -354,6 +370,32 @@ class Sharded final : public UnitBase {
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
     deferred.release();  // the shard is copied: one unit's full parameters at most, and only until here
     if (!options.defer_take_over) take_over();
+  }
+
+  void begin_recompute() {
+    uses_.recompute_from = state_;
+    unshard();  // a no-op inside the unit's backward, where the parameters are unsharded already
+    state_ = TrainingState::FORWARD;
+    compute_begin_ = now_if_traced();
+  }
+  void end_recompute() {
+    record_compute("recompute");
+    const TrainingState back = *std::exchange(uses_.recompute_from, std::nullopt);
+    if (back != TrainingState::BACKWARD_PRE) {  // gathered for it: freed as after any forward
+      if (strategy::reshard_after_forward) release_unsharded();
+      else kept_ = true;
+    }
+    state_ = back;
+  }
+
+  // Reduces the gradient accumulated over this pass's backward entries; returns whether
+  // the reduction completed inside the call.
+  bool start_reduction() {
+    uses_.reduced();
+    const auto plan = gradient_plan();
+    const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
+    if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
+    return inline_done;
   }
 
   detail::GradientPlan gradient_plan() const {

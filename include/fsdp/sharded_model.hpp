@@ -7,6 +7,7 @@
 #include <exception>
 #include <memory>
 #include <sstream>
+#include <string>
 #include <string_view>
 #include <map>
 #include <typeindex>
@@ -91,7 +92,9 @@ class ShardedModel {
     if (by_module_.count(key))
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
                    by_module_[key]->fqn(), "' already manages");
+    check_no_tie_across(*unit);
     by_module_[key] = unit.get();
+    for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
     unit->attach(order_.get());
     units_.push_back(std::move(unit));
     refresh_views();
@@ -224,6 +227,7 @@ class ShardedModel {
   // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.
   void reshard() {
     for (auto& u : units_) u->reshard();
+    order_->end_forward_pass();
   }
 
   // This rank's flat shards of every unit, for the optimizer.
@@ -246,6 +250,38 @@ class ShardedModel {
     }
   }
 
+  // A tensor reachable under several FQNs (tied) is sharded once, by the one unit that
+  // holds all its uses; found in two units it would be two copies that drift apart.
+  void check_no_tie_across(const UnitBase& unit) const {
+    for (const auto& st : unit.param_storage()) {
+      auto it = storage_owner_.find(st.key);
+      if (it == storage_owner_.end()) continue;
+      const auto& [other, other_fqn] = it->second;
+      detail::fail("ShardedModel on rank ", unit.rank(), ": parameters '", other_fqn, "' (unit '", other->display_name(),
+                   "') and '", st.fqn, "' (unit '", unit.display_name(), "') are the same tensor (tied) but lie in ",
+                   "different units; a tied parameter must lie in one unit that holds all its uses: ",
+                   owner_of(other_fqn, st.fqn, unit), " (do not make the modules in between units of their own)");
+    }
+  }
+
+  // The innermost unit whose module holds both FQNs, in words.
+  std::string owner_of(const std::string& a, const std::string& b, const UnitBase& adding) const {
+    auto holds = [](const std::string& unit, const std::string& fqn) {
+      return unit.empty() || (fqn.size() > unit.size() && fqn.compare(0, unit.size(), unit) == 0 && fqn[unit.size()] == '.');
+    };
+    const UnitBase* best = nullptr;
+    auto consider = [&](const UnitBase& u) {
+      if (holds(u.fqn(), a) && holds(u.fqn(), b) && (!best || u.fqn().size() > best->fqn().size())) best = &u;
+    };
+    for (const auto& u : units_) consider(*u);
+    consider(adding);
+    if (best) return "unit '" + std::string(best->display_name()) + "'";
+    std::size_t common = 0;  // their common module, for a model built without a unit around it
+    for (std::size_t i = 0; i < a.size() && i < b.size() && a[i] == b[i]; ++i)
+      if (a[i] == '.') common = i;
+    return "a unit wrapping module '" + (common ? a.substr(0, common) : std::string("<root>")) + "'";
+  }
+
   std::string unit_names() const {
     std::ostringstream os;
     for (std::size_t i = 0; i < units_.size(); ++i)
@@ -256,6 +292,7 @@ class ShardedModel {
   using ModuleKey = std::pair<const void*, std::type_index>;
   std::vector<std::unique_ptr<UnitBase>> units_;
   std::map<ModuleKey, UnitBase*> by_module_;
+  std::map<const void*, std::pair<UnitBase*, std::string>> storage_owner_;  // every unit's parameters, by storage
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;
   std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "fsdp/detail/unit_uses.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/execution_order.hpp"
@@ -52,6 +53,17 @@ struct ParamView {
   void* grad = nullptr;   // the matching elements of the sharded gradient, in grad_dtype
   DType grad_dtype = DType::f32;
   MemorySpace space = MemorySpace::device;
+  // Its other FQNs when tied (one tensor under several names, stored once): state dicts
+  // save it under `fqn` and loads accept any of them.
+  std::span<const std::string> aliases;
+};
+
+// A parameter's storage as its unit found it at setup (the tensor's data pointer, or the
+// tensor object when it holds no elements), with the FQN it was found under: how the
+// root finds one tensor in two units.
+struct ParamStorage {
+  const void* key = nullptr;
+  std::string fqn;
 };
 
 // A buffer (non-trainable tensor: running statistics, masks) of a unit.
@@ -172,6 +184,14 @@ class UnitBase {
   // The root's shared execution order; set when the unit joins a ShardedModel.
   void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
 
+  // Uses of the unit in the current pass (fsdp/detail/unit_uses.hpp): forward entries so
+  // far, and backward entries still expected before its gradient is reduced (-1: not
+  // known, so at finish_backward).
+  int forward_entries() const { return uses_.forward_entries(); }
+  int backward_entries_left() const { return uses_.backward_left(); }
+  // Each parameter's storage at setup, aliases of tied parameters included.
+  std::span<const ParamStorage> param_storage() const { return storage_; }
+
   const std::string& fqn() const { return fqn_; }
   // The FQN as messages and traces show it: "<root>" for the root.
   std::string_view display_name() const { return fqn_.empty() ? std::string_view("<root>") : std::string_view(fqn_); }
@@ -246,6 +266,8 @@ class UnitBase {
   int order_index_ = -1;  // this unit's index in the order
   std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
   GradientSync sync_;
+  detail::UnitUses uses_;
+  std::vector<ParamStorage> storage_;
 
  private:
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
@@ -263,8 +285,7 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
   const char* pass_name = pass == Pass::forward ? "forward" : "backward";
-  if (pass == Pass::backward) forward_recorded_ = true;  // backward ends the first forward
-  if (!recorded && std::find(order.begin(), order.end(), idx) != order.end()) recorded = true;  // a second pass
+  if (pass == Pass::backward) forward_recorded_ = true, in_backward_ = true;  // backward ends the first forward
   if (!recorded) {
     if (world.size() > 1) {  // every rank must be entering the same unit here
       const std::int32_t mine = idx;
@@ -284,7 +305,10 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
     ++step;
     return;
   }
-  if (step == order.size()) step = 0;  // a new pass
+  if (step == order.size()) {  // a new pass
+    step = 0;
+    if (pass == Pass::forward) ++forward_pass_;
+  }
   if (order[step] != idx && prefetching)
     detail::fail("unit '", name_of(idx), "' on rank ", world.rank(), " runs at ", pass_name, " step #", step,
                  " where the first iteration ran '", name_of(order[step]),

@@ -52,6 +52,12 @@ struct Tied {  // one tensor registered under two names
   template <class F> void visit_parameters(F&& f) { f("embed", w, g); f("unembed", w, g); }
 };
 
+struct Reshaped {  // one storage seen as [2, 2] and as [4]
+  HostTensor w{{2, 2}}, g{{2, 2}}, flat{{4}}, flat_grad{{4}};
+  Reshaped() { flat.rebind(w.data()); }
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); f("flat", flat, flat_grad); }
+};
+
 // Runs fn on every rank with a short collective timeout; returns each rank's fsdp::Error
 // message ("" if it threw none). Reaching the end of this function is the no-hang check.
 using test_support::contains;
@@ -208,9 +214,20 @@ TEST_CASE("a rank that runs a different unit fails every rank, naming what each 
 TEST_CASE("parameters the library cannot take over are named") {
   fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
     fsdp::HostDevice device;
-    SUBCASE("the same tensor twice") {
+    SUBCASE("the same tensor twice is one tied parameter, not an error") {
       Tied tied;
-      CHECK_THROWS_WITH_AS(fsdp::Sharded<Tied>(tied, comm, device), doctest::Contains("parameters 'embed' and 'unembed' are the same tensor"), fsdp::Error);
+      fsdp::Sharded<Tied> unit(tied, comm, device);
+      REQUIRE(unit.parameters().size() == 1);
+      CHECK(unit.parameters()[0].fqn == "embed");
+      REQUIRE(unit.parameters()[0].aliases.size() == 1);
+      CHECK(unit.parameters()[0].aliases[0] == "unembed");
+    }
+    SUBCASE("storage shared under another shape") {
+      Reshaped m;
+      CHECK_THROWS_WITH_AS(fsdp::Sharded<Reshaped>(m, comm, device),
+                           doctest::Contains("parameters 'w' ([2, 2] f32) and 'flat' ([4] f32) share storage but not shape and dtype"),
+                           fsdp::Error);
+      CHECK(m.w.owns_storage());
     }
     SUBCASE("a module wrapped twice") {
       Layer l;

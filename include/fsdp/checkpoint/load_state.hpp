@@ -100,15 +100,24 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
     const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
     detail::for_each_param(model, [&](UnitBase&, const ParamView& p, std::size_t shard) {
       const auto shape = detail::shape_of(p.shape);
-      const std::string fqn(p.fqn);
-      known.insert(StateKey::param(fqn));
-      want(StateKey::param(fqn), p.dtype, shape, p.param_begin, p.count, params_and_optim, {0, 0, p.param});
+      // A tied parameter is read under its own FQN, or under another of its names when
+      // the source has only that one (an unsharded model's state dict has them all).
+      auto saved_as = [&](auto key_of) {
+        for (const auto& alias : p.aliases) known.insert(key_of(alias));
+        const StateKey own = key_of(std::string(p.fqn));
+        known.insert(own);
+        if (!src.find(own))
+          for (const auto& alias : p.aliases)
+            if (src.find(key_of(alias))) return key_of(alias);
+        return own;
+      };
+      want(saved_as([](const std::string& f) { return StateKey::param(f); }), p.dtype, shape, p.param_begin, p.count,
+           params_and_optim, {0, 0, p.param});
       for (const auto& name : names) {
-        known.insert(StateKey::optim(fqn, name));
         const DType t = optimizer->state_dtype(name);
         auto* base = static_cast<std::byte*>(optimizer->state(name, shard, model.shards()[shard].numel));
-        want(StateKey::optim(fqn, name), t, shape, p.param_begin, p.count, params_and_optim,
-             {0, 0, base + p.shard_offset * size_of(t)});
+        want(saved_as([&](const std::string& f) { return StateKey::optim(f, name); }), t, shape, p.param_begin, p.count,
+             params_and_optim, {0, 0, base + p.shard_offset * size_of(t)});
       }
     });
     for (std::size_t k = 0; k < model.size(); ++k) {

@@ -21,6 +21,8 @@ struct FlatParam {
   explicit FlatParam(FlatParamLayout l) : layout(std::move(l)) {}
   FlatParamLayout layout;
   std::vector<detail::ParamBinding> bindings;  // parallel to layout.params()
+  // The engine's tensors under a tied parameter's other names: (its index, their binding).
+  std::vector<std::pair<std::size_t, detail::ParamBinding>> alias_bindings;
   DType compute = DType::f32;  // what the engine computes with (MixedPrecision's Param)
   DType reduce = DType::f32;   // what gradients are reduced in
   DType grad = DType::f32;     // what the sharded gradient is kept in
@@ -58,10 +60,9 @@ namespace detail {
 inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::*which, DType dtype) {
   const std::size_t esize = size_of(dtype);
   const auto& infos = fp.layout.params();
-  for (std::size_t i = 0; i < fp.bindings.size(); ++i) {
-    auto& b = fp.bindings[i];
-    b.rebind(b.*which, base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr, dtype);
-  }
+  auto at = [&](std::size_t i) -> void* { return base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr; };
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) fp.bindings[i].rebind(fp.bindings[i].*which, at(i), dtype);
+  for (auto& [i, b] : fp.alias_bindings) b.rebind(b.*which, at(i), dtype);
 }
 
 // Waits for a collective, as a span on the trace's compute lane when the model traces.

@@ -153,11 +153,9 @@ inline std::string describe(DeviceId d) {
 }
 
 // Checks one rank can make on its own before any collective: dtypes, devices, gradients
-// that match their parameters, storage present (unless deferred init will bind it), no
-// tensor visited twice.
+// that match their parameters, storage present (unless deferred init will bind it).
 inline void validate_collected(const std::vector<CollectedParam>& params, std::string_view unit, int rank,
                                DeviceId device, bool deferred_init = false) {
-  std::unordered_map<const void*, const std::string*> seen;
   for (auto& p : params) {
     if (!is_floating(p.dtype))
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn, "' has dtype ", name_of(p.dtype),
@@ -178,10 +176,40 @@ inline void validate_collected(const std::vector<CollectedParam>& params, std::s
     if (p.binding.param == p.binding.grad)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
            "' was visited with the same tensor as parameter and gradient");
-    if (auto [it, fresh] = seen.emplace(p.binding.param, &p.info.fqn); !fresh)
-      fail("unit '", unit, "' on rank ", rank, ": parameters '", *it->second, "' and '", p.info.fqn,
-           "' are the same tensor; shared parameters are not supported");
   }
+}
+
+// What identifies a parameter's tensor: its storage (engines may hand out several tensor
+// objects, one per name, viewing one storage), or the tensor object itself when it has no
+// storage (no elements).
+inline const void* storage_key(const CollectedParam& p) { return p.data ? p.data : p.binding.param; }
+
+// A second name of a tied parameter: the engine's tensors under that name are shown
+// whatever the canonical parameter (its first name in visit order) is shown.
+struct TiedAlias {
+  std::size_t canonical = 0;  // index into the parameters left after take_ties
+  std::string fqn;
+  ParamBinding binding;
+};
+
+// Removes every parameter whose tensor an earlier one already has (a tie) from `params`
+// and returns it as an alias of that one. A tie must be the whole tensor under each name.
+inline std::vector<TiedAlias> take_ties(std::vector<CollectedParam>& params, std::string_view unit, int rank) {
+  std::unordered_map<const void*, std::size_t> first;
+  std::vector<CollectedParam> kept;
+  std::vector<TiedAlias> aliases;
+  for (auto& p : params) {
+    auto [it, fresh] = first.emplace(storage_key(p), kept.size());
+    if (fresh) { kept.push_back(std::move(p)); continue; }
+    const CollectedParam& c = kept[it->second];
+    if (c.dtype != p.dtype || c.info.shape != p.info.shape)
+      fail("unit '", unit, "' on rank ", rank, ": parameters '", c.info.fqn, "' (", format_shape(c.info.shape), " ",
+           name_of(c.dtype), ") and '", p.info.fqn, "' (", format_shape(p.info.shape), " ", name_of(p.dtype),
+           ") share storage but not shape and dtype; a tied parameter must be the same whole tensor under each name");
+    aliases.push_back({it->second, std::move(p.info.fqn), p.binding});
+  }
+  params = std::move(kept);
+  return aliases;
 }
 
 }  // namespace fsdp::detail
