@@ -285,7 +285,10 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
   const char* pass_name = pass == Pass::forward ? "forward" : "backward";
-  if (pass == Pass::backward) forward_recorded_ = true, in_backward_ = true;  // backward ends the first forward
+  if (pass == Pass::backward) {  // backward ends the first forward (if there was one)
+    in_backward_ = true;
+    if (!forward_.empty()) forward_recorded_ = true;
+  }
   if (!recorded) {
     if (world.size() > 1) {  // every rank must be entering the same unit here
       const std::int32_t mine = idx;
@@ -309,6 +312,7 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
     step = 0;
     if (pass == Pass::forward) ++forward_pass_;
   }
+  if (order.empty()) return;  // the first iteration had no such pass: nothing to follow
   if (order[step] != idx && prefetching)
     detail::fail("unit '", name_of(idx), "' on rank ", world.rank(), " runs at ", pass_name, " step #", step,
                  " where the first iteration ran '", name_of(order[step]),

@@ -114,6 +114,26 @@ TEST_CASE("every out-of-order transition is refused and leaves the state unchang
   });
 }
 
+TEST_CASE("a backward before any forward, then a forward: no crash; that first iteration is the recorded order") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(engine::ModelConfig{});
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& block = sm.unit("blocks.0");
+    auto& gain = sm.unit("gain");
+    block.pre_backward();
+    gain.pre_forward();  // indexed an empty recorded order once (SIGSEGV)
+    CHECK(gain.state() == fsdp::TrainingState::FORWARD);
+    gain.post_forward();
+    block.post_backward();
+    sm.finish_backward();
+    for (auto& u : sm) CHECK(u->state() == fsdp::TrainingState::IDLE);
+    // An ordinary step now departs from that recorded order: named, not a crash or a hang.
+    CHECK_THROWS_WITH_AS(engine::sharded_forward_backward(model, sm, engine::make_batch(engine::ModelConfig{}, 0, comm.rank(), 1)),
+                         doctest::Contains("where the first iteration ran 'blocks.0'"), fsdp::Error);
+  });
+}
+
 TEST_CASE("a root-level hook error names the root unit") {
   fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
     engine::Model model(engine::ModelConfig{});
