@@ -5,6 +5,7 @@
 // with keys "<state>/<fqn>" and the optimizer's scalars in its __metadata__. Each file is
 // written atomically: by every rank at once where they share a file system, else by rank 0
 // as it gathers; every rank reads them to load.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -64,13 +65,32 @@ class FullCheckpointSource final : public StateSource {
   // Every rank reads a strided part of each file: rank r first has the kernel read the r-th
   // contiguous part of each, so the disk sees `ranks` sequential streams instead of
   // `ranks` strided ones; the ranks' reads then mostly find their bytes in the page cache.
+  // Then it reads its ranges file by file in file order, not in the model's order (which
+  // alternates between the two files).
   void read_all(std::span<const ReadRequest> requests, int rank, int ranks) const override {
     for (const checkpoint::SafetensorsFile* f : {&model_, optim_ ? &*optim_ : nullptr}) {
       if (!f || ranks < 1) continue;
       const std::uint64_t part = (f->file_bytes() + ranks - 1) / static_cast<std::uint64_t>(ranks);
       f->prefetch(part * static_cast<std::uint64_t>(rank), part);
     }
-    StateSource::read_all(requests, rank, ranks);
+    struct Placed {
+      bool optim;
+      std::uint64_t offset;
+      const ReadRequest* request;
+    };
+    std::vector<Placed> order;
+    for (const ReadRequest& r : requests) {
+      if (!lookup(r.key)) detail::fail(name(), ": no ", r.key.describe());
+      if (r.begin < 0 || r.count < 0) detail::fail(name(), ": ", r.key.describe(), ": negative range [", r.begin, ", +", r.count, ")");
+      if (r.count == 0) continue;
+      const bool optim = r.key.kind == StateKind::optim;
+      order.push_back({optim, file_of(r.key).file_offset_of(file_key(r.key), static_cast<std::uint64_t>(r.begin),
+                                                            static_cast<std::uint64_t>(r.count)), &r});
+    }
+    std::sort(order.begin(), order.end(), [](const Placed& a, const Placed& b) {
+      return a.optim != b.optim ? !a.optim : a.offset < b.offset;
+    });
+    for (const Placed& p : order) read(p.request->key, p.request->begin, p.request->count, p.request->dst);
   }
   std::map<std::string, std::string> optim_scalars() const override {
     if (!optim_) return {};
