@@ -47,6 +47,11 @@ struct UnitOptions {
   // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
   std::vector<ModuleId> skip_modules = {};
   std::vector<const void*> skip_parameters = {};
+  // A unit with fewer parameter elements than this keeps them unsharded: whole on every
+  // rank, never all-gathered, their gradients all-reduced over the world (as NoShard does),
+  // so tiny units (norms, biases) cost no all-gather latency. Its groups() still name the
+  // model's groups. 0: every unit follows its strategy.
+  std::int64_t persistence_threshold = 0;
 };
 
 template <class Module, class... Ps>
@@ -113,8 +118,10 @@ class Sharded final : public UnitBase {
   }
 
   int world_size() const override { return group_.groups().world.size(); }
+  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
+  bool kept_unsharded() const { return group_.kept_unsharded(); }
   std::string groups() const override {
-    const auto& g = group_.groups();
+    const auto& g = group_.mesh_groups();
     return "shard group of " + std::to_string(g.shard_size) + " ranks, replicate group of " +
            std::to_string(g.replicate_size) + " ranks";
   }
@@ -316,6 +323,9 @@ class Sharded final : public UnitBase {
                                {options.skip_parameters.begin(), options.skip_parameters.end()}};
     detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
     detail::validate_collected(params, display_name(), rank_, device.id());
+    std::int64_t elements = 0;
+    for (const auto& p : params) elements += p.info.numel;
+    if (group_.groups().shards_parameters && elements < options.persistence_threshold) group_.keep_unsharded();
     group_.build(params);
     detail::Fingerprint f;
     f.add(fqn_);
@@ -337,7 +347,7 @@ class Sharded final : public UnitBase {
 
   detail::GradientPlan gradient_plan() const {
     if (!sync_.requires_sync && sync_.mode == GradientSyncMode::keep_unsharded) return detail::GradientPlan::keep_unsharded;
-    const bool all_reduces_shards = strategy::shards_parameters && group_.groups().replicate_size > 1;
+    const bool all_reduces_shards = group_.groups().shards_parameters && group_.groups().replicate_size > 1;
     if (all_reduces_shards && !sync_.requires_all_reduce) return detail::GradientPlan::reduce_partial;
     return detail::GradientPlan::reduce;
   }
