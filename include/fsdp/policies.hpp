@@ -168,19 +168,24 @@ struct resolve_policies_impl {
 // CommPrecision next to MixedPrecision: one of them chooses the reduce dtype, and each
 // communication dtype is the compute dtype or has fewer bytes (a 16-bit dtype for another
 // would round without saving a byte).
+// (MP is looked into only under an enabled CP: a user's own precision policy need not
+// have these members.)
 template <class MP, class CP>
 constexpr bool reduce_dtype_chosen_once() {
-  if constexpr (MP::enabled && CP::enabled) return MP::reduce == MP::param;
-  else return true;
+  if constexpr (CP::enabled) {
+    if constexpr (MP::enabled) return MP::reduce == MP::param;
+  }
+  return true;
 }
 inline constexpr bool same_or_narrower(DType comm, DType compute) {
   return comm == compute || size_of(comm) < size_of(compute);
 }
 template <class MP, class CP>
 constexpr bool comm_no_wider_than_compute() {
-  if constexpr (MP::enabled && CP::enabled)
-    return same_or_narrower(CP::gather, MP::param) && same_or_narrower(CP::reduce, MP::param);
-  else return true;
+  if constexpr (CP::enabled) {
+    if constexpr (MP::enabled) return same_or_narrower(CP::gather, MP::param) && same_or_narrower(CP::reduce, MP::param);
+  }
+  return true;
 }
 
 }  // namespace detail
