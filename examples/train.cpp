@@ -51,6 +51,7 @@ struct Summary {
   std::uint64_t fingerprint = 0;  // xxh64 of every trained parameter's bits, in FQN order
   std::size_t peak = 0, host_peak = 0;
   int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
+  fsdp::CollectiveCounts last_step;  // rank 0's collectives in the last step, every group together
 };
 
 // Unsharded reference: one model, the whole global batch, every byte through a counting
@@ -110,18 +111,19 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   fsdp::Trace* tracing = cfg.trace_dir.empty() ? nullptr : &trace;
   fsdp::AsyncCommunicator stream(comm, tracing);
   // A mesh serves every strategy: the hybrid ones shard inside its shard groups, the
-  // others use its whole world.
-  fsdp::DeviceMesh mesh(stream, mesh_shape);
-  mesh.shard_group().set_trace(tracing);
-  mesh.replicate_group().set_trace(tracing);
+  // others use its whole world. Its groups count what they send (the groups split from the
+  // stream record into its trace).
+  fsdp::CountingCommunicator counted(stream);
+  fsdp::DeviceMesh mesh(counted, mesh_shape);
   engine::Model model(cfg.model);
   fsdp::HostDevice device;
   engine::AdamW::Options adam;
   adam.lr = 1e-3f;
   Summary summary;
   // Runtime flags -> compile-time policies: one instantiation per combination.
-  auto train = [&](auto chosen, auto mixed, auto off) {
-    auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(off)>(model, mesh, device, engine::Wrap{});
+  auto train = [&](auto chosen, auto mixed, auto comm_precision, auto off) {
+    auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(comm_precision), decltype(off)>(
+        model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold});
     sharded.set_trace(tracing);
     // Optimizer state next to the shards it steps: host space when they are offloaded.
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
@@ -162,7 +164,14 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     };
     for (int s = first_step; s < cfg.steps; ++s) {
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
+      for (auto* g : {&mesh.world(), &mesh.shard_group(), &mesh.replicate_group()}) g->reset();
       double local = cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro);
+      summary.last_step = {};
+      for (const auto* g : {&mesh.world(), &mesh.shard_group(), &mesh.replicate_group()})
+        for (std::size_t k = 0; k < fsdp::collective_kinds; ++k) {
+          summary.last_step.by_kind[k].calls += g->counts().by_kind[k].calls;
+          summary.last_step.by_kind[k].bytes += g->counts().by_kind[k].bytes;
+        }
       double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
       stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
       const auto dev = device.stats(fsdp::MemorySpace::device);
@@ -204,7 +213,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     XXH64_freeState(h);
   };
   fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
-    with_precision_and_offload(param_dtype, cfg.offload, [&](auto mixed, auto off) { train(chosen, mixed, off); });
+    with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload,
+                               [&](auto mixed, auto comm_precision, auto off) { train(chosen, mixed, comm_precision, off); });
   });
   if (tracing) {
     std::filesystem::create_directories(cfg.trace_dir);
@@ -222,7 +232,11 @@ void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, con
              fmt::format("{}{}", cfg.accumulate > 1 ? fmt::format("; {} micro-batches per step{}", cfg.accumulate,
                                                                   cfg.sync_every_microbatch ? ", each reduced" : "")
                                                     : "",
-                         cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : ""),
+                         cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "") +
+                 (cfg.comm_precision != "fp32" ? fmt::format("; collectives in {}", cfg.comm_precision) : "") +
+                 (cfg.persistence_threshold > 0
+                      ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
+                      : ""),
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
@@ -230,6 +244,17 @@ void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, con
     fmt::print("fp16: the loss scaler skipped {} of {} steps\n", s.skipped_steps, cfg.steps);
   if (!cfg.trace_dir.empty())
     fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", cfg.trace_dir, world - 1);
+  if (cfg.report_comm) {
+    using fsdp::Collective;
+    const auto& c = s.last_step;
+    std::uint64_t calls = 0, bytes = 0;
+    for (const auto& e : c.by_kind) { calls += e.calls; bytes += e.bytes; }
+    fmt::print("comm: last step on rank 0: {} collectives, {} B (all_gather {} x, {} B; reduce_scatter {} x, {} B; "
+               "all_reduce {} x, {} B)\n",
+               calls, bytes, c[Collective::all_gather].calls, c[Collective::all_gather].bytes,
+               c[Collective::reduce_scatter].calls, c[Collective::reduce_scatter].bytes, c[Collective::all_reduce].calls,
+               c[Collective::all_reduce].bytes);
+  }
   fmt::print("parameters: xxh64={:016x}\n", s.fingerprint);
   fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", s.loss,
              ref.loss.back(), s.peak, ref.peak);
@@ -274,6 +299,14 @@ int main(int argc, char** argv) {
                  "fp32, bf16 (MixedPrecision<bf16>) or fp16 (MixedPrecision<f16> with a ShardedGradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_flag("--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
+  auto* comm_precision = app.add_option("--comm-precision", cfg.comm_precision,
+                                        "fp32 or bf16 (CommPrecision<bf16>): all-gathers and gradient reductions in bf16 while "
+                                        "the model computes in f32 (with --precision fp32 only); prints a step's collectives")
+                             ->check(CLI::IsMember({"fp32", "bf16"}));
+  auto* persistence = app.add_option("--persistence-threshold", cfg.persistence_threshold,
+                                     "units with fewer parameter elements stay unsharded: never all-gathered, gradients "
+                                     "all-reduced (0: none); prints a step's collectives")
+                          ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
   app.add_option("--accumulate", cfg.accumulate,
                  "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
                  "keeping unsharded gradients instead of reducing them")
@@ -292,6 +325,12 @@ int main(int argc, char** argv) {
                  "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
                  "step to --steps");
   CLI11_PARSE(app, argc, argv);
+  cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0;
+  if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
+    fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",
+               cfg.comm_precision, cfg.precision, cfg.precision);
+    return 2;
+  }
 
   try {
     if (backend == "thread") {

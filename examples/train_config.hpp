@@ -1,6 +1,6 @@
 #pragma once
-// examples/train.cpp's configuration: its flags, and how the runtime --precision and
-// --offload become compile-time policies.
+// examples/train.cpp's configuration: its flags, and how the runtime --precision,
+// --comm-precision and --offload become compile-time policies.
 #include <string>
 
 #include <fsdp/fsdp.hpp>
@@ -14,22 +14,28 @@ inline fsdp::DType precision_dtype(const std::string& name) {
   return name == "bf16" ? fsdp::DType::bf16 : name == "fp16" ? fsdp::DType::f16 : fsdp::DType::f32;
 }
 
-// Runtime --precision and --offload -> the compile-time policies: f(Precision{}, Offload{}).
+// Runtime --precision, --comm-precision and --offload -> the compile-time policies:
+// f(Precision{}, CommPrecision{}, Offload{}). Collectives in bf16 apply to f32 computation
+// only (main() refuses them with --precision bf16 or fp16).
 template <class F>
-void with_precision_and_offload(fsdp::DType param, bool offload, F&& f) {
-  auto with_offload = [&](auto precision) {
-    if (offload) f(precision, fsdp::OffloadParams{});
-    else f(precision, fsdp::NoOffload{});
+void with_precision_and_offload(fsdp::DType param, bool comm_bf16, bool offload, F&& f) {
+  auto with_offload = [&](auto precision, auto comm) {
+    if (offload) f(precision, comm, fsdp::OffloadParams{});
+    else f(precision, comm, fsdp::NoOffload{});
   };
-  if (param == fsdp::DType::bf16) with_offload(fsdp::MixedPrecision<fsdp::bf16>{});
-  else if (param == fsdp::DType::f16) with_offload(fsdp::MixedPrecision<fsdp::f16>{});
-  else with_offload(fsdp::FullPrecision{});
+  if (param == fsdp::DType::bf16) with_offload(fsdp::MixedPrecision<fsdp::bf16>{}, fsdp::FullCommPrecision{});
+  else if (param == fsdp::DType::f16) with_offload(fsdp::MixedPrecision<fsdp::f16>{}, fsdp::FullCommPrecision{});
+  else if (comm_bf16) with_offload(fsdp::FullPrecision{}, fsdp::CommPrecision<fsdp::bf16>{});
+  else with_offload(fsdp::FullPrecision{}, fsdp::FullCommPrecision{});
 }
 
 struct Config {
   int steps = 20, batch_per_rank = 8;
   std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", trace_dir;
   bool offload = false;
+  std::string comm_precision = "fp32";  // --comm-precision: what collectives move under fp32 computation
+  std::int64_t persistence_threshold = 0;  // --persistence-threshold: units below it stay unsharded
+  bool report_comm = false;  // either flag given: print the collectives of a step
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping
   int accumulate = 1;                  // --accumulate: micro-batches per step
   bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch

@@ -32,11 +32,12 @@ class FlatParamGroup {
  public:
   using strategy = typename Config::strategy;
   using precision = typename Config::mixed_precision;
+  using comm_precision = typename Config::comm_precision;
   static constexpr bool offload = Config::cpu_offload::offload;
   static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
 
   FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device)
-      : groups_(groups), device_(device), reduction_(groups, device) {}
+      : mesh_groups_(groups), groups_(groups), device_(device), reduction_(groups, device) {}
   FlatParamGroup(const FlatParamGroup&) = delete;
   FlatParamGroup& operator=(const FlatParamGroup&) = delete;
 
@@ -56,7 +57,18 @@ class FlatParamGroup {
     }
   }
 
+  // The groups this unit's collectives use; mesh_groups(): those the model was sharded over
+  // (the same, unless the unit is kept unsharded).
   const detail::UnitGroups& groups() const { return groups_; }
+  const detail::UnitGroups& mesh_groups() const { return mesh_groups_; }
+
+  // Keeps the parameters whole on every rank, gradients all-reduced over the world (a unit
+  // under the persistence threshold). Before build().
+  void keep_unsharded() {
+    groups_ = mesh_groups_.replicated();
+    reduction_ = detail::GradientReduction<Config>(groups_, device_);
+  }
+  bool kept_unsharded() const { return mesh_groups_.shards_parameters && !groups_.shards_parameters; }
   bool took_over() const { return took_over_; }
   const detail::DeviceRef& device() const { return device_; }
   std::vector<FlatParam>& flat() { return flat_; }
@@ -132,7 +144,12 @@ class FlatParamGroup {
         fp.reduce = precision::reduce;
         fp.grad = precision::keep_low_precision_grads ? precision::reduce : fp.master();
       }
-      fp.direct = !strategy::shards_parameters && !offload && fp.compute == fp.master() && fp.reduce == fp.master();
+      fp.gather = fp.compute;
+      if constexpr (comm_precision::enabled) {  // only where it saves bytes
+        if (size_of(comm_precision::gather) < size_of(fp.compute)) fp.gather = comm_precision::gather;
+        if (size_of(comm_precision::reduce) < size_of(fp.compute)) fp.reduce = comm_precision::reduce;
+      }
+      fp.direct = !groups_.shards_parameters && !offload && fp.compute == fp.master() && fp.reduce == fp.master();
       fp.shard = device_.allocate(fp.shard_bytes(), shard_space);
       fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
       device_.fill_zero(fp.shard, fp.shard_bytes());
@@ -180,28 +197,44 @@ class FlatParamGroup {
 
   // ---- parameters ----
 
-  // Issues the all-gather of one flat parameter, in dtype `as`, into a fresh unsharded
-  // buffer. When the shard is offloaded or cast, it is copied (and cast) straight into this
+  // Issues the all-gather of one flat parameter into a fresh unsharded buffer of dtype
+  // `as`. When the shard is offloaded or cast, it is copied (and cast) straight into this
   // rank's slot of that buffer and gathered in place (NCCL's in-place all-gather), so no
-  // staging copy is ever alive. Replicated parameters need no collective.
-  void start_gather(FlatParam& fp, DType as) {
+  // staging copy is ever alive. A narrower `wire` dtype (CommPrecision) gathers into a
+  // `wire` buffer instead, widened into the `as` buffer once it arrives (finish_gather).
+  // Replicated parameters need no collective.
+  void start_gather(FlatParam& fp, DType as, DType wire) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     fp.full_dtype = as;
     if (fp.direct) { fp.full = fp.shard; return; }
     fp.unbound = true;
+    if (wire != as && groups_.shards_parameters) {
+      fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
+      void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
+      device_.cast(mine, wire, fp.shard, fp.master(), S);
+      fp.gather_work = groups_.shard.all_gather(mine, fp.wire, S, wire);
+      return;
+    }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
-    void* mine = static_cast<std::byte*>(fp.full) + (strategy::shards_parameters ? groups_.shard_rank : 0) * FlatParam::bytes(L.shard_numel(), as);
-    const bool staged = offload || as != fp.master() || !strategy::shards_parameters;
+    void* mine = static_cast<std::byte*>(fp.full) + (groups_.shards_parameters ? groups_.shard_rank : 0) * FlatParam::bytes(L.shard_numel(), as);
+    const bool staged = offload || as != fp.master() || !groups_.shards_parameters;
     if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
-    if constexpr (strategy::shards_parameters)
+    if (groups_.shards_parameters)
       fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as);
   }
 
-  // Hands a gathered buffer to the engine: waits for its all-gather, binds the parameters.
+  // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
+  // gather into the compute-dtype buffer (freeing the narrow one), binds the parameters.
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
     if (!fp.gather_work.completed_inline()) wait(fp.gather_work, "wait all_gather");  // no empty spans
     fp.gather_work = Work{};
+    if (fp.wire) {
+      const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
+      fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
+      device_.cast(fp.full, as, fp.wire, fp.gather, padded);
+      release(fp.wire, fp.wire_bytes(), MemorySpace::device);
+    }
     detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, as);
     fp.unbound = false;
   }
@@ -210,8 +243,8 @@ class FlatParamGroup {
   bool start_gathers() {
     bool issued = false;
     for (auto& fp : flat_) {
-      if (fp.full) continue;
-      start_gather(fp, fp.compute);
+      if (fp.gather_issued()) continue;
+      start_gather(fp, fp.compute, fp.gather);
       issued = true;
     }
     return issued;
@@ -222,7 +255,7 @@ class FlatParamGroup {
   // forward) cost nothing: not even a rebind.
   void unshard(const detail::TracedWait& wait) {
     for (auto& fp : flat_) {
-      if (!fp.full) start_gather(fp, fp.compute);
+      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather);
       if (fp.unbound) finish_gather(fp, fp.compute, wait);
     }
   }
@@ -230,7 +263,7 @@ class FlatParamGroup {
   // Full parameters in their own (master) dtype, for summon_full_params.
   void unshard_master(const detail::TracedWait& wait) {
     for (auto& fp : flat_) {
-      start_gather(fp, fp.master());
+      start_gather(fp, fp.master(), fp.master());
       finish_gather(fp, fp.master(), wait);
     }
   }
@@ -304,10 +337,10 @@ class FlatParamGroup {
     const auto& L = flat_.at(k).layout;
     const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups_.shard_rank), dtype);
     const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
-    const std::size_t total = strategy::shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
+    const std::size_t total = groups_.shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
     const bool host_memory = device_.id().kind == DeviceKind::cpu;
     if (host_memory && L.padded_numel() == L.numel() && valid == S) {
-      if constexpr (strategy::shards_parameters)
+      if (groups_.shards_parameters)
         groups_.shard.all_gather(mine, full_host, S / size_of(dtype), dtype).wait();
       else if (S)
         device_.copy(full_host, mine, S);
@@ -320,7 +353,7 @@ class FlatParamGroup {
     out.reset(device_.allocate(total, MemorySpace::device));
     if (valid < S) device_.fill_zero(static_cast<std::byte*>(in.get()) + valid, S - valid);
     if (valid) device_.copy(in.get(), mine, valid);
-    if constexpr (strategy::shards_parameters) groups_.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
+    if (groups_.shards_parameters) groups_.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
     else device_.copy(out.get(), in.get(), S);
     if (L.numel()) device_.copy(full_host, out.get(), FlatParam::bytes(L.numel(), dtype));
   }
@@ -361,10 +394,11 @@ class FlatParamGroup {
 
  private:
   std::int64_t full_numel(const FlatParam& fp) const {
-    return strategy::shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();
+    return groups_.shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();
   }
 
   void release_unsharded_params(FlatParam& fp) {
+    release(fp.wire, fp.wire_bytes(), MemorySpace::device);  // gathered ahead, never widened
     if (!fp.full || fp.full == fp.shard) return;
     device_.deallocate(fp.full, FlatParam::bytes(full_numel(fp), fp.full_dtype), fp.full_space);
     fp.full = nullptr;
@@ -376,7 +410,7 @@ class FlatParamGroup {
     p = nullptr;
   }
 
-  detail::UnitGroups groups_;
+  detail::UnitGroups mesh_groups_, groups_;
   detail::DeviceRef device_;
   detail::GradientReduction<Config> reduction_;
   std::vector<FlatParam> flat_;

@@ -14,6 +14,7 @@ struct backward_prefetch_slot { static constexpr const char* name = "BackwardPre
 struct mixed_precision_slot { static constexpr const char* name = "MixedPrecision"; };
 struct cpu_offload_slot { static constexpr const char* name = "CpuOffload"; };
 struct forward_prefetch_slot { static constexpr const char* name = "ForwardPrefetch"; };
+struct comm_precision_slot { static constexpr const char* name = "CommPrecision"; };
 
 // ---- ShardingStrategy ----
 // Each says how parameters are split and how gradients are reduced:
@@ -96,6 +97,32 @@ struct FullPrecision {
   static constexpr bool keep_low_precision_grads = false;
 };
 
+// ---- CommPrecision ----
+// Collectives in a narrower dtype than the engine computes in, for engines that compute
+// (and accumulate gradients) in f32: each all-gather moves Gather, each gradient reduction
+// Reduce, while the engine is still shown, and accumulates into, its compute dtype. The
+// casts happen in the unit's own buffers: the shard is cast into this rank's slot of a
+// Gather buffer, gathered, then widened into the compute-dtype buffer the engine sees (the
+// Gather buffer lives only until then); the gradient is cast to Reduce before the
+// reduce-scatter (f16 relies on FSDP's pre/post divide factors) and widened back into the
+// sharded gradient. A dtype applies to a flat parameter only when it has fewer bytes than
+// that parameter's compute dtype. Replicated parameters (NoShard, units under the
+// persistence threshold) are never gathered: only Reduce applies to them. Summons and state
+// dicts gather in the master dtype, unrounded. With MixedPrecision, Reduce comes from here:
+// MixedPrecision may then set only Param (and Buffer).
+template <class Gather, class Reduce = Gather>
+struct CommPrecision {
+  using fsdp_policy_slot = comm_precision_slot;
+  static constexpr bool enabled = true;
+  static constexpr DType gather = dtype_v<Gather>, reduce = dtype_v<Reduce>;
+  static_assert(is_floating(gather) && is_floating(reduce),
+                "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16)");
+};
+struct FullCommPrecision {  // collectives in the compute dtype (MixedPrecision's Param, else the parameters')
+  using fsdp_policy_slot = comm_precision_slot;
+  static constexpr bool enabled = false;
+};
+
 // ---- CpuOffload ----
 // OffloadParams: sharded parameters and gradients live in the Device's host space (pinned
 // memory on CUDA); the shard is copied to the device before each all-gather and the reduced
@@ -135,7 +162,31 @@ struct resolve_policies_impl {
   using forward_prefetch = typename pick_slot<forward_prefetch_slot, NoForwardPrefetch, Ps...>::type;
   using mixed_precision = typename pick_slot<mixed_precision_slot, FullPrecision, Ps...>::type;
   using cpu_offload = typename pick_slot<cpu_offload_slot, NoOffload, Ps...>::type;
+  using comm_precision = typename pick_slot<comm_precision_slot, FullCommPrecision, Ps...>::type;
 };
+
+// CommPrecision next to MixedPrecision: one of them chooses the reduce dtype, and each
+// communication dtype is the compute dtype or has fewer bytes (a 16-bit dtype for another
+// would round without saving a byte).
+// (MP is looked into only under an enabled CP: a user's own precision policy need not
+// have these members.)
+template <class MP, class CP>
+constexpr bool reduce_dtype_chosen_once() {
+  if constexpr (CP::enabled) {
+    if constexpr (MP::enabled) return MP::reduce == MP::param;
+  }
+  return true;
+}
+inline constexpr bool same_or_narrower(DType comm, DType compute) {
+  return comm == compute || size_of(comm) < size_of(compute);
+}
+template <class MP, class CP>
+constexpr bool comm_no_wider_than_compute() {
+  if constexpr (CP::enabled) {
+    if constexpr (MP::enabled) return same_or_narrower(CP::gather, MP::param) && same_or_narrower(CP::reduce, MP::param);
+  }
+  return true;
+}
 
 }  // namespace detail
 
@@ -148,7 +199,8 @@ struct Policies {
                 "Policies are ShardingStrategy (FullShard, ShardGradOp, NoShard, HybridShard, "
                 "HybridShardZero2), BackwardPrefetch (BackwardPre, BackwardPost, NoBackwardPrefetch), "
                 "ForwardPrefetch (ForwardPrefetch, NoForwardPrefetch), MixedPrecision (FullPrecision, "
-                "MixedPrecision<Param, Reduce, Buffer>) and CpuOffload (NoOffload, OffloadParams), in any order.");
+                "MixedPrecision<Param, Reduce, Buffer>), CommPrecision (FullCommPrecision, CommPrecision<Gather, Reduce>) "
+                "and CpuOffload (NoOffload, OffloadParams), in any order.");
 };
 
 template <class... Ps>
@@ -164,6 +216,15 @@ struct Policies<Ps...> : detail::resolve_policies_impl<Ps...> {
                 "fsdp: more than one policy for the CpuOffload slot");
   static_assert(detail::count_in_slot<forward_prefetch_slot, Ps...> <= 1,
                 "fsdp: more than one policy for the ForwardPrefetch slot");
+  static_assert(detail::count_in_slot<comm_precision_slot, Ps...> <= 1,
+                "fsdp: more than one policy for the CommPrecision slot");
+  using resolved = detail::resolve_policies_impl<Ps...>;
+  static_assert(detail::reduce_dtype_chosen_once<typename resolved::mixed_precision, typename resolved::comm_precision>(),
+                "fsdp: MixedPrecision<Param, Reduce> and CommPrecision both choose the gradient reduction dtype: "
+                "with CommPrecision, give MixedPrecision only Param (and Buffer) and let CommPrecision's Reduce decide");
+  static_assert(detail::comm_no_wider_than_compute<typename resolved::mixed_precision, typename resolved::comm_precision>(),
+                "fsdp: each CommPrecision dtype must be MixedPrecision's Param (what the engine computes in) or "
+                "have fewer bytes than it: a wider one would move more bytes, one of the same size only rounds");
 };
 
 }  // namespace fsdp

@@ -38,6 +38,9 @@ struct ShardOptions {
   // this rank's own, and the engine steps (and, if it wants, all-reduces) them itself.
   std::vector<ModuleId> ignored_modules = {};          // with their subtrees: ModuleId::of(m)
   std::vector<const void*> ignored_parameters = {};    // the engine's parameter tensors
+  // DeepSpeed's stage3_param_persistence_threshold, per unit: a unit with fewer parameter
+  // elements than this keeps them whole on every rank (UnitOptions::persistence_threshold).
+  std::int64_t persistence_threshold = 0;
 };
 
 namespace detail {
@@ -264,6 +267,7 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   // Agree on the units and the ignored first: a rank with a different model structure
   // would otherwise pair its collectives with the wrong unit's.
   UnitOptions unit_options{"", opts.sync_module_states, true, opts.ignored_modules, opts.ignored_parameters};
+  unit_options.persistence_threshold = opts.persistence_threshold;
   detail::Fingerprint f;
   std::size_t count = 1;
   for (const auto& n : planner.nodes)

@@ -53,6 +53,11 @@ struct UnitOptions {
   // addresses), the unit copies its shard and frees that storage. Empty: they are an error.
   detail::InitCallback init = {};
   bool check_init_agrees = false;  // then hash every parameter and fail if ranks differ
+  // A unit with fewer parameter elements than this keeps them unsharded: whole on every
+  // rank, never all-gathered, their gradients all-reduced over the world (as NoShard does),
+  // so tiny units (norms, biases) cost no all-gather latency. Its groups() still name the
+  // model's groups. 0: every unit follows its strategy.
+  std::int64_t persistence_threshold = 0;
 };
 
 template <class Module, class... Ps>
@@ -119,8 +124,10 @@ class Sharded final : public UnitBase {
   }
 
   int world_size() const override { return group_.groups().world.size(); }
+  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
+  bool kept_unsharded() const { return group_.kept_unsharded(); }
   std::string groups() const override {
-    const auto& g = group_.groups();
+    const auto& g = group_.mesh_groups();
     return "shard group of " + std::to_string(g.shard_size) + " ranks, replicate group of " +
            std::to_string(g.replicate_size) + " ranks";
   }
@@ -348,6 +355,9 @@ class Sharded final : public UnitBase {
     detail::validate_collected(params, display_name(), rank_, device.id(), static_cast<bool>(options.init));
     for (auto& p : params) storage_.push_back({detail::storage_key(p), p.info.fqn});
     const auto aliases = detail::take_ties(params, display_name(), rank_);
+    std::int64_t elements = 0;  // a tied tensor once
+    for (const auto& p : params) elements += p.info.numel;
+    if (group_.groups().shards_parameters && elements < options.persistence_threshold) group_.keep_unsharded();
     group_.build(params, aliases);
     detail::Fingerprint f;
     f.add(fqn_);
@@ -400,7 +410,7 @@ class Sharded final : public UnitBase {
 
   detail::GradientPlan gradient_plan() const {
     if (!sync_.requires_sync && sync_.mode == GradientSyncMode::keep_unsharded) return detail::GradientPlan::keep_unsharded;
-    const bool all_reduces_shards = strategy::shards_parameters && group_.groups().replicate_size > 1;
+    const bool all_reduces_shards = group_.groups().shards_parameters && group_.groups().replicate_size > 1;
     if (all_reduces_shards && !sync_.requires_all_reduce) return detail::GradientPlan::reduce_partial;
     return detail::GradientPlan::reduce;
   }

@@ -77,6 +77,41 @@ struct MyStrategy { using fsdp_policy_slot = fsdp::sharding_strategy_slot; };
 fsdp::Policies<fsdp::NoOffload, MyStrategy, fsdp::FullShard> p;
 EOF
 
+expect_error two_comm_precisions "more than one policy for the CommPrecision slot" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::bf16>, fsdp::FullShard, fsdp::FullCommPrecision> p;
+EOF
+
+expect_error comm_precision_integer "CommPrecision dtypes must be floating point" <<'EOF'
+#include <cstdint>
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<std::int32_t>> p;
+EOF
+
+expect_error comm_and_mixed_reduce "both choose the gradient reduction dtype" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::MixedPrecision<float, fsdp::bf16>, fsdp::CommPrecision<fsdp::bf16>> p;
+EOF
+
+expect_error comm_wider_than_compute "must be MixedPrecision's Param" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<float>, fsdp::MixedPrecision<fsdp::bf16>> p;
+EOF
+
+expect_error comm_same_size_as_compute "must be MixedPrecision's Param" <<'EOF'
+#include "fsdp/policies.hpp"
+fsdp::Policies<fsdp::MixedPrecision<fsdp::f16>, fsdp::CommPrecision<fsdp::bf16>> p;
+EOF
+
+expect_ok comm_precision_in_any_order <<'EOF'
+#include <type_traits>
+#include "fsdp/policies.hpp"
+using A = fsdp::Policies<fsdp::CommPrecision<fsdp::bf16>, fsdp::MixedPrecision<float>, fsdp::FullShard>;
+using B = fsdp::Policies<fsdp::FullShard, fsdp::MixedPrecision<float>, fsdp::CommPrecision<fsdp::bf16>>;
+static_assert(std::is_same_v<A::comm_precision, B::comm_precision>);
+fsdp::Policies<fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::bf16>> same_as_param;
+EOF
+
 # fsdp::shard's wrap options: only wrap options, at most one of each kind.
 shard_prelude='#include "fsdp/fsdp.hpp"
 struct Net { fsdp::HostTensor w{{2, 2}}; };

@@ -2,7 +2,9 @@
 # examples/train.cpp, as the README's Quick start runs it: the default run ends with exactly
 # the `final:` line the README shows; --precision and --offload run every precision with
 # and without offload, and offload moves the shards and optimizer state out of device space;
-# --accumulate and --clip match the unsharded reference; bad flags are refused.
+# --accumulate and --clip match the unsharded reference; --comm-precision halves the bytes
+# of the all-gathers and reduce-scatters, --persistence-threshold drops the small unit's
+# all-gathers; bad flags are refused.
 #
 # Usage: train_test.sh TRAIN_BINARY README
 set -u
@@ -61,7 +63,43 @@ fi
 [[ $(field loss "$clipped") != $(field loss "$plain") ]] && echo "PASS: --clip 0.05 changes training" ||
   fail "--clip 0.05 left the loss at $(field loss "$plain")"
 
-for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1"; do
+# --comm-precision bf16: all-gathers and reduce-scatters of half the bytes, the same calls,
+# a loss near the f32 reference's; --persistence-threshold 1000 keeps the 64-element gain
+# unit unsharded: two all-gathers and a reduce-scatter fewer, one all-reduce, the same loss.
+# comm_field KIND OUTPUT: "calls bytes" of KIND in the comm line.
+comm_field() { sed -n "s/^comm: .*$1 \([0-9]*\) x, \([0-9]*\) B.*/\1 \2/p" <<<"$2"; }
+[[ -z $(grep '^comm: ' <<<"$plain") ]] && echo "PASS: no comm line without the flags" || fail "a comm line without the flags"
+f32=$("$train" --steps 3 --comm-precision fp32 2>&1) || fail "--comm-precision fp32: exited with $?"
+bf16=$("$train" --steps 3 --comm-precision bf16 2>&1) || fail "--comm-precision bf16: exited with $?"
+persistent=$("$train" --steps 3 --persistence-threshold 1000 2>&1) || fail "--persistence-threshold: exited with $?"
+read -r ag_calls ag_bytes < <(comm_field all_gather "$f32")
+read -r rs_calls rs_bytes < <(comm_field reduce_scatter "$f32")
+read -r bag_calls bag_bytes < <(comm_field all_gather "$bf16")
+read -r brs_calls brs_bytes < <(comm_field reduce_scatter "$bf16")
+if [[ -n "${ag_bytes:-}" && -n "${brs_bytes:-}" ]] && ((bag_calls == ag_calls && 2 * bag_bytes == ag_bytes &&
+    brs_calls == rs_calls && 2 * brs_bytes == rs_bytes)); then
+  echo "PASS: --comm-precision bf16: all-gathers $ag_bytes -> $bag_bytes B, reduce-scatters $rs_bytes -> $brs_bytes B per step"
+else
+  fail "--comm-precision bf16: all_gather '${bag_calls:-} ${bag_bytes:-}' vs fp32 '${ag_calls:-} ${ag_bytes:-}', reduce_scatter '${brs_calls:-} ${brs_bytes:-}' vs '${rs_calls:-} ${rs_bytes:-}'"
+fi
+l=$(field loss "$bf16") u=$(field unsharded_loss "$bf16")
+if [[ -n "$l" && -n "$u" ]] && awk -v l="$l" -v u="$u" 'BEGIN { d = l - u; if (d < 0) d = -d; exit !(d > 0 && d < 0.01 * u) }'; then
+  echo "PASS: --comm-precision bf16: loss $l within 1% of the f32 reference's $u"
+else
+  fail "--comm-precision bf16: loss '$l' vs unsharded '$u' (expected close, not equal)"
+fi
+read -r kag_calls _ < <(comm_field all_gather "$persistent")
+read -r krs_calls _ < <(comm_field reduce_scatter "$persistent")
+read -r kar_calls _ < <(comm_field all_reduce "$persistent")
+if [[ -n "${kar_calls:-}" ]] && ((kag_calls + 2 == ag_calls && krs_calls + 1 == rs_calls && kar_calls == 1)) &&
+    [[ $(field loss "$persistent") == $(field unsharded_loss "$persistent") ]]; then
+  echo "PASS: --persistence-threshold 1000: $ag_calls -> $kag_calls all-gathers, one all-reduce, loss equals the reference's"
+else
+  fail "--persistence-threshold: all_gather ${kag_calls:-} (fp32 ${ag_calls:-}), reduce_scatter ${krs_calls:-}, all_reduce ${kar_calls:-}, losses $(field loss "$persistent") vs $(field unsharded_loss "$persistent")"
+fi
+
+for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
+    "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done

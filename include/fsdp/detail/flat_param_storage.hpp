@@ -24,6 +24,7 @@ struct FlatParam {
   // The engine's tensors under a tied parameter's other names: (its index, their binding).
   std::vector<std::pair<std::size_t, detail::ParamBinding>> alias_bindings;
   DType compute = DType::f32;  // what the engine computes with (MixedPrecision's Param)
+  DType gather = DType::f32;   // what all-gathers move (CommPrecision's Gather, else compute)
   DType reduce = DType::f32;   // what gradients are reduced in
   DType grad = DType::f32;     // what the sharded gradient is kept in
   bool direct = false;         // replicated, same dtype, not offloaded: the shard *is* the parameters
@@ -32,6 +33,7 @@ struct FlatParam {
   void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
   DType full_dtype = DType::f32;
   MemorySpace full_space = MemorySpace::device;  // host only while a summon offloads it
+  void* wire = nullptr;        // padded_numel `gather`-dtype elements while a narrower all-gather runs
   void* summoned_grad = nullptr;  // the reduced gradient gathered whole (a summon's with_grads)
   void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
   Work gather_work;            // the all-gather into `full`, until its first use
@@ -52,6 +54,8 @@ struct FlatParam {
   std::size_t shard_bytes() const { return bytes(layout.shard_numel(), master()); }
   std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
+  std::size_t wire_bytes() const { return bytes(layout.padded_numel(), gather); }
+  bool gather_issued() const { return full || wire; }
 };
 
 namespace detail {

@@ -136,7 +136,7 @@ class GradientReduction {
     else fp.reduce_out = fp.into_shard_grad && !offload && fp.grad == fp.reduce
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
-    if constexpr (strategy::shards_parameters)
+    if (groups_.shards_parameters)
       fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
     else
       fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
@@ -158,7 +158,7 @@ class GradientReduction {
       device_.accumulate(out, fp.partial, S, fp.reduce);
       release(fp.partial, FlatParam::bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
     }
-    if (strategy::shards_parameters && groups_.replicate_size > 1) {
+    if (groups_.shards_parameters && groups_.replicate_size > 1) {
       Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
       wait(w, "wait all_reduce");
     }
