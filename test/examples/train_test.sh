@@ -2,7 +2,8 @@
 # examples/train.cpp, as the README's Quick start runs it: the default run ends with exactly
 # the `final:` line the README shows; --precision and --offload run every precision with
 # and without offload, and offload moves the shards and optimizer state out of device space;
-# --accumulate and --clip match the unsharded reference; bad flags are refused.
+# --accumulate and --clip match the unsharded reference; --optimizer-in-backward trains the
+# same model with a lower peak; bad flags are refused.
 #
 # Usage: train_test.sh TRAIN_BINARY README
 set -u
@@ -61,7 +62,33 @@ fi
 [[ $(field loss "$clipped") != $(field loss "$plain") ]] && echo "PASS: --clip 0.05 changes training" ||
   fail "--clip 0.05 left the loss at $(field loss "$plain")"
 
-for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1"; do
+# --optimizer-in-backward: each unit steps its shards in its post-accumulate-grad hook, so
+# the same model bit for bit (same fingerprint, same loss); every sharded gradient but the
+# one in flight is gone at the peak: lower by sum_u S_u - max_u S_u, S_u a unit's shard
+# (ceil(n_u / 4) f32 elements on 4 ranks), from the default model's sizes
+# (in 16, dim 64, hidden 256, out 4, 8 blocks; the root, the blocks, the gain).
+for opt in adamw sgd; do
+  after=$("$train" --steps 3 --optimizer "$opt" 2>&1) || fail "--optimizer $opt: exited with $?"
+  inside=$("$train" --steps 3 --optimizer "$opt" --optimizer-in-backward 2>&1) || fail "--optimizer $opt --optimizer-in-backward: exited with $?"
+  shard() { echo $(((($1) + 3) / 4 * 4)); }
+  root=$(shard "16 * 64 + 64 + 64 * 4 + 4") block=$(shard "64 * 256 + 256 + 256 * 64 + 64") gain=$(shard 64)
+  saving=$((root + 8 * block + gain - block))
+  pa=$(field peak_bytes_per_rank "$after") pi=$(field peak_bytes_per_rank "$inside")
+  params_after=$(grep '^parameters: ' <<<"$after") params_inside=$(grep '^parameters: ' <<<"$inside")
+  if [[ -z "$pa" || -z "$pi" || -z "$params_after" ]]; then
+    fail "$opt: missing figures (peaks '$pa' '$pi', fingerprint '$params_after')"
+  elif [[ "$params_after" != "$params_inside" || $(field loss "$after") != $(field loss "$inside") ]]; then
+    fail "$opt: stepping in backward trained another model ($params_after vs $params_inside)"
+  elif ((pa - pi != saving)); then
+    fail "$opt: peak $pa -> $pi B, a saving of $((pa - pi)) B, not the $saving B of the formula"
+  else
+    echo "PASS: $opt --optimizer-in-backward: same parameters ($params_inside), peak $pa -> $pi B (saves $saving B, as the formula says)"
+  fi
+done
+grep -q '; optimizer steps in backward' <<<"$inside" || fail "--optimizer-in-backward: not shown in the model line"
+
+for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
+  "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done
