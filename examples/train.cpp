@@ -156,7 +156,16 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
     if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
     if (cfg.sync_every_microbatch) sharded.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
+    // --optimizer-in-backward: one optimizer per unit steps its shards as soon as their
+    // gradient is final, and the gradient is freed right after.
+    std::optional<engine::OptimizerInBackward<engine::AdamW>> adamw_inside;
+    std::optional<engine::OptimizerInBackward<engine::Sgd>> sgd_inside;
+    if (cfg.optimizer_in_backward && cfg.optimizer == "adamw")
+      adamw_inside.emplace(sharded, [&] { return std::make_unique<engine::AdamW>(adam, alloc); });
+    else if (cfg.optimizer_in_backward)
+      sgd_inside.emplace(sharded, [] { return std::make_unique<engine::Sgd>(0.05f); });
     auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
+      if (cfg.optimizer_in_backward) return engine::sharded_forward_backward(model, sharded, micro);
       if (!scaled) return engine::sharded_step(model, sharded, opt, micro, clip);
       const auto result = engine::sharded_scaled_step(model, sharded, opt, scaler, micro, clip);
       if (!result.stepped) ++summary.skipped_steps;
@@ -236,7 +245,8 @@ void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, con
                  (cfg.comm_precision != "fp32" ? fmt::format("; collectives in {}", cfg.comm_precision) : "") +
                  (cfg.persistence_threshold > 0
                       ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
-                      : ""),
+                      : "") +
+                 (cfg.optimizer_in_backward ? "; optimizer steps in backward" : ""),
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
@@ -313,8 +323,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 16));
   app.add_flag("--sync-every-microbatch", cfg.sync_every_microbatch,
                "with --accumulate: reduce-scatter every micro-batch and accumulate sharded (less memory, more communication)");
-  app.add_option("--clip", cfg.clip, "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm)")
+  auto* clip = app.add_option("--clip", cfg.clip, "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm)")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--optimizer-in-backward", cfg.optimizer_in_backward,
+               "step each unit's shards in its post-accumulate-grad hook and free its gradient "
+               "there (not with --clip, fp16, --save or --resume: they need every gradient, or the "
+               "one optimizer's state, after backward)")
+      ->excludes(clip);
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
   auto* save = app.add_option("--save", cfg.save_dir,
                               "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");
@@ -329,6 +344,13 @@ int main(int argc, char** argv) {
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
     fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",
                cfg.comm_precision, cfg.precision, cfg.precision);
+    return 2;
+  }
+  if (cfg.optimizer_in_backward && (cfg.precision == "fp16" || !cfg.save_dir.empty() || !cfg.resume_dir.empty())) {
+    fmt::print(stderr, "--optimizer-in-backward cannot be combined with {}: {}\n",
+               cfg.precision == "fp16" ? "--precision fp16" : !cfg.save_dir.empty() ? "--save" : "--resume",
+               cfg.precision == "fp16" ? "the loss scaler checks every gradient for inf/NaN before any step"
+                                       : "checkpoints hold the one optimizer's state that stepping after backward keeps");
     return 2;
   }
 

@@ -12,6 +12,7 @@
 #include <string>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
@@ -66,6 +67,50 @@ inline std::vector<Slot> slots(Model& m) {  // unsharded: the model's own tensor
   }
   return out;
 }
+
+// Optimizer in backward: each unit's post-accumulate-grad hook steps that unit's shards as
+// soon as their gradient is final, then the library frees the gradient
+// (fsdp::GradientAfterHook::free). One optimizer per unit, built by `make`: each keeps
+// its own state and step count, so every element steps exactly as under one optimizer
+// over all shards after backward. The hooks are removed when this goes (before the model).
+template <class Optimizer>
+class OptimizerInBackward {
+ public:
+  template <class Make>
+  OptimizerInBackward(fsdp::ShardedModel& model, Make make) : model_(model) {
+    for (auto& u : model) index_.push_back(u.get()), optimizers_.push_back(make());
+    model.set_post_accumulate_grad_hook([this](fsdp::UnitBase& u) { step(u); }, fsdp::GradientAfterHook::free);
+  }
+  ~OptimizerInBackward() {
+    try {
+      model_.set_post_accumulate_grad_hook({}, fsdp::GradientAfterHook::keep);
+    } catch (...) {  // units left mid-step by an error: their hooks die with them
+    }
+  }
+  OptimizerInBackward(const OptimizerInBackward&) = delete;
+  OptimizerInBackward& operator=(const OptimizerInBackward&) = delete;
+
+  // How many units stepped since construction (tests: one per unit per step).
+  long unit_steps() const { return unit_steps_; }
+
+ private:
+  void step(fsdp::UnitBase& u) {
+    const auto at = std::find(index_.begin(), index_.end(), &u);
+    if (at == index_.end()) throw fsdp::Error("OptimizerInBackward: unit '" + std::string(u.display_name()) + "' is not of its model");
+    std::vector<Slot> s;
+    for (const auto& v : u.shards()) {
+      detail::check_f32_shard(v);
+      s.push_back({static_cast<float*>(v.param), static_cast<const float*>(v.grad), v.numel});
+    }
+    optimizers_[static_cast<std::size_t>(at - index_.begin())]->step(s);
+    ++unit_steps_;
+  }
+
+  fsdp::ShardedModel& model_;
+  std::vector<fsdp::UnitBase*> index_;
+  std::vector<std::unique_ptr<Optimizer>> optimizers_;
+  long unit_steps_ = 0;
+};
 
 // Weight-decay masks that decay only matrices (2-D parameters), one per slot, built from the
 // per-parameter views: no cast to a unit type. The sharded form marks the elements each

@@ -127,6 +127,10 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
     if (u->state() != TrainingState::IDLE)
       return invalid("unit '" + std::string(u->display_name()) + "' is in state " + std::string(name_of(u->state())) +
                      "; clip gradients after ShardedModel::finish_backward() and before the optimizer step");
+    if (u->gradient_after_hook() == GradientAfterHook::free)
+      return invalid("unit '" + std::string(u->display_name()) + "' frees its sharded gradient after its "
+                     "post-accumulate-grad hook (the optimizer steps inside backward), so no gradient is left to "
+                     "clip; the global norm needs every gradient before any step: clip outside backward, or not at all");
     for (const ParamView& p : u->parameters()) {
       if (p.count == 0) continue;
       if (!is_floating(p.grad_dtype))

@@ -392,6 +392,23 @@ class FlatParamGroup {
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   void zero_grad() { reduction_.zero_grad(flat_); }
 
+  // Where a post-accumulate-grad hook frees the sharded gradients between backwards.
+  void release_shard_grads() {
+    for (auto& fp : flat_) reduction_.release_shard_grad(fp);
+  }
+  void ensure_shard_grads() {
+    for (auto& fp : flat_) reduction_.ensure_shard_grad(fp);
+  }
+  // Points the optimizer's views at the current sharded gradients (nullptr while freed).
+  void point_views_at_gradients(std::vector<ShardView>& views, std::vector<ParamView>& params) const {
+    for (std::size_t k = 0; k < flat_.size(); ++k) views.at(k).grad = flat_[k].shard_grad;
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      const auto& fp = flat_[param_index_.at(j).first];
+      auto& p = params[j];
+      p.grad = fp.shard_grad && p.count ? static_cast<std::byte*>(fp.shard_grad) + p.shard_offset * size_of(fp.grad) : nullptr;
+    }
+  }
+
  private:
   std::int64_t full_numel(const FlatParam& fp) const {
     return groups_.shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();

@@ -17,6 +17,7 @@
 #include "fsdp/grad_scaler.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
+#include "fsdp/post_accumulate_grad_hook.hpp"
 #include "fsdp/sharded.hpp"
 #include "fsdp/shard.hpp"
 #include "fsdp/sharded_model.hpp"

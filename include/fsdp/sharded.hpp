@@ -210,7 +210,24 @@ class Sharded final : public UnitBase {
     if (group_.start_gathers()) { prefetched_ = true; order_->prefetch_issued(); }
   }
 
-  void finish_reduction() override { group_.finish_reductions(waiter()); }
+  void finish_reduction() override {
+    group_.finish_reductions(waiter());
+    if (hook_due_) run_grad_hook();
+  }
+
+  void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
+    expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
+    if (!hook) after = GradientAfterHook::keep;
+    if (after == GradientAfterHook::free && after_hook_ != after) {
+      group_.release_shard_grads();
+      grad_is_zero_ = true;
+    } else if (after == GradientAfterHook::keep) {
+      group_.ensure_shard_grads();  // zeroed where they were freed
+    }
+    grad_hook_ = std::move(hook);
+    after_hook_ = after;
+    group_.point_views_at_gradients(views_, params_);
+  }
 
   void finish_backward() override {
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
@@ -242,6 +259,10 @@ class Sharded final : public UnitBase {
   using UnitBase::begin_summon_full_params;
   void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
+    if (options.with_grads && after_hook_ == GradientAfterHook::free)
+      detail::fail("unit '", display_name(), "' on rank ", rank_,
+                   ": summon_full_params with_grads, but its post-accumulate-grad hook frees the sharded gradient "
+                   "(GradientAfterHook::free), so there is none to show");
     if (options.writeback && options.rank0_only)
       detail::fail("unit '", display_name(), "' on rank ", rank_,
                    ": summon_full_params with writeback and rank0_only: ranks other than 0 hold no full "
@@ -405,6 +426,9 @@ class Sharded final : public UnitBase {
     const auto plan = gradient_plan();
     const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
     if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
+    if (after_hook_ == GradientAfterHook::free) group_.point_views_at_gradients(views_, params_);  // allocated now
+    // Final once this reduction completes: sync on and nothing of it deferred.
+    hook_due_ = grad_hook_ && sync_.requires_sync && plan == detail::GradientPlan::reduce;
     return inline_done;
   }
 
@@ -413,6 +437,26 @@ class Sharded final : public UnitBase {
     const bool all_reduces_shards = group_.groups().shards_parameters && group_.groups().replicate_size > 1;
     if (all_reduces_shards && !sync_.requires_all_reduce) return detail::GradientPlan::reduce_partial;
     return detail::GradientPlan::reduce;
+  }
+
+  // The unit's gradient is final: the engine's hook, then (GradientAfterHook::free) the
+  // gradient freed, also when the hook throws.
+  void run_grad_hook() {
+    hook_due_ = false;
+    if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
+    auto after = [this] {
+      if (after_hook_ != GradientAfterHook::free) return;
+      group_.release_shard_grads();
+      grad_is_zero_ = true;
+      group_.point_views_at_gradients(views_, params_);
+    };
+    try {
+      grad_hook_(*this);
+    } catch (...) {
+      after();
+      throw;
+    }
+    after();
   }
 
   static std::optional<DType> buffer_cast_dtype() {
@@ -458,6 +502,7 @@ class Sharded final : public UnitBase {
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
+  bool hook_due_ = false;     // the post-accumulate-grad hook runs once the reduction completes
   GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
   bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
   bool summon_checks_writeback_ = true;

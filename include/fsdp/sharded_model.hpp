@@ -197,6 +197,26 @@ class ShardedModel {
     for (auto& u : units_) u->set_gradient_sync_mode(m);
   }
 
+  // Post-accumulate-grad hooks (fsdp/post_accumulate_grad_hook.hpp) for every unit: per
+  // unit, or per parameter (each of the unit's parameters in turn). IDLE only; an empty
+  // hook removes them. With GradientAfterHook::free, shards() and parameters() show
+  // grad == nullptr: the gradient exists only while the hook runs (see the unit's views).
+  void set_post_accumulate_grad_hook(const PostAccumulateGradHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
+    for (auto& u : units_)  // all or none
+      if (u->state() != TrainingState::IDLE)
+        detail::fail("set_post_accumulate_grad_hook: unit '", u->display_name(), "' on rank ", u->rank(), " is ",
+                     name_of(u->state()), "; set hooks between steps (every unit IDLE)");
+    for (auto& u : units_) u->set_post_accumulate_grad_hook(hook, after);
+    refresh_views();
+  }
+  void set_post_accumulate_param_hook(const PostAccumulateParamHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
+    PostAccumulateGradHook per_unit;
+    if (hook) per_unit = [hook](UnitBase& u) {
+      for (const ParamView& p : u.parameters()) hook(u, p);
+    };
+    set_post_accumulate_grad_hook(per_unit, after);
+  }
+
   // FSDP1's no_sync: gradient sync off for every unit while the scope lives; each unit's
   // setting is restored when it ends, also by an exception (then whatever state the units
   // are in: a destructor must not throw).

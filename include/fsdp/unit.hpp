@@ -16,6 +16,7 @@
 #include "fsdp/dtype.hpp"
 #include "fsdp/execution_order.hpp"
 #include "fsdp/gradient_sync.hpp"
+#include "fsdp/post_accumulate_grad_hook.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp {
@@ -181,6 +182,14 @@ class UnitBase {
   void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
   const GradientSync& gradient_sync() const { return sync_; }
 
+  // Post-accumulate-grad hook (fsdp/post_accumulate_grad_hook.hpp): run once this unit's
+  // sharded gradient is final; with GradientAfterHook::free the gradient is freed after it
+  // (switching to free drops the current sharded gradient, as zero_grad would). An empty
+  // hook removes it (and frees nothing). IDLE only. ShardedModel sets it for every unit.
+  virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
+  bool has_post_accumulate_grad_hook() const { return static_cast<bool>(grad_hook_); }
+  GradientAfterHook gradient_after_hook() const { return after_hook_; }
+
   // The root's shared execution order; set when the unit joins a ShardedModel.
   void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
 
@@ -268,6 +277,8 @@ class UnitBase {
   GradientSync sync_;
   detail::UnitUses uses_;
   std::vector<ParamStorage> storage_;
+  PostAccumulateGradHook grad_hook_;
+  GradientAfterHook after_hook_ = GradientAfterHook::keep;
 
  private:
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward

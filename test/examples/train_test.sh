@@ -4,7 +4,8 @@
 # and without offload, and offload moves the shards and optimizer state out of device space;
 # --accumulate and --clip match the unsharded reference; --comm-precision halves the bytes
 # of the all-gathers and reduce-scatters, --persistence-threshold drops the small unit's
-# all-gathers; bad flags are refused.
+# all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
+# are refused.
 #
 # Usage: train_test.sh TRAIN_BINARY README
 set -u
@@ -98,8 +99,34 @@ else
   fail "--persistence-threshold: all_gather ${kag_calls:-} (fp32 ${ag_calls:-}), reduce_scatter ${krs_calls:-}, all_reduce ${kar_calls:-}, losses $(field loss "$persistent") vs $(field unsharded_loss "$persistent")"
 fi
 
+# --optimizer-in-backward: each unit steps its shards in its post-accumulate-grad hook, so
+# the same model bit for bit (same fingerprint, same loss); every sharded gradient but the
+# one in flight is gone at the peak: lower by sum_u S_u - max_u S_u, S_u a unit's shard
+# (ceil(n_u / 4) f32 elements on 4 ranks), from the default model's sizes
+# (in 16, dim 64, hidden 256, out 4, 8 blocks; the root, the blocks, the gain).
+for opt in adamw sgd; do
+  after=$("$train" --steps 3 --optimizer "$opt" 2>&1) || fail "--optimizer $opt: exited with $?"
+  inside=$("$train" --steps 3 --optimizer "$opt" --optimizer-in-backward 2>&1) || fail "--optimizer $opt --optimizer-in-backward: exited with $?"
+  shard() { echo $(((($1) + 3) / 4 * 4)); }
+  root=$(shard "16 * 64 + 64 + 64 * 4 + 4") block=$(shard "64 * 256 + 256 + 256 * 64 + 64") gain=$(shard 64)
+  saving=$((root + 8 * block + gain - block))
+  pa=$(field peak_bytes_per_rank "$after") pi=$(field peak_bytes_per_rank "$inside")
+  params_after=$(grep '^parameters: ' <<<"$after") params_inside=$(grep '^parameters: ' <<<"$inside")
+  if [[ -z "$pa" || -z "$pi" || -z "$params_after" ]]; then
+    fail "$opt: missing figures (peaks '$pa' '$pi', fingerprint '$params_after')"
+  elif [[ "$params_after" != "$params_inside" || $(field loss "$after") != $(field loss "$inside") ]]; then
+    fail "$opt: stepping in backward trained another model ($params_after vs $params_inside)"
+  elif ((pa - pi != saving)); then
+    fail "$opt: peak $pa -> $pi B, a saving of $((pa - pi)) B, not the $saving B of the formula"
+  else
+    echo "PASS: $opt --optimizer-in-backward: same parameters ($params_inside), peak $pa -> $pi B (saves $saving B, as the formula says)"
+  fi
+done
+grep -q '; optimizer steps in backward' <<<"$inside" || fail "--optimizer-in-backward: not shown in the model line"
+
 for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
-    "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1"; do
+    "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
+    "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done

@@ -33,6 +33,7 @@ class GradientReduction {
  public:
   using strategy = typename Config::strategy;
   static constexpr bool offload = Config::cpu_offload::offload;
+  static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
 
   GradientReduction(UnitGroups groups, DeviceRef device) : groups_(groups), device_(device) {
     pre_divide_ = gradient_predivide_factor(groups_.world_size());
@@ -47,6 +48,7 @@ class GradientReduction {
       if (fp.full_grad) {
         // kept by an unsynchronized backward (reduce == compute): the engine adds into it
       } else if (fp.direct && grad_is_zero) {
+        ensure_shard_grad(fp);
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
       } else {
         fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
@@ -81,9 +83,17 @@ class GradientReduction {
   void zero_grad(std::vector<FlatParam>& flat) {
     for (auto& fp : flat) {
       release_accumulated(fp);
-      device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
+      if (fp.shard_grad) device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());  // null: freed after a hook
     }
   }
+
+  // The sharded gradient, allocated zeroed where a post-accumulate-grad hook freed it.
+  void ensure_shard_grad(FlatParam& fp) {
+    if (fp.shard_grad) return;
+    fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
+    device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
+  }
+  void release_shard_grad(FlatParam& fp) { release(fp.shard_grad, fp.shard_grad_bytes(), shard_space); }
 
   // Frees what accumulation keeps between backwards (none of it is in flight in IDLE).
   void release_accumulated(FlatParam& fp) {
@@ -129,6 +139,7 @@ class GradientReduction {
     // reduce straight into it (in place when the engine already accumulated into it).
     // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial`.
     fp.defer_all_reduce = defer_all_reduce;
+    if (!defer_all_reduce) ensure_shard_grad(fp);  // allocated only now where a hook freed it
     fp.into_shard_grad = grad_is_zero && !defer_all_reduce;
     const std::size_t out_bytes = FlatParam::bytes(L.shard_numel(), fp.reduce);
     if (defer_all_reduce) fp.reduce_out = fp.partial ? device_.allocate(out_bytes, MemorySpace::device)
