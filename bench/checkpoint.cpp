@@ -238,7 +238,7 @@ class Bench {
     {
       std::optional<fsdp::FullCheckpointSource> src;
       phase(fl, "open: headers", [&] { src.emplace(full()); });
-      phase(fl, "load_state: check, agree, read own slices into the shards (each rank first has the kernel read ahead its contiguous part)", [&] { fsdp::load_state(sm, *src, &state); });
+      phase(fl, "load_state: check, agree, read own slices into the shards (each rank first reads its contiguous part of each file, warming the page cache)", [&] { fsdp::load_state(sm, *src, &state); });
     }
     if (root(comm)) {
       r_.phases = {{"save_sharded_checkpoint", ss}, {"save_full_checkpoint", fsv},

@@ -62,17 +62,24 @@ class FullCheckpointSource final : public StateSource {
   }
   // The files were checked against their headers when opened; no checksums to verify.
   bool reads_in_place() const override { return true; }
-  // Every rank reads a strided part of each file: rank r first has the kernel read the r-th
-  // contiguous part of each, so the disk sees `ranks` sequential streams instead of
-  // `ranks` strided ones; the ranks' reads then mostly find their bytes in the page cache.
+  // Every rank reads a strided part of each file. Before the agreement, rank r reads the
+  // r-th contiguous part of each (into a scratch buffer), so the disk sees `ranks`
+  // sequential streams instead of `ranks` strided ones; after it, the ranks' own reads
+  // find their bytes in the page cache (on one host; ranks on other hosts read theirs).
+  void verify(int rank, int ranks) const override {
+    if (ranks < 1) return;
+    std::vector<std::byte> scratch(std::size_t{4} << 20);
+    for (const checkpoint::SafetensorsFile* f : {&model_, optim_ ? &*optim_ : nullptr}) {
+      if (!f) continue;
+      const std::uint64_t part = (f->file_bytes() + ranks - 1) / static_cast<std::uint64_t>(ranks);
+      const std::uint64_t end = std::min(f->file_bytes(), part * static_cast<std::uint64_t>(rank + 1));
+      for (std::uint64_t at = part * static_cast<std::uint64_t>(rank); at < end; at += scratch.size())
+        f->read_file_bytes(scratch.data(), std::min<std::uint64_t>(scratch.size(), end - at), at);
+    }
+  }
   // Then it reads its ranges file by file in file order, not in the model's order (which
   // alternates between the two files).
-  void read_all(std::span<const ReadRequest> requests, int rank, int ranks) const override {
-    for (const checkpoint::SafetensorsFile* f : {&model_, optim_ ? &*optim_ : nullptr}) {
-      if (!f || ranks < 1) continue;
-      const std::uint64_t part = (f->file_bytes() + ranks - 1) / static_cast<std::uint64_t>(ranks);
-      f->prefetch(part * static_cast<std::uint64_t>(rank), part);
-    }
+  void read_all(std::span<const ReadRequest> requests, int /*rank*/, int /*ranks*/) const override {
     struct Placed {
       bool optim;
       std::uint64_t offset;

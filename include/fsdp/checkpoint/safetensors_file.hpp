@@ -114,12 +114,6 @@ class SafetensorsFile {
     return data_offset() + t.begin + element_offset * size_of(t.dtype);
   }
 
-  // Asks the kernel to start reading [offset, offset + n) of the file into the page cache
-  // (a hint: nothing is checked or waited for).
-  void prefetch(std::uint64_t offset, std::uint64_t n) const {
-    ::posix_fadvise(fd_.get(), static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_WILLNEED);
-  }
-
   // XXH64 of the whole file (all file_bytes()), read now; compare with an index's checksum.
   std::uint64_t xxh64() const { return detail::xxh64_of_fd(fd_.get(), file_bytes_, path_); }
 
