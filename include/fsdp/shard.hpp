@@ -60,11 +60,10 @@ const auto& pick_option(const Fallback& fallback, const O& o, const Os&... os) {
 
 struct NoPredicate {};
 
-template <class T>
-std::int64_t numel_of(const T& t) {
-  std::int64_t n = 1;
-  for (auto d : tensor_traits<T>::shape(t)) n *= static_cast<std::int64_t>(d);
-  return n;
+// Adds n elements to a subtree's count; a model beyond int64 elements is refused.
+inline void add_elements(std::int64_t& total, std::int64_t n, const std::string& fqn) {
+  if (__builtin_add_overflow(total, n, &total))
+    fail("shard: the parameter elements under '", fqn, "' overflow int64");
 }
 
 // Runs the walk described at the top of this file; see plan().
@@ -102,7 +101,9 @@ class WrapPlanner {
       if (ignored_params_.count(&param)) {
         if (params_found_.insert(&param).second) ignored.push_back(join_fqn(fqn, name));
       } else {
-        unwrapped += numel_of(param);
+        // Checked here, before the units check them: the wrap policies add these up first.
+        const std::string pf = join_fqn(fqn, name);
+        add_elements(unwrapped, checked_numel(tensor_traits<std::remove_cvref_t<decltype(param)>>::shape(param), pf), pf);
       }
     });
     for_each_child(m, [&](std::string_view name, auto& child) {
@@ -139,7 +140,7 @@ class WrapPlanner {
       if constexpr (std::is_invocable_r_v<bool, const Pred&, C&, std::string_view, int, std::int64_t>)
         if (pred_ && std::invoke(*pred_, child, std::string_view(cf), depth + 1, n)) unit = true, ++pred_matches;
       if (unit) nodes[at].unit = true;
-      else unwrapped += n;
+      else add_elements(unwrapped, n, cf);
     });
     return unwrapped;
   }

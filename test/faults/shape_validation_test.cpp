@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "fsdp/error.hpp"
+#include "fsdp/host/host_device.hpp"
+#include "fsdp/host/thread_group.hpp"
+#include "fsdp/shard.hpp"
 #include "fsdp/tensor.hpp"
 #include "test/support/errors.hpp"
 
@@ -79,4 +82,45 @@ TEST_CASE("checked_bytes refuses negative counts and byte counts past size_t") {
         "fsdp: 9223372036854775807 elements of f32 of 'flat_param' are more bytes than size_t holds");
   CHECK(contains(error_of([] { fsdp::detail::checked_bytes(std::numeric_limits<std::size_t>::max() / 2, fsdp::DType::i32, ""); }),
                  "elements of i32 are more bytes than size_t holds"));
+}
+
+namespace {
+
+// A module whose one parameter has the given shape (its gradient too).
+struct Shaped {
+  ShapeOnly w, g;
+  template <class F>
+  void visit_parameters(F&& f) { f("w", w, g); }
+};
+struct TwoShaped {
+  Shaped a, b;
+  template <class F>
+  void visit_parameters(F&&) {}
+  template <class F>
+  void visit_children(F&& f) {
+    f("a", a);
+    f("b", b);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("fsdp::shard sizes wrap policies with checked counts: a bad shape names its parameter first") {
+  const std::vector<std::int64_t> wraps{std::int64_t{1} << 32, std::int64_t{1} << 32}, negative{4, -2};
+  for (const auto& bad : {wraps, negative}) {
+    fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+      TwoShaped m{{{{2, 3}}, {{2, 3}}}, {{bad}, {bad}}};
+      fsdp::HostDevice device;
+      std::vector<std::string> asked;  // what the predicate was asked about, with which count
+      auto pred = [&](auto&, std::string_view fqn, int, std::int64_t n) {
+        asked.push_back(std::string(fqn) + "=" + std::to_string(n));
+        return false;
+      };
+      const std::string msg = error_of([&] { fsdp::shard<fsdp::FullShard>(m, comm, device, fsdp::wrap_if(pred)); });
+      CAPTURE(msg);
+      CHECK(contains(msg, "of 'b.w'"));
+      CHECK(contains(msg, bad == wraps ? "overflow int64" : "is negative"));
+      CHECK(asked == std::vector<std::string>{"a=6"});  // never asked about 'b' with a wrapped or negative count
+    });
+  }
 }
