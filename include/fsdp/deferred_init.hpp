@@ -21,9 +21,10 @@
 // The per-rank peak while sharding is the shards built so far plus one unit's parameters.
 //
 // The init must give every rank the same values (seed by FQN, never by rank), as eager
-// construction on one rank would. InitCheck::ranks_agree verifies it (a hash per parameter
-// and one all-gather per unit) and fails naming the first parameter that differs; with
-// ShardOptions::sync_module_states, rank 0's values are broadcast after the init instead.
+// construction on one rank would. InitCheck::ranks_agree (the default) verifies it (a hash
+// per parameter and one all-gather per unit, at setup only) and fails naming the first
+// parameter that differs; with ShardOptions::sync_module_states, rank 0's values are
+// broadcast after the init instead (and nothing is compared). InitCheck::none skips it.
 #include <functional>
 #include <memory>
 #include <string>
@@ -44,12 +45,12 @@ enum class InitCheck { none, ranks_agree };
 template <class F>
 struct DeferredInit {
   F init;
-  InitCheck check = InitCheck::none;
+  InitCheck check = InitCheck::ranks_agree;
 };
 
 // An option of fsdp::shard (in any order among the wrap options, at most once).
 template <class F>
-DeferredInit<std::decay_t<F>> deferred_init(F&& init, InitCheck check = InitCheck::none) {
+DeferredInit<std::decay_t<F>> deferred_init(F&& init, InitCheck check = InitCheck::ranks_agree) {
   return {std::forward<F>(init), check};
 }
 

@@ -242,7 +242,7 @@ auto unit_options_for(const UnitOptions& base, const Init& init) {
     o.fqn = fqn;
     if constexpr (is_deferred_init<Init>::value) {
       o.init = unit_init(init, module, fqn, skip);
-      o.check_init_agrees = init.check == InitCheck::ranks_agree;
+      o.check_init_agrees = init.check == InitCheck::ranks_agree && !base.sync_module_states;  // sync makes them agree
     }
     return o;
   };
