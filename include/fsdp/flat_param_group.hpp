@@ -3,11 +3,10 @@
 // the unit owns for them and the collectives that move them. It copies this rank's slice
 // into the flat shard, gathers the shards into an unsharded buffer the engine's tensors
 // point into, and reduces the unsharded gradient into the sharded one. It knows nothing
-// of hooks or training states: that is the unit's state machine (fsdp/sharded.hpp).
+// of hooks or training states: that is the unit's state machine (fsdp/sharded.hpp). What
+// summons and checkpoints do beyond that is in fsdp/detail/summon_buffers.hpp.
 #include <algorithm>
 #include <cstddef>
-#include <functional>
-#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -19,6 +18,7 @@
 #include "fsdp/detail/gradient_reduction.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/summon_buffers.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/policies.hpp"
@@ -268,58 +268,6 @@ class FlatParamGroup {
     }
   }
 
-  // Moves the unsharded parameters into host memory and shows them there (a summon's
-  // offload_to_host). Parameters that are their own shard stay where they are.
-  void move_unsharded_to_host() {
-    for (auto& fp : flat_) {
-      if (!fp.full || fp.full == fp.shard || fp.full_space == MemorySpace::host) continue;
-      const std::size_t n = FlatParam::bytes(full_numel(fp), fp.full_dtype);
-      void* host = device_.allocate(n, MemorySpace::host);
-      device_.copy(host, fp.full, n);
-      device_.deallocate(fp.full, n, MemorySpace::device);
-      fp.full = host;
-      fp.full_space = MemorySpace::host;
-      detail::bind_tensors(fp, host, &detail::ParamBinding::param, fp.full_dtype);
-    }
-  }
-
-  // The reduced gradients whole, in the engine's gradient tensors, in the gradient dtype (a
-  // summon's with_grads; a collective). A replicated gradient is already whole.
-  void unshard_gradients() {
-    for (std::size_t k = 0; k < flat_.size(); ++k) {
-      auto& fp = flat_[k];
-      void* whole = fp.shard_grad;
-      if (!fp.direct) {
-        fp.summoned_grad = device_.allocate(FlatParam::bytes(fp.layout.numel(), fp.grad), MemorySpace::device);
-        gather_array(k, fp.shard_grad, fp.summoned_grad, fp.grad);
-        whole = fp.summoned_grad;
-      }
-      detail::bind_tensors(fp, whole, &detail::ParamBinding::grad, fp.grad);
-    }
-  }
-  void release_summoned_gradients() {
-    for (auto& fp : flat_) {
-      if (!fp.summoned_grad && !fp.direct) continue;
-      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
-      release(fp.summoned_grad, FlatParam::bytes(fp.layout.numel(), fp.grad), MemorySpace::device);
-    }
-  }
-
-  // Adds the unsharded parameters' bytes to `f` (a summon's writeback check) and returns
-  // whether any of them are their own shard (edited in place, so already kept).
-  bool hash_unsharded(detail::Fingerprint& f) const {
-    bool in_place = false;
-    std::vector<std::byte> host;
-    for (const auto& fp : flat_) {
-      if (!fp.full) continue;
-      in_place = in_place || fp.full == fp.shard;
-      host.resize(FlatParam::bytes(fp.layout.numel(), fp.full_dtype));
-      if (!host.empty()) device_.copy(host.data(), fp.full, host.size());
-      f.add_bytes(host.data(), host.size());
-    }
-    return in_place;
-  }
-
   // Parameter i (in take_over's order) inside the unsharded buffer, in the dtype gathered.
   void* full_parameter(std::size_t i) const {
     const auto [k, j] = param_index_.at(i);
@@ -328,44 +276,16 @@ class FlatParamGroup {
     return static_cast<std::byte*>(fp.full) + fp.layout.params()[j].offset * size_of(fp.full_dtype);
   }
 
-  // All-gathers an array laid out like flat parameter k's shard (its valid elements, in
-  // the shard's space) into host memory for the unpadded flat parameter. Where device
-  // memory is host memory and no rank's shard is padded, straight from `mine` into
-  // `full_host` (no buffer: a full save gathers every flat parameter three times); else
-  // through device buffers (a collective backend may need device memory).
-  void gather_array(std::size_t k, const void* mine, void* full_host, DType dtype) const {
-    const auto& L = flat_.at(k).layout;
-    const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups_.shard_rank), dtype);
-    const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
-    const std::size_t total = groups_.shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
-    const bool host_memory = device_.id().kind == DeviceKind::cpu;
-    if (host_memory && L.padded_numel() == L.numel() && valid == S) {
-      if (groups_.shards_parameters)
-        groups_.shard.all_gather(mine, full_host, S / size_of(dtype), dtype).wait();
-      else if (S)
-        device_.copy(full_host, mine, S);
-      return;
-    }
-    // Both buffers freed however this ends.
-    std::unique_ptr<void, std::function<void(void*)>> in(nullptr, [&](void* p) { device_.deallocate(p, S, MemorySpace::device); });
-    std::unique_ptr<void, std::function<void(void*)>> out(nullptr, [&](void* p) { device_.deallocate(p, total, MemorySpace::device); });
-    in.reset(device_.allocate(S, MemorySpace::device));
-    out.reset(device_.allocate(total, MemorySpace::device));
-    if (valid < S) device_.fill_zero(static_cast<std::byte*>(in.get()) + valid, S - valid);
-    if (valid) device_.copy(in.get(), mine, valid);
-    if (groups_.shards_parameters) groups_.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
-    else device_.copy(out.get(), in.get(), S);
-    if (L.numel()) device_.copy(full_host, out.get(), FlatParam::bytes(L.numel(), dtype));
-  }
+  // ---- summons and checkpoints (fsdp/detail/summon_buffers.hpp) ----
 
-  // Keeps edits made to summoned full parameters: this rank's slice back into its shard.
-  void write_back() {
-    for (auto& fp : flat_) {
-      const auto& L = fp.layout;
-      if (fp.full == fp.shard) continue;  // replicated in place: edits are already there
-      const void* mine = static_cast<std::byte*>(fp.full) + groups_.shard_rank * L.shard_bytes();
-      device_.copy(fp.shard, mine, static_cast<std::size_t>(L.valid_shard_numel(groups_.shard_rank)) * size_of(fp.master()));
-    }
+  void move_unsharded_to_host() { detail::move_unsharded_to_host(flat_, groups_, device_); }
+  void unshard_gradients() { detail::unshard_gradients(flat_, groups_, device_); }
+  void release_summoned_gradients() { detail::release_summoned_gradients(flat_, device_); }
+  bool hash_unsharded(detail::Fingerprint& f) const { return detail::hash_unsharded(flat_, device_, f); }
+  void write_back() { detail::write_back(flat_, groups_, device_); }
+  // An array laid out like flat parameter k's shard, gathered into host memory.
+  void gather_array(std::size_t k, const void* mine, void* full_host, DType dtype) const {
+    detail::gather_array(flat_.at(k).layout, groups_, device_, mine, full_host, dtype);
   }
 
   void release_unsharded() {
@@ -410,9 +330,7 @@ class FlatParamGroup {
   }
 
  private:
-  std::int64_t full_numel(const FlatParam& fp) const {
-    return groups_.shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();
-  }
+  std::int64_t full_numel(const FlatParam& fp) const { return detail::full_numel(fp, groups_); }
 
   void release_unsharded_params(FlatParam& fp) {
     release(fp.wire, fp.wire_bytes(), MemorySpace::device);  // gathered ahead, never widened
@@ -422,10 +340,7 @@ class FlatParamGroup {
     fp.full_space = MemorySpace::device;
   }
 
-  void release(void*& p, std::size_t n, MemorySpace space) {
-    if (p) device_.deallocate(p, n, space);
-    p = nullptr;
-  }
+  void release(void*& p, std::size_t n, MemorySpace space) { detail::release_buffer(device_, p, n, space); }
 
   detail::UnitGroups mesh_groups_, groups_;
   detail::DeviceRef device_;

@@ -7,7 +7,10 @@
 // checks that every rank built the same unit, and it rebinds the engine's tensors to "no
 // storage". The hooks then make the parameters valid exactly while the engine computes
 // with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch and to
-// keep one reduction in flight.
+// keep one reduction in flight. Here: the hooks' state machine and the unit's state-dict
+// interface; the construction path is in fsdp/detail/unit_setup.hpp, the summon's gathers
+// and writeback check in fsdp/detail/summon_full_params.hpp, the post-accumulate-grad
+// hook in fsdp/detail/post_grad_hook_slot.hpp.
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -16,49 +19,25 @@
 #include <typeinfo>
 #include <utility>
 #include <cstdint>
-#include <sstream>
 #include <vector>
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/buffer_copies.hpp"
-#include "fsdp/detail/deferred_storage.hpp"
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/summon_full_params.hpp"
 #include "fsdp/detail/unit_groups.hpp"
+#include "fsdp/detail/unit_setup.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/flat_param_group.hpp"
 #include "fsdp/policies.hpp"
 #include "fsdp/trace.hpp"
 #include "fsdp/unit.hpp"
+#include "fsdp/unit_options.hpp"
 #include "fsdp/wrap_policy.hpp"
 
 namespace fsdp {
-
-struct UnitOptions {
-  std::string fqn;  // the module's FQN within the model ("" for the root): names parameters
-  // Broadcast rank 0's parameters and buffers to every rank at construction, as FSDP's
-  // sync_module_states does: ranks that initialised differently then start the same.
-  bool sync_module_states = false;
-  // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
-  bool defer_take_over = false;
-  // Parts of the module's subtree (at any depth) this unit leaves out: modules that are
-  // units of their own (manual nesting: build the child's unit, then the parent's with the
-  // child listed here, so the parent takes what is left) and ignored modules; and ignored
-  // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
-  std::vector<ModuleId> skip_modules = {};
-  std::vector<const void*> skip_parameters = {};
-  // Deferred init (fsdp::deferred_init sets it for fsdp::shard): parameters without storage
-  // are bound to zeroed storage of the unit's, `init` fills them (it gets their tensors'
-  // addresses), the unit copies its shard and frees that storage. Empty: they are an error.
-  detail::InitCallback init = {};
-  bool check_init_agrees = false;  // then hash every parameter and fail if ranks differ
-  // A unit with fewer parameter elements than this keeps them unsharded: whole on every
-  // rank, never all-gathered, their gradients all-reduced over the world (as NoShard does),
-  // so tiny units (norms, biases) cost no all-gather latency. Its groups() still name the
-  // model's groups. 0: every unit follows its strategy.
-  std::int64_t persistence_threshold = 0;
-};
 
 template <class Module, class... Ps>
 class Sharded final : public UnitBase {
@@ -92,45 +71,23 @@ class Sharded final : public UnitBase {
   // destroyed; the buffer copies are handed back here.
   ~Sharded() override { buffers_.unbind_and_release(); }
 
-  // "shard group of S ranks, replicate group of R ranks": units of one model must agree.
-  // Each rank writes back only its own slice of its own full copy, so edits made on some
-  // ranks only would be kept in some slices and lost in others: a collective hash of the
-  // full parameters and buffers first, and an error on every rank (nothing written back,
-  // the unit IDLE) when they differ.
+  // With writeback, every rank must have made the same edits (fsdp/detail/summon_full_params.hpp):
+  // else an error on every rank, nothing written back, the unit IDLE.
   void check_edits_agree() {
-    const auto& world = group_.groups().world;
-    if (world.size() == 1) return;  // one rank: nothing to compare, so no pass over the parameters
-    detail::Fingerprint f;
-    const bool in_place = group_.hash_unsharded(f);
-    for (std::size_t i = 0; i < buffer_views_.size(); ++i)
-      f.add_bytes(buffer_data(i), static_cast<std::size_t>(buffer_views_[i].numel) * size_of(buffer_views_[i].dtype));
-    std::uint64_t mine = f.value();
-    std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
-    world.all_gather(&mine, all.data(), 1, DType::i64).wait();
-    if (std::all_of(all.begin(), all.end(), [&](std::uint64_t h) { return h == all[0]; })) return;
-    std::ostringstream differ;
-    for (std::size_t r = 1; r < all.size(); ++r)
-      if (all[r] != all[0]) differ << (differ.tellp() ? ", " : "") << r;
+    bool in_place = false;
+    const std::string differ = detail::ranks_with_other_edits(group_, *this, in_place);
+    if (differ.empty()) return;
     buffers_.show_master(false);
     group_.release_summoned_gradients();
     release_unsharded();
     state_ = TrainingState::IDLE;
-    detail::fail("unit '", display_name(), "' on rank ", rank_,
-                 ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
-                 "(rank(s) ", differ.str(), " differ from rank 0): each rank writes back only its own slice, so "
-                 "make the same edits on every rank; ",
-                 in_place ? "parameters replicated in place kept each rank's own edits"
-                          : "nothing was written back");
+    detail::fail_edits_differ(display_name(), rank_, differ, in_place);
   }
 
   int world_size() const override { return group_.groups().world.size(); }
   // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
   bool kept_unsharded() const { return group_.kept_unsharded(); }
-  std::string groups() const override {
-    const auto& g = group_.mesh_groups();
-    return "shard group of " + std::to_string(g.shard_size) + " ranks, replicate group of " +
-           std::to_string(g.replicate_size) + " ranks";
-  }
+  std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
 
   // A unit may be entered several times per pass (fsdp/detail/unit_uses.hpp). A
   // recomputed forward is not part of the recorded order, and inside the unit's own
@@ -210,22 +167,21 @@ class Sharded final : public UnitBase {
     if (group_.start_gathers()) { prefetched_ = true; order_->prefetch_issued(); }
   }
 
+  // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override {
     group_.finish_reductions(waiter());
-    if (hook_due_) run_grad_hook();
+    if (!grad_hook_.take_due()) return;
+    if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
+    grad_hook_.run(*this, [this] {
+      group_.release_shard_grads();
+      grad_is_zero_ = true;
+      group_.point_views_at_gradients(views_, params_);
+    });
   }
 
   void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
     expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
-    if (!hook) after = GradientAfterHook::keep;
-    if (after == GradientAfterHook::free && after_hook_ != after) {
-      group_.release_shard_grads();
-      grad_is_zero_ = true;
-    } else if (after == GradientAfterHook::keep) {
-      group_.ensure_shard_grads();  // zeroed where they were freed
-    }
-    grad_hook_ = std::move(hook);
-    after_hook_ = after;
+    grad_hook_.set(std::move(hook), after, group_, grad_is_zero_);
     group_.point_views_at_gradients(views_, params_);
   }
 
@@ -259,30 +215,10 @@ class Sharded final : public UnitBase {
   using UnitBase::begin_summon_full_params;
   void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
-    if (options.with_grads && after_hook_ == GradientAfterHook::free)
-      detail::fail("unit '", display_name(), "' on rank ", rank_,
-                   ": summon_full_params with_grads, but its post-accumulate-grad hook frees the sharded gradient "
-                   "(GradientAfterHook::free), so there is none to show");
-    if (options.writeback && options.rank0_only)
-      detail::fail("unit '", display_name(), "' on rank ", rank_,
-                   ": summon_full_params with writeback and rank0_only: ranks other than 0 hold no full "
-                   "parameters to write back; summon with writeback on every rank instead");
+    detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
-    group_.unshard_master(waiter());
-    summon_holds_nothing_ = options.rank0_only && rank_ != 0;
+    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter());
     summon_checks_writeback_ = options.check_writeback;
-    if (summon_holds_nothing_) group_.release_unsharded();  // gathered only for rank 0's sake
-    else if (options.offload_to_host) group_.move_unsharded_to_host();
-    if (options.with_grads) {
-      try {
-        group_.unshard_gradients();
-      } catch (...) {
-        group_.release_summoned_gradients();
-        release_unsharded();
-        throw;
-      }
-      if (summon_holds_nothing_) group_.release_summoned_gradients();
-    }
     buffers_.show_master(true);
     state_ = TrainingState::SUMMON_FULL_PARAMS;
   }
@@ -339,20 +275,8 @@ class Sharded final : public UnitBase {
     const auto& g = group_.groups();
     return g.replicate_size == 1 || g.replicate.rank() == 0;
   }
-  bool all_ranks_agree(bool ok) const override {
-    const auto& world = group_.groups().world;
-    if (world.size() == 1) return ok;
-    std::int32_t mine = ok ? 1 : 0, all = 0;
-    world.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min).wait();
-    return all == 1;
-  }
-  std::int64_t max_over_ranks(std::int64_t v) const override {
-    const auto& world = group_.groups().world;
-    if (world.size() == 1) return v;
-    std::int64_t all = 0;
-    world.all_reduce(&v, &all, 1, DType::i64, ReduceOp::max).wait();
-    return all;
-  }
+  bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
+  std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }
 
   // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
   std::vector<const FlatParamLayout*> layouts() const {
@@ -368,38 +292,14 @@ class Sharded final : public UnitBase {
                  ModuleId::of(module).type),
         buffers_(device),
         group_(unit_groups, device) {
-    std::vector<detail::CollectedParam> params;
-    std::vector<detail::CollectedBuffer> buffers;
-    const detail::SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
-                               {options.skip_parameters.begin(), options.skip_parameters.end()}};
-    detail::collect_parameters<Exclude, precision::enabled>(module, fqn_, params, buffers, skip);
-    detail::validate_collected(params, display_name(), rank_, device.id(), static_cast<bool>(options.init));
-    for (auto& p : params) storage_.push_back({detail::storage_key(p), p.info.fqn});
-    const auto aliases = detail::take_ties(params, display_name(), rank_);
-    std::int64_t elements = 0;  // a tied tensor once
-    for (const auto& p : params) elements += p.info.numel;
-    if (group_.groups().shards_parameters && elements < options.persistence_threshold) group_.keep_unsharded();
-    group_.build(params, aliases);
-    detail::Fingerprint f;
-    f.add(fqn_);
-    f.add(groups());
-    group_.add_to(f);
-    detail::check_same_across_ranks(group_.groups().world, f, [&] {  // built only on a mismatch
-      return "unit '" + std::string(display_name()) + "'";
-    }, [&] { return group_.describe() + " (" + groups() + ")"; });
-    detail::DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
-    if (options.init)
-      detail::run_deferred_init(options.init, options.check_init_agrees, deferred, params, buffers,
-                                group_.groups().world, device, display_name(), rank_);
-    if (options.sync_module_states) broadcast_from_rank0(params, buffers);
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    group_.copy_shards(params);
-    buffers_.copy(buffers, buffer_cast_dtype());
-    all_buffers_ = std::move(buffers);
+    auto setup = detail::set_up_unit<Exclude, precision::enabled>(module, group_, buffers_, options, *this,
+                                                                  buffer_cast_dtype());
+    storage_ = std::move(setup.storage);
+    all_buffers_ = std::move(setup.buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
-    deferred.release();  // the shard is copied: one unit's full parameters at most, and only until here
     if (!options.defer_take_over) take_over();
   }
 
@@ -423,57 +323,18 @@ class Sharded final : public UnitBase {
   // the reduction completed inside the call.
   bool start_reduction() {
     uses_.reduced();
-    const auto plan = gradient_plan();
+    const auto plan = detail::plan_gradient(sync_, group_.groups());
     const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
     if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
-    if (after_hook_ == GradientAfterHook::free) group_.point_views_at_gradients(views_, params_);  // allocated now
+    if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
     // Final once this reduction completes: sync on and nothing of it deferred.
-    hook_due_ = grad_hook_ && sync_.requires_sync && plan == detail::GradientPlan::reduce;
+    grad_hook_.arm(sync_.requires_sync && plan == detail::GradientPlan::reduce);
     return inline_done;
-  }
-
-  detail::GradientPlan gradient_plan() const {
-    if (!sync_.requires_sync && sync_.mode == GradientSyncMode::keep_unsharded) return detail::GradientPlan::keep_unsharded;
-    const bool all_reduces_shards = group_.groups().shards_parameters && group_.groups().replicate_size > 1;
-    if (all_reduces_shards && !sync_.requires_all_reduce) return detail::GradientPlan::reduce_partial;
-    return detail::GradientPlan::reduce;
-  }
-
-  // The unit's gradient is final: the engine's hook, then (GradientAfterHook::free) the
-  // gradient freed, also when the hook throws.
-  void run_grad_hook() {
-    hook_due_ = false;
-    if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
-    auto after = [this] {
-      if (after_hook_ != GradientAfterHook::free) return;
-      group_.release_shard_grads();
-      grad_is_zero_ = true;
-      group_.point_views_at_gradients(views_, params_);
-    };
-    try {
-      grad_hook_(*this);
-    } catch (...) {
-      after();
-      throw;
-    }
-    after();
   }
 
   static std::optional<DType> buffer_cast_dtype() {
     if constexpr (precision::enabled) return precision::buffer;
     else return std::nullopt;  // without mixed precision buffers stay the engine's
-  }
-
-  void broadcast_from_rank0(const std::vector<detail::CollectedParam>& params,
-                            const std::vector<detail::CollectedBuffer>& buffers) {
-    const auto& world = group_.groups().world;
-    for (auto& p : params)
-      if (p.info.numel > 0) {
-        void* data = const_cast<void*>(p.data);
-        world.broadcast(data, data, static_cast<std::size_t>(p.info.numel), p.dtype, 0).wait();
-      }
-    for (auto& b : buffers)
-      if (b.numel > 0) world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
   }
 
   void unshard() {
@@ -502,7 +363,6 @@ class Sharded final : public UnitBase {
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept for this unit's backward
   bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
-  bool hook_due_ = false;     // the post-accumulate-grad hook runs once the reduction completes
   GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
   bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
   bool summon_checks_writeback_ = true;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "fsdp/detail/post_grad_hook_slot.hpp"
 #include "fsdp/detail/unit_uses.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
@@ -187,8 +188,8 @@ class UnitBase {
   // (switching to free drops the current sharded gradient, as zero_grad would). An empty
   // hook removes it (and frees nothing). IDLE only. ShardedModel sets it for every unit.
   virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
-  bool has_post_accumulate_grad_hook() const { return static_cast<bool>(grad_hook_); }
-  GradientAfterHook gradient_after_hook() const { return after_hook_; }
+  bool has_post_accumulate_grad_hook() const { return grad_hook_.installed(); }
+  GradientAfterHook gradient_after_hook() const { return grad_hook_.after(); }
 
   // The root's shared execution order; set when the unit joins a ShardedModel.
   void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
@@ -277,8 +278,7 @@ class UnitBase {
   GradientSync sync_;
   detail::UnitUses uses_;
   std::vector<ParamStorage> storage_;
-  PostAccumulateGradHook grad_hook_;
-  GradientAfterHook after_hook_ = GradientAfterHook::keep;
+  detail::PostGradHookSlot grad_hook_;
 
  private:
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward

@@ -3,6 +3,8 @@
 // same parameters, or the collectives that follow would pair up wrong buffers. Ranks
 // all-gather a hash; on a mismatch they also all-gather a readable description so that
 // every rank throws the same message naming the first rank that differs from rank 0.
+// Also the one-value agreements a unit offers checkpoints (did every rank succeed? the
+// largest value).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +61,20 @@ void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& 
   while (all[other] == all[0]) ++other;
   fail(what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", text(0), "; rank ", other, " has ",
        text(other));
+}
+
+inline bool all_ranks_agree(const CommRef& comm, bool ok) {
+  if (comm.size() == 1) return ok;
+  std::int32_t mine = ok ? 1 : 0, all = 0;
+  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min).wait();
+  return all == 1;
+}
+
+inline std::int64_t max_over_ranks(const CommRef& comm, std::int64_t v) {
+  if (comm.size() == 1) return v;
+  std::int64_t all = 0;
+  comm.all_reduce(&v, &all, 1, DType::i64, ReduceOp::max).wait();
+  return all;
 }
 
 }  // namespace fsdp::detail

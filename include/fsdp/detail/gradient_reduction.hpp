@@ -8,6 +8,7 @@
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/unit_groups.hpp"
+#include "fsdp/gradient_sync.hpp"
 
 namespace fsdp {
 
@@ -27,6 +28,15 @@ enum class GradientPlan : std::uint8_t {
   reduce_partial,  // reduce inside the shard group only; the replicate all-reduce waits
   reduce,          // the whole reduction into the sharded gradient
 };
+
+// The plan under a unit's GradientSync: without sync, kept unsharded in that mode; the
+// hybrid strategies' replica all-reduce deferred; else the whole reduction.
+inline GradientPlan plan_gradient(const GradientSync& sync, const UnitGroups& groups) {
+  if (!sync.requires_sync && sync.mode == GradientSyncMode::keep_unsharded) return GradientPlan::keep_unsharded;
+  const bool all_reduces_shards = groups.shards_parameters && groups.replicate_size > 1;
+  if (all_reduces_shards && !sync.requires_all_reduce) return GradientPlan::reduce_partial;
+  return GradientPlan::reduce;
+}
 
 template <class Config>
 class GradientReduction {

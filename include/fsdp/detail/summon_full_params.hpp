@@ -1,0 +1,84 @@
+#pragma once
+// A unit's summon_full_params (fsdp/sharded.hpp keeps the state machine around it): which
+// options it refuses, the gathers it runs for each option, and the writeback check that
+// every rank made the same edits.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/flat_param_storage.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/unit.hpp"
+
+namespace fsdp::detail {
+
+inline void check_summon_options(const SummonOptions& options, bool hook_frees_gradient, std::string_view unit, int rank) {
+  if (options.with_grads && hook_frees_gradient)
+    fail("unit '", unit, "' on rank ", rank,
+         ": summon_full_params with_grads, but its post-accumulate-grad hook frees the sharded gradient "
+         "(GradientAfterHook::free), so there is none to show");
+  if (options.writeback && options.rank0_only)
+    fail("unit '", unit, "' on rank ", rank,
+         ": summon_full_params with writeback and rank0_only: ranks other than 0 hold no full "
+         "parameters to write back; summon with writeback on every rank instead");
+}
+
+// Gathers the full parameters (and with_grads the gradients) in their own dtype, where the
+// options want them. Returns whether this rank holds nothing (rank0_only, not rank 0): it
+// took part in the gathers for rank 0's sake only. Nothing stays gathered when it fails.
+template <class Group>
+bool gather_for_summon(Group& group, const SummonOptions& options, int rank, const TracedWait& wait) {
+  group.unshard_master(wait);
+  const bool holds_nothing = options.rank0_only && rank != 0;
+  if (holds_nothing) group.release_unsharded();
+  else if (options.offload_to_host) group.move_unsharded_to_host();
+  if (options.with_grads) {
+    try {
+      group.unshard_gradients();
+    } catch (...) {
+      group.release_summoned_gradients();
+      group.release_unsharded();
+      throw;
+    }
+    if (holds_nothing) group.release_summoned_gradients();
+  }
+  return holds_nothing;
+}
+
+// Each rank writes back only its own slice of its own full copy, so edits made on some
+// ranks only would be kept in some slices and lost in others. A collective hash of the
+// unit's full parameters and buffers (as a summon shows them); returns the ranks whose
+// hash differs from rank 0's ("1, 3"), empty when all agree, and sets `in_place` when some
+// parameters are their own shard (edited in place, so each rank's edits are kept).
+template <class Group>
+std::string ranks_with_other_edits(const Group& group, const UnitBase& unit, bool& in_place) {
+  const auto& world = group.groups().world;
+  if (world.size() == 1) return {};  // one rank: nothing to compare, so no pass over the parameters
+  Fingerprint f;
+  in_place = group.hash_unsharded(f);
+  const auto buffers = unit.buffers();
+  for (std::size_t i = 0; i < buffers.size(); ++i)
+    f.add_bytes(unit.buffer_data(i), static_cast<std::size_t>(buffers[i].numel) * size_of(buffers[i].dtype));
+  std::uint64_t mine = f.value();
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
+  world.all_gather(&mine, all.data(), 1, DType::i64).wait();
+  std::ostringstream differ;
+  for (std::size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0]) differ << (differ.tellp() ? ", " : "") << r;
+  return differ.str();
+}
+
+[[noreturn]] inline void fail_edits_differ(std::string_view unit, int rank, const std::string& differ, bool in_place) {
+  fail("unit '", unit, "' on rank ", rank,
+       ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
+       "(rank(s) ", differ, " differ from rank 0): each rank writes back only its own slice, so "
+       "make the same edits on every rank; ",
+       in_place ? "parameters replicated in place kept each rank's own edits" : "nothing was written back");
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,81 @@
+#pragma once
+// What a unit's construction does before it takes the engine's tensors over: collect the
+// module's parameters and buffers, build the flat parameters, check that every rank built
+// the same unit, run a deferred init, synchronise from rank 0 (sync_module_states), and
+// copy this rank's shards and the buffers' copies. The engine's tensors are not touched
+// here, so a failed construction loses no data.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/detail/buffer_copies.hpp"
+#include "fsdp/detail/deferred_storage.hpp"
+#include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/unit_groups.hpp"
+#include "fsdp/unit.hpp"
+#include "fsdp/unit_options.hpp"
+
+namespace fsdp::detail {
+
+// "shard group of S ranks, replicate group of R ranks": units of one model must agree.
+inline std::string describe_groups(const UnitGroups& mesh) {
+  return "shard group of " + std::to_string(mesh.shard_size) + " ranks, replicate group of " +
+         std::to_string(mesh.replicate_size) + " ranks";
+}
+
+// Rank 0's parameters and buffers on every rank, as FSDP's sync_module_states does.
+inline void broadcast_from_rank0(const CommRef& world, const std::vector<CollectedParam>& params,
+                                 const std::vector<CollectedBuffer>& buffers) {
+  for (auto& p : params)
+    if (p.info.numel > 0) {
+      void* data = const_cast<void*>(p.data);
+      world.broadcast(data, data, static_cast<std::size_t>(p.info.numel), p.dtype, 0).wait();
+    }
+  for (auto& b : buffers)
+    if (b.numel > 0) world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
+}
+
+struct UnitSetup {
+  std::vector<ParamStorage> storage;       // each parameter's storage, for UnitBase::param_storage
+  std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
+};
+
+// Builds `group` for `unit` over `module` (cast_buffers: under MixedPrecision, to
+// `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
+template <class Exclude, bool cast_buffers, class Module, class Group>
+UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies, const UnitOptions& options,
+                      const UnitBase& unit, std::optional<DType> buffer_cast) {
+  const auto& device = group.device();
+  std::vector<CollectedParam> params;
+  UnitSetup setup;
+  const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
+                     {options.skip_parameters.begin(), options.skip_parameters.end()}};
+  collect_parameters<Exclude, cast_buffers>(module, unit.fqn(), params, setup.buffers, skip);
+  validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
+  for (auto& p : params) setup.storage.push_back({storage_key(p), p.info.fqn});
+  const auto aliases = take_ties(params, unit.display_name(), unit.rank());
+  std::int64_t elements = 0;  // a tied tensor once
+  for (const auto& p : params) elements += p.info.numel;
+  if (group.groups().shards_parameters && elements < options.persistence_threshold) group.keep_unsharded();
+  group.build(params, aliases);
+  const std::string groups = describe_groups(group.mesh_groups());
+  Fingerprint f;
+  f.add(unit.fqn());
+  f.add(groups);
+  group.add_to(f);
+  check_same_across_ranks(group.groups().world, f, [&] {  // built only on a mismatch
+    return "unit '" + std::string(unit.display_name()) + "'";
+  }, [&] { return group.describe() + " (" + groups + ")"; });
+  DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
+  if (options.init)
+    run_deferred_init(options.init, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
+                      device, unit.display_name(), unit.rank());
+  if (options.sync_module_states) broadcast_from_rank0(group.groups().world, params, setup.buffers);
+  group.copy_shards(params);
+  buffer_copies.copy(setup.buffers, buffer_cast);
+  return setup;  // `deferred` freed: one unit's full parameters at most, and only until here
+}
+
+}  // namespace fsdp::detail
