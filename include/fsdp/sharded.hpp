@@ -77,11 +77,25 @@ class Sharded final : public UnitBase {
     bool in_place = false;
     const std::string differ = detail::ranks_with_other_edits(group_, *this, in_place);
     if (differ.empty()) return;
-    buffers_.show_master(false);
-    group_.release_summoned_gradients();
-    release_unsharded();
-    state_ = TrainingState::IDLE;
+    discard_summon();
     detail::fail_edits_differ(display_name(), rank_, differ, in_place);
+  }
+  // Writeback is a decision of every rank (one all-gather of a flag; ranks that differ
+  // would otherwise run the edit check's collective alone): else an error on every rank,
+  // nothing written back, the unit IDLE. Then the edits must agree.
+  void check_writeback_agrees(bool writeback) {
+    detail::Fingerprint f;
+    f.add(writeback ? "writeback" : "no writeback");
+    try {
+      detail::check_same_across_ranks(
+          group_.groups().world, f,
+          [&] { return "unit '" + std::string(display_name()) + "': the writeback flag at the end of summon_full_params"; },
+          [&] { return std::string(writeback ? "writeback=true" : "writeback=false"); });
+    } catch (...) {
+      discard_summon();
+      throw;
+    }
+    if (writeback) check_edits_agree();
   }
 
   int world_size() const override { return group_.groups().world.size(); }
@@ -225,10 +239,17 @@ class Sharded final : public UnitBase {
 
   void end_summon_full_params(bool writeback) override {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
-    if (writeback && summon_checks_writeback_) check_edits_agree();
+    if (summon_checks_writeback_) check_writeback_agrees(writeback);
     if (writeback) group_.write_back();
     group_.release_summoned_gradients();
     buffers_.show_master(false, writeback);
+    release_unsharded();
+    state_ = TrainingState::IDLE;
+  }
+
+  void discard_summon() {  // a summon's end that writes nothing back
+    buffers_.show_master(false);
+    group_.release_summoned_gradients();
     release_unsharded();
     state_ = TrainingState::IDLE;
   }

@@ -81,9 +81,10 @@ struct SummonOptions {
   bool writeback = false;        // edits are kept: each rank writes its own slice back to its shard
   bool rank0_only = false;       // only world rank 0 keeps them; the others take part in the gathers
   bool offload_to_host = false;  // kept in host memory, so the device holds one unit's at a time
-  // With writeback: hash the edited parameters and buffers across ranks at the end, and
-  // fail on every rank (writing nothing back) when they differ. A pass over the unit's
-  // full parameters and one 8-byte all-gather per unit.
+  // At the end, agree across ranks on the writeback flag (one 8-byte all-gather per unit)
+  // and, with writeback, hash the edited parameters and buffers (a pass over the unit's
+  // full parameters and one more 8-byte all-gather); fail on every rank, writing nothing
+  // back, when ranks differ.
   bool check_writeback = true;
   // The reduced gradients whole as well, in the engine's gradient tensors (FSDP's
   // with_grads): "are my gradients right?" after finish_backward. Read-only: edits to them

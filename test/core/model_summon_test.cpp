@@ -199,6 +199,30 @@ TEST_CASE("writeback with edits made on one rank only is an error on every rank,
   }
 }
 
+TEST_CASE("a summon ended with writeback on some ranks only is an error on every rank, not a hang") {
+  const auto expected = initial();
+  std::vector<std::string> errors(3);
+  fsdp::ThreadGroup(3).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& u = sm.unit("blocks.0");
+    u.begin_summon_full_params();
+    model.blocks[0].fc1.bias.set(0, 9.0f);  // the same edit everywhere; only the decision differs
+    errors[static_cast<std::size_t>(comm.rank())] =
+        test_support::error_of([&] { u.end_summon_full_params(/*writeback=*/comm.rank() != 2); });
+    CHECK(all_idle(sm));
+    auto s = sm.summon_full_params();
+    CHECK(test_support::max_difference(shown(model), expected) == 0.0);  // written back nowhere
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    const auto& e = errors[static_cast<std::size_t>(r)];
+    CHECK(test_support::contains(e, "unit 'blocks.0': the writeback flag at the end of summon_full_params differs"));
+    CHECK(test_support::contains(e, "rank 0 has writeback=true; rank 2 has writeback=false"));
+  }
+}
+
 TEST_CASE("NoShard edits in place: a one-rank edit is still reported, saying the ranks now differ") {
   std::vector<std::string> errors(2);
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
