@@ -130,6 +130,9 @@ TEST_CASE("FullShard: plan == measured on 1 to 4 ranks, with SGD (no engine stat
   check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.adamw = false});
   for (int limit : {0, 1, 3}) check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch>({1, 3}, {.limit = limit});
   check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.steps = 1});  // the first step prefetches nothing
+  // CommPrecision: the narrower gather buffer lives until it is widened; the bf16 gradient copy until reduced.
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch, fsdp::CommPrecision<fsdp::bf16>>({1, 3});
+  check_plan<fsdp::NoShard, fsdp::BackwardPre, fsdp::CommPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2});
 }
 
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {
