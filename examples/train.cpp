@@ -29,6 +29,7 @@
 #include <fsdp/asio/tcp_process_group.hpp>
 #include <fsdp/async_communicator.hpp>
 #include <fsdp/checkpoint/checkpoint.hpp>
+#include <fsdp/memory_plan.hpp>
 #include <fsdp/mpi/mpi_comm.hpp>
 #include <fsdp/trace_json.hpp>
 
@@ -97,6 +98,24 @@ Reference train_unsharded(const Config& cfg, int world) {
   return ref;
 }
 
+// --plan: the per-rank device peak fsdp::plan predicts for this run (AdamW's moments are
+// the engine's bytes through the same Device, planned as such), the largest of any rank's,
+// printed before the first step. A collective.
+template <class... Ps, class C>
+void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
+  fsdp::PlanOptions options;
+  options.asynchronous = true;  // the AsyncCommunicator: one reduction stays in flight
+  options.persistence_threshold = cfg.persistence_threshold;
+  options.steps = std::min(cfg.steps, 2);
+  const auto space = fsdp::Policies<Ps...>::cpu_offload::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
+  if (cfg.optimizer == "adamw")
+    for (const auto& v : sharded.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
+  const auto mine = static_cast<std::int64_t>(fsdp::plan<Ps...>(sharded, options).peak_bytes());
+  std::int64_t most = 0;
+  comm.all_reduce(&mine, &most, 1, fsdp::DType::i64, fsdp::ReduceOp::max).wait();
+  if (comm.rank() == 0) fmt::print("plan: peak_bytes_per_rank={}\n", most);
+}
+
 // One rank's training on any communicator. Figures reach rank 0 through the communicator
 // itself (the ranks may be processes on other hosts), and rank 0 prints them.
 template <fsdp::SplittableCommunicator C>
@@ -129,6 +148,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(0.05f);
+    if (cfg.plan) print_plan<decltype(chosen), decltype(mixed), decltype(comm_precision), decltype(off)>(sharded, stream, cfg);
     fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
@@ -330,6 +350,8 @@ int main(int argc, char** argv) {
                "there (not with --clip, fp16, --save or --resume: they need every gradient, or the "
                "one optimizer's state, after backward)")
       ->excludes(clip);
+  app.add_flag("--plan", cfg.plan,
+               "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step");
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
   auto* save = app.add_option("--save", cfg.save_dir,
                               "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");
@@ -351,6 +373,13 @@ int main(int argc, char** argv) {
                cfg.precision == "fp16" ? "--precision fp16" : !cfg.save_dir.empty() ? "--save" : "--resume",
                cfg.precision == "fp16" ? "the loss scaler checks every gradient for inf/NaN before any step"
                                        : "checkpoints hold the one optimizer's state that stepping after backward keeps");
+    return 2;
+  }
+  if (cfg.plan && (cfg.precision == "fp16" || cfg.accumulate > 1 || cfg.optimizer_in_backward || !cfg.save_dir.empty() ||
+                   !cfg.resume_dir.empty())) {
+    fmt::print(stderr, "--plan does not model {}\n",
+               cfg.precision == "fp16" ? "--precision fp16 (the loss scaler)" : cfg.accumulate > 1 ? "--accumulate"
+               : cfg.optimizer_in_backward ? "--optimizer-in-backward" : "checkpoints (--save, --resume)");
     return 2;
   }
 

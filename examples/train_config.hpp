@@ -39,6 +39,7 @@ struct Config {
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping
   int accumulate = 1;                  // --accumulate: micro-batches per step
   bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch
+  bool plan = false;  // --plan: print fsdp::plan's per-rank peak before the first step
   bool optimizer_in_backward = false;  // --optimizer-in-backward: each unit steps in its post-accumulate-grad hook
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only

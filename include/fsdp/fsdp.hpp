@@ -15,6 +15,7 @@
 #include "fsdp/execution_order.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/grad_scaler.hpp"
+#include "fsdp/memory_plan.hpp"
 #include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
 #include "fsdp/post_accumulate_grad_hook.hpp"

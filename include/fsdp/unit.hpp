@@ -175,6 +175,7 @@ class UnitBase {
   // of the next unit in the recorded order.
   void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
+  bool has_explicit_prefetch() const { return !forward_prefetch_.empty() || !backward_prefetch_.empty(); }
 
   // Gradient accumulation (fsdp/gradient_sync.hpp): the settings the unit's next
   // post_backward reads. IDLE only; every rank must make the same calls (a unit checks

@@ -124,9 +124,35 @@ for opt in adamw sgd; do
 done
 grep -q '; optimizer steps in backward' <<<"$inside" || fail "--optimizer-in-backward: not shown in the model line"
 
+# --plan: fsdp::plan's per-rank device peak, printed before the first step, equals the peak
+# the run then measures (final: peak_bytes_per_rank), to the byte; the rest of the output is
+# that of the same run without --plan.
+for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYBRID_SHARD" "--precision bf16" \
+    "--offload" "--precision bf16 --offload --optimizer sgd" "--comm-precision bf16" "--persistence-threshold 1000" \
+    "--clip 0.5 --ranks 3"; do
+  # shellcheck disable=SC2086
+  planned=$("$train" --steps 3 --plan $flags 2>&1) || fail "--plan $flags: exited with $?"
+  # shellcheck disable=SC2086
+  unplanned=$("$train" --steps 3 $flags 2>&1) || fail "$flags: exited with $?"
+  plan=$(sed -n 's/^plan: peak_bytes_per_rank=\([0-9]*\)$/\1/p' <<<"$planned")
+  measured=$(field peak_bytes_per_rank "$planned")
+  if [[ -z "$plan" || -z "$measured" ]]; then
+    fail "--plan $flags: missing figures (plan '$plan', measured '$measured')"
+  elif [[ "$(head -n1 <<<"$planned")" != plan:* ]]; then
+    fail "--plan $flags: the plan is not printed first"
+  elif [[ "$plan" != "$measured" ]]; then
+    fail "--plan $flags: planned $plan B, measured $measured B"
+  elif [[ "$(grep -v '^plan: ' <<<"$planned")" != "$unplanned" ]]; then
+    fail "--plan $flags: the rest of the output differs from the run without --plan"
+  else
+    echo "PASS: --plan $flags: planned = measured = $plan B per rank"
+  fi
+done
+
 for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
     "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
-    "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written"; do
+    "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \
+    "--plan --accumulate 2" "--plan --precision fp16" "--plan --optimizer-in-backward"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done

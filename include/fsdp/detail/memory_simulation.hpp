@@ -1,0 +1,330 @@
+#pragma once
+// The memory planner's replay (fsdp/memory_plan.hpp): every allocation and free a unit
+// makes through its Device during training steps, in the order the unit's state machine
+// (fsdp/sharded.hpp), its flat parameters (fsdp/flat_param_group.hpp) and its gradient
+// reduction (fsdp/detail/gradient_reduction.hpp) make them, counted per memory space as
+// a Device counts them. It mirrors that code on purpose: a change there that moves a byte
+// must change this too, or memory_plan_test fails.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "fsdp/device.hpp"
+#include "fsdp/dtype.hpp"
+
+namespace fsdp::detail {
+
+enum class PrefetchMode : std::uint8_t { none, backward_pre, backward_post };
+
+// The policies as the replay needs them (runtime values of the compile-time policies).
+struct SimPolicy {
+  bool shards_parameters = true, reshard_after_forward = true, hybrid = false;
+  PrefetchMode backward = PrefetchMode::backward_pre;
+  bool forward_prefetch = false, offload = false;
+  bool mixed = false;  // MixedPrecision
+  DType param = DType::f32, reduce = DType::f32, buffer = DType::f32;
+  bool keep_low_precision_grads = false;
+  bool comm = false;  // CommPrecision
+  DType comm_gather = DType::f32, comm_reduce = DType::f32;
+};
+
+struct SimFlat {
+  DType master = DType::f32;
+  std::int64_t numel = 0;
+};
+struct SimBuffer {
+  DType dtype = DType::f32;
+  std::int64_t numel = 0;
+};
+struct SimUnit {
+  std::string name;  // as messages show it
+  std::vector<SimFlat> flat;
+  std::vector<SimBuffer> buffers;
+  bool kept_unsharded = false;  // under the persistence threshold
+  std::vector<int> children;    // units nested in it, in forward order
+};
+
+// Where a space's peak was reached.
+struct SimPeak {
+  std::size_t bytes = 0;
+  int unit = -1;  // -1: setup or the engine's state
+  std::string phase;
+  int step = 0;  // 1-based; 0: setup
+};
+
+class MemorySimulation {
+ public:
+  // world: shard x replicate ranks; forward: unit indices in the order forward enters them;
+  // tops: the outermost units, in forward order.
+  MemorySimulation(SimPolicy p, int shard_size, int replicate_size, std::vector<SimUnit> units, std::vector<int> forward,
+                   std::vector<int> tops, int max_prefetched, bool async_reductions)
+      : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
+        max_prefetched_(max_prefetched), async_(async_reductions) {
+    for (auto& u : units_) {
+      UnitState s;
+      const bool shards = p_.shards_parameters && !u.kept_unsharded;
+      const int n = shards ? shard_size : 1;
+      for (auto& f : u.flat) {
+        FlatState fs;
+        fs.shard = (f.numel + n - 1) / n;
+        fs.padded = fs.shard * n;
+        fs.full = shards ? fs.padded : fs.shard;
+        fs.master = fs.compute = fs.reduce = fs.grad = f.master;
+        if (p_.mixed) {
+          fs.compute = p_.param;
+          fs.reduce = p_.reduce;
+          fs.grad = p_.keep_low_precision_grads ? p_.reduce : f.master;
+        }
+        fs.gather = fs.compute;
+        if (p_.comm) {
+          if (size_of(p_.comm_gather) < size_of(fs.compute)) fs.gather = p_.comm_gather;
+          if (size_of(p_.comm_reduce) < size_of(fs.compute)) fs.reduce = p_.comm_reduce;
+        }
+        fs.shards = shards;
+        fs.direct = !shards && !p_.offload && fs.compute == f.master && fs.reduce == f.master;
+        s.flat.push_back(fs);
+      }
+      state_.push_back(s);
+    }
+    (void)replicate_size;  // the replicate all-reduce runs in place: no bytes of its own
+  }
+
+  // Construction: shards, sharded gradients, MixedPrecision's buffer copies.
+  void setup() {
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      for (auto& f : state_[i].flat) {
+        add(bytes(f.shard, f.master), shard_space(), static_cast<int>(i), "setup");
+        add(bytes(f.shard, f.grad), shard_space(), static_cast<int>(i), "setup");
+      }
+      if (p_.mixed)
+        for (auto& b : units_[i].buffers)
+          if (b.dtype != p_.buffer && is_floating(b.dtype)) {
+            add(bytes(b.numel, b.dtype), MemorySpace::device, static_cast<int>(i), "setup");
+            add(bytes(b.numel, p_.buffer), MemorySpace::device, static_cast<int>(i), "setup");
+          }
+    }
+  }
+
+  // One training step: zero_grad, forward, backward, finish_backward.
+  void step() {
+    ++step_;
+    const bool recorded = step_ > 1;  // the first step records the order and prefetches nothing
+    forward_step_ = backward_step_ = 0;
+    std::vector<int> open;  // forward: nested scopes
+    for (int u : forward_) {
+      while (!open.empty() && !contains(open.back(), u)) post_forward(open.back(), recorded), open.pop_back();
+      pre_forward(u, recorded);
+      open.push_back(u);
+    }
+    while (!open.empty()) post_forward(open.back(), recorded), open.pop_back();
+    for (auto it = tops_.rbegin(); it != tops_.rend(); ++it) backward(*it, recorded);
+    while (!reducing_.empty()) finish_reduction(reducing_.front()), reducing_.pop_front();
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      auto& s = state_[i];
+      if (s.prefetched || s.kept) release_unsharded(static_cast<int>(i));
+      s.state = State::idle;
+    }
+  }
+
+  // Bytes the engine allocates through the same Device after a step and keeps (optimizer state).
+  void engine_state(std::size_t b, MemorySpace space) { add(b, space, -1, "optimizer state (engine)"); }
+
+  const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
+  std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
+  // The backward order the replay derived (unit indices), for messages and tests.
+  std::vector<int> backward_order() const {
+    std::vector<int> out;
+    auto visit = [&](auto& self, int u) -> void {
+      out.push_back(u);
+      const auto& c = units_[static_cast<std::size_t>(u)].children;
+      for (auto it = c.rbegin(); it != c.rend(); ++it) self(self, *it);
+    };
+    for (auto it = tops_.rbegin(); it != tops_.rend(); ++it) visit(visit, *it);
+    return out;
+  }
+
+ private:
+  enum class State : std::uint8_t { idle, forward, backward_pre, backward_post };
+  struct FlatState {
+    std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
+    DType master{}, compute{}, gather{}, reduce{}, grad{};
+    bool shards = true, direct = false;
+    bool full_alive = false, wire_alive = false, unbound = false;
+    bool full_grad_alive = false, full_grad_alias = false;
+    bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
+  };
+  struct UnitState {
+    std::vector<FlatState> flat;
+    State state = State::idle;
+    bool prefetched = false, kept = false;
+  };
+
+  static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
+  MemorySpace shard_space() const { return p_.offload ? MemorySpace::host : MemorySpace::device; }
+
+  void add(std::size_t b, MemorySpace space, int unit, const char* phase) {
+    auto& live = live_[static_cast<std::size_t>(space)];
+    live += b;
+    auto& pk = peak_[static_cast<std::size_t>(space)];
+    if (live > pk.bytes) pk = {live, unit, phase, step_};
+  }
+  void sub(std::size_t b, MemorySpace space) { live_[static_cast<std::size_t>(space)] -= b; }
+
+  bool contains(int outer, int inner) const {
+    for (int c : units_[static_cast<std::size_t>(outer)].children)
+      if (c == inner || contains(c, inner)) return true;
+    return false;
+  }
+
+  void backward(int u, bool recorded) {
+    pre_backward(u, recorded);
+    const auto& c = units_[static_cast<std::size_t>(u)].children;
+    for (auto it = c.rbegin(); it != c.rend(); ++it) backward(*it, recorded);
+    post_backward(u, recorded);
+  }
+
+  int next_forward(bool recorded) const {
+    return recorded && forward_step_ < forward_.size() ? forward_[forward_step_] : -1;
+  }
+  int next_backward(bool recorded) {
+    if (backward_cache_.empty()) backward_cache_ = backward_order();
+    return recorded && backward_step_ < backward_cache_.size() ? backward_cache_[backward_step_] : -1;
+  }
+
+  // ---- the unit's hooks (Sharded) ----
+  void pre_forward(int u, bool recorded) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    ++forward_step_;
+    if (s.kept) release_unsharded(u);
+    unshard(u, "forward");
+    if (p_.forward_prefetch)
+      if (int next = next_forward(recorded); next >= 0) prefetch(next, "forward (prefetch)");
+    s.state = State::forward;
+  }
+  void post_forward(int u, bool recorded) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    if (backward_cache_.empty()) backward_cache_ = backward_order();
+    const bool keeps = recorded && !backward_cache_.empty() && backward_cache_[0] == u && forward_step_ == forward_.size();
+    if (p_.reshard_after_forward && !keeps) release_unsharded(u);
+    else s.kept = true;
+    s.state = State::idle;
+  }
+  void pre_backward(int u, bool recorded) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    ++backward_step_;
+    unshard(u, "backward");
+    s.kept = false;
+    for (auto& f : s.flat) {  // bind_gradients, right after zero_grad
+      if (f.direct) f.full_grad_alias = true;
+      else add(bytes(f.padded, f.compute), MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
+    }
+    if (p_.backward == PrefetchMode::backward_pre)
+      if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
+    s.state = State::backward_pre;
+  }
+  void post_backward(int u, bool recorded) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    release_unsharded(u);
+    if (p_.backward == PrefetchMode::backward_post)
+      if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
+    s.state = State::backward_post;
+    for (auto& f : s.flat) start_reduction(u, f);
+    if (!async_) return finish_reduction(u);
+    reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
+    while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
+  }
+  void prefetch(int u, const char* phase) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    if (s.state != State::idle) return;
+    if (s.prefetched) release_unsharded(u);
+    if (prefetched_ >= max_prefetched_) return;
+    bool issued = false;
+    for (auto& f : s.flat)
+      if (!gather_issued(f)) start_gather(u, f, phase), issued = true;
+    if (issued) s.prefetched = true, ++prefetched_;
+  }
+
+  // ---- parameters (FlatParamGroup) ----
+  bool gather_issued(const FlatState& f) const { return f.direct || f.full_alive || f.wire_alive; }
+  void start_gather(int u, FlatState& f, const char* phase) {
+    if (f.direct) return;
+    f.unbound = true;
+    if (f.gather != f.compute && f.shards) {
+      add(bytes(f.padded, f.gather), MemorySpace::device, u, phase), f.wire_alive = true;
+      return;
+    }
+    add(bytes(f.full, f.compute), MemorySpace::device, u, phase), f.full_alive = true;
+  }
+  void unshard(int u, const char* phase) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    for (auto& f : s.flat) {
+      if (!gather_issued(f)) start_gather(u, f, phase);
+      if (f.unbound) {  // finish_gather: a narrower gather is widened, then freed
+        if (f.wire_alive) {
+          add(bytes(f.padded, f.compute), MemorySpace::device, u, phase), f.full_alive = true;
+          sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
+        }
+        f.unbound = false;
+      }
+    }
+    if (s.prefetched) s.prefetched = false, --prefetched_;
+  }
+  void release_unsharded(int u) {
+    auto& s = state_[static_cast<std::size_t>(u)];
+    for (auto& f : s.flat) {
+      if (f.direct) continue;
+      f.unbound = false;
+      if (f.wire_alive) sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
+      if (f.full_alive) sub(bytes(f.full, f.compute), MemorySpace::device), f.full_alive = false;
+    }
+    if (s.prefetched) s.prefetched = false, --prefetched_;
+    s.kept = false;
+  }
+
+  // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
+  void start_reduction(int u, FlatState& f) {
+    if (f.reduce != f.compute) {  // to_reduce_dtype
+      add(bytes(f.padded, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_in_alive = true;
+      release_full_grad(f);
+    }
+    const bool into_shard_grad = !p_.offload && f.grad == f.reduce;
+    if (!into_shard_grad) add(bytes(f.shard, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_out_alive = true;
+    f.reducing = true;
+  }
+  void finish_reduction(int u) {
+    for (auto& f : state_[static_cast<std::size_t>(u)].flat) {
+      if (!f.reducing) continue;
+      f.reducing = false;
+      if (f.reduce_out_alive && f.grad != f.reduce) {  // the result cast to the gradient's dtype
+        add(bytes(f.shard, f.grad), MemorySpace::device, u, "backward (reduction)");
+        sub(bytes(f.shard, f.grad), MemorySpace::device);
+      }
+      if (f.reduce_out_alive) sub(bytes(f.shard, f.reduce), MemorySpace::device), f.reduce_out_alive = false;
+      if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
+      release_full_grad(f);
+    }
+  }
+  void release_full_grad(FlatState& f) {
+    if (f.full_grad_alive) sub(bytes(f.padded, f.compute), MemorySpace::device);
+    f.full_grad_alive = f.full_grad_alias = false;
+  }
+
+  SimPolicy p_;
+  std::vector<SimUnit> units_;
+  std::vector<UnitState> state_;
+  std::vector<int> forward_, tops_, backward_cache_;
+  int max_prefetched_ = 2;
+  bool async_ = false;
+  int step_ = 0;
+  std::size_t forward_step_ = 0, backward_step_ = 0;
+  int prefetched_ = 0;
+  std::deque<int> reducing_;
+  std::array<std::size_t, 2> live_{};
+  std::array<SimPeak, 2> peak_{};
+};
+
+}  // namespace fsdp::detail

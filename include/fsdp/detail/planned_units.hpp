@@ -1,0 +1,76 @@
+#pragma once
+// fsdp::planned_units (declared in fsdp/memory_plan.hpp): a ShardedModel's units as the
+// memory planner needs them, read from the units' public views and checked against the
+// policies, so that a plan made with other policies than the model's is refused rather
+// than wrong.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "fsdp/memory_plan.hpp"
+
+namespace fsdp {
+
+template <class... Ps>
+std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
+  using Config = Policies<Ps...>;
+  const detail::SimPolicy policy = detail::sim_policy<Config>();
+  if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
+  // "shard group of S ranks, replicate group of R ranks" (UnitBase::groups()): the mesh.
+  int shard = 0, replicate = 0;
+  const std::string groups = model[0].groups();
+  if (std::sscanf(groups.c_str(), "shard group of %d ranks, replicate group of %d ranks", &shard, &replicate) != 2)
+    detail::fail("fsdp::plan: cannot read the groups of unit '", model[0].display_name(), "' (", groups, ")");
+  options.mesh = {replicate, shard};
+  options.max_prefetched = model.execution_order().max_prefetched;
+  const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? shard * replicate : 1;
+  if (shard_size != shard)
+    detail::fail("fsdp::plan: the model uses a ", groups, ", which its policies' strategy would not: plan with the "
+                 "policies given to fsdp::shard");
+
+  std::vector<PlannedUnit> out;
+  for (auto& unit : model) {
+    const UnitBase& u = *unit;
+    const std::string name(u.display_name());
+    auto refuse = [&](const std::string& why) {
+      detail::fail("fsdp::plan: unit '", name, "' on rank ", u.rank(), ": ", why);
+    };
+    if (u.has_post_accumulate_grad_hook()) refuse("has a post-accumulate-grad hook (optimizer in backward), which the planner does not model");
+    if (u.has_explicit_prefetch()) refuse("has explicit prefetch lists, which the planner does not model");
+    if (!u.gradient_sync().requires_sync || !u.gradient_sync().requires_all_reduce)
+      refuse("has gradient sync or the replicate all-reduce off (gradient accumulation), which the planner does not model");
+    if (u.state() != TrainingState::IDLE) refuse("is not IDLE; plan between steps");
+    PlannedUnit p;
+    p.fqn = u.fqn();
+    const auto shards = u.shards();
+    p.flat.resize(shards.size());
+    for (std::size_t k = 0; k < shards.size(); ++k) p.flat[k].dtype = shards[k].dtype;
+    for (const ParamView& v : u.parameters()) p.flat.at(v.shard).numel += v.numel;
+    for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
+    // What the unit holds must be what these policies (and threshold) would give it.
+    std::int64_t elements = 0;
+    for (const auto& f : p.flat) elements += f.numel;
+    const bool kept = policy.shards_parameters && elements < options.persistence_threshold;
+    const int n = policy.shards_parameters && !kept ? shard : 1;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const ShardView& v = shards[k];
+      const std::int64_t want = (p.flat[k].numel + n - 1) / n;
+      if (v.padded_numel != want)
+        refuse("its " + std::string(name_of(v.dtype)) + " shard holds " + std::to_string(v.padded_numel) + " elements where " +
+               std::to_string(want) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +
+               " the persistence threshold " + std::to_string(options.persistence_threshold) +
+               (kept ? ")" : " the one given to fsdp::shard?)"));
+      const DType grad = policy.mixed && policy.keep_low_precision_grads ? policy.reduce : v.dtype;
+      if (v.grad_dtype != grad)
+        refuse("its gradient is " + std::string(name_of(v.grad_dtype)) + ", the policies give " + std::string(name_of(grad)) +
+               ": plan with the policies given to fsdp::shard");
+      if (v.space != (policy.offload ? MemorySpace::host : MemorySpace::device))
+        refuse(std::string("its shard is in ") + std::string(fsdp::name_of(v.space)) +
+               " space, the policies say otherwise (CpuOffload): plan with the policies given to fsdp::shard");
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace fsdp

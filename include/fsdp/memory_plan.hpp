@@ -1,0 +1,226 @@
+#pragma once
+// fsdp::plan: the per-rank peak bytes of training, per memory space, before any step.
+//
+// The planner replays what the library allocates and frees through its Device during
+// setup and training steps (fsdp/detail/memory_simulation.hpp): each unit's shards and
+// sharded gradients, the unsharded parameters of each all-gather (with the prefetch mode
+// and limit, reshard-after-forward per strategy, the unit backward starts with keeping
+// its parameters), the unsharded gradients, the reduction buffers and precision casts,
+// offloaded shards in host space, MixedPrecision's buffer copies. What it needs: each
+// unit's flat parameters (dtype and element count), its floating buffers, its nesting
+// (FQNs) and forward order, the policies, the mesh, the prefetch limit, and whether the
+// communicator is asynchronous (then one reduction stays in flight). It takes them from a
+// ShardedModel (so the plan is of the very units the steps will run) or from a list of
+// units, without building anything.
+//
+// The engine's own memory (activations, the model's tensors, optimizer state) is the
+// engine's; the plan counts the library's bytes, plus what PlanOptions::engine_state
+// says the engine allocates through the same Device after its first step and keeps.
+//
+// Assumed, per step: zero_grad, one forward (units entered in `forward_order`, nested by
+// FQN), one backward (the mirror: a unit's backward starts before, and ends after, those
+// of the units nested in it, which run in reverse forward order), finish_backward. Refused
+// (an fsdp::Error): gradient sync off or the replicate all-reduce skipped (gradient
+// accumulation), post-accumulate-grad hooks (optimizer in backward), explicit prefetch
+// lists, and a model whose views do not match the given policies, mesh or persistence
+// threshold. Not modeled, so not to be planned with: summon_full_params, state dicts and
+// checkpoints, deferred init's temporaries, sync_module_states, the fp16 grad scaler,
+// several micro-batches per step, a forward-only pass (evaluation), a forward order that
+// changes from step to step.
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/detail/memory_simulation.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/policies.hpp"
+#include "fsdp/sharded_model.hpp"
+
+namespace fsdp {
+
+// One unit as the planner needs it: its flat parameters (one per dtype, in order) and buffers.
+struct PlannedUnit {
+  std::string fqn;  // "" for the root; nesting is read from FQNs ("blocks.0" lies in "")
+  struct Flat {
+    DType dtype = DType::f32;
+    std::int64_t numel = 0;  // parameter elements (a tied tensor once)
+  };
+  std::vector<Flat> flat;
+  struct Buffer {
+    DType dtype = DType::f32;
+    std::int64_t numel = 0;
+  };
+  std::vector<Buffer> buffers;
+};
+
+struct PlanOptions {
+  MeshShape mesh{};  // {replicate, shard}; from a ShardedModel, read from its units
+  int max_prefetched = 2;  // ShardedModel::set_max_prefetched_units; from a ShardedModel, its own
+  // The communicator returns pending Work (AsyncCommunicator, NCCL): each unit's reduction
+  // overlaps the next unit's backward, so its buffers live one unit longer.
+  bool asynchronous = false;
+  std::int64_t persistence_threshold = 0;  // ShardOptions::persistence_threshold
+  int steps = 2;  // steps replayed; every step after the second repeats the second
+  // What the engine allocates through the same Device at the end of the first step and
+  // keeps, per space (device, host): its optimizer state. Zero: the library's bytes only.
+  std::array<std::size_t, 2> engine_state{};
+  // Unit FQNs in the order forward enters them; empty: the units' order (fsdp::shard's
+  // depth-first order, which is the forward order of a model that runs its children in
+  // visit order).
+  std::vector<std::string> forward_order = {};
+};
+
+struct MemoryPlan {
+  struct Peak {
+    std::size_t bytes = 0;
+    std::string unit;   // the unit whose allocation reached it ("" when setup or the engine's state did)
+    std::string phase;  // setup, forward, backward (gradient), backward (reduction), ... (prefetch)
+    int step = 0;       // 1-based; 0: setup
+  };
+  std::array<Peak, 2> peaks;          // per MemorySpace
+  std::array<std::size_t, 2> steady{};  // live between steps (after the last one replayed)
+
+  std::size_t peak_bytes(MemorySpace s = MemorySpace::device) const { return peaks[static_cast<std::size_t>(s)].bytes; }
+  const Peak& peak(MemorySpace s = MemorySpace::device) const { return peaks[static_cast<std::size_t>(s)]; }
+  // "device: peak 123 B at unit 'blocks.2', backward (gradient), step 2; host: ..."
+  std::string describe() const {
+    std::ostringstream os;
+    for (MemorySpace s : {MemorySpace::device, MemorySpace::host}) {
+      const Peak& p = peak(s);
+      os << (s == MemorySpace::device ? "device: peak " : "; host: peak ") << p.bytes << " B";
+      if (p.step == 0) os << " at setup";
+      else os << " at " << (p.unit.empty() ? std::string("the engine's state") : "unit '" + p.unit + "'") << ", " << p.phase
+              << ", step " << p.step;
+    }
+    return os.str();
+  }
+};
+
+namespace detail {
+
+template <class Config>
+SimPolicy sim_policy() {
+  using S = typename Config::strategy;
+  using MP = typename Config::mixed_precision;
+  using CP = typename Config::comm_precision;
+  using BP = typename Config::backward_prefetch;
+  SimPolicy p;
+  p.shards_parameters = S::shards_parameters;
+  p.reshard_after_forward = S::reshard_after_forward;
+  p.hybrid = S::hybrid;
+  p.backward = std::is_same_v<BP, BackwardPre>    ? PrefetchMode::backward_pre
+               : std::is_same_v<BP, BackwardPost> ? PrefetchMode::backward_post
+                                                  : PrefetchMode::none;
+  p.forward_prefetch = Config::forward_prefetch::enabled;
+  p.offload = Config::cpu_offload::offload;
+  p.mixed = MP::enabled;
+  p.keep_low_precision_grads = MP::keep_low_precision_grads;
+  if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
+  p.comm = CP::enabled;
+  if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
+  return p;
+}
+
+inline bool nests_in(const std::string& outer, const std::string& inner) {
+  if (outer == inner) return false;
+  return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.');
+}
+
+inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
+
+}  // namespace detail
+
+// The plan of units described by hand (nothing built): Ps are the policies fsdp::shard
+// would get. options.mesh is required ({1, N} for N ranks without a hybrid strategy).
+template <class... Ps>
+MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& options) {
+  using Config = Policies<Ps...>;
+  const detail::SimPolicy policy = detail::sim_policy<Config>();
+  const MeshShape m = options.mesh;
+  if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
+  if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
+  if (options.steps < 1) detail::fail("fsdp::plan: steps must be >= 1, got ", options.steps);
+  if (units.empty()) detail::fail("fsdp::plan: no units");
+  // The groups a unit uses (detail::UnitGroups): hybrid strategies shard inside the mesh's
+  // shard dimension, the others across (FullShard) or over (NoShard) the whole world.
+  const int world = m.size();
+  const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? world : 1;
+  const int replicate = world / shard;
+  std::vector<detail::SimUnit> sim(units.size());
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    auto& s = sim[i];
+    s.name = detail::display(units[i].fqn);
+    std::int64_t elements = 0;
+    for (const auto& f : units[i].flat) {
+      if (f.numel < 0) detail::fail("fsdp::plan: unit '", s.name, "' has a flat parameter of ", f.numel, " elements");
+      s.flat.push_back({f.dtype, f.numel});
+      elements += f.numel;
+    }
+    for (const auto& b : units[i].buffers) s.buffers.push_back({b.dtype, b.numel});
+    s.kept_unsharded = policy.shards_parameters && elements < options.persistence_threshold;
+    for (std::size_t j = 0; j < i; ++j)
+      if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", s.name, "'");
+  }
+  // Forward order, then nesting: each unit's parent is the innermost open unit holding it.
+  std::vector<int> forward;
+  if (options.forward_order.empty()) {
+    for (std::size_t i = 0; i < units.size(); ++i) forward.push_back(static_cast<int>(i));
+  } else {
+    for (const auto& name : options.forward_order) {
+      int found = -1;
+      for (std::size_t i = 0; i < units.size(); ++i) if (units[i].fqn == name) found = static_cast<int>(i);
+      if (found < 0) detail::fail("fsdp::plan: forward_order names '", detail::display(name), "', which is no unit");
+      if (std::find(forward.begin(), forward.end(), found) != forward.end())
+        detail::fail("fsdp::plan: forward_order names '", detail::display(name), "' twice (a unit used twice per pass is not planned)");
+      forward.push_back(found);
+    }
+    if (forward.size() != units.size()) detail::fail("fsdp::plan: forward_order names ", forward.size(), " of the ", units.size(), " units");
+  }
+  std::vector<int> tops, open;
+  for (int u : forward) {
+    while (!open.empty() && !detail::nests_in(units[static_cast<std::size_t>(open.back())].fqn, units[static_cast<std::size_t>(u)].fqn))
+      open.pop_back();
+    if (open.empty()) tops.push_back(u);
+    else sim[static_cast<std::size_t>(open.back())].children.push_back(u);
+    open.push_back(u);
+  }
+  detail::MemorySimulation replay(policy, shard, replicate, std::move(sim), std::move(forward), std::move(tops),
+                                  options.max_prefetched, options.asynchronous);
+  replay.setup();
+  for (int s = 0; s < options.steps; ++s) {
+    replay.step();
+    if (s == 0)
+      for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+        if (options.engine_state[static_cast<std::size_t>(space)])
+          replay.engine_state(options.engine_state[static_cast<std::size_t>(space)], space);
+  }
+  MemoryPlan out;
+  for (MemorySpace space : {MemorySpace::device, MemorySpace::host}) {
+    const auto& p = replay.peak(space);
+    const auto k = static_cast<std::size_t>(space);
+    out.peaks[k] = {p.bytes, p.unit >= 0 ? units[static_cast<std::size_t>(p.unit)].fqn : std::string(), p.phase, p.step};
+    if (p.unit >= 0 && out.peaks[k].unit.empty()) out.peaks[k].unit = "<root>";
+    out.steady[k] = replay.live(space);
+  }
+  return out;
+}
+
+// The units of a sharded model as the planner needs them, checked against the policies
+// (Ps: those given to fsdp::shard) and options.persistence_threshold; options.mesh and
+// max_prefetched are read from the model.
+template <class... Ps>
+std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options);
+
+// The plan of `model`'s training steps, built before any step (or between steps).
+template <class... Ps>
+MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
+  const auto units = planned_units<Ps...>(model, options);
+  return plan<Ps...>(units, options);
+}
+
+}  // namespace fsdp
+
+#include "fsdp/detail/planned_units.hpp"

@@ -1,0 +1,204 @@
+// fsdp::plan: the per-rank peak predicted before the first step equals, to the byte, the
+// peak the Device counts over the steps that follow, per memory space, for every strategy,
+// prefetch mode, precision and offload, on the reference model (units of three sizes,
+// none a multiple of the rank count: padding everywhere). What the planner cannot model
+// is refused.
+#include <doctest/doctest.h>
+
+#include <fsdp/async_communicator.hpp>
+#include <fsdp/memory_plan.hpp>
+
+#include "examples/engine/fsdp_integration.hpp"
+#include "test/support/errors.hpp"
+
+namespace {
+
+engine::ModelConfig config() {
+  engine::ModelConfig c;  // root 5x13+13+13x3+3 = 120, blocks 13x7+7+7x13+13 = 202, gain 13
+  c.blocks = 3;
+  return c;
+}
+
+struct Run {
+  bool async = false;
+  int limit = 2;
+  std::int64_t threshold = 0;
+  int steps = 3;
+  bool adamw = true;
+};
+
+struct Outcome {
+  std::vector<fsdp::MemoryStats> device, host;
+  std::vector<fsdp::MemoryPlan> plan;
+};
+
+// Plans, then trains `run.steps` steps (AdamW state through the same Device, counted in
+// the plan as the engine's), on every rank of a `shape` mesh.
+template <class... Ps>
+Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
+  const auto c = config();
+  const int world = shape.size();
+  Outcome out{std::vector<fsdp::MemoryStats>(world), std::vector<fsdp::MemoryStats>(world), std::vector<fsdp::MemoryPlan>(world)};
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    fsdp::AsyncCommunicator stream(comm);
+    auto go = [&](auto& communicator) {
+      fsdp::DeviceMesh mesh(communicator, shape);
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      auto sm = fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = run.threshold});
+      sm.set_max_prefetched_units(run.limit);
+      constexpr bool offload = fsdp::Policies<Ps...>::cpu_offload::offload;
+      const auto space = offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
+      fsdp::PlanOptions options;
+      options.asynchronous = run.async;
+      options.persistence_threshold = run.threshold;
+      options.steps = run.steps;
+      if (run.adamw)  // two f32 moments per element of each shard this rank steps
+        for (const auto& v : sm.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
+      out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
+      engine::DeviceAllocator<fsdp::HostDevice> alloc(device, space);
+      engine::AdamW adamw({}, alloc);
+      engine::Sgd sgd(0.01f);
+      for (int s = 0; s < run.steps; ++s) {
+        const auto batch = engine::make_batch(c, s, comm.rank(), 1);
+        if (run.adamw) engine::sharded_step(model, sm, adamw, batch);
+        else engine::sharded_step(model, sm, sgd, batch);
+      }
+      out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
+      out.host[comm.rank()] = device.stats(fsdp::MemorySpace::host);
+    };
+    if (run.async) go(stream);
+    else go(comm);
+  });
+  return out;
+}
+
+template <class... Ps>
+void check_plan(fsdp::MeshShape shape, Run run = {}) {
+  CAPTURE(shape.str());
+  CAPTURE(run.async);
+  CAPTURE(run.limit);
+  CAPTURE(run.threshold);
+  const Outcome o = train_and_plan<Ps...>(shape, run);
+  for (int r = 0; r < shape.size(); ++r) {
+    CAPTURE(r);
+    CAPTURE(o.plan[r].describe());
+    CHECK(o.plan[r].peak_bytes(fsdp::MemorySpace::device) == o.device[r].peak_bytes);
+    CHECK(o.plan[r].peak_bytes(fsdp::MemorySpace::host) == o.host[r].peak_bytes);
+    CHECK(o.plan[r].steady[0] == o.device[r].live_bytes);
+    CHECK(o.plan[r].steady[1] == o.host[r].live_bytes);
+  }
+}
+
+// Every prefetch combination under one strategy, precision and offload.
+template <class... Ps>
+void check_prefetch_modes(fsdp::MeshShape shape, Run run = {}) {
+  check_plan<Ps..., fsdp::NoBackwardPrefetch>(shape, run);
+  check_plan<Ps..., fsdp::BackwardPre>(shape, run);
+  check_plan<Ps..., fsdp::BackwardPost>(shape, run);
+  check_plan<Ps..., fsdp::NoBackwardPrefetch, fsdp::ForwardPrefetch>(shape, run);
+  check_plan<Ps..., fsdp::BackwardPre, fsdp::ForwardPrefetch>(shape, run);
+  check_plan<Ps..., fsdp::BackwardPost, fsdp::ForwardPrefetch>(shape, run);
+}
+
+// The two most used prefetch settings (the others: FullShard's test).
+template <class... Ps>
+void check_common_prefetch(fsdp::MeshShape shape, Run run = {}) {
+  check_plan<Ps..., fsdp::NoBackwardPrefetch>(shape, run);
+  check_plan<Ps..., fsdp::BackwardPre, fsdp::ForwardPrefetch>(shape, run);
+}
+
+template <class... Ps>
+void check_precisions_and_offload(fsdp::MeshShape shape, Run run = {}) {
+  check_common_prefetch<Ps...>(shape, run);
+  check_common_prefetch<Ps..., fsdp::MixedPrecision<fsdp::bf16>>(shape, run);
+  check_common_prefetch<Ps..., fsdp::OffloadParams>(shape, run);
+  check_common_prefetch<Ps..., fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>(shape, run);
+}
+
+}  // namespace
+
+TEST_CASE("FullShard: plan == measured peak, every prefetch mode x precision x offload") {
+  check_prefetch_modes<fsdp::FullShard>({1, 3});
+  check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3});
+  check_prefetch_modes<fsdp::FullShard, fsdp::OffloadParams>({1, 2});
+  check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2});
+}
+
+TEST_CASE("FullShard: plan == measured on 1 to 4 ranks, with SGD (no engine state), and at every prefetch limit") {
+  for (int world : {1, 2, 4}) check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch>({1, world});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.adamw = false});
+  for (int limit : {0, 1, 3}) check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch>({1, 3}, {.limit = limit});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.steps = 1});  // the first step prefetches nothing
+  // CommPrecision: the narrower gather buffer lives until it is widened; the bf16 gradient copy until reduced.
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch, fsdp::CommPrecision<fsdp::bf16>>({1, 3});
+  check_plan<fsdp::NoShard, fsdp::BackwardPre, fsdp::CommPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2});
+}
+
+TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {
+  check_precisions_and_offload<fsdp::ShardGradOp>({1, 3});
+  check_precisions_and_offload<fsdp::NoShard>({1, 2});
+}
+
+TEST_CASE("HybridShard and HybridShardZero2: plan == measured peak") {
+  check_precisions_and_offload<fsdp::HybridShard>({2, 2});
+  check_common_prefetch<fsdp::HybridShardZero2>({2, 3});
+}
+
+TEST_CASE("an asynchronous communicator: one reduction in flight, planned to the byte") {
+  check_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {.async = true});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.async = true});  // examples/train's configuration
+  check_plan<fsdp::FullShard, fsdp::BackwardPost, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.async = true});
+  check_plan<fsdp::HybridShard, fsdp::BackwardPre, fsdp::OffloadParams>({2, 2}, {.async = true});
+  // Planned synchronously, the async run peaks higher: the option is not a no-op.
+  const Outcome o = train_and_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {.async = true});
+  CHECK(o.device[0].peak_bytes > train_and_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {}).plan[0].peak_bytes());
+}
+
+TEST_CASE("persistence threshold: units kept whole are planned as replicated") {
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.threshold = 150});  // the gain (13) and root (120)
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.threshold = 150});
+}
+
+TEST_CASE("what the planner does not model is refused, naming the unit and why") {
+  using test_support::contains;
+  using test_support::error_of;
+  const auto c = config();
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    CHECK(fsdp::plan<fsdp::FullShard>(sm).peak_bytes() > 0);
+    auto other_policy = error_of([&] { fsdp::plan<fsdp::FullShard, fsdp::OffloadParams>(sm); });
+    CHECK(contains(other_policy, "unit '<root>'"));
+    CHECK(contains(other_policy, "CpuOffload"));
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::NoShard>(sm); }), "policies given to fsdp::shard"));
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.persistence_threshold = 150}); }), "persistence threshold 150"));
+    sm.set_requires_gradient_sync(false);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "gradient accumulation"));
+    sm.set_requires_gradient_sync(true);
+    sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, fsdp::GradientAfterHook::free);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "optimizer in backward"));
+    sm.set_post_accumulate_grad_hook({});
+    sm.unit("blocks.0").set_backward_prefetch({&sm.unit("gain")});
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "unit 'blocks.0' on rank"));
+  });
+  CHECK(contains(error_of([] { fsdp::plan<fsdp::FullShard>(std::vector<fsdp::PlannedUnit>{{"", {{fsdp::DType::f32, 4}}, {}}}, {.mesh = {0, 0}}); }),
+                 "set PlanOptions::mesh"));
+}
+
+TEST_CASE("planning by hand, without a model: the FullShard formula of sharded_memory_test") {
+  // Units of n = 10, 7 and 3 f32 elements on 4 ranks, no prefetch: shard S = ceil(n/4),
+  // padded P = 4 S. Steady: 2 * sum S * 4 bytes; peak (backward of the root with a layer):
+  // steady + 2 P_root + 2 max P_layer, in the second step the root kept since forward.
+  const std::vector<fsdp::PlannedUnit> units{{"", {{fsdp::DType::f32, 10}}, {}},
+                                             {"a", {{fsdp::DType::f32, 7}}, {}},
+                                             {"b", {{fsdp::DType::f32, 3}}, {}}};
+  const auto p = fsdp::plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>(units, {.mesh = {1, 4}});
+  const std::size_t steady = 2 * (3 + 2 + 1) * 4, root = 12 * 4, layer = 8 * 4;
+  CHECK(p.steady[0] == steady);
+  CHECK(p.peak_bytes() == steady + 2 * root + 2 * layer);
+  CHECK(p.peak_bytes(fsdp::MemorySpace::host) == 0);
+  CHECK(p.peak().unit == "a");
+  CHECK(p.peak().phase == "backward (gradient)");
+}
