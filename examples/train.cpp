@@ -193,14 +193,9 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     };
     for (int s = first_step; s < cfg.steps; ++s) {
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
-      for (auto* g : {&mesh.world(), &mesh.shard_group(), &mesh.replicate_group()}) g->reset();
+      engine::reset_counts(mesh);
       double local = cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro);
-      summary.last_step = {};
-      for (const auto* g : {&mesh.world(), &mesh.shard_group(), &mesh.replicate_group()})
-        for (std::size_t k = 0; k < fsdp::collective_kinds; ++k) {
-          summary.last_step.by_kind[k].calls += g->counts().by_kind[k].calls;
-          summary.last_step.by_kind[k].bytes += g->counts().by_kind[k].bytes;
-        }
+      summary.last_step = engine::total_counts(mesh);
       double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
       stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
       const auto dev = device.stats(fsdp::MemorySpace::device);

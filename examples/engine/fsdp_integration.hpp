@@ -189,20 +189,35 @@ inline double sharded_micro_batch(Model& model, fsdp::ShardedModel& sharded, con
 // Returns the mean local loss.
 inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, std::span<const Batch> micro,
                                        double loss_scale = 1.0) {
+  if (micro.empty()) throw fsdp::Error("sharded_forward_backward: no micro-batch");
   sharded.zero_grad();
   double sum = 0;
-  for (std::size_t j = 0; j < micro.size(); ++j) {
-    if (j + 1 == micro.size()) {
-      sum += sharded_micro_batch(model, sharded, micro[j], loss_scale);
-    } else {
-      auto no_sync = sharded.no_sync();
-      sum += sharded_micro_batch(model, sharded, micro[j], loss_scale);
-    }
+  if (micro.size() > 1) {
+    auto no_sync = sharded.no_sync();
+    for (const Batch& b : micro.first(micro.size() - 1)) sum += sharded_micro_batch(model, sharded, b, loss_scale);
   }
+  sum += sharded_micro_batch(model, sharded, micro.back(), loss_scale);
   return sum / static_cast<double>(micro.size());
 }
 inline double sharded_forward_backward(Model& model, fsdp::ShardedModel& sharded, const Batch& local, double loss_scale = 1.0) {
   return sharded_forward_backward(model, sharded, std::span<const Batch>(&local, 1), loss_scale);
+}
+
+// A DeviceMesh over a CountingCommunicator: zero every group's tally, and the collectives
+// of its world and both groups together (what one rank sent, sub-groups included).
+template <class Mesh>
+void reset_counts(Mesh& mesh) {
+  mesh.world().reset(), mesh.shard_group().reset(), mesh.replicate_group().reset();
+}
+template <class Mesh>
+fsdp::CollectiveCounts total_counts(Mesh& mesh) {
+  fsdp::CollectiveCounts total;
+  for (const fsdp::CollectiveCounts* c : {&mesh.world().counts(), &mesh.shard_group().counts(), &mesh.replicate_group().counts()})
+    for (std::size_t k = 0; k < fsdp::collective_kinds; ++k) {
+      total.by_kind[k].calls += c->by_kind[k].calls;
+      total.by_kind[k].bytes += c->by_kind[k].bytes;
+    }
+  return total;
 }
 
 // Runs between the gradients and the optimizer step (gradient clipping); may be empty.

@@ -8,10 +8,8 @@
 // unit gathered ahead that does not run is dropped at finish_backward). A unit used several
 // times per pass appears once per use; a forward-only pass before the first backward ends
 // with reshard(), or the next pass is recorded as more of the same one.
+#include <cstddef>
 #include <cstdint>
-#include <algorithm>
-#include <deque>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -46,7 +44,7 @@ class ExecutionOrder {
   // The unit that runs after the one that just entered `pass`, per the recorded order
   // (null: the pass is still being recorded, or it was the last unit).
   UnitBase* next(Pass pass) const {
-    if (recording_) return nullptr;
+    if (!backward_recorded_) return nullptr;
     const auto& order = pass == Pass::forward ? forward_ : backward_;
     const std::size_t at = pass == Pass::forward ? forward_step_ : backward_step_;  // already past the unit
     return at < order.size() ? units_[order[at]] : nullptr;
@@ -56,7 +54,7 @@ class ExecutionOrder {
   // parameters (freeing and re-gathering them back to back would only cost an all-gather;
   // FSDP2 does the same for its root).
   bool keeps_after_forward(const UnitBase& u) const {
-    return !recording_ && first_backward_ == &u && forward_step_ == forward_.size();
+    return backward_recorded_ && first_backward_ == &u && forward_step_ == forward_.size();
   }
 
   // Prefetch accounting: units whose all-gather was issued ahead of their own hook.
@@ -64,13 +62,14 @@ class ExecutionOrder {
   void prefetch_issued() { ++prefetched_; }
   void prefetch_consumed() { --prefetched_; }
 
-  // Asynchronous reductions: at most one unit's reduction stays in flight.
+  // Asynchronous reductions: at most one unit's reduction stays in flight, so issuing one
+  // completes the one before it.
   void reduction_issued(UnitBase& u);
   void finish_reductions();
 
   // End of an iteration (the root's finish_backward).
   void end_iteration() {
-    if (!backward_.empty()) recording_ = false, forward_recorded_ = backward_recorded_ = true;
+    if (!backward_.empty()) forward_recorded_ = backward_recorded_ = true;  // recording ends
     forward_step_ = backward_step_ = 0;
     in_backward_ = false;
     ++forward_pass_;
@@ -99,12 +98,13 @@ class ExecutionOrder {
   const UnitBase* first_backward_ = nullptr;
   std::vector<int> forward_, backward_;  // recorded on the first iteration
   std::size_t forward_step_ = 0, backward_step_ = 0;
-  bool recording_ = true;  // until the first iteration with a backward ends
+  // The backward order is recorded at the end of the first iteration with a backward: until
+  // then the model is recording; the forward one also at the first backward or reshard().
   bool forward_recorded_ = false, backward_recorded_ = false;
   bool in_backward_ = false;
   std::uint64_t forward_pass_ = 0;
   int prefetched_ = 0;
-  std::deque<UnitBase*> reducing_;
+  UnitBase* reducing_ = nullptr;  // the unit whose reduction is in flight
 };
 
 }  // namespace fsdp

@@ -37,7 +37,7 @@ class FlatParamGroup {
   static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
 
   FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device)
-      : mesh_groups_(groups), groups_(groups), device_(device), reduction_(groups, device) {}
+      : mesh_groups_(groups), groups_(groups), device_(device), reduction_(groups_, device) {}
   FlatParamGroup(const FlatParamGroup&) = delete;
   FlatParamGroup& operator=(const FlatParamGroup&) = delete;
 
@@ -64,10 +64,7 @@ class FlatParamGroup {
 
   // Keeps the parameters whole on every rank, gradients all-reduced over the world (a unit
   // under the persistence threshold). Before build().
-  void keep_unsharded() {
-    groups_ = mesh_groups_.replicated();
-    reduction_ = detail::GradientReduction<Config>(groups_, device_);
-  }
+  void keep_unsharded() { groups_ = mesh_groups_.replicated(); }  // the reduction reads groups_
   bool kept_unsharded() const { return mesh_groups_.shards_parameters && !groups_.shards_parameters; }
   bool took_over() const { return took_over_; }
   const detail::DeviceRef& device() const { return device_; }

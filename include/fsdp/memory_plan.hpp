@@ -76,7 +76,7 @@ struct PlanOptions {
 struct MemoryPlan {
   struct Peak {
     std::size_t bytes = 0;
-    std::string unit;   // the unit whose allocation reached it ("" when setup or the engine's state did)
+    std::string unit;   // the unit whose allocation reached it ("<root>" for the root; "" for the engine's state)
     std::string phase;  // setup, forward, backward (gradient), backward (reduction), ... (prefetch)
     int step = 0;       // 1-based; 0: setup
   };
@@ -148,21 +148,20 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
   // shard dimension, the others across (FullShard) or over (NoShard) the whole world.
   const int world = m.size();
   const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? world : 1;
-  const int replicate = world / shard;
   std::vector<detail::SimUnit> sim(units.size());
   for (std::size_t i = 0; i < units.size(); ++i) {
     auto& s = sim[i];
-    s.name = detail::display(units[i].fqn);
+    const std::string name = detail::display(units[i].fqn);
     std::int64_t elements = 0;
     for (const auto& f : units[i].flat) {
-      if (f.numel < 0) detail::fail("fsdp::plan: unit '", s.name, "' has a flat parameter of ", f.numel, " elements");
+      if (f.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements");
       s.flat.push_back({f.dtype, f.numel});
       elements += f.numel;
     }
     for (const auto& b : units[i].buffers) s.buffers.push_back({b.dtype, b.numel});
     s.kept_unsharded = policy.shards_parameters && elements < options.persistence_threshold;
     for (std::size_t j = 0; j < i; ++j)
-      if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", s.name, "'");
+      if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
   }
   // Forward order, then nesting: each unit's parent is the innermost open unit holding it.
   std::vector<int> forward;
@@ -187,8 +186,8 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
     else sim[static_cast<std::size_t>(open.back())].children.push_back(u);
     open.push_back(u);
   }
-  detail::MemorySimulation replay(policy, shard, replicate, std::move(sim), std::move(forward), std::move(tops),
-                                  options.max_prefetched, options.asynchronous);
+  detail::MemorySimulation replay(policy, shard, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
+                                  options.asynchronous);
   replay.setup();
   for (int s = 0; s < options.steps; ++s) {
     replay.step();
@@ -201,8 +200,8 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
   for (MemorySpace space : {MemorySpace::device, MemorySpace::host}) {
     const auto& p = replay.peak(space);
     const auto k = static_cast<std::size_t>(space);
-    out.peaks[k] = {p.bytes, p.unit >= 0 ? units[static_cast<std::size_t>(p.unit)].fqn : std::string(), p.phase, p.step};
-    if (p.unit >= 0 && out.peaks[k].unit.empty()) out.peaks[k].unit = "<root>";
+    out.peaks[k] = {p.bytes, p.unit >= 0 ? detail::display(units[static_cast<std::size_t>(p.unit)].fqn) : std::string(), p.phase,
+                    p.step};
     out.steady[k] = replay.live(space);
   }
   return out;

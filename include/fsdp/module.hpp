@@ -19,7 +19,6 @@
 // Type-erased trees: a virtual base works when its visitors take a type-erased callback,
 // e.g. virtual void visit_children(const std::function<void(std::string_view, Layer&)>&);
 // children are then seen as Layer& and identified by their dynamic type (ModuleId).
-#include <compare>
 #include <functional>
 #include <string>
 #include <string_view>

@@ -270,13 +270,14 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   UnitOptions unit_options{"", opts.sync_module_states, true, opts.ignored_modules, opts.ignored_parameters};
   unit_options.persistence_threshold = opts.persistence_threshold;
   detail::Fingerprint f;
-  std::size_t count = 1;
+  std::set<ModuleId> units;  // besides the root
   for (const auto& n : planner.nodes)
     if (n.unit) {
       f.add(n.fqn);
-      ++count;
+      units.insert(n.id);
       unit_options.skip_modules.push_back(n.id);
     }
+  const std::size_t count = units.size() + 1;
   f.add_count(count);
   for (const auto& fqn : planner.ignored) f.add("ignored " + fqn);
   detail::check_same_across_ranks(detail::CommRef(comm), f, [] { return "the set of units"; }, [&] {
@@ -297,8 +298,6 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
       detail::unit_options_for(unit_options, detail::pick_option<detail::is_deferred_init>(no_init, options...));
   ShardedModel out;
   out.emplace<Sharded<M, Ps...>>(model, group, device, options_for(model, std::string()));
-  std::set<ModuleId> units;
-  for (const auto& n : planner.nodes) if (n.unit) units.insert(n.id);
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
   using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
   detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, options_for, out);

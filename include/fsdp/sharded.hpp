@@ -11,14 +11,11 @@
 // interface; the construction path is in fsdp/detail/unit_setup.hpp, the summon's gathers
 // and writeback check in fsdp/detail/summon_full_params.hpp, the post-accumulate-grad
 // hook in fsdp/detail/post_grad_hook_slot.hpp.
-#include <algorithm>
-#include <memory>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <typeinfo>
 #include <utility>
-#include <cstdint>
 #include <vector>
 
 #include "fsdp/communicator.hpp"
@@ -84,13 +81,8 @@ class Sharded final : public UnitBase {
   // would otherwise run the edit check's collective alone): else an error on every rank,
   // nothing written back, the unit IDLE. Then the edits must agree.
   void check_writeback_agrees(bool writeback) {
-    detail::Fingerprint f;
-    f.add(writeback ? "writeback" : "no writeback");
     try {
-      detail::check_same_across_ranks(
-          group_.groups().world, f,
-          [&] { return "unit '" + std::string(display_name()) + "': the writeback flag at the end of summon_full_params"; },
-          [&] { return std::string(writeback ? "writeback=true" : "writeback=false"); });
+      detail::check_writeback_flag_agrees(group_.groups().world, writeback, display_name());
     } catch (...) {
       discard_summon();
       throw;
@@ -115,10 +107,7 @@ class Sharded final : public UnitBase {
     // step: gather afresh.
     if (kept_) release_unsharded();
     unshard();
-    if (order_) {  // the next unit's all-gather now runs behind this unit's forward
-      if (!forward_prefetch_.empty()) for (auto* u : forward_prefetch_) u->prefetch();
-      else if constexpr (prefetches_forward) if (auto* next = order_->next(Pass::forward)) next->prefetch();
-    }
+    prefetch_ahead(forward_prefetch_, Pass::forward, prefetches_forward);  // runs behind this unit's forward
     state_ = TrainingState::FORWARD;
     compute_begin_ = now_if_traced();
   }
@@ -149,11 +138,7 @@ class Sharded final : public UnitBase {
     unshard();  // a no-op where forward left the parameters unsharded
     kept_ = false;
     group_.bind_gradients(grad_is_zero_);
-    if (order_) {
-      if (!backward_prefetch_.empty()) for (auto* u : backward_prefetch_) u->prefetch();
-      else if constexpr (std::is_same_v<prefetch_policy, BackwardPre>)
-        if (auto* next = order_->next(Pass::backward)) next->prefetch();
-    }
+    prefetch_ahead(backward_prefetch_, Pass::backward, std::is_same_v<prefetch_policy, BackwardPre>);
     state_ = TrainingState::BACKWARD_PRE;
     compute_begin_ = now_if_traced();
   }
@@ -163,8 +148,7 @@ class Sharded final : public UnitBase {
     record_compute("backward");
     release_unsharded();  // parameters first, as FSDP does: their memory is free before the reduction
     if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
-      if (order_ && backward_prefetch_.empty())
-        if (auto* next = order_->next(Pass::backward)) next->prefetch();
+      if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
     state_ = TrainingState::BACKWARD_POST;
     if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates
     // A reduction that finished inside the call is completed now; one still running
@@ -186,17 +170,21 @@ class Sharded final : public UnitBase {
     group_.finish_reductions(waiter());
     if (!grad_hook_.take_due()) return;
     if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
-    grad_hook_.run(*this, [this] {
-      group_.release_shard_grads();
-      grad_is_zero_ = true;
-      group_.point_views_at_gradients(views_, params_);
-    });
+    grad_hook_.run(*this, [this] { free_shard_grads(); });
   }
 
+  // Switching to GradientAfterHook::free frees the sharded gradient now; keep allocates it
+  // again (zeroed) where it was freed.
   void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
     expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
-    grad_hook_.set(std::move(hook), after, group_, grad_is_zero_);
-    group_.point_views_at_gradients(views_, params_);
+    const bool freed = grad_hook_.frees_gradient();
+    grad_hook_.set(std::move(hook), after);
+    if (grad_hook_.frees_gradient()) {
+      if (!freed) free_shard_grads();
+    } else {
+      group_.ensure_shard_grads();
+      group_.point_views_at_gradients(views_, params_);
+    }
   }
 
   void finish_backward() override {
@@ -324,6 +312,17 @@ class Sharded final : public UnitBase {
     if (!options.defer_take_over) take_over();
   }
 
+  // Inside a model: the explicit prefetch list when set, else (`follow_order`: the policy
+  // prefetches here) the next unit of the recorded order.
+  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order) {
+    if (!order_) return;
+    if (!units.empty()) for (auto* u : units) u->prefetch();
+    else if (follow_order) prefetch_next(pass);
+  }
+  void prefetch_next(Pass pass) {
+    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch();  // null outside a model
+  }
+
   void begin_recompute() {
     uses_.recompute_from = state_;
     unshard();  // a no-op inside the unit's backward, where the parameters are unsharded already
@@ -351,6 +350,12 @@ class Sharded final : public UnitBase {
     // Final once this reduction completes: sync on and nothing of it deferred.
     grad_hook_.arm(sync_.requires_sync && plan == detail::GradientPlan::reduce);
     return inline_done;
+  }
+
+  void free_shard_grads() {
+    group_.release_shard_grads();
+    grad_is_zero_ = true;
+    group_.point_views_at_gradients(views_, params_);
   }
 
   static std::optional<DType> buffer_cast_dtype() {

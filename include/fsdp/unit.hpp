@@ -5,10 +5,11 @@
 #include <cstdint>
 #include <exception>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <typeindex>
-#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "fsdp/detail/post_grad_hook_slot.hpp"
@@ -335,20 +336,11 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
 }
 
 inline void ExecutionOrder::reduction_issued(UnitBase& u) {
-  reducing_.push_back(&u);
-  while (reducing_.size() > 1) {
-    UnitBase* oldest = reducing_.front();
-    reducing_.pop_front();
-    oldest->finish_reduction();
-  }
+  if (UnitBase* before = std::exchange(reducing_, &u)) before->finish_reduction();
 }
 
 inline void ExecutionOrder::finish_reductions() {
-  while (!reducing_.empty()) {
-    UnitBase* oldest = reducing_.front();
-    reducing_.pop_front();
-    oldest->finish_reduction();
-  }
+  if (UnitBase* last = std::exchange(reducing_, nullptr)) last->finish_reduction();
 }
 
 }  // namespace fsdp

@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <type_traits>
 #include <typeindex>
 #include <utility>

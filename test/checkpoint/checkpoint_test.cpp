@@ -160,6 +160,35 @@ TEST_CASE("ranks that do not share rank 0's file system make the full save gathe
   CHECK(test_support::names_in(tmp / "host1").empty());
 }
 
+TEST_CASE("a full save that fails, shared or gathering, fails on every rank and leaves no temporary file") {
+  // Where it fails: creating the files (no such directory), or publishing them (the
+  // optimizer file's name is taken by a directory), after every byte was written.
+  for (const bool shared : {true, false}) {
+    for (const bool at_publish : {false, true}) {
+      CAPTURE(shared);
+      CAPTURE(at_publish);
+      test_support::TempDir tmp;
+      const auto file = at_publish ? tmp / "model.safetensors" : tmp / "missing" / "model.safetensors";
+      if (at_publish) std::filesystem::create_directories(fsdp::optimizer_file_of(file) / "kept");
+      std::vector<std::string> errors(2);
+      train<fsdp::FullShard>(2, 0, 1, 1, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int r) {
+        errors[static_cast<std::size_t>(r)] = test_support::error_of([&] {
+          if (shared) return fsdp::save_full_checkpoint(file, sm, &st);
+          fsdp::detail::FullSave save(file, sm, &st, {}, /*snapshot=*/false);  // the fallback's way
+          save.commit(sm, fsdp::detail::captured([&] { save.write_streaming(); }));
+        });
+      });
+      for (const auto& e : errors) {
+        CAPTURE(e);
+        CHECK(test_support::contains(e, "save_full_checkpoint '" + file.string() + "'"));
+      }
+      const auto left = at_publish ? std::vector<std::string>{"model.optimizer.safetensors"} : std::vector<std::string>{};
+      CHECK(test_support::names_in(tmp.path()) == left);
+      if (at_publish) CHECK(test_support::names_in(fsdp::optimizer_file_of(file)) == std::vector<std::string>{"kept"});
+    }
+  }
+}
+
 TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, and loads nothing") {
   test_support::TempDir tmp;
   const auto dir = tmp / "ckpt";

@@ -4,11 +4,10 @@
 // header (an error or a still-valid file, never a crash).
 #include <doctest/doctest.h>
 
-#include <cstring>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <string>

@@ -26,16 +26,11 @@ engine::ModelConfig config() {
 
 // The reference engine's hooks, minus the post_backward calls of the modules listed: as an
 // autograd engine whose post-backward hook sits on a unit's inputs would miss them.
-struct MissingPostBackward {
-  fsdp::ShardedModel& model;
+struct MissingPostBackward : engine::UnitHooks {
   std::set<const void*> skip;
   bool all = false;
-  template <class M> void before_forward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->pre_forward(); }
-  template <class M> void after_forward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->post_forward(); }
-  template <class M> void before_backward(const M* m) { if (auto* u = model.find_unit_for(*m)) u->pre_backward(); }
   template <class M> void after_backward(const M* m) {
-    if (all || skip.count(m)) return;
-    if (auto* u = model.find_unit_for(*m)) u->post_backward();
+    if (!all && !skip.count(m)) engine::UnitHooks::after_backward(m);
   }
 };
 
@@ -83,11 +78,11 @@ void check_pending_completed(int world) {
   const auto reference = test_support::reference_params(config(), 3, world);
   // The root's inputs need no gradient: its post_backward never fires.
   CHECK(test_support::bitwise_equal(train<Async>(world, 3, [](engine::Model& m, fsdp::ShardedModel& sm) {
-    return MissingPostBackward{sm, {&m}};
+    return MissingPostBackward{{sm}, {&m}};
   }), reference));
   // No post_backward fires at all: the engine tracks nothing.
   CHECK(test_support::bitwise_equal(train<Async>(world, 3, [](engine::Model&, fsdp::ShardedModel& sm) {
-    return MissingPostBackward{sm, {}, true};
+    return MissingPostBackward{{sm}, {}, true};
   }), reference));
 }
 

@@ -161,20 +161,11 @@ inline std::unique_ptr<Sequence> make_net(engine::Init init = engine::Init::now)
 // A predicate for fsdp::wrap_if: the residual blocks, found by their dynamic type.
 inline bool is_residual(Layer& l, std::string_view, int, std::int64_t) { return dynamic_cast<Residual*>(&l) != nullptr; }
 
-struct NamedParam {
-  std::string fqn;
-  Tensor* param;
-  Tensor* grad;
-};
-
-inline void collect(Layer& l, const std::string& prefix, std::vector<NamedParam>& out) {
-  auto join = [&](std::string_view n) { return prefix.empty() ? std::string(n) : prefix + "." + std::string(n); };
-  l.visit_parameters([&](std::string_view n, Tensor& p, Tensor& g) { out.push_back({join(n), &p, &g}); });
-  l.visit_children([&](std::string_view n, Layer& c) { collect(c, join(n), out); });
-}
-inline std::vector<NamedParam> named_parameters(Layer& l) {
-  std::vector<NamedParam> out;
-  collect(l, "", out);
+// Every parameter with its FQN, walked as the library walks it (engine::collect takes the
+// type-erased visitors too).
+inline std::vector<engine::NamedParam> named_parameters(Layer& l) {
+  std::vector<engine::NamedParam> out;
+  engine::collect(l, "", out);
   return out;
 }
 

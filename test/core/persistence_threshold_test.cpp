@@ -70,16 +70,10 @@ fsdp::CollectiveCounts step_counts(int world, const fsdp::ShardOptions& options,
     fsdp::HostDevice device;
     auto sm = fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options);
     engine::Sgd sgd(0.01f);
-    auto reset = [&] { mesh.world().reset(); mesh.shard_group().reset(); mesh.replicate_group().reset(); };
     engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
-    reset();
+    engine::reset_counts(mesh);
     engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1));
-    if (comm.rank() != 0) return;
-    for (const auto* g : {&mesh.world(), &mesh.shard_group(), &mesh.replicate_group()})
-      for (std::size_t k = 0; k < fsdp::collective_kinds; ++k) {
-        total.by_kind[k].calls += g->counts().by_kind[k].calls;
-        total.by_kind[k].bytes += g->counts().by_kind[k].bytes;
-      }
+    if (comm.rank() == 0) total = engine::total_counts(mesh);
   });
   return total;
 }

@@ -10,14 +10,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
-#include <chrono>
 #include <regex>
-#include <thread>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 

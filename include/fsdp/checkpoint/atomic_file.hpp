@@ -41,7 +41,6 @@ class FileSink {
   void write(const void* data, std::size_t n) {
     if (n == 0) return;
     hash_.update(data, n);
-    bytes_ += n;
     if (n >= buffer_.capacity()) {  // large writes skip the copy
       flush();
       write_out(data, n);
@@ -54,7 +53,7 @@ class FileSink {
   void write(std::span<const std::byte> bytes) { write(bytes.data(), bytes.size()); }
   void write(std::string_view text) { write(text.data(), text.size()); }
 
-  std::uint64_t bytes_written() const { return bytes_; }
+  std::uint64_t bytes_written() const { return written_ + buffer_.size(); }
   std::uint64_t xxh64() const { return hash_.digest(); }
   // The file being written (the target, not the temporary name), for messages.
   const std::filesystem::path& path() const { return target_; }
@@ -89,7 +88,6 @@ class FileSink {
   std::filesystem::path temp_;
   std::filesystem::path target_;
   std::vector<std::byte> buffer_;
-  std::uint64_t bytes_ = 0;
   std::uint64_t written_ = 0, started_ = 0;  // bytes in the file; of those, whose writeback was started
   Xxh64 hash_;
 };
@@ -109,9 +107,7 @@ inline std::string_view message_of(const std::exception& e) {
 inline WriteResult write_file_atomically(const std::filesystem::path& path,
                                          const std::function<void(FileSink&)>& write) {
   if (!path.has_filename()) fsdp::detail::fail("cannot write '", path.string(), "': the path names no file");
-  const std::filesystem::path dir = detail::parent_or_dot(path);
-  const std::filesystem::path temp =
-      dir / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" + detail::random_token());
+  const std::filesystem::path temp = detail::temp_path_for(path, std::to_string(::getpid()) + "-" + detail::random_token());
   bool renamed = false;
   auto remove_temp = [&] {
     if (!renamed) ::unlink(temp.c_str());
@@ -122,12 +118,11 @@ inline WriteResult write_file_atomically(const std::filesystem::path& path,
     write(sink);
     sink.flush();
     detail::fsync_fd(fd.get(), temp);
-    if (const int err = fd.close_checked())
-      fsdp::detail::fail("closing '", temp.string(), "' failed: ", detail::errno_text(err));
+    fd.close_checked(temp);
     if (::rename(temp.c_str(), path.c_str()) != 0)
       fsdp::detail::fail("renaming '", temp.string(), "' to it failed: ", detail::errno_text(errno));
     renamed = true;
-    detail::fsync_directory(dir);
+    detail::fsync_directory(detail::parent_or_dot(path));
     return {sink.bytes_written(), sink.xxh64()};
   } catch (const std::exception& e) {
     remove_temp();

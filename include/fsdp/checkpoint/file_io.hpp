@@ -46,9 +46,11 @@ class UniqueFd {
   void reset() {
     if (fd_ >= 0) ::close(std::exchange(fd_, -1));
   }
-  int close_checked() {  // 0 or the errno of close()
-    if (fd_ < 0) return 0;
-    return ::close(std::exchange(fd_, -1)) == 0 ? 0 : errno;
+  // Closes; a failed close is an error naming `path`.
+  void close_checked(const std::filesystem::path& path) {
+    if (fd_ < 0) return;
+    if (::close(std::exchange(fd_, -1)) != 0)
+      fail("closing '", path.string(), "' failed: ", errno_text(errno));
   }
 
  private:
@@ -154,6 +156,12 @@ inline std::string random_token() {
 // A path's parent for creating siblings: "." when it has none.
 inline std::filesystem::path parent_or_dot(const std::filesystem::path& p) {
   return p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+}
+
+// Where `target` is written before it is renamed into place: ".<name>.tmp-<tag>" next to it
+// (the same file system, hidden from globs).
+inline std::filesystem::path temp_path_for(const std::filesystem::path& target, const std::string& tag) {
+  return parent_or_dot(target) / ("." + target.filename().string() + ".tmp-" + tag);
 }
 
 // One plain path component: no separators, not empty, '.' or '..'.

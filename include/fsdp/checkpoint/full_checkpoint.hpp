@@ -46,9 +46,9 @@ class FullCheckpointSource final : public StateSource {
     return TensorMeta{t->dtype, t->shape};
   }
   void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const override {
-    if (!lookup(key)) detail::fail(name(), ": no ", key.describe());
-    if (begin < 0 || count < 0) detail::fail(name(), ": ", key.describe(), ": negative range [", begin, ", +", count, ")");
-    file_of(key).read_elements(file_key(key), static_cast<std::uint64_t>(begin), static_cast<std::uint64_t>(count), dst);
+    check_read(lookup(key) != nullptr, key, begin, count);
+    file_of(key).read_elements(detail::full_file_key(key), static_cast<std::uint64_t>(begin),
+                               static_cast<std::uint64_t>(count), dst);
   }
   std::vector<StateKey> keys() const override {
     std::vector<StateKey> out;
@@ -87,11 +87,10 @@ class FullCheckpointSource final : public StateSource {
     };
     std::vector<Placed> order;
     for (const ReadRequest& r : requests) {
-      if (!lookup(r.key)) detail::fail(name(), ": no ", r.key.describe());
-      if (r.begin < 0 || r.count < 0) detail::fail(name(), ": ", r.key.describe(), ": negative range [", r.begin, ", +", r.count, ")");
+      check_read(lookup(r.key) != nullptr, r.key, r.begin, r.count);
       if (r.count == 0) continue;
       const bool optim = r.key.kind == StateKind::optim;
-      order.push_back({optim, file_of(r.key).file_offset_of(file_key(r.key), static_cast<std::uint64_t>(r.begin),
+      order.push_back({optim, file_of(r.key).file_offset_of(detail::full_file_key(r.key), static_cast<std::uint64_t>(r.begin),
                                                             static_cast<std::uint64_t>(r.count)), &r});
     }
     std::sort(order.begin(), order.end(), [](const Placed& a, const Placed& b) {
@@ -106,14 +105,12 @@ class FullCheckpointSource final : public StateSource {
   std::map<std::string, std::string> metadata() const { return {model_.metadata().begin(), model_.metadata().end()}; }
 
  private:
-  // Parameters and buffers share one FQN namespace in the model file.
-  static std::string file_key(const StateKey& key) { return key.kind == StateKind::optim ? key.state + "/" + key.fqn : key.fqn; }
   const checkpoint::SafetensorsFile& file_of(const StateKey& key) const {
     return key.kind == StateKind::optim ? *optim_ : model_;
   }
   const checkpoint::TensorInfo* lookup(const StateKey& key) const {
     if (key.kind == StateKind::optim && !optim_) return nullptr;
-    return file_of(key).find(file_key(key));
+    return file_of(key).find(detail::full_file_key(key));
   }
 
   checkpoint::SafetensorsFile model_;

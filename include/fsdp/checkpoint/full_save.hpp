@@ -1,13 +1,13 @@
 #pragma once
 // FullSave: the steps of a full checkpoint save that gathers to rank 0 (see the class),
 // and where the optimizer's file goes. full_checkpoint.hpp has the public functions.
-#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25,6 +25,13 @@ inline std::filesystem::path optimizer_file_of(const std::filesystem::path& file
 
 namespace detail {
 
+// A tensor's name in a full checkpoint: its FQN in the model file (parameters and buffers
+// share one namespace), "<state>/<fqn>" in the optimizer file.
+inline std::string full_file_key(std::string_view state, std::string_view fqn) {
+  return state.empty() ? std::string(fqn) : std::string(state) + "/" + std::string(fqn);
+}
+inline std::string full_file_key(const StateKey& key) { return full_file_key(key.state, key.fqn); }
+
 // A full save in three steps, like ShardedSave: the constructor, with `snapshot`, gathers
 // every tensor into rank 0's host memory (a collective); write() has rank 0 write the
 // files (no collective, any thread); commit() agrees that it did (a collective). Without
@@ -36,21 +43,21 @@ class FullSave {
            std::map<std::string, std::string> metadata, bool snapshot = true)
       : what_("save_full_checkpoint '" + file.string() + "'"), file_(file), metadata_(std::move(metadata)),
         optimizer_(optimizer), writes_(model.size() > 0 && model[0].rank() == 0),
-        gathers_(full_gathers(model, optimizer, /*params=*/true)) {
+        gathers_(full_gathers(model, optimizer)) {
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) buffers_.push_back({u.get(), i});
     if (optimizer && writes_) optim_scalars_ = optimizer->scalars();
     if (!snapshot) return;
-    checkpoint::HostArena scratch(writes_ ? 0 : largest_gather());  // other ranks keep nothing
+    const checkpoint::HostArena scratch(writes_ ? 0 : largest_gather(gathers_));  // other ranks keep nothing
     for (const FullGather& g : gathers_) {
-      snapshot_.emplace_back(writes_ ? g.bytes : 0);
+      if (writes_) snapshot_.emplace_back(g.bytes);
       gather(g, optimizer_, writes_ ? snapshot_.back().data() : scratch.data());
     }
-    for (const auto& [u, i] : buffers_) {
-      const auto& b = u->buffers()[i];
-      buffer_copies_.push_back(writes_ ? to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))
-                                       : std::vector<std::byte>{});
-    }
+    if (writes_)
+      for (const auto& [u, i] : buffers_) {
+        const auto& b = u->buffers()[i];
+        buffer_copies_.push_back(to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype)));
+      }
   }
 
   const std::string& what() const { return what_; }
@@ -89,7 +96,7 @@ class FullSave {
         });
       });
     if (next < gathers_.size() && !gather_failed) {
-      const checkpoint::HostArena scratch(largest_gather());
+      const checkpoint::HostArena scratch(largest_gather(gathers_));
       for (std::size_t k = next; k < gathers_.size(); ++k) gather_next(k, scratch.data());
     }
     if (failed) std::rethrow_exception(failed);
@@ -107,12 +114,6 @@ class FullSave {
     const std::byte* host;
     checkpoint::SafetensorsWriter::Fill fill;
   };
-
-  std::size_t largest_gather() const {
-    std::size_t n = 0;
-    for (const FullGather& g : gathers_) n = std::max(n, g.bytes);
-    return n;
-  }
 
   // Rank 0: the optimizer file (first, so a model file is never newer than its optimizer
   // file), then the model file.
@@ -139,7 +140,7 @@ class FullSave {
       std::size_t offset = 0;  // into the host bytes: parameters lie back to back
       for (const std::size_t i : g.params) {
         const auto& p = g.unit->parameters()[i];
-        std::string name = g.state.empty() ? std::string(p.fqn) : g.state + "/" + std::string(p.fqn);
+        std::string name = full_file_key(g.state, p.fqn);
         if (src.fill) specs.push_back({std::move(name), g.dtype, shape_of(p.shape)});
         else w.add(std::move(name), g.dtype, shape_of(p.shape), src.host + offset);
         offset += static_cast<std::size_t>(p.numel) * size_of(g.dtype);
@@ -182,8 +183,8 @@ class FullSave {
   std::vector<FullGather> gathers_;
   std::vector<std::pair<UnitBase*, std::size_t>> buffers_;  // (unit, buffer index)
   std::map<std::string, std::string> optim_scalars_;
-  std::vector<checkpoint::HostArena> snapshot_;          // per gather, on rank 0
-  std::vector<std::vector<std::byte>> buffer_copies_;    // per buffer, on rank 0
+  std::vector<checkpoint::HostArena> snapshot_;          // per gather, on rank 0 (empty elsewhere)
+  std::vector<std::vector<std::byte>> buffer_copies_;    // per buffer, on rank 0 (empty elsewhere)
 };
 
 }  // namespace detail

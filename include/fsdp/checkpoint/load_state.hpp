@@ -78,9 +78,11 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   // In place: parameters and optimizer state are read straight into the model after the
   // agreement (host memory only; buffers always go through load_buffer). Staged: every
   // range is read into one arena first (not zero-filled: the reads fill it), in one
-  // read_all so a source can read each file in one pass.
-  const bool in_place =
-      src.reads_in_place() && !options.stage_in_host_memory && model[0].device_id().kind == DeviceKind::cpu;
+  // read_all so a source can read each file in one pass. The ranks agree on the way: a rank
+  // reading in place runs one agreement more than a staging one, which would pair it with
+  // another rank's next collective.
+  const bool in_place = model[0].all_ranks_agree(src.reads_in_place() && !options.stage_in_host_memory &&
+                                                 model[0].device_id().kind == DeviceKind::cpu);
   std::vector<ReadRequest> requests, staged_requests;
   std::vector<detail::StagedCopy> params_and_optim, buffers;
   checkpoint::HostArena arena;

@@ -155,7 +155,7 @@ class ShardedSave {
       sources_ = sharded_slice_sources(model, optimizer);  // no collective: inside the agreement
       if (snapshot)  // the same slices, copied: write() then needs nothing of the model
         for (SliceSource& s : sources_) {
-          snapshot_.slices.push_back({s.id, s.dtype, s.shape, s.begin, s.count, to_host(*s.unit, s.src, s.bytes())});
+          snapshot_.slices.push_back(s.copy_to_host());
           s.unit = nullptr, s.src = snapshot_.slices.back().data.data();
         }
       if (optimizer) optim_scalars_ = optimizer->scalars();
@@ -255,16 +255,14 @@ class ShardedCheckpointSource final : public StateSource {
   }
   void read(const StateKey& key, std::int64_t begin, std::int64_t count, void* dst) const override {
     auto it = metas_.find(key);
-    if (it == metas_.end()) detail::fail(name(), ": no ", key.describe());
-    if (begin < 0 || count < 0) detail::fail(name(), ": ", key.describe(), ": negative range [", begin, ", +", count, ")");
+    check_read(it != metas_.end(), key, begin, count);
     reader_.read(key, static_cast<std::uint64_t>(begin), static_cast<std::uint64_t>(count), dst,
                  static_cast<std::uint64_t>(count) * size_of(it->second.dtype));
   }
   void read_all(std::span<const ReadRequest> requests, int rank, int ranks) const override {
     std::vector<checkpoint::ShardedCheckpointReader::Range> ranges;
     for (const ReadRequest& r : requests) {
-      if (!metas_.count(r.key)) detail::fail(name(), ": no ", r.key.describe());
-      if (r.begin < 0 || r.count < 0) detail::fail(name(), ": ", r.key.describe(), ": negative range [", r.begin, ", +", r.count, ")");
+      check_read(metas_.count(r.key) != 0, r.key, r.begin, r.count);
       if (r.count) ranges.push_back({r.key, static_cast<std::uint64_t>(r.begin), static_cast<std::uint64_t>(r.count), r.dst});
     }
     reader_.read_all(ranges, verifies(rank, ranks));

@@ -41,6 +41,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   struct File {
     std::filesystem::path target, temp;
     checkpoint::SafetensorsWriter layout;
+    std::string header;  // rank 0's (only its header has the optimizer's scalars)
     std::map<std::string, std::uint64_t, std::less<>> offset;  // of each tensor's first byte in the file
     checkpoint::detail::UniqueFd fd;
   };
@@ -54,11 +55,10 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   const std::int64_t token = model[0].max_over_ranks(
       root ? static_cast<std::int64_t>((std::uint64_t{rd()} << 31 ^ rd()) & 0x3fffffffffffffff) | 1 : 0);
   for (File& f : files) {
-    f.temp = checkpoint::detail::parent_or_dot(f.target) /
-             ("." + f.target.filename().string() + ".tmp-shared-" + std::to_string(token));
-    // The header's size (only rank 0's header has the optimizer's scalars) from rank 0.
-    const std::string header = f.layout.header();
-    const auto data_begin = static_cast<std::uint64_t>(model[0].max_over_ranks(root ? 8 + std::int64_t(header.size()) : 0));
+    f.temp = checkpoint::detail::temp_path_for(f.target, "shared-" + std::to_string(token));
+    if (root) f.header = f.layout.header();
+    const auto data_begin =
+        static_cast<std::uint64_t>(model[0].max_over_ranks(root ? 8 + std::int64_t(f.header.size()) : 0));
     for (const auto& t : f.layout.layout()) f.offset[t.name] = data_begin + t.begin;
   }
   bool committed = false;
@@ -77,10 +77,9 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     if (!root) return;
     for (File& f : files) {
       f.fd = checkpoint::detail::open_fd(f.temp, O_WRONLY | O_CREAT | O_EXCL, "to write a temporary file");
-      const std::string header = f.layout.header();
-      const std::uint64_t n = header.size();
+      const std::uint64_t n = f.header.size();
       checkpoint::detail::pwrite_all(f.fd.get(), &n, sizeof n, 0, f.temp);
-      checkpoint::detail::pwrite_all(f.fd.get(), header.data(), header.size(), 8, f.temp);
+      checkpoint::detail::pwrite_all(f.fd.get(), f.header.data(), n, 8, f.temp);
       if (::ftruncate(f.fd.get(), static_cast<off_t>(8 + n + f.layout.data_bytes())) != 0)
         fail("cannot size '", f.temp.string(), "': ", checkpoint::detail::errno_text(errno));
     }
@@ -98,14 +97,11 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     for (const SliceSource& s : sharded_slice_sources(model, optimizer)) {
       if (s.count == 0) continue;
       File& f = files[s.id.kind == StateKind::optim ? 1 : 0];
-      const std::string name = s.id.kind == StateKind::optim ? s.id.state + "/" + s.id.fqn : s.id.fqn;
-      const std::uint64_t at = f.offset.at(name) + static_cast<std::uint64_t>(s.begin) * size_of(s.dtype);
+      const std::uint64_t at = f.offset.at(full_file_key(s.id)) + static_cast<std::uint64_t>(s.begin) * size_of(s.dtype);
       checkpoint::detail::pwrite_all(f.fd.get(), s.src, s.bytes(), at, f.temp);
     }
     for (File& f : files) checkpoint::detail::fsync_fd(f.fd.get(), f.temp);
-    for (File& f : files)
-      if (const int err = f.fd.close_checked())
-        fail("closing '", f.temp.string(), "' failed: ", checkpoint::detail::errno_text(err));
+    for (File& f : files) f.fd.close_checked(f.temp);
   }, "; nothing was saved");
 
   run_agreed(model, what, [&] {  // rank 0 publishes: the optimizer file first, as the gathering save does

@@ -81,6 +81,7 @@ struct SliceSource {
   const UnitBase* unit = nullptr;
   const void* src = nullptr;
   std::size_t bytes() const { return static_cast<std::size_t>(count) * size_of(dtype); }
+  StateSlice copy_to_host() const { return {id, dtype, shape, begin, count, to_host(*unit, src, bytes())}; }
 };
 
 // The slices sharded_state_dict copies, without copying them (a sharded save writes
@@ -119,7 +120,7 @@ inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* 
   if (model.size() == 0) return out;
   out.rank = model[0].rank();
   for (auto& s : detail::sharded_slice_sources(model, optimizer))
-    out.slices.push_back({s.id, s.dtype, s.shape, s.begin, s.count, detail::to_host(*s.unit, s.src, s.bytes())});
+    out.slices.push_back(s.copy_to_host());
   if (optimizer) out.optim_scalars = optimizer->scalars();
   return out;
 }
@@ -139,8 +140,8 @@ struct FullGather {
 };
 
 // Every rank's same sequence of gathers: the optimizer states' (unit, state, flat
-// parameter), then, with `params`, the parameters' (unit, flat parameter).
-inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer, bool params) {
+// parameter), then the parameters' (unit, flat parameter).
+inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer) {
   for (auto& u : model)  // gathers between a unit's hooks would pair with its own collectives
     if (u->state() != TrainingState::IDLE)
       fail("unit '", u->display_name(), "' on rank ", u->rank(), ": a full state dict or full ",
@@ -148,7 +149,6 @@ inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState*
   std::vector<FullGather> out;
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
   for (const bool of_params : {false, true}) {
-    if (of_params && !params) break;
     std::size_t first_shard = 0;
     for (auto& u : model) {
       for (const auto& name : of_params ? std::vector<std::string>{""} : names)
@@ -165,6 +165,13 @@ inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState*
     }
   }
   return out;
+}
+
+// The bytes of the largest gather: the host buffer that holds any of them.
+inline std::size_t largest_gather(const std::vector<FullGather>& gathers) {
+  std::size_t n = 0;
+  for (const FullGather& g : gathers) n = std::max(n, g.bytes);
+  return n;
 }
 
 // Runs gather g (a collective over the unit's shard group) into host memory of g.bytes.
@@ -189,10 +196,8 @@ inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimi
   FullStateDict out;
   if (model.size() == 0) return out;
   const bool keep = !options.rank0_only || model[0].rank() == 0;
-  const auto gathers = detail::full_gathers(model, optimizer, /*params=*/true);
-  std::size_t largest = 0;
-  for (const auto& g : gathers) largest = std::max(largest, g.bytes);
-  const checkpoint::HostArena flat(largest);  // reused, never zero-filled: each gather fills it
+  const auto gathers = detail::full_gathers(model, optimizer);
+  const checkpoint::HostArena flat(detail::largest_gather(gathers));  // reused, never zero-filled: each gather fills it
   for (const auto& g : gathers) {
     detail::gather(g, optimizer, flat.data());
     if (!keep) continue;

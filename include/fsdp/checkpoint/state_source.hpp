@@ -51,12 +51,20 @@ class StateSource {
   // the model (no host staging) unless LoadOptions::stage_in_host_memory.
   virtual bool reads_in_place() const { return false; }
   // Before such a load's agreement: this rank's share of the checksum work (the same split
-  // as read_all's), so that damage is found before anything is written.
+  // as read_all's), so that damage is found before anything is written; a source without
+  // checksums may read ahead here instead (an I/O error then also comes before the agreement).
   virtual void verify(int /*rank*/, int /*ranks*/) const {}
   // A collective after read_all on every rank (also where it threw): "" when no rank found a
   // damaged file, else the same message naming one on every rank. `agree` is
   // UnitBase::all_ranks_agree.
   virtual std::string agree_damage(const std::function<bool(bool)>& /*agree*/) const { return ""; }
+
+ protected:
+  // The checks of a read of a file source: the key is there (`found`), the range not negative.
+  void check_read(bool found, const StateKey& key, std::int64_t begin, std::int64_t count) const {
+    if (!found) detail::fail(name(), ": no ", key.describe());
+    if (begin < 0 || count < 0) detail::fail(name(), ": ", key.describe(), ": negative range [", begin, ", +", count, ")");
+  }
 };
 
 // A full state dict held in memory.

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/flat_param.hpp"
@@ -67,6 +68,12 @@ inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::
   auto at = [&](std::size_t i) -> void* { return base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr; };
   for (std::size_t i = 0; i < fp.bindings.size(); ++i) fp.bindings[i].rebind(fp.bindings[i].*which, at(i), dtype);
   for (auto& [i, b] : fp.alias_bindings) b.rebind(b.*which, at(i), dtype);
+}
+
+// Frees a buffer the unit holds, if any, and forgets it.
+inline void release_buffer(const DeviceRef& device, void*& p, std::size_t n, MemorySpace space) {
+  if (p) device.deallocate(p, n, space);
+  p = nullptr;
 }
 
 // Waits for a collective, as a span on the trace's compute lane when the model traces.

@@ -45,10 +45,13 @@ class GradientReduction {
   static constexpr bool offload = Config::cpu_offload::offload;
   static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
 
-  GradientReduction(UnitGroups groups, DeviceRef device) : groups_(groups), device_(device) {
-    pre_divide_ = gradient_predivide_factor(groups_.world_size());
-    post_divide_ = groups_.world_size() / pre_divide_;
-  }
+  // `groups`: the owning FlatParamGroup's, read at each reduction (a unit kept unsharded
+  // changes them before its first); the world, and so the factors, stay the same.
+  GradientReduction(const UnitGroups& groups, DeviceRef device)
+      : groups_(groups), device_(device), pre_divide_(gradient_predivide_factor(groups.world_size())),
+        post_divide_(groups.world_size() / pre_divide_) {}
+  GradientReduction(const GradientReduction&) = delete;
+  GradientReduction& operator=(const GradientReduction&) = delete;
 
   // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
   // unsynchronized backward kept, to add into). `grad_is_zero`: nothing was reduced into
@@ -224,14 +227,11 @@ class GradientReduction {
     release_full_grad(fp);
   }
 
-  void release(void*& p, std::size_t n, MemorySpace space) {
-    if (p) device_.deallocate(p, n, space);
-    p = nullptr;
-  }
+  void release(void*& p, std::size_t n, MemorySpace space) { release_buffer(device_, p, n, space); }
 
-  UnitGroups groups_;
+  const UnitGroups& groups_;
   DeviceRef device_;
-  double pre_divide_ = 1.0, post_divide_ = 1.0;
+  double pre_divide_, post_divide_;
 };
 
 }  // namespace detail

@@ -15,6 +15,7 @@
 
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
+#include "fsdp/flat_param.hpp"
 
 namespace fsdp::detail {
 
@@ -41,38 +42,45 @@ struct SimBuffer {
   std::int64_t numel = 0;
 };
 struct SimUnit {
-  std::string name;  // as messages show it
   std::vector<SimFlat> flat;
   std::vector<SimBuffer> buffers;
   bool kept_unsharded = false;  // under the persistence threshold
   std::vector<int> children;    // units nested in it, in forward order
 };
 
+// A flat parameter of `numel` elements split over n ranks, sized as the unit sizes it.
+inline FlatParamLayout sim_layout(DType dtype, std::int64_t numel, int n) {
+  return FlatParamLayout(dtype, {ParamInfo{.numel = numel}}, n);
+}
+
 // Where a space's peak was reached.
 struct SimPeak {
   std::size_t bytes = 0;
-  int unit = -1;  // -1: setup or the engine's state
-  std::string phase;
+  int unit = -1;  // -1: the engine's state
+  const char* phase = "";
   int step = 0;  // 1-based; 0: setup
 };
 
 class MemorySimulation {
  public:
-  // world: shard x replicate ranks; forward: unit indices in the order forward enters them;
+  // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
+  // place: no bytes of its own); forward: unit indices in the order forward enters them;
   // tops: the outermost units, in forward order.
-  MemorySimulation(SimPolicy p, int shard_size, int replicate_size, std::vector<SimUnit> units, std::vector<int> forward,
-                   std::vector<int> tops, int max_prefetched, bool async_reductions)
+  MemorySimulation(SimPolicy p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
+                   int max_prefetched, bool async_reductions)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
         max_prefetched_(max_prefetched), async_(async_reductions) {
+    backward_ = backward_order();
     for (auto& u : units_) {
       UnitState s;
       const bool shards = p_.shards_parameters && !u.kept_unsharded;
       const int n = shards ? shard_size : 1;
       for (auto& f : u.flat) {
         FlatState fs;
-        fs.shard = (f.numel + n - 1) / n;
-        fs.padded = fs.shard * n;
-        fs.full = shards ? fs.padded : fs.shard;
+        const FlatParamLayout layout = sim_layout(f.master, f.numel, n);
+        fs.shard = layout.shard_numel();
+        fs.padded = layout.padded_numel();
+        fs.full = shards ? fs.padded : fs.shard;  // detail::full_numel
         fs.master = fs.compute = fs.reduce = fs.grad = f.master;
         if (p_.mixed) {
           fs.compute = p_.param;
@@ -90,7 +98,6 @@ class MemorySimulation {
       }
       state_.push_back(s);
     }
-    (void)replicate_size;  // the replicate all-reduce runs in place: no bytes of its own
   }
 
   // Construction: shards, sharded gradients, MixedPrecision's buffer copies.
@@ -135,7 +142,9 @@ class MemorySimulation {
 
   const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
   std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
-  // The backward order the replay derived (unit indices), for messages and tests.
+
+ private:
+  // The backward order (unit indices): the mirror of forward's nesting.
   std::vector<int> backward_order() const {
     std::vector<int> out;
     auto visit = [&](auto& self, int u) -> void {
@@ -147,7 +156,6 @@ class MemorySimulation {
     return out;
   }
 
- private:
   enum class State : std::uint8_t { idle, forward, backward_pre, backward_post };
   struct FlatState {
     std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
@@ -190,9 +198,8 @@ class MemorySimulation {
   int next_forward(bool recorded) const {
     return recorded && forward_step_ < forward_.size() ? forward_[forward_step_] : -1;
   }
-  int next_backward(bool recorded) {
-    if (backward_cache_.empty()) backward_cache_ = backward_order();
-    return recorded && backward_step_ < backward_cache_.size() ? backward_cache_[backward_step_] : -1;
+  int next_backward(bool recorded) const {
+    return recorded && backward_step_ < backward_.size() ? backward_[backward_step_] : -1;
   }
 
   // ---- the unit's hooks (Sharded) ----
@@ -207,8 +214,8 @@ class MemorySimulation {
   }
   void post_forward(int u, bool recorded) {
     auto& s = state_[static_cast<std::size_t>(u)];
-    if (backward_cache_.empty()) backward_cache_ = backward_order();
-    const bool keeps = recorded && !backward_cache_.empty() && backward_cache_[0] == u && forward_step_ == forward_.size();
+    // ExecutionOrder::keeps_after_forward: the unit backward starts with, after the last forward entry
+    const bool keeps = recorded && backward_[0] == u && forward_step_ == forward_.size();
     if (p_.reshard_after_forward && !keeps) release_unsharded(u);
     else s.kept = true;
     s.state = State::idle;
@@ -316,7 +323,7 @@ class MemorySimulation {
   SimPolicy p_;
   std::vector<SimUnit> units_;
   std::vector<UnitState> state_;
-  std::vector<int> forward_, tops_, backward_cache_;
+  std::vector<int> forward_, tops_, backward_;
   int max_prefetched_ = 2;
   bool async_ = false;
   int step_ = 0;

@@ -54,7 +54,7 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
     const int n = policy.shards_parameters && !kept ? shard : 1;
     for (std::size_t k = 0; k < shards.size(); ++k) {
       const ShardView& v = shards[k];
-      const std::int64_t want = (p.flat[k].numel + n - 1) / n;
+      const std::int64_t want = detail::sim_layout(v.dtype, p.flat[k].numel, n).shard_numel();
       if (v.padded_numel != want)
         refuse("its " + std::string(name_of(v.dtype)) + " shard holds " + std::to_string(v.padded_numel) + " elements where " +
                std::to_string(want) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +

@@ -15,19 +15,11 @@ class PostGradHookSlot {
   GradientAfterHook after() const { return after_; }
   bool frees_gradient() const { return after_ == GradientAfterHook::free; }
 
-  // Installs `hook` (none: the gradient is kept). Switching to free frees the sharded
-  // gradients now (so grad_is_zero); keep allocates them again where they were freed.
-  template <class Group>
-  void set(PostAccumulateGradHook hook, GradientAfterHook after, Group& group, bool& grad_is_zero) {
-    if (!hook) after = GradientAfterHook::keep;
-    if (after == GradientAfterHook::free && after_ != after) {
-      group.release_shard_grads();
-      grad_is_zero = true;
-    } else if (after == GradientAfterHook::keep) {
-      group.ensure_shard_grads();  // zeroed where they were freed
-    }
+  // Installs `hook` (none: the gradient is kept). The unit frees or reallocates its
+  // sharded gradient to match.
+  void set(PostAccumulateGradHook hook, GradientAfterHook after) {
+    after_ = hook ? after : GradientAfterHook::keep;
     hook_ = std::move(hook);
-    after_ = after;
   }
 
   // The reduction just issued makes the gradient final (sync on, nothing of it deferred).

@@ -21,11 +21,6 @@ inline std::int64_t full_numel(const FlatParam& fp, const UnitGroups& groups) {
   return groups.shards_parameters ? fp.layout.padded_numel() : fp.layout.shard_numel();
 }
 
-inline void release_buffer(const DeviceRef& device, void*& p, std::size_t n, MemorySpace space) {
-  if (p) device.deallocate(p, n, space);
-  p = nullptr;
-}
-
 // All-gathers an array laid out like a flat parameter's shard (its valid elements, in the
 // shard's space) into host memory for the unpadded flat parameter. Where device memory is
 // host memory and no rank's shard is padded, straight from `mine` into `full_host` (no

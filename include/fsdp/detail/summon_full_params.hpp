@@ -50,6 +50,16 @@ bool gather_for_summon(Group& group, const SummonOptions& options, int rank, con
   return holds_nothing;
 }
 
+// Whether every rank ends the summon with the same writeback flag (else an error on every
+// rank: ranks that differ would run the edit check's collective alone).
+inline void check_writeback_flag_agrees(const CommRef& world, bool writeback, std::string_view unit) {
+  Fingerprint f;
+  f.add(writeback ? "writeback" : "no writeback");
+  check_same_across_ranks(
+      world, f, [&] { return "unit '" + std::string(unit) + "': the writeback flag at the end of summon_full_params"; },
+      [&] { return std::string(writeback ? "writeback=true" : "writeback=false"); });
+}
+
 // Each rank writes back only its own slice of its own full copy, so edits made on some
 // ranks only would be kept in some slices and lost in others. A collective hash of the
 // unit's full parameters and buffers (as a summon shows them); returns the ranks whose

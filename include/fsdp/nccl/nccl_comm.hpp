@@ -50,8 +50,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   // Rank `rank` of `world` processes, on GPU `device`. Rank 0 makes the unique id and sets
   // it in `store` under options.store_key; the others wait for it (options.setup_timeout).
   static NcclComm from_store(Store& store, int rank, int world, int device, Options options = {}) {
-    const std::string at = "NcclComm '" + options.name + "' rank " + std::to_string(rank) + " of " +
-                           std::to_string(world);
+    const std::string at = detail::nccl_where(options.name, rank, world);
     if (world < 1) detail::fail(at, ": the world size must be at least 1");
     if (rank < 0 || rank >= world) detail::fail(at, ": rank is outside [0, ", world, ")");
     detail::check_nccl_options(options, at);
@@ -83,6 +82,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     ncclUniqueId id;
     detail::nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", at);
     std::vector<ncclComm_t> comms(devices.size(), nullptr);
+    std::vector<ncclResult_t> started(devices.size(), ncclSuccess);
     std::vector<ncclConfig_t> configs(devices.size(), detail::nccl_nonblocking_config(options.name.c_str()));
     std::string error;
     detail::CurrentDevice restore(devices[0], at);  // the loop below moves between devices
@@ -93,16 +93,15 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
         if (error.empty()) error = "cudaSetDevice(" + std::to_string(devices[i]) + ") failed";
         continue;
       }
-      const ncclResult_t r = ncclCommInitRankConfig(&comms[i], n, id, i, &configs[i]);
-      if (r != ncclSuccess && r != ncclInProgress && error.empty())
-        error = "ncclCommInitRankConfig(rank " + std::to_string(i) + ") failed: " + detail::nccl_error_text(r);
+      started[i] = ncclCommInitRankConfig(&comms[i], n, id, i, &configs[i]);
     }
     const ncclResult_t ended = ncclGroupEnd();
     cudaSetDevice(devices[0]);  // back where `restore` left it, so that it restores the caller's
     if (ended != ncclSuccess && ended != ncclInProgress && error.empty())
       error = "ncclGroupEnd failed: " + detail::nccl_error_text(ended);
     const auto deadline = detail::NcclClock::now() + options.setup_timeout;
-    for (int i = 0; i < n && error.empty(); ++i) error = settled(comms[i], deadline, options, "ncclCommInitRankConfig");
+    for (int i = 0; i < n && error.empty(); ++i)
+      error = settled(started[i], comms[i], deadline, options, "ncclCommInitRankConfig(rank " + std::to_string(i) + ")");
     if (!error.empty()) {
       for (ncclComm_t c : comms)
         if (c) ncclCommAbort(c);
@@ -128,7 +127,6 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   int device() const { return state_->device; }
   cudaStream_t stream() const { return state_->stream(); }
   const std::string& name() const { return state_->name; }
-  std::chrono::milliseconds timeout() const { return state_->options.timeout; }
   // Why a collective failed and the communicator was aborted; empty while healthy.
   std::string broken_by() const { return state_->broken_by(); }
   bool broken() const { return !broken_by().empty(); }
@@ -155,11 +153,9 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       if (!state_->broken_locked().empty()) detail::fail(at, ": the communicator broke earlier: ", state_->broken_locked());
       detail::CurrentDevice current(device(), at);
       const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, &comm, &config);
-      std::string error;
-      if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommSplit failed: " + detail::nccl_error_text(r);
       const auto deadline = detail::NcclClock::now() + child.setup_timeout;
-      if (error.empty()) error = settled(comm, deadline, child, "ncclCommSplit");
-      if (error.empty()) error = settled(state_->comm_locked(), deadline, child, "ncclCommSplit (parent)");
+      std::string error = settled(r, comm, deadline, child, "ncclCommSplit");
+      if (error.empty()) error = settled(ncclSuccess, state_->comm_locked(), deadline, child, "ncclCommSplit (parent)");
       if (!error.empty()) {
         if (comm) ncclCommAbort(comm);
         state_->fail_locked(at + ": " + error, ~std::uint64_t{0});  // the ranks are out of step now
@@ -181,16 +177,18 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       detail::fail(at, ": no such CUDA device cuda:", device, " (", count, " visible)");
   }
 
-  // "" once `comm` has left ncclInProgress successfully, else what went wrong.
-  static std::string settled(ncclComm_t comm, detail::NcclClock::time_point deadline, const Options& o,
-                             const char* call) {
-    if (!comm) return std::string(call) + " returned no communicator";
+  // "" once `call`, which returned `r` for `comm`, has left ncclInProgress successfully
+  // (by `deadline`), else what went wrong.
+  static std::string settled(ncclResult_t r, ncclComm_t comm, detail::NcclClock::time_point deadline,
+                             const Options& o, const std::string& call) {
+    if (r != ncclSuccess && r != ncclInProgress) return call + " failed: " + detail::nccl_error_text(r);
+    if (!comm) return call + " returned no communicator";
     const ncclResult_t s = detail::nccl_settle(comm, deadline);
     if (s == ncclSuccess) return {};
     if (s == ncclInProgress)
-      return std::string(call) + " did not complete within " + std::to_string(o.setup_timeout.count()) +
+      return call + " did not complete within " + std::to_string(o.setup_timeout.count()) +
              " ms (NcclCommOptions::setup_timeout): not every rank joined";
-    return std::string(call) + " failed: " + detail::nccl_error_text(s, comm);
+    return call + " failed: " + detail::nccl_error_text(s, comm);
   }
 
   static ncclComm_t init(const ncclUniqueId& id, int rank, int world, int device, const Options& o,
@@ -199,9 +197,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     ncclConfig_t config = detail::nccl_nonblocking_config(o.name.c_str());
     ncclComm_t comm = nullptr;
     const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
-    std::string error;
-    if (r != ncclSuccess && r != ncclInProgress) error = "ncclCommInitRankConfig failed: " + detail::nccl_error_text(r);
-    if (error.empty()) error = settled(comm, detail::NcclClock::now() + o.setup_timeout, o, "ncclCommInitRankConfig");
+    const std::string error = settled(r, comm, detail::NcclClock::now() + o.setup_timeout, o, "ncclCommInitRankConfig");
     if (!error.empty()) {
       if (comm) ncclCommAbort(comm);
       detail::fail(at, ": ", error, " (unique id from store key '", o.store_key, "')");

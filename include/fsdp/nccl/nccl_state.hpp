@@ -69,7 +69,7 @@ struct NcclInFlight {
     if (event) cudaEventDestroy(event);
   }
   CollectiveCall call;
-  cudaEvent_t event = nullptr;
+  cudaEvent_t event = nullptr;  // handed back to the communicator for reuse once complete
   NcclClock::time_point issued;
   bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
   bool complete = false;
@@ -128,6 +128,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       else ncclCommAbort(comm_);
     }
     in_flight_.clear();
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     if (after_event_) cudaEventDestroy(after_event_);
     if (scratch_) cudaFree(scratch_);
     if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
@@ -171,7 +172,12 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
     f->call = call;
-    cuda_check(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+    if (spare_events_.empty()) {
+      cuda_check(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+    } else {  // one that completed: the steady state makes no new event per collective
+      f->event = spare_events_.back();
+      spare_events_.pop_back();
+    }
     if (options.after) {
       cuda_check(cudaEventRecord(after_event_, options.after), "cudaEventRecord(after stream)", at);
       cuda_check(cudaStreamWaitEvent(stream_, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
@@ -252,8 +258,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         device(device),
         name(std::move(name)),
         options(std::move(options)),
-        where_("NcclComm '" + this->name + "' rank " + std::to_string(rank) + " of " + std::to_string(size) +
-               " (cuda:" + std::to_string(device) + ")"),
+        where_(nccl_where(this->name, rank, size) + " (cuda:" + std::to_string(device) + ")"),
         comm_(comm) {}
 
   void start() {
@@ -307,7 +312,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     std::unique_lock lk(mu_);
     while (!stopping_) {
       cv_.wait_for(lk, options.watchdog_interval);
-      if (stopping_ || aborted_) continue;
+      if (aborted_) cv_.wait(lk, [this] { return stopping_; });  // nothing left to watch
+      if (stopping_) break;
       while (!in_flight_.empty() && in_flight_.front()->recorded) {  // one stream: they finish in order
         NcclInFlight& f = *in_flight_.front();
         const std::string reason = f.complete ? std::string() : inspect_locked(f);
@@ -316,6 +322,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
           break;
         }
         if (!f.complete) break;
+        spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() reads `complete` only now
         in_flight_.pop_front();
       }
       if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
@@ -338,6 +345,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
   std::deque<std::shared_ptr<NcclInFlight>> in_flight_;  // oldest first
+  std::vector<cudaEvent_t> spare_events_;                // of completed collectives, for reuse
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
   cudaEvent_t after_event_ = nullptr;

@@ -53,6 +53,11 @@ inline void check_nccl_options(const NcclCommOptions& o, std::string_view where)
   if (o.store_key.empty()) fail(where, ": NcclCommOptions::store_key is empty");
 }
 
+// "NcclComm 'world' rank 1 of 4": how messages name a rank of a communicator.
+inline std::string nccl_where(const std::string& name, int rank, int size) {
+  return "NcclComm '" + name + "' rank " + std::to_string(rank) + " of " + std::to_string(size);
+}
+
 inline ncclDataType_t nccl_dtype(DType t) {
   switch (t) {
     case DType::f32: return ncclFloat32;
