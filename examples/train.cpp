@@ -40,28 +40,12 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "examples/train_checkpoint.hpp"
 #include "examples/train_config.hpp"
+#include "examples/train_report.hpp"
 #include "tools/launcher/launcher.hpp"
 
 namespace {
 
 using namespace train_example;
-
-// What rank 0 knows at the end of training.
-struct Summary {
-  double loss = 0;
-  std::uint64_t fingerprint = 0;  // xxh64 of every trained parameter's bits, in FQN order
-  std::size_t peak = 0, host_peak = 0;
-  int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
-  fsdp::CollectiveCounts last_step;  // rank 0's collectives in the last step, every group together
-};
-
-// Unsharded reference: one model, the whole global batch, every byte through a counting
-// Device. Under --precision bf16 / fp16 it computes with a 16-bit copy of the model, as
-// MixedPrecision does (without loss scaling, so fp16 agrees only roughly).
-struct Reference {
-  std::vector<double> loss;
-  std::size_t peak = 0;
-};
 
 // Step s's --accumulate micro-batches: samples [first, first + count) of each. Micro-batch j
 // of step s is the synthetic task's batch s * accumulate + j, so --accumulate 1 trains on
@@ -144,6 +128,16 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(comm_precision), decltype(off)>(
         model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold});
     sharded.set_trace(tracing);
+    // --reshard-after-forward N: the backward all-gathers run inside groups of N consecutive
+    // ranks (one host's, on a cluster), each rank keeping 1/N of the parameters after forward.
+    std::optional<decltype(counted.split(0, 0))> post_forward;
+    if (cfg.post_forward_ranks > 0) {
+      post_forward.emplace(counted.split(r / cfg.post_forward_ranks, r));
+      sharded.set_reshard_after_forward(*post_forward);
+    } else if (!cfg.reshard_after_forward.empty()) {
+      sharded.set_reshard_after_forward(cfg.reshard_after_forward == "true");
+    }
+    sharded.set_reshard_after_backward(cfg.reshard_after_backward);
     // Optimizer state next to the shards it steps: host space when they are offloaded.
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
@@ -194,8 +188,15 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     for (int s = first_step; s < cfg.steps; ++s) {
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
       engine::reset_counts(mesh);
+      if (post_forward) post_forward->reset();
       double local = cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro);
       summary.last_step = engine::total_counts(mesh);
+      if (post_forward) summary.last_step_post_forward = post_forward->counts();
+      if (post_forward)
+        for (std::size_t k = 0; k < fsdp::collective_kinds; ++k) {
+          summary.last_step.by_kind[k].calls += post_forward->counts().by_kind[k].calls;
+          summary.last_step.by_kind[k].bytes += post_forward->counts().by_kind[k].bytes;
+        }
       double global = 0;  // equal batches per rank: the global loss is the mean of the ranks'
       stream.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
       const auto dev = device.stats(fsdp::MemorySpace::device);
@@ -247,58 +248,6 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   return summary;
 }
 
-void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, const std::string& backend,
-                   const Summary& s, const Reference& ref) {
-  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh; "
-             "precision {}{}{}{}\n",
-             cfg.model.blocks, cfg.model.dim, cfg.model.hidden, world, cfg.batch_per_rank, cfg.optimizer, cfg.strategy,
-             mesh_shape.str(), cfg.precision, cfg.offload ? ", offload" : "",
-             fmt::format("{}{}", cfg.accumulate > 1 ? fmt::format("; {} micro-batches per step{}", cfg.accumulate,
-                                                                  cfg.sync_every_microbatch ? ", each reduced" : "")
-                                                    : "",
-                         cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "") +
-                 (cfg.comm_precision != "fp32" ? fmt::format("; collectives in {}", cfg.comm_precision) : "") +
-                 (cfg.persistence_threshold > 0
-                      ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
-                      : "") +
-                 (cfg.optimizer_in_backward ? "; optimizer steps in backward" : ""),
-             backend == "thread" ? "" : "; backend " + backend);
-  fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
-  if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
-  if (precision_dtype(cfg.precision) == fsdp::DType::f16)
-    fmt::print("fp16: the loss scaler skipped {} of {} steps\n", s.skipped_steps, cfg.steps);
-  if (!cfg.trace_dir.empty())
-    fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", cfg.trace_dir, world - 1);
-  if (cfg.report_comm) {
-    using fsdp::Collective;
-    const auto& c = s.last_step;
-    std::uint64_t calls = 0, bytes = 0;
-    for (const auto& e : c.by_kind) { calls += e.calls; bytes += e.bytes; }
-    fmt::print("comm: last step on rank 0: {} collectives, {} B (all_gather {} x, {} B; reduce_scatter {} x, {} B; "
-               "all_reduce {} x, {} B)\n",
-               calls, bytes, c[Collective::all_gather].calls, c[Collective::all_gather].bytes,
-               c[Collective::reduce_scatter].calls, c[Collective::reduce_scatter].bytes, c[Collective::all_reduce].calls,
-               c[Collective::all_reduce].bytes);
-  }
-  fmt::print("parameters: xxh64={:016x}\n", s.fingerprint);
-  fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", s.loss,
-             ref.loss.back(), s.peak, ref.peak);
-}
-
-// The mesh for `world` ranks: --mesh if given; 2 x world/2 for a hybrid strategy on an even
-// world of at least 4; else 1 x world.
-fsdp::MeshShape choose_mesh(const std::string& strategy, const std::string& mesh_text, int world) {
-  fsdp::MeshShape mesh{1, world};
-  fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
-  if (!mesh_text.empty()) mesh = fsdp::parse_mesh_shape(mesh_text);
-  else if (world >= 4 && world % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
-    if (decltype(s)::hybrid) mesh = {2, world / 2};
-  });
-  if (mesh.size() != world)
-    fsdp::detail::fail("--mesh ", mesh.str(), " needs ", mesh.size(), " ranks, not ", world);
-  return mesh;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -345,6 +294,11 @@ int main(int argc, char** argv) {
                "there (not with --clip, fp16, --save or --resume: they need every gradient, or the "
                "one optimizer's state, after backward)")
       ->excludes(clip);
+  auto* reshard = app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
+                                 "true, false, or N: keep the parameters sharded over groups of N consecutive ranks "
+                                 "between forward and backward (partial resharding, ZeRO++ hpZ)");
+  auto* keep = app.add_option("--reshard-after-backward", cfg.reshard_after_backward,
+                 "false: between micro-batches of --accumulate, keep the parameters for the next forward");
   app.add_flag("--plan", cfg.plan,
                "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step");
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
@@ -357,7 +311,19 @@ int main(int argc, char** argv) {
                  "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
                  "step to --steps");
   CLI11_PARSE(app, argc, argv);
-  cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0;
+  cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0 || reshard->count() > 0 || keep->count() > 0;
+  if (!cfg.reshard_after_forward.empty() && cfg.reshard_after_forward != "true" && cfg.reshard_after_forward != "false") {
+    try {
+      cfg.post_forward_ranks = std::stoi(cfg.reshard_after_forward);
+    } catch (const std::exception&) {
+      cfg.post_forward_ranks = 0;
+    }
+    if (cfg.post_forward_ranks < 2) {
+      fmt::print(stderr, "--reshard-after-forward {}: expected true, false or a group size of at least 2\n",
+                 cfg.reshard_after_forward);
+      return 2;
+    }
+  }
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
     fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",
                cfg.comm_precision, cfg.precision, cfg.precision);

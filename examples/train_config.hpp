@@ -41,6 +41,11 @@ struct Config {
   bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch
   bool plan = false;  // --plan: print fsdp::plan's per-rank peak before the first step
   bool optimizer_in_backward = false;  // --optimizer-in-backward: each unit steps in its post-accumulate-grad hook
+  // --reshard-after-forward: "" (the strategy's), "true", "false", or N: a partial reshard
+  // over groups of N consecutive ranks (N parsed into post_forward_ranks).
+  std::string reshard_after_forward;
+  int post_forward_ranks = 0;
+  bool reshard_after_backward = true;  // --reshard-after-backward false: keep parameters between micro-batches
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only
   engine::ModelConfig model{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};

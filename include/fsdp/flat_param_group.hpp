@@ -7,6 +7,7 @@
 // summons and checkpoints do beyond that is in fsdp/detail/summon_buffers.hpp.
 #include <algorithm>
 #include <cstddef>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -48,6 +49,7 @@ class FlatParamGroup {
       fp.reduce_work = Work{};
       reduction_.release_accumulated(fp);
       release_unsharded_params(fp);
+      release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
       release(fp.shard, fp.shard_bytes(), shard_space);
       release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
       if (took_over_) {
@@ -206,6 +208,10 @@ class FlatParamGroup {
     fp.full_dtype = as;
     if (fp.direct) { fp.full = fp.shard; return; }
     fp.unbound = true;
+    if (fp.post_forward) {  // kept by a partial reshard, in the gathered compute dtype
+      if (as == fp.compute) return start_post_forward_gather(fp, as);
+      release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
+    }
     if (wire != as && groups_.shards_parameters) {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
@@ -234,6 +240,7 @@ class FlatParamGroup {
     }
     detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, as);
     fp.unbound = false;
+    release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);  // gathered from: done
   }
 
   // Issues the all-gathers not yet issued; returns whether it issued any.
@@ -285,11 +292,53 @@ class FlatParamGroup {
     detail::gather_array(flat_.at(k).layout, groups_, device_, mine, full_host, dtype);
   }
 
+  // Frees the unsharded parameters and what a partial reshard kept of them.
   void release_unsharded() {
     for (auto& fp : flat_) {
       if (fp.direct) continue;  // replicated parameters stay valid
       fp.gather_work = Work{};  // a prefetched all-gather may still be writing into the buffer
       fp.unbound = false;
+      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
+      release_unsharded_params(fp);
+      release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
+    }
+  }
+
+  // ---- partial resharding (FSDP2's integer reshard_after_forward, ZeRO++ hpZ) ----
+
+  // The group a partial reshard keeps the parameters sharded over: k ranks whose group
+  // rank is their shard rank modulo k, so that k consecutive chunks of the unsharded
+  // buffer, one per member, rebuild it (the ranks of one host, typically). nullopt: none.
+  // Checked here on this rank; that every rank asked for the same k is checked with the
+  // unit's other run-time settings. The group must outlive the setting.
+  void set_post_forward_group(std::optional<detail::CommRef> group, std::string_view unit) {
+    if (group && groups_.shards_parameters) {
+      const int k = group->size(), S = groups_.shard_size;
+      if (k <= 1 || k >= S || S % k != 0)
+        detail::fail("unit '", unit, "' on rank ", groups_.world.rank(), ": set_reshard_after_forward(group of ", k,
+                     " ranks): a partial reshard needs a group whose size divides the shard group's ", S,
+                     " ranks and lies strictly between 1 and ", S, " (use true or false for the others)");
+      if (group->rank() != groups_.shard_rank % k)
+        detail::fail("unit '", unit, "' on rank ", groups_.world.rank(), ": set_reshard_after_forward(group): this rank is ",
+                     "rank ", group->rank(), " of the group but rank ", groups_.shard_rank, " of its shard group of ", S,
+                     "; the group's ranks must be shard ranks modulo ", k, " (split by shard rank / ", k,
+                     ", keyed by shard rank, e.g. the ranks of one host)");
+    }
+    post_forward_group_ = groups_.shards_parameters ? group : std::nullopt;  // unsharded units have nothing to keep
+  }
+  bool reshards_partially() const { return post_forward_group_.has_value(); }
+  int post_forward_size() const { return post_forward_group_ ? post_forward_group_->size() : 0; }
+
+  // After forward: keeps this rank's chunk of each unsharded buffer (in the gathered
+  // dtype, which holds its values exactly) and frees the rest.
+  void reshard_to_post_forward() {
+    const int k = post_forward_group_->size(), j = groups_.shard_rank % k;
+    for (auto& fp : flat_) {
+      if (fp.direct || !fp.full || fp.unbound || fp.post_forward) continue;
+      fp.post_forward_numel = fp.layout.padded_numel() / k;
+      fp.post_forward = device_.allocate(fp.post_forward_bytes(), MemorySpace::device);
+      device_.cast(fp.post_forward, fp.gather, static_cast<std::byte*>(fp.full) + FlatParam::bytes(j * fp.post_forward_numel, fp.full_dtype),
+                   fp.full_dtype, static_cast<std::size_t>(fp.post_forward_numel));
       detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
     }
@@ -308,6 +357,7 @@ class FlatParamGroup {
   }
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   void zero_grad() { reduction_.zero_grad(flat_); }
+  void set_gradient_divide_factor(double f) { reduction_.set_divide_factor(f); }
 
   // Where a post-accumulate-grad hook frees the sharded gradients between backwards.
   void release_shard_grads() {
@@ -339,7 +389,21 @@ class FlatParamGroup {
 
   void release(void*& p, std::size_t n, MemorySpace space) { detail::release_buffer(device_, p, n, space); }
 
+  // The backward all-gather of a partially resharded parameter: inside the post-forward
+  // group, from the chunk kept since forward (freed once the gather is shown).
+  void start_post_forward_gather(FlatParam& fp, DType as) {
+    const auto n = static_cast<std::size_t>(fp.post_forward_numel);
+    if (fp.gather != as) {  // a narrower wire dtype: widened into `as` by finish_gather
+      fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
+      fp.gather_work = post_forward_group_->all_gather(fp.post_forward, fp.wire, n, fp.gather);
+      return;
+    }
+    fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
+    fp.gather_work = post_forward_group_->all_gather(fp.post_forward, fp.full, n, as);
+  }
+
   detail::UnitGroups mesh_groups_, groups_;
+  std::optional<detail::CommRef> post_forward_group_;
   detail::DeviceRef device_;
   detail::GradientReduction<Config> reduction_;
   std::vector<FlatParam> flat_;

@@ -17,7 +17,6 @@
 #include <string_view>
 #include <vector>
 
-#include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/error.hpp"
 
 namespace fsdp {
@@ -63,32 +62,4 @@ struct GradientSync {
   }
 };
 
-namespace detail {
-
-// Every rank must pair the same collectives for a unit, so its settings must agree. A unit
-// checks at the first backward after its settings change (never in plain training): ranks
-// whose settings first differ at some backward differ in whether they changed there, so one
-// side runs this all-gather while the other runs its reduction; either the values differ
-// (named below) or the collectives do (the backend's error, named below too).
-inline void agree_gradient_sync(const CommRef& world, const GradientSync& mine, std::string_view unit, int rank) {
-  if (world.size() == 1) return;
-  const std::int32_t code = mine.code();
-  std::vector<std::int32_t> all(static_cast<std::size_t>(world.size()));
-  try {
-    world.all_gather(&code, all.data(), 1, DType::i32).wait();
-  } catch (const Error& e) {
-    fail("unit '", unit, "' on rank ", rank, ": its gradient sync settings changed at this backward (now ",
-         GradientSync::describe(code), ") but another rank ran a different collective here: the ranks' "
-         "set_requires_gradient_sync / set_requires_all_reduce / no_sync calls differ (", e.what(), ")");
-  }
-  for (std::int32_t other : all) {
-    if (other == code) continue;
-    std::ostringstream os;
-    os << "unit '" << unit << "': gradient sync settings differ across ranks (seen on rank " << rank << "):";
-    for (std::size_t r = 0; r < all.size(); ++r) os << (r ? ";" : "") << " rank " << r << " " << GradientSync::describe(all[r]);
-    throw Error(os.str());
-  }
-}
-
-}  // namespace detail
 }  // namespace fsdp

@@ -4,7 +4,7 @@
 // The planner replays what the library allocates and frees through its Device during
 // setup and training steps (fsdp/detail/memory_simulation.hpp): each unit's shards and
 // sharded gradients, the unsharded parameters of each all-gather (with the prefetch mode
-// and limit, reshard-after-forward per strategy, the unit backward starts with keeping
+// and limit, each unit's reshard-after-forward (partial too), the unit backward starts with keeping
 // its parameters), the unsharded gradients, the reduction buffers and precision casts,
 // offloaded shards in host space, MixedPrecision's buffer copies. What it needs: each
 // unit's flat parameters (dtype and element count), its floating buffers, its nesting
@@ -30,6 +30,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -54,6 +55,11 @@ struct PlannedUnit {
     std::int64_t numel = 0;
   };
   std::vector<Buffer> buffers;
+  // Its ReshardSettings: reshard after forward (nullopt: its strategy's), and over how many
+  // ranks a partial reshard keeps the parameters (0: none; else a divisor of the shard
+  // group strictly between 1 and its size). Units whose parameters are not sharded ignore both.
+  std::optional<bool> reshard_after_forward = std::nullopt;
+  int post_forward_ranks = 0;
 };
 
 struct PlanOptions {
@@ -160,6 +166,12 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
     }
     for (const auto& b : units[i].buffers) s.buffers.push_back({b.dtype, b.numel});
     s.kept_unsharded = policy.shards_parameters && elements < options.persistence_threshold;
+    s.reshard_after_forward = units[i].reshard_after_forward.value_or(policy.reshard_after_forward);
+    const int k = units[i].post_forward_ranks;
+    if (k != 0 && (k <= 1 || k >= shard || shard % k != 0))
+      detail::fail("fsdp::plan: unit '", name, "' reshards after forward to groups of ", k, " ranks, which must divide the ",
+                   shard, " ranks of its shard group and lie strictly between 1 and ", shard);
+    if (policy.shards_parameters && !s.kept_unsharded) s.post_forward_ranks = k;
     for (std::size_t j = 0; j < i; ++j)
       if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
   }

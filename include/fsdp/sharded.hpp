@@ -106,7 +106,8 @@ class Sharded final : public UnitBase {
     // Parameters kept since a forward that no backward consumed may predate an optimizer
     // step: gather afresh.
     if (kept_) release_unsharded();
-    unshard();
+    unshard();  // a no-op where the last backward kept the parameters (reshard_after_backward off)
+    kept_after_backward_ = false;
     prefetch_ahead(forward_prefetch_, Pass::forward, prefetches_forward);  // runs behind this unit's forward
     state_ = TrainingState::FORWARD;
     compute_begin_ = now_if_traced();
@@ -116,8 +117,7 @@ class Sharded final : public UnitBase {
     expect({TrainingState::FORWARD}, "post_forward");
     if (uses_.recompute_from) return end_recompute();
     record_compute("forward");
-    if (strategy::reshard_after_forward && (!order_ || !order_->keeps_after_forward(*this))) release_unsharded();
-    else kept_ = true;  // valid for this unit's next pre_backward only
+    reshard_after_forward(!reshard_.after_forward || (order_ && order_->keeps_after_forward(*this)));
     state_ = TrainingState::IDLE;
   }
 
@@ -128,9 +128,12 @@ class Sharded final : public UnitBase {
                      "entry of this pass (it ran forward ", uses_.forward_entries(), " time(s) and backward as often, so its ",
                      "gradient was reduced); a unit runs backward once per forward entry until finish_backward");
       expect({TrainingState::IDLE}, "pre_backward");
-      if (sync_ != agreed_sync_) {  // only after a change: plain training runs no extra collective
-        detail::agree_gradient_sync(group_.groups().world, sync_, display_name(), rank_);
+      if (sync_ != agreed_sync_ || reshard_ != agreed_reshard_) {  // only after a change: plain training runs no extra collective
+        detail::agree_unit_settings(group_.groups().world, sync_, reshard_, display_name(), rank_);
+        if (reshard_.gradient_divide_factor != agreed_reshard_.gradient_divide_factor)
+          group_.set_gradient_divide_factor(reshard_.gradient_divide_factor);
         agreed_sync_ = sync_;
+        agreed_reshard_ = reshard_;
       }
       uses_.start_backward();
     }
@@ -146,7 +149,10 @@ class Sharded final : public UnitBase {
   void post_backward() override {
     expect({TrainingState::BACKWARD_PRE}, "post_backward");
     record_compute("backward");
-    release_unsharded();  // parameters first, as FSDP does: their memory is free before the reduction
+    // Parameters first, as FSDP does: their memory is free before the reduction. Kept for
+    // the next forward only while the gradient is not final: a step would make them stale.
+    if (reshard_.after_backward || gradient_is_final()) release_unsharded();
+    else kept_after_backward_ = true;
     if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
       if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
     state_ = TrainingState::BACKWARD_POST;
@@ -309,6 +315,8 @@ class Sharded final : public UnitBase {
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
+    reshard_.after_forward = strategy::reshard_after_forward;
+    agreed_reshard_ = reshard_;
     if (!options.defer_take_over) take_over();
   }
 
@@ -332,11 +340,28 @@ class Sharded final : public UnitBase {
   void end_recompute() {
     record_compute("recompute");
     const TrainingState back = *std::exchange(uses_.recompute_from, std::nullopt);
-    if (back != TrainingState::BACKWARD_PRE) {  // gathered for it: freed as after any forward
-      if (strategy::reshard_after_forward) release_unsharded();
-      else kept_ = true;
-    }
+    if (back != TrainingState::BACKWARD_PRE) reshard_after_forward(!reshard_.after_forward);  // gathered for it
     state_ = back;
+  }
+
+  // After forward: keep the parameters whole (for this unit's next pre_backward only), keep
+  // this rank's chunk of them (partial resharding), or free them.
+  void reshard_after_forward(bool keep_whole) {
+    if (!keep_whole) {
+      if (!group_.reshards_partially()) return release_unsharded();
+      group_.reshard_to_post_forward();
+    }
+    kept_ = true;
+  }
+
+  bool gradient_is_final() const {
+    return sync_.requires_sync && detail::plan_gradient(sync_, group_.groups()) == detail::GradientPlan::reduce;
+  }
+
+  void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) override {
+    group_.set_post_forward_group(group, display_name());
+    reshard_.after_forward = reshard;
+    reshard_.post_forward_ranks = group_.reshards_partially() ? group_.post_forward_size() : 0;
   }
 
   // Reduces the gradient accumulated over this pass's backward entries; returns whether
@@ -348,7 +373,7 @@ class Sharded final : public UnitBase {
     if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
     if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
     // Final once this reduction completes: sync on and nothing of it deferred.
-    grad_hook_.arm(sync_.requires_sync && plan == detail::GradientPlan::reduce);
+    grad_hook_.arm(gradient_is_final());
     return inline_done;
   }
 
@@ -371,7 +396,7 @@ class Sharded final : public UnitBase {
   void release_unsharded() {
     group_.release_unsharded();
     if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }  // gathered ahead, never used
-    kept_ = false;
+    kept_ = kept_after_backward_ = false;
   }
 
   // ---- tracing: one pointer test when off ----
@@ -387,9 +412,11 @@ class Sharded final : public UnitBase {
   detail::BufferCopies buffers_;
   FlatParamGroup<config> group_;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
-  bool kept_ = false;        // gathered in a forward and kept for this unit's backward
+  bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward
+  bool kept_after_backward_ = false;  // kept whole by a backward for the next forward
   bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
   GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
+  ReshardSettings agreed_reshard_;
   bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
   bool summon_checks_writeback_ = true;
   Trace::Clock::time_point compute_begin_{};

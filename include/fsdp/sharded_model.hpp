@@ -197,6 +197,23 @@ class ShardedModel {
     for (auto& u : units_) u->set_gradient_sync_mode(m);
   }
 
+  // Resharding and the gradient divide factor (fsdp/reshard_settings.hpp) for every unit:
+  // FSDP2's names. IDLE only. A partial reshard (an int in FSDP2) takes the group each
+  // rank keeps the parameters sharded over between forward and backward.
+  void set_reshard_after_forward(bool on) {
+    for (auto& u : units_) u->set_reshard_after_forward(on);
+  }
+  template <Communicator C>
+  void set_reshard_after_forward(C& group) {
+    for (auto& u : units_) u->set_reshard_after_forward(group);
+  }
+  void set_reshard_after_backward(bool on) {
+    for (auto& u : units_) u->set_reshard_after_backward(on);
+  }
+  void set_gradient_divide_factor(double factor) {
+    for (auto& u : units_) u->set_gradient_divide_factor(factor);
+  }
+
   // Post-accumulate-grad hooks (fsdp/post_accumulate_grad_hook.hpp) for every unit: per
   // unit, or per parameter (each of the unit's parameters in turn). IDLE only; an empty
   // hook removes them. With GradientAfterHook::free, shards() and parameters() show

@@ -4,6 +4,7 @@
 // optimizer steps on.
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <span>
 #include <sstream>
 #include <string>
@@ -12,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/communicator.hpp"
+#include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/post_grad_hook_slot.hpp"
 #include "fsdp/detail/unit_uses.hpp"
 #include "fsdp/device.hpp"
@@ -19,6 +22,7 @@
 #include "fsdp/execution_order.hpp"
 #include "fsdp/gradient_sync.hpp"
 #include "fsdp/post_accumulate_grad_hook.hpp"
+#include "fsdp/reshard_settings.hpp"
 #include "fsdp/training_state.hpp"
 
 namespace fsdp {
@@ -171,6 +175,12 @@ class UnitBase {
   // Completes a reduction that post_backward left in flight (asynchronous backends).
   virtual void finish_reduction() = 0;
 
+ protected:
+  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
+  virtual void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) = 0;
+
+ public:
+
   // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
   // when set, these units are gathered at this unit's pre_forward / pre_backward instead
   // of the next unit in the recorded order.
@@ -185,6 +195,32 @@ class UnitBase {
   void set_requires_all_reduce(bool on) { expect({TrainingState::IDLE}, "set_requires_all_reduce"); sync_.requires_all_reduce = on; }
   void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
   const GradientSync& gradient_sync() const { return sync_; }
+
+  // Resharding and the gradient's divide factor (fsdp/reshard_settings.hpp), read by the
+  // unit's next hooks. IDLE only; every rank must make the same calls (checked with the
+  // gradient sync settings). A partial reshard keeps the parameters sharded over `group`
+  // between forward and backward; the group must outlive the setting. Units whose
+  // parameters are not sharded (NoShard, under the persistence threshold) have nothing to
+  // reshard: the setting is accepted and changes nothing.
+  void set_reshard_after_forward(bool on) {
+    expect({TrainingState::IDLE}, "set_reshard_after_forward");
+    set_post_forward_group(std::nullopt, on);
+  }
+  template <Communicator C>
+  void set_reshard_after_forward(C& group) {
+    expect({TrainingState::IDLE}, "set_reshard_after_forward");
+    set_post_forward_group(detail::CommRef(group), true);
+  }
+  void set_reshard_after_backward(bool on) {
+    expect({TrainingState::IDLE}, "set_reshard_after_backward");
+    reshard_.after_backward = on;
+  }
+  void set_gradient_divide_factor(double factor) {
+    expect({TrainingState::IDLE}, "set_gradient_divide_factor");
+    detail::check_divide_factor(factor, fqn_, rank_);
+    reshard_.gradient_divide_factor = factor;
+  }
+  const ReshardSettings& reshard_settings() const { return reshard_; }
 
   // Post-accumulate-grad hook (fsdp/post_accumulate_grad_hook.hpp): run once this unit's
   // sharded gradient is final; with GradientAfterHook::free the gradient is freed after it
@@ -279,6 +315,7 @@ class UnitBase {
   int order_index_ = -1;  // this unit's index in the order
   std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
   GradientSync sync_;
+  ReshardSettings reshard_;
   detail::UnitUses uses_;
   std::vector<ParamStorage> storage_;
   detail::PostGradHookSlot grad_hook_;

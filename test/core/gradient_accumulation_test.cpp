@@ -509,17 +509,20 @@ TEST_CASE("settings that differ across ranks fail on every rank, naming the unit
       else sm.set_gradient_sync_mode(GradientSyncMode::reduce_every_microbatch);
     });
     for (int r = 0; r < 2; ++r)
-      CHECK(msgs[r] == "fsdp: unit '<root>': gradient sync settings differ across ranks (seen on rank " + std::to_string(r) +
-                           "): rank 0 sync off, all-reduce on, keep_unsharded; rank 1 sync on, all-reduce on, "
-                           "reduce_every_microbatch");
+      CHECK(msgs[r] == "fsdp: unit '<root>': run-time settings differ across ranks (seen on rank " + std::to_string(r) +
+                           "): rank 0 sync off, all-reduce on, keep_unsharded, reshard after forward on, reshard after "
+                           "backward on, gradient divide factor the world size; rank 1 sync on, all-reduce on, "
+                           "reduce_every_microbatch, reshard after forward on, reshard after backward on, gradient "
+                           "divide factor the world size");
   }
   SUBCASE("one rank turns sync off, the other does not") {
     const auto msgs = run([](fsdp::ShardedModel& sm, int rank) {
       if (rank == 1) sm.set_requires_gradient_sync(false);
     });
     for (int r = 0; r < 2; ++r) CHECK(!msgs[r].empty());
-    CHECK(msgs[1].find("unit '<root>' on rank 1: its gradient sync settings changed at this backward (now sync off, "
-                       "all-reduce on, keep_unsharded) but another rank ran a different collective here") != std::string::npos);
+    CHECK(msgs[1].find("unit '<root>' on rank 1: its run-time settings changed at this backward (now sync off, "
+                       "all-reduce on, keep_unsharded, reshard after forward on, reshard after backward on, gradient "
+                       "divide factor the world size) but another rank ran a different collective here") != std::string::npos);
     CHECK(msgs[1].find("rank 0") != std::string::npos);  // the backend's message names the other rank
   }
 }

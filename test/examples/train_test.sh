@@ -124,12 +124,44 @@ for opt in adamw sgd; do
 done
 grep -q '; optimizer steps in backward' <<<"$inside" || fail "--optimizer-in-backward: not shown in the model line"
 
+# --reshard-after-forward 2 on 4 ranks: the same model bit for bit; the backward's
+# all-gathers (all units but the root, which backward starts with) run inside groups of 2,
+# and the peak lies between a full reshard's and keeping the parameters whole.
+# --reshard-after-backward false with --accumulate 4: micro-batches 2..4 need no forward
+# all-gather, the same model.
+full=$("$train" --ranks 4 --steps 3 --reshard-after-forward true 2>&1) || fail "--reshard-after-forward true: exited with $?"
+part=$("$train" --ranks 4 --steps 3 --reshard-after-forward 2 2>&1) || fail "--reshard-after-forward 2: exited with $?"
+whole=$("$train" --ranks 4 --steps 3 --reshard-after-forward false 2>&1) || fail "--reshard-after-forward false: exited with $?"
+inside=$(sed -n 's/^comm: of which inside groups of 2 ranks.*all_gather \([0-9]*\) x.*/\1/p' <<<"$part")
+read -r full_ag _ < <(comm_field all_gather "$full")
+read -r part_ag _ < <(comm_field all_gather "$part")
+pf=$(field peak_bytes_per_rank "$full") pp=$(field peak_bytes_per_rank "$part") pw=$(field peak_bytes_per_rank "$whole")
+if [[ -z "$inside" || -z "$pf" || -z "$pp" || -z "$pw" ]]; then
+  fail "--reshard-after-forward: missing figures (inside '$inside', peaks '$pf' '$pp' '$pw')"
+elif [[ "$(grep '^parameters: ' <<<"$part")" != "$(grep '^parameters: ' <<<"$full")" ]]; then
+  fail "--reshard-after-forward 2 trained another model"
+elif ((inside == 0 || part_ag != full_ag || !(pf < pp && pp < pw))); then
+  fail "--reshard-after-forward 2: $inside all-gathers in the groups ($part_ag in all, full reshard $full_ag), peaks $pf < $pp < $pw?"
+else
+  echo "PASS: --reshard-after-forward 2: same parameters, $inside of $part_ag all-gathers inside groups of 2, peak $pf < $pp < $pw B"
+fi
+accum=$("$train" --steps 3 --accumulate 4 --reshard-after-backward true 2>&1) || fail "--accumulate 4: exited with $?"
+kept=$("$train" --steps 3 --accumulate 4 --reshard-after-backward false 2>&1) || fail "--reshard-after-backward false: exited with $?"
+read -r accum_ag _ < <(comm_field all_gather "$accum")
+read -r kept_ag _ < <(comm_field all_gather "$kept")
+if [[ -n "${kept_ag:-}" && "$(grep '^parameters: ' <<<"$kept")" == "$(grep '^parameters: ' <<<"$accum")" ]] &&
+    ((kept_ag < accum_ag)); then
+  echo "PASS: --reshard-after-backward false: $accum_ag -> $kept_ag all-gathers per step of 4 micro-batches, same parameters"
+else
+  fail "--reshard-after-backward false: all_gather ${kept_ag:-} vs ${accum_ag:-}, or another model"
+fi
+
 # --plan: fsdp::plan's per-rank device peak, printed before the first step, equals the peak
 # the run then measures (final: peak_bytes_per_rank), to the byte; the rest of the output is
 # that of the same run without --plan.
 for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYBRID_SHARD" "--precision bf16" \
     "--offload" "--precision bf16 --offload --optimizer sgd" "--comm-precision bf16" "--persistence-threshold 1000" \
-    "--clip 0.5 --ranks 3"; do
+    "--clip 0.5 --ranks 3" "--reshard-after-forward 2 --ranks 4" "--reshard-after-forward false"; do
   # shellcheck disable=SC2086
   planned=$("$train" --steps 3 --plan $flags 2>&1) || fail "--plan $flags: exited with $?"
   # shellcheck disable=SC2086
@@ -152,7 +184,8 @@ done
 for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
     "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
     "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \
-    "--plan --accumulate 2" "--plan --precision fp16" "--plan --optimizer-in-backward"; do
+    "--plan --accumulate 2" "--plan --precision fp16" "--plan --optimizer-in-backward" "--reshard-after-forward 1" \
+    "--reshard-after-forward maybe" "--reshard-after-forward 3 --ranks 4" "--reshard-after-forward 4 --ranks 4"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done

@@ -75,6 +75,9 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   LoadReport report;
   if (model.size() == 0) return report;
   const int rank = model[0].rank(), ranks = model[0].world_size();
+  // Parameters kept unsharded (after a forward-only pass, or between micro-batches under
+  // reshard_after_backward off) would show the old values: freed first (IDLE units only).
+  model.reshard();
   // In place: parameters and optimizer state are read straight into the model after the
   // agreement (host memory only; buffers always go through load_buffer). Staged: every
   // range is read into one arena first (not zero-filled: the reads fill it), in one

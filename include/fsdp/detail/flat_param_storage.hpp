@@ -35,6 +35,10 @@ struct FlatParam {
   DType full_dtype = DType::f32;
   MemorySpace full_space = MemorySpace::device;  // host only while a summon offloads it
   void* wire = nullptr;        // padded_numel `gather`-dtype elements while a narrower all-gather runs
+  // Partial resharding: this rank's 1/k of the unsharded parameters (`gather` dtype),
+  // kept from forward for the backward all-gather inside the post-forward group.
+  void* post_forward = nullptr;
+  std::int64_t post_forward_numel = 0;
   void* summoned_grad = nullptr;  // the reduced gradient gathered whole (a summon's with_grads)
   void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
   Work gather_work;            // the all-gather into `full`, until its first use
@@ -56,6 +60,7 @@ struct FlatParam {
   std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
   std::size_t wire_bytes() const { return bytes(layout.padded_numel(), gather); }
+  std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
   bool gather_issued() const { return full || wire; }
 };
 

@@ -2,6 +2,7 @@
 // How a unit's gradients are averaged: FSDP's pre/post division around a reduce-scatter
 // over the shard group (an all-reduce when parameters are replicated), then an all-reduce
 // over the replicate group, into the sharded gradient, with every buffer this needs.
+#include <cmath>
 #include <cstddef>
 #include <vector>
 
@@ -13,10 +14,11 @@
 namespace fsdp {
 
 // FSDP's split of the 1/N average into a factor before and one after the reduction,
-// so low-precision gradients neither overflow in the sum nor underflow before it.
-inline double gradient_predivide_factor(int world) {
-  int factor = 1;
-  while (world % factor == 0 && static_cast<double>(world) / factor > factor) factor *= 2;
+// so low-precision gradients neither overflow in the sum nor underflow before it. N is
+// the world size, or a unit's gradient divide factor.
+inline double gradient_predivide_factor(double divide_by) {
+  double factor = 1;
+  while (std::fmod(divide_by, factor) == 0 && divide_by / factor > factor) factor *= 2;
   return factor;
 }
 
@@ -47,11 +49,19 @@ class GradientReduction {
 
   // `groups`: the owning FlatParamGroup's, read at each reduction (a unit kept unsharded
   // changes them before its first); the world, and so the factors, stay the same.
-  GradientReduction(const UnitGroups& groups, DeviceRef device)
-      : groups_(groups), device_(device), pre_divide_(gradient_predivide_factor(groups.world_size())),
-        post_divide_(groups.world_size() / pre_divide_) {}
+  GradientReduction(const UnitGroups& groups, DeviceRef device) : groups_(groups), device_(device) {
+    set_divide_factor(0);
+  }
   GradientReduction(const GradientReduction&) = delete;
   GradientReduction& operator=(const GradientReduction&) = delete;
+
+  // What a synchronized reduction divides the sum by (FSDP2's set_gradient_divide_factor);
+  // 0: the world size.
+  void set_divide_factor(double f) {
+    const double total = f > 0 ? f : groups_.world_size();
+    pre_divide_ = gradient_predivide_factor(total);
+    post_divide_ = total / pre_divide_;
+  }
 
   // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
   // unsynchronized backward kept, to add into). `grad_is_zero`: nothing was reduced into
@@ -231,7 +241,7 @@ class GradientReduction {
 
   const UnitGroups& groups_;
   DeviceRef device_;
-  double pre_divide_, post_divide_;
+  double pre_divide_ = 1, post_divide_ = 1;
 };
 
 }  // namespace detail

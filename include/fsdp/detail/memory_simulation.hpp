@@ -45,6 +45,8 @@ struct SimUnit {
   std::vector<SimFlat> flat;
   std::vector<SimBuffer> buffers;
   bool kept_unsharded = false;  // under the persistence threshold
+  bool reshard_after_forward = true;  // the unit's ReshardSettings (its strategy's by default)
+  int post_forward_ranks = 0;         // a partial reshard's group size; 0: none
   std::vector<int> children;    // units nested in it, in forward order
 };
 
@@ -93,6 +95,7 @@ class MemorySimulation {
           if (size_of(p_.comm_reduce) < size_of(fs.compute)) fs.reduce = p_.comm_reduce;
         }
         fs.shards = shards;
+        if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
         fs.direct = !shards && !p_.offload && fs.compute == f.master && fs.reduce == f.master;
         s.flat.push_back(fs);
       }
@@ -161,7 +164,8 @@ class MemorySimulation {
     std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
     DType master{}, compute{}, gather{}, reduce{}, grad{};
     bool shards = true, direct = false;
-    bool full_alive = false, wire_alive = false, unbound = false;
+    std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
+    bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
     bool full_grad_alive = false, full_grad_alias = false;
     bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
   };
@@ -216,8 +220,16 @@ class MemorySimulation {
     auto& s = state_[static_cast<std::size_t>(u)];
     // ExecutionOrder::keeps_after_forward: the unit backward starts with, after the last forward entry
     const bool keeps = recorded && backward_[0] == u && forward_step_ == forward_.size();
-    if (p_.reshard_after_forward && !keeps) release_unsharded(u);
-    else s.kept = true;
+    if (!units_[static_cast<std::size_t>(u)].reshard_after_forward || keeps) s.kept = true;
+    else if (s.flat.empty() || s.flat[0].post == 0) release_unsharded(u);
+    else {  // reshard_to_post_forward: this rank's chunk kept, the rest freed
+      for (auto& f : s.flat) {
+        if (f.direct || !f.full_alive || f.unbound) continue;
+        add(bytes(f.post, f.gather), MemorySpace::device, u, "forward (partial reshard)"), f.post_alive = true;
+        sub(bytes(f.full, f.compute), MemorySpace::device), f.full_alive = false;
+      }
+      s.kept = true;
+    }
     s.state = State::idle;
   }
   void pre_backward(int u, bool recorded) {
@@ -260,7 +272,7 @@ class MemorySimulation {
   void start_gather(int u, FlatState& f, const char* phase) {
     if (f.direct) return;
     f.unbound = true;
-    if (f.gather != f.compute && f.shards) {
+    if (f.gather != f.compute && (f.shards || f.post_alive)) {
       add(bytes(f.padded, f.gather), MemorySpace::device, u, phase), f.wire_alive = true;
       return;
     }
@@ -276,6 +288,7 @@ class MemorySimulation {
           sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
         }
         f.unbound = false;
+        if (f.post_alive) sub(bytes(f.post, f.gather), MemorySpace::device), f.post_alive = false;  // gathered from: done
       }
     }
     if (s.prefetched) s.prefetched = false, --prefetched_;
@@ -287,6 +300,7 @@ class MemorySimulation {
       f.unbound = false;
       if (f.wire_alive) sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
       if (f.full_alive) sub(bytes(f.full, f.compute), MemorySpace::device), f.full_alive = false;
+      if (f.post_alive) sub(bytes(f.post, f.gather), MemorySpace::device), f.post_alive = false;
     }
     if (s.prefetched) s.prefetched = false, --prefetched_;
     s.kept = false;

@@ -47,6 +47,8 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
     for (std::size_t k = 0; k < shards.size(); ++k) p.flat[k].dtype = shards[k].dtype;
     for (const ParamView& v : u.parameters()) p.flat.at(v.shard).numel += v.numel;
     for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
+    p.reshard_after_forward = u.reshard_settings().after_forward;
+    p.post_forward_ranks = u.reshard_settings().post_forward_ranks;
     // What the unit holds must be what these policies (and threshold) would give it.
     std::int64_t elements = 0;
     for (const auto& f : p.flat) elements += f.numel;

@@ -1,0 +1,92 @@
+#pragma once
+// examples/train.cpp's reporting: what rank 0 knows at the end of training, and the lines
+// it prints (the README's `final:` line among them); and the mesh the flags choose.
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.hpp>
+
+#include "examples/train_config.hpp"
+
+namespace train_example {
+
+// What rank 0 knows at the end of training.
+struct Summary {
+  double loss = 0;
+  std::uint64_t fingerprint = 0;  // xxh64 of every trained parameter's bits, in FQN order
+  std::size_t peak = 0, host_peak = 0;
+  int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
+  fsdp::CollectiveCounts last_step;  // rank 0's collectives in the last step, every group together
+  fsdp::CollectiveCounts last_step_post_forward;  // those of them inside --reshard-after-forward N's group
+};
+
+// Unsharded reference: one model, the whole global batch, every byte through a counting
+// Device. Under --precision bf16 / fp16 it computes with a 16-bit copy of the model, as
+// MixedPrecision does (without loss scaling, so fp16 agrees only roughly).
+struct Reference {
+  std::vector<double> loss;
+  std::size_t peak = 0;
+};
+
+// The mesh for `world` ranks: --mesh if given; 2 x world/2 for a hybrid strategy on an even
+// world of at least 4; else 1 x world.
+inline fsdp::MeshShape choose_mesh(const std::string& strategy, const std::string& mesh_text, int world) {
+  fsdp::MeshShape mesh{1, world};
+  fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
+  if (!mesh_text.empty()) mesh = fsdp::parse_mesh_shape(mesh_text);
+  else if (world >= 4 && world % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
+    if (decltype(s)::hybrid) mesh = {2, world / 2};
+  });
+  if (mesh.size() != world)
+    fsdp::detail::fail("--mesh ", mesh.str(), " needs ", mesh.size(), " ranks, not ", world);
+  return mesh;
+}
+
+inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_shape, const std::string& backend,
+                   const Summary& s, const Reference& ref) {
+  fmt::print("model: {} blocks, dim {}, hidden {}; {} ranks x {} samples; optimizer {}; strategy {} on a {} mesh; "
+             "precision {}{}{}{}\n",
+             cfg.model.blocks, cfg.model.dim, cfg.model.hidden, world, cfg.batch_per_rank, cfg.optimizer, cfg.strategy,
+             mesh_shape.str(), cfg.precision, cfg.offload ? ", offload" : "",
+             fmt::format("{}{}", cfg.accumulate > 1 ? fmt::format("; {} micro-batches per step{}", cfg.accumulate,
+                                                                  cfg.sync_every_microbatch ? ", each reduced" : "")
+                                                    : "",
+                         cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "") +
+                 (cfg.comm_precision != "fp32" ? fmt::format("; collectives in {}", cfg.comm_precision) : "") +
+                 (cfg.persistence_threshold > 0
+                      ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
+                      : "") +
+                 (cfg.optimizer_in_backward ? "; optimizer steps in backward" : "") +
+                 (cfg.reshard_after_forward.empty() ? "" : "; reshard after forward " + cfg.reshard_after_forward) +
+                 (cfg.reshard_after_backward ? "" : "; parameters kept between micro-batches"),
+             backend == "thread" ? "" : "; backend " + backend);
+  fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
+  if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
+  if (precision_dtype(cfg.precision) == fsdp::DType::f16)
+    fmt::print("fp16: the loss scaler skipped {} of {} steps\n", s.skipped_steps, cfg.steps);
+  if (!cfg.trace_dir.empty())
+    fmt::print("traces: {}/rank0.json .. rank{}.json (open in ui.perfetto.dev or chrome://tracing)\n", cfg.trace_dir, world - 1);
+  if (cfg.report_comm) {
+    using fsdp::Collective;
+    const auto& c = s.last_step;
+    std::uint64_t calls = 0, bytes = 0;
+    for (const auto& e : c.by_kind) { calls += e.calls; bytes += e.bytes; }
+    fmt::print("comm: last step on rank 0: {} collectives, {} B (all_gather {} x, {} B; reduce_scatter {} x, {} B; "
+               "all_reduce {} x, {} B)\n",
+               calls, bytes, c[Collective::all_gather].calls, c[Collective::all_gather].bytes,
+               c[Collective::reduce_scatter].calls, c[Collective::reduce_scatter].bytes, c[Collective::all_reduce].calls,
+               c[Collective::all_reduce].bytes);
+    if (cfg.post_forward_ranks > 0)
+      fmt::print("comm: of which inside groups of {} ranks (the backward all-gathers of the partial reshard): all_gather {} x, {} B\n",
+                 cfg.post_forward_ranks, s.last_step_post_forward[Collective::all_gather].calls,
+                 s.last_step_post_forward[Collective::all_gather].bytes);
+  }
+  fmt::print("parameters: xxh64={:016x}\n", s.fingerprint);
+  fmt::print("final: loss={:.6f} unsharded_loss={:.6f} peak_bytes_per_rank={} unsharded_peak_bytes={}\n", s.loss,
+             ref.loss.back(), s.peak, ref.peak);
+}
+
+}  // namespace train_example
