@@ -304,8 +304,8 @@ class Sharded final : public UnitBase {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit<Exclude, precision::enabled>(module, group_, buffers_, options, *this,
-                                                                  buffer_cast_dtype());
+    auto setup = detail::set_up_unit<Exclude, config>(module, group_, buffers_, options, *this,
+                                                      buffer_cast_dtype());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
