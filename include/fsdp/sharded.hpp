@@ -242,10 +242,13 @@ class Sharded final : public UnitBase {
     state_ = TrainingState::IDLE;
   }
 
+  // All or nothing for this unit (fsdp/detail/take_over.hpp); buffers first, so that the
+  // group counts as taken over only once every tensor is.
   void take_over() override {
     if (group_.took_over()) return;
-    group_.take_over(fqn_, views_, params_);
-    buffers_.show_cast();
+    detail::TakeOverLog log(display_name(), rank_);
+    buffers_.show_cast(log);
+    group_.take_over(fqn_, views_, params_, log);
   }
 
   std::span<const ShardView> shards() const override { return views_; }
