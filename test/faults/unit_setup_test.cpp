@@ -127,25 +127,25 @@ TEST_CASE("cpu offload") {
   check_named(msgs, "<root>", "cpu offload: rank 0 OffloadParams, rank 1 NoOffload");
 }
 
+// Shards Net on 2 ranks with ShardOptions that `set(options, rank)` fills in.
+template <class Set>
+std::vector<std::string> run_with_options(Set set) {
+  return errors_per_rank(2, [&](ThreadComm& comm) {
+    Net net;
+    fsdp::HostDevice device;
+    fsdp::ShardOptions o;
+    set(o, comm.rank());
+    fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}, o);
+  });
+}
+
 TEST_CASE("ShardOptions: sync_module_states and persistence_threshold") {
   SUBCASE("sync_module_states") {
-    const auto msgs = errors_per_rank(2, [](ThreadComm& comm) {
-      Net net;
-      fsdp::HostDevice device;
-      fsdp::ShardOptions o;
-      o.sync_module_states = comm.rank() == 1;
-      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}, o);
-    });
+    const auto msgs = run_with_options([](fsdp::ShardOptions& o, int rank) { o.sync_module_states = rank == 1; });
     check_named(msgs, "<root>", "sync_module_states: rank 0 false, rank 1 true");
   }
   SUBCASE("persistence_threshold (each rank would keep other units unsharded)") {
-    const auto msgs = errors_per_rank(2, [](ThreadComm& comm) {
-      Net net;
-      fsdp::HostDevice device;
-      fsdp::ShardOptions o;
-      o.persistence_threshold = comm.rank() == 1 ? 100 : 0;
-      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}, o);
-    });
+    const auto msgs = run_with_options([](fsdp::ShardOptions& o, int rank) { o.persistence_threshold = rank == 1 ? 100 : 0; });
     check_named(msgs, "<root>", "persistence_threshold: rank 0 0, rank 1 100");
   }
 }
