@@ -20,6 +20,7 @@
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/summon_buffers.hpp"
+#include "fsdp/detail/take_over.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/policies.hpp"
@@ -164,8 +165,14 @@ class FlatParamGroup {
   }
 
   // Points the engine's parameters and gradients at the group's storage (or at nothing,
-  // until gathered) and appends the optimizer's view of each shard and parameter.
-  void take_over(std::string_view unit, std::vector<ShardView>& views, std::vector<ParamView>& params) {
+  // until gathered) and appends the optimizer's view of each shard and parameter. Every
+  // tensor first: a rebind that throws leaves the group not taken over (`log` hands back).
+  void take_over(std::string_view unit, std::vector<ShardView>& views, std::vector<ParamView>& params,
+                 detail::TakeOverLog& log) {
+    for (auto& fp : flat_) {
+      if (fp.direct) fp.full = fp.shard, fp.full_dtype = fp.master();  // replicated: the parameters live in the "shard" for good
+      detail::take_over_tensors(fp, fp.direct ? fp.full : nullptr, log);
+    }
     took_over_ = true;
     for (std::size_t k = 0; k < flat_.size(); ++k) {
       const auto& fp = flat_[k];
@@ -180,18 +187,9 @@ class FlatParamGroup {
         param_index_.push_back({k, i});
       }
     }
-    for (auto& fp : flat_) {
-      detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
-      if (fp.direct) {  // replicated: the parameters live in the "shard" for good
-        fp.full = fp.shard;
-        fp.full_dtype = fp.master();
-        detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, fp.master());
-      } else {
-        detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
-      }
+    for (auto& fp : flat_)
       views.push_back({unit, fp.master(), fp.shard, fp.shard_grad, fp.layout.valid_shard_numel(groups_.shard_rank), fp.grad,
                        fp.layout.shard_numel(), shard_space});
-    }
   }
 
   // ---- parameters ----

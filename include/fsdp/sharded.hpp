@@ -248,10 +248,13 @@ class Sharded final : public UnitBase {
     state_ = TrainingState::IDLE;
   }
 
+  // All or nothing for this unit (fsdp/detail/take_over.hpp); buffers first, so that the
+  // group counts as taken over only once every tensor is.
   void take_over() override {
     if (group_.took_over()) return;
-    group_.take_over(fqn_, views_, params_);
-    buffers_.show_cast();
+    detail::TakeOverLog log(display_name(), rank_);
+    buffers_.show_cast(log);
+    group_.take_over(fqn_, views_, params_, log);
   }
 
   std::span<const ShardView> shards() const override { return views_; }
@@ -310,8 +313,8 @@ class Sharded final : public UnitBase {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit<Exclude, precision::enabled>(module, group_, buffers_, options, *this,
-                                                                  buffer_cast_dtype());
+    auto setup = detail::set_up_unit<Exclude, config>(module, group_, buffers_, options, *this,
+                                                      buffer_cast_dtype());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});

@@ -167,7 +167,8 @@ class UnitBase {
 
   // Completes setup: points the engine's tensors at the unit's storage (their own storage
   // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard
-  // defers it until every unit is built, so a failed shard leaves the model as it was.
+  // defers it until every unit is built, so a failed shard leaves the model as it was. A
+  // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
   virtual void take_over() = 0;
 
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.

@@ -23,18 +23,25 @@ std::exception_ptr captured(F&& f) noexcept {
 }
 
 // Runs `part` on this rank, then agrees with every rank; throws on every rank if any failed.
-// `outcome` ends both messages (e.g. "; nothing was loaded").
+// `outcome` ends both messages (e.g. "; nothing was loaded"). Whatever `part` throws, the
+// agreement runs (else the other ranks would wait in it until a timeout); an exception that
+// is no std::exception is rethrown as it is after it, for a caller that catches its type.
 template <class F>
 void run_agreed(ShardedModel& model, const std::string& what, F&& part, const char* outcome = "") {
   if (model.size() == 0) fail(what, ": the model has no units (no communicator to agree through)");
   std::string error;
+  std::exception_ptr foreign;  // not a std::exception: no message to quote
   try {
     part();
   } catch (const std::exception& e) {
     error = checkpoint::detail::message_of(e);  // quoted below under this rank's own "fsdp: "
     if (error.empty()) error = "unknown error";
+  } catch (...) {
+    foreign = std::current_exception();
+    error = "an exception that is not a std::exception";
   }
   if (model[0].all_ranks_agree(error.empty())) return;
+  if (foreign) std::rethrow_exception(foreign);
   if (!error.empty()) fail(what, " on rank ", model[0].rank(), ": ", error, outcome);
   fail(what, " on rank ", model[0].rank(), ": another rank failed (its error says why)", outcome);
 }

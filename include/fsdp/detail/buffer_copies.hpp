@@ -5,10 +5,12 @@
 // engine's and are not copied.
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/take_over.hpp"
 
 namespace fsdp::detail {
 
@@ -26,7 +28,7 @@ class BufferCopies {
     cast_dtype_ = *cast_to;
     for (auto& b : buffers) {
       if (b.dtype == cast_dtype_ || !is_floating(b.dtype)) continue;
-      auto& c = copies_.emplace_back(Copy{b.dtype, b.numel, b.tensor, b.rebind});  // freed by release on failure
+      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind});  // freed by release on failure
       c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
       c.cast = device_.allocate(bytes(b.numel, cast_dtype_), MemorySpace::device);
       if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
@@ -34,9 +36,10 @@ class BufferCopies {
     }
   }
 
-  // Points the engine's tensors at the cast copies (the state during training).
-  void show_cast() {
-    for (auto& c : copies_) c.rebind(c.tensor, c.cast, cast_dtype_);
+  // Points the engine's tensors at the cast copies (the state during training): the take-over.
+  void show_cast(TakeOverLog& log) {
+    for (auto& c : copies_) log.rebind(c.tensor, c.rebind, c.cast, cast_dtype_, c.dtype, "buffer '" + c.fqn + "'");
+    shown_ = true;
   }
 
   // Summon shows buffers in their own dtype; leaving it casts them back (keeping edits).
@@ -78,14 +81,17 @@ class BufferCopies {
     return false;
   }
 
-  // Hands the engine's tensors back empty and frees both copies (the unit's destructor).
+  // Hands the engine's tensors back empty, once they were shown, and frees both copies (the
+  // unit's destructor).
   void unbind_and_release() {
-    for (auto& c : copies_) c.rebind(c.tensor, nullptr, c.dtype);
+    if (shown_)
+      for (auto& c : copies_) c.rebind(c.tensor, nullptr, c.dtype);
     release();
   }
 
  private:
   struct Copy {
+    std::string fqn;
     DType dtype;
     std::int64_t numel;
     void* tensor;
@@ -106,6 +112,7 @@ class BufferCopies {
   DeviceRef device_;
   DType cast_dtype_ = DType::f32;
   std::vector<Copy> copies_;
+  bool shown_ = false;  // the engine's tensors were taken over
 };
 
 }  // namespace fsdp::detail

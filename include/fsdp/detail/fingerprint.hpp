@@ -1,8 +1,9 @@
 #pragma once
 // Cross-rank agreement check used at setup: every rank must build the same units with the
-// same parameters, or the collectives that follow would pair up wrong buffers. Ranks
-// all-gather a hash; on a mismatch they also all-gather a readable description so that
-// every rank throws the same message naming the first rank that differs from rank 0.
+// same parameters and settings, or the collectives that follow would pair up wrong buffers.
+// Ranks all-gather a hash; on a mismatch they also all-gather a readable description so
+// that every rank throws the same message naming the first rank that differs from rank 0
+// (and, for named settings, the setting and both values).
 // Also the one-value agreements a unit offers checkpoints (did every rank succeed? the
 // largest value).
 #include <algorithm>
@@ -37,10 +38,64 @@ class Fingerprint {  // FNV-1a, 64 bit
   std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
+// Named settings every rank must share (a policy, an option, a buffer's shape), in words.
+// They go into the same hash as what they belong to; on a mismatch they lead the exchanged
+// description, so that the message can name the one that differs and each rank's value.
+class Settings {
+ public:
+  void add(std::string name, std::string value) { items_.push_back({std::move(name), std::move(value)}); }
+  void add_to(Fingerprint& f) const {
+    f.add_count(items_.size());
+    for (const auto& i : items_) f.add(i.name), f.add(i.value);
+  }
+  // Each setting as name, unit separator, value, record separator; then a group separator.
+  std::string encode() const {
+    std::string s;
+    for (const auto& i : items_) s.append(i.name).append(1, kValue).append(i.value).append(1, kEnd);
+    return s.append(1, kDone);
+  }
+  static std::string_view rest(std::string_view encoded) {  // what follows the settings
+    const auto at = encoded.find(kDone);
+    return at == std::string_view::npos ? std::string_view() : encoded.substr(at + 1);
+  }
+  // "the <setting>: rank a <value>, rank b <value>" for the first setting whose name or value
+  // differs between two encoded descriptions, or "" when they list the same settings.
+  static std::string first_difference(std::string_view a, int rank_a, std::string_view b, int rank_b) {
+    const auto xs = decode(a), ys = decode(b);
+    const std::string ra = "rank " + std::to_string(rank_a), rb = "rank " + std::to_string(rank_b);
+    for (std::size_t i = 0; i < std::max(xs.size(), ys.size()); ++i) {
+      if (i >= xs.size()) return "the " + ys[i].name + ": " + rb + " has it (" + ys[i].value + "), " + ra + " not";
+      if (i >= ys.size()) return "the " + xs[i].name + ": " + ra + " has it (" + xs[i].value + "), " + rb + " not";
+      if (xs[i].name != ys[i].name)
+        return "the settings they list: " + ra + " has the " + xs[i].name + " (" + xs[i].value + ") where " + rb +
+               " has the " + ys[i].name + " (" + ys[i].value + ")";
+      if (xs[i].value != ys[i].value) return "the " + xs[i].name + ": " + ra + " " + xs[i].value + ", " + rb + " " + ys[i].value;
+    }
+    return "";
+  }
+
+ private:
+  struct Item { std::string name, value; };
+  static constexpr char kValue = '\x1f', kEnd = '\x1e', kDone = '\x1d';
+  static std::vector<Item> decode(std::string_view s) {  // a cut-off last setting is left out
+    std::vector<Item> out;
+    s = s.substr(0, std::min(s.find(kDone), s.size()));
+    for (std::size_t end; (end = s.find(kEnd)) != std::string_view::npos; s.remove_prefix(end + 1)) {
+      const std::string_view item = s.substr(0, end);
+      const auto v = std::min(item.find(kValue), item.size());
+      out.push_back({std::string(item.substr(0, v)), std::string(item.substr(std::min(v + 1, item.size())))});
+    }
+    return out;
+  }
+  std::vector<Item> items_;
+};
+
 // `what` and `describe` return the message's subject and this rank's description; they are
-// called only on a mismatch, so agreeing ranks build no text.
+// called only on a mismatch, so agreeing ranks build no text. `settings`, when given, must
+// be in `fp` already: a difference among them is named first.
 template <class What, class Describe>
-void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& what, Describe&& describe) {
+void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& what, Describe&& describe,
+                             const Settings* settings = nullptr) {
   const int n = comm.size();
   const int rank = comm.rank();
   if (n == 1) return;
@@ -50,8 +105,8 @@ void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& 
   if (std::all_of(all.begin(), all.end(), [&](std::uint64_t h) { return h == all[0]; })) return;
 
   // Slow path, taken by every rank together: exchange descriptions for the message.
-  constexpr std::size_t cap = 4096;
-  std::string desc = describe();
+  constexpr std::size_t cap = 8192;
+  std::string desc = (settings ? settings->encode() : std::string()) + describe();
   desc.resize(std::min(desc.size(), cap));
   desc.resize(cap, '\0');
   std::vector<char> descs(cap * n);
@@ -59,8 +114,14 @@ void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& 
   auto text = [&](int r) { return std::string(descs.data() + r * cap, strnlen(descs.data() + r * cap, cap)); };
   int other = 1;
   while (all[other] == all[0]) ++other;
-  fail(what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", text(0), "; rank ", other, " has ",
-       text(other));
+  std::string mine_text = text(0), other_text = text(other);
+  if (settings) {
+    if (auto differ = Settings::first_difference(mine_text, 0, other_text, other); !differ.empty())
+      fail(what(), ": ranks differ in ", differ, " (seen on rank ", rank, ")");
+    mine_text = Settings::rest(mine_text), other_text = Settings::rest(other_text);
+  }
+  fail(what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", mine_text, "; rank ", other, " has ",
+       other_text);
 }
 
 inline bool all_ranks_agree(const CommRef& comm, bool ok) {

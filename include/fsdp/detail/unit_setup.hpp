@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "fsdp/detail/buffer_copies.hpp"
@@ -16,6 +17,7 @@
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/unit.hpp"
 #include "fsdp/unit_options.hpp"
+#include "fsdp/wrap_policy.hpp"
 
 namespace fsdp::detail {
 
@@ -37,14 +39,46 @@ inline void broadcast_from_rank0(const CommRef& world, const std::vector<Collect
     if (b.numel > 0) world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
 }
 
+// A policy for messages: its type without the namespace ("FullShard",
+// "MixedPrecision<bf16, float, bf16, false>").
+template <class P>
+std::string policy_name() {
+  std::string s = type_name(typeid(P));
+  for (std::size_t at; (at = s.find("fsdp::")) != std::string::npos;) s.erase(at, 6);
+  return s;
+}
+
+// What every rank must set alike for a unit besides its parameters: the policies, the
+// options that change its collectives, and its buffers (sync_module_states broadcasts them
+// by element count, so a shape that differs must be caught here).
+template <class Config>
+Settings unit_settings(const UnitOptions& options, const std::vector<CollectedBuffer>& buffers) {
+  static const Settings policies = [] {  // the same for every unit of a configuration
+    Settings p;
+    p.add("sharding strategy", policy_name<typename Config::strategy>());
+    p.add("mixed precision", policy_name<typename Config::mixed_precision>());
+    p.add("communication precision", policy_name<typename Config::comm_precision>());
+    p.add("backward prefetch", policy_name<typename Config::backward_prefetch>());
+    p.add("forward prefetch", policy_name<typename Config::forward_prefetch>());
+    p.add("cpu offload", policy_name<typename Config::cpu_offload>());
+    return p;
+  }();
+  Settings s = policies;
+  s.add("sync_module_states", options.sync_module_states ? "true" : "false");
+  s.add("persistence_threshold", std::to_string(options.persistence_threshold));
+  s.add("deferred init", !options.init ? "off" : options.check_init_agrees ? "on, values compared" : "on, not compared");
+  for (const auto& b : buffers) s.add("buffer '" + b.fqn + "'", format_shape(b.shape) + " " + std::string(name_of(b.dtype)));
+  return s;
+}
+
 struct UnitSetup {
   std::vector<ParamStorage> storage;       // each parameter's storage, for UnitBase::param_storage
   std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
 };
 
-// Builds `group` for `unit` over `module` (cast_buffers: under MixedPrecision, to
+// Builds `group` for `unit` over `module` (buffers: under MixedPrecision, cast to
 // `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
-template <class Exclude, bool cast_buffers, class Module, class Group>
+template <class Exclude, class Config, class Module, class Group>
 UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies, const UnitOptions& options,
                       const UnitBase& unit, std::optional<DType> buffer_cast) {
   const auto& device = group.device();
@@ -52,7 +86,7 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   UnitSetup setup;
   const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
                      {options.skip_parameters.begin(), options.skip_parameters.end()}};
-  collect_parameters<Exclude, cast_buffers>(module, unit.fqn(), params, setup.buffers, skip);
+  collect_parameters<Exclude, Config::mixed_precision::enabled>(module, unit.fqn(), params, setup.buffers, skip);
   validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
   for (auto& p : params) setup.storage.push_back({storage_key(p), p.info.fqn});
   const auto aliases = take_ties(params, unit.display_name(), unit.rank());
@@ -61,13 +95,15 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   if (group.groups().shards_parameters && elements < options.persistence_threshold) group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
+  const Settings settings = unit_settings<Config>(options, setup.buffers);
   Fingerprint f;
   f.add(unit.fqn());
   f.add(groups);
   group.add_to(f);
+  settings.add_to(f);
   check_same_across_ranks(group.groups().world, f, [&] {  // built only on a mismatch
     return "unit '" + std::string(unit.display_name()) + "'";
-  }, [&] { return group.describe() + " (" + groups + ")"; });
+  }, [&] { return group.describe() + " (" + groups + ")"; }, &settings);
   DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
   if (options.init)
     run_deferred_init(options.init, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
