@@ -19,6 +19,7 @@
 #include "fsdp/detail/gradient_reduction.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/partial_reshard.hpp"
 #include "fsdp/detail/summon_buffers.hpp"
 #include "fsdp/detail/take_over.hpp"
 #include "fsdp/detail/unit_groups.hpp"
@@ -207,7 +208,7 @@ class FlatParamGroup {
     if (fp.direct) { fp.full = fp.shard; return; }
     fp.unbound = true;
     if (fp.post_forward) {  // kept by a partial reshard, in the gathered compute dtype
-      if (as == fp.compute) return start_post_forward_gather(fp, as);
+      if (as == fp.compute) return post_forward_.start_gather(fp, as, device_);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
     }
     if (wire != as && groups_.shards_parameters) {
@@ -302,41 +303,21 @@ class FlatParamGroup {
     }
   }
 
-  // ---- partial resharding (FSDP2's integer reshard_after_forward, ZeRO++ hpZ) ----
+  // ---- partial resharding (fsdp/detail/partial_reshard.hpp) ----
 
-  // The group a partial reshard keeps the parameters sharded over: k ranks whose group
-  // rank is their shard rank modulo k, so that k consecutive chunks of the unsharded
-  // buffer, one per member, rebuild it (the ranks of one host, typically). nullopt: none.
-  // Checked here on this rank; that every rank asked for the same k is checked with the
-  // unit's other run-time settings. The group must outlive the setting.
+  // The group for set_reshard_after_forward(group), or nullopt; checked on this rank.
+  // Units whose parameters are not sharded have nothing to keep: they ignore it.
   void set_post_forward_group(std::optional<detail::CommRef> group, std::string_view unit) {
-    if (group && groups_.shards_parameters) {
-      const int k = group->size(), S = groups_.shard_size;
-      if (k <= 1 || k >= S || S % k != 0)
-        detail::fail("unit '", unit, "' on rank ", groups_.world.rank(), ": set_reshard_after_forward(group of ", k,
-                     " ranks): a partial reshard needs a group whose size divides the shard group's ", S,
-                     " ranks and lies strictly between 1 and ", S, " (use true or false for the others)");
-      if (group->rank() != groups_.shard_rank % k)
-        detail::fail("unit '", unit, "' on rank ", groups_.world.rank(), ": set_reshard_after_forward(group): this rank is ",
-                     "rank ", group->rank(), " of the group but rank ", groups_.shard_rank, " of its shard group of ", S,
-                     "; the group's ranks must be shard ranks modulo ", k, " (split by shard rank / ", k,
-                     ", keyed by shard rank, e.g. the ranks of one host)");
-    }
-    post_forward_group_ = groups_.shards_parameters ? group : std::nullopt;  // unsharded units have nothing to keep
+    post_forward_.set(groups_.shards_parameters ? group : std::nullopt, groups_, unit);
   }
-  bool reshards_partially() const { return post_forward_group_.has_value(); }
-  int post_forward_size() const { return post_forward_group_ ? post_forward_group_->size() : 0; }
+  bool reshards_partially() const { return post_forward_.active(); }
+  int post_forward_size() const { return post_forward_.size(); }
 
-  // After forward: keeps this rank's chunk of each unsharded buffer (in the gathered
-  // dtype, which holds its values exactly) and frees the rest.
+  // After forward: keeps this rank's chunk of each unsharded buffer and frees the rest.
   void reshard_to_post_forward() {
-    const int k = post_forward_group_->size(), j = groups_.shard_rank % k;
     for (auto& fp : flat_) {
       if (fp.direct || !fp.full || fp.unbound || fp.post_forward) continue;
-      fp.post_forward_numel = fp.layout.padded_numel() / k;
-      fp.post_forward = device_.allocate(fp.post_forward_bytes(), MemorySpace::device);
-      device_.cast(fp.post_forward, fp.gather, static_cast<std::byte*>(fp.full) + FlatParam::bytes(j * fp.post_forward_numel, fp.full_dtype),
-                   fp.full_dtype, static_cast<std::size_t>(fp.post_forward_numel));
+      post_forward_.keep_chunk(fp, groups_.shard_rank, device_);
       detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
     }
@@ -387,21 +368,8 @@ class FlatParamGroup {
 
   void release(void*& p, std::size_t n, MemorySpace space) { detail::release_buffer(device_, p, n, space); }
 
-  // The backward all-gather of a partially resharded parameter: inside the post-forward
-  // group, from the chunk kept since forward (freed once the gather is shown).
-  void start_post_forward_gather(FlatParam& fp, DType as) {
-    const auto n = static_cast<std::size_t>(fp.post_forward_numel);
-    if (fp.gather != as) {  // a narrower wire dtype: widened into `as` by finish_gather
-      fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
-      fp.gather_work = post_forward_group_->all_gather(fp.post_forward, fp.wire, n, fp.gather);
-      return;
-    }
-    fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
-    fp.gather_work = post_forward_group_->all_gather(fp.post_forward, fp.full, n, as);
-  }
-
   detail::UnitGroups mesh_groups_, groups_;
-  std::optional<detail::CommRef> post_forward_group_;
+  detail::PostForwardGroup post_forward_;
   detail::DeviceRef device_;
   detail::GradientReduction<Config> reduction_;
   std::vector<FlatParam> flat_;

@@ -68,28 +68,6 @@ class Sharded final : public UnitBase {
   // destroyed; the buffer copies are handed back here.
   ~Sharded() override { buffers_.unbind_and_release(); }
 
-  // With writeback, every rank must have made the same edits (fsdp/detail/summon_full_params.hpp):
-  // else an error on every rank, nothing written back, the unit IDLE.
-  void check_edits_agree() {
-    bool in_place = false;
-    const std::string differ = detail::ranks_with_other_edits(group_, *this, in_place);
-    if (differ.empty()) return;
-    discard_summon();
-    detail::fail_edits_differ(display_name(), rank_, differ, in_place);
-  }
-  // Writeback is a decision of every rank (one all-gather of a flag; ranks that differ
-  // would otherwise run the edit check's collective alone): else an error on every rank,
-  // nothing written back, the unit IDLE. Then the edits must agree.
-  void check_writeback_agrees(bool writeback) {
-    try {
-      detail::check_writeback_flag_agrees(group_.groups().world, writeback, display_name());
-    } catch (...) {
-      discard_summon();
-      throw;
-    }
-    if (writeback) check_edits_agree();
-  }
-
   int world_size() const override { return group_.groups().world.size(); }
   // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
   bool kept_unsharded() const { return group_.kept_unsharded(); }
@@ -233,7 +211,7 @@ class Sharded final : public UnitBase {
 
   void end_summon_full_params(bool writeback) override {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
-    if (summon_checks_writeback_) check_writeback_agrees(writeback);
+    if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
     if (writeback) group_.write_back();
     group_.release_summoned_gradients();
     buffers_.show_master(false, writeback);

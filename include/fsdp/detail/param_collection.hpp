@@ -148,6 +148,39 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
   });
 }
 
+// The library keeps the addresses of the engine's tensors and rebinds them at every gather,
+// so they must be the engine's own, lasting objects. A visitor that builds temporary tensor
+// objects for each call would have them rebound in vain while the engine computes with
+// its real tensors. `again` is a second visit of the same subtree: the same names must come
+// with the same tensor objects; and within one visit, one tensor object may appear under
+// two names only as a tie (with the same storage), never as two parameters.
+inline void check_visits_agree(const std::vector<CollectedParam>& first, const std::vector<CollectedBuffer>& first_buffers,
+                               const std::vector<CollectedParam>& again, const std::vector<CollectedBuffer>& again_buffers,
+                               std::string_view unit, int rank) {
+  auto temporaries = [&](std::string_view what, const std::string& fqn, const std::string& detail) {
+    fail("unit '", unit, "' on rank ", rank, ": the module's visitor handed over ", what, " '", fqn, "' ", detail,
+         ": visit_parameters / visit_buffers must pass references to tensors the module owns (they are rebound at "
+         "every gather and must outlive the visit), not temporaries");
+  };
+  if (again.size() != first.size() || again_buffers.size() != first_buffers.size())
+    fail("unit '", unit, "' on rank ", rank, ": two visits of the module found ", first.size(), " then ", again.size(),
+         " parameters and ", first_buffers.size(), " then ", again_buffers.size(), " buffers; the visitor must be "
+         "deterministic");
+  for (std::size_t i = 0; i < first.size(); ++i)
+    if (again[i].info.fqn != first[i].info.fqn || again[i].binding.param != first[i].binding.param ||
+        again[i].binding.grad != first[i].binding.grad)
+      temporaries("parameter", first[i].info.fqn, "as another tensor object on a second visit (or in another order)");
+  for (std::size_t i = 0; i < first_buffers.size(); ++i)
+    if (again_buffers[i].fqn != first_buffers[i].fqn || again_buffers[i].tensor != first_buffers[i].tensor)
+      temporaries("buffer", first_buffers[i].fqn, "as another tensor object on a second visit (or in another order)");
+  std::unordered_map<const void*, const CollectedParam*> by_tensor;
+  for (const auto& p : first) {
+    auto [it, fresh] = by_tensor.emplace(p.binding.param, &p);
+    if (!fresh && it->second->data != p.data)
+      temporaries("parameter", p.info.fqn, "in the same tensor object as '" + it->second->info.fqn + "' but with other storage");
+  }
+}
+
 inline std::string describe(DeviceId d) {
   return (d.kind == DeviceKind::cpu ? "cpu:" : "cuda:") + std::to_string(d.index);
 }

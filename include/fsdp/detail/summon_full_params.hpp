@@ -91,4 +91,24 @@ std::string ranks_with_other_edits(const Group& group, const UnitBase& unit, boo
        in_place ? "parameters replicated in place kept each rank's own edits" : "nothing was written back");
 }
 
+// The end of a summon: writeback is a decision of every rank (one all-gather of a flag;
+// ranks that differ would otherwise run the edit check's collective alone), and with it
+// every rank must have made the same edits. Else `discard` ends the summon without
+// writing anything back and an error is thrown on every rank.
+template <class Group, class Discard>
+void check_summon_end(const Group& group, const UnitBase& unit, bool writeback, int rank, Discard discard) {
+  try {
+    check_writeback_flag_agrees(group.groups().world, writeback, unit.display_name());
+  } catch (...) {
+    discard();
+    throw;
+  }
+  if (!writeback) return;
+  bool in_place = false;
+  const std::string differ = ranks_with_other_edits(group, unit, in_place);
+  if (differ.empty()) return;
+  discard();
+  fail_edits_differ(unit.display_name(), rank, differ, in_place);
+}
+
 }  // namespace fsdp::detail

@@ -87,6 +87,12 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
                      {options.skip_parameters.begin(), options.skip_parameters.end()}};
   collect_parameters<Exclude, Config::mixed_precision::enabled>(module, unit.fqn(), params, setup.buffers, skip);
+  {  // a visitor of temporaries, found before anything is copied
+    std::vector<CollectedParam> again;
+    std::vector<CollectedBuffer> again_buffers;
+    collect_parameters<Exclude, Config::mixed_precision::enabled>(module, unit.fqn(), again, again_buffers, skip);
+    check_visits_agree(params, setup.buffers, again, again_buffers, unit.display_name(), unit.rank());
+  }
   validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
   for (auto& p : params) setup.storage.push_back({storage_key(p), p.info.fqn});
   const auto aliases = take_ties(params, unit.display_name(), unit.rank());
