@@ -75,6 +75,17 @@ class ExecutionOrder {
     ++forward_pass_;
   }
 
+  // A step abandoned (ShardedModel::abort_step): nothing is in flight or gathered ahead any
+  // more, and an order still being recorded is recorded afresh by the next iteration.
+  void abort_pass() {
+    if (!backward_recorded_) forward_.clear(), backward_.clear(), forward_recorded_ = false, first_backward_ = nullptr;
+    forward_step_ = backward_step_ = 0;
+    in_backward_ = false;
+    ++forward_pass_;
+    prefetched_ = 0;
+    reducing_ = nullptr;
+  }
+
   // End of a forward-only pass (the root's reshard()): the next forward is a new pass.
   void end_forward_pass() {
     if (in_backward_) return;

@@ -323,6 +323,22 @@ class FlatParamGroup {
     }
   }
 
+  // A step abandoned (abort_step): collectives in flight finished (their errors dropped:
+  // the backend reports them again), every unsharded buffer freed, the step's gradients
+  // dropped and the sharded gradients zeroed. Before take-over the engine's tensors are
+  // the engine's: nothing is rebound.
+  void abandon() {
+    for (auto& fp : flat_) {
+      fp.gather_work = Work{};  // waits quietly: a peer may still read or write the buffers
+      fp.reduce_work = Work{};
+      fp.reducing = false;
+    }
+    if (!took_over_) return;
+    release_unsharded();
+    unbind_gradients();
+    reduction_.zero_grad(flat_);
+  }
+
   // ---- gradients (the reduction owns their buffers) ----
 
   void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }

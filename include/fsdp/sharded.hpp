@@ -77,6 +77,8 @@ class Sharded final : public UnitBase {
   // recomputed forward is not part of the recorded order, and inside the unit's own
   // backward it needs no all-gather.
   void pre_forward() override {
+    HookScope scope(*this, "pre_forward");
+    expect_not_failed("pre_forward");
     if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
     expect({TrainingState::IDLE}, "pre_forward");
     if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, prefetches_forward);
@@ -92,6 +94,7 @@ class Sharded final : public UnitBase {
   }
 
   void post_forward() override {
+    HookScope scope(*this, "post_forward");
     expect({TrainingState::FORWARD}, "post_forward");
     if (uses_.recompute_from) return end_recompute();
     record_compute("forward");
@@ -100,6 +103,7 @@ class Sharded final : public UnitBase {
   }
 
   void pre_backward() override {
+    HookScope scope(*this, "pre_backward");
     if (!uses_.awaits_backward(state_)) {
       if (state_ == TrainingState::BACKWARD_POST)
         detail::fail("unit '", display_name(), "' on rank ", rank_, ": pre_backward called after the unit's last backward ",
@@ -125,6 +129,7 @@ class Sharded final : public UnitBase {
   }
 
   void post_backward() override {
+    HookScope scope(*this, "post_backward");
     expect({TrainingState::BACKWARD_PRE}, "post_backward");
     record_compute("backward");
     // Parameters first, as FSDP does: their memory is free before the reduction. Kept for
@@ -143,6 +148,7 @@ class Sharded final : public UnitBase {
   }
 
   void prefetch() override {
+    HookScope scope(*this, "prefetch");
     if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
     if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
     if (!order_->may_prefetch()) return;
@@ -151,6 +157,7 @@ class Sharded final : public UnitBase {
 
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override {
+    HookScope scope(*this, "finish_reduction");
     group_.finish_reductions(waiter());
     if (!grad_hook_.take_due()) return;
     if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
@@ -172,6 +179,7 @@ class Sharded final : public UnitBase {
   }
 
   void finish_backward() override {
+    HookScope scope(*this, "finish_backward");
     expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
     if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
     finish_reduction();
@@ -183,7 +191,20 @@ class Sharded final : public UnitBase {
     state_ = TrainingState::IDLE;
   }
 
+  void abandon_step() override {
+    group_.abandon();
+    if (state_ == TrainingState::SUMMON_FULL_PARAMS) buffers_.show_master(false), group_.release_summoned_gradients();
+    grad_is_zero_ = true;
+    grad_hook_.take_due();  // a hook armed by this step's reduction does not run
+    uses_.end_pass();
+    uses_.recompute_from.reset();
+    if (prefetched_ && order_) order_->prefetch_consumed();
+    prefetched_ = kept_ = kept_after_backward_ = false;
+    state_ = TrainingState::IDLE;
+  }
+
   void reshard() override {
+    HookScope scope(*this, "reshard");
     expect({TrainingState::IDLE}, "reshard");
     release_unsharded();
     uses_.end_forward_pass();
@@ -191,6 +212,7 @@ class Sharded final : public UnitBase {
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
   void zero_grad() override {
+    HookScope scope(*this, "zero_grad");
     expect({TrainingState::IDLE}, "zero_grad");
     group_.zero_grad();
     grad_is_zero_ = true;

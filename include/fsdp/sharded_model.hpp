@@ -267,6 +267,22 @@ class ShardedModel {
     order_->end_forward_pass();
   }
 
+  // Recovery after an exception inside a step (a failed allocation, an engine error, a hook
+  // that threw; UnitBase::abort_step): every unit frees what the step held, discards the
+  // step's gradients (as zero_grad) and returns to IDLE, and the execution order forgets
+  // the pass (an order still being recorded is recorded again). Then one agreement across
+  // the world: every rank must call it; a rank still inside another collective makes it
+  // an error on every rank instead, and the units then stay failed. The next step computes
+  // with the parameters as they were before the aborted one.
+  void abort_step() {
+    for (auto& u : units_) u->abandon_step();
+    order_->abort_pass();
+    if (units_.empty()) return;
+    for (auto& u : units_) u->failed_hook_ = "abort_step";  // until every rank took part
+    units_[0]->all_ranks_agree(true);
+    for (auto& u : units_) u->failed_hook_ = nullptr;
+  }
+
   // This rank's flat shards of every unit, for the optimizer.
   std::span<const ShardView> shards() const { return views_; }
   // Every parameter of every unit as this rank holds it (unit by unit, in unit order):

@@ -176,6 +176,22 @@ class UnitBase {
   // Completes a reduction that post_backward left in flight (asynchronous backends).
   virtual void finish_reduction() = 0;
 
+  // Recovery after an exception inside a step (a failed allocation, an engine error between
+  // hooks, a hook that threw): frees what the step held (unsharded parameters, gradients,
+  // collectives in flight, which are waited for and whose errors are dropped), discards the
+  // step's gradients as zero_grad does, and returns the unit to IDLE. A collective over
+  // the unit's world: every rank must call it, so no rank continues alone (a rank still in
+  // another collective makes it an error on every rank). ShardedModel::abort_step does it
+  // for every unit with one agreement.
+  void abort_step() {
+    abandon_step();
+    agree_on_abort();
+  }
+  // The local part: no collective.
+  virtual void abandon_step() = 0;
+  // Which hook last left by an exception (null: none since the last abort_step).
+  const char* failed_hook() const { return failed_hook_; }
+
  protected:
   // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
   virtual void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) = 0;
@@ -305,8 +321,42 @@ class UnitBase {
   UnitBase(std::string fqn, int rank, const void* module, std::type_index type)
       : fqn_(std::move(fqn)), rank_(rank), module_(module), module_type_(type) {}
   void expect(std::initializer_list<TrainingState> states, std::string_view hook) const {
+    expect_not_failed(hook);
+    for (auto s : states)
+      if (s == state_) return;
+    misuse_ = true;
     detail::expect_state(state_, states, hook, fqn_, rank_);
   }
+  void expect_not_failed(std::string_view hook) const {
+    if (!failed_hook_) return;
+    misuse_ = true;
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called after ", failed_hook_,
+                 " left by an exception; call abort_step() (ShardedModel::abort_step) on every rank first");
+  }
+  // Held by each hook: a hook left by an exception (other than a call in the wrong state,
+  // which changes nothing) leaves the unit in a state only abort_step ends; its next hook
+  // says so.
+  class HookScope {
+   public:
+    HookScope(UnitBase& u, const char* hook) : u_(u), hook_(hook) { u_.misuse_ = false; }
+    ~HookScope() {
+      if (std::uncaught_exceptions() > exceptions_ && !u_.misuse_) u_.failed_hook_ = hook_;
+    }
+    HookScope(const HookScope&) = delete;
+    HookScope& operator=(const HookScope&) = delete;
+
+   private:
+    UnitBase& u_;
+    const char* hook_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  void agree_on_abort() {
+    failed_hook_ = "abort_step";  // until every rank took part
+    all_ranks_agree(true);
+    failed_hook_ = nullptr;
+  }
+  const char* failed_hook_ = nullptr;
+  mutable bool misuse_ = false;  // the exception leaving a hook is expect()'s
   std::string fqn_;
   TrainingState state_ = TrainingState::IDLE;
   int rank_ = 0;
