@@ -7,13 +7,16 @@
 // the recorded order, and a prefetching unit that runs out of that order is reported (a
 // unit gathered ahead that does not run is dropped at finish_backward). A unit used several
 // times per pass appears once per use; a forward-only pass before the first backward ends
-// with reshard(), or the next pass is recorded as more of the same one.
+// with reshard(), or the next pass is recorded as more of the same one. Every pass is also
+// checked across ranks as it ends (fsdp/detail/pass_check.hpp): one 8-byte all-gather.
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/detail/pass_check.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 
@@ -67,6 +70,12 @@ class ExecutionOrder {
   void reduction_issued(UnitBase& u);
   void finish_reductions();
 
+  // The end of a pass (finish_backward, or reshard() after a forward-only pass): every rank
+  // ran the same units in the same order, or an error on every rank naming where not.
+  void check_pass() {
+    passes_.check([this](int i) { return name_of(i); });
+  }
+
   // End of an iteration (the root's finish_backward).
   void end_iteration() {
     if (!backward_.empty()) forward_recorded_ = backward_recorded_ = true;  // recording ends
@@ -84,6 +93,7 @@ class ExecutionOrder {
     ++forward_pass_;
     prefetched_ = 0;
     reducing_ = nullptr;
+    passes_.clear();
   }
 
   // End of a forward-only pass (the root's reshard()): the next forward is a new pass.
@@ -116,6 +126,7 @@ class ExecutionOrder {
   std::uint64_t forward_pass_ = 0;
   int prefetched_ = 0;
   UnitBase* reducing_ = nullptr;  // the unit whose reduction is in flight
+  detail::PassRecord passes_;  // this pass's entries, checked across ranks as it ends
 };
 
 }  // namespace fsdp

@@ -157,6 +157,12 @@ class ShardedModel {
       if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
     order_->finish_reductions();
     for (auto& u : units_) u->finish_backward();
+    try {
+      order_->check_pass();
+    } catch (...) {  // the gradients are wrong: nothing may use them before abort_step
+      for (auto& u : units_) u->failed_hook_ = "finish_backward";
+      throw;
+    }
     order_->end_iteration();
   }
 
@@ -264,6 +270,7 @@ class ShardedModel {
   // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.
   void reshard() {
     for (auto& u : units_) u->reshard();
+    if (!order_->in_backward()) order_->check_pass();  // a forward-only pass ends here
     order_->end_forward_pass();
   }
 

@@ -33,7 +33,6 @@ inline void expect_state(TrainingState actual, std::initializer_list<TrainingSta
      << " called in state " << name_of(actual) << "; expected ";
   bool first = true;
   for (auto s : expected) { os << (first ? "" : " or ") << name_of(s); first = false; }
-  if (actual != TrainingState::IDLE) os << " (after an exception inside a step, call abort_step() on every rank)";
   throw Error(os.str());
 }
 }  // namespace detail

@@ -1,0 +1,124 @@
+// Every pass, not only the first iteration, is checked across ranks as it ends
+// (fsdp/detail/pass_check.hpp): a rank that swaps two same-sized units (whose collectives
+// would pair silently), or runs an evaluation pass in another order, is an error on every
+// rank at finish_backward / reshard(), before any optimizer step, naming what each rank ran.
+// Plain training pays one 8-byte all-gather per pass.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "examples/engine/fsdp_integration.hpp"
+#include "test/support/errors.hpp"
+#include "test/support/rank_errors.hpp"
+
+namespace {
+
+using test_support::contains;
+using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
+
+engine::ModelConfig config() {
+  engine::ModelConfig c;
+  c.blocks = 3;  // blocks.0, blocks.1, blocks.2: the same sizes
+  return c;
+}
+
+// One iteration driven by hand, units entered in `order` (names), no computation: the
+// order is all that matters here. Backward runs the reverse.
+void iteration(fsdp::ShardedModel& sm, const std::vector<std::string>& order, bool backward = true) {
+  sm.zero_grad();
+  auto& root = sm.unit("");
+  root.pre_forward();
+  for (const auto& n : order) sm.unit(n).pre_forward(), sm.unit(n).post_forward();
+  root.post_forward();
+  if (!backward) return sm.reshard();
+  root.pre_backward();
+  for (auto it = order.rbegin(); it != order.rend(); ++it) sm.unit(*it).pre_backward(), sm.unit(*it).post_backward();
+  root.post_backward();
+  sm.finish_backward();
+}
+
+const std::vector<std::string> usual{"blocks.0", "blocks.1", "blocks.2", "gain"};
+const std::vector<std::string> swapped{"blocks.1", "blocks.0", "blocks.2", "gain"};
+
+}  // namespace
+
+TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on every rank at finish_backward") {
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    iteration(sm, usual);
+    iteration(sm, usual);
+    iteration(sm, comm.rank() == 1 ? swapped : usual);  // the all-gathers pair silently: same sizes
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(contains(msgs[r], "ranks ran units in different orders in this pass (checked as it ended, before any optimizer "
+                            "step; its gradients and outputs are wrong): at entry #1, rank 0 ran the forward of "
+                            "'blocks.0'; rank 1 ran the forward of 'blocks.1'"));
+  }
+}
+
+TEST_CASE("after the error every unit asks for abort_step; after it, training goes on") {
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    iteration(sm, usual);
+    try {
+      iteration(sm, comm.rank() == 0 ? swapped : usual);
+      FAIL("no error");
+    } catch (const fsdp::Error&) {
+    }
+    CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("call abort_step()"), fsdp::Error);
+    sm.abort_step();
+    iteration(sm, usual);  // no error: the ranks agree again
+    iteration(sm, usual);
+  });
+  for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
+}
+
+TEST_CASE("an evaluation pass in another order: an error at reshard()") {
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    iteration(sm, usual);
+    iteration(sm, usual, false);
+    iteration(sm, comm.rank() == 0 ? usual : swapped, false);
+  });
+  for (int r = 0; r < 2; ++r) CHECK(contains(msgs[r], "at entry #1, rank 0 ran the forward of 'blocks.0'; rank 1 ran the forward of 'blocks.1'"));
+}
+
+TEST_CASE("a rank that skips a unit in backward: named as ending its pass early") {
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});  // no collective per unit but the reduction's
+    iteration(sm, usual);
+    iteration(sm, comm.rank() == 0 ? usual : std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"});
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(!msgs[r].empty());
+  }
+}
+
+TEST_CASE("plain training pays one 8-byte all-gather per pass") {
+  std::vector<fsdp::CollectiveCounts> counts(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    Counting counted(comm);
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
+    iteration(sm, usual);
+    counted.reset();
+    iteration(sm, usual);
+    counts[comm.rank()] = counted.counts();
+  });
+  for (const auto& c : counts) {
+    CHECK(c[fsdp::Collective::all_gather].calls == 1);  // NoShard gathers nothing: only the check
+    CHECK(c[fsdp::Collective::all_gather].bytes == 16);  // 8 bytes from each of 2 ranks
+  }
+}
