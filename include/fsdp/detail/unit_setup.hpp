@@ -12,6 +12,7 @@
 #include "fsdp/detail/buffer_copies.hpp"
 #include "fsdp/detail/deferred_storage.hpp"
 #include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/unit.hpp"
@@ -58,7 +59,8 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   const auto aliases = take_ties(params, unit.display_name(), unit.rank());
   std::int64_t elements = 0;  // a tied tensor once
   for (const auto& p : params) elements += p.info.numel;
-  if (group.groups().shards_parameters && elements < options.persistence_threshold) group.keep_unsharded();
+  if (kept_unsharded_by_threshold(group.groups().shards_parameters, elements, options.persistence_threshold))
+    group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
   Fingerprint f;
