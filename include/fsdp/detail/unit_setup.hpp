@@ -72,7 +72,7 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   }, [&] { return group.describe() + " (" + groups + ")"; });
   DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
   if (options.init)
-    run_deferred_init(options.init, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
+    run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
                       device, unit.display_name(), unit.rank());
   if (options.sync_module_states) broadcast_from_rank0(group.groups().world, params, setup.buffers);
   group.copy_shards(params);
