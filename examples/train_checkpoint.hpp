@@ -76,7 +76,9 @@ inline Resume read_resume(const Config& cfg, int world) {
                        " (", world, " ranks x --batch ", cfg.batch_per_rank, "); resuming would train on other data");
   if (cfg.steps <= r.step)
     fsdp::detail::fail(where, ": saved after step ", r.step, "; --steps ", cfg.steps, " leaves nothing to train");
-  if (const int k = number("train.accumulate", 0); k != cfg.accumulate)
+  // Checkpoints saved before --accumulate existed have no such key: they trained one
+  // micro-batch per step.
+  if (const int k = metadata.count("train.accumulate") ? number("train.accumulate", 0) : 1; k != cfg.accumulate)
     fsdp::detail::fail(where, ": saved with --accumulate ", k, ", this run uses ", cfg.accumulate,
                        "; resuming would train on other micro-batches");
   if (r.optimizer != cfg.optimizer)

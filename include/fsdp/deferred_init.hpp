@@ -26,7 +26,6 @@
 // parameter that differs; with ShardOptions::sync_module_states, rank 0's values are
 // broadcast after the init instead (and nothing is compared). InitCheck::none skips it.
 #include <functional>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -60,13 +59,13 @@ template <class F> struct is_deferred_init<DeferredInit<F>> : std::true_type {};
 struct NoDeferredInit {};
 
 // The init of the unit over `module`: d.init(m, fqn) for each module m of the unit (walked as
-// the unit collects its parameters, `skip` leaving out other units and ignored modules)
+// the unit collects its parameters, its SkipSet leaving out other units and ignored modules)
 // that owns a parameter the unit materialized. A module the callback cannot be called with
 // is an error only if it owns such a parameter.
 template <class F, class M>
-InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn, std::shared_ptr<const SkipSet> skip) {
-  return [&d, &module, fqn = std::move(fqn), skip = std::move(skip)](const MaterializedTensors& materialized) {
-    for_each_unit_module<wrap_types<>>(module, fqn, *skip, [&](auto& m, const std::string& at) {
+InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn) {
+  return [&d, &module, fqn = std::move(fqn)](const MaterializedTensors& materialized, const SkipSet& skip) {
+    for_each_unit_module<wrap_types<>>(module, fqn, skip, [&](auto& m, const std::string& at) {
       bool owns = false;
       for_each_own_parameter(m, [&](std::string_view, auto& p, auto&) { owns = owns || materialized.count(&p); });
       if (!owns) return;

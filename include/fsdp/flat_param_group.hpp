@@ -17,6 +17,7 @@
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/detail/gradient_reduction.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/partial_reshard.hpp"
@@ -139,18 +140,9 @@ class FlatParamGroup {
     for (auto& fp : flat_) {
       const auto& L = fp.layout;
       const std::size_t esize = size_of(L.dtype());
-      fp.compute = fp.reduce = fp.grad = fp.master();
-      if constexpr (precision::enabled) {
-        fp.compute = precision::param;
-        fp.reduce = precision::reduce;
-        fp.grad = precision::keep_low_precision_grads ? precision::reduce : fp.master();
-      }
-      fp.gather = fp.compute;
-      if constexpr (comm_precision::enabled) {  // only where it saves bytes
-        if (size_of(comm_precision::gather) < size_of(fp.compute)) fp.gather = comm_precision::gather;
-        if (size_of(comm_precision::reduce) < size_of(fp.compute)) fp.reduce = comm_precision::reduce;
-      }
-      fp.direct = !groups_.shards_parameters && !offload && fp.compute == fp.master() && fp.reduce == fp.master();
+      const auto t = detail::flat_param_dtypes(fp.master(), detail::precision_choice<precision, comm_precision>());
+      fp.compute = t.compute, fp.gather = t.gather, fp.accumulate = t.accumulate, fp.reduce = t.reduce, fp.grad = t.grad;
+      fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offload, fp.master(), t);
       fp.shard = device_.allocate(fp.shard_bytes(), shard_space);
       fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
       device_.fill_zero(fp.shard, fp.shard_bytes());

@@ -24,7 +24,7 @@ namespace fsdp {
 // What a unit does at post_backward while its gradient sync is off.
 enum class GradientSyncMode : std::uint8_t {
   // FSDP1's no_sync (the default): no communication. The unit keeps its unsharded gradient,
-  // in the reduce dtype, in device memory; later backwards add into it, and the next
+  // in MixedPrecision's reduce dtype (never CommPrecision's narrower one), in device memory; later backwards add into it, and the next
   // synchronized backward reduces the sum once. Communicates 1/k of the gradient bytes, at
   // the cost of one unsharded gradient per unit alive between micro-batches.
   keep_unsharded,
@@ -42,7 +42,7 @@ struct GradientSync {
   bool requires_sync = true;
   // Hybrid strategies only (elsewhere there is no all-reduce of gradient shards to skip).
   // Off: the reduce-scatter inside the shard group still runs, its result waits in a
-  // shard-sized device buffer (reduce dtype, counted by the Device), and the sharded
+  // shard-sized device buffer (MixedPrecision's reduce dtype, counted by the Device), and the sharded
   // gradient is left as it was; the next backward with it on adds the waiting sum and
   // all-reduces once across replicas. So between micro-batches the sharded gradient holds
   // only what earlier complete reductions put there.

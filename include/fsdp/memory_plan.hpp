@@ -122,11 +122,7 @@ SimPolicy sim_policy() {
                                                   : PrefetchMode::none;
   p.forward_prefetch = Config::forward_prefetch::enabled;
   p.offload = Config::cpu_offload::offload;
-  p.mixed = MP::enabled;
-  p.keep_low_precision_grads = MP::keep_low_precision_grads;
-  if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
-  p.comm = CP::enabled;
-  if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
+  p.precision = precision_choice<MP, CP>();
   return p;
 }
 
@@ -165,7 +161,7 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
       elements += f.numel;
     }
     for (const auto& b : units[i].buffers) s.buffers.push_back({b.dtype, b.numel});
-    s.kept_unsharded = policy.shards_parameters && elements < options.persistence_threshold;
+    s.kept_unsharded = detail::kept_unsharded_by_threshold(policy.shards_parameters, elements, options.persistence_threshold);
     s.reshard_after_forward = units[i].reshard_after_forward.value_or(policy.reshard_after_forward);
     const int k = units[i].post_forward_ranks;
     if (k != 0 && (k <= 1 || k >= shard || shard % k != 0))

@@ -105,8 +105,9 @@ struct FullPrecision {
 // Gather buffer, gathered, then widened into the compute-dtype buffer the engine sees (the
 // Gather buffer lives only until then); the gradient is cast to Reduce before the
 // reduce-scatter (f16 relies on FSDP's pre/post divide factors) and widened back into the
-// sharded gradient. A dtype applies to a flat parameter only when it has fewer bytes than
-// that parameter's compute dtype. Replicated parameters (NoShard, units under the
+// sharded gradient. Accumulation over micro-batches stays in the compute dtype: only the
+// synchronized reduction rounds to Reduce. A dtype applies to a flat parameter only when
+// it has fewer bytes than that parameter's compute dtype. Replicated parameters (NoShard, units under the
 // persistence threshold) are never gathered: only Reduce applies to them. Summons and state
 // dicts gather in the master dtype, unrounded. With MixedPrecision, Reduce comes from here:
 // MixedPrecision may then set only Param (and Buffer).

@@ -235,13 +235,11 @@ void build_units(Types types, M& m, const std::string& fqn, const std::set<Modul
 // Each unit's options: the shared ones, its FQN, and its part of a deferred init.
 template <class Init>
 auto unit_options_for(const UnitOptions& base, const Init& init) {
-  auto skip = std::make_shared<const SkipSet>(
-      SkipSet{{base.skip_modules.begin(), base.skip_modules.end()}, {base.skip_parameters.begin(), base.skip_parameters.end()}});
-  return [&base, &init, skip](auto& module, const std::string& fqn) {
+  return [&base, &init](auto& module, const std::string& fqn) {
     UnitOptions o = base;
     o.fqn = fqn;
     if constexpr (is_deferred_init<Init>::value) {
-      o.init = unit_init(init, module, fqn, skip);
+      o.init = unit_init(init, module, fqn);
       o.check_init_agrees = init.check == InitCheck::ranks_agree && !base.sync_module_states;  // sync makes them agree
     }
     return o;

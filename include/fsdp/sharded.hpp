@@ -72,6 +72,7 @@ class Sharded final : public UnitBase {
   // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
   bool kept_unsharded() const { return group_.kept_unsharded(); }
   std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
+  MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
 
   // A unit may be entered several times per pass (fsdp/detail/unit_uses.hpp). A
   // recomputed forward is not part of the recorded order, and inside the unit's own

@@ -18,6 +18,7 @@
 #include "fsdp/detail/post_grad_hook_slot.hpp"
 #include "fsdp/detail/unit_uses.hpp"
 #include "fsdp/device.hpp"
+#include "fsdp/device_mesh.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/execution_order.hpp"
 #include "fsdp/gradient_sync.hpp"
@@ -162,6 +163,9 @@ class UnitBase {
   virtual bool saves_shards() const = 0;
   // The process groups the unit uses, in words; every unit of a model must use the same.
   virtual std::string groups() const = 0;
+  // Those groups as a mesh: {replicate group size, shard group size} (the model's, also
+  // for a unit kept unsharded by the persistence threshold).
+  virtual MeshShape mesh_shape() const = 0;
   // The number of ranks of its world (shard group size x replicate group size).
   virtual int world_size() const = 0;
 

@@ -132,6 +132,29 @@ TEST_CASE("scalars, empty tensors, metadata and a large tensor round-trip") {
   CHECK(f.metadata().at("rng") == std::string("\x01\x02 \"quoted\"\n", 13));
 }
 
+TEST_CASE("small fills written in place and large ones pipelined, interleaved, keep every tensor's bytes") {
+  test_support::TempDir dir;
+  const auto large = static_cast<std::int64_t>(SafetensorsWriter::pipelined_fill_bytes);
+  // Large, small, small, large, small: a small fill must neither overwrite a buffer a
+  // pipelined write still reads nor be overwritten by the next fill before it is written.
+  const std::vector<std::int64_t> sizes{large + 3, 100, 7, 2 * large, 1000};
+  std::vector<std::vector<std::byte>> want;
+  SafetensorsWriter w;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    want.push_back(pattern(static_cast<std::size_t>(sizes[i]), static_cast<int>(i) + 1));
+    w.add("t" + std::to_string(i), DType::u8, {sizes[i]}, [&want, i](std::span<std::byte> out) {
+      REQUIRE(out.size() == want[i].size());
+      std::copy(want[i].begin(), want[i].end(), out.begin());
+    });
+  }
+  w.write(dir / "m.safetensors");
+  const SafetensorsFile f = SafetensorsFile::open(dir / "m.safetensors");
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    CAPTURE(i);
+    CHECK(read_all(f, "t" + std::to_string(i)) == want[i]);
+  }
+}
+
 TEST_CASE("the bytes are deterministic, the header is padded and the checksum is the file's") {
   test_support::TempDir dir;
   std::vector<std::vector<std::byte>> keep1, keep2;

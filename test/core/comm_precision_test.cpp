@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "examples/engine/fsdp_integration.hpp"
@@ -243,5 +244,88 @@ TEST_CASE("per-rank peak with bf16 communication equals the formula, to the byte
       CHECK(after_eval[r].live_bytes == steady);
       CHECK(after_eval[r].peak_bytes == steady + std::max(root + root / 2, root + max_layer + max_layer / 2));
     }
+  }
+}
+
+namespace {
+
+// Gradient accumulation under CommPrecision<bf16>: micro-batch gradients chosen so that a
+// bf16 running sum differs from the f32 one. Every element of every rank gets 1, then
+// 2^-9 three times: in bf16 1 + 2^-9 rounds back to 1 each time; in f32 the sum is exact.
+constexpr float tiny = 1.0f / 512;
+constexpr float micro_grads[] = {1.0f, tiny, tiny, tiny};
+
+enum class Accumulation { keep_unsharded, reduce_every_microbatch, defer_all_reduce };
+
+// The sharded gradient of one engine::Linear (the whole model one unit) after the four
+// micro-batches, the last synchronized; every rank's valid elements, in order.
+template <class Strategy>
+std::vector<float> accumulated_gradient(int world, fsdp::MeshShape mesh, Accumulation how) {
+  std::vector<std::vector<float>> per_rank(world);
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    engine::Linear layer(3, 2, 7);
+    fsdp::HostDevice device;
+    std::optional<fsdp::DeviceMesh<fsdp::ThreadComm>> m;
+    fsdp::ShardedModel sm;
+    if constexpr (Strategy::hybrid) {
+      m.emplace(comm, mesh);
+      sm = fsdp::shard<Strategy, fsdp::CommPrecision<fsdp::bf16>>(layer, *m, device);
+    } else {
+      sm = fsdp::shard<Strategy, fsdp::CommPrecision<fsdp::bf16>>(layer, comm, device);
+    }
+    if (how == Accumulation::reduce_every_microbatch) sm.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
+    auto& unit = sm.unit("");
+    sm.zero_grad();
+    for (std::size_t j = 0; j < std::size(micro_grads); ++j) {
+      const bool last = j + 1 == std::size(micro_grads);
+      if (how == Accumulation::defer_all_reduce) sm.set_requires_all_reduce(last);
+      else sm.set_requires_gradient_sync(last);
+      {
+        auto s = unit.backward_scope();  // the engine adds this micro-batch's gradient
+        for (std::int64_t i = 0; i < layer.weight_grad.numel(); ++i) layer.weight_grad[i] += micro_grads[j];
+        for (std::int64_t i = 0; i < layer.bias_grad.numel(); ++i) layer.bias_grad[i] += micro_grads[j];
+      }
+      sm.finish_backward();
+    }
+    for (const auto& v : sm.shards()) {
+      REQUIRE(v.grad_dtype == fsdp::DType::f32);
+      const auto* g = static_cast<const float*>(v.grad);
+      per_rank[comm.rank()].assign(g, g + v.numel);
+    }
+  });
+  std::vector<float> all;
+  for (const auto& r : per_rank) all.insert(all.end(), r.begin(), r.end());
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("accumulation over micro-batches is in f32: only the synchronized reduction rounds to bf16") {
+  // Every rank contributes the same, so the average over ranks is each rank's own sum. The
+  // pre/post divide factors are powers of two: exact.
+  float f32_sum = 0, bf16_running_sum = 0;
+  for (float g : micro_grads) f32_sum += g, bf16_running_sum = bf16_rounded(bf16_running_sum + g);
+  const float once_rounded = bf16_rounded(f32_sum);
+  float each_rounded = 0;  // each micro-batch reduced (rounded) alone, then added in f32
+  for (float g : micro_grads) each_rounded += bf16_rounded(g);
+  REQUIRE(once_rounded == 1.0078125f);
+  REQUIRE(bf16_running_sum == 1.0f);  // what summing in the wire dtype gives: the test can fail
+  REQUIRE(each_rounded == f32_sum);
+  auto check_all = [](const std::vector<float>& got, float want) {
+    REQUIRE(!got.empty());  // weight 2x3 and bias 2: every rank's shard of them (replicas included)
+    REQUIRE(got.size() % 8 == 0);
+    for (float g : got) CHECK(g == want);
+  };
+  SUBCASE("keep_unsharded (no_sync): the kept unsharded gradient sums in f32") {
+    check_all(accumulated_gradient<fsdp::FullShard>(2, {1, 2}, Accumulation::keep_unsharded), once_rounded);
+    check_all(accumulated_gradient<fsdp::NoShard>(2, {1, 2}, Accumulation::keep_unsharded), once_rounded);
+    check_all(accumulated_gradient<fsdp::HybridShard>(4, {2, 2}, Accumulation::keep_unsharded), once_rounded);
+  }
+  SUBCASE("reduce_every_microbatch: each reduction rounds alone, the sharded gradient sums in f32") {
+    check_all(accumulated_gradient<fsdp::FullShard>(2, {1, 2}, Accumulation::reduce_every_microbatch), each_rounded);
+    check_all(accumulated_gradient<fsdp::NoShard>(2, {1, 2}, Accumulation::reduce_every_microbatch), each_rounded);
+  }
+  SUBCASE("HybridShard's deferred all-reduce: the waiting shard-group sums add in f32") {
+    check_all(accumulated_gradient<fsdp::HybridShard>(4, {2, 2}, Accumulation::defer_all_reduce), once_rounded);
   }
 }

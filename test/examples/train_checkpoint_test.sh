@@ -2,8 +2,9 @@
 # examples/train.cpp with --save / --resume: a run stopped after step 3 and resumed to step 6
 # trains what an uninterrupted 6-step run trains (bit for bit on the same ranks and strategy,
 # within a tolerance on other ranks, strategies and backends), for AdamW, SGD, bf16 and fp16;
-# a missing or damaged checkpoint, another global batch, nothing left to train, another
-# optimizer and --save-every without --save are refused before anything trains.
+# a checkpoint without the train.accumulate key (saved before it existed) resumes as
+# --accumulate 1; a missing or damaged checkpoint, another global batch, nothing left to
+# train, another optimizer and --save-every without --save are refused before anything trains.
 #
 # Usage: train_checkpoint_test.sh TRAIN_BINARY
 set -u
@@ -83,6 +84,23 @@ for flags in "--ranks 2 --batch 16 --strategy SHARD_GRAD_OP" "--ranks 8 --batch 
   fi
 done
 
+# (5) A checkpoint saved before the train.accumulate key existed (removed from the index
+# here) resumes as one micro-batch per step: bitwise the uninterrupted run.
+old_dir="$tmp/before_accumulate"
+cp -r "$adamw_dir" "$old_dir"
+sed -i -E 's/"train\.accumulate": *"[0-9]+", *//' "$old_dir/index.json"
+if grep -q 'train\.accumulate' "$old_dir/index.json"; then
+  fail "could not remove train.accumulate from $old_dir/index.json"
+else
+  run rest "no train.accumulate: resume" --steps 6 --resume "$old_dir"
+  if [[ -z "$(fingerprint "$rest")" || "$(losses "$rest")" != "$(steps_from 4 "$adamw_whole")" ||
+    "$(fingerprint "$rest")" != "$(fingerprint "$adamw_whole")" ]]; then
+    fail "no train.accumulate: the resumed run differs from the uninterrupted one"
+  else
+    echo "PASS: no train.accumulate: resumed as --accumulate 1, steps 4..6 and parameters bitwise equal"
+  fi
+fi
+
 # (4) Refusals: an error naming the problem, a failing exit code, no training step.
 bad="$tmp/damaged"
 cp -r "$adamw_dir" "$bad"
@@ -111,6 +129,8 @@ refuse "flipped byte" "rank-00001.safetensors" --steps 6 --resume "$bad"
 refuse "other global batch" "global batch of 32 samples, but this run's is 16" --steps 6 --ranks 2 --resume "$adamw_dir"
 refuse "nothing left to train" "saved after step 3; --steps 3 leaves nothing to train" --steps 3 --resume "$adamw_dir"
 refuse "other optimizer" "saved with --optimizer adamw" --steps 6 --optimizer sgd --resume "$adamw_dir"
+refuse "no train.accumulate, other --accumulate" "saved with --accumulate 1, this run uses 2" --steps 6 --accumulate 2 \
+  --resume "$old_dir"
 refuse "--save-every without --save" "--save-every requires --save" --steps 6 --save-every 2
 
 [[ $failures -eq 0 ]] && echo "all cases as expected" || { echo "$failures case(s) wrong"; exit 1; }

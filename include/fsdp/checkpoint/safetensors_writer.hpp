@@ -91,9 +91,14 @@ class SafetensorsWriter {
     return format_safetensors_header(layout(), metadata_);
   }
 
-  // Streams the whole file into `sink`: length, header, then each tensor's bytes. Filled
-  // bytes go to the sink on a second thread while the next fill runs on this one (two
-  // buffers of the largest fill), so producing them (a gather) overlaps writing them.
+  // Fills smaller than this are written on the calling thread: for them a thread costs
+  // more than the overlap saves.
+  static constexpr std::uint64_t pipelined_fill_bytes = std::uint64_t{1} << 20;
+
+  // Streams the whole file into `sink`: length, header, then each tensor's bytes. The
+  // bytes of a large fill go to the sink on a second thread while the next fill runs on
+  // this one (two buffers of the largest fill), so producing them (a gather) overlaps
+  // writing them; small fills are written in place.
   void write_to(FileSink& sink) const {
     const std::string h = header();
     const std::uint64_t n = h.size();
@@ -106,8 +111,9 @@ class SafetensorsWriter {
     std::size_t fills = 0;
     for (std::size_t i = 0; i < tensors_.size(); i += tensors_[i].fill ? tensors_[i].together : 1)
       if (tensors_[i].fill) largest = std::max(largest, fill_bytes(i)), ++fills;
+    const bool pipelines = fills > 1 && largest >= pipelined_fill_bytes;  // else one buffer serves every fill
     const HostArena buffers[2] = {HostArena(static_cast<std::size_t>(largest)),
-                                  HostArena(fills > 1 ? static_cast<std::size_t>(largest) : 0)};
+                                  HostArena(pipelines ? static_cast<std::size_t>(largest) : 0)};
     std::future<void> writing;  // the previous fill's bytes into the sink
     auto written = [&] {        // waits for it; rethrows its error
       if (writing.valid()) writing.get();
@@ -134,9 +140,13 @@ class SafetensorsWriter {
         fail_tensor(p.info.name, "producing its bytes failed: ", detail::message_of(e));
       }
       written();
+      i += p.together;
+      if (out.size() < pipelined_fill_bytes) {
+        sink.write(out.data(), out.size());  // done with this buffer: the next fill reuses it
+        continue;
+      }
       writing = std::async(std::launch::async, [&sink, out] { sink.write(out.data(), out.size()); });
       next ^= 1;
-      i += p.together;
     }
     written();
   }

@@ -22,7 +22,9 @@ namespace fsdp::detail {
 
 // The addresses of the parameter tensors a unit bound to fresh storage for its init callback.
 using MaterializedTensors = std::unordered_set<const void*>;
-using InitCallback = std::function<void(const MaterializedTensors&)>;
+// The init of one unit: given those tensors and what the unit leaves out of its subtree
+// (the SkipSet it collected its parameters with, so the init walks the same modules).
+using InitCallback = std::function<void(const MaterializedTensors&, const SkipSet&)>;
 
 class DeferredStorage {
  public:
@@ -126,11 +128,11 @@ inline void check_init_agrees(const std::vector<CollectedParam>& params, const C
 // The whole deferred step of a unit's construction: bind, init, check; then, if asked,
 // compare the values across ranks. `storage` keeps the bound storage until the caller has
 // copied its shard.
-inline void run_deferred_init(const InitCallback& init, bool check_agrees, DeferredStorage& storage,
+inline void run_deferred_init(const InitCallback& init, const SkipSet& skip, bool check_agrees, DeferredStorage& storage,
                               std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
                               const CommRef& world, const DeviceRef& device, std::string_view unit, int rank) {
   if (storage.bind(params)) {
-    init(storage.tensors());
+    init(storage.tensors(), skip);
     storage.check(params, buffers, unit, rank);
   }
   if (check_agrees) check_init_agrees(params, world, device, unit, rank);

@@ -26,7 +26,8 @@ struct FlatParam {
   std::vector<std::pair<std::size_t, detail::ParamBinding>> alias_bindings;
   DType compute = DType::f32;  // what the engine computes with (MixedPrecision's Param)
   DType gather = DType::f32;   // what all-gathers move (CommPrecision's Gather, else compute)
-  DType reduce = DType::f32;   // what gradients are reduced in
+  DType accumulate = DType::f32;  // what micro-batches' gradients are summed in (MixedPrecision's Reduce, else compute)
+  DType reduce = DType::f32;   // what gradients are reduced in (CommPrecision's Reduce, else accumulate)
   DType grad = DType::f32;     // what the sharded gradient is kept in
   bool direct = false;         // replicated, same dtype, not offloaded: the shard *is* the parameters
   void* shard = nullptr;       // shard_numel master-dtype elements, this rank's (host space when offloaded)
@@ -44,15 +45,15 @@ struct FlatParam {
   Work gather_work;            // the all-gather into `full`, until its first use
   bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
   Work reduce_work;            // the reduction, until finished
-  void* reduce_in = nullptr;   // full_grad cast to `reduce`, when that differs
+  void* reduce_in = nullptr;   // full_grad cast to `reduce`, when that differs (a kept sum when accumulate == reduce)
   void* reduce_out = nullptr;  // shard_numel `reduce`-dtype elements: where it reduces to
   bool into_shard_grad = false;
   bool reducing = false;
   // Accumulation without communication (fsdp/gradient_sync.hpp):
   bool grad_kept = false;      // an unsynchronized backward kept the unsharded gradient: in
-                               // full_grad when reduce == compute, else summed in reduce_in
+                               // full_grad when accumulate == compute, else summed in reduce_in
   bool defer_all_reduce = false;  // this reduction stops after the shard group, into `partial`
-  void* partial = nullptr;     // shard_numel `reduce`-dtype shard-group sums awaiting the replicate all-reduce
+  void* partial = nullptr;     // shard_numel `accumulate`-dtype shard-group sums awaiting the replicate all-reduce
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
   DType master() const { return layout.dtype(); }
@@ -61,6 +62,7 @@ struct FlatParam {
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
   std::size_t wire_bytes() const { return bytes(layout.padded_numel(), gather); }
   std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
+  std::size_t partial_bytes() const { return bytes(layout.shard_numel(), accumulate); }
   bool gather_issued() const { return full || wire; }
 };
 

@@ -69,7 +69,7 @@ class GradientReduction {
   void bind_gradients(std::vector<FlatParam>& flat, bool grad_is_zero) {
     for (auto& fp : flat) {
       if (fp.full_grad) {
-        // kept by an unsynchronized backward (reduce == compute): the engine adds into it
+        // kept by an unsynchronized backward (accumulate == compute): the engine adds into it
       } else if (fp.direct && grad_is_zero) {
         ensure_shard_grad(fp);
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
@@ -121,7 +121,7 @@ class GradientReduction {
   // Frees what accumulation keeps between backwards (none of it is in flight in IDLE).
   void release_accumulated(FlatParam& fp) {
     release_reduction_buffers(fp);
-    release(fp.partial, FlatParam::bytes(fp.layout.shard_numel(), fp.reduce), MemorySpace::device);
+    release(fp.partial, fp.partial_bytes(), MemorySpace::device);
     release_full_grad(fp);
     fp.grad_kept = false;
   }
@@ -141,7 +141,8 @@ class GradientReduction {
 
  private:
   // Averages the unit's unsharded gradient over every rank into its sharded gradient:
-  // cast to the reduce dtype if needed; reduce-scatter over the shard group (all-reduce
+  // cast to the reduce dtype if needed (what was kept, summed in the accumulate dtype, is
+  // rounded to it once, here); reduce-scatter over the shard group (all-reduce
   // when parameters are replicated), then all-reduce of the shard over the replicate group;
   // FSDP's pre and post factors in the reduce dtype; then into the sharded gradient (cast
   // to its dtype, copied to host when offloaded). start_reduction issues the first
@@ -160,13 +161,15 @@ class GradientReduction {
     if (pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
     // Right after zero_grad a device-resident sharded gradient of the reduce dtype is zero:
     // reduce straight into it (in place when the engine already accumulated into it).
-    // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial`.
+    // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial` (reduced
+    // straight into it when it is the first and partial's dtype is the reduce dtype).
     fp.defer_all_reduce = defer_all_reduce;
     if (!defer_all_reduce) ensure_shard_grad(fp);  // allocated only now where a hook freed it
     fp.into_shard_grad = grad_is_zero && !defer_all_reduce;
     const std::size_t out_bytes = FlatParam::bytes(L.shard_numel(), fp.reduce);
-    if (defer_all_reduce) fp.reduce_out = fp.partial ? device_.allocate(out_bytes, MemorySpace::device)
-                                                     : (fp.partial = device_.allocate(out_bytes, MemorySpace::device));
+    if (defer_all_reduce) fp.reduce_out = fp.partial || fp.accumulate != fp.reduce
+                                              ? device_.allocate(out_bytes, MemorySpace::device)
+                                              : (fp.partial = device_.allocate(out_bytes, MemorySpace::device));
     else fp.reduce_out = fp.into_shard_grad && !offload && fp.grad == fp.reduce
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
@@ -183,14 +186,19 @@ class GradientReduction {
     const auto S = static_cast<std::size_t>(L.shard_numel());
     void* out = fp.reduce_out;
     if (fp.defer_all_reduce) {  // the shard-group sum waits for a later all-reduce
-      if (out != fp.partial) device_.accumulate(fp.partial, out, S, fp.reduce);
+      if (out != fp.partial) add_into_partial(fp, out);
       release_reduction_buffers(fp);
       release_full_grad(fp);
       return;
     }
     if (fp.partial) {  // sums whose all-reduce was deferred join this one
-      device_.accumulate(out, fp.partial, S, fp.reduce);
-      release(fp.partial, FlatParam::bytes(L.shard_numel(), fp.reduce), MemorySpace::device);
+      if (fp.accumulate == fp.reduce) {
+        device_.accumulate(out, fp.partial, S, fp.reduce);
+      } else {  // summed in the accumulate dtype, rounded to the reduce dtype once
+        add_into_partial(fp, out);
+        device_.cast(out, fp.reduce, fp.partial, fp.accumulate, S);
+      }
+      release(fp.partial, fp.partial_bytes(), MemorySpace::device);
     }
     if (groups_.shards_parameters && groups_.replicate_size > 1) {
       Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
@@ -213,19 +221,21 @@ class GradientReduction {
     release_full_grad(fp);
   }
 
-  // An unsynchronized backward: no communication. FSDP2 accumulates in the reduce dtype;
-  // where that is the compute dtype the engine's buffer itself is kept and added into.
+  // An unsynchronized backward: no communication. FSDP2 accumulates in MixedPrecision's
+  // reduce dtype; where that is the compute dtype the engine's buffer itself is kept and
+  // added into. Never in CommPrecision's narrower reduce dtype: that is only what the
+  // synchronized reduction moves (flat_param_dtypes: accumulate is compute or reduce).
   void keep_unsharded(FlatParam& fp) {
-    if (fp.reduce != fp.compute) to_reduce_dtype(fp);
+    if (fp.accumulate != fp.compute) to_reduce_dtype(fp);
     fp.grad_kept = true;
   }
 
-  // The compute-dtype gradient, cast to the reduce dtype, into reduce_in (added to what
-  // unsynchronized backwards kept there); the compute-dtype buffer is freed.
+  // The compute-dtype gradient, cast to the reduce dtype, into reduce_in (added to the sum
+  // unsynchronized backwards kept there, if any); the compute-dtype buffer is freed.
   void to_reduce_dtype(FlatParam& fp) {
     const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
     const std::size_t bytes = FlatParam::bytes(fp.layout.padded_numel(), fp.reduce);
-    if (!fp.grad_kept) {
+    if (!fp.reduce_in) {
       fp.reduce_in = device_.allocate(bytes, MemorySpace::device);
       device_.cast(fp.reduce_in, fp.reduce, fp.full_grad, fp.compute, padded);
     } else {
@@ -235,6 +245,20 @@ class GradientReduction {
       device_.deallocate(cast, bytes, MemorySpace::device);
     }
     release_full_grad(fp);
+  }
+
+  // A deferred shard-group sum `out` (reduce dtype) added into `partial` (accumulate dtype).
+  void add_into_partial(FlatParam& fp, void* out) {
+    const auto S = static_cast<std::size_t>(fp.layout.shard_numel());
+    if (fp.accumulate == fp.reduce) return device_.accumulate(fp.partial, out, S, fp.reduce);
+    if (!fp.partial) {
+      fp.partial = device_.allocate(fp.partial_bytes(), MemorySpace::device);
+      return device_.cast(fp.partial, fp.accumulate, out, fp.reduce, S);
+    }
+    void* wide = device_.allocate(fp.partial_bytes(), MemorySpace::device);
+    device_.cast(wide, fp.accumulate, out, fp.reduce, S);
+    device_.accumulate(fp.partial, wide, S, fp.accumulate);
+    device_.deallocate(wide, fp.partial_bytes(), MemorySpace::device);
   }
 
   void release(void*& p, std::size_t n, MemorySpace space) { release_buffer(device_, p, n, space); }

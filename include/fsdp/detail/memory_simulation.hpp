@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/flat_param.hpp"
@@ -26,11 +27,7 @@ struct SimPolicy {
   bool shards_parameters = true, reshard_after_forward = true, hybrid = false;
   PrefetchMode backward = PrefetchMode::backward_pre;
   bool forward_prefetch = false, offload = false;
-  bool mixed = false;  // MixedPrecision
-  DType param = DType::f32, reduce = DType::f32, buffer = DType::f32;
-  bool keep_low_precision_grads = false;
-  bool comm = false;  // CommPrecision
-  DType comm_gather = DType::f32, comm_reduce = DType::f32;
+  PrecisionChoice precision;  // MixedPrecision and CommPrecision
 };
 
 struct SimFlat {
@@ -83,20 +80,13 @@ class MemorySimulation {
         fs.shard = layout.shard_numel();
         fs.padded = layout.padded_numel();
         fs.full = shards ? fs.padded : fs.shard;  // detail::full_numel
-        fs.master = fs.compute = fs.reduce = fs.grad = f.master;
-        if (p_.mixed) {
-          fs.compute = p_.param;
-          fs.reduce = p_.reduce;
-          fs.grad = p_.keep_low_precision_grads ? p_.reduce : f.master;
-        }
-        fs.gather = fs.compute;
-        if (p_.comm) {
-          if (size_of(p_.comm_gather) < size_of(fs.compute)) fs.gather = p_.comm_gather;
-          if (size_of(p_.comm_reduce) < size_of(fs.compute)) fs.reduce = p_.comm_reduce;
-        }
+        // The accumulate dtype matters only across micro-batches, which the planner refuses.
+        const FlatParamDTypes t = flat_param_dtypes(f.master, p_.precision);
+        fs.master = f.master;
+        fs.compute = t.compute, fs.gather = t.gather, fs.reduce = t.reduce, fs.grad = t.grad;
         fs.shards = shards;
         if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
-        fs.direct = !shards && !p_.offload && fs.compute == f.master && fs.reduce == f.master;
+        fs.direct = flat_param_is_direct(shards, p_.offload, f.master, t);
         s.flat.push_back(fs);
       }
       state_.push_back(s);
@@ -110,11 +100,11 @@ class MemorySimulation {
         add(bytes(f.shard, f.master), shard_space(), static_cast<int>(i), "setup");
         add(bytes(f.shard, f.grad), shard_space(), static_cast<int>(i), "setup");
       }
-      if (p_.mixed)
+      if (p_.precision.mixed)
         for (auto& b : units_[i].buffers)
-          if (b.dtype != p_.buffer && is_floating(b.dtype)) {
+          if (b.dtype != p_.precision.buffer && is_floating(b.dtype)) {
             add(bytes(b.numel, b.dtype), MemorySpace::device, static_cast<int>(i), "setup");
-            add(bytes(b.numel, p_.buffer), MemorySpace::device, static_cast<int>(i), "setup");
+            add(bytes(b.numel, p_.precision.buffer), MemorySpace::device, static_cast<int>(i), "setup");
           }
     }
   }

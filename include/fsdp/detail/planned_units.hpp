@@ -3,7 +3,6 @@
 // memory planner needs them, read from the units' public views and checked against the
 // policies, so that a plan made with other policies than the model's is refused rather
 // than wrong.
-#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -16,16 +15,12 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
   using Config = Policies<Ps...>;
   const detail::SimPolicy policy = detail::sim_policy<Config>();
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
-  // "shard group of S ranks, replicate group of R ranks" (UnitBase::groups()): the mesh.
-  int shard = 0, replicate = 0;
-  const std::string groups = model[0].groups();
-  if (std::sscanf(groups.c_str(), "shard group of %d ranks, replicate group of %d ranks", &shard, &replicate) != 2)
-    detail::fail("fsdp::plan: cannot read the groups of unit '", model[0].display_name(), "' (", groups, ")");
-  options.mesh = {replicate, shard};
+  options.mesh = model[0].mesh_shape();  // every unit of a model uses the same groups
   options.max_prefetched = model.execution_order().max_prefetched;
-  const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? shard * replicate : 1;
+  const int shard = options.mesh.shard;
+  const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? options.mesh.size() : 1;
   if (shard_size != shard)
-    detail::fail("fsdp::plan: the model uses a ", groups, ", which its policies' strategy would not: plan with the "
+    detail::fail("fsdp::plan: the model uses a ", model[0].groups(), ", which its policies' strategy would not: plan with the "
                  "policies given to fsdp::shard");
 
   std::vector<PlannedUnit> out;
@@ -52,7 +47,7 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
     // What the unit holds must be what these policies (and threshold) would give it.
     std::int64_t elements = 0;
     for (const auto& f : p.flat) elements += f.numel;
-    const bool kept = policy.shards_parameters && elements < options.persistence_threshold;
+    const bool kept = detail::kept_unsharded_by_threshold(policy.shards_parameters, elements, options.persistence_threshold);
     const int n = policy.shards_parameters && !kept ? shard : 1;
     for (std::size_t k = 0; k < shards.size(); ++k) {
       const ShardView& v = shards[k];
@@ -62,7 +57,7 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
                std::to_string(want) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +
                " the persistence threshold " + std::to_string(options.persistence_threshold) +
                (kept ? ")" : " the one given to fsdp::shard?)"));
-      const DType grad = policy.mixed && policy.keep_low_precision_grads ? policy.reduce : v.dtype;
+      const DType grad = detail::flat_param_dtypes(v.dtype, policy.precision).grad;
       if (v.grad_dtype != grad)
         refuse("its gradient is " + std::string(name_of(v.grad_dtype)) + ", the policies give " + std::string(name_of(grad)) +
                ": plan with the policies given to fsdp::shard");

@@ -13,6 +13,7 @@
 #include "fsdp/detail/buffer_copies.hpp"
 #include "fsdp/detail/deferred_storage.hpp"
 #include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/unit.hpp"
@@ -98,7 +99,8 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   const auto aliases = take_ties(params, unit.display_name(), unit.rank());
   std::int64_t elements = 0;  // a tied tensor once
   for (const auto& p : params) elements += p.info.numel;
-  if (group.groups().shards_parameters && elements < options.persistence_threshold) group.keep_unsharded();
+  if (kept_unsharded_by_threshold(group.groups().shards_parameters, elements, options.persistence_threshold))
+    group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
   const Settings settings = unit_settings<Config>(options, setup.buffers);
@@ -112,7 +114,7 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   }, [&] { return group.describe() + " (" + groups + ")"; }, &settings);
   DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
   if (options.init)
-    run_deferred_init(options.init, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
+    run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
                       device, unit.display_name(), unit.rank());
   if (options.sync_module_states) broadcast_from_rank0(group.groups().world, params, setup.buffers);
   group.copy_shards(params);

@@ -1,0 +1,72 @@
+#pragma once
+// The rules that decide how a unit holds its flat parameters, written once: the units
+// follow them (fsdp/detail/unit_setup.hpp, fsdp/flat_param_group.hpp) and the memory
+// planner replays them (fsdp/detail/memory_simulation.hpp, fsdp/memory_plan.hpp), so the
+// two cannot drift apart.
+#include <cstdint>
+
+#include "fsdp/dtype.hpp"
+#include "fsdp/policies.hpp"
+
+namespace fsdp::detail {
+
+// Whether a unit keeps its parameters whole on every rank (UnitOptions::persistence_threshold):
+// only a strategy that shards has something to keep unsharded.
+inline bool kept_unsharded_by_threshold(bool shards_parameters, std::int64_t elements, std::int64_t threshold) {
+  return shards_parameters && elements < threshold;
+}
+
+// The precision policies as values (the runtime values of MixedPrecision and CommPrecision).
+struct PrecisionChoice {
+  bool mixed = false;  // MixedPrecision
+  DType param = DType::f32, reduce = DType::f32, buffer = DType::f32;
+  bool keep_low_precision_grads = false;
+  bool comm = false;  // CommPrecision
+  DType comm_gather = DType::f32, comm_reduce = DType::f32;
+};
+
+template <class MP, class CP>
+PrecisionChoice precision_choice() {
+  PrecisionChoice p;
+  p.mixed = MP::enabled;
+  p.keep_low_precision_grads = MP::keep_low_precision_grads;
+  if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
+  p.comm = CP::enabled;
+  if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
+  return p;
+}
+
+// The dtypes of one flat parameter whose master (sharded) dtype is `master`.
+struct FlatParamDTypes {
+  DType compute;     // what the engine computes with (MixedPrecision's Param)
+  DType gather;      // what all-gathers move (CommPrecision's Gather, else compute)
+  DType accumulate;  // what unsynchronized backwards sum the unsharded gradient in, and
+                     // deferred shard-group sums wait in (MixedPrecision's Reduce, else compute)
+  DType reduce;      // what the reduction moves (CommPrecision's Reduce, else accumulate)
+  DType grad;        // what the sharded gradient is kept in
+};
+
+// A CommPrecision dtype applies only where it has fewer bytes than the compute dtype; it
+// changes what the collectives move, never what anything accumulates in.
+inline FlatParamDTypes flat_param_dtypes(DType master, const PrecisionChoice& p) {
+  FlatParamDTypes t{master, master, master, master, master};
+  if (p.mixed) {
+    t.compute = p.param;
+    t.accumulate = t.reduce = p.reduce;
+    t.grad = p.keep_low_precision_grads ? p.reduce : master;
+  }
+  t.gather = t.compute;
+  if (p.comm) {
+    if (size_of(p.comm_gather) < size_of(t.compute)) t.gather = p.comm_gather;
+    if (size_of(p.comm_reduce) < size_of(t.compute)) t.reduce = p.comm_reduce;
+  }
+  return t;
+}
+
+// Replicated, in its own dtype and device-resident: the shard *is* the parameters, and the
+// engine accumulates straight into the sharded gradient.
+inline bool flat_param_is_direct(bool shards, bool offload, DType master, const FlatParamDTypes& t) {
+  return !shards && !offload && t.compute == master && t.reduce == master;
+}
+
+}  // namespace fsdp::detail
