@@ -331,6 +331,18 @@ class FlatParamGroup {
     reduction_.zero_grad(flat_);
   }
 
+  // A parameter whose engine tensor no longer views what it was bound to (its storage
+  // replaced behind the library's back), or "".
+  std::string moved_storage() const {
+    if (!took_over_) return {};
+    for (const auto& fp : flat_) {
+      const bool shown = fp.direct || (fp.full && !fp.unbound);
+      std::string moved = detail::moved_storage(fp, shown ? fp.full : nullptr, shown ? fp.full_dtype : fp.master());
+      if (!moved.empty()) return moved;
+    }
+    return {};
+  }
+
   // ---- gradients (the reduction owns their buffers) ----
 
   void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }

@@ -77,93 +77,18 @@ class Sharded final : public UnitBase {
   // A unit may be entered several times per pass (fsdp/detail/unit_uses.hpp). A
   // recomputed forward is not part of the recorded order, and inside the unit's own
   // backward it needs no all-gather.
-  void pre_forward() override {
-    HookScope scope(*this, "pre_forward");
-    expect_not_failed("pre_forward");
-    if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
-    expect({TrainingState::IDLE}, "pre_forward");
-    if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, prefetches_forward);
-    uses_.enter_forward(order_ ? order_->forward_pass() : 0);
-    // Parameters kept since a forward that no backward consumed may predate an optimizer
-    // step: gather afresh.
-    if (kept_) release_unsharded();
-    unshard();  // a no-op where the last backward kept the parameters (reshard_after_backward off)
-    kept_after_backward_ = false;
-    prefetch_ahead(forward_prefetch_, Pass::forward, prefetches_forward);  // runs behind this unit's forward
-    state_ = TrainingState::FORWARD;
-    compute_begin_ = now_if_traced();
-  }
+  void pre_forward() override;
 
-  void post_forward() override {
-    HookScope scope(*this, "post_forward");
-    expect({TrainingState::FORWARD}, "post_forward");
-    if (uses_.recompute_from) return end_recompute();
-    record_compute("forward");
-    reshard_after_forward(!reshard_.after_forward || (order_ && order_->keeps_after_forward(*this)));
-    state_ = TrainingState::IDLE;
-  }
+  void post_forward() override;
 
-  void pre_backward() override {
-    HookScope scope(*this, "pre_backward");
-    if (!uses_.awaits_backward(state_)) {
-      if (state_ == TrainingState::BACKWARD_POST)
-        detail::fail("unit '", display_name(), "' on rank ", rank_, ": pre_backward called after the unit's last backward ",
-                     "entry of this pass (it ran forward ", uses_.forward_entries(), " time(s) and backward as often, so its ",
-                     "gradient was reduced); a unit runs backward once per forward entry until finish_backward");
-      expect({TrainingState::IDLE}, "pre_backward");
-      if (sync_ != agreed_sync_ || reshard_ != agreed_reshard_) {  // only after a change: plain training runs no extra collective
-        detail::agree_unit_settings(group_.groups().world, sync_, reshard_, display_name(), rank_);
-        if (reshard_.gradient_divide_factor != agreed_reshard_.gradient_divide_factor)
-          group_.set_gradient_divide_factor(reshard_.gradient_divide_factor);
-        agreed_sync_ = sync_;
-        agreed_reshard_ = reshard_;
-      }
-      uses_.start_backward();
-    }
-    if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, prefetches_backward);
-    unshard();  // a no-op where forward left the parameters unsharded
-    kept_ = false;
-    group_.bind_gradients(grad_is_zero_);
-    prefetch_ahead(backward_prefetch_, Pass::backward, std::is_same_v<prefetch_policy, BackwardPre>);
-    state_ = TrainingState::BACKWARD_PRE;
-    compute_begin_ = now_if_traced();
-  }
+  void pre_backward() override;
 
-  void post_backward() override {
-    HookScope scope(*this, "post_backward");
-    expect({TrainingState::BACKWARD_PRE}, "post_backward");
-    record_compute("backward");
-    // Parameters first, as FSDP does: their memory is free before the reduction. Kept for
-    // the next forward only while the gradient is not final: a step would make them stale.
-    if (reshard_.after_backward || gradient_is_final()) release_unsharded();
-    else kept_after_backward_ = true;
-    if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
-      if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
-    state_ = TrainingState::BACKWARD_POST;
-    if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates
-    // A reduction that finished inside the call is completed now; one still running
-    // overlaps the next unit's backward and is completed at that unit's post_backward
-    // (or at finish_backward), at the latest.
-    if (start_reduction() || !order_) finish_reduction();
-    else order_->reduction_issued(*this);
-  }
+  void post_backward() override;
 
-  void prefetch() override {
-    HookScope scope(*this, "prefetch");
-    if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
-    if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
-    if (!order_->may_prefetch()) return;
-    if (group_.start_gathers()) { prefetched_ = true; order_->prefetch_issued(); }
-  }
+  void prefetch() override;
 
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
-  void finish_reduction() override {
-    HookScope scope(*this, "finish_reduction");
-    group_.finish_reductions(waiter());
-    if (!grad_hook_.take_due()) return;
-    if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
-    grad_hook_.run(*this, [this] { free_shard_grads(); });
-  }
+  void finish_reduction() override;
 
   // Switching to GradientAfterHook::free frees the sharded gradient now; keep allocates it
   // again (zeroed) where it was freed.
@@ -179,30 +104,9 @@ class Sharded final : public UnitBase {
     }
   }
 
-  void finish_backward() override {
-    HookScope scope(*this, "finish_backward");
-    expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
-    if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
-    finish_reduction();
-    uses_.end_pass();
-    // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
-    // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.
-    if (prefetched_ || kept_) release_unsharded();
-    if constexpr (offload) group_.device().synchronize();  // gradients copied to host are complete
-    state_ = TrainingState::IDLE;
-  }
+  void finish_backward() override;
 
-  void abandon_step() override {
-    group_.abandon();
-    if (state_ == TrainingState::SUMMON_FULL_PARAMS) buffers_.show_master(false), group_.release_summoned_gradients();
-    grad_is_zero_ = true;
-    grad_hook_.take_due();  // a hook armed by this step's reduction does not run
-    uses_.end_pass();
-    uses_.recompute_from.reset();
-    if (prefetched_ && order_) order_->prefetch_consumed();
-    prefetched_ = kept_ = kept_after_backward_ = false;
-    state_ = TrainingState::IDLE;
-  }
+  void abandon_step() override;
 
   void reshard() override {
     HookScope scope(*this, "reshard");
@@ -234,6 +138,7 @@ class Sharded final : public UnitBase {
 
   void end_summon_full_params(bool writeback) override {
     expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
+    if (writeback) check_storage("the end of summon_full_params(writeback)");
     if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
     if (writeback) group_.write_back();
     group_.release_summoned_gradients();
@@ -335,6 +240,18 @@ class Sharded final : public UnitBase {
     if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch();  // null outside a model
   }
 
+  // The engine's parameter tensors still view what the unit bound them to; a tensor whose
+  // storage the engine replaced would have its values dropped (one call per parameter).
+  void check_storage(const char* where) {
+    const std::string moved = group_.moved_storage();
+    if (moved.empty()) return;
+    if (state_ == TrainingState::SUMMON_FULL_PARAMS) discard_summon();
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": at ", where, ", parameter '", moved,
+                 "' no longer views the storage fsdp bound it to: the engine replaced its storage, and values "
+                 "put there would be lost. Write into the tensor's own storage, inside summon_full_params(writeback) "
+                 "or through a state dict load");
+  }
+
   void begin_recompute() {
     uses_.recompute_from = state_;
     unshard();  // a no-op inside the unit's backward, where the parameters are unsharded already
@@ -431,3 +348,5 @@ class Sharded final : public UnitBase {
 };
 
 }  // namespace fsdp
+
+#include "fsdp/detail/sharded_hooks.hpp"  // the hooks' definitions

@@ -11,6 +11,7 @@
 #include <fsdp/fsdp.hpp>
 
 #include "test/support/errors.hpp"
+#include "test/support/rank_errors.hpp"
 
 namespace {
 
@@ -92,4 +93,58 @@ TEST_CASE("a visitor that builds handles on the heap at every visit: another obj
 TEST_CASE("lasting handles, and a tie through one handle, are accepted") {
   TiedByHandle m;
   CHECK(shard_error(m).empty());
+}
+
+namespace {
+
+// Two leaves under a root: the root is one unit with both parameters.
+struct Leaf {
+  fsdp::HostTensor w{{3}}, g{{3}};
+  template <class F> void visit_parameters(F&& f) { f("w", w, g); }
+};
+struct Root {
+  Leaf a, b;
+  template <class F> void visit_parameters(F&&) {}
+  template <class F> void visit_children(F&& f) { f("a", a); f("b", b); }
+};
+
+}  // namespace
+
+TEST_CASE("a tensor whose storage the engine replaced is an error at the next hook, not lost values") {
+  const auto msgs = test_support::errors_per_rank(2, [](fsdp::ThreadComm& comm) {
+    Root m;
+    fsdp::HostDevice device;
+    fsdp::Sharded<Root> unit(m, comm, device);
+    unit.pre_forward();
+    unit.post_forward();
+    std::vector<float> replacement(3, 7.0f);
+    m.b.w.rebind(replacement.data());  // the engine "loads" values by swapping the storage
+    unit.pre_forward();
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK(contains(msgs[r], "unit '<root>' on rank " + std::to_string(r) + ": at pre_forward, parameter 'b.w' no longer "
+                            "views the storage fsdp bound it to"));
+}
+
+TEST_CASE("inside a summon with writeback: the edits in replaced storage are refused, nothing is written back") {
+  std::vector<float> after(3);
+  const auto msgs = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
+    Root m;
+    m.a.w.as<float>()[0] = 1.5f;
+    fsdp::HostDevice device;
+    fsdp::Sharded<Root> unit(m, comm, device);
+    std::vector<float> replacement(3, 7.0f);
+    try {
+      auto scope = unit.summon_full_params(true);
+      m.a.w.rebind(replacement.data());
+    } catch (const fsdp::Error&) {
+      CHECK(unit.state() == fsdp::TrainingState::IDLE);
+      auto scope = unit.summon_full_params(false);
+      std::copy_n(m.a.w.as<float>(), 3, after.begin());
+      throw;
+    }
+  });
+  CHECK(contains(msgs[0], "at the end of summon_full_params(writeback), parameter 'a.w' no longer views the storage"));
+  CHECK(after[0] == 1.5f);  // the old value: nothing was written back
+  CHECK(after[1] == 0.0f);
 }

@@ -77,6 +77,23 @@ inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::
   for (auto& [i, b] : fp.alias_bindings) b.rebind(b.*which, at(i), dtype);
 }
 
+// The first parameter (FQN) whose engine tensor no longer views what the library bound it
+// to: `base` (+ its offset, in `dtype`), or no storage when `base` is null. "" when none
+// moved. The engine replaced that tensor's storage behind the library's back: values it
+// put there would be dropped at the next rebind, or never reach the shard.
+inline std::string moved_storage(const FlatParam& fp, const void* base, DType dtype) {
+  const std::size_t esize = size_of(dtype);
+  const auto& infos = fp.layout.params();
+  auto expected = [&](std::size_t i) -> const void* {
+    return base ? static_cast<const std::byte*>(base) + infos[i].offset * esize : nullptr;
+  };
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i)
+    if (fp.bindings[i].data && fp.bindings[i].data(fp.bindings[i].param) != expected(i)) return infos[i].fqn;
+  for (const auto& [i, b] : fp.alias_bindings)
+    if (b.data && b.data(b.param) != expected(i)) return infos[i].aliases.empty() ? infos[i].fqn : infos[i].aliases.front();
+  return {};
+}
+
 // Frees a buffer the unit holds, if any, and forgets it.
 inline void release_buffer(const DeviceRef& device, void*& p, std::size_t n, MemorySpace space) {
   if (p) device.deallocate(p, n, space);

@@ -31,13 +31,6 @@ RebindFn rebind_fn() {
   };
 }
 
-// One parameter as the unit holds it: where to rebind the engine's tensors.
-struct ParamBinding {
-  void* param = nullptr;
-  void* grad = nullptr;
-  RebindFn rebind = nullptr;
-};
-
 // Reads a tensor's current storage.
 using DataFn = void* (*)(void* tensor);
 
@@ -45,6 +38,14 @@ template <class T>
 DataFn data_fn() {
   return [](void* t) -> void* { return tensor_traits<T>::data(*static_cast<T*>(t)); };
 }
+
+// One parameter as the unit holds it: where to rebind the engine's tensors.
+struct ParamBinding {
+  void* param = nullptr;
+  void* grad = nullptr;
+  RebindFn rebind = nullptr;
+  DataFn data = nullptr;  // what the engine's param tensor views now
+};
 
 // A buffer (non-trainable tensor) as the unit found it.
 struct CollectedBuffer {
@@ -130,7 +131,7 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
       c.device = Tr::device(param);
       c.data = Tr::data(param);
-      c.binding = {&param, &grad, rebind_fn<T>()};
+      c.binding = {&param, &grad, rebind_fn<T>(), data_fn<T>()};
       c.read = read_fn<T>();
       out.push_back(std::move(c));
     });
