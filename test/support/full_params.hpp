@@ -14,7 +14,8 @@ inline bool bitwise_equal(const Params& a, const Params& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i].first != b[i].first || a[i].second.size() != b[i].second.size() ||
-        std::memcmp(a[i].second.data(), b[i].second.data(), 4 * a[i].second.size()) != 0)
+        (!a[i].second.empty() &&  // an empty vector's data() may be null: not for memcmp
+         std::memcmp(a[i].second.data(), b[i].second.data(), 4 * a[i].second.size()) != 0))
       return false;
   return true;
 }
