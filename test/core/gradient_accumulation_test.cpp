@@ -76,13 +76,7 @@ Result sharded(Layout layout, Accum accum, int k, int steps, int local = 1) {
     engine::Model model(c);
     fsdp::HostDevice device;
     std::optional<fsdp::DeviceMesh<Counting>> mesh;
-    fsdp::ShardedModel sm;
-    if constexpr (Strategy::hybrid) {
-      mesh.emplace(counted, layout.mesh);
-      sm = fsdp::shard<Strategy, Precision, Offload>(model, *mesh, device, engine::Wrap{});
-    } else {
-      sm = fsdp::shard<Strategy, Precision, Offload>(model, counted, device, engine::Wrap{});
-    }
+    fsdp::ShardedModel sm = test_support::shard_engine<Strategy, Precision, Offload>(model, counted, mesh, layout.mesh, device);
     if (accum == Accum::reduce_every_microbatch) sm.set_gradient_sync_mode(GradientSyncMode::reduce_every_microbatch);
     engine::Sgd sgd(0.05f);
     auto reset_counts = [&] {

@@ -80,13 +80,7 @@ Run train(int world, Knobs knobs, int steps, fsdp::MeshShape mesh_shape = {}) {
     engine::Model model(c);
     fsdp::HostDevice device;
     std::optional<fsdp::DeviceMesh<Counting>> mesh;
-    fsdp::ShardedModel sm;
-    if constexpr (Strategy::hybrid) {
-      mesh.emplace(counted, mesh_shape);
-      sm = fsdp::shard<Strategy, Extra...>(model, *mesh, device, engine::Wrap{});
-    } else {
-      sm = fsdp::shard<Strategy, Extra...>(model, counted, device, engine::Wrap{});
-    }
+    fsdp::ShardedModel sm = test_support::shard_engine<Strategy, Extra...>(model, counted, mesh, mesh_shape, device);
     // Groups of consecutive ranks: shard ranks modulo k inside each (k divides the shard size).
     const int k = knobs.post_forward_ranks;
     std::optional<Counting> post;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +55,19 @@ inline fsdp::CollectiveCounts without_order_checks(fsdp::CollectiveCounts c, int
   ag.calls -= static_cast<std::uint64_t>(passes);
   ag.bytes -= static_cast<std::uint64_t>(passes) * 8 * static_cast<std::uint64_t>(world);
   return c;
+}
+
+// The reference engine sharded over `comm` with the policies Ps: over a mesh of `shape`
+// built into `mesh` when the strategy (the first policy) is hybrid, else over `comm` itself.
+template <class Strategy, class... Ps, class C>
+fsdp::ShardedModel shard_engine(engine::Model& model, C& comm, std::optional<fsdp::DeviceMesh<C>>& mesh,
+                                fsdp::MeshShape shape, fsdp::HostDevice& device) {
+  if constexpr (Strategy::hybrid) {
+    mesh.emplace(comm, shape);
+    return fsdp::shard<Strategy, Ps...>(model, *mesh, device, engine::Wrap{});
+  } else {
+    return fsdp::shard<Strategy, Ps...>(model, comm, device, engine::Wrap{});
+  }
 }
 
 }  // namespace test_support
