@@ -77,8 +77,12 @@ std::string shard_error(M& m) {
 TEST_CASE("a visitor that builds handles on the stack: two parameters in one tensor object") {
   StackHandles m;
   const auto msg = shard_error(m);
-  CHECK(contains(msg, "unit '<root>' on rank 0: the module's visitor handed over parameter 'b' in the same tensor "
-                      "object as 'w' but with other storage"));
+  CAPTURE(msg);
+  // Usually one stack slot holds both; where the compiler gives each its own slot (as under
+  // AddressSanitizer), the second visit finds other objects.
+  CHECK((contains(msg, "unit '<root>' on rank 0: the module's visitor handed over parameter 'b' in the same tensor "
+                       "object as 'w' but with other storage") ||
+         contains(msg, "unit '<root>' on rank 0: the module's visitor handed over parameter 'w' as another tensor object")));
   CHECK(contains(msg, "not temporaries"));
   CHECK(m.w[0] == 1.0f);  // nothing was copied or taken
 }
