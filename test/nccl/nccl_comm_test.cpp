@@ -264,6 +264,26 @@ TEST_CASE("host buffers, null buffers and a bad root are refused naming the call
   comms[0].all_reduce(dev.p, dev.p, 4, DType::f32, ReduceOp::sum).wait();
 }
 
+TEST_CASE("the library's small agreements in ordinary host memory are staged through the GPU" * doctest::skip(no_gpu)) {
+  auto comms = NcclComm::create({0});
+  NcclComm& comm = comms[0];
+  const std::int64_t mine = 41;
+  std::int64_t sum = 0;
+  comm.all_reduce(&mine, &sum, 1, DType::i64, ReduceOp::sum).wait();
+  CHECK(sum == 41);
+  std::vector<std::int32_t> gathered(2, -1);
+  const std::int32_t two[2] = {7, 9};
+  comm.all_gather(two, gathered.data(), 2, DType::i32).wait();
+  CHECK(gathered == std::vector<std::int32_t>{7, 9});
+  std::int32_t in_place = 5;
+  comm.all_reduce(&in_place, &in_place, 1, DType::i32, ReduceOp::max).wait();
+  CHECK(in_place == 5);
+  std::vector<float> big(1 << 19), out(1 << 19);  // 4 MiB in all: too large to stage
+  CHECK(contains(error_of([&] { comm.all_reduce(big.data(), out.data(), big.size(), DType::f32, ReduceOp::sum); }),
+                 "stage large ones with fsdp::StagedCommunicator"));
+  CHECK(!comm.broken());
+}
+
 TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::skip(fewer_than_two_gpus)) {
   auto comms = NcclComm::create({0, 1});
   constexpr std::size_t n = 64;

@@ -209,12 +209,17 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
 
   // One NCCL call per collective, after its buffers are checked (`count` is per rank).
   Work issue(detail::CollectiveCall call) {
+    const std::size_t bytes = call.count * size_of(call.dtype);
+    const std::size_t all = bytes * static_cast<std::size_t>(size());
+    if (call.kind != detail::CollectiveKind::barrier && plain_host(call.send) && plain_host(call.recv)) {
+      const bool gathers = call.kind == detail::CollectiveKind::all_gather;
+      const bool scatters = call.kind == detail::CollectiveKind::reduce_scatter;
+      return staged_on_gpu(call, scatters ? all : bytes, gathers ? all : bytes);
+    }
     call.seq = state_->next_seq();
     const void* send = call.send;
     void* recv = call.recv;
     const std::size_t count = call.count;
-    const std::size_t bytes = count * size_of(call.dtype);
-    const std::size_t all = bytes * static_cast<std::size_t>(size());
     const ncclDataType_t type = detail::nccl_dtype(call.dtype);
     const ncclRedOp_t op = detail::nccl_op(call.op);
     switch (call.kind) {
@@ -261,6 +266,54 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     if (e != cudaSuccess || a.type == cudaMemoryTypeUnregistered)
       detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer ", p,
                    " is not GPU or pinned host memory (NCCL needs memory the GPU can address)");
+  }
+
+  // The library's own agreements (setup hashes, the order checks, run-time settings) pass a
+  // few bytes of ordinary host memory, which NCCL cannot address. When both buffers are
+  // ordinary host memory the call is staged through a GPU buffer and completed before it
+  // returns: a host wait, off the hot path. Large or overlapping host buffers, and a mix of
+  // host and GPU buffers, are refused (fsdp::StagedCommunicator stages those).
+  static constexpr std::size_t host_staging_limit = std::size_t{1} << 20;
+  static bool plain_host(const void* p) {
+    if (!p) return false;
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e == cudaSuccess && a.type == cudaMemoryTypeUnregistered;
+  }
+  Work staged_on_gpu(detail::CollectiveCall call, std::size_t send_bytes, std::size_t recv_bytes) {
+    const std::string at = state_->where();
+    const auto* send = static_cast<const std::byte*>(call.send);
+    auto* recv = static_cast<std::byte*>(call.recv);
+    if (send_bytes + recv_bytes > host_staging_limit)
+      detail::fail(at, ": ", call.describe(), ": ", send_bytes + recv_bytes, " B of ordinary host memory; NCCL needs "
+                   "memory the GPU can address (small host buffers are staged; stage large ones with fsdp::StagedCommunicator)");
+    // In place (one buffer inside the other, as NCCL allows) stages the outer one only.
+    const bool send_in_recv = send >= recv && send + send_bytes <= recv + recv_bytes;
+    const bool recv_in_send = recv >= send && recv + recv_bytes <= send + send_bytes;
+    if (!send_in_recv && !recv_in_send && send < recv + recv_bytes && recv < send + send_bytes)
+      detail::fail(at, ": ", call.describe(), ": partly overlapping buffers in ordinary host memory are not staged");
+    const bool one_buffer = send_in_recv || recv_in_send;
+    detail::CurrentDevice current(device(), at);
+    void* buffer = nullptr;
+    detail::cuda_check(cudaMalloc(&buffer, one_buffer ? std::max(send_bytes, recv_bytes) : send_bytes + recv_bytes),
+                       "cudaMalloc(host staging)", at);
+    struct Free {
+      void* p;
+      ~Free() { cudaFree(p); }
+    } free_buffer{buffer};
+    auto* gpu = static_cast<std::byte*>(buffer);
+    auto to_gpu = [&](const void* host, std::size_t n) {
+      detail::cuda_check(cudaMemcpy(gpu, host, n, cudaMemcpyHostToDevice), "cudaMemcpy(host staging)", at);
+    };
+    std::byte* gpu_recv = nullptr;
+    if (send_in_recv) to_gpu(recv, recv_bytes), gpu_recv = gpu, call.send = gpu + (send - recv);
+    else if (recv_in_send) to_gpu(send, send_bytes), call.send = gpu, gpu_recv = gpu + (recv - send);
+    else to_gpu(send, send_bytes), call.send = gpu, gpu_recv = gpu + send_bytes;
+    call.recv = gpu_recv;
+    issue(call).wait();
+    detail::cuda_check(cudaMemcpy(recv, gpu_recv, recv_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy(host staging)", at);
+    return Work{};
   }
 
   template <class Enqueue>
