@@ -275,10 +275,6 @@ class Sharded final : public UnitBase {
     kept_ = true;
   }
 
-  bool gradient_is_final() const {
-    return sync_.requires_sync && detail::plan_gradient(sync_, group_.groups()) == detail::GradientPlan::reduce;
-  }
-
   void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) override {
     group_.set_post_forward_group(group, display_name());
     reshard_.after_forward = reshard;
@@ -293,8 +289,7 @@ class Sharded final : public UnitBase {
     const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
     if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
     if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
-    // Final once this reduction completes: sync on and nothing of it deferred.
-    grad_hook_.arm(gradient_is_final());
+    grad_hook_.arm(detail::gradient_is_final(sync_, plan));  // the hook runs once it completes
     return inline_done;
   }
 

@@ -180,3 +180,21 @@ TEST_CASE("without abort_step the next call says what to call; a rank aborting a
     for (int r = 0; r < 2; ++r) CHECK(!msgs[r].empty());
   }
 }
+
+TEST_CASE("a unit outside a model: its own abort_step frees what it held and agrees across its world") {
+  const auto c = config();
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    FailingDevice device;
+    fsdp::Sharded<engine::Model> unit(model, comm, device);
+    const std::size_t live = device.stats(fsdp::MemorySpace::device).live_bytes;
+    unit.pre_forward();  // the engine fails inside the unit's forward
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes > live);
+    unit.abort_step();
+    CHECK(unit.state() == fsdp::TrainingState::IDLE);
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == live);
+    unit.pre_forward();  // usable again
+    unit.post_forward();
+  });
+  for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
+}

@@ -40,6 +40,12 @@ inline GradientPlan plan_gradient(const GradientSync& sync, const UnitGroups& gr
   return GradientPlan::reduce;
 }
 
+// Whether a reduction under `plan` makes the sharded gradient final (what an optimizer
+// steps on): sync on, and nothing of it deferred.
+inline bool gradient_is_final(const GradientSync& sync, GradientPlan plan) {
+  return sync.requires_sync && plan == GradientPlan::reduce;
+}
+
 template <class Config>
 class GradientReduction {
  public:

@@ -43,7 +43,7 @@ struct SimUnit {
   std::vector<SimBuffer> buffers;
   bool kept_unsharded = false;  // under the persistence threshold
   bool reshard_after_forward = true;  // the unit's ReshardSettings (its strategy's by default)
-  int post_forward_ranks = 0;         // a partial reshard's group size; 0: none
+  int post_forward_ranks = 0;         // a partial reshard's group size (sharded units only); 0: none
   std::vector<int> children;    // units nested in it, in forward order
 };
 
@@ -210,8 +210,9 @@ class MemorySimulation {
     auto& s = state_[static_cast<std::size_t>(u)];
     // ExecutionOrder::keeps_after_forward: the unit backward starts with, after the last forward entry
     const bool keeps = recorded && backward_[0] == u && forward_step_ == forward_.size();
-    if (!units_[static_cast<std::size_t>(u)].reshard_after_forward || keeps) s.kept = true;
-    else if (s.flat.empty() || s.flat[0].post == 0) release_unsharded(u);
+    const SimUnit& unit = units_[static_cast<std::size_t>(u)];
+    if (!unit.reshard_after_forward || keeps) s.kept = true;
+    else if (unit.post_forward_ranks == 0) release_unsharded(u);
     else {  // reshard_to_post_forward: this rank's chunk kept, the rest freed
       for (auto& f : s.flat) {
         if (f.direct || !f.full_alive || f.unbound) continue;

@@ -62,13 +62,13 @@ class PassRecord {
     while (at < longest && same_at(at)) ++at;
     auto entry = [&](std::int32_t e) {
       return e < 0 ? std::string("nothing (its pass had ended)")
-                   : std::string(e % 2 ? "backward of '" : "forward of '") + name(e / 2) + "'";
+                   : std::string(e % 2 ? "the backward of '" : "the forward of '") + name(e / 2) + "'";
     };
     std::ostringstream os;
     os << "ranks ran units in different orders in this pass (checked as it ended, before any optimizer step; "
           "its gradients and outputs are wrong): at entry #"
        << at << ",";
-    for (std::size_t r = 0; r < n; ++r) os << (r ? ";" : "") << " rank " << r << " ran the " << entry(lists[r * longest + at]);
+    for (std::size_t r = 0; r < n; ++r) os << (r ? ";" : "") << " rank " << r << " ran " << entry(lists[r * longest + at]);
     os << " (seen on rank " << world_->rank() << "); every rank must run the same units in the same order";
     throw Error(os.str());
   }

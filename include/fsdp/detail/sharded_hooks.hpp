@@ -68,7 +68,8 @@ void Sharded<Module, Ps...>::post_backward() {
   record_compute("backward");
   // Parameters first, as FSDP does: their memory is free before the reduction. Kept for
   // the next forward only while the gradient is not final: a step would make them stale.
-  if (reshard_.after_backward || gradient_is_final()) release_unsharded();
+  if (reshard_.after_backward || detail::gradient_is_final(sync_, detail::plan_gradient(sync_, group_.groups())))
+    release_unsharded();
   else kept_after_backward_ = true;
   if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
     if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward

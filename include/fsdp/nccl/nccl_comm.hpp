@@ -211,41 +211,40 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   Work issue(detail::CollectiveCall call) {
     const std::size_t bytes = call.count * size_of(call.dtype);
     const std::size_t all = bytes * static_cast<std::size_t>(size());
-    if (call.kind != detail::CollectiveKind::barrier && plain_host(call.send) && plain_host(call.recv)) {
-      const bool gathers = call.kind == detail::CollectiveKind::all_gather;
-      const bool scatters = call.kind == detail::CollectiveKind::reduce_scatter;
-      return staged_on_gpu(call, scatters ? all : bytes, gathers ? all : bytes);
-    }
+    using Kind = detail::CollectiveKind;
+    const std::size_t send_bytes = call.kind == Kind::reduce_scatter ? all : bytes;
+    const std::size_t recv_bytes = call.kind == Kind::all_gather ? all : bytes;
+    // Each buffer's memory is asked once (a barrier has none; a broadcast's non-roots may
+    // pass a null send).
+    const bool reads_send = call.kind != Kind::barrier && (call.kind != Kind::broadcast || rank() == call.root);
+    const Memory send_memory = reads_send && send_bytes ? memory_of(call.send) : Memory::gpu;
+    const Memory recv_memory = call.kind != Kind::barrier && recv_bytes ? memory_of(call.recv) : Memory::gpu;
+    if (send_memory == Memory::plain_host && recv_memory == Memory::plain_host)
+      return staged_on_gpu(call, send_bytes, recv_bytes);  // issues the call on GPU buffers
     call.seq = state_->next_seq();
+    check_buffer(call, call.send, send_memory, "send");
+    check_buffer(call, call.recv, recv_memory, "receive");
     const void* send = call.send;
     void* recv = call.recv;
     const std::size_t count = call.count;
     const ncclDataType_t type = detail::nccl_dtype(call.dtype);
     const ncclRedOp_t op = detail::nccl_op(call.op);
     switch (call.kind) {
-      case detail::CollectiveKind::all_gather:
-        check_buffer(call, send, bytes, "send");
-        check_buffer(call, recv, all, "receive");
+      case Kind::all_gather:
         return start(call, "ncclAllGather",
                      [&](ncclComm_t c, cudaStream_t s) { return ncclAllGather(send, recv, count, type, c, s); });
-      case detail::CollectiveKind::reduce_scatter:
-        check_buffer(call, send, all, "send");
-        check_buffer(call, recv, bytes, "receive");
+      case Kind::reduce_scatter:
         return start(call, "ncclReduceScatter", [&](ncclComm_t c, cudaStream_t s) {
           return ncclReduceScatter(send, recv, count, type, op, c, s);
         });
-      case detail::CollectiveKind::all_reduce:
-        check_buffer(call, send, bytes, "send");
-        check_buffer(call, recv, bytes, "receive");
+      case Kind::all_reduce:
         return start(call, "ncclAllReduce",
                      [&](ncclComm_t c, cudaStream_t s) { return ncclAllReduce(send, recv, count, type, op, c, s); });
-      case detail::CollectiveKind::broadcast:  // only the root's `send` is read (others may pass null)
-        if (rank() == call.root) check_buffer(call, send, bytes, "send");
-        check_buffer(call, recv, bytes, "receive");
+      case Kind::broadcast:
         return start(call, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
           return ncclBroadcast(send, recv, count, type, call.root, c, s);
         });
-      case detail::CollectiveKind::barrier: {
+      case Kind::barrier: {
         void* scratch = state_->scratch();  // a one-element all_reduce
         return start(call, "ncclAllReduce(barrier)", [&](ncclComm_t c, cudaStream_t s) {
           return ncclAllReduce(scratch, scratch, 1, ncclInt32, ncclSum, c, s);
@@ -255,17 +254,25 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     detail::fail(state_->where(), ": collective kind ", static_cast<int>(call.kind), " is not one NCCL runs");
   }
 
-  // NCCL reads and writes through GPU pointers: ordinary host memory would fault the
-  // kernel and poison the whole CUDA context, so it is refused here.
-  void check_buffer(const detail::CollectiveCall& call, const void* p, std::size_t bytes, const char* which) const {
-    if (bytes == 0) return;
-    if (!p) detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer is null");
+  // Where a buffer lives, as NCCL cares: memory the GPU can address (device, managed or
+  // pinned host memory), ordinary host memory, or neither (null, or CUDA does not know it).
+  enum class Memory : std::uint8_t { gpu, plain_host, unusable };
+  static Memory memory_of(const void* p) {
+    if (!p) return Memory::unusable;
     cudaPointerAttributes a{};
     const cudaError_t e = cudaPointerGetAttributes(&a, p);
-    if (e != cudaSuccess) (void)cudaGetLastError();
-    if (e != cudaSuccess || a.type == cudaMemoryTypeUnregistered)
-      detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer ", p,
-                   " is not GPU or pinned host memory (NCCL needs memory the GPU can address)");
+    if (e != cudaSuccess) return (void)cudaGetLastError(), Memory::unusable;
+    return a.type == cudaMemoryTypeUnregistered ? Memory::plain_host : Memory::gpu;
+  }
+
+  // NCCL reads and writes through GPU pointers: ordinary host memory would fault the
+  // kernel and poison the whole CUDA context, so it is refused here (unless both buffers
+  // are ordinary host memory: staged_on_gpu).
+  void check_buffer(const detail::CollectiveCall& call, const void* p, Memory m, const char* which) const {
+    if (m == Memory::gpu) return;
+    if (!p) detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer is null");
+    detail::fail(state_->where(), ": ", call.describe(), ": the ", which, " buffer ", p,
+                 " is not GPU or pinned host memory (NCCL needs memory the GPU can address)");
   }
 
   // The library's own agreements (setup hashes, the order checks, run-time settings) pass a
@@ -274,13 +281,6 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   // returns: a host wait, off the hot path. Large or overlapping host buffers, and a mix of
   // host and GPU buffers, are refused (fsdp::StagedCommunicator stages those).
   static constexpr std::size_t host_staging_limit = std::size_t{1} << 20;
-  static bool plain_host(const void* p) {
-    if (!p) return false;
-    cudaPointerAttributes a{};
-    const cudaError_t e = cudaPointerGetAttributes(&a, p);
-    if (e != cudaSuccess) (void)cudaGetLastError();
-    return e == cudaSuccess && a.type == cudaMemoryTypeUnregistered;
-  }
   Work staged_on_gpu(detail::CollectiveCall call, std::size_t send_bytes, std::size_t recv_bytes) {
     const std::string at = state_->where();
     const auto* send = static_cast<const std::byte*>(call.send);
