@@ -161,6 +161,7 @@ class Sharded final : public UnitBase {
     detail::TakeOverLog log(display_name(), rank_);
     buffers_.show_cast(log);
     group_.take_over(fqn_, views_, params_, log);
+    rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
   }
 
   std::span<const ShardView> shards() const override { return views_; }
@@ -215,11 +216,12 @@ class Sharded final : public UnitBase {
       : UnitBase(std::move(options.fqn), unit_groups.world.rank(), ModuleId::of(module).address,
                  ModuleId::of(module).type),
         buffers_(device),
+        rank0_values_(device),
         group_(unit_groups, device) {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit<Exclude, config>(module, group_, buffers_, options, *this,
+    auto setup = detail::set_up_unit<Exclude, config>(module, group_, buffers_, rank0_values_, options, *this,
                                                       buffer_cast_dtype());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
@@ -326,6 +328,7 @@ class Sharded final : public UnitBase {
   }
 
   detail::BufferCopies buffers_;
+  detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup<config> group_;
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward

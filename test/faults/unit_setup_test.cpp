@@ -241,3 +241,71 @@ TEST_CASE("ranks that agree: one 8-byte all-gather per unit and one for the set 
     CHECK(c[fsdp::Collective::broadcast].calls == 0);
   });
 }
+
+namespace {
+
+// Rank r's values: its parameters hold r + 1, its buffers 10 * (r + 1).
+void fill(Cell& c, float v) {
+  auto* p = static_cast<float*>(c.data);
+  for (std::size_t i = 0; i < c.owned.size() / sizeof(float); ++i) p[i] = v;
+}
+bool all_equal(const Cell& c, float v) {
+  if (c.data == nullptr || c.dtype != fsdp::DType::f32) return false;
+  const auto* p = static_cast<const float*>(c.data);
+  for (std::size_t i = 0; i < c.owned.size() / sizeof(float); ++i)
+    if (p[i] != v) return false;
+  return true;
+}
+
+// Net with a running_mean buffer in `a`; unit `b` differs on rank 1, so shard() fails there
+// after unit `a` was built (and synchronised from rank 0).
+template <class... Ps>
+void check_failed_sync_keeps_values() {
+  fsdp::ThreadGroup(2).run([](ThreadComm& comm) {
+    const float mine = static_cast<float>(comm.rank() + 1);
+    Net net;
+    net.a.buffer_names = {"running_mean"};
+    net.a.buffers.emplace_back(std::vector<std::int64_t>{4});
+    if (comm.rank() == 1) net.b.w = Cell({6, 2}), net.b.g = Cell({6, 2});
+    fill(net.a.w, mine), fill(net.a.buffers[0], 10 * mine), fill(net.b.w, mine);
+    fsdp::HostDevice device;
+    fsdp::ShardOptions o;
+    o.sync_module_states = true;
+    CHECK_THROWS_WITH_AS(fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer>{}, o),
+                         doctest::Contains("unit 'b' differs across ranks"), fsdp::Error);
+    CHECK(all_equal(net.a.w, mine));
+    CHECK(all_equal(net.a.buffers[0], 10 * mine));
+    CHECK(all_equal(net.b.w, mine));
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("sync_module_states and a shard() that fails at a later unit: every rank keeps its own values") {
+  SUBCASE("FullShard") { check_failed_sync_keeps_values<fsdp::FullShard>(); }
+  SUBCASE("MixedPrecision<bf16> (buffers copied and cast)") {
+    check_failed_sync_keeps_values<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>();
+  }
+  SUBCASE("NoShard") { check_failed_sync_keeps_values<fsdp::NoShard>(); }
+}
+
+TEST_CASE("sync_module_states that succeeds: rank 0's values in every rank's parameters and buffers") {
+  fsdp::ThreadGroup(2).run([](ThreadComm& comm) {
+    const float mine = static_cast<float>(comm.rank() + 1);
+    Net net;
+    net.a.buffer_names = {"running_mean"};
+    net.a.buffers.emplace_back(std::vector<std::int64_t>{4});
+    fill(net.a.w, mine), fill(net.a.buffers[0], 10 * mine), fill(net.b.w, mine);
+    fsdp::HostDevice device;
+    fsdp::ShardOptions o;
+    o.sync_module_states = true;
+    auto model = fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}, o);
+    CHECK(all_equal(net.a.buffers[0], 10.0f));  // the engine's buffer, written at the take-over
+    {
+      auto summon = model.summon_full_params();
+      CHECK(all_equal(net.a.w, 1.0f));
+      CHECK(all_equal(net.b.w, 1.0f));
+    }
+  });
+}

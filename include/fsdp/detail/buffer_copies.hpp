@@ -81,6 +81,13 @@ class BufferCopies {
     return false;
   }
 
+  // Whether the unit keeps copies of the buffer whose engine tensor is `tensor`.
+  bool has_copy(const void* tensor) const {
+    for (const auto& c : copies_)
+      if (c.tensor == tensor) return true;
+    return false;
+  }
+
   // Hands the engine's tensors back empty, once they were shown, and frees both copies (the
   // unit's destructor).
   void unbind_and_release() {

@@ -15,6 +15,7 @@
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
+#include "fsdp/detail/rank0_values.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/unit.hpp"
 #include "fsdp/unit_options.hpp"
@@ -26,18 +27,6 @@ namespace fsdp::detail {
 inline std::string describe_groups(const UnitGroups& mesh) {
   return "shard group of " + std::to_string(mesh.shard_size) + " ranks, replicate group of " +
          std::to_string(mesh.replicate_size) + " ranks";
-}
-
-// Rank 0's parameters and buffers on every rank, as FSDP's sync_module_states does.
-inline void broadcast_from_rank0(const CommRef& world, const std::vector<CollectedParam>& params,
-                                 const std::vector<CollectedBuffer>& buffers) {
-  for (auto& p : params)
-    if (p.info.numel > 0) {
-      void* data = const_cast<void*>(p.data);
-      world.broadcast(data, data, static_cast<std::size_t>(p.info.numel), p.dtype, 0).wait();
-    }
-  for (auto& b : buffers)
-    if (b.numel > 0) world.broadcast(b.data, b.data, static_cast<std::size_t>(b.numel), b.dtype, 0).wait();
 }
 
 // A policy for messages: its type without the namespace ("FullShard",
@@ -80,8 +69,8 @@ struct UnitSetup {
 // Builds `group` for `unit` over `module` (buffers: under MixedPrecision, cast to
 // `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
 template <class Exclude, class Config, class Module, class Group>
-UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies, const UnitOptions& options,
-                      const UnitBase& unit, std::optional<DType> buffer_cast) {
+UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
+                      const UnitOptions& options, const UnitBase& unit, std::optional<DType> buffer_cast) {
   const auto& device = group.device();
   std::vector<CollectedParam> params;
   UnitSetup setup;
@@ -116,9 +105,11 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   if (options.init)
     run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
                       device, unit.display_name(), unit.rank());
-  if (options.sync_module_states) broadcast_from_rank0(group.groups().world, params, setup.buffers);
+  std::vector<CollectedBuffer> buffers_from = setup.buffers;  // the engine's, or rank 0's values
+  if (options.sync_module_states) rank0.broadcast(group.groups().world, params, buffers_from, deferred.tensors());
   group.copy_shards(params);
-  buffer_copies.copy(setup.buffers, buffer_cast);
+  buffer_copies.copy(buffers_from, buffer_cast);
+  rank0.release_parameters();
   return setup;  // `deferred` freed: one unit's full parameters at most, and only until here
 }
 
