@@ -38,7 +38,8 @@ void set_grad_dtype(View& v, DType t) {
 }
 
 // A gradient shard of `numel` real elements followed by `pad` padding elements, stored in
-// its dtype's bits; values are written and read through fsdp's bit conversions.
+// its dtype's bits; values are written and read through fsdp's bit conversions (a double
+// is rounded once to f16 / bf16, not through float).
 struct Grad {
   DType t;
   std::int64_t numel, pad;
@@ -52,8 +53,8 @@ struct Grad {
     switch (t) {
       case DType::f32: { float f = static_cast<float>(v); std::memcpy(p, &f, 4); return; }
       case DType::f64: std::memcpy(p, &v, 8); return;
-      case DType::f16: { std::uint16_t h = fsdp::float_to_f16_bits(static_cast<float>(v)); std::memcpy(p, &h, 2); return; }
-      case DType::bf16: { std::uint16_t h = fsdp::float_to_bf16_bits(static_cast<float>(v)); std::memcpy(p, &h, 2); return; }
+      case DType::f16: { std::uint16_t h = fsdp::double_to_f16_bits(v); std::memcpy(p, &h, 2); return; }
+      case DType::bf16: { std::uint16_t h = fsdp::double_to_bf16_bits(v); std::memcpy(p, &h, 2); return; }
       default: { std::int32_t x = static_cast<std::int32_t>(v); std::memcpy(p, &x, fsdp::size_of(t)); return; }
     }
   }
