@@ -25,11 +25,17 @@
 
 namespace fsdp::checkpoint {
 
-// What a completed write produced: the file's size and the XXH64 of all its bytes.
+// What a completed write produced: the file's size and the XXH64 of all its bytes (0 when
+// written with Hashing::none).
 struct WriteResult {
   std::uint64_t bytes = 0;
   std::uint64_t xxh64 = 0;
 };
+
+// Whether the sink hashes the whole file as it goes. A writer that overwrites bytes it
+// already wrote (FileSink::overwrite) asks for none: the streamed hash would not be the
+// file's.
+enum class Hashing { whole_file, none };
 
 // Where write_file_atomically's function writes: buffered, counts the bytes and hashes
 // them as they go, so the checksum costs no second pass over the file.
@@ -40,7 +46,7 @@ class FileSink {
 
   void write(const void* data, std::size_t n) {
     if (n == 0) return;
-    hash_.update(data, n);
+    if (hashing_ == Hashing::whole_file) hash_.update(data, n);
     if (n >= buffer_.capacity()) {  // large writes skip the copy
       flush();
       write_out(data, n);
@@ -53,15 +59,26 @@ class FileSink {
   void write(std::span<const std::byte> bytes) { write(bytes.data(), bytes.size()); }
   void write(std::string_view text) { write(text.data(), text.size()); }
 
+  // Replaces bytes [offset, offset + n) already written (a placeholder filled in at the end).
+  void overwrite(std::uint64_t offset, const void* data, std::size_t n) {
+    if (hashing_ != Hashing::none)
+      fsdp::detail::fail("cannot write '", target_.string(), "': overwrite() needs a sink without hashing");
+    if (offset > bytes_written() || n > bytes_written() - offset)
+      fsdp::detail::fail("cannot write '", target_.string(), "': overwrite of bytes [", offset, ", +", n,
+                         ") past the ", bytes_written(), " written");
+    flush();
+    detail::pwrite_all(fd_, data, n, offset, temp_);
+  }
+
   std::uint64_t bytes_written() const { return written_ + buffer_.size(); }
-  std::uint64_t xxh64() const { return hash_.digest(); }
+  std::uint64_t xxh64() const { return hashing_ == Hashing::whole_file ? hash_.digest() : 0; }
   // The file being written (the target, not the temporary name), for messages.
   const std::filesystem::path& path() const { return target_; }
 
  private:
-  friend WriteResult write_file_atomically(const std::filesystem::path&, const std::function<void(FileSink&)>&);
-  FileSink(int fd, std::filesystem::path temp, std::filesystem::path target)
-      : fd_(fd), temp_(std::move(temp)), target_(std::move(target)) {
+  friend WriteResult write_file_atomically(const std::filesystem::path&, const std::function<void(FileSink&)>&, Hashing);
+  FileSink(int fd, std::filesystem::path temp, std::filesystem::path target, Hashing hashing)
+      : fd_(fd), temp_(std::move(temp)), target_(std::move(target)), hashing_(hashing) {
     buffer_.reserve(std::size_t{1} << 20);
   }
   void flush() {
@@ -89,6 +106,7 @@ class FileSink {
   std::filesystem::path target_;
   std::vector<std::byte> buffer_;
   std::uint64_t written_ = 0, started_ = 0;  // bytes in the file; of those, whose writeback was started
+  Hashing hashing_;
   Xxh64 hash_;
 };
 
@@ -104,8 +122,8 @@ inline std::string_view message_of(const std::exception& e) {
 // Runs `write(sink)` into a temporary file and publishes it as `path` (see the top of this
 // file). Failures, including an exception from `write`, throw fsdp::Error "cannot write
 // '<path>': <reason>"; exceptions that are not std::exception are rethrown as they are.
-inline WriteResult write_file_atomically(const std::filesystem::path& path,
-                                         const std::function<void(FileSink&)>& write) {
+inline WriteResult write_file_atomically(const std::filesystem::path& path, const std::function<void(FileSink&)>& write,
+                                         Hashing hashing = Hashing::whole_file) {
   if (!path.has_filename()) fsdp::detail::fail("cannot write '", path.string(), "': the path names no file");
   const std::filesystem::path temp = detail::temp_path_for(path, std::to_string(::getpid()) + "-" + detail::random_token());
   bool renamed = false;
@@ -114,7 +132,7 @@ inline WriteResult write_file_atomically(const std::filesystem::path& path,
   };
   try {
     detail::UniqueFd fd = detail::open_fd(temp, O_WRONLY | O_CREAT | O_EXCL, "to write a temporary file");
-    FileSink sink(fd.get(), temp, path);
+    FileSink sink(fd.get(), temp, path, hashing);
     write(sink);
     sink.flush();
     detail::fsync_fd(fd.get(), temp);

@@ -24,8 +24,7 @@ namespace fsdp {
 inline std::map<std::string, std::string> read_checkpoint_metadata(const std::filesystem::path& path) {
   if (std::filesystem::is_directory(path))
     return detail::user_metadata(checkpoint::CheckpointIndex::load(path / std::string(checkpoint::index_file_name)).metadata);
-  const auto file = checkpoint::SafetensorsFile::open(path);
-  return {file.metadata().begin(), file.metadata().end()};
+  return checkpoint::without_data_checksums(checkpoint::SafetensorsFile::open(path).metadata());
 }
 
 }  // namespace fsdp

@@ -10,10 +10,14 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
+#include <functional>
+#include <utility>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/data_checksums.hpp"
 #include "fsdp/checkpoint/full_save.hpp"
 #include "fsdp/checkpoint/load_state.hpp"
 #include "fsdp/checkpoint/safetensors_file.hpp"
@@ -60,26 +64,32 @@ class FullCheckpointSource final : public StateSource {
       }
     return out;
   }
-  // The files were checked against their headers when opened; no checksums to verify.
+  // The files were checked against their headers when opened; their data against the
+  // chunk checksums the save wrote (checkpoint/data_checksums.hpp) in verify().
   bool reads_in_place() const override { return true; }
-  // Every rank reads a strided part of each file. Before the agreement, rank r reads the
-  // r-th contiguous part of each (into a scratch buffer), so the disk sees `ranks`
-  // sequential streams instead of `ranks` strided ones; after it, the ranks' own reads
-  // find their bytes in the page cache (on one host; ranks on other hosts read theirs).
+  // Each rank checks a contiguous run of each file's chunks (DataChecksums::owner), so the
+  // disk sees `ranks` sequential streams and the ranks' own reads later find their bytes
+  // in the page cache (on one host). A file written without checksums (by another tool)
+  // is read ahead the same way, unchecked. A damaged chunk is remembered; agree_damage()
+  // names it on every rank.
   void verify(int rank, int ranks) const override {
+    verified_ = true;
     if (ranks < 1) return;
-    std::vector<std::byte> scratch(std::size_t{4} << 20);
-    for (const checkpoint::SafetensorsFile* f : {&model_, optim_ ? &*optim_ : nullptr}) {
-      if (!f) continue;
-      const std::uint64_t part = (f->file_bytes() + ranks - 1) / static_cast<std::uint64_t>(ranks);
-      const std::uint64_t end = std::min(f->file_bytes(), part * static_cast<std::uint64_t>(rank + 1));
-      for (std::uint64_t at = part * static_cast<std::uint64_t>(rank); at < end; at += scratch.size())
-        f->read_file_bytes(scratch.data(), std::min<std::uint64_t>(scratch.size(), end - at), at);
+    for (int i = 0; i < files(); ++i) verify_part(i, rank, ranks);
+  }
+  std::string agree_damage(const std::function<bool(bool)>& agree) const override {
+    if (agree(damaged_.empty())) return "";
+    for (int i = 0; i < files(); ++i) {
+      const auto sums = checksums_of(file(i));  // the same on every rank
+      for (std::size_t c = 0; sums && c < sums->digests.size(); ++c)
+        if (!agree(!damaged_.count({i, c}))) return damage(file(i), *sums, c);
     }
+    return name() + ": a rank found damaged data";  // unreachable: the rank that found it names it
   }
   // Then it reads its ranges file by file in file order, not in the model's order (which
   // alternates between the two files).
-  void read_all(std::span<const ReadRequest> requests, int /*rank*/, int /*ranks*/) const override {
+  void read_all(std::span<const ReadRequest> requests, int rank, int ranks) const override {
+    if (!verified_) verify(rank, ranks);  // a staged load checks here
     struct Placed {
       bool optim;
       std::uint64_t offset;
@@ -100,11 +110,51 @@ class FullCheckpointSource final : public StateSource {
   }
   std::map<std::string, std::string> optim_scalars() const override {
     if (!optim_) return {};
-    return {optim_->metadata().begin(), optim_->metadata().end()};
+    return checkpoint::without_data_checksums(optim_->metadata());
   }
-  std::map<std::string, std::string> metadata() const { return {model_.metadata().begin(), model_.metadata().end()}; }
+  std::map<std::string, std::string> metadata() const { return checkpoint::without_data_checksums(model_.metadata()); }
 
  private:
+  int files() const { return optim_ ? 2 : 1; }
+  const checkpoint::SafetensorsFile& file(int i) const { return i == 0 ? model_ : *optim_; }
+  static std::uint64_t data_bytes(const checkpoint::SafetensorsFile& f) { return f.file_bytes() - f.data_offset(); }
+  // The file's chunk checksums; nullopt for a file written without them.
+  static std::optional<checkpoint::DataChecksums> checksums_of(const checkpoint::SafetensorsFile& f) {
+    const auto entry = f.metadata().find(checkpoint::data_checksums_key);
+    if (entry == f.metadata().end()) return std::nullopt;
+    auto sums = checkpoint::DataChecksums::parse(entry->second, data_bytes(f));
+    if (!sums)
+      detail::fail("checkpoint '", f.path().string(), "' is damaged: its metadata '", checkpoint::data_checksums_key,
+                   "' is not a list of chunk checksums for its ", data_bytes(f), " bytes of data");
+    return sums;
+  }
+
+  // Reads this rank's run of file i's chunks (DataChecksums::owner), checking them where the
+  // file has checksums.
+  void verify_part(int i, int rank, int ranks) const {
+    const checkpoint::SafetensorsFile& f = file(i);
+    const auto sums = checksums_of(f);
+    const checkpoint::DataChecksums layout = sums ? *sums : checkpoint::DataChecksums::placeholder(data_bytes(f));
+    const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) { f.read_file_bytes(dst, n, f.data_offset() + at); };
+    std::vector<std::byte> scratch(std::size_t{4} << 20);
+    for (std::size_t c = 0; c < layout.digests.size(); ++c)
+      if (layout.owner(c, ranks) == rank) {
+        const std::uint64_t got = checkpoint::xxh64_of_range(read, layout.begin(c), layout.end(c, data_bytes(f)), scratch);
+        if (sums && got != sums->digests[c]) damaged_.insert({i, c});
+      }
+  }
+  static std::string damage(const checkpoint::SafetensorsFile& f, const checkpoint::DataChecksums& sums, std::size_t c) {
+    const std::uint64_t begin = sums.begin(c), end = sums.end(c, data_bytes(f));
+    std::string names;  // the tensors with bytes in [begin, end)
+    int listed = 0;
+    for (const auto& t : f.tensors())
+      if (t.begin < end && begin < t.end && listed++ < 4) names += (names.empty() ? "" : ", ") + t.name;
+    if (listed > 4) names += ", ... (" + std::to_string(listed) + " tensors)";
+    return "checkpoint '" + f.path().string() + "' is damaged: bytes [" + std::to_string(begin) + ", " +
+           std::to_string(end) + ") of its data (tensors " + names +
+           ") do not match the XXH64 its save wrote (found by the rank that checked them)";
+  }
+
   const checkpoint::SafetensorsFile& file_of(const StateKey& key) const {
     return key.kind == StateKind::optim ? *optim_ : model_;
   }
@@ -115,6 +165,8 @@ class FullCheckpointSource final : public StateSource {
 
   checkpoint::SafetensorsFile model_;
   std::optional<checkpoint::SafetensorsFile> optim_;
+  mutable bool verified_ = false;  // by verify(), before read_all
+  mutable std::set<std::pair<int, std::size_t>> damaged_;  // (file, chunk) this rank found damaged
 };
 
 // A collective: every rank opens the file(s), the ranks agree they could, then load_state

@@ -44,6 +44,8 @@ class FullSave {
       : what_("save_full_checkpoint '" + file.string() + "'"), file_(file), metadata_(std::move(metadata)),
         optimizer_(optimizer), writes_(model.size() > 0 && model[0].rank() == 0),
         gathers_(full_gathers(model, optimizer)) {
+    if (metadata_.count(std::string(checkpoint::data_checksums_key)))
+      fail(what_, ": metadata key '", checkpoint::data_checksums_key, "' is the library's own (the data checksums)");
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) buffers_.push_back({u.get(), i});
     if (optimizer && writes_) optim_scalars_ = optimizer->scalars();
@@ -153,6 +155,8 @@ class FullSave {
       for (const auto& [key, v] : optim_scalars_) optim.set_metadata(key, v);
     }
     for (; k < gathers_.size(); ++k) add(model, k);
+    optim.checksum_data();
+    model.checksum_data();
     for (std::size_t j = 0; j < buffers_.size(); ++j) {
       const auto& [u, i] = buffers_[j];
       const auto& b = u->buffers()[i];

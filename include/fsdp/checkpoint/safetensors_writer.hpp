@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
+#include "fsdp/checkpoint/data_checksums.hpp"
 #include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
 #include "fsdp/dtype.hpp"
@@ -78,6 +79,13 @@ class SafetensorsWriter {
     metadata_[std::move(key)] = std::move(value);
   }
 
+  // Also write the data section's chunk checksums into "__metadata__" (data_checksums.hpp):
+  // what full checkpoints do, so that a load finds a damaged file.
+  void checksum_data(std::uint64_t chunk_bytes = data_checksum_chunk_bytes) {
+    if (chunk_bytes == 0) detail::fail("safetensors writer: a data checksum chunk of 0 bytes");
+    checksum_chunk_ = chunk_bytes;
+  }
+
   std::size_t size() const { return tensors_.size(); }
   // Every tensor added, in file order; begin/end are offsets into the data section.
   std::vector<TensorInfo> layout() const {
@@ -88,7 +96,10 @@ class SafetensorsWriter {
   std::uint64_t data_bytes() const { return data_bytes_; }
   // The header JSON, padded (see format_safetensors_header).
   std::string header() const {
-    return format_safetensors_header(layout(), metadata_);
+    if (!checksum_chunk_) return format_safetensors_header(layout(), metadata_);
+    auto with = metadata_;
+    with[std::string(data_checksums_key)] = DataChecksums::placeholder(data_bytes_, checksum_chunk_).format();
+    return format_safetensors_header(layout(), with);
   }
 
   // Fills smaller than this are written on the calling thread: for them a thread costs
@@ -104,6 +115,11 @@ class SafetensorsWriter {
     const std::uint64_t n = h.size();
     sink.write(&n, sizeof n);  // little-endian (asserted in safetensors_header.hpp)
     sink.write(h);
+    ChunkHasher hasher(checksum_chunk_ ? checksum_chunk_ : 1);
+    auto data_out = [&](const void* data, std::size_t bytes) {  // in file order, one at a time
+      if (checksum_chunk_) hasher.update(data, bytes);
+      sink.write(data, bytes);
+    };
     auto fill_bytes = [&](std::size_t i) {  // of tensor i's fill, which may cover the next ones too
       return tensors_[i + tensors_[i].together - 1].info.end - tensors_[i].info.begin;
     };
@@ -129,7 +145,7 @@ class SafetensorsWriter {
       const Pending& p = tensors_[i];
       if (p.data != nullptr || !p.fill) {
         written();
-        sink.write(p.data, p.info.bytes());
+        data_out(p.data, p.info.bytes());
         ++i;
         continue;
       }
@@ -142,18 +158,24 @@ class SafetensorsWriter {
       written();
       i += p.together;
       if (out.size() < pipelined_fill_bytes) {
-        sink.write(out.data(), out.size());  // done with this buffer: the next fill reuses it
+        data_out(out.data(), out.size());  // done with this buffer: the next fill reuses it
         continue;
       }
-      writing = std::async(std::launch::async, [&sink, out] { sink.write(out.data(), out.size()); });
+      writing = std::async(std::launch::async, [&data_out, out] { data_out(out.data(), out.size()); });
       next ^= 1;
     }
     written();
+    if (checksum_chunk_) {  // the placeholder's digits, now known
+      const std::string value = hasher.finish().format();
+      sink.overwrite(data_checksums_offset(h, data_bytes_, sink.path().string(), checksum_chunk_), value.data(),
+                     value.size());
+    }
   }
 
-  // Writes the file atomically (see write_file_atomically); returns its size and XXH64.
+  // With checksum_data(), the whole-file XXH64 is not computed (0): the digests are.
   WriteResult write(const std::filesystem::path& path) const {
-    return write_file_atomically(path, [this](FileSink& sink) { write_to(sink); });
+    return write_file_atomically(path, [this](FileSink& sink) { write_to(sink); },
+                                 checksum_chunk_ ? Hashing::none : Hashing::whole_file);
   }
 
  private:
@@ -200,6 +222,7 @@ class SafetensorsWriter {
   std::set<std::string, std::less<>> names_;
   std::map<std::string, std::string, std::less<>> metadata_;
   std::uint64_t data_bytes_ = 0;
+  std::uint64_t checksum_chunk_ = 0;  // 0: no data checksums
 };
 
 }  // namespace fsdp::checkpoint

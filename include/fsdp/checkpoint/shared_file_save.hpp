@@ -28,6 +28,45 @@
 
 namespace fsdp::detail {
 
+// This rank's run of the data section's chunks (DataChecksums::owner), hashed from the
+// file; 0 for the chunks of other ranks.
+inline std::vector<std::uint64_t> hash_my_chunks(const std::filesystem::path& file, std::uint64_t data_begin,
+                                                 std::uint64_t data_bytes, const UnitBase& unit) {
+  const auto chunks = checkpoint::DataChecksums::placeholder(data_bytes);
+  std::vector<std::uint64_t> digests(chunks.digests.size(), 0);
+  const checkpoint::detail::UniqueFd fd = checkpoint::detail::open_fd(file, O_RDONLY, "to hash what the ranks wrote");
+  const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
+    if (checkpoint::detail::pread_up_to(fd.get(), dst, n, data_begin + at, file) != n)
+      fail("'", file.string(), "' is shorter than the data written into it");
+  };
+  std::vector<std::byte> scratch(std::size_t{4} << 20);
+  for (std::size_t c = 0; c < digests.size(); ++c)
+    if (chunks.owner(c, unit.world_size()) == unit.rank())
+      digests[c] = checkpoint::xxh64_of_range(read, chunks.begin(c), chunks.end(c, data_bytes), scratch);
+  return digests;
+}
+
+// Every rank's digests, each chunk's from the one rank that hashed it (a collective: the
+// max over ranks of each 32-bit half, the others giving 0).
+inline std::vector<std::uint64_t> collect_digests(const std::vector<std::uint64_t>& mine, const UnitBase& unit) {
+  std::vector<std::uint64_t> all;
+  for (const std::uint64_t d : mine) {
+    const auto high = static_cast<std::uint64_t>(unit.max_over_ranks(static_cast<std::int64_t>(d >> 32)));
+    const auto low = static_cast<std::uint64_t>(unit.max_over_ranks(static_cast<std::int64_t>(d & 0xffffffffu)));
+    all.push_back(high << 32 | low);
+  }
+  return all;
+}
+
+// Rank 0: the digests over the placeholder in the header it wrote, then fsync.
+inline void write_digests(int fd, const std::filesystem::path& file, const std::string& header, std::uint64_t data_bytes,
+                          const std::vector<std::uint64_t>& digests) {
+  const std::string value = checkpoint::DataChecksums{checkpoint::data_checksum_chunk_bytes, digests}.format();
+  checkpoint::detail::pwrite_all(fd, value.data(), value.size(),
+                                 checkpoint::data_checksums_offset(header, data_bytes, file.string()), file);
+  checkpoint::detail::fsync_fd(fd, file);
+}
+
 // A collective. false: the shards are not in host memory, or some rank cannot open rank 0's
 // files; nothing was written and nothing is left. true: the checkpoint is committed.
 // Throws on every rank when the save fails; the target files are then untouched.
@@ -42,6 +81,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     std::filesystem::path target, temp;
     checkpoint::SafetensorsWriter layout;
     std::string header;  // rank 0's (only its header has the optimizer's scalars)
+    std::uint64_t header_bytes = 0;  // its size, on every rank
     std::map<std::string, std::uint64_t, std::less<>> offset;  // of each tensor's first byte in the file
     checkpoint::detail::UniqueFd fd;
   };
@@ -57,9 +97,8 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   for (File& f : files) {
     f.temp = checkpoint::detail::temp_path_for(f.target, "shared-" + std::to_string(token));
     if (root) f.header = f.layout.header();
-    const auto data_begin =
-        static_cast<std::uint64_t>(model[0].max_over_ranks(root ? 8 + std::int64_t(f.header.size()) : 0));
-    for (const auto& t : f.layout.layout()) f.offset[t.name] = data_begin + t.begin;
+    f.header_bytes = static_cast<std::uint64_t>(model[0].max_over_ranks(root ? std::int64_t(f.header.size()) : 0));
+    for (const auto& t : f.layout.layout()) f.offset[t.name] = 8 + f.header_bytes + t.begin;
   }
   bool committed = false;
   struct RemoveTemps {  // rank 0, however this ends short of the commit
@@ -101,8 +140,23 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
       checkpoint::detail::pwrite_all(f.fd.get(), s.src, s.bytes(), at, f.temp);
     }
     for (File& f : files) checkpoint::detail::fsync_fd(f.fd.get(), f.temp);
-    for (File& f : files) f.fd.close_checked(f.temp);
+    if (!root)
+      for (File& f : files) f.fd.close_checked(f.temp);
   }, "; nothing was saved");
+
+  // The data checksums (checkpoint/data_checksums.hpp): rank r hashes the r-th run of
+  // chunks, rank 0 collects the digests and writes them over the header's placeholder.
+  for (File& f : files) {
+    std::vector<std::uint64_t> digests;
+    run_agreed(model, what, [&] { digests = hash_my_chunks(f.temp, 8 + f.header_bytes, f.layout.data_bytes(), model[0]); },
+               "; nothing was saved");
+    digests = collect_digests(digests, model[0]);
+    run_agreed(model, what, [&] {
+      if (root) write_digests(f.fd.get(), f.temp, f.header, f.layout.data_bytes(), digests);
+    }, "; nothing was saved");
+  }
+  if (root)
+    for (File& f : files) f.fd.close_checked(f.temp);
 
   run_agreed(model, what, [&] {  // rank 0 publishes: the optimizer file first, as the gathering save does
     if (!root) return;

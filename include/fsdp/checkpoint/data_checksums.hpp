@@ -1,0 +1,145 @@
+#pragma once
+// Checksums of a full checkpoint file's data, kept in the file itself so that the file stays
+// one plain safetensors file that other tools read: "__metadata__" holds
+//   "fsdp.data_xxh64": "<chunk bytes>:<h0>,<h1>,..."
+// the XXH64 of each consecutive chunk of the data section (the last one shorter), 16 hex
+// digits each. Chunks, not one digest for the whole file, so that N ranks loading it
+// verify N parts in parallel, and a writer whose ranks write their own slices (the shared
+// save) hashes in parallel too. The number of chunks follows from the data size, so the
+// header is written first with zero digits of the same width, and they are filled in once
+// the data is out (checkpoint::FileSink::overwrite).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/checkpoint/json_checks.hpp"
+#include "fsdp/error.hpp"
+
+namespace fsdp::checkpoint {
+
+inline constexpr std::string_view data_checksums_key = "fsdp.data_xxh64";
+inline constexpr std::uint64_t data_checksum_chunk_bytes = std::uint64_t{64} << 20;
+
+struct DataChecksums {
+  std::uint64_t chunk_bytes = data_checksum_chunk_bytes;
+  std::vector<std::uint64_t> digests;
+
+  static std::size_t chunks_for(std::uint64_t data_bytes, std::uint64_t chunk) {
+    return static_cast<std::size_t>((data_bytes + chunk - 1) / chunk);
+  }
+  // Bytes [begin, end) of the data section that chunk i covers.
+  std::uint64_t begin(std::size_t i) const { return i * chunk_bytes; }
+  std::uint64_t end(std::size_t i, std::uint64_t data_bytes) const { return std::min(data_bytes, (i + 1) * chunk_bytes); }
+
+  // The rank of `ranks` that hashes chunk i: each rank a contiguous run of chunks, so
+  // that the disk sees `ranks` sequential streams.
+  int owner(std::size_t i, int ranks) const {
+    return static_cast<int>(i * static_cast<std::size_t>(ranks) / digests.size());
+  }
+
+  // The metadata value (same width whatever the digests, so zeros make the placeholder).
+  std::string format() const {
+    std::string s = std::to_string(chunk_bytes) + ":";
+    for (std::size_t i = 0; i < digests.size(); ++i) s += (i ? "," : "") + xxh64_hex(digests[i]);
+    return s;
+  }
+  static DataChecksums placeholder(std::uint64_t data_bytes, std::uint64_t chunk = data_checksum_chunk_bytes) {
+    DataChecksums c;
+    c.chunk_bytes = chunk;
+    c.digests.assign(chunks_for(data_bytes, chunk), 0);
+    return c;
+  }
+  // nullopt if `value` is not a well-formed list for `data_bytes` of data.
+  static std::optional<DataChecksums> parse(std::string_view value, std::uint64_t data_bytes) {
+    const auto colon = value.find(':');
+    if (colon == std::string_view::npos || colon == 0 || colon > 19) return std::nullopt;
+    DataChecksums c;
+    c.chunk_bytes = 0;
+    for (char ch : value.substr(0, colon)) {
+      if (ch < '0' || ch > '9') return std::nullopt;
+      c.chunk_bytes = c.chunk_bytes * 10 + static_cast<std::uint64_t>(ch - '0');
+    }
+    if (c.chunk_bytes == 0) return std::nullopt;
+    std::string_view rest = value.substr(colon + 1);
+    const std::size_t n = chunks_for(data_bytes, c.chunk_bytes);
+    if (rest.size() != (n == 0 ? 0 : 17 * n - 1)) return std::nullopt;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i && rest[17 * i - 1] != ',') return std::nullopt;
+      const auto h = parse_xxh64_hex(rest.substr(17 * i, 16));
+      if (!h) return std::nullopt;
+      c.digests.push_back(*h);
+    }
+    return c;
+  }
+};
+
+// A file's "__metadata__" as its writer's user gave it: without the data checksums.
+template <class Map>
+std::map<std::string, std::string> without_data_checksums(const Map& metadata) {
+  std::map<std::string, std::string> out(metadata.begin(), metadata.end());
+  out.erase(std::string(data_checksums_key));
+  return out;
+}
+
+// Where the digits of the placeholder for `data_bytes` of data start in `header` (a file
+// offset: the header follows its 8-byte length), for overwriting them with the digests.
+inline std::uint64_t data_checksums_offset(const std::string& header, std::uint64_t data_bytes, std::string_view file,
+                                           std::uint64_t chunk = data_checksum_chunk_bytes) {
+  const std::string value = DataChecksums::placeholder(data_bytes, chunk).format();
+  const std::string entry = detail::json_string(std::string(data_checksums_key)) + ":" + detail::json_string(value);
+  const auto pos = header.find(entry);
+  if (pos == std::string::npos) fsdp::detail::fail("'", file, "': the header has no place for the data checksums");
+  return 8 + pos + entry.size() - 1 - value.size();
+}
+
+// XXH64 of bytes [begin, end) that read(dst, n, offset) fetches, in pieces the size of
+// `scratch`.
+template <class Read>
+std::uint64_t xxh64_of_range(Read&& read, std::uint64_t begin, std::uint64_t end, std::vector<std::byte>& scratch) {
+  Xxh64 h;
+  for (std::uint64_t at = begin; at < end;) {
+    const std::uint64_t n = std::min<std::uint64_t>(scratch.size(), end - at);
+    read(scratch.data(), n, at);
+    h.update(scratch.data(), static_cast<std::size_t>(n));
+    at += n;
+  }
+  return h.digest();
+}
+
+// Hashes a data section fed in order, in pieces of any size, chunk by chunk.
+class ChunkHasher {
+ public:
+  explicit ChunkHasher(std::uint64_t chunk_bytes = data_checksum_chunk_bytes) : chunk_(chunk_bytes) {}
+  void update(const void* data, std::size_t n) {
+    const auto* p = static_cast<const std::byte*>(data);
+    while (n > 0) {
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, chunk_ - in_chunk_));
+      hash_.update(p, take);
+      p += take, n -= take, in_chunk_ += take;
+      if (in_chunk_ == chunk_) close_chunk();
+    }
+  }
+  DataChecksums finish() {
+    if (in_chunk_ > 0) close_chunk();
+    return {chunk_, std::move(digests_)};
+  }
+
+ private:
+  void close_chunk() {
+    digests_.push_back(hash_.digest());
+    hash_ = Xxh64();
+    in_chunk_ = 0;
+  }
+  std::uint64_t chunk_;
+  std::uint64_t in_chunk_ = 0;
+  Xxh64 hash_;
+  std::vector<std::uint64_t> digests_;
+};
+
+}  // namespace fsdp::checkpoint
