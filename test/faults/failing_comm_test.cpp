@@ -1,10 +1,13 @@
 // A communicator that fails, or stalls, at its N-th collective on one rank, for every
-// strategy and prefetch mode, at every collective of two training steps: every rank ends
+// strategy (the hybrid ones on a 2x2 mesh, failing in either group) and prefetch mode, at every collective of two training steps: every rank ends
 // in an fsdp::Error (never a hang, never a crash), and every rank's Device has freed all
 // it allocated once the model is gone (nothing leaked on the failing path).
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,36 +23,47 @@ using test_support::contains;
 enum class Mode { fail, stall };
 
 // ThreadComm, except that the collective number `at` (from 1) on this rank throws, or
-// sleeps past the group's timeout first; at < 1: never.
+// sleeps past the group's timeout first; at < 1: never. Groups split from it (a device
+// mesh's) count with it: `at` numbers this rank's collectives on all of them.
 class FaultyComm {
  public:
   FaultyComm(fsdp::ThreadComm& inner, long at, Mode mode, std::chrono::milliseconds stall)
-      : inner_(inner), at_(at), mode_(mode), stall_(stall) {}
-  int rank() const { return inner_.rank(); }
-  int size() const { return inner_.size(); }
-  long issued() const { return count_; }
-  fsdp::Work all_gather(const void* s, void* r, std::size_t n, fsdp::DType t) { return next(), inner_.all_gather(s, r, n, t); }
+      : inner_(&inner), fault_(std::make_shared<Fault>(Fault{at, mode, stall})) {}
+  int rank() const { return inner_->rank(); }
+  int size() const { return inner_->size(); }
+  long issued() const { return fault_->count; }
+  fsdp::Work all_gather(const void* s, void* r, std::size_t n, fsdp::DType t) { return next(), inner_->all_gather(s, r, n, t); }
   fsdp::Work reduce_scatter(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op) {
-    return next(), inner_.reduce_scatter(s, r, n, t, op);
+    return next(), inner_->reduce_scatter(s, r, n, t, op);
   }
   fsdp::Work all_reduce(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op) {
-    return next(), inner_.all_reduce(s, r, n, t, op);
+    return next(), inner_->all_reduce(s, r, n, t, op);
   }
   fsdp::Work broadcast(const void* s, void* r, std::size_t n, fsdp::DType t, int root) {
-    return next(), inner_.broadcast(s, r, n, t, root);
+    return next(), inner_->broadcast(s, r, n, t, root);
   }
-  fsdp::Work barrier() { return next(), inner_.barrier(); }
+  fsdp::Work barrier() { return next(), inner_->barrier(); }
+  FaultyComm split(int color, int key) {
+    return FaultyComm(std::make_shared<fsdp::ThreadComm>(inner_->split(color, key)), fault_);
+  }
 
  private:
+  struct Fault {
+    long at;
+    Mode mode;
+    std::chrono::milliseconds stall;
+    long count = 0;
+  };
+  FaultyComm(std::shared_ptr<fsdp::ThreadComm> owned, std::shared_ptr<Fault> fault)
+      : owned_(std::move(owned)), inner_(owned_.get()), fault_(std::move(fault)) {}
   void next() {
-    if (++count_ != at_) return;
-    if (mode_ == Mode::fail) throw fsdp::Error("injected failure of collective #" + std::to_string(at_));
-    std::this_thread::sleep_for(stall_);
+    if (++fault_->count != fault_->at) return;
+    if (fault_->mode == Mode::fail) throw fsdp::Error("injected failure of collective #" + std::to_string(fault_->at));
+    std::this_thread::sleep_for(fault_->stall);
   }
-  fsdp::ThreadComm& inner_;
-  long at_, count_ = 0;
-  Mode mode_;
-  std::chrono::milliseconds stall_;
+  std::shared_ptr<fsdp::ThreadComm> owned_;  // a split group's
+  fsdp::ThreadComm* inner_;
+  std::shared_ptr<Fault> fault_;
 };
 
 engine::ModelConfig config() {
@@ -64,14 +78,19 @@ struct Outcome {
   long collectives = 0;                 // on rank 0, in a run without faults
 };
 
-// Two training steps on 2 ranks; rank `faulty` has collective `at` fail or stall.
+template <class... Ps>
+constexpr bool hybrid = (std::is_same_v<Ps, fsdp::HybridShard> || ...) || (std::is_same_v<Ps, fsdp::HybridShardZero2> || ...);
+
+// Two training steps on 2 ranks (4 as a 2x2 mesh for the hybrid strategies); rank `faulty`
+// has collective `at` fail or stall.
 template <class... Ps>
 Outcome run(long at, Mode mode, int faulty = 1) {
   const auto timeout = std::chrono::milliseconds(mode == Mode::stall ? 300 : 2000);
+  const int world = hybrid<Ps...> ? 4 : 2;
   Outcome out;
-  out.live_after.assign(2, 0);
+  out.live_after.assign(static_cast<std::size_t>(world), 0);
   out.errors = test_support::errors_per_rank(
-      2,
+      world,
       [&](fsdp::ThreadComm& comm) {
         fsdp::HostDevice device;
         {
@@ -79,13 +98,21 @@ Outcome run(long at, Mode mode, int faulty = 1) {
           engine::Model model(config());
           engine::Sgd sgd(0.05f);
           try {
-            auto sm = fsdp::shard<Ps...>(model, faulty_comm, device, engine::Wrap{});
-            for (int s = 0; s < 2; ++s)
-              engine::sharded_step(model, sm, sgd, engine::make_batch(config(), s, comm.rank(), 1));
+            auto train = [&](auto& group) {
+              auto sm = fsdp::shard<Ps...>(model, group, device, engine::Wrap{});
+              for (int s = 0; s < 2; ++s)
+                engine::sharded_step(model, sm, sgd, engine::make_batch(config(), s, comm.rank(), 1));
+            };
+            if constexpr (hybrid<Ps...>) {
+              fsdp::DeviceMesh mesh(faulty_comm, fsdp::MeshShape{2, 2});
+              train(mesh);
+            } else {
+              train(faulty_comm);
+            }
             if (comm.rank() == 0) out.collectives = faulty_comm.issued();
           } catch (...) {
-            out.live_after[comm.rank()] = device.stats(fsdp::MemorySpace::device).live_bytes +
-                                          device.stats(fsdp::MemorySpace::host).live_bytes;
+            out.live_after[static_cast<std::size_t>(comm.rank())] = device.stats(fsdp::MemorySpace::device).live_bytes +
+                                                                    device.stats(fsdp::MemorySpace::host).live_bytes;
             throw;
           }
         }
@@ -101,7 +128,7 @@ void every_collective_fails() {
   for (long at = 1; at <= total; ++at) {
     CAPTURE(at);
     const Outcome o = run<Ps...>(at, Mode::fail);
-    for (int r = 0; r < 2; ++r) {
+    for (std::size_t r = 0; r < o.errors.size(); ++r) {
       CAPTURE(r);
       CHECK(!o.errors[r].empty());  // an error on every rank, and the run returned: no hang
       CHECK(o.live_after[r] == 0);  // everything the units allocated was freed
@@ -116,7 +143,8 @@ TEST_CASE_TEMPLATE("a collective failing on one rank, at every collective of two
                    "nothing leaked", Policies,
                    fsdp::Policies<fsdp::FullShard, fsdp::BackwardPre>, fsdp::Policies<fsdp::FullShard, fsdp::BackwardPost, fsdp::ForwardPrefetch>,
                    fsdp::Policies<fsdp::FullShard, fsdp::NoBackwardPrefetch>, fsdp::Policies<fsdp::ShardGradOp, fsdp::BackwardPre>,
-                   fsdp::Policies<fsdp::NoShard, fsdp::NoBackwardPrefetch>) {
+                   fsdp::Policies<fsdp::NoShard, fsdp::NoBackwardPrefetch>, fsdp::Policies<fsdp::HybridShard, fsdp::BackwardPre>,
+                   fsdp::Policies<fsdp::HybridShardZero2, fsdp::BackwardPost>) {
   [&]<class... Ps>(fsdp::Policies<Ps...>*) { every_collective_fails<Ps...>(); }(static_cast<Policies*>(nullptr));
 }
 
