@@ -37,7 +37,7 @@ class ShmHandshake {
   using Clock = std::chrono::steady_clock;
   static constexpr std::uint32_t kOfferMagic = 0x4f4d4853;   // "SHMO"
   static constexpr std::uint32_t kAnswerMagic = 0x414d4853;  // "SHMA"
-  static constexpr std::size_t kOfferFixed = 24, kMaxText = 1024;
+  static constexpr std::size_t kOfferFixed = 32, kMaxText = 1024;
 
  public:
   // Runs on `io` (which nothing else runs meanwhile) until both links decided, at most
@@ -49,7 +49,8 @@ class ShmHandshake {
 
  private:
   ShmHandshake(boost::asio::io_context& io, RingSockets& links, const RingIdentity& id)
-      : io_(io), links_(links), id_(id), host_(shm_host_key()) {}
+      : io_(io), links_(links), id_(id), host_(shm_host_key()),
+        slots_(ShmLink::slots_for(id.shared_memory_bytes, id.segment_bytes)) {}
 
   ShmLinks run() {
     make_offer();
@@ -64,8 +65,8 @@ class ShmHandshake {
     });
     boost::asio::async_read(links_.left, boost::asio::buffer(offer_in_), [this](error_code ec, std::size_t) {
       if (ec) return broke(id_.left(), ec);
-      const auto name_bytes = get_le<std::uint16_t>(offer_in_.data() + 20);
-      const auto host_bytes = get_le<std::uint16_t>(offer_in_.data() + 22);
+      const auto name_bytes = get_le<std::uint16_t>(offer_in_.data() + 28);
+      const auto host_bytes = get_le<std::uint16_t>(offer_in_.data() + 30);
       if (get_le<std::uint32_t>(offer_in_.data()) != kOfferMagic || name_bytes > kMaxText || host_bytes > kMaxText)
         return garbled(id_.left());
       text_in_.resize(std::size_t{name_bytes} + host_bytes);
@@ -92,7 +93,8 @@ class ShmHandshake {
     return std::move(out_);
   }
 
-  // Offer: magic, nonce (u64), slot bytes (u64), name length, host length; name, host.
+  // Offer: magic, nonce (u64), slot bytes (u64), slots (u64), name length, host length
+  // (u16 each); name, host.
   // An empty name offers nothing (shared memory off, or no segment could be made).
   void make_offer() {
     std::random_device random;
@@ -102,7 +104,7 @@ class ShmHandshake {
       std::snprintf(name, sizeof name, "fsdp.%d.%016llx.%d-%d", static_cast<int>(getpid()),
                     static_cast<unsigned long long>(nonce_), id_.rank, id_.right());
       std::string why;
-      out_.to_right = ShmLink::create(name, nonce_, id_.segment_bytes, why);
+      out_.to_right = ShmLink::create(name, nonce_, slots_, id_.segment_bytes, why);
       if (out_.to_right) offered_name_ = name;
     }
     const std::string host = offered_name_.empty() ? std::string() : host_;
@@ -111,8 +113,9 @@ class ShmHandshake {
     put_le(p, kOfferMagic);
     put_le(p + 4, nonce_);
     put_le(p + 12, static_cast<std::uint64_t>(id_.segment_bytes));
-    put_le(p + 20, static_cast<std::uint16_t>(offered_name_.size()));
-    put_le(p + 22, static_cast<std::uint16_t>(host.size()));
+    put_le(p + 20, static_cast<std::uint64_t>(slots_));
+    put_le(p + 28, static_cast<std::uint16_t>(offered_name_.size()));
+    put_le(p + 30, static_cast<std::uint16_t>(host.size()));
     offered_name_.copy(offer_out_.data() + kOfferFixed, offered_name_.size());
     host.copy(offer_out_.data() + kOfferFixed + offered_name_.size(), host.size());
   }
@@ -120,9 +123,10 @@ class ShmHandshake {
   void accept_or_refuse(const std::string& name, const std::string& host) {
     const auto nonce = get_le<std::uint64_t>(offer_in_.data() + 4);
     const auto slot_bytes = get_le<std::uint64_t>(offer_in_.data() + 12);
+    const auto slots = get_le<std::uint64_t>(offer_in_.data() + 20);
     if (id_.shared_memory && !name.empty() && host == host_ && slot_bytes == id_.segment_bytes) {
       std::string why;
-      out_.from_left = ShmLink::open(name, nonce, slot_bytes, why);
+      out_.from_left = ShmLink::open(name, nonce, slots, slot_bytes, why);
     }
     put_le(answer_out_.data(), kAnswerMagic);
     put_le(answer_out_.data() + 4, std::uint32_t{out_.from_left ? 1u : 0u});
@@ -147,6 +151,7 @@ class ShmHandshake {
   RingSockets& links_;
   const RingIdentity& id_;
   const std::string host_;
+  const std::size_t slots_;  // of the ring this rank offers (the receiver takes the sender's)
   std::uint64_t nonce_ = 0;
   std::string offered_name_, offer_out_, text_in_;
   std::array<std::byte, kOfferFixed> offer_in_{};

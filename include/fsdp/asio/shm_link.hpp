@@ -68,18 +68,16 @@ class ShmLink {
   static constexpr std::size_t kDataOffset = 4096;
 
  public:
-  // Slots per link: 8 MiB of slack at the default 1 MiB segments (the sender may run that
-  // far ahead, as far as Linux's loopback socket buffers let TCP run), at least 2.
-  static std::size_t slots_for(std::size_t slot_bytes) {
-    return std::clamp<std::size_t>((std::size_t{8} << 20) / slot_bytes, 2, 1024);
+  // Slots for a ring of about `ring_bytes`: at least 2, at most 1024.
+  static std::size_t slots_for(std::size_t ring_bytes, std::size_t slot_bytes) {
+    return std::clamp<std::size_t>(ring_bytes / slot_bytes, 2, 1024);
   }
   static constexpr std::size_t kMaxSegmentBytes = std::size_t{256} << 20;
 
   // The producer's side: a new segment `name`, reserved in full (so a full /dev/shm is an
   // empty optional here, not a SIGBUS later). Empty, with `why`, if it cannot be made.
-  static std::optional<ShmLink> create(const std::string& name, std::uint64_t nonce, std::size_t slot_bytes,
-                                       std::string& why) {
-    const std::size_t slots = slots_for(slot_bytes);
+  static std::optional<ShmLink> create(const std::string& name, std::uint64_t nonce, std::size_t slots,
+                                       std::size_t slot_bytes, std::string& why) {
     const std::size_t bytes = kDataOffset + slots * slot_bytes;
     if (bytes > kMaxSegmentBytes) {
       why = "segments of " + std::to_string(slot_bytes) + " bytes are too large for a shared-memory ring";
@@ -108,14 +106,14 @@ class ShmLink {
   // The consumer's side: opens `name`, unlinks it, and checks that it is the producer's
   // segment (nonce and geometry). Empty, with `why`, otherwise (another host or another
   // /dev/shm: the link stays on TCP).
-  static std::optional<ShmLink> open(const std::string& name, std::uint64_t nonce, std::size_t slot_bytes,
-                                     std::string& why) {
+  static std::optional<ShmLink> open(const std::string& name, std::uint64_t nonce, std::size_t slots,
+                                     std::size_t slot_bytes, std::string& why) {
     try {
       Segment shm(boost::interprocess::open_only, name.c_str(), boost::interprocess::read_write);
       Segment::remove(name.c_str());
       boost::interprocess::offset_t size = 0;
-      const std::size_t slots = slots_for(slot_bytes);
-      if (!shm.get_size(size) || static_cast<std::size_t>(size) != kDataOffset + slots * slot_bytes) {
+      if (slots < 1 || slot_bytes < 1 || slots > kMaxSegmentBytes / slot_bytes || !shm.get_size(size) ||
+          static_cast<std::size_t>(size) != kDataOffset + slots * slot_bytes) {
         why = "shared memory " + name + " has an unexpected size";
         return std::nullopt;
       }

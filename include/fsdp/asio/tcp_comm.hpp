@@ -84,6 +84,9 @@ struct TcpCommOptions {
   // TCP connection only headers. FSDP_TCP_SHM=0 in the environment turns it off too.
   // Either side saying no keeps that link on TCP.
   bool shared_memory = true;
+  // Payload bytes in flight on one shared-memory link (rounded to whole segments, at
+  // least 2, at most 1024 of them): how far a sender may run ahead of its neighbour.
+  std::size_t shared_memory_bytes = std::size_t{8} << 20;
 };
 
 // Which of this rank's ring links carry payloads through shared memory.
@@ -118,7 +121,8 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
     const bool shm = options.shared_memory && !(shm_env && std::string_view(shm_env) == "0");
     core_ = std::make_unique<detail::TcpCommCore>(
         std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
-                                               options.socket_buffer_bytes, io_threads == 2, shm, options.timeout});
+                                               options.socket_buffer_bytes, io_threads == 2, shm,
+                                               options.shared_memory_bytes, options.timeout});
   }
 
   TcpComm(TcpComm&&) noexcept = default;
