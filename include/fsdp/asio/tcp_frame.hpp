@@ -129,7 +129,7 @@ struct FrameHeader {
 // must share. The acceptor answers with a HelloReply.
 struct Hello {
   static constexpr std::uint32_t kMagic = 0x48534446;  // "FDSH"
-  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::uint32_t kVersion = 2;  // 2: the shared-memory handshake follows
   static constexpr std::size_t kFixedSize = 32;
   static constexpr std::size_t kMaxPrefix = 4096;
 
