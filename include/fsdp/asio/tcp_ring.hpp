@@ -5,9 +5,9 @@
 // same thread or its own) writes frame i to the right as soon as what it forwards has
 // arrived.
 //
-// On a shared-memory link from the left (shm_link.hpp) the payload is copied out of the
-// shared ring when its header arrives, and a CREDIT goes back when the sender waits for
-// room. Both links are read all the time, also between collectives: the left one for the next
+// On a shared-memory link from the left (shm_link.hpp) a payload is copied out of the
+// shared ring when its header arrives; a CREDIT goes back when the sender waits for room.
+// Both links are read all the time, also between collectives: the left one for the next
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
 // (and passed on around the ring) even while this rank is idle.
 //
@@ -63,8 +63,7 @@ class TcpRing {
  public:
   // `io` is run by the calling thread from now on (the communicator's I/O thread).
   TcpRing(boost::asio::io_context& io, RingSockets links, ShmLinks shm, const RingIdentity& id)
-      : io_(io), left_(std::move(links.left)), left_shm_(std::move(shm.from_left)), shm_to_right_(shm.to_right.has_value()),
-        rank_(id.rank), size_(id.size), left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout),
+      : io_(io), left_(std::move(links.left)), left_shm_(std::move(shm.from_left)), rank_(id.rank), size_(id.size), left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout),
         sender_(std::move(links.right), std::move(shm.to_right), id, counters_, io, id.sender_thread) {
     read_left_header();
   }
@@ -141,7 +140,7 @@ class TcpRing {
 
   // Which links carry their payloads through shared memory.
   bool shm_from_left() const { return left_shm_.has_value(); }
-  bool shm_to_right() const { return shm_to_right_; }
+  bool shm_to_right() const { return sender_.shared(); }
 
   // Sends ABORT with `cause` to both neighbours (at most 1 s), then closes both links.
   void abort_and_close(const std::string& cause) {
@@ -379,7 +378,6 @@ class TcpRing {
   boost::asio::io_context& io_;
   tcp::socket left_;
   std::optional<ShmLink> left_shm_;  // the payloads' way from the left, if shared memory
-  const bool shm_to_right_;
   const int rank_, size_, left_rank_, right_rank_;
   const std::chrono::milliseconds timeout_;
   RingCounters counters_;

@@ -130,6 +130,7 @@ class RingSender {
     on_my_thread([this] { shut_down(); });
   }
 
+  bool shared() const { return shm_.has_value(); }  // payloads go through shared memory
   bool has_events() const { return has_events_.load(); }
   RightLinkEvents events() const {
     std::lock_guard lk(events_mu_);
