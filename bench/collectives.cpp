@@ -1,7 +1,10 @@
 // bench/collectives: all_gather and reduce_scatter (f32 sum), 1 KiB to 256 MiB per rank,
 // on 2 and 4 ranks, for every backend in the same run:
 //   thread  fsdp::ThreadComm, ranks as threads of this process (no wire: shared memory)
-//   tcp     fsdp::TcpComm, one process per rank, started with the launcher (torchrun's env)
+//   tcp     fsdp::TcpComm, one process per rank, started with the launcher (torchrun's env);
+//           same-host ring links move payloads through shared memory (its default)
+//   tcp-socket  the same with shared memory off (every byte through loopback TCP); not
+//           run unless named in --backends
 //   gloo    Gloo over TCP (PyTorch's CPU backend), the baseline, also through the launcher
 //   mpi     fsdp::MpiComm over OpenMPI (shared memory between same-host ranks), via mpirun
 // Multi-process backends re-run this binary as workers (--worker); rank 0 of each writes
@@ -82,7 +85,7 @@ std::vector<Row> run_backend(const Options& o, const std::string& backend, int w
   const auto argv = o.worker_args(fs::read_symlink("/proc/self/exe").string(), backend, dir.path.string());
   const std::chrono::milliseconds timeout = std::chrono::seconds(o.timeout_s);
   int code = 0;
-  if (backend == "tcp" || backend == "gloo") {
+  if (backend == "tcp" || backend == "tcp-socket" || backend == "gloo") {
     fsdp::launch::Options launch;
     launch.nproc = world;
     launch.timeout = timeout;
@@ -92,7 +95,7 @@ std::vector<Row> run_backend(const Options& o, const std::string& backend, int w
     cmd.insert(cmd.end(), argv.begin(), argv.end());
     code = run_child(cmd, {{"OMPI_ALLOW_RUN_AS_ROOT", "1"}, {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}}, timeout);
   } else {
-    fsdp::detail::fail("unknown backend '", backend, "' (thread, tcp, gloo, mpi)");
+    fsdp::detail::fail("unknown backend '", backend, "' (thread, tcp, tcp-socket, gloo, mpi)");
   }
   if (code != 0) fsdp::detail::fail("a worker exited with status ", code, " (its message is above)");
   return read_rows(dir.path / "rows.jsonl");
@@ -163,7 +166,7 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"all_gather / reduce_scatter bandwidth of the thread, TCP, Gloo and MPI backends"};
   app.add_option("--backends", o.backends, "backends to run, in order")
-      ->delimiter(',')->check(CLI::IsMember({"thread", "tcp", "gloo", "mpi"}));
+      ->delimiter(',')->check(CLI::IsMember({"thread", "tcp", "tcp-socket", "gloo", "mpi"}));
   app.add_option("--worlds", o.worlds, "rank counts")->delimiter(',')->check(CLI::Range(1, 64));
   app.add_option("--min-bytes", o.min_bytes, "smallest size per rank (a multiple of 4)")->check(CLI::Range(4ul, 4 * GiB));
   app.add_option("--max-bytes", o.max_bytes, "largest size per rank; sizes go up by 4x")->check(CLI::Range(4ul, 4 * GiB));

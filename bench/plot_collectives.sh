@@ -40,7 +40,7 @@ for n, line in enumerate(lines, 1):
         sys.exit(f"plot_collectives: line {n} is not a collectives row ({e}): {line[:120]}")
 if not series:
     sys.exit("plot_collectives: no rows in the input")
-order = ["thread", "tcp", "gloo", "mpi"]
+order = ["thread", "tcp", "tcp-socket", "gloo", "mpi"]
 backends = sorted({b for _, _, b in series}, key=lambda b: (order.index(b) if b in order else len(order), b))
 panels = sorted({(op, w) for op, w, _ in series}, key=lambda p: (p[0] != "all_gather", p[0], p[1]))
 for (op, w, b), pts in series.items():
@@ -58,7 +58,7 @@ mapfile -t backends <"$tmp/backends.txt"
 worlds=$(cut -d' ' -f2 "$tmp/panels.txt" | sort -un | wc -l)
 ops=$(cut -d' ' -f1 "$tmp/panels.txt" | sort -u | wc -l)
 read -r xmin xmax <"$tmp/xrange.txt"
-declare -A color=([thread]="#7f7f7f" [tcp]="#d62728" [gloo]="#1f77b4" [mpi]="#2ca02c")
+declare -A color=([thread]="#7f7f7f" [tcp]="#d62728" [tcp-socket]="#ff9896" [gloo]="#1f77b4" [mpi]="#2ca02c")
 
 {
   if [[ "$out" == *.png ]]; then

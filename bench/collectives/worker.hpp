@@ -2,6 +2,7 @@
 // One rank of a multi-process backend: joins its group, measures every row, and (rank 0)
 // writes them to <run dir>/rows.jsonl for the driver.
 //   tcp   fsdp::TcpComm over the TcpStore rank 0 hosts (torchrun's env from the launcher)
+//   tcp-socket  the same with shared_memory = false
 //   gloo  Gloo's TCP transport, rendezvous in <run dir>/gloo_store (rank from the same env)
 //   mpi   fsdp::MpiComm over MPI_COMM_WORLD (started by mpirun)
 #include <fmt/format.h>
@@ -52,17 +53,18 @@ inline int worker_main(const Options& o, int argc, char** argv) {
   try {
     std::vector<Row> rows;
     int rank = 0;
-    if (o.worker == "tcp") {
+    if (o.worker == "tcp" || o.worker == "tcp-socket") {
       const auto env = fsdp::DistEnv::from_env();
       fsdp::TcpStoreOptions store_options;
       store_options.timeout = o.collective_timeout();
       auto store = fsdp::connect_store(env, store_options);
       fsdp::TcpCommOptions comm_options;
       comm_options.timeout = o.collective_timeout();
+      comm_options.shared_memory = o.worker == "tcp";
       fsdp::TcpComm comm(store.store, env.rank, env.world_size, comm_options);
       FsdpRunner runner(comm);
       rank = env.rank;
-      rows = measure_all(runner, "tcp", o);
+      rows = measure_all(runner, o.worker, o);
     } else if (o.worker == "gloo") {
       const auto env = fsdp::DistEnv::from_env();
       GlooRunner runner((std::filesystem::path(o.run_dir) / "gloo_store").string(), env.rank, env.world_size,
@@ -76,7 +78,7 @@ inline int worker_main(const Options& o, int argc, char** argv) {
       rank = comm.rank();
       rows = measure_all(runner, "mpi", o);
     } else {
-      fsdp::detail::fail("collectives: unknown worker backend '", o.worker, "' (tcp, gloo, mpi)");
+      fsdp::detail::fail("collectives: unknown worker backend '", o.worker, "' (tcp, tcp-socket, gloo, mpi)");
     }
     if (rank == 0) write_rows(rows, o.run_dir);
     return 0;

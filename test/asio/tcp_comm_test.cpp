@@ -12,6 +12,7 @@
 #include "collective_cases.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/host/thread_group.hpp"
+#include "tcp_cases.hpp"
 #include "tcp_world.hpp"
 
 namespace {
@@ -23,54 +24,13 @@ using K = fsdp::detail::CollectiveKind;
 using test_support::Bytes;
 using test_support::Case;
 using test_support::TcpWorld;
+using test_support::check_against_reference;
+using test_support::issue;
+using test_support::run_cases;
 using namespace std::chrono_literals;
 
 constexpr DType kDtypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i8, DType::u8, DType::i32, DType::i64};
 constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
-
-template <class C>
-fsdp::Work issue(C& comm, const fsdp::detail::CollectiveCall& c) {
-  switch (c.kind) {
-    case K::all_gather: return comm.all_gather(c.send, c.recv, c.count, c.dtype);
-    case K::reduce_scatter: return comm.reduce_scatter(c.send, c.recv, c.count, c.dtype, c.op);
-    case K::all_reduce: return comm.all_reduce(c.send, c.recv, c.count, c.dtype, c.op);
-    case K::broadcast: return comm.broadcast(c.send, c.recv, c.count, c.dtype, c.root);
-    case K::barrier: return comm.barrier();
-  }
-  return {};
-}
-
-// Runs every case on `world` (all ranks issue them in the same order, each waited before
-// the next) and returns outputs[case][rank].
-std::vector<std::vector<Bytes>> run_cases(TcpWorld& world, const std::vector<Case>& cases, std::uint32_t seed) {
-  std::vector<std::vector<Bytes>> out(cases.size(), std::vector<Bytes>(world.size()));
-  const auto errors = world.each([&](TcpComm& comm, int r) {
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      test_support::RankBuffers b(cases[i], test_support::random_input(cases[i], r, seed + i), r);
-      issue(comm, b.call(cases[i])).wait();
-      out[i][r] = b.result(cases[i]);
-    }
-  });
-  for (int r = 0; r < world.size(); ++r) REQUIRE_MESSAGE(errors[r].empty(), "rank ", r, ": ", errors[r]);
-  return out;
-}
-
-void check_against_reference(TcpWorld& world, const std::vector<Case>& cases, std::uint32_t seed = 1) {
-  const auto out = run_cases(world, cases, seed);
-  for (std::size_t i = 0; i < cases.size(); ++i) {
-    const Case& c = cases[i];
-    const auto inputs = test_support::inputs_for(c, seed + static_cast<std::uint32_t>(i));
-    Bytes expected;
-    for (int r = 0; r < c.ranks; ++r) {
-      CAPTURE(c.str());
-      CAPTURE(r);
-      // Only reduce_scatter's result differs from rank to rank.
-      if (r == 0 || c.kind == K::reduce_scatter)
-        expected = test_support::ring_expected(c.kind, inputs, r, c.count, c.dtype, c.op, c.root);
-      CHECK(out[i][r] == expected);
-    }
-  }
-}
 
 }  // namespace
 

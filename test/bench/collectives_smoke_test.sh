@@ -3,10 +3,10 @@
 # every backend. Each stdout line must be a JSON row with the documented fields, every
 # (backend, op, size) must be there and verified, and bad flags must be refused.
 #
-# Usage: collectives_smoke_test.sh COLLECTIVES_BINARY [BACKENDS (default thread,tcp,gloo,mpi)]
+# Usage: collectives_smoke_test.sh COLLECTIVES_BINARY [BACKENDS (default thread,tcp,tcp-socket,gloo,mpi)]
 set -u
 bin="$1"
-backends="${2:-thread,tcp,gloo,mpi}"
+backends="${2:-thread,tcp,tcp-socket,gloo,mpi}"
 tmp="$(mktemp -d "${TEST_TMPDIR:-${TMPDIR:-/tmp}}/collectives_smoke.XXXXXX")" || exit 2
 trap 'rm -rf "$tmp"' EXIT
 failures=0

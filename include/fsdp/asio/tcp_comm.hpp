@@ -20,6 +20,12 @@
 // completes, and every rank issues the same collectives in the same order. Calls may come
 // from any thread.
 //
+// Ring neighbours on the same host move their bulk bytes through shared memory instead of
+// the socket (shm_link.hpp, shm_handshake.hpp); the TCP connection still carries every
+// header, ABORT and the liveness of the peer, so nothing below changes, results included
+// (the same plan, the same reduction order, bit for bit). Off with shared_memory = false
+// or the environment variable FSDP_TCP_SHM=0.
+//
 // Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names both
 // calls; a peer that exits or closes its communicator is named by its neighbours and the
 // reason travels the ring to the others (ABORT frames); a collective without progress for
@@ -35,7 +41,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -71,6 +79,20 @@ struct TcpCommOptions {
   // cross-thread wake-up per ring step (small messages); 0, 2 where the host has at least
   // 4 hardware threads, else 1.
   int io_threads = 0;
+  // Ring links to a neighbour on the same host carry payloads through a POSIX shared
+  // memory segment (proven shared during the handshake, unlinked right after it), the
+  // TCP connection only headers. FSDP_TCP_SHM=0 in the environment turns it off too.
+  // Either side saying no keeps that link on TCP.
+  bool shared_memory = true;
+  // Payload bytes in flight on one shared-memory link (rounded to whole segments, at
+  // least 2, at most 1024 of them): how far a sender may run ahead of its neighbour.
+  std::size_t shared_memory_bytes = std::size_t{8} << 20;
+};
+
+// Which of this rank's ring links carry payloads through shared memory.
+struct TcpCommLinks {
+  bool from_left = false;  // from rank - 1
+  bool to_right = false;   // to rank + 1
 };
 
 class TcpComm : public detail::CollectiveCalls<TcpComm> {
@@ -95,9 +117,12 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
     const int io_threads = options.io_threads ? options.io_threads : std::thread::hardware_concurrency() >= 4 ? 2 : 1;
     if (options.address.empty()) options.address = "127.0.0.1";
     options_ = options;
+    const char* shm_env = std::getenv("FSDP_TCP_SHM");
+    const bool shm = options.shared_memory && !(shm_env && std::string_view(shm_env) == "0");
     core_ = std::make_unique<detail::TcpCommCore>(
         std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
-                                               options.socket_buffer_bytes, io_threads == 2, options.timeout});
+                                               options.socket_buffer_bytes, io_threads == 2, shm,
+                                               options.shared_memory_bytes, options.timeout});
   }
 
   TcpComm(TcpComm&&) noexcept = default;
@@ -107,6 +132,7 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
   int rank() const { return core().identity().rank; }
   int size() const { return core().identity().size; }
   const Options& options() const { return options_; }
+  TcpCommLinks links() const { return {core().shm_from_left(), core().shm_to_right()}; }
 
   // MPI_Comm_split: collective over this communicator; ranks passing the same color form
   // a new one, ordered by (key, rank), with prefix <prefix>/split<n>/<color>. The new

@@ -24,6 +24,7 @@
 #include <boost/asio/post.hpp>
 
 #include "fsdp/asio/ring.hpp"
+#include "fsdp/asio/shm_handshake.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring.hpp"
 #include "fsdp/asio/tcp_stall_report.hpp"
@@ -80,7 +81,9 @@ class TcpCommCore {
         stall_(store_, id_.prefix, id_.rank, id_.size, id_.timeout) {
     if (id_.size > 1) {
       try {
-        ring_.emplace(io_, RingJoiner(io_, *store_, id_).join(), id_);
+        RingSockets links = RingJoiner(io_, *store_, id_).join();
+        ShmLinks shm = ShmHandshake::negotiate(io_, links, id_);
+        ring_.emplace(io_, std::move(links), std::move(shm), id_);
       } catch (...) {
         forget_keys();
         throw;
@@ -103,6 +106,8 @@ class TcpCommCore {
 
   const RingIdentity& identity() const { return id_; }
   const std::shared_ptr<Store>& store() const { return store_; }
+  bool shm_from_left() const { return ring_ && ring_->shm_from_left(); }
+  bool shm_to_right() const { return ring_ && ring_->shm_to_right(); }
 
   Work submit(CollectiveCall call) {
     auto job = std::make_shared<TcpJobState>();

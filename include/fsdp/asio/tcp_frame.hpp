@@ -3,7 +3,8 @@
 // handshake that opens each ring connection.
 //
 // Every DATA frame repeats the sender's call (sequence number, kind, count, dtype, op,
-// root) and its position in the collective (frame index, payload bytes). The receiver
+// root) and its position in the collective (frame index, payload bytes; on a shared-memory
+// link the payload is in the shared ring instead of after the header). The receiver
 // compares them with its own call before it touches the payload, so ranks that issue
 // different collectives fail naming both calls instead of mixing their bytes. An ABORT
 // frame carries a failure's message (UTF-8, at most kMaxAbortBytes) to a neighbour.
@@ -32,7 +33,8 @@ T get_le(const std::byte* in) {
   return v;
 }
 
-enum class FrameType : std::uint8_t { data = 1, abort = 2 };
+// CREDIT goes backwards on a shared-memory link: a slot was freed (shm_link.hpp).
+enum class FrameType : std::uint8_t { data = 1, abort = 2, credit = 3 };
 
 struct FrameHeader {
   static constexpr std::uint32_t kMagic = 0x46534450;  // "PDSF" in memory: fsdp data frame
@@ -51,6 +53,11 @@ struct FrameHeader {
 
   static FrameHeader data_for(const CollectiveCall& c, std::uint32_t index, std::uint64_t bytes) {
     return {FrameType::data, c.kind, c.dtype, c.op, c.root, index, c.seq, c.count, bytes};
+  }
+  static FrameHeader credit() {
+    FrameHeader h;
+    h.type = FrameType::credit;
+    return h;
   }
   static FrameHeader abort_with(std::size_t reason_bytes) {
     FrameHeader h;
@@ -95,7 +102,7 @@ struct FrameHeader {
     const auto op = static_cast<std::uint8_t>(in[7]);
     if (magic != kMagic) {
       problem = "bad frame magic " + std::to_string(magic);
-    } else if (type != static_cast<std::uint8_t>(FrameType::data) && type != static_cast<std::uint8_t>(FrameType::abort)) {
+    } else if (type < static_cast<std::uint8_t>(FrameType::data) || type > static_cast<std::uint8_t>(FrameType::credit)) {
       problem = "unknown frame type " + std::to_string(type);
     } else if (kind > static_cast<std::uint8_t>(CollectiveKind::barrier) || dtype > static_cast<std::uint8_t>(DType::i64) ||
                op > static_cast<std::uint8_t>(ReduceOp::min)) {
@@ -122,7 +129,7 @@ struct FrameHeader {
 // must share. The acceptor answers with a HelloReply.
 struct Hello {
   static constexpr std::uint32_t kMagic = 0x48534446;  // "FDSH"
-  static constexpr std::uint32_t kVersion = 1;
+  static constexpr std::uint32_t kVersion = 2;  // 2: the shared-memory handshake follows
   static constexpr std::size_t kFixedSize = 32;
   static constexpr std::size_t kMaxPrefix = 4096;
 

@@ -37,6 +37,8 @@ struct RingIdentity {
   std::size_t segment_bytes = 0;
   int socket_buffer_bytes = 0;  // SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning
   bool sender_thread = false;   // the sending half on a thread of its own (tcp_ring_sender.hpp)
+  bool shared_memory = false;   // offer / accept shared-memory links (shm_handshake.hpp)
+  std::size_t shared_memory_bytes = 0;  // size of the shared ring this rank offers
   std::chrono::milliseconds timeout{0};
 
   int left() const { return (rank + size - 1) % size; }

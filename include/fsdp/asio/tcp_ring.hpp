@@ -5,6 +5,8 @@
 // same thread or its own) writes frame i to the right as soon as what it forwards has
 // arrived.
 //
+// On a shared-memory link from the left (shm_link.hpp) a payload is copied out of the
+// shared ring when its header arrives; a CREDIT goes back when the sender waits for room.
 // Both links are read all the time, also between collectives: the left one for the next
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
 // (and passed on around the ring) even while this rank is idle.
@@ -30,6 +32,7 @@
 #include <boost/asio/write.hpp>
 
 #include "fsdp/asio/ring.hpp"
+#include "fsdp/asio/shm_handshake.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring_sender.hpp"
@@ -59,9 +62,9 @@ class TcpRing {
 
  public:
   // `io` is run by the calling thread from now on (the communicator's I/O thread).
-  TcpRing(boost::asio::io_context& io, RingSockets links, const RingIdentity& id)
-      : io_(io), left_(std::move(links.left)), rank_(id.rank), size_(id.size), left_rank_(id.left()),
-        right_rank_(id.right()), timeout_(id.timeout), sender_(std::move(links.right), id, counters_, io, id.sender_thread) {
+  TcpRing(boost::asio::io_context& io, RingSockets links, ShmLinks shm, const RingIdentity& id)
+      : io_(io), left_(std::move(links.left)), left_shm_(std::move(shm.from_left)), rank_(id.rank), size_(id.size), left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout),
+        sender_(std::move(links.right), std::move(shm.to_right), id, counters_, io, id.sender_thread) {
     read_left_header();
   }
 
@@ -135,6 +138,10 @@ class TcpRing {
     return cause;
   }
 
+  // Which links carry their payloads through shared memory.
+  bool shm_from_left() const { return left_shm_.has_value(); }
+  bool shm_to_right() const { return sender_.shared(); }
+
   // Sends ABORT with `cause` to both neighbours (at most 1 s), then closes both links.
   void abort_and_close(const std::string& cause) {
     if (closed_) return;
@@ -143,13 +150,23 @@ class TcpRing {
     abort_frame_.assign(FrameHeader::kSize + reason.size(), '\0');
     FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_frame_.data()));
     std::copy(reason.begin(), reason.end(), abort_frame_.begin() + FrameHeader::kSize);
-    bool sent = false;
-    boost::asio::async_write(left_, boost::asio::buffer(abort_frame_), [&sent](error_code, std::size_t) { sent = true; });
+    bool sent = false, started = false;
+    credits_over_ = true;
+    auto write_abort = [&] {  // one write at a time on the socket: not while a CREDIT is
+      if (started || crediting_) return;
+      started = true;
+      boost::asio::async_write(left_, boost::asio::buffer(abort_frame_), [&sent](error_code, std::size_t) { sent = true; });
+    };
+    write_abort();
     // The sending half ends by its own 1 s deadline; this one is a backstop.
     const auto deadline = Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(1));
     const auto backstop = Clock::now() + std::chrono::seconds(10);
     while (!sender_.events().shut && io_.run_one_until(backstop)) {
     }
+    while (crediting_ && io_.run_one_until(deadline)) {
+    }
+    write_abort();
+    if (!started) sent = true;  // best effort: no ABORT rather than one mixed into a CREDIT
     while (!sent && io_.run_one_until(deadline)) {
     }
     close_left();  // cancels the ABORT write if it is still pending: `sent` is set before returning
@@ -233,6 +250,18 @@ class TcpRing {
       complete_recv();
       return true;
     }
+    if (left_shm_) {
+      bool credit = false;
+      ++counters_.progress;
+      if (!left_shm_->consume(f.dest, f.bytes, credit)) {
+        local_failure_ = where() + "rank " + std::to_string(left_rank_) + " sent the header of frame " +
+                         std::to_string(recvs_done_) + " of " + call_->describe() + " without its shared-memory payload";
+        return false;
+      }
+      if (credit) send_credit();
+      complete_recv();
+      return true;
+    }
     left_state_ = Left::reading_payload;
     auto done = [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
@@ -266,6 +295,9 @@ class TcpRing {
         left_state_ = Left::closed;
       } else if (h->type == FrameType::abort) {
         read_abort(h->bytes);
+      } else if (h->type == FrameType::credit) {
+        protocol_ = where() + who(left_rank_) + " sent a credit frame forwards (out of step?)";
+        left_state_ = Left::closed;
       } else {
         left_header_ = *h;
         left_state_ = Left::header_ready;
@@ -278,6 +310,24 @@ class TcpRing {
       if (ec == boost::asio::error::operation_aborted) return;
       ++counters_.progress;
       if (!peer_abort_) peer_abort_ = ec ? std::string("a neighbour aborted (its reason was cut off)") : left_abort_;
+    });
+  }
+
+  // Tells the left neighbour's sending half that a shared slot is free; coalesced while a
+  // CREDIT is still being written.
+  void send_credit() {
+    if (closed_ || credits_over_) return;
+    if (crediting_) {
+      credit_again_ = true;
+      return;
+    }
+    crediting_ = true;
+    FrameHeader::credit().encode(credit_bytes_.data());
+    boost::asio::async_write(left_, boost::asio::buffer(credit_bytes_), [this](error_code ec, std::size_t) {
+      crediting_ = false;
+      if (ec || !credit_again_) return;  // a write error: the reader of this link reports the loss
+      credit_again_ = false;
+      send_credit();
     });
   }
 
@@ -327,6 +377,7 @@ class TcpRing {
 
   boost::asio::io_context& io_;
   tcp::socket left_;
+  std::optional<ShmLink> left_shm_;  // the payloads' way from the left, if shared memory
   const int rank_, size_, left_rank_, right_rank_;
   const std::chrono::milliseconds timeout_;
   RingCounters counters_;
@@ -340,7 +391,8 @@ class TcpRing {
 
   Left left_state_ = Left::closed;
   FrameHeader left_header_;
-  HeaderBytes left_bytes_{};
+  HeaderBytes left_bytes_{}, credit_bytes_{};
+  bool crediting_ = false, credit_again_ = false, credits_over_ = false;  // credits_over_: aborting
   error_code left_error_;
   std::optional<std::string> local_failure_, peer_abort_, protocol_;
   std::string left_abort_, abort_frame_;

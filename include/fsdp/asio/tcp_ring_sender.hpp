@@ -15,6 +15,10 @@
 // after the other said it waits (it raises its flag, then reads the counter again; with
 // sequentially consistent atomics one of the two always sees the other), so a stream of
 // frames costs no cross-thread wake-ups.
+//
+// With a shared-memory link to the right (shm_link.hpp) a frame's payload is copied into
+// the shared ring and only its header is written to the socket; when the ring is full the
+// next frame waits for a CREDIT frame coming back on the socket.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -34,6 +38,7 @@
 #include <boost/asio/write.hpp>
 
 #include "fsdp/asio/ring.hpp"
+#include "fsdp/asio/shm_link.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
 
@@ -71,9 +76,9 @@ class RingSender {
 
  public:
   // `right` belongs to `receiver_io`, which the receiving half's thread runs.
-  RingSender(tcp::socket right, const RingIdentity& id, RingCounters& counters, boost::asio::io_context& receiver_io,
-             bool own_thread)
-      : rank_(id.rank), right_rank_(id.right()), timeout_(id.timeout), counters_(counters), receiver_io_(receiver_io),
+  RingSender(tcp::socket right, std::optional<ShmLink> shm, const RingIdentity& id, RingCounters& counters,
+             boost::asio::io_context& receiver_io, bool own_thread)
+      : shm_(std::move(shm)), rank_(id.rank), right_rank_(id.right()), timeout_(id.timeout), counters_(counters), receiver_io_(receiver_io),
         own_io_(own_thread ? std::make_unique<boost::asio::io_context>(1) : nullptr),
         io_(own_io_ ? *own_io_ : receiver_io), right_(io_), deadline_(io_) {
     if (own_io_) {
@@ -125,6 +130,7 @@ class RingSender {
     on_my_thread([this] { shut_down(); });
   }
 
+  bool shared() const { return shm_.has_value(); }  // payloads go through shared memory
   bool has_events() const { return has_events_.load(); }
   RightLinkEvents events() const {
     std::lock_guard lk(events_mu_);
@@ -151,6 +157,7 @@ class RingSender {
         counters_.sender_waits.store(false);
         continue;
       }
+      if (shm_ && plan_->sends[next_].bytes && !shm_->has_room_or_ask()) return;  // a CREDIT wakes us
       write(next_++);
     }
   }
@@ -159,8 +166,10 @@ class RingSender {
     const SendFrame& f = plan_->sends[i];
     FrameHeader::data_for(*call_, static_cast<std::uint32_t>(i), f.bytes).encode(header_.data());
     writing_ = true;
+    const bool shared = shm_ && f.bytes;
+    if (shared) shm_->produce(f.data, f.bytes);
     const std::array<boost::asio::const_buffer, 2> frame{boost::asio::const_buffer(header_.data(), header_.size()),
-                                                         boost::asio::const_buffer(f.data, f.bytes)};
+                                                         boost::asio::const_buffer(f.data, shared ? 0 : f.bytes)};
     boost::asio::async_write(right_, frame, TransferWhole{}, [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
       writing_ = false;
@@ -182,7 +191,8 @@ class RingSender {
     });
   }
 
-  // Reads the right link all the time: only an ABORT may come back on it.
+  // Reads the right link all the time: only an ABORT (or, on a shared-memory link, a
+  // CREDIT) may come back on it.
   void watch() {
     boost::asio::async_read(right_, boost::asio::buffer(header_in_), [this](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted || shut_) return;
@@ -193,6 +203,10 @@ class RingSender {
       });
       std::string problem;
       const auto h = FrameHeader::decode(header_in_.data(), problem);
+      if (h && h->type == FrameType::credit && shm_) {
+        pump();
+        return watch();
+      }
       if (h && h->type == FrameType::abort) {
         abort_in_.resize(h->bytes);
         boost::asio::async_read(right_, boost::asio::buffer(abort_in_), [this](error_code ec, std::size_t) {
@@ -203,7 +217,7 @@ class RingSender {
       }
       const std::string who = "rank " + std::to_string(rank_) + ": rank " + std::to_string(right_rank_);
       record([&](RightLinkEvents& e) {
-        e.protocol = h ? who + " sent a data frame backwards (not an fsdp TcpComm ring peer?)"
+        e.protocol = h ? who + " sent a data or credit frame backwards (not an fsdp TcpComm ring peer?)"
                        : who + " sent a malformed frame: " + problem + " (out of step?)";
       });
     });
@@ -252,6 +266,7 @@ class RingSender {
     boost::asio::post(receiver_io_, [] {});  // events are rare: always wake the receiving half
   }
 
+  std::optional<ShmLink> shm_;  // the payloads' way to the right, if shared memory
   const int rank_, right_rank_;
   const std::chrono::milliseconds timeout_;
   RingCounters& counters_;

@@ -1,0 +1,218 @@
+// fsdp/asio/shm_link.hpp, shm_handshake.hpp: TcpComm's shared-memory links, with ranks as
+// threads of this process (one host, one /dev/shm). Which links choose shared memory (by
+// default, with the option or FSDP_TCP_SHM=0 off, mixed rings); results bit for bit equal
+// to the socket path and the reference, also when the shared ring fills up and the sender
+// waits for CREDITs; a stalled rank still times out; ShmLink's own checks (the nonce
+// proof, unlinking, the full and the empty ring). Processes: tcp_shm_process_test.cpp.
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/asio/shm_link.hpp"
+#include "tcp_cases.hpp"
+#include "tcp_world.hpp"
+
+namespace {
+
+using fsdp::DType;
+using fsdp::ReduceOp;
+using fsdp::TcpComm;
+using test_support::Case;
+using test_support::K;
+using test_support::TcpWorld;
+using namespace std::chrono_literals;
+
+fsdp::TcpCommOptions socket_only(fsdp::TcpCommOptions o) {
+  o.shared_memory = false;
+  return o;
+}
+
+// Which links of each rank use shared memory, as "LR" flags per rank ("11" both).
+std::vector<std::string> link_flags(TcpWorld& world) {
+  std::vector<std::string> flags;
+  for (int r = 0; r < world.size(); ++r) {
+    const auto l = world.comm(r).links();
+    flags.push_back(std::string(l.from_left ? "1" : "0") + (l.to_right ? "1" : "0"));
+  }
+  return flags;
+}
+
+// Every kind, odd and zero counts, in place or not, sums whose result depends on the order.
+std::vector<Case> mixed_cases(int n) {
+  std::vector<Case> cases;
+  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
+    for (bool in_place : {false, true}) {
+      cases.push_back({K::all_gather, n, count, DType::f32, ReduceOp::sum, 0, in_place});
+      cases.push_back({K::reduce_scatter, n, count, DType::bf16, ReduceOp::sum, 0, in_place});
+      cases.push_back({K::all_reduce, n, count, DType::f16, ReduceOp::avg, 0, in_place});
+      cases.push_back({K::broadcast, n, count, DType::f64, ReduceOp::sum, n - 1, in_place});
+    }
+  cases.push_back({K::barrier, n, 0});
+  return cases;
+}
+
+bool in_dev_shm(const std::string& name) { return std::filesystem::exists("/dev/shm/" + name); }
+
+}  // namespace
+
+TEST_CASE("same-host ranks use shared memory on every link; results equal the socket path and the reference, bit for bit") {
+  for (int n : {2, 3, 4})
+    for (int io : test_support::kIoThreads) {
+      CAPTURE(n);
+      CAPTURE(io);
+      const auto options = test_support::ok_options(64, io);  // many frames per step
+      const auto cases = mixed_cases(n);
+      TcpWorld shm(n, options);
+      CHECK(link_flags(shm) == std::vector<std::string>(n, "11"));
+      const auto via_shm = test_support::run_cases(shm, cases, 3);
+      TcpWorld sockets(n, socket_only(options));
+      CHECK(link_flags(sockets) == std::vector<std::string>(n, "00"));
+      const auto via_sockets = test_support::run_cases(sockets, cases, 3);
+      for (std::size_t i = 0; i < cases.size(); ++i) {
+        CAPTURE(cases[i].str());
+        CHECK(via_shm[i] == via_sockets[i]);
+      }
+      test_support::check_against_reference(shm, cases, 3);
+    }
+}
+
+TEST_CASE("a shared ring of two slots: the sender waits for CREDITs, results still exact") {
+  for (int io : test_support::kIoThreads) {
+    CAPTURE(io);
+    auto options = test_support::ok_options(4096, io);
+    options.shared_memory_bytes = 2 * 4096;  // two slots
+    TcpWorld world(3, options);
+    CHECK(link_flags(world) == std::vector<std::string>(3, "11"));
+    const std::size_t count = 100003;  // ~100 frames per step and link
+    // Every rank but 1 starts late, so rank 1 (the broadcast root, and the first to send
+    // in the rings) fills its shared ring and must wait for CREDITs.
+    test_support::check_against_reference(world,
+                                          {{K::broadcast, 3, count, DType::f32, ReduceOp::sum, 1},
+                                           {K::all_gather, 3, count},
+                                           {K::reduce_scatter, 3, count, DType::f32, ReduceOp::sum, 0, true},
+                                           {K::all_reduce, 3, count, DType::bf16, ReduceOp::sum}},
+                                          1, [](int r) {
+                                            if (r != 1) std::this_thread::sleep_for(20ms);
+                                          });
+  }
+}
+
+TEST_CASE("a rank with shared memory off: its two links use TCP, the rest of the ring shared memory") {
+  constexpr int n = 4, plain = 2;
+  auto store = std::make_shared<fsdp::HashStore>();
+  std::vector<std::optional<TcpComm>> comms(n);
+  const auto errors = test_support::on_threads(n, [&](int r) {
+    auto o = test_support::ok_options(256);
+    o.shared_memory = r != plain;
+    comms[r].emplace(store, r, n, o);
+  });
+  for (const auto& e : errors) REQUIRE(e.empty());
+  const std::vector<std::pair<bool, bool>> expected{{true, true}, {true, false}, {false, false}, {false, true}};
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(comms[r]->links().from_left == expected[r].first);
+    CHECK(comms[r]->links().to_right == expected[r].second);
+  }
+  // The same cases on a world of sockets only: equal outputs on every rank.
+  const auto cases = mixed_cases(n);
+  std::vector<std::vector<test_support::Bytes>> mixed(cases.size(), std::vector<test_support::Bytes>(n));
+  const auto run_errors = test_support::on_threads(n, [&](int r) {
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      test_support::RankBuffers b(cases[i], test_support::random_input(cases[i], r, 11 + i), r);
+      test_support::issue(*comms[r], b.call(cases[i])).wait();
+      mixed[i][r] = b.result(cases[i]);
+    }
+  });
+  for (const auto& e : run_errors) REQUIRE(e.empty());
+  TcpWorld sockets(n, socket_only(test_support::ok_options(256)));
+  const auto via_sockets = test_support::run_cases(sockets, cases, 11);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    CAPTURE(cases[i].str());
+    CHECK(mixed[i] == via_sockets[i]);
+  }
+}
+
+TEST_CASE("FSDP_TCP_SHM=0 keeps every link on TCP; other values leave it on") {
+  setenv("FSDP_TCP_SHM", "0", 1);
+  std::vector<std::string> off;
+  {
+    TcpWorld world(2);
+    off = link_flags(world);
+    test_support::check_against_reference(world, {{K::all_reduce, 2, 999, DType::f32, ReduceOp::sum}});
+  }
+  setenv("FSDP_TCP_SHM", "1", 1);
+  std::vector<std::string> on;
+  {
+    TcpWorld world(2);
+    on = link_flags(world);
+  }
+  unsetenv("FSDP_TCP_SHM");
+  CHECK(off == std::vector<std::string>(2, "00"));
+  CHECK(on == std::vector<std::string>(2, "11"));
+}
+
+TEST_CASE("a stalled rank over shared memory: the others time out naming it") {
+  auto options = test_support::ok_options(1024);
+  options.timeout = 1s;
+  TcpWorld world(3, options);
+  REQUIRE(link_flags(world) == std::vector<std::string>(3, "11"));
+  const auto errors = world.each([&](TcpComm& comm, int r) {
+    std::vector<float> x(5000, 1.0f), y(5000);
+    comm.all_reduce(x.data(), y.data(), x.size(), DType::f32, ReduceOp::sum).wait();
+    if (r == 1) {
+      std::this_thread::sleep_for(3s);  // stuck "computing" past the others' timeout
+      return;
+    }
+    comm.all_reduce(x.data(), y.data(), x.size(), DType::f32, ReduceOp::sum).wait();
+  });
+  for (int r : {0, 2}) {
+    CAPTURE(errors[r]);
+    CHECK(test_support::contains(errors[r], "timed out"));
+    CHECK(test_support::contains(errors[r], "rank 1"));
+    CHECK(test_support::contains(errors[r], "all_reduce"));
+  }
+}
+
+TEST_CASE("ShmLink: the nonce proves the segment, names never stay in /dev/shm, the ring holds `slots` frames") {
+  const std::string name = "fsdp.test." + std::to_string(getpid());
+  std::string why;
+  auto producer = fsdp::detail::ShmLink::create(name, 42, 2, 16, why);
+  REQUIRE_MESSAGE(producer, why);
+  CHECK(in_dev_shm(name));
+
+  SUBCASE("a wrong nonce is refused, and the name is gone") {
+    CHECK_FALSE(fsdp::detail::ShmLink::open(name, 43, 2, 16, why));
+    CHECK(test_support::contains(why, "not the one"));
+    CHECK_FALSE(in_dev_shm(name));
+    CHECK_FALSE(fsdp::detail::ShmLink::open(name, 42, 2, 16, why));  // nothing to open any more
+  }
+  SUBCASE("the right nonce: frames in order, a full ring asks for a credit") {
+    auto consumer = fsdp::detail::ShmLink::open(name, 42, 2, 16, why);
+    REQUIRE_MESSAGE(consumer, why);
+    CHECK_FALSE(in_dev_shm(name));
+    char out[16] = {};
+    bool credit = true;
+    CHECK_FALSE(consumer->consume(out, 4, credit));  // nothing produced yet: out of step
+    CHECK(producer->has_room_or_ask());
+    producer->produce("abcd", 4);
+    CHECK(producer->has_room_or_ask());
+    producer->produce("efgh", 4);
+    CHECK_FALSE(producer->has_room_or_ask());  // two slots in use: the producer now waits
+    CHECK(consumer->consume(out, 4, credit));
+    CHECK(std::string(out, 4) == "abcd");
+    CHECK(credit);  // it waited: a CREDIT is due
+    CHECK(consumer->consume(out, 4, credit));
+    CHECK(std::string(out, 4) == "efgh");
+    CHECK_FALSE(credit);  // only once
+    CHECK(producer->has_room_or_ask());
+    producer->produce("ijkl", 4);
+    CHECK_FALSE(consumer->consume(out, 32, credit));  // larger than a slot: refused
+    CHECK(consumer->consume(out, 4, credit));
+  }
+  fsdp::detail::ShmLink::unlink(name);
+  CHECK_FALSE(in_dev_shm(name));
+}
