@@ -1,6 +1,8 @@
 #pragma once
-// CudaDevice: the fsdp::Device of one CUDA GPU. Every operation is queued on the device's
-// own non-blocking "compute stream", so they run in the order they were issued:
+// CudaDevice: the fsdp::Device of one CUDA GPU. Every operation is queued on one "compute
+// stream", so they run in the order they were issued: the engine's own (CudaDevice(index,
+// stream): the library's work lands in the engine's stream order, and collectives are
+// waited for there, see docs/cuda.md) or, by default, a non-blocking stream of its own.
 //   - MemorySpace::device: stream-ordered cudaMallocAsync / cudaFreeAsync;
 //   - MemorySpace::host: pinned memory (cudaMallocHost), freed after the stream drains,
 //     since a queued copy may still read it;
@@ -59,6 +61,26 @@ class CudaDevice {
     check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, index_),
           "cudaDeviceGetAttribute(MultiProcessorCount)");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    owns_stream_ = true;
+  }
+
+  // On the engine's compute stream, which the engine owns and keeps alive longer than this
+  // device (the legacy default stream, a null handle, is refused: it would serialize with
+  // every other stream, the library's communication streams included).
+  CudaDevice(int device_index, cudaStream_t compute_stream) : index_(device_index), stream_(compute_stream) {
+    const int count = cuda_device_count();
+    if (device_index < 0 || device_index >= count)
+      detail::fail("CudaDevice(cuda:", device_index, "): no such CUDA device (", count, " visible)");
+    if (!compute_stream)
+      detail::fail("CudaDevice(cuda:", device_index, "): the compute stream is null (the legacy default stream); ",
+                   "pass a stream of the engine's (e.g. from cudaStreamCreateWithFlags(.., cudaStreamNonBlocking))");
+    Guard g(*this);
+    check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, index_),
+          "cudaDeviceGetAttribute(MultiProcessorCount)");
+    int stream_device = -1;
+    check(cudaStreamGetDevice(compute_stream, &stream_device), "cudaStreamGetDevice(compute stream)");
+    if (stream_device != index_)
+      detail::fail("CudaDevice(cuda:", index_, "): the compute stream belongs to cuda:", stream_device);
   }
 
   CudaDevice(const CudaDevice&) = delete;
@@ -69,8 +91,8 @@ class CudaDevice {
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     cudaSetDevice(index_);
     if (stream_) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
+      cudaStreamSynchronize(stream_);  // queued frees and kernels of this device are done
+      if (owns_stream_) cudaStreamDestroy(stream_);
     }
     if (flag_) cudaFree(flag_);
     if (library_) cudaLibraryUnload(library_);
@@ -81,6 +103,8 @@ class CudaDevice {
   DeviceId id() const { return {DeviceKind::cuda, index_}; }
   int index() const { return index_; }
   cudaStream_t stream() const { return stream_; }  // the compute stream all work is queued on
+  // The compute stream as a QueuedDevice's queue: collectives' Work wait on it there.
+  DeviceQueue queue() const { return {id(), stream_}; }
 
   void* allocate(std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (bytes == 0) return nullptr;
@@ -259,6 +283,7 @@ class CudaDevice {
   int index_;
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
   unsigned* flag_ = nullptr;  // unscale's inf/NaN flag: 4 device bytes of its own, not counted
   detail::MemoryCounter counter_;
   std::once_flag loaded_;
@@ -268,5 +293,6 @@ class CudaDevice {
 };
 
 static_assert(UnscalingDevice<CudaDevice>);
+static_assert(QueuedDevice<CudaDevice>);
 
 }  // namespace fsdp
