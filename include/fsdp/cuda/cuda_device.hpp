@@ -9,7 +9,8 @@
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
 //   - fill_zero: cudaMemsetAsync;
 //   - scale / accumulate / cast / unscale: kernels compiled at run time with NVRTC for this GPU's
-//     architecture (once per CudaDevice, on first use), loaded with the runtime's library
+//     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
+//     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
 //     Only the CUDA runtime (libcudart) and NVRTC (libnvrtc) are used, never the driver
 //     API, so a program using this header links and starts on a machine without a GPU
@@ -211,6 +212,7 @@ class CudaDevice {
   // Which code the kernels were loaded from ("sm_90" CUBIN or "compute_XY" PTX); empty
   // before the first scale/accumulate/cast.
   const std::string& kernel_arch() const { return arch_; }
+  bool kernels_from_cache() const { return from_cache_; }  // loaded from the on-disk cache, not compiled
 
  private:
   struct Kernels {
@@ -248,7 +250,8 @@ class CudaDevice {
             "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
       check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index_),
             "cudaDeviceGetAttribute(ComputeCapabilityMinor)");
-      const detail::CudaKernelImage image = detail::compile_cuda_kernels(major, minor, index_);
+      const detail::CudaKernelImage image =
+          detail::load_cuda_kernels(major, minor, index_, detail::KernelCache::from_environment());
       cudaLibrary_t lib = nullptr;
       check(cudaLibraryLoadData(&lib, image.code.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
             "cudaLibraryLoadData(", image.arch, ")");
@@ -266,6 +269,7 @@ class CudaDevice {
       library_ = lib;
       kernels_ = k;
       arch_ = image.arch;
+      from_cache_ = image.from_cache;
     });
     return kernels_;
   }
@@ -290,6 +294,7 @@ class CudaDevice {
   cudaLibrary_t library_ = nullptr;
   Kernels kernels_;
   std::string arch_;
+  bool from_cache_ = false;
 };
 
 static_assert(UnscalingDevice<CudaDevice>);
