@@ -89,6 +89,9 @@ struct QueuedStep {
       for (std::size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>((k + 1) * (i + 1)) - 0.3f * static_cast<float>(step);
       grads.push_back(dev.allocate(bytes, fsdp::MemorySpace::device));
       dev.copy(grads.back(), g.data(), bytes);
+      // Exact, and loads CudaDevice's kernels now: a module load may synchronize, so it
+      // must not first happen while the stream is held.
+      dev.scale(grads.back(), g.size(), fsdp::DType::f32, 1.0);
     }
     dev.synchronize();
   }
