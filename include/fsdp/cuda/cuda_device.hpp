@@ -144,22 +144,26 @@ class CudaDevice {
     check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
   }
 
-  void scale(void* p, std::size_t n, DType t, double factor) {
+  void scale(void* p, std::size_t n, DType t, double factor) { scale_on(stream_, p, n, t, factor); }
+  void accumulate(void* dst, const void* src, std::size_t n, DType t) { accumulate_on(stream_, dst, src, n, t); }
+
+  // scale and accumulate queued on another stream of this GPU (CudaThreadComm reduces on
+  // its communication streams with them).
+  void scale_on(cudaStream_t stream, void* p, std::size_t n, DType t, double factor) {
     if (n == 0) return;
     Guard g(*this);
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&p, &count, &dtype, &factor};
-    launch(kernels().scale, "fsdp_scale", n, args);
+    launch(kernels().scale, "fsdp_scale", n, args, stream);
   }
-
-  void accumulate(void* dst, const void* src, std::size_t n, DType t) {
+  void accumulate_on(cudaStream_t stream, void* dst, const void* src, std::size_t n, DType t) {
     if (n == 0) return;
     Guard g(*this);
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&dst, const_cast<void**>(&src), &count, &dtype};
-    launch(kernels().accumulate, "fsdp_accumulate", n, args);
+    launch(kernels().accumulate, "fsdp_accumulate", n, args, stream);
   }
 
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
@@ -274,13 +278,13 @@ class CudaDevice {
     return kernels_;
   }
 
-  void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args) {
+  void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args, cudaStream_t stream = nullptr) {
     constexpr unsigned threads = 256;
     const std::size_t wanted = (n + threads - 1) / threads;
     const std::size_t cap = static_cast<std::size_t>(std::max(sm_count_, 1)) * 32;  // grid-stride beyond
     const dim3 grid(static_cast<unsigned>(std::min(wanted, cap)));
     // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
-    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream_),
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream ? stream : stream_),
           "cudaLaunchKernel(", name, ", ", n, " elements)");
   }
 
