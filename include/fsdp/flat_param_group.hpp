@@ -221,10 +221,9 @@ class FlatParamGroup {
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
   // gather into the compute-dtype buffer (freeing the narrow one), binds the parameters.
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
-    // On a queued device the compute queue waits for the all-gather and the host goes on
-    // (no empty trace spans for a backend that completed inline).
+    // On a queued device the compute queue waits, not the host (no empty spans if inline).
     if (!fp.gather_work.completed_inline()) detail::wait_for_use(fp.gather_work, device_, wait, "wait all_gather");
-    fp.gather_work = Work{};  // a host-side check is owed by the reductions (finish_backward), not here
+    fp.gather_work = Work{};  // no host check here: a failure breaks the communicator (docs/cuda.md)
     if (fp.wire) {
       const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
       fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);

@@ -224,6 +224,13 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
            " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
     const std::string reason = inspect_locked(f);
     if (!reason.empty()) fail_locked(reason, f.call.seq);
+    if (f.complete) {  // a host wait is also the check of collectives waited for on the GPU before it
+      const ncclResult_t state = nccl_async_state(comm_);
+      if (state != ncclSuccess && state != ncclInProgress)
+        fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
+                        nccl_error_text(state, comm_),
+                    f.call.seq);
+    }
     return f.complete;
   }
 
