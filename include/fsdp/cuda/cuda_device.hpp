@@ -78,10 +78,12 @@ class CudaDevice {
     Guard g(*this);
     check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, index_),
           "cudaDeviceGetAttribute(MultiProcessorCount)");
+#if CUDART_VERSION >= 12080  // cudaStreamGetDevice is CUDA 12.8's
     int stream_device = -1;
     check(cudaStreamGetDevice(compute_stream, &stream_device), "cudaStreamGetDevice(compute stream)");
     if (stream_device != index_)
       detail::fail("CudaDevice(cuda:", index_, "): the compute stream belongs to cuda:", stream_device);
+#endif
   }
 
   CudaDevice(const CudaDevice&) = delete;
