@@ -118,8 +118,8 @@ struct TracedWait {
 // Returns true for a wait on the device: the Work still owes the host-side check
 // (Work::wait), which surfaces a failure the device cannot.
 inline bool wait_for_use(Work& w, const DeviceRef& device, const TracedWait& wait, const char* what) {
-  if (w.wait_on(device.queue())) return true;
-  wait(w, what);
+  if (!w.completed_inline() && w.wait_on(device.queue())) return true;
+  wait(w, what);  // also a complete one, as before: the trace shows the same spans
   return false;
 }
 
