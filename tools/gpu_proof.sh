@@ -83,8 +83,9 @@ else
 fi
 
 # ---- build (in parallel) ---------------------------------------------------------------
-TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
-       test/nccl/nccl_comm_test.cpp)
+TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/kernel_cache_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
+       test/cuda/cuda_thread_comm_test.cpp
+       test/nccl/nccl_comm_test.cpp test/nccl/nccl_streams_test.cpp)
 build() {  # build <name> <sources...>
   local name=$1; shift
   if "$CXX" "${CXXFLAGS[@]}" "${INCLUDES[@]}" "$@" -o "$OUT/$name" "${LIBS[@]}" >"$OUT/$name.build.log" 2>&1; then
@@ -99,10 +100,11 @@ for t in "${TESTS[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
 done
 build gpu_bench tools/gpu_proof/gpu_bench.cpp &
+build cuda_kernel_compile bench/cuda_kernel_compile.cpp &
 wait
 
 passed=0; failed=0; skipped=0
-for t in "${TESTS[@]}" gpu_bench; do
+for t in "${TESTS[@]}" gpu_bench cuda_kernel_compile; do
   name=$(basename "$t" .cpp)
   if [ "$(cat "$OUT/$name.build" 2>/dev/null)" != ok ]; then
     echo "BUILD FAILED: $name (log: $OUT/$name.build.log)"; tail -20 "$OUT/$name.build.log" | sed 's/^/    /'
@@ -147,10 +149,15 @@ if [ -x "$OUT/gpu_bench" ] && [ "$(cat "$OUT/gpu_bench.build")" = ok ]; then
   if [ "$brc" -eq 2 ]; then echo "benches not run: no GPU visible"
   elif [ "$brc" -ne 0 ]; then echo "bench FAILED (rc=$brc)"; failed=$((failed + 1)); fi
 fi
+if [ -x "$OUT/cuda_kernel_compile" ] && [ "$(cat "$OUT/cuda_kernel_compile.build")" = ok ]; then
+  echo "-- kernel first-use cost (NVRTC compile vs on-disk cache) --"
+  timeout 300 "$OUT/cuda_kernel_compile" --runs 5 2>&1 | tee "$OUT/cuda_kernel_compile.log"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && { echo "kernel compile bench FAILED"; failed=$((failed + 1)); }
+fi
 
 echo
-# Skipped cases never count as passed. The NCCL test's child-process entry point is always
-# one of them; the others are GPU cases the machine could not run (two-GPU ones on one GPU).
-[ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL test's child-process entry point, two-GPU cases on a one-GPU machine, or no GPU)"
+# Skipped cases never count as passed. The NCCL tests' child-process entry points are always
+# among them; the others are GPU cases the machine could not run (two-GPU ones on one GPU).
+[ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL tests' child-process entry points, two-GPU cases on a one-GPU machine, or no GPU)"
 echo "gpu proof: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

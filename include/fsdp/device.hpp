@@ -8,6 +8,7 @@
 
 #include "fsdp/dtype.hpp"
 #include "fsdp/tensor.hpp"
+#include "fsdp/work.hpp"
 
 namespace fsdp {
 
@@ -61,6 +62,16 @@ template <class D>
 concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DType t, double f) {
   d.unscale(p, n, t, f);
   { d.found_nonfinite() } -> std::convertible_to<bool>;
+};
+
+// A Device whose operations run in order on one device queue (CudaDevice: the engine's
+// compute stream), handed out as d.queue(). A collective's Work that can wait on that
+// queue (Work::wait_on) is waited for there, not on the host, and buffers freed through
+// the device after such a wait are freed behind the collective in queue order. Devices
+// without it (HostDevice) keep host waits.
+template <class D>
+concept QueuedDevice = Device<D> && requires(D& d) {
+  { d.queue() } -> std::convertible_to<DeviceQueue>;
 };
 
 }  // namespace fsdp

@@ -221,8 +221,9 @@ class FlatParamGroup {
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
   // gather into the compute-dtype buffer (freeing the narrow one), binds the parameters.
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
-    if (!fp.gather_work.completed_inline()) wait(fp.gather_work, "wait all_gather");  // no empty spans
-    fp.gather_work = Work{};
+    // On a queued device the compute queue waits, not the host (no empty spans if inline).
+    if (!fp.gather_work.completed_inline()) detail::wait_for_use(fp.gather_work, device_, wait, "wait all_gather");
+    fp.gather_work = Work{};  // no host check here: a failure breaks the communicator (docs/cuda.md)
     if (fp.wire) {
       const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
       fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
@@ -287,7 +288,7 @@ class FlatParamGroup {
   void release_unsharded() {
     for (auto& fp : flat_) {
       if (fp.direct) continue;  // replicated parameters stay valid
-      fp.gather_work = Work{};  // a prefetched all-gather may still be writing into the buffer
+      detail::settle_before_free(fp.gather_work, device_);  // a prefetched all-gather may still be writing into the buffer
       fp.unbound = false;
       detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
@@ -325,6 +326,7 @@ class FlatParamGroup {
       fp.reduce_work = Work{};
       fp.reducing = false;
     }
+    reduction_.drop_checks();
     if (!took_over_) return;
     release_unsharded();
     unbind_gradients();
@@ -355,6 +357,8 @@ class FlatParamGroup {
     return reduction_.start_reductions(flat_, grad_is_zero, plan);
   }
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
+  // The host-side check of the reductions the device waited for (finish_backward).
+  void check_reductions_on_host(const detail::TracedWait& wait) { reduction_.check_on_host(wait); }
   void zero_grad() { reduction_.zero_grad(flat_); }
   void set_gradient_divide_factor(double f) { reduction_.set_divide_factor(f); }
 

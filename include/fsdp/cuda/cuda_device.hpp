@@ -1,13 +1,16 @@
 #pragma once
-// CudaDevice: the fsdp::Device of one CUDA GPU. Every operation is queued on the device's
-// own non-blocking "compute stream", so they run in the order they were issued:
+// CudaDevice: the fsdp::Device of one CUDA GPU. Every operation is queued on one "compute
+// stream", so they run in the order they were issued: the engine's own (CudaDevice(index,
+// stream): the library's work lands in the engine's stream order, and collectives are
+// waited for there, see docs/cuda.md) or, by default, a non-blocking stream of its own.
 //   - MemorySpace::device: stream-ordered cudaMallocAsync / cudaFreeAsync;
 //   - MemorySpace::host: pinned memory (cudaMallocHost), freed after the stream drains,
 //     since a queued copy may still read it;
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
 //   - fill_zero: cudaMemsetAsync;
 //   - scale / accumulate / cast / unscale: kernels compiled at run time with NVRTC for this GPU's
-//     architecture (once per CudaDevice, on first use), loaded with the runtime's library
+//     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
+//     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
 //     Only the CUDA runtime (libcudart) and NVRTC (libnvrtc) are used, never the driver
 //     API, so a program using this header links and starts on a machine without a GPU
@@ -59,6 +62,28 @@ class CudaDevice {
     check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, index_),
           "cudaDeviceGetAttribute(MultiProcessorCount)");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    owns_stream_ = true;
+  }
+
+  // On the engine's compute stream, which the engine owns and keeps alive longer than this
+  // device (the legacy default stream, a null handle, is refused: it would serialize with
+  // every other stream, the library's communication streams included).
+  CudaDevice(int device_index, cudaStream_t compute_stream) : index_(device_index), stream_(compute_stream) {
+    const int count = cuda_device_count();
+    if (device_index < 0 || device_index >= count)
+      detail::fail("CudaDevice(cuda:", device_index, "): no such CUDA device (", count, " visible)");
+    if (!compute_stream)
+      detail::fail("CudaDevice(cuda:", device_index, "): the compute stream is null (the legacy default stream); ",
+                   "pass a stream of the engine's (e.g. from cudaStreamCreateWithFlags(.., cudaStreamNonBlocking))");
+    Guard g(*this);
+    check(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, index_),
+          "cudaDeviceGetAttribute(MultiProcessorCount)");
+#if CUDART_VERSION >= 12080  // cudaStreamGetDevice is CUDA 12.8's
+    int stream_device = -1;
+    check(cudaStreamGetDevice(compute_stream, &stream_device), "cudaStreamGetDevice(compute stream)");
+    if (stream_device != index_)
+      detail::fail("CudaDevice(cuda:", index_, "): the compute stream belongs to cuda:", stream_device);
+#endif
   }
 
   CudaDevice(const CudaDevice&) = delete;
@@ -69,8 +94,8 @@ class CudaDevice {
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     cudaSetDevice(index_);
     if (stream_) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
+      cudaStreamSynchronize(stream_);  // queued frees and kernels of this device are done
+      if (owns_stream_) cudaStreamDestroy(stream_);
     }
     if (flag_) cudaFree(flag_);
     if (library_) cudaLibraryUnload(library_);
@@ -81,6 +106,8 @@ class CudaDevice {
   DeviceId id() const { return {DeviceKind::cuda, index_}; }
   int index() const { return index_; }
   cudaStream_t stream() const { return stream_; }  // the compute stream all work is queued on
+  // The compute stream as a QueuedDevice's queue: collectives' Work wait on it there.
+  DeviceQueue queue() const { return {id(), stream_}; }
 
   void* allocate(std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (bytes == 0) return nullptr;
@@ -119,22 +146,26 @@ class CudaDevice {
     check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
   }
 
-  void scale(void* p, std::size_t n, DType t, double factor) {
+  void scale(void* p, std::size_t n, DType t, double factor) { scale_on(stream_, p, n, t, factor); }
+  void accumulate(void* dst, const void* src, std::size_t n, DType t) { accumulate_on(stream_, dst, src, n, t); }
+
+  // scale and accumulate queued on another stream of this GPU (CudaThreadComm reduces on
+  // its communication streams with them).
+  void scale_on(cudaStream_t stream, void* p, std::size_t n, DType t, double factor) {
     if (n == 0) return;
     Guard g(*this);
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&p, &count, &dtype, &factor};
-    launch(kernels().scale, "fsdp_scale", n, args);
+    launch(kernels().scale, "fsdp_scale", n, args, stream);
   }
-
-  void accumulate(void* dst, const void* src, std::size_t n, DType t) {
+  void accumulate_on(cudaStream_t stream, void* dst, const void* src, std::size_t n, DType t) {
     if (n == 0) return;
     Guard g(*this);
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&dst, const_cast<void**>(&src), &count, &dtype};
-    launch(kernels().accumulate, "fsdp_accumulate", n, args);
+    launch(kernels().accumulate, "fsdp_accumulate", n, args, stream);
   }
 
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
@@ -187,6 +218,7 @@ class CudaDevice {
   // Which code the kernels were loaded from ("sm_90" CUBIN or "compute_XY" PTX); empty
   // before the first scale/accumulate/cast.
   const std::string& kernel_arch() const { return arch_; }
+  bool kernels_from_cache() const { return from_cache_; }  // loaded from the on-disk cache, not compiled
 
  private:
   struct Kernels {
@@ -224,7 +256,8 @@ class CudaDevice {
             "cudaDeviceGetAttribute(ComputeCapabilityMajor)");
       check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index_),
             "cudaDeviceGetAttribute(ComputeCapabilityMinor)");
-      const detail::CudaKernelImage image = detail::compile_cuda_kernels(major, minor, index_);
+      const detail::CudaKernelImage image =
+          detail::load_cuda_kernels(major, minor, index_, detail::KernelCache::from_environment());
       cudaLibrary_t lib = nullptr;
       check(cudaLibraryLoadData(&lib, image.code.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
             "cudaLibraryLoadData(", image.arch, ")");
@@ -242,31 +275,35 @@ class CudaDevice {
       library_ = lib;
       kernels_ = k;
       arch_ = image.arch;
+      from_cache_ = image.from_cache;
     });
     return kernels_;
   }
 
-  void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args) {
+  void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args, cudaStream_t stream = nullptr) {
     constexpr unsigned threads = 256;
     const std::size_t wanted = (n + threads - 1) / threads;
     const std::size_t cap = static_cast<std::size_t>(std::max(sm_count_, 1)) * 32;  // grid-stride beyond
     const dim3 grid(static_cast<unsigned>(std::min(wanted, cap)));
     // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
-    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream_),
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream ? stream : stream_),
           "cudaLaunchKernel(", name, ", ", n, " elements)");
   }
 
   int index_;
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
   unsigned* flag_ = nullptr;  // unscale's inf/NaN flag: 4 device bytes of its own, not counted
   detail::MemoryCounter counter_;
   std::once_flag loaded_;
   cudaLibrary_t library_ = nullptr;
   Kernels kernels_;
   std::string arch_;
+  bool from_cache_ = false;
 };
 
 static_assert(UnscalingDevice<CudaDevice>);
+static_assert(QueuedDevice<CudaDevice>);
 
 }  // namespace fsdp

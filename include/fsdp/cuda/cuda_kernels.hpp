@@ -1,7 +1,8 @@
 #pragma once
 // The element-wise kernels of fsdp::CudaDevice (scale, accumulate, cast, unscale) as NVRTC
-// source, and their compilation for one GPU architecture. Compiling needs NVRTC only, no
-// GPU, so CI checks that the source builds everywhere the toolkit is installed.
+// source, and their compilation for one GPU architecture, through the on-disk cache of
+// fsdp/cuda/kernel_cache.hpp. Compiling needs NVRTC only, no GPU, so CI checks that the
+// source builds (and the cache works) everywhere the toolkit is installed.
 #include <nvrtc.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fsdp/cuda/kernel_cache.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 
@@ -249,6 +251,7 @@ extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int fro
 struct CudaKernelImage {
   std::vector<char> code;  // CUBIN, or PTX with its terminating NUL
   std::string arch;        // "sm_90" or "compute_90"
+  bool from_cache = false;  // load_cuda_kernels found it in the on-disk cache
 };
 
 inline void nvrtc_check(nvrtcResult r, const char* call, int device_index) {
@@ -256,7 +259,9 @@ inline void nvrtc_check(nvrtcResult r, const char* call, int device_index) {
     fail("CudaDevice(cuda:", device_index, "): ", call, " failed: ", nvrtcGetErrorString(r));
 }
 
-inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_index = 0) {
+// The architecture to compile for: "sm_XY" when NVRTC knows compute capability X.Y, else
+// the newest "compute_XY" it supports below it.
+inline std::string cuda_kernel_arch(int major, int minor, int device_index = 0) {
   const int want = major * 10 + minor;
   int num_archs = 0;
   nvrtc_check(nvrtcGetNumSupportedArchs(&num_archs), "nvrtcGetNumSupportedArchs", device_index);
@@ -272,11 +277,26 @@ inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_ind
       fail("CudaDevice(cuda:", device_index, "): NVRTC supports no architecture up to compute capability ",
            major, ".", minor);
   }
+  return (exact ? "sm_" : "compute_") + std::to_string(use);
+}
+
+// Every option but the architecture (part of the cache key).
+inline constexpr const char* cuda_kernel_options[] = {"--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true",
+                                                      "--prec-sqrt=true"};
+
+inline std::string nvrtc_version_text() {
+  int major = 0, minor = 0;
+  if (nvrtcVersion(&major, &minor) != NVRTC_SUCCESS) return "nvrtc ?";
+  return "nvrtc " + std::to_string(major) + "." + std::to_string(minor);
+}
+
+inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_index = 0) {
   CudaKernelImage image;
-  image.arch = (exact ? "sm_" : "compute_") + std::to_string(use);
+  image.arch = cuda_kernel_arch(major, minor, device_index);
+  const bool exact = image.arch.rfind("sm_", 0) == 0;
   const std::string arch_opt = "--gpu-architecture=" + image.arch;
-  const char* opts[] = {arch_opt.c_str(), "--std=c++17", "--fmad=false", "--ftz=false",
-                        "--prec-div=true", "--prec-sqrt=true"};
+  std::vector<const char*> opts{arch_opt.c_str()};
+  for (const char* o : cuda_kernel_options) opts.push_back(o);
 
   nvrtcProgram prog = nullptr;
   const std::string src(cuda_kernels_source);
@@ -287,7 +307,7 @@ inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_ind
     ~Destroy() { nvrtcDestroyProgram(p); }
   } destroy{&prog};
 
-  const nvrtcResult compiled = nvrtcCompileProgram(prog, static_cast<int>(std::size(opts)), opts);
+  const nvrtcResult compiled = nvrtcCompileProgram(prog, static_cast<int>(opts.size()), opts.data());
   if (compiled != NVRTC_SUCCESS) {
     std::size_t log_size = 0;
     std::string log;
@@ -309,6 +329,25 @@ inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_ind
     image.code.resize(size);
     nvrtc_check(nvrtcGetPTX(prog, image.code.data()), "nvrtcGetPTX", device_index);
   }
+  return image;
+}
+
+// The cache key of the kernels for `arch`: source, architecture, options, NVRTC version.
+inline std::uint64_t cuda_kernel_cache_key(const std::string& arch) {
+  std::string options;
+  for (const char* o : cuda_kernel_options) options.append(o).push_back(' ');
+  return KernelCache::key_of({cuda_kernels_source, arch, options, nvrtc_version_text()});
+}
+
+// compile_cuda_kernels, or its result from `cache` when an entry for the same key is
+// there and whole; a compiled result is stored for the next process.
+inline CudaKernelImage load_cuda_kernels(int major, int minor, int device_index, const KernelCache& cache) {
+  if (!cache.enabled()) return compile_cuda_kernels(major, minor, device_index);
+  const std::string arch = cuda_kernel_arch(major, minor, device_index);
+  const std::uint64_t key = cuda_kernel_cache_key(arch);
+  if (auto code = cache.load(key, arch)) return CudaKernelImage{std::move(*code), arch, true};
+  CudaKernelImage image = compile_cuda_kernels(major, minor, device_index);
+  cache.store(key, image.arch, image.code);
   return image;
 }
 

@@ -71,6 +71,8 @@ class DeviceRef {
   void cast(void* d, DType to, const void* s, DType from, std::size_t n) const { vt_->cast(obj_, d, to, s, from, n); }
   void synchronize() const { vt_->synchronize(obj_); }
   MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
+  // The device's queue (QueuedDevice), or a null handle: collectives are waited on the host.
+  DeviceQueue queue() const { return vt_->queue(obj_); }
 
  private:
   struct VTable {
@@ -84,6 +86,7 @@ class DeviceRef {
     void (*cast)(void*, void*, DType, const void*, DType, std::size_t);
     void (*synchronize)(void*);
     MemoryStats (*stats)(void*, MemorySpace);
+    DeviceQueue (*queue)(void*);
   };
   template <class D>
   static constexpr VTable table{
@@ -97,6 +100,10 @@ class DeviceRef {
       [](void* o, void* d, DType to, const void* s, DType from, std::size_t n) { static_cast<D*>(o)->cast(d, to, s, from, n); },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },
+      [](void* o) -> DeviceQueue {
+        if constexpr (QueuedDevice<D>) return static_cast<D*>(o)->queue();
+        else return {static_cast<D*>(o)->id(), nullptr};
+      },
   };
   void* obj_;
   const VTable* vt_;

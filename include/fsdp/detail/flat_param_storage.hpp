@@ -112,6 +112,28 @@ struct TracedWait {
   }
 };
 
+// Waits for a collective before its result is used: on the device's queue when both the
+// Work and the device can (a CUDA stream waits on the collective's event; the host goes
+// on, and what the library queues next on the device runs after it), else on the host.
+// Returns true for a wait on the device: the Work still owes the host-side check
+// (Work::wait), which surfaces a failure the device cannot.
+inline bool wait_for_use(Work& w, const DeviceRef& device, const TracedWait& wait, const char* what) {
+  if (!w.completed_inline() && w.wait_on(device.queue())) return true;
+  wait(w, what);  // also a complete one, as before: the trace shows the same spans
+  return false;
+}
+
+// Before freeing buffers a collective may still read or write: their frees go through the
+// device behind a wait on its queue, or, where there is none, after a host wait. Errors
+// are dropped here (the backend reports them on its next call).
+inline void settle_before_free(Work& w, const DeviceRef& device) noexcept {
+  try {
+    if (w.wait_on(device.queue())) return void(w = Work{});  // dropped without a host wait
+  } catch (...) {
+  }
+  w = Work{};  // waits quietly
+}
+
 }  // namespace detail
 
 }  // namespace fsdp

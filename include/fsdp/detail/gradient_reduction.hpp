@@ -103,10 +103,21 @@ class GradientReduction {
     for (auto& fp : flat) {
       if (!fp.reducing) continue;
       fp.reducing = false;
-      wait(fp.reduce_work, "wait reduce_scatter");
+      // On a queued device: the compute queue waits, and the Work owes its host check.
+      if (wait_for_use(fp.reduce_work, device_, wait, "wait reduce_scatter")) unchecked_.push_back(std::move(fp.reduce_work));
       finish_gradient(fp, wait);
     }
   }
+
+  // Host waits for every reduction the device waited for since the last check: where the
+  // host needs the gradients (the optimizer step after finish_backward), and where a
+  // collective's failure, which a device-side wait cannot raise, becomes an fsdp::Error.
+  void check_on_host(const TracedWait& wait) {
+    std::vector<Work> works = std::move(unchecked_);
+    unchecked_.clear();
+    for (auto& w : works) wait(w, "wait reductions (host)");  // on a throw the rest are dropped unwaited
+  }
+  void drop_checks() { unchecked_.clear(); }  // a step abandoned: their errors are reported again
 
   // Also drops what accumulation kept: unsharded gradients and shard-group sums.
   void zero_grad(std::vector<FlatParam>& flat) {
@@ -208,7 +219,7 @@ class GradientReduction {
     }
     if (groups_.shards_parameters && groups_.replicate_size > 1) {
       Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
-      wait(w, "wait all_reduce");
+      if (wait_for_use(w, device_, wait, "wait all_reduce")) unchecked_.push_back(std::move(w));
     }
     if (post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
     if (out != fp.shard_grad) {
@@ -272,6 +283,7 @@ class GradientReduction {
   const UnitGroups& groups_;
   DeviceRef device_;
   double pre_divide_ = 1, post_divide_ = 1;
+  std::vector<Work> unchecked_;  // waited on the device's queue; the host has not seen them complete
 };
 
 }  // namespace detail

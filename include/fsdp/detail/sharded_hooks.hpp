@@ -106,6 +106,9 @@ void Sharded<Module, Ps...>::finish_backward() {
   expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
   if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
   finish_reduction();
+  // The host needs the gradients now (the optimizer step), and a collective the device
+  // waited for can fail only here: the host-side check of every reduction since the last.
+  group_.check_reductions_on_host(waiter());
   uses_.end_pass();
   // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
   // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.

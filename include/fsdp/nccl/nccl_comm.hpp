@@ -8,9 +8,12 @@
 //
 // NCCL's in-place forms are the concept's own. avg is ncclAvg (see detail::nccl_op). A
 // broadcast reads only the root's `send` (it may equal `recv`, or be null elsewhere).
-// Every collective runs on the communicator's stream (its own, or NcclCommOptions::stream),
-// after the work already queued on NcclCommOptions::after, and returns a Work backed by a
-// CUDA event; several issued inside fsdp::nccl_group are launched together.
+// All-gathers run on the communicator's all-gather stream, the other collectives on its
+// reduce stream (both its own, or both NcclCommOptions::stream), after the work already
+// queued on NcclCommOptions::after (the engine's compute stream), and return a Work backed
+// by a CUDA event: Work::wait_on(CudaDevice::queue()) makes the compute stream wait for it
+// without blocking the host, Work::wait() polls it from the host. Several issued inside
+// fsdp::nccl_group are launched together. See docs/cuda.md for what runs where.
 //
 // Made by from_store() (one process per GPU: rank 0 puts the unique id in the rendezvous
 // store) or create() (one process driving several GPUs, one rank each). Communicators are
@@ -125,7 +128,8 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   int rank() const { return state_->rank; }
   int size() const { return state_->size; }
   int device() const { return state_->device; }
-  cudaStream_t stream() const { return state_->stream(); }
+  cudaStream_t all_gather_stream() const { return state_->all_gather_stream(); }
+  cudaStream_t reduce_stream() const { return state_->reduce_stream(); }  // every collective but all_gather
   const std::string& name() const { return state_->name; }
   // Why a collective failed and the communicator was aborted; empty while healthy.
   std::string broken_by() const { return state_->broken_by(); }

@@ -2,8 +2,11 @@
 // The state behind an fsdp::NcclComm, shared with the Work its collectives return (so the
 // communicator outlives them), and its watchdog.
 //
-// Every collective is enqueued on the communicator's stream and followed there by a CUDA
-// event; its Work polls that event (cudaEventQuery), never blocks inside CUDA or NCCL. The
+// Every collective is enqueued on one of the communicator's two streams (all-gathers on
+// the all-gather stream, the others on the reduce stream, as FSDP splits them) and
+// followed there by a CUDA event. Its Work either makes another stream wait for that event
+// (Work::wait_on: cudaStreamWaitEvent, the engine's compute stream, no host block) or
+// polls it (cudaEventQuery, Work::wait), never blocking inside CUDA or NCCL. The
 // communicator is nonblocking, so no NCCL call blocks either. A thread per communicator,
 // the watchdog, looks at the oldest collective in flight every watchdog_interval: when NCCL
 // reports an asynchronous error, or the collective is not complete `timeout` after it was
@@ -69,6 +72,7 @@ struct NcclInFlight {
     if (event) cudaEventDestroy(event);
   }
   CollectiveCall call;
+  cudaStream_t stream = nullptr;  // where it runs, and its event is recorded
   cudaEvent_t event = nullptr;  // handed back to the communicator for reuse once complete
   NcclClock::time_point issued;
   bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
@@ -132,6 +136,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (after_event_) cudaEventDestroy(after_event_);
     if (scratch_) cudaFree(scratch_);
     if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
+    if (owns_stream_ && gather_stream_) cudaStreamDestroy(gather_stream_);
     if (have_prev && prev != device) cudaSetDevice(prev);
     (void)cudaGetLastError();
   }
@@ -142,7 +147,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   const std::string name;
   const NcclCommOptions options;
 
-  cudaStream_t stream() const { return stream_; }
+  // Given NcclCommOptions::stream, both are that stream.
+  cudaStream_t all_gather_stream() const { return gather_stream_; }
+  cudaStream_t reduce_stream() const { return stream_; }
   void* scratch() const { return scratch_; }  // 16 zeroed device bytes, for barrier()
   std::uint64_t next_split() { return splits_++; }
 
@@ -172,22 +179,26 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
     f->call = call;
+    f->stream = call.kind == CollectiveKind::all_gather ? gather_stream_ : stream_;
     if (spare_events_.empty()) {
       cuda_check(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
     } else {  // one that completed: the steady state makes no new event per collective
       f->event = spare_events_.back();
       spare_events_.pop_back();
     }
+    // Inputs written and buffers allocated (stream-ordered) on the compute stream up to
+    // now are ready before the collective touches them: its stream waits for an event
+    // recorded there (recorded again per call; a wait takes the record of the moment).
     if (options.after) {
       cuda_check(cudaEventRecord(after_event_, options.after), "cudaEventRecord(after stream)", at);
-      cuda_check(cudaStreamWaitEvent(stream_, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
+      cuda_check(cudaStreamWaitEvent(f->stream, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
     }
     if (nccl_active_group) {  // before enqueuing: a failure below must not abort inside the open group
       nccl_active_group->issued.push_back({shared_from_this(), f});
       ++grouped_;
     }
     f->issued = NcclClock::now();
-    ncclResult_t r = enqueue(comm_, stream_);
+    ncclResult_t r = enqueue(comm_, f->stream);
     if (r == ncclInProgress) r = nccl_settle(comm_, f->issued + options.timeout);
     if (r == ncclInProgress)
       fail_locked(at.text() + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
@@ -213,7 +224,30 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
            " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
     const std::string reason = inspect_locked(f);
     if (!reason.empty()) fail_locked(reason, f.call.seq);
+    if (f.complete) {  // a host wait is also the check of collectives waited for on the GPU before it
+      const ncclResult_t state = nccl_async_state(comm_);
+      if (state != ncclSuccess && state != ncclInProgress)
+        fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
+                        nccl_error_text(state, comm_),
+                    f.call.seq);
+    }
     return f.complete;
+  }
+
+  // Makes `stream` wait (on the GPU) for `f`, unless it has completed; throws like poll()
+  // when the communicator broke or `f` is inside an nccl_group that has not ended. The
+  // wait takes the event's record of this moment: reusing the event later cannot move it.
+  void enqueue_wait(NcclInFlight& f, cudaStream_t stream) {
+    std::lock_guard lk(mu_);
+    if (f.complete) return;
+    if (!broken_.empty()) {
+      if (broken_seq_ == f.call.seq) fail(broken_);
+      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+    }
+    if (!f.recorded)
+      fail(where(), ": a stream was made to wait for ", f.call.describe(),
+           " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+    cuda_check(cudaStreamWaitEvent(stream, f.event, 0), "cudaStreamWaitEvent", CallAt{where_, f.call});
   }
 
   // For nccl_group: the lock, and what the group's end does under it.
@@ -223,7 +257,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void record_locked(NcclInFlight& f) {
     const CallAt at{where_, f.call};
     CurrentDevice current(device, at);
-    cuda_check(cudaEventRecord(f.event, stream_), "cudaEventRecord", at);
+    cuda_check(cudaEventRecord(f.event, f.stream), "cudaEventRecord", at);
     f.recorded = true;
   }
   // Records why the communicator broke (the first reason wins) and aborts it, unless an
@@ -270,10 +304,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (nccl_rank != rank || nccl_size != size)
       fail(at, ": NCCL made rank ", nccl_rank, " of ", nccl_size, " instead");
     if (options.stream) {
-      stream_ = options.stream;
-    } else {
+      stream_ = gather_stream_ = options.stream;
+    } else {  // owned from the first one on, so the destructor frees what was made
       cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
       owns_stream_ = true;
+      cuda_check(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
     }
     if (options.after)
       cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
@@ -314,7 +349,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       cv_.wait_for(lk, options.watchdog_interval);
       if (aborted_) cv_.wait(lk, [this] { return stopping_; });  // nothing left to watch
       if (stopping_) break;
-      while (!in_flight_.empty() && in_flight_.front()->recorded) {  // one stream: they finish in order
+      // NCCL runs one communicator's kernels in the order they were issued, whatever their
+      // streams, so they finish in order; a later one is looked at once those before it are done.
+      while (!in_flight_.empty() && in_flight_.front()->recorded) {
         NcclInFlight& f = *in_flight_.front();
         const std::string reason = f.complete ? std::string() : inspect_locked(f);
         if (!reason.empty()) {
@@ -346,7 +383,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
   std::deque<std::shared_ptr<NcclInFlight>> in_flight_;  // oldest first
   std::vector<cudaEvent_t> spare_events_;                // of completed collectives, for reuse
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;         // the reduce stream: every collective but all_gather
+  cudaStream_t gather_stream_ = nullptr;  // all_gather
   bool owns_stream_ = false;
   cudaEvent_t after_event_ = nullptr;
   void* scratch_ = nullptr;
@@ -364,6 +402,12 @@ class NcclPending final : public Work::Pending {
     for (int spins = 0; !state_->poll(*f_); ++spins) nccl_backoff(spins);  // poll throws past the timeout
   }
   bool ready() override { return state_->poll(*f_); }
+  // Any CUDA stream (of any device) can wait for the event; other queues cannot.
+  bool enqueue_wait(const DeviceQueue& q) override {
+    if (q.device.kind != DeviceKind::cuda) return false;
+    state_->enqueue_wait(*f_, static_cast<cudaStream_t>(q.handle));
+    return true;
+  }
 
  private:
   std::shared_ptr<NcclCommState> state_;

@@ -33,11 +33,15 @@ struct NcclCommOptions {
   // from_store(): where rank 0 puts the unique id. One key per communicator of a job.
   std::string store_key = "fsdp/nccl/unique_id";
   std::string name = "world";  // in messages
-  // Given: collectives run on this stream, which the caller owns. Null: the communicator
-  // creates a non-blocking stream of its own.
+  // Given: every collective runs on this stream, which the caller owns. Null: the
+  // communicator creates two non-blocking streams of its own, one for all-gathers and one
+  // for the other collectives, so a compute stream that waits for an all-gather is not
+  // ordered behind a reduce-scatter's wait for the gradients (FSDP's two streams).
   cudaStream_t stream = nullptr;
   // Given: each collective first waits (on the GPU) for the work already queued on this
-  // stream, e.g. CudaDevice::stream(), whose kernels produce the buffers it reads.
+  // stream: the engine's compute stream (CudaDevice::stream()), whose kernels write the
+  // buffers it reads and on which the library allocates them (stream-ordered). Needed
+  // whenever the buffers come from a CudaDevice.
   cudaStream_t after = nullptr;
 };
 

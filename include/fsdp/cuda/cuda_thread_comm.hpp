@@ -1,0 +1,256 @@
+#pragma once
+// fsdp::CudaThreadComm: thread ranks sharing one GPU, with NcclComm's stream behaviour, so
+// the multi-rank stream logic (and the multi-rank parity and memory tests) run on a
+// machine with one GPU, which NCCL refuses (one rank per device). Each rank wraps its
+// ThreadComm and its CudaDevice (its own compute stream, e.g. the engine's). Collectives on
+// GPU-addressable memory are device-to-device copies and CudaDevice's accumulate kernel,
+// queued on the rank's all-gather or reduce stream and ordered by events:
+//
+//   1. the communication stream waits for the rank's compute stream (inputs written,
+//      buffers allocated), then records this rank's "ready" event;
+//   2. the ranks exchange buffers and ready events (a ThreadComm all_gather of handles,
+//      which also checks that every rank issued the same collective);
+//   3. each rank's stream waits for every peer's ready event and pulls what it needs from
+//      the peers' send buffers: all_gather and broadcast straight into recv; reductions
+//      into a scratch buffer, summed in rank order 0..N-1 as ThreadComm does, so results
+//      are bitwise ThreadComm's; then it records its "done" event;
+//   4. the ranks exchange done events; each stream waits for every peer's (nobody reads
+//      this rank's send buffer any more), copies a reduction's scratch into recv (so an
+//      in-place all_reduce is safe) and records the collective's own event: the Work.
+// The Work is waited for like NcclComm's: Work::wait_on(CudaDevice::queue()) makes a
+// stream wait (no host block), Work::wait() polls from the host, bounded by the timeout.
+// A rank's ready and done events are reused from one collective to the next: a rank
+// re-records them only after the next exchange, which every peer reaches after enqueuing
+// its waits on them. The exchanges are host rendezvous, so a call returns once every rank
+// has issued it (thread ranks issue in step); the GPU work is not waited for.
+//
+// Calls whose buffers are all ordinary host memory (the library's small agreements) run
+// on the ThreadComm itself. On device memory: sum, and avg of floating dtypes (the sum
+// times 1/N, as ThreadComm finishes it); max and min are refused. Scratch buffers are
+// stream-ordered allocations of the communicator, not counted by the CudaDevice.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "fsdp/communicator.hpp"
+#include "fsdp/cuda/cuda_device.hpp"
+#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/device_mesh.hpp"
+#include "fsdp/error.hpp"
+#include "fsdp/host/thread_group.hpp"
+#include "fsdp/work.hpp"
+
+namespace fsdp {
+
+struct CudaThreadCommOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // a host wait for one collective
+};
+
+namespace detail {
+
+template <class... Where>
+void cuda_thread_check(cudaError_t e, const char* call, Where&&... where) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  fail(std::forward<Where>(where)..., ": ", call, " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
+}
+
+// One collective's completion on this rank, as a Work.
+class CudaEventPending final : public Work::Pending {
+ public:
+  CudaEventPending(cudaEvent_t event, std::string what, std::chrono::milliseconds timeout)
+      : event_(event), what_(std::move(what)), timeout_(timeout) {}
+  ~CudaEventPending() override { cudaEventDestroy(event_); }  // released once complete
+  void wait() override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (int spins = 0; !ready(); ++spins) {
+      if (std::chrono::steady_clock::now() > deadline)
+        fail(what_, " did not complete within ", timeout_.count(), " ms (CudaThreadCommOptions::timeout)");
+      if (spins < 64) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  bool ready() override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return (void)cudaGetLastError(), false;
+    cuda_thread_check(e, "cudaEventQuery", what_);
+    return true;
+  }
+  bool enqueue_wait(const DeviceQueue& q) override {
+    if (q.device.kind != DeviceKind::cuda) return false;
+    cuda_thread_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(q.handle), event_, 0), "cudaStreamWaitEvent", what_);
+    return true;
+  }
+
+ private:
+  cudaEvent_t event_;
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+};
+
+// A rank's streams and events, shared by the moves of its communicator.
+struct CudaThreadCommState {
+  explicit CudaThreadCommState(int device_index) : device(device_index) {}
+  ~CudaThreadCommState() {  // errors cannot be reported from here
+    cudaSetDevice(device);
+    for (cudaStream_t s : {gather, reduce})
+      if (s) cudaStreamSynchronize(s), cudaStreamDestroy(s);
+    for (cudaEvent_t e : {after, ready, done})
+      if (e) cudaEventDestroy(e);
+    (void)cudaGetLastError();
+  }
+  int device;
+  cudaStream_t gather = nullptr, reduce = nullptr;
+  cudaEvent_t after = nullptr, ready = nullptr, done = nullptr;
+};
+
+}  // namespace detail
+
+class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
+ public:
+  // Rank inner.rank() on `device`; both outlive this communicator.
+  CudaThreadComm(ThreadComm& inner, CudaDevice& device, CudaThreadCommOptions options = {})
+      : CudaThreadComm(std::shared_ptr<ThreadComm>(std::shared_ptr<ThreadComm>(), &inner), device, options) {}
+
+  int rank() const { return inner_->rank(); }
+  int size() const { return inner_->size(); }
+  cudaStream_t all_gather_stream() const { return state_->gather; }
+  cudaStream_t reduce_stream() const { return state_->reduce; }  // every collective but all_gather
+
+  // ThreadComm::split, on the same device (for DeviceMesh).
+  CudaThreadComm split(int color, int key) {
+    return CudaThreadComm(std::make_shared<ThreadComm>(inner_->split(color, key)), *device_, options_);
+  }
+
+ private:
+  friend class detail::CollectiveCalls<CudaThreadComm>;
+
+  CudaThreadComm(std::shared_ptr<ThreadComm> inner, CudaDevice& device, CudaThreadCommOptions options)
+      : inner_(std::move(inner)), device_(&device), options_(options),
+        state_(std::make_shared<detail::CudaThreadCommState>(device.index())) {
+    const std::string at = where();
+    auto& s = *state_;
+    detail::cuda_thread_check(cudaSetDevice(s.device), "cudaSetDevice", at);
+    for (cudaStream_t* p : {&s.gather, &s.reduce})
+      detail::cuda_thread_check(cudaStreamCreateWithFlags(p, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
+    for (cudaEvent_t* e : {&s.after, &s.ready, &s.done})
+      detail::cuda_thread_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+  }
+
+  std::string where() const {
+    return "CudaThreadComm rank " + std::to_string(rank()) + " of " + std::to_string(size()) + " (cuda:" +
+           std::to_string(device_->index()) + ")";
+  }
+
+  static bool plain_host(const void* p) {
+    if (!p) return false;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) return (void)cudaGetLastError(), false;
+    return a.type == cudaMemoryTypeUnregistered;
+  }
+
+  Work on_host(const detail::CollectiveCall& c) {
+    using K = detail::CollectiveKind;
+    switch (c.kind) {
+      case K::all_gather: return inner_->all_gather(c.send, c.recv, c.count, c.dtype);
+      case K::reduce_scatter: return inner_->reduce_scatter(c.send, c.recv, c.count, c.dtype, c.op);
+      case K::all_reduce: return inner_->all_reduce(c.send, c.recv, c.count, c.dtype, c.op);
+      case K::broadcast: return inner_->broadcast(c.send, c.recv, c.count, c.dtype, c.root);
+      case K::barrier: return inner_->barrier();
+    }
+    detail::fail(where(), ": collective kind ", static_cast<int>(c.kind), " unknown");
+  }
+
+  Work issue(detail::CollectiveCall call) {
+    using K = detail::CollectiveKind;
+    const bool reads_send = call.kind != K::barrier && (call.kind != K::broadcast || rank() == call.root);
+    if (call.kind != K::barrier && plain_host(call.recv) && (!reads_send || plain_host(call.send))) return on_host(call);
+    call.seq = seq_++;
+    const std::string at = where() + ": " + call.describe();
+    const bool reduces = call.kind == K::reduce_scatter || call.kind == K::all_reduce;
+    if (reduces && (call.op == ReduceOp::max || call.op == ReduceOp::min || (call.op == ReduceOp::avg && !is_floating(call.dtype))))
+      detail::fail(at, ": on device memory only sum, and avg of floating dtypes, are supported");
+    auto& st = *state_;
+    detail::cuda_thread_check(cudaSetDevice(st.device), "cudaSetDevice", at);
+    cudaStream_t s = call.kind == K::all_gather ? st.gather : st.reduce;
+    auto check = [&](cudaError_t e, const char* what) { detail::cuda_thread_check(e, what, at); };
+    // 1. After the compute stream's work so far; ready.
+    check(cudaEventRecord(st.after, device_->stream()), "cudaEventRecord(compute stream)");
+    check(cudaStreamWaitEvent(s, st.after, 0), "cudaStreamWaitEvent(compute stream)");
+    check(cudaEventRecord(st.ready, s), "cudaEventRecord(ready)");
+    // 2. Every rank's buffers, ready event and call.
+    const int n = size();
+    constexpr std::size_t F = 8;  // fields per rank
+    const std::array<std::int64_t, F> mine{handle(call.send), handle(call.recv), handle(st.ready),
+                                           static_cast<std::int64_t>(call.kind), static_cast<std::int64_t>(call.count),
+                                           static_cast<std::int64_t>(call.dtype), static_cast<std::int64_t>(call.op), call.root};
+    std::vector<std::int64_t> posts(F * static_cast<std::size_t>(n));
+    inner_->all_gather(mine.data(), posts.data(), F, DType::i64).wait();
+    auto field = [&](int r, std::size_t f) { return posts[F * static_cast<std::size_t>(r) + f]; };
+    for (int r = 1; r < n; ++r)  // against rank 0, so every rank throws the same message
+      for (std::size_t f = 3; f < F; ++f)
+        if (field(r, f) != field(0, f))
+          detail::fail(at, ": rank ", r, " issued a different collective than rank 0 (kind, count, dtype, op or root differ)");
+    // 3. This rank's reads, once every peer's inputs are ready.
+    for (int r = 0; r < n; ++r)
+      if (r != rank()) check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(field(r, 2)), 0), "cudaStreamWaitEvent(peer ready)");
+    const std::size_t esize = size_of(call.dtype), bytes = call.count * esize;
+    auto send_of = [&](int r, std::size_t offset_bytes) { return reinterpret_cast<const std::byte*>(field(r, 0)) + offset_bytes; };
+    auto* recv = static_cast<std::byte*>(call.recv);
+    auto copy = [&](void* to, const void* from, std::size_t len) {
+      if (to != from && len) check(cudaMemcpyAsync(to, from, len, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+    };
+    void* scratch = nullptr;
+    if (call.kind == K::all_gather) {
+      for (int r = 0; r < n; ++r) copy(recv + static_cast<std::size_t>(r) * bytes, send_of(r, 0), bytes);
+    } else if (call.kind == K::broadcast) {
+      copy(recv, send_of(call.root, 0), bytes);
+    } else if (reduces && bytes) {
+      const std::size_t offset = call.kind == K::reduce_scatter ? static_cast<std::size_t>(rank()) * bytes : 0;
+      check(cudaMallocAsync(&scratch, bytes, s), "cudaMallocAsync(scratch)");
+      copy(scratch, send_of(0, offset), bytes);
+      for (int r = 1; r < n; ++r) device_->accumulate_on(s, scratch, send_of(r, offset), call.count, call.dtype);
+      if (call.op == ReduceOp::avg) device_->scale_on(s, scratch, call.count, call.dtype, 1.0 / n);
+    }
+    check(cudaEventRecord(st.done, s), "cudaEventRecord(done)");
+    // 4. Once no peer reads this rank's buffers any more: the result, and the Work's event.
+    const std::int64_t done = handle(st.done);
+    std::vector<std::int64_t> dones(static_cast<std::size_t>(n));
+    inner_->all_gather(&done, dones.data(), 1, DType::i64).wait();
+    for (int r = 0; r < n; ++r)
+      if (r != rank()) check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(dones[static_cast<std::size_t>(r)]), 0), "cudaStreamWaitEvent(peer done)");
+    if (scratch) {
+      copy(recv, scratch, bytes);
+      check(cudaFreeAsync(scratch, s), "cudaFreeAsync(scratch)");
+    }
+    cudaEvent_t event = nullptr;
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    const cudaError_t recorded = cudaEventRecord(event, s);
+    if (recorded != cudaSuccess) cudaEventDestroy(event);
+    check(recorded, "cudaEventRecord");
+    return Work(std::make_unique<detail::CudaEventPending>(event, at, options_.timeout));
+  }
+
+  template <class P>
+  static std::int64_t handle(P p) {
+    return static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(p));
+  }
+
+  std::shared_ptr<ThreadComm> inner_;
+  CudaDevice* device_;
+  CudaThreadCommOptions options_;
+  std::shared_ptr<detail::CudaThreadCommState> state_;
+  std::uint64_t seq_ = 0;
+};
+
+static_assert(Communicator<CudaThreadComm>);
+static_assert(SplittableCommunicator<CudaThreadComm>);
+
+}  // namespace fsdp
