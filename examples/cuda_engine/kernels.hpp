@@ -133,8 +133,8 @@ inline constexpr const char* kernel_options[] = {"--std=c++17", "--fmad=false", 
 // The source compiled for `arch` ("sm_90", or "compute_XY" PTX the driver finishes).
 inline std::vector<char> compile_kernels(const std::string& arch) {
   nvrtcProgram prog = nullptr;
-  check(nvrtcCreateProgram(&prog, std::string(kernels_source).c_str(), "cuda_engine_kernels.cu", 0, nullptr, nullptr),
-        "nvrtcCreateProgram");
+  const std::string source(kernels_source);  // NUL-terminated, alive until the program is compiled
+  check(nvrtcCreateProgram(&prog, source.c_str(), "cuda_engine_kernels.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
   struct Destroy {
     nvrtcProgram* p;
     ~Destroy() { nvrtcDestroyProgram(p); }
