@@ -4,10 +4,13 @@
 #   tools/gpu_proof.sh            # build, run the tests with FSDP_REQUIRE_GPU=1, run the benches
 #   tools/gpu_proof.sh --build-only
 #
-# Builds the CUDA and NCCL test binaries and tools/gpu_proof/gpu_bench.cpp with g++ straight
-# from the headers, runs each test with FSDP_REQUIRE_GPU=1 (so a machine without a visible
-# GPU fails instead of skipping), then the benches (CudaDevice copy/cast throughput,
-# NcclComm all_gather/reduce_scatter bandwidth over sizes), and ends with
+# Builds the CUDA and NCCL test binaries, tools/gpu_proof/gpu_bench.cpp and the CUDA example
+# engine (examples/cuda_train.cpp) with g++ straight from the headers, runs each test with
+# FSDP_REQUIRE_GPU=1 (so a machine without a visible GPU fails instead of skipping), then
+# the benches (CudaDevice copy/cast throughput, NcclComm all_gather/reduce_scatter bandwidth
+# over sizes), then the example (its loss against the host reference engine, its step time
+# with fsdp against without at world size 1, the library's host time per unit per step),
+# and ends with
 #   gpu proof: N passed, M failed
 # counting doctest test cases (a binary that does not build counts as one failure).
 # Exit status 0 only when nothing failed.
@@ -44,6 +47,7 @@ done
 [ -n "$CUDA" ] || die "no CUDA toolkit found (cuda_runtime.h): set CUDA_HOME, or put nvcc on PATH"
 CUDA_LIB=$(lib_dir_of "$CUDA" 'libcudart.so*') || die "no libcudart under $CUDA"
 NVRTC_LIB=$(lib_dir_of "$CUDA" 'libnvrtc.so*') || die "no libnvrtc under $CUDA (CudaDevice compiles its kernels with NVRTC)"
+CUBLAS_LIB=$(lib_dir_of "$CUDA" 'libcublas.so*') || die "no libcublas under $CUDA (the CUDA example's GEMMs)"
 
 PY_NCCL=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.dirname(m.__file__) if getattr(m, "__file__", None) else list(m.__path__)[0])' 2>/dev/null || true)
 NCCL=""
@@ -69,8 +73,9 @@ command -v "$CXX" >/dev/null || die "no C++ compiler ($CXX); set CXX to a C++20 
 link_flag() {
   if [ -e "$1/lib$2.so" ]; then echo "-l$2"; else echo "-l:$(basename "$(ls "$1"/lib"$2".so.* | head -1)")"; fi
 }
-LIBS=(-L"$CUDA_LIB" -L"$NVRTC_LIB" -L"$NCCL_LIB" -Wl,-rpath,"$CUDA_LIB" -Wl,-rpath,"$NVRTC_LIB" -Wl,-rpath,"$NCCL_LIB"
-      "$(link_flag "$NCCL_LIB" nccl)" "$(link_flag "$CUDA_LIB" cudart)" "$(link_flag "$NVRTC_LIB" nvrtc)" -pthread)
+LIBS=(-L"$CUDA_LIB" -L"$NVRTC_LIB" -L"$NCCL_LIB" -L"$CUBLAS_LIB" -Wl,-rpath,"$CUDA_LIB" -Wl,-rpath,"$NVRTC_LIB"
+      -Wl,-rpath,"$NCCL_LIB" -Wl,-rpath,"$CUBLAS_LIB" "$(link_flag "$NCCL_LIB" nccl)" "$(link_flag "$CUDA_LIB" cudart)"
+      "$(link_flag "$NVRTC_LIB" nvrtc)" "$(link_flag "$CUBLAS_LIB" cublas)" -pthread)
 INCLUDES=(-Iinclude -I. -I"$CUDA/include" -I"$NCCL/include" -I"$DOCTEST")
 [ -d "$CUDA/include/cccl" ] && INCLUDES+=(-I"$CUDA/include/cccl")
 CXXFLAGS=(-std=c++20 -O2 -g -Wall -Wextra)
@@ -85,7 +90,7 @@ fi
 # ---- build (in parallel) ---------------------------------------------------------------
 TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/kernel_cache_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
        test/cuda/cuda_thread_comm_test.cpp
-       test/nccl/nccl_comm_test.cpp test/nccl/nccl_streams_test.cpp)
+       test/nccl/nccl_comm_test.cpp test/nccl/nccl_streams_test.cpp test/examples_cuda/cuda_engine_test.cpp)
 build() {  # build <name> <sources...>
   local name=$1; shift
   if "$CXX" "${CXXFLAGS[@]}" "${INCLUDES[@]}" "$@" -o "$OUT/$name" "${LIBS[@]}" >"$OUT/$name.build.log" 2>&1; then
@@ -101,10 +106,11 @@ for t in "${TESTS[@]}"; do
 done
 build gpu_bench tools/gpu_proof/gpu_bench.cpp &
 build cuda_kernel_compile bench/cuda_kernel_compile.cpp &
+build cuda_train examples/cuda_train.cpp &
 wait
 
 passed=0; failed=0; skipped=0
-for t in "${TESTS[@]}" gpu_bench cuda_kernel_compile; do
+for t in "${TESTS[@]}" gpu_bench cuda_kernel_compile cuda_train; do
   name=$(basename "$t" .cpp)
   if [ "$(cat "$OUT/$name.build" 2>/dev/null)" != ok ]; then
     echo "BUILD FAILED: $name (log: $OUT/$name.build.log)"; tail -20 "$OUT/$name.build.log" | sed 's/^/    /'
@@ -155,7 +161,48 @@ if [ -x "$OUT/cuda_kernel_compile" ] && [ "$(cat "$OUT/cuda_kernel_compile.build
   [ "${PIPESTATUS[0]}" -ne 0 ] && { echo "kernel compile bench FAILED"; failed=$((failed + 1)); }
 fi
 
+# ---- the CUDA example engine ------------------------------------------------------------
+# Small model: every mode must match the host reference engine ("parity: ok"). --bench: a
+# model big enough for GEMMs to dominate, with and without fsdp, for the step-time ratio.
 echo
+echo "== CUDA example (examples/cuda_train) =="
+summary_field() {  # summary_field <log> <key>: a key=value of its `summary:` line
+  sed -n "s/^summary: .* $2=\([^ ]*\).*/\1/p" "$1" | tail -1
+}
+example_ran=0
+if [ -x "$OUT/cuda_train" ] && [ "$(cat "$OUT/cuda_train.build")" = ok ]; then
+  example_ran=1
+  for run in "fsdp_bf16:" "fsdp_f32:--precision f32" "fsdp_offload:--offload" "no_fsdp_bf16:--no-fsdp" \
+             "bench_fsdp:--bench" "bench_no_fsdp:--bench --no-fsdp"; do
+    name=${run%%:*}; flags=${run#*:}
+    # shellcheck disable=SC2086  # flags is a list
+    FSDP_REQUIRE_GPU=1 timeout 600 "$OUT/cuda_train" $flags >"$OUT/cuda_train.$name.log" 2>&1
+    rc=$?
+    if grep -q 'FSDP_REQUIRE_GPU=1 but no CUDA GPU' "$OUT/cuda_train.$name.log"; then
+      echo "CUDA example not run: no GPU visible (FSDP_REQUIRE_GPU=1 failed it)"; failed=$((failed + 1)); example_ran=0; break
+    fi
+    if [ "$rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+    printf '%-14s rc=%-3s %s\n' "$name" "$rc" "$(grep -E '^(parity|step time):' "$OUT/cuda_train.$name.log" | paste -sd';' -)"
+    [ "$rc" -ne 0 ] && { grep -E 'error|FAILED' "$OUT/cuda_train.$name.log" | head -5 | sed 's/^/    /'; echo "    full log: $OUT/cuda_train.$name.log"; }
+  done
+fi
+
+echo
+if [ "$example_ran" = 1 ]; then
+  for name in fsdp_bf16 fsdp_f32 fsdp_offload no_fsdp_bf16; do
+    log="$OUT/cuda_train.$name.log"
+    echo "gpu proof: example loss vs host reference ($name): parity $(summary_field "$log" parity), largest relative difference $(summary_field "$log" max_rel_diff) (tolerance $(summary_field "$log" tolerance)), final loss $(summary_field "$log" final_loss)"
+  done
+  fsdp_ms=$(summary_field "$OUT/cuda_train.bench_fsdp.log" step_ms)
+  plain_ms=$(summary_field "$OUT/cuda_train.bench_no_fsdp.log" step_ms)
+  if [ -n "$fsdp_ms" ] && [ -n "$plain_ms" ]; then
+    echo "gpu proof: example step time at world size 1 (bf16, --bench): fsdp $fsdp_ms ms / no fsdp $plain_ms ms = $(awk -v a="$fsdp_ms" -v b="$plain_ms" 'BEGIN { printf "%.3f", a / b }')x (goal <= 1.03x)"
+  fi
+  for name in bench_fsdp fsdp_bf16 fsdp_offload; do
+    us=$(summary_field "$OUT/cuda_train.$name.log" host_us_per_unit_step)
+    [ -n "$us" ] && echo "gpu proof: library host time per unit per step ($name): $us us (goal <= 20 us; hooks and zero_grad, CUDA and NCCL calls included)"
+  done
+fi
 # Skipped cases never count as passed. The NCCL tests' child-process entry points are always
 # among them; the others are GPU cases the machine could not run (two-GPU ones on one GPU).
 [ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL tests' child-process entry points, two-GPU cases on a one-GPU machine, or no GPU)"
