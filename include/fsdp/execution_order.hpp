@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/pass_check.hpp"
 #include "fsdp/dtype.hpp"
@@ -27,11 +28,20 @@ class Trace;
 
 enum class Pass : std::uint8_t { forward, backward };
 
-class ExecutionOrder {
+class ExecutionOrder final : public UnitNames {
  public:
   // At most this many units gathered ahead of the one computing (FSDP's limit_all_gathers).
   int max_prefetched = 2;
   Trace* trace = nullptr;  // where units record their spans; null: no tracing
+
+  // The tag of unit `index`'s collectives now (fsdp/collective_tag.hpp): its all-gathers
+  // are tagged forward or backward by the pass the model is in (a prefetch by the pass of
+  // the unit that issues it), reductions as such; every rank doing the same makes the same.
+  CollectiveTag tag(int index, TagPhase phase) const {
+    if (phase == TagPhase::forward && in_backward_) phase = TagPhase::backward;
+    return {static_cast<std::uint32_t>(index), phase, forward_pass_, this};
+  }
+  std::string unit_name(int index) const override { return name_of(index); }
 
   // Registers a unit; returns its index, which the unit passes back to enter().
   int add_unit(UnitBase* u) {

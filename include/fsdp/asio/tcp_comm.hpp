@@ -75,6 +75,7 @@ struct TcpCommOptions {
 
 class TcpComm : public detail::CollectiveCalls<TcpComm> {
  public:
+  static constexpr bool checks_tags = true;  // in each frame's header, against the receiver's call
   using Options = TcpCommOptions;
 
   // Collective over `size` ranks sharing `store`: blocks until this rank is connected to
