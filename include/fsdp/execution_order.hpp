@@ -7,8 +7,10 @@
 // the recorded order, and a prefetching unit that runs out of that order is reported (a
 // unit gathered ahead that does not run is dropped at finish_backward). A unit used several
 // times per pass appears once per use; a forward-only pass before the first backward ends
-// with reshard(), or the next pass is recorded as more of the same one. Every pass is also
-// checked across ranks as it ends (fsdp/detail/pass_check.hpp): one 8-byte all-gather.
+// with reshard(), or the next pass is recorded as more of the same one. In every iteration
+// each all-gather and reduction of a unit carries its tag (tag(): unit, phase, pass), which
+// a TaggedCommunicator compares across ranks; over a communicator without tags every pass
+// is checked as it ends instead (fsdp/detail/pass_check.hpp): one 8-byte all-gather.
 
 #include <cstddef>
 #include <cstdint>
@@ -81,7 +83,8 @@ class ExecutionOrder final : public UnitNames {
   void finish_reductions();
 
   // The end of a pass (finish_backward, or reshard() after a forward-only pass): every rank
-  // ran the same units in the same order, or an error on every rank naming where not.
+  // ran the same units in the same order, or an error on every rank naming where not. Only
+  // over a communicator without tags (which check each collective instead).
   void check_pass() {
     passes_.check([this](int i) { return name_of(i); });
   }
