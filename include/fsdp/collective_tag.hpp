@@ -6,7 +6,8 @@
 // runs another unit (a swapped pair of same-sized units, an evaluation pass in another
 // order, prefetch lists that differ) fails on every rank instead of computing with another
 // unit's weights. The tag travels in the backend's own call descriptor (ThreadComm's
-// rendezvous, TcpComm's frame header), not in the payload: 8 bytes on the wire, at most.
+// rendezvous, TcpComm's frame header; MpiComm gathers it beside the collective), not in
+// the payload, where the flat layout leaves no room.
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -70,7 +71,7 @@ struct CollectiveTag {
 };
 
 // A communicator that takes a tag with its all-gathers and reductions and fails on every
-// rank when the ranks' tags differ (ThreadComm, TcpComm and the wrappers around them). The
+// rank when the ranks' tags differ (ThreadComm, TcpComm, MpiComm and the wrappers). The
 // library uses the tagged calls where a communicator has them; a Communicator without
 // them works unchanged, its passes checked as they end (docs/reliability.md).
 template <class C>
