@@ -24,9 +24,17 @@
 // communicator moves no data, so it can claim any size; it exercises padding and the
 // gradient pre/post-divide factors). Goal: < 5 us per unit per step in every case.
 //
+// Tags (fsdp/collective_tag.hpp): the same step through a ShardedModel of that one unit
+// at world 8, over an instant communicator that takes tags (each tag packed and kept, as
+// a backend compares it) and over the same communicator without them
+// (fsdp::UntaggedCommunicator: the library then checks the order as each pass ends, one
+// 8-byte all-gather and a hash per pass). Reported: both times, their ratio and the
+// difference per unit per step. Goal: tags cost under 2% of the per-unit time.
+//
 //   overhead [--steps N] [--reps R] [--seconds S] [--world W...] [--params P...] [--json PATH]
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <fstream>
 #include <iomanip>
@@ -58,13 +66,46 @@ struct InstantComm {
 
   int rank() const { return 0; }
   int size() const { return world; }
-  fsdp::Work all_gather(const void*, void*, std::size_t, fsdp::DType) { ++calls; return {}; }
+  fsdp::Work all_gather(const void* s, void* r, std::size_t n, fsdp::DType t) {
+    ++calls;
+    if (t == fsdp::DType::i64 && n == 1)  // the end-of-pass order check: every rank agrees
+      for (int q = 0; q < world; ++q) std::memcpy(static_cast<std::byte*>(r) + 8 * q, s, 8);
+    return {};
+  }
   fsdp::Work reduce_scatter(const void*, void*, std::size_t, fsdp::DType, fsdp::ReduceOp) { ++calls; return {}; }
   fsdp::Work all_reduce(const void*, void*, std::size_t, fsdp::DType, fsdp::ReduceOp) { ++calls; return {}; }
   fsdp::Work broadcast(const void*, void*, std::size_t, fsdp::DType, int) { ++calls; return {}; }
   fsdp::Work barrier() { ++calls; return {}; }
 };
 static_assert(fsdp::Communicator<InstantComm>);
+
+// InstantComm that takes the library's tags, packing each and keeping it where a backend
+// would compare it with its peers'.
+struct TaggedInstantComm : InstantComm {
+  std::uint64_t last_tag = 0;
+  using InstantComm::all_gather, InstantComm::reduce_scatter, InstantComm::all_reduce;
+  fsdp::Work all_gather(const void* s, void* r, std::size_t n, fsdp::DType t, const fsdp::CollectiveTag& tag) {
+    keep(tag);
+    return all_gather(s, r, n, t);
+  }
+  fsdp::Work reduce_scatter(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op,
+                            const fsdp::CollectiveTag& tag) {
+    keep(tag);
+    return reduce_scatter(s, r, n, t, op);
+  }
+  fsdp::Work all_reduce(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op,
+                        const fsdp::CollectiveTag& tag) {
+    keep(tag);
+    return all_reduce(s, r, n, t, op);
+  }
+  void keep(const fsdp::CollectiveTag& tag) {
+    const std::uint64_t packed = tag.packed();
+    if (packed == last_tag) ++calls;  // compared, as a backend compares it with its peers'
+    last_tag = packed;
+  }
+};
+static_assert(fsdp::TaggedCommunicator<TaggedInstantComm>);
+static_assert(!fsdp::TaggedCommunicator<fsdp::UntaggedCommunicator<TaggedInstantComm>>);
 
 // A leaf module with P parameters of kElemsPerParam floats each.
 struct Model {
@@ -110,6 +151,29 @@ struct LibraryCase {
     g[0] += 1.0f;
     unit.post_backward();
     unit.finish_backward();
+  }
+};
+
+// ---- one step through a ShardedModel of that unit (tags, or the end-of-pass check) ---
+struct ModelCase {
+  Model& m;
+  fsdp::ShardedModel& sm;
+  fsdp::UnitBase& unit;
+  std::size_t k = 0;
+
+  void step() {
+    const std::size_t P = m.params.size();
+    const std::size_t i = k++ % P;
+    sm.zero_grad();
+    unit.pre_forward();
+    g_sink = g_sink + reinterpret_cast<std::uintptr_t>(m.params[i].data());
+    unit.post_forward();
+    unit.pre_backward();
+    float* g = m.grads[i].as<float>();
+    g_sink = g_sink + static_cast<std::uint64_t>(g[0]);
+    g[0] += 1.0f;
+    unit.post_backward();
+    sm.finish_backward();
   }
 };
 
@@ -186,6 +250,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+double min_of(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+
 // max/min over the repetitions: near 1 on a quiet machine; well above it means another
 // process competed for the CPU during the case and its numbers are inflated.
 double spread(const std::vector<double>& v) {
@@ -245,6 +311,44 @@ Result run_case(int world, int P, std::int64_t steps_opt, int reps, double targe
   return r;
 }
 
+// Tagged and untagged, interleaved, at world 8 (medians, ns per unit per step).
+struct TagResult {
+  int params = 0;
+  std::int64_t steps = 0;
+  double tagged_ns = 0, untagged_ns = 0;
+  std::vector<double> tagged_reps, untagged_reps;
+};
+
+TagResult run_tag_case(int P, std::int64_t steps_opt, int reps, double target_s) {
+  TagResult r;
+  r.params = P;
+  TaggedInstantComm tagged_comm, plain_comm;
+  tagged_comm.world = plain_comm.world = 8;
+  fsdp::UntaggedCommunicator<TaggedInstantComm> untagged_comm(plain_comm);
+  fsdp::HostDevice tagged_dev, untagged_dev;
+  Model tagged_model(P), untagged_model(P);
+  auto tagged_sm = fsdp::shard<fsdp::FullShard>(tagged_model, tagged_comm, tagged_dev);
+  auto untagged_sm = fsdp::shard<fsdp::FullShard>(untagged_model, untagged_comm, untagged_dev);
+  ModelCase tagged{tagged_model, tagged_sm, tagged_sm.unit("")};
+  ModelCase untagged{untagged_model, untagged_sm, untagged_sm.unit("")};
+  std::int64_t steps = steps_opt;
+  {
+    std::int64_t n = 256;
+    double ns = time_steps_ns(tagged, n);
+    while (ns < 2e7) { n *= 2; ns = time_steps_ns(tagged, n); }
+    time_steps_ns(untagged, n);
+    if (steps <= 0) steps = std::max<std::int64_t>(1000, static_cast<std::int64_t>(target_s * 1e9 / reps / (ns / n)));
+  }
+  r.steps = steps;
+  for (int rep = 0; rep < reps; ++rep) {
+    r.tagged_reps.push_back(time_steps_ns(tagged, steps) / static_cast<double>(steps));
+    r.untagged_reps.push_back(time_steps_ns(untagged, steps) / static_cast<double>(steps));
+  }
+  r.tagged_ns = median(r.tagged_reps);
+  r.untagged_ns = median(r.untagged_reps);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -297,6 +401,24 @@ int main(int argc, char** argv) {
       results.push_back(std::move(r));
     }
   }
+  std::cout << "\ntags: the step through a ShardedModel of the unit at world 8; tagged = every all-gather and\n"
+               "reduction carries its tag (packed, kept); untagged = UntaggedCommunicator, so the pass ends with\n"
+               "the order check (an 8-byte all-gather and a hash). ns per unit per step, medians; min ratio:\n"
+               "of the fastest reps (less disturbed by other processes).\n\n"
+            << std::right << std::setw(7) << "params" << std::setw(13) << "tagged ns" << std::setw(13) << "untagged ns"
+            << std::setw(9) << "ratio" << std::setw(12) << "diff ns" << std::setw(10) << "diff %" << std::setw(11)
+            << "min ratio" << "\n";
+  std::vector<TagResult> tag_results;
+  for (int P : param_counts) {
+    TagResult t = run_tag_case(P, steps, reps, target_s);
+    const double diff = t.tagged_ns - t.untagged_ns;
+    std::cout << std::setw(7) << t.params << std::fixed << std::setprecision(1) << std::setw(13) << t.tagged_ns
+              << std::setw(13) << t.untagged_ns << std::setprecision(3) << std::setw(9) << t.tagged_ns / t.untagged_ns
+              << std::setprecision(1) << std::setw(12) << diff << std::setw(9) << 100.0 * diff / t.untagged_ns << "%"
+              << std::setprecision(3) << std::setw(11) << min_of(t.tagged_reps) / min_of(t.untagged_reps) << "\n";
+    tag_results.push_back(std::move(t));
+  }
+
   double worst = 0;
   for (auto& r : results) worst = std::max(worst, r.lib_ns);
   std::cout << "\n"
@@ -330,6 +452,16 @@ int main(int argc, char** argv) {
                             {"collectives_per_step", r.collectives_per_step},
                             {"goal_met", r.lib_ns < kGoalNs}});
     }
+    for (auto& t : tag_results)
+      j["tags"].push_back({{"world", 8},
+                           {"params", t.params},
+                           {"steps", t.steps},
+                           {"tagged_ns", t.tagged_ns},
+                           {"untagged_ns", t.untagged_ns},
+                           {"ratio", t.tagged_ns / t.untagged_ns},
+                           {"min_ratio", min_of(t.tagged_reps) / min_of(t.untagged_reps)},
+                           {"tagged_reps_ns", t.tagged_reps},
+                           {"untagged_reps_ns", t.untagged_reps}});
     std::ofstream out(json_path);
     if (!out) {
       std::cerr << "overhead: cannot write " << json_path << "\n";

@@ -37,12 +37,15 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/tagged_calls.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/trace.hpp"
@@ -94,16 +97,28 @@ class AsyncCommunicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  Work all_gather(const void* s, void* r, std::size_t n, DType t) {
-    return issue("all_gather", n * static_cast<std::size_t>(size_) * size_of(t),
-                 [=](C& c) { c.all_gather(s, r, n, t).wait(); });
-  }
+  Work all_gather(const void* s, void* r, std::size_t n, DType t) { return gather(s, r, n, t, std::nullopt); }
   Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    return issue("reduce_scatter", n * static_cast<std::size_t>(size_) * size_of(t),
-                 [=](C& c) { c.reduce_scatter(s, r, n, t, op).wait(); });
+    return scatter(s, r, n, t, op, std::nullopt);
   }
   Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    return issue("all_reduce", n * size_of(t), [=](C& c) { c.all_reduce(s, r, n, t, op).wait(); });
+    return reduce(s, r, n, t, op, std::nullopt);
+  }
+  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
+  Work all_gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return gather(s, r, n, t, tag);
+  }
+  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return scatter(s, r, n, t, op, tag);
+  }
+  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return reduce(s, r, n, t, op, tag);
   }
   Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) {
     return issue("broadcast", n * size_of(t), [=](C& c) { c.broadcast(s, r, n, t, root).wait(); });
@@ -273,6 +288,21 @@ class AsyncCommunicator {
     std::string failure, failed_op;  // what failed first, and its message
     std::thread worker;              // last: starts after everything it uses exists
   };
+
+  // The tag is copied into the queued call: the caller's may be gone when it runs.
+  using MaybeTag = std::optional<CollectiveTag>;
+  static const CollectiveTag* tag_of(const MaybeTag& t) { return t ? &*t : nullptr; }
+  Work gather(const void* s, void* r, std::size_t n, DType t, MaybeTag tag) {
+    return issue("all_gather", n * static_cast<std::size_t>(size_) * size_of(t),
+                 [=](C& c) { detail::all_gather(c, s, r, n, t, tag_of(tag)).wait(); });
+  }
+  Work scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, MaybeTag tag) {
+    return issue("reduce_scatter", n * static_cast<std::size_t>(size_) * size_of(t),
+                 [=](C& c) { detail::reduce_scatter(c, s, r, n, t, op, tag_of(tag)).wait(); });
+  }
+  Work reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, MaybeTag tag) {
+    return issue("all_reduce", n * size_of(t), [=](C& c) { detail::all_reduce(c, s, r, n, t, op, tag_of(tag)).wait(); });
+  }
 
   Work issue(const char* what, std::size_t bytes, std::function<void(C&)> run) {
     if (!stream_) detail::fail("AsyncCommunicator: ", what, " called on a moved-from object");

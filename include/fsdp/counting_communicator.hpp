@@ -6,7 +6,9 @@
 #include <array>
 #include <memory>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/tagged_calls.hpp"
 
 namespace fsdp {
 
@@ -33,17 +35,26 @@ class CountingCommunicator {
   int rank() const { return inner_->rank(); }
   int size() const { return inner_->size(); }
 
-  Work all_gather(const void* s, void* r, std::size_t n, DType t) {
-    note(Collective::all_gather, n * static_cast<std::size_t>(size()), t);
-    return inner_->all_gather(s, r, n, t);
-  }
+  Work all_gather(const void* s, void* r, std::size_t n, DType t) { return gather(s, r, n, t, nullptr); }
   Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    note(Collective::reduce_scatter, n * static_cast<std::size_t>(size()), t);
-    return inner_->reduce_scatter(s, r, n, t, op);
+    return scatter(s, r, n, t, op, nullptr);
   }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    note(Collective::all_reduce, n, t);
-    return inner_->all_reduce(s, r, n, t, op);
+  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) { return reduce(s, r, n, t, op, nullptr); }
+  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
+  Work all_gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return gather(s, r, n, t, &tag);
+  }
+  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return scatter(s, r, n, t, op, &tag);
+  }
+  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return reduce(s, r, n, t, op, &tag);
   }
   Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) {
     note(Collective::broadcast, n, t);
@@ -71,6 +82,19 @@ class CountingCommunicator {
   friend class CountingCommunicator;
   explicit CountingCommunicator(std::shared_ptr<C> owned)
       : owned_(std::move(owned)), inner_(owned_.get()), counts_(std::make_shared<CollectiveCounts>()) {}
+
+  Work gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag* tag) {
+    note(Collective::all_gather, n * static_cast<std::size_t>(size()), t);
+    return detail::all_gather(*inner_, s, r, n, t, tag);
+  }
+  Work scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) {
+    note(Collective::reduce_scatter, n * static_cast<std::size_t>(size()), t);
+    return detail::reduce_scatter(*inner_, s, r, n, t, op, tag);
+  }
+  Work reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) {
+    note(Collective::all_reduce, n, t);
+    return detail::all_reduce(*inner_, s, r, n, t, op, tag);
+  }
 
   void note(Collective c, std::size_t elements, DType t) {
     auto& e = (*counts_)[c];

@@ -7,14 +7,17 @@
 // the recorded order, and a prefetching unit that runs out of that order is reported (a
 // unit gathered ahead that does not run is dropped at finish_backward). A unit used several
 // times per pass appears once per use; a forward-only pass before the first backward ends
-// with reshard(), or the next pass is recorded as more of the same one. Every pass is also
-// checked across ranks as it ends (fsdp/detail/pass_check.hpp): one 8-byte all-gather.
+// with reshard(), or the next pass is recorded as more of the same one. In every iteration
+// each all-gather and reduction of a unit carries its tag (tag(): unit, phase, pass), which
+// a TaggedCommunicator compares across ranks; over a communicator without tags every pass
+// is checked as it ends instead (fsdp/detail/pass_check.hpp): one 8-byte all-gather.
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/pass_check.hpp"
 #include "fsdp/dtype.hpp"
@@ -27,11 +30,20 @@ class Trace;
 
 enum class Pass : std::uint8_t { forward, backward };
 
-class ExecutionOrder {
+class ExecutionOrder final : public UnitNames {
  public:
   // At most this many units gathered ahead of the one computing (FSDP's limit_all_gathers).
   int max_prefetched = 2;
   Trace* trace = nullptr;  // where units record their spans; null: no tracing
+
+  // The tag of unit `index`'s collectives now (fsdp/collective_tag.hpp): its all-gathers
+  // are tagged forward or backward by the pass the model is in (a prefetch by the pass of
+  // the unit that issues it), reductions as such; every rank doing the same makes the same.
+  CollectiveTag tag(int index, TagPhase phase) const {
+    if (phase == TagPhase::forward && in_backward_) phase = TagPhase::backward;
+    return {static_cast<std::uint32_t>(index), phase, forward_pass_, this};
+  }
+  std::string unit_name(int index) const override { return name_of(index); }
 
   // Registers a unit; returns its index, which the unit passes back to enter().
   int add_unit(UnitBase* u) {
@@ -71,7 +83,8 @@ class ExecutionOrder {
   void finish_reductions();
 
   // The end of a pass (finish_backward, or reshard() after a forward-only pass): every rank
-  // ran the same units in the same order, or an error on every rank naming where not.
+  // ran the same units in the same order, or an error on every rank naming where not. Only
+  // over a communicator without tags (which check each collective instead).
   void check_pass() {
     passes_.check([this](int i) { return name_of(i); });
   }

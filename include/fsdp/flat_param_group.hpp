@@ -192,22 +192,22 @@ class FlatParamGroup {
   // rank's slot of that buffer and gathered in place (NCCL's in-place all-gather), so no
   // staging copy is ever alive. A narrower `wire` dtype (CommPrecision) gathers into a
   // `wire` buffer instead, widened into the `as` buffer once it arrives (finish_gather).
-  // Replicated parameters need no collective.
-  void start_gather(FlatParam& fp, DType as, DType wire) {
+  // Replicated parameters need no collective. `tag` (may be null) goes with the all-gather.
+  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     fp.full_dtype = as;
     if (fp.direct) { fp.full = fp.shard; return; }
     fp.unbound = true;
     if (fp.post_forward) {  // kept by a partial reshard, in the gathered compute dtype
-      if (as == fp.compute) return post_forward_.start_gather(fp, as, device_);
+      if (as == fp.compute) return post_forward_.start_gather(fp, as, device_, tag);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
     }
     if (wire != as && groups_.shards_parameters) {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
       device_.cast(mine, wire, fp.shard, fp.master(), S);
-      fp.gather_work = groups_.shard.all_gather(mine, fp.wire, S, wire);
+      fp.gather_work = groups_.shard.all_gather(mine, fp.wire, S, wire, tag);
       return;
     }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
@@ -215,7 +215,7 @@ class FlatParamGroup {
     const bool staged = offload || as != fp.master() || !groups_.shards_parameters;
     if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
     if (groups_.shards_parameters)
-      fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as);
+      fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as, tag);
   }
 
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
@@ -236,11 +236,11 @@ class FlatParamGroup {
   }
 
   // Issues the all-gathers not yet issued; returns whether it issued any.
-  bool start_gathers() {
+  bool start_gathers(const CollectiveTag* tag) {
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.gather_issued()) continue;
-      start_gather(fp, fp.compute, fp.gather);
+      start_gather(fp, fp.compute, fp.gather, tag);
       issued = true;
     }
     return issued;
@@ -249,17 +249,17 @@ class FlatParamGroup {
   // Makes the parameters valid in the compute dtype: waits for a prefetched all-gather, or
   // issues one and waits. Parameters already valid (replicated in place, or kept since
   // forward) cost nothing: not even a rebind.
-  void unshard(const detail::TracedWait& wait) {
+  void unshard(const detail::TracedWait& wait, const CollectiveTag* tag) {
     for (auto& fp : flat_) {
-      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather);
+      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag);
       if (fp.unbound) finish_gather(fp, fp.compute, wait);
     }
   }
 
   // Full parameters in their own (master) dtype, for summon_full_params.
-  void unshard_master(const detail::TracedWait& wait) {
+  void unshard_master(const detail::TracedWait& wait, const CollectiveTag* tag) {
     for (auto& fp : flat_) {
-      start_gather(fp, fp.master(), fp.master());
+      start_gather(fp, fp.master(), fp.master(), tag);
       finish_gather(fp, fp.master(), wait);
     }
   }
@@ -353,8 +353,8 @@ class FlatParamGroup {
   void unbind_gradients() {
     for (auto& fp : flat_) detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
   }
-  bool start_reductions(bool grad_is_zero, detail::GradientPlan plan) {
-    return reduction_.start_reductions(flat_, grad_is_zero, plan);
+  bool start_reductions(bool grad_is_zero, detail::GradientPlan plan, const CollectiveTag* tag) {
+    return reduction_.start_reductions(flat_, grad_is_zero, plan, tag);
   }
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   // The host-side check of the reductions the device waited for (finish_backward).

@@ -130,7 +130,7 @@ class Sharded final : public UnitBase {
     expect({TrainingState::IDLE}, "summon_full_params");
     detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
-    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter());
+    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
     summon_checks_writeback_ = options.check_writeback;
     buffers_.show_master(true);
     state_ = TrainingState::SUMMON_FULL_PARAMS;
@@ -288,7 +288,7 @@ class Sharded final : public UnitBase {
   bool start_reduction() {
     uses_.reduced();
     const auto plan = detail::plan_gradient(sync_, group_.groups());
-    const bool inline_done = group_.start_reductions(grad_is_zero_, plan);
+    const bool inline_done = group_.start_reductions(grad_is_zero_, plan, tag(TagPhase::reduce));
     if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
     if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
     grad_hook_.arm(detail::gradient_is_final(sync_, plan));  // the hook runs once it completes
@@ -306,8 +306,16 @@ class Sharded final : public UnitBase {
     else return std::nullopt;  // without mixed precision buffers stay the engine's
   }
 
+  // The tag of the collective this unit issues now (fsdp/collective_tag.hpp): an
+  // all-gather's says forward or backward, by the model's pass. None outside a model.
+  const CollectiveTag* tag(TagPhase phase) {
+    if (!order_) return nullptr;
+    tag_ = order_->tag(order_index_, phase);
+    return &tag_;
+  }
+
   void unshard() {
-    group_.unshard(waiter());
+    group_.unshard(waiter(), tag(TagPhase::forward));
     if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
   }
 
@@ -330,6 +338,7 @@ class Sharded final : public UnitBase {
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup<config> group_;
+  CollectiveTag tag_;  // what tag() hands out
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward
   bool kept_after_backward_ = false;  // kept whole by a backward for the next forward

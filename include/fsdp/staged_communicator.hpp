@@ -19,7 +19,9 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/tagged_calls.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
@@ -35,19 +37,28 @@ class StagedCommunicator {
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
 
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
-    const std::size_t chunk = count * size_of(t);
-    return stage(send, chunk, recv, chunk * static_cast<std::size_t>(size()),
-                 [&](const void* s, void* r) { return comm_->all_gather(s, r, count, t); });
-  }
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) { return gather(send, recv, count, t, nullptr); }
   Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const std::size_t chunk = count * size_of(t);
-    return stage(send, chunk * static_cast<std::size_t>(size()), recv, chunk,
-                 [&](const void* s, void* r) { return comm_->reduce_scatter(s, r, count, t, op); });
+    return scatter(send, recv, count, t, op, nullptr);
   }
   Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const std::size_t bytes = count * size_of(t);
-    return stage(send, bytes, recv, bytes, [&](const void* s, void* r) { return comm_->all_reduce(s, r, count, t, op); });
+    return reduce(send, recv, count, t, op, nullptr);
+  }
+  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return gather(send, recv, count, t, &tag);
+  }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return scatter(send, recv, count, t, op, &tag);
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires TaggedCommunicator<C>
+  {
+    return reduce(send, recv, count, t, op, &tag);
   }
   Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
     const std::size_t bytes = count * size_of(t);
@@ -73,6 +84,22 @@ class StagedCommunicator {
  private:
   template <Communicator, Device> friend class StagedCommunicator;
   StagedCommunicator(std::shared_ptr<C> owned, D& device) : comm_(owned.get()), device_(&device), owned_(std::move(owned)) {}
+
+  Work gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag* tag) {
+    const std::size_t chunk = count * size_of(t);
+    return stage(send, chunk, recv, chunk * static_cast<std::size_t>(size()),
+                 [&](const void* s, void* r) { return detail::all_gather(*comm_, s, r, count, t, tag); });
+  }
+  Work scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
+    const std::size_t chunk = count * size_of(t);
+    return stage(send, chunk * static_cast<std::size_t>(size()), recv, chunk,
+                 [&](const void* s, void* r) { return detail::reduce_scatter(*comm_, s, r, count, t, op, tag); });
+  }
+  Work reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
+    const std::size_t bytes = count * size_of(t);
+    return stage(send, bytes, recv, bytes,
+                 [&](const void* s, void* r) { return detail::all_reduce(*comm_, s, r, count, t, op, tag); });
+  }
 
   template <class Run>
   Work stage(const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes, Run&& run) {

@@ -128,7 +128,7 @@ TEST_CASE("bytes moved: bf16 parameters halve the all-gathers; Reduce sets the r
       engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
       counted.reset();
       engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1));
-      if (comm.rank() == 0) counts = test_support::without_order_checks(counted.counts(), 4);
+      if (comm.rank() == 0) counts = counted.counts();  // no order check of its own: tags
     });
     return counts;
   };

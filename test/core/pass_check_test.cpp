@@ -1,8 +1,10 @@
-// Every pass, not only the first iteration, is checked across ranks as it ends
+// Over a communicator without tags (a user's own; here UntaggedCommunicator), every pass,
+// not only the first iteration, is checked across ranks as it ends
 // (fsdp/detail/pass_check.hpp): a rank that swaps two same-sized units (whose collectives
 // would pair silently), or runs an evaluation pass in another order, is an error on every
 // rank at finish_backward / reshard(), before any optimizer step, naming what each rank ran.
-// Plain training pays one 8-byte all-gather per pass.
+// Plain training pays one 8-byte all-gather per pass. Tagged communicators check every
+// collective instead (test/faults/collective_tag_test.cpp) and pay nothing here.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -15,7 +17,8 @@
 namespace {
 
 using test_support::contains;
-using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
+using Untagged = fsdp::UntaggedCommunicator<fsdp::ThreadComm>;
+using Counting = fsdp::CountingCommunicator<Untagged>;
 
 engine::ModelConfig config() {
   engine::ModelConfig c;
@@ -45,9 +48,10 @@ const std::vector<std::string> swapped{"blocks.1", "blocks.0", "blocks.2", "gain
 
 TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on every rank at finish_backward") {
   const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    Untagged untagged(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
     iteration(sm, usual);
     iteration(sm, usual);
     iteration(sm, comm.rank() == 1 ? swapped : usual);  // the all-gathers pair silently: same sizes
@@ -62,9 +66,10 @@ TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on ev
 
 TEST_CASE("after the error every unit asks for abort_step; after it, training goes on") {
   const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    Untagged untagged(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
     iteration(sm, usual);
     try {
       iteration(sm, comm.rank() == 0 ? swapped : usual);
@@ -81,9 +86,10 @@ TEST_CASE("after the error every unit asks for abort_step; after it, training go
 
 TEST_CASE("an evaluation pass in another order: an error at reshard()") {
   const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    Untagged untagged(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
     iteration(sm, usual);
     iteration(sm, usual, false);
     iteration(sm, comm.rank() == 0 ? usual : swapped, false);
@@ -94,9 +100,10 @@ TEST_CASE("an evaluation pass in another order: an error at reshard()") {
 TEST_CASE("a rank that skips a unit in an evaluation pass: named as having ended its pass") {
   // NoShard: forward runs no collective of its own, so only the pass check can see it.
   const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    Untagged untagged(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
     iteration(sm, usual);
     iteration(sm, comm.rank() == 0 ? usual : std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}, false);
   });
@@ -106,10 +113,11 @@ TEST_CASE("a rank that skips a unit in an evaluation pass: named as having ended
   }
 }
 
-TEST_CASE("plain training pays one 8-byte all-gather per pass") {
+TEST_CASE("plain training over an untagged communicator pays one 8-byte all-gather per pass") {
   std::vector<fsdp::CollectiveCounts> counts(2);
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
-    Counting counted(comm);
+    Untagged untagged(comm);
+    Counting counted(untagged);
     engine::Model model(config());
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
@@ -122,4 +130,19 @@ TEST_CASE("plain training pays one 8-byte all-gather per pass") {
     CHECK(c[fsdp::Collective::all_gather].calls == 1);  // NoShard gathers nothing: only the check
     CHECK(c[fsdp::Collective::all_gather].bytes == 16);  // 8 bytes from each of 2 ranks
   }
+}
+
+TEST_CASE("a tagged communicator has no check at the end of the pass") {
+  std::vector<fsdp::CollectiveCounts> counts(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
+    iteration(sm, usual);
+    counted.reset();
+    iteration(sm, usual);
+    counts[comm.rank()] = counted.counts();
+  });
+  for (const auto& c : counts) CHECK(c[fsdp::Collective::all_gather].calls == 0);  // NoShard gathers nothing
 }

@@ -127,7 +127,6 @@ Run train(int world, Knobs knobs, int steps, fsdp::MeshShape mesh_shape = {}) {
 std::uint64_t gathers(const fsdp::CollectiveCounts& c) { return c[Collective::all_gather].calls; }
 
 constexpr int units = 5;  // the root and its 4 children (engine::Wrap): every unit gathers one flat parameter
-constexpr int pass_checks = 1;  // per backward: the order check's all-gather (fsdp/detail/pass_check.hpp)
 
 }  // namespace
 
@@ -144,9 +143,9 @@ TEST_CASE_TEMPLATE("partial reshard: the same parameters as a full reshard, the 
     CAPTURE(r);
     // Full reshard: every unit gathers in forward; in backward all but the root (kept from
     // forward for the backward that starts with it) gather again, over the world.
-    CHECK(gathers(full.world[r]) == units + units - 1 + pass_checks);
+    CHECK(gathers(full.world[r]) == units + units - 1);
     // Partial: the backward all-gathers run in the group of 2, moving the same bytes.
-    CHECK(gathers(partial.world[r]) == units + pass_checks);
+    CHECK(gathers(partial.world[r]) == units);
     CHECK(gathers(partial.post[r]) == units - 1);
     CHECK(partial.post[r][Collective::all_gather].bytes + partial.world[r][Collective::all_gather].bytes ==
           full.world[r][Collective::all_gather].bytes);
@@ -199,7 +198,7 @@ TEST_CASE("reshard_after_forward switched at run time") {
   CHECK(kept.params == full.params);
   CHECK(zero3.params == full.params);
   for (int r = 0; r < 2; ++r) {
-    CHECK(gathers(kept.world[r]) == units + pass_checks);  // forward only, as ShardGradOp
+    CHECK(gathers(kept.world[r]) == units);  // forward only, as ShardGradOp
     CHECK(gathers(zero3.world[r]) == gathers(full.world[r]));
     CHECK(kept.live_after_forward[r][1] > full.live_after_forward[r][1]);
   }
@@ -214,9 +213,9 @@ TEST_CASE("reshard_after_backward off while accumulating: the next forward needs
     // Each unit agrees on its settings at the first and the last micro-batch's backward,
     // where they change (one small all-gather each).
     const int agreements = 2 * units;
-    CHECK(gathers(plain.world[r]) == k * (units + units - 1 + pass_checks) + agreements);
+    CHECK(gathers(plain.world[r]) == k * (units + units - 1) + agreements);
     // Micro-batches 2..k find their parameters kept by the previous backward.
-    CHECK(gathers(kept.world[r]) == units + k * (units - 1 + pass_checks) + agreements);
+    CHECK(gathers(kept.world[r]) == units + k * (units - 1) + agreements);
     CHECK(kept.live[r] == plain.live[r]);  // after the synchronized backward nothing stays
   }
 }

@@ -102,13 +102,9 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
   using fsdp::Collective;
   // Where each collective runs: hybrid uses the mesh's groups, the others the world.
   const fsdp::CollectiveCounts& sharding = p.hybrid ? got.shard : got.world;
-  // Every pass ends with the cross-rank order check: one all-gather of 8 bytes per rank over
-  // the world (fsdp/detail/pass_check.hpp), none on one rank.
-  const std::uint64_t checks = shape.size() > 1 ? 1 : 0, check_bytes = checks * 8 * static_cast<std::uint64_t>(shape.size());
-  const std::uint64_t sharding_checks = p.hybrid ? 0 : checks, sharding_check_bytes = p.hybrid ? 0 : check_bytes;
-  CHECK(sharding[Collective::all_gather].calls == gathers_per_unit * n - (root_kept ? 1 : 0) + sharding_checks);
-  CHECK(sharding[Collective::all_gather].bytes ==
-        gathers_per_unit * gather_bytes - (root_kept ? root_gather_bytes : 0) + sharding_check_bytes);
+  // No order check of its own: ThreadComm checks each collective's tag (fsdp/collective_tag.hpp).
+  CHECK(sharding[Collective::all_gather].calls == gathers_per_unit * n - (root_kept ? 1 : 0));
+  CHECK(sharding[Collective::all_gather].bytes == gathers_per_unit * gather_bytes - (root_kept ? root_gather_bytes : 0));
   if (p.shards) {
     CHECK(sharding[Collective::reduce_scatter].calls == n);
     CHECK(sharding[Collective::reduce_scatter].bytes == reduce_bytes);
@@ -133,8 +129,7 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
     CHECK((*c)[Collective::barrier].calls == 0);
   }
   if (p.hybrid) {
-    CHECK(got.world[Collective::all_gather].calls == checks);
-    for (auto k : {Collective::reduce_scatter, Collective::all_reduce}) CHECK(got.world[k].calls == 0);
+    for (auto k : {Collective::all_gather, Collective::reduce_scatter, Collective::all_reduce}) CHECK(got.world[k].calls == 0);
   }
   else for (const auto* c : {&got.shard, &got.replicate}) for (auto& e : c->by_kind) CHECK(e.calls == 0);
 }

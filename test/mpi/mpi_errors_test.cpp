@@ -22,6 +22,30 @@ using fsdp::ReduceOp;
 using test_mpi::contains;
 using test_mpi::error_of;
 
+TEST_CASE("collective tags: equal ones gather; different ones fail on every rank naming each rank's unit") {
+  struct Names final : fsdp::UnitNames {
+    std::string unit_name(int index) const override { return "block" + std::to_string(index); }
+  } names;
+  auto comm = test_mpi::world();
+  static_assert(fsdp::TaggedCommunicator<fsdp::MpiComm>);
+  std::vector<float> mine(2, static_cast<float>(comm.rank())), all(2 * comm.size());
+  comm.all_gather(mine.data(), all.data(), 2, DType::f32, fsdp::CollectiveTag{3, fsdp::TagPhase::forward, 1, &names}).wait();
+  for (int r = 0; r < comm.size(); ++r) CHECK(all[2 * r + 1] == static_cast<float>(r));
+  if (comm.size() > 1) {
+    const fsdp::CollectiveTag tag{static_cast<std::uint32_t>(comm.rank() == 1 ? 4 : 3), fsdp::TagPhase::reduce, 1, &names};
+    const std::string e =
+        error_of([&] { comm.all_reduce(mine.data(), mine.data(), 2, DType::f32, ReduceOp::sum, tag).wait(); });
+    CHECK(contains(e, "collective mismatch"));
+    CHECK(contains(e, "rank 0 called all_reduce(count=2, dtype=f32, op=sum) of unit 'block3' (gradient reduction, pass 1)"));
+    CHECK(contains(e, "rank 1 called all_reduce(count=2, dtype=f32, op=sum) of unit 'block4' (gradient reduction, pass 1)"));
+  }
+  // Both calls completed on every rank: still in step, nothing broken.
+  CHECK_FALSE(comm.broken());
+  std::int32_t one = 1, total = 0;
+  comm.all_reduce(&one, &total, 1, DType::i32, ReduceOp::sum).wait();
+  CHECK(total == comm.size());
+}
+
 TEST_CASE("argument errors: refused before MPI, named, and the communicator stays in step") {
   auto comm = test_mpi::world();
   const std::string me = "rank " + std::to_string(comm.rank()) + " of MPI communicator 'world'";

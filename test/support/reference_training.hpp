@@ -46,17 +46,6 @@ inline std::vector<std::int64_t> unit_numels(const engine::ModelConfig& c) {
   return u;
 }
 
-// A step's collectives without the cross-rank order check that ends each pass
-// (fsdp/detail/pass_check.hpp): one all-gather of 8 bytes from each of `world` ranks per
-// pass, none on one rank. For comparisons of what precisions or strategies move.
-inline fsdp::CollectiveCounts without_order_checks(fsdp::CollectiveCounts c, int world, int passes = 1) {
-  if (world == 1) return c;
-  auto& ag = c[fsdp::Collective::all_gather];
-  ag.calls -= static_cast<std::uint64_t>(passes);
-  ag.bytes -= static_cast<std::uint64_t>(passes) * 8 * static_cast<std::uint64_t>(world);
-  return c;
-}
-
 // The reference engine sharded over `comm` with the policies Ps: over a mesh of `shape`
 // built into `mesh` when the strategy (the first policy) is hybrid, else over `comm` itself.
 template <class Strategy, class... Ps, class C>

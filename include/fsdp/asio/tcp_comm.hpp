@@ -97,6 +97,7 @@ struct TcpCommLinks {
 
 class TcpComm : public detail::CollectiveCalls<TcpComm> {
  public:
+  static constexpr bool checks_tags = true;  // in each frame's header, against the receiver's call
   using Options = TcpCommOptions;
 
   // Collective over `size` ranks sharing `store`: blocks until this rank is connected to

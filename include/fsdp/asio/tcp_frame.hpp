@@ -1,10 +1,11 @@
 #pragma once
-// The bytes TcpComm puts on the wire: a fixed 40-byte header before every payload, and the
+// The bytes TcpComm puts on the wire: a fixed 48-byte header before every payload, and the
 // handshake that opens each ring connection.
 //
 // Every DATA frame repeats the sender's call (sequence number, kind, count, dtype, op,
-// root) and its position in the collective (frame index, payload bytes; on a shared-memory
-// link the payload is in the shared ring instead of after the header). The receiver
+// root, and the library's CollectiveTag: which unit, phase and pass) and its position in
+// the collective (frame index, payload bytes; on a shared-memory link the payload is in the
+// shared ring instead of after the header). The receiver
 // compares them with its own call before it touches the payload, so ranks that issue
 // different collectives fail naming both calls instead of mixing their bytes. An ABORT
 // frame carries a failure's message (UTF-8, at most kMaxAbortBytes) to a neighbour.
@@ -38,7 +39,7 @@ enum class FrameType : std::uint8_t { data = 1, abort = 2, credit = 3 };
 
 struct FrameHeader {
   static constexpr std::uint32_t kMagic = 0x46534450;  // "PDSF" in memory: fsdp data frame
-  static constexpr std::size_t kSize = 40;
+  static constexpr std::size_t kSize = 48;
   static constexpr std::size_t kMaxAbortBytes = 64 * 1024;
 
   FrameType type = FrameType::data;
@@ -50,9 +51,10 @@ struct FrameHeader {
   std::uint64_t seq = 0;
   std::uint64_t count = 0;
   std::uint64_t bytes = 0;  // payload that follows
+  std::uint64_t tag = 0;    // CollectiveCall::tag (0: untagged)
 
   static FrameHeader data_for(const CollectiveCall& c, std::uint32_t index, std::uint64_t bytes) {
-    return {FrameType::data, c.kind, c.dtype, c.op, c.root, index, c.seq, c.count, bytes};
+    return {FrameType::data, c.kind, c.dtype, c.op, c.root, index, c.seq, c.count, bytes, c.tag};
   }
   static FrameHeader credit() {
     FrameHeader h;
@@ -66,8 +68,9 @@ struct FrameHeader {
     return h;
   }
 
-  // The call this frame says its sender made (pointers left null).
-  CollectiveCall call() const {
+  // The call this frame says its sender made (pointers left null; `names` names the
+  // tag's unit in messages: the receiver's, as every rank's model has the same units).
+  CollectiveCall call(const UnitNames* names = nullptr) const {
     CollectiveCall c;
     c.kind = kind;
     c.dtype = dtype;
@@ -75,6 +78,8 @@ struct FrameHeader {
     c.root = root;
     c.count = count;
     c.seq = seq;
+    c.tag = tag;
+    c.names = names;
     return c;
   }
   bool matches(const CollectiveCall& c) const { return call().same_shape(c) && seq == c.seq; }
@@ -90,6 +95,7 @@ struct FrameHeader {
     put_le(out + 16, seq);
     put_le(out + 24, count);
     put_le(out + 32, bytes);
+    put_le(out + 40, tag);
   }
 
   // The header in `in`, or what is wrong with it.
@@ -117,6 +123,7 @@ struct FrameHeader {
       h.seq = get_le<std::uint64_t>(in + 16);
       h.count = get_le<std::uint64_t>(in + 24);
       h.bytes = get_le<std::uint64_t>(in + 32);
+      h.tag = get_le<std::uint64_t>(in + 40);
       if (h.type != FrameType::abort || h.bytes <= kMaxAbortBytes) return h;
       problem = "abort frame of " + std::to_string(h.bytes) + " bytes";
     }
@@ -129,7 +136,7 @@ struct FrameHeader {
 // must share. The acceptor answers with a HelloReply.
 struct Hello {
   static constexpr std::uint32_t kMagic = 0x48534446;  // "FDSH"
-  static constexpr std::uint32_t kVersion = 2;  // 2: the shared-memory handshake follows
+  static constexpr std::uint32_t kVersion = 3;  // 2: the shared-memory handshake; 3: frames carry the tag
   static constexpr std::size_t kFixedSize = 32;
   static constexpr std::size_t kMaxPrefix = 4096;
 

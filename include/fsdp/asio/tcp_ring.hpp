@@ -234,7 +234,7 @@ class TcpRing {
     const FrameHeader& h = left_header_;
     if (!h.matches(*call_)) {
       local_failure_ = "collective mismatch: rank " + std::to_string(rank_) + " called " + call_->describe() +
-                       " but rank " + std::to_string(left_rank_) + " called " + h.call().describe();
+                       " but rank " + std::to_string(left_rank_) + " called " + h.call(call_->names).describe();
     } else if (h.index != recvs_done_ || h.bytes != f.bytes) {
       std::ostringstream os;
       os << where() << "frame " << h.index << " (" << h.bytes << " bytes) from rank " << left_rank_ << " in "

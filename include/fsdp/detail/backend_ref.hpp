@@ -3,7 +3,9 @@
 // its module and policies, not the backend (as in the design's Sharded<Block, FullShard>);
 // the backend is picked at construction and reached through one indirect call per
 // collective or allocation, which is noise next to the work behind it.
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/tagged_calls.hpp"
 #include "fsdp/device.hpp"
 
 namespace fsdp::detail {
@@ -14,13 +16,19 @@ class CommRef {
   explicit CommRef(C& c) : obj_(&c), vt_(&table<C>) {}
   int rank() const { return vt_->rank(obj_); }
   int size() const { return vt_->size(obj_); }
-  Work all_gather(const void* s, void* r, std::size_t n, DType t) const { return vt_->all_gather(obj_, s, r, n, t); }
-  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) const {
-    return vt_->reduce_scatter(obj_, s, r, n, t, op);
+  // With a tag (null: none): a unit's collectives, checked across ranks by a
+  // communicator that takes tags, plain calls on one that does not.
+  Work all_gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag* tag = nullptr) const {
+    return vt_->all_gather(obj_, s, r, n, t, tag);
   }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) const {
-    return vt_->all_reduce(obj_, s, r, n, t, op);
+  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag = nullptr) const {
+    return vt_->reduce_scatter(obj_, s, r, n, t, op, tag);
   }
+  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag = nullptr) const {
+    return vt_->all_reduce(obj_, s, r, n, t, op, tag);
+  }
+  // Whether the communicator compares tags (TaggedCommunicator).
+  bool checks_tags() const { return vt_->checks_tags; }
   Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) const {
     return vt_->broadcast(obj_, s, r, n, t, root);
   }
@@ -31,27 +39,31 @@ class CommRef {
   struct VTable {
     int (*rank)(void*);
     int (*size)(void*);
-    Work (*all_gather)(void*, const void*, void*, std::size_t, DType);
-    Work (*reduce_scatter)(void*, const void*, void*, std::size_t, DType, ReduceOp);
-    Work (*all_reduce)(void*, const void*, void*, std::size_t, DType, ReduceOp);
+    Work (*all_gather)(void*, const void*, void*, std::size_t, DType, const CollectiveTag*);
+    Work (*reduce_scatter)(void*, const void*, void*, std::size_t, DType, ReduceOp, const CollectiveTag*);
+    Work (*all_reduce)(void*, const void*, void*, std::size_t, DType, ReduceOp, const CollectiveTag*);
     Work (*broadcast)(void*, const void*, void*, std::size_t, DType, int);
     Work (*barrier)(void*);
+    bool checks_tags;
   };
   template <class C>
   static constexpr VTable table{
       [](void* o) { return static_cast<int>(static_cast<C*>(o)->rank()); },
       [](void* o) { return static_cast<int>(static_cast<C*>(o)->size()); },
-      [](void* o, const void* s, void* r, std::size_t n, DType t) -> Work { return static_cast<C*>(o)->all_gather(s, r, n, t); },
-      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op) -> Work {
-        return static_cast<C*>(o)->reduce_scatter(s, r, n, t, op);
+      [](void* o, const void* s, void* r, std::size_t n, DType t, const CollectiveTag* tag) -> Work {
+        return detail::all_gather(*static_cast<C*>(o), s, r, n, t, tag);
       },
-      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op) -> Work {
-        return static_cast<C*>(o)->all_reduce(s, r, n, t, op);
+      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) -> Work {
+        return detail::reduce_scatter(*static_cast<C*>(o), s, r, n, t, op, tag);
+      },
+      [](void* o, const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) -> Work {
+        return detail::all_reduce(*static_cast<C*>(o), s, r, n, t, op, tag);
       },
       [](void* o, const void* s, void* r, std::size_t n, DType t, int root) -> Work {
         return static_cast<C*>(o)->broadcast(s, r, n, t, root);
       },
       [](void* o) -> Work { return static_cast<C*>(o)->barrier(); },
+      TaggedCommunicator<C>,
   };
   void* obj_;
   const VTable* vt_;

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/host_math.hpp"
 #include "fsdp/error.hpp"
@@ -43,9 +44,12 @@ struct CollectiveCall {
   ReduceOp op = ReduceOp::sum;
   int root = 0;
   std::uint64_t seq = 0;  // per-rank call number, for messages
+  std::uint64_t tag = 0;  // CollectiveTag::packed(), or 0: untagged
+  const UnitNames* names = nullptr;  // names the tag's unit in messages (never sent)
 
+  // The tag too: two ranks gathering different units of the same size are a mismatch.
   bool same_shape(const CollectiveCall& o) const {
-    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root;
+    return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root && tag == o.tag;
   }
   std::string describe() const {
     std::ostringstream os;
@@ -54,6 +58,7 @@ struct CollectiveCall {
     if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) os << ", op=" << fsdp::name_of(op);
     if (kind == CollectiveKind::broadcast) os << ", root=" << root;
     if (kind != CollectiveKind::barrier) os << ")";
+    if (tag) os << " of " << CollectiveTag::unpack(tag, names).describe();
     os << " as collective #" << seq;
     return os.str();
   }
@@ -74,9 +79,14 @@ inline void finish_avg(void* sum, std::size_t n, DType t, int ranks) {
   });
 }
 
+template <class Backend>
+concept backend_checks_tags = requires { requires Backend::checks_tags; };
+
 // The five collectives of the Communicator concept for a backend that runs every call
 // through one private `Work issue(CollectiveCall)` (made visible with
-// `friend class detail::CollectiveCalls<Backend>;`).
+// `friend class detail::CollectiveCalls<Backend>;`). A backend whose issue() compares the
+// ranks' tags (same_shape does) declares `static constexpr bool checks_tags = true` and
+// gets the tagged calls of TaggedCommunicator too.
 template <class Backend>
 class CollectiveCalls {
  public:
@@ -96,7 +106,28 @@ class CollectiveCalls {
   }
   Work barrier() { return self().issue({CollectiveKind::barrier}); }
 
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag)
+    requires backend_checks_tags<Backend>
+  {
+    return self().issue(tagged({CollectiveKind::all_gather, send, recv, count, t}, tag));
+  }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires backend_checks_tags<Backend>
+  {
+    return self().issue(tagged({CollectiveKind::reduce_scatter, send, recv, count, t, op}, tag));
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
+    requires backend_checks_tags<Backend>
+  {
+    return self().issue(tagged({CollectiveKind::all_reduce, send, recv, count, t, op}, tag));
+  }
+
  private:
+  static CollectiveCall tagged(CollectiveCall c, const CollectiveTag& tag) {
+    c.tag = tag.packed();
+    c.names = tag.names;
+    return c;
+  }
   Backend& self() { return static_cast<Backend&>(*this); }
 };
 

@@ -4,6 +4,7 @@
 // over the replicate group, into the sharded gradient, with every buffer this needs.
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
@@ -89,7 +90,9 @@ class GradientReduction {
 
   // Unbinds the gradients and issues every reduction the plan asks for; returns whether
   // all completed inside the call.
-  bool start_reductions(std::vector<FlatParam>& flat, bool grad_is_zero, GradientPlan plan) {
+  // `tag` (may be null) goes with every collective of these reductions.
+  bool start_reductions(std::vector<FlatParam>& flat, bool grad_is_zero, GradientPlan plan, const CollectiveTag* tag) {
+    tag_ = tag ? std::optional<CollectiveTag>(*tag) : std::nullopt;
     bool inline_done = true;
     for (auto& fp : flat) {
       bind_tensors(fp, nullptr, &ParamBinding::grad, fp.master());
@@ -191,9 +194,9 @@ class GradientReduction {
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
     if (groups_.shards_parameters)
-      fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
+      fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum, tag());
     else
-      fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum);
+      fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum, tag());
     fp.reducing = true;
     return fp.reduce_work.completed_inline();
   }
@@ -218,7 +221,7 @@ class GradientReduction {
       release(fp.partial, fp.partial_bytes(), MemorySpace::device);
     }
     if (groups_.shards_parameters && groups_.replicate_size > 1) {
-      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum);
+      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum, tag());
       if (wait_for_use(w, device_, wait, "wait all_reduce")) unchecked_.push_back(std::move(w));
     }
     if (post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
@@ -280,8 +283,11 @@ class GradientReduction {
 
   void release(void*& p, std::size_t n, MemorySpace space) { release_buffer(device_, p, n, space); }
 
+  const CollectiveTag* tag() const { return tag_ ? &*tag_ : nullptr; }
+
   const UnitGroups& groups_;
   DeviceRef device_;
+  std::optional<CollectiveTag> tag_;  // the reduction in flight's (its all-reduce may come later)
   double pre_divide_ = 1, post_divide_ = 1;
   std::vector<Work> unchecked_;  // waited on the device's queue; the host has not seen them complete
 };

@@ -50,15 +50,15 @@ class PostForwardGroup {
 
   // The backward all-gather from the chunks, into a fresh `as` buffer, or into a narrower
   // wire buffer that FlatParamGroup::finish_gather widens; it frees the chunk once shown.
-  void start_gather(FlatParam& fp, DType as, const DeviceRef& device) const {
+  void start_gather(FlatParam& fp, DType as, const DeviceRef& device, const CollectiveTag* tag) const {
     const auto n = static_cast<std::size_t>(fp.post_forward_numel);
     if (fp.gather != as) {
       fp.wire = device.allocate(fp.wire_bytes(), MemorySpace::device);
-      fp.gather_work = group_->all_gather(fp.post_forward, fp.wire, n, fp.gather);
+      fp.gather_work = group_->all_gather(fp.post_forward, fp.wire, n, fp.gather, tag);
       return;
     }
     fp.full = device.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
-    fp.gather_work = group_->all_gather(fp.post_forward, fp.full, n, as);
+    fp.gather_work = group_->all_gather(fp.post_forward, fp.full, n, as, tag);
   }
 
  private:

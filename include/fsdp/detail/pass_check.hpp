@@ -1,6 +1,7 @@
 #pragma once
-// The check that every rank ran the same units in the same order in a pass, made once per
-// pass when it ends (ShardedModel::finish_backward, or reshard() after a forward-only
+// For communicators without collective tags (fsdp/collective_tag.hpp; tagged ones compare
+// every collective's unit instead, and skip this): the check that every rank ran the same
+// units in the same order in a pass, made once per pass when it ends (ShardedModel::finish_backward, or reshard() after a forward-only
 // pass): the first iteration checks every entry as it records the order, but later ones
 // would otherwise pair the collectives of two same-sized units that some rank swapped (or
 // ran in another order in an evaluation pass) without a word. Each rank hashes the units
@@ -33,7 +34,7 @@ class PassRecord {
   // At the end of a pass: every rank must have entered the same units in the same order.
   // `name` gives a unit's name from its index.
   void check(const std::function<std::string(int)>& name) {
-    if (!world_ || world_->size() == 1) return ran_.clear();
+    if (!world_ || world_->size() == 1 || world_->checks_tags()) return ran_.clear();  // tags checked each collective
     std::uint64_t mine = 1469598103934665603ull;  // FNV-1a over the entries
     for (std::int32_t e : ran_) mine = (mine ^ static_cast<std::uint32_t>(e)) * 1099511628211ull;
     std::vector<std::uint64_t> all(static_cast<std::size_t>(world_->size()));

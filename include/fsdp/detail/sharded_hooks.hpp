@@ -88,7 +88,7 @@ void Sharded<Module, Ps...>::prefetch() {
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
   if (!order_->may_prefetch()) return;
-  if (group_.start_gathers()) { prefetched_ = true; order_->prefetch_issued(); }
+  if (group_.start_gathers(tag(TagPhase::forward))) { prefetched_ = true; order_->prefetch_issued(); }
 }
 
 template <class Module, class... Ps>

@@ -32,8 +32,9 @@ inline void check_summon_options(const SummonOptions& options, bool hook_frees_g
 // options want them. Returns whether this rank holds nothing (rank0_only, not rank 0): it
 // took part in the gathers for rank 0's sake only. Nothing stays gathered when it fails.
 template <class Group>
-bool gather_for_summon(Group& group, const SummonOptions& options, int rank, const TracedWait& wait) {
-  group.unshard_master(wait);
+bool gather_for_summon(Group& group, const SummonOptions& options, int rank, const TracedWait& wait,
+                       const CollectiveTag* tag) {
+  group.unshard_master(wait, tag);
   const bool holds_nothing = options.rank0_only && rank != 0;
   if (holds_nothing) group.release_unsharded();
   else if (options.offload_to_host) group.move_unsharded_to_host();

@@ -35,6 +35,8 @@ class ThreadGroup;
 // already done.
 class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
  public:
+  static constexpr bool checks_tags = true;  // compared at the rendezvous, with the calls
+
   int rank() const { return rank_; }
   int size() const { return state_->size; }
 
@@ -123,12 +125,15 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
     return Work{};
   }
 
+  // Names every rank's call when they differ, so a tag mismatch says which unit each ran.
   std::string find_mismatch(const detail::CollectiveCall& call, const std::vector<detail::CollectiveCall>& peers) const {
     for (std::size_t r = 0; r < peers.size(); ++r) {
       if (!peers[r].same_shape(call)) {
         std::ostringstream os;
-        os << "collective mismatch: rank " << state_->world_ranks[rank_] << " called " << call.describe() << " but rank "
-           << state_->world_ranks[r] << " called " << peers[r].describe();
+        os << "collective mismatch:";
+        for (std::size_t q = 0; q < peers.size(); ++q)
+          os << (q ? "," : "") << " rank " << state_->world_ranks[q] << " called " << peers[q].describe();
+        os << " (seen on rank " << state_->world_ranks[rank_] << ")";
         return os.str();
       }
     }

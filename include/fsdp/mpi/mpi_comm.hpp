@@ -21,6 +21,12 @@
 // timed out breaks its communicator (later calls on it fail at once) and makes the
 // MpiSession abort the job when it ends; see mpi_session.hpp for why.
 //
+// Collective tags (fsdp/collective_tag.hpp): the tagged all_gather, reduce_scatter and
+// all_reduce start an 8-byte MPI_Iallgather of the tag right after the collective itself;
+// wait() completes both and compares every rank's tag before the result is used (an
+// fsdp::Error on every rank naming each rank's unit; both calls completed on every rank,
+// so the communicator stays usable).
+//
 // As with any communicator, every rank must issue the same collectives in the same order,
 // from one thread at a time; buffers must stay untouched until the Work completes. MPI
 // progresses a collective only inside MPI calls, so computing between issue and wait()
@@ -36,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/collective_tag.hpp"
 #include "fsdp/detail/timeout.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/device_mesh.hpp"
@@ -97,8 +104,27 @@ class MpiComm {
   // True after a collective on it failed or timed out.
   bool broken() const { return !state_->broken_by().empty(); }
 
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) {
-    const auto call = next({detail::CollectiveKind::all_gather, send, recv, count, t});
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t) { return gather(send, recv, count, t, nullptr); }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return scatter(send, recv, count, t, op, nullptr);
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    return reduce(send, recv, count, t, op, nullptr);
+  }
+  // Tagged: compared across ranks at wait() (see the top of this file).
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag) {
+    return gather(send, recv, count, t, &tag);
+  }
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
+    return scatter(send, recv, count, t, op, &tag);
+  }
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
+    return reduce(send, recv, count, t, op, &tag);
+  }
+
+ private:
+  Work gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag* tag) {
+    const auto call = next(tagged({detail::CollectiveKind::all_gather, send, recv, count, t}, tag));
     const std::size_t chunk = count * size_of(t);
     const bool in_place = address(send) == address(recv) + rank() * chunk;
     check(call, send, chunk, recv, chunk * size(), in_place, "send == recv + rank*count");
@@ -109,8 +135,8 @@ class MpiComm {
     });
   }
 
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const auto call = next({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op});
+  Work scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
+    const auto call = next(tagged({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op}, tag));
     const std::size_t chunk = count * size_of(t);
     const bool in_place = address(recv) == address(send) + rank() * chunk;
     check(call, send, chunk * size(), recv, chunk, in_place, "recv == send + rank*count");
@@ -134,8 +160,8 @@ class MpiComm {
         epilogue);
   }
 
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    const auto call = next({detail::CollectiveKind::all_reduce, send, recv, count, t, op});
+  Work reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
+    const auto call = next(tagged({detail::CollectiveKind::all_reduce, send, recv, count, t, op}, tag));
     const std::size_t bytes = count * size_of(t);
     const bool in_place = send == recv;
     check(call, send, bytes, recv, bytes, in_place, "send == recv");
@@ -150,6 +176,7 @@ class MpiComm {
         average(op, recv, count, t));
   }
 
+ public:
   // Only the root's `send` is read (it may equal `recv`, or be null on the other ranks).
   Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
     const auto call = next({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
@@ -203,6 +230,11 @@ class MpiComm {
   const detail::MpiTypes& types() const { return state_->rt->types; }
   std::string where() const { return state_->where(); }
 
+  static detail::CollectiveCall tagged(detail::CollectiveCall call, const CollectiveTag* tag) {
+    if (tag) call.tag = tag->packed(), call.names = tag->names;
+    return call;
+  }
+
   // Numbers the call; refuses it on a broken communicator.
   detail::CollectiveCall next(detail::CollectiveCall call) {
     call.seq = state_->seq++;
@@ -247,15 +279,21 @@ class MpiComm {
   Work start(const detail::CollectiveCall& call, const char* mpi_function, Issue&& issue,
              detail::MpiEpilogue epilogue = {}) {
     MPI_Request req = MPI_REQUEST_NULL;
+    std::unique_ptr<detail::MpiTagExchange> tags;
+    if (call.tag) tags = std::make_unique<detail::MpiTagExchange>(call.tag, size());
     int rc;
     {
       auto lk = state_->rt->lock_for_call(where() + ": " + call.describe());
       rc = issue(&req);
+      if (rc == MPI_SUCCESS && tags) {  // right behind it, on every rank alike
+        mpi_function = "MPI_Iallgather (the collective's tag)";
+        rc = MPI_Iallgather(&tags->mine, 1, MPI_UINT64_T, tags->all.data(), 1, MPI_UINT64_T, state_->comm, &tags->req);
+      }
     }
     if (rc != MPI_SUCCESS)
       state_->fail_collective(where() + ": " + call.describe() + " failed in " + mpi_function + ": " +
                               detail::mpi_error_text(rc));
-    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue));
+    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(tags)));
   }
 
   std::shared_ptr<detail::MpiCommState> state_;

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/error.hpp"
@@ -113,10 +114,36 @@ struct MpiEpilogue {
   }
 };
 
+// A tagged collective's tag and every rank's, gathered by an MPI_Iallgather issued right
+// behind the collective (fsdp/collective_tag.hpp); on the heap, where MPI writes.
+struct MpiTagExchange {
+  MpiTagExchange(std::uint64_t tag, int size) : mine(tag), all(static_cast<std::size_t>(size)) {}
+  std::uint64_t mine;
+  std::vector<std::uint64_t> all;
+  MPI_Request req = MPI_REQUEST_NULL;
+
+  // "" when every rank's tag is this rank's; else the mismatch, each rank's call named.
+  std::string mismatch(const CollectiveCall& call, const std::string& where) const {
+    bool same = true;
+    for (auto t : all) same = same && t == mine;
+    if (same) return {};
+    std::ostringstream os;
+    os << where << ": collective mismatch:";
+    for (std::size_t r = 0; r < all.size(); ++r) {
+      CollectiveCall theirs = call;
+      theirs.tag = all[r];
+      os << (r ? "," : "") << " rank " << r << " called " << theirs.describe();
+    }
+    os << " (the ranks' tags compared as it completed; its result is not used)";
+    return os.str();
+  }
+};
+
 class MpiPending final : public Work::Pending {
  public:
-  MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue)
-      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue) {}
+  MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue,
+             std::unique_ptr<MpiTagExchange> tags = nullptr)
+      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), tags_(std::move(tags)) {}
 
   void wait() override { finish(true); }
   bool ready() override { return finish(false); }
@@ -128,7 +155,8 @@ class MpiPending final : public Work::Pending {
     if (done_) return true;
     if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
     const auto now = std::chrono::steady_clock::now();
-    const int rc = mpi_test_until(*comm_->rt, req_, blocking ? now + comm_->timeout : now);
+    int rc = mpi_test_until(*comm_->rt, req_, blocking ? now + comm_->timeout : now);
+    if (rc == MPI_SUCCESS && tags_) rc = mpi_test_until(*comm_->rt, tags_->req, blocking ? now + comm_->timeout : now);
     if (rc == kMpiTimedOut) {
       if (!blocking) return false;
       std::ostringstream os;
@@ -140,6 +168,10 @@ class MpiPending final : public Work::Pending {
     if (rc != MPI_SUCCESS)
       comm_->fail_collective(comm_->where() + ": " + call_.describe() + " failed in MPI_Test: " + mpi_error_text(rc));
     done_ = true;
+    if (tags_) {  // both completed on every rank: the communicator stays in step
+      const std::string mismatch = tags_->mismatch(call_, comm_->where());
+      if (!mismatch.empty()) fail(mismatch);
+    }
     epilogue_.run();
     return true;
   }
@@ -148,6 +180,7 @@ class MpiPending final : public Work::Pending {
   MPI_Request req_;
   CollectiveCall call_;
   MpiEpilogue epilogue_;
+  std::unique_ptr<MpiTagExchange> tags_;  // null: untagged
   bool done_ = false;
 };
 

@@ -1,0 +1,92 @@
+// fsdp/collective_tag.hpp: a tag's 8 bytes and its words; which communicators take tags
+// (the backends that compare them, the wrappers that pass them on) and which do not (a
+// user's own Communicator, UntaggedCommunicator); ThreadComm fails on every rank when the
+// ranks' tags differ, and runs the collective when they agree.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.hpp>
+
+#include "test/support/errors.hpp"
+#include "test/support/rank_errors.hpp"
+
+namespace {
+
+using test_support::contains;
+
+struct Names final : fsdp::UnitNames {
+  std::string unit_name(int index) const override { return "block" + std::to_string(index); }
+};
+
+// A Communicator of its own, without tagged calls: it stays a Communicator.
+struct PlainComm {
+  int rank() const { return 0; }
+  int size() const { return 1; }
+  fsdp::Work all_gather(const void*, void*, std::size_t, fsdp::DType) { return {}; }
+  fsdp::Work reduce_scatter(const void*, void*, std::size_t, fsdp::DType, fsdp::ReduceOp) { return {}; }
+  fsdp::Work all_reduce(const void*, void*, std::size_t, fsdp::DType, fsdp::ReduceOp) { return {}; }
+  fsdp::Work broadcast(const void*, void*, std::size_t, fsdp::DType, int) { return {}; }
+  fsdp::Work barrier() { return {}; }
+};
+
+}  // namespace
+
+TEST_CASE("a tag packs into 8 nonzero bytes and back, and reads as the unit's name") {
+  const Names names;
+  for (auto phase : {fsdp::TagPhase::forward, fsdp::TagPhase::backward, fsdp::TagPhase::reduce, fsdp::TagPhase::summon})
+    for (std::uint32_t unit : {0u, 1u, 1000u, (1u << 20) - 1})
+      for (std::uint64_t step : {std::uint64_t{0}, std::uint64_t{7}, (std::uint64_t{1} << 40) - 1}) {
+        const fsdp::CollectiveTag tag{unit, phase, step};
+        const auto back = fsdp::CollectiveTag::unpack(tag.packed());
+        CHECK(tag.packed() != 0);
+        CHECK(back.unit == unit);
+        CHECK(back.phase == phase);
+        CHECK(back.step == step);
+      }
+  // Neighbours differ: unit, phase and pass each change the bytes.
+  const fsdp::CollectiveTag a{3, fsdp::TagPhase::forward, 5};
+  CHECK(a.packed() != fsdp::CollectiveTag{4, fsdp::TagPhase::forward, 5}.packed());
+  CHECK(a.packed() != fsdp::CollectiveTag{3, fsdp::TagPhase::backward, 5}.packed());
+  CHECK(a.packed() != fsdp::CollectiveTag{3, fsdp::TagPhase::forward, 6}.packed());
+  CHECK(fsdp::CollectiveTag{2, fsdp::TagPhase::reduce, 9, &names}.describe() == "unit 'block2' (gradient reduction, pass 9)");
+  CHECK(fsdp::CollectiveTag{2, fsdp::TagPhase::summon, 9}.describe() == "unit #2 (summon, pass 9)");
+}
+
+TEST_CASE("which communicators take tags") {
+  using Thread = fsdp::ThreadComm;
+  static_assert(fsdp::TaggedCommunicator<Thread>);
+  static_assert(fsdp::TaggedCommunicator<fsdp::CountingCommunicator<Thread>>);
+  static_assert(fsdp::TaggedCommunicator<fsdp::AsyncCommunicator<Thread>>);
+  static_assert(fsdp::TaggedCommunicator<fsdp::StagedCommunicator<Thread, fsdp::HostDevice>>);
+  static_assert(fsdp::Communicator<PlainComm> && !fsdp::TaggedCommunicator<PlainComm>);
+  static_assert(!fsdp::TaggedCommunicator<fsdp::CountingCommunicator<PlainComm>>);
+  static_assert(!fsdp::TaggedCommunicator<fsdp::UntaggedCommunicator<Thread>>);
+  static_assert(fsdp::Communicator<fsdp::UntaggedCommunicator<Thread>>);
+  PlainComm plain;
+  fsdp::UntaggedCommunicator<PlainComm> untagged(plain);
+  CHECK_FALSE(fsdp::detail::CommRef(plain).checks_tags());
+  CHECK_FALSE(fsdp::detail::CommRef(untagged).checks_tags());
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) { CHECK(fsdp::detail::CommRef(comm).checks_tags()); });
+}
+
+TEST_CASE("ThreadComm: different tags fail on every rank naming each rank's unit; equal tags gather") {
+  const Names names;
+  const auto errors = test_support::errors_per_rank(3, [&](fsdp::ThreadComm& comm) {
+    std::vector<float> mine(2, static_cast<float>(comm.rank())), all(6);
+    const fsdp::CollectiveTag same{4, fsdp::TagPhase::forward, 1, &names};
+    comm.all_gather(mine.data(), all.data(), 2, fsdp::DType::f32, same).wait();
+    if (all != std::vector<float>{0, 0, 1, 1, 2, 2}) throw fsdp::Error("wrong gather");
+    const fsdp::CollectiveTag mine_tag{static_cast<std::uint32_t>(comm.rank() == 2 ? 5 : 4), fsdp::TagPhase::backward, 1,
+                                       &names};
+    comm.reduce_scatter(all.data(), mine.data(), 2, fsdp::DType::f32, fsdp::ReduceOp::sum, mine_tag).wait();
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "collective mismatch"));
+    CHECK(contains(errors[r], "rank 0 called reduce_scatter(count=2, dtype=f32, op=sum) of unit 'block4' (backward, pass 1)"));
+    CHECK(contains(errors[r], "rank 1 called reduce_scatter(count=2, dtype=f32, op=sum) of unit 'block4' (backward, pass 1)"));
+    CHECK(contains(errors[r], "rank 2 called reduce_scatter(count=2, dtype=f32, op=sum) of unit 'block5' (backward, pass 1)"));
+  }
+}

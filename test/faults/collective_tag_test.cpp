@@ -1,0 +1,191 @@
+// Desync at every unit, every iteration (fsdp/collective_tag.hpp): a rank that runs its
+// units in another order after the first iteration (a swapped pair of same-sized units, an
+// evaluation pass in another order, explicit prefetch lists that differ, a skipped unit)
+// fails on every rank at the first collective that pairs two different units, naming the
+// unit each rank ran, before the engine is shown the other unit's parameters (or, with
+// NoShard, before a gradient is reduced with another unit's), for every strategy and
+// prefetch mode. No collective is added: the tag travels with the call.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "examples/engine/fsdp_integration.hpp"
+#include "test/support/errors.hpp"
+#include "test/support/rank_errors.hpp"
+#include "test/faults/unit_order_driver.hpp"
+
+namespace {
+
+using test_support::contains;
+using test_support::in_order;
+using test_support::iteration;
+using test_support::swapped;
+using test_support::usual;
+using Log = std::vector<std::string>;
+
+engine::ModelConfig config() {
+  engine::ModelConfig c;
+  c.blocks = 3;  // blocks.0, blocks.1, blocks.2: the same sizes
+  return c;
+}
+
+// Each rank's error and what its hooks had shown the engine when it came.
+struct Outcome {
+  std::vector<std::string> errors;
+  std::vector<Log> logs;
+};
+
+// Two ranks; the first iteration as usual everywhere (recorded with the first iteration's
+// per-unit checks), then rank 1 runs `rank1_order` from iteration 2 on.
+template <class... Ps>
+Outcome swap_on_rank1(const std::vector<std::string>& rank1_order, bool backward = true) {
+  Outcome out;
+  out.logs.resize(2);
+  out.errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<Ps...>(model, comm, device, engine::Wrap{});
+    Log first;
+    iteration(sm, usual, first);
+    iteration(sm, comm.rank() == 1 ? rank1_order : usual, out.logs[comm.rank()], backward);
+  });
+  return out;
+}
+
+// Rank 0 ran `unit0` where rank 1 ran `unit1`, both named on every rank.
+void check_named(const Outcome& o, const std::string& phase, const std::string& unit0 = "blocks.0",
+                 const std::string& unit1 = "blocks.1") {
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CAPTURE(o.errors[r]);
+    CHECK(contains(o.errors[r], "collective mismatch"));
+    CHECK(in_order(o.errors[r], {"rank 0 called", "of unit '" + unit0 + "' (" + phase, "rank 1 called",
+                                 "of unit '" + unit1 + "' (" + phase}));
+  }
+}
+
+// Nothing of the swapped units was shown to the engine (`hooks`: which hooks' return count).
+void check_not_shown(const Outcome& o, const std::vector<std::string>& hooks) {
+  for (int r = 0; r < 2; ++r)
+    for (const auto& h : hooks)
+      for (const char* unit : {"blocks.0", "blocks.1"}) {
+        CAPTURE(r);
+        CHECK(std::find(o.logs[r].begin(), o.logs[r].end(), h + " " + unit) == o.logs[r].end());
+      }
+  for (const auto& log : o.logs) CHECK(std::find(log.begin(), log.end(), "finish_backward") == log.end());
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a swapped pair from iteration 2 on: every rank fails at the first swapped all-gather", Prefetch,
+                   fsdp::NoBackwardPrefetch, fsdp::BackwardPre, fsdp::BackwardPost) {
+  const auto o = swap_on_rank1<fsdp::FullShard, Prefetch>(swapped);
+  check_named(o, "forward");
+  check_not_shown(o, {"pre_forward"});
+}
+
+TEST_CASE("with forward prefetch, the rank that left the recorded order says so, and the other fails too") {
+  // The swapping rank sees its own departure from the order it prefetches along before any
+  // collective; its peer's next all-gather then cannot complete.
+  const auto o = swap_on_rank1<fsdp::FullShard, fsdp::ForwardPrefetch>(swapped);
+  CHECK(contains(o.errors[1], "unit 'blocks.1' on rank 1 runs at forward step #1 where the first iteration ran 'blocks.0'"));
+  CHECK(contains(o.errors[0], "'blocks.1' (forward"));
+  CHECK_FALSE(o.errors[0].empty());
+  check_not_shown(o, {"pre_forward"});
+}
+
+TEST_CASE("ShardGradOp: the forward all-gather is checked") {
+  const auto o = swap_on_rank1<fsdp::ShardGradOp>(swapped);
+  check_named(o, "forward");
+  check_not_shown(o, {"pre_forward"});
+}
+
+TEST_CASE("NoShard: no gradient is reduced with another unit's") {
+  // Forward runs no collective (every rank holds the parameters); the reductions are tagged.
+  // Backward runs in reverse: rank 0 reduces blocks.1 where rank 1 reduces blocks.0.
+  const auto o = swap_on_rank1<fsdp::NoShard, fsdp::NoBackwardPrefetch>(swapped);
+  check_named(o, "gradient reduction", "blocks.1", "blocks.0");
+  check_not_shown(o, {"post_backward"});
+}
+
+TEST_CASE("HybridShard: the shard group that swapped fails, and so does every other rank") {
+  std::vector<std::string> errors(4);
+  std::vector<Log> logs(4);
+  errors = test_support::errors_per_rank(4, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, {2, 2});
+    auto sm = fsdp::shard<fsdp::HybridShard>(model, mesh, device, engine::Wrap{});
+    Log first;
+    iteration(sm, usual, first);
+    iteration(sm, comm.rank() == 3 ? swapped : usual, logs[comm.rank()]);
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "collective mismatch"));
+    CHECK(contains(errors[r], "of unit 'blocks.0' (forward"));
+    CHECK(contains(errors[r], "of unit 'blocks.1' (forward"));
+  }
+  for (int r : {2, 3})  // rank 3's shard group: nothing of the pair shown
+    for (const char* unit : {"pre_forward blocks.0", "pre_forward blocks.1"})
+      CHECK(std::find(logs[r].begin(), logs[r].end(), unit) == logs[r].end());
+  for (const auto& log : logs) CHECK(std::find(log.begin(), log.end(), "finish_backward") == log.end());
+}
+
+TEST_CASE("an evaluation pass in another order fails at its first swapped unit") {
+  const auto o = swap_on_rank1<fsdp::FullShard>(swapped, false);
+  check_named(o, "forward");
+  check_not_shown(o, {"pre_forward"});
+}
+
+TEST_CASE("a rank that skips a unit fails at the next all-gather, naming both") {
+  // Rank 1 leaves out 'gain' (an early exit): its next all-gather is the root's for
+  // backward, where rank 0 gathers 'gain' for forward.
+  const auto o = swap_on_rank1<fsdp::FullShard>({"blocks.0", "blocks.1", "blocks.2"});
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(o.errors[r]);
+    CHECK(in_order(o.errors[r], {"rank 0 called", "of unit 'gain' (forward", "rank 1 called", "of unit '<root>' (backward"}));
+    CHECK(std::find(o.logs[r].begin(), o.logs[r].end(), "pre_forward gain") == o.logs[r].end());
+  }
+}
+
+TEST_CASE("explicit prefetch lists that differ from iteration 2 on: the prefetch fails") {
+  std::vector<Log> logs(2);
+  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
+    sm.unit("").set_forward_prefetch({&sm.unit("blocks.0")});
+    Log first;
+    iteration(sm, usual, first);
+    if (comm.rank() == 1) sm.unit("").set_forward_prefetch({&sm.unit("blocks.1")});
+    iteration(sm, usual, logs[comm.rank()]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(in_order(errors[r], {"rank 0 called", "of unit 'blocks.0' (forward", "rank 1 called", "of unit 'blocks.1' (forward"}));
+    CHECK(logs[r].empty());  // failed inside the root's pre_forward, which issues the prefetch
+  }
+}
+
+TEST_CASE("an AsyncCommunicator passes the tags on: the mismatch is found at the wait") {
+  std::vector<Log> logs(2);
+  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    fsdp::AsyncCommunicator<fsdp::ThreadComm> async(comm);
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, async, device, engine::Wrap{});
+    Log first;
+    iteration(sm, usual, first);
+    iteration(sm, comm.rank() == 1 ? swapped : usual, logs[comm.rank()]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "of unit 'blocks.0' (forward"));
+    CHECK(contains(errors[r], "of unit 'blocks.1' (forward"));
+    for (const char* unit : {"pre_forward blocks.0", "pre_forward blocks.1"})
+      CHECK(std::find(logs[r].begin(), logs[r].end(), unit) == logs[r].end());
+  }
+}
