@@ -5,8 +5,8 @@
 // same thread or its own) writes frame i to the right as soon as what it forwards has
 // arrived.
 //
-// On a shared-memory link from the left (shm_link.hpp) a payload is copied out of the
-// shared ring when its header arrives; a CREDIT goes back when the sender waits for room.
+// On a shared-memory link from the left a payload is copied out of the shared ring when its
+// header arrives (shm_inbox.hpp).
 // Both links are read all the time, also between collectives: the left one for the next
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
 // (and passed on around the ring) even while this rank is idle.
@@ -33,6 +33,7 @@
 
 #include "fsdp/asio/ring.hpp"
 #include "fsdp/asio/shm_handshake.hpp"
+#include "fsdp/asio/shm_inbox.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring_sender.hpp"
@@ -63,7 +64,8 @@ class TcpRing {
  public:
   // `io` is run by the calling thread from now on (the communicator's I/O thread).
   TcpRing(boost::asio::io_context& io, RingSockets links, ShmLinks shm, const RingIdentity& id)
-      : io_(io), left_(std::move(links.left)), left_shm_(std::move(shm.from_left)), rank_(id.rank), size_(id.size), left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout),
+      : io_(io), left_(std::move(links.left)), left_shm_(left_, std::move(shm.from_left)), rank_(id.rank),
+        size_(id.size), left_rank_(id.left()), right_rank_(id.right()), timeout_(id.timeout),
         sender_(std::move(links.right), std::move(shm.to_right), id, counters_, io, id.sender_thread) {
     read_left_header();
   }
@@ -139,7 +141,7 @@ class TcpRing {
   }
 
   // Which links carry their payloads through shared memory.
-  bool shm_from_left() const { return left_shm_.has_value(); }
+  bool shm_from_left() const { return left_shm_.active(); }
   bool shm_to_right() const { return sender_.shared(); }
 
   // Sends ABORT with `cause` to both neighbours (at most 1 s), then closes both links.
@@ -151,9 +153,9 @@ class TcpRing {
     FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_frame_.data()));
     std::copy(reason.begin(), reason.end(), abort_frame_.begin() + FrameHeader::kSize);
     bool sent = false, started = false;
-    credits_over_ = true;
+    left_shm_.stop();
     auto write_abort = [&] {  // one write at a time on the socket: not while a CREDIT is
-      if (started || crediting_) return;
+      if (started || left_shm_.writing()) return;
       started = true;
       boost::asio::async_write(left_, boost::asio::buffer(abort_frame_), [&sent](error_code, std::size_t) { sent = true; });
     };
@@ -163,7 +165,7 @@ class TcpRing {
     const auto backstop = Clock::now() + std::chrono::seconds(10);
     while (!sender_.events().shut && io_.run_one_until(backstop)) {
     }
-    while (crediting_ && io_.run_one_until(deadline)) {
+    while (left_shm_.writing() && io_.run_one_until(deadline)) {
     }
     write_abort();
     if (!started) sent = true;  // best effort: no ABORT rather than one mixed into a CREDIT
@@ -250,15 +252,13 @@ class TcpRing {
       complete_recv();
       return true;
     }
-    if (left_shm_) {
-      bool credit = false;
+    if (left_shm_.active()) {
       ++counters_.progress;
-      if (!left_shm_->consume(f.dest, f.bytes, credit)) {
+      if (!left_shm_.take(f.dest, f.bytes)) {
         local_failure_ = where() + "rank " + std::to_string(left_rank_) + " sent the header of frame " +
                          std::to_string(recvs_done_) + " of " + call_->describe() + " without its shared-memory payload";
         return false;
       }
-      if (credit) send_credit();
       complete_recv();
       return true;
     }
@@ -313,24 +313,6 @@ class TcpRing {
     });
   }
 
-  // Tells the left neighbour's sending half that a shared slot is free; coalesced while a
-  // CREDIT is still being written.
-  void send_credit() {
-    if (closed_ || credits_over_) return;
-    if (crediting_) {
-      credit_again_ = true;
-      return;
-    }
-    crediting_ = true;
-    FrameHeader::credit().encode(credit_bytes_.data());
-    boost::asio::async_write(left_, boost::asio::buffer(credit_bytes_), [this](error_code ec, std::size_t) {
-      crediting_ = false;
-      if (ec || !credit_again_) return;  // a write error: the reader of this link reports the loss
-      credit_again_ = false;
-      send_credit();
-    });
-  }
-
   void left_lost(error_code ec) {
     left_state_ = Left::closed;
     left_error_ = ec;
@@ -338,6 +320,7 @@ class TcpRing {
   void close_left() {
     if (closed_) return;
     closed_ = true;
+    left_shm_.stop();
     error_code ignored;
     left_.shutdown(tcp::socket::shutdown_both, ignored);
     left_.close(ignored);
@@ -377,7 +360,7 @@ class TcpRing {
 
   boost::asio::io_context& io_;
   tcp::socket left_;
-  std::optional<ShmLink> left_shm_;  // the payloads' way from the left, if shared memory
+  ShmInbox left_shm_;  // the payloads' way from the left, if shared memory
   const int rank_, size_, left_rank_, right_rank_;
   const std::chrono::milliseconds timeout_;
   RingCounters counters_;
@@ -391,8 +374,7 @@ class TcpRing {
 
   Left left_state_ = Left::closed;
   FrameHeader left_header_;
-  HeaderBytes left_bytes_{}, credit_bytes_{};
-  bool crediting_ = false, credit_again_ = false, credits_over_ = false;  // credits_over_: aborting
+  HeaderBytes left_bytes_{};
   error_code left_error_;
   std::optional<std::string> local_failure_, peer_abort_, protocol_;
   std::string left_abort_, abort_frame_;
