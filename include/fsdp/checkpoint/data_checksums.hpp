@@ -112,6 +112,16 @@ std::uint64_t xxh64_of_range(Read&& read, std::uint64_t begin, std::uint64_t end
   return h.digest();
 }
 
+// Hashes the chunks of `layout` that `rank` of `ranks` owns (DataChecksums::owner), the
+// data section read through read(dst, n, offset); calls found(chunk, digest) for each.
+template <class Read, class Found>
+void hash_owned_chunks(const DataChecksums& layout, std::uint64_t data_bytes, int rank, int ranks, Read&& read,
+                       Found&& found) {
+  std::vector<std::byte> scratch(std::size_t{4} << 20);
+  for (std::size_t c = 0; c < layout.digests.size(); ++c)
+    if (layout.owner(c, ranks) == rank) found(c, xxh64_of_range(read, layout.begin(c), layout.end(c, data_bytes), scratch));
+}
+
 // Hashes a data section fed in order, in pieces of any size, chunk by chunk.
 class ChunkHasher {
  public:

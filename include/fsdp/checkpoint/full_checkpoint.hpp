@@ -136,12 +136,9 @@ class FullCheckpointSource final : public StateSource {
     const auto sums = checksums_of(f);
     const checkpoint::DataChecksums layout = sums ? *sums : checkpoint::DataChecksums::placeholder(data_bytes(f));
     const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) { f.read_file_bytes(dst, n, f.data_offset() + at); };
-    std::vector<std::byte> scratch(std::size_t{4} << 20);
-    for (std::size_t c = 0; c < layout.digests.size(); ++c)
-      if (layout.owner(c, ranks) == rank) {
-        const std::uint64_t got = checkpoint::xxh64_of_range(read, layout.begin(c), layout.end(c, data_bytes(f)), scratch);
-        if (sums && got != sums->digests[c]) damaged_.insert({i, c});
-      }
+    checkpoint::hash_owned_chunks(layout, data_bytes(f), rank, ranks, read, [&](std::size_t c, std::uint64_t got) {
+      if (sums && got != sums->digests[c]) damaged_.insert({i, c});
+    });
   }
   static std::string damage(const checkpoint::SafetensorsFile& f, const checkpoint::DataChecksums& sums, std::size_t c) {
     const std::uint64_t begin = sums.begin(c), end = sums.end(c, data_bytes(f));

@@ -39,10 +39,8 @@ inline std::vector<std::uint64_t> hash_my_chunks(const std::filesystem::path& fi
     if (checkpoint::detail::pread_up_to(fd.get(), dst, n, data_begin + at, file) != n)
       fail("'", file.string(), "' is shorter than the data written into it");
   };
-  std::vector<std::byte> scratch(std::size_t{4} << 20);
-  for (std::size_t c = 0; c < digests.size(); ++c)
-    if (chunks.owner(c, unit.world_size()) == unit.rank())
-      digests[c] = checkpoint::xxh64_of_range(read, chunks.begin(c), chunks.end(c, data_bytes), scratch);
+  checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), unit.world_size(), read,
+                                [&](std::size_t c, std::uint64_t digest) { digests[c] = digest; });
   return digests;
 }
 
