@@ -17,6 +17,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -115,9 +116,10 @@ class SafetensorsWriter {
     const std::uint64_t n = h.size();
     sink.write(&n, sizeof n);  // little-endian (asserted in safetensors_header.hpp)
     sink.write(h);
-    ChunkHasher hasher(checksum_chunk_ ? checksum_chunk_ : 1);
+    std::optional<ChunkHasher> hasher;
+    if (checksum_chunk_) hasher.emplace(checksum_chunk_);
     auto data_out = [&](const void* data, std::size_t bytes) {  // in file order, one at a time
-      if (checksum_chunk_) hasher.update(data, bytes);
+      if (hasher) hasher->update(data, bytes);
       sink.write(data, bytes);
     };
     auto fill_bytes = [&](std::size_t i) {  // of tensor i's fill, which may cover the next ones too
@@ -165,8 +167,8 @@ class SafetensorsWriter {
       next ^= 1;
     }
     written();
-    if (checksum_chunk_) {  // the placeholder's digits, now known
-      const std::string value = hasher.finish().format();
+    if (hasher) {  // the placeholder's digits, now known
+      const std::string value = hasher->finish().format();
       sink.overwrite(data_checksums_offset(h, data_bytes_, sink.path().string(), checksum_chunk_), value.data(),
                      value.size());
     }
