@@ -38,6 +38,14 @@ TEST_CASE("collective tags: equal ones gather; different ones fail on every rank
     CHECK(contains(e, "collective mismatch"));
     CHECK(contains(e, "rank 0 called all_reduce(count=2, dtype=f32, op=sum) of unit 'block3' (gradient reduction, pass 1)"));
     CHECK(contains(e, "rank 1 called all_reduce(count=2, dtype=f32, op=sum) of unit 'block4' (gradient reduction, pass 1)"));
+    // Found by ready(): the wait() after it fails too, not a silent success.
+    fsdp::Work w = comm.all_reduce(mine.data(), mine.data(), 2, DType::f32, ReduceOp::sum, tag);
+    const std::string polled = error_of([&] {
+      while (!w.ready()) {
+      }
+    });
+    CHECK(contains(polled, "collective mismatch"));
+    CHECK(contains(error_of([&] { w.wait(); }), "collective mismatch"));
   }
   // Both calls completed on every rank: still in step, nothing broken.
   CHECK_FALSE(comm.broken());

@@ -7,6 +7,7 @@
 // often outnumber cores), until the collective completes or MpiCommOptions::timeout has
 // passed since wait() began. The deadline starts at wait(), not at the call that issued
 // the collective, because until something polls it the collective has not run at all.
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -124,9 +125,7 @@ struct MpiTagExchange {
 
   // "" when every rank's tag is this rank's; else the mismatch, each rank's call named.
   std::string mismatch(const CollectiveCall& call, const std::string& where) const {
-    bool same = true;
-    for (auto t : all) same = same && t == mine;
-    if (same) return {};
+    if (std::all_of(all.begin(), all.end(), [&](std::uint64_t t) { return t == mine; })) return {};
     std::ostringstream os;
     os << where << ": collective mismatch:";
     for (std::size_t r = 0; r < all.size(); ++r) {
@@ -152,7 +151,10 @@ class MpiPending final : public Work::Pending {
   // Polls until complete (blocking: or until the timeout, a failure) or once; true once
   // complete.
   bool finish(bool blocking) {
-    if (done_) return true;
+    if (done_) {
+      if (!mismatch_.empty()) fail(mismatch_);  // also on a wait() after the ready() that found it
+      return true;
+    }
     if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
     const auto now = std::chrono::steady_clock::now();
     int rc = mpi_test_until(*comm_->rt, req_, blocking ? now + comm_->timeout : now);
@@ -169,8 +171,8 @@ class MpiPending final : public Work::Pending {
       comm_->fail_collective(comm_->where() + ": " + call_.describe() + " failed in MPI_Test: " + mpi_error_text(rc));
     done_ = true;
     if (tags_) {  // both completed on every rank: the communicator stays in step
-      const std::string mismatch = tags_->mismatch(call_, comm_->where());
-      if (!mismatch.empty()) fail(mismatch);
+      mismatch_ = tags_->mismatch(call_, comm_->where());
+      if (!mismatch_.empty()) fail(mismatch_);
     }
     epilogue_.run();
     return true;
@@ -182,6 +184,7 @@ class MpiPending final : public Work::Pending {
   MpiEpilogue epilogue_;
   std::unique_ptr<MpiTagExchange> tags_;  // null: untagged
   bool done_ = false;
+  std::string mismatch_;  // the tags differed: the result is not used
 };
 
 }  // namespace fsdp::detail
