@@ -71,6 +71,8 @@ TEST_CASE("DataChecksums: format and parse agree; malformed lists are refused") 
   CHECK(DataChecksums::parse("64;0123456789abcdef", 10) == std::nullopt);
   CHECK(DataChecksums::parse("64:", 0).has_value());  // no data, no chunks
   CHECK(DataChecksums::placeholder(150, 64).format().size() == text.size());
+  for (std::size_t i = 0; i < c.digests.size(); ++i)  // where the shared save's ranks write their digests
+    CHECK(text.substr(c.digits_at(i), 16) == fsdp::checkpoint::xxh64_hex(c.digests[i]));
 }
 
 TEST_CASE("ChunkHasher: pieces of any size give each chunk's XXH64") {

@@ -43,6 +43,9 @@ struct DataChecksums {
     return static_cast<int>(i * static_cast<std::size_t>(ranks) / digests.size());
   }
 
+  // Where chunk i's 16 digits start in format()'s value.
+  std::size_t digits_at(std::size_t i) const { return std::to_string(chunk_bytes).size() + 1 + 17 * i; }
+
   // The metadata value (same width whatever the digests, so zeros make the placeholder).
   std::string format() const {
     std::string s = std::to_string(chunk_bytes) + ":";

@@ -29,40 +29,21 @@
 namespace fsdp::detail {
 
 // This rank's run of the data section's chunks (DataChecksums::owner), hashed from the
-// file; 0 for the chunks of other ranks.
-inline std::vector<std::uint64_t> hash_my_chunks(const std::filesystem::path& file, std::uint64_t data_begin,
-                                                 std::uint64_t data_bytes, const UnitBase& unit) {
+// file and written over their zero digits in the header's placeholder (at `digits_at` in
+// the file): every rank fills in its own, so the digests need no collective.
+inline void write_my_digests(int fd, const std::filesystem::path& file, std::uint64_t data_begin, std::uint64_t data_bytes,
+                             std::uint64_t digits_at, const UnitBase& unit) {
   const auto chunks = checkpoint::DataChecksums::placeholder(data_bytes);
-  std::vector<std::uint64_t> digests(chunks.digests.size(), 0);
-  const checkpoint::detail::UniqueFd fd = checkpoint::detail::open_fd(file, O_RDONLY, "to hash what the ranks wrote");
+  const checkpoint::detail::UniqueFd in = checkpoint::detail::open_fd(file, O_RDONLY, "to hash what the ranks wrote");
   const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
-    if (checkpoint::detail::pread_up_to(fd.get(), dst, n, data_begin + at, file) != n)
+    if (checkpoint::detail::pread_up_to(in.get(), dst, n, data_begin + at, file) != n)
       fail("'", file.string(), "' is shorter than the data written into it");
   };
   checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), unit.world_size(), read,
-                                [&](std::size_t c, std::uint64_t digest) { digests[c] = digest; });
-  return digests;
-}
-
-// Every rank's digests, each chunk's from the one rank that hashed it (a collective: the
-// max over ranks of each 32-bit half, the others giving 0).
-inline std::vector<std::uint64_t> collect_digests(const std::vector<std::uint64_t>& mine, const UnitBase& unit) {
-  std::vector<std::uint64_t> all;
-  for (const std::uint64_t d : mine) {
-    const auto high = static_cast<std::uint64_t>(unit.max_over_ranks(static_cast<std::int64_t>(d >> 32)));
-    const auto low = static_cast<std::uint64_t>(unit.max_over_ranks(static_cast<std::int64_t>(d & 0xffffffffu)));
-    all.push_back(high << 32 | low);
-  }
-  return all;
-}
-
-// Rank 0: the digests over the placeholder in the header it wrote, then fsync.
-inline void write_digests(int fd, const std::filesystem::path& file, const std::string& header, std::uint64_t data_bytes,
-                          const std::vector<std::uint64_t>& digests) {
-  const std::string value = checkpoint::DataChecksums{checkpoint::data_checksum_chunk_bytes, digests}.format();
-  checkpoint::detail::pwrite_all(fd, value.data(), value.size(),
-                                 checkpoint::data_checksums_offset(header, data_bytes, file.string()), file);
-  checkpoint::detail::fsync_fd(fd, file);
+                                [&](std::size_t c, std::uint64_t digest) {
+                                  const std::string hex = checkpoint::xxh64_hex(digest);
+                                  checkpoint::detail::pwrite_all(fd, hex.data(), hex.size(), digits_at + chunks.digits_at(c), file);
+                                });
 }
 
 // A collective. false: the shards are not in host memory, or some rank cannot open rank 0's
@@ -80,6 +61,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     checkpoint::SafetensorsWriter layout;
     std::string header;  // rank 0's (only its header has the optimizer's scalars)
     std::uint64_t header_bytes = 0;  // its size, on every rank
+    std::uint64_t digests_at = 0;    // where its data checksums' value starts, on every rank
     std::map<std::string, std::uint64_t, std::less<>> offset;  // of each tensor's first byte in the file
     checkpoint::detail::UniqueFd fd;
   };
@@ -96,6 +78,8 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     f.temp = checkpoint::detail::temp_path_for(f.target, "shared-" + std::to_string(token));
     if (root) f.header = f.layout.header();
     f.header_bytes = static_cast<std::uint64_t>(model[0].max_over_ranks(root ? std::int64_t(f.header.size()) : 0));
+    f.digests_at = static_cast<std::uint64_t>(model[0].max_over_ranks(
+        root ? std::int64_t(checkpoint::data_checksums_offset(f.header, f.layout.data_bytes(), f.temp.string())) : 0));
     for (const auto& t : f.layout.layout()) f.offset[t.name] = 8 + f.header_bytes + t.begin;
   }
   bool committed = false;
@@ -137,24 +121,15 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
       const std::uint64_t at = f.offset.at(full_file_key(s.id)) + static_cast<std::uint64_t>(s.begin) * size_of(s.dtype);
       checkpoint::detail::pwrite_all(f.fd.get(), s.src, s.bytes(), at, f.temp);
     }
-    for (File& f : files) checkpoint::detail::fsync_fd(f.fd.get(), f.temp);
-    if (!root)
-      for (File& f : files) f.fd.close_checked(f.temp);
   }, "; nothing was saved");
 
-  // The data checksums (checkpoint/data_checksums.hpp): rank r hashes the r-th run of
-  // chunks, rank 0 collects the digests and writes them over the header's placeholder.
-  for (File& f : files) {
-    std::vector<std::uint64_t> digests;
-    run_agreed(model, what, [&] { digests = hash_my_chunks(f.temp, 8 + f.header_bytes, f.layout.data_bytes(), model[0]); },
-               "; nothing was saved");
-    digests = collect_digests(digests, model[0]);
-    run_agreed(model, what, [&] {
-      if (root) write_digests(f.fd.get(), f.temp, f.header, f.layout.data_bytes(), digests);
-    }, "; nothing was saved");
-  }
-  if (root)
-    for (File& f : files) f.fd.close_checked(f.temp);
+  run_agreed(model, what, [&] {  // once every byte is in: each rank its data checksums
+    for (File& f : files) {
+      write_my_digests(f.fd.get(), f.temp, 8 + f.header_bytes, f.layout.data_bytes(), f.digests_at, model[0]);
+      checkpoint::detail::fsync_fd(f.fd.get(), f.temp);
+      f.fd.close_checked(f.temp);
+    }
+  }, "; nothing was saved");
 
   run_agreed(model, what, [&] {  // rank 0 publishes: the optimizer file first, as the gathering save does
     if (!root) return;
