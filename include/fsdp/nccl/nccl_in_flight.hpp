@@ -3,21 +3,14 @@
 // has completed), and polling a nonblocking communicator: what fsdp::NcclComm's state
 // (nccl_state.hpp), its creation (nccl_comm.hpp) and nccl_group (nccl_group.hpp) wait with.
 #include <chrono>
-#include <thread>
 
+#include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 
 namespace fsdp::detail {
 
 using NcclClock = std::chrono::steady_clock;
-
-// Between polls: a few yields (collectives often finish within microseconds), then short
-// sleeps so many waiting ranks on few cores do not starve the one that must progress.
-inline void nccl_backoff(int spins) {
-  if (spins < 64) std::this_thread::yield();
-  else std::this_thread::sleep_for(std::chrono::microseconds(50));
-}
 
 // A communicator's asynchronous state (ncclInProgress while a nonblocking call is under
 // way), or why it could not be read.
@@ -34,7 +27,7 @@ inline ncclResult_t nccl_settle(ncclComm_t comm, NcclClock::time_point deadline)
     const ncclResult_t state = nccl_async_state(comm);
     if (state != ncclInProgress) return state;
     if (NcclClock::now() >= deadline) return ncclInProgress;
-    nccl_backoff(spins);
+    cuda_poll_backoff(spins);
   }
 }
 

@@ -357,7 +357,7 @@ class NcclPending final : public Work::Pending {
   NcclPending(std::shared_ptr<NcclCommState> state, std::shared_ptr<NcclInFlight> f)
       : state_(std::move(state)), f_(std::move(f)) {}
   void wait() override {
-    for (int spins = 0; !state_->poll(*f_); ++spins) nccl_backoff(spins);  // poll throws past the timeout
+    for (int spins = 0; !state_->poll(*f_); ++spins) cuda_poll_backoff(spins);  // poll throws past the timeout
   }
   bool ready() override { return state_->poll(*f_); }
   // Any CUDA stream (of any device) can wait for the event; other queues cannot.
