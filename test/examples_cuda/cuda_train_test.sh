@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # //examples:cuda_train as a process. Without a GPU: it must report "skipped" (exit 77),
-# never train or pass, and FSDP_REQUIRE_GPU=1 must turn that into a failure; its training
-# cases then count as skipped. With a GPU: every mode tools/gpu_proof.sh runs must train
-# the small default model and match the host reference ("parity: ok").
+# never train or pass, and FSDP_REQUIRE_GPU=1 must turn that into a failure (of the binary,
+# and of this test when it runs with FSDP_REQUIRE_GPU=1); its training cases then count as
+# skipped. With a GPU: every mode tools/gpu_proof.sh runs must train the small default
+# model and match the host reference ("parity: ok").
 # Ends with a line in doctest's summary format, so tools/test_summary.py counts the
 # skipped cases as skipped (not passed).
 set -u
@@ -28,6 +29,8 @@ if [ "$rc" -eq 77 ]; then
   fi
   skipped=${#modes[@]}
   echo "no GPU: the ${#modes[@]} training modes are skipped"
+  # A lane that requires a GPU (--test_env=FSDP_REQUIRE_GPU=1) must not pass without one.
+  [ "${FSDP_REQUIRE_GPU:-}" = 1 ] && fail "FSDP_REQUIRE_GPU=1 but no CUDA GPU is visible"
 else
   for m in "${modes[@]}"; do
     # shellcheck disable=SC2086  # the mode is a list of flags

@@ -35,11 +35,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "fsdp/communicator.hpp"
+#include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/device_mesh.hpp"
@@ -55,13 +55,6 @@ struct CudaThreadCommOptions {
 
 namespace detail {
 
-template <class... Where>
-void cuda_thread_check(cudaError_t e, const char* call, Where&&... where) {
-  if (e == cudaSuccess) return;
-  (void)cudaGetLastError();
-  fail(std::forward<Where>(where)..., ": ", call, " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
-}
-
 // One collective's completion on this rank, as a Work.
 class CudaEventPending final : public Work::Pending {
  public:
@@ -73,19 +66,18 @@ class CudaEventPending final : public Work::Pending {
     for (int spins = 0; !ready(); ++spins) {
       if (std::chrono::steady_clock::now() > deadline)
         fail(what_, " did not complete within ", timeout_.count(), " ms (CudaThreadCommOptions::timeout)");
-      if (spins < 64) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+      cuda_poll_backoff(spins);
     }
   }
   bool ready() override {
     const cudaError_t e = cudaEventQuery(event_);
     if (e == cudaErrorNotReady) return (void)cudaGetLastError(), false;
-    cuda_thread_check(e, "cudaEventQuery", what_);
+    cuda_check(e, "cudaEventQuery", what_);
     return true;
   }
   bool enqueue_wait(const DeviceQueue& q) override {
     if (q.device.kind != DeviceKind::cuda) return false;
-    cuda_thread_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(q.handle), event_, 0), "cudaStreamWaitEvent", what_);
+    cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(q.handle), event_, 0), "cudaStreamWaitEvent", what_);
     return true;
   }
 
@@ -137,11 +129,11 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
         state_(std::make_shared<detail::CudaThreadCommState>(device.index())) {
     const std::string at = where();
     auto& s = *state_;
-    detail::cuda_thread_check(cudaSetDevice(s.device), "cudaSetDevice", at);
+    detail::cuda_check(cudaSetDevice(s.device), "cudaSetDevice", at);
     for (cudaStream_t* p : {&s.gather, &s.reduce})
-      detail::cuda_thread_check(cudaStreamCreateWithFlags(p, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
+      detail::cuda_check(cudaStreamCreateWithFlags(p, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
     for (cudaEvent_t* e : {&s.after, &s.ready, &s.done})
-      detail::cuda_thread_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
+      detail::cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
   }
 
   std::string where() const {
@@ -178,9 +170,9 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     if (reduces && (call.op == ReduceOp::max || call.op == ReduceOp::min || (call.op == ReduceOp::avg && !is_floating(call.dtype))))
       detail::fail(at, ": on device memory only sum, and avg of floating dtypes, are supported");
     auto& st = *state_;
-    detail::cuda_thread_check(cudaSetDevice(st.device), "cudaSetDevice", at);
+    detail::cuda_check(cudaSetDevice(st.device), "cudaSetDevice", at);
     cudaStream_t s = call.kind == K::all_gather ? st.gather : st.reduce;
-    auto check = [&](cudaError_t e, const char* what) { detail::cuda_thread_check(e, what, at); };
+    auto check = [&](cudaError_t e, const char* what) { detail::cuda_check(e, what, at); };
     // 1. After the compute stream's work so far; ready.
     check(cudaEventRecord(st.after, device_->stream()), "cudaEventRecord(compute stream)");
     check(cudaStreamWaitEvent(s, st.after, 0), "cudaStreamWaitEvent(compute stream)");

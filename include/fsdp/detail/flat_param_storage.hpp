@@ -127,11 +127,12 @@ inline bool wait_for_use(Work& w, const DeviceRef& device, const TracedWait& wai
 // device behind a wait on its queue, or, where there is none, after a host wait. Errors
 // are dropped here (the backend reports them on its next call).
 inline void settle_before_free(Work& w, const DeviceRef& device) noexcept {
+  if (w.completed_inline()) return;  // the usual case: waited for at its first use
   try {
-    if (w.wait_on(device.queue())) return void(w = Work{});  // dropped without a host wait
-  } catch (...) {
+    w.wait_on(device.queue());
+  } catch (...) {  // known to have failed: dropped below with a quiet host wait
   }
-  w = Work{};  // waits quietly
+  w = Work{};  // after a device wait: dropped without blocking; else waits quietly
 }
 
 }  // namespace detail

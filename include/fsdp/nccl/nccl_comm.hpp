@@ -38,6 +38,7 @@
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/nccl/nccl_group.hpp"
+#include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 #include "fsdp/store.hpp"

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fsdp/error.hpp"
+#include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 

@@ -31,53 +31,11 @@
 
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/error.hpp"
+#include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 #include "fsdp/work.hpp"
 
 namespace fsdp::detail {
-
-using NcclClock = std::chrono::steady_clock;
-
-// Between polls: a few yields (collectives often finish within microseconds), then short
-// sleeps so many waiting ranks on few cores do not starve the one that must progress.
-inline void nccl_backoff(int spins) {
-  if (spins < 64) std::this_thread::yield();
-  else std::this_thread::sleep_for(std::chrono::microseconds(50));
-}
-
-// A communicator's asynchronous state (ncclInProgress while a nonblocking call is under
-// way), or why it could not be read.
-inline ncclResult_t nccl_async_state(ncclComm_t comm) {
-  ncclResult_t state = ncclSuccess;
-  const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-  return r != ncclSuccess ? r : state;
-}
-
-// Polls a nonblocking communicator until it leaves ncclInProgress or `deadline` passes.
-// Returns its state then (ncclInProgress: the deadline passed).
-inline ncclResult_t nccl_settle(ncclComm_t comm, NcclClock::time_point deadline) {
-  for (int spins = 0;; ++spins) {
-    const ncclResult_t state = nccl_async_state(comm);
-    if (state != ncclInProgress) return state;
-    if (NcclClock::now() >= deadline) return ncclInProgress;
-    nccl_backoff(spins);
-  }
-}
-
-struct NcclInFlight {
-  NcclInFlight() = default;
-  NcclInFlight(const NcclInFlight&) = delete;
-  NcclInFlight& operator=(const NcclInFlight&) = delete;
-  ~NcclInFlight() {
-    if (event) cudaEventDestroy(event);
-  }
-  CollectiveCall call;
-  cudaStream_t stream = nullptr;  // where it runs, and its event is recorded
-  cudaEvent_t event = nullptr;  // handed back to the communicator for reuse once complete
-  NcclClock::time_point issued;
-  bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
-  bool complete = false;
-};
 
 class NcclCommState;
 
@@ -399,7 +357,7 @@ class NcclPending final : public Work::Pending {
   NcclPending(std::shared_ptr<NcclCommState> state, std::shared_ptr<NcclInFlight> f)
       : state_(std::move(state)), f_(std::move(f)) {}
   void wait() override {
-    for (int spins = 0; !state_->poll(*f_); ++spins) nccl_backoff(spins);  // poll throws past the timeout
+    for (int spins = 0; !state_->poll(*f_); ++spins) cuda_poll_backoff(spins);  // poll throws past the timeout
   }
   bool ready() override { return state_->poll(*f_); }
   // Any CUDA stream (of any device) can wait for the event; other queues cannot.

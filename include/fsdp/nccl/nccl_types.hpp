@@ -1,7 +1,8 @@
 #pragma once
 // What fsdp::NcclComm shares with its helpers: its options, fsdp dtypes and reduce ops as
-// NCCL's, the unique id as store text, and checked CUDA / NCCL calls whose errors name the
-// call. The one fsdp header that includes <nccl.h>; the others get it from here.
+// NCCL's, the unique id as store text, and checked NCCL calls whose errors name the call
+// (checked CUDA calls: fsdp/cuda/cuda_check.hpp). The one fsdp header that includes
+// <nccl.h>; the others get it from here.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -13,6 +14,7 @@
 #include <utility>
 
 #include "fsdp/communicator.hpp"
+#include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/detail/timeout.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
@@ -100,13 +102,6 @@ inline std::string nccl_error_text(ncclResult_t r, ncclComm_t comm = nullptr) {
   const char* last = ncclGetLastError(comm);
   if (last && *last) text += std::string(": ") + last;
   return text;
-}
-
-template <class... Where>
-void cuda_check(cudaError_t e, const char* call, Where&&... where) {
-  if (e == cudaSuccess) return;
-  (void)cudaGetLastError();  // clear a non-sticky error so the next call does not see it
-  fail(std::forward<Where>(where)..., ": ", call, " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
 }
 
 // ncclSuccess and ncclInProgress (a nonblocking call still under way) pass.
