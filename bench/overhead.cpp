@@ -132,39 +132,20 @@ struct Model {
 // gradient (defined: pre_backward zeroes it).
 volatile std::uint64_t g_sink = 0;
 
-// ---- one step through the library ---------------------------------------------------
-struct LibraryCase {
+// ---- one step through the library: the unit's hooks through the virtual interface, as
+// the root calls them; zero_grad and finish_backward from `root`, the unit itself or a
+// ShardedModel of it (tags, or the end-of-pass check) ----
+template <class Root>
+struct StepCase {
   Model& m;
-  fsdp::UnitBase& unit;  // hooks through the virtual interface, as the root calls them
-  std::size_t k = 0;
-
-  void step() {
-    const std::size_t P = m.params.size();
-    const std::size_t i = k++ % P;
-    unit.zero_grad();
-    unit.pre_forward();
-    g_sink = g_sink + reinterpret_cast<std::uintptr_t>(m.params[i].data());
-    unit.post_forward();
-    unit.pre_backward();
-    float* g = m.grads[i].as<float>();
-    g_sink = g_sink + static_cast<std::uint64_t>(g[0]);
-    g[0] += 1.0f;
-    unit.post_backward();
-    unit.finish_backward();
-  }
-};
-
-// ---- one step through a ShardedModel of that unit (tags, or the end-of-pass check) ---
-struct ModelCase {
-  Model& m;
-  fsdp::ShardedModel& sm;
+  Root& root;
   fsdp::UnitBase& unit;
   std::size_t k = 0;
 
   void step() {
     const std::size_t P = m.params.size();
     const std::size_t i = k++ % P;
-    sm.zero_grad();
+    root.zero_grad();
     unit.pre_forward();
     g_sink = g_sink + reinterpret_cast<std::uintptr_t>(m.params[i].data());
     unit.post_forward();
@@ -173,9 +154,11 @@ struct ModelCase {
     g_sink = g_sink + static_cast<std::uint64_t>(g[0]);
     g[0] += 1.0f;
     unit.post_backward();
-    sm.finish_backward();
+    root.finish_backward();
   }
 };
+using LibraryCase = StepCase<fsdp::UnitBase>;
+using ModelCase = StepCase<fsdp::ShardedModel>;
 
 // ---- the bare minimum, done by hand -------------------------------------------------
 struct BaselineCase {
@@ -279,7 +262,7 @@ Result run_case(int world, int P, std::int64_t steps_opt, int reps, double targe
   fsdp::HostDevice lib_dev, base_dev;
   Model lib_model(P), base_model(P);
   fsdp::Sharded<Model> unit(lib_model, comm, lib_dev, fsdp::UnitOptions{"block"});
-  LibraryCase lib{lib_model, unit};
+  LibraryCase lib{lib_model, unit, unit};
   BaselineCase base(base_model, base_dev, world);
 
   // Warm up, and pick K so that the library's timed reps take about target_s in all.

@@ -80,8 +80,10 @@ inline std::string message_of(std::exception_ptr e) {
 
 }  // namespace detail
 
+// The all-gathers and reductions, plain and tagged (tags pass through to a communicator
+// that takes them, fsdp/collective_tag.hpp), come from detail::WrappedCollectives.
 template <Communicator C>
-class AsyncCommunicator {
+class AsyncCommunicator : public detail::WrappedCollectives<AsyncCommunicator<C>, C> {
  public:
   explicit AsyncCommunicator(C& inner, Trace* trace = nullptr)
       : rank_(inner.rank()), size_(inner.size()), trace_(trace), stream_(std::make_unique<Stream>(&inner, nullptr)) {}
@@ -97,29 +99,6 @@ class AsyncCommunicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  Work all_gather(const void* s, void* r, std::size_t n, DType t) { return gather(s, r, n, t, std::nullopt); }
-  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    return scatter(s, r, n, t, op, std::nullopt);
-  }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    return reduce(s, r, n, t, op, std::nullopt);
-  }
-  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
-  Work all_gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return gather(s, r, n, t, tag);
-  }
-  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return scatter(s, r, n, t, op, tag);
-  }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return reduce(s, r, n, t, op, tag);
-  }
   Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) {
     return issue("broadcast", n * size_of(t), [=](C& c) { c.broadcast(s, r, n, t, root).wait(); });
   }
@@ -290,18 +269,21 @@ class AsyncCommunicator {
   };
 
   // The tag is copied into the queued call: the caller's may be gone when it runs.
+  friend class detail::WrappedCollectives<AsyncCommunicator, C>;
   using MaybeTag = std::optional<CollectiveTag>;
+  static MaybeTag copy_of(const CollectiveTag* t) { return t ? MaybeTag(*t) : std::nullopt; }
   static const CollectiveTag* tag_of(const MaybeTag& t) { return t ? &*t : nullptr; }
-  Work gather(const void* s, void* r, std::size_t n, DType t, MaybeTag tag) {
+  Work gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag* tag) {
     return issue("all_gather", n * static_cast<std::size_t>(size_) * size_of(t),
-                 [=](C& c) { detail::all_gather(c, s, r, n, t, tag_of(tag)).wait(); });
+                 [=, tag = copy_of(tag)](C& c) { detail::all_gather(c, s, r, n, t, tag_of(tag)).wait(); });
   }
-  Work scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, MaybeTag tag) {
+  Work scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) {
     return issue("reduce_scatter", n * static_cast<std::size_t>(size_) * size_of(t),
-                 [=](C& c) { detail::reduce_scatter(c, s, r, n, t, op, tag_of(tag)).wait(); });
+                 [=, tag = copy_of(tag)](C& c) { detail::reduce_scatter(c, s, r, n, t, op, tag_of(tag)).wait(); });
   }
-  Work reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, MaybeTag tag) {
-    return issue("all_reduce", n * size_of(t), [=](C& c) { detail::all_reduce(c, s, r, n, t, op, tag_of(tag)).wait(); });
+  Work reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag* tag) {
+    return issue("all_reduce", n * size_of(t),
+                 [=, tag = copy_of(tag)](C& c) { detail::all_reduce(c, s, r, n, t, op, tag_of(tag)).wait(); });
   }
 
   Work issue(const char* what, std::size_t bytes, std::function<void(C&)> run) {

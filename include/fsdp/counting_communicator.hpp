@@ -27,35 +27,16 @@ struct CollectiveCounts {
   friend bool operator==(const CollectiveCounts&, const CollectiveCounts&) = default;
 };
 
+// The all-gathers and reductions, plain and tagged (tags pass through to a communicator
+// that takes them, fsdp/collective_tag.hpp), come from detail::WrappedCollectives.
 template <Communicator C>
-class CountingCommunicator {
+class CountingCommunicator : public detail::WrappedCollectives<CountingCommunicator<C>, C> {
  public:
   explicit CountingCommunicator(C& inner) : inner_(&inner), counts_(std::make_shared<CollectiveCounts>()) {}
 
   int rank() const { return inner_->rank(); }
   int size() const { return inner_->size(); }
 
-  Work all_gather(const void* s, void* r, std::size_t n, DType t) { return gather(s, r, n, t, nullptr); }
-  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op) {
-    return scatter(s, r, n, t, op, nullptr);
-  }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op) { return reduce(s, r, n, t, op, nullptr); }
-  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
-  Work all_gather(const void* s, void* r, std::size_t n, DType t, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return gather(s, r, n, t, &tag);
-  }
-  Work reduce_scatter(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return scatter(s, r, n, t, op, &tag);
-  }
-  Work all_reduce(const void* s, void* r, std::size_t n, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return reduce(s, r, n, t, op, &tag);
-  }
   Work broadcast(const void* s, void* r, std::size_t n, DType t, int root) {
     note(Collective::broadcast, n, t);
     return inner_->broadcast(s, r, n, t, root);
@@ -80,6 +61,7 @@ class CountingCommunicator {
  private:
   template <Communicator>
   friend class CountingCommunicator;
+  friend class detail::WrappedCollectives<CountingCommunicator, C>;
   explicit CountingCommunicator(std::shared_ptr<C> owned)
       : owned_(std::move(owned)), inner_(owned_.get()), counts_(std::make_shared<CollectiveCounts>()) {}
 

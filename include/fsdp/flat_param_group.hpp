@@ -4,11 +4,10 @@
 // into the flat shard, gathers the shards into an unsharded buffer the engine's tensors
 // point into, and reduces the unsharded gradient into the sharded one. It knows nothing
 // of hooks or training states: that is the unit's state machine (fsdp/sharded.hpp). What
-// summons and checkpoints do beyond that is in fsdp/detail/summon_buffers.hpp.
-#include <algorithm>
+// summons and checkpoints do beyond that is in fsdp/detail/summon_buffers.hpp; how the flat
+// parameters are laid out, in fsdp/detail/flat_param_layouts.hpp.
 #include <cstddef>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -17,6 +16,7 @@
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/fingerprint.hpp"
 #include "fsdp/detail/gradient_reduction.hpp"
+#include "fsdp/detail/flat_param_layouts.hpp"
 #include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/param_collection.hpp"
@@ -76,62 +76,13 @@ class FlatParamGroup {
   std::vector<FlatParam>& flat() { return flat_; }
   const std::vector<FlatParam>& flat() const { return flat_; }
 
-  // One flat parameter per dtype, in order of first appearance, parameters in visit order;
-  // a tied parameter's other names follow it (shown wherever it is, never stored twice).
+  // The flat parameters, what ranks compare of them and how messages show them
+  // (fsdp/detail/flat_param_layouts.hpp). Before copy_shards.
   void build(const std::vector<detail::CollectedParam>& params, const std::vector<detail::TiedAlias>& aliases = {}) {
-    std::vector<DType> order;
-    for (auto& p : params)
-      if (std::find(order.begin(), order.end(), p.dtype) == order.end()) order.push_back(p.dtype);
-    flat_.reserve(order.size());
-    for (DType t : order) {
-      std::vector<ParamInfo> infos;
-      std::vector<detail::ParamBinding> bindings;
-      std::vector<std::pair<std::size_t, detail::ParamBinding>> alias_bindings;
-      for (std::size_t j = 0; j < params.size(); ++j) {
-        if (params[j].dtype != t) continue;
-        infos.push_back(params[j].info);
-        bindings.push_back(params[j].binding);
-        for (auto& a : aliases)
-          if (a.canonical == j) { infos.back().aliases.push_back(a.fqn); alias_bindings.emplace_back(infos.size() - 1, a.binding); }
-      }
-      auto& fp = flat_.emplace_back(FlatParamLayout(t, std::move(infos), groups_.shard_size));
-      fp.bindings = std::move(bindings);
-      fp.alias_bindings = std::move(alias_bindings);
-    }
+    flat_ = detail::build_flat_params(params, aliases, groups_.shard_size);
   }
-
-  // What every rank must agree on: dtypes, FQNs and shapes, in order.
-  void add_to(detail::Fingerprint& f) const {
-    f.add_count(flat_.size());
-    for (auto& fp : flat_) {
-      f.add_count(static_cast<std::uint64_t>(fp.layout.dtype()));
-      for (auto& p : fp.layout.params()) {
-        f.add(p.fqn);
-        f.add_count(p.aliases.size());
-        for (auto& a : p.aliases) f.add(a);
-        f.add_count(p.shape.size());
-        for (auto d : p.shape) f.add_count(static_cast<std::uint64_t>(d));
-      }
-    }
-  }
-
-  // "N parameters, E elements: a [2,3] f32, ...", for setup mismatch messages.
-  std::string describe() const {
-    std::ostringstream os;
-    std::size_t n = 0;
-    std::int64_t elems = 0;
-    for (auto& fp : flat_) { n += fp.layout.params().size(); elems += fp.layout.numel(); }
-    os << n << " parameters, " << elems << " elements";
-    const char* sep = ": ";
-    for (auto& fp : flat_)
-      for (auto& p : fp.layout.params()) {
-        os << sep << p.fqn;
-        for (auto& a : p.aliases) os << " = " << a;
-        os << " " << detail::format_shape(p.shape) << " " << name_of(fp.layout.dtype());
-        sep = ", ";
-      }
-    return os.str();
-  }
+  void add_to(detail::Fingerprint& f) const { detail::add_flat_params_to(f, flat_); }
+  std::string describe() const { return detail::describe_flat_params(flat_); }
 
   // Copies this rank's slices into fresh shards (the engine's tensors are not touched).
   void copy_shards(const std::vector<detail::CollectedParam>& params) {

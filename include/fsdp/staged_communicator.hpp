@@ -29,37 +29,16 @@
 
 namespace fsdp {
 
+// The all-gathers and reductions, plain and tagged (tags pass through to a communicator
+// that takes them, fsdp/collective_tag.hpp), come from detail::WrappedCollectives.
 template <Communicator C, Device D>
-class StagedCommunicator {
+class StagedCommunicator : public detail::WrappedCollectives<StagedCommunicator<C, D>, C> {
  public:
   StagedCommunicator(C& comm, D& device) : comm_(&comm), device_(&device) {}
 
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
 
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) { return gather(send, recv, count, t, nullptr); }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return scatter(send, recv, count, t, op, nullptr);
-  }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return reduce(send, recv, count, t, op, nullptr);
-  }
-  // Tags pass through to a communicator that takes them (fsdp/collective_tag.hpp).
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return gather(send, recv, count, t, &tag);
-  }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return scatter(send, recv, count, t, op, &tag);
-  }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires TaggedCommunicator<C>
-  {
-    return reduce(send, recv, count, t, op, &tag);
-  }
   Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
     const std::size_t bytes = count * size_of(t);
     // Only the root's send buffer is read (others may pass null, as with NCCL).
@@ -83,6 +62,7 @@ class StagedCommunicator {
 
  private:
   template <Communicator, Device> friend class StagedCommunicator;
+  friend class detail::WrappedCollectives<StagedCommunicator, C>;
   StagedCommunicator(std::shared_ptr<C> owned, D& device) : comm_(owned.get()), device_(&device), owned_(std::move(owned)) {}
 
   Work gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag* tag) {

@@ -18,7 +18,6 @@ namespace {
 
 using test_support::contains;
 using Untagged = fsdp::UntaggedCommunicator<fsdp::ThreadComm>;
-using Counting = fsdp::CountingCommunicator<Untagged>;
 
 engine::ModelConfig config() {
   engine::ModelConfig c;
@@ -44,17 +43,39 @@ void iteration(fsdp::ShardedModel& sm, const std::vector<std::string>& order, bo
 const std::vector<std::string> usual{"blocks.0", "blocks.1", "blocks.2", "gain"};
 const std::vector<std::string> swapped{"blocks.1", "blocks.0", "blocks.2", "gain"};
 
-}  // namespace
-
-TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on every rank at finish_backward") {
-  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+// Each rank's error ("" for none) from run(model, rank) over an untagged communicator.
+template <class Strategy = fsdp::FullShard, class Run>
+std::vector<std::string> errors_untagged(Run run) {
+  return test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
     Untagged untagged(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
+    auto sm = fsdp::shard<Strategy, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
+    run(sm, comm.rank());
+  });
+}
+
+// The collectives this rank issues in a second plain iteration over `comm` (NoShard: its
+// units gather nothing, so what is left is the pass check).
+template <class C>
+fsdp::CollectiveCounts second_iteration_counts(C& comm) {
+  fsdp::CountingCommunicator<C> counted(comm);
+  engine::Model model(config());
+  fsdp::HostDevice device;
+  auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
+  iteration(sm, usual);
+  counted.reset();
+  iteration(sm, usual);
+  return counted.counts();
+}
+
+}  // namespace
+
+TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on every rank at finish_backward") {
+  const auto msgs = errors_untagged([](fsdp::ShardedModel& sm, int rank) {
     iteration(sm, usual);
     iteration(sm, usual);
-    iteration(sm, comm.rank() == 1 ? swapped : usual);  // the all-gathers pair silently: same sizes
+    iteration(sm, rank == 1 ? swapped : usual);  // the all-gathers pair silently: same sizes
   });
   for (int r = 0; r < 2; ++r) {
     CAPTURE(msgs[r]);
@@ -65,14 +86,10 @@ TEST_CASE("a rank that swaps two same-sized units at iteration 3: an error on ev
 }
 
 TEST_CASE("after the error every unit asks for abort_step; after it, training goes on") {
-  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
-    Untagged untagged(comm);
-    engine::Model model(config());
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
+  const auto msgs = errors_untagged([](fsdp::ShardedModel& sm, int rank) {
     iteration(sm, usual);
     try {
-      iteration(sm, comm.rank() == 0 ? swapped : usual);
+      iteration(sm, rank == 0 ? swapped : usual);
       FAIL("no error");
     } catch (const fsdp::Error&) {
     }
@@ -85,27 +102,19 @@ TEST_CASE("after the error every unit asks for abort_step; after it, training go
 }
 
 TEST_CASE("an evaluation pass in another order: an error at reshard()") {
-  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
-    Untagged untagged(comm);
-    engine::Model model(config());
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
+  const auto msgs = errors_untagged([](fsdp::ShardedModel& sm, int rank) {
     iteration(sm, usual);
     iteration(sm, usual, false);
-    iteration(sm, comm.rank() == 0 ? usual : swapped, false);
+    iteration(sm, rank == 0 ? usual : swapped, false);
   });
   for (int r = 0; r < 2; ++r) CHECK(contains(msgs[r], "at entry #1, rank 0 ran the forward of 'blocks.0'; rank 1 ran the forward of 'blocks.1'"));
 }
 
 TEST_CASE("a rank that skips a unit in an evaluation pass: named as having ended its pass") {
   // NoShard: forward runs no collective of its own, so only the pass check can see it.
-  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
-    Untagged untagged(comm);
-    engine::Model model(config());
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, untagged, device, engine::Wrap{});
+  const auto msgs = errors_untagged<fsdp::NoShard>([](fsdp::ShardedModel& sm, int rank) {
     iteration(sm, usual);
-    iteration(sm, comm.rank() == 0 ? usual : std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}, false);
+    iteration(sm, rank == 0 ? usual : std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}, false);
   });
   for (int r = 0; r < 2; ++r) {
     CAPTURE(msgs[r]);
@@ -117,14 +126,7 @@ TEST_CASE("plain training over an untagged communicator pays one 8-byte all-gath
   std::vector<fsdp::CollectiveCounts> counts(2);
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
     Untagged untagged(comm);
-    Counting counted(untagged);
-    engine::Model model(config());
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
-    iteration(sm, usual);
-    counted.reset();
-    iteration(sm, usual);
-    counts[comm.rank()] = counted.counts();
+    counts[comm.rank()] = second_iteration_counts(untagged);
   });
   for (const auto& c : counts) {
     CHECK(c[fsdp::Collective::all_gather].calls == 1);  // NoShard gathers nothing: only the check
@@ -134,15 +136,6 @@ TEST_CASE("plain training over an untagged communicator pays one 8-byte all-gath
 
 TEST_CASE("a tagged communicator has no check at the end of the pass") {
   std::vector<fsdp::CollectiveCounts> counts(2);
-  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
-    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
-    engine::Model model(config());
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<fsdp::NoShard, fsdp::NoBackwardPrefetch>(model, counted, device, engine::Wrap{});
-    iteration(sm, usual);
-    counted.reset();
-    iteration(sm, usual);
-    counts[comm.rank()] = counted.counts();
-  });
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) { counts[comm.rank()] = second_iteration_counts(comm); });
   for (const auto& c : counts) CHECK(c[fsdp::Collective::all_gather].calls == 0);  // NoShard gathers nothing
 }

@@ -116,9 +116,11 @@ class GradientReduction {
   // host needs the gradients (the optimizer step after finish_backward), and where a
   // collective's failure, which a device-side wait cannot raise, becomes an fsdp::Error.
   void check_on_host(const TracedWait& wait) {
-    std::vector<Work> works = std::move(unchecked_);
-    unchecked_.clear();
-    for (auto& w : works) wait(w, "wait reductions (host)");  // on a throw the rest are dropped unwaited
+    struct Clear {  // also on a throw: the rest are dropped unwaited; the capacity stays for the next step
+      std::vector<Work>& v;
+      ~Clear() { v.clear(); }
+    } clear{unchecked_};
+    for (auto& w : unchecked_) wait(w, "wait reductions (host)");
   }
   void drop_checks() { unchecked_.clear(); }  // a step abandoned: their errors are reported again
 

@@ -24,8 +24,10 @@ namespace fsdp::detail {
 
 class PassRecord {
  public:
-  // A unit entering the pass (its index in the model; backward or forward).
+  // A unit entering the pass (its index in the model; backward or forward). Not recorded
+  // over a communicator that checks tags: its collectives were compared as they ran.
   void enter(int unit, bool backward, const CommRef& world) {
+    if (world.checks_tags()) return;
     if (!world_) world_ = world;
     ran_.push_back(unit * 2 + (backward ? 1 : 0));
   }
@@ -34,7 +36,7 @@ class PassRecord {
   // At the end of a pass: every rank must have entered the same units in the same order.
   // `name` gives a unit's name from its index.
   void check(const std::function<std::string(int)>& name) {
-    if (!world_ || world_->size() == 1 || world_->checks_tags()) return ran_.clear();  // tags checked each collective
+    if (!world_ || world_->size() == 1) return ran_.clear();  // nothing recorded (tags checked each collective), or alone
     std::uint64_t mine = 1469598103934665603ull;  // FNV-1a over the entries
     for (std::int32_t e : ran_) mine = (mine ^ static_cast<std::uint32_t>(e)) * 1099511628211ull;
     std::vector<std::uint64_t> all(static_cast<std::size_t>(world_->size()));
