@@ -12,6 +12,7 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"
+#include "test/faults/unit_order_driver.hpp"
 #include "test/support/rank_errors.hpp"
 
 namespace {
@@ -25,23 +26,9 @@ engine::ModelConfig config() {
   return c;
 }
 
-// One iteration driven by hand, units entered in `order` (names), no computation: the
-// order is all that matters here. Backward runs the reverse.
-void iteration(fsdp::ShardedModel& sm, const std::vector<std::string>& order, bool backward = true) {
-  sm.zero_grad();
-  auto& root = sm.unit("");
-  root.pre_forward();
-  for (const auto& n : order) sm.unit(n).pre_forward(), sm.unit(n).post_forward();
-  root.post_forward();
-  if (!backward) return sm.reshard();
-  root.pre_backward();
-  for (auto it = order.rbegin(); it != order.rend(); ++it) sm.unit(*it).pre_backward(), sm.unit(*it).post_backward();
-  root.post_backward();
-  sm.finish_backward();
-}
-
-const std::vector<std::string> usual{"blocks.0", "blocks.1", "blocks.2", "gain"};
-const std::vector<std::string> swapped{"blocks.1", "blocks.0", "blocks.2", "gain"};
+using test_support::iteration;
+using test_support::swapped;
+using test_support::usual;
 
 // Each rank's error ("" for none) from run(model, rank) over an untagged communicator.
 template <class Strategy = fsdp::FullShard, class Run>
