@@ -10,7 +10,8 @@
 # the benches (CudaDevice copy/cast throughput, NcclComm all_gather/reduce_scatter bandwidth
 # over sizes), then the example (its loss against the host reference engine, its step time
 # with fsdp against without at world size 1, the library's host time per unit per step),
-# and ends with
+# then splits the library's host time per unit and step by CUDA and NCCL function (the
+# example under tools/gpu_proof/api_timer.so, an LD_PRELOAD timer), and ends with
 #   gpu proof: N passed, M failed
 # counting doctest test cases (a binary that does not build counts as one failure).
 # Exit status 0 only when nothing failed.
@@ -22,7 +23,8 @@
 #            (a directory holding doctest/doctest.h)
 #   Boost:   /usr/include or /usr/local/include; without it the NCCL test's two-process
 #            case (which needs two GPUs anyway) is compiled out.
-# Output: build logs and binaries in ${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}.
+# Output: build logs and binaries in ${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}. Each test binary
+# may run ${GPU_PROOF_TEST_TIMEOUT:-600} seconds.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}
@@ -105,6 +107,9 @@ for t in "${TESTS[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 0.2; done
 done
 build gpu_bench tools/gpu_proof/gpu_bench.cpp &
+# The LD_PRELOAD timer of CUDA and NCCL calls (no libraries linked: it forwards to the program's).
+( if "$CXX" -std=c++20 -O2 -shared -fPIC "${INCLUDES[@]}" tools/gpu_proof/api_timer.cpp -o "$OUT/api_timer.so" -ldl \
+     >"$OUT/api_timer.build.log" 2>&1; then echo ok; else echo failed; fi >"$OUT/api_timer.build" ) &
 build cuda_kernel_compile bench/cuda_kernel_compile.cpp &
 build cuda_train examples/cuda_train.cpp &
 wait
@@ -127,7 +132,7 @@ echo "== tests (FSDP_REQUIRE_GPU=1) =="
 for t in "${TESTS[@]}"; do
   name=$(basename "$t" .cpp)
   [ -x "$OUT/$name" ] && [ "$(cat "$OUT/$name.build")" = ok ] || continue
-  FSDP_REQUIRE_GPU=1 timeout 600 "$OUT/$name" --no-version >"$OUT/$name.log" 2>&1
+  FSDP_REQUIRE_GPU=1 timeout "${GPU_PROOF_TEST_TIMEOUT:-600}" "$OUT/$name" --no-version >"$OUT/$name.log" 2>&1
   rc=$?
   summary=$(grep -E '^\[doctest\] test cases:' "$OUT/$name.log" | tail -1)
   p=$(echo "$summary" | sed -n 's/.*| *\([0-9]*\) passed.*/\1/p')
@@ -203,6 +208,29 @@ if [ "$example_ran" = 1 ]; then
     [ -n "$us" ] && echo "gpu proof: library host time per unit per step ($name): $us us (goal <= 20 us; hooks and zero_grad, CUDA and NCCL calls included)"
   done
 fi
+# Where the library's host time goes: the example (small model, then --bench) under
+# tools/gpu_proof/api_timer.so, which counts the CUDA and NCCL calls made inside the
+# example's calls into fsdp in its timed steps; per unit and step, by function.
+if [ "$example_ran" = 1 ] && [ "$(cat "$OUT/api_timer.build" 2>/dev/null)" = ok ]; then
+  for run in "small:--no-reference --steps 102 --warmup 2" "bench:--bench --steps 25 --warmup 5"; do
+    name=${run%%:*}; flags=${run#*:}
+    # shellcheck disable=SC2086  # flags is a list
+    LD_PRELOAD="$OUT/api_timer.so" timeout 300 "$OUT/cuda_train" $flags >"$OUT/api.$name.out" 2>"$OUT/api.$name.log"
+    units=$(sed -n 's/.*(\([0-9]*\) units.*/\1/p' "$OUT/api.$name.out" | tail -1)
+    timed=$(sed -n 's/^step time: .*mean of \([0-9]*\) steps.*/\1/p' "$OUT/api.$name.out" | tail -1)
+    measured=$(summary_field "$OUT/api.$name.out" host_us_per_unit_step)
+    echo
+    echo "== library host time per unit per step in CUDA / NCCL calls ($name: $units units, $timed timed steps) =="
+    awk -v per="$(( ${units:-1} * ${timed:-1} ))" -v measured="${measured:-0}" '
+      /^api_timer: / {
+        split($7, c, "="); split($8, u, "=")
+        if (c[2] > 0) { printf "  %-26s %6.2f calls %7.2f us\n", $2, c[2] / per, u[2] / per; total += u[2] / per }
+      }
+      END { printf "gpu proof: of the library host time per unit per step (%s us), %.2f us are CUDA and NCCL calls, %.2f us the library'"'"'s own code\n", measured, total, measured - total }
+    ' "$OUT/api.$name.log"
+  done
+fi
+
 # Skipped cases never count as passed. The NCCL tests' child-process entry points are always
 # among them; the others are GPU cases the machine could not run (two-GPU ones on one GPU).
 [ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL tests' child-process entry points, two-GPU cases on a one-GPU machine, or no GPU)"

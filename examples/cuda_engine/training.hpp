@@ -4,6 +4,7 @@
 // hooks that drive fsdp's units with a clock around each call (the library's host time).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <chrono>
 #include <cmath>
@@ -148,9 +149,15 @@ struct LibraryClock {
   bool on = false;
   template <class F>
   void time(std::chrono::nanoseconds& into, F&& f) {
+    // Under tools/gpu_proof/api_timer.so (LD_PRELOAD), the CUDA and NCCL calls made in the
+    // host time reported (hooks, zero_grad) are counted apart; without it, region is null.
+    static const auto region = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "fsdp_api_timer_region"));
+    const bool marked = on && region && &into != &finish_backward;
+    if (marked) region(1);
     const auto begin = std::chrono::steady_clock::now();
     f();
     if (on) into += std::chrono::steady_clock::now() - begin;
+    if (marked) region(0);
   }
 };
 

@@ -2,8 +2,9 @@
 // copies on communication streams ordered by events. Every collective must equal
 // ThreadComm's bit for bit (in place too), a mismatch must fail on every rank, and
 // sharded training of every combination on four ranks sharing GPU 0, each on its own
-// engine stream, must equal the same training on HostDevice (parameters, losses, peak
-// and allocation counts). Every case needs a GPU and reports itself skipped without one.
+// engine stream, must equal the same training on the host stand-in that schedules as a
+// queued device does (test/support/queued_host.hpp): parameters, losses, peak and
+// allocation counts. Every case needs a GPU and reports itself skipped without one.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
@@ -19,6 +20,7 @@
 #include "test/support/device_training.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
+#include "test/support/queued_host.hpp"
 
 namespace {
 
@@ -29,6 +31,7 @@ using fsdp::ReduceOp;
 using test_support::contains;
 using test_support::error_of;
 using test_support::no_gpu;
+using test_support::QueuedHostDevice;
 
 // Rank r's engine stream and CudaDevice on it, all on GPU 0.
 struct Ranks {
@@ -154,11 +157,17 @@ TEST_CASE("four ranks on one GPU train every combination like the host, bit for 
   test_support::for_each_combination([&]<class S, class P, class O>() {
     const std::string combination = test_support::combination_name<S, P, O>();
     CAPTURE(combination);
-    std::vector<fsdp::HostDevice> hosts(kWorld);
-    std::vector<fsdp::HostDevice*> host_ptrs;
-    for (auto& h : hosts) host_ptrs.push_back(&h);
+    // The host run schedules as the GPU does (queued waits, a reduction in flight until the
+    // next unit's), so peaks and allocations must match exactly, not only values.
+    std::vector<test_support::Log> logs(kWorld);
+    std::vector<std::unique_ptr<QueuedHostDevice>> hosts;
+    std::vector<QueuedHostDevice*> host_ptrs;
+    for (auto& log : logs) host_ptrs.push_back(hosts.emplace_back(std::make_unique<QueuedHostDevice>(log)).get());
     const auto on_host = test_support::train_on_devices<S, P, O>(
-        host_ptrs, config, [](fsdp::ThreadComm& c, fsdp::HostDevice&, auto&& body) { body(c); });
+        host_ptrs, config, [](fsdp::ThreadComm& c, QueuedHostDevice& d, auto&& body) {
+          test_support::RecordingComm comm(c, d.log(), d.queue().handle);
+          body(comm);
+        });
     const auto on_gpu = test_support::train_on_devices<S, P, O>(
         ranks.ptrs, config, [](fsdp::ThreadComm& c, CudaDevice& d, auto&& body) {
           CudaThreadComm comm(c, d);

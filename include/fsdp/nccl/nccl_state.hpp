@@ -10,8 +10,8 @@
 // communicator is nonblocking, so no NCCL call blocks either. A thread per communicator,
 // the watchdog, looks at the oldest collective in flight every watchdog_interval: when NCCL
 // reports an asynchronous error, or the collective is not complete `timeout` after it was
-// issued, it aborts the communicator (ncclCommAbort, which also ends the kernels waiting on
-// a peer, so streams drain) and records why. From then on every wait() and every new call
+// issued, it aborts the communicator (ncclCommAbort, on a thread of its own since it may wait
+// for the device; it also ends the kernels waiting on a peer, so streams drain) and records why. From then on every wait() and every new call
 // throws an fsdp::Error with that reason, naming the collective, its sequence number and
 // the rank. Waiters check the same conditions themselves, so a wait is bounded even when
 // the watchdog is late.
@@ -31,6 +31,7 @@
 
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/error.hpp"
+#include "fsdp/nccl/nccl_abort.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 #include "fsdp/work.hpp"
@@ -80,6 +81,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
+    aborter_.finish(options.setup_timeout);  // bounded: never hangs on a device that does not drain
     int prev = -1;
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     cudaSetDevice(device);
@@ -227,10 +229,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       broken_seq_ = seq;
     }
     if (aborted_ || grouped_ > 0) return;
-    cudaSetDevice(device);  // NCCL frees the communicator's device memory
-    const ncclResult_t r = ncclCommAbort(comm_);
+    aborter_.start(comm_, device);  // returns at once: the abort may wait for the device (nccl_abort.hpp)
     aborted_ = true;
-    if (r != ncclSuccess) broken_ += std::string(" (ncclCommAbort failed: ") + ncclGetErrorString(r) + ")";
   }
   // The group that issued `n` collectives here has ended (ncclGroupEnd returned).
   void group_ended_locked(std::size_t n) {
@@ -349,6 +349,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::thread watchdog_;
+  NcclBackgroundAbort aborter_;
 };
 
 // An issued collective as the Work it returns.
