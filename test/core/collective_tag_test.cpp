@@ -1,12 +1,14 @@
 // fsdp/collective_tag.hpp: a tag's 8 bytes and its words; which communicators take tags
 // (the backends that compare them, the wrappers that pass them on) and which do not (a
 // user's own Communicator, UntaggedCommunicator); ThreadComm fails on every rank when the
-// ranks' tags differ, and runs the collective when they agree.
+// ranks' tags differ, and runs the collective when they agree; the mismatch message every
+// backend shares (detail/collective_mismatch.hpp), also from gathered tags alone (NcclComm).
 #include <doctest/doctest.h>
 
 #include <string>
 #include <vector>
 
+#include <fsdp/detail/collective_mismatch.hpp>
 #include <fsdp/fsdp.hpp>
 
 #include "test/support/errors.hpp"
@@ -89,4 +91,43 @@ TEST_CASE("ThreadComm: different tags fail on every rank naming each rank's unit
     CHECK(contains(errors[r], "rank 1 called reduce_scatter(count=2, dtype=f32, op=sum) of unit 'block4' (backward, pass 1)"));
     CHECK(contains(errors[r], "rank 2 called reduce_scatter(count=2, dtype=f32, op=sum) of unit 'block5' (backward, pass 1)"));
   }
+}
+
+TEST_CASE("the mismatch message of a backend that gathers only tags (NcclComm) names every rank's unit") {
+  const Names names;
+  fsdp::detail::CollectiveCall mine{fsdp::detail::CollectiveKind::all_gather, nullptr, nullptr, 101, fsdp::DType::f32};
+  mine.seq = 20;
+  mine.tag = fsdp::CollectiveTag{0, fsdp::TagPhase::forward, 1}.packed();
+  mine.names = &names;
+  const std::uint64_t other = fsdp::CollectiveTag{1, fsdp::TagPhase::forward, 1}.packed();
+  const std::vector<std::uint64_t> same{mine.tag, mine.tag, mine.tag};
+  CHECK(fsdp::detail::tag_mismatch(mine, same, 1).empty());
+  const std::vector<std::uint64_t> one_differs{mine.tag, other, mine.tag};
+  const std::string m = fsdp::detail::tag_mismatch(mine, one_differs, 2);
+  CAPTURE(m);
+  CHECK(m ==
+        "collective mismatch:"
+        " rank 0 called all_gather(count=101, dtype=f32) of unit 'block0' (forward, pass 1) as collective #20,"
+        " rank 1 called all_gather(count=101, dtype=f32) of unit 'block1' (forward, pass 1) as collective #20,"
+        " rank 2 called all_gather(count=101, dtype=f32) of unit 'block0' (forward, pass 1) as collective #20"
+        " (seen on rank 2)");
+  // A rank whose call is untagged (a user's own collective where the library tagged one) differs too.
+  const std::vector<std::uint64_t> untagged_peer{mine.tag, 0};
+  CHECK(contains(fsdp::detail::tag_mismatch(mine, untagged_peer, 0),
+                 "rank 1 called all_gather(count=101, dtype=f32) as collective #20"));
+}
+
+TEST_CASE("whole calls that differ in shape are a mismatch too; ranks of a split group are named as in the world") {
+  using fsdp::detail::CollectiveCall;
+  using fsdp::detail::CollectiveKind;
+  const std::vector<CollectiveCall> same(2, CollectiveCall{CollectiveKind::all_reduce, nullptr, nullptr, 4, fsdp::DType::f32});
+  CHECK(fsdp::detail::collective_mismatch(same, 0).empty());
+  std::vector<CollectiveCall> counts = same;
+  counts[1].count = 8;
+  const std::vector<int> world{3, 5};
+  const std::string m = fsdp::detail::collective_mismatch(counts, 0, world);
+  CAPTURE(m);
+  CHECK(m ==
+        "collective mismatch: rank 3 called all_reduce(count=4, dtype=f32, op=sum) as collective #0,"
+        " rank 5 called all_reduce(count=8, dtype=f32, op=sum) as collective #0 (seen on rank 3)");
 }

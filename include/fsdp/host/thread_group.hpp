@@ -22,6 +22,7 @@
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/collective_call.hpp"
+#include "fsdp/detail/collective_mismatch.hpp"
 #include "fsdp/detail/host_math.hpp"
 #include "fsdp/detail/timeout.hpp"
 #include "fsdp/error.hpp"
@@ -99,7 +100,7 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
     std::exception_ptr failure;
     try {
       const std::vector<detail::CollectiveCall> peers = st.posted;  // fixed until every rank has finished reading
-      mismatch = find_mismatch(call, peers);
+      mismatch = find_mismatch(peers);
       if (mismatch.empty()) {
         st.run_hook(rank_, call.seq, CollectiveStage::posted, 0);
         std::size_t bytes_read = 0;
@@ -126,18 +127,8 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
   }
 
   // Names every rank's call when they differ, so a tag mismatch says which unit each ran.
-  std::string find_mismatch(const detail::CollectiveCall& call, const std::vector<detail::CollectiveCall>& peers) const {
-    for (std::size_t r = 0; r < peers.size(); ++r) {
-      if (!peers[r].same_shape(call)) {
-        std::ostringstream os;
-        os << "collective mismatch:";
-        for (std::size_t q = 0; q < peers.size(); ++q)
-          os << (q ? "," : "") << " rank " << state_->world_ranks[q] << " called " << peers[q].describe();
-        os << " (seen on rank " << state_->world_ranks[rank_] << ")";
-        return os.str();
-      }
-    }
-    return {};
+  std::string find_mismatch(const std::vector<detail::CollectiveCall>& peers) const {
+    return detail::collective_mismatch(peers, static_cast<std::size_t>(rank_), state_->world_ranks);
   }
 
   // Reads the peers' buffers chunk by chunk; returns false, having stopped, as soon as
