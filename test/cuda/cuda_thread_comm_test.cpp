@@ -4,11 +4,15 @@
 // sharded training of every combination on four ranks sharing GPU 0, each on its own
 // engine stream, must equal the same training on the host stand-in that schedules as a
 // queued device does (test/support/queued_host.hpp): parameters, losses, peak and
-// allocation counts. Every case needs a GPU and reports itself skipped without one.
+// allocation counts. Collective tags are compared in the exchange of calls: a pair of
+// same-sized units swapped on one rank fails on every rank naming both, and the pass check
+// (an all-gather as each pass ends) no longer runs. Every case needs a GPU and reports
+// itself skipped without one.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -18,9 +22,11 @@
 #include "fsdp/cuda/cuda_thread_comm.hpp"
 #include "fsdp/fsdp.hpp"
 #include "test/support/device_training.hpp"
+#include "test/faults/unit_order_driver.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
 #include "test/support/queued_host.hpp"
+#include "test/support/rank_errors.hpp"
 
 namespace {
 
@@ -145,8 +151,135 @@ TEST_CASE("different collectives on different ranks fail on every rank; max is r
     dev.synchronize();
   });
   for (int r = 0; r < 2; ++r) {
-    CHECK(contains(errors[r], "rank 1 issued a different collective than rank 0"));
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "collective mismatch: rank 0 called all_reduce(count=4, dtype=f32, op=sum) as collective #0, "
+                              "rank 1 called all_reduce(count=8, dtype=f32, op=sum) as collective #0"));
     CHECK(contains(refused[r], "only sum, and avg of floating dtypes"));
+  }
+}
+
+namespace {
+
+struct Names final : fsdp::UnitNames {
+  std::string unit_name(int index) const override { return "block" + std::to_string(index); }
+};
+
+}  // namespace
+
+TEST_CASE("tagged calls: equal tags give the untagged values, different tags fail on every rank naming each unit" *
+          doctest::skip(no_gpu)) {
+  static_assert(fsdp::TaggedCommunicator<CudaThreadComm>);
+  const Names names;
+  Ranks ranks(3);
+  constexpr std::size_t n = 1000;
+  std::vector<std::vector<unsigned char>> plain(3), tagged(3);
+  std::vector<std::string> on_device(3), on_host(3);
+  fsdp::ThreadGroup(3).run([&](fsdp::ThreadComm& tc) {
+    const int r = tc.rank();
+    CudaDevice& dev = *ranks.ptrs[r];
+    CudaThreadComm comm(tc, dev);
+    CHECK(fsdp::detail::CommRef(comm).checks_tags());
+    const auto mine = input(r, n, DType::f32);
+    void* send = dev.allocate(mine.size());
+    void* recv = dev.allocate(3 * mine.size());
+    dev.copy(send, mine.data(), mine.size());
+    auto gathered = [&](const fsdp::CollectiveTag* tag) {
+      fsdp::Work w = tag ? comm.all_gather(send, recv, n, DType::f32, *tag) : comm.all_gather(send, recv, n, DType::f32);
+      CHECK(w.wait_on(dev.queue()));
+      std::vector<unsigned char> out(3 * mine.size());
+      dev.copy(out.data(), recv, out.size());
+      dev.synchronize();
+      return out;
+    };
+    const fsdp::CollectiveTag same{4, fsdp::TagPhase::forward, 2, &names};
+    plain[r] = gathered(nullptr);
+    tagged[r] = gathered(&same);
+    const fsdp::CollectiveTag own{r == 2 ? 5u : 4u, fsdp::TagPhase::backward, 2, &names};
+    on_device[r] = error_of([&] { comm.reduce_scatter(recv, send, n, DType::f32, ReduceOp::sum, own).wait(); });
+    dev.deallocate(send, mine.size());
+    dev.deallocate(recv, 3 * mine.size());
+    dev.synchronize();
+    float x = 1, y = 0;  // ordinary host memory: the ThreadComm's call, tag passed on
+    on_host[r] = error_of([&] { comm.all_reduce(&x, &y, 1, DType::f32, ReduceOp::sum, own).wait(); });
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(tagged[r] == plain[r]);
+    CHECK(plain[r] == plain[0]);
+    for (const std::string& e : {on_device[r], on_host[r]}) {
+      CAPTURE(e);
+      CHECK(contains(e, "collective mismatch:"));
+      CHECK(contains(e, "rank 0 called "));
+      CHECK(contains(e, "of unit 'block4' (backward, pass 2)"));
+      CHECK(contains(e, "rank 2 called "));
+      CHECK(contains(e, "of unit 'block5' (backward, pass 2)"));
+    }
+    CHECK(contains(on_device[r], "rank 1 called reduce_scatter(count=1000, dtype=f32, op=sum) of unit 'block4' (backward, pass 2)"));
+  }
+  std::vector<unsigned char> expected;  // every rank's input, in rank order
+  for (int r = 0; r < 3; ++r) {
+    const auto in = input(r, n, DType::f32);
+    expected.insert(expected.end(), in.begin(), in.end());
+  }
+  CHECK(plain[0] == expected);
+}
+
+TEST_CASE("a pair of same-sized units swapped on one rank fails on every rank, naming both, before they are shown" *
+          doctest::skip(no_gpu)) {
+  const std::vector<std::string> usual{"layers.0", "layers.1", "layers.2"};
+  const std::vector<std::string> swapped{"layers.1", "layers.0", "layers.2"};
+  const test_support::DeviceTrainingConfig config;
+  Ranks ranks(2);
+  std::vector<std::vector<std::string>> logs(2);
+  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& tc) {
+    CudaDevice& dev = *ranks.ptrs[tc.rank()];
+    CudaThreadComm comm(tc, dev);
+    test_support::Net<CudaDevice> net(dev, config);
+    auto sm = fsdp::shard<fsdp::FullShard>(net, comm, dev, fsdp::wrap_types<test_support::Layer>{});
+    test_support::iteration(sm, usual);
+    test_support::iteration(sm, tc.rank() == 1 ? swapped : usual, logs[tc.rank()]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(contains(errors[r], "collective mismatch"));
+    CHECK(test_support::in_order(errors[r], {"rank 0 called all_gather(", "of unit 'layers.0' (forward", "rank 1 called all_gather(",
+                                             "of unit 'layers.1' (forward"}));
+    for (const char* shown : {"pre_forward layers.0", "pre_forward layers.1", "finish_backward"})
+      CHECK(std::find(logs[r].begin(), logs[r].end(), shown) == logs[r].end());
+  }
+  for (auto* d : ranks.ptrs) d->synchronize();
+}
+
+TEST_CASE("tags replace the pass check: untagged, each pass ends with one more all-gather" * doctest::skip(no_gpu)) {
+  const std::vector<std::string> order{"layers.0", "layers.1", "layers.2"};
+  const test_support::DeviceTrainingConfig config;
+  Ranks ranks(2);
+  std::vector<fsdp::CollectiveCounts> tagged(2), untagged(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& tc) {
+    CudaDevice& dev = *ranks.ptrs[tc.rank()];
+    CudaThreadComm comm(tc, dev);
+    auto second_pass = [&](auto& counting) {
+      test_support::Net<CudaDevice> net(dev, config);
+      auto sm = fsdp::shard<fsdp::FullShard>(net, counting, dev, fsdp::wrap_types<test_support::Layer>{});
+      test_support::iteration(sm, order);  // the first pass records the order and agrees on it
+      counting.reset();
+      test_support::iteration(sm, order);
+      dev.synchronize();
+      return counting.counts();
+    };
+    fsdp::CountingCommunicator<CudaThreadComm> counting(comm);
+    tagged[tc.rank()] = second_pass(counting);
+    fsdp::UntaggedCommunicator<CudaThreadComm> plain(comm);
+    fsdp::CountingCommunicator<fsdp::UntaggedCommunicator<CudaThreadComm>> counting_plain(plain);
+    untagged[tc.rank()] = second_pass(counting_plain);
+  });
+  using fsdp::Collective;
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(tagged[r][Collective::all_gather].calls > 0);
+    CHECK(untagged[r][Collective::all_gather].calls == tagged[r][Collective::all_gather].calls + 1);
+    CHECK(untagged[r][Collective::all_gather].bytes == tagged[r][Collective::all_gather].bytes + 2 * 8);  // 8 bytes per rank
+    CHECK(untagged[r][Collective::reduce_scatter] == tagged[r][Collective::reduce_scatter]);
   }
 }
 

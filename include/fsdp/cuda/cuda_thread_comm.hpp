@@ -8,8 +8,9 @@
 //
 //   1. the communication stream waits for the rank's compute stream (inputs written,
 //      buffers allocated), then records this rank's "ready" event;
-//   2. the ranks exchange buffers and ready events (a ThreadComm all_gather of handles,
-//      which also checks that every rank issued the same collective);
+//   2. the ranks exchange buffers, ready events and calls (a ThreadComm all_gather of
+//      handles); every rank checks that all issued the same collective, with the same
+//      CollectiveTag (the unit it belongs to), and fails alike naming every rank's call;
 //   3. each rank's stream waits for every peer's ready event and pulls what it needs from
 //      the peers' send buffers: all_gather and broadcast straight into recv; reductions
 //      into a scratch buffer, summed in rank order 0..N-1 as ThreadComm does, so results
@@ -17,6 +18,8 @@
 //   4. the ranks exchange done events; each stream waits for every peer's (nobody reads
 //      this rank's send buffer any more), copies a reduction's scratch into recv (so an
 //      in-place all_reduce is safe) and records the collective's own event: the Work.
+//      A last host barrier keeps every rank's events alive until its peers have enqueued
+//      their waits on them (a communicator may be destroyed right after its call returns).
 // The Work is waited for like NcclComm's: Work::wait_on(CudaDevice::queue()) makes a
 // stream wait (no host block), Work::wait() polls from the host, bounded by the timeout.
 // A rank's ready and done events are reused from one collective to the next: a rank
@@ -25,7 +28,7 @@
 // has issued it (thread ranks issue in step); the GPU work is not waited for.
 //
 // Calls whose buffers are all ordinary host memory (the library's small agreements) run
-// on the ThreadComm itself. On device memory: sum, and avg of floating dtypes (the sum
+// on the ThreadComm itself (tags passed on). On device memory: sum, and avg of floating dtypes (the sum
 // times 1/N, as ThreadComm finishes it); max and min are refused. Scratch buffers are
 // stream-ordered allocations of the communicator, not counted by the CudaDevice.
 #include <cuda_runtime.h>
@@ -42,6 +45,8 @@
 #include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/detail/collective_call.hpp"
+#include "fsdp/detail/collective_mismatch.hpp"
+#include "fsdp/detail/tagged_calls.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/host/thread_group.hpp"
@@ -107,6 +112,8 @@ struct CudaThreadCommState {
 
 class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
  public:
+  static constexpr bool checks_tags = true;  // compared in the exchange of calls (step 2)
+
   // Rank inner.rank() on `device`; both outlive this communicator.
   CudaThreadComm(ThreadComm& inner, CudaDevice& device, CudaThreadCommOptions options = {})
       : CudaThreadComm(std::shared_ptr<ThreadComm>(std::shared_ptr<ThreadComm>(), &inner), device, options) {}
@@ -150,10 +157,12 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
 
   Work on_host(const detail::CollectiveCall& c) {
     using K = detail::CollectiveKind;
+    const CollectiveTag tag = CollectiveTag::unpack(c.tag, c.names);
+    const CollectiveTag* tagged = c.tag ? &tag : nullptr;
     switch (c.kind) {
-      case K::all_gather: return inner_->all_gather(c.send, c.recv, c.count, c.dtype);
-      case K::reduce_scatter: return inner_->reduce_scatter(c.send, c.recv, c.count, c.dtype, c.op);
-      case K::all_reduce: return inner_->all_reduce(c.send, c.recv, c.count, c.dtype, c.op);
+      case K::all_gather: return detail::all_gather(*inner_, c.send, c.recv, c.count, c.dtype, tagged);
+      case K::reduce_scatter: return detail::reduce_scatter(*inner_, c.send, c.recv, c.count, c.dtype, c.op, tagged);
+      case K::all_reduce: return detail::all_reduce(*inner_, c.send, c.recv, c.count, c.dtype, c.op, tagged);
       case K::broadcast: return inner_->broadcast(c.send, c.recv, c.count, c.dtype, c.root);
       case K::barrier: return inner_->barrier();
     }
@@ -179,17 +188,11 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     check(cudaEventRecord(st.ready, s), "cudaEventRecord(ready)");
     // 2. Every rank's buffers, ready event and call.
     const int n = size();
-    constexpr std::size_t F = 8;  // fields per rank
-    const std::array<std::int64_t, F> mine{handle(call.send), handle(call.recv), handle(st.ready),
-                                           static_cast<std::int64_t>(call.kind), static_cast<std::int64_t>(call.count),
-                                           static_cast<std::int64_t>(call.dtype), static_cast<std::int64_t>(call.op), call.root};
-    std::vector<std::int64_t> posts(F * static_cast<std::size_t>(n));
-    inner_->all_gather(mine.data(), posts.data(), F, DType::i64).wait();
-    auto field = [&](int r, std::size_t f) { return posts[F * static_cast<std::size_t>(r) + f]; };
-    for (int r = 1; r < n; ++r)  // against rank 0, so every rank throws the same message
-      for (std::size_t f = 3; f < F; ++f)
-        if (field(r, f) != field(0, f))
-          detail::fail(at, ": rank ", r, " issued a different collective than rank 0 (kind, count, dtype, op or root differ)");
+    std::vector<std::int64_t> posts(kFields * static_cast<std::size_t>(n));
+    const auto mine = post_of(call);
+    inner_->all_gather(mine.data(), posts.data(), kFields, DType::i64).wait();
+    auto field = [&](int r, std::size_t f) { return posts[kFields * static_cast<std::size_t>(r) + f]; };
+    check_same_calls(call, posts);
     // 3. This rank's reads, once every peer's inputs are ready.
     for (int r = 0; r < n; ++r)
       if (r != rank()) check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(field(r, 2)), 0), "cudaStreamWaitEvent(peer ready)");
@@ -218,6 +221,9 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     inner_->all_gather(&done, dones.data(), 1, DType::i64).wait();
     for (int r = 0; r < n; ++r)
       if (r != rank()) check(cudaStreamWaitEvent(s, reinterpret_cast<cudaEvent_t>(dones[static_cast<std::size_t>(r)]), 0), "cudaStreamWaitEvent(peer done)");
+    // No rank's events may go (its communicator destroyed) before every peer has enqueued
+    // its waits on them: the last use of a peer's handle, so one more rendezvous.
+    inner_->barrier().wait();
     if (scratch) {
       copy(recv, scratch, bytes);
       check(cudaFreeAsync(scratch, s), "cudaFreeAsync(scratch)");
@@ -228,6 +234,33 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     if (recorded != cudaSuccess) cudaEventDestroy(event);
     check(recorded, "cudaEventRecord");
     return Work(std::make_unique<detail::CudaEventPending>(event, at, options_.timeout));
+  }
+
+  // Step 2's fields per rank: send, recv, ready event, then the call (kind, count, dtype,
+  // op, root, packed tag, sequence number).
+  static constexpr std::size_t kFields = 10;
+  std::array<std::int64_t, kFields> post_of(const detail::CollectiveCall& c) const {
+    return {handle(c.send), handle(c.recv), handle(state_->ready), static_cast<std::int64_t>(c.kind),
+            static_cast<std::int64_t>(c.count), static_cast<std::int64_t>(c.dtype), static_cast<std::int64_t>(c.op),
+            c.root, static_cast<std::int64_t>(c.tag), static_cast<std::int64_t>(c.seq)};
+  }
+
+  // Every rank's call as it posted it (units named by this rank's names: every rank's
+  // model names them alike); on any difference every rank throws the same list.
+  void check_same_calls(const detail::CollectiveCall& mine, const std::vector<std::int64_t>& posts) const {
+    std::vector<detail::CollectiveCall> calls(static_cast<std::size_t>(size()), mine);
+    for (std::size_t r = 0; r < calls.size(); ++r) {
+      const std::int64_t* p = posts.data() + kFields * r;
+      calls[r].kind = static_cast<detail::CollectiveKind>(p[3]);
+      calls[r].count = static_cast<std::size_t>(p[4]);
+      calls[r].dtype = static_cast<DType>(p[5]);
+      calls[r].op = static_cast<ReduceOp>(p[6]);
+      calls[r].root = static_cast<int>(p[7]);
+      calls[r].tag = static_cast<std::uint64_t>(p[8]);
+      calls[r].seq = static_cast<std::uint64_t>(p[9]);
+    }
+    const std::string mismatch = detail::collective_mismatch(calls, static_cast<std::size_t>(rank()));
+    if (!mismatch.empty()) detail::fail(where(), ": ", mismatch);
   }
 
   template <class P>

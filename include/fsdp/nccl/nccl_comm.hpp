@@ -13,7 +13,9 @@
 // queued on NcclCommOptions::after (the engine's compute stream), and return a Work backed
 // by a CUDA event: Work::wait_on(CudaDevice::queue()) makes the compute stream wait for it
 // without blocking the host, Work::wait() polls it from the host. Several issued inside
-// fsdp::nccl_group are launched together. See docs/cuda.md for what runs where.
+// fsdp::nccl_group are launched together. See docs/cuda.md for what runs where. A call
+// with a CollectiveTag (TaggedCommunicator) adds an 8-byte all-gather of the tag in the
+// same launch; a rank whose unit differs aborts the communicator on every rank.
 //
 // Made by from_store() (one process per GPU: rank 0 puts the unique id in the rendezvous
 // store) or create() (one process driving several GPUs, one rank each). Communicators are
@@ -39,6 +41,7 @@
 #include "fsdp/error.hpp"
 #include "fsdp/nccl/nccl_group.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
+#include "fsdp/nccl/nccl_pending.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 #include "fsdp/store.hpp"
@@ -50,6 +53,9 @@ namespace fsdp {
 class NcclComm : public detail::CollectiveCalls<NcclComm> {
  public:
   using Options = NcclCommOptions;
+  // Tagged calls gather the ranks' tags beside the collective and compare them once it
+  // completes (nccl_state.hpp, nccl_tag_ring.hpp).
+  static constexpr bool checks_tags = true;
 
   // Rank `rank` of `world` processes, on GPU `device`. Rank 0 makes the unique id and sets
   // it in `store` under options.store_key; the others wait for it (options.setup_timeout).

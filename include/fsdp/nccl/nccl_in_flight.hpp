@@ -43,7 +43,8 @@ struct NcclInFlight {
   cudaEvent_t event = nullptr;  // handed back to the communicator for reuse once complete
   NcclClock::time_point issued;
   bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
-  bool complete = false;
+  bool complete = false;  // and, when tagged, every rank's tag equals call.tag
+  int tag_slot = -1;      // where its tag was gathered (NcclTagRing), or -1: untagged
 };
 
 }  // namespace fsdp::detail

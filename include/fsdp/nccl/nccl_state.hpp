@@ -16,6 +16,14 @@
 // the rank. Waiters check the same conditions themselves, so a wait is bounded even when
 // the watchdog is late.
 //
+// A tagged collective (the library's all-gathers and reductions of a unit) is launched in
+// one NCCL group with an 8-byte all-gather of its CollectiveTag (nccl_tag_ring.hpp). It
+// counts as complete only once its event has completed and every rank's tag equals this
+// rank's; otherwise the communicator is aborted with every rank's unit named, by the
+// watchdog as it retires the collective (all-gathers are waited for on the GPU only) or by
+// a host wait, which first retires every collective before it. Every rank gathers the same
+// tags, so every rank finds the same mismatch.
+//
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <chrono>
 #include <condition_variable>
@@ -30,11 +38,12 @@
 #include <vector>
 
 #include "fsdp/detail/collective_call.hpp"
+#include "fsdp/detail/collective_mismatch.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/nccl/nccl_abort.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
+#include "fsdp/nccl/nccl_tag_ring.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
-#include "fsdp/work.hpp"
 
 namespace fsdp::detail {
 
@@ -81,7 +90,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    aborter_.finish(options.setup_timeout);  // bounded: never hangs on a device that does not drain
+    const bool drained = aborter_.finish(options.setup_timeout);  // bounded: never hangs on a device that does not drain
     int prev = -1;
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     cudaSetDevice(device);
@@ -92,6 +101,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       else ncclCommAbort(comm_);
     }
     in_flight_.clear();
+    tags_.release(drained);  // after the finalize or abort: no kernel writes the slots any more
     for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     if (after_event_) cudaEventDestroy(after_event_);
     if (scratch_) cudaFree(scratch_);
@@ -157,8 +167,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       nccl_active_group->issued.push_back({shared_from_this(), f});
       ++grouped_;
     }
+    if (call.tag) claim_tag_slot_locked(f, at);
     f->issued = NcclClock::now();
-    ncclResult_t r = enqueue(comm_, f->stream);
+    ncclResult_t r = f->tag_slot >= 0 ? tags_.enqueue_with_tag(static_cast<std::size_t>(f->tag_slot), enqueue, comm_, f->stream)
+                                       : enqueue(comm_, f->stream);
     if (r == ncclInProgress) r = nccl_settle(comm_, f->issued + options.timeout);
     if (r == ncclInProgress)
       fail_locked(at.text() + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
@@ -190,6 +202,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
                         nccl_error_text(state, comm_),
                     f.call.seq);
+      // Those before it have completed too (in order): their tags are compared now, not at
+      // the watchdog's next look, so no host wait passes a mismatch.
+      std::uint64_t seq = 0;
+      const std::string earlier = retire_locked(seq);
+      if (!earlier.empty()) fail_locked(earlier, seq);
     }
     return f.complete;
   }
@@ -272,16 +289,18 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
     cuda_check(cudaMalloc(&scratch_, 16), "cudaMalloc(16 bytes for barrier)", at);
     cuda_check(cudaMemset(scratch_, 0, 16), "cudaMemset(barrier bytes)", at);
+    tags_.allocate(size, at);
     watchdog_ = std::thread([this] { watch(); });
   }
 
   // Why the communicator must be aborted while `f` is in flight, or "" (f.complete says
-  // whether it has finished).
+  // whether it has finished). A tagged collective whose ranks' tags differ never completes.
   std::string inspect_locked(NcclInFlight& f) {
     const cudaError_t q = cudaEventQuery(f.event);
     if (q == cudaSuccess) {
-      f.complete = true;
-      return {};
+      std::string mismatch = tag_mismatch_locked(f);
+      f.complete = mismatch.empty();
+      return mismatch;
     }
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -300,6 +319,51 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return {};
   }
 
+  // "" when every rank gathered `f`'s tag (or it is untagged), else the mismatch.
+  std::string tag_mismatch_locked(const NcclInFlight& f) const {
+    if (f.tag_slot < 0) return {};
+    std::string m = tag_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), static_cast<std::size_t>(rank));
+    return m.empty() ? m : where() + ": " + m;
+  }
+
+  // A slot of the ring for `f`'s tag, written with it: the next one, once the collective
+  // that used it last has completed (polled here, bounded by the timeout, if it has not).
+  void claim_tag_slot_locked(const std::shared_ptr<NcclInFlight>& f, const CallAt& at) {
+    const std::size_t slot = tags_.next();
+    std::shared_ptr<NcclInFlight>& last = tags_.last_user(slot);
+    if (last && !last->complete && !last->recorded)
+      fail_locked(at.text() + ": more than " + std::to_string(NcclTagRing::kSlots) +
+                      " tagged collectives in one nccl_group (each needs a tag slot until it completes)",
+                  f->call.seq);
+    for (int spins = 0; last && !last->complete; ++spins) {
+      const std::string reason = inspect_locked(*last);
+      if (!reason.empty()) fail_locked(reason, last->call.seq);
+      if (!last->complete) cuda_poll_backoff(spins);
+    }
+    tags_.set_mine(slot, f->call.tag);
+    f->tag_slot = static_cast<int>(slot);
+    last = f;
+  }
+
+  // Retires the completed collectives at the front of in_flight_. NCCL runs one
+  // communicator's kernels in the order they were issued, whatever their streams, so they
+  // finish in order; a later one is looked at once those before it are done. Returns why
+  // the communicator must be aborted, or "" (`seq`: the collective concerned).
+  std::string retire_locked(std::uint64_t& seq) {
+    while (!in_flight_.empty() && in_flight_.front()->recorded) {
+      NcclInFlight& f = *in_flight_.front();
+      std::string reason = f.complete ? std::string() : inspect_locked(f);
+      if (!reason.empty()) {
+        seq = f.call.seq;
+        return reason;
+      }
+      if (!f.complete) break;
+      spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() reads `complete` only now
+      in_flight_.pop_front();
+    }
+    return {};
+  }
+
   void watch() {
     cudaSetDevice(device);
     std::unique_lock lk(mu_);
@@ -307,19 +371,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       cv_.wait_for(lk, options.watchdog_interval);
       if (aborted_) cv_.wait(lk, [this] { return stopping_; });  // nothing left to watch
       if (stopping_) break;
-      // NCCL runs one communicator's kernels in the order they were issued, whatever their
-      // streams, so they finish in order; a later one is looked at once those before it are done.
-      while (!in_flight_.empty() && in_flight_.front()->recorded) {
-        NcclInFlight& f = *in_flight_.front();
-        const std::string reason = f.complete ? std::string() : inspect_locked(f);
-        if (!reason.empty()) {
-          abort_locked("watchdog: " + reason, f.call.seq);
-          break;
-        }
-        if (!f.complete) break;
-        spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() reads `complete` only now
-        in_flight_.pop_front();
-      }
+      std::uint64_t seq = 0;
+      const std::string reason = retire_locked(seq);
+      if (!reason.empty()) abort_locked("watchdog: " + reason, seq);
       if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
         const ncclResult_t state = nccl_async_state(comm_);
         if (state != ncclSuccess && state != ncclInProgress)
@@ -346,31 +400,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   bool owns_stream_ = false;
   cudaEvent_t after_event_ = nullptr;
   void* scratch_ = nullptr;
+  NcclTagRing tags_;
   std::condition_variable cv_;
   bool stopping_ = false;
   std::thread watchdog_;
   NcclBackgroundAbort aborter_;
-};
-
-// An issued collective as the Work it returns.
-class NcclPending final : public Work::Pending {
- public:
-  NcclPending(std::shared_ptr<NcclCommState> state, std::shared_ptr<NcclInFlight> f)
-      : state_(std::move(state)), f_(std::move(f)) {}
-  void wait() override {
-    for (int spins = 0; !state_->poll(*f_); ++spins) cuda_poll_backoff(spins);  // poll throws past the timeout
-  }
-  bool ready() override { return state_->poll(*f_); }
-  // Any CUDA stream (of any device) can wait for the event; other queues cannot.
-  bool enqueue_wait(const DeviceQueue& q) override {
-    if (q.device.kind != DeviceKind::cuda) return false;
-    state_->enqueue_wait(*f_, static_cast<cudaStream_t>(q.handle));
-    return true;
-  }
-
- private:
-  std::shared_ptr<NcclCommState> state_;
-  std::shared_ptr<NcclInFlight> f_;
 };
 
 }  // namespace fsdp::detail
