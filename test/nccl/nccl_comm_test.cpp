@@ -1,6 +1,9 @@
 // fsdp/nccl/nccl_comm.hpp. The mapping, validation and no-device cases run everywhere; the
 // cases that need a GPU (two GPUs for the multi-process one) report as skipped without
 // one. Cases that may crash or stall by design (the watchdog's) run in a child process.
+// Collective tags: on one rank, tagged calls give the untagged values (tags gathered on
+// one rank for the test, the ring of tag slots wrapping around many times); over two
+// processes, tags that differ fail on both ranks.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -20,8 +23,11 @@
 #define FSDP_NCCL_TEST_TCP 1
 #include "fsdp/asio/tcp_store.hpp"
 #endif
+#include "fsdp/counting_communicator.hpp"
+#include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/nccl/nccl_comm.hpp"
 #include "fsdp/store.hpp"
+#include "fsdp/untagged_communicator.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
 #include "test/tools/child_process.hpp"
@@ -229,6 +235,69 @@ TEST_CASE("one rank: every collective and dtype against the host" * doctest::ski
   CHECK(!comm.broken());
 }
 
+namespace {
+
+struct Names final : fsdp::UnitNames {
+  std::string unit_name(int index) const override { return "block" + std::to_string(index); }
+};
+
+}  // namespace
+
+TEST_CASE("NcclComm takes collective tags, so the library's pass check does not run over it") {
+  static_assert(NcclComm::checks_tags);
+  static_assert(fsdp::TaggedCommunicator<NcclComm>);
+  static_assert(fsdp::TaggedCommunicator<fsdp::CountingCommunicator<NcclComm>>);
+  static_assert(!fsdp::TaggedCommunicator<fsdp::UntaggedCommunicator<NcclComm>>);
+}
+
+TEST_CASE("one rank: tagged all_gather, reduce_scatter and all_reduce give the untagged values" * doctest::skip(no_gpu)) {
+  fsdp::detail::nccl_tags_on_one_rank = true;  // gather the tags although one rank has nothing to compare
+  auto comms = NcclComm::create({0});
+  fsdp::detail::nccl_tags_on_one_rank = false;
+  NcclComm& comm = comms[0];
+  CHECK(fsdp::detail::CommRef(comm).checks_tags());
+  const Names names;
+  constexpr std::size_t n = 12;
+  for (DType t : {DType::f32, DType::bf16, DType::i64}) {
+    CAPTURE(fsdp::name_of(t));
+    const fsdp::CollectiveTag tag{3, fsdp::TagPhase::forward, 7, &names};
+    GpuBuffer send(t, n), plain(t, n), tagged(t, n);
+    send.set(rank_values(0, n));
+    comm.all_gather(send.p, plain.p, n, t).wait();
+    comm.all_gather(send.p, tagged.p, n, t, tag).wait();
+    CHECK(tagged.get() == plain.get());
+    CHECK(plain.get() == rank_values(0, n));
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+      comm.reduce_scatter(send.p, plain.p, n, t, op).wait();
+      comm.reduce_scatter(send.p, tagged.p, n, t, op, {3, fsdp::TagPhase::reduce, 7, &names}).wait();
+      CHECK(tagged.get() == plain.get());
+      comm.all_reduce(send.p, plain.p, n, t, op).wait();
+      comm.all_reduce(send.p, tagged.p, n, t, op, {3, fsdp::TagPhase::reduce, 7, &names}).wait();
+      CHECK(tagged.get() == plain.get());
+      CHECK(plain.get() == rank_values(0, n));
+    }
+  }
+  // Many times round the ring of tag slots (256), most collectives not waited for: a slot
+  // is reused once its last collective has completed, and every tag still matches.
+  GpuBuffer acc(DType::f32, n);
+  acc.set(rank_values(0, n));
+  std::vector<fsdp::Work> works;
+  for (int i = 0; i < 3 * 256 + 5; ++i)
+    works.push_back(comm.all_reduce(acc.p, acc.p, n, DType::f32, ReduceOp::sum,
+                                    {static_cast<std::uint32_t>(i % 40), fsdp::TagPhase::reduce, 9, &names}));
+  works.back().wait();
+  for (auto& w : works) w.wait();
+  CHECK(acc.get() == rank_values(0, n));  // one rank: a sum is its own input
+  CHECK(!comm.broken());
+  // Inside an nccl_group too: launched with the group, with its tag.
+  GpuBuffer grouped(DType::f32, n);
+  fsdp::Work in_group;
+  fsdp::nccl_group([&] { in_group = comm.all_gather(acc.p, grouped.p, n, DType::f32, {1, fsdp::TagPhase::summon, 7, &names}); });
+  in_group.wait();
+  CHECK(grouped.get() == rank_values(0, n));
+  CHECK(!comm.broken());
+}
+
 TEST_CASE("collectives wait for NcclCommOptions::after, e.g. CudaDevice's stream" * doctest::skip(no_gpu)) {
   fsdp::CudaDevice dev(0);
   fsdp::NcclCommOptions o;
@@ -361,6 +430,26 @@ void rank_child() {
   if (alone.size() != 1 || alone.rank() != 0) failures += "  split sizes\n";
   failures += check_collectives(alone, 1);
   std::printf("%s%s\n", failures.c_str(), failures.empty() ? "COLLECTIVES-OK" : "COLLECTIVES-FAILED");
+  {  // Collective tags: equal ones pass; rank 1 gathering another unit fails on both ranks.
+    const Names names;
+    REQUIRE(cudaSetDevice(rank) == cudaSuccess);
+    GpuBuffer send(DType::f32, 4), recv(DType::f32, 8);
+    fsdp::NcclCommOptions o2 = o;
+    o2.store_key = "tags";
+    NcclComm tagged = NcclComm::from_store(store, rank, 2, rank, o2);
+    tagged.all_gather(send.p, recv.p, 4, DType::f32, {2, fsdp::TagPhase::forward, 1, &names}).wait();
+    std::printf("TAGS-EQUAL: %s\n", tagged.broken() ? "broken" : "ok");
+    const fsdp::CollectiveTag mine{rank == 1 ? 3u : 2u, fsdp::TagPhase::forward, 1, &names};
+    // Waited for on a stream only, as the library's all-gathers are: the watchdog finds it.
+    cudaStream_t s = nullptr;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    tagged.all_gather(send.p, recv.p, 4, DType::f32, mine).wait_on({fsdp::DeviceId{fsdp::DeviceKind::cuda, rank}, s});
+    cudaStreamSynchronize(s);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!tagged.broken() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    std::printf("TAG_ERROR: %s\n", tagged.broken_by().c_str());
+    std::printf("TAG_NEXT: %s\n", error_of([&] { tagged.barrier(); }).c_str());
+  }
   // A stalled peer: rank 1 joins a second communicator and then issues nothing.
   fsdp::NcclCommOptions quick;
   quick.timeout = std::chrono::milliseconds(1500);
@@ -404,7 +493,7 @@ TEST_CASE("the watchdog turns a collective that cannot complete into an Error" *
 }
 
 #ifdef FSDP_NCCL_TEST_TCP
-TEST_CASE("two processes through a TcpStore: collectives, split, a stalled peer" * doctest::skip(fewer_than_two_gpus)) {
+TEST_CASE("two processes through a TcpStore: collectives, split, collective tags, a stalled peer" * doctest::skip(fewer_than_two_gpus)) {
   fsdp::TcpStoreServer server;
   std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
   for (int r = 0; r < 2; ++r)
@@ -416,6 +505,14 @@ TEST_CASE("two processes through a TcpStore: collectives, split, a stalled peer"
     CHECK(result.status == 0);
     CHECK(contains(result.out, "COLLECTIVES-OK"));
     CHECK(contains(result.out, "RANK-DONE"));
+    CHECK(contains(result.out, "TAGS-EQUAL: ok"));
+    CHECK(contains(result.out, "TAG_ERROR: watchdog: NcclComm 'world' rank " + std::to_string(r) + " of 2 (cuda:" +
+                                   std::to_string(r) + "): collective mismatch: "
+                                   "rank 0 called all_gather(count=4, dtype=f32) of unit 'block2' (forward, pass 1) as collective #1, "
+                                   "rank 1 called all_gather(count=4, dtype=f32) of unit 'block3' (forward, pass 1) as collective #1 "
+                                   "(seen on rank " + std::to_string(r) + ")"));
+    CHECK(contains(result.out, "TAG_NEXT: fsdp: "));
+    CHECK(contains(result.out, "barrier as collective #2 not started: the communicator broke earlier"));
     if (r == 0) {
       CHECK(contains(result.out, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of 2 (cuda:0): all_reduce("));
       CHECK(contains(result.out, "as collective #0"));

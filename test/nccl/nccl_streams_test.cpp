@@ -2,7 +2,8 @@
 // which stream (docs/cuda.md). The engine's stream is held by a host function (a gate), so
 // the library's collectives, which wait for it, cannot run; the hooks must still return
 // (the compute stream waits for the collectives, not the host), and once the gate opens
-// the step must give the same parameters as the same step on the host. A collective that
+// the step must give the same parameters as the same step on the host (every all-gather
+// and reduction of a unit tagged; one rank gathers no tags). A collective that
 // cannot complete becomes an fsdp::Error at finish_backward's host check, within the
 // communicator's timeout (in a child process: it aborts the communicator). Every case
 // needs a GPU and reports itself skipped without one; test/streams/queued_waits_test.cpp
@@ -153,6 +154,7 @@ TEST_CASE("on the engine's stream, every combination trains like the host, bit f
   CHECK(dev.queue().handle == engine.s);
   NcclComm comm = one_rank_comm(engine.s);
   CHECK(comm.all_gather_stream() != comm.reduce_stream());  // FSDP's two streams
+  CHECK(fsdp::detail::CommRef(comm).checks_tags());  // the units' collectives run tagged
   test_support::for_each_combination([&]<class S, class P, class O>() {
     const std::string combination = test_support::combination_name<S, P, O>();
     CAPTURE(combination);

@@ -22,9 +22,12 @@
 // rank's; otherwise the communicator is aborted with every rank's unit named, by the
 // watchdog as it retires the collective (all-gathers are waited for on the GPU only) or by
 // a host wait, which first retires every collective before it. Every rank gathers the same
-// tags, so every rank finds the same mismatch.
+// tags, so every rank finds the same mismatch. A communicator of one rank has nothing to
+// compare and gathers no tags (NCCL copies a one-rank all-gather with cudaMemcpyAsync,
+// which from host memory to host memory would block the host until its stream runs).
 //
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -48,6 +51,11 @@
 namespace fsdp::detail {
 
 class NcclCommState;
+
+// Tests only: communicators created while set gather tags on one rank too, so the ring of
+// tag slots is exercised on a machine with one GPU (each tagged call then waits for its
+// stream on the host).
+inline std::atomic<bool> nccl_tags_on_one_rank{false};
 
 // The collectives issued inside the calling thread's nccl_group (see nccl_group.hpp):
 // their events are recorded when the group ends, after NCCL has launched them.
@@ -167,7 +175,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       nccl_active_group->issued.push_back({shared_from_this(), f});
       ++grouped_;
     }
-    if (call.tag) claim_tag_slot_locked(f, at);
+    if (call.tag && gathers_tags_) claim_tag_slot_locked(f, at);
     f->issued = NcclClock::now();
     ncclResult_t r = f->tag_slot >= 0 ? tags_.enqueue_with_tag(static_cast<std::size_t>(f->tag_slot), enqueue, comm_, f->stream)
                                        : enqueue(comm_, f->stream);
@@ -289,7 +297,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
     cuda_check(cudaMalloc(&scratch_, 16), "cudaMalloc(16 bytes for barrier)", at);
     cuda_check(cudaMemset(scratch_, 0, 16), "cudaMemset(barrier bytes)", at);
-    tags_.allocate(size, at);
+    if (gathers_tags_) tags_.allocate(size, at);
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -400,7 +408,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   bool owns_stream_ = false;
   cudaEvent_t after_event_ = nullptr;
   void* scratch_ = nullptr;
-  NcclTagRing tags_;
+  const bool gathers_tags_ = size > 1 || nccl_tags_on_one_rank;
+  NcclTagRing tags_;  // allocated where gathers_tags_
   std::condition_variable cv_;
   bool stopping_ = false;
   std::thread watchdog_;
