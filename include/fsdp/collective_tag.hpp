@@ -6,8 +6,10 @@
 // runs another unit (a swapped pair of same-sized units, an evaluation pass in another
 // order, prefetch lists that differ) fails on every rank instead of computing with another
 // unit's weights. The tag travels in the backend's own call descriptor (ThreadComm's
-// rendezvous, TcpComm's frame header; MpiComm gathers it beside the collective), not in
-// the payload, where the flat layout leaves no room.
+// rendezvous, CudaThreadComm's exchange of handles, TcpComm's frame header; MpiComm and
+// NcclComm gather it beside the collective), not in the payload, where the flat layout
+// leaves no room. NcclComm compares once the collective completes, which on the GPU may be
+// after its result was used: the step then fails before the optimizer applies it.
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -71,7 +73,8 @@ struct CollectiveTag {
 };
 
 // A communicator that takes a tag with its all-gathers and reductions and fails on every
-// rank when the ranks' tags differ (ThreadComm, TcpComm, MpiComm and the wrappers). The
+// rank when the ranks' tags differ (ThreadComm, TcpComm, MpiComm, NcclComm,
+// CudaThreadComm and the wrappers). The
 // library uses the tagged calls where a communicator has them; a Communicator without
 // them works unchanged, its passes checked as they end (docs/reliability.md).
 template <class C>
