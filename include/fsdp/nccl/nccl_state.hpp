@@ -297,7 +297,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
     cuda_check(cudaMalloc(&scratch_, 16), "cudaMalloc(16 bytes for barrier)", at);
     cuda_check(cudaMemset(scratch_, 0, 16), "cudaMemset(barrier bytes)", at);
-    if (gathers_tags_) tags_.allocate(size, at);
+    if (gathers_tags_) tags_.allocate(rank, size, at);
     watchdog_ = std::thread([this] { watch(); });
   }
 

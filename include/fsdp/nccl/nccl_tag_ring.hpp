@@ -5,8 +5,10 @@
 // collective is known complete (nccl_state.hpp: a host wait, or the watchdog retiring it).
 // The tags live in a ring of slots in pinned host memory that the GPU addresses directly
 // (mapped), so writing a tag is a host store and reading the gathered ones a host load:
-// no copy, no extra CUDA call, no host synchronization. Each slot holds this rank's tag
-// and every rank's gathered tag. A slot is written again only once the collective that
+// no copy, no extra CUDA call, no host synchronization. Each slot holds every rank's tag,
+// this rank's written at its own place before the call: the all-gather runs in place, so
+// NCCL makes no local copy (a one-rank all-gather out of place is a cudaMemcpyAsync, which
+// between host buffers waited for the stream on an H200). A slot is written again only once the collective that
 // used it last has completed; with kSlots slots that collective was issued kSlots tagged
 // collectives earlier, so it almost always has.
 #include <cuda_runtime.h>
@@ -34,8 +36,9 @@ class NcclTagRing {
   NcclTagRing& operator=(const NcclTagRing&) = delete;
   ~NcclTagRing() { release(true); }
 
-  // The slots of a communicator of `ranks` ranks, on the current device.
-  void allocate(int ranks, const std::string& at) {
+  // The slots of rank `rank` of a communicator of `ranks` ranks, on the current device.
+  void allocate(int rank, int ranks, const std::string& at) {
+    rank_ = static_cast<std::size_t>(rank);
     ranks_ = static_cast<std::size_t>(ranks);
     const std::size_t bytes = kSlots * stride() * sizeof(std::uint64_t);
     void* host = nullptr;
@@ -63,9 +66,9 @@ class NcclTagRing {
   std::shared_ptr<NcclInFlight>& last_user(std::size_t slot) { return users_[slot]; }
 
   // This rank's tag for `slot`: read by the GPU when the tag's all-gather runs.
-  void set_mine(std::size_t slot, std::uint64_t tag) { host_[slot * stride()] = tag; }
-  const std::uint64_t* device_mine(std::size_t slot) const { return device_ + slot * stride(); }
-  std::uint64_t* device_gathered(std::size_t slot) const { return device_ + slot * stride() + 1; }
+  void set_mine(std::size_t slot, std::uint64_t tag) { host_[slot * stride() + rank_] = tag; }
+  const std::uint64_t* device_mine(std::size_t slot) const { return device_gathered(slot) + rank_; }
+  std::uint64_t* device_gathered(std::size_t slot) const { return device_ + slot * stride(); }
   // `enqueue(comm, stream)`'s collective and the 8-byte all-gather of `slot`'s tag,
   // launched together (inside an nccl_group: with it). Returns the first failure, else
   // ncclGroupEnd's result (ncclInProgress on a nonblocking communicator: to be settled).
@@ -82,11 +85,12 @@ class NcclTagRing {
   }
 
   // Every rank's tag, in rank order: valid once the slot's collective has completed.
-  std::span<const std::uint64_t> gathered(std::size_t slot) const { return {host_ + slot * stride() + 1, ranks_}; }
+  std::span<const std::uint64_t> gathered(std::size_t slot) const { return {host_ + slot * stride(), ranks_}; }
 
  private:
-  std::size_t stride() const { return ranks_ + 1; }
+  std::size_t stride() const { return ranks_; }
 
+  std::size_t rank_ = 0;
   std::size_t ranks_ = 0;
   std::uint64_t* host_ = nullptr;
   std::uint64_t* device_ = nullptr;  // the same memory as the GPU addresses it
