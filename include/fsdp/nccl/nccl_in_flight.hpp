@@ -1,8 +1,12 @@
 #pragma once
 // One NCCL collective in flight (its stream, its CUDA event, when it was issued, whether it
 // has completed), and polling a nonblocking communicator: what fsdp::NcclComm's state
-// (nccl_state.hpp), its creation (nccl_comm.hpp) and nccl_group (nccl_group.hpp) wait with.
+// (nccl_state.hpp), its creation (nccl_comm.hpp) and nccl_group (nccl_group.hpp) wait with;
+// the collectives an open nccl_group has issued.
 #include <chrono>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/detail/collective_call.hpp"
@@ -44,7 +48,17 @@ struct NcclInFlight {
   NcclClock::time_point issued;
   bool recorded = false;  // its event is on the stream (inside an nccl_group: once the group ends)
   bool complete = false;  // and, when tagged, every rank's tag equals call.tag
+  bool retired = false;   // complete, and so is every collective issued before it (tags compared)
   int tag_slot = -1;      // where its tag was gathered (NcclTagRing), or -1: untagged
 };
+
+class NcclCommState;
+
+// The collectives issued inside the calling thread's nccl_group (see nccl_group.hpp):
+// their events are recorded when the group ends, after NCCL has launched them.
+struct NcclGroupFrame {
+  std::vector<std::pair<std::shared_ptr<NcclCommState>, std::shared_ptr<NcclInFlight>>> issued;
+};
+inline thread_local NcclGroupFrame* nccl_active_group = nullptr;
 
 }  // namespace fsdp::detail

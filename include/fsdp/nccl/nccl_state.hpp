@@ -23,8 +23,8 @@
 // watchdog as it retires the collective (all-gathers are waited for on the GPU only) or by
 // a host wait, which first retires every collective before it. Every rank gathers the same
 // tags, so every rank finds the same mismatch. A communicator of one rank has nothing to
-// compare and gathers no tags (NCCL copies a one-rank all-gather with cudaMemcpyAsync,
-// which from host memory to host memory would block the host until its stream runs).
+// compare and gathers no tags. A tagged call waits on the host only when the tag slot it
+// needs is still used by a collective issued NcclTagRing::kSlots tagged collectives earlier.
 //
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <atomic>
@@ -50,19 +50,9 @@
 
 namespace fsdp::detail {
 
-class NcclCommState;
-
 // Tests only: communicators created while set gather tags on one rank too, so the ring of
-// tag slots is exercised on a machine with one GPU (each tagged call then waits for its
-// stream on the host).
+// tag slots is exercised on a machine with one GPU.
 inline std::atomic<bool> nccl_tags_on_one_rank{false};
-
-// The collectives issued inside the calling thread's nccl_group (see nccl_group.hpp):
-// their events are recorded when the group ends, after NCCL has launched them.
-struct NcclGroupFrame {
-  std::vector<std::pair<std::shared_ptr<NcclCommState>, std::shared_ptr<NcclInFlight>>> issued;
-};
-inline thread_local NcclGroupFrame* nccl_active_group = nullptr;
 
 class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // "<where>: <call>" in messages, built only when one is.
@@ -98,21 +88,25 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    const bool drained = aborter_.finish(options.setup_timeout);  // bounded: never hangs on a device that does not drain
+    bool drained = aborter_.finish(options.setup_timeout);  // bounded: never hangs on a device that does not drain
     int prev = -1;
     const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
     cudaSetDevice(device);
-    if (!aborted_) {  // a clean end flushes what was issued; bounded, then aborted
+    if (!aborted_) {  // a clean end flushes what was issued; bounded, then aborted (bounded too)
       ncclResult_t r = ncclCommFinalize(comm_);
       if (r == ncclSuccess || r == ncclInProgress) r = nccl_settle(comm_, NcclClock::now() + options.setup_timeout);
-      if (r == ncclSuccess) ncclCommDestroy(comm_);
-      else ncclCommAbort(comm_);
+      if (r == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        aborter_.start(comm_, device);
+        drained = aborter_.finish(options.setup_timeout);
+      }
     }
     in_flight_.clear();
     tags_.release(drained);  // after the finalize or abort: no kernel writes the slots any more
     for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     if (after_event_) cudaEventDestroy(after_event_);
-    if (scratch_) cudaFree(scratch_);
+    if (scratch_ && drained) cudaFree(scratch_);  // not drained: cudaFree would wait for the device too
     if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
     if (owns_stream_ && gather_stream_) cudaStreamDestroy(gather_stream_);
     if (have_prev && prev != device) cudaSetDevice(prev);
@@ -194,29 +188,34 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // True once `f` has completed; throws when it failed, timed out, or the communicator broke.
   bool poll(NcclInFlight& f) {
     std::lock_guard lk(mu_);
-    if (f.complete) return true;
-    if (!broken_.empty()) {
-      if (broken_seq_ == f.call.seq) fail(broken_);
-      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+    // Retired: it and every collective before it were compared. Complete but not retired
+    // (a tag slot's reuse found it so) and broken since: no NCCL call on an aborted comm.
+    if (f.retired || (f.complete && !broken_.empty())) return true;
+    if (!f.complete) {
+      if (!broken_.empty()) {
+        if (broken_seq_ == f.call.seq) fail(broken_);
+        fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+      }
+      if (!f.recorded)
+        fail(where(), ": wait() on ", f.call.describe(),
+             " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+      const std::string reason = inspect_locked(f);
+      if (!reason.empty()) fail_locked(reason, f.call.seq);
+      if (!f.complete) return false;
     }
-    if (!f.recorded)
-      fail(where(), ": wait() on ", f.call.describe(),
-           " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
-    const std::string reason = inspect_locked(f);
-    if (!reason.empty()) fail_locked(reason, f.call.seq);
-    if (f.complete) {  // a host wait is also the check of collectives waited for on the GPU before it
-      const ncclResult_t state = nccl_async_state(comm_);
-      if (state != ncclSuccess && state != ncclInProgress)
-        fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
-                        nccl_error_text(state, comm_),
-                    f.call.seq);
-      // Those before it have completed too (in order): their tags are compared now, not at
-      // the watchdog's next look, so no host wait passes a mismatch.
-      std::uint64_t seq = 0;
-      const std::string earlier = retire_locked(seq);
-      if (!earlier.empty()) fail_locked(earlier, seq);
-    }
-    return f.complete;
+    // A host wait is also the check of collectives waited for on the GPU before it.
+    const ncclResult_t state = nccl_async_state(comm_);
+    if (state != ncclSuccess && state != ncclInProgress)
+      fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
+                      nccl_error_text(state, comm_),
+                  f.call.seq);
+    // Those before it have completed too (in order): their tags are compared now, not at
+    // the watchdog's next look, so no host wait passes a mismatch. Up to `f` only: a later
+    // collective's state is not this wait's.
+    std::uint64_t seq = 0;
+    const std::string earlier = retire_locked(seq, &f);
+    if (!earlier.empty()) fail_locked(earlier, seq);
+    return true;
   }
 
   // Makes `stream` wait (on the GPU) for `f`, unless it has completed; throws like poll()
@@ -339,9 +338,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void claim_tag_slot_locked(const std::shared_ptr<NcclInFlight>& f, const CallAt& at) {
     const std::size_t slot = tags_.next();
     std::shared_ptr<NcclInFlight>& last = tags_.last_user(slot);
-    if (last && !last->complete && !last->recorded)
-      fail_locked(at.text() + ": more than " + std::to_string(NcclTagRing::kSlots) +
-                      " tagged collectives in one nccl_group (each needs a tag slot until it completes)",
+    if (last && !last->complete && !last->recorded)  // waiting here would never end
+      fail_locked(at.text() + ": its tag slot is still used by " + last->call.describe() +
+                      ", inside an nccl_group that has not ended (at most " + std::to_string(NcclTagRing::kSlots) +
+                      " tagged collectives may be in flight)",
                   f->call.seq);
     for (int spins = 0; last && !last->complete; ++spins) {
       const std::string reason = inspect_locked(*last);
@@ -356,8 +356,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // Retires the completed collectives at the front of in_flight_. NCCL runs one
   // communicator's kernels in the order they were issued, whatever their streams, so they
   // finish in order; a later one is looked at once those before it are done. Returns why
-  // the communicator must be aborted, or "" (`seq`: the collective concerned).
-  std::string retire_locked(std::uint64_t& seq) {
+  // the communicator must be aborted, or "" (`seq`: the collective concerned). Stops once
+  // `upto` (when given) is retired.
+  std::string retire_locked(std::uint64_t& seq, const NcclInFlight* upto = nullptr) {
     while (!in_flight_.empty() && in_flight_.front()->recorded) {
       NcclInFlight& f = *in_flight_.front();
       std::string reason = f.complete ? std::string() : inspect_locked(f);
@@ -366,8 +367,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         return reason;
       }
       if (!f.complete) break;
-      spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() reads `complete` only now
-      in_flight_.pop_front();
+      spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() and enqueue_wait() read `complete` only now
+      f.retired = true;
+      const bool reached = &f == upto;
+      in_flight_.pop_front();  // may free `f`
+      if (reached) break;
     }
     return {};
   }
