@@ -152,12 +152,16 @@ struct LibraryClock {
     // Under tools/gpu_proof/api_timer.so (LD_PRELOAD), the CUDA and NCCL calls made in the
     // host time reported (hooks, zero_grad) are counted apart; without it, region is null.
     static const auto region = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, "fsdp_api_timer_region"));
-    const bool marked = on && region && &into != &finish_backward;
-    if (marked) region(1);
+    struct Region {  // left on every way out, a throwing call too
+      void (*mark)(int);
+      ~Region() {
+        if (mark) mark(0);
+      }
+    } marked{on && region && &into != &finish_backward ? region : nullptr};
+    if (marked.mark) marked.mark(1);
     const auto begin = std::chrono::steady_clock::now();
     f();
     if (on) into += std::chrono::steady_clock::now() - begin;
-    if (marked) region(0);
   }
 };
 
