@@ -77,7 +77,7 @@ link_flag() {
 }
 LIBS=(-L"$CUDA_LIB" -L"$NVRTC_LIB" -L"$NCCL_LIB" -L"$CUBLAS_LIB" -Wl,-rpath,"$CUDA_LIB" -Wl,-rpath,"$NVRTC_LIB"
       -Wl,-rpath,"$NCCL_LIB" -Wl,-rpath,"$CUBLAS_LIB" "$(link_flag "$NCCL_LIB" nccl)" "$(link_flag "$CUDA_LIB" cudart)"
-      "$(link_flag "$NVRTC_LIB" nvrtc)" "$(link_flag "$CUBLAS_LIB" cublas)" -pthread)
+      "$(link_flag "$NVRTC_LIB" nvrtc)" "$(link_flag "$CUBLAS_LIB" cublas)" -pthread -ldl)
 INCLUDES=(-Iinclude -I. -I"$CUDA/include" -I"$NCCL/include" -I"$DOCTEST")
 [ -d "$CUDA/include/cccl" ] && INCLUDES+=(-I"$CUDA/include/cccl")
 CXXFLAGS=(-std=c++20 -O2 -g -Wall -Wextra)
