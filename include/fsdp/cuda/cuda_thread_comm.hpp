@@ -33,6 +33,7 @@
 // stream-ordered allocations of the communicator, not counted by the CudaDevice.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -60,41 +61,9 @@ struct CudaThreadCommOptions {
 
 namespace detail {
 
-// One collective's completion on this rank, as a Work.
-class CudaEventPending final : public Work::Pending {
- public:
-  CudaEventPending(cudaEvent_t event, std::string what, std::chrono::milliseconds timeout)
-      : event_(event), what_(std::move(what)), timeout_(timeout) {}
-  ~CudaEventPending() override { cudaEventDestroy(event_); }  // released once complete
-  void wait() override {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (int spins = 0; !ready(); ++spins) {
-      if (std::chrono::steady_clock::now() > deadline)
-        fail(what_, " did not complete within ", timeout_.count(), " ms (CudaThreadCommOptions::timeout)");
-      cuda_poll_backoff(spins);
-    }
-  }
-  bool ready() override {
-    const cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return (void)cudaGetLastError(), false;
-    cuda_check(e, "cudaEventQuery", what_);
-    return true;
-  }
-  bool enqueue_wait(const DeviceQueue& q) override {
-    if (q.device.kind != DeviceKind::cuda) return false;
-    cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(q.handle), event_, 0), "cudaStreamWaitEvent", what_);
-    return true;
-  }
-
- private:
-  cudaEvent_t event_;
-  std::string what_;
-  std::chrono::milliseconds timeout_;
-};
-
-// A rank's streams and events, shared by the moves of its communicator.
+// A rank's streams and events, shared by the moves of its communicator and its Work.
 struct CudaThreadCommState {
-  explicit CudaThreadCommState(int device_index) : device(device_index) {}
+  CudaThreadCommState(int device_index, std::string where_text) : device(device_index), where(std::move(where_text)) {}
   ~CudaThreadCommState() {  // errors cannot be reported from here
     cudaSetDevice(device);
     for (cudaStream_t s : {gather, reduce})
@@ -104,8 +73,45 @@ struct CudaThreadCommState {
     (void)cudaGetLastError();
   }
   int device;
+  std::string where;  // "CudaThreadComm rank 1 of 4 (cuda:0)"
   cudaStream_t gather = nullptr, reduce = nullptr;
   cudaEvent_t after = nullptr, ready = nullptr, done = nullptr;
+};
+
+// One collective's completion on this rank, as a Work. Its messages are formatted only
+// when one is written.
+class CudaEventPending final : public Work::Pending {
+ public:
+  CudaEventPending(cudaEvent_t event, std::shared_ptr<const CudaThreadCommState> state, const CollectiveCall& call,
+                   std::chrono::milliseconds timeout)
+      : event_(event), state_(std::move(state)), call_(call), timeout_(timeout) {}
+  ~CudaEventPending() override { cudaEventDestroy(event_); }  // released once complete
+  void wait() override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (int spins = 0; !ready(); ++spins) {
+      if (std::chrono::steady_clock::now() > deadline)
+        fail(at(), " did not complete within ", timeout_.count(), " ms (CudaThreadCommOptions::timeout)");
+      cuda_poll_backoff(spins);
+    }
+  }
+  bool ready() override {
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return (void)cudaGetLastError(), false;
+    cuda_check(e, "cudaEventQuery", at());
+    return true;
+  }
+  bool enqueue_wait(const DeviceQueue& q) override {
+    if (q.device.kind != DeviceKind::cuda) return false;
+    cuda_check(cudaStreamWaitEvent(static_cast<cudaStream_t>(q.handle), event_, 0), "cudaStreamWaitEvent", at());
+    return true;
+  }
+
+ private:
+  CallAt at() const { return {state_->where, call_}; }
+  cudaEvent_t event_;
+  std::shared_ptr<const CudaThreadCommState> state_;
+  CollectiveCall call_;
+  std::chrono::milliseconds timeout_;
 };
 
 }  // namespace detail
@@ -133,7 +139,9 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
 
   CudaThreadComm(std::shared_ptr<ThreadComm> inner, CudaDevice& device, CudaThreadCommOptions options)
       : inner_(std::move(inner)), device_(&device), options_(options),
-        state_(std::make_shared<detail::CudaThreadCommState>(device.index())) {
+        state_(std::make_shared<detail::CudaThreadCommState>(
+            device.index(), "CudaThreadComm rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
+                                " (cuda:" + std::to_string(device.index()) + ")")) {
     const std::string at = where();
     auto& s = *state_;
     detail::cuda_check(cudaSetDevice(s.device), "cudaSetDevice", at);
@@ -143,10 +151,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
       detail::cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
   }
 
-  std::string where() const {
-    return "CudaThreadComm rank " + std::to_string(rank()) + " of " + std::to_string(size()) + " (cuda:" +
-           std::to_string(device_->index()) + ")";
-  }
+  const std::string& where() const { return state_->where; }
 
   static bool plain_host(const void* p) {
     if (!p) return false;
@@ -174,7 +179,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     const bool reads_send = call.kind != K::barrier && (call.kind != K::broadcast || rank() == call.root);
     if (call.kind != K::barrier && plain_host(call.recv) && (!reads_send || plain_host(call.send))) return on_host(call);
     call.seq = seq_++;
-    const std::string at = where() + ": " + call.describe();
+    const detail::CallAt at{where(), call};  // formatted only into a message
     const bool reduces = call.kind == K::reduce_scatter || call.kind == K::all_reduce;
     if (reduces && (call.op == ReduceOp::max || call.op == ReduceOp::min || (call.op == ReduceOp::avg && !is_floating(call.dtype))))
       detail::fail(at, ": on device memory only sum, and avg of floating dtypes, are supported");
@@ -233,7 +238,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
     const cudaError_t recorded = cudaEventRecord(event, s);
     if (recorded != cudaSuccess) cudaEventDestroy(event);
     check(recorded, "cudaEventRecord");
-    return Work(std::make_unique<detail::CudaEventPending>(event, at, options_.timeout));
+    return Work(std::make_unique<detail::CudaEventPending>(event, state_, call, options_.timeout));
   }
 
   // Step 2's fields per rank: send, recv, ready event, then the call (kind, count, dtype,
@@ -248,6 +253,11 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
   // Every rank's call as it posted it (units named by this rank's names: every rank's
   // model names them alike); on any difference every rank throws the same list.
   void check_same_calls(const detail::CollectiveCall& mine, const std::vector<std::int64_t>& posts) const {
+    const std::int64_t* own = posts.data() + kFields * static_cast<std::size_t>(rank());
+    bool same = true;  // the usual case, without building the calls: kind, count, dtype, op, root, tag
+    for (std::size_t r = 0; same && r < static_cast<std::size_t>(size()); ++r)
+      same = std::equal(own + 3, own + 9, posts.data() + kFields * r + 3);
+    if (same) return;
     std::vector<detail::CollectiveCall> calls(static_cast<std::size_t>(size()), mine);
     for (std::size_t r = 0; r < calls.size(); ++r) {
       const std::int64_t* p = posts.data() + kFields * r;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -62,6 +63,15 @@ struct CollectiveCall {
     os << " as collective #" << seq;
     return os.str();
   }
+};
+
+// "<where>: <call>" for messages, formatted only when one is written (cuda_check and fail
+// stream it): backends pass it on every call without building a string.
+struct CallAt {
+  const std::string& where;
+  const CollectiveCall& call;
+  std::string text() const { return where + ": " + call.describe(); }
+  friend std::ostream& operator<<(std::ostream& os, const CallAt& a) { return os << a.text(); }
 };
 
 // The last step of ReduceOp::avg on the sum of `ranks` contributions: floats are

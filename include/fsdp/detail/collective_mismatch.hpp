@@ -6,6 +6,7 @@
 //
 //   collective mismatch: rank 0 called all_gather(count=101, dtype=f32) of unit 'blocks.0'
 //   (forward, pass 1) as collective #20, rank 1 called ... of unit 'blocks.1' ... (seen on rank 1)
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -37,6 +38,7 @@ inline std::string collective_mismatch(std::span<const CollectiveCall> calls, st
 // CollectiveTag, 0 untagged): each rank is shown with `mine`'s shape, its own tag, and
 // `mine`'s unit names (every rank's model names its units alike).
 inline std::string tag_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags, std::size_t self) {
+  if (std::all_of(tags.begin(), tags.end(), [&](std::uint64_t t) { return t == mine.tag; })) return {};  // every collective
   std::vector<CollectiveCall> calls(tags.size(), mine);
   for (std::size_t r = 0; r < tags.size(); ++r) calls[r].tag = tags[r];
   return collective_mismatch(calls, self);

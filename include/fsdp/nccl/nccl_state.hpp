@@ -2,16 +2,17 @@
 // The state behind an fsdp::NcclComm, shared with the Work its collectives return (so the
 // communicator outlives them), and its watchdog.
 //
-// Every collective is enqueued on one of the communicator's two streams (all-gathers on
-// the all-gather stream, the others on the reduce stream, as FSDP splits them) and
-// followed there by a CUDA event. Its Work either makes another stream wait for that event
+// Every collective is enqueued on one of the communicator's two streams (nccl_streams.hpp:
+// all-gathers on the all-gather stream, the others on the reduce stream, as FSDP splits
+// them) and followed there by a CUDA event. Its Work either makes another stream wait for that event
 // (Work::wait_on: cudaStreamWaitEvent, the engine's compute stream, no host block) or
 // polls it (cudaEventQuery, Work::wait), never blocking inside CUDA or NCCL. The
 // communicator is nonblocking, so no NCCL call blocks either. A thread per communicator,
 // the watchdog, looks at the oldest collective in flight every watchdog_interval: when NCCL
 // reports an asynchronous error, or the collective is not complete `timeout` after it was
-// issued, it aborts the communicator (ncclCommAbort, on a thread of its own since it may wait
-// for the device; it also ends the kernels waiting on a peer, so streams drain) and records why. From then on every wait() and every new call
+// issued, it aborts the communicator (ncclCommAbort, on a thread of its own since it may
+// wait for the device; it also ends the kernels waiting on a peer, so streams drain) and
+// records why. From then on every wait() and every new call
 // throws an fsdp::Error with that reason, naming the collective, its sequence number and
 // the rank. Waiters check the same conditions themselves, so a wait is bounded even when
 // the watchdog is late.
@@ -34,17 +35,16 @@
 #include <deque>
 #include <memory>
 #include <mutex>
-#include <ostream>
 #include <string>
 #include <thread>
 #include <utility>
-#include <vector>
 
 #include "fsdp/detail/collective_call.hpp"
 #include "fsdp/detail/collective_mismatch.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/nccl/nccl_abort.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
+#include "fsdp/nccl/nccl_streams.hpp"
 #include "fsdp/nccl/nccl_tag_ring.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 
@@ -55,14 +55,6 @@ namespace fsdp::detail {
 inline std::atomic<bool> nccl_tags_on_one_rank{false};
 
 class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
-  // "<where>: <call>" in messages, built only when one is.
-  struct CallAt {
-    const std::string& where;
-    const CollectiveCall& call;
-    std::string text() const { return where + ": " + call.describe(); }
-    friend std::ostream& operator<<(std::ostream& os, const CallAt& a) { return os << a.text(); }
-  };
-
  public:
   // Takes `comm` (initialized, this rank's): on failure here it is aborted.
   static std::shared_ptr<NcclCommState> make(ncclComm_t comm, int rank, int size, int device, std::string name,
@@ -104,11 +96,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
     in_flight_.clear();
     tags_.release(drained);  // after the finalize or abort: no kernel writes the slots any more
-    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
-    if (after_event_) cudaEventDestroy(after_event_);
-    if (scratch_ && drained) cudaFree(scratch_);  // not drained: cudaFree would wait for the device too
-    if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
-    if (owns_stream_ && gather_stream_) cudaStreamDestroy(gather_stream_);
+    streams_.release(drained);
     if (have_prev && prev != device) cudaSetDevice(prev);
     (void)cudaGetLastError();
   }
@@ -120,9 +108,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   const NcclCommOptions options;
 
   // Given NcclCommOptions::stream, both are that stream.
-  cudaStream_t all_gather_stream() const { return gather_stream_; }
-  cudaStream_t reduce_stream() const { return stream_; }
-  void* scratch() const { return scratch_; }  // 16 zeroed device bytes, for barrier()
+  cudaStream_t all_gather_stream() const { return streams_.gather(); }
+  cudaStream_t reduce_stream() const { return streams_.reduce(); }
+  void* scratch() const { return streams_.scratch(); }  // 16 zeroed device bytes, for barrier()
   std::uint64_t next_split() { return splits_++; }
 
   // "NcclComm 'world' rank 1 of 4 (cuda:1)".
@@ -151,20 +139,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
     f->call = call;
-    f->stream = call.kind == CollectiveKind::all_gather ? gather_stream_ : stream_;
-    if (spare_events_.empty()) {
-      cuda_check(cudaEventCreateWithFlags(&f->event, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
-    } else {  // one that completed: the steady state makes no new event per collective
-      f->event = spare_events_.back();
-      spare_events_.pop_back();
-    }
-    // Inputs written and buffers allocated (stream-ordered) on the compute stream up to
-    // now are ready before the collective touches them: its stream waits for an event
-    // recorded there (recorded again per call; a wait takes the record of the moment).
-    if (options.after) {
-      cuda_check(cudaEventRecord(after_event_, options.after), "cudaEventRecord(after stream)", at);
-      cuda_check(cudaStreamWaitEvent(f->stream, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
-    }
+    f->stream = streams_.for_kind(call.kind);
+    f->event = streams_.take_event(at);
+    streams_.order_after_engine(f->stream, at);  // what the engine queued before is ready first
     if (nccl_active_group) {  // before enqueuing: a failure below must not abort inside the open group
       nccl_active_group->issued.push_back({shared_from_this(), f});
       ++grouped_;
@@ -192,13 +169,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     // (a tag slot's reuse found it so) and broken since: no NCCL call on an aborted comm.
     if (f.retired || (f.complete && !broken_.empty())) return true;
     if (!f.complete) {
-      if (!broken_.empty()) {
-        if (broken_seq_ == f.call.seq) fail(broken_);
-        fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
-      }
-      if (!f.recorded)
-        fail(where(), ": wait() on ", f.call.describe(),
-             " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+      check_waitable_locked(f, "wait() on ");
       const std::string reason = inspect_locked(f);
       if (!reason.empty()) fail_locked(reason, f.call.seq);
       if (!f.complete) return false;
@@ -224,13 +195,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void enqueue_wait(NcclInFlight& f, cudaStream_t stream) {
     std::lock_guard lk(mu_);
     if (f.complete) return;
-    if (!broken_.empty()) {
-      if (broken_seq_ == f.call.seq) fail(broken_);
-      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
-    }
-    if (!f.recorded)
-      fail(where(), ": a stream was made to wait for ", f.call.describe(),
-           " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+    check_waitable_locked(f, "a stream was made to wait for ");
     cuda_check(cudaStreamWaitEvent(stream, f.event, 0), "cudaStreamWaitEvent", CallAt{where_, f.call});
   }
 
@@ -277,6 +242,18 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         where_(nccl_where(this->name, rank, size) + " (cuda:" + std::to_string(device) + ")"),
         comm_(comm) {}
 
+  // Throws when `f`, not complete, can never be waited for: the communicator broke, or its
+  // nccl_group has not ended (`what`: "wait() on ", ...).
+  void check_waitable_locked(const NcclInFlight& f, const char* what) const {
+    if (!broken_.empty()) {
+      if (broken_seq_ == f.call.seq) fail(broken_);
+      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+    }
+    if (!f.recorded)
+      fail(where(), ": ", what, f.call.describe(),
+           " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
+  }
+
   void start() {
     const std::string at = where();
     CurrentDevice current(device, at);
@@ -285,17 +262,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     nccl_check(ncclCommCount(comm_, &nccl_size), comm_, "ncclCommCount", at);
     if (nccl_rank != rank || nccl_size != size)
       fail(at, ": NCCL made rank ", nccl_rank, " of ", nccl_size, " instead");
-    if (options.stream) {
-      stream_ = gather_stream_ = options.stream;
-    } else {  // owned from the first one on, so the destructor frees what was made
-      cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
-      owns_stream_ = true;
-      cuda_check(cudaStreamCreateWithFlags(&gather_stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", at);
-    }
-    if (options.after)
-      cuda_check(cudaEventCreateWithFlags(&after_event_, cudaEventDisableTiming), "cudaEventCreateWithFlags", at);
-    cuda_check(cudaMalloc(&scratch_, 16), "cudaMalloc(16 bytes for barrier)", at);
-    cuda_check(cudaMemset(scratch_, 0, 16), "cudaMemset(barrier bytes)", at);
+    streams_.create(options, at);  // on a failure, the destructor frees what was made
     if (gathers_tags_) tags_.allocate(rank, size, at);
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -367,7 +334,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
         return reason;
       }
       if (!f.complete) break;
-      spare_events_.push_back(std::exchange(f.event, nullptr));  // poll() and enqueue_wait() read `complete` only now
+      streams_.give_back(std::exchange(f.event, nullptr));  // poll() and enqueue_wait() read `complete` only now
       f.retired = true;
       const bool reached = &f == upto;
       in_flight_.pop_front();  // may free `f`
@@ -406,12 +373,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
   std::deque<std::shared_ptr<NcclInFlight>> in_flight_;  // oldest first
-  std::vector<cudaEvent_t> spare_events_;                // of completed collectives, for reuse
-  cudaStream_t stream_ = nullptr;         // the reduce stream: every collective but all_gather
-  cudaStream_t gather_stream_ = nullptr;  // all_gather
-  bool owns_stream_ = false;
-  cudaEvent_t after_event_ = nullptr;
-  void* scratch_ = nullptr;
+  NcclStreams streams_;
   const bool gathers_tags_ = size > 1 || nccl_tags_on_one_rank;
   NcclTagRing tags_;  // allocated where gathers_tags_
   std::condition_variable cv_;
