@@ -283,7 +283,7 @@ class MpiComm {
     if (call.tag) tags = std::make_unique<detail::MpiTagExchange>(call.tag, size());
     int rc;
     {
-      auto lk = state_->rt->lock_for_call(where() + ": " + call.describe());
+      auto lk = state_->rt->lock_for_call([&] { return where() + ": " + call.describe(); });
       rc = issue(&req);
       if (rc == MPI_SUCCESS && tags) {  // right behind it, on every rank alike
         mpi_function = "MPI_Iallgather (the collective's tag)";
