@@ -227,6 +227,19 @@ double time_steps_ns(Case& c, std::int64_t steps) {
   return std::chrono::duration<double, std::nano>(t1 - t0).count();
 }
 
+// Warms `first` up in batches doubling from 256 steps until one takes 20 ms, then the other
+// case with other_warm_up(that batch); returns steps_opt if set, else the steps per rep that
+// make `reps` reps of `first` take about target_s in all.
+template <class Case, class OtherWarmUp>
+std::int64_t warm_up(Case& first, OtherWarmUp&& other_warm_up, std::int64_t steps_opt, int reps, double target_s) {
+  std::int64_t n = 256;
+  double ns = time_steps_ns(first, n);
+  while (ns < 2e7) { n *= 2; ns = time_steps_ns(first, n); }
+  other_warm_up(n);
+  if (steps_opt > 0) return steps_opt;
+  return std::max<std::int64_t>(1000, static_cast<std::int64_t>(target_s * 1e9 / reps / (ns / n)));
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
@@ -266,14 +279,8 @@ Result run_case(int world, int P, std::int64_t steps_opt, int reps, double targe
   BaselineCase base(base_model, base_dev, world);
 
   // Warm up, and pick K so that the library's timed reps take about target_s in all.
-  std::int64_t steps = steps_opt;
-  {
-    std::int64_t n = 256;
-    double ns = time_steps_ns(lib, n);
-    while (ns < 2e7) { n *= 2; ns = time_steps_ns(lib, n); }
-    for (std::int64_t w = 0; w < n / 4; ++w) base.step();
-    if (steps <= 0) steps = std::max<std::int64_t>(1000, static_cast<std::int64_t>(target_s * 1e9 / reps / (ns / n)));
-  }
+  const std::int64_t steps = warm_up(
+      lib, [&](std::int64_t n) { for (std::int64_t w = 0; w < n / 4; ++w) base.step(); }, steps_opt, reps, target_s);
   r.steps = steps;
 
   // Sanity: per-step allocations and collectives, counted over one timed-size batch.
@@ -314,14 +321,8 @@ TagResult run_tag_case(int P, std::int64_t steps_opt, int reps, double target_s)
   auto untagged_sm = fsdp::shard<fsdp::FullShard>(untagged_model, untagged_comm, untagged_dev);
   ModelCase tagged{tagged_model, tagged_sm, tagged_sm.unit("")};
   ModelCase untagged{untagged_model, untagged_sm, untagged_sm.unit("")};
-  std::int64_t steps = steps_opt;
-  {
-    std::int64_t n = 256;
-    double ns = time_steps_ns(tagged, n);
-    while (ns < 2e7) { n *= 2; ns = time_steps_ns(tagged, n); }
-    time_steps_ns(untagged, n);
-    if (steps <= 0) steps = std::max<std::int64_t>(1000, static_cast<std::int64_t>(target_s * 1e9 / reps / (ns / n)));
-  }
+  const std::int64_t steps =
+      warm_up(tagged, [&](std::int64_t n) { time_steps_ns(untagged, n); }, steps_opt, reps, target_s);
   r.steps = steps;
   for (int rep = 0; rep < reps; ++rep) {
     r.tagged_reps.push_back(time_steps_ns(tagged, steps) / static_cast<double>(steps));

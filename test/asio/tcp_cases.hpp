@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "collective_cases.hpp"
@@ -24,6 +26,25 @@ inline fsdp::Work issue(C& comm, const fsdp::detail::CollectiveCall& c) {
     case K::barrier: return comm.barrier();
   }
   return {};
+}
+
+// Every kind, each count in place or not, sums whose result depends on the order.
+inline std::vector<Case> every_kind_cases(int n, std::initializer_list<std::size_t> counts) {
+  std::vector<Case> cases;
+  for (std::size_t count : counts)
+    for (bool in_place : {false, true}) {
+      cases.push_back({K::all_gather, n, count, fsdp::DType::f32, fsdp::ReduceOp::sum, 0, in_place});
+      cases.push_back({K::reduce_scatter, n, count, fsdp::DType::bf16, fsdp::ReduceOp::sum, 0, in_place});
+      cases.push_back({K::all_reduce, n, count, fsdp::DType::f16, fsdp::ReduceOp::avg, 0, in_place});
+      cases.push_back({K::broadcast, n, count, fsdp::DType::f64, fsdp::ReduceOp::sum, n - 1, in_place});
+    }
+  cases.push_back({K::barrier, n, 0});
+  return cases;
+}
+
+// Which of the communicator's links use shared memory, as "LR" ("11": both).
+inline std::string link_text(const fsdp::TcpComm& comm) {
+  return std::string(comm.links().from_left ? "1" : "0") + (comm.links().to_right ? "1" : "0");
 }
 
 // Runs every case on `world` (all ranks issue them in the same order, each waited before

@@ -24,7 +24,6 @@ using fsdp::DType;
 using fsdp::ReduceOp;
 using test_support::Case;
 using test_support::contains;
-using test_support::K;
 using test_support::run_ranks;
 using test_support::seconds_since;
 
@@ -36,10 +35,6 @@ std::vector<std::string> leftover_segments(const std::vector<test_support::RankR
       if (r.pid > 0 && entry.path().filename().string().rfind("fsdp." + std::to_string(r.pid) + ".", 0) == 0)
         left.push_back(entry.path().string());
   return left;
-}
-
-std::string link_text(const fsdp::TcpComm& comm) {
-  return std::string(comm.links().from_left ? "1" : "0") + (comm.links().to_right ? "1" : "0");
 }
 
 // Runs `cases` on this rank and appends what differs from the reference to the report.
@@ -55,18 +50,7 @@ void run_and_check(fsdp::TcpComm& comm, int r, const std::vector<Case>& cases) {
   }
 }
 
-std::vector<Case> cases_for(int n) {
-  std::vector<Case> cases;
-  for (std::size_t count : {std::size_t{0}, std::size_t{5}, std::size_t{1001}, std::size_t{300007}})
-    for (bool in_place : {false, true}) {
-      cases.push_back({K::all_gather, n, count, DType::f32, ReduceOp::sum, 0, in_place});
-      cases.push_back({K::reduce_scatter, n, count, DType::bf16, ReduceOp::sum, 0, in_place});
-      cases.push_back({K::all_reduce, n, count, DType::f32, ReduceOp::avg, 0, in_place});
-      cases.push_back({K::broadcast, n, count, DType::i32, ReduceOp::sum, n / 2, in_place});
-    }
-  cases.push_back({K::barrier, n, 0});
-  return cases;
-}
+std::vector<Case> cases_for(int n) { return test_support::every_kind_cases(n, {0, 5, 1001, 300007}); }
 
 fsdp::TcpCommOptions small_segments(std::chrono::milliseconds timeout) {
   fsdp::TcpCommOptions o;
@@ -86,7 +70,7 @@ TEST_CASE("every collective on 2..4 processes over shared memory equals the refe
       for (int r = 0; r < n; ++r) all.push_back(r);
       return all;
     }(), small_segments(10s), [&](fsdp::TcpComm& comm, int r) {
-      test_support::child_output() = link_text(comm);
+      test_support::child_output() = test_support::link_text(comm);
       run_and_check(comm, r, cases_for(n));
     });
     for (int r = 0; r < n; ++r) {
@@ -103,7 +87,7 @@ TEST_CASE("a mixed ring of processes: one rank with shared memory off keeps its 
   const auto results = run_ranks(
       n, {0, 1, 2, 3}, small_segments(10s),
       [&](fsdp::TcpComm& comm, int r) {
-        test_support::child_output() = link_text(comm);
+        test_support::child_output() = test_support::link_text(comm);
         run_and_check(comm, r, cases_for(n));
       },
       20s,
@@ -122,7 +106,7 @@ TEST_CASE("a mixed ring of processes: one rank with shared memory off keeps its 
 
 TEST_CASE("a process killed with SIGKILL mid-collective over shared memory: survivors name it at once, nothing left in /dev/shm") {
   const auto results = test_support::kill_mid_all_gather(3, 1, [](fsdp::TcpComm& comm) {
-    if (link_text(comm) != "11") throw fsdp::Error("links are not shared: " + link_text(comm));
+    if (test_support::link_text(comm) != "11") throw fsdp::Error("links are not shared: " + test_support::link_text(comm));
   });
   for (int r : {0, 2}) {
     CAPTURE(results[r].error);
@@ -134,7 +118,7 @@ TEST_CASE("a process killed with SIGKILL mid-collective over shared memory: surv
 TEST_CASE("a process that stalls with shared-memory links: the others time out naming it") {
   const auto t0 = Clock::now();
   const auto results = run_ranks(3, {0, 1, 2}, small_segments(1500ms), [](fsdp::TcpComm& comm, int r) {
-    if (link_text(comm) != "11") throw fsdp::Error("links are not shared: " + link_text(comm));
+    if (test_support::link_text(comm) != "11") throw fsdp::Error("links are not shared: " + test_support::link_text(comm));
     std::vector<float> x(1 << 18, 1.0f), y(x.size());
     comm.all_reduce(x.data(), y.data(), x.size(), DType::f32, ReduceOp::sum).wait();
     if (r == 2) {

@@ -8,7 +8,6 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +20,6 @@ namespace {
 using fsdp::DType;
 using fsdp::ReduceOp;
 using fsdp::TcpComm;
-using test_support::Case;
 using test_support::K;
 using test_support::TcpWorld;
 using namespace std::chrono_literals;
@@ -34,25 +32,8 @@ fsdp::TcpCommOptions socket_only(fsdp::TcpCommOptions o) {
 // Which links of each rank use shared memory, as "LR" flags per rank ("11" both).
 std::vector<std::string> link_flags(TcpWorld& world) {
   std::vector<std::string> flags;
-  for (int r = 0; r < world.size(); ++r) {
-    const auto l = world.comm(r).links();
-    flags.push_back(std::string(l.from_left ? "1" : "0") + (l.to_right ? "1" : "0"));
-  }
+  for (int r = 0; r < world.size(); ++r) flags.push_back(test_support::link_text(world.comm(r)));
   return flags;
-}
-
-// Every kind, odd and zero counts, in place or not, sums whose result depends on the order.
-std::vector<Case> mixed_cases(int n) {
-  std::vector<Case> cases;
-  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
-    for (bool in_place : {false, true}) {
-      cases.push_back({K::all_gather, n, count, DType::f32, ReduceOp::sum, 0, in_place});
-      cases.push_back({K::reduce_scatter, n, count, DType::bf16, ReduceOp::sum, 0, in_place});
-      cases.push_back({K::all_reduce, n, count, DType::f16, ReduceOp::avg, 0, in_place});
-      cases.push_back({K::broadcast, n, count, DType::f64, ReduceOp::sum, n - 1, in_place});
-    }
-  cases.push_back({K::barrier, n, 0});
-  return cases;
 }
 
 bool in_dev_shm(const std::string& name) { return std::filesystem::exists("/dev/shm/" + name); }
@@ -65,7 +46,7 @@ TEST_CASE("same-host ranks use shared memory on every link; results equal the so
       CAPTURE(n);
       CAPTURE(io);
       const auto options = test_support::ok_options(64, io);  // many frames per step
-      const auto cases = mixed_cases(n);
+      const auto cases = test_support::every_kind_cases(n, {0, 1, 7, 1003});
       TcpWorld shm(n, options);
       CHECK(link_flags(shm) == std::vector<std::string>(n, "11"));
       const auto via_shm = test_support::run_cases(shm, cases, 3);
@@ -103,31 +84,15 @@ TEST_CASE("a shared ring of two slots: the sender waits for CREDITs, results sti
 
 TEST_CASE("a rank with shared memory off: its two links use TCP, the rest of the ring shared memory") {
   constexpr int n = 4, plain = 2;
-  auto store = std::make_shared<fsdp::HashStore>();
-  std::vector<std::optional<TcpComm>> comms(n);
-  const auto errors = test_support::on_threads(n, [&](int r) {
+  TcpWorld world(n, [](int r) {
     auto o = test_support::ok_options(256);
     o.shared_memory = r != plain;
-    comms[r].emplace(store, r, n, o);
+    return o;
   });
-  for (const auto& e : errors) REQUIRE(e.empty());
-  const std::vector<std::pair<bool, bool>> expected{{true, true}, {true, false}, {false, false}, {false, true}};
-  for (int r = 0; r < n; ++r) {
-    CAPTURE(r);
-    CHECK(comms[r]->links().from_left == expected[r].first);
-    CHECK(comms[r]->links().to_right == expected[r].second);
-  }
+  CHECK(link_flags(world) == std::vector<std::string>{"11", "10", "00", "01"});
   // The same cases on a world of sockets only: equal outputs on every rank.
-  const auto cases = mixed_cases(n);
-  std::vector<std::vector<test_support::Bytes>> mixed(cases.size(), std::vector<test_support::Bytes>(n));
-  const auto run_errors = test_support::on_threads(n, [&](int r) {
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      test_support::RankBuffers b(cases[i], test_support::random_input(cases[i], r, 11 + i), r);
-      test_support::issue(*comms[r], b.call(cases[i])).wait();
-      mixed[i][r] = b.result(cases[i]);
-    }
-  });
-  for (const auto& e : run_errors) REQUIRE(e.empty());
+  const auto cases = test_support::every_kind_cases(n, {0, 1, 7, 1003});
+  const auto mixed = test_support::run_cases(world, cases, 11);
   TcpWorld sockets(n, socket_only(test_support::ok_options(256)));
   const auto via_sockets = test_support::run_cases(sockets, cases, 11);
   for (std::size_t i = 0; i < cases.size(); ++i) {

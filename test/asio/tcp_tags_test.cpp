@@ -18,7 +18,6 @@
 namespace {
 
 using test_support::contains;
-using test_support::in_order;
 using test_support::TcpWorld;
 
 struct Names final : fsdp::UnitNames {
@@ -72,8 +71,7 @@ TEST_CASE("a rank that swaps two units from iteration 2 on: an error on every ra
     engine::Model model(config);
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, comm, device, engine::Wrap{});
-    std::vector<std::string> first;
-    test_support::iteration(sm, test_support::usual, first);
+    test_support::iteration(sm, test_support::usual);
     test_support::iteration(sm, r == 1 ? test_support::swapped : test_support::usual, logs[r]);
   });
   for (int r = 0; r < 2; ++r) {

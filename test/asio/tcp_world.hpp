@@ -56,8 +56,11 @@ inline std::vector<std::string> on_threads(int n, const std::function<void(int)>
 
 class TcpWorld {
  public:
-  explicit TcpWorld(int n, fsdp::TcpCommOptions o = ok_options()) : store_(std::make_shared<fsdp::HashStore>()), comms_(n) {
-    const auto errors = on_threads(n, [&](int r) { comms_[r].emplace(store_, r, n, o); });
+  explicit TcpWorld(int n, fsdp::TcpCommOptions o = ok_options()) : TcpWorld(n, [o](int) { return o; }) {}
+  // Rank r with options_for(r).
+  TcpWorld(int n, const std::function<fsdp::TcpCommOptions(int)>& options_for)
+      : store_(std::make_shared<fsdp::HashStore>()), comms_(n) {
+    const auto errors = on_threads(n, [&](int r) { comms_[r].emplace(store_, r, n, options_for(r)); });
     for (const auto& e : errors)
       if (!e.empty()) throw fsdp::Error("test world construction: " + e);
   }

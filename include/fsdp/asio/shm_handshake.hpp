@@ -10,6 +10,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <optional>
 #include <random>
@@ -78,8 +79,7 @@ class ShmHandshake {
     const auto deadline = Clock::now() + id_.timeout;
     while (!(left_done_ && right_done_) && !failure_ && io_.run_one_until(deadline)) {
     }
-    if (out_.to_right) ShmLink::unlink(out_.to_right->name());
-    else if (!offered_name_.empty()) ShmLink::unlink(offered_name_);
+    if (!offered_name_.empty()) ShmLink::unlink(offered_name_);  // accepted, refused or no answer
     if (!(left_done_ && right_done_)) {
       error_code ignored;
       links_.left.cancel(ignored);

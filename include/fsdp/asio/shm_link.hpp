@@ -30,6 +30,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -89,7 +90,7 @@ class ShmLink {
         shm.truncate(static_cast<boost::interprocess::offset_t>(bytes));
         if (const int e = posix_fallocate(shm.get_mapping_handle().handle, 0, static_cast<off_t>(bytes)))
           throw IpcError(("cannot reserve " + std::to_string(bytes) + " bytes: " + std::strerror(e)).c_str());
-        ShmLink link(Region(shm, boost::interprocess::read_write), name);
+        ShmLink link(Region(shm, boost::interprocess::read_write));
         auto* c = new (link.region_.get_address()) ShmRingControl{ShmRingControl::kMagic, nonce, slots, slot_bytes, {}, {}, {}};
         link.control_ = c;
         return link;
@@ -117,7 +118,7 @@ class ShmLink {
         why = "shared memory " + name + " has an unexpected size";
         return std::nullopt;
       }
-      ShmLink link(Region(shm, boost::interprocess::read_write), name);
+      ShmLink link(Region(shm, boost::interprocess::read_write));
       link.control_ = static_cast<ShmRingControl*>(link.region_.get_address());
       const ShmRingControl& c = *link.control_;
       if (c.magic != ShmRingControl::kMagic || c.nonce != nonce || c.slots != slots || c.slot_bytes != slot_bytes) {
@@ -136,8 +137,6 @@ class ShmLink {
 
   ShmLink(ShmLink&&) noexcept = default;
   ShmLink& operator=(ShmLink&&) noexcept = default;
-
-  const std::string& name() const { return name_; }
 
   // ---- producer ----
   // True if a slot is free; else raises producer_waits (a CREDIT frame will come).
@@ -169,7 +168,7 @@ class ShmLink {
   }
 
  private:
-  ShmLink(Region region, std::string name) : region_(std::move(region)), name_(std::move(name)) {}
+  explicit ShmLink(Region region) : region_(std::move(region)) {}
 
   bool room() const { return control_->produced.load() - control_->consumed.load() < control_->slots; }
   std::byte* slot(std::uint64_t i) const {
@@ -178,7 +177,6 @@ class ShmLink {
 
   Region region_;
   ShmRingControl* control_ = nullptr;
-  std::string name_;
 };
 
 }  // namespace fsdp::detail

@@ -45,6 +45,7 @@
 #include "fsdp/collective_tag.hpp"
 #include "fsdp/detail/timeout.hpp"
 #include "fsdp/communicator.hpp"
+#include "fsdp/detail/collective_call.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
@@ -56,8 +57,9 @@ struct MpiCommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // longest wait() of one collective
 };
 
-class MpiComm {
+class MpiComm : public detail::CollectiveCalls<MpiComm> {
  public:
+  static constexpr bool checks_tags = true;  // gathered beside each tagged collective, compared at wait()
   using Options = MpiCommOptions;
 
   // A duplicate of MPI_COMM_WORLD; collective over every rank of the job.
@@ -104,97 +106,13 @@ class MpiComm {
   // True after a collective on it failed or timed out.
   bool broken() const { return !state_->broken_by().empty(); }
 
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t) { return gather(send, recv, count, t, nullptr); }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return scatter(send, recv, count, t, op, nullptr);
-  }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
-    return reduce(send, recv, count, t, op, nullptr);
-  }
-  // Tagged: compared across ranks at wait() (see the top of this file).
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag) {
-    return gather(send, recv, count, t, &tag);
-  }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
-    return scatter(send, recv, count, t, op, &tag);
-  }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
-    return reduce(send, recv, count, t, op, &tag);
-  }
-
- private:
-  Work gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag* tag) {
-    const auto call = next(tagged({detail::CollectiveKind::all_gather, send, recv, count, t}, tag));
-    const std::size_t chunk = count * size_of(t);
-    const bool in_place = address(send) == address(recv) + rank() * chunk;
-    check(call, send, chunk, recv, chunk * size(), in_place, "send == recv + rank*count");
-    const int n = static_cast<int>(count);
-    const MPI_Datatype type = types().datatype(t);
-    return start(call, "MPI_Iallgather", [&](MPI_Request* req) {
-      return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, type, recv, n, type, state_->comm, req);
-    });
-  }
-
-  Work scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
-    const auto call = next(tagged({detail::CollectiveKind::reduce_scatter, send, recv, count, t, op}, tag));
-    const std::size_t chunk = count * size_of(t);
-    const bool in_place = address(recv) == address(send) + rank() * chunk;
-    check(call, send, chunk * size(), recv, chunk, in_place, "recv == send + rank*count");
-    // In place, MPI reads the whole buffer and leaves the result in its first chunk.
-    auto* buffer = static_cast<std::byte*>(const_cast<void*>(send));
-    auto epilogue = average(op, recv, count, t);
-    if (in_place && chunk && rank() > 0) {
-      epilogue.move_from = buffer;
-      epilogue.move_to = static_cast<std::byte*>(recv);
-      epilogue.move_bytes = chunk;
-    }
-    const int n = static_cast<int>(count);
-    const MPI_Datatype type = types().datatype(t);
-    const MPI_Op mpi_op = reduction(t, op);
-    return start(
-        call, "MPI_Ireduce_scatter_block",
-        [&](MPI_Request* req) {
-          return in_place ? MPI_Ireduce_scatter_block(MPI_IN_PLACE, buffer, n, type, mpi_op, state_->comm, req)
-                          : MPI_Ireduce_scatter_block(send, recv, n, type, mpi_op, state_->comm, req);
-        },
-        epilogue);
-  }
-
-  Work reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag* tag) {
-    const auto call = next(tagged({detail::CollectiveKind::all_reduce, send, recv, count, t, op}, tag));
-    const std::size_t bytes = count * size_of(t);
-    const bool in_place = send == recv;
-    check(call, send, bytes, recv, bytes, in_place, "send == recv");
-    const int n = static_cast<int>(count);
-    const MPI_Datatype type = types().datatype(t);
-    const MPI_Op mpi_op = reduction(t, op);
-    return start(
-        call, "MPI_Iallreduce",
-        [&](MPI_Request* req) {
-          return MPI_Iallreduce(in_place ? MPI_IN_PLACE : send, recv, n, type, mpi_op, state_->comm, req);
-        },
-        average(op, recv, count, t));
-  }
-
- public:
+  // all_gather, reduce_scatter, all_reduce (plain and tagged: the tags are compared across
+  // ranks at wait(), see the top of this file) and barrier come from
+  // detail::CollectiveCalls, through issue() below; broadcast is MpiComm's own, so that a
+  // bad root is refused naming the numbered call.
   // Only the root's `send` is read (it may equal `recv`, or be null on the other ranks).
   Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
-    const auto call = next({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
-    if (root < 0 || root >= size())
-      detail::fail(where(), ": ", call.describe(), ": root ", root, " is outside [0, ", size(), ")");
-    const std::size_t bytes = count * size_of(t);
-    const bool is_root = rank() == root;
-    check(call, is_root ? send : recv, bytes, recv, bytes, true, "");
-    if (is_root && send != recv && bytes) std::memmove(recv, send, bytes);
-    const int n = static_cast<int>(count);
-    const MPI_Datatype type = types().datatype(t);
-    return start(call, "MPI_Ibcast",
-                 [&](MPI_Request* req) { return MPI_Ibcast(recv, n, type, root, state_->comm, req); });
-  }
-
-  Work barrier() {
-    const auto call = next({detail::CollectiveKind::barrier});
-    return start(call, "MPI_Ibarrier", [&](MPI_Request* req) { return MPI_Ibarrier(state_->comm, req); });
+    return issue({detail::CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
   }
 
   // MPI_Comm_split: collective over this communicator; ranks passing the same color form a
@@ -224,16 +142,92 @@ class MpiComm {
   }
 
  private:
+  friend class detail::CollectiveCalls<MpiComm>;
   explicit MpiComm(std::shared_ptr<detail::MpiCommState> state) : state_(std::move(state)) {}
+
+  Work issue(detail::CollectiveCall call) {
+    call = next(call);
+    switch (call.kind) {
+      case detail::CollectiveKind::all_gather: return gather(call);
+      case detail::CollectiveKind::reduce_scatter: return scatter(call);
+      case detail::CollectiveKind::all_reduce: return reduce(call);
+      case detail::CollectiveKind::broadcast: return bcast(call);
+      case detail::CollectiveKind::barrier: break;
+    }
+    return start(call, "MPI_Ibarrier", [&](MPI_Request* req) { return MPI_Ibarrier(state_->comm, req); });
+  }
+
+  Work gather(const detail::CollectiveCall& call) {
+    const void* send = call.send;
+    void* recv = call.recv;
+    const std::size_t chunk = call.count * size_of(call.dtype);
+    const bool in_place = address(send) == address(recv) + rank() * chunk;
+    check(call, send, chunk, recv, chunk * size(), in_place, "send == recv + rank*count");
+    const int n = static_cast<int>(call.count);
+    const MPI_Datatype type = types().datatype(call.dtype);
+    return start(call, "MPI_Iallgather", [&](MPI_Request* req) {
+      return MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, type, recv, n, type, state_->comm, req);
+    });
+  }
+
+  Work scatter(const detail::CollectiveCall& call) {
+    const void* send = call.send;
+    void* recv = call.recv;
+    const std::size_t chunk = call.count * size_of(call.dtype);
+    const bool in_place = address(recv) == address(send) + rank() * chunk;
+    check(call, send, chunk * size(), recv, chunk, in_place, "recv == send + rank*count");
+    // In place, MPI reads the whole buffer and leaves the result in its first chunk.
+    auto* buffer = static_cast<std::byte*>(const_cast<void*>(send));
+    auto epilogue = average(call);
+    if (in_place && chunk && rank() > 0) {
+      epilogue.move_from = buffer;
+      epilogue.move_to = static_cast<std::byte*>(recv);
+      epilogue.move_bytes = chunk;
+    }
+    const int n = static_cast<int>(call.count);
+    const MPI_Datatype type = types().datatype(call.dtype);
+    const MPI_Op mpi_op = reduction(call);
+    return start(
+        call, "MPI_Ireduce_scatter_block",
+        [&](MPI_Request* req) {
+          return in_place ? MPI_Ireduce_scatter_block(MPI_IN_PLACE, buffer, n, type, mpi_op, state_->comm, req)
+                          : MPI_Ireduce_scatter_block(send, recv, n, type, mpi_op, state_->comm, req);
+        },
+        epilogue);
+  }
+
+  Work reduce(const detail::CollectiveCall& call) {
+    const std::size_t bytes = call.count * size_of(call.dtype);
+    const bool in_place = call.send == call.recv;
+    check(call, call.send, bytes, call.recv, bytes, in_place, "send == recv");
+    const int n = static_cast<int>(call.count);
+    const MPI_Datatype type = types().datatype(call.dtype);
+    const MPI_Op mpi_op = reduction(call);
+    return start(
+        call, "MPI_Iallreduce",
+        [&](MPI_Request* req) {
+          return MPI_Iallreduce(in_place ? MPI_IN_PLACE : call.send, call.recv, n, type, mpi_op, state_->comm, req);
+        },
+        average(call));
+  }
+
+  Work bcast(const detail::CollectiveCall& call) {
+    const int root = call.root;
+    if (root < 0 || root >= size())
+      detail::fail(where(), ": ", call.describe(), ": root ", root, " is outside [0, ", size(), ")");
+    const std::size_t bytes = call.count * size_of(call.dtype);
+    const bool is_root = rank() == root;
+    check(call, is_root ? call.send : call.recv, bytes, call.recv, bytes, true, "");
+    if (is_root && call.send != call.recv && bytes) std::memmove(call.recv, call.send, bytes);
+    const int n = static_cast<int>(call.count);
+    const MPI_Datatype type = types().datatype(call.dtype);
+    return start(call, "MPI_Ibcast",
+                 [&](MPI_Request* req) { return MPI_Ibcast(call.recv, n, type, root, state_->comm, req); });
+  }
 
   static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
   const detail::MpiTypes& types() const { return state_->rt->types; }
   std::string where() const { return state_->where(); }
-
-  static detail::CollectiveCall tagged(detail::CollectiveCall call, const CollectiveTag* tag) {
-    if (tag) call.tag = tag->packed(), call.names = tag->names;
-    return call;
-  }
 
   // Numbers the call; refuses it on a broken communicator.
   detail::CollectiveCall next(detail::CollectiveCall call) {
@@ -260,15 +254,17 @@ class MpiComm {
                    in_place_form, "); MPI forbids aliased buffers");
   }
 
-  // The MPI_Op that computes `op` (avg: the sum, divided by the epilogue).
-  MPI_Op reduction(DType t, ReduceOp op) const { return types().op(t, op == ReduceOp::avg ? ReduceOp::sum : op); }
+  // The MPI_Op that computes the call's op (avg: the sum, divided by the epilogue).
+  MPI_Op reduction(const detail::CollectiveCall& call) const {
+    return types().op(call.dtype, call.op == ReduceOp::avg ? ReduceOp::sum : call.op);
+  }
 
-  detail::MpiEpilogue average(ReduceOp op, void* recv, std::size_t count, DType t) const {
+  detail::MpiEpilogue average(const detail::CollectiveCall& call) const {
     detail::MpiEpilogue e;
-    if (op == ReduceOp::avg) {
-      e.average = recv;
-      e.count = count;
-      e.dtype = t;
+    if (call.op == ReduceOp::avg) {
+      e.average = call.recv;
+      e.count = call.count;
+      e.dtype = call.dtype;
       e.group_size = size();
     }
     return e;
@@ -283,7 +279,7 @@ class MpiComm {
     if (call.tag) tags = std::make_unique<detail::MpiTagExchange>(call.tag, size());
     int rc;
     {
-      auto lk = state_->rt->lock_for_call(where() + ": " + call.describe());
+      auto lk = state_->rt->lock_for_call([&] { return where() + ": " + call.describe(); });
       rc = issue(&req);
       if (rc == MPI_SUCCESS && tags) {  // right behind it, on every rank alike
         mpi_function = "MPI_Iallgather (the collective's tag)";

@@ -21,6 +21,7 @@
 // MPI_Finalize (which could wait forever for those peers) the end of the session then
 // calls MPI_Abort, which makes mpirun end every rank. abort() does it earlier.
 #include <atomic>
+#include <concepts>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -89,6 +90,12 @@ struct MpiRuntime {
       fail(where, ": not started: the MPI job already failed (", failure(),
            "); fsdp makes no further MPI calls, since a timed-out collective could still write into freed "
            "buffers. End the job (the MpiSession aborts it when it ends)");
+    return lock();
+  }
+  // The same with `where()` built only to refuse: no string per collective.
+  template <std::invocable F>
+  std::unique_lock<std::mutex> lock_for_call(F&& where) {
+    if (has_failed()) lock_for_call(std::string(where()));  // throws
     return lock();
   }
 

@@ -7,7 +7,6 @@
 // often outnumber cores), until the collective completes or MpiCommOptions::timeout has
 // passed since wait() began. The deadline starts at wait(), not at the call that issued
 // the collective, because until something polls it the collective has not run at all.
-#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "fsdp/detail/collective_call.hpp"
+#include "fsdp/detail/collective_mismatch.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
 #include "fsdp/work.hpp"
@@ -124,17 +124,9 @@ struct MpiTagExchange {
   MPI_Request req = MPI_REQUEST_NULL;
 
   // "" when every rank's tag is this rank's; else the mismatch, each rank's call named.
-  std::string mismatch(const CollectiveCall& call, const std::string& where) const {
-    if (std::all_of(all.begin(), all.end(), [&](std::uint64_t t) { return t == mine; })) return {};
-    std::ostringstream os;
-    os << where << ": collective mismatch:";
-    for (std::size_t r = 0; r < all.size(); ++r) {
-      CollectiveCall theirs = call;
-      theirs.tag = all[r];
-      os << (r ? "," : "") << " rank " << r << " called " << theirs.describe();
-    }
-    os << " (the ranks' tags compared as it completed; its result is not used)";
-    return os.str();
+  std::string mismatch(const CollectiveCall& call, const std::string& where, int rank) const {
+    const std::string m = tag_mismatch(call, all, static_cast<std::size_t>(rank));
+    return m.empty() ? m : where + ": " + m;
   }
 };
 
@@ -171,7 +163,7 @@ class MpiPending final : public Work::Pending {
       comm_->fail_collective(comm_->where() + ": " + call_.describe() + " failed in MPI_Test: " + mpi_error_text(rc));
     done_ = true;
     if (tags_) {  // both completed on every rank: the communicator stays in step
-      mismatch_ = tags_->mismatch(call_, comm_->where());
+      mismatch_ = tags_->mismatch(call_, comm_->where(), comm_->rank);
       if (!mismatch_.empty()) fail(mismatch_);
     }
     epilogue_.run();
