@@ -37,21 +37,26 @@ struct Outcome {
   std::vector<Log> logs;
 };
 
+// `ranks` thread ranks, each running body(comm, log), `log` its hooks' record.
+template <class Body>
+Outcome run_ranks(int ranks, Body body) {
+  Outcome out;
+  out.logs.resize(static_cast<std::size_t>(ranks));
+  out.errors = test_support::errors_per_rank(ranks, [&](fsdp::ThreadComm& comm) { body(comm, out.logs[comm.rank()]); });
+  return out;
+}
+
 // Two ranks; the first iteration as usual everywhere (recorded with the first iteration's
 // per-unit checks), then rank 1 runs `rank1_order` from iteration 2 on.
 template <class... Ps>
 Outcome swap_on_rank1(const std::vector<std::string>& rank1_order, bool backward = true) {
-  Outcome out;
-  out.logs.resize(2);
-  out.errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+  return run_ranks(2, [&](fsdp::ThreadComm& comm, Log& log) {
     engine::Model model(config());
     fsdp::HostDevice device;
     auto sm = fsdp::shard<Ps...>(model, comm, device, engine::Wrap{});
-    Log first;
-    iteration(sm, usual, first);
-    iteration(sm, comm.rank() == 1 ? rank1_order : usual, out.logs[comm.rank()], backward);
+    iteration(sm, usual);
+    iteration(sm, comm.rank() == 1 ? rank1_order : usual, log, backward);
   });
-  return out;
 }
 
 // Rank 0 ran `unit0` where rank 1 ran `unit1`, both named on every rank.
@@ -66,9 +71,10 @@ void check_named(const Outcome& o, const std::string& phase, const std::string& 
   }
 }
 
-// Nothing of the swapped units was shown to the engine (`hooks`: which hooks' return count).
-void check_not_shown(const Outcome& o, const std::vector<std::string>& hooks) {
-  for (int r = 0; r < 2; ++r)
+// Nothing of the swapped units was shown to the engine on `ranks` (`hooks`: which hooks'
+// return count), and no rank finished its backward.
+void check_not_shown(const Outcome& o, const std::vector<std::string>& hooks, const std::vector<int>& ranks = {0, 1}) {
+  for (int r : ranks)
     for (const auto& h : hooks)
       for (const char* unit : {"blocks.0", "blocks.1"}) {
         CAPTURE(r);
@@ -111,27 +117,21 @@ TEST_CASE("NoShard: no gradient is reduced with another unit's") {
 }
 
 TEST_CASE("HybridShard: the shard group that swapped fails, and so does every other rank") {
-  std::vector<std::string> errors(4);
-  std::vector<Log> logs(4);
-  errors = test_support::errors_per_rank(4, [&](fsdp::ThreadComm& comm) {
+  const auto o = run_ranks(4, [&](fsdp::ThreadComm& comm, Log& log) {
     engine::Model model(config());
     fsdp::HostDevice device;
     fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, {2, 2});
     auto sm = fsdp::shard<fsdp::HybridShard>(model, mesh, device, engine::Wrap{});
-    Log first;
-    iteration(sm, usual, first);
-    iteration(sm, comm.rank() == 3 ? swapped : usual, logs[comm.rank()]);
+    iteration(sm, usual);
+    iteration(sm, comm.rank() == 3 ? swapped : usual, log);
   });
   for (int r = 0; r < 4; ++r) {
-    CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "collective mismatch"));
-    CHECK(contains(errors[r], "of unit 'blocks.0' (forward"));
-    CHECK(contains(errors[r], "of unit 'blocks.1' (forward"));
+    CAPTURE(o.errors[r]);
+    CHECK(contains(o.errors[r], "collective mismatch"));
+    CHECK(contains(o.errors[r], "of unit 'blocks.0' (forward"));
+    CHECK(contains(o.errors[r], "of unit 'blocks.1' (forward"));
   }
-  for (int r : {2, 3})  // rank 3's shard group: nothing of the pair shown
-    for (const char* unit : {"pre_forward blocks.0", "pre_forward blocks.1"})
-      CHECK(std::find(logs[r].begin(), logs[r].end(), unit) == logs[r].end());
-  for (const auto& log : logs) CHECK(std::find(log.begin(), log.end(), "finish_backward") == log.end());
+  check_not_shown(o, {"pre_forward"}, {2, 3});  // rank 3's shard group: nothing of the pair shown
 }
 
 TEST_CASE("an evaluation pass in another order fails at its first swapped unit") {
@@ -152,40 +152,32 @@ TEST_CASE("a rank that skips a unit fails at the next all-gather, naming both") 
 }
 
 TEST_CASE("explicit prefetch lists that differ from iteration 2 on: the prefetch fails") {
-  std::vector<Log> logs(2);
-  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+  const auto o = run_ranks(2, [&](fsdp::ThreadComm& comm, Log& log) {
     engine::Model model(config());
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
     sm.unit("").set_forward_prefetch({&sm.unit("blocks.0")});
-    Log first;
-    iteration(sm, usual, first);
+    iteration(sm, usual);
     if (comm.rank() == 1) sm.unit("").set_forward_prefetch({&sm.unit("blocks.1")});
-    iteration(sm, usual, logs[comm.rank()]);
+    iteration(sm, usual, log);
   });
-  for (int r = 0; r < 2; ++r) {
-    CAPTURE(errors[r]);
-    CHECK(in_order(errors[r], {"rank 0 called", "of unit 'blocks.0' (forward", "rank 1 called", "of unit 'blocks.1' (forward"}));
-    CHECK(logs[r].empty());  // failed inside the root's pre_forward, which issues the prefetch
-  }
+  check_named(o, "forward");
+  for (const auto& log : o.logs) CHECK(log.empty());  // failed inside the root's pre_forward, which issues the prefetch
 }
 
 TEST_CASE("an AsyncCommunicator passes the tags on: the mismatch is found at the wait") {
-  std::vector<Log> logs(2);
-  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+  const auto o = run_ranks(2, [&](fsdp::ThreadComm& comm, Log& log) {
     fsdp::AsyncCommunicator<fsdp::ThreadComm> async(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, async, device, engine::Wrap{});
-    Log first;
-    iteration(sm, usual, first);
-    iteration(sm, comm.rank() == 1 ? swapped : usual, logs[comm.rank()]);
+    iteration(sm, usual);
+    iteration(sm, comm.rank() == 1 ? swapped : usual, log);
   });
   for (int r = 0; r < 2; ++r) {
-    CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "of unit 'blocks.0' (forward"));
-    CHECK(contains(errors[r], "of unit 'blocks.1' (forward"));
-    for (const char* unit : {"pre_forward blocks.0", "pre_forward blocks.1"})
-      CHECK(std::find(logs[r].begin(), logs[r].end(), unit) == logs[r].end());
+    CAPTURE(o.errors[r]);
+    CHECK(contains(o.errors[r], "of unit 'blocks.0' (forward"));
+    CHECK(contains(o.errors[r], "of unit 'blocks.1' (forward"));
   }
+  check_not_shown(o, {"pre_forward"});
 }

@@ -1,15 +1,16 @@
 // A communicator that fails, or stalls, at its N-th collective on one rank, for every
-// strategy (the hybrid ones on a 2x2 mesh, failing in either group) and prefetch mode, at every collective of two training steps: every rank ends
-// in an fsdp::Error (never a hang, never a crash), and every rank's Device has freed all
-// it allocated once the model is gone (nothing leaked on the failing path).
+// strategy (the hybrid ones on a 2x2 mesh, failing in either group) and prefetch mode, at
+// every collective of two training steps: every rank ends in an fsdp::Error (never a
+// hang, never a crash), and every rank's Device has freed all it allocated once the model
+// is gone (nothing leaked on the failing path).
 #include <doctest/doctest.h>
 
 #include <chrono>
 #include <memory>
-#include <type_traits>
-#include <utility>
 #include <string>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"

@@ -1,11 +1,13 @@
 #pragma once
 // Checksums of checkpoint files: streaming XXH64 (seed 0) and its text form in an index,
 // 16 lowercase hex digits of the digest (XXH64's canonical, big-endian form, as xxhsum prints it).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -24,6 +26,20 @@ class Xxh64 {
  private:
   XXH64_state_t state_;
 };
+
+// XXH64 of bytes [begin, end) that read(dst, n, offset) fetches, in pieces the size of
+// `scratch` (not empty where the range is not).
+template <class Read>
+std::uint64_t xxh64_of_range(Read&& read, std::uint64_t begin, std::uint64_t end, std::vector<std::byte>& scratch) {
+  Xxh64 h;
+  for (std::uint64_t at = begin; at < end;) {
+    const std::uint64_t n = std::min<std::uint64_t>(scratch.size(), end - at);
+    read(scratch.data(), n, at);
+    h.update(scratch.data(), static_cast<std::size_t>(n));
+    at += n;
+  }
+  return h.digest();
+}
 
 inline std::string xxh64_hex(std::uint64_t h) {
   static constexpr char digits[] = "0123456789abcdef";

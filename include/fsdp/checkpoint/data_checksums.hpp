@@ -101,20 +101,6 @@ inline std::uint64_t data_checksums_offset(const std::string& header, std::uint6
   return 8 + pos + entry.size() - 1 - value.size();
 }
 
-// XXH64 of bytes [begin, end) that read(dst, n, offset) fetches, in pieces the size of
-// `scratch`.
-template <class Read>
-std::uint64_t xxh64_of_range(Read&& read, std::uint64_t begin, std::uint64_t end, std::vector<std::byte>& scratch) {
-  Xxh64 h;
-  for (std::uint64_t at = begin; at < end;) {
-    const std::uint64_t n = std::min<std::uint64_t>(scratch.size(), end - at);
-    read(scratch.data(), n, at);
-    h.update(scratch.data(), static_cast<std::size_t>(n));
-    at += n;
-  }
-  return h.digest();
-}
-
 // Hashes the chunks of `layout` that `rank` of `ranks` owns (DataChecksums::owner), the
 // data section read through read(dst, n, offset); calls found(chunk, digest) for each.
 template <class Read, class Found>

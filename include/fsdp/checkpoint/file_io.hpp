@@ -130,16 +130,12 @@ inline void fsync_directory(const std::filesystem::path& dir) {
 
 // XXH64 of the first `size` bytes; a file shorter than that is an error.
 inline std::uint64_t xxh64_of_fd(int fd, std::uint64_t size, const std::filesystem::path& path) {
-  Xxh64 h;
-  std::vector<char> buf(std::min<std::uint64_t>(size, std::uint64_t{4} << 20));
-  for (std::uint64_t off = 0; off < size;) {
-    const std::uint64_t n = std::min<std::uint64_t>(buf.size(), size - off);
-    if (pread_up_to(fd, buf.data(), n, off, path) != n)
+  std::vector<std::byte> scratch(std::min<std::uint64_t>(size, std::uint64_t{4} << 20));
+  const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
+    if (pread_up_to(fd, dst, n, at, path) != n)
       fail("'", path.string(), "' ended before byte ", size, " while computing its checksum (it shrank)");
-    h.update(buf.data(), n);
-    off += n;
-  }
-  return h.digest();
+  };
+  return xxh64_of_range(read, 0, size, scratch);
 }
 
 inline std::uint64_t file_xxh64(const std::filesystem::path& path) {

@@ -29,14 +29,14 @@
 namespace fsdp::detail {
 
 // This rank's run of the data section's chunks (DataChecksums::owner), hashed from the
-// file and written over their zero digits in the header's placeholder (at `digits_at` in
-// the file): every rank fills in its own, so the digests need no collective.
+// file (`fd`, open for reading and writing) and written over their zero digits in the
+// header's placeholder (at `digits_at` in the file): every rank fills in its own, so the
+// digests need no collective.
 inline void write_my_digests(int fd, const std::filesystem::path& file, std::uint64_t data_begin, std::uint64_t data_bytes,
                              std::uint64_t digits_at, const UnitBase& unit) {
   const auto chunks = checkpoint::DataChecksums::placeholder(data_bytes);
-  const checkpoint::detail::UniqueFd in = checkpoint::detail::open_fd(file, O_RDONLY, "to hash what the ranks wrote");
   const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
-    if (checkpoint::detail::pread_up_to(in.get(), dst, n, data_begin + at, file) != n)
+    if (checkpoint::detail::pread_up_to(fd, dst, n, data_begin + at, file) != n)
       fail("'", file.string(), "' is shorter than the data written into it");
   };
   checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), unit.world_size(), read,
@@ -97,7 +97,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   run_agreed(model, what, [&] {  // rank 0 creates the files at their size, headers in place
     if (!root) return;
     for (File& f : files) {
-      f.fd = checkpoint::detail::open_fd(f.temp, O_WRONLY | O_CREAT | O_EXCL, "to write a temporary file");
+      f.fd = checkpoint::detail::open_fd(f.temp, O_RDWR | O_CREAT | O_EXCL, "to write a temporary file");
       const std::uint64_t n = f.header.size();
       checkpoint::detail::pwrite_all(f.fd.get(), &n, sizeof n, 0, f.temp);
       checkpoint::detail::pwrite_all(f.fd.get(), f.header.data(), n, 8, f.temp);
@@ -108,7 +108,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   bool opened = true;
   if (!root)
     for (File& f : files) {
-      const int fd = ::open(f.temp.c_str(), O_WRONLY | O_CLOEXEC);
+      const int fd = ::open(f.temp.c_str(), O_RDWR | O_CLOEXEC);  // read too: the data checksums
       opened = opened && fd >= 0;
       f.fd = checkpoint::detail::UniqueFd(fd);
     }

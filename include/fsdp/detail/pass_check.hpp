@@ -1,8 +1,9 @@
 #pragma once
 // For communicators without collective tags (fsdp/collective_tag.hpp; tagged ones compare
 // every collective's unit instead, and skip this): the check that every rank ran the same
-// units in the same order in a pass, made once per pass when it ends (ShardedModel::finish_backward, or reshard() after a forward-only
-// pass): the first iteration checks every entry as it records the order, but later ones
+// units in the same order in a pass, made once per pass when it ends
+// (ShardedModel::finish_backward, or reshard() after a forward-only pass): the first
+// iteration checks every entry as it records the order, but later ones
 // would otherwise pair the collectives of two same-sized units that some rank swapped (or
 // ran in another order in an evaluation pass) without a word. Each rank hashes the units
 // it entered, in order; one 8-byte all-gather compares the hashes; only when they differ do

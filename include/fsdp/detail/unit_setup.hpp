@@ -105,10 +105,13 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
   if (options.init)
     run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
                       device, unit.display_name(), unit.rank());
-  std::vector<CollectedBuffer> buffers_from = setup.buffers;  // the engine's, or rank 0's values
-  if (options.sync_module_states) rank0.broadcast(group.groups().world, params, buffers_from, deferred.tensors());
+  std::vector<CollectedBuffer> rank0_buffers;  // sync_module_states: the buffers at rank 0's values
+  if (options.sync_module_states) {
+    rank0_buffers = setup.buffers;
+    rank0.broadcast(group.groups().world, params, rank0_buffers, deferred.tensors());
+  }
   group.copy_shards(params);
-  buffer_copies.copy(buffers_from, buffer_cast);
+  buffer_copies.copy(options.sync_module_states ? rank0_buffers : setup.buffers, buffer_cast);
   rank0.release_parameters();
   return setup;  // `deferred` freed: one unit's full parameters at most, and only until here
 }

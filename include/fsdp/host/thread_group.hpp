@@ -100,7 +100,8 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
     std::exception_ptr failure;
     try {
       const std::vector<detail::CollectiveCall> peers = st.posted;  // fixed until every rank has finished reading
-      mismatch = find_mismatch(peers);
+      // Every rank's call, with its tag's unit, when they differ.
+      mismatch = detail::collective_mismatch(peers, static_cast<std::size_t>(rank_), state_->world_ranks);
       if (mismatch.empty()) {
         st.run_hook(rank_, call.seq, CollectiveStage::posted, 0);
         std::size_t bytes_read = 0;
@@ -126,10 +127,6 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
     return Work{};
   }
 
-  // Names every rank's call when they differ, so a tag mismatch says which unit each ran.
-  std::string find_mismatch(const std::vector<detail::CollectiveCall>& peers) const {
-    return detail::collective_mismatch(peers, static_cast<std::size_t>(rank_), state_->world_ranks);
-  }
 
   // Reads the peers' buffers chunk by chunk; returns false, having stopped, as soon as
   // the group is aborted (a peer may be about to free what we read).
