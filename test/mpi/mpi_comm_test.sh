@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # MpiComm's doctest binary under mpirun, as 1, 2, 3, 4 and 8 processes on this host, then a
-# teardown run in which a timed-out collective must end the whole job (and nothing hangs).
+# teardown run in which a timed-out collective must end the whole job (and nothing hangs),
+# and the "fatal:" runs, in which ranks call different collectives.
 # Each run's rank 0 prints the run's doctest summary (a case passes if it passed on every
 # rank), so the log holds one summary line per run. Exits non-zero if any run failed.
 #
@@ -32,7 +33,7 @@ run() {
 
 for np in 1 2 3 4 8; do
   start=$SECONDS
-  out=$(run "$np" --test-case-exclude='teardown*')
+  out=$(run "$np" --test-case-exclude='teardown*,fatal*')
   rc=$?
   echo "$out"
   echo "np=$np: exit $rc after $((SECONDS - start)) s"
@@ -53,6 +54,25 @@ echo "teardown: exit $rc after $((SECONDS - start)) s"
   fail "teardown: its test case did not pass on ranks 1 and 2"
 grep -q 'aborting the MPI job after a failed collective: world rank [12]: MpiComm .world.: MPI_Comm_idup' <<<"$out" ||
   fail "teardown: no rank aborted the job"
+
+# Calls MPI pairs although they differ: each rank's collective completes, fails or times
+# out (500 ms), and every rank's error must name every rank's call. Ranks whose job failed
+# end it; every rank prints its own verdict first.
+fatal() {
+  local np="$1" name="$2"
+  start=$SECONDS
+  out=$(FSDP_MPI_TEST_PER_RANK=1 run "$np" --test-case="$name")
+  rc=$?
+  echo "$out"
+  echo "$name (np=$np): exit $rc after $((SECONDS - start)) s"
+  [[ $rc != 124 && $rc != 137 ]] || fail "$name (np=$np): mpirun hung"
+  [[ $(grep -c '\[mpi\] rank [0-9]* ([^)]*): test cases: 1 | 1 passed | 0 failed' <<<"$out") == "$np" ]] ||
+    fail "$name (np=$np): the case did not pass on every rank"
+}
+fatal 2 'fatal: all_reduce counts*'
+fatal 3 'fatal: all_reduce counts*'
+fatal 3 'fatal: all_gather against all_reduce*'
+fatal 2 'fatal: broadcast roots*'
 
 [[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
 exit $((failures > 0))

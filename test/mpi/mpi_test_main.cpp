@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <regex>
 #include <sstream>
@@ -113,15 +114,20 @@ int main(int argc, char** argv) {
   if (!output.empty()) std::printf("%s", output.c_str());
   std::fflush(stdout);
 
-  if (session.failed()) {
-    // A test failed this rank's MPI job on purpose (the teardown run): fsdp makes no more
-    // MPI calls, so this rank reports its own cases, not as a doctest summary (which the
-    // suite's total would count once per rank).
+  // A test failed this rank's MPI job on purpose (the teardown and fatal runs): fsdp makes
+  // no more MPI calls, so this rank reports its own cases, not as a doctest summary (which
+  // the suite's total would count once per rank). In a run where that happens to some
+  // ranks only (FSDP_MPI_TEST_PER_RANK set), the others report theirs too, before the
+  // failed ranks end the job.
+  if (session.failed() || std::getenv("FSDP_MPI_TEST_PER_RANK")) {
     const auto& mine = case_results();
     const auto passed = std::count_if(mine.begin(), mine.end(), [](const auto& c) { return c.second; });
-    std::printf("[mpi] rank %d (its MPI job failed: no totals across ranks): test cases: %zu | %zu passed | %zu failed\n",
-                rank, mine.size(), static_cast<std::size_t>(passed), mine.size() - static_cast<std::size_t>(passed));
+    std::printf("[mpi] rank %d (%s): test cases: %zu | %zu passed | %zu failed\n", rank,
+                session.failed() ? "its MPI job failed: no totals across ranks" : "its MPI job goes on", mine.size(),
+                static_cast<std::size_t>(passed), mine.size() - static_cast<std::size_t>(passed));
     std::fflush(stdout);
+  }
+  if (session.failed()) {
     // This rank's session aborts the job when it ends, killing every rank: give the other
     // ranks whose job failed (their timeouts end within milliseconds of this one's) time to
     // print their line first. No MPI call can order this any more.

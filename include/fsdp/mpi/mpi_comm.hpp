@@ -21,11 +21,23 @@
 // timed out breaks its communicator (later calls on it fail at once) and makes the
 // MpiSession abort the job when it ends; see mpi_session.hpp for why.
 //
-// Collective tags (fsdp/collective_tag.hpp): the tagged all_gather, reduce_scatter and
-// all_reduce start an 8-byte MPI_Iallgather of the tag right after the collective itself;
-// wait() completes both and compares every rank's tag before the result is used (an
-// fsdp::Error on every rank naming each rank's unit; both calls completed on every rank,
-// so the communicator stays usable).
+// Calls compared (mpi_call_check.hpp): before each collective, every rank starts a 16-byte
+// MPI_Iallgather of its call's descriptor (kind, count, dtype, op, root and collective tag,
+// fsdp/collective_tag.hpp); wait() completes it, then the collective, and compares every
+// rank's call before the result is used. Ranks whose calls differ all fail with an
+// fsdp::Error naming every rank's call (ThreadComm's message):
+//   - only in their tags: MPI ran one collective alike on every rank; the communicator
+//     stays usable;
+//   - otherwise MPI paired different collectives. OpenMPI (4.1, libnbc) checks every
+//     receive against the receiver's own buffer, so nothing is written out of bounds, but
+//     what follows depends on the collectives' message patterns: on a rank whose collective
+//     completed, the mismatch breaks this communicator only; where MPI reports an error
+//     (MPI_ERR_TRUNCATE) or the wait times out, the message is still the mismatch, and the
+//     job must end as after any failed collective.
+// Comparing before the collective starts would take a blocking round trip per call (and
+// serialize issue with the slowest rank); OpenMPI never lets a mismatched collective write
+// out of bounds, so the check rides beside the collective instead. It costs one small
+// collective per call; MpiCommOptions::check_calls = false leaves it to tagged calls only.
 //
 // As with any communicator, every rank must issue the same collectives in the same order,
 // from one thread at a time; buffers must stay untouched until the Work completes. MPI
@@ -55,11 +67,15 @@ namespace fsdp {
 
 struct MpiCommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // longest wait() of one collective
+  // Compare every rank's call at each collective (see the top of this file). false: only
+  // tagged calls (the library's all-gathers and reductions of a unit) are compared; must be
+  // the same on every rank (checked when the communicator is made).
+  bool check_calls = true;
 };
 
 class MpiComm : public detail::CollectiveCalls<MpiComm> {
  public:
-  static constexpr bool checks_tags = true;  // gathered beside each tagged collective, compared at wait()
+  static constexpr bool checks_tags = true;  // every tagged call's descriptor is compared at wait()
   using Options = MpiCommOptions;
 
   // A duplicate of MPI_COMM_WORLD; collective over every rank of the job.
@@ -92,7 +108,9 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
       rt->mark_failed(message);
       detail::fail(message);
     }
-    return MpiComm(std::make_shared<detail::MpiCommState>(rt, comm, std::move(name), options.timeout));
+    auto state = std::make_shared<detail::MpiCommState>(rt, comm, std::move(name), options.timeout, options.check_calls);
+    agree_on_checks(*state);
+    return MpiComm(std::move(state));
   }
 
   MpiComm(MpiComm&&) noexcept = default;
@@ -103,7 +121,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
   MPI_Comm native() const { return state_->comm; }
   const std::string& name() const { return state_->name; }
   std::chrono::milliseconds timeout() const { return state_->timeout; }
-  // True after a collective on it failed or timed out.
+  bool checks_calls() const { return state_->check_calls; }
+  // True after a collective on it failed or timed out, or MPI paired different collectives.
   bool broken() const { return !state_->broken_by().empty(); }
 
   // all_gather, reduce_scatter, all_reduce (plain and tagged: the tags are compared across
@@ -138,7 +157,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
       state_->fail_collective(where() + ": MPI_Comm_split(color " + std::to_string(color) + ", key " +
                               std::to_string(key) + ") failed: " + detail::mpi_error_text(rc));
     auto name = state_->name + "/split#" + std::to_string(id) + "(color " + std::to_string(color) + ")";
-    return MpiComm(std::make_shared<detail::MpiCommState>(state_->rt, comm, std::move(name), state_->timeout));
+    return MpiComm(
+        std::make_shared<detail::MpiCommState>(state_->rt, comm, std::move(name), state_->timeout, state_->check_calls));
   }
 
  private:
@@ -225,6 +245,27 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
                  [&](MPI_Request* req) { return MPI_Ibcast(call.recv, n, type, root, state_->comm, req); });
   }
 
+  // Ranks that disagree on MpiCommOptions::check_calls would pair one rank's descriptor
+  // exchange with another's collective: every rank learns every rank's setting first.
+  static void agree_on_checks(detail::MpiCommState& s) {
+    const std::int32_t mine = s.check_calls;
+    std::vector<std::int32_t> all(static_cast<std::size_t>(s.size));
+    MPI_Request req = MPI_REQUEST_NULL;
+    int rc;
+    {
+      auto lk = s.rt->lock_for_call(s.where() + ": agreeing on MpiCommOptions::check_calls");
+      rc = MPI_Iallgather(&mine, 1, MPI_INT32_T, all.data(), 1, MPI_INT32_T, s.comm, &req);
+    }
+    if (rc == MPI_SUCCESS) rc = detail::mpi_test_until(*s.rt, req, std::chrono::steady_clock::now() + s.timeout);
+    if (rc != MPI_SUCCESS)
+      s.fail_collective(s.where() + ": agreeing on MpiCommOptions::check_calls " +
+                        (rc == detail::kMpiTimedOut ? "timed out" : "failed: " + detail::mpi_error_text(rc)));
+    for (int r = 0; r < s.size; ++r)
+      if (all[static_cast<std::size_t>(r)] != mine)
+        detail::fail(s.where(), ": MpiCommOptions::check_calls must be the same on every rank, but rank ", r, " has ",
+                     all[static_cast<std::size_t>(r)] ? "true" : "false", " and this rank ", mine ? "true" : "false");
+  }
+
   static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
   const detail::MpiTypes& types() const { return state_->rt->types; }
   std::string where() const { return state_->where(); }
@@ -270,26 +311,27 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     return e;
   }
 
-  // Issues the MPI call under the MPI lock; its Work polls it.
+  // Issues the MPI call under the MPI lock, behind its call descriptor's exchange when the
+  // calls are compared; its Work polls both.
   template <class Issue>
   Work start(const detail::CollectiveCall& call, const char* mpi_function, Issue&& issue,
              detail::MpiEpilogue epilogue = {}) {
     MPI_Request req = MPI_REQUEST_NULL;
-    std::unique_ptr<detail::MpiTagExchange> tags;
-    if (call.tag) tags = std::make_unique<detail::MpiTagExchange>(call.tag, size());
-    int rc;
+    std::unique_ptr<detail::MpiCallCheck> check;
+    if (size() > 1 && (state_->check_calls || call.tag)) check = std::make_unique<detail::MpiCallCheck>(call, size());
+    int rc = MPI_SUCCESS;
     {
       auto lk = state_->rt->lock_for_call([&] { return where() + ": " + call.describe(); });
-      rc = issue(&req);
-      if (rc == MPI_SUCCESS && tags) {  // right behind it, on every rank alike
-        mpi_function = "MPI_Iallgather (the collective's tag)";
-        rc = MPI_Iallgather(&tags->mine, 1, MPI_UINT64_T, tags->all.data(), 1, MPI_UINT64_T, state_->comm, &tags->req);
-      }
+      if (check) rc = check->start(state_->comm);  // first, on every rank alike
+      if (rc == MPI_SUCCESS)
+        rc = issue(&req);
+      else
+        mpi_function = "MPI_Iallgather (the call descriptors)";
     }
     if (rc != MPI_SUCCESS)
       state_->fail_collective(where() + ": " + call.describe() + " failed in " + mpi_function + ": " +
                               detail::mpi_error_text(rc));
-    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(tags)));
+    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(check)));
   }
 
   std::shared_ptr<detail::MpiCommState> state_;

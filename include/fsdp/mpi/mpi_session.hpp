@@ -13,7 +13,9 @@
 // keep it alive, so no MPI call can follow MPI_Finalize). MPI can be initialized only once
 // per process: a second session while one is alive joins it; one after MPI_Finalize is an
 // fsdp::Error. If something else initialized MPI first, the session uses it and leaves
-// MPI_Finalize to its owner.
+// MPI_Finalize to its owner. A session that initializes MPI sets MPI_ERRORS_RETURN on
+// MPI_COMM_WORLD and MPI_COMM_SELF (see MpiRuntime); an owner of MPI should too, or an MPI
+// error inside an MpiComm collective ends the job with MPI's message.
 //
 // Failure: after a collective failed or timed out, its request may still be active inside
 // MPI, writing into buffers the caller is free to release, and the peers may be waiting in
@@ -50,6 +52,12 @@ struct MpiRuntime {
       const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &thread_level);
       if (rc != MPI_SUCCESS) fail("MpiSession: MPI_Init_thread failed: ", mpi_error_text(rc));
       owns_mpi = true;
+      // OpenMPI raises an error inside a nonblocking collective (MPI_ERR_TRUNCATE when the
+      // ranks' calls differ) on MPI_COMM_WORLD (4.x) or MPI_COMM_SELF (5.x), not on the
+      // collective's communicator: returned, it becomes MpiComm's fsdp::Error instead of
+      // ending the job with MPI's own message.
+      MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
     }
     // Below MPI_THREAD_MULTIPLE, MPI may not be entered by two threads at once (a caller's
     // thread and an AsyncCommunicator's worker, say), so every MPI call the adapter makes

@@ -7,6 +7,8 @@
 // often outnumber cores), until the collective completes or MpiCommOptions::timeout has
 // passed since wait() began. The deadline starts at wait(), not at the call that issued
 // the collective, because until something polls it the collective has not run at all.
+// With its call descriptors (mpi_call_check.hpp), wait() first completes their exchange,
+// then the collective, and compares the ranks' calls before the result is used.
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -19,8 +21,8 @@
 #include <vector>
 
 #include "fsdp/detail/collective_call.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
 #include "fsdp/error.hpp"
+#include "fsdp/mpi/mpi_call_check.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
 #include "fsdp/work.hpp"
 
@@ -29,12 +31,23 @@ namespace fsdp::detail {
 // One MPI communicator owned by fsdp, shared by its MpiComm and the Work it returned (so
 // the communicator outlives its collectives, and MPI outlives both).
 struct MpiCommState {
-  MpiCommState(std::shared_ptr<MpiRuntime> rt, MPI_Comm comm, std::string name, std::chrono::milliseconds timeout)
-      : rt(std::move(rt)), comm(comm), name(std::move(name)), timeout(timeout) {
+  MpiCommState(std::shared_ptr<MpiRuntime> rt, MPI_Comm comm, std::string name, std::chrono::milliseconds timeout,
+               bool check_calls)
+      : rt(std::move(rt)), comm(comm), name(std::move(name)), timeout(timeout), check_calls(check_calls) {
     auto lk = this->rt->lock();
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);  // codes become fsdp::Errors, not exits
+    // A group other than the world's ranks in order: messages name its ranks' world ranks.
+    std::vector<int> mine(static_cast<std::size_t>(size)), world(mine.size());
+    for (int r = 0; r < size; ++r) mine[static_cast<std::size_t>(r)] = r;
+    MPI_Group group, world_group;
+    MPI_Comm_group(comm, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+    MPI_Group_translate_ranks(group, size, mine.data(), world_group, world.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world_group);
+    if (world != mine || size != this->rt->world_size) world_ranks = std::move(world);
   }
   MpiCommState(const MpiCommState&) = delete;
   MpiCommState& operator=(const MpiCommState&) = delete;
@@ -62,6 +75,13 @@ struct MpiCommState {
     rt->mark_failed(message);
     fail(message);
   }
+  // MPI paired different collectives here, which completed on this rank: its buffers are
+  // safe, but later collectives on it could meet leftover messages, so it takes no more.
+  // The job goes on (a peer still waiting in them times out and fails it).
+  void break_comm(const std::string& message) {
+    std::lock_guard lk(broken_mutex);
+    if (broken.empty()) broken = message;
+  }
   std::string broken_by() const {
     std::lock_guard lk(broken_mutex);
     return broken;
@@ -71,10 +91,12 @@ struct MpiCommState {
   MPI_Comm comm;
   std::string name;
   std::chrono::milliseconds timeout;
+  bool check_calls;  // MpiCommOptions::check_calls, the same on every rank
   int rank = 0;
   int size = 1;
   std::uint64_t seq = 0;     // collectives issued so far, for messages
   std::uint64_t splits = 0;  // split() calls so far, for names
+  std::vector<int> world_ranks;  // world rank of each rank; empty for the world's own order
   mutable std::mutex broken_mutex;  // a Work may be waited on by another thread
   std::string broken;               // the failure that broke it; empty while healthy
 };
@@ -115,33 +137,18 @@ struct MpiEpilogue {
   }
 };
 
-// A tagged collective's tag and every rank's, gathered by an MPI_Iallgather issued right
-// behind the collective (fsdp/collective_tag.hpp); on the heap, where MPI writes.
-struct MpiTagExchange {
-  MpiTagExchange(std::uint64_t tag, int size) : mine(tag), all(static_cast<std::size_t>(size)) {}
-  std::uint64_t mine;
-  std::vector<std::uint64_t> all;
-  MPI_Request req = MPI_REQUEST_NULL;
-
-  // "" when every rank's tag is this rank's; else the mismatch, each rank's call named.
-  std::string mismatch(const CollectiveCall& call, const std::string& where, int rank) const {
-    const std::string m = tag_mismatch(call, all, static_cast<std::size_t>(rank));
-    return m.empty() ? m : where + ": " + m;
-  }
-};
-
 class MpiPending final : public Work::Pending {
  public:
   MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue,
-             std::unique_ptr<MpiTagExchange> tags = nullptr)
-      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), tags_(std::move(tags)) {}
+             std::unique_ptr<MpiCallCheck> check = nullptr)
+      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), check_(std::move(check)) {}
 
   void wait() override { finish(true); }
   bool ready() override { return finish(false); }
 
  private:
-  // Polls until complete (blocking: or until the timeout, a failure) or once; true once
-  // complete.
+  // Polls the call descriptors' exchange, then the collective, until both complete
+  // (blocking: or until the timeout, a failure) or once each; true once complete.
   bool finish(bool blocking) {
     if (done_) {
       if (!mismatch_.empty()) fail(mismatch_);  // also on a wait() after the ready() that found it
@@ -149,34 +156,54 @@ class MpiPending final : public Work::Pending {
     }
     if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
     const auto now = std::chrono::steady_clock::now();
-    int rc = mpi_test_until(*comm_->rt, req_, blocking ? now + comm_->timeout : now);
-    if (rc == MPI_SUCCESS && tags_) rc = mpi_test_until(*comm_->rt, tags_->req, blocking ? now + comm_->timeout : now);
-    if (rc == kMpiTimedOut) {
-      if (!blocking) return false;
-      std::ostringstream os;
-      os << comm_->where() << ": " << call_.describe() << " timed out after " << comm_->timeout.count()
-         << " ms (MpiCommOptions::timeout): a rank never joined it or called a different collective; the MPI job "
-            "must be torn down (the MpiSession aborts it when it ends)";
-      comm_->fail_collective(os.str());
+    const auto deadline = blocking ? now + comm_->timeout : now;
+    const int calls_rc = check_ ? mpi_test_until(*comm_->rt, check_->req, deadline) : MPI_SUCCESS;
+    const int rc = calls_rc == MPI_SUCCESS ? mpi_test_until(*comm_->rt, req_, deadline) : calls_rc;
+    if (rc == kMpiTimedOut && !blocking) return false;
+    // Known once the descriptors met, even when the collective itself did not complete.
+    const std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
+    const std::string at = comm_->where() + ": ";
+    if (rc == kMpiTimedOut) comm_->fail_collective(at + timed_out(calls_rc, mismatch));
+    if (rc != MPI_SUCCESS) {
+      const char* in = calls_rc != MPI_SUCCESS ? "MPI_Test of the call descriptors' MPI_Iallgather" : "MPI_Test";
+      comm_->fail_collective(at + (mismatch.empty() ? "" : mismatch + "; MPI paired the different collectives: ") +
+                             call_.describe() + " failed in " + in + ": " + mpi_error_text(rc));
     }
-    if (rc != MPI_SUCCESS)
-      comm_->fail_collective(comm_->where() + ": " + call_.describe() + " failed in MPI_Test: " + mpi_error_text(rc));
     done_ = true;
-    if (tags_) {  // both completed on every rank: the communicator stays in step
-      mismatch_ = tags_->mismatch(call_, comm_->where(), comm_->rank);
-      if (!mismatch_.empty()) fail(mismatch_);
+    if (!mismatch.empty()) {  // the result is not used
+      mismatch_ = at + mismatch;
+      if (!check_->tags_only()) {
+        mismatch_ += "; MPI paired the different collectives, so this communicator takes no more collectives";
+        comm_->break_comm(mismatch_);
+      }
+      fail(mismatch_);
     }
     epilogue_.run();
     return true;
+  }
+
+  std::string timed_out(int calls_rc, const std::string& mismatch) const {
+    std::ostringstream os;
+    if (!mismatch.empty()) os << mismatch << "; MPI paired the different collectives, and ";
+    os << call_.describe() << " timed out after " << comm_->timeout.count() << " ms (MpiCommOptions::timeout)";
+    if (!check_)
+      os << ": a rank never joined it or called a different collective";
+    else if (calls_rc != MPI_SUCCESS)
+      os << ": a rank never issued it (its call descriptor never arrived)";
+    else if (mismatch.empty())
+      os << ": every rank issued this same call, but a rank has not polled it since (MPI progresses a collective "
+            "only inside MPI calls on every rank)";
+    os << "; the MPI job must be torn down (the MpiSession aborts it when it ends)";
+    return os.str();
   }
 
   std::shared_ptr<MpiCommState> comm_;
   MPI_Request req_;
   CollectiveCall call_;
   MpiEpilogue epilogue_;
-  std::unique_ptr<MpiTagExchange> tags_;  // null: untagged
+  std::unique_ptr<MpiCallCheck> check_;  // null: the ranks' calls are not compared
   bool done_ = false;
-  std::string mismatch_;  // the tags differed: the result is not used
+  std::string mismatch_;  // the ranks' calls differed: the result is not used
 };
 
 }  // namespace fsdp::detail
