@@ -6,10 +6,11 @@
 // runs another unit (a swapped pair of same-sized units, an evaluation pass in another
 // order, prefetch lists that differ) fails on every rank instead of computing with another
 // unit's weights. The tag travels in the backend's own call descriptor (ThreadComm's
-// rendezvous, CudaThreadComm's exchange of handles, TcpComm's frame header; MpiComm and
-// NcclComm gather it beside the collective), not in the payload, where the flat layout
-// leaves no room. NcclComm compares once the collective completes, which on the GPU may be
-// after its result was used: the step then fails before the optimizer applies it.
+// rendezvous, CudaThreadComm's exchange of handles, TcpComm's frame header, the descriptor
+// MpiComm gathers ahead of the collective; NcclComm gathers it beside the collective), not in
+// the payload, where the flat layout leaves no room. NcclComm compares once the collective
+// completes, which on the GPU may be after its result was used: the step then fails before
+// the optimizer applies it.
 #include <concepts>
 #include <cstddef>
 #include <cstdint>

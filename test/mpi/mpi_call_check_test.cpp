@@ -160,6 +160,23 @@ TEST_CASE("a tagged call against untagged ones fails on every rank; tags alone l
   CHECK(b[1] == static_cast<float>(comm.size()));
 }
 
+TEST_CASE("a split group's mismatch names its ranks by their world ranks") {
+  if (test_mpi::session().world_size() < 2) return;
+  auto world = test_mpi::world();
+  auto group = world.split(0, world.size() - world.rank());  // every rank, in reverse order
+  REQUIRE(group.rank() == world.size() - 1 - world.rank());
+  const ReduceOp op = world.rank() == 1 ? ReduceOp::min : ReduceOp::sum;
+  std::int64_t one = 1, out = 0;
+  const std::string e = error_of([&] { group.all_reduce(&one, &out, 1, DType::i64, op).wait(); });
+  CHECK(contains(e, "rank " + std::to_string(group.rank()) + " of MPI communicator 'world/split#0(color 0)'"));
+  for (int w = 0; w < world.size(); ++w)
+    CHECK(contains(e, "rank " + std::to_string(w) + " called all_reduce(count=1, dtype=i64, op=" +
+                          (w == 1 ? "min" : "sum") + ") as collective #0"));
+  CHECK(contains(e, "(seen on rank " + std::to_string(world.rank()) + ")"));
+  CHECK(group.broken());
+  CHECK_FALSE(world.broken());
+}
+
 // The fatal cases: every rank's error names every rank's call whether MPI completed,
 // failed (MPI_ERR_TRUNCATE) or hung on it; no buffer is written past its end.
 constexpr float kGuard = -7.5f;

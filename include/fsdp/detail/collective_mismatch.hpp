@@ -1,8 +1,8 @@
 #pragma once
 // What a backend says when the ranks' calls at one collective differ: every rank's call,
-// with the unit of its tag, in one message that every rank throws alike (ThreadComm and
-// CudaThreadComm compare whole calls; NcclComm gathers only the tags beside each tagged
-// collective, see nccl/nccl_tag_ring.hpp).
+// with the unit of its tag, in one message that every rank throws alike (ThreadComm,
+// CudaThreadComm and MpiComm compare whole calls; NcclComm gathers only the tags beside
+// each tagged collective, see nccl/nccl_tag_ring.hpp).
 //
 //   collective mismatch: rank 0 called all_gather(count=101, dtype=f32) of unit 'blocks.0'
 //   (forward, pass 1) as collective #20, rank 1 called ... of unit 'blocks.1' ... (seen on rank 1)
