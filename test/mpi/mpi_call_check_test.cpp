@@ -226,4 +226,23 @@ TEST_CASE("fatal: broadcast roots that differ name every rank's call") {
   check_guards(buffer, count);
 }
 
+// A mismatch known from the descriptors ends wait() within MpiPending::kMismatchGrace (2 s),
+// not after the communicator's timeout (here a minute): the same broadcast as above, which
+// OpenMPI does not complete on every rank.
+TEST_CASE("fatal: a known mismatch ends within the grace, not the timeout") {
+  using namespace std::chrono_literals;
+  auto comm = test_mpi::world(60s);
+  REQUIRE(comm.size() > 1);
+  const int root = comm.rank() == 1 ? 1 : 0;
+  const std::size_t count = 1 << 18;
+  std::vector<float> buffer(count + 16, kGuard);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e = error_of([&] { comm.broadcast(buffer.data(), buffer.data(), count, DType::f32, root).wait(); });
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < 15s);  // the grace plus slack for an oversubscribed machine; the timeout is 60 s
+  CHECK(contains(e, "collective mismatch"));
+  CHECK_FALSE(contains(e, "60000 ms"));
+  check_guards(buffer, count);
+}
+
 }  // namespace

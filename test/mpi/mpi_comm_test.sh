@@ -73,6 +73,7 @@ fatal 2 'fatal: all_reduce counts*'
 fatal 3 'fatal: all_reduce counts*'
 fatal 3 'fatal: all_gather against all_reduce*'
 fatal 2 'fatal: broadcast roots*'
+fatal 3 'fatal: a known mismatch ends*'
 
 [[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
 exit $((failures > 0))

@@ -9,6 +9,7 @@
 // the collective, because until something polls it the collective has not run at all.
 // With its call descriptors (mpi_call_check.hpp), wait() first completes their exchange,
 // then the collective, and compares the ranks' calls before the result is used.
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -139,6 +140,9 @@ struct MpiEpilogue {
 
 class MpiPending final : public Work::Pending {
  public:
+  // How long wait() still gives a collective whose ranks' calls are known to differ.
+  static constexpr std::chrono::milliseconds kMismatchGrace{2000};
+
   MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue,
              std::unique_ptr<MpiCallCheck> check = nullptr)
       : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), check_(std::move(check)) {}
@@ -158,10 +162,14 @@ class MpiPending final : public Work::Pending {
     const auto now = std::chrono::steady_clock::now();
     const auto deadline = blocking ? now + comm_->timeout : now;
     const int calls_rc = check_ ? mpi_test_until(*comm_->rt, check_->req, deadline) : MPI_SUCCESS;
-    const int rc = calls_rc == MPI_SUCCESS ? mpi_test_until(*comm_->rt, req_, deadline) : calls_rc;
-    if (rc == kMpiTimedOut && !blocking) return false;
-    // Known once the descriptors met, even when the collective itself did not complete.
+    // Known once the descriptors met, even when the collective itself does not complete.
     const std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
+    // Collectives that differ in more than their tags often never complete: waiting the
+    // whole timeout for them only delays an error already known.
+    const auto collective_deadline =
+        blocking && !mismatch.empty() && !check_->tags_only() ? std::min(deadline, now + kMismatchGrace) : deadline;
+    const int rc = calls_rc == MPI_SUCCESS ? mpi_test_until(*comm_->rt, req_, collective_deadline) : calls_rc;
+    if (rc == kMpiTimedOut && !blocking) return false;
     const std::string at = comm_->where() + ": ";
     if (rc == kMpiTimedOut) comm_->fail_collective(at + timed_out(calls_rc, mismatch));
     if (rc != MPI_SUCCESS) {
@@ -184,8 +192,13 @@ class MpiPending final : public Work::Pending {
 
   std::string timed_out(int calls_rc, const std::string& mismatch) const {
     std::ostringstream os;
-    if (!mismatch.empty()) os << mismatch << "; MPI paired the different collectives, and ";
-    os << call_.describe() << " timed out after " << comm_->timeout.count() << " ms (MpiCommOptions::timeout)";
+    if (!mismatch.empty())
+      os << mismatch << "; MPI paired the different collectives, and " << call_.describe()
+         << " did not complete within "
+         << std::chrono::duration_cast<std::chrono::milliseconds>(std::min(comm_->timeout, kMismatchGrace)).count()
+         << " ms of the mismatch being known";
+    else
+      os << call_.describe() << " timed out after " << comm_->timeout.count() << " ms (MpiCommOptions::timeout)";
     if (!check_)
       os << ": a rank never joined it or called a different collective";
     else if (calls_rc != MPI_SUCCESS)
