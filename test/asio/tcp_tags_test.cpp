@@ -1,13 +1,17 @@
 // TcpComm carries each collective's tag (fsdp/collective_tag.hpp) in its frame header
 // (fsdp/asio/tcp_frame.hpp) and compares it with the receiver's before it touches the
-// payload: ranks gathering different units of the same size fail on every rank, naming
-// both units, and a model whose ranks swap two units from iteration 2 on never shows the
-// engine the other unit's parameters. Ranks are threads over loopback sockets.
+// payload: ranks gathering different units of the same size fail on every rank, each
+// naming every rank's call and unit (learned through the store, fsdp/asio/tcp_rank_report.hpp)
+// in the same words, a rank in no collective is named as not reporting within a bounded
+// wait, and a model whose ranks swap two units from iteration 2 on never shows the engine
+// the other unit's parameters. Ranks are threads over loopback sockets.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
@@ -20,9 +24,42 @@ namespace {
 using test_support::contains;
 using test_support::TcpWorld;
 
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
 struct Names final : fsdp::UnitNames {
   std::string unit_name(int index) const override { return "layer" + std::to_string(index); }
 };
+
+// The mismatch message in an error: what a detecting rank throws, and what the others
+// quote after "aborted: ". Empty if there is none.
+std::string verdict(const std::string& error) {
+  const auto at = error.find("collective mismatch:");
+  return at == std::string::npos ? "" : error.substr(at);
+}
+
+// What the mismatch message says rank r did ("called ...", "did not report"): the text
+// after its "rank r " up to the next rank's entry or the end of the list.
+std::string entry(const std::string& error, int r) {
+  const std::string v = verdict(error);
+  for (const char* before : {": rank ", ", rank "}) {
+    const std::string start = before + std::to_string(r) + " ";
+    auto at = v.find(start);
+    if (at == std::string::npos) continue;
+    at += start.size();
+    return v.substr(at, std::min(v.find(", rank ", at), v.find(" (seen on rank ", at)) - at);
+  }
+  return "";
+}
+
+// Every rank's error carries the same mismatch message.
+void check_same_verdict(const std::vector<std::string>& errors) {
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(!verdict(e).empty());
+    CHECK(verdict(e) == verdict(errors[0]));
+  }
+}
 
 }  // namespace
 
@@ -62,9 +99,82 @@ TEST_CASE("all-gathers of the same size with different tags fail on every rank, 
   }
 }
 
+TEST_CASE("3 and 4 ranks, one gathering another unit: every rank's error names every rank's call and unit, alike") {
+  const Names names;
+  for (int n : {3, 4}) {
+    for (int io : test_support::kIoThreads) {
+      CAPTURE(n);
+      CAPTURE(io);
+      TcpWorld world(n, test_support::ok_options(1 << 20, io));
+      const int odd = n - 2;  // rank 1 of 3, rank 2 of 4
+      const auto t0 = Clock::now();
+      const auto errors = world.each([&](fsdp::TcpComm& comm, int r) {
+        std::vector<float> mine(4, 1.0f), all(4 * n);
+        comm.all_gather(mine.data(), all.data(), 4, fsdp::DType::f32).wait();  // in step so far
+        const fsdp::CollectiveTag tag{r == odd ? 1u : 0u, fsdp::TagPhase::forward, 3, &names};
+        comm.all_gather(mine.data(), all.data(), 4, fsdp::DType::f32, tag).wait();
+      });
+      // Every rank is in the collective: the wait ends with the last report (each looks at
+      // the store once a second while stalled), not at its 2 s bound.
+      CHECK(std::chrono::duration<double>(Clock::now() - t0).count() < 1.9);
+      check_same_verdict(errors);
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(errors[r]);
+        for (int named = 0; named < n; ++named) {
+          const std::string unit = named == odd ? "layer1" : "layer0";
+          CHECK(entry(errors[r], named) ==
+                "called all_gather(count=4, dtype=f32) of unit '" + unit + "' (forward, pass 3) as collective #1");
+        }
+        CHECK(!contains(errors[r], "did not report"));
+      }
+      // The ranks that found it: odd (its left neighbour differs) and odd + 1.
+      CHECK((contains(errors[0], "(seen on rank " + std::to_string(odd) + ")") ||
+             contains(errors[0], "(seen on rank " + std::to_string(odd + 1) + ")")));
+    }
+  }
+}
+
+TEST_CASE("a rank in no collective is named as not reporting, after a bounded wait") {
+  const Names names;
+  auto options = test_support::ok_options();
+  options.timeout = 2s;  // stalled ranks look every 500 ms; the wait for reports is 1 s
+  TcpWorld world(4, options);
+  std::vector<double> failed_after(4);
+  const auto t0 = Clock::now();
+  const auto errors = world.each([&](fsdp::TcpComm& comm, int r) {
+    std::vector<float> mine(4, 1.0f), all(16);
+    if (r == 3) std::this_thread::sleep_for(1500ms);  // in its own code past the wait
+    const fsdp::CollectiveTag tag{r == 1 ? 1u : 0u, fsdp::TagPhase::backward, 2, &names};
+    try {
+      comm.all_gather(mine.data(), all.data(), 4, fsdp::DType::f32, tag).wait();
+    } catch (const fsdp::Error&) {
+      failed_after[r] = std::chrono::duration<double>(Clock::now() - t0).count();
+      throw;
+    }
+  });
+  check_same_verdict(errors);
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(entry(errors[r], 0) == "called all_gather(count=4, dtype=f32) of unit 'layer0' (backward, pass 2) as collective #0");
+    CHECK(entry(errors[r], 1) == "called all_gather(count=4, dtype=f32) of unit 'layer1' (backward, pass 2) as collective #0");
+    CHECK(entry(errors[r], 2) == "called all_gather(count=4, dtype=f32) of unit 'layer0' (backward, pass 2) as collective #0");
+    CHECK(entry(errors[r], 3) == "did not report");
+    CHECK(contains(errors[r], "a rank that did not report within 1000 ms is in no collective of communicator fsdp/comm"));
+    CHECK(!contains(errors[r], "timed out"));
+  }
+  // Ranks 1 and 2 found it and waited the whole 1 s for rank 3; nobody waited for a timeout.
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(failed_after[r] >= 0.95);
+    CHECK(failed_after[r] < 1.8);
+  }
+  CHECK(contains(errors[3], "rank 3: all_gather(count=4, dtype=f32) of unit 'layer0' (backward, pass 2) as collective #0 "
+                            "aborted: collective mismatch"));
+}
+
 TEST_CASE("a rank that swaps two units from iteration 2 on: an error on every rank, nothing shown") {
-  TcpWorld world(2);
-  std::vector<std::vector<std::string>> logs(2);
+  TcpWorld world(4);
+  std::vector<std::vector<std::string>> logs(4);
   const auto errors = world.each([&](fsdp::TcpComm& comm, int r) {
     engine::ModelConfig config;
     config.blocks = 3;
@@ -72,12 +182,16 @@ TEST_CASE("a rank that swaps two units from iteration 2 on: an error on every ra
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, comm, device, engine::Wrap{});
     test_support::iteration(sm, test_support::usual);
-    test_support::iteration(sm, r == 1 ? test_support::swapped : test_support::usual, logs[r]);
+    test_support::iteration(sm, r == 2 ? test_support::swapped : test_support::usual, logs[r]);
   });
-  for (int r = 0; r < 2; ++r) {
+  check_same_verdict(errors);
+  for (int r = 0; r < 4; ++r) {
     CAPTURE(errors[r]);
-    CHECK(contains(errors[r], "of unit 'blocks.0' (forward"));
-    CHECK(contains(errors[r], "of unit 'blocks.1' (forward"));
+    for (int named = 0; named < 4; ++named) {
+      CAPTURE(named);
+      CHECK(contains(entry(errors[r], named), "called all_gather("));
+      CHECK(contains(entry(errors[r], named), named == 2 ? "of unit 'blocks.1' (forward" : "of unit 'blocks.0' (forward"));
+    }
     for (const char* shown : {"pre_forward blocks.0", "pre_forward blocks.1"})
       CHECK(std::find(logs[r].begin(), logs[r].end(), shown) == logs[r].end());
   }

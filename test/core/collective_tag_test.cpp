@@ -2,7 +2,8 @@
 // (the backends that compare them, the wrappers that pass them on) and which do not (a
 // user's own Communicator, UntaggedCommunicator); ThreadComm fails on every rank when the
 // ranks' tags differ, and runs the collective when they agree; the mismatch message every
-// backend shares (detail/collective_mismatch.hpp), also from gathered tags alone (NcclComm).
+// backend shares (detail/collective_mismatch.hpp), also from gathered tags alone (NcclComm)
+// and from each rank's own words (TcpComm, which may hear from only some ranks).
 #include <doctest/doctest.h>
 
 #include <string>
@@ -130,4 +131,28 @@ TEST_CASE("whole calls that differ in shape are a mismatch too; ranks of a split
   CHECK(m ==
         "collective mismatch: rank 3 called all_reduce(count=4, dtype=f32, op=sum) as collective #0,"
         " rank 5 called all_reduce(count=8, dtype=f32, op=sum) as collective #0 (seen on rank 3)");
+}
+
+TEST_CASE("the mismatch message from each rank's words: listed in rank order; on large worlds only the ranks that differ") {
+  const std::vector<std::string> three{"called barrier as collective #4", "did not report", "called barrier as collective #5"};
+  CHECK(fsdp::detail::mismatch_message(three, 2) ==
+        "collective mismatch: rank 0 called barrier as collective #4, rank 1 did not report,"
+        " rank 2 called barrier as collective #5 (seen on rank 2)");
+  // 100 ranks, two of them elsewhere: those two, then the rest in one phrase.
+  std::vector<std::string> hundred(100, "called barrier as collective #7");
+  hundred[17] = "did not report";
+  hundred[80] = "called barrier as collective #8";
+  const std::string m = fsdp::detail::mismatch_message(hundred, 80);
+  CAPTURE(m);
+  CHECK(m ==
+        "collective mismatch: rank 17 did not report, rank 80 called barrier as collective #8,"
+        " and the other 98 ranks called barrier as collective #7 (seen on rank 80)");
+  // More ranks that differ than are listed: counted, and the message stays short.
+  std::vector<std::string> many(1000, "called barrier as collective #1");
+  for (std::size_t r = 0; r < 300; ++r) many[r] = "did not report";
+  const std::string capped = fsdp::detail::mismatch_message(many, 999);
+  CAPTURE(capped);
+  CHECK(contains(capped, "rank 63 did not report, 236 more ranks that differ, and the other 700 ranks called barrier"));
+  CHECK(!contains(capped, "rank 64 did not report"));
+  CHECK(capped.size() < 2000);
 }

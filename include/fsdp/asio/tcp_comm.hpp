@@ -26,15 +26,17 @@
 // (the same plan, the same reduction order, bit for bit). Off with shared_memory = false
 // or the environment variable FSDP_TCP_SHM=0.
 //
-// Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names both
-// calls; a peer that exits or closes its communicator is named by its neighbours and the
+// Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names every
+// rank's call (the ranks that find it ask the others through the store, waiting at most
+// 2 s); a peer that exits or closes its communicator is named by its neighbours and the
 // reason travels the ring to the others (ABORT frames); a collective without progress for
 // `timeout` fails naming the rank that is behind; a rank that never joins fails
 // construction. After a failure the communicator is broken: later collectives fail.
 //
-// Store keys (under `prefix`): addr/<rank> while joining, last/<rank> and timeout after a
-// timeout. A prefix names one communicator at a time on a store; each rank removes its
-// keys when its communicator is destroyed, after which the prefix may be used again.
+// Store keys (under `prefix`): addr/<rank> while joining; ask, last/<rank> and mismatch
+// after a timeout or a mismatch. A prefix names one communicator at a time on a store;
+// each rank removes its keys when its communicator is destroyed, after which the prefix
+// may be used again.
 #include <algorithm>
 #include <array>
 #include <chrono>

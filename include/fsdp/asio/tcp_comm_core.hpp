@@ -27,7 +27,7 @@
 #include "fsdp/asio/shm_handshake.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring.hpp"
-#include "fsdp/asio/tcp_stall_report.hpp"
+#include "fsdp/asio/tcp_rank_report.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/store.hpp"
 #include "fsdp/work.hpp"
@@ -78,7 +78,7 @@ class TcpCommCore {
   // Joins the ring (blocking, by id.timeout) and starts the I/O thread.
   TcpCommCore(std::shared_ptr<Store> store, RingIdentity id)
       : store_(std::move(store)), id_(std::move(id)), planner_(id_.rank, id_.size, id_.segment_bytes),
-        stall_(store_, id_.prefix, id_.rank, id_.size, id_.timeout) {
+        reports_(store_, id_.prefix, id_.rank, id_.size, id_.timeout) {
     if (id_.size > 1) {
       try {
         RingSockets links = RingJoiner(io_, *store_, id_).join();
@@ -151,7 +151,7 @@ class TcpCommCore {
         for (const auto& l : plan.local) run_local(l, call.dtype, 1);
         return {};
       }
-      if (auto failure = ring_->run(call, plan, stall_)) {
+      if (auto failure = ring_->run(call, plan, reports_)) {
         broken_ = failure->cause;
         return failure->message;
       }
@@ -170,9 +170,9 @@ class TcpCommCore {
     // not find this rank's stale address. Every peer that needed it has connected.
     try {
       store_->delete_key(id_.address_key(id_.rank));
-      store_->delete_key(stall_.last_key(id_.rank));
     } catch (...) {
     }
+    reports_.forget();
   }
 
   std::shared_ptr<Store> store_;
@@ -181,7 +181,7 @@ class TcpCommCore {
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> keep_running_{io_.get_executor()};
   std::optional<TcpRing> ring_;
   RingPlanner planner_;
-  StoreStallReport stall_;
+  StoreRankReport reports_;
   std::shared_ptr<TcpCompletions> completions_ = std::make_shared<TcpCompletions>();
 
   std::mutex submit_mu_;

@@ -11,11 +11,12 @@
 // frame header, the right one for an ABORT coming back. So a neighbour's failure is seen
 // (and passed on around the ring) even while this rank is idle.
 //
-// Failures. A header that does not match the local call, a peer that closes its socket
-// (EOF or reset) while frames are still due on that link, or no progress for `timeout`:
-// this rank sends ABORT with the reason to both neighbours (best effort, at most 1 s),
-// closes both links, and the collective fails. A rank that receives ABORT does the same
-// with the same reason, so it travels around the ring to every rank.
+// Failures. A header that does not match the local call (the observer first learns every
+// rank's call, for the message), a peer that closes its socket (EOF or reset) while
+// frames are still due on that link, or no progress for `timeout`: this rank sends ABORT
+// with the reason to both neighbours (best effort, at most 1 s), closes both links, and
+// the collective fails. A rank that receives ABORT does the same with the same reason, so
+// it travels around the ring to every rank.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -40,15 +41,23 @@
 
 namespace fsdp::detail {
 
-// How the ring tells its owner that a collective is stalled, and asks what to say when it
-// gives up (TcpComm asks the other ranks through the store where they are).
-struct StallObserver {
-  virtual ~StallObserver() = default;
-  // No progress for a while (called about every timeout/4, at most every second).
+// How the ring tells its owner what went wrong, and asks what to say (TcpComm asks the
+// other ranks through the store where they are, see tcp_rank_report.hpp).
+struct RingObserver {
+  virtual ~RingObserver() = default;
+  // No progress for a while (called every ring_poll_interval while stalled).
   virtual void stalled(const CollectiveCall& call, const std::string& state) = 0;
   // No progress for the whole timeout: the failure message.
   virtual std::string timed_out(const CollectiveCall& call, const std::string& state) = 0;
+  // The left neighbour's frame says it called `left_call` where this rank called `call`
+  // (before any payload is used): the failure message, sent on in ABORT frames.
+  virtual std::string mismatched(const CollectiveCall& call, const CollectiveCall& left_call, int left_rank) = 0;
 };
+
+// How often a stalled collective tells its observer: timeout/4, within [10 ms, 1 s].
+inline std::chrono::steady_clock::duration ring_poll_interval(std::chrono::milliseconds timeout) {
+  return std::clamp<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::milliseconds(10), std::chrono::seconds(1));
+}
 
 struct RingFailure {
   std::string message;     // this rank's error for the collective that failed
@@ -73,13 +82,14 @@ class TcpRing {
   // Carries out `plan` for `call` on the thread that runs `io`, running `io` meanwhile.
   // Returns once no buffer of the call is touched any more. On failure the links are
   // closed and stay closed.
-  std::optional<RingFailure> run(const CollectiveCall& call, const RingPlan& plan, StallObserver& observer) {
+  std::optional<RingFailure> run(const CollectiveCall& call, const RingPlan& plan, RingObserver& observer) {
     call_ = &call;
     plan_ = &plan;
+    observer_ = &observer;
     recvs_done_ = local_index_ = local_offset_ = 0;
     sent_base_ = counters_.sent.load();
     sender_.begin(call, plan, counters_.received.load());
-    const Clock::duration poll_every = std::clamp<Clock::duration>(timeout_ / 4, kPollMin, std::chrono::seconds(1));
+    const Clock::duration poll_every = ring_poll_interval(timeout_);
     auto last_progress = counters_.progress.load();
     auto last_progress_at = Clock::now();
     auto next_poll = last_progress_at + poll_every;
@@ -106,25 +116,31 @@ class TcpRing {
       }
       if (!sleep_until_sender_moves()) continue;
       const auto deadline = last_progress_at + timeout_;
-      io_.run_one_until(std::min({deadline, next_poll, lost_at ? *lost_at + kLostGrace : deadline}));
+      const bool woken = io_.run_one_until(std::min({deadline, next_poll, lost_at ? *lost_at + kLostGrace : deadline})) > 0;
       counters_.receiver_waits.store(false);
       const auto now = Clock::now();
-      if (counters_.progress.load() != last_progress) {
+      const bool progressed = counters_.progress.load() != last_progress;
+      if (progressed) {
         last_progress = counters_.progress.load();
         last_progress_at = now;
-        next_poll = now + poll_every;
       } else if (now >= deadline) {
         const std::string msg = observer.timed_out(call, state());
         failure = RingFailure{msg, msg};
         break;
-      } else if (now >= next_poll) {
+      }
+      if (now >= next_poll && !(progressed && woken)) {
+        // Nothing reached this thread for a whole interval (a sending half on a thread of
+        // its own progresses without waking it): stalled, as far as this half can see.
         observer.stalled(call, state());
+        next_poll = now + poll_every;
+      } else if (progressed) {
         next_poll = now + poll_every;
       }
     }
     if (failure) abort_and_close(failure->cause);
     call_ = nullptr;
     plan_ = nullptr;
+    observer_ = nullptr;
     return failure;
   }
 
@@ -185,7 +201,6 @@ class TcpRing {
   using HeaderBytes = std::array<std::byte, FrameHeader::kSize>;
 
   static constexpr std::chrono::milliseconds kLostGrace{100};
-  static constexpr std::chrono::milliseconds kPollMin{10};
 
   std::string who(int r) const { return "rank " + std::to_string(r); }
   std::string where() const { return who(rank_) + ": "; }
@@ -235,8 +250,7 @@ class TcpRing {
   bool accept_header(const RecvFrame& f) {
     const FrameHeader& h = left_header_;
     if (!h.matches(*call_)) {
-      local_failure_ = "collective mismatch: rank " + std::to_string(rank_) + " called " + call_->describe() +
-                       " but rank " + std::to_string(left_rank_) + " called " + h.call(call_->names).describe();
+      local_failure_ = observer_->mismatched(*call_, h.call(call_->names), left_rank_);  // blocks briefly, bounded
     } else if (h.index != recvs_done_ || h.bytes != f.bytes) {
       std::ostringstream os;
       os << where() << "frame " << h.index << " (" << h.bytes << " bytes) from rank " << left_rank_ << " in "
@@ -368,6 +382,7 @@ class TcpRing {
 
   const CollectiveCall* call_ = nullptr;
   const RingPlan* plan_ = nullptr;
+  RingObserver* observer_ = nullptr;
   std::uint64_t sent_base_ = 0;  // counters_.sent when the current collective began
   std::size_t recvs_done_ = 0;
   std::size_t local_index_ = 0, local_offset_ = 0;  // LocalCopy in progress

@@ -1,0 +1,191 @@
+#pragma once
+// Where the ranks of a TcpComm are when one of them fails, learned through the store, for
+// the two failures a rank cannot explain alone: a timeout and a collective mismatch. The
+// rank that fails publishes its call under <prefix>/last/<rank> and raises <prefix>/ask;
+// ranks stalled in a collective of the same communicator see the flag (they look at most
+// once a second while stalled, never while collectives progress) and publish theirs. The
+// failing rank waits briefly for every report, then says:
+//  - after a timeout, which ranks are behind: those in an older collective, and those that
+//    did not report (not in any collective of this communicator: stalled in other code, or
+//    a process that is stopped or dead);
+//  - after a mismatch, every rank's call with its unit, worded as ThreadComm words it
+//    (detail/collective_mismatch.hpp). The first such message in <prefix>/mismatch is the
+//    one every detecting rank reports, and ABORT frames carry it to the others.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/asio/tcp_ring.hpp"
+#include "fsdp/detail/collective_mismatch.hpp"
+#include "fsdp/store.hpp"
+
+namespace fsdp::detail {
+
+class StoreRankReport final : public RingObserver {
+ public:
+  StoreRankReport(std::shared_ptr<Store> store, std::string prefix, int rank, int size, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), timeout_(timeout) {}
+
+  std::string last_key(int r) const { return prefix_ + "/last/" + std::to_string(r); }
+  std::string flag_key() const { return prefix_ + "/ask"; }
+  std::string mismatch_key() const { return prefix_ + "/mismatch"; }
+
+  // The longest wait for reports after a mismatch. Stalled ranks look at the flag every
+  // ring_poll_interval (timeout/4, at most 1 s), so 2 s gives the slowest a second to
+  // spare; on short timeouts, timeout/2 (two looks) ends the wait well before the ranks
+  // stalled on this one time out themselves.
+  std::chrono::milliseconds mismatch_wait() const {
+    return std::min<std::chrono::milliseconds>(timeout_ / 2, std::chrono::seconds(2));
+  }
+
+  void stalled(const CollectiveCall& call, const std::string& state) override {
+    if (published_ && *published_ == call.seq) return;
+    try {
+      if (store_->try_get(flag_key())) publish(call, state);
+    } catch (const std::exception&) {  // the store is only asked for a better message
+    }
+  }
+
+  std::string timed_out(const CollectiveCall& call, const std::string& state) override {
+    std::ostringstream os;
+    os << "rank " << rank_ << ": " << call.describe() << " timed out after " << timeout_.count()
+       << " ms without progress (" << state << ")";
+    try {
+      ask(call, state);
+      os << "; " << where_the_ranks_are(gather(std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(2))));
+    } catch (const std::exception& e) {
+      os << "; could not ask the other ranks where they are: " << e.what();
+    }
+    return os.str();
+  }
+
+  std::string mismatched(const CollectiveCall& call, const CollectiveCall& left_call, int left_rank) override {
+    try {
+      ask(call, "its frames disagree with rank " + std::to_string(left_rank) + "'s");
+      const auto reports = gather(mismatch_wait());
+      std::vector<std::string> each_rank(size_);
+      bool silent = false;
+      for (int r = 0; r < size_; ++r) {
+        if (reports[r]) each_rank[r] = "called " + reports[r]->call;
+        else if (r == left_rank) each_rank[r] = "called " + left_call.describe();  // its frame's header says so
+        else each_rank[r] = "did not report";
+        silent = silent || !reports[r];
+      }
+      std::string message = mismatch_message(each_rank, static_cast<std::size_t>(rank_));
+      if (silent)
+        message += "; a rank that did not report within " + std::to_string(mismatch_wait().count()) +
+                   " ms is in no collective of communicator " + prefix_ +
+                   " (stalled in other code, or its process is stopped or dead)";
+      return store_->compare_set(mismatch_key(), "", message);  // the first rank's message, on every rank
+    } catch (const std::exception& e) {
+      return "collective mismatch: rank " + std::to_string(rank_) + " called " + call.describe() + " but rank " +
+             std::to_string(left_rank) + " called " + left_call.describe() +
+             "; could not ask the other ranks what they called: " + e.what();
+    }
+  }
+
+  // This rank's report, and the keys that ask for reports: the next communicator of this
+  // prefix (once every member of this one is gone) must not see them.
+  void forget() noexcept {
+    try {
+      store_->delete_key(last_key(rank_));
+      store_->delete_key(flag_key());
+      store_->delete_key(mismatch_key());
+    } catch (...) {
+    }
+  }
+
+ private:
+  struct Report {
+    std::uint64_t seq;
+    std::string call;   // its describe(), with the reporting rank's unit names
+    std::string state;  // how far it got
+  };
+
+  // Publishes this rank's call, then asks the others for theirs.
+  void ask(const CollectiveCall& call, const std::string& state) {
+    publish(call, state);
+    store_->set(flag_key(), std::to_string(rank_));
+  }
+
+  void publish(const CollectiveCall& call, const std::string& state) {
+    store_->set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
+    published_ = call.seq;
+  }
+
+  // Every rank's report, waiting at most `wait` for the missing ones.
+  std::vector<std::optional<Report>> gather(std::chrono::milliseconds wait) {
+    std::vector<std::optional<Report>> reports(size_);
+    const auto deadline = Store::Clock::now() + wait;
+    for (;;) {
+      bool all = true;
+      for (int r = 0; r < size_; ++r) {
+        if (reports[r]) continue;
+        if (auto v = store_->try_get(last_key(r))) reports[r] = parse(*v);
+        else all = false;
+      }
+      if (all || Store::Clock::now() >= deadline) return reports;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  static Report parse(const std::string& v) {
+    const auto tab = v.find('\t'), tab2 = tab == std::string::npos ? tab : v.find('\t', tab + 1);
+    if (tab2 == std::string::npos) return {0, v, "?"};
+    return {std::strtoull(v.c_str(), nullptr, 10), v.substr(tab + 1, tab2 - tab - 1), v.substr(tab2 + 1)};
+  }
+
+  std::string where_the_ranks_are(const std::vector<std::optional<Report>>& reports) const {
+    std::uint64_t lowest = UINT64_MAX, highest = 0;
+    std::vector<int> silent;
+    for (int r = 0; r < size_; ++r) {
+      if (!reports[r]) {
+        silent.push_back(r);
+        continue;
+      }
+      lowest = std::min(lowest, reports[r]->seq);
+      highest = std::max(highest, reports[r]->seq);
+    }
+    auto in = [&](int r) { return "rank " + std::to_string(r) + " in " + reports[r]->call + ": " + reports[r]->state; };
+    std::ostringstream os;
+    os << "behind: ";
+    const char* sep = "";
+    constexpr std::size_t kMaxListed = 8;  // messages stay readable on large worlds
+    for (std::size_t i = 0; i < silent.size() && i < kMaxListed; ++i, sep = ", ") os << sep << "rank " << silent[i];
+    if (silent.size() > kMaxListed) os << " and " << silent.size() - kMaxListed << " more";
+    if (!silent.empty())
+      os << (silent.size() == 1 ? " did" : " did all") << " not report (not in a collective of communicator " << prefix_
+         << ": stalled in other code, or its process is stopped or dead)";
+    if (lowest < highest) {
+      for (int r = 0; r < size_; ++r)
+        if (reports[r] && reports[r]->seq == lowest) {
+          os << sep << in(r);
+          sep = ", ";
+        }
+      os << " (the furthest rank is in collective #" << highest << ")";
+    } else if (silent.empty()) {
+      os << "none; every rank is in collective #" << lowest << ", so a link or a peer's process is stuck";
+    }
+    os << ". Reports: ";
+    std::size_t listed = 0;
+    for (int r = 0; r < size_ && listed < kMaxListed; ++r)
+      if (reports[r]) os << (listed++ ? "; " : "") << in(r);
+    os << ".";
+    return os.str();
+  }
+
+  std::shared_ptr<Store> store_;
+  const std::string prefix_;
+  const int rank_, size_;
+  const std::chrono::milliseconds timeout_;
+  std::optional<std::uint64_t> published_;
+};
+
+}  // namespace fsdp::detail
