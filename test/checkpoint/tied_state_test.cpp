@@ -27,7 +27,7 @@ fsdp::FullStateDict unsharded_dict(tied::TiedLM& m) {
   for (auto& p : named) {
     fsdp::StateTensor t{fsdp::DType::f32, {p.param->shape().begin(), p.param->shape().end()}, {}};
     t.data.resize(static_cast<std::size_t>(p.param->numel()) * 4);
-    std::memcpy(t.data.data(), p.param->raw(), t.data.size());
+    if (!t.data.empty()) std::memcpy(t.data.data(), p.param->raw(), t.data.size());  // memcpy(nullptr, ..., 0) is UB
     sd.tensors[p.fqn] = std::move(t);
   }
   return sd;
