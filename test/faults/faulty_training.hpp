@@ -5,6 +5,8 @@
 // each optimizer step. "No wrong value computed first" is then checkable: a run with a
 // fault must have shown each rank a prefix of what a clean run showed it, and applied no
 // optimizer step from the one its fault fell in.
+#include <doctest/doctest.h>
+
 #include <cstdint>
 #include <map>
 #include <string>
@@ -127,6 +129,18 @@ inline int step_of(long at, const std::vector<long>& issued_after_step) {
   int s = 0;
   while (s < static_cast<int>(issued_after_step.size()) && issued_after_step[static_cast<std::size_t>(s)] < at) ++s;
   return s;
+}
+
+// One rank of a run with a fault (`clean`: the same rank in a run without): it failed, was
+// shown nothing a clean run did not show it, applied no step from `fault_step` on (when
+// `step_check`), and freed everything.
+inline void check_faulty_rank(const std::string& error, const RankRun& run, const RankRun& clean, int fault_step,
+                              bool step_check = true) {
+  CAPTURE(error);
+  CHECK(!error.empty());  // an error, and the run returned: no hang
+  CHECK(first_wrong_value(run.shown, clean.shown) == "");
+  if (step_check) CHECK(run.steps <= fault_step);
+  CHECK(run.live_after == 0);  // everything the units allocated was freed
 }
 
 }  // namespace test_support
