@@ -350,12 +350,14 @@ class ShardedModel {
   }
 
   using ModuleKey = std::pair<const void*, std::type_index>;
+  // Declared before the units, so destroyed after them: a unit's destructor waits for its
+  // collectives, whose error messages name their unit through it (CollectiveTag::names).
+  std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
   std::vector<std::unique_ptr<UnitBase>> units_;
   std::map<ModuleKey, UnitBase*> by_module_;
   std::map<const void*, std::pair<UnitBase*, std::string>> storage_owner_;  // every unit's parameters, by storage
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;
-  std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
 };
 
 namespace detail {

@@ -14,10 +14,12 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
-#include "test/faults/unit_order_driver.hpp"
+#include "test/faults/unit_order_checks.hpp"
 
 namespace {
 
+using test_support::check_named;
+using test_support::check_not_shown;
 using test_support::contains;
 using test_support::in_order;
 using test_support::iteration;
@@ -31,11 +33,7 @@ engine::ModelConfig config() {
   return c;
 }
 
-// Each rank's error and what its hooks had shown the engine when it came.
-struct Outcome {
-  std::vector<std::string> errors;
-  std::vector<Log> logs;
-};
+using Outcome = test_support::OrderOutcome;
 
 // `ranks` thread ranks, each running body(comm, log), `log` its hooks' record.
 template <class Body>
@@ -57,30 +55,6 @@ Outcome swap_on_rank1(const std::vector<std::string>& rank1_order, bool backward
     iteration(sm, usual);
     iteration(sm, comm.rank() == 1 ? rank1_order : usual, log, backward);
   });
-}
-
-// Rank 0 ran `unit0` where rank 1 ran `unit1`, both named on every rank.
-void check_named(const Outcome& o, const std::string& phase, const std::string& unit0 = "blocks.0",
-                 const std::string& unit1 = "blocks.1") {
-  for (int r = 0; r < 2; ++r) {
-    CAPTURE(r);
-    CAPTURE(o.errors[r]);
-    CHECK(contains(o.errors[r], "collective mismatch"));
-    CHECK(in_order(o.errors[r], {"rank 0 called", "of unit '" + unit0 + "' (" + phase, "rank 1 called",
-                                 "of unit '" + unit1 + "' (" + phase}));
-  }
-}
-
-// Nothing of the swapped units was shown to the engine on `ranks` (`hooks`: which hooks'
-// return count), and no rank finished its backward.
-void check_not_shown(const Outcome& o, const std::vector<std::string>& hooks, const std::vector<int>& ranks = {0, 1}) {
-  for (int r : ranks)
-    for (const auto& h : hooks)
-      for (const char* unit : {"blocks.0", "blocks.1"}) {
-        CAPTURE(r);
-        CHECK(std::find(o.logs[r].begin(), o.logs[r].end(), h + " " + unit) == o.logs[r].end());
-      }
-  for (const auto& log : o.logs) CHECK(std::find(log.begin(), log.end(), "finish_backward") == log.end());
 }
 
 }  // namespace

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# mpi_faults_test.cpp's binary under mpirun: its order cases in one job at -np 2 and 4, then
+# each "job-ending" case (a collective that fails or stalls on rank 1; the others time out
+# and the MpiSession aborts the job) in a job of its own at -np 2 and 4: each must end in
+# MPI_Abort with every rank reporting its case passed. Exits non-zero if any run failed.
+#
+# Usage: mpi_faults_test.sh TEST_BINARY
+set -u
+bin="$1"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# The environment of mpi_comm_test.sh (root, one host, shared memory and loopback only).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_plm=isolated
+export OMPI_MCA_btl=self,vader
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+export OMPI_MCA_oob_tcp_if_include=lo
+export TMPDIR="${TEST_TMPDIR:-${TMPDIR:-/tmp}}"
+export OMPI_MCA_btl_vader_backing_directory="$TMPDIR"
+
+run() {
+  local np="$1"
+  shift
+  timeout -k 5 40 mpirun -np "$np" --oversubscribe --tag-output "$bin" "$@" 2>&1
+}
+
+for np in 2 4; do
+  start=$SECONDS
+  out=$(run "$np" --test-case-exclude='job-ending*')
+  rc=$?
+  echo "$out"
+  echo "np=$np: exit $rc after $((SECONDS - start)) s"
+  [[ $rc == 0 ]] || fail "np=$np: mpirun exited with $rc"
+  grep -q '\[doctest\] test cases: [1-9][0-9]* | [0-9]* passed | 0 failed' <<<"$out" ||
+    fail "np=$np: no passing summary from rank 0"
+
+  for case in 'first collective fails' 'middle collective fails' 'last collective fails' 'stalls'; do
+    start=$SECONDS
+    out=$(run "$np" --test-case="job-ending: *$case*")
+    rc=$?
+    echo "$out"
+    echo "np=$np, $case: exit $rc after $((SECONDS - start)) s"
+    [[ $rc != 0 && $rc != 124 && $rc != 137 ]] || fail "np=$np, $case: mpirun exited with $rc, expected MPI_Abort's status"
+    passed=$(grep -c '\[mpi\] rank [0-9]* (its MPI job failed: no totals across ranks): test cases: 1 | 1 passed | 0 failed' <<<"$out")
+    [[ $passed == "$np" ]] || fail "np=$np, $case: the case passed on $passed of $np ranks"
+  done
+done
+
+[[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
+exit $((failures > 0))
