@@ -165,9 +165,11 @@ class MpiPending final : public Work::Pending {
     // Known once the descriptors met, even when the collective itself does not complete.
     const std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
     // Collectives that differ in more than their tags often never complete: waiting the
-    // whole timeout for them only delays an error already known.
-    const auto collective_deadline =
-        blocking && !mismatch.empty() && !check_->tags_only() ? std::min(deadline, now + kMismatchGrace) : deadline;
+    // whole timeout for them only delays an error already known (known now, not when
+    // wait() began: the descriptors may have taken most of the timeout to meet).
+    const auto collective_deadline = blocking && !mismatch.empty() && !check_->tags_only()
+                                         ? std::min(deadline, std::chrono::steady_clock::now() + kMismatchGrace)
+                                         : deadline;
     const int rc = calls_rc == MPI_SUCCESS ? mpi_test_until(*comm_->rt, req_, collective_deadline) : calls_rc;
     if (rc == kMpiTimedOut && !blocking) return false;
     const std::string at = comm_->where() + ": ";
