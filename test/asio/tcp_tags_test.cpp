@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -170,6 +172,28 @@ TEST_CASE("a rank in no collective is named as not reporting, after a bounded wa
   }
   CHECK(contains(errors[3], "rank 3: all_gather(count=4, dtype=f32) of unit 'layer0' (backward, pass 2) as collective #0 "
                             "aborted: collective mismatch"));
+}
+
+TEST_CASE("keys left under the prefix by a communicator whose process died do not reach the next one's message") {
+  const Names names;
+  auto store = std::make_shared<fsdp::HashStore>();
+  store->set("fsdp/comm/ask", "1");
+  store->set("fsdp/comm/mismatch", "collective mismatch: stale, from an earlier communicator");
+  store->set("fsdp/comm/last/2", "7\tbarrier as collective #7\tstale");
+  std::vector<std::optional<fsdp::TcpComm>> comms(3);
+  const auto made = test_support::on_threads(3, [&](int r) { comms[r].emplace(store, r, 3, test_support::ok_options()); });
+  for (const auto& e : made) REQUIRE(e.empty());
+  const auto errors = test_support::on_threads(3, [&](int r) {
+    std::vector<float> mine(4, 1.0f), all(12);
+    const fsdp::CollectiveTag tag{r == 1 ? 1u : 0u, fsdp::TagPhase::forward, 1, &names};
+    comms[r]->all_gather(mine.data(), all.data(), 4, fsdp::DType::f32, tag).wait();
+  });
+  check_same_verdict(errors);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(errors[r]);
+    CHECK(!contains(errors[r], "stale"));
+    CHECK(entry(errors[r], 2) == "called all_gather(count=4, dtype=f32) of unit 'layer0' (forward, pass 1) as collective #0");
+  }
 }
 
 TEST_CASE("a rank that swaps two units from iteration 2 on: an error on every rank, nothing shown") {

@@ -36,7 +36,7 @@
 // Store keys (under `prefix`): addr/<rank> while joining; ask, last/<rank> and mismatch
 // after a timeout or a mismatch. A prefix names one communicator at a time on a store;
 // each rank removes its keys when its communicator is destroyed, after which the prefix
-// may be used again.
+// may be used again (what a dead process left is removed as the next one is made).
 #include <algorithm>
 #include <array>
 #include <chrono>

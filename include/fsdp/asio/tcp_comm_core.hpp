@@ -80,6 +80,7 @@ class TcpCommCore {
       : store_(std::move(store)), id_(std::move(id)), planner_(id_.rank, id_.size, id_.segment_bytes),
         reports_(store_, id_.prefix, id_.rank, id_.size, id_.timeout) {
     if (id_.size > 1) {
+      reports_.forget(/*shared=*/id_.rank == 0);  // what a dead process of this prefix left
       try {
         RingSockets links = RingJoiner(io_, *store_, id_).join();
         ShmLinks shm = ShmHandshake::negotiate(io_, links, id_);

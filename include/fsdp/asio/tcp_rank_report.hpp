@@ -93,10 +93,16 @@ class StoreRankReport final : public RingObserver {
   }
 
   // This rank's report, and the keys that ask for reports: the next communicator of this
-  // prefix (once every member of this one is gone) must not see them.
-  void forget() noexcept {
+  // prefix (once every member of this one is gone) must not see them. Also called before
+  // joining, for what an earlier communicator of this prefix left when a process of it
+  // died: a stale report, flag, or a mismatch message that compare_set would return as
+  // this communicator's. Rank 0 clears the shared keys then, before it publishes its
+  // address: a mismatch found earlier (only between ranks that joined without waiting for
+  // rank 0) at worst leaves the ranks' messages different.
+  void forget(bool shared = true) noexcept {
     try {
       store_->delete_key(last_key(rank_));
+      if (!shared) return;
       store_->delete_key(flag_key());
       store_->delete_key(mismatch_key());
     } catch (...) {
