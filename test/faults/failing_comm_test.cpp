@@ -26,18 +26,8 @@ namespace {
 using test_support::contains;
 using test_support::Fault;
 using test_support::FaultMode;
-using test_support::RankRun;
+using test_support::Outcome;
 
-engine::ModelConfig config() {
-  engine::ModelConfig c;
-  c.blocks = 2;
-  return c;
-}
-
-struct Outcome {
-  std::vector<std::string> errors;
-  std::vector<RankRun> runs;
-};
 
 // Two training steps on 2 ranks (4 as a 2x2 mesh for the hybrid strategies); rank `faulty`
 // has collective `at` fail or stall.
@@ -51,7 +41,7 @@ Outcome run(long at, FaultMode mode, int faulty = 1) {
       world,
       [&](fsdp::ThreadComm& comm) {
         const Fault fault{comm.rank() == faulty ? at : 0, mode, 3 * timeout};
-        test_support::train_with_fault<Ps...>(comm, fault, config(), 2, out.runs[static_cast<std::size_t>(comm.rank())]);
+        test_support::train_with_fault<Ps...>(comm, fault, test_support::two_blocks(), 2, out.runs[static_cast<std::size_t>(comm.rank())]);
       },
       timeout);
   return out;
@@ -143,7 +133,7 @@ TEST_CASE("a model destroyed mid-backward with a collective in flight that fails
   const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
     auto& record = records[static_cast<std::size_t>(comm.rank())];
     FailsAtWait failing(comm, record);
-    engine::Model model(config());
+    engine::Model model(test_support::two_blocks());
     fsdp::HostDevice device;
     {
       auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, failing, device, engine::Wrap{});
@@ -186,6 +176,7 @@ TEST_CASE("a rank stalling inside a step: every rank ends in an error naming the
     const Outcome o = run<fsdp::FullShard, fsdp::BackwardPre>(at, FaultMode::stall);
     const auto took = std::chrono::steady_clock::now() - begin;
     check_faulty_run(o, clean, at);
+    CHECK(contains(o.errors[0], "timed out after 300 ms"));  // the wait, named
     CHECK(took < std::chrono::seconds(5));  // the stall is 0.9 s, the timeout 0.3 s: bounded, no hang
   }
 }
