@@ -5,11 +5,16 @@
 // returned equals a clean run's, and no rank applied the step the fault fell in), and
 // every rank's Device has freed all it allocated once the model is gone (nothing leaked
 // on the failing path). The same over TcpComm: tcp_faults_test.cpp; over MpiComm:
-// test/mpi/mpi_faults_test.cpp.
+// test/mpi/mpi_faults_test.cpp. And a model destroyed with collectives in flight whose
+// waits fail: their messages name the units through the model's ExecutionOrder, which
+// must outlive the units (a use-after-free under tools/sanitize.sh asan otherwise).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test/faults/faulty_training.hpp"
@@ -21,18 +26,8 @@ namespace {
 using test_support::contains;
 using test_support::Fault;
 using test_support::FaultMode;
-using test_support::RankRun;
+using test_support::Outcome;
 
-engine::ModelConfig config() {
-  engine::ModelConfig c;
-  c.blocks = 2;
-  return c;
-}
-
-struct Outcome {
-  std::vector<std::string> errors;
-  std::vector<RankRun> runs;
-};
 
 // Two training steps on 2 ranks (4 as a 2x2 mesh for the hybrid strategies); rank `faulty`
 // has collective `at` fail or stall.
@@ -46,7 +41,7 @@ Outcome run(long at, FaultMode mode, int faulty = 1) {
       world,
       [&](fsdp::ThreadComm& comm) {
         const Fault fault{comm.rank() == faulty ? at : 0, mode, 3 * timeout};
-        test_support::train_with_fault<Ps...>(comm, fault, config(), 2, out.runs[static_cast<std::size_t>(comm.rank())]);
+        test_support::train_with_fault<Ps...>(comm, fault, test_support::two_blocks(), 2, out.runs[static_cast<std::size_t>(comm.rank())]);
       },
       timeout);
   return out;
@@ -80,7 +75,89 @@ void every_collective_fails() {
   }
 }
 
+// ThreadComm, except that its tagged collectives are never complete inside the call (so
+// the library keeps a reduction in flight after post_backward), and while `fail` is set
+// their wait() throws naming the unit through its tag, as a backend does when it learns
+// of a failure at the wait; the names it gave are kept in `named`.
+class FailsAtWait : public fsdp::detail::WrappedCollectives<FailsAtWait, fsdp::ThreadComm> {
+ public:
+  struct Record {
+    bool fail = false;
+    std::vector<std::string> named;
+  };
+  FailsAtWait(fsdp::ThreadComm& inner, Record& record) : inner_(&inner), record_(&record) {}
+  int rank() const { return inner_->rank(); }
+  int size() const { return inner_->size(); }
+  fsdp::Work broadcast(const void* s, void* r, std::size_t n, fsdp::DType t, int root) {
+    return inner_->broadcast(s, r, n, t, root);
+  }
+  fsdp::Work barrier() { return inner_->barrier(); }
+
+ private:
+  friend class fsdp::detail::WrappedCollectives<FailsAtWait, fsdp::ThreadComm>;
+  struct Pending final : fsdp::Work::Pending {
+    fsdp::Work inner;
+    fsdp::CollectiveTag tag;
+    Record& record;
+    Pending(fsdp::Work w, const fsdp::CollectiveTag& t, Record& r) : inner(std::move(w)), tag(t), record(r) {}
+    void wait() override {
+      inner.wait();
+      if (!record.fail) return;
+      record.named.push_back(tag.describe());
+      fsdp::detail::fail("injected failure at the wait of ", record.named.back());
+    }
+    bool ready() override { return inner.ready(); }
+  };
+  fsdp::Work wrap(fsdp::Work w, const fsdp::CollectiveTag* tag) {
+    return tag ? fsdp::Work(std::make_unique<Pending>(std::move(w), *tag, *record_)) : std::move(w);
+  }
+  fsdp::Work gather(const void* s, void* r, std::size_t n, fsdp::DType t, const fsdp::CollectiveTag* tag) {
+    return wrap(inner_->all_gather(s, r, n, t), tag);
+  }
+  fsdp::Work scatter(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op,
+                     const fsdp::CollectiveTag* tag) {
+    return wrap(inner_->reduce_scatter(s, r, n, t, op), tag);
+  }
+  fsdp::Work reduce(const void* s, void* r, std::size_t n, fsdp::DType t, fsdp::ReduceOp op,
+                    const fsdp::CollectiveTag* tag) {
+    return wrap(inner_->all_reduce(s, r, n, t, op), tag);
+  }
+  fsdp::ThreadComm* inner_;
+  Record* record_;
+};
+
 }  // namespace
+
+TEST_CASE("a model destroyed mid-backward with a collective in flight that fails at its wait: the error names the unit") {
+  std::vector<FailsAtWait::Record> records(2);
+  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    auto& record = records[static_cast<std::size_t>(comm.rank())];
+    FailsAtWait failing(comm, record);
+    engine::Model model(test_support::two_blocks());
+    fsdp::HostDevice device;
+    {
+      auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, failing, device, engine::Wrap{});
+      sm.zero_grad();
+      sm.unit("").pre_forward();
+      for (const char* n : {"blocks.0", "blocks.1", "gain"}) sm.unit(n).pre_forward(), sm.unit(n).post_forward();
+      sm.unit("").post_forward();
+      sm.unit("").pre_backward();
+      sm.unit("gain").pre_backward();
+      sm.unit("gain").post_backward();  // its reduction stays in flight
+      record.fail = true;
+    }  // the units' destructors wait, and the waits fail
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(errors[r] == "");  // a destructor's wait drops its error
+    std::string named;
+    for (const auto& n : records[r].named) named += n + "; ";
+    CAPTURE(named);
+    CHECK(std::find(records[r].named.begin(), records[r].named.end(), "unit 'gain' (gradient reduction, pass 0)") !=
+          records[r].named.end());
+    for (const auto& n : records[r].named) CHECK(contains(n, "unit '"));
+  }
+}
 
 TEST_CASE_TEMPLATE("a collective failing on one rank, at every collective of two steps: an error on every rank, "
                    "no wrong value first, nothing leaked", Policies,
@@ -99,6 +176,7 @@ TEST_CASE("a rank stalling inside a step: every rank ends in an error naming the
     const Outcome o = run<fsdp::FullShard, fsdp::BackwardPre>(at, FaultMode::stall);
     const auto took = std::chrono::steady_clock::now() - begin;
     check_faulty_run(o, clean, at);
+    CHECK(contains(o.errors[0], "timed out after 300 ms"));  // the wait, named
     CHECK(took < std::chrono::seconds(5));  // the stall is 0.9 s, the timeout 0.3 s: bounded, no hang
   }
 }

@@ -26,6 +26,19 @@ struct RankRun {
   std::size_t live_after = 0;           // the Device's live bytes once the model was gone
 };
 
+// Every rank's fsdp::Error message ("" if none) and what it went through, in one run.
+struct Outcome {
+  std::vector<std::string> errors;
+  std::vector<RankRun> runs;
+};
+
+// The model the fault tests train: the reference engine's, with two blocks.
+inline engine::ModelConfig two_blocks() {
+  engine::ModelConfig c;
+  c.blocks = 2;
+  return c;
+}
+
 template <class... Ps>
 constexpr bool hybrid = (std::is_same_v<Ps, fsdp::HybridShard> || ...) || (std::is_same_v<Ps, fsdp::HybridShardZero2> || ...);
 

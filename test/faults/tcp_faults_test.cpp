@@ -26,18 +26,8 @@ namespace {
 using namespace std::chrono_literals;
 using test_support::contains;
 using test_support::FaultMode;
-using test_support::RankRun;
+using test_support::Outcome;
 
-engine::ModelConfig config() {
-  engine::ModelConfig c;
-  c.blocks = 2;
-  return c;
-}
-
-struct Outcome {
-  std::vector<std::string> errors;
-  std::vector<RankRun> runs;
-};
 
 // Two training steps on 2 TcpComm ranks; rank 1 has collective `at` fail, or stall for
 // three times the timeout.
@@ -51,7 +41,7 @@ Outcome run(long at, FaultMode mode) {
   out.errors = test_support::on_threads(2, [&](int r) {
     fsdp::TcpComm comm(store, r, 2, options);
     const test_support::Fault fault{r == 1 ? at : 0, mode, 3 * options.timeout};
-    test_support::train_with_fault<Ps...>(comm, fault, config(), 2, out.runs[static_cast<std::size_t>(r)]);
+    test_support::train_with_fault<Ps...>(comm, fault, test_support::two_blocks(), 2, out.runs[static_cast<std::size_t>(r)]);
   });
   return out;
 }
@@ -84,7 +74,7 @@ void faults_at_a_spread(FaultMode mode) {
       CHECK(contains(o.errors[0], "rank 1"));  // the peer that left, named
       CHECK(took < 5s);                         // found from the closed link, not by the timeout
     } else {
-      CHECK(contains(o.errors[0], "rank 1"));  // the rank that is behind, named
+      CHECK(contains(o.errors[0], "behind: rank 1"));  // the rank that is behind, named
       CHECK(took < 3s);                         // the stall is 0.9 s, the timeout 0.3 s
     }
   }

@@ -20,8 +20,9 @@ struct OrderOutcome {
 };
 
 // What a collective-mismatch message says rank `rank` called: from "rank <rank> called"
-// to its " as collective #" ("" if it names no call of that rank). Backends list the
-// ranks in their own order (ThreadComm: by rank; TcpComm: the reporting rank first).
+// to its " as collective #" ("" if it names no call of that rank), wherever the message
+// lists it (by rank in detail::mismatch_message; TcpComm's fallback, when the store cannot
+// be asked, names the reporting rank first).
 inline std::string call_of(const std::string& error, int rank) {
   const std::string from = "rank " + std::to_string(rank) + " called ";
   const auto begin = error.find(from);
