@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "collective_cases.hpp"
-#include "tcp_world.hpp"
+#include "test/asio/tcp_world.hpp"
 
 namespace test_support {
 

@@ -15,7 +15,7 @@
 #include <boost/asio/write.hpp>
 
 #include "fsdp/asio/tcp_comm.hpp"
-#include "tcp_world.hpp"
+#include "test/asio/tcp_world.hpp"
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "tcp_cases.hpp"
-#include "tcp_world.hpp"
+#include "test/asio/tcp_world.hpp"
 
 namespace {
 

@@ -13,7 +13,7 @@
 
 #include "fsdp/asio/shm_link.hpp"
 #include "tcp_cases.hpp"
-#include "tcp_world.hpp"
+#include "test/asio/tcp_world.hpp"
 
 namespace {
 

@@ -18,7 +18,7 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "fsdp/asio/tcp_comm.hpp"
-#include "tcp_world.hpp"
+#include "test/asio/tcp_world.hpp"
 #include "test/faults/unit_order_driver.hpp"
 
 namespace {
