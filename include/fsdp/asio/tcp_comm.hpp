@@ -35,8 +35,9 @@
 //
 // Store keys (under `prefix`): addr/<rank> while joining; ask, last/<rank> and mismatch
 // after a timeout or a mismatch. A prefix names one communicator at a time on a store;
-// each rank removes its keys when its communicator is destroyed, after which the prefix
-// may be used again (what a dead process left is removed as the next one is made).
+// each rank removes its address when its communicator is destroyed, after which the
+// prefix may be used again. The reports stay (a peer may still be reading them) until the
+// next communicator of the prefix is made, which removes them before it joins.
 #include <algorithm>
 #include <array>
 #include <chrono>

@@ -173,7 +173,9 @@ class TcpCommCore {
       store_->delete_key(id_.address_key(id_.rank));
     } catch (...) {
     }
-    reports_.forget();
+    // The reports stay: a peer may still be gathering them for its mismatch message (a
+    // rank that found the mismatch first fails and is destroyed within milliseconds). The
+    // next communicator of this prefix clears them before it joins.
   }
 
   std::shared_ptr<Store> store_;

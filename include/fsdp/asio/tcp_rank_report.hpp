@@ -92,14 +92,14 @@ class StoreRankReport final : public RingObserver {
     }
   }
 
-  // This rank's report, and the keys that ask for reports: the next communicator of this
-  // prefix (once every member of this one is gone) must not see them. Also called before
-  // joining, for what an earlier communicator of this prefix left when a process of it
-  // died: a stale report, flag, or a mismatch message that compare_set would return as
-  // this communicator's. Rank 0 clears the shared keys then, before it publishes its
-  // address: a mismatch found earlier (only between ranks that joined without waiting for
-  // rank 0) at worst leaves the ranks' messages different.
-  void forget(bool shared = true) noexcept {
+  // This rank's report, and (`shared`) the keys that ask for reports: called before
+  // joining, for what an earlier communicator of this prefix left (it never removes them
+  // itself, since a peer may still be gathering them): a stale report, flag, or a
+  // mismatch message that compare_set would return as this communicator's. Rank 0 clears
+  // the shared keys, before it publishes its address: a mismatch found earlier (only
+  // between ranks that joined without waiting for rank 0) at worst leaves the ranks'
+  // messages different.
+  void forget(bool shared) noexcept {
     try {
       store_->delete_key(last_key(rank_));
       if (!shared) return;
