@@ -7,23 +7,10 @@
 # Usage: mpi_faults_test.sh TEST_BINARY
 set -u
 bin="$1"
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-
-# The environment of mpi_comm_test.sh (root, one host, shared memory and loopback only).
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_plm=isolated
-export OMPI_MCA_btl=self,vader
-export OMPI_MCA_btl_vader_single_copy_mechanism=none
-export OMPI_MCA_oob_tcp_if_include=lo
-export TMPDIR="${TEST_TMPDIR:-${TMPDIR:-/tmp}}"
-export OMPI_MCA_btl_vader_backing_directory="$TMPDIR"
-
-run() {
-  local np="$1"
-  shift
-  timeout -k 5 40 mpirun -np "$np" --oversubscribe --tag-output "$bin" "$@" 2>&1
-}
+# fail, run, mpirun's environment: beside this script, or in Bazel's runfiles (the cwd).
+env_sh="$(dirname "${BASH_SOURCE[0]}")/mpirun_env.sh"
+[[ -f $env_sh ]] || env_sh=test/mpi/mpirun_env.sh
+source "$env_sh"
 
 for np in 2 4; do
   start=$SECONDS
