@@ -14,14 +14,7 @@ env_sh="$(dirname "${BASH_SOURCE[0]}")/mpirun_env.sh"
 source "$env_sh"
 
 for np in 1 2 3 4 8; do
-  start=$SECONDS
-  out=$(run "$np" --test-case-exclude='teardown*,fatal*')
-  rc=$?
-  echo "$out"
-  echo "np=$np: exit $rc after $((SECONDS - start)) s"
-  [[ $rc == 0 ]] || fail "np=$np: mpirun exited with $rc"
-  grep -q '\[doctest\] test cases: [0-9]* | [0-9]* passed | 0 failed' <<<"$out" ||
-    fail "np=$np: no passing summary from rank 0"
+  passing_job "$np" --test-case-exclude='teardown*,fatal*'
 done
 
 # Rank 0 skips a barrier; the others time out after 500 ms, still pass their checks, and
@@ -40,22 +33,10 @@ grep -q 'aborting the MPI job after a failed collective: world rank [12]: MpiCom
 # Calls MPI pairs although they differ: each rank's collective completes, fails or times
 # out (500 ms), and every rank's error must name every rank's call. Ranks whose job failed
 # end it; every rank prints its own verdict first.
-fatal() {
-  local np="$1" name="$2"
-  start=$SECONDS
-  out=$(FSDP_MPI_TEST_PER_RANK=1 run "$np" --test-case="$name")
-  rc=$?
-  echo "$out"
-  echo "$name (np=$np): exit $rc after $((SECONDS - start)) s"
-  [[ $rc != 124 && $rc != 137 ]] || fail "$name (np=$np): mpirun hung"
-  [[ $(grep -c '\[mpi\] rank [0-9]* ([^)]*): test cases: 1 | 1 passed | 0 failed' <<<"$out") == "$np" ]] ||
-    fail "$name (np=$np): the case did not pass on every rank"
-}
-fatal 2 'fatal: all_reduce counts*'
-fatal 3 'fatal: all_reduce counts*'
-fatal 3 'fatal: all_gather against all_reduce*'
-fatal 2 'fatal: broadcast roots*'
-fatal 3 'fatal: a known mismatch ends*'
+per_rank_job 2 any 'fatal: all_reduce counts*'
+per_rank_job 3 any 'fatal: all_reduce counts*'
+per_rank_job 3 any 'fatal: all_gather against all_reduce*'
+per_rank_job 2 any 'fatal: broadcast roots*'
+per_rank_job 3 any 'fatal: a known mismatch ends*'
 
-[[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
-exit $((failures > 0))
+finish

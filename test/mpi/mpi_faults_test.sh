@@ -13,26 +13,9 @@ env_sh="$(dirname "${BASH_SOURCE[0]}")/mpirun_env.sh"
 source "$env_sh"
 
 for np in 2 4; do
-  start=$SECONDS
-  out=$(run "$np" --test-case-exclude='job-ending*')
-  rc=$?
-  echo "$out"
-  echo "np=$np: exit $rc after $((SECONDS - start)) s"
-  [[ $rc == 0 ]] || fail "np=$np: mpirun exited with $rc"
-  grep -q '\[doctest\] test cases: [1-9][0-9]* | [0-9]* passed | 0 failed' <<<"$out" ||
-    fail "np=$np: no passing summary from rank 0"
-
+  passing_job "$np" --test-case-exclude='job-ending*'
   for case in 'first collective fails' 'middle collective fails' 'last collective fails' 'stalls'; do
-    start=$SECONDS
-    out=$(run "$np" --test-case="job-ending: *$case*")
-    rc=$?
-    echo "$out"
-    echo "np=$np, $case: exit $rc after $((SECONDS - start)) s"
-    [[ $rc != 0 && $rc != 124 && $rc != 137 ]] || fail "np=$np, $case: mpirun exited with $rc, expected MPI_Abort's status"
-    passed=$(grep -c '\[mpi\] rank [0-9]* (its MPI job failed: no totals across ranks): test cases: 1 | 1 passed | 0 failed' <<<"$out")
-    [[ $passed == "$np" ]] || fail "np=$np, $case: the case passed on $passed of $np ranks"
+    per_rank_job "$np" abort "job-ending: *$case*"
   done
 done
-
-[[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
-exit $((failures > 0))
+finish

@@ -1,4 +1,5 @@
-# Sourced by the MPI sh_tests: mpirun's environment, `fail`, and `run NP ARGS...`.
+# Sourced by the MPI sh_tests: mpirun's environment, `fail`, `run NP ARGS...`, the job
+# checks and `finish`.
 #
 # mpirun as root (containers, CI), on one host with no ssh, over shared memory and loopback
 # only. vader's single-copy mechanism (CMA) needs ptrace rights a sandbox may not grant.
@@ -22,4 +23,42 @@ run() {
   local np="$1"
   shift
   timeout -k 5 40 mpirun -np "$np" --oversubscribe --tag-output "$bin" "$@" 2>&1
+}
+
+# passing_job NP ARGS...: a job that must exit 0 with rank 0's passing doctest summary (a
+# case passes there if it passed on every rank).
+passing_job() {
+  local np="$1" start=$SECONDS out rc
+  shift
+  out=$(run "$np" "$@")
+  rc=$?
+  echo "$out"
+  echo "np=$np: exit $rc after $((SECONDS - start)) s"
+  [[ $rc == 0 ]] || fail "np=$np: mpirun exited with $rc"
+  grep -q '\[doctest\] test cases: [1-9][0-9]* | [0-9]* passed | 0 failed' <<<"$out" ||
+    fail "np=$np: no passing summary from rank 0"
+}
+
+# per_rank_job NP END CASE: a job of the one test case CASE (a doctest pattern) in which
+# ranks fail, so every rank prints its own verdict (FSDP_MPI_TEST_PER_RANK) and each must
+# have passed. END=abort: the job must end in MPI_Abort's status; END=any: any end but a hang.
+per_rank_job() {
+  local np="$1" end="$2" label="$3" start=$SECONDS out rc passed
+  out=$(FSDP_MPI_TEST_PER_RANK=1 run "$np" --test-case="$label")
+  rc=$?
+  echo "$out"
+  echo "$label (np=$np): exit $rc after $((SECONDS - start)) s"
+  if [[ $rc == 124 || $rc == 137 ]]; then
+    fail "$label (np=$np): mpirun hung"
+  elif [[ $end == abort && $rc == 0 ]]; then
+    fail "$label (np=$np): mpirun exited with 0, expected MPI_Abort's status"
+  fi
+  passed=$(grep -c '\[mpi\] rank [0-9]* ([^)]*): test cases: 1 | 1 passed | 0 failed' <<<"$out")
+  [[ $passed == "$np" ]] || fail "$label (np=$np): the case passed on $passed of $np ranks"
+}
+
+# The last line and the exit status of every MPI sh_test.
+finish() {
+  [[ $failures == 0 ]] && echo "PASS: every run" || echo "FAILED: $failures check(s)"
+  exit $((failures > 0))
 }

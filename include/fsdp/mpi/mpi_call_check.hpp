@@ -59,8 +59,9 @@ struct MpiCallDescriptor {
   }
 };
 
-// One collective's descriptor exchange. On the heap, where MPI reads and writes until the
-// request completes: every rank's descriptor, then this rank's own.
+// One collective's descriptor exchange, held by its Work. MPI reads and writes `buffer_`'s
+// heap block until the request completes (moving the object keeps that block): every
+// rank's descriptor, then this rank's own.
 class MpiCallCheck {
  public:
   MpiCallCheck(const CollectiveCall& call, int group_size)

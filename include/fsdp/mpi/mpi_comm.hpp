@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -317,8 +318,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
   Work start(const detail::CollectiveCall& call, const char* mpi_function, Issue&& issue,
              detail::MpiEpilogue epilogue = {}) {
     MPI_Request req = MPI_REQUEST_NULL;
-    std::unique_ptr<detail::MpiCallCheck> check;
-    if (size() > 1 && (state_->check_calls || call.tag)) check = std::make_unique<detail::MpiCallCheck>(call, size());
+    std::optional<detail::MpiCallCheck> check;
+    if (size() > 1 && (state_->check_calls || call.tag)) check.emplace(call, size());
     int rc = MPI_SUCCESS;
     {
       auto lk = state_->rt->lock_for_call([&] { return where() + ": " + call.describe(); });

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -144,7 +145,7 @@ class MpiPending final : public Work::Pending {
   static constexpr std::chrono::milliseconds kMismatchGrace{2000};
 
   MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue,
-             std::unique_ptr<MpiCallCheck> check = nullptr)
+             std::optional<MpiCallCheck> check = std::nullopt)
       : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), check_(std::move(check)) {}
 
   void wait() override { finish(true); }
@@ -216,7 +217,7 @@ class MpiPending final : public Work::Pending {
   MPI_Request req_;
   CollectiveCall call_;
   MpiEpilogue epilogue_;
-  std::unique_ptr<MpiCallCheck> check_;  // null: the ranks' calls are not compared
+  std::optional<MpiCallCheck> check_;  // empty: the ranks' calls are not compared
   bool done_ = false;
   std::string mismatch_;  // the ranks' calls differed: the result is not used
 };
