@@ -23,6 +23,8 @@ struct Mat {  // activations: rows = samples
   Mat(std::int64_t r, std::int64_t c) : rows(r), cols(c), v(static_cast<std::size_t>(r * c), 0.0f) {}
   float& at(std::int64_t r, std::int64_t c) { return v[static_cast<std::size_t>(r * cols + c)]; }
   float at(std::int64_t r, std::int64_t c) const { return v[static_cast<std::size_t>(r * cols + c)]; }
+  float* row(std::int64_t r) { return v.data() + r * cols; }
+  const float* row(std::int64_t r) const { return v.data() + r * cols; }
 };
 
 // Deterministic pseudo-random numbers in [-1, 1) from (seed, index): every rank and the
@@ -70,12 +72,14 @@ class Linear {
     x_ = x;
     Mat y(x.rows, out_);
     with_access([&](auto w, auto bias_) {
-      for (std::int64_t b = 0; b < x.rows; ++b)
+      for (std::int64_t b = 0; b < x.rows; ++b) {
+        const float* xb = x.row(b);
         for (std::int64_t o = 0; o < out_; ++o) {
           float acc = bias_.get(o);
-          for (std::int64_t i = 0; i < in_; ++i) acc += x.at(b, i) * w.get(o * in_ + i);
+          for (std::int64_t i = 0, wi = o * in_; i < in_; ++i, ++wi) acc += xb[i] * w.get(wi);
           y.at(b, o) = acc;
         }
+      }
     }, weight, bias);
     return y;
   }
@@ -83,15 +87,18 @@ class Linear {
   Mat backward(const Mat& dy) {
     Mat dx(dy.rows, in_);
     with_access([&](auto w, auto wg, auto bg) {
-      for (std::int64_t b = 0; b < dy.rows; ++b)
+      for (std::int64_t b = 0; b < dy.rows; ++b) {
+        const float* xb = x_.row(b);
+        float* dxb = dx.row(b);
         for (std::int64_t o = 0; o < out_; ++o) {
           const float g = dy.at(b, o);
           bg.add(o, g);
-          for (std::int64_t i = 0; i < in_; ++i) {
-            wg.add(o * in_ + i, g * x_.at(b, i));
-            dx.at(b, i) += g * w.get(o * in_ + i);
+          for (std::int64_t i = 0, wi = o * in_; i < in_; ++i, ++wi) {
+            wg.add(wi, g * xb[i]);
+            dxb[i] += g * w.get(wi);
           }
         }
+      }
     }, weight, weight_grad, bias_grad);
     return dx;
   }

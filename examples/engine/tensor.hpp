@@ -169,10 +169,12 @@ class Tensor {
 // How the layers' loops reach elements: a plain float pointer when the tensor is f32 (the
 // common case, and exactly the arithmetic of a float array), or the tensor's own
 // get/add, which convert, otherwise. with_access() picks once per call, not per element.
+// F32Access is inlined even where nothing else is (the tests' unoptimized builds): the
+// layers' inner loops call it once per multiply-add.
 struct F32Access {
   float* p;
-  float get(std::int64_t i) const { return p[i]; }
-  void add(std::int64_t i, float v) const { p[i] += v; }
+  [[gnu::always_inline]] float get(std::int64_t i) const { return p[i]; }
+  [[gnu::always_inline]] void add(std::int64_t i, float v) const { p[i] += v; }
 };
 struct AnyAccess {
   Tensor* t;

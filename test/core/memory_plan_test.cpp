@@ -20,7 +20,6 @@ engine::ModelConfig config() {
 }
 
 struct Run {
-  bool async = false;
   int limit = 2;
   std::int64_t threshold = 0;
   int steps = 3;
@@ -33,8 +32,10 @@ struct Outcome {
 };
 
 // Plans, then trains `run.steps` steps (AdamW state through the same Device, counted in
-// the plan as the engine's), on every rank of a `shape` mesh.
-template <class... Ps>
+// the plan as the engine's), on every rank of a `shape` mesh; through an
+// AsyncCommunicator if Async (a template argument, not a flag: each policy set compiles
+// for the one communicator it runs on).
+template <bool Async, class... Ps>
 Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
   const auto c = config();
   const int world = shape.size();
@@ -50,7 +51,7 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       constexpr bool offload = fsdp::Policies<Ps...>::cpu_offload::offload;
       const auto space = offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
       fsdp::PlanOptions options;
-      options.asynchronous = run.async;
+      options.asynchronous = Async;
       options.persistence_threshold = run.threshold;
       options.steps = run.steps;
       if (run.adamw)  // two f32 moments per element of each shard this rank steps
@@ -67,19 +68,19 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
       out.host[comm.rank()] = device.stats(fsdp::MemorySpace::host);
     };
-    if (run.async) go(stream);
+    if constexpr (Async) go(stream);
     else go(comm);
   });
   return out;
 }
 
-template <class... Ps>
-void check_plan(fsdp::MeshShape shape, Run run = {}) {
+template <bool Async, class... Ps>
+void check_plan_on(fsdp::MeshShape shape, Run run) {
   CAPTURE(shape.str());
-  CAPTURE(run.async);
+  CAPTURE(Async);
   CAPTURE(run.limit);
   CAPTURE(run.threshold);
-  const Outcome o = train_and_plan<Ps...>(shape, run);
+  const Outcome o = train_and_plan<Async, Ps...>(shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
     CAPTURE(o.plan[r].describe());
@@ -88,6 +89,15 @@ void check_plan(fsdp::MeshShape shape, Run run = {}) {
     CHECK(o.plan[r].steady[0] == o.device[r].live_bytes);
     CHECK(o.plan[r].steady[1] == o.host[r].live_bytes);
   }
+}
+
+template <class... Ps>
+void check_plan(fsdp::MeshShape shape, Run run = {}) {
+  check_plan_on<false, Ps...>(shape, run);
+}
+template <class... Ps>
+void check_async_plan(fsdp::MeshShape shape, Run run = {}) {
+  check_plan_on<true, Ps...>(shape, run);
 }
 
 // Every prefetch combination under one strategy, precision and offload.
@@ -146,13 +156,13 @@ TEST_CASE("HybridShard and HybridShardZero2: plan == measured peak") {
 }
 
 TEST_CASE("an asynchronous communicator: one reduction in flight, planned to the byte") {
-  check_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {.async = true});
-  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.async = true});  // examples/train's configuration
-  check_plan<fsdp::FullShard, fsdp::BackwardPost, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.async = true});
-  check_plan<fsdp::HybridShard, fsdp::BackwardPre, fsdp::OffloadParams>({2, 2}, {.async = true});
+  check_async_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3});
+  check_async_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3});  // examples/train's configuration
+  check_async_plan<fsdp::FullShard, fsdp::BackwardPost, fsdp::MixedPrecision<fsdp::bf16>>({1, 3});
+  check_async_plan<fsdp::HybridShard, fsdp::BackwardPre, fsdp::OffloadParams>({2, 2});
   // Planned synchronously, the async run peaks higher: the option is not a no-op.
-  const Outcome o = train_and_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {.async = true});
-  CHECK(o.device[0].peak_bytes > train_and_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {}).plan[0].peak_bytes());
+  const Outcome o = train_and_plan<true, fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {});
+  CHECK(o.device[0].peak_bytes > train_and_plan<false, fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {}).plan[0].peak_bytes());
 }
 
 TEST_CASE("persistence threshold: units kept whole are planned as replicated") {
