@@ -35,7 +35,8 @@ void save_sharded_after(int steps, int world, const std::filesystem::path& dir,
 
 TEST_CASE("a sharded checkpoint saved on N ranks resumes on M ranks and another strategy") {
   const Params uninterrupted = test_support::uninterrupted_params(6);
-  for (auto [n, m] : {std::pair{2, 3}, {4, 1}, {1, 2}}) {
+  for (const auto& ranks : {std::pair{2, 3}, {4, 1}, {1, 2}}) {
+    const int n = ranks.first, m = ranks.second;  // not bound: CAPTURE captures them
     CAPTURE(n);
     CAPTURE(m);
     test_support::TempDir tmp;
@@ -94,7 +95,8 @@ TEST_CASE("saving over an older sharded checkpoint replaces it") {
 
 TEST_CASE("a full checkpoint is a plain safetensors file of every FQN and resumes on other ranks") {
   const Params uninterrupted = test_support::uninterrupted_params(6);
-  for (auto [n, m] : {std::pair{3, 2}, {1, 3}}) {
+  for (const auto& ranks : {std::pair{3, 2}, {1, 3}}) {
+    const int n = ranks.first, m = ranks.second;
     CAPTURE(n);
     CAPTURE(m);
     test_support::TempDir tmp;

@@ -69,7 +69,11 @@ std::vector<Tensor> expected() {
 }
 
 // Runs the script; its exit status and what it printed.
-std::pair<int, std::string> run_script(const std::string& command, const std::filesystem::path& file) {
+struct ScriptRun {
+  int status;
+  std::string output;
+};
+ScriptRun run_script(const std::string& command, const std::filesystem::path& file) {
   const std::filesystem::path out = file.string() + ".out";
   const std::string line = python + " " + script + " " + command + " '" + file.string() + "' >'" + out.string() + "' 2>&1";
   const int status = std::system(line.c_str());
@@ -92,18 +96,18 @@ TEST_CASE("a file written by fsdp is read by the independent Python reader with 
   w.set_metadata("format", "pt");
   w.set_metadata("step", "7");
   w.write(path);
-  const auto [status, output] = run_script("check", path);
-  INFO(output);
-  CHECK(status == 0);
+  const ScriptRun run = run_script("check", path);
+  INFO(run.output);
+  CHECK(run.status == 0);
 }
 
 TEST_CASE("a file written by the independent Python writer loads in fsdp with equal values" *
           doctest::skip(python.empty())) {
   test_support::TempDir dir;
   const auto path = dir / "numpy.safetensors";
-  const auto [status, output] = run_script("write", path);
-  INFO(output);
-  REQUIRE(status == 0);
+  const ScriptRun run = run_script("write", path);
+  INFO(run.output);
+  REQUIRE(run.status == 0);
   const SafetensorsFile f = SafetensorsFile::open(path);
   CHECK(f.metadata() == std::map<std::string, std::string, std::less<>>{{"format", "pt"}, {"step", "7"}});
   const std::vector<Tensor> tensors = expected();

@@ -68,7 +68,8 @@ inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int 
     SafetensorsWriter writer;
     for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
       const FixtureTensor& t = tensors[ti];
-      const auto [begin, count] = fixture_range(fixture_numel(t), n, r);
+      const auto range = fixture_range(fixture_numel(t), n, r);  // not bound: the lambda captures both
+      const auto begin = range.first, count = range.second;
       writer.add(fixture_key(t.id), t.dtype, {static_cast<std::int64_t>(count)},
                  [=, &on_tensor](std::span<std::byte> out) {
                    if (on_tensor) on_tensor();

@@ -32,7 +32,8 @@ std::vector<fsdp::ShardedStateDict> save_sharded(int world, int steps) {
 TEST_CASE("a sharded state dict saved on N ranks resumes on M ranks and another strategy") {
   const Params uninterrupted = test_support::uninterrupted_params(6);
   engine::Model probe(test_support::resume_config());
-  for (auto [n, m] : {std::pair{2, 3}, {4, 1}, {1, 4}, {3, 2}, {2, 2}}) {
+  for (const auto& ranks : {std::pair{2, 3}, {4, 1}, {1, 4}, {3, 2}, {2, 2}}) {
+    const int n = ranks.first, m = ranks.second;  // not bound: CAPTURE captures them
     CAPTURE(n);
     CAPTURE(m);
     const auto dicts = save_sharded(n, 3);

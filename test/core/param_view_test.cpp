@@ -64,7 +64,9 @@ void check_views(int world) {
     for (auto& [f, vals] : params) full[f] = vals;
   });
   REQUIRE(by_fqn.size() == full.size());
-  for (auto& [fqn, seen] : by_fqn) {
+  for (auto& entry : by_fqn) {  // not a structured binding: CAPTURE captures the name
+    const std::string& fqn = entry.first;
+    auto& seen = entry.second;
     CAPTURE(fqn);
     // Ranks that save a copy cover every element once; replicas (NoShard) each hold all.
     std::sort(seen.begin(), seen.end(), [](const Seen& a, const Seen& b) { return a.begin < b.begin; });

@@ -463,6 +463,7 @@ TEST_CASE("errors are fsdp::Error naming the device and leave the counts alone" 
   dev.synchronize();
   dev.deallocate(b, 64, kDev);
 
-  CHECK_THROWS_AS(CudaDevice(fsdp::cuda_device_count()), fsdp::Error);  // no such device
+  // No such device. Braces: in parentheses, clang reads the macro's statement as a declaration.
+  CHECK_THROWS_AS(CudaDevice{fsdp::cuda_device_count()}, fsdp::Error);
   CHECK_THROWS_AS(CudaDevice(-1), fsdp::Error);
 }

@@ -8,7 +8,8 @@
 #include "fsdp/cuda/cuda_kernels.hpp"
 
 TEST_CASE("NVRTC compiles the kernel source, with no GPU needed") {
-  for (auto [major, minor] : {std::pair{7, 5}, std::pair{8, 0}, std::pair{9, 0}}) {
+  for (const auto& arch : {std::pair{7, 5}, std::pair{8, 0}, std::pair{9, 0}}) {
+    const int major = arch.first, minor = arch.second;  // not bound: CAPTURE captures them
     CAPTURE(major);
     CAPTURE(minor);
     fsdp::detail::CudaKernelImage image;

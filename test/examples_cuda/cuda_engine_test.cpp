@@ -18,7 +18,8 @@ using test_support::contains;
 using test_support::error_of;
 
 TEST_CASE("NVRTC compiles the engine's kernels, with no GPU needed") {
-  for (auto [major, minor] : {std::pair{8, 0}, std::pair{9, 0}}) {
+  for (const auto& version : {std::pair{8, 0}, std::pair{9, 0}}) {
+    const int major = version.first, minor = version.second;  // not bound: CAPTURE captures them
     CAPTURE(major);
     const std::string arch = fsdp::detail::cuda_kernel_arch(major, minor);
     CHECK(arch == "sm_" + std::to_string(major * 10 + minor));

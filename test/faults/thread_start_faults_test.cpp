@@ -26,9 +26,24 @@ std::atomic<int> failed_creations{0};
 
 }  // namespace
 
+// The pthread_create this one stands in front of. clang links a sanitizer's runtime into
+// the binary, and its pthread_create (which registers the thread with the sanitizer) is
+// __interceptor_pthread_create there, not the next library's: calling libc's directly
+// crashes ThreadSanitizer at the join. g++ loads the runtime as a library: RTLD_NEXT finds it.
+#if defined(__clang__) && defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define FSDP_TEST_SANITIZER_PTHREAD_CREATE 1
+extern "C" int __interceptor_pthread_create(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+#endif
+#endif
+
 extern "C" int pthread_create(pthread_t* thread, const pthread_attr_t* attr, void* (*start)(void*), void* arg) {
   using Create = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+#ifdef FSDP_TEST_SANITIZER_PTHREAD_CREATE
+  static const Create real = &__interceptor_pthread_create;
+#else
   static const auto real = reinterpret_cast<Create>(dlsym(RTLD_NEXT, "pthread_create"));
+#endif
   if (creations_before_failure.load() >= 0 && creations_before_failure.fetch_sub(1) == 0) {
     ++failed_creations;
     return EAGAIN;

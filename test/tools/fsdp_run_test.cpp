@@ -133,7 +133,9 @@ TEST_CASE("stdout and stderr lines of 4 ranks stay whole, prefixed, in order and
                                                      " ]; do printf \"r$RANK-$i-\"; printf 'out\\n'; "
                                                      "printf \"r$RANK-$i-\" >&2; printf 'err\\n' >&2; i=$((i+1)); done");
   REQUIRE(f.status == 0);
-  for (const auto& [stream, text] : {std::pair{"out", f.out}, std::pair{"err", f.err}}) {
+  for (const auto& output : {std::pair{"out", f.out}, std::pair{"err", f.err}}) {
+    const char* stream = output.first;  // not a binding: CAPTURE captures it
+    const std::string& text = output.second;
     CAPTURE(stream);
     std::map<int, int> next;  // rank -> the line number expected next
     static const std::regex line_re(R"(\[rank (\d)\] r(\d)-(\d+)-(out|err))");
@@ -270,7 +272,9 @@ TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {
       {{"--env", "NOEQUALS"}, "--env 'NOEQUALS' is not KEY=VALUE"},
       {{"--bogus"}, "unknown option '--bogus'"},
   };
-  for (const auto& [flags, expected] : cases) {
+  for (const auto& c : cases) {
+    const auto& flags = c.first;
+    const std::string& expected = c.second;  // not a binding: CAPTURE captures it
     CAPTURE(expected);
     const Finished f = fsdp_run(flags, "echo started");
     CHECK(f.status == 2);

@@ -116,19 +116,23 @@ class CollectiveCalls {
   }
   Work barrier() { return self().issue({CollectiveKind::barrier}); }
 
-  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag)
-    requires backend_checks_tags<Backend>
-  {
+  // The tagged calls are templates so that their constraint is checked where they are
+  // called, on the complete Backend. A constraint on Backend itself is checked by clang 14
+  // as this base is instantiated, before the Backend declares checks_tags, and its `false`
+  // is kept: the tagged calls would silently not exist (self() asserts they do).
+  template <class Self = Backend>
+    requires backend_checks_tags<Self>
+  Work all_gather(const void* send, void* recv, std::size_t count, DType t, const CollectiveTag& tag) {
     return self().issue(tagged({CollectiveKind::all_gather, send, recv, count, t}, tag));
   }
-  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires backend_checks_tags<Backend>
-  {
+  template <class Self = Backend>
+    requires backend_checks_tags<Self>
+  Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
     return self().issue(tagged({CollectiveKind::reduce_scatter, send, recv, count, t, op}, tag));
   }
-  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag)
-    requires backend_checks_tags<Backend>
-  {
+  template <class Self = Backend>
+    requires backend_checks_tags<Self>
+  Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
     return self().issue(tagged({CollectiveKind::all_reduce, send, recv, count, t, op}, tag));
   }
 
@@ -138,7 +142,14 @@ class CollectiveCalls {
     c.names = tag.names;
     return c;
   }
-  Backend& self() { return static_cast<Backend&>(*this); }
+  Backend& self() {
+    // Checked where every call passes, on the complete Backend: a backend that compares
+    // tags but whose tagged calls a compiler dropped would run untagged without a word.
+    // (Not through backend_checks_tags<Backend>: clang 14 kept that one false.)
+    static_assert(!requires { requires Backend::checks_tags; } || TaggedCommunicator<Backend>,
+                  "a backend with checks_tags = true must satisfy fsdp::TaggedCommunicator");
+    return static_cast<Backend&>(*this);
+  }
 };
 
 // MPI_Comm_split's new group for `color`, from every rank's (color, key) gathered in rank
