@@ -8,7 +8,8 @@
 # Usage: mpi_comm_test.sh TEST_BINARY
 set -u
 bin="$1"
-# fail, run, mpirun's environment: beside this script, or in Bazel's runfiles (the cwd).
+# mpirun's environment, fail, run and the job checks: beside this script, or in Bazel's
+# runfiles (the cwd).
 env_sh="$(dirname "${BASH_SOURCE[0]}")/mpirun_env.sh"
 [[ -f $env_sh ]] || env_sh=test/mpi/mpirun_env.sh
 source "$env_sh"

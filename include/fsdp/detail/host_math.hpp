@@ -126,7 +126,7 @@ inline std::pair<std::int64_t, std::int64_t> integer_range(DType t) {
 // Throws unless every element of src (dtype `from`) truncates to a value of the integer
 // dtype `to`.
 inline void check_fits_integer(const void* src, DType from, std::size_t n, DType to) {
-  const auto range = integer_range(to);  // not a structured binding: lambdas capture it (clang 14 cannot capture those)
+  const auto range = integer_range(to);  // not bound: clang 14 cannot capture a binding
   const std::int64_t lo = range.first, hi = range.second;
   auto refuse = [&](std::size_t i, const auto& value) {
     std::ostringstream os;
