@@ -3,7 +3,7 @@
 // the unit owns for them and the collectives that move them. It copies this rank's slice
 // into the flat shard, gathers the shards into an unsharded buffer the engine's tensors
 // point into, and reduces the unsharded gradient into the sharded one. It knows nothing
-// of hooks or training states: that is the unit's state machine (fsdp/sharded.hpp). What
+// of hooks or training states: that is the unit's state machine (fsdp/detail/sharded_unit.hpp). What
 // summons and checkpoints do beyond that is in fsdp/detail/summon_buffers.hpp; how the flat
 // parameters are laid out, in fsdp/detail/flat_param_layouts.hpp.
 #include <cstddef>
@@ -31,17 +31,19 @@
 
 namespace fsdp {
 
-template <class Config>
+// Not a template: what it reads of the policies (the dtypes MixedPrecision and
+// CommPrecision choose, whether CpuOffload keeps shards in host memory) are values, so its
+// code compiles once, not once per policy configuration.
 class FlatParamGroup {
  public:
-  using strategy = typename Config::strategy;
-  using precision = typename Config::mixed_precision;
-  using comm_precision = typename Config::comm_precision;
-  static constexpr bool offload = Config::cpu_offload::offload;
-  static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
-
-  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device)
-      : mesh_groups_(groups), groups_(groups), device_(device), reduction_(groups_, device) {}
+  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device, detail::PrecisionChoice precision, bool offload)
+      : mesh_groups_(groups),
+        groups_(groups),
+        device_(device),
+        precision_(precision),
+        offload_(offload),
+        shard_space_(offload ? MemorySpace::host : MemorySpace::device),
+        reduction_(groups_, device, offload) {}
   FlatParamGroup(const FlatParamGroup&) = delete;
   FlatParamGroup& operator=(const FlatParamGroup&) = delete;
 
@@ -53,8 +55,8 @@ class FlatParamGroup {
       reduction_.release_accumulated(fp);
       release_unsharded_params(fp);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
-      release(fp.shard, fp.shard_bytes(), shard_space);
-      release(fp.shard_grad, fp.shard_grad_bytes(), shard_space);
+      release(fp.shard, fp.shard_bytes(), shard_space_);
+      release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_);
       if (took_over_) {
         detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
         detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
@@ -91,11 +93,11 @@ class FlatParamGroup {
     for (auto& fp : flat_) {
       const auto& L = fp.layout;
       const std::size_t esize = size_of(L.dtype());
-      const auto t = detail::flat_param_dtypes(fp.master(), detail::precision_choice<precision, comm_precision>());
+      const auto t = detail::flat_param_dtypes(fp.master(), precision_);
       fp.compute = t.compute, fp.gather = t.gather, fp.accumulate = t.accumulate, fp.reduce = t.reduce, fp.grad = t.grad;
-      fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offload, fp.master(), t);
-      fp.shard = device_.allocate(fp.shard_bytes(), shard_space);
-      fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
+      fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offload_, fp.master(), t);
+      fp.shard = device_.allocate(fp.shard_bytes(), shard_space_);
+      fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
       device_.fill_zero(fp.shard, fp.shard_bytes());
       device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
       for (std::size_t i = 0; i < L.params().size(); ++i) {
@@ -126,14 +128,14 @@ class FlatParamGroup {
         const ShardSlice sl = L.slice(i, groups_.shard_rank);
         auto at = [&](void* base, DType t) { return sl.count ? static_cast<std::byte*>(base) + sl.shard_offset * size_of(t) : nullptr; };
         params.push_back({unit, info.fqn, info.shape, fp.master(), info.numel, k, k, sl.param_begin, sl.count,
-                          sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space,
+                          sl.shard_offset, at(fp.shard, fp.master()), at(fp.shard_grad, fp.grad), fp.grad, shard_space_,
                           info.aliases});
         param_index_.push_back({k, i});
       }
     }
     for (auto& fp : flat_)
       views.push_back({unit, fp.master(), fp.shard, fp.shard_grad, fp.layout.valid_shard_numel(groups_.shard_rank), fp.grad,
-                       fp.layout.shard_numel(), shard_space});
+                       fp.layout.shard_numel(), shard_space_});
   }
 
   // ---- parameters ----
@@ -163,7 +165,7 @@ class FlatParamGroup {
     }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
     void* mine = static_cast<std::byte*>(fp.full) + (groups_.shards_parameters ? groups_.shard_rank : 0) * FlatParam::bytes(L.shard_numel(), as);
-    const bool staged = offload || as != fp.master() || !groups_.shards_parameters;
+    const bool staged = offload_ || as != fp.master() || !groups_.shards_parameters;
     if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
     if (groups_.shards_parameters)
       fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as, tag);
@@ -346,7 +348,10 @@ class FlatParamGroup {
   detail::UnitGroups mesh_groups_, groups_;
   detail::PostForwardGroup post_forward_;
   detail::DeviceRef device_;
-  detail::GradientReduction<Config> reduction_;
+  detail::PrecisionChoice precision_;
+  bool offload_;
+  MemorySpace shard_space_;
+  detail::GradientReduction reduction_;
   std::vector<FlatParam> flat_;
   std::vector<std::pair<std::size_t, std::size_t>> param_index_;  // parameter -> (flat, index in it)
   bool took_over_ = false;

@@ -1,359 +1,62 @@
 #pragma once
-// fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module) and its
-// state machine. At construction it takes over the module's parameters (all of its
-// subtree, except children whose type is listed in the `exclude` wrap_types and what
-// UnitOptions::skip_* name: units of their own, ignored modules and parameters). Module may
-// be a polymorphic base (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat shard, it
-// checks that every rank built the same unit, and it rebinds the engine's tensors to "no
-// storage". The hooks then make the parameters valid exactly while the engine computes
-// with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch and to
-// keep one reduction in flight. Here: the hooks' state machine and the unit's state-dict
-// interface; the construction path is in fsdp/detail/unit_setup.hpp, the summon's gathers
-// and writeback check in fsdp/detail/summon_full_params.hpp, the post-accumulate-grad
-// hook in fsdp/detail/post_grad_hook_slot.hpp.
-#include <cstdint>
-#include <optional>
+// fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module). At
+// construction it takes over the module's parameters (all of its subtree, except children
+// whose type is listed in the `exclude` wrap_types and what UnitOptions::skip_* name: units
+// of their own, ignored modules and parameters). Module may be a polymorphic base
+// (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat
+// shard, it checks that every rank built the same unit, and it rebinds the engine's tensors
+// to "no storage". The hooks then make the parameters valid exactly while the engine
+// computes with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch
+// and to keep one reduction in flight.
+//
+// Only the walk of the module's subtree depends on Module: the hooks, the setup and the
+// state-dict interface are fsdp/detail/sharded_unit.hpp's, once per policy configuration.
 #include <string>
-#include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "fsdp/communicator.hpp"
-#include "fsdp/detail/buffer_copies.hpp"
-#include "fsdp/detail/fingerprint.hpp"
-#include "fsdp/detail/param_collection.hpp"
-#include "fsdp/detail/summon_full_params.hpp"
+#include "fsdp/detail/sharded_unit.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/detail/unit_setup.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"
-#include "fsdp/flat_param_group.hpp"
+#include "fsdp/module.hpp"
 #include "fsdp/policies.hpp"
-#include "fsdp/trace.hpp"
-#include "fsdp/unit.hpp"
 #include "fsdp/unit_options.hpp"
 #include "fsdp/wrap_policy.hpp"
 
 namespace fsdp {
 
 template <class Module, class... Ps>
-class Sharded final : public UnitBase {
+class Sharded final : public detail::ShardedUnit<canonical_policies<Ps...>> {
+  using Unit = detail::ShardedUnit<canonical_policies<Ps...>>;
+
  public:
   using module_type = Module;
-  using config = Policies<Ps...>;
-  using strategy = typename config::strategy;
-  using prefetch_policy = typename config::backward_prefetch;
-  using precision = typename config::mixed_precision;
-  static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
-  static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
-  static constexpr bool offload = config::cpu_offload::offload;
+  using typename Unit::strategy;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
-  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude exclude = {})
-      : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(options), exclude) {}
+  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude = {})
+      : Unit(ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::flat<strategy>(comm),
+             detail::DeviceRef(device), std::move(options)) {}
 
   // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
   // its replicate groups; the others use its whole world as above.
   template <SplittableCommunicator C, Device D, class Exclude = wrap_types<>>
-  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude exclude = {})
-      : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(options),
-                exclude) {}
+  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude = {})
+      : Unit(ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::from_mesh<strategy>(mesh),
+             detail::DeviceRef(device), std::move(options)) {}
 
   template <class Group, Device D>
   Sharded(Module& module, Group& group, D& device, std::string fqn)
       : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
 
-  // The group hands the engine's parameters back empty and frees its storage as it is
-  // destroyed; the buffer copies are handed back here.
-  ~Sharded() override { buffers_.unbind_and_release(); }
-
-  int world_size() const override { return group_.groups().world.size(); }
-  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
-  bool kept_unsharded() const { return group_.kept_unsharded(); }
-  std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
-  MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
-
-  // A unit may be entered several times per pass (fsdp/detail/unit_uses.hpp). A
-  // recomputed forward is not part of the recorded order, and inside the unit's own
-  // backward it needs no all-gather.
-  void pre_forward() override;
-
-  void post_forward() override;
-
-  void pre_backward() override;
-
-  void post_backward() override;
-
-  void prefetch() override;
-
-  // The unit's gradient is final once its reduction completes: the engine's hook runs.
-  void finish_reduction() override;
-
-  // Switching to GradientAfterHook::free frees the sharded gradient now; keep allocates it
-  // again (zeroed) where it was freed.
-  void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
-    expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
-    const bool freed = grad_hook_.frees_gradient();
-    grad_hook_.set(std::move(hook), after);
-    if (grad_hook_.frees_gradient()) {
-      if (!freed) free_shard_grads();
-    } else {
-      group_.ensure_shard_grads();
-      group_.point_views_at_gradients(views_, params_);
-    }
-  }
-
-  void finish_backward() override;
-
-  void abandon_step() override;
-
-  void reshard() override {
-    HookScope scope(*this, "reshard");
-    expect({TrainingState::IDLE}, "reshard");
-    release_unsharded();
-    uses_.end_forward_pass();
-  }
-
-  // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
-  void zero_grad() override {
-    HookScope scope(*this, "zero_grad");
-    expect({TrainingState::IDLE}, "zero_grad");
-    group_.zero_grad();
-    grad_is_zero_ = true;
-  }
-
-  // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
-  // summon_full_params and state dicts show, whatever the mixed precision.
-  using UnitBase::begin_summon_full_params;
-  void begin_summon_full_params(const SummonOptions& options) override {
-    expect({TrainingState::IDLE}, "summon_full_params");
-    detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
-    release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
-    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
-    summon_checks_writeback_ = options.check_writeback;
-    buffers_.show_master(true);
-    state_ = TrainingState::SUMMON_FULL_PARAMS;
-  }
-
-  void end_summon_full_params(bool writeback) override {
-    expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
-    if (writeback) check_storage("the end of summon_full_params(writeback)");
-    if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
-    if (writeback) group_.write_back();
-    group_.release_summoned_gradients();
-    buffers_.show_master(false, writeback);
-    release_unsharded();
-    state_ = TrainingState::IDLE;
-  }
-
-  void discard_summon() {  // a summon's end that writes nothing back
-    buffers_.show_master(false);
-    group_.release_summoned_gradients();
-    release_unsharded();
-    state_ = TrainingState::IDLE;
-  }
-
-  // All or nothing for this unit (fsdp/detail/take_over.hpp); buffers first, so that the
-  // group counts as taken over only once every tensor is.
-  void take_over() override {
-    if (group_.took_over()) return;
-    detail::TakeOverLog log(display_name(), rank_);
-    buffers_.show_cast(log);
-    group_.take_over(fqn_, views_, params_, log);
-    rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
-  }
-
-  std::span<const ShardView> shards() const override { return views_; }
-  std::span<const ParamView> parameters() const override { return params_; }
-  std::span<const BufferView> buffers() const override { return buffer_views_; }
-  void* buffer_data(std::size_t i) const override {
-    const auto& b = all_buffers_.at(i);
-    if (state_ != TrainingState::SUMMON_FULL_PARAMS)  // the tensor shows a cast copy under MixedPrecision
-      if (void* master = buffers_.current_master(b.tensor)) return master;
-    return b.data_of(b.tensor);
-  }
-  void load_buffer(std::size_t i, const void* values) override {
-    expect({TrainingState::IDLE}, "load_buffer");
-    const auto& b = all_buffers_.at(i);
-    if (buffers_.load(b.tensor, values)) return;
-    const std::size_t n = static_cast<std::size_t>(b.numel) * size_of(b.dtype);
-    if (n) group_.device().copy(b.data_of(b.tensor), values, n);
-  }
-  void* full_parameter(std::size_t i) const override {
-    if (state_ != TrainingState::SUMMON_FULL_PARAMS)
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
-                   "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
-    if (summon_holds_nothing_)
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
-                   "'): the summon is rank0_only, so only rank 0 holds full parameters");
-    return group_.full_parameter(i);
-  }
-  DeviceId device_id() const override { return group_.device().id(); }
-  void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
-    if (bytes) group_.device().copy(dst, src, bytes);
-  }
-  void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const override {
-    group_.gather_array(shard, mine, full_host, dtype);
-  }
-  bool saves_shards() const override {
-    const auto& g = group_.groups();
-    return g.replicate_size == 1 || g.replicate.rank() == 0;
-  }
-  bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
-  std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }
-
-  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
-  std::vector<const FlatParamLayout*> layouts() const {
-    std::vector<const FlatParamLayout*> out;
-    for (auto& fp : group_.flat()) out.push_back(&fp.layout);
-    return out;
-  }
-
  private:
   template <class Exclude>
-  Sharded(Module& module, detail::UnitGroups unit_groups, detail::DeviceRef device, UnitOptions options, Exclude)
-      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), ModuleId::of(module).address,
-                 ModuleId::of(module).type),
-        buffers_(device),
-        rank0_values_(device),
-        group_(unit_groups, device) {
-    // Copy everything first; rebind the engine's tensors (which frees their storage) only
-    // once nothing can fail, so a failed construction loses no data and leaks nothing (the
-    // members free their copies).
-    auto setup = detail::set_up_unit<Exclude, config>(module, group_, buffers_, rank0_values_, options, *this,
-                                                      buffer_cast_dtype());
-    storage_ = std::move(setup.storage);
-    all_buffers_ = std::move(setup.buffers);
-    for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
-    reshard_.after_forward = strategy::reshard_after_forward;
-    agreed_reshard_ = reshard_;
-    if (!options.defer_take_over) take_over();
+  static detail::ModuleVisit visit(Module& module) {
+    return detail::ModuleVisit::of<Exclude, Unit::precision::enabled>(module);
   }
-
-  // Inside a model: the explicit prefetch list when set, else (`follow_order`: the policy
-  // prefetches here) the next unit of the recorded order.
-  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order) {
-    if (!order_) return;
-    if (!units.empty()) for (auto* u : units) u->prefetch();
-    else if (follow_order) prefetch_next(pass);
-  }
-  void prefetch_next(Pass pass) {
-    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch();  // null outside a model
-  }
-
-  // The engine's parameter tensors still view what the unit bound them to; a tensor whose
-  // storage the engine replaced would have its values dropped (one call per parameter).
-  void check_storage(const char* where) {
-    const std::string moved = group_.moved_storage();
-    if (moved.empty()) return;
-    if (state_ == TrainingState::SUMMON_FULL_PARAMS) discard_summon();
-    detail::fail("unit '", display_name(), "' on rank ", rank_, ": at ", where, ", parameter '", moved,
-                 "' no longer views the storage fsdp bound it to: the engine replaced its storage, and values "
-                 "put there would be lost. Write into the tensor's own storage, inside summon_full_params(writeback) "
-                 "or through a state dict load");
-  }
-
-  void begin_recompute() {
-    uses_.recompute_from = state_;
-    unshard();  // a no-op inside the unit's backward, where the parameters are unsharded already
-    state_ = TrainingState::FORWARD;
-    compute_begin_ = now_if_traced();
-  }
-  void end_recompute() {
-    record_compute("recompute");
-    const TrainingState back = *std::exchange(uses_.recompute_from, std::nullopt);
-    if (back != TrainingState::BACKWARD_PRE) reshard_after_forward(!reshard_.after_forward);  // gathered for it
-    state_ = back;
-  }
-
-  // After forward: keep the parameters whole (for this unit's next pre_backward only), keep
-  // this rank's chunk of them (partial resharding), or free them.
-  void reshard_after_forward(bool keep_whole) {
-    if (!keep_whole) {
-      if (!group_.reshards_partially()) return release_unsharded();
-      group_.reshard_to_post_forward();
-    }
-    kept_ = true;
-  }
-
-  void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) override {
-    group_.set_post_forward_group(group, display_name());
-    reshard_.after_forward = reshard;
-    reshard_.post_forward_ranks = group_.reshards_partially() ? group_.post_forward_size() : 0;
-  }
-
-  // Reduces the gradient accumulated over this pass's backward entries; returns whether
-  // the reduction completed inside the call.
-  bool start_reduction() {
-    uses_.reduced();
-    const auto plan = detail::plan_gradient(sync_, group_.groups());
-    const bool inline_done = group_.start_reductions(grad_is_zero_, plan, tag(TagPhase::reduce));
-    if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
-    if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
-    grad_hook_.arm(detail::gradient_is_final(sync_, plan));  // the hook runs once it completes
-    return inline_done;
-  }
-
-  void free_shard_grads() {
-    group_.release_shard_grads();
-    grad_is_zero_ = true;
-    group_.point_views_at_gradients(views_, params_);
-  }
-
-  static std::optional<DType> buffer_cast_dtype() {
-    if constexpr (precision::enabled) return precision::buffer;
-    else return std::nullopt;  // without mixed precision buffers stay the engine's
-  }
-
-  // The tag of the collective this unit issues now (fsdp/collective_tag.hpp): an
-  // all-gather's says forward or backward, by the model's pass. None outside a model.
-  const CollectiveTag* tag(TagPhase phase) {
-    if (!order_) return nullptr;
-    tag_ = order_->tag(order_index_, phase);
-    return &tag_;
-  }
-
-  void unshard() {
-    group_.unshard(waiter(), tag(TagPhase::forward));
-    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
-  }
-
-  void release_unsharded() {
-    group_.release_unsharded();
-    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }  // gathered ahead, never used
-    kept_ = kept_after_backward_ = false;
-  }
-
-  // ---- tracing: one pointer test when off ----
-  Trace* trace() const { return order_ ? order_->trace : nullptr; }
-  detail::TracedWait waiter() const { return {trace(), display_name()}; }
-  Trace::Clock::time_point now_if_traced() const { return trace() ? Trace::Clock::now() : Trace::Clock::time_point{}; }
-  void record_compute(const char* pass) {
-    Trace* t = trace();
-    if (t && compute_begin_ != Trace::Clock::time_point{})  // not when tracing began mid-pass
-      t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
-  }
-
-  detail::BufferCopies buffers_;
-  detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
-  FlatParamGroup<config> group_;
-  CollectiveTag tag_;  // what tag() hands out
-  bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
-  bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward
-  bool kept_after_backward_ = false;  // kept whole by a backward for the next forward
-  bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
-  GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
-  ReshardSettings agreed_reshard_;
-  bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
-  bool summon_checks_writeback_ = true;
-  Trace::Clock::time_point compute_begin_{};
-  std::vector<ShardView> views_;
-  std::vector<ParamView> params_;
-  std::vector<detail::CollectedBuffer> all_buffers_;
-  std::vector<BufferView> buffer_views_;
 };
 
 }  // namespace fsdp
-
-#include "fsdp/detail/sharded_hooks.hpp"  // the hooks' definitions

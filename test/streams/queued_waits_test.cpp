@@ -107,11 +107,11 @@ TEST_CASE_TEMPLATE("on a queued device, forward and backward wait for collective
         CHECK(log.count(Event::device_wait, "all_gather") == gathers);
         // Every buffer an all-gather wrote is freed only after the device queue waited for it
         // (a stream-ordered free behind the collective's event).
-        for (const auto& [what, recv, on_device] : log.issued) {
+        for (const auto& [what, recv, on_device, at] : log.issued) {
           if (what != "all_gather" || !on_device) continue;
-          const std::size_t waited = find_event(log, Event::device_wait, recv);
+          const std::size_t waited = find_event(log, Event::device_wait, recv, at);
           CHECK(waited < log.events.size());
-          const std::size_t freed = find_event(log, Event::free, recv);
+          const std::size_t freed = find_event(log, Event::free, recv, at);
           if (freed < log.events.size()) CHECK(freed > waited);
         }
       },

@@ -37,6 +37,8 @@ struct Log {
     std::string collective;
     const void* recv;
     bool on_device;
+    std::size_t at;  // events.size() when issued: later events at `recv` are this buffer's (an
+                     // earlier free there was another allocation at the same address)
   };
   std::vector<Issued> issued;  // collectives, in order
   std::map<const std::byte*, std::size_t> live;  // the device's allocations
@@ -110,7 +112,7 @@ class RecordingComm {
 
  private:
   Work wrap(const char* what, const void* recv, Work inner) {
-    log_->issued.push_back({what, recv, recv && log_->in_device_memory(recv)});
+    log_->issued.push_back({what, recv, recv && log_->in_device_memory(recv), log_->events.size()});
     return Work(std::make_unique<RecordingPending>(std::move(inner), *log_, what, recv, queue_));
   }
   fsdp::ThreadComm* inner_;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -92,10 +93,10 @@ class Settings {
 
 // `what` and `describe` return the message's subject and this rank's description; they are
 // called only on a mismatch, so agreeing ranks build no text. `settings`, when given, must
-// be in `fp` already: a difference among them is named first.
-template <class What, class Describe>
-void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, What&& what, Describe&& describe,
-                             const Settings* settings = nullptr) {
+// be in `fp` already: a difference among them is named first. Not a template (it runs at
+// setup, where a std::function costs nothing): one copy serves every unit type.
+inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::function<std::string()>& what,
+                                    const std::function<std::string()>& describe, const Settings* settings = nullptr) {
   const int n = comm.size();
   const int rank = comm.rank();
   if (n == 1) return;

@@ -47,16 +47,15 @@ inline bool gradient_is_final(const GradientSync& sync, GradientPlan plan) {
   return sync.requires_sync && plan == GradientPlan::reduce;
 }
 
-template <class Config>
+// Not a template: the one policy it reads (CpuOffload) is a flag, so its code compiles
+// once, not once per policy configuration.
 class GradientReduction {
  public:
-  using strategy = typename Config::strategy;
-  static constexpr bool offload = Config::cpu_offload::offload;
-  static constexpr MemorySpace shard_space = offload ? MemorySpace::host : MemorySpace::device;
-
   // `groups`: the owning FlatParamGroup's, read at each reduction (a unit kept unsharded
   // changes them before its first); the world, and so the factors, stay the same.
-  GradientReduction(const UnitGroups& groups, DeviceRef device) : groups_(groups), device_(device) {
+  // `offload`: the sharded gradients live in host memory (OffloadParams).
+  GradientReduction(const UnitGroups& groups, DeviceRef device, bool offload)
+      : groups_(groups), device_(device), offload_(offload), shard_space_(offload ? MemorySpace::host : MemorySpace::device) {
     set_divide_factor(0);
   }
   GradientReduction(const GradientReduction&) = delete;
@@ -135,10 +134,10 @@ class GradientReduction {
   // The sharded gradient, allocated zeroed where a post-accumulate-grad hook freed it.
   void ensure_shard_grad(FlatParam& fp) {
     if (fp.shard_grad) return;
-    fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space);
+    fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
     device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
   }
-  void release_shard_grad(FlatParam& fp) { release(fp.shard_grad, fp.shard_grad_bytes(), shard_space); }
+  void release_shard_grad(FlatParam& fp) { release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_); }
 
   // Frees what accumulation keeps between backwards (none of it is in flight in IDLE).
   void release_accumulated(FlatParam& fp) {
@@ -192,7 +191,7 @@ class GradientReduction {
     if (defer_all_reduce) fp.reduce_out = fp.partial || fp.accumulate != fp.reduce
                                               ? device_.allocate(out_bytes, MemorySpace::device)
                                               : (fp.partial = device_.allocate(out_bytes, MemorySpace::device));
-    else fp.reduce_out = fp.into_shard_grad && !offload && fp.grad == fp.reduce
+    else fp.reduce_out = fp.into_shard_grad && !offload_ && fp.grad == fp.reduce
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
     if (groups_.shards_parameters)
@@ -289,6 +288,8 @@ class GradientReduction {
 
   const UnitGroups& groups_;
   DeviceRef device_;
+  bool offload_;
+  MemorySpace shard_space_;
   std::optional<CollectiveTag> tag_;  // the reduction in flight's (its all-reduce may come later)
   double pre_divide_ = 1, post_divide_ = 1;
   std::vector<Work> unchecked_;  // waited on the device's queue; the host has not seen them complete

@@ -1,12 +1,12 @@
 #pragma once
-// The hooks of Sharded's state machine (fsdp/sharded.hpp), defined out of the class so
-// that it reads as its interface: included at the end of fsdp/sharded.hpp.
-#include "fsdp/sharded.hpp"
+// The hooks of a unit's state machine (fsdp/detail/sharded_unit.hpp), defined out of the
+// class so that it reads as its interface: included at the end of that header.
+#include "fsdp/detail/sharded_unit.hpp"
 
-namespace fsdp {
+namespace fsdp::detail {
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::pre_forward() {
+template <class Config>
+void ShardedUnit<Config>::pre_forward() {
   HookScope scope(*this, "pre_forward");
   expect_not_failed("pre_forward");
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
@@ -24,8 +24,8 @@ void Sharded<Module, Ps...>::pre_forward() {
   compute_begin_ = now_if_traced();
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::post_forward() {
+template <class Config>
+void ShardedUnit<Config>::post_forward() {
   HookScope scope(*this, "post_forward");
   expect({TrainingState::FORWARD}, "post_forward");
   if (uses_.recompute_from) return end_recompute();
@@ -34,8 +34,8 @@ void Sharded<Module, Ps...>::post_forward() {
   state_ = TrainingState::IDLE;
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::pre_backward() {
+template <class Config>
+void ShardedUnit<Config>::pre_backward() {
   HookScope scope(*this, "pre_backward");
   if (!uses_.awaits_backward(state_)) {
     if (state_ == TrainingState::BACKWARD_POST)
@@ -61,8 +61,8 @@ void Sharded<Module, Ps...>::pre_backward() {
   compute_begin_ = now_if_traced();
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::post_backward() {
+template <class Config>
+void ShardedUnit<Config>::post_backward() {
   HookScope scope(*this, "post_backward");
   expect({TrainingState::BACKWARD_PRE}, "post_backward");
   record_compute("backward");
@@ -82,8 +82,8 @@ void Sharded<Module, Ps...>::post_backward() {
   else order_->reduction_issued(*this);
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::prefetch() {
+template <class Config>
+void ShardedUnit<Config>::prefetch() {
   HookScope scope(*this, "prefetch");
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
@@ -91,8 +91,8 @@ void Sharded<Module, Ps...>::prefetch() {
   if (group_.start_gathers(tag(TagPhase::forward))) { prefetched_ = true; order_->prefetch_issued(); }
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::finish_reduction() {
+template <class Config>
+void ShardedUnit<Config>::finish_reduction() {
   HookScope scope(*this, "finish_reduction");
   group_.finish_reductions(waiter());
   if (!grad_hook_.take_due()) return;
@@ -100,8 +100,8 @@ void Sharded<Module, Ps...>::finish_reduction() {
   grad_hook_.run(*this, [this] { free_shard_grads(); });
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::finish_backward() {
+template <class Config>
+void ShardedUnit<Config>::finish_backward() {
   HookScope scope(*this, "finish_backward");
   expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
   if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
@@ -117,8 +117,8 @@ void Sharded<Module, Ps...>::finish_backward() {
   state_ = TrainingState::IDLE;
 }
 
-template <class Module, class... Ps>
-void Sharded<Module, Ps...>::abandon_step() {
+template <class Config>
+void ShardedUnit<Config>::abandon_step() {
   group_.abandon();
   if (state_ == TrainingState::SUMMON_FULL_PARAMS) buffers_.show_master(false), group_.release_summoned_gradients();
   grad_is_zero_ = true;
@@ -130,4 +130,4 @@ void Sharded<Module, Ps...>::abandon_step() {
   state_ = TrainingState::IDLE;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

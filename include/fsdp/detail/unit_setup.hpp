@@ -38,11 +38,9 @@ std::string policy_name() {
   return s;
 }
 
-// What every rank must set alike for a unit besides its parameters: the policies, the
-// options that change its collectives, and its buffers (sync_module_states broadcasts them
-// by element count, so a shape that differs must be caught here).
+// The policies of a configuration, as the settings every rank must choose alike.
 template <class Config>
-Settings unit_settings(const UnitOptions& options, const std::vector<CollectedBuffer>& buffers) {
+const Settings& policy_settings() {
   static const Settings policies = [] {  // the same for every unit of a configuration
     Settings p;
     p.add("sharding strategy", policy_name<typename Config::strategy>());
@@ -53,6 +51,14 @@ Settings unit_settings(const UnitOptions& options, const std::vector<CollectedBu
     p.add("cpu offload", policy_name<typename Config::cpu_offload>());
     return p;
   }();
+  return policies;
+}
+
+// What every rank must set alike for a unit besides its parameters: the policies, the
+// options that change its collectives, and its buffers (sync_module_states broadcasts them
+// by element count, so a shape that differs must be caught here).
+inline Settings unit_settings(const Settings& policies, const UnitOptions& options,
+                              const std::vector<CollectedBuffer>& buffers) {
   Settings s = policies;
   s.add("sync_module_states", options.sync_module_states ? "true" : "false");
   s.add("persistence_threshold", std::to_string(options.persistence_threshold));
@@ -66,21 +72,43 @@ struct UnitSetup {
   std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
 };
 
-// Builds `group` for `unit` over `module` (buffers: under MixedPrecision, cast to
-// `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
-template <class Exclude, class Config, class Module, class Group>
-UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
+// The one step of a unit's construction that depends on the module's type: walking its
+// subtree for parameters and buffers. Everything after it works on what it collected, so
+// the rest of a unit (its setup, its hooks) compiles once per policy configuration, not
+// once per module type.
+struct ModuleVisit {
+  void* module = nullptr;
+  void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
+                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip) = nullptr;
+
+  template <class Exclude, bool ChangesDtype, class M>
+  static ModuleVisit of(M& module) {
+    return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
+              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip);
+            }};
+  }
+  void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
+                  const SkipSet& skip) const {
+    collect(module, prefix, params, buffers, skip);
+  }
+};
+
+// Builds `group` for `unit` over the module `visit` walks (buffers: under MixedPrecision,
+// cast to `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
+template <class Config, class Group>
+UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
                       const UnitOptions& options, const UnitBase& unit, std::optional<DType> buffer_cast) {
   const auto& device = group.device();
   std::vector<CollectedParam> params;
   UnitSetup setup;
   const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
                      {options.skip_parameters.begin(), options.skip_parameters.end()}};
-  collect_parameters<Exclude, Config::mixed_precision::enabled>(module, unit.fqn(), params, setup.buffers, skip);
+  visit(unit.fqn(), params, setup.buffers, skip);
   {  // a visitor of temporaries, found before anything is copied
     std::vector<CollectedParam> again;
     std::vector<CollectedBuffer> again_buffers;
-    collect_parameters<Exclude, Config::mixed_precision::enabled>(module, unit.fqn(), again, again_buffers, skip);
+    visit(unit.fqn(), again, again_buffers, skip);
     check_visits_agree(params, setup.buffers, again, again_buffers, unit.display_name(), unit.rank());
   }
   validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
@@ -92,7 +120,7 @@ UnitSetup set_up_unit(Module& module, Group& group, BufferCopies& buffer_copies,
     group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
-  const Settings settings = unit_settings<Config>(options, setup.buffers);
+  const Settings settings = unit_settings(policy_settings<Config>(), options, setup.buffers);
   Fingerprint f;
   f.add(unit.fqn());
   f.add(groups);
