@@ -9,9 +9,11 @@
 // computes with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch
 // and to keep one reduction in flight.
 //
-// Only the walk of the module's subtree depends on Module: the hooks, the setup and the
-// state-dict interface are fsdp/detail/sharded_unit.hpp's, once per policy configuration.
+// Only the walk of the module's subtree depends on Module, and only the checks of the
+// policies on their types: the hooks, the setup and the state-dict interface are
+// fsdp/detail/sharded_unit.hpp's, which reads the policies as values and compiles once.
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "fsdp/communicator.hpp"
@@ -28,34 +30,42 @@
 namespace fsdp {
 
 template <class Module, class... Ps>
-class Sharded final : public detail::ShardedUnit<canonical_policies<Ps...>> {
-  using Unit = detail::ShardedUnit<canonical_policies<Ps...>>;
-
+class Sharded final : public detail::ShardedUnit {
  public:
   using module_type = Module;
-  using typename Unit::strategy;
+  using config = canonical_policies<Ps...>;
+  using strategy = typename config::strategy;
+  using prefetch_policy = typename config::backward_prefetch;
+  using precision = typename config::mixed_precision;
+  static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
+  static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
+  static constexpr bool offload = config::cpu_offload::offload;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
   Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude = {})
-      : Unit(ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::flat<strategy>(comm),
-             detail::DeviceRef(device), std::move(options)) {}
+      : ShardedUnit(policies(), ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::flat<strategy>(comm),
+                    detail::DeviceRef(device), std::move(options)) {}
 
   // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
   // its replicate groups; the others use its whole world as above.
   template <SplittableCommunicator C, Device D, class Exclude = wrap_types<>>
   Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude = {})
-      : Unit(ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::from_mesh<strategy>(mesh),
-             detail::DeviceRef(device), std::move(options)) {}
+      : ShardedUnit(policies(), ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::from_mesh<strategy>(mesh),
+                    detail::DeviceRef(device), std::move(options)) {}
 
   template <class Group, Device D>
   Sharded(Module& module, Group& group, D& device, std::string fqn)
       : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
 
  private:
+  static const detail::UnitPolicies& policies() {
+    static const detail::UnitPolicies p = detail::UnitPolicies::of<config>();
+    return p;
+  }
   template <class Exclude>
   static detail::ModuleVisit visit(Module& module) {
-    return detail::ModuleVisit::of<Exclude, Unit::precision::enabled>(module);
+    return detail::ModuleVisit::of<Exclude, precision::enabled>(module);
   }
 };
 

@@ -5,27 +5,25 @@
 
 namespace fsdp::detail {
 
-template <class Config>
-void ShardedUnit<Config>::pre_forward() {
+inline void ShardedUnit::pre_forward() {
   HookScope scope(*this, "pre_forward");
   expect_not_failed("pre_forward");
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
   expect({TrainingState::IDLE}, "pre_forward");
   check_storage("pre_forward");
-  if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, prefetches_forward);
+  if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, policies_.prefetches_forward);
   uses_.enter_forward(order_ ? order_->forward_pass() : 0);
   // Parameters kept since a forward that no backward consumed may predate an optimizer
   // step: gather afresh.
   if (kept_) release_unsharded();
   unshard();  // a no-op where the last backward kept the parameters (reshard_after_backward off)
   kept_after_backward_ = false;
-  prefetch_ahead(forward_prefetch_, Pass::forward, prefetches_forward);  // runs behind this unit's forward
+  prefetch_ahead(forward_prefetch_, Pass::forward, policies_.prefetches_forward);  // runs behind this unit's forward
   state_ = TrainingState::FORWARD;
   compute_begin_ = now_if_traced();
 }
 
-template <class Config>
-void ShardedUnit<Config>::post_forward() {
+inline void ShardedUnit::post_forward() {
   HookScope scope(*this, "post_forward");
   expect({TrainingState::FORWARD}, "post_forward");
   if (uses_.recompute_from) return end_recompute();
@@ -34,8 +32,7 @@ void ShardedUnit<Config>::post_forward() {
   state_ = TrainingState::IDLE;
 }
 
-template <class Config>
-void ShardedUnit<Config>::pre_backward() {
+inline void ShardedUnit::pre_backward() {
   HookScope scope(*this, "pre_backward");
   if (!uses_.awaits_backward(state_)) {
     if (state_ == TrainingState::BACKWARD_POST)
@@ -52,17 +49,16 @@ void ShardedUnit<Config>::pre_backward() {
     }
     uses_.start_backward();
   }
-  if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, prefetches_backward);
+  if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.prefetches_backward);
   unshard();  // a no-op where forward left the parameters unsharded
   kept_ = false;
   group_.bind_gradients(grad_is_zero_);
-  prefetch_ahead(backward_prefetch_, Pass::backward, std::is_same_v<prefetch_policy, BackwardPre>);
+  prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward_pre);
   state_ = TrainingState::BACKWARD_PRE;
   compute_begin_ = now_if_traced();
 }
 
-template <class Config>
-void ShardedUnit<Config>::post_backward() {
+inline void ShardedUnit::post_backward() {
   HookScope scope(*this, "post_backward");
   expect({TrainingState::BACKWARD_PRE}, "post_backward");
   record_compute("backward");
@@ -71,7 +67,7 @@ void ShardedUnit<Config>::post_backward() {
   if (reshard_.after_backward || detail::gradient_is_final(sync_, detail::plan_gradient(sync_, group_.groups())))
     release_unsharded();
   else kept_after_backward_ = true;
-  if constexpr (std::is_same_v<prefetch_policy, BackwardPost>)
+  if (policies_.backward_post)
     if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
   state_ = TrainingState::BACKWARD_POST;
   if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates
@@ -82,8 +78,7 @@ void ShardedUnit<Config>::post_backward() {
   else order_->reduction_issued(*this);
 }
 
-template <class Config>
-void ShardedUnit<Config>::prefetch() {
+inline void ShardedUnit::prefetch() {
   HookScope scope(*this, "prefetch");
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
@@ -91,17 +86,15 @@ void ShardedUnit<Config>::prefetch() {
   if (group_.start_gathers(tag(TagPhase::forward))) { prefetched_ = true; order_->prefetch_issued(); }
 }
 
-template <class Config>
-void ShardedUnit<Config>::finish_reduction() {
+inline void ShardedUnit::finish_reduction() {
   HookScope scope(*this, "finish_reduction");
   group_.finish_reductions(waiter());
   if (!grad_hook_.take_due()) return;
-  if constexpr (offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
+  if (policies_.offload) group_.device().synchronize();  // the copy into the host-space gradient is complete
   grad_hook_.run(*this, [this] { free_shard_grads(); });
 }
 
-template <class Config>
-void ShardedUnit<Config>::finish_backward() {
+inline void ShardedUnit::finish_backward() {
   HookScope scope(*this, "finish_backward");
   expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
   if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
@@ -113,12 +106,11 @@ void ShardedUnit<Config>::finish_backward() {
   // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
   // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.
   if (prefetched_ || kept_) release_unsharded();
-  if constexpr (offload) group_.device().synchronize();  // gradients copied to host are complete
+  if (policies_.offload) group_.device().synchronize();  // gradients copied to host are complete
   state_ = TrainingState::IDLE;
 }
 
-template <class Config>
-void ShardedUnit<Config>::abandon_step() {
+inline void ShardedUnit::abandon_step() {
   group_.abandon();
   if (state_ == TrainingState::SUMMON_FULL_PARAMS) buffers_.show_master(false), group_.release_summoned_gradients();
   grad_is_zero_ = true;

@@ -1,11 +1,11 @@
 #pragma once
-// fsdp::detail::ShardedUnit<Config>: everything of a unit (fsdp::Sharded) that does not
-// depend on its module's type: the hooks' state machine, the unit's state-dict interface,
-// its construction from what the module visit collected. Sharded<Module, Ps...> derives from
-// ShardedUnit<canonical_policies<Ps...>>, so this compiles once per policy configuration,
-// not once per module type (and not once per order the policies were listed in). Here:
-// the state machine; the construction path is in fsdp/detail/unit_setup.hpp, the summon's
-// gathers and writeback check in fsdp/detail/summon_full_params.hpp, the
+// fsdp::detail::ShardedUnit: all of a unit (fsdp::Sharded) but the walk of its module's
+// subtree: the hooks' state machine, the unit's state-dict interface, its construction from
+// what the module visit collected. Not a template: it reads its policies as values
+// (UnitPolicies), so it compiles once, whatever the module types and policy configurations
+// an engine uses; Sharded<Module, Ps...> checks the policies as types and derives from it.
+// Here: the state machine; the construction path is in fsdp/detail/unit_setup.hpp, the
+// summon's gathers and writeback check in fsdp/detail/summon_full_params.hpp, the
 // post-accumulate-grad hook in fsdp/detail/post_grad_hook_slot.hpp, the hooks' bodies in
 // fsdp/detail/sharded_hooks.hpp.
 #include <cstdint>
@@ -31,17 +31,37 @@
 
 namespace fsdp::detail {
 
-template <class Config>
+// A unit's policies as values: everything its code reads of them.
+struct UnitPolicies {
+  bool reshard_after_forward = true;  // the strategy's default
+  bool prefetches_forward = false;
+  bool prefetches_backward = true;  // any backward prefetch policy but NoBackwardPrefetch
+  bool backward_pre = true;         // BackwardPre: the next unit's all-gather at pre_backward
+  bool backward_post = false;       // BackwardPost: at post_backward
+  bool offload = false;             // OffloadParams
+  PrecisionChoice precision;        // MixedPrecision and CommPrecision
+  const Settings* settings = nullptr;  // the policies by name, which ranks must choose alike
+
+  template <class Config>
+  static UnitPolicies of() {
+    using prefetch = typename Config::backward_prefetch;
+    UnitPolicies p;
+    p.reshard_after_forward = Config::strategy::reshard_after_forward;
+    p.prefetches_forward = Config::forward_prefetch::enabled;
+    p.prefetches_backward = !std::is_same_v<prefetch, NoBackwardPrefetch>;
+    p.backward_pre = std::is_same_v<prefetch, BackwardPre>;
+    p.backward_post = std::is_same_v<prefetch, BackwardPost>;
+    p.offload = Config::cpu_offload::offload;
+    p.precision = precision_choice<typename Config::mixed_precision, typename Config::comm_precision>();
+    p.settings = &policy_settings<Config>();
+    return p;
+  }
+  // Under MixedPrecision, buffers are shown in its Buffer dtype; otherwise they stay the engine's.
+  std::optional<DType> buffer_cast() const { return precision.mixed ? std::optional<DType>(precision.buffer) : std::nullopt; }
+};
+
 class ShardedUnit : public UnitBase {
  public:
-  using config = Config;
-  using strategy = typename config::strategy;
-  using prefetch_policy = typename config::backward_prefetch;
-  using precision = typename config::mixed_precision;
-  static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
-  static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
-  static constexpr bool offload = config::cpu_offload::offload;
-
   // The group hands the engine's parameters back empty and frees its storage as it is
   // destroyed; the buffer copies are handed back here.
   ~ShardedUnit() override { buffers_.unbind_and_release(); }
@@ -191,19 +211,22 @@ class ShardedUnit : public UnitBase {
  protected:
   // Built by Sharded<Module, ...>, which hands over how to walk its module (`visit`) and
   // the module's identity; nothing below depends on the module's type.
-  ShardedUnit(ModuleId module, const ModuleVisit& visit, UnitGroups unit_groups, DeviceRef device, UnitOptions options)
+  ShardedUnit(const UnitPolicies& policies, ModuleId module, const ModuleVisit& visit, UnitGroups unit_groups,
+              DeviceRef device, UnitOptions options)
       : UnitBase(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
+        policies_(policies),
         buffers_(device),
         rank0_values_(device),
-        group_(unit_groups, device, precision_choice<precision, typename config::comm_precision>(), offload) {
+        group_(unit_groups, device, policies.precision, policies.offload) {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit<config>(visit, group_, buffers_, rank0_values_, options, *this, buffer_cast_dtype());
+    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, *this, *policies.settings,
+                                     policies.buffer_cast());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
-    reshard_.after_forward = strategy::reshard_after_forward;
+    reshard_.after_forward = policies.reshard_after_forward;
     agreed_reshard_ = reshard_;
     if (!options.defer_take_over) take_over();
   }
@@ -279,11 +302,6 @@ class ShardedUnit : public UnitBase {
     group_.point_views_at_gradients(views_, params_);
   }
 
-  static std::optional<DType> buffer_cast_dtype() {
-    if constexpr (precision::enabled) return precision::buffer;
-    else return std::nullopt;  // without mixed precision buffers stay the engine's
-  }
-
   // The tag of the collective this unit issues now (fsdp/collective_tag.hpp): an
   // all-gather's says forward or backward, by the model's pass. None outside a model.
   const CollectiveTag* tag(TagPhase phase) {
@@ -313,6 +331,7 @@ class ShardedUnit : public UnitBase {
       t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
+  const UnitPolicies policies_;
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup group_;

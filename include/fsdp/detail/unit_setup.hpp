@@ -96,9 +96,11 @@ struct ModuleVisit {
 
 // Builds `group` for `unit` over the module `visit` walks (buffers: under MixedPrecision,
 // cast to `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
-template <class Config, class Group>
+// `policies`: the unit's policy settings (policy_settings), compared across ranks.
+template <class Group>
 UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
-                      const UnitOptions& options, const UnitBase& unit, std::optional<DType> buffer_cast) {
+                      const UnitOptions& options, const UnitBase& unit, const Settings& policies,
+                      std::optional<DType> buffer_cast) {
   const auto& device = group.device();
   std::vector<CollectedParam> params;
   UnitSetup setup;
@@ -120,7 +122,7 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
     group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
-  const Settings settings = unit_settings(policy_settings<Config>(), options, setup.buffers);
+  const Settings settings = unit_settings(policies, options, setup.buffers);
   Fingerprint f;
   f.add(unit.fqn());
   f.add(groups);
