@@ -59,10 +59,7 @@ class Sharded final : public detail::ShardedUnit {
       : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
 
  private:
-  static const detail::UnitPolicies& policies() {
-    static const detail::UnitPolicies p = detail::UnitPolicies::of<config>();
-    return p;
-  }
+  static detail::UnitPolicies policies() { return detail::UnitPolicies::of<config>(); }
   template <class Exclude>
   static detail::ModuleVisit visit(Module& module) {
     return detail::ModuleVisit::of<Exclude, precision::enabled>(module);

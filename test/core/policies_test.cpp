@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "fsdp/policies.hpp"
+#include "fsdp/sharded.hpp"
 
 namespace {
 
@@ -134,4 +135,16 @@ TEST_CASE("a resolved policy keeps its members") {
   static_assert(!P::strategy::reshard_after_forward);
   static_assert(fsdp::Policies<>::strategy::reshard_after_forward);
   CHECK_FALSE(P::strategy::reshard_after_forward);
+}
+
+TEST_CASE("canonical_policies: one type per configuration, however the policies are listed") {
+  using A = fsdp::canonical_policies<fsdp::BackwardPost, fsdp::ShardGradOp>;
+  using B = fsdp::canonical_policies<fsdp::NoOffload, fsdp::ShardGradOp, fsdp::FullPrecision, fsdp::BackwardPost>;
+  static_assert(std::is_same_v<A, B>);
+  static_assert(!std::is_same_v<A, fsdp::canonical_policies<fsdp::ShardGradOp>>);  // BackwardPre there
+  static_assert(std::is_same_v<fsdp::canonical_policies<>, fsdp::canonical_policies<fsdp::FullShard, fsdp::BackwardPre>>);
+  // A unit's config is its canonical form: the same resolved choices as Policies<Ps...>.
+  using U = fsdp::Sharded<int, fsdp::BackwardPost, fsdp::ShardGradOp>;
+  static_assert(std::is_same_v<U::config, A>);
+  CHECK(resolves_to<A, fsdp::ShardGradOp, fsdp::BackwardPost, fsdp::FullPrecision, fsdp::NoOffload>);
 }

@@ -94,7 +94,8 @@ class Settings {
 // `what` and `describe` return the message's subject and this rank's description; they are
 // called only on a mismatch, so agreeing ranks build no text. `settings`, when given, must
 // be in `fp` already: a difference among them is named first. Not a template (it runs at
-// setup, where a std::function costs nothing): one copy serves every unit type.
+// setup and at the end of a summon, where a std::function costs nothing): one copy serves
+// every caller.
 inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::function<std::string()>& what,
                                     const std::function<std::string()>& describe, const Settings* settings = nullptr) {
   const int n = comm.size();

@@ -1,7 +1,7 @@
 #pragma once
 // The memory planner's replay (fsdp/memory_plan.hpp): every allocation and free a unit
 // makes through its Device during training steps, in the order the unit's state machine
-// (fsdp/sharded.hpp), its flat parameters (fsdp/flat_param_group.hpp) and its gradient
+// (fsdp/detail/sharded_unit.hpp), its flat parameters (fsdp/flat_param_group.hpp) and its gradient
 // reduction (fsdp/detail/gradient_reduction.hpp) make them, counted per memory space as
 // a Device counts them. It mirrors that code on purpose: a change there that moves a byte
 // must change this too, or memory_plan_test fails.

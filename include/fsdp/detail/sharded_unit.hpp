@@ -31,7 +31,8 @@
 
 namespace fsdp::detail {
 
-// A unit's policies as values: everything its code reads of them.
+// A unit's policies as values: everything its code reads of them. Made by of<Config>()
+// (the defaults below are only placeholders; `settings` must be set).
 struct UnitPolicies {
   bool reshard_after_forward = true;  // the strategy's default
   bool prefetches_forward = false;

@@ -1,5 +1,5 @@
 #pragma once
-// A unit's summon_full_params (fsdp/sharded.hpp keeps the state machine around it): which
+// A unit's summon_full_params (fsdp/detail/sharded_unit.hpp keeps the state machine around it): which
 // options it refuses, the gathers it runs for each option, and the writeback check that
 // every rank made the same edits.
 #include <algorithm>

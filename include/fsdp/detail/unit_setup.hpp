@@ -74,8 +74,7 @@ struct UnitSetup {
 
 // The one step of a unit's construction that depends on the module's type: walking its
 // subtree for parameters and buffers. Everything after it works on what it collected, so
-// the rest of a unit (its setup, its hooks) compiles once per policy configuration, not
-// once per module type.
+// the rest of a unit (its setup, its hooks) compiles once, not once per module type.
 struct ModuleVisit {
   void* module = nullptr;
   void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
