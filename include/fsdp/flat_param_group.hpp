@@ -32,18 +32,19 @@
 namespace fsdp {
 
 // Not a template: what it reads of the policies (the dtypes MixedPrecision and
-// CommPrecision choose, whether CpuOffload keeps shards in host memory) are values, so its
-// code compiles once, not once per policy configuration.
+// CommPrecision choose, where CpuOffload keeps the shards) are values, so its code
+// compiles once, not once per policy configuration.
 class FlatParamGroup {
  public:
-  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device, detail::PrecisionChoice precision, bool offload)
+  // `shard_space`: where the shards and their gradients live (host under OffloadParams).
+  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device, detail::PrecisionChoice precision,
+                 MemorySpace shard_space)
       : mesh_groups_(groups),
         groups_(groups),
         device_(device),
         precision_(precision),
-        offload_(offload),
-        shard_space_(offload ? MemorySpace::host : MemorySpace::device),
-        reduction_(groups_, device, offload) {}
+        shard_space_(shard_space),
+        reduction_(groups_, device, shard_space) {}
   FlatParamGroup(const FlatParamGroup&) = delete;
   FlatParamGroup& operator=(const FlatParamGroup&) = delete;
 
@@ -95,7 +96,7 @@ class FlatParamGroup {
       const std::size_t esize = size_of(L.dtype());
       const auto t = detail::flat_param_dtypes(fp.master(), precision_);
       fp.compute = t.compute, fp.gather = t.gather, fp.accumulate = t.accumulate, fp.reduce = t.reduce, fp.grad = t.grad;
-      fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offload_, fp.master(), t);
+      fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offloaded(), fp.master(), t);
       fp.shard = device_.allocate(fp.shard_bytes(), shard_space_);
       fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
       device_.fill_zero(fp.shard, fp.shard_bytes());
@@ -165,7 +166,7 @@ class FlatParamGroup {
     }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
     void* mine = static_cast<std::byte*>(fp.full) + (groups_.shards_parameters ? groups_.shard_rank : 0) * FlatParam::bytes(L.shard_numel(), as);
-    const bool staged = offload_ || as != fp.master() || !groups_.shards_parameters;
+    const bool staged = offloaded() || as != fp.master() || !groups_.shards_parameters;
     if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
     if (groups_.shards_parameters)
       fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as, tag);
@@ -333,6 +334,7 @@ class FlatParamGroup {
   }
 
  private:
+  bool offloaded() const { return shard_space_ == MemorySpace::host; }
   std::int64_t full_numel(const FlatParam& fp) const { return detail::full_numel(fp, groups_); }
 
   void release_unsharded_params(FlatParam& fp) {
@@ -349,7 +351,6 @@ class FlatParamGroup {
   detail::PostForwardGroup post_forward_;
   detail::DeviceRef device_;
   detail::PrecisionChoice precision_;
-  bool offload_;
   MemorySpace shard_space_;
   detail::GradientReduction reduction_;
   std::vector<FlatParam> flat_;

@@ -107,25 +107,6 @@ struct MemoryPlan {
 
 namespace detail {
 
-template <class Config>
-SimPolicy sim_policy() {
-  using S = typename Config::strategy;
-  using MP = typename Config::mixed_precision;
-  using CP = typename Config::comm_precision;
-  using BP = typename Config::backward_prefetch;
-  SimPolicy p;
-  p.shards_parameters = S::shards_parameters;
-  p.reshard_after_forward = S::reshard_after_forward;
-  p.hybrid = S::hybrid;
-  p.backward = std::is_same_v<BP, BackwardPre>    ? PrefetchMode::backward_pre
-               : std::is_same_v<BP, BackwardPost> ? PrefetchMode::backward_post
-                                                  : PrefetchMode::none;
-  p.forward_prefetch = Config::forward_prefetch::enabled;
-  p.offload = Config::cpu_offload::offload;
-  p.precision = precision_choice<MP, CP>();
-  return p;
-}
-
 inline bool nests_in(const std::string& outer, const std::string& inner) {
   if (outer == inner) return false;
   return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.');
@@ -140,7 +121,7 @@ inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root
 template <class... Ps>
 MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& options) {
   using Config = Policies<Ps...>;
-  const detail::SimPolicy policy = detail::sim_policy<Config>();
+  const detail::PolicyValues policy = detail::policy_values<Config>();
   const MeshShape m = options.mesh;
   if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
   if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);

@@ -228,13 +228,4 @@ struct Policies<Ps...> : detail::resolve_policies_impl<Ps...> {
                 "have fewer bytes than it: a wider one would move more bytes, one of the same size only rounds");
 };
 
-// One type per configuration: Policies<Ps...> with every slot filled, in a fixed order, so
-// that `FullShard, BackwardPost` and `BackwardPost, FullShard, NoOffload` name the same
-// configuration and the code that depends only on it compiles once.
-template <class... Ps>
-using canonical_policies =
-    Policies<typename Policies<Ps...>::strategy, typename Policies<Ps...>::backward_prefetch,
-             typename Policies<Ps...>::forward_prefetch, typename Policies<Ps...>::mixed_precision,
-             typename Policies<Ps...>::cpu_offload, typename Policies<Ps...>::comm_precision>;
-
 }  // namespace fsdp

@@ -33,7 +33,7 @@ template <class Module, class... Ps>
 class Sharded final : public detail::ShardedUnit {
  public:
   using module_type = Module;
-  using config = canonical_policies<Ps...>;
+  using config = Policies<Ps...>;
   using strategy = typename config::strategy;
   using prefetch_policy = typename config::backward_prefetch;
   using precision = typename config::mixed_precision;
@@ -43,27 +43,26 @@ class Sharded final : public detail::ShardedUnit {
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
-  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude = {})
-      : ShardedUnit(policies(), ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::flat<strategy>(comm),
-                    detail::DeviceRef(device), std::move(options)) {}
+  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(options), exclude) {}
 
   // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
   // its replicate groups; the others use its whole world as above.
   template <SplittableCommunicator C, Device D, class Exclude = wrap_types<>>
-  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude = {})
-      : ShardedUnit(policies(), ModuleId::of(module), visit<Exclude>(module), detail::UnitGroups::from_mesh<strategy>(mesh),
-                    detail::DeviceRef(device), std::move(options)) {}
+  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(options),
+                exclude) {}
 
   template <class Group, Device D>
   Sharded(Module& module, Group& group, D& device, std::string fqn)
       : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
 
  private:
-  static detail::UnitPolicies policies() { return detail::UnitPolicies::of<config>(); }
   template <class Exclude>
-  static detail::ModuleVisit visit(Module& module) {
-    return detail::ModuleVisit::of<Exclude, precision::enabled>(module);
-  }
+  Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
+      : ShardedUnit(detail::policy_values<config>(), detail::policy_settings<config>(), ModuleId::of(module),
+                    detail::ModuleVisit::of<Exclude, precision::enabled>(module), std::move(groups), device,
+                    std::move(options)) {}
 };
 
 }  // namespace fsdp

@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "fsdp/policies.hpp"
-#include "fsdp/sharded.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 
 namespace {
 
@@ -137,14 +137,32 @@ TEST_CASE("a resolved policy keeps its members") {
   CHECK_FALSE(P::strategy::reshard_after_forward);
 }
 
-TEST_CASE("canonical_policies: one type per configuration, however the policies are listed") {
-  using A = fsdp::canonical_policies<fsdp::BackwardPost, fsdp::ShardGradOp>;
-  using B = fsdp::canonical_policies<fsdp::NoOffload, fsdp::ShardGradOp, fsdp::FullPrecision, fsdp::BackwardPost>;
-  static_assert(std::is_same_v<A, B>);
-  static_assert(!std::is_same_v<A, fsdp::canonical_policies<fsdp::ShardGradOp>>);  // BackwardPre there
-  static_assert(std::is_same_v<fsdp::canonical_policies<>, fsdp::canonical_policies<fsdp::FullShard, fsdp::BackwardPre>>);
-  // A unit's config is its canonical form: the same resolved choices as Policies<Ps...>.
-  using U = fsdp::Sharded<int, fsdp::BackwardPost, fsdp::ShardGradOp>;
-  static_assert(std::is_same_v<U::config, A>);
-  CHECK(resolves_to<A, fsdp::ShardGradOp, fsdp::BackwardPost, fsdp::FullPrecision, fsdp::NoOffload>);
+TEST_CASE("policy_values: the policies as the unit and the memory planner read them, in any order") {
+  using fsdp::detail::PrefetchMode;
+  const auto a = fsdp::detail::policy_values<fsdp::Policies<fsdp::BackwardPost, fsdp::ShardGradOp, fsdp::OffloadParams>>();
+  CHECK(a.shards_parameters);
+  CHECK_FALSE(a.reshard_after_forward);  // ShardGradOp's
+  CHECK_FALSE(a.hybrid);
+  CHECK(a.backward == PrefetchMode::backward_post);
+  CHECK_FALSE(a.forward_prefetch);
+  CHECK(a.offload);
+  CHECK(a.shard_space() == fsdp::MemorySpace::host);
+  CHECK_FALSE(a.precision.mixed);
+  CHECK_FALSE(a.buffer_cast().has_value());
+
+  const auto b = fsdp::detail::policy_values<
+      fsdp::Policies<fsdp::ForwardPrefetch, fsdp::MixedPrecision<fsdp::bf16, float, fsdp::f16>, fsdp::NoBackwardPrefetch,
+                     fsdp::HybridShard>>();
+  CHECK(b.hybrid);
+  CHECK(b.reshard_after_forward);
+  CHECK(b.backward == PrefetchMode::none);
+  CHECK(b.forward_prefetch);
+  CHECK(b.shard_space() == fsdp::MemorySpace::device);
+  CHECK(b.precision.param == fsdp::DType::bf16);
+  CHECK(b.precision.reduce == fsdp::DType::f32);
+  CHECK(b.buffer_cast() == fsdp::DType::f16);
+
+  // The defaults (BackwardPre); a backward prefetch policy of the engine's own prefetches nothing.
+  CHECK(fsdp::detail::policy_values<fsdp::Policies<>>().backward == PrefetchMode::backward_pre);
+  CHECK(fsdp::detail::policy_values<fsdp::Policies<TestPrefetch>>().backward == PrefetchMode::none);
 }

@@ -4,7 +4,10 @@
 // planner replays them (fsdp/detail/memory_simulation.hpp, fsdp/memory_plan.hpp), so the
 // two cannot drift apart.
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 
+#include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/policies.hpp"
 
@@ -33,6 +36,39 @@ PrecisionChoice precision_choice() {
   if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
   p.comm = CP::enabled;
   if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
+  return p;
+}
+
+enum class PrefetchMode : std::uint8_t { none, backward_pre, backward_post };
+
+// A configuration's policies as values: all that a unit's code (fsdp/detail/sharded_unit.hpp)
+// and the planner's replay (fsdp/detail/memory_simulation.hpp) read of them.
+struct PolicyValues {
+  bool shards_parameters = true, reshard_after_forward = true, hybrid = false;  // the strategy's
+  PrefetchMode backward = PrefetchMode::backward_pre;
+  bool forward_prefetch = false, offload = false;
+  PrecisionChoice precision;  // MixedPrecision and CommPrecision
+
+  MemorySpace shard_space() const { return offload ? MemorySpace::host : MemorySpace::device; }
+  // Under MixedPrecision buffers are shown in its Buffer dtype; otherwise they stay the engine's.
+  std::optional<DType> buffer_cast() const { return precision.mixed ? std::optional<DType>(precision.buffer) : std::nullopt; }
+};
+
+// A backward prefetch policy other than the library's three prefetches nothing.
+template <class Config>
+PolicyValues policy_values() {
+  using S = typename Config::strategy;
+  using BP = typename Config::backward_prefetch;
+  PolicyValues p;
+  p.shards_parameters = S::shards_parameters;
+  p.reshard_after_forward = S::reshard_after_forward;
+  p.hybrid = S::hybrid;
+  p.backward = std::is_same_v<BP, BackwardPre>    ? PrefetchMode::backward_pre
+               : std::is_same_v<BP, BackwardPost> ? PrefetchMode::backward_post
+                                                  : PrefetchMode::none;
+  p.forward_prefetch = Config::forward_prefetch::enabled;
+  p.offload = Config::cpu_offload::offload;
+  p.precision = precision_choice<typename Config::mixed_precision, typename Config::comm_precision>();
   return p;
 }
 

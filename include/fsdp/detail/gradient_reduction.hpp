@@ -47,15 +47,15 @@ inline bool gradient_is_final(const GradientSync& sync, GradientPlan plan) {
   return sync.requires_sync && plan == GradientPlan::reduce;
 }
 
-// Not a template: the one policy it reads (CpuOffload) is a flag, so its code compiles
+// Not a template: the one policy it reads (CpuOffload) is a value, so its code compiles
 // once, not once per policy configuration.
 class GradientReduction {
  public:
   // `groups`: the owning FlatParamGroup's, read at each reduction (a unit kept unsharded
   // changes them before its first); the world, and so the factors, stay the same.
-  // `offload`: the sharded gradients live in host memory (OffloadParams).
-  GradientReduction(const UnitGroups& groups, DeviceRef device, bool offload)
-      : groups_(groups), device_(device), offload_(offload), shard_space_(offload ? MemorySpace::host : MemorySpace::device) {
+  // `shard_space`: where the sharded gradients live (host under OffloadParams).
+  GradientReduction(const UnitGroups& groups, DeviceRef device, MemorySpace shard_space)
+      : groups_(groups), device_(device), shard_space_(shard_space) {
     set_divide_factor(0);
   }
   GradientReduction(const GradientReduction&) = delete;
@@ -191,7 +191,7 @@ class GradientReduction {
     if (defer_all_reduce) fp.reduce_out = fp.partial || fp.accumulate != fp.reduce
                                               ? device_.allocate(out_bytes, MemorySpace::device)
                                               : (fp.partial = device_.allocate(out_bytes, MemorySpace::device));
-    else fp.reduce_out = fp.into_shard_grad && !offload_ && fp.grad == fp.reduce
+    else fp.reduce_out = fp.into_shard_grad && shard_space_ == MemorySpace::device && fp.grad == fp.reduce
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
     if (groups_.shards_parameters)
@@ -288,7 +288,6 @@ class GradientReduction {
 
   const UnitGroups& groups_;
   DeviceRef device_;
-  bool offload_;
   MemorySpace shard_space_;
   std::optional<CollectiveTag> tag_;  // the reduction in flight's (its all-reduce may come later)
   double pre_divide_ = 1, post_divide_ = 1;

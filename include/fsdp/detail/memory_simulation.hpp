@@ -20,16 +20,6 @@
 
 namespace fsdp::detail {
 
-enum class PrefetchMode : std::uint8_t { none, backward_pre, backward_post };
-
-// The policies as the replay needs them (runtime values of the compile-time policies).
-struct SimPolicy {
-  bool shards_parameters = true, reshard_after_forward = true, hybrid = false;
-  PrefetchMode backward = PrefetchMode::backward_pre;
-  bool forward_prefetch = false, offload = false;
-  PrecisionChoice precision;  // MixedPrecision and CommPrecision
-};
-
 struct SimFlat {
   DType master = DType::f32;
   std::int64_t numel = 0;
@@ -65,7 +55,7 @@ class MemorySimulation {
   // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
   // place: no bytes of its own); forward: unit indices in the order forward enters them;
   // tops: the outermost units, in forward order.
-  MemorySimulation(SimPolicy p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
+  MemorySimulation(PolicyValues p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
                    int max_prefetched, bool async_reductions)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
         max_prefetched_(max_prefetched), async_(async_reductions) {
@@ -166,7 +156,7 @@ class MemorySimulation {
   };
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
-  MemorySpace shard_space() const { return p_.offload ? MemorySpace::host : MemorySpace::device; }
+  MemorySpace shard_space() const { return p_.shard_space(); }
 
   void add(std::size_t b, MemorySpace space, int unit, const char* phase) {
     auto& live = live_[static_cast<std::size_t>(space)];
@@ -325,7 +315,7 @@ class MemorySimulation {
     f.full_grad_alive = f.full_grad_alias = false;
   }
 
-  SimPolicy p_;
+  PolicyValues p_;
   std::vector<SimUnit> units_;
   std::vector<UnitState> state_;
   std::vector<int> forward_, tops_, backward_;

@@ -13,7 +13,7 @@ namespace fsdp {
 template <class... Ps>
 std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
   using Config = Policies<Ps...>;
-  const detail::SimPolicy policy = detail::sim_policy<Config>();
+  const detail::PolicyValues policy = detail::policy_values<Config>();
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
   options.mesh = model[0].mesh_shape();  // every unit of a model uses the same groups
   options.max_prefetched = model.execution_order().max_prefetched;

@@ -11,14 +11,14 @@ inline void ShardedUnit::pre_forward() {
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
   expect({TrainingState::IDLE}, "pre_forward");
   check_storage("pre_forward");
-  if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, policies_.prefetches_forward);
+  if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, policies_.forward_prefetch);
   uses_.enter_forward(order_ ? order_->forward_pass() : 0);
   // Parameters kept since a forward that no backward consumed may predate an optimizer
   // step: gather afresh.
   if (kept_) release_unsharded();
   unshard();  // a no-op where the last backward kept the parameters (reshard_after_backward off)
   kept_after_backward_ = false;
-  prefetch_ahead(forward_prefetch_, Pass::forward, policies_.prefetches_forward);  // runs behind this unit's forward
+  prefetch_ahead(forward_prefetch_, Pass::forward, policies_.forward_prefetch);  // runs behind this unit's forward
   state_ = TrainingState::FORWARD;
   compute_begin_ = now_if_traced();
 }
@@ -49,11 +49,11 @@ inline void ShardedUnit::pre_backward() {
     }
     uses_.start_backward();
   }
-  if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.prefetches_backward);
+  if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != PrefetchMode::none);
   unshard();  // a no-op where forward left the parameters unsharded
   kept_ = false;
   group_.bind_gradients(grad_is_zero_);
-  prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward_pre);
+  prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward == PrefetchMode::backward_pre);
   state_ = TrainingState::BACKWARD_PRE;
   compute_begin_ = now_if_traced();
 }
@@ -67,7 +67,7 @@ inline void ShardedUnit::post_backward() {
   if (reshard_.after_backward || detail::gradient_is_final(sync_, detail::plan_gradient(sync_, group_.groups())))
     release_unsharded();
   else kept_after_backward_ = true;
-  if (policies_.backward_post)
+  if (policies_.backward == PrefetchMode::backward_post)
     if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
   state_ = TrainingState::BACKWARD_POST;
   if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates

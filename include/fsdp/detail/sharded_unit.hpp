@@ -2,7 +2,7 @@
 // fsdp::detail::ShardedUnit: all of a unit (fsdp::Sharded) but the walk of its module's
 // subtree: the hooks' state machine, the unit's state-dict interface, its construction from
 // what the module visit collected. Not a template: it reads its policies as values
-// (UnitPolicies), so it compiles once, whatever the module types and policy configurations
+// (PolicyValues, fsdp/detail/flat_param_rules.hpp), so it compiles once, whatever the module types and policy configurations
 // an engine uses; Sharded<Module, Ps...> checks the policies as types and derives from it.
 // Here: the state machine; the construction path is in fsdp/detail/unit_setup.hpp, the
 // summon's gathers and writeback check in fsdp/detail/summon_full_params.hpp, the
@@ -30,36 +30,6 @@
 #include "fsdp/unit_options.hpp"
 
 namespace fsdp::detail {
-
-// A unit's policies as values: everything its code reads of them. Made by of<Config>()
-// (the defaults below are only placeholders; `settings` must be set).
-struct UnitPolicies {
-  bool reshard_after_forward = true;  // the strategy's default
-  bool prefetches_forward = false;
-  bool prefetches_backward = true;  // any backward prefetch policy but NoBackwardPrefetch
-  bool backward_pre = true;         // BackwardPre: the next unit's all-gather at pre_backward
-  bool backward_post = false;       // BackwardPost: at post_backward
-  bool offload = false;             // OffloadParams
-  PrecisionChoice precision;        // MixedPrecision and CommPrecision
-  const Settings* settings = nullptr;  // the policies by name, which ranks must choose alike
-
-  template <class Config>
-  static UnitPolicies of() {
-    using prefetch = typename Config::backward_prefetch;
-    UnitPolicies p;
-    p.reshard_after_forward = Config::strategy::reshard_after_forward;
-    p.prefetches_forward = Config::forward_prefetch::enabled;
-    p.prefetches_backward = !std::is_same_v<prefetch, NoBackwardPrefetch>;
-    p.backward_pre = std::is_same_v<prefetch, BackwardPre>;
-    p.backward_post = std::is_same_v<prefetch, BackwardPost>;
-    p.offload = Config::cpu_offload::offload;
-    p.precision = precision_choice<typename Config::mixed_precision, typename Config::comm_precision>();
-    p.settings = &policy_settings<Config>();
-    return p;
-  }
-  // Under MixedPrecision, buffers are shown in its Buffer dtype; otherwise they stay the engine's.
-  std::optional<DType> buffer_cast() const { return precision.mixed ? std::optional<DType>(precision.buffer) : std::nullopt; }
-};
 
 class ShardedUnit : public UnitBase {
  public:
@@ -210,19 +180,20 @@ class ShardedUnit : public UnitBase {
   }
 
  protected:
-  // Built by Sharded<Module, ...>, which hands over how to walk its module (`visit`) and
-  // the module's identity; nothing below depends on the module's type.
-  ShardedUnit(const UnitPolicies& policies, ModuleId module, const ModuleVisit& visit, UnitGroups unit_groups,
-              DeviceRef device, UnitOptions options)
+  // Built by Sharded<Module, Ps...>, which hands over its policies as values and by name
+  // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
+  // identity; nothing below depends on the module's type.
+  ShardedUnit(const PolicyValues& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
+              UnitGroups unit_groups, DeviceRef device, UnitOptions options)
       : UnitBase(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
         policies_(policies),
         buffers_(device),
         rank0_values_(device),
-        group_(unit_groups, device, policies.precision, policies.offload) {
+        group_(unit_groups, device, policies.precision, policies.shard_space()) {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, *this, *policies.settings,
+    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, *this, settings,
                                      policies.buffer_cast());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
@@ -332,7 +303,7 @@ class ShardedUnit : public UnitBase {
       t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
-  const UnitPolicies policies_;
+  const PolicyValues policies_;
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup group_;
