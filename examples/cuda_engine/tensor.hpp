@@ -47,6 +47,20 @@ class Tensor {
     dtype_ = dtype;
   }
 
+  // The storage it shows, handed to the caller (the tensor still views it): fsdp keeps it
+  // while it takes over the model and gives it back if a rebind throws.
+  struct Kept {
+    Buffer own;
+    void* data;
+    fsdp::DType dtype;
+  };
+  Kept keep_storage() { return {std::move(own_), data_, dtype_}; }
+  void restore_storage(Kept&& k) noexcept {
+    own_ = std::move(k.own);
+    data_ = k.data;
+    dtype_ = k.dtype;
+  }
+
  private:
   std::vector<std::int64_t> shape_;
   fsdp::DType dtype_ = fsdp::DType::f32;
@@ -74,4 +88,6 @@ struct fsdp::tensor_traits<cuda_engine::Tensor> {
   static fsdp::DeviceId device(const T& t) { return {fsdp::DeviceKind::cuda, t.device()}; }
   static void rebind(T& t, void* p) { t.rebind(p, t.dtype()); }
   static void rebind(T& t, void* p, fsdp::DType d) { t.rebind(p, d); }  // MixedPrecision
+  static T::Kept keep(T& t) { return t.keep_storage(); }  // a failed take-over loses nothing
+  static void restore(T& t, T::Kept&& k) noexcept { t.restore_storage(std::move(k)); }
 };

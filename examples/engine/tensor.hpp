@@ -11,6 +11,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/tensor.hpp>
@@ -144,6 +145,37 @@ class Tensor {
     dtype_ = dtype;
   }
 
+  // The storage the tensor shows, handed to the caller: freed when the Kept is destroyed,
+  // unless restore_storage takes it back. The tensor still views it meanwhile. fsdp keeps
+  // the storage of every tensor while it takes over a model, so a failed take-over (a
+  // rebind that throws) gives every tensor its storage and values back.
+  class Kept {
+   public:
+    Kept(Kept&& o) noexcept
+        : alloc_(std::exchange(o.alloc_, nullptr)), data_(o.data_), bytes_(o.bytes_), dtype_(o.dtype_) {}
+    Kept& operator=(Kept&&) = delete;
+    ~Kept() {
+      if (alloc_ && bytes_) alloc_->deallocate(data_, bytes_);
+    }
+
+   private:
+    friend class Tensor;
+    Kept(Allocator* alloc, void* data, std::size_t bytes, fsdp::DType dtype)
+        : alloc_(alloc), data_(data), bytes_(bytes), dtype_(dtype) {}
+    Allocator* alloc_;  // null: the tensor was a view, nothing to free
+    void* data_;
+    std::size_t bytes_;
+    fsdp::DType dtype_;
+  };
+  Kept keep_storage() { return Kept(std::exchange(alloc_, nullptr), data_, std::exchange(bytes_, 0), dtype_); }
+  void restore_storage(Kept&& k) noexcept {
+    release();
+    data_ = k.data_;
+    alloc_ = std::exchange(k.alloc_, nullptr);
+    bytes_ = k.bytes_;
+    dtype_ = k.dtype_;
+  }
+
  private:
   void* f32_storage() const {
     if (dtype_ != fsdp::DType::f32) [[unlikely]] throw_not_f32();
@@ -202,4 +234,8 @@ struct fsdp::tensor_traits<engine::Tensor> {
   static void rebind(engine::Tensor& t, void* p) { t.rebind(p); }
   // ...or, under mixed precision, of storage of another dtype (say bf16 for an f32 parameter).
   static void rebind(engine::Tensor& t, void* p, fsdp::DType d) { t.rebind(p, d); }
+  // Optional: while fsdp takes over the model it keeps each tensor's storage, and gives it
+  // back if a rebind throws (so a failed fsdp::shard loses no values).
+  static engine::Tensor::Kept keep(engine::Tensor& t) { return t.keep_storage(); }
+  static void restore(engine::Tensor& t, engine::Tensor::Kept&& k) noexcept { t.restore_storage(std::move(k)); }
 };

@@ -100,9 +100,20 @@ class ShardedModel {
     refresh_views();
   }
 
-  // Completes setup of units built with UnitOptions::defer_take_over (fsdp::shard's).
+  // Completes setup of units built with UnitOptions::defer_take_over (fsdp::shard's). All
+  // units or none: a rebind that throws in any unit gives back every unit's tensors (their
+  // storage and values too, for tensor types with keep/restore; detail/take_over.hpp).
   void take_over() {
-    for (auto& u : units_) u->take_over();
+    if (units_.empty()) return;
+    detail::TakeOverLog log(units_.front()->rank());
+    try {
+      for (auto& u : units_) u->take_over(log);
+    } catch (...) {
+      for (auto& u : units_) u->forget_take_over();  // `log` gives the tensors back as it goes
+      throw;
+    }
+    log.commit();
+    for (auto& u : units_) u->finish_take_over();
     refresh_views();
   }
 

@@ -40,6 +40,9 @@ namespace detail { template <class> inline constexpr bool always_false = false; 
 //                                            // data == nullptr means "no storage" (resharded)
 // and, only for MixedPrecision, which shows parameters in another dtype:
 //   void            rebind(T&, void* data, DType)  // view of `data` in that dtype
+// and, optionally, so that a take-over a throwing rebind stops loses no values:
+//   K               keep(T&)                 // keeps t's storage alive past rebind; t still views it
+//   void            restore(T&, K&&) noexcept  // t owns and views that storage again, its own dtype
 template <class T>
 struct tensor_traits {
   static_assert(detail::always_false<T>,
@@ -62,6 +65,12 @@ concept Tensor = requires(T& t, const T& ct, void* p) {
 // Tensors the library can show in another dtype (MixedPrecision needs it).
 template <class T>
 concept RebindableAs = Tensor<T> && requires(T& t, void* p, DType d) { tensor_traits<T>::rebind(t, p, d); };
+
+// Tensors whose storage the library can keep across the take-over and give back when a
+// rebind throws (fsdp/detail/take_over.hpp). Without keep/restore, tensors rebound before
+// the throw are left without storage.
+template <class T>
+concept KeepsStorage = Tensor<T> && requires(T& t) { tensor_traits<T>::restore(t, tensor_traits<T>::keep(t)); };
 
 namespace detail {
 

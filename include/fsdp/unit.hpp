@@ -28,6 +28,8 @@
 
 namespace fsdp {
 
+namespace detail { class TakeOverLog; }
+
 // One flat shard of a unit as the optimizer sees it: this rank's slice of the unit's
 // parameters of one dtype and the matching slice of the reduced gradient. Padding is
 // left out: numel counts only real parameter elements. The gradient has the parameters'
@@ -174,6 +176,13 @@ class UnitBase {
   // defers it until every unit is built, so a failed shard leaves the model as it was. A
   // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
   virtual void take_over() = 0;
+  // take_over in three steps, for ShardedModel, which takes over all of its units as one:
+  // rebind into `log` (which a throwing rebind rolls back, every unit's tensors); after a
+  // failure, forget_take_over (the log gave the tensors back); once the log is committed,
+  // finish_take_over (writes rank 0's buffer values under sync_module_states).
+  virtual void take_over(detail::TakeOverLog& log) = 0;
+  virtual void forget_take_over() noexcept = 0;
+  virtual void finish_take_over() = 0;
 
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
   virtual void prefetch() = 0;

@@ -1,8 +1,9 @@
 // A tensor_traits<T>::rebind that throws while units take over the engine's tensors
 // (fsdp/detail/take_over.hpp): fsdp::shard fails with an fsdp::Error naming the unit and
-// the tensor; no tensor is left viewing the library's memory; every tensor the library had
-// not rebound yet (the thrower included) keeps its storage, dtype and values; the library
-// frees all it allocated; the engine's storage is freed once at most and none leaks.
+// the tensor; no tensor is left viewing the library's memory; the library frees all it
+// allocated; the engine's storage is freed once at most and none leaks. For a tensor type
+// with keep/restore, every tensor of every unit keeps its storage, dtype and values; for
+// one without, every tensor the library had not rebound yet (the thrower included) does.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -11,9 +12,13 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "examples/engine/tensor.hpp"
 #include "fsdp/host/host_device.hpp"
+#include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "fsdp/shard.hpp"
 #include "test/support/errors.hpp"
@@ -31,7 +36,9 @@ struct RebindFaults {
 
 struct Foreign {};
 
-// An engine tensor that owns storage until rebound (then releases it, as the Tensor contract asks).
+// An engine tensor that owns storage until rebound (then releases it, as the Tensor
+// contract asks). With Keeps, its traits have keep/restore.
+template <bool Keeps>
 struct Owned {
   std::string label;
   std::vector<std::int64_t> shape;
@@ -54,16 +61,28 @@ struct Owned {
   }
   Owned(const Owned&) = delete;
   ~Owned() { release(); }
-  void release() {
-    if (!storage) return;
-    faults->live_bytes -= static_cast<std::int64_t>(storage->size() * 4);
-    delete storage;
-    storage = nullptr;
+  void release() { free_storage(faults, std::exchange(storage, nullptr)); }
+  static void free_storage(RebindFaults* f, std::vector<float>* s) {
+    if (!s) return;
+    f->live_bytes -= static_cast<std::int64_t>(s->size() * 4);
+    delete s;
   }
+
+  // What keep hands out: the storage, freed when this is destroyed unless restored.
+  struct Kept {
+    RebindFaults* faults;
+    std::vector<float>* storage;
+    void* data;
+    fsdp::DType dtype;
+    Kept(Kept&& o) noexcept : faults(o.faults), storage(std::exchange(o.storage, nullptr)), data(o.data), dtype(o.dtype) {}
+    Kept(RebindFaults* f, std::vector<float>* s, void* d, fsdp::DType t) : faults(f), storage(s), data(d), dtype(t) {}
+    ~Kept() { free_storage(faults, storage); }
+  };
 };
 
+template <bool Keeps>
 struct Layer {
-  Owned w, bias, gw, gbias, mean;
+  Owned<Keeps> w, bias, gw, gbias, mean;
   Layer(RebindFaults& f, const std::string& name, float base)
       : w(f, name + ".w", {4, 3}, base), bias(f, name + ".bias", {3}, base + 50),
         gw(f, name + ".w#grad", {4, 3}, 0), gbias(f, name + ".bias#grad", {3}, 0), mean(f, name + ".mean", {3}, base + 70) {}
@@ -71,27 +90,31 @@ struct Layer {
   template <class F> void visit_buffers(F&& f) { f("mean", mean); }
 };
 
+template <bool Keeps>
 struct Net {
-  Owned gain, ggain;
-  Layer a, b;
-  explicit Net(RebindFaults& f) : gain(f, "gain", {5}, 1000), ggain(f, "gain#grad", {5}, 0), a(f, "a", 100), b(f, "b", 200) {}
+  Owned<Keeps> gain, ggain;
+  Layer<Keeps> a, b;
+  // `base` shifts every value (ranks built differently, for sync_module_states).
+  explicit Net(RebindFaults& f, float base = 0)
+      : gain(f, "gain", {5}, base + 1000), ggain(f, "gain#grad", {5}, 0), a(f, "a", base + 100), b(f, "b", base + 200) {}
   template <class F> void visit_parameters(F&& f) { f("gain", gain, ggain); }
   template <class F> void visit_children(F&& f) { f("a", a), f("b", b); }
-  std::vector<Owned*> tensors() {
+  std::vector<Owned<Keeps>*> tensors() {
     return {&gain, &ggain, &a.w, &a.bias, &a.gw, &a.gbias, &a.mean, &b.w, &b.bias, &b.gw, &b.gbias, &b.mean};
   }
 };
 
 }  // namespace
 
-template <>
-struct fsdp::tensor_traits<Owned> {
-  static DType dtype(const Owned& t) { return t.dtype; }
-  static std::span<const std::int64_t> shape(const Owned& t) { return t.shape; }
-  static void* data(Owned& t) { return t.data; }
-  static DeviceId device(const Owned&) { return {}; }
-  static void rebind(Owned& t, void* p) { rebind(t, p, t.dtype); }
-  static void rebind(Owned& t, void* p, DType d) {
+template <bool Keeps>
+struct fsdp::tensor_traits<Owned<Keeps>> {
+  using T = Owned<Keeps>;
+  static DType dtype(const T& t) { return t.dtype; }
+  static std::span<const std::int64_t> shape(const T& t) { return t.shape; }
+  static void* data(T& t) { return t.data; }
+  static DeviceId device(const T&) { return {}; }
+  static void rebind(T& t, void* p) { rebind(t, p, t.dtype); }
+  static void rebind(T& t, void* p, DType d) {
     if (++t.faults->calls == t.faults->throw_at) {  // before anything changes, as a failing rebind should
       t.faults->thrower = t.label;
       if (t.faults->foreign) throw Foreign{};
@@ -102,7 +125,22 @@ struct fsdp::tensor_traits<Owned> {
     t.dtype = d;
     if (t.rebinds++ == 0) t.first_call = t.faults->calls;
   }
+  static typename T::Kept keep(T& t)
+    requires Keeps
+  {
+    return {t.faults, std::exchange(t.storage, nullptr), t.data, t.dtype};
+  }
+  static void restore(T& t, typename T::Kept&& k) noexcept
+    requires Keeps
+  {
+    t.release();
+    t.storage = std::exchange(k.storage, nullptr);
+    t.data = k.data;
+    t.dtype = k.dtype;
+  }
 };
+
+static_assert(fsdp::KeepsStorage<Owned<true>> && !fsdp::KeepsStorage<Owned<false>>);
 
 namespace {
 
@@ -118,16 +156,19 @@ std::string unit_of(const std::string& label) {
   return label.rfind("gain", 0) == 0 ? "<root>" : label.substr(0, label.find('.'));
 }
 
-// After a failed shard: every tensor the library rebound has no storage and its own dtype;
-// every other keeps its storage and values (none is rebound after the throw, by cleanup,
-// unless the take-over had reached it); the engine holds exactly those bytes.
-void check_model_after_failure(Net& net, const RebindFaults& f) {
+// After a failed shard. With keep/restore: every tensor has its storage, dtype and values,
+// and the engine holds all it held. Without: every tensor the library rebound has no
+// storage and its own dtype; every other keeps its storage and values (none is rebound
+// after the throw, by cleanup, unless the take-over had reached it); the engine holds
+// exactly those bytes.
+template <bool Keeps>
+void check_model_after_failure(Net<Keeps>& net, const RebindFaults& f, std::int64_t built_bytes) {
   std::int64_t kept = 0;
-  for (Owned* t : net.tensors()) {
+  for (Owned<Keeps>* t : net.tensors()) {
     CAPTURE(t->label);
     CHECK(t->dtype == fsdp::DType::f32);
     if (t->rebinds > 0) CHECK(t->first_call < f.throw_at);
-    if (t->rebinds == 0) {
+    if (Keeps || t->rebinds == 0) {
       REQUIRE(t->storage);
       CHECK(t->data == t->storage->data());
       for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
@@ -138,19 +179,34 @@ void check_model_after_failure(Net& net, const RebindFaults& f) {
     }
   }
   CHECK(f.live_bytes == kept);
+  if (Keeps) CHECK(kept == built_bytes);
 }
 
-// Calls to rebind that a successful fsdp::shard makes (the take-over).
-template <class... Ps>
-int take_over_calls() {
-  int calls = 0;
+template <bool Keeps>
+std::string expected_outcome(Net<Keeps>& net) {
+  int lost = 0;
+  for (Owned<Keeps>* t : net.tensors()) lost += !Keeps && t->rebinds > 0;
+  if (lost == 0) return "; nothing was taken over, and every tensor keeps its storage and values";
+  return "; nothing was taken over, but " + std::to_string(lost) +
+         (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") + " left without storage";
+}
+
+struct Calls {
+  int take_over = 0;            // rebind calls of a successful fsdp::shard
+  std::int64_t engine_bytes = 0;  // what the engine still holds after it
+};
+
+// What a successful fsdp::shard does to the engine's tensors.
+template <bool Keeps, class... Ps>
+Calls successful_shard() {
+  Calls calls;
   fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
     RebindFaults f;
     {
-      Net net(f);
+      Net<Keeps> net(f);
       fsdp::HostDevice device;
-      auto model = fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer>{});
-      calls = f.calls;
+      auto model = fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer<Keeps>>{});
+      calls = {f.calls, f.live_bytes};
     }
     CHECK(f.live_bytes == 0);
   });
@@ -158,24 +214,28 @@ int take_over_calls() {
 }
 
 // For every call N of the take-over: that rebind throws on every rank of `world`.
-template <class... Ps>
-void fail_at_every_call(int world) {
-  const int calls = take_over_calls<Ps...>();
-  REQUIRE(calls >= 10);  // 5 parameters and their gradients at least
-  for (int n = 1; n <= calls; ++n) {
+template <bool Keeps, class... Ps>
+void fail_at_every_call(int world, const fsdp::ShardOptions& options = {}) {
+  const Calls good = successful_shard<Keeps, Ps...>();
+  REQUIRE(good.take_over >= 10);  // 5 parameters and their gradients at least
+  // The engine's storage goes when the take-over is committed, kept or not.
+  CHECK(good.engine_bytes == successful_shard<!Keeps, Ps...>().engine_bytes);
+  for (int n = 1; n <= good.take_over; ++n) {
     CAPTURE(n);
     fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
       RebindFaults f;
       f.throw_at = n;
-      Net net(f);
+      Net<Keeps> net(f, 10.0f * static_cast<float>(comm.rank()));
+      const std::int64_t built_bytes = f.live_bytes;
       fsdp::HostDevice device;
-      const std::string msg = test_support::error_of([&] { fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer>{}); });
+      const std::string msg = test_support::error_of(
+          [&] { fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer<Keeps>>{}, options); });
       CAPTURE(msg);
       REQUIRE(!f.thrower.empty());
       CHECK(contains(msg, "fsdp: unit '" + unit_of(f.thrower) + "' on rank " + std::to_string(comm.rank()) +
                               ": tensor_traits<T>::rebind threw while the unit took over " + named(f.thrower) +
-                              ": no room for another view"));
-      check_model_after_failure(net, f);
+                              ": no room for another view" + expected_outcome(net)));
+      check_model_after_failure(net, f, built_bytes);
       CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
       CHECK(device.stats(fsdp::MemorySpace::host).live_bytes == 0);
     });
@@ -184,21 +244,33 @@ void fail_at_every_call(int world) {
 
 }  // namespace
 
-TEST_CASE("FullShard on 2 ranks: a rebind throwing at any call of the take-over, in any unit") {
-  fail_at_every_call<fsdp::FullShard>(2);
+TEST_CASE_TEMPLATE("FullShard on 2 ranks: a rebind throwing at any call of the take-over, in any unit", Keeps,
+                   std::true_type, std::false_type) {
+  fail_at_every_call<Keeps::value, fsdp::FullShard>(2);
 }
 
-TEST_CASE("NoShard: parameters already pointed at the replicated storage are handed back without it") {
-  fail_at_every_call<fsdp::NoShard>(1);
+TEST_CASE_TEMPLATE("NoShard: parameters already pointed at the replicated storage are handed back", Keeps,
+                   std::true_type, std::false_type) {
+  fail_at_every_call<Keeps::value, fsdp::NoShard>(1);
 }
 
-TEST_CASE("MixedPrecision: buffers already shown in bf16 get their own dtype back, without storage") {
-  CHECK(take_over_calls<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>() == take_over_calls<fsdp::FullShard>() + 2);
-  fail_at_every_call<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>(2);
+TEST_CASE_TEMPLATE("MixedPrecision: buffers already shown in bf16 get their own dtype back", Keeps, std::true_type,
+                   std::false_type) {
+  CHECK(successful_shard<Keeps::value, fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>().take_over ==
+        successful_shard<Keeps::value, fsdp::FullShard>().take_over + 2);
+  fail_at_every_call<Keeps::value, fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>(2);
 }
 
-TEST_CASE("CpuOffload: the host-space shards are freed too") {
-  fail_at_every_call<fsdp::FullShard, fsdp::OffloadParams>(2);
+TEST_CASE_TEMPLATE("CpuOffload: the host-space shards are freed too", Keeps, std::true_type, std::false_type) {
+  fail_at_every_call<Keeps::value, fsdp::FullShard, fsdp::OffloadParams>(2);
+}
+
+TEST_CASE_TEMPLATE("sync_module_states: rank 0's values reach no engine tensor of a failed take-over", Keeps,
+                   std::true_type, std::false_type) {
+  fsdp::ShardOptions o;
+  o.sync_module_states = true;  // ranks were built with different values (Net's base)
+  fail_at_every_call<Keeps::value, fsdp::FullShard>(2, o);
+  fail_at_every_call<Keeps::value, fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>(2, o);
 }
 
 TEST_CASE("a rebind throwing something that is not a std::exception is an fsdp::Error too") {
@@ -206,28 +278,147 @@ TEST_CASE("a rebind throwing something that is not a std::exception is an fsdp::
     RebindFaults f;
     f.throw_at = 4;
     f.foreign = true;
-    Net net(f);
+    Net<false> net(f);
+    const std::int64_t built_bytes = f.live_bytes;
     fsdp::HostDevice device;
-    const std::string msg = test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}); });
+    const std::string msg =
+        test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<false>>{}); });
     CHECK(contains(msg, "took over " + named(f.thrower) + ": an exception that is not a std::exception"));
-    check_model_after_failure(net, f);
+    check_model_after_failure(net, f, built_bytes);
   });
 }
 
-TEST_CASE("only one rank's rebind throws: that rank fails, the other's model works and is freed") {
+TEST_CASE_TEMPLATE("only one rank's rebind throws: that rank fails, the other's model works and is freed", Keeps,
+                   std::true_type, std::false_type) {
   fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
     RebindFaults f;
     f.throw_at = comm.rank() == 1 ? 7 : 0;
-    Net net(f);
+    Net<Keeps::value> net(f);
+    const std::int64_t built_bytes = f.live_bytes;
     fsdp::HostDevice device;
     if (comm.rank() == 1) {
-      CHECK(contains(test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{}); }),
+      CHECK(contains(test_support::error_of([&] {
+                       fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<Keeps::value>>{});
+                     }),
                      "tensor_traits<T>::rebind threw"));
-      check_model_after_failure(net, f);
+      check_model_after_failure(net, f, built_bytes);
       CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
     } else {
-      auto model = fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+      auto model = fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<Keeps::value>>{});
       CHECK(model.size() == 3);
     }
+  });
+}
+
+TEST_CASE("a unit built alone (its constructor takes over): a throwing rebind gives its tensors back") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    for (int n = 1; n <= 4; ++n) {  // the unit's two gradients, then its two parameters
+      CAPTURE(n);
+      RebindFaults f;
+      f.throw_at = n;
+      Layer<true> layer(f, "a", 100);
+      const std::int64_t built_bytes = f.live_bytes;
+      fsdp::HostDevice device;
+      CHECK(contains(test_support::error_of([&] { fsdp::Sharded<Layer<true>> unit(layer, comm, device); }),
+                     "; nothing was taken over, and every tensor keeps its storage and values"));
+      for (auto* t : {&layer.w, &layer.bias, &layer.gw, &layer.gbias, &layer.mean}) {
+        CAPTURE(t->label);
+        REQUIRE(t->storage);
+        CHECK(t->data == t->storage->data());
+        for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
+      }
+      CHECK(f.live_bytes == built_bytes);
+      CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+    }
+  });
+}
+
+namespace {
+
+// The engine's memory, counted.
+struct CountingAllocator final : engine::Allocator {
+  std::int64_t live = 0;
+  void* allocate(std::size_t bytes) override {
+    live += static_cast<std::int64_t>(bytes);
+    return bytes ? ::operator new(bytes) : nullptr;
+  }
+  void deallocate(void* p, std::size_t bytes) override {
+    live -= static_cast<std::int64_t>(bytes);
+    ::operator delete(p);
+  }
+};
+
+// The library's reference tensors (HostTensor, the example engine's Tensor) in the root and
+// unit `a`; unit `b` holds tensors whose rebind throws and that have no keep/restore.
+struct EngineLayer {
+  engine::Tensor w, gw;
+  explicit EngineLayer(CountingAllocator& alloc) : w({3, 2}, alloc), gw({3, 2}, alloc) {
+    for (int i = 0; i < 6; ++i) w[i] = 100.0f + static_cast<float>(i);
+  }
+  template <class F> void visit_parameters(F&& f) { f("w", w, gw); }
+};
+struct ThrowingLayer {
+  Owned<false> w, bias, gw, gbias;
+  explicit ThrowingLayer(RebindFaults& f) : w(f, "b.w", {2}, 7), bias(f, "b.bias", {2}, 9), gw(f, "b.w#grad", {2}, 0), gbias(f, "b.bias#grad", {2}, 0) {}
+  template <class F> void visit_parameters(F&& f) { f("w", w, gw), f("bias", bias, gbias); }
+};
+struct MixedNet {
+  fsdp::HostTensor gain{{4}}, ggain{{4}};
+  EngineLayer a;
+  ThrowingLayer b;
+  MixedNet(CountingAllocator& alloc, RebindFaults& f) : a(alloc), b(f) {
+    for (int i = 0; i < 4; ++i) gain.as<float>()[i] = 1000.0f + static_cast<float>(i);
+  }
+  template <class F> void visit_parameters(F&& f) { f("gain", gain, ggain); }
+  template <class F> void visit_children(F&& f) { f("a", a), f("b", b); }
+};
+
+}  // namespace
+
+TEST_CASE("HostTensor and the example engine's Tensor get storage and values back from a later unit's failure") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    for (int n = 1; n <= 2; ++n) {  // b.w's gradient throws; then b.bias's, after b.w's was rebound
+      CAPTURE(n);
+      CountingAllocator alloc;
+      RebindFaults f;
+      f.throw_at = n;
+      {
+        MixedNet net(alloc, f);
+        const std::int64_t engine_bytes = alloc.live;
+        fsdp::HostDevice device;
+        const std::string msg = test_support::error_of([&] {
+          fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_modules(net.a, net.b));
+        });
+        CAPTURE(msg);
+        CHECK(contains(msg, "unit 'b' on rank " + std::to_string(comm.rank()) + ": tensor_traits<T>::rebind threw"));
+        CHECK(contains(msg, n == 1 ? "nothing was taken over, and every tensor keeps its storage and values"
+                                   : "nothing was taken over, but 1 tensor rebound before it is left without storage"));
+        REQUIRE(net.gain.owns_storage());
+        REQUIRE(net.ggain.owns_storage());
+        for (int i = 0; i < 4; ++i) CHECK(net.gain.as<float>()[i] == 1000.0f + static_cast<float>(i));
+        REQUIRE(net.a.w.raw());
+        REQUIRE(net.a.gw.raw());
+        for (int i = 0; i < 6; ++i) CHECK(net.a.w[i] == 100.0f + static_cast<float>(i));
+        CHECK(alloc.live == engine_bytes);  // nothing the engine allocated was freed
+        CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+      }
+      CHECK(alloc.live == 0);  // and nothing leaked
+    }
+  });
+}
+
+TEST_CASE("HostTensor and the example engine's Tensor: a committed take-over frees their storage") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    CountingAllocator alloc;
+    RebindFaults f;
+    MixedNet net(alloc, f);
+    fsdp::HostDevice device;
+    auto model = fsdp::shard<fsdp::FullShard>(net, comm, device,
+                                              fsdp::wrap_modules(net.a, net.b));
+    CHECK(model.size() == 3);
+    CHECK(alloc.live == 0);
+    CHECK(!net.gain.owns_storage());
+    CHECK(net.gain.data() == nullptr);
+    CHECK(net.a.w.raw() == nullptr);
   });
 }

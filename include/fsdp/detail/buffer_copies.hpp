@@ -28,7 +28,7 @@ class BufferCopies {
     cast_dtype_ = *cast_to;
     for (auto& b : buffers) {
       if (b.dtype == cast_dtype_ || !is_floating(b.dtype)) continue;
-      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind});  // freed by release on failure
+      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind, b.keep});  // freed by release on failure
       c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
       c.cast = device_.allocate(bytes(b.numel, cast_dtype_), MemorySpace::device);
       if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
@@ -38,9 +38,11 @@ class BufferCopies {
 
   // Points the engine's tensors at the cast copies (the state during training): the take-over.
   void show_cast(TakeOverLog& log) {
-    for (auto& c : copies_) log.rebind(c.tensor, c.rebind, c.cast, cast_dtype_, c.dtype, "buffer '" + c.fqn + "'");
+    for (auto& c : copies_) log.rebind(c.tensor, c.rebind, c.keep, c.cast, cast_dtype_, c.dtype, "buffer '" + c.fqn + "'");
     shown_ = true;
   }
+  // The take-over was rolled back (the log handed the tensors back).
+  void forget_shown() noexcept { shown_ = false; }
 
   // Summon shows buffers in their own dtype; leaving it casts them back (keeping edits).
   void show_master(bool show, bool keep_edits = false) {
@@ -103,6 +105,7 @@ class BufferCopies {
     std::int64_t numel;
     void* tensor;
     RebindFn rebind;
+    KeepFn keep;
     void* master = nullptr;
     void* cast = nullptr;
   };

@@ -4,6 +4,7 @@
 // rest of the unit does not depend on the engine's tensor type. Plus the local checks on
 // them that need no other rank.
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <string>
 #include <string_view>
@@ -31,6 +32,35 @@ RebindFn rebind_fn() {
   };
 }
 
+// The engine's storage of one tensor, kept alive across the take-over
+// (tensor_traits<T>::keep); destroying it lets the storage go, restore() gives it back.
+class KeptStorage {
+ public:
+  virtual ~KeptStorage() = default;
+  virtual void restore() noexcept = 0;
+};
+using KeepFn = std::unique_ptr<KeptStorage> (*)(void* tensor);
+
+// Null when T has no keep/restore (tensor_traits<T> says how to keep its storage).
+template <class T>
+KeepFn keep_fn() {
+  if constexpr (KeepsStorage<T>) {
+    using Kept = decltype(tensor_traits<T>::keep(std::declval<T&>()));
+    static_assert(noexcept(tensor_traits<T>::restore(std::declval<T&>(), std::declval<Kept&&>())),
+                  "fsdp: tensor_traits<T>::restore must be noexcept: it runs while a failed take-over is undone, "
+                  "where a second exception would leave tensors half restored");
+    struct Holder final : KeptStorage {
+      explicit Holder(T& t) : tensor(&t), kept(tensor_traits<T>::keep(t)) {}
+      void restore() noexcept override { tensor_traits<T>::restore(*tensor, std::move(kept)); }
+      T* tensor;
+      Kept kept;
+    };
+    return [](void* t) -> std::unique_ptr<KeptStorage> { return std::make_unique<Holder>(*static_cast<T*>(t)); };
+  } else {
+    return nullptr;
+  }
+}
+
 // Reads a tensor's current storage.
 using DataFn = void* (*)(void* tensor);
 
@@ -45,6 +75,7 @@ struct ParamBinding {
   void* grad = nullptr;
   RebindFn rebind = nullptr;
   DataFn data = nullptr;  // what the engine's param tensor views now
+  KeepFn keep = nullptr;
 };
 
 // A buffer (non-trainable tensor) as the unit found it.
@@ -57,6 +88,7 @@ struct CollectedBuffer {
   RebindFn rebind;
   std::vector<std::int64_t> shape;
   DataFn data_of = nullptr;
+  KeepFn keep = nullptr;
 };
 
 // A tensor's shape, dtype and storage as they are now (read again after deferred init).
@@ -131,7 +163,7 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
       c.device = Tr::device(param);
       c.data = Tr::data(param);
-      c.binding = {&param, &grad, rebind_fn<T>(), data_fn<T>()};
+      c.binding = {&param, &grad, rebind_fn<T>(), data_fn<T>(), keep_fn<T>()};
       c.read = read_fn<T>();
       out.push_back(std::move(c));
     });
@@ -144,7 +176,8 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       std::string fqn = join_fqn(prefix, name);
       const std::int64_t n = checked_numel(shape, fqn);
       buffers.push_back({std::move(fqn), tensor_traits<T>::dtype(buffer), n,
-                         tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>()});
+                         tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>(),
+                         keep_fn<T>()});
     });
   });
 }

@@ -1,16 +1,17 @@
 #pragma once
-// Taking over the engine's tensors (the last step of a unit's construction): every
-// parameter, gradient and cast buffer is rebound to the unit's storage or to nothing. The
-// engine's tensor_traits<T>::rebind may throw; then the unit must not keep half of them,
-// nor leave a tensor pointing at storage it is about to free. TakeOverLog rebinds one
-// tensor at a time and remembers those it pointed at the unit's storage (or showed in
-// another dtype); if a rebind throws, it hands those back (no storage, their own dtype)
-// and throws an fsdp::Error naming the unit and the tensor. Tensors not reached keep their
-// storage and values. A tensor already rebound cannot get its old storage back: its rebind
-// released it, as the Tensor contract asks (docs/concepts.md).
+// Taking over the engine's tensors (the last step of setup): every parameter, gradient and
+// cast buffer is rebound to a unit's storage or to nothing. The engine's
+// tensor_traits<T>::rebind may throw; then no unit may keep half of them, nor leave a
+// tensor pointing at storage about to be freed. TakeOverLog rebinds one tensor at a time
+// and records it: for a type with keep/restore (fsdp::KeepsStorage), the engine's storage
+// is kept alive until every unit took over (commit), so a rebind that throws anywhere
+// gives every tensor its storage and values back; a type without them can only be handed
+// back empty (its rebind released the storage, as the Tensor contract asks). Either way
+// nothing views the units' memory afterwards, and an fsdp::Error names the unit and tensor.
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,14 +23,20 @@ namespace fsdp::detail {
 
 class TakeOverLog {
  public:
-  TakeOverLog(std::string_view unit, int rank) : unit_(unit), rank_(rank) {}
+  explicit TakeOverLog(int rank) : rank_(rank) {}
   TakeOverLog(const TakeOverLog&) = delete;
   TakeOverLog& operator=(const TakeOverLog&) = delete;
+  // Not committed (an exception on the way): everything is rolled back.
+  ~TakeOverLog() { roll_back(); }
+
+  // The unit whose tensors come next (named in an error).
+  void unit(std::string_view name) { unit_ = name; }
 
   // Points `tensor` at `data` shown in `dtype`; `own` is the tensor's own dtype, `what`
-  // names it for the message ("parameter 'a.w'").
-  void rebind(void* tensor, RebindFn fn, void* data, DType dtype, DType own, const std::string& what) {
+  // names it for the message ("parameter 'a.w'"). `keep` (may be null) keeps its storage.
+  void rebind(void* tensor, RebindFn fn, KeepFn keep, void* data, DType dtype, DType own, const std::string& what) {
     try {
+      if (keep) kept_.push_back(keep(tensor));  // before the rebind releases it
       fn(tensor, data, dtype);
     } catch (const std::exception& e) {
       failed(what, e.what());
@@ -37,6 +44,23 @@ class TakeOverLog {
       failed(what, "an exception that is not a std::exception");
     }
     if (data || dtype != own) shown_.push_back({tensor, fn, own});
+    if (!keep) ++lost_;
+  }
+
+  // Every unit took over: the engine's old storage goes.
+  void commit() noexcept {
+    shown_.clear();
+    kept_.clear();
+    lost_ = 0;
+  }
+
+  // Hands back what was pointed at a unit's storage (no storage, own dtype), then gives the
+  // kept storage back, newest first. Noexcept: a second throw here would leave a tensor
+  // viewing memory the units free next.
+  void roll_back() noexcept {
+    for (auto it = shown_.rbegin(); it != shown_.rend(); ++it) it->fn(it->tensor, nullptr, it->own);
+    for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) (*it)->restore();
+    commit();
   }
 
  private:
@@ -46,23 +70,24 @@ class TakeOverLog {
     DType own;
   };
 
-  // Hands back what was pointed at the unit's storage, newest first. Noexcept: a second
-  // throw here would leave a tensor viewing memory the unit frees next.
-  void hand_back() noexcept {
-    for (auto it = shown_.rbegin(); it != shown_.rend(); ++it) it->fn(it->tensor, nullptr, it->own);
-    shown_.clear();
-  }
-
   [[noreturn]] void failed(const std::string& what, std::string_view why) {
-    hand_back();
+    const std::size_t lost = lost_;
+    roll_back();
+    std::string outcome = "; nothing was taken over, and every tensor keeps its storage and values";
+    if (lost)
+      outcome = "; nothing was taken over, but " + std::to_string(lost) +
+                (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") +
+                " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
+                "docs/concepts.md#tensor); the others keep theirs";
     fail("unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::rebind threw while the unit took over ", what,
-         ": ", why, "; the unit took over nothing (tensors rebound before it are left without storage, the others "
-         "as they were)");
+         ": ", why, outcome);
   }
 
-  std::string_view unit_;
+  std::string unit_;
   int rank_;
   std::vector<Shown> shown_;
+  std::vector<std::unique_ptr<KeptStorage>> kept_;
+  std::size_t lost_ = 0;  // tensors rebound without kept storage
 };
 
 // Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the
@@ -77,13 +102,17 @@ inline void take_over_tensors(FlatParam& fp, void* params_at, TakeOverLog& log) 
   auto name = [&](std::size_t i, bool alias) {
     return "parameter '" + (alias ? infos[i].aliases.at(next_alias[i]++) : infos[i].fqn) + "'";
   };
-  for (std::size_t i = 0; i < fp.bindings.size(); ++i)
-    log.rebind(fp.bindings[i].grad, fp.bindings[i].rebind, nullptr, own, own, "the gradient of " + name(i, false));
-  for (auto& [i, b] : fp.alias_bindings) log.rebind(b.grad, b.rebind, nullptr, own, own, "the gradient of " + name(i, true));
+  auto grad = [&](const ParamBinding& b, std::size_t i, bool alias) {
+    log.rebind(b.grad, b.rebind, b.keep, nullptr, own, own, "the gradient of " + name(i, alias));
+  };
+  auto param = [&](const ParamBinding& b, std::size_t i, bool alias) {
+    log.rebind(b.param, b.rebind, b.keep, at(i), own, own, name(i, alias));
+  };
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) grad(fp.bindings[i], i, false);
+  for (auto& [i, b] : fp.alias_bindings) grad(b, i, true);
   std::fill(next_alias.begin(), next_alias.end(), 0);
-  for (std::size_t i = 0; i < fp.bindings.size(); ++i)
-    log.rebind(fp.bindings[i].param, fp.bindings[i].rebind, at(i), own, own, name(i, false));
-  for (auto& [i, b] : fp.alias_bindings) log.rebind(b.param, b.rebind, at(i), own, own, name(i, true));
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) param(fp.bindings[i], i, false);
+  for (auto& [i, b] : fp.alias_bindings) param(b, i, true);
 }
 
 }  // namespace fsdp::detail

@@ -1,6 +1,7 @@
 #pragma once
 // HostTensor: a minimal tensor for host-only engines and tests. It owns its storage until
-// the library rebinds it to a view of library-owned storage.
+// the library rebinds it to a view of library-owned storage (keep/restore give it back if
+// that take-over fails).
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -40,6 +41,19 @@ class HostTensor {
     data_ = p;
   }
 
+  // The storage it shows, handed to the caller (the tensor still views it, without owning
+  // it): fsdp keeps it while it takes over a model, so that a failed take-over loses nothing.
+  struct Kept {
+    std::vector<std::byte> owned;
+    void* data;
+  };
+  Kept keep_storage() { return {std::move(owned_), data_}; }
+  // Owns and shows that storage again.
+  void restore_storage(Kept&& k) noexcept {
+    owned_ = std::move(k.owned);
+    data_ = k.data;
+  }
+
  private:
   std::vector<std::int64_t> shape_;
   DType dtype_ = DType::f32;
@@ -54,8 +68,10 @@ struct tensor_traits<HostTensor> {
   static void* data(HostTensor& t) { return t.data(); }
   static DeviceId device(const HostTensor&) { return {DeviceKind::cpu, 0}; }
   static void rebind(HostTensor& t, void* p) { t.rebind(p); }
+  static HostTensor::Kept keep(HostTensor& t) { return t.keep_storage(); }
+  static void restore(HostTensor& t, HostTensor::Kept&& k) noexcept { t.restore_storage(std::move(k)); }
 };
 
-static_assert(Tensor<HostTensor>);
+static_assert(Tensor<HostTensor> && KeepsStorage<HostTensor>);
 
 }  // namespace fsdp
