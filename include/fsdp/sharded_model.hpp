@@ -106,10 +106,15 @@ class ShardedModel {
   void take_over() {
     if (units_.empty()) return;
     detail::TakeOverLog log(units_.front()->rank());
+    std::vector<UnitBase*> taking;  // in this call (not those taken over before)
+    taking.reserve(units_.size());
     try {
-      for (auto& u : units_) u->take_over(log);
+      for (auto& u : units_) {
+        taking.push_back(u.get());
+        if (!u->take_over(log)) taking.pop_back();
+      }
     } catch (...) {
-      for (auto& u : units_) u->forget_take_over();  // `log` gives the tensors back as it goes
+      for (auto* u : taking) u->forget_take_over();  // `log` gives the tensors back as it goes
       throw;
     }
     log.commit();

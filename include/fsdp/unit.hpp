@@ -177,10 +177,11 @@ class UnitBase {
   // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
   virtual void take_over() = 0;
   // take_over in three steps, for ShardedModel, which takes over all of its units as one:
-  // rebind into `log` (which a throwing rebind rolls back, every unit's tensors); after a
-  // failure, forget_take_over (the log gave the tensors back); once the log is committed,
-  // finish_take_over (writes rank 0's buffer values under sync_module_states).
-  virtual void take_over(detail::TakeOverLog& log) = 0;
+  // rebind into `log` (false: taken over before, nothing done), which a throwing rebind
+  // rolls back, every unit's tensors; after a failure, forget_take_over (the log gave the
+  // tensors back); once the log is committed, finish_take_over (writes rank 0's buffer
+  // values under sync_module_states).
+  virtual bool take_over(detail::TakeOverLog& log) = 0;
   virtual void forget_take_over() noexcept = 0;
   virtual void finish_take_over() = 0;
 

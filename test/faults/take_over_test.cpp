@@ -2,8 +2,10 @@
 // (fsdp/detail/take_over.hpp): fsdp::shard fails with an fsdp::Error naming the unit and
 // the tensor; no tensor is left viewing the library's memory; the library frees all it
 // allocated; the engine's storage is freed once at most and none leaks. For a tensor type
-// with keep/restore, every tensor of every unit keeps its storage, dtype and values; for
-// one without, every tensor the library had not rebound yet (the thrower included) does.
+// with keep/restore, every tensor of every unit keeps its storage, dtype and values (ties
+// and a keep that throws included); for one without, every tensor the library had not
+// rebound yet (the thrower included) does. A ShardedModel's take-over retried after a
+// failure completes, and leaves the units taken over before it alone.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -32,6 +34,8 @@ struct RebindFaults {
   bool foreign = false;      // throw something that is not a std::exception
   std::string thrower;       // the tensor whose rebind threw
   std::int64_t live_bytes = 0;  // the engine's own storage
+  int keeps = 0;
+  int keep_throw_at = 0;  // the keep call (1-based) that throws; 0: never
 };
 
 struct Foreign {};
@@ -59,6 +63,9 @@ struct Owned {
     data = storage->empty() ? nullptr : storage->data();
     f.live_bytes += n * 4;
   }
+  // A view of `of`'s storage (a tie through another tensor object): owns nothing.
+  Owned(RebindFaults& f, std::string l, Owned& of)
+      : label(std::move(l)), shape(of.shape), data(of.data), faults(&f), first(of.first) {}
   Owned(const Owned&) = delete;
   ~Owned() { release(); }
   void release() { free_storage(faults, std::exchange(storage, nullptr)); }
@@ -128,6 +135,7 @@ struct fsdp::tensor_traits<Owned<Keeps>> {
   static typename T::Kept keep(T& t)
     requires Keeps
   {
+    if (++t.faults->keeps == t.faults->keep_throw_at) throw std::runtime_error("no memory to keep it");
     return {t.faults, std::exchange(t.storage, nullptr), t.data, t.dtype};
   }
   static void restore(T& t, typename T::Kept&& k) noexcept
@@ -420,5 +428,147 @@ TEST_CASE("HostTensor and the example engine's Tensor: a committed take-over fre
     CHECK(!net.gain.owns_storage());
     CHECK(net.gain.data() == nullptr);
     CHECK(net.a.w.raw() == nullptr);
+  });
+}
+
+namespace {
+
+// Ties, for a type with keep/restore: `w` and `w_tied` are two tensor objects on one
+// storage (as are their gradients); `u` is one object visited under two names.
+struct TiedLayer {
+  Owned<true> w, gw, w_tied, gw_tied, u, gu;
+  explicit TiedLayer(RebindFaults& f)
+      : w(f, "t.w", {3}, 300), gw(f, "t.w#grad", {3}, 0), w_tied(f, "t.w_tied", w), gw_tied(f, "t.w_tied#grad", gw),
+        u(f, "t.u", {2}, 400), gu(f, "t.u#grad", {2}, 0) {}
+  template <class F> void visit_parameters(F&& f) {
+    f("w", w, gw), f("u", u, gu), f("w_tied", w_tied, gw_tied), f("u_again", u, gu);
+  }
+};
+struct TiedNet {
+  Owned<true> gain, ggain;
+  TiedLayer t;
+  explicit TiedNet(RebindFaults& f) : gain(f, "gain", {5}, 1000), ggain(f, "gain#grad", {5}, 0), t(f) {}
+  template <class F> void visit_parameters(F&& f) { f("gain", gain, ggain); }
+  template <class F> void visit_children(F&& f) { f("t", t); }
+  std::vector<Owned<true>*> tensors() { return {&gain, &ggain, &t.w, &t.gw, &t.w_tied, &t.gw_tied, &t.u, &t.gu}; }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("ties (two objects on one storage, one object under two names) come back whole", Strategy,
+                   fsdp::FullShard, fsdp::NoShard) {
+  int calls = 0;
+  fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+    RebindFaults f;
+    TiedNet net(f);
+    fsdp::HostDevice device;
+    auto model = fsdp::shard<Strategy>(net, comm, device, fsdp::wrap_types<TiedLayer>{});
+    CHECK(model.parameters().size() == 3);  // gain, t.w, t.u: the tied names are aliases
+    calls = f.calls;
+  });
+  REQUIRE(calls == 10);  // every tensor object once, `u` and `gu` twice
+  for (int n = 1; n <= calls; ++n) {
+    CAPTURE(n);
+    fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+      RebindFaults f;
+      f.throw_at = n;
+      TiedNet net(f);
+      std::vector<std::pair<void*, std::vector<float>*>> built;
+      for (auto* t : net.tensors()) built.emplace_back(t->data, t->storage);
+      const std::int64_t built_bytes = f.live_bytes;
+      fsdp::HostDevice device;
+      const std::string msg = test_support::error_of(
+          [&] { fsdp::shard<Strategy>(net, comm, device, fsdp::wrap_types<TiedLayer>{}); });
+      CHECK(contains(msg, "; nothing was taken over, and every tensor keeps its storage and values"));
+      const auto tensors = net.tensors();
+      for (std::size_t k = 0; k < tensors.size(); ++k) {
+        const Owned<true>& t = *tensors[k];
+        CAPTURE(t.label);
+        CHECK(t.data == built[k].first);  // views too: restored newest first, each to what it showed
+        CHECK(t.storage == built[k].second);
+        CHECK(t.dtype == fsdp::DType::f32);
+        const auto* values = static_cast<const float*>(t.data);
+        for (std::int64_t i = 0; i < t.shape[0]; ++i) CHECK(values[i] == t.first + static_cast<float>(i));
+      }
+      CHECK(f.live_bytes == built_bytes);
+      CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+    });
+  }
+}
+
+namespace {
+
+// Every tensor of `net` shows the storage and values it was built with.
+template <class N>
+void check_as_built(N& net, const RebindFaults& f, std::int64_t built_bytes) {
+  for (auto* t : net.tensors()) {
+    CAPTURE(t->label);
+    REQUIRE(t->storage);
+    CHECK(t->data == t->storage->data());
+    CHECK(t->dtype == fsdp::DType::f32);
+    for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
+  }
+  CHECK(f.live_bytes == built_bytes);
+}
+
+}  // namespace
+
+TEST_CASE("a keep that throws: an fsdp::Error naming keep, and every tensor as it was") {
+  for (int n = 1; n <= 10; ++n) {  // 5 parameters and their gradients
+    CAPTURE(n);
+    fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+      RebindFaults f;
+      f.keep_throw_at = n;
+      Net<true> net(f);
+      const std::int64_t built_bytes = f.live_bytes;
+      fsdp::HostDevice device;
+      const std::string msg =
+          test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<true>>{}); });
+      CHECK(contains(msg, ": tensor_traits<T>::keep threw while the unit took over "));
+      CHECK(contains(msg, ": no memory to keep it; nothing was taken over, and every tensor keeps its storage and values"));
+      check_as_built(net, f, built_bytes);
+      CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+    });
+  }
+}
+
+TEST_CASE("ShardedModel::take_over after a failed one: it takes over, and units taken over before stay so") {
+  fsdp::ThreadGroup(1).run([](fsdp::ThreadComm& comm) {
+    RebindFaults f;
+    Net<true> net(f);
+    const std::int64_t built_bytes = f.live_bytes;
+    fsdp::HostDevice device;
+    {
+      fsdp::ShardedModel model;
+      fsdp::UnitOptions a_options{.fqn = "a"};
+      model.emplace<fsdp::Sharded<Layer<true>, fsdp::NoShard>>(net.a, comm, device, a_options);  // takes over now
+      fsdp::UnitOptions b_options{.fqn = "b", .defer_take_over = true};
+      model.emplace<fsdp::Sharded<Layer<true>>>(net.b, comm, device, b_options);
+      const void* a_storage = net.a.w.data;  // NoShard: the unit's replicated storage, for good
+      CHECK(a_storage != nullptr);
+      CHECK(net.a.w.storage == nullptr);
+      REQUIRE(net.b.w.storage);
+      f.throw_at = f.calls + 2;  // in b
+      CHECK(contains(test_support::error_of([&] { model.take_over(); }), "unit 'b' on rank 0: tensor_traits<T>::rebind threw"));
+      CHECK(net.a.w.data == a_storage);  // a stays taken over: it was not part of the failed take-over
+      CHECK(model[0].parameters().size() == 2);
+      CHECK(model[1].parameters().empty());  // b took over nothing
+      CHECK(net.b.w.data == net.b.w.storage->data());
+      f.throw_at = 0;
+      model.take_over();
+      model.take_over();  // nothing left to do
+      CHECK(net.b.w.data == nullptr);
+      CHECK(net.b.w.storage == nullptr);
+      model[1].begin_summon_full_params();  // b's values made it into its shards
+      for (int i = 0; i < 12; ++i) CHECK(static_cast<const float*>(net.b.w.data)[i] == 200.0f + static_cast<float>(i));
+      model[1].end_summon_full_params(false);
+    }
+    CHECK(net.a.w.data == nullptr);  // a's unit, destroyed, left no view of its storage
+    // The units gave the tensors back empty: only the buffers (never taken) hold storage.
+    std::int64_t buffers = 0;
+    for (auto* t : net.tensors()) buffers += t->storage ? static_cast<std::int64_t>(t->storage->size() * 4) : 0;
+    CHECK(buffers == 2 * 3 * 4 + 5 * 4 * 2);  // a.mean, b.mean; gain and its gradient were never sharded
+    CHECK(f.live_bytes == buffers);
+    CHECK(built_bytes - buffers == 2 * (12 + 3) * 4 * 2);  // a's and b's parameters and gradients, freed
   });
 }

@@ -57,6 +57,9 @@ KeepFn keep_fn() {
     };
     return [](void* t) -> std::unique_ptr<KeptStorage> { return std::make_unique<Holder>(*static_cast<T*>(t)); };
   } else {
+    static_assert(!requires(T& t) { tensor_traits<T>::keep(t); },
+                  "fsdp: tensor_traits<T> has keep(T&) but no static void restore(T&, K&&) noexcept taking what "
+                  "keep returns; without both, a take-over that fails cannot give tensors their storage back");
     return nullptr;
   }
 }

@@ -136,24 +136,23 @@ class ShardedUnit : public UnitBase {
     finish_take_over();
   }
   // Buffers first, so that the group counts as taken over only once every tensor is.
-  void take_over(detail::TakeOverLog& log) override {
-    if (group_.took_over()) return;
+  bool take_over(detail::TakeOverLog& log) override {
+    if (group_.took_over()) return false;
     log.unit(display_name());
     views_.clear();
     params_.clear();
     buffers_.show_cast(log);
     group_.take_over(fqn_, views_, params_, log);
+    return true;
   }
   void forget_take_over() noexcept override {
-    if (committed_) return;  // committed: nothing to forget
     buffers_.forget_shown();
     group_.forget_take_over();
     views_.clear();
     params_.clear();
   }
+  // Writes once: the values are released once written.
   void finish_take_over() override {
-    if (committed_) return;
-    committed_ = true;
     rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
   }
 
@@ -332,7 +331,6 @@ class ShardedUnit : public UnitBase {
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup group_;
   CollectiveTag tag_;  // what tag() hands out
-  bool committed_ = false;   // the take-over is final (finish_take_over ran)
   bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
   bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward
   bool kept_after_backward_ = false;  // kept whole by a backward for the next forward

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -35,23 +36,30 @@ class TakeOverLog {
   // Points `tensor` at `data` shown in `dtype`; `own` is the tensor's own dtype, `what`
   // names it for the message ("parameter 'a.w'"). `keep` (may be null) keeps its storage.
   void rebind(void* tensor, RebindFn fn, KeepFn keep, void* data, DType dtype, DType own, const std::string& what) {
+    // Room first: once the tensor has changed, recording it must not fail. A failure here
+    // has changed nothing of it (the destructor rolls back the others).
+    room_for_one(shown_);
+    room_for_one(kept_);
+    room_for_one(lost_);
+    const char* call = "keep";
     try {
       if (keep) kept_.push_back(keep(tensor));  // before the rebind releases it
+      call = "rebind";
       fn(tensor, data, dtype);
     } catch (const std::exception& e) {
-      failed(what, e.what());
+      failed(call, what, e.what());
     } catch (...) {
-      failed(what, "an exception that is not a std::exception");
+      failed(call, what, "an exception that is not a std::exception");
     }
     if (data || dtype != own) shown_.push_back({tensor, fn, own});
-    if (!keep) ++lost_;
+    if (!keep) lost_.push_back(tensor);
   }
 
   // Every unit took over: the engine's old storage goes.
   void commit() noexcept {
     shown_.clear();
     kept_.clear();
-    lost_ = 0;
+    lost_.clear();
   }
 
   // Hands back what was pointed at a unit's storage (no storage, own dtype), then gives the
@@ -70,8 +78,14 @@ class TakeOverLog {
     DType own;
   };
 
-  [[noreturn]] void failed(const std::string& what, std::string_view why) {
-    const std::size_t lost = lost_;
+  template <class V>
+  static void room_for_one(V& v) {
+    if (v.size() == v.capacity()) v.reserve(2 * v.size() + 16);
+  }
+
+  [[noreturn]] void failed(const char* call, const std::string& what, std::string_view why) {
+    std::sort(lost_.begin(), lost_.end(), std::less<>());  // a tensor tied under two names counts once
+    const auto lost = static_cast<std::size_t>(std::unique(lost_.begin(), lost_.end()) - lost_.begin());
     roll_back();
     std::string outcome = "; nothing was taken over, and every tensor keeps its storage and values";
     if (lost)
@@ -79,7 +93,7 @@ class TakeOverLog {
                 (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") +
                 " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
                 "docs/concepts.md#tensor); the others keep theirs";
-    fail("unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::rebind threw while the unit took over ", what,
+    fail("unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::", call, " threw while the unit took over ", what,
          ": ", why, outcome);
   }
 
@@ -87,7 +101,7 @@ class TakeOverLog {
   int rank_;
   std::vector<Shown> shown_;
   std::vector<std::unique_ptr<KeptStorage>> kept_;
-  std::size_t lost_ = 0;  // tensors rebound without kept storage
+  std::vector<void*> lost_;  // tensors rebound without kept storage
 };
 
 // Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the
