@@ -77,7 +77,10 @@ class FlatParamGroup {
   bool took_over() const { return took_over_; }
   // The take-over was rolled back (the log handed the engine's tensors back): the
   // destructor leaves them alone.
-  void forget_take_over() noexcept { took_over_ = false; }
+  void forget_take_over() noexcept {
+    took_over_ = false;
+    param_index_.clear();
+  }
   const detail::DeviceRef& device() const { return device_; }
   std::vector<FlatParam>& flat() { return flat_; }
   const std::vector<FlatParam>& flat() const { return flat_; }
@@ -119,7 +122,6 @@ class FlatParamGroup {
   // tensor first: a rebind that throws leaves the group not taken over (`log` hands back).
   void take_over(std::string_view unit, std::vector<ShardView>& views, std::vector<ParamView>& params,
                  detail::TakeOverLog& log) {
-    param_index_.clear();
     for (auto& fp : flat_) {
       if (fp.direct) fp.full = fp.shard, fp.full_dtype = fp.master();  // replicated: the parameters live in the "shard" for good
       detail::take_over_tensors(fp, fp.direct ? fp.full : nullptr, log);

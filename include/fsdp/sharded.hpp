@@ -13,7 +13,6 @@
 // policies on their types: the hooks, the setup and the state-dict interface are
 // fsdp/detail/sharded_unit.hpp's, which reads the policies as values and compiles once.
 #include <string>
-#include <type_traits>
 #include <utility>
 
 #include "fsdp/communicator.hpp"
@@ -35,11 +34,6 @@ class Sharded final : public detail::ShardedUnit {
   using module_type = Module;
   using config = Policies<Ps...>;
   using strategy = typename config::strategy;
-  using prefetch_policy = typename config::backward_prefetch;
-  using precision = typename config::mixed_precision;
-  static constexpr bool prefetches_forward = config::forward_prefetch::enabled;
-  static constexpr bool prefetches_backward = !std::is_same_v<prefetch_policy, NoBackwardPrefetch>;
-  static constexpr bool offload = config::cpu_offload::offload;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
@@ -61,7 +55,7 @@ class Sharded final : public detail::ShardedUnit {
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
       : ShardedUnit(detail::policy_values<config>(), detail::policy_settings<config>(), ModuleId::of(module),
-                    detail::ModuleVisit::of<Exclude, precision::enabled>(module), std::move(groups), device,
+                    detail::ModuleVisit::of<Exclude, config::mixed_precision::enabled>(module), std::move(groups), device,
                     std::move(options)) {}
 };
 

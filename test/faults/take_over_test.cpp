@@ -164,6 +164,16 @@ std::string unit_of(const std::string& label) {
   return label.rfind("gain", 0) == 0 ? "<root>" : label.substr(0, label.find('.'));
 }
 
+// `t` owns and shows the storage, dtype and values it was built with.
+template <bool Keeps>
+void check_as_built(const Owned<Keeps>& t) {
+  CAPTURE(t.label);
+  REQUIRE(t.storage);
+  CHECK(t.data == t.storage->data());
+  CHECK(t.dtype == fsdp::DType::f32);
+  for (std::size_t i = 0; i < t.storage->size(); ++i) CHECK((*t.storage)[i] == t.first + static_cast<float>(i));
+}
+
 // After a failed shard. With keep/restore: every tensor has its storage, dtype and values,
 // and the engine holds all it held. Without: every tensor the library rebound has no
 // storage and its own dtype; every other keeps its storage and values (none is rebound
@@ -177,9 +187,7 @@ void check_model_after_failure(Net<Keeps>& net, const RebindFaults& f, std::int6
     CHECK(t->dtype == fsdp::DType::f32);
     if (t->rebinds > 0) CHECK(t->first_call < f.throw_at);
     if (Keeps || t->rebinds == 0) {
-      REQUIRE(t->storage);
-      CHECK(t->data == t->storage->data());
-      for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
+      check_as_built(*t);
       kept += static_cast<std::int64_t>(t->storage->size() * 4);
     } else {
       CHECK(t->storage == nullptr);
@@ -329,12 +337,7 @@ TEST_CASE("a unit built alone (its constructor takes over): a throwing rebind gi
       fsdp::HostDevice device;
       CHECK(contains(test_support::error_of([&] { fsdp::Sharded<Layer<true>> unit(layer, comm, device); }),
                      "; nothing was taken over, and every tensor keeps its storage and values"));
-      for (auto* t : {&layer.w, &layer.bias, &layer.gw, &layer.gbias, &layer.mean}) {
-        CAPTURE(t->label);
-        REQUIRE(t->storage);
-        CHECK(t->data == t->storage->data());
-        for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
-      }
+      for (auto* t : {&layer.w, &layer.bias, &layer.gw, &layer.gbias, &layer.mean}) check_as_built(*t);
       CHECK(f.live_bytes == built_bytes);
       CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
     }
@@ -496,23 +499,6 @@ TEST_CASE_TEMPLATE("ties (two objects on one storage, one object under two names
   }
 }
 
-namespace {
-
-// Every tensor of `net` shows the storage and values it was built with.
-template <class N>
-void check_as_built(N& net, const RebindFaults& f, std::int64_t built_bytes) {
-  for (auto* t : net.tensors()) {
-    CAPTURE(t->label);
-    REQUIRE(t->storage);
-    CHECK(t->data == t->storage->data());
-    CHECK(t->dtype == fsdp::DType::f32);
-    for (std::size_t i = 0; i < t->storage->size(); ++i) CHECK((*t->storage)[i] == t->first + static_cast<float>(i));
-  }
-  CHECK(f.live_bytes == built_bytes);
-}
-
-}  // namespace
-
 TEST_CASE("a keep that throws: an fsdp::Error naming keep, and every tensor as it was") {
   for (int n = 1; n <= 10; ++n) {  // 5 parameters and their gradients
     CAPTURE(n);
@@ -526,7 +512,8 @@ TEST_CASE("a keep that throws: an fsdp::Error naming keep, and every tensor as i
           test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<true>>{}); });
       CHECK(contains(msg, ": tensor_traits<T>::keep threw while the unit took over "));
       CHECK(contains(msg, ": no memory to keep it; nothing was taken over, and every tensor keeps its storage and values"));
-      check_as_built(net, f, built_bytes);
+      for (auto* t : net.tensors()) check_as_built(*t);
+      CHECK(f.live_bytes == built_bytes);
       CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
     });
   }

@@ -49,7 +49,8 @@ inline void ShardedUnit::pre_backward() {
     }
     uses_.start_backward();
   }
-  if (order_) order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != PrefetchMode::none);
+  if (order_)
+    order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != PrefetchMode::none);
   unshard();  // a no-op where forward left the parameters unsharded
   kept_ = false;
   group_.bind_gradients(grad_is_zero_);

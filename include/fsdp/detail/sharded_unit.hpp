@@ -2,8 +2,9 @@
 // fsdp::detail::ShardedUnit: all of a unit (fsdp::Sharded) but the walk of its module's
 // subtree: the hooks' state machine, the unit's state-dict interface, its construction from
 // what the module visit collected. Not a template: it reads its policies as values
-// (PolicyValues, fsdp/detail/flat_param_rules.hpp), so it compiles once, whatever the module types and policy configurations
-// an engine uses; Sharded<Module, Ps...> checks the policies as types and derives from it.
+// (PolicyValues, fsdp/detail/flat_param_rules.hpp), so it compiles once, whatever the
+// module types and policy configurations an engine uses; Sharded<Module, Ps...> checks the
+// policies as types and derives from it.
 // Here: the state machine; the construction path is in fsdp/detail/unit_setup.hpp, the
 // summon's gathers and writeback check in fsdp/detail/summon_full_params.hpp, the
 // post-accumulate-grad hook in fsdp/detail/post_grad_hook_slot.hpp, the hooks' bodies in
@@ -11,20 +12,19 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "fsdp/communicator.hpp"
 #include "fsdp/detail/buffer_copies.hpp"
 #include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/summon_full_params.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/detail/unit_setup.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/flat_param_group.hpp"
-#include "fsdp/policies.hpp"
 #include "fsdp/trace.hpp"
 #include "fsdp/unit.hpp"
 #include "fsdp/unit_options.hpp"
@@ -139,12 +139,11 @@ class ShardedUnit : public UnitBase {
   bool take_over(detail::TakeOverLog& log) override {
     if (group_.took_over()) return false;
     log.unit(display_name());
-    views_.clear();
-    params_.clear();
     buffers_.show_cast(log);
     group_.take_over(fqn_, views_, params_, log);
     return true;
   }
+  // Back to before take_over(log): nothing appended, nothing to unbind at destruction.
   void forget_take_over() noexcept override {
     buffers_.forget_shown();
     group_.forget_take_over();
