@@ -207,6 +207,13 @@ std::string expected_outcome(Net<Keeps>& net) {
          (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") + " left without storage";
 }
 
+// The error of fsdp::shard<Ps...> over `net`, its layers wrapped.
+template <class... Ps, bool Keeps>
+std::string shard_error(Net<Keeps>& net, fsdp::ThreadComm& comm, fsdp::HostDevice& device,
+                        const fsdp::ShardOptions& options = {}) {
+  return test_support::error_of([&] { fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer<Keeps>>{}, options); });
+}
+
 struct Calls {
   int take_over = 0;            // rebind calls of a successful fsdp::shard
   std::int64_t engine_bytes = 0;  // what the engine still holds after it
@@ -244,8 +251,7 @@ void fail_at_every_call(int world, const fsdp::ShardOptions& options = {}) {
       Net<Keeps> net(f, 10.0f * static_cast<float>(comm.rank()));
       const std::int64_t built_bytes = f.live_bytes;
       fsdp::HostDevice device;
-      const std::string msg = test_support::error_of(
-          [&] { fsdp::shard<Ps...>(net, comm, device, fsdp::wrap_types<Layer<Keeps>>{}, options); });
+      const std::string msg = shard_error<Ps...>(net, comm, device, options);
       CAPTURE(msg);
       REQUIRE(!f.thrower.empty());
       CHECK(contains(msg, "fsdp: unit '" + unit_of(f.thrower) + "' on rank " + std::to_string(comm.rank()) +
@@ -297,8 +303,7 @@ TEST_CASE("a rebind throwing something that is not a std::exception is an fsdp::
     Net<false> net(f);
     const std::int64_t built_bytes = f.live_bytes;
     fsdp::HostDevice device;
-    const std::string msg =
-        test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<false>>{}); });
+    const std::string msg = shard_error<fsdp::FullShard>(net, comm, device);
     CHECK(contains(msg, "took over " + named(f.thrower) + ": an exception that is not a std::exception"));
     check_model_after_failure(net, f, built_bytes);
   });
@@ -313,10 +318,7 @@ TEST_CASE_TEMPLATE("only one rank's rebind throws: that rank fails, the other's 
     const std::int64_t built_bytes = f.live_bytes;
     fsdp::HostDevice device;
     if (comm.rank() == 1) {
-      CHECK(contains(test_support::error_of([&] {
-                       fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<Keeps::value>>{});
-                     }),
-                     "tensor_traits<T>::rebind threw"));
+      CHECK(contains(shard_error<fsdp::FullShard>(net, comm, device), "tensor_traits<T>::rebind threw"));
       check_model_after_failure(net, f, built_bytes);
       CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
     } else {
@@ -508,8 +510,7 @@ TEST_CASE("a keep that throws: an fsdp::Error naming keep, and every tensor as i
       Net<true> net(f);
       const std::int64_t built_bytes = f.live_bytes;
       fsdp::HostDevice device;
-      const std::string msg =
-          test_support::error_of([&] { fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<true>>{}); });
+      const std::string msg = shard_error<fsdp::FullShard>(net, comm, device);
       CHECK(contains(msg, ": tensor_traits<T>::keep threw while the unit took over "));
       CHECK(contains(msg, ": no memory to keep it; nothing was taken over, and every tensor keeps its storage and values"));
       for (auto* t : net.tensors()) check_as_built(*t);
