@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -41,6 +42,13 @@ class Store {
   virtual std::int64_t num_keys() = 0;
   // The value if present, without waiting.
   virtual std::optional<std::string> try_get(std::string_view key) = 0;
+
+  // Another client of the same store whose calls (and connecting, and its handshake)
+  // each give up after `timeout`: what a failing rank asks its peers through for a better
+  // message, so that a store which accepts connections but never answers cannot delay
+  // the error by the store's own, long, request timeout. Null where this store's calls
+  // other than get and wait cannot block (an in-process store): use this one.
+  virtual std::shared_ptr<Store> bounded_client(Timeout /*timeout*/) { return nullptr; }
 };
 
 // In-process store for ranks that are threads (tests, benchmarks of the TCP communicator

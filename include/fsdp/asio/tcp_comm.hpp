@@ -28,7 +28,7 @@
 //
 // Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names every
 // rank's call (the ranks that find it ask the others through the store, waiting at most
-// 2 s); a peer that exits or closes its communicator is named by its neighbours and the
+// 2 s, each request bounded even when the store stopped answering); a peer that exits or closes its communicator is named by its neighbours and the
 // reason travels the ring to the others (ABORT frames); a collective without progress for
 // `timeout` fails naming the rank that is behind; a rank that never joins fails
 // construction. After a failure the communicator is broken: later collectives fail.

@@ -170,7 +170,7 @@ class TcpCommCore {
     // The next communicator of this prefix (after every member of this one is gone) must
     // not find this rank's stale address. Every peer that needed it has connected.
     try {
-      store_->delete_key(id_.address_key(id_.rank));
+      if (Store* store = reports_.store_for_cleanup()) store->delete_key(id_.address_key(id_.rank));
     } catch (...) {
     }
     // The reports stay: a peer may still be gathering them for its mismatch message (a

@@ -11,6 +11,11 @@
 //  - after a mismatch, every rank's call with its unit, worded as ThreadComm words it
 //    (detail/collective_mismatch.hpp). The first such message in <prefix>/mismatch is the
 //    one every detecting rank reports, and ABORT frames carry it to the others.
+// Every store call made here goes through Store::bounded_client (kRequestBound per call),
+// not the communicator's own store client, whose request timeout may be minutes: a store
+// that stopped answering costs the failing rank at most that bound (plus one for the
+// handshake), and the error then says the ranks could not be asked. Used by one thread
+// at a time: the communicator's I/O thread, or its constructor and destructor.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -34,6 +39,10 @@ class StoreRankReport final : public RingObserver {
   StoreRankReport(std::shared_ptr<Store> store, std::string prefix, int rank, int size, std::chrono::milliseconds timeout)
       : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), timeout_(timeout) {}
 
+  // The longest any one store request of a report may take. Loopback round trips take
+  // microseconds; 2 s leaves room for a loaded machine without making an error wait long.
+  static constexpr std::chrono::milliseconds kRequestBound{2000};
+
   std::string last_key(int r) const { return prefix_ + "/last/" + std::to_string(r); }
   std::string flag_key() const { return prefix_ + "/ask"; }
   std::string mismatch_key() const { return prefix_ + "/mismatch"; }
@@ -49,8 +58,9 @@ class StoreRankReport final : public RingObserver {
   void stalled(const CollectiveCall& call, const std::string& state) override {
     if (published_ && *published_ == call.seq) return;
     try {
-      if (store_->try_get(flag_key())) publish(call, state);
+      if (asker().try_get(flag_key())) publish(call, state);
     } catch (const std::exception&) {  // the store is only asked for a better message
+      lost_asker();
     }
   }
 
@@ -62,6 +72,7 @@ class StoreRankReport final : public RingObserver {
       ask(call, state);
       os << "; " << where_the_ranks_are(gather(std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(2))));
     } catch (const std::exception& e) {
+      lost_asker();
       os << "; could not ask the other ranks where they are: " << e.what();
     }
     return os.str();
@@ -84,8 +95,9 @@ class StoreRankReport final : public RingObserver {
         message += "; a rank that did not report within " + std::to_string(mismatch_wait().count()) +
                    " ms is in no collective of communicator " + prefix_ +
                    " (stalled in other code, or its process is stopped or dead)";
-      return store_->compare_set(mismatch_key(), "", message);  // the first rank's message, on every rank
+      return asker().compare_set(mismatch_key(), "", message);  // the first rank's message, on every rank
     } catch (const std::exception& e) {
+      lost_asker();
       return "collective mismatch: rank " + std::to_string(rank_) + " called " + call.describe() + " but rank " +
              std::to_string(left_rank) + " called " + left_call.describe() +
              "; could not ask the other ranks what they called: " + e.what();
@@ -99,6 +111,14 @@ class StoreRankReport final : public RingObserver {
   // the shared keys, before it publishes its address: a mismatch found earlier (only
   // between ranks that joined without waiting for rank 0) at worst leaves the ranks'
   // messages different.
+  // Where a communicator deletes its keys as it goes: the bounded client (connected now
+  // if no report did), since the store may be what failed or a peer's failure may not
+  // have reached this rank yet, and a destructor must not wait the store's request
+  // timeout. Null after the store failed to answer a report within the bound: the keys
+  // are left as a dead process leaves them, for the next communicator to replace. May
+  // throw (connecting).
+  Store* store_for_cleanup() { return store_failed_ ? nullptr : &asker(); }
+
   void forget(bool shared) noexcept {
     try {
       store_->delete_key(last_key(rank_));
@@ -119,11 +139,11 @@ class StoreRankReport final : public RingObserver {
   // Publishes this rank's call, then asks the others for theirs.
   void ask(const CollectiveCall& call, const std::string& state) {
     publish(call, state);
-    store_->set(flag_key(), std::to_string(rank_));
+    asker().set(flag_key(), std::to_string(rank_));
   }
 
   void publish(const CollectiveCall& call, const std::string& state) {
-    store_->set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
+    asker().set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
     published_ = call.seq;
   }
 
@@ -135,7 +155,7 @@ class StoreRankReport final : public RingObserver {
       bool all = true;
       for (int r = 0; r < size_; ++r) {
         if (reports[r]) continue;
-        if (auto v = store_->try_get(last_key(r))) reports[r] = parse(*v);
+        if (auto v = asker().try_get(last_key(r))) reports[r] = parse(*v);
         else all = false;
       }
       if (all || Store::Clock::now() >= deadline) return reports;
@@ -187,7 +207,23 @@ class StoreRankReport final : public RingObserver {
     return os.str();
   }
 
+  // The bounded client, connected at first use (a communicator that never fails never
+  // opens it) and again after a call on it failed; the store itself where it has none.
+  Store& asker() {
+    if (!asker_) asker_ = store_->bounded_client(kRequestBound);
+    if (!asker_) asker_ = store_;
+    return *asker_;
+  }
+
+  // A call through the asker failed: connect afresh next time.
+  void lost_asker() noexcept {
+    asker_.reset();
+    store_failed_ = true;
+  }
+
   std::shared_ptr<Store> store_;
+  std::shared_ptr<Store> asker_;
+  bool store_failed_ = false;  // a report could not reach the store
   const std::string prefix_;
   const int rank_, size_;
   const std::chrono::milliseconds timeout_;

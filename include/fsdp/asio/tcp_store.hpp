@@ -92,6 +92,15 @@ class TcpStore final : public Store {
     return std::move(reply.value);
   }
 
+  // A second connection to the same server, every verb and the connection itself bounded
+  // by `timeout`.
+  std::shared_ptr<Store> bounded_client(Timeout timeout) override {
+    TcpStoreOptions o = options_;
+    o.timeout = timeout;
+    o.connect_timeout = timeout;
+    return std::make_shared<TcpStore>(host_, port_, std::move(o));
+  }
+
   // The local IP of this connection: the interface through which this host reaches the
   // store, which is the one to advertise to peers.
   std::string local_address() {

@@ -1,0 +1,87 @@
+#pragma once
+// A loopback TCP proxy in front of a server that a test can freeze: while frozen it still
+// accepts connections, but drops every byte in both directions, so to its clients the
+// server looks alive (connections succeed) and never answers. Its own I/O thread; the
+// destructor stops it and closes every connection.
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+
+namespace test_support {
+
+class FreezableProxy {
+ public:
+  using tcp = boost::asio::ip::tcp;
+
+  explicit FreezableProxy(std::uint16_t server_port)
+      : server_(boost::asio::ip::make_address("127.0.0.1"), server_port),
+        acceptor_(io_, tcp::endpoint(boost::asio::ip::make_address("127.0.0.1"), 0)) {
+    accept();
+    thread_ = std::thread([this] { io_.run(); });
+  }
+  FreezableProxy(const FreezableProxy&) = delete;
+  FreezableProxy& operator=(const FreezableProxy&) = delete;
+  ~FreezableProxy() {
+    io_.stop();
+    thread_.join();
+  }
+
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  void freeze() { frozen_ = true; }
+  void thaw() { frozen_ = false; }
+
+ private:
+  struct Pipe {
+    tcp::socket client, server;
+    explicit Pipe(boost::asio::io_context& io) : client(io), server(io) {}
+  };
+
+  void accept() {
+    auto pipe = std::make_shared<Pipe>(io_);
+    acceptor_.async_accept(pipe->client, [this, pipe](boost::system::error_code ec) {
+      if (ec) return;
+      boost::system::error_code connect_ec;
+      pipe->server.connect(server_, connect_ec);  // loopback: immediate
+      if (!connect_ec) {
+        pump(pipe, pipe->client, pipe->server);
+        pump(pipe, pipe->server, pipe->client);
+      }
+      accept();
+    });
+  }
+
+  // Moves bytes from `from` to `to` until either side closes; frozen, reads and drops them.
+  void pump(std::shared_ptr<Pipe> pipe, tcp::socket& from, tcp::socket& to) {
+    auto buffer = std::make_shared<std::array<char, 4096>>();
+    from.async_read_some(boost::asio::buffer(*buffer), [this, pipe, &from, &to, buffer](boost::system::error_code ec,
+                                                                                         std::size_t n) {
+      if (ec) return close(*pipe);
+      if (frozen_) return pump(pipe, from, to);
+      boost::asio::async_write(to, boost::asio::buffer(buffer->data(), n),
+                               [this, pipe, &from, &to, buffer](boost::system::error_code wec, std::size_t) {
+                                 if (wec) return close(*pipe);
+                                 pump(pipe, from, to);
+                               });
+    });
+  }
+
+  static void close(Pipe& pipe) {
+    boost::system::error_code ignored;
+    pipe.client.close(ignored);
+    pipe.server.close(ignored);
+  }
+
+  boost::asio::io_context io_;
+  const tcp::endpoint server_;
+  tcp::acceptor acceptor_;
+  std::atomic<bool> frozen_{false};
+  std::thread thread_;
+};
+
+}  // namespace test_support
