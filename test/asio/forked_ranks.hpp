@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fsdp/asio/tcp_process_group.hpp"
+#include "test/asio/tcp_world.hpp"
 #include "tools/launcher/launcher.hpp"
 
 namespace test_support {
@@ -131,8 +132,6 @@ inline std::vector<RankResult> run_ranks(int world, const std::vector<int>& star
   options.timeout = timeout;
   return run_ranks(world, started, options, body, limit);
 }
-
-inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Forks `world` ranks (timeout 10 s) that each all_gather 16 MiB of f32 after a barrier;
 // `victim` raises SIGKILL 5 ms after issuing it, so the kill lands mid-transfer. `before`,

@@ -1,8 +1,9 @@
 #pragma once
-// A loopback TCP proxy in front of a server that a test can freeze: while frozen it still
+// A loopback TCP proxy in front of a server that a test can freeze: from then on it still
 // accepts connections, but drops every byte in both directions, so to its clients the
-// server looks alive (connections succeed) and never answers. Its own I/O thread; the
-// destructor stops it and closes every connection.
+// server looks alive (connections succeed) and never answers. There is no thaw: the
+// dropped bytes would leave every open connection out of frame. Its own I/O thread; the
+// destructor stops it, and the connections close with its io_context.
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -21,7 +22,8 @@ class FreezableProxy {
 
   explicit FreezableProxy(std::uint16_t server_port)
       : server_(boost::asio::ip::make_address("127.0.0.1"), server_port),
-        acceptor_(io_, tcp::endpoint(boost::asio::ip::make_address("127.0.0.1"), 0)) {
+        acceptor_(io_, tcp::endpoint(boost::asio::ip::make_address("127.0.0.1"), 0)),
+        port_(acceptor_.local_endpoint().port()) {
     accept();
     thread_ = std::thread([this] { io_.run(); });
   }
@@ -32,9 +34,8 @@ class FreezableProxy {
     thread_.join();
   }
 
-  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  std::uint16_t port() const { return port_; }
   void freeze() { frozen_ = true; }
-  void thaw() { frozen_ = false; }
 
  private:
   struct Pipe {
@@ -45,7 +46,7 @@ class FreezableProxy {
   void accept() {
     auto pipe = std::make_shared<Pipe>(io_);
     acceptor_.async_accept(pipe->client, [this, pipe](boost::system::error_code ec) {
-      if (ec) return;
+      if (ec) return;  // stopped (or out of descriptors: the test then fails on its own)
       boost::system::error_code connect_ec;
       pipe->server.connect(server_, connect_ec);  // loopback: immediate
       if (!connect_ec) {
@@ -80,6 +81,7 @@ class FreezableProxy {
   boost::asio::io_context io_;
   const tcp::endpoint server_;
   tcp::acceptor acceptor_;
+  const std::uint16_t port_;
   std::atomic<bool> frozen_{false};
   std::thread thread_;
 };

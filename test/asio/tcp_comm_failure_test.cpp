@@ -6,6 +6,8 @@
 
 #include <array>
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +25,7 @@ using fsdp::DType;
 using fsdp::ReduceOp;
 using fsdp::TcpComm;
 using test_support::contains;
+using test_support::seconds_since;
 using test_support::TcpWorld;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -32,8 +35,6 @@ fsdp::TcpCommOptions with_timeout(std::chrono::milliseconds t, int io_threads = 
   o.timeout = t;
   return o;
 }
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 }  // namespace
 
@@ -244,6 +245,43 @@ TEST_CASE("queued collectives finish before the communicator goes; a later prefi
   for (int r = 0; r < 2; ++r) {
     CHECK_MESSAGE(errors[r].empty(), errors[r]);
     CHECK(ok[r]);
+  }
+}
+
+TEST_CASE("a stale address whose port now answers as something else is read again, not refused") {
+  // What an earlier communicator of the prefix left (a dead process, or a destructor that
+  // could not reach the store) can point at a port that another communicator, or another
+  // program, now holds. Rank 1 publishes its own address 300 ms after rank 0 starts.
+  for (const std::string answer : {fsdp::detail::HelloReply::encode("this port belongs to communicator other, not fsdp/comm"),
+                                   std::string(64, 'x')}) {
+    boost::asio::io_context io;
+    boost::asio::ip::tcp::acceptor squatter(io, {boost::asio::ip::make_address("127.0.0.1"), 0});
+    std::function<void()> serve = [&] {
+      auto peer = std::make_shared<boost::asio::ip::tcp::socket>(io);
+      squatter.async_accept(*peer, [&, peer](boost::system::error_code ec) {
+        if (ec) return;
+        boost::asio::async_write(*peer, boost::asio::buffer(answer), [peer](boost::system::error_code, std::size_t) {});
+        serve();
+      });
+    };
+    serve();
+    std::thread squatting([&] { io.run_for(10s); });
+    auto store = std::make_shared<fsdp::HashStore>();
+    store->set("fsdp/comm/addr/1", "127.0.0.1:" + std::to_string(squatter.local_endpoint().port()));
+    std::vector<std::int32_t> gathered[2];
+    const auto errors = test_support::on_threads(2, [&](int r) {
+      if (r == 1) std::this_thread::sleep_for(300ms);
+      TcpComm comm(store, r, 2, with_timeout(5s));
+      std::vector<std::int32_t> in{r};
+      gathered[r].resize(2);
+      comm.all_gather(in.data(), gathered[r].data(), 1, DType::i32).wait();
+    });
+    io.stop();
+    squatting.join();
+    for (int r = 0; r < 2; ++r) {
+      CHECK_MESSAGE(errors[r].empty(), errors[r]);
+      CHECK(gathered[r] == std::vector<std::int32_t>{0, 1});
+    }
   }
 }
 

@@ -19,6 +19,10 @@ namespace test_support {
 
 using namespace std::chrono_literals;
 
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // Options for tests that must succeed (a hang fails after 10 s instead of never).
 inline fsdp::TcpCommOptions ok_options(std::size_t segment_bytes = 1 << 20, int io_threads = 1) {
   fsdp::TcpCommOptions o;

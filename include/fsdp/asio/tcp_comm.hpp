@@ -28,16 +28,19 @@
 //
 // Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names every
 // rank's call (the ranks that find it ask the others through the store, waiting at most
-// 2 s, each request bounded even when the store stopped answering); a peer that exits or closes its communicator is named by its neighbours and the
-// reason travels the ring to the others (ABORT frames); a collective without progress for
-// `timeout` fails naming the rank that is behind; a rank that never joins fails
-// construction. After a failure the communicator is broken: later collectives fail.
+// 2 s; every request bounded, even when the store stopped answering); a peer that exits
+// or closes its communicator is named by its neighbours and the reason travels the ring
+// to the others (ABORT frames); a collective without progress for `timeout` fails naming
+// the rank that is behind; a rank that never joins fails construction. After a failure
+// the communicator is broken: later collectives fail.
 //
 // Store keys (under `prefix`): addr/<rank> while joining; ask, last/<rank> and mismatch
 // after a timeout or a mismatch. A prefix names one communicator at a time on a store;
-// each rank removes its address when its communicator is destroyed, after which the
-// prefix may be used again. The reports stay (a peer may still be reading them) until the
-// next communicator of the prefix is made, which removes them before it joins.
+// each rank removes its address when its communicator is destroyed (unless the store
+// failed to answer), after which the prefix may be used again; an address left behind
+// is read again while joining until its rank replaces it. The reports stay (a peer may
+// still be reading them) until the next communicator of the prefix is made, which
+// removes them before it joins.
 #include <algorithm>
 #include <array>
 #include <chrono>

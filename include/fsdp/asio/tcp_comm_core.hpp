@@ -168,9 +168,11 @@ class TcpCommCore {
 
   void forget_keys() noexcept {
     // The next communicator of this prefix (after every member of this one is gone) must
-    // not find this rank's stale address. Every peer that needed it has connected.
+    // not find this rank's stale address. Every peer that needed it has connected. A
+    // communicator of one rank published none.
+    if (id_.size == 1) return;
     try {
-      if (Store* store = reports_.store_for_cleanup()) store->delete_key(id_.address_key(id_.rank));
+      if (Store* bounded = reports_.store_for_cleanup()) bounded->delete_key(id_.address_key(id_.rank));
     } catch (...) {
     }
     // The reports stay: a peer may still be gathering them for its mismatch message (a

@@ -11,11 +11,12 @@
 //  - after a mismatch, every rank's call with its unit, worded as ThreadComm words it
 //    (detail/collective_mismatch.hpp). The first such message in <prefix>/mismatch is the
 //    one every detecting rank reports, and ABORT frames carry it to the others.
-// Every store call made here goes through Store::bounded_client (kRequestBound per call),
+// Every store request of a report, and the destructor's removal of the address, goes
+// through Store::bounded_client (kRequestBound per request, one connection per process),
 // not the communicator's own store client, whose request timeout may be minutes: a store
-// that stopped answering costs the failing rank at most that bound (plus one for the
-// handshake), and the error then says the ranks could not be asked. Used by one thread
-// at a time: the communicator's I/O thread, or its constructor and destructor.
+// that stopped answering costs the failing rank about one bound, and the error then says
+// the ranks could not be asked and why. Used by one thread at a time: the communicator's
+// I/O thread, or its constructor and destructor.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -57,31 +58,33 @@ class StoreRankReport final : public RingObserver {
 
   void stalled(const CollectiveCall& call, const std::string& state) override {
     if (published_ && *published_ == call.seq) return;
-    try {
-      if (asker().try_get(flag_key())) publish(call, state);
-    } catch (const std::exception&) {  // the store is only asked for a better message
-      lost_asker();
-    }
+    std::string ignored;  // the store is only asked for a better message
+    through_store([&](Store& s) {
+      if (s.try_get(flag_key())) publish(s, call, state);
+    }, ignored);
   }
 
   std::string timed_out(const CollectiveCall& call, const std::string& state) override {
     std::ostringstream os;
     os << "rank " << rank_ << ": " << call.describe() << " timed out after " << timeout_.count()
        << " ms without progress (" << state << ")";
-    try {
-      ask(call, state);
-      os << "; " << where_the_ranks_are(gather(std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(2))));
-    } catch (const std::exception& e) {
-      lost_asker();
-      os << "; could not ask the other ranks where they are: " << e.what();
-    }
+    std::vector<std::optional<Report>> reports;
+    std::string failure;
+    if (through_store([&](Store& s) {
+          ask(s, call, state);
+          reports = gather(s, std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(2)));
+        }, failure))
+      os << "; " << where_the_ranks_are(reports);
+    else
+      os << "; could not ask the other ranks where they are: " << failure;
     return os.str();
   }
 
   std::string mismatched(const CollectiveCall& call, const CollectiveCall& left_call, int left_rank) override {
-    try {
-      ask(call, "its frames disagree with rank " + std::to_string(left_rank) + "'s");
-      const auto reports = gather(mismatch_wait());
+    std::string message, failure;
+    const bool asked = through_store([&](Store& s) {
+      ask(s, call, "its frames disagree with rank " + std::to_string(left_rank) + "'s");
+      const auto reports = gather(s, mismatch_wait());
       std::vector<std::string> each_rank(size_);
       bool silent = false;
       for (int r = 0; r < size_; ++r) {
@@ -90,19 +93,27 @@ class StoreRankReport final : public RingObserver {
         else each_rank[r] = "did not report";
         silent = silent || !reports[r];
       }
-      std::string message = mismatch_message(each_rank, static_cast<std::size_t>(rank_));
+      message = mismatch_message(each_rank, static_cast<std::size_t>(rank_));
       if (silent)
         message += "; a rank that did not report within " + std::to_string(mismatch_wait().count()) +
                    " ms is in no collective of communicator " + prefix_ +
                    " (stalled in other code, or its process is stopped or dead)";
-      return asker().compare_set(mismatch_key(), "", message);  // the first rank's message, on every rank
-    } catch (const std::exception& e) {
-      lost_asker();
-      return "collective mismatch: rank " + std::to_string(rank_) + " called " + call.describe() + " but rank " +
-             std::to_string(left_rank) + " called " + left_call.describe() +
-             "; could not ask the other ranks what they called: " + e.what();
-    }
+      message = s.compare_set(mismatch_key(), "", message);  // the first rank's message, on every rank
+    }, failure);
+    if (asked) return message;
+    return "collective mismatch: rank " + std::to_string(rank_) + " called " + call.describe() + " but rank " +
+           std::to_string(left_rank) + " called " + left_call.describe() +
+           "; could not ask the other ranks what they called: " + failure;
   }
+
+  // Where a communicator deletes its address key as it goes: the bounded client (connected
+  // now if no report did), not the store it was given, whose connection another thread's
+  // long get or wait may hold and whose request timeout may be minutes: a destructor must
+  // not wait that long when the store is what failed, or when a peer's failure has not
+  // reached this rank yet. Null when the store's last request failed: the key is left as
+  // a dead process leaves it, for the next communicator of the prefix to replace. May
+  // throw (connecting).
+  Store* store_for_cleanup() { return failed_at_ ? nullptr : &bounded_store(); }
 
   // This rank's report, and (`shared`) the keys that ask for reports: called before
   // joining, for what an earlier communicator of this prefix left (it never removes them
@@ -110,15 +121,7 @@ class StoreRankReport final : public RingObserver {
   // mismatch message that compare_set would return as this communicator's. Rank 0 clears
   // the shared keys, before it publishes its address: a mismatch found earlier (only
   // between ranks that joined without waiting for rank 0) at worst leaves the ranks'
-  // messages different.
-  // Where a communicator deletes its keys as it goes: the bounded client (connected now
-  // if no report did), since the store may be what failed or a peer's failure may not
-  // have reached this rank yet, and a destructor must not wait the store's request
-  // timeout. Null after the store failed to answer a report within the bound: the keys
-  // are left as a dead process leaves them, for the next communicator to replace. May
-  // throw (connecting).
-  Store* store_for_cleanup() { return store_failed_ ? nullptr : &asker(); }
-
+  // messages different. Through the store itself: joining waits on it anyway.
   void forget(bool shared) noexcept {
     try {
       store_->delete_key(last_key(rank_));
@@ -137,28 +140,29 @@ class StoreRankReport final : public RingObserver {
   };
 
   // Publishes this rank's call, then asks the others for theirs.
-  void ask(const CollectiveCall& call, const std::string& state) {
-    publish(call, state);
-    asker().set(flag_key(), std::to_string(rank_));
+  void ask(Store& s, const CollectiveCall& call, const std::string& state) {
+    publish(s, call, state);
+    s.set(flag_key(), std::to_string(rank_));
   }
 
-  void publish(const CollectiveCall& call, const std::string& state) {
-    asker().set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
+  void publish(Store& s, const CollectiveCall& call, const std::string& state) {
+    s.set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
     published_ = call.seq;
   }
 
-  // Every rank's report, waiting at most `wait` for the missing ones.
-  std::vector<std::optional<Report>> gather(std::chrono::milliseconds wait) {
+  // Every rank's report, waiting at most `wait` (and one request) for the missing ones.
+  std::vector<std::optional<Report>> gather(Store& s, std::chrono::milliseconds wait) {
     std::vector<std::optional<Report>> reports(size_);
     const auto deadline = Store::Clock::now() + wait;
     for (;;) {
       bool all = true;
       for (int r = 0; r < size_; ++r) {
         if (reports[r]) continue;
-        if (auto v = asker().try_get(last_key(r))) reports[r] = parse(*v);
+        if (auto v = s.try_get(last_key(r))) reports[r] = parse(*v);
         else all = false;
+        if (Store::Clock::now() >= deadline) return reports;  // a slow store: each request counts
       }
-      if (all || Store::Clock::now() >= deadline) return reports;
+      if (all) return reports;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -207,23 +211,44 @@ class StoreRankReport final : public RingObserver {
     return os.str();
   }
 
-  // The bounded client, connected at first use (a communicator that never fails never
-  // opens it) and again after a call on it failed; the store itself where it has none.
-  Store& asker() {
-    if (!asker_) asker_ = store_->bounded_client(kRequestBound);
-    if (!asker_) asker_ = store_;
-    return *asker_;
+  // Runs `use(store)` on the bounded client; false, with the reason in `failure`, when the
+  // store failed. After a failure the store is not asked again for kRetryAfter: a stalled
+  // rank would otherwise spend every look at the flag in a bounded handshake (its I/O
+  // thread, and so its collective, waits meanwhile), and the reason stands in.
+  template <class Use>
+  bool through_store(Use&& use, std::string& failure) {
+    const auto now = Store::Clock::now();
+    if (failed_at_ && now < *failed_at_ + kRetryAfter) {
+      const auto ago = std::chrono::duration_cast<std::chrono::milliseconds>(now - *failed_at_);
+      failure = last_failure_ + " (" + std::to_string(ago.count()) + " ms ago)";
+      return false;
+    }
+    try {
+      use(bounded_store());
+      failed_at_.reset();
+      return true;
+    } catch (const std::exception& e) {
+      bounded_.reset();  // connect afresh next time
+      failed_at_ = Store::Clock::now();
+      failure = last_failure_ = e.what();
+      return false;
+    }
   }
 
-  // A call through the asker failed: connect afresh next time.
-  void lost_asker() noexcept {
-    asker_.reset();
-    store_failed_ = true;
+  // Connected at first use (a communicator that never fails or stalls may never open it,
+  // though its destructor does); the store itself where it has none (in-process).
+  Store& bounded_store() {
+    if (!bounded_) bounded_ = store_->bounded_client(kRequestBound);
+    if (!bounded_) bounded_ = store_;
+    return *bounded_;
   }
+
+  static constexpr std::chrono::seconds kRetryAfter{10};
 
   std::shared_ptr<Store> store_;
-  std::shared_ptr<Store> asker_;
-  bool store_failed_ = false;  // a report could not reach the store
+  std::shared_ptr<Store> bounded_;
+  std::optional<Store::Clock::time_point> failed_at_;  // the store's last request failed then
+  std::string last_failure_;
   const std::string prefix_;
   const int rank_, size_;
   const std::chrono::milliseconds timeout_;

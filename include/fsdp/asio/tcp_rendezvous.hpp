@@ -6,7 +6,10 @@
 // accepting side checks it and answers, so a peer of another communicator, another size
 // or another segment size is refused with a message on both ends instead of exchanging
 // misframed data later. Stray connections (not an fsdp handshake) are dropped and the
-// rank keeps listening. Everything ends by one deadline.
+// rank keeps listening. An address that answers as something else (a rank of another
+// communicator, or not fsdp at all) is taken as stale, left by an earlier communicator of
+// the prefix, and read again until its rank publishes its own. Everything ends by one
+// deadline.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -14,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
@@ -112,6 +116,10 @@ class RingJoiner {
   }
 
  private:
+  // How a listener refuses a rank of another communicator (its prefix follows): the
+  // address the joining rank read is stale.
+  static constexpr std::string_view kAnotherCommunicator = "this port belongs to communicator ";
+
   struct Incoming {
     explicit Incoming(boost::asio::io_context& io) : socket(io) {}
     tcp::socket socket;
@@ -166,13 +174,14 @@ class RingJoiner {
         boost::asio::async_read(right_, boost::asio::buffer(reply_), [this](error_code ec, std::size_t) {
           if (ec) return connect_failed(ec);
           const auto n = HelloReply::decode_fixed(reply_.data());
-          if (!n) return refused("it answered with something that is not an fsdp TcpComm handshake");
+          if (!n) return stale_address("it answered with something that is not an fsdp TcpComm handshake");
           if (*n == 0) {
             right_done_ = true;
             return;
           }
           refusal_.resize(*n);
           boost::asio::async_read(right_, boost::asio::buffer(refusal_), [this](error_code ec, std::size_t) {
+            if (!ec && refusal_.rfind(kAnotherCommunicator, 0) == 0) return stale_address(refusal_);
             refused(ec ? "it closed the connection" : refusal_);
           });
         });
@@ -186,7 +195,14 @@ class RingJoiner {
   // The address may be stale (an earlier communicator of this prefix): read it again.
   void connect_failed(error_code ec) {
     if (ec == boost::asio::error::operation_aborted) return;
-    last_connect_error_ = ec.message();
+    stale_address(ec.message());
+  }
+  // What answered at the address is not this communicator's rank: the address is what an
+  // earlier communicator of this prefix left (a process that died, or a destructor that
+  // could not reach the store), and its port now belongs to something else. The rank it
+  // names publishes its own address when it joins: read the key again until then.
+  void stale_address(const std::string& why) {
+    last_connect_error_ = why;
     error_code ignored;
     right_.close(ignored);
     timer_.expires_after(std::chrono::milliseconds(20));
@@ -215,7 +231,7 @@ class RingJoiner {
         auto on_prefix = [this, in, h = *hello](error_code ec, std::size_t) {
           if (ec) return drop(*in, "it closed during its handshake");
           if (in->prefix != id_.prefix)
-            return answer(in, "this port belongs to communicator " + id_.prefix + ", not " + in->prefix,
+            return answer(in, std::string(kAnotherCommunicator) + id_.prefix + ", not " + in->prefix,
                           [this, in] { drop(*in, "it asked for communicator " + in->prefix); });
           std::string problem = check_hello(h);
           if (problem.empty() && left_) problem = id_.where() + "a second rank " + std::to_string(h.from_rank) + " connected";

@@ -132,7 +132,7 @@ class TcpRing {
         // Nothing reached this thread for a whole interval (a sending half on a thread of
         // its own progresses without waking it): stalled, as far as this half can see.
         observer.stalled(call, state());
-        next_poll = now + poll_every;
+        next_poll = Clock::now() + poll_every;  // the observer may have waited for the store
       } else if (progressed) {
         next_poll = now + poll_every;
       }

@@ -11,6 +11,7 @@
 // trip, any other verb by options.timeout. After a lost or timed-out connection the store
 // is unusable and every verb says why.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -43,12 +44,7 @@ class TcpStore final : public Store {
   // Connects, retrying with backoff until the server listens or connect_timeout passes,
   // then presents the token.
   TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options = {})
-      : host_(std::move(host)), port_(port), options_(std::move(options)) {
-    HashStore::check_timeout(options_.timeout);
-    HashStore::check_timeout(options_.connect_timeout);
-    connect();
-    handshake();
-  }
+      : TcpStore(std::move(host), port, std::move(options), /*retry_connect=*/true) {}
 
   // A client of the store at MASTER_ADDR:MASTER_PORT; the token defaults to FSDP_STORE_TOKEN.
   static std::shared_ptr<TcpStore> from_env(TcpStoreOptions options = {}) {
@@ -92,13 +88,19 @@ class TcpStore final : public Store {
     return std::move(reply.value);
   }
 
-  // A second connection to the same server, every verb and the connection itself bounded
-  // by `timeout`.
+  // A second connection to the same server, its handshake and every verb bounded by
+  // `timeout`; shared by every caller while it works, so a process holds at most two
+  // connections to the store however many communicators report through it. It connects
+  // to the address this one reached (no name lookup, which cannot be bounded) and does not
+  // retry: the server was up, so a refusal means it is gone.
   std::shared_ptr<Store> bounded_client(Timeout timeout) override {
+    std::lock_guard lk(bounded_mu_);  // not mu_: a long get or wait may hold that one
+    if (bounded_ && bounded_->options_.timeout == timeout && !bounded_->lost_) return bounded_;
     TcpStoreOptions o = options_;
     o.timeout = timeout;
     o.connect_timeout = timeout;
-    return std::make_shared<TcpStore>(host_, port_, std::move(o));
+    bounded_.reset(new TcpStore(peer_address_, port_, std::move(o), /*retry_connect=*/false));
+    return bounded_;
   }
 
   // The local IP of this connection: the interface through which this host reaches the
@@ -115,6 +117,14 @@ class TcpStore final : public Store {
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options, bool retry_connect)
+      : host_(std::move(host)), port_(port), options_(std::move(options)), retry_connect_(retry_connect) {
+    HashStore::check_timeout(options_.timeout);
+    HashStore::check_timeout(options_.connect_timeout);
+    connect();
+    handshake();
+  }
 
   std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
 
@@ -133,7 +143,7 @@ class TcpStore final : public Store {
       const auto ec = socket_.connect(host_, port_, deadline);
       if (!ec) break;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left <= backoff)
+      if (left <= backoff || !retry_connect_)
         detail::fail("could not reach the store at ", host_, ":", port_, " within ", options_.connect_timeout.count(),
                      " ms (", attempts, " attempts; last error: ", ec.message(), ")");
       std::this_thread::sleep_for(backoff);
@@ -141,6 +151,8 @@ class TcpStore final : public Store {
     }
     boost::system::error_code ignored;
     socket_.socket().set_option(boost::asio::ip::tcp::no_delay(true), ignored);
+    const auto peer = socket_.socket().remote_endpoint(ignored);
+    peer_address_ = ignored ? host_ : peer.address().to_string();
   }
 
   // The server closes on a wrong token without a word, so a closed connection here means
@@ -226,6 +238,7 @@ class TcpStore final : public Store {
     else if (ec == boost::asio::error::eof) reason = "the store closed the connection";
     else if (ec) reason = ec.message();
     socket_.close();
+    lost_ = true;
     broken_code_ = ec;
     broken_ = what(r) + " failed: " + reason;
     detail::fail(where(), ": ", broken_);
@@ -241,11 +254,17 @@ class TcpStore final : public Store {
   const std::string host_;
   const std::uint16_t port_;
   const TcpStoreOptions options_;
+  const bool retry_connect_;
+  std::string peer_address_;  // host_ as connected to: an IP address
   std::mutex mu_;
   detail::DeadlineSocket socket_;
   store_wire::Limits limits_;  // the server's, from the handshake
   std::string broken_;         // why the connection was lost; empty while it is up
   boost::system::error_code broken_code_;
+  std::atomic<bool> lost_{false};  // broken_ is set: read without mu_
+
+  std::mutex bounded_mu_;
+  std::shared_ptr<TcpStore> bounded_;  // bounded_client's
 };
 
 // What connect_store returns: the client, and on the hosting rank the server. The server
