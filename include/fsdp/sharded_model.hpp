@@ -105,20 +105,7 @@ class ShardedModel {
   // storage and values too, for tensor types with keep/restore; detail/take_over.hpp).
   void take_over() {
     if (units_.empty()) return;
-    detail::TakeOverLog log(units_.front()->rank());
-    std::vector<UnitBase*> taking;  // in this call (not those taken over before)
-    taking.reserve(units_.size());
-    try {
-      for (auto& u : units_) {
-        taking.push_back(u.get());
-        if (!u->take_over(log)) taking.pop_back();
-      }
-    } catch (...) {
-      for (auto* u : taking) u->forget_take_over();  // `log` gives the tensors back as it goes
-      throw;
-    }
-    log.commit();
-    for (auto& u : units_) u->finish_take_over();
+    detail::take_over_together(units_.front()->rank(), units_);
     refresh_views();
   }
 

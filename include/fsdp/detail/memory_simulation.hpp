@@ -87,8 +87,8 @@ class MemorySimulation {
   void setup() {
     for (std::size_t i = 0; i < units_.size(); ++i) {
       for (auto& f : state_[i].flat) {
-        add(bytes(f.shard, f.master), shard_space(), static_cast<int>(i), "setup");
-        add(bytes(f.shard, f.grad), shard_space(), static_cast<int>(i), "setup");
+        add(bytes(f.shard, f.master), p_.shard_space(), static_cast<int>(i), "setup");
+        add(bytes(f.shard, f.grad), p_.shard_space(), static_cast<int>(i), "setup");
       }
       if (p_.precision.mixed)
         for (auto& b : units_[i].buffers)
@@ -156,7 +156,6 @@ class MemorySimulation {
   };
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
-  MemorySpace shard_space() const { return p_.shard_space(); }
 
   void add(std::size_t b, MemorySpace space, int unit, const char* phase) {
     auto& live = live_[static_cast<std::size_t>(space)];

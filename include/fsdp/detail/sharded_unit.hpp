@@ -11,6 +11,7 @@
 // fsdp/detail/sharded_hooks.hpp.
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/detail/summon_full_params.hpp"
+#include "fsdp/detail/take_over.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/detail/unit_setup.hpp"
 #include "fsdp/device.hpp"
@@ -125,15 +127,8 @@ class ShardedUnit : public UnitBase {
 
   // All or nothing for this unit (fsdp/detail/take_over.hpp).
   void take_over() override {
-    detail::TakeOverLog log(rank_);
-    try {
-      take_over(log);
-    } catch (...) {
-      forget_take_over();  // `log` gives the tensors back as it goes
-      throw;
-    }
-    log.commit();
-    finish_take_over();
+    ShardedUnit* self = this;
+    detail::take_over_together(rank_, std::span(&self, 1));
   }
   // Buffers first, so that the group counts as taken over only once every tensor is.
   bool take_over(detail::TakeOverLog& log) override {

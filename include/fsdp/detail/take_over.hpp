@@ -12,9 +12,11 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "fsdp/detail/flat_param_storage.hpp"
@@ -103,6 +105,30 @@ class TakeOverLog {
   std::vector<std::unique_ptr<KeptStorage>> kept_;
   std::vector<void*> lost_;  // tensors rebound without kept storage
 };
+
+// Takes over `units` (pointers to fsdp::UnitBase) as one: each rebinds into one log, and
+// a rebind that throws in any unit gives back every unit's tensors, each of those units
+// (the failing one included) forgetting what it did. Units taken over by an earlier call
+// are left alone. After the commit every unit finishes (writes rank 0's buffer values;
+// a no-op where done before).
+template <class UnitPtrs>
+void take_over_together(int rank, const UnitPtrs& units) {
+  using Unit = std::remove_reference_t<decltype(**std::begin(units))>;
+  TakeOverLog log(rank);
+  std::vector<Unit*> taking;
+  taking.reserve(std::size(units));  // push_back below cannot throw
+  try {
+    for (auto& u : units) {
+      taking.push_back(&*u);  // before its take_over: a unit that throws midway forgets too
+      if (!u->take_over(log)) taking.pop_back();
+    }
+  } catch (...) {
+    for (Unit* u : taking) u->forget_take_over();  // the log gives the tensors back as it unwinds
+    throw;
+  }
+  log.commit();
+  for (auto& u : units) u->finish_take_over();
+}
 
 // Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the
 // replicated shard for good) or to nothing, each tied name with its parameter.
