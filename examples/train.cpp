@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -123,10 +124,27 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   engine::AdamW::Options adam;
   adam.lr = 1e-3f;
   Summary summary;
-  // Runtime flags -> compile-time policies: one instantiation per combination.
-  auto train = [&](auto chosen, auto mixed, auto comm_precision, auto off) {
-    auto sharded = fsdp::shard<decltype(chosen), decltype(mixed), decltype(comm_precision), decltype(off)>(
-        model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold});
+  {  // the sharded model and all that uses it end here, before the trace is written
+    // Runtime flags -> compile-time policies. Only fsdp::shard and fsdp::plan take them as
+    // types, and every combination returns the same fsdp::ShardedModel, so the training
+    // below is compiled once per communicator, not once per combination (5 strategies x 4
+    // precisions x offload: 40).
+    std::optional<fsdp::ShardedModel> built;
+    bool offload = false;
+    std::function<void(fsdp::ShardedModel&)> plan;  // print_plan with the same policies
+    fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
+      with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
+        using S = decltype(chosen);
+        using M = decltype(mixed);
+        using P = decltype(comm_precision);
+        using O = decltype(off);
+        built.emplace(fsdp::shard<S, M, P, O>(model, mesh, device, engine::Wrap{},
+                                              fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold}));
+        offload = O::offload;
+        plan = [&](fsdp::ShardedModel& m) { print_plan<S, M, P, O>(m, stream, cfg); };
+      });
+    });
+    fsdp::ShardedModel& sharded = *built;
     sharded.set_trace(tracing);
     // --reshard-after-forward N: the backward all-gathers run inside groups of N consecutive
     // ranks (one host's, on a cluster), each rank keeping 1/N of the parameters after forward.
@@ -139,10 +157,10 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     sharded.set_reshard_after_backward(cfg.reshard_after_backward);
     // Optimizer state next to the shards it steps: host space when they are offloaded.
-    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, decltype(off)::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
+    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(0.05f);
-    if (cfg.plan) print_plan<decltype(chosen), decltype(mixed), decltype(comm_precision), decltype(off)>(sharded, stream, cfg);
+    if (cfg.plan) plan(sharded);
     fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
@@ -236,11 +254,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     summary.fingerprint = XXH64_digest(h);
     XXH64_freeState(h);
-  };
-  fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
-    with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload,
-                               [&](auto mixed, auto comm_precision, auto off) { train(chosen, mixed, comm_precision, off); });
-  });
+  }
   if (tracing) {
     std::filesystem::create_directories(cfg.trace_dir);
     fsdp::write_chrome_json(trace, (std::filesystem::path(cfg.trace_dir) / ("rank" + std::to_string(r) + ".json")).string());

@@ -114,14 +114,9 @@ inline bool nests_in(const std::string& outer, const std::string& inner) {
 
 inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
 
-}  // namespace detail
-
-// The plan of units described by hand (nothing built): Ps are the policies fsdp::shard
-// would get. options.mesh is required ({1, N} for N ranks without a hybrid strategy).
-template <class... Ps>
-MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& options) {
-  using Config = Policies<Ps...>;
-  const detail::PolicyValues policy = detail::policy_values<Config>();
+// The plan for policies read as values: compiled once per translation unit, however many
+// policy configurations it plans (fsdp::plan<Ps...> below only converts them).
+inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options) {
   const MeshShape m = options.mesh;
   if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
   if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
@@ -196,11 +191,25 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
   return out;
 }
 
+// fsdp::planned_units for policies read as values (fsdp/detail/planned_units.hpp).
+std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, ShardedModel& model, PlanOptions& options);
+
+}  // namespace detail
+
+// The plan of units described by hand (nothing built): Ps are the policies fsdp::shard
+// would get. options.mesh is required ({1, N} for N ranks without a hybrid strategy).
+template <class... Ps>
+MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& options) {
+  return detail::plan_for(detail::policy_values<Policies<Ps...>>(), units, options);
+}
+
 // The units of a sharded model as the planner needs them, checked against the policies
 // (Ps: those given to fsdp::shard) and options.persistence_threshold; options.mesh and
 // max_prefetched are read from the model.
 template <class... Ps>
-std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options);
+std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
+  return detail::planned_units_for(detail::policy_values<Policies<Ps...>>(), model, options);
+}
 
 // The plan of `model`'s training steps, built before any step (or between steps).
 template <class... Ps>

@@ -1,5 +1,5 @@
 #pragma once
-// fsdp::planned_units (declared in fsdp/memory_plan.hpp): a ShardedModel's units as the
+// fsdp::planned_units (fsdp/memory_plan.hpp): a ShardedModel's units as the
 // memory planner needs them, read from the units' public views and checked against the
 // policies, so that a plan made with other policies than the model's is refused rather
 // than wrong.
@@ -8,12 +8,9 @@
 
 #include "fsdp/memory_plan.hpp"
 
-namespace fsdp {
+namespace fsdp::detail {
 
-template <class... Ps>
-std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
-  using Config = Policies<Ps...>;
-  const detail::PolicyValues policy = detail::policy_values<Config>();
+inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, ShardedModel& model, PlanOptions& options) {
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
   options.mesh = model[0].mesh_shape();  // every unit of a model uses the same groups
   options.max_prefetched = model.execution_order().max_prefetched;
@@ -70,4 +67,4 @@ std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options
   return out;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail
