@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -17,7 +18,11 @@
 #include <boost/asio/write.hpp>
 
 #include "fsdp/asio/tcp_comm.hpp"
+#include "fsdp/asio/tcp_store.hpp"
+#include "fsdp/asio/tcp_store_server.hpp"
 #include "test/asio/tcp_world.hpp"
+
+namespace asio_tcp_comm_failure_test {
 
 namespace {
 
@@ -147,6 +152,35 @@ TEST_CASE("a rank that never joins fails construction on its neighbours, naming 
                                   ": rank 2 never joined communicator fsdp/comm (waited 300 ms for its address)"));
   }
   CHECK(!store->try_get("fsdp/comm/addr/0"));  // a failed rank leaves no stale address behind
+}
+
+TEST_CASE("the store going away while ranks wait for one that never joins: the error still names it") {
+  // As when rank 0 hosts the store and gives up first: the others' look-ups then fail.
+  auto server = std::make_unique<fsdp::TcpStoreServer>();
+  const auto port = server->port();
+  std::atomic<int> joining{0};
+  std::thread stopper([&] {
+    for (int i = 0; i < 200 && joining.load() < 2; ++i) std::this_thread::sleep_for(5ms);  // bounded: 1 s
+    std::this_thread::sleep_for(200ms);  // both ranks are in the rendezvous, rank 1 polling for rank 2
+    server.reset();
+  });
+  const auto t0 = Clock::now();
+  const auto errors = test_support::on_threads(2, [&](int r) {
+    auto store = std::make_shared<fsdp::TcpStore>("127.0.0.1", port);
+    ++joining;
+    TcpComm comm(store, r, 3, with_timeout(1500ms));
+  });
+  stopper.join();
+  CHECK(seconds_since(t0) < 5.0);
+  // Rank 1 waits for rank 2's address: the failed look-up names rank 2 and the store's error.
+  CAPTURE(errors[1]);
+  CHECK(contains(errors[1], "rank 1: rank 2 never joined communicator fsdp/comm: the store failed after "));
+  CHECK(contains(errors[1], "of waiting for its address (fsdp: store at 127.0.0.1:"));
+  // Rank 0 (linked to rank 1) waits for rank 2 to connect; at its timeout the store cannot
+  // say whether rank 2 published an address.
+  CAPTURE(errors[0]);
+  CHECK(contains(errors[0], "rank 0: rank 2 did not connect to "));
+  CHECK(contains(errors[0], "within 1500 ms (communicator fsdp/comm), and the store could not say whether it joined: fsdp: "));
 }
 
 TEST_CASE("a stalled rank: the timeout names the rank that is behind, on every rank") {
@@ -330,3 +364,5 @@ TEST_CASE("published addresses: IPv4 and bracketed IPv6 with a port, nothing els
   for (const char* bad : {"10.1.2.3", "10.1.2.3:", "10.1.2.3:0", "10.1.2.3:65536", "host:80", "10.1.2.3:8x", ":80"})
     CHECK_MESSAGE(!parse_endpoint(bad), bad);
 }
+
+}  // namespace asio_tcp_comm_failure_test

@@ -128,6 +128,10 @@ class RingJoiner {
   };
 
   std::string waited() const { return std::to_string(id_.timeout.count()) + " ms"; }
+  std::string waited_so_far() const {
+    const auto start = deadline_ - id_.timeout;
+    return std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()) + " ms";
+  }
 
   void listen() {
     error_code ec;
@@ -147,7 +151,17 @@ class RingJoiner {
   // Polls the store (backing off to 50 ms) so that this rank keeps answering its left
   // neighbour meanwhile: a refused handshake then fails both ranks at once.
   void look_up_right(std::chrono::milliseconds backoff = std::chrono::milliseconds(1)) {
-    if (auto text = store_.try_get(id_.address_key(id_.right()))) {
+    std::optional<std::string> text;
+    try {
+      text = store_.try_get(id_.address_key(id_.right()));
+    } catch (const Error& e) {
+      // The store went away (its host, rank 0 under a launcher, gave up or died) before the
+      // right neighbour published its address: name the neighbour, not just the store.
+      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " never joined communicator " + id_.prefix +
+                 ": the store failed after " + waited_so_far() + " of waiting for its address (" + e.what() + ")";
+      return;
+    }
+    if (text) {
       target_text_ = *text;
       return connect();
     }
@@ -283,14 +297,31 @@ class RingJoiner {
       msg = id_.where() + "could not connect to rank " + std::to_string(id_.right()) + " at " + target_text_ + " within " +
             waited() + " (communicator " + id_.prefix + ")";
       if (!last_connect_error_.empty()) msg += ": " + last_connect_error_;
-    } else if (!store_.try_get(id_.address_key(id_.left()))) {
-      msg = never_joined(id_.left());
     } else {
-      msg = id_.where() + "rank " + std::to_string(id_.left()) + " published its address but did not connect to " +
-            advertised_ + " within " + waited() + " (communicator " + id_.prefix + ")";
+      std::string store_error;
+      const std::optional<bool> published = left_published(store_error);
+      if (!published)
+        msg = id_.where() + "rank " + std::to_string(id_.left()) + " did not connect to " + advertised_ + " within " +
+              waited() + " (communicator " + id_.prefix + "), and the store could not say whether it joined: " + store_error;
+      else if (!*published)
+        msg = never_joined(id_.left());
+      else
+        msg = id_.where() + "rank " + std::to_string(id_.left()) + " published its address but did not connect to " +
+              advertised_ + " within " + waited() + " (communicator " + id_.prefix + ")";
     }
     if (!left_ && !rejected_.empty()) msg += "; meanwhile " + rejected_;
     return msg;
+  }
+
+  // Whether the left neighbour published its address; nullopt (and the store's error) when
+  // the store cannot say.
+  std::optional<bool> left_published(std::string& store_error) const {
+    try {
+      return store_.try_get(id_.address_key(id_.left())).has_value();
+    } catch (const Error& e) {
+      store_error = e.what();
+      return std::nullopt;
+    }
   }
 
   boost::asio::io_context& io_;
