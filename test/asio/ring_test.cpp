@@ -12,6 +12,8 @@
 #include "collective_cases.hpp"
 #include "fsdp/asio/ring.hpp"
 
+namespace asio_ring_test {
+
 namespace {
 
 using fsdp::DType;
@@ -154,3 +156,5 @@ TEST_CASE("the test inputs make the summation order visible") {
     CHECK(ring != rank_order);
   }
 }
+
+}  // namespace asio_ring_test

@@ -12,6 +12,8 @@
 
 #include "store_fuzz_check.hpp"
 
+namespace asio_store_fuzz_replay_test {
+
 namespace {
 
 // The test runs from the workspace root, under Bazel and by hand alike.
@@ -37,3 +39,5 @@ TEST_CASE("every corpus input keeps the frame invariants") {
   for (const char* seed : {"request_hello", "request_compare_set", "reply_timeout_wait", "garbage_http"})
     CHECK(std::filesystem::exists(corpus / seed));
 }
+
+}  // namespace asio_store_fuzz_replay_test

@@ -9,6 +9,8 @@
 
 #include "store_test_support.hpp"
 
+namespace asio_store_protocol_test {
+
 using store_test::contains;
 using store_test::error_of;
 
@@ -190,3 +192,5 @@ TEST_CASE("limits: the handshake bound fits the longest hello; nonsense limits a
   CHECK(contains(error_of([] { wire::Limits{1, (std::size_t{1} << 30) + 1}.check(); }), "max value size must be in [1, 1 GiB]"));
   CHECK(error_of([] { wire::Limits{}.check(); }).empty());
 }
+
+}  // namespace asio_store_protocol_test

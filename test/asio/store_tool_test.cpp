@@ -19,6 +19,8 @@
 
 extern char** environ;
 
+namespace asio_store_tool_test {
+
 using namespace store_test;
 
 namespace {
@@ -160,3 +162,5 @@ TEST_CASE("fsdp_store refuses a missing token variable, a bad flag and a taken p
   CHECK(second.exit_code() == 1);
   CHECK(contains(second.rest(), "could not listen on 127.0.0.1:" + std::to_string(taken.port()) + ": Address already in use"));
 }
+
+}  // namespace asio_store_tool_test

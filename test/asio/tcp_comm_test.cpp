@@ -15,6 +15,8 @@
 #include "tcp_cases.hpp"
 #include "test/asio/tcp_world.hpp"
 
+namespace asio_tcp_comm_test {
+
 namespace {
 
 using fsdp::DType;
@@ -190,3 +192,5 @@ TEST_CASE("split: MPI_Comm_split semantics; a 2x2 DeviceMesh over TcpComm") {
   CHECK(seen[2] == std::vector<int>{0, 2, 2, 0, 2, 3, 2, 0, 1});
   CHECK(seen[3] == std::vector<int>{0, 2, 3, 1, 2, 3, 4, 1, 1});
 }
+
+}  // namespace asio_tcp_comm_test

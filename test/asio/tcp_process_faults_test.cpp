@@ -13,6 +13,8 @@
 #include "forked_ranks.hpp"
 #include "test/support/errors.hpp"
 
+namespace asio_tcp_process_faults_test {
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -72,3 +74,5 @@ TEST_CASE("a rank that stalls outside fsdp: the waiting ranks time out and say w
     CHECK(contains(results[r].error, "rank 1"));
   }
 }
+
+}  // namespace asio_tcp_process_faults_test

@@ -15,6 +15,8 @@
 #include "test/asio/freezable_proxy.hpp"
 #include "test/asio/tcp_world.hpp"
 
+namespace asio_tcp_rank_report_test {
+
 namespace {
 
 using fsdp::DType;
@@ -143,3 +145,5 @@ TEST_CASE("a timeout with a store that stopped answering: the error comes within
   world.comms[1].reset();
   CHECK(seconds_since(t1) < fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 3.0);
 }
+
+}  // namespace asio_tcp_rank_report_test

@@ -16,6 +16,8 @@
 #include "tcp_cases.hpp"
 #include "test/support/errors.hpp"
 
+namespace asio_tcp_shm_process_test {
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -135,3 +137,5 @@ TEST_CASE("a process that stalls with shared-memory links: the others time out n
   }
   CHECK(leftover_segments(results).empty());
 }
+
+}  // namespace asio_tcp_shm_process_test

@@ -15,6 +15,8 @@
 #include "tcp_cases.hpp"
 #include "test/asio/tcp_world.hpp"
 
+namespace asio_tcp_shm_test {
+
 namespace {
 
 using fsdp::DType;
@@ -181,3 +183,5 @@ TEST_CASE("ShmLink: the nonce proves the segment, names never stay in /dev/shm, 
   fsdp::detail::ShmLink::unlink(name);
   CHECK_FALSE(in_dev_shm(name));
 }
+
+}  // namespace asio_tcp_shm_test

@@ -12,6 +12,8 @@
 
 #include "store_test_support.hpp"
 
+namespace asio_tcp_store_abuse_test {
+
 using namespace store_test;
 
 namespace {
@@ -227,3 +229,5 @@ TEST_CASE("a parked client that hangs up is let go at once; one that talks out o
   CHECK(parked_count_becomes(0));
   CHECK(server.stats().malformed == 1);
 }
+
+}  // namespace asio_tcp_store_abuse_test

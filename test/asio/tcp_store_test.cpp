@@ -15,6 +15,8 @@
 
 #include "store_test_support.hpp"
 
+namespace asio_tcp_store_test {
+
 using namespace store_test;
 
 namespace {
@@ -295,3 +297,5 @@ TEST_CASE("HashStore: a get racing a delete_key returns the value, never another
   CHECK(unexpected == "");
   CHECK(got > 0);
 }
+
+}  // namespace asio_tcp_store_test

@@ -21,6 +21,8 @@
 #include "test/asio/tcp_world.hpp"
 #include "test/faults/unit_order_driver.hpp"
 
+namespace asio_tcp_tags_test {
+
 namespace {
 
 using test_support::contains;
@@ -220,3 +222,5 @@ TEST_CASE("a rank that swaps two units from iteration 2 on: an error on every ra
       CHECK(std::find(logs[r].begin(), logs[r].end(), shown) == logs[r].end());
   }
 }
+
+}  // namespace asio_tcp_tags_test

@@ -15,6 +15,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/checkpoint/resume_training.hpp"
 
+namespace checkpoint_async_checkpoint_test {
+
 using test_support::Params;
 using test_support::resume;
 
@@ -137,3 +139,5 @@ TEST_CASE("a background write that fails on one rank fails wait() on every rank 
   CHECK(test_support::contains(errors[1], "another rank failed"));
   CHECK(test_support::names_in(tmp.path()).empty());
 }
+
+}  // namespace checkpoint_async_checkpoint_test

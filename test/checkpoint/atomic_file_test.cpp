@@ -19,6 +19,8 @@
 #include "test/checkpoint/child_process.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_atomic_file_test {
+
 using fsdp::checkpoint::FileSink;
 using fsdp::checkpoint::write_file_atomically;
 using test_support::contains;
@@ -186,3 +188,5 @@ TEST_CASE("a process killed at any point of a write leaves the old file or the n
     version_of();  // whichever version is there opens and has every tensor right
   }
 }
+
+}  // namespace checkpoint_atomic_file_test

@@ -13,6 +13,8 @@
 #include "fsdp/shard.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_checkpoint_collective_test {
+
 namespace {
 
 struct Small {
@@ -98,3 +100,5 @@ TEST_CASE("when every part succeeds nothing is thrown") {
   const auto results = run_on_ranks(2, [](int) {});
   for (const auto& r : results) CHECK(r.outcome == Outcome::none);
 }
+
+}  // namespace checkpoint_checkpoint_collective_test

@@ -19,6 +19,8 @@
 #include "test/checkpoint/sharded_fixture.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_checkpoint_directory_test {
+
 using fsdp::checkpoint::checkpoint_leftovers;
 using fsdp::checkpoint::CheckpointDirectory;
 using fsdp::checkpoint::FileSink;
@@ -203,3 +205,5 @@ TEST_CASE("a process killed at random points of repeated saves always leaves a c
   }
   MESSAGE("latest generation seen ", generation_seen, "; restored after a kill between renames ", restored, " times");
 }
+
+}  // namespace checkpoint_checkpoint_directory_test

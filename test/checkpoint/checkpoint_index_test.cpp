@@ -14,6 +14,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_checkpoint_index_test {
+
 using fsdp::DType;
 using fsdp::StateKey;
 using fsdp::checkpoint::CheckpointIndex;
@@ -306,3 +308,5 @@ TEST_CASE("checksums print as 16 hex digits and parse back") {
   CHECK(!parse_xxh64_hex("fedcba987654321g"));
   CHECK(!parse_xxh64_hex(""));
 }
+
+}  // namespace checkpoint_checkpoint_index_test

@@ -16,6 +16,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/checkpoint/resume_training.hpp"
 
+namespace checkpoint_checkpoint_test {
+
 using test_support::Params;
 using test_support::load_expecting_failure;
 using test_support::resume;
@@ -310,3 +312,5 @@ TEST_CASE("a save that fails on one rank fails on every rank and leaves no check
   });
   CHECK(test_support::names_in(tmp.path()).empty());
 }
+
+}  // namespace checkpoint_checkpoint_test

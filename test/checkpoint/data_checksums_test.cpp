@@ -15,6 +15,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/checkpoint/resume_training.hpp"
 
+namespace checkpoint_data_checksums_test {
+
 using fsdp::checkpoint::ChunkHasher;
 using fsdp::checkpoint::DataChecksums;
 using fsdp::checkpoint::SafetensorsFile;
@@ -210,3 +212,5 @@ TEST_CASE("a full checkpoint without checksums (another tool's file) still loads
   CHECK(SafetensorsFile::open(plain).metadata().empty());
   test_support::resume(2, [&](fsdp::ShardedModel& sm, engine::AdamWState&, int) { fsdp::load_full_checkpoint(plain, sm); });
 }
+
+}  // namespace checkpoint_data_checksums_test

@@ -15,6 +15,8 @@
 
 #include "test/checkpoint/checkpoint_test_support.hpp"
 
+namespace checkpoint_safetensors_interop_test {
+
 using fsdp::DType;
 using fsdp::checkpoint::SafetensorsFile;
 using fsdp::checkpoint::SafetensorsWriter;
@@ -123,3 +125,5 @@ TEST_CASE("a file written by the independent Python writer loads in fsdp with eq
     CHECK(got == t.bytes);
   }
 }
+
+}  // namespace checkpoint_safetensors_interop_test

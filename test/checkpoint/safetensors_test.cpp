@@ -18,6 +18,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_safetensors_test {
+
 using fsdp::DType;
 using fsdp::checkpoint::SafetensorsFile;
 using fsdp::checkpoint::SafetensorsWriter;
@@ -468,3 +470,5 @@ TEST_CASE("safetensors dtype names map both ways") {
   CHECK(!fsdp::checkpoint::dtype_from_safetensors("f32"));
   CHECK(!fsdp::checkpoint::dtype_from_safetensors("BOOL"));
 }
+
+}  // namespace checkpoint_safetensors_test

@@ -14,6 +14,8 @@
 #include "test/checkpoint/sharded_fixture.hpp"
 #include "test/support/errors.hpp"
 
+namespace checkpoint_sharded_checkpoint_reader_test {
+
 using fsdp::DType;
 using fsdp::StateKey;
 using fsdp::checkpoint::Checksums;
@@ -143,3 +145,5 @@ TEST_CASE("rank files are named with five digits") {
   CHECK(fsdp::checkpoint::rank_file_name(12345) == "rank-12345.safetensors");
   CHECK(fsdp::checkpoint::rank_file_name(123456) == "rank-123456.safetensors");
 }
+
+}  // namespace checkpoint_sharded_checkpoint_reader_test

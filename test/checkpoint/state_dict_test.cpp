@@ -14,6 +14,8 @@
 
 #include "test/checkpoint/resume_training.hpp"
 
+namespace checkpoint_state_dict_test {
+
 namespace {
 
 using test_support::Params;
@@ -229,3 +231,5 @@ TEST_CASE("a full state dict inside a forward is an error naming the unit, on ev
     CHECK(test_support::contains(errors[static_cast<std::size_t>(r)], "needs every unit IDLE, but it is FORWARD"));
   }
 }
+
+}  // namespace checkpoint_state_dict_test

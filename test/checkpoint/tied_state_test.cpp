@@ -15,6 +15,8 @@
 #include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/core/tied_model.hpp"
 
+namespace checkpoint_tied_state_test {
+
 namespace {
 
 constexpr float lr = 0.05f;
@@ -145,3 +147,5 @@ TEST_CASE("checkpoint files round trip a tied model on other numbers of ranks, k
     }
   }
 }
+
+}  // namespace checkpoint_tied_state_test

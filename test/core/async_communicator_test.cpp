@@ -25,6 +25,8 @@
 #include <fsdp/host/thread_group.hpp>
 #include <fsdp/trace.hpp>
 
+namespace core_async_communicator_test {
+
 namespace {
 
 using fsdp::DType;
@@ -525,3 +527,5 @@ TEST_CASE("a moved-from communicator refuses calls instead of crashing; the move
   CHECK(contains(err, "moved-from"));
   CHECK(sum == 1);
 }
+
+}  // namespace core_async_communicator_test

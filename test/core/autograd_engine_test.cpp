@@ -13,6 +13,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_autograd_engine_test {
+
 using test_support::contains;
 using test_support::error_of;
 
@@ -173,3 +175,5 @@ TEST_CASE("a gradient created lazily (no shape at setup) is refused, naming the 
                                 "backward are not supported"));
   }
 }
+
+}  // namespace core_autograd_engine_test

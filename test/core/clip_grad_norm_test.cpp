@@ -15,6 +15,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_clip_grad_norm_test {
+
 namespace {
 
 using test_support::max_difference;
@@ -424,3 +426,5 @@ TEST_CASE("misuse is an error on every rank and changes nothing") {
     for (const auto& m : e) CHECK(m.find("world communicator") != std::string::npos);
   }
 }
+
+}  // namespace core_clip_grad_norm_test

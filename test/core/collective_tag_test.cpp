@@ -15,6 +15,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace core_collective_tag_test {
+
 namespace {
 
 using test_support::contains;
@@ -156,3 +158,5 @@ TEST_CASE("the mismatch message from each rank's words: listed in rank order; on
   CHECK(!contains(capped, "rank 64 did not report"));
   CHECK(capped.size() < 2000);
 }
+
+}  // namespace core_collective_tag_test

@@ -13,6 +13,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_comm_precision_test {
+
 namespace {
 
 using test_support::bitwise_equal;
@@ -330,3 +332,5 @@ TEST_CASE("accumulation over micro-batches is in f32: only the synchronized redu
     check_all(accumulated_gradient<fsdp::HybridShard>(4, {2, 2}, Accumulation::defer_all_reduce), once_rounded);
   }
 }
+
+}  // namespace core_comm_precision_test

@@ -3,6 +3,8 @@
 
 #include <fsdp/fsdp.hpp>
 
+namespace core_counting_communicator_test {
+
 TEST_CASE("calls and bytes per collective, results unchanged, split groups counted apart") {
   fsdp::ThreadGroup(4).run([](fsdp::ThreadComm& comm) {
     fsdp::CountingCommunicator counted(comm);
@@ -38,3 +40,5 @@ TEST_CASE("calls and bytes per collective, results unchanged, split groups count
     CHECK(counted.counts() == fsdp::CollectiveCounts{});
   });
 }
+
+}  // namespace core_counting_communicator_test

@@ -19,6 +19,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_deferred_init_test {
+
 using test_support::contains;
 using test_support::error_of;
 using test_support::errors_per_rank;
@@ -263,3 +265,5 @@ TEST_CASE("an init that gives a parameter storage of its own is copied from, and
     CHECK(bias->second == std::vector<float>{0.0f, 7.0f, 0.0f});
   });
 }
+
+}  // namespace core_deferred_init_test

@@ -5,6 +5,8 @@
 
 #include <set>
 
+namespace core_device_mesh_test {
+
 TEST_CASE("mesh shapes parse as REPLICATExSHARD") {
   CHECK(fsdp::parse_mesh_shape("2x3") == fsdp::MeshShape{2, 3});
   CHECK(fsdp::parse_mesh_shape("1X8") == fsdp::MeshShape{1, 8});
@@ -73,3 +75,5 @@ TEST_CASE("a failure inside a split group reaches the ranks waiting in another g
   }), "boom on rank 0", std::runtime_error);
   CHECK(msgs[2].find("rank 0 failed: boom on rank 0") != std::string::npos);  // its replica partner was rank 0
 }
+
+}  // namespace core_device_mesh_test

@@ -22,6 +22,8 @@
 #include "fsdp/error.hpp"
 #include "test/support/errors.hpp"
 
+namespace core_dtype_test {
+
 namespace {
 
 using fsdp::DType;
@@ -803,3 +805,5 @@ TEST_CASE("fsdp::cast: n == 0, null pointers, overlap and in-place conversion") 
   CHECK(contains(cast_error(out, DType::f32, wide, DType::f64, std::numeric_limits<std::size_t>::max() / 4),
                  "are more bytes than size_t holds"));
 }
+
+}  // namespace core_dtype_test

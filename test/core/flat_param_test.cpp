@@ -11,6 +11,8 @@
 #include "fsdp/error.hpp"
 #include "fsdp/flat_param.hpp"
 
+namespace core_flat_param_test {
+
 namespace {
 
 using fsdp::DType;
@@ -239,3 +241,5 @@ TEST_CASE("invalid arguments") {
   const FlatParamLayout L(DType::f32, make_params({4}), 2);
   CHECK_THROWS(L.slice(1, 0));  // no parameter 1
 }
+
+}  // namespace core_flat_param_test

@@ -20,6 +20,8 @@
 #include <fsdp/grad_scaler.hpp>
 #include <fsdp/host/thread_group.hpp>
 
+namespace core_grad_scaler_test {
+
 namespace {
 
 using fsdp::DType;
@@ -646,3 +648,5 @@ TEST_CASE("load_state() refuses a bad scale or growth tracker, and a call in the
     CHECK(scaler.state().good_steps == 3);
   });
 }
+
+}  // namespace core_grad_scaler_test

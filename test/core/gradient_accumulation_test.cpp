@@ -16,6 +16,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_gradient_accumulation_test {
+
 namespace {
 
 using fsdp::Collective;
@@ -520,3 +522,5 @@ TEST_CASE("settings that differ across ranks fail on every rank, naming the unit
     CHECK(msgs[1].find("rank 0") != std::string::npos);  // the backend's message names the other rank
   }
 }
+
+}  // namespace core_gradient_accumulation_test

@@ -11,6 +11,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"
 
+namespace core_memory_plan_test {
+
 namespace {
 
 engine::ModelConfig config() {
@@ -213,3 +215,5 @@ TEST_CASE("planning by hand, without a model: the FullShard formula of sharded_m
   CHECK(p.peak().unit == "a");
   CHECK(p.peak().phase == "backward (gradient)");
 }
+
+}  // namespace core_memory_plan_test

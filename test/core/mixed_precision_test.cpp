@@ -11,6 +11,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_mixed_precision_test {
+
 namespace {
 
 using test_support::bitwise_equal;
@@ -307,3 +309,5 @@ TEST_CASE("fp16 with the sharded loss scaler: trains like unscaled fp16, and ski
     }
   }
 }
+
+}  // namespace core_mixed_precision_test

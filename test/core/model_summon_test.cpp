@@ -15,6 +15,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_model_summon_test {
+
 namespace {
 
 engine::ModelConfig config() {
@@ -277,3 +279,5 @@ TEST_CASE_TEMPLATE("with_grads: after a backward the engine's gradient tensors s
     CHECK(device.stats().live_bytes == live);                 // and freed
   });
 }
+
+}  // namespace core_model_summon_test

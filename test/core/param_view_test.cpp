@@ -10,6 +10,8 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+namespace core_param_view_test {
+
 namespace {
 
 engine::ModelConfig config() {
@@ -172,3 +174,5 @@ TEST_CASE("a weight-decay mask built from the parameter views trains like the un
   CHECK(to_masked < 1e-5);
   CHECK(to_plain > 1e-4);  // the mask changed the result: biases and gains were not decayed
 }
+
+}  // namespace core_param_view_test

@@ -15,6 +15,8 @@
 #include "test/faults/unit_order_driver.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace core_pass_check_test {
+
 namespace {
 
 using test_support::contains;
@@ -126,3 +128,5 @@ TEST_CASE("a tagged communicator has no check at the end of the pass") {
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) { counts[comm.rank()] = second_iteration_counts(comm); });
   for (const auto& c : counts) CHECK(c[fsdp::Collective::all_gather].calls == 0);  // NoShard gathers nothing
 }
+
+}  // namespace core_pass_check_test

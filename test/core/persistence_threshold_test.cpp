@@ -14,6 +14,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_persistence_threshold_test {
+
 namespace {
 
 using test_support::max_difference;
@@ -187,3 +189,5 @@ TEST_CASE("checkpoints of a model with kept units save and load, across threshol
   });
   std::filesystem::remove_all(tmp);
 }
+
+}  // namespace core_persistence_threshold_test

@@ -12,6 +12,8 @@
 #include "fsdp/policies.hpp"
 #include "fsdp/detail/flat_param_rules.hpp"
 
+namespace core_policies_test {
+
 namespace {
 
 // Test-only policies, one per slot, distinct from the library's defaults and from any
@@ -166,3 +168,5 @@ TEST_CASE("policy_values: the policies as the unit and the memory planner read t
   CHECK(fsdp::detail::policy_values<fsdp::Policies<>>().backward == PrefetchMode::backward_pre);
   CHECK(fsdp::detail::policy_values<fsdp::Policies<TestPrefetch>>().backward == PrefetchMode::none);
 }
+
+}  // namespace core_policies_test

@@ -14,6 +14,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_post_accumulate_grad_hook_test {
+
 namespace {
 
 using fsdp::GradientAfterHook;
@@ -335,3 +337,5 @@ TEST_CASE("hooks change only between steps; removing a freeing hook brings back 
     CHECK(device.stats().live_bytes == before);
   });
 }
+
+}  // namespace core_post_accumulate_grad_hook_test

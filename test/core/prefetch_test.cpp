@@ -10,6 +10,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_prefetch_test {
+
 namespace {
 
 using test_support::bitwise_equal;
@@ -268,3 +270,5 @@ TEST_CASE("reshard() of a unit gathered ahead but never run frees it and its pre
     sm.reshard();
   });
 }
+
+}  // namespace core_prefetch_test

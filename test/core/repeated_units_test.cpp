@@ -24,6 +24,8 @@
 #include "test/core/tied_model.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace core_repeated_units_test {
+
 namespace {
 
 using Values = std::vector<std::vector<float>>;
@@ -292,3 +294,5 @@ TEST_CASE("a unit entered in an impossible order is an error on every rank, neve
     for (int r = 0; r < 2; ++r) CHECK(contains(msgs[r], "pre_forward called in state FORWARD; expected IDLE"));
   }
 }
+
+}  // namespace core_repeated_units_test

@@ -16,6 +16,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_reshard_settings_test {
+
 namespace {
 
 using fsdp::Collective;
@@ -315,3 +317,5 @@ TEST_CASE("errors: bad groups, bad factors, settings that differ across ranks") 
     CHECK(contains(msgs[0], "set_reshard_after_backward"));
   }
 }
+
+}  // namespace core_reshard_settings_test

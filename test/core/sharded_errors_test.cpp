@@ -10,6 +10,8 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+namespace core_sharded_errors_test {
+
 namespace {
 
 using fsdp::HostTensor;
@@ -319,3 +321,5 @@ TEST_CASE("fsdp::shard that fails at a later unit leaves every engine parameter 
     CHECK(intact[static_cast<std::size_t>(r)]);
   }
 }
+
+}  // namespace core_sharded_errors_test

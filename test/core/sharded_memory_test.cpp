@@ -17,6 +17,8 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+namespace core_sharded_memory_test {
+
 namespace {
 
 struct Expected {
@@ -136,3 +138,5 @@ TEST_CASE("gradient accumulation without zero_grad costs one shard-sized buffer,
     CHECK(device.stats().live_bytes == e.steady_params_grads);
   });
 }
+
+}  // namespace core_sharded_memory_test

@@ -9,6 +9,8 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+namespace core_sharded_model_test {
+
 namespace {
 engine::ModelConfig small() {
   engine::ModelConfig c;
@@ -285,3 +287,5 @@ TEST_CASE("no unsharded copy outlives an optimizer step: kept or prefetched para
     CHECK(device.stats().live_bytes == 2 * 4 * (2 + 2 + 2));  // only the shards: 3 units x (params + grads), 2 floats each
   });
 }
+
+}  // namespace core_sharded_model_test

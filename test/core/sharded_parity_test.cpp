@@ -13,6 +13,8 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+namespace core_sharded_parity_test {
+
 namespace {
 
 enum class Opt { sgd, adamw };
@@ -153,3 +155,5 @@ TEST_CASE("training moves the parameters (the parity above is not trivially true
   CHECK(moved > 1e-3);
   CHECK(after.losses.back() < after.losses.front());
 }
+
+}  // namespace core_sharded_parity_test

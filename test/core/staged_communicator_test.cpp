@@ -14,6 +14,8 @@
 #include "test/support/device_training.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace core_staged_communicator_test {
+
 namespace {
 
 using fsdp::DType;
@@ -149,3 +151,5 @@ TEST_CASE("sharded training over StagedCommunicator is bitwise identical to Thre
     }
   });
 }
+
+}  // namespace core_staged_communicator_test

@@ -9,6 +9,8 @@
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
 
+namespace core_strategies_test {
+
 namespace {
 
 using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
@@ -309,3 +311,5 @@ TEST_CASE("units of one model must agree on their groups") {
                          fsdp::Error);
   });
 }
+
+}  // namespace core_strategies_test

@@ -6,6 +6,8 @@
 #include <string>
 #include <type_traits>
 
+namespace core_strategy_name_test {
+
 namespace {
 template <class S>
 std::string picked(const char* name) {
@@ -32,3 +34,5 @@ TEST_CASE("an unknown name is an error that lists the valid ones") {
   CHECK_THROWS_AS(picked<fsdp::FullShard>("full_shard "), fsdp::Error);  // no trimming: a stray space is a typo
   CHECK_THROWS_AS(picked<fsdp::FullShard>(""), fsdp::Error);
 }
+
+}  // namespace core_strategy_name_test

@@ -15,6 +15,8 @@
 #include "test/core/tied_model.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace core_tied_parameters_test {
+
 namespace {
 
 using test_support::contains;
@@ -136,3 +138,5 @@ TEST_CASE("a tie across units the engine chose names both FQNs and the unit that
     });
   }
 }
+
+}  // namespace core_tied_parameters_test

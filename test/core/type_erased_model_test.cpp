@@ -5,6 +5,8 @@
 #include "test/core/layer_engine.hpp"
 #include "test/support/errors.hpp"
 
+namespace core_type_erased_model_test {
+
 using test_support::contains;
 using test_support::error_of;
 
@@ -70,7 +72,10 @@ TEST_CASE("a type list matches the static type a child is visited as, and says s
   });
 }
 
+}  // namespace core_type_erased_model_test
+
 // ---- module_traits: adapting module types one does not own ----
+// (At global scope: a specialization of fsdp::module_traits cannot be in this file's namespace.)
 namespace thirdparty {  // no visit functions, and none may be added here
 struct Dense {
   fsdp::HostTensor w{{4}}, w_grad{{4}};
@@ -92,6 +97,8 @@ struct fsdp::module_traits<thirdparty::Stack> {
   template <class F> static void visit_buffers(thirdparty::Stack& s, F&& f) { f("scale", s.scale); }
 };
 
+namespace core_type_erased_model_test {
+
 TEST_CASE("a module_traits specialization adapts module types without touching their namespace") {
   static_assert(fsdp::Module<thirdparty::Dense> && fsdp::Module<thirdparty::Stack>);
   fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
@@ -109,3 +116,5 @@ TEST_CASE("a module_traits specialization adapts module types without touching t
     CHECK(static_cast<float*>(stack.a.w.data())[1] == 3.0f);
   });
 }
+
+}  // namespace core_type_erased_model_test

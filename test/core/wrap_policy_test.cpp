@@ -7,6 +7,8 @@
 #include "test/core/layer_engine.hpp"
 #include "test/support/errors.hpp"
 
+namespace core_wrap_policy_test {
+
 using test_support::contains;
 using test_support::error_of;
 
@@ -258,3 +260,5 @@ TEST_CASE("errors name the policy or the conflicting options") {
     CHECK(static_cast<layers::Linear&>(*block.body[0]).lin.weight.data() != nullptr);
   });
 }
+
+}  // namespace core_wrap_policy_test

@@ -14,6 +14,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace faults_abort_step_test {
+
 namespace {
 
 using test_support::contains;
@@ -198,3 +200,5 @@ TEST_CASE("a unit outside a model: its own abort_step frees what it held and agr
   });
   for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
 }
+
+}  // namespace faults_abort_step_test

@@ -16,6 +16,8 @@
 #include "test/support/rank_errors.hpp"
 #include "test/faults/unit_order_checks.hpp"
 
+namespace faults_collective_tag_test {
+
 namespace {
 
 using test_support::check_named;
@@ -155,3 +157,5 @@ TEST_CASE("an AsyncCommunicator passes the tags on: the mismatch is found at the
   }
   check_not_shown(o, {"pre_forward"});
 }
+
+}  // namespace faults_collective_tag_test

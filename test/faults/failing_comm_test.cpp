@@ -21,6 +21,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace faults_failing_comm_test {
+
 namespace {
 
 using test_support::contains;
@@ -180,3 +182,5 @@ TEST_CASE("a rank stalling inside a step: every rank ends in an error naming the
     CHECK(took < std::chrono::seconds(5));  // the stall is 0.9 s, the timeout 0.3 s: bounded, no hang
   }
 }
+
+}  // namespace faults_failing_comm_test

@@ -17,6 +17,8 @@
 #include "fsdp/tensor.hpp"
 #include "test/support/errors.hpp"
 
+namespace faults_shape_validation_test {
+
 namespace {
 
 // A tensor with just a shape, as an engine might hand one over.
@@ -31,14 +33,20 @@ constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
 
 }  // namespace
 
+}  // namespace faults_shape_validation_test
+
+// (Outside this file's namespace: fsdp::tensor_traits is specialized at namespace scope.)
 template <>
-struct fsdp::tensor_traits<ShapeOnly> {
+struct fsdp::tensor_traits<faults_shape_validation_test::ShapeOnly> {
+  using ShapeOnly = faults_shape_validation_test::ShapeOnly;
   static DType dtype(const ShapeOnly&) { return DType::f32; }
   static std::span<const std::int64_t> shape(const ShapeOnly& t) { return t.dims; }
   static void* data(ShapeOnly&) { return nullptr; }
   static DeviceId device(const ShapeOnly&) { return {}; }
   static void rebind(ShapeOnly&, void*) {}
 };
+
+namespace faults_shape_validation_test {
 
 TEST_CASE("checked_numel multiplies what fits") {
   CHECK(fsdp::checked_numel(std::vector<std::int64_t>{}, "scalar") == 1);
@@ -124,3 +132,5 @@ TEST_CASE("fsdp::shard sizes wrap policies with checked counts: a bad shape name
     });
   }
 }
+
+}  // namespace faults_shape_validation_test

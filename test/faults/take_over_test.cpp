@@ -25,6 +25,8 @@
 #include "fsdp/shard.hpp"
 #include "test/support/errors.hpp"
 
+namespace faults_take_over_test {
+
 namespace {
 
 // When the rebind of one rank's tensors throws: at its `throw_at`-th call (1-based; 0: never).
@@ -113,9 +115,12 @@ struct Net {
 
 }  // namespace
 
+}  // namespace faults_take_over_test
+
+// (Outside this file's namespace: fsdp::tensor_traits is specialized at namespace scope.)
 template <bool Keeps>
-struct fsdp::tensor_traits<Owned<Keeps>> {
-  using T = Owned<Keeps>;
+struct fsdp::tensor_traits<faults_take_over_test::Owned<Keeps>> {
+  using T = faults_take_over_test::Owned<Keeps>;
   static DType dtype(const T& t) { return t.dtype; }
   static std::span<const std::int64_t> shape(const T& t) { return t.shape; }
   static void* data(T& t) { return t.data; }
@@ -124,7 +129,7 @@ struct fsdp::tensor_traits<Owned<Keeps>> {
   static void rebind(T& t, void* p, DType d) {
     if (++t.faults->calls == t.faults->throw_at) {  // before anything changes, as a failing rebind should
       t.faults->thrower = t.label;
-      if (t.faults->foreign) throw Foreign{};
+      if (t.faults->foreign) throw faults_take_over_test::Foreign{};
       throw std::runtime_error("no room for another view");
     }
     t.release();
@@ -147,6 +152,8 @@ struct fsdp::tensor_traits<Owned<Keeps>> {
     t.dtype = k.dtype;
   }
 };
+
+namespace faults_take_over_test {
 
 static_assert(fsdp::KeepsStorage<Owned<true>> && !fsdp::KeepsStorage<Owned<false>>);
 
@@ -560,3 +567,5 @@ TEST_CASE("ShardedModel::take_over after a failed one: it takes over, and units 
     CHECK(built_bytes - buffers == 2 * (12 + 3) * 4 * 2);  // a's and b's parameters and gradients, freed
   });
 }
+
+}  // namespace faults_take_over_test

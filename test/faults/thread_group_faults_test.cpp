@@ -30,6 +30,8 @@
 #include "fsdp/host/thread_group.hpp"
 #include "test/support/errors.hpp"
 
+namespace faults_thread_group_faults_test {
+
 namespace {
 
 using fsdp::CollectivePoint;
@@ -369,3 +371,5 @@ TEST_CASE("with the hook installed but quiet, large collectives still give the r
     CHECK(points[r] > 4);  // posted and read in both collectives, and reading points between
   }
 }
+
+}  // namespace faults_thread_group_faults_test

@@ -16,6 +16,8 @@
 #include "fsdp/shard.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace faults_unit_setup_test {
+
 namespace {
 
 // A host tensor that can be shown in another dtype (MixedPrecision needs it).
@@ -63,8 +65,12 @@ void check_named(const std::vector<std::string>& msgs, const std::string& unit, 
 
 }  // namespace
 
+}  // namespace faults_unit_setup_test
+
+// (Outside this file's namespace: fsdp::tensor_traits is specialized at namespace scope.)
 template <>
-struct fsdp::tensor_traits<Cell> {
+struct fsdp::tensor_traits<faults_unit_setup_test::Cell> {
+  using Cell = faults_unit_setup_test::Cell;
   static DType dtype(const Cell& t) { return t.dtype; }
   static std::span<const std::int64_t> shape(const Cell& t) { return t.shape; }
   static void* data(Cell& t) { return t.data; }
@@ -72,6 +78,8 @@ struct fsdp::tensor_traits<Cell> {
   static void rebind(Cell& t, void* p) { t.owned.clear(), t.data = p; }
   static void rebind(Cell& t, void* p, DType d) { rebind(t, p), t.dtype = d; }
 };
+
+namespace faults_unit_setup_test {
 
 namespace {
 
@@ -309,3 +317,5 @@ TEST_CASE("sync_module_states that succeeds: rank 0's values in every rank's par
     }
   });
 }
+
+}  // namespace faults_unit_setup_test

@@ -13,6 +13,8 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 
+namespace faults_visitor_test {
+
 namespace {
 
 using test_support::contains;
@@ -152,3 +154,5 @@ TEST_CASE("inside a summon with writeback: the edits in replaced storage are ref
   CHECK(after[0] == 1.5f);  // the old value: nothing was written back
   CHECK(after[1] == 0.0f);
 }
+
+}  // namespace faults_visitor_test

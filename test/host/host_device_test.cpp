@@ -15,6 +15,8 @@
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
 
+namespace host_host_device_test {
+
 namespace {
 
 using fsdp::DType;
@@ -411,3 +413,5 @@ TEST_CASE("unscale multiplies in double, rounds once, and reports inf/NaN after 
                        fsdp::Error);
   CHECK(i == 4);
 }
+
+}  // namespace host_host_device_test

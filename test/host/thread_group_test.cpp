@@ -26,6 +26,8 @@
 #include "fsdp/error.hpp"
 #include "fsdp/host/thread_group.hpp"
 
+namespace host_thread_group_test {
+
 namespace {
 
 using fsdp::DType;
@@ -801,3 +803,5 @@ TEST_CASE("a split communicator kept past run() stays usable for errors, not a d
   CHECK(contains(msg, "rank 1 finished without joining barrier"));
   kept.clear();
 }
+
+}  // namespace host_thread_group_test
