@@ -5,12 +5,13 @@ set -euo pipefail
 
 # bazel-bootstrap pulls in the JDK (default-jdk-headless) and build-essential;
 # python3 and g++ are listed because tools/test.sh and the build use them
-# directly; python3-numpy runs the safetensors interop test (an independent reader).
+# directly; python3-numpy runs the safetensors interop test (an independent reader);
+# lld-14 links the ASan build (.bazelrc).
 PACKAGES=(
   bazel-bootstrap bazel-platforms bazel-rules-java
   doctest-dev libboost-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox libxxhash-dev
-  clang-14 libclang-rt-14-dev
+  clang-14 libclang-rt-14-dev lld-14
   g++ python3 python3-numpy
 )
 
