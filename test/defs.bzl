@@ -43,10 +43,24 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
       **kwargs: forwarded to cc_test (size, tags, data, args, ...).
     """
     pkg = native.package_name()
+
+    # Each file must open its namespace (<directory>_<file stem>); checked here, so that a file
+    # added without one fails with this message rather than mixing its names with its group's.
+    checks = []
+    for src in srcs:
+        parts = (pkg + "/" + src).split("/")
+        namespace = parts[-2] + "_" + parts[-1][:-len(".cpp")]
+        checks.append(
+            "grep -q '^namespace %s {' $(location %s) || " % (namespace, src) +
+            "{ echo '%s/%s: its code must be in namespace %s (fsdp_test_group, test/defs.bzl)' >&2; exit 1; }" % (pkg, src, namespace),
+        )
     native.genrule(
         name = name + "_unity",
+        srcs = srcs,
         outs = [name + "_unity.cpp"],
-        cmd = "printf '%s\\n' " + " ".join(["'#include \"%s/%s\"'" % (pkg, s) for s in srcs]) + " > $@",
+        cmd = " && ".join(checks + [
+            "printf '%s\\n' " + " ".join(["'#include \"%s/%s\"'" % (pkg, s) for s in srcs]) + " > $@",
+        ]),
         testonly = True,
     )
     native.cc_library(

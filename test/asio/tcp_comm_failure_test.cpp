@@ -286,7 +286,7 @@ TEST_CASE("a stale address whose port now answers as something else is read agai
   // What an earlier communicator of the prefix left (a dead process, or a destructor that
   // could not reach the store) can point at a port that another communicator, or another
   // program, now holds. Rank 1 publishes its own address 300 ms after rank 0 starts.
-  for (const std::string answer : {fsdp::detail::HelloReply::encode("this port belongs to communicator other, not fsdp/comm"),
+  for (const std::string& answer : {fsdp::detail::HelloReply::encode("this port belongs to communicator other, not fsdp/comm"),
                                    std::string(64, 'x')}) {
     boost::asio::io_context io;
     boost::asio::ip::tcp::acceptor squatter(io, {boost::asio::ip::make_address("127.0.0.1"), 0});

@@ -32,7 +32,7 @@ engine::ModelConfig config() {
 
 struct Knobs {
   int post_forward_ranks = 0;                // > 0: set_reshard_after_forward(group of that many ranks)
-  std::optional<bool> reshard_after_forward;  // set_reshard_after_forward(bool)
+  std::optional<bool> reshard_after_forward = std::nullopt;  // set_reshard_after_forward(bool)
   bool keep_after_backward = false;          // set_reshard_after_backward(false) on the micro-batches without sync
   double divide_factor = 0;                  // set_gradient_divide_factor
   int accumulate = 1;                        // micro-batches per step (sync off for all but the last)
