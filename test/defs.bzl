@@ -6,7 +6,7 @@ def fsdp_test(name, srcs, deps = [], **kwargs):
     """Declares a cc_test linked with //:fsdp and the shared doctest main.
 
     Args:
-      name: target name, e.g. "core_dtype_test".
+      name: target name, e.g. "core_trace_test".
       srcs: sources relative to test/, e.g. ["core/dtype_test.cpp"].
       deps: extra deps (e.g. "@fmt", "@nlohmann_json").
       **kwargs: forwarded to cc_test (size, tags, data, args, ...).
@@ -37,7 +37,8 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
 
     Args:
       name: target name, e.g. "core_sharding_test".
-      srcs: the test files, relative to this package, in the order they run.
+      srcs: the test files (.cpp), relative to this package (doctest runs the cases
+        ordered by file path, then line).
       deps: extra deps, the union of what the files need.
       hdrs: headers of this package that the files include.
       **kwargs: forwarded to cc_test (size, tags, data, args, ...).
@@ -48,6 +49,8 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
     # added without one fails with this message rather than mixing its names with its group's.
     checks = []
     for src in srcs:
+        if not src.endswith(".cpp"):
+            fail("fsdp_test_group %s: %s is not a .cpp test file" % (name, src))
         parts = (pkg + "/" + src).split("/")
         namespace = parts[-2] + "_" + parts[-1][:-len(".cpp")]
         checks.append(
@@ -58,6 +61,7 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
         name = name + "_unity",
         srcs = srcs,
         outs = [name + "_unity.cpp"],
+        tags = kwargs.get("tags", []),
         cmd = " && ".join(checks + [
             "printf '%s\\n' " + " ".join(["'#include \"%s/%s\"'" % (pkg, s) for s in srcs]) + " > $@",
         ]),
@@ -66,6 +70,7 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
     native.cc_library(
         name = name + "_files",
         testonly = True,
+        tags = kwargs.get("tags", []),
         textual_hdrs = srcs + hdrs,
     )
     fsdp_test(

@@ -192,7 +192,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
 }
 
 // fsdp::planned_units for policies read as values (fsdp/detail/planned_units.hpp).
-std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, ShardedModel& model, PlanOptions& options);
+inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, ShardedModel& model, PlanOptions& options);
 
 }  // namespace detail
 

@@ -16,6 +16,7 @@
 #include <fsdp/asio/tcp_store.hpp>
 
 #include "store_test_support.hpp"
+#include "test/support/scoped_env.hpp"
 
 extern char** environ;
 
@@ -112,7 +113,7 @@ std::uint16_t port_from(const std::string& line) {
 }  // namespace
 
 TEST_CASE("fsdp_store serves clients, demands its token and stops on SIGTERM") {
-  ::setenv("TOOL_TEST_TOKEN", "tool-secret", 1);
+  test_support::ScopedEnv env_vars("TOOL_TEST_TOKEN", "tool-secret");
   StoreProcess store({"--port", "0", "--token-env", "TOOL_TEST_TOKEN"});
   const std::string line = store.first_line();
   REQUIRE(contains(line, "fsdp_store: listening on 127.0.0.1:"));
@@ -130,9 +131,9 @@ TEST_CASE("fsdp_store serves clients, demands its token and stops on SIGTERM") {
   env.master_port = port;
   env.world_size = 2;
   env.token = "tool-secret";
-  ::setenv("FSDP_STORE_EXTERNAL", "1", 1);
+  env_vars.set("FSDP_STORE_EXTERNAL", "1");
   auto rank0 = fsdp::connect_store(env, options);
-  ::unsetenv("FSDP_STORE_EXTERNAL");
+  env_vars.set("FSDP_STORE_EXTERNAL", std::nullopt);
   CHECK_FALSE(rank0.server);
   CHECK(rank0.store->get("k", 500ms) == "v");
 
@@ -144,11 +145,11 @@ TEST_CASE("fsdp_store serves clients, demands its token and stops on SIGTERM") {
 }
 
 TEST_CASE("fsdp_store refuses a missing token variable, a bad flag and a taken port") {
-  ::unsetenv("TOOL_TEST_UNSET");
+  test_support::ScopedEnv env_vars("TOOL_TEST_UNSET", std::nullopt);
   StoreProcess no_token({"--token-env", "TOOL_TEST_UNSET"});
   CHECK(no_token.exit_code() == 2);
   CHECK(contains(no_token.rest(), "--token-env TOOL_TEST_UNSET: that variable is not set"));
-  ::setenv("TOOL_TEST_EMPTY", "", 1);
+  env_vars.set("TOOL_TEST_EMPTY", "");
   StoreProcess empty_token({"--token-env", "TOOL_TEST_EMPTY"});
   CHECK(empty_token.exit_code() == 2);
   CHECK(contains(empty_token.rest(), "--token-env TOOL_TEST_EMPTY: that variable is not set or is empty"));

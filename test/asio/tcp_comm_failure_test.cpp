@@ -5,7 +5,6 @@
 #include <doctest/doctest.h>
 
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -158,24 +157,25 @@ TEST_CASE("the store going away while ranks wait for one that never joins: the e
   // As when rank 0 hosts the store and gives up first: the others' look-ups then fail.
   auto server = std::make_unique<fsdp::TcpStoreServer>();
   const auto port = server->port();
-  std::atomic<int> joining{0};
   std::thread stopper([&] {
-    for (int i = 0; i < 200 && joining.load() < 2; ++i) std::this_thread::sleep_for(5ms);  // bounded: 1 s
-    std::this_thread::sleep_for(200ms);  // both ranks are in the rendezvous, rank 1 polling for rank 2
+    // Stops the store once both ranks have published their addresses (bounded: 2 s), and
+    // rank 0 has had time to read rank 1's and link to it: rank 1 is then polling for rank 2.
+    fsdp::TcpStore probe("127.0.0.1", port);
+    for (int i = 0; i < 400 && !(probe.try_get("fsdp/comm/addr/0") && probe.try_get("fsdp/comm/addr/1")); ++i)
+      std::this_thread::sleep_for(5ms);
+    std::this_thread::sleep_for(300ms);
     server.reset();
   });
   const auto t0 = Clock::now();
   const auto errors = test_support::on_threads(2, [&](int r) {
-    auto store = std::make_shared<fsdp::TcpStore>("127.0.0.1", port);
-    ++joining;
-    TcpComm comm(store, r, 3, with_timeout(1500ms));
+    TcpComm comm(std::make_shared<fsdp::TcpStore>("127.0.0.1", port), r, 3, with_timeout(1500ms));
   });
   stopper.join();
   CHECK(seconds_since(t0) < 5.0);
   // Rank 1 waits for rank 2's address: the failed look-up names rank 2 and the store's error.
   CAPTURE(errors[1]);
-  CHECK(contains(errors[1], "rank 1: rank 2 never joined communicator fsdp/comm: the store failed after "));
-  CHECK(contains(errors[1], "of waiting for its address (fsdp: store at 127.0.0.1:"));
+  CHECK(contains(errors[1], "rank 1: rank 2 had not joined communicator fsdp/comm when the store failed, after "));
+  CHECK(contains(errors[1], " ms of waiting for its address: fsdp: store at 127.0.0.1:"));
   // Rank 0 (linked to rank 1) waits for rank 2 to connect; at its timeout the store cannot
   // say whether rank 2 published an address.
   CAPTURE(errors[0]);

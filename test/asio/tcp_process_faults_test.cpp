@@ -36,7 +36,8 @@ TEST_CASE("a rank that never starts: the others fail joining, naming it, within 
   CHECK(seconds_since(t0) < 10.0);
   for (int r : {0, 1}) {
     CAPTURE(results[r].error);
-    CHECK(contains(results[r].error, "rank 2 never joined"));
+    // Rank 0 hosts the store: if it gives up first, rank 1 sees the store fail meanwhile.
+    CHECK((contains(results[r].error, "rank 2 never joined") || contains(results[r].error, "rank 2 had not joined")));
   }
 }
 

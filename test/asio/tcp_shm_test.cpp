@@ -14,6 +14,7 @@
 #include "fsdp/asio/shm_link.hpp"
 #include "tcp_cases.hpp"
 #include "test/asio/tcp_world.hpp"
+#include "test/support/scoped_env.hpp"
 
 namespace asio_tcp_shm_test {
 
@@ -104,20 +105,20 @@ TEST_CASE("a rank with shared memory off: its two links use TCP, the rest of the
 }
 
 TEST_CASE("FSDP_TCP_SHM=0 keeps every link on TCP; other values leave it on") {
-  setenv("FSDP_TCP_SHM", "0", 1);
+  test_support::ScopedEnv env_vars("FSDP_TCP_SHM", "0");
   std::vector<std::string> off;
   {
     TcpWorld world(2);
     off = link_flags(world);
     test_support::check_against_reference(world, {{K::all_reduce, 2, 999, DType::f32, ReduceOp::sum}});
   }
-  setenv("FSDP_TCP_SHM", "1", 1);
+  env_vars.set("FSDP_TCP_SHM", "1");
   std::vector<std::string> on;
   {
     TcpWorld world(2);
     on = link_flags(world);
   }
-  unsetenv("FSDP_TCP_SHM");
+  env_vars.set("FSDP_TCP_SHM", std::nullopt);
   CHECK(off == std::vector<std::string>(2, "00"));
   CHECK(on == std::vector<std::string>(2, "11"));
 }

@@ -14,6 +14,7 @@
 #include <fsdp/asio/tcp_store.hpp>
 
 #include "store_test_support.hpp"
+#include "test/support/scoped_env.hpp"
 
 namespace asio_tcp_store_test {
 
@@ -216,8 +217,8 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
   env.master_port = port;
   env.world_size = 2;
   env.token = "t0ken";
-  ::unsetenv("FSDP_STORE_EXTERNAL");
-  ::unsetenv("FSDP_STORE_BIND");
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_BIND", std::nullopt);
   {
     auto rank0 = fsdp::connect_store(env, quick());
     REQUIRE(rank0.server);
@@ -229,20 +230,17 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
     CHECK(rank0.store->get("from/1", 500ms) == "hi");
 
     // A standalone server already runs: rank 0 only connects.
-    ::setenv("FSDP_STORE_EXTERNAL", "1", 1);
+    env_vars.set("FSDP_STORE_EXTERNAL", "1");
     env.rank = 0;
     auto external = fsdp::connect_store(env, quick());
     CHECK_FALSE(external.server);
     CHECK(external.store->get("from/1", 500ms) == "hi");
-    ::setenv("FSDP_STORE_EXTERNAL", "yes", 1);
+    env_vars.set("FSDP_STORE_EXTERNAL", "yes");
     CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) == "fsdp: environment: FSDP_STORE_EXTERNAL='yes' is not 0 or 1");
-    ::unsetenv("FSDP_STORE_EXTERNAL");
+    env_vars.set("FSDP_STORE_EXTERNAL", std::nullopt);
   }
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-  ::setenv("RANK", "0", 1);
-  ::setenv("WORLD_SIZE", "1", 1);
-  ::setenv("FSDP_STORE_TOKEN", "from-env", 1);
+  env_vars.set("MASTER_ADDR", "127.0.0.1").set("MASTER_PORT", std::to_string(port)).set("RANK", "0");
+  env_vars.set("WORLD_SIZE", "1").set("FSDP_STORE_TOKEN", "from-env");
   {
     fsdp::TcpStoreServerOptions opts;
     opts.port = port;
@@ -252,7 +250,6 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
     CHECK(store->num_keys() == 0);
     CHECK(server.stats().accepted == 1);
   }
-  for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "FSDP_STORE_TOKEN"}) ::unsetenv(v);
 }
 
 TEST_CASE("bad options are refused with the value named") {

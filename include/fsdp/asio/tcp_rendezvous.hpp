@@ -155,10 +155,13 @@ class RingJoiner {
     try {
       text = store_.try_get(id_.address_key(id_.right()));
     } catch (const Error& e) {
-      // The store went away (its host, rank 0 under a launcher, gave up or died) before the
-      // right neighbour published its address: name the neighbour, not just the store.
-      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " never joined communicator " + id_.prefix +
-                 ": the store failed after " + waited_so_far() + " of waiting for its address (" + e.what() + ")";
+      // The store went away (its host, rank 0 under a launcher, gave up or died) while this
+      // rank waited for its right neighbour: name the neighbour, not just the store. Whether
+      // the neighbour would have joined later, nobody can tell any more.
+      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " had not joined communicator " + id_.prefix +
+                 " when the store failed, after " + waited_so_far() + " of waiting for its address";
+      if (!target_text_.empty()) *failure_ += " (the one it had published, " + target_text_ + ", was stale: " + last_connect_error_ + ")";
+      *failure_ += ": " + std::string(e.what());
       return;
     }
     if (text) {
