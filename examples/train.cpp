@@ -130,8 +130,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     // below is compiled once per communicator, not once per combination (5 strategies x 4
     // precisions x offload: 40).
     std::optional<fsdp::ShardedModel> built;
-    bool offload = false;
-    std::function<void(fsdp::ShardedModel&)> plan;  // print_plan with the same policies
+    std::function<void()> plan;  // print_plan with the same policies, after the settings below
     fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
       with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
         using S = decltype(chosen);
@@ -140,8 +139,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         using O = decltype(off);
         built.emplace(fsdp::shard<S, M, P, O>(model, mesh, device, engine::Wrap{},
                                               fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold}));
-        offload = O::offload;
-        plan = [&](fsdp::ShardedModel& m) { print_plan<S, M, P, O>(m, stream, cfg); };
+        plan = [&] { print_plan<S, M, P, O>(*built, stream, cfg); };
       });
     });
     fsdp::ShardedModel& sharded = *built;
@@ -157,10 +155,10 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     sharded.set_reshard_after_backward(cfg.reshard_after_backward);
     // Optimizer state next to the shards it steps: host space when they are offloaded.
-    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
+    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, cfg.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(0.05f);
-    if (cfg.plan) plan(sharded);
+    if (cfg.plan) plan();
     fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none

@@ -1,4 +1,4 @@
-"""fsdp_test: a doctest cc_test against the header-only //:fsdp library."""
+"""fsdp_test and fsdp_test_group: doctest cc_tests against the header-only //:fsdp library."""
 
 load("@rules_cc//cc:defs.bzl", "cc_test")
 
@@ -7,7 +7,7 @@ def fsdp_test(name, srcs, deps = [], **kwargs):
 
     Args:
       name: target name, e.g. "core_trace_test".
-      srcs: sources relative to test/, e.g. ["core/dtype_test.cpp"].
+      srcs: sources relative to this package, e.g. ["core/trace_test.cpp"].
       deps: extra deps (e.g. "@fmt", "@nlohmann_json").
       **kwargs: forwarded to cc_test (size, tags, data, args, ...).
     """

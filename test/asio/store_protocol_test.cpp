@@ -44,7 +44,6 @@ std::vector<wire::Request> every_request() {
   return out;
 }
 
-
 }  // namespace
 
 TEST_CASE("every request round-trips, and its frame is canonical") {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fsdp/cuda/cuda_kernels.hpp"
+#include "test/support/scoped_env.hpp"
 
 namespace {
 
@@ -48,23 +49,7 @@ std::vector<fs::path> files_in(const fs::path& dir) {
   return out;
 }
 
-// An environment variable set for one scope, restored after.
-struct ScopedEnv {
-  std::string name;
-  std::string old;
-  bool had;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    const char* o = std::getenv(n);
-    had = o != nullptr;
-    if (had) old = o;
-    if (value) ::setenv(n, value, 1);
-    else ::unsetenv(n);
-  }
-  ~ScopedEnv() {
-    if (had) ::setenv(name.c_str(), old.c_str(), 1);
-    else ::unsetenv(name.c_str());
-  }
-};
+using test_support::ScopedEnv;
 
 }  // namespace
 
@@ -193,15 +178,15 @@ TEST_CASE("the environment picks the directory, or turns the cache off") {
     CHECK(KernelCache::from_environment().dir() == fs::path("/some/dir"));
   }
   {
-    ScopedEnv c("FSDP_KERNEL_CACHE", nullptr), x("XDG_CACHE_HOME", "/xdg");
+    ScopedEnv c("FSDP_KERNEL_CACHE", std::nullopt), x("XDG_CACHE_HOME", "/xdg");
     CHECK(KernelCache::from_environment().dir() == fs::path("/xdg/fsdp/kernels"));
   }
   {
-    ScopedEnv c("FSDP_KERNEL_CACHE", nullptr), x("XDG_CACHE_HOME", nullptr), h("HOME", "/home/u");
+    ScopedEnv c("FSDP_KERNEL_CACHE", std::nullopt), x("XDG_CACHE_HOME", std::nullopt), h("HOME", "/home/u");
     CHECK(KernelCache::from_environment().dir() == fs::path("/home/u/.cache/fsdp/kernels"));
   }
   {
-    ScopedEnv c("FSDP_KERNEL_CACHE", nullptr), x("XDG_CACHE_HOME", nullptr), h("HOME", nullptr);
+    ScopedEnv c("FSDP_KERNEL_CACHE", std::nullopt), x("XDG_CACHE_HOME", std::nullopt), h("HOME", std::nullopt);
     CHECK_FALSE(KernelCache::from_environment().enabled());
   }
   ScopedEnv c("FSDP_KERNEL_CACHE", "off");

@@ -1,7 +1,7 @@
 #pragma once
 // Environment variables set (or unset) for a scope and put back as they were when it ends,
-// also when a check throws: the test files of one binary (fsdp_test_group) share a process,
-// so a variable left behind would change the files that run after.
+// also when a check throws: later cases, and the other test files of a binary
+// (fsdp_test_group), share the process and must not see them.
 #include <cstdlib>
 #include <optional>
 #include <string>

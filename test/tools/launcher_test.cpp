@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "test/support/scoped_env.hpp"
 #include "tools/launcher/cli.hpp"
 #include "tools/launcher/launcher.hpp"
 
@@ -153,12 +154,10 @@ TEST_CASE("relaunch_self runs this program as the ranks, and refuses inside a la
   const char* argv[] = {"launcher_test", "child", "two words"};
   CHECK(launch::relaunch_self(o, 3, argv) == 42);
 
-  ::setenv("RANK", "1", 1);
-  ::setenv("WORLD_SIZE", "2", 1);
+  test_support::ScopedEnv launched("RANK", "1");
+  launched.set("WORLD_SIZE", "2");
   CHECK_THROWS_WITH_AS(launch::relaunch_self(o, 3, argv),
                        "fsdp: launch: relaunch_self: this process already is rank 1 of a launched job (RANK and "
                        "WORLD_SIZE are set); run as that rank instead",
                        fsdp::Error);
-  ::unsetenv("RANK");
-  ::unsetenv("WORLD_SIZE");
 }
