@@ -44,12 +44,20 @@ class Store {
   virtual std::optional<std::string> try_get(std::string_view key) = 0;
 
   // Another client of the same store whose calls (and connecting, and its handshake)
-  // each give up after `timeout`: what a failing rank asks its peers through for a better
-  // message, so that a store which accepts connections but never answers cannot delay
-  // the error by the store's own, long, request timeout. Null where this store's calls
-  // other than get and wait cannot block (an in-process store): use this one.
+  // each give up after `timeout`: what a joining rank looks for its neighbours through,
+  // and a failing rank asks its peers through for a better message, so that a store which
+  // accepts connections but never answers cannot hold either for the store's own, long,
+  // request timeout. Null where this store's calls other than get and wait cannot block
+  // (an in-process store): use this one.
   virtual std::shared_ptr<Store> bounded_client(Timeout /*timeout*/) { return nullptr; }
 };
+
+namespace detail {
+// The longest one request through Store::bounded_client may take where a rank must not
+// wait on a store that stopped answering: a TcpComm's join and its failure reports.
+// Loopback round trips take microseconds; 2 s leaves room for a loaded machine.
+inline constexpr std::chrono::milliseconds kStoreRequestBound{2000};
+}  // namespace detail
 
 // In-process store for ranks that are threads (tests, benchmarks of the TCP communicator
 // inside one process).

@@ -36,6 +36,9 @@ class FreezableProxy {
 
   std::uint16_t port() const { return port_; }
   void freeze() { frozen_ = true; }
+  // Bytes the clients sent that reached the server: a test waits for a client's next
+  // request, which it sends only after the reply to its last one arrived.
+  std::uint64_t bytes_to_server() const { return bytes_to_server_; }
 
  private:
   struct Pipe {
@@ -65,8 +68,9 @@ class FreezableProxy {
       if (ec) return close(*pipe);
       if (frozen_) return pump(pipe, from, to);
       boost::asio::async_write(to, boost::asio::buffer(buffer->data(), n),
-                               [this, pipe, &from, &to, buffer](boost::system::error_code wec, std::size_t) {
+                               [this, pipe, &from, &to, buffer](boost::system::error_code wec, std::size_t sent) {
                                  if (wec) return close(*pipe);
+                                 if (&to == &pipe->server) bytes_to_server_ += sent;
                                  pump(pipe, from, to);
                                });
     });
@@ -83,6 +87,7 @@ class FreezableProxy {
   tcp::acceptor acceptor_;
   const std::uint16_t port_;
   std::atomic<bool> frozen_{false};
+  std::atomic<std::uint64_t> bytes_to_server_{0};
   std::thread thread_;
 };
 

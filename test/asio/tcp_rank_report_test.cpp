@@ -1,12 +1,14 @@
-// fsdp/asio/tcp_rank_report.hpp: what a failing TcpComm rank asks its peers through the
-// store is bounded by StoreRankReport::kRequestBound, not by the store's own request
-// timeout. The store sits behind a proxy that the test freezes: it still accepts
+// fsdp/asio/tcp_rank_report.hpp and tcp_rendezvous.hpp: what a failing TcpComm rank asks
+// its peers through the store, and what a joining rank looks up there, is bounded by
+// detail::kStoreRequestBound per request, not by the store's own request timeout. The store sits behind a proxy that the test freezes: it still accepts
 // connections but never answers, the worst a store can do short of refusing them.
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdp/asio/tcp_comm.hpp"
@@ -103,8 +105,8 @@ TEST_CASE("a mismatch with a store that stopped answering: every rank fails with
     for (auto& c : world.comms) c.reset();  // destruction deletes the address keys: bounded as well
     const double took = seconds_since(t0);
     CAPTURE(took);
-    // Frozen: each rank's report waits one bound for its handshake (the ranks in
-    // parallel), then the error; 4 s of room for a loaded machine. Before the bound: the
+    // Frozen: each rank's report waits one bound for its first request on the bounded
+    // connection, open since the join (the ranks in parallel), then the error; 4 s of room for a loaded machine. Before the bound: the
     // store's 60 s request timeout.
     CHECK(took < fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 4.0);
     for (const auto& e : errors) {
@@ -113,7 +115,7 @@ TEST_CASE("a mismatch with a store that stopped answering: every rank fails with
       CHECK(contains(e, "all_gather(count=4, dtype=f32)"));
       CHECK(contains(e, "all_gather(count=8, dtype=f32)"));
       if (frozen) CHECK(contains(e, "could not ask the other ranks what they called"));
-      if (frozen) CHECK(contains(e, "hello failed: no reply within the deadline"));
+      if (frozen) CHECK(contains(e, "failed: no reply within the deadline"));
       else CHECK_FALSE(contains(e, "could not ask"));
     }
     // Healthy, each destructor removed its address; frozen, the keys stay (a failed store
@@ -136,14 +138,68 @@ TEST_CASE("a timeout with a store that stopped answering: the error comes within
   CAPTURE(error);
   CHECK(contains(error, "rank 0: all_gather(count=8, dtype=f32) as collective #0 timed out after 2000 ms"));
   CHECK(contains(error, "could not ask the other ranks where they are"));
-  CHECK(contains(error, "hello failed: no reply within the deadline"));
-  // While stalled, the rank looked for the flag (one bounded handshake, from 0.5 s); the
+  CHECK(contains(error, "failed: no reply within the deadline"));
+  // While stalled, the rank looked for the flag (one bounded request, from 0.5 s); the
   // timeout then reports that failure without asking again.
   CHECK(took < 2.0 + fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 3.0);
   const auto t1 = Clock::now();
   world.comms[0].reset();
   world.comms[1].reset();
   CHECK(seconds_since(t1) < fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 3.0);
+}
+
+// fsdp/asio/tcp_rendezvous.hpp: the join's store requests are bounded as the reports' are.
+// Before, each went through the caller's client and could wait its 60 s.
+TEST_CASE("a join with a store that stopped answering ends within its timeout and two bounds") {
+  constexpr double kBound = fsdp::detail::kStoreRequestBound.count() / 1000.0;
+  auto joining = [](ProxiedStore& s, std::chrono::milliseconds timeout) {
+    auto o = test_support::ok_options();
+    o.timeout = timeout;
+    auto client = s.client();
+    return [client, o] { fsdp::TcpComm(client, 0, 2, o); };  // rank 1 never comes
+  };
+
+  SUBCASE("frozen before the rank publishes its address") {
+    ProxiedStore s;
+    auto join = joining(s, 1500ms);
+    s.proxy.freeze();
+    const auto t0 = Clock::now();
+    const std::string error = error_of(join);
+    const double took = seconds_since(t0);
+    CAPTURE(took);
+    CAPTURE(error);
+    // One bound clearing the old reports (given up, so the failed join's cleanup does not
+    // ask again), one for the publish, which the deadline then ends.
+    CHECK(took < 1.5 + 2 * kBound + 3.0);
+    CHECK(contains(error, "rank 0: could not publish its address for communicator fsdp/comm within 1500 ms: the store "
+                          "stopped answering (1 request without a reply within 2000 ms each; the last: fsdp: store at 127.0.0.1:"));
+    CHECK(contains(error, "hello failed: no reply within the deadline)"));
+  }
+
+  SUBCASE("frozen while the rank waits for its neighbour's address") {
+    ProxiedStore s;
+    auto join = joining(s, 3000ms);
+    std::string error;
+    std::thread rank0([&] { error = error_of(join); });
+    const auto t0 = Clock::now();
+    fsdp::TcpStore direct("127.0.0.1", s.server.port());  // past the proxy
+    direct.wait({"fsdp/comm/addr/0"}, 10s);
+    // The publish's reply arrived once the rank sends its first look-up.
+    const std::uint64_t published = s.proxy.bytes_to_server();
+    for (int i = 0; i < 1000 && s.proxy.bytes_to_server() == published; ++i) std::this_thread::sleep_for(10ms);
+    CHECK(s.proxy.bytes_to_server() > published);  // not REQUIRE: rank0 must be joined
+    s.proxy.freeze();
+    rank0.join();
+    const double took = seconds_since(t0);
+    CAPTURE(took);
+    CAPTURE(error);
+    // The look-up under way when the deadline passes runs out its bound.
+    CHECK(took < 3.0 + kBound + 3.0);
+    CHECK(contains(error, "rank 0: waited 3000 ms for rank 1 to join communicator fsdp/comm, but the store stopped "
+                          "answering ("));
+    CHECK(contains(error, "no reply within the deadline)"));
+    CHECK_FALSE(contains(error, "never joined"));  // the store could not say
+  }
 }
 
 }  // namespace asio_tcp_rank_report_test

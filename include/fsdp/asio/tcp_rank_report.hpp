@@ -40,9 +40,8 @@ class StoreRankReport final : public RingObserver {
   StoreRankReport(std::shared_ptr<Store> store, std::string prefix, int rank, int size, std::chrono::milliseconds timeout)
       : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), timeout_(timeout) {}
 
-  // The longest any one store request of a report may take. Loopback round trips take
-  // microseconds; 2 s leaves room for a loaded machine without making an error wait long.
-  static constexpr std::chrono::milliseconds kRequestBound{2000};
+  // The longest any one store request of a report may take (store.hpp).
+  static constexpr std::chrono::milliseconds kRequestBound = kStoreRequestBound;
 
   std::string last_key(int r) const { return prefix_ + "/last/" + std::to_string(r); }
   std::string flag_key() const { return prefix_ + "/ask"; }
@@ -121,14 +120,20 @@ class StoreRankReport final : public RingObserver {
   // mismatch message that compare_set would return as this communicator's. Rank 0 clears
   // the shared keys, before it publishes its address: a mismatch found earlier (only
   // between ranks that joined without waiting for rank 0) at worst leaves the ranks'
-  // messages different. Through the store itself: joining waits on it anyway.
+  // messages different. Bounded, as the join's requests: a store that stopped answering
+  // costs one bound here (and none at a failed join's cleanup), and the join says the rest.
   void forget(bool shared) noexcept {
     try {
-      store_->delete_key(last_key(rank_));
-      if (!shared) return;
-      store_->delete_key(flag_key());
-      store_->delete_key(mismatch_key());
-    } catch (...) {
+      std::string ignored;
+      through_store(
+          [&](Store& s) {
+            s.delete_key(last_key(rank_));
+            if (!shared) return;
+            s.delete_key(flag_key());
+            s.delete_key(mismatch_key());
+          },
+          ignored);
+    } catch (...) {  // only bad_alloc: through_store catches the store's errors
     }
   }
 

@@ -9,7 +9,8 @@
 // rank keeps listening. An address that answers as something else (a rank of another
 // communicator, or not fsdp at all) is taken as stale, left by an earlier communicator of
 // the prefix, and read again until its rank publishes its own. Everything ends by one
-// deadline.
+// deadline; the store's requests too, so that a store which stopped answering cannot hold
+// a joining rank for its own request timeout (minutes): see ask_store.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -96,7 +97,7 @@ class RingJoiner {
   RingSockets join() {
     deadline_ = Clock::now() + id_.timeout;
     listen();
-    store_.set(id_.address_key(id_.rank), advertised_);
+    publish();
     start_accept();
     look_up_right();
     while (!(left_ && right_done_) && !failure_ && io_.run_one_until(deadline_)) {
@@ -147,13 +148,54 @@ class RingJoiner {
     advertised_ = format_endpoint(addr, acceptor_.local_endpoint().port());
   }
 
+  // ---- the store: every request bounded ----
+  // Through Store::bounded_client (kStoreRequestBound per request), not the caller's
+  // client, whose requests may wait minutes. A request that ran out its bound may have met
+  // a store that is only slow: it is tried again, on a fresh connection, until the
+  // deadline, and false says it got no answer. One that failed sooner was refused or cut
+  // off: the store is gone, and its fsdp::Error propagates.
+  template <class Request>
+  bool ask_store(Request request) {
+    const auto start = Clock::now();
+    try {
+      if (!bounded_) bounded_ = store_.bounded_client(kStoreRequestBound);
+      request(bounded_ ? *bounded_ : store_);  // none: an in-process store, whose requests are quick
+      silent_ = false;
+      return true;
+    } catch (const Error& e) {
+      bounded_.reset();
+      if (Clock::now() - start < kStoreRequestBound) throw;
+      ++unanswered_;
+      silent_ = true;
+      last_unanswered_ = e.what();
+      return false;
+    }
+  }
+  std::string silence() const {
+    return "the store stopped answering (" + std::to_string(unanswered_) + " request" + (unanswered_ == 1 ? "" : "s") +
+           " without a reply within " + std::to_string(kStoreRequestBound.count()) + " ms each; the last: " +
+           last_unanswered_ + ")";
+  }
+
+  void publish() {
+    const std::string what = id_.where() + "could not publish its address for communicator " + id_.prefix;
+    for (;;) {
+      try {
+        if (ask_store([&](Store& s) { s.set(id_.address_key(id_.rank), advertised_); })) return;
+      } catch (const Error& e) {
+        fail(what, ": ", e.what());
+      }
+      if (Clock::now() >= deadline_) fail(what, " within ", waited(), ": ", silence());
+    }
+  }
+
   // ---- the link to the right: find its address, connect, send Hello, read the answer ----
   // Polls the store (backing off to 50 ms) so that this rank keeps answering its left
   // neighbour meanwhile: a refused handshake then fails both ranks at once.
   void look_up_right(std::chrono::milliseconds backoff = std::chrono::milliseconds(1)) {
     std::optional<std::string> text;
     try {
-      text = store_.try_get(id_.address_key(id_.right()));
+      ask_store([&](Store& s) { text = s.try_get(id_.address_key(id_.right())); });  // no answer: look again
     } catch (const Error& e) {
       // The store went away (its host, rank 0 under a launcher, gave up or died) while this
       // rank waited for its right neighbour: name the neighbour, not just the store. Whether
@@ -288,13 +330,16 @@ class RingJoiner {
     in.socket.close(ignored);
   }
 
-  std::string timeout_message() const {
+  std::string timeout_message() {
     auto never_joined = [&](int r) {
       return id_.where() + "rank " + std::to_string(r) + " never joined communicator " + id_.prefix + " (waited " + waited() +
              " for its address)";
     };
     std::string msg;
-    if (target_text_.empty()) {
+    if (target_text_.empty() && silent_) {
+      msg = id_.where() + "waited " + waited() + " for rank " + std::to_string(id_.right()) + " to join communicator " +
+            id_.prefix + ", but " + silence();
+    } else if (target_text_.empty()) {
       msg = never_joined(id_.right());
     } else if (!right_done_) {
       msg = id_.where() + "could not connect to rank " + std::to_string(id_.right()) + " at " + target_text_ + " within " +
@@ -317,18 +362,24 @@ class RingJoiner {
   }
 
   // Whether the left neighbour published its address; nullopt (and the store's error) when
-  // the store cannot say.
-  std::optional<bool> left_published(std::string& store_error) const {
+  // the store cannot say. One request: the deadline has passed.
+  std::optional<bool> left_published(std::string& store_error) {
+    std::optional<std::string> text;
     try {
-      return store_.try_get(id_.address_key(id_.left())).has_value();
+      if (ask_store([&](Store& s) { text = s.try_get(id_.address_key(id_.left())); })) return text.has_value();
+      store_error = silence();
     } catch (const Error& e) {
       store_error = e.what();
-      return std::nullopt;
     }
+    return std::nullopt;
   }
 
   boost::asio::io_context& io_;
   Store& store_;
+  std::shared_ptr<Store> bounded_;  // store_.bounded_client's, while it works
+  int unanswered_ = 0;              // store requests that got no reply within their bound
+  bool silent_ = false;             // the last one among them
+  std::string last_unanswered_;
   const RingIdentity& id_;
   Clock::time_point deadline_;
   tcp::acceptor acceptor_{io_};
