@@ -92,6 +92,7 @@ void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
   options.asynchronous = true;  // the AsyncCommunicator: one reduction stays in flight
   options.persistence_threshold = cfg.persistence_threshold;
   options.steps = std::min(cfg.steps, 2);
+  options.micro_batches = cfg.accumulate;  // each unit's accumulation mode and resharding are read from it
   const auto space = fsdp::Policies<Ps...>::cpu_offload::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
   if (cfg.optimizer == "adamw")
     for (const auto& v : sharded.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
@@ -154,6 +155,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       sharded.set_reshard_after_forward(cfg.reshard_after_forward == "true");
     }
     sharded.set_reshard_after_backward(cfg.reshard_after_backward);
+    if (cfg.sync_every_microbatch) sharded.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
     // Optimizer state next to the shards it steps: host space when they are offloaded.
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, cfg.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
@@ -185,7 +187,6 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
     if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
-    if (cfg.sync_every_microbatch) sharded.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
     // --optimizer-in-backward: one optimizer per unit steps its shards as soon as their
     // gradient is final, and the gradient is freed right after.
     std::optional<engine::OptimizerInBackward<engine::AdamW>> adamw_inside;
@@ -348,10 +349,9 @@ int main(int argc, char** argv) {
                                        : "checkpoints hold the one optimizer's state that stepping after backward keeps");
     return 2;
   }
-  if (cfg.plan && (cfg.precision == "fp16" || cfg.accumulate > 1 || cfg.optimizer_in_backward || !cfg.save_dir.empty() ||
-                   !cfg.resume_dir.empty())) {
+  if (cfg.plan && (cfg.precision == "fp16" || cfg.optimizer_in_backward || !cfg.save_dir.empty() || !cfg.resume_dir.empty())) {
     fmt::print(stderr, "--plan does not model {}\n",
-               cfg.precision == "fp16" ? "--precision fp16 (the loss scaler)" : cfg.accumulate > 1 ? "--accumulate"
+               cfg.precision == "fp16" ? "--precision fp16 (the loss scaler)"
                : cfg.optimizer_in_backward ? "--optimizer-in-backward" : "checkpoints (--save, --resume)");
     return 2;
   }

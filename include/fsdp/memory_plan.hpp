@@ -17,16 +17,19 @@
 // engine's; the plan counts the library's bytes, plus what PlanOptions::engine_state
 // says the engine allocates through the same Device after its first step and keeps.
 //
-// Assumed, per step: zero_grad, one forward (units entered in `forward_order`, nested by
-// FQN), one backward (the mirror: a unit's backward starts before, and ends after, those
-// of the units nested in it, which run in reverse forward order), finish_backward. Refused
-// (an fsdp::Error): gradient sync off or the replicate all-reduce skipped (gradient
-// accumulation), post-accumulate-grad hooks (optimizer in backward), explicit prefetch
-// lists, and a model whose views do not match the given policies, mesh or persistence
-// threshold. Not modeled, so not to be planned with: summon_full_params, state dicts and
-// checkpoints, deferred init's temporaries, sync_module_states, the fp16 grad scaler,
-// several micro-batches per step, a forward-only pass (evaluation), a forward order that
-// changes from step to step.
+// Assumed, per step: zero_grad, then for each of PlanOptions::micro_batches: one forward
+// (units entered in `forward_order`, nested by FQN), one backward (the mirror: a unit's
+// backward starts before, and ends after, those of the units nested in it, which run in
+// reverse forward order), finish_backward; all micro-batches but the last with gradient
+// sync off (ShardedModel::no_sync), each unit accumulating in its GradientSyncMode and
+// keeping its parameters between them if its reshard_after_backward is off. Refused (an
+// fsdp::Error): a model planned with gradient sync off (plan between steps), the
+// replicate all-reduce deferred (set_requires_all_reduce(false)), post-accumulate-grad
+// hooks (optimizer in backward), explicit prefetch lists, and a model whose views do not
+// match the given policies, mesh or persistence threshold. Not modeled, so not to be
+// planned with: summon_full_params, state dicts and checkpoints, deferred init's
+// temporaries, sync_module_states, the fp16 grad scaler, a forward-only pass
+// (evaluation), a forward order that changes from step to step.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -60,6 +63,11 @@ struct PlannedUnit {
   // group strictly between 1 and its size). Units whose parameters are not sharded ignore both.
   std::optional<bool> reshard_after_forward = std::nullopt;
   int post_forward_ranks = 0;
+  // Gradient accumulation (PlanOptions::micro_batches > 1): what its backwards with sync
+  // off do (set_gradient_sync_mode), and whether its parameters are freed after each
+  // backward (set_reshard_after_backward; off: kept until the next forward).
+  GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;
+  bool reshard_after_backward = true;
 };
 
 struct PlanOptions {
@@ -70,6 +78,9 @@ struct PlanOptions {
   bool asynchronous = false;
   std::int64_t persistence_threshold = 0;  // ShardOptions::persistence_threshold
   int steps = 2;  // steps replayed; every step after the second repeats the second
+  // Forward and backward passes per step (gradient accumulation), all but the last under
+  // no_sync, each ending with finish_backward.
+  int micro_batches = 1;
   // What the engine allocates through the same Device at the end of the first step and
   // keeps, per space (device, host): its optimizer state. Zero: the library's bytes only.
   std::array<std::size_t, 2> engine_state{};
@@ -121,6 +132,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
   if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
   if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
   if (options.steps < 1) detail::fail("fsdp::plan: steps must be >= 1, got ", options.steps);
+  if (options.micro_batches < 1) detail::fail("fsdp::plan: micro_batches must be >= 1, got ", options.micro_batches);
   if (units.empty()) detail::fail("fsdp::plan: no units");
   // The groups a unit uses (detail::UnitGroups): hybrid strategies shard inside the mesh's
   // shard dimension, the others across (FullShard) or over (NoShard) the whole world.
@@ -144,6 +156,8 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
       detail::fail("fsdp::plan: unit '", name, "' reshards after forward to groups of ", k, " ranks, which must divide the ",
                    shard, " ranks of its shard group and lie strictly between 1 and ", shard);
     if (policy.shards_parameters && !s.kept_unsharded) s.post_forward_ranks = k;
+    s.reshard_after_backward = units[i].reshard_after_backward;
+    s.accumulation = units[i].accumulation;
     for (std::size_t j = 0; j < i; ++j)
       if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
   }
@@ -171,7 +185,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     open.push_back(u);
   }
   detail::MemorySimulation replay(policy, shard, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
-                                  options.asynchronous);
+                                  options.asynchronous, options.micro_batches);
   replay.setup();
   for (int s = 0; s < options.steps; ++s) {
     replay.step();

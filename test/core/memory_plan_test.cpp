@@ -26,6 +26,11 @@ struct Run {
   std::int64_t threshold = 0;
   int steps = 3;
   bool adamw = true;
+  // Gradient accumulation: micro-batches per step (all but the last under no_sync), the
+  // units' mode while sync is off, and whether they reshard after backward.
+  int micro = 1;
+  fsdp::GradientSyncMode mode = fsdp::GradientSyncMode::keep_unsharded;
+  bool after_backward = true;
 };
 
 struct Outcome {
@@ -50,12 +55,15 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       fsdp::HostDevice device;
       auto sm = fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = run.threshold});
       sm.set_max_prefetched_units(run.limit);
+      sm.set_gradient_sync_mode(run.mode);
+      sm.set_reshard_after_backward(run.after_backward);
       constexpr bool offload = fsdp::Policies<Ps...>::cpu_offload::offload;
       const auto space = offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
       fsdp::PlanOptions options;
       options.asynchronous = Async;
       options.persistence_threshold = run.threshold;
       options.steps = run.steps;
+      options.micro_batches = run.micro;
       if (run.adamw)  // two f32 moments per element of each shard this rank steps
         for (const auto& v : sm.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
       out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
@@ -63,9 +71,10 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       engine::AdamW adamw({}, alloc);
       engine::Sgd sgd(0.01f);
       for (int s = 0; s < run.steps; ++s) {
-        const auto batch = engine::make_batch(c, s, comm.rank(), 1);
-        if (run.adamw) engine::sharded_step(model, sm, adamw, batch);
-        else engine::sharded_step(model, sm, sgd, batch);
+        std::vector<engine::Batch> micro;
+        for (int m = 0; m < run.micro; ++m) micro.push_back(engine::make_batch(c, s * run.micro + m, comm.rank(), 1));
+        if (run.adamw) engine::sharded_step(model, sm, adamw, std::span<const engine::Batch>(micro));
+        else engine::sharded_step(model, sm, sgd, std::span<const engine::Batch>(micro));
       }
       out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
       out.host[comm.rank()] = device.stats(fsdp::MemorySpace::host);
@@ -83,6 +92,9 @@ Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
   CAPTURE(Async);
   CAPTURE(run.limit);
   CAPTURE(run.threshold);
+  CAPTURE(run.micro);
+  CAPTURE(fsdp::name_of(run.mode));
+  CAPTURE(run.after_backward);
   const Outcome o = train_and_plan<Async, Ps...>(shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
@@ -173,6 +185,37 @@ TEST_CASE("persistence threshold: units kept whole are planned as replicated") {
   check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.threshold = 150});
 }
 
+TEST_CASE("gradient accumulation: plan == measured peak, both modes, every strategy, precision and offload") {
+  using fsdp::GradientSyncMode;
+  for (auto mode : {GradientSyncMode::keep_unsharded, GradientSyncMode::reduce_every_microbatch}) {
+    for (int micro : {2, 3}) {
+      const Run run{.micro = micro, .mode = mode};
+      check_prefetch_modes<fsdp::FullShard>({1, 3}, run);
+      check_precisions_and_offload<fsdp::ShardGradOp>({1, 3}, run);
+      check_precisions_and_offload<fsdp::NoShard>({1, 2}, run);
+    }
+    const Run run{.micro = 3, .mode = mode};
+    check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, run);
+    check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2}, run);
+    check_common_prefetch<fsdp::FullShard, fsdp::CommPrecision<fsdp::bf16>>({1, 3}, run);
+    check_precisions_and_offload<fsdp::HybridShard>({2, 2}, run);
+    check_common_prefetch<fsdp::HybridShardZero2>({2, 3}, run);
+    check_plan_on<true, fsdp::FullShard, fsdp::BackwardPre, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, run);
+    check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.threshold = 150, .micro = 3, .mode = mode});
+    // Parameters kept between micro-batches (FSDP2's set_reshard_after_backward(false)).
+    check_common_prefetch<fsdp::FullShard>({1, 3}, {.micro = 3, .mode = mode, .after_backward = false});
+    check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.micro = 2, .mode = mode, .after_backward = false});
+  }
+  // What accumulation costs, as planned: keeping unsharded gradients peaks higher than
+  // reducing every micro-batch, which peaks as a step without accumulation does.
+  const auto kept = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 3});
+  const auto every =
+      train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 3, .mode = fsdp::GradientSyncMode::reduce_every_microbatch});
+  const auto single = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {});
+  CHECK(kept.plan[0].peak_bytes() > every.plan[0].peak_bytes());
+  CHECK(every.plan[0].peak_bytes() >= single.plan[0].peak_bytes());
+}
+
 TEST_CASE("what the planner does not model is refused, naming the unit and why") {
   using test_support::contains;
   using test_support::error_of;
@@ -188,8 +231,9 @@ TEST_CASE("what the planner does not model is refused, naming the unit and why")
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::NoShard>(sm); }), "policies given to fsdp::shard"));
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.persistence_threshold = 150}); }), "persistence threshold 150"));
     sm.set_requires_gradient_sync(false);
-    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "gradient accumulation"));
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "has gradient sync off; plan between steps"));
     sm.set_requires_gradient_sync(true);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.micro_batches = 0}); }), "micro_batches must be >= 1"));
     sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, fsdp::GradientAfterHook::free);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "optimizer in backward"));
     sm.set_post_accumulate_grad_hook({});

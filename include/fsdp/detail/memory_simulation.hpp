@@ -17,6 +17,7 @@
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/flat_param.hpp"
+#include "fsdp/gradient_sync.hpp"
 
 namespace fsdp::detail {
 
@@ -34,6 +35,8 @@ struct SimUnit {
   bool kept_unsharded = false;  // under the persistence threshold
   bool reshard_after_forward = true;  // the unit's ReshardSettings (its strategy's by default)
   int post_forward_ranks = 0;         // a partial reshard's group size (sharded units only); 0: none
+  bool reshard_after_backward = true;  // off: kept between micro-batches while the gradient is not final
+  GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;  // what a backward with sync off does
   std::vector<int> children;    // units nested in it, in forward order
 };
 
@@ -54,11 +57,12 @@ class MemorySimulation {
  public:
   // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
   // place: no bytes of its own); forward: unit indices in the order forward enters them;
-  // tops: the outermost units, in forward order.
+  // tops: the outermost units, in forward order; micro_batches: passes per step, all but
+  // the last with gradient sync off (ShardedModel::no_sync).
   MemorySimulation(PolicyValues p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
-                   int max_prefetched, bool async_reductions)
+                   int max_prefetched, bool async_reductions, int micro_batches)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
-        max_prefetched_(max_prefetched), async_(async_reductions) {
+        max_prefetched_(max_prefetched), async_(async_reductions), micro_batches_(micro_batches) {
     backward_ = backward_order();
     for (auto& u : units_) {
       UnitState s;
@@ -70,10 +74,9 @@ class MemorySimulation {
         fs.shard = layout.shard_numel();
         fs.padded = layout.padded_numel();
         fs.full = shards ? fs.padded : fs.shard;  // detail::full_numel
-        // The accumulate dtype matters only across micro-batches, which the planner refuses.
         const FlatParamDTypes t = flat_param_dtypes(f.master, p_.precision);
         fs.master = f.master;
-        fs.compute = t.compute, fs.gather = t.gather, fs.reduce = t.reduce, fs.grad = t.grad;
+        fs.compute = t.compute, fs.gather = t.gather, fs.accumulate = t.accumulate, fs.reduce = t.reduce, fs.grad = t.grad;
         fs.shards = shards;
         if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
         fs.direct = flat_param_is_direct(shards, p_.offload, f.master, t);
@@ -99,10 +102,35 @@ class MemorySimulation {
     }
   }
 
-  // One training step: zero_grad, forward, backward, finish_backward.
+  // One training step: zero_grad, then per micro-batch forward, backward, finish_backward.
   void step() {
     ++step_;
-    const bool recorded = step_ > 1;  // the first step records the order and prefetches nothing
+    zero_grad();
+    for (int m = 1; m <= micro_batches_; ++m) pass(m == micro_batches_);
+  }
+
+  // Bytes the engine allocates through the same Device after a step and keeps (optimizer state).
+  void engine_state(std::size_t b, MemorySpace space) { add(b, space, -1, "optimizer state (engine)"); }
+
+  const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
+  std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
+
+ private:
+  // Frees what accumulation kept (nothing once a synchronized backward reduced it).
+  void zero_grad() {
+    for (auto& s : state_) {
+      s.grad_is_zero = true;
+      for (auto& f : s.flat) {
+        if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
+        release_full_grad(f);
+      }
+    }
+  }
+
+  // One forward and backward; `sync`: gradient sync on (the last micro-batch of a step).
+  void pass(bool sync) {
+    sync_ = sync;
+    const bool recorded = ++pass_ > 1;  // the first pass records the order and prefetches nothing
     forward_step_ = backward_step_ = 0;
     std::vector<int> open;  // forward: nested scopes
     for (int u : forward_) {
@@ -120,13 +148,6 @@ class MemorySimulation {
     }
   }
 
-  // Bytes the engine allocates through the same Device after a step and keeps (optimizer state).
-  void engine_state(std::size_t b, MemorySpace space) { add(b, space, -1, "optimizer state (engine)"); }
-
-  const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
-  std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
-
- private:
   // The backward order (unit indices): the mirror of forward's nesting.
   std::vector<int> backward_order() const {
     std::vector<int> out;
@@ -142,7 +163,7 @@ class MemorySimulation {
   enum class State : std::uint8_t { idle, forward, backward_pre, backward_post };
   struct FlatState {
     std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
-    DType master{}, compute{}, gather{}, reduce{}, grad{};
+    DType master{}, compute{}, gather{}, accumulate{}, reduce{}, grad{};
     bool shards = true, direct = false;
     std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
     bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
@@ -153,6 +174,7 @@ class MemorySimulation {
     std::vector<FlatState> flat;
     State state = State::idle;
     bool prefetched = false, kept = false;
+    bool grad_is_zero = true;  // nothing reduced into the sharded gradient since zero_grad
   };
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
@@ -217,8 +239,9 @@ class MemorySimulation {
     ++backward_step_;
     unshard(u, "backward");
     s.kept = false;
-    for (auto& f : s.flat) {  // bind_gradients, right after zero_grad
-      if (f.direct) f.full_grad_alias = true;
+    for (auto& f : s.flat) {  // bind_gradients
+      if (f.full_grad_alive || f.full_grad_alias) continue;  // kept by a backward with sync off: added into
+      if (f.direct && s.grad_is_zero) f.full_grad_alias = true;
       else add(bytes(f.padded, f.compute), MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
     }
     if (p_.backward == PrefetchMode::backward_pre)
@@ -227,11 +250,18 @@ class MemorySimulation {
   }
   void post_backward(int u, bool recorded) {
     auto& s = state_[static_cast<std::size_t>(u)];
-    release_unsharded(u);
+    const SimUnit& unit = units_[static_cast<std::size_t>(u)];
+    if (unit.reshard_after_backward || sync_) release_unsharded(u);  // else kept for the next forward
     if (p_.backward == PrefetchMode::backward_post)
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
-    for (auto& f : s.flat) start_reduction(u, f);
+    if (!sync_ && unit.accumulation == GradientSyncMode::keep_unsharded) {  // no communication
+      for (auto& f : s.flat)
+        if (f.accumulate != f.compute) to_reduce_dtype(u, f, "backward (accumulation)");
+      return;
+    }
+    for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero);
+    s.grad_is_zero = false;
     if (!async_) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
@@ -287,12 +317,9 @@ class MemorySimulation {
   }
 
   // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
-  void start_reduction(int u, FlatState& f) {
-    if (f.reduce != f.compute) {  // to_reduce_dtype
-      add(bytes(f.padded, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_in_alive = true;
-      release_full_grad(f);
-    }
-    const bool into_shard_grad = !p_.offload && f.grad == f.reduce;
+  void start_reduction(int u, FlatState& f, bool grad_is_zero) {
+    if (f.reduce != f.compute) to_reduce_dtype(u, f, "backward (reduction)");
+    const bool into_shard_grad = grad_is_zero && !p_.offload && f.grad == f.reduce;
     if (!into_shard_grad) add(bytes(f.shard, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_out_alive = true;
     f.reducing = true;
   }
@@ -309,6 +336,14 @@ class MemorySimulation {
       release_full_grad(f);
     }
   }
+  // The compute-dtype gradient cast to the reduce dtype (added into what earlier backwards
+  // kept there, through a temporary), then freed.
+  void to_reduce_dtype(int u, FlatState& f, const char* phase) {
+    add(bytes(f.padded, f.reduce), MemorySpace::device, u, phase);
+    if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device);
+    f.reduce_in_alive = true;
+    release_full_grad(f);
+  }
   void release_full_grad(FlatState& f) {
     if (f.full_grad_alive) sub(bytes(f.padded, f.compute), MemorySpace::device);
     f.full_grad_alive = f.full_grad_alias = false;
@@ -320,7 +355,9 @@ class MemorySimulation {
   std::vector<int> forward_, tops_, backward_;
   int max_prefetched_ = 2;
   bool async_ = false;
-  int step_ = 0;
+  int micro_batches_ = 1;
+  bool sync_ = true;  // the pass's gradient sync
+  int step_ = 0, pass_ = 0;
   std::size_t forward_step_ = 0, backward_step_ = 0;
   int prefetched_ = 0;
   std::deque<int> reducing_;

@@ -29,8 +29,11 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
     };
     if (u.has_post_accumulate_grad_hook()) refuse("has a post-accumulate-grad hook (optimizer in backward), which the planner does not model");
     if (u.has_explicit_prefetch()) refuse("has explicit prefetch lists, which the planner does not model");
-    if (!u.gradient_sync().requires_sync || !u.gradient_sync().requires_all_reduce)
-      refuse("has gradient sync or the replicate all-reduce off (gradient accumulation), which the planner does not model");
+    if (!u.gradient_sync().requires_sync)
+      refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
+             "PlanOptions::micro_batches");
+    if (!u.gradient_sync().requires_all_reduce)
+      refuse("defers the replicate all-reduce (set_requires_all_reduce(false)), which the planner does not model");
     if (u.state() != TrainingState::IDLE) refuse("is not IDLE; plan between steps");
     PlannedUnit p;
     p.fqn = u.fqn();
@@ -41,6 +44,8 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
     for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
     p.reshard_after_forward = u.reshard_settings().after_forward;
     p.post_forward_ranks = u.reshard_settings().post_forward_ranks;
+    p.reshard_after_backward = u.reshard_settings().after_backward;
+    p.accumulation = u.gradient_sync().mode;
     // What the unit holds must be what these policies (and threshold) would give it.
     std::int64_t elements = 0;
     for (const auto& f : p.flat) elements += f.numel;
