@@ -21,12 +21,13 @@
 // (units entered in `forward_order`, nested by FQN), one backward (the mirror: a unit's
 // backward starts before, and ends after, those of the units nested in it, which run in
 // reverse forward order), finish_backward; all micro-batches but the last with gradient
-// sync off (ShardedModel::no_sync), each unit accumulating in its GradientSyncMode and
-// keeping its parameters between them if its reshard_after_backward is off. Refused (an
-// fsdp::Error): a model planned with gradient sync off (plan between steps), the
-// replicate all-reduce deferred (set_requires_all_reduce(false)), post-accumulate-grad
-// hooks (optimizer in backward), explicit prefetch lists, and a model whose views do not
-// match the given policies, mesh or persistence threshold. Not modeled, so not to be
+// sync off (ShardedModel::no_sync), each unit accumulating in its GradientSyncMode, or
+// (PlanOptions::defer_all_reduce) with the replicate all-reduce deferred instead, each
+// unit keeping its parameters between them if its reshard_after_backward is off. Refused
+// (an fsdp::Error): a model planned with gradient sync or the replicate all-reduce off
+// (plan between steps), post-accumulate-grad hooks (optimizer in backward), explicit
+// prefetch lists, and a model whose views do not match the given policies, mesh or
+// persistence threshold. Not modeled, so not to be
 // planned with: summon_full_params, state dicts and checkpoints, deferred init's
 // temporaries, sync_module_states, the fp16 grad scaler, a forward-only pass
 // (evaluation), a forward order that changes from step to step.
@@ -81,6 +82,9 @@ struct PlanOptions {
   // Forward and backward passes per step (gradient accumulation), all but the last under
   // no_sync, each ending with finish_backward.
   int micro_batches = 1;
+  // Those passes run with set_requires_all_reduce(false) instead of no_sync (HSDP: each
+  // reduce-scatters inside its shard group, the sums wait for the last pass's all-reduce).
+  bool defer_all_reduce = false;
   // What the engine allocates through the same Device at the end of the first step and
   // keeps, per space (device, host): its optimizer state. Zero: the library's bytes only.
   std::array<std::size_t, 2> engine_state{};
@@ -185,7 +189,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     open.push_back(u);
   }
   detail::MemorySimulation replay(policy, shard, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
-                                  options.asynchronous, options.micro_batches);
+                                  options.asynchronous, {options.micro_batches, options.defer_all_reduce, m.replicate});
   replay.setup();
   for (int s = 0; s < options.steps; ++s) {
     replay.step();

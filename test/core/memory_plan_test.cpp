@@ -31,6 +31,7 @@ struct Run {
   int micro = 1;
   fsdp::GradientSyncMode mode = fsdp::GradientSyncMode::keep_unsharded;
   bool after_backward = true;
+  bool defer_all_reduce = false;  // those micro-batches with set_requires_all_reduce(false) instead
 };
 
 struct Outcome {
@@ -64,6 +65,7 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       options.persistence_threshold = run.threshold;
       options.steps = run.steps;
       options.micro_batches = run.micro;
+      options.defer_all_reduce = run.defer_all_reduce;
       if (run.adamw)  // two f32 moments per element of each shard this rank steps
         for (const auto& v : sm.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
       out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
@@ -73,8 +75,20 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       for (int s = 0; s < run.steps; ++s) {
         std::vector<engine::Batch> micro;
         for (int m = 0; m < run.micro; ++m) micro.push_back(engine::make_batch(c, s * run.micro + m, comm.rank(), 1));
-        if (run.adamw) engine::sharded_step(model, sm, adamw, std::span<const engine::Batch>(micro));
-        else engine::sharded_step(model, sm, sgd, std::span<const engine::Batch>(micro));
+        const std::span<const engine::Batch> batches(micro);
+        if (run.defer_all_reduce) {  // the accumulation loop of an HSDP run
+          sm.zero_grad();
+          for (int m = 0; m < run.micro; ++m) {
+            sm.set_requires_all_reduce(m + 1 == run.micro);
+            engine::sharded_micro_batch(model, sm, batches[static_cast<std::size_t>(m)]);
+          }
+          if (run.adamw) adamw.step(engine::slots(sm));
+          else sgd.step(engine::slots(sm));
+        } else if (run.adamw) {
+          engine::sharded_step(model, sm, adamw, batches);
+        } else {
+          engine::sharded_step(model, sm, sgd, batches);
+        }
       }
       out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
       out.host[comm.rank()] = device.stats(fsdp::MemorySpace::host);
@@ -95,6 +109,7 @@ Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
   CAPTURE(run.micro);
   CAPTURE(fsdp::name_of(run.mode));
   CAPTURE(run.after_backward);
+  CAPTURE(run.defer_all_reduce);
   const Outcome o = train_and_plan<Async, Ps...>(shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
@@ -206,6 +221,18 @@ TEST_CASE("gradient accumulation: plan == measured peak, both modes, every strat
     check_common_prefetch<fsdp::FullShard>({1, 3}, {.micro = 3, .mode = mode, .after_backward = false});
     check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, {.micro = 2, .mode = mode, .after_backward = false});
   }
+  // HSDP's deferred replicate all-reduce: the shard-group sums wait in a buffer of their
+  // own (in the accumulate dtype: CommPrecision's sums are added in f32).
+  for (int micro : {2, 3}) {
+    const Run run{.micro = micro, .defer_all_reduce = true};
+    check_precisions_and_offload<fsdp::HybridShard>({2, 2}, run);
+    check_common_prefetch<fsdp::HybridShardZero2>({2, 3}, run);
+    check_common_prefetch<fsdp::HybridShard, fsdp::CommPrecision<fsdp::bf16>>({2, 2}, run);
+    check_plan_on<true, fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, run);
+    check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.threshold = 150, .micro = micro, .defer_all_reduce = true});
+    check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.micro = micro, .after_backward = false, .defer_all_reduce = true});
+    check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, run);  // no replicas: every pass reduces whole
+  }
   // What accumulation costs, as planned: keeping unsharded gradients peaks higher than
   // reducing every micro-batch, which peaks as a step without accumulation does.
   const auto kept = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 3});
@@ -234,6 +261,9 @@ TEST_CASE("what the planner does not model is refused, naming the unit and why")
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "has gradient sync off; plan between steps"));
     sm.set_requires_gradient_sync(true);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.micro_batches = 0}); }), "micro_batches must be >= 1"));
+    sm.set_requires_all_reduce(false);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "set PlanOptions::defer_all_reduce"));
+    sm.set_requires_all_reduce(true);
     sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, fsdp::GradientAfterHook::free);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "optimizer in backward"));
     sm.set_post_accumulate_grad_hook({});

@@ -58,11 +58,17 @@ class MemorySimulation {
   // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
   // place: no bytes of its own); forward: unit indices in the order forward enters them;
   // tops: the outermost units, in forward order; micro_batches: passes per step, all but
-  // the last with gradient sync off (ShardedModel::no_sync).
+  // the last with gradient sync off (ShardedModel::no_sync), or (defer_all_reduce) with
+  // the replicate all-reduce deferred instead, over `replicate` replicas.
+  struct Accumulation {
+    int micro_batches = 1;
+    bool defer_all_reduce = false;
+    int replicate = 1;
+  };
   MemorySimulation(PolicyValues p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
-                   int max_prefetched, bool async_reductions, int micro_batches)
+                   int max_prefetched, bool async_reductions, Accumulation accumulation)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
-        max_prefetched_(max_prefetched), async_(async_reductions), micro_batches_(micro_batches) {
+        max_prefetched_(max_prefetched), async_(async_reductions), accumulation_(accumulation) {
     backward_ = backward_order();
     for (auto& u : units_) {
       UnitState s;
@@ -106,7 +112,7 @@ class MemorySimulation {
   void step() {
     ++step_;
     zero_grad();
-    for (int m = 1; m <= micro_batches_; ++m) pass(m == micro_batches_);
+    for (int m = 1; m <= accumulation_.micro_batches; ++m) pass(m == accumulation_.micro_batches);
   }
 
   // Bytes the engine allocates through the same Device after a step and keeps (optimizer state).
@@ -122,14 +128,16 @@ class MemorySimulation {
       s.grad_is_zero = true;
       for (auto& f : s.flat) {
         if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
+        if (f.partial_alive) sub(bytes(f.shard, f.accumulate), MemorySpace::device), f.partial_alive = false;
         release_full_grad(f);
       }
     }
   }
 
-  // One forward and backward; `sync`: gradient sync on (the last micro-batch of a step).
-  void pass(bool sync) {
-    sync_ = sync;
+  // One forward and backward; `last`: the last micro-batch of a step, whose reduction is whole.
+  void pass(bool last) {
+    sync_ = last || accumulation_.defer_all_reduce;
+    all_reduce_ = last || !accumulation_.defer_all_reduce;
     const bool recorded = ++pass_ > 1;  // the first pass records the order and prefetches nothing
     forward_step_ = backward_step_ = 0;
     std::vector<int> open;  // forward: nested scopes
@@ -169,6 +177,7 @@ class MemorySimulation {
     bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
     bool full_grad_alive = false, full_grad_alias = false;
     bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
+    bool partial_alive = false, deferred = false;  // a shard-group sum waiting for its all-reduce
   };
   struct UnitState {
     std::vector<FlatState> flat;
@@ -251,7 +260,9 @@ class MemorySimulation {
   void post_backward(int u, bool recorded) {
     auto& s = state_[static_cast<std::size_t>(u)];
     const SimUnit& unit = units_[static_cast<std::size_t>(u)];
-    if (unit.reshard_after_backward || sync_) release_unsharded(u);  // else kept for the next forward
+    // GradientPlan::reduce_partial: the replicate all-reduce deferred (hybrid strategies, replicas > 1).
+    const bool defer = !all_reduce_ && p_.hybrid && !unit.kept_unsharded && accumulation_.replicate > 1;
+    if (unit.reshard_after_backward || (sync_ && !defer)) release_unsharded(u);  // else kept for the next forward
     if (p_.backward == PrefetchMode::backward_post)
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
@@ -260,8 +271,8 @@ class MemorySimulation {
         if (f.accumulate != f.compute) to_reduce_dtype(u, f, "backward (accumulation)");
       return;
     }
-    for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero);
-    s.grad_is_zero = false;
+    for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero, defer);
+    if (!defer) s.grad_is_zero = false;
     if (!async_) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
@@ -317,16 +328,39 @@ class MemorySimulation {
   }
 
   // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
-  void start_reduction(int u, FlatState& f, bool grad_is_zero) {
+  void start_reduction(int u, FlatState& f, bool grad_is_zero, bool defer) {
     if (f.reduce != f.compute) to_reduce_dtype(u, f, "backward (reduction)");
-    const bool into_shard_grad = grad_is_zero && !p_.offload && f.grad == f.reduce;
-    if (!into_shard_grad) add(bytes(f.shard, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_out_alive = true;
+    f.deferred = defer;
+    if (defer && !f.partial_alive && f.accumulate == f.reduce) {  // the first deferred sum is reduced into `partial`
+      add(bytes(f.shard, f.accumulate), MemorySpace::device, u, "backward (reduction)"), f.partial_alive = true;
+    } else {
+      const bool into_shard_grad = !defer && grad_is_zero && !p_.offload && f.grad == f.reduce;
+      if (!into_shard_grad) add(bytes(f.shard, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_out_alive = true;
+    }
     f.reducing = true;
+  }
+  // A shard-group sum in the reduce dtype added into `partial` (the accumulate dtype):
+  // cast through a buffer of its own where the two differ, or cast into a new `partial`.
+  void add_into_partial(int u, FlatState& f) {
+    if (f.accumulate == f.reduce) return;
+    add(bytes(f.shard, f.accumulate), MemorySpace::device, u, "backward (reduction)");
+    if (f.partial_alive) sub(bytes(f.shard, f.accumulate), MemorySpace::device);
+    f.partial_alive = true;
   }
   void finish_reduction(int u) {
     for (auto& f : state_[static_cast<std::size_t>(u)].flat) {
       if (!f.reducing) continue;
       f.reducing = false;
+      if (f.deferred) {  // the sum waits in `partial` for a later all-reduce
+        if (f.reduce_out_alive) add_into_partial(u, f), sub(bytes(f.shard, f.reduce), MemorySpace::device), f.reduce_out_alive = false;
+        if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
+        release_full_grad(f);
+        continue;
+      }
+      if (f.partial_alive) {  // earlier deferred sums join this reduction
+        add_into_partial(u, f);
+        sub(bytes(f.shard, f.accumulate), MemorySpace::device), f.partial_alive = false;
+      }
       if (f.reduce_out_alive && f.grad != f.reduce) {  // the result cast to the gradient's dtype
         add(bytes(f.shard, f.grad), MemorySpace::device, u, "backward (reduction)");
         sub(bytes(f.shard, f.grad), MemorySpace::device);
@@ -355,8 +389,8 @@ class MemorySimulation {
   std::vector<int> forward_, tops_, backward_;
   int max_prefetched_ = 2;
   bool async_ = false;
-  int micro_batches_ = 1;
-  bool sync_ = true;  // the pass's gradient sync
+  Accumulation accumulation_;
+  bool sync_ = true, all_reduce_ = true;  // the pass's gradient sync and replicate all-reduce
   int step_ = 0, pass_ = 0;
   std::size_t forward_step_ = 0, backward_step_ = 0;
   int prefetched_ = 0;

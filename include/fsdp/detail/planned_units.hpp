@@ -33,7 +33,8 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
       refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
              "PlanOptions::micro_batches");
     if (!u.gradient_sync().requires_all_reduce)
-      refuse("defers the replicate all-reduce (set_requires_all_reduce(false)), which the planner does not model");
+      refuse("has the replicate all-reduce off; plan between steps, with it on, and set PlanOptions::defer_all_reduce "
+             "and micro_batches");
     if (u.state() != TrainingState::IDLE) refuse("is not IDLE; plan between steps");
     PlannedUnit p;
     p.fqn = u.fqn();
