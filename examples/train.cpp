@@ -94,8 +94,12 @@ void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
   options.steps = std::min(cfg.steps, 2);
   options.micro_batches = cfg.accumulate;  // each unit's accumulation mode and resharding are read from it
   const auto space = fsdp::Policies<Ps...>::cpu_offload::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
-  if (cfg.optimizer == "adamw")
-    for (const auto& v : sharded.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
+  const auto k = static_cast<std::size_t>(space);
+  if (cfg.optimizer == "adamw" && !cfg.optimizer_in_backward)
+    for (const auto& v : sharded.shards()) options.engine_state[k] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
+  if (cfg.optimizer == "adamw" && cfg.optimizer_in_backward)  // each unit's AdamW creates its moments in its first hook
+    for (auto& u : sharded)
+      for (const auto& v : u->shards()) options.engine_state_in_hook[u->fqn()][k] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
   const auto mine = static_cast<std::int64_t>(fsdp::plan<Ps...>(sharded, options).peak_bytes());
   std::int64_t most = 0;
   comm.all_reduce(&mine, &most, 1, fsdp::DType::i64, fsdp::ReduceOp::max).wait();
@@ -160,7 +164,6 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, cfg.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(0.05f);
-    if (cfg.plan) plan();
     fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
@@ -195,6 +198,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       adamw_inside.emplace(sharded, [&] { return std::make_unique<engine::AdamW>(adam, alloc); });
     else if (cfg.optimizer_in_backward)
       sgd_inside.emplace(sharded, [] { return std::make_unique<engine::Sgd>(0.05f); });
+    if (cfg.plan) plan();
     auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
       if (cfg.optimizer_in_backward) return engine::sharded_forward_backward(model, sharded, micro);
       if (!scaled) return engine::sharded_step(model, sharded, opt, micro, clip);
@@ -349,10 +353,9 @@ int main(int argc, char** argv) {
                                        : "checkpoints hold the one optimizer's state that stepping after backward keeps");
     return 2;
   }
-  if (cfg.plan && (cfg.precision == "fp16" || cfg.optimizer_in_backward || !cfg.save_dir.empty() || !cfg.resume_dir.empty())) {
+  if (cfg.plan && (cfg.precision == "fp16" || !cfg.save_dir.empty() || !cfg.resume_dir.empty())) {
     fmt::print(stderr, "--plan does not model {}\n",
-               cfg.precision == "fp16" ? "--precision fp16 (the loss scaler)"
-               : cfg.optimizer_in_backward ? "--optimizer-in-backward" : "checkpoints (--save, --resume)");
+               cfg.precision == "fp16" ? "--precision fp16 (the loss scaler)" : "checkpoints (--save, --resume)");
     return 2;
   }
 

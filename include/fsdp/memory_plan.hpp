@@ -23,17 +23,20 @@
 // reverse forward order), finish_backward; all micro-batches but the last with gradient
 // sync off (ShardedModel::no_sync), each unit accumulating in its GradientSyncMode, or
 // (PlanOptions::defer_all_reduce) with the replicate all-reduce deferred instead, each
-// unit keeping its parameters between them if its reshard_after_backward is off. Refused
-// (an fsdp::Error): a model planned with gradient sync or the replicate all-reduce off
-// (plan between steps), post-accumulate-grad hooks (optimizer in backward), explicit
-// prefetch lists, and a model whose views do not match the given policies, mesh or
-// persistence threshold. Not modeled, so not to be
+// unit keeping its parameters between them if its reshard_after_backward is off. A unit's
+// post-accumulate-grad hook (optimizer in backward) runs as its final reduction completes;
+// GradientAfterHook::free then frees its sharded gradient until the next reduction.
+// Refused (an fsdp::Error): a model planned with gradient sync or the replicate
+// all-reduce off (plan between steps), explicit prefetch lists, and a model whose views
+// do not match the given policies, mesh or persistence threshold. Not modeled, so not to be
 // planned with: summon_full_params, state dicts and checkpoints, deferred init's
 // temporaries, sync_module_states, the fp16 grad scaler, a forward-only pass
 // (evaluation), a forward order that changes from step to step.
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -69,6 +72,9 @@ struct PlannedUnit {
   // backward (set_reshard_after_backward; off: kept until the next forward).
   GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;
   bool reshard_after_backward = true;
+  // Its post-accumulate-grad hook (set_post_accumulate_grad_hook), if any: what it does
+  // with the sharded gradient after running.
+  std::optional<GradientAfterHook> post_accumulate_grad_hook = std::nullopt;
 };
 
 struct PlanOptions {
@@ -88,6 +94,10 @@ struct PlanOptions {
   // What the engine allocates through the same Device at the end of the first step and
   // keeps, per space (device, host): its optimizer state. Zero: the library's bytes only.
   std::array<std::size_t, 2> engine_state{};
+  // What the engine allocates through the same Device in a unit's first post-accumulate-grad
+  // hook and keeps, per space, by unit FQN ("" for the root): an optimizer stepping in
+  // backward creates its state there.
+  std::map<std::string, std::array<std::size_t, 2>, std::less<>> engine_state_in_hook = {};
   // Unit FQNs in the order forward enters them; empty: the units' order (fsdp::shard's
   // depth-first order, which is the forward order of a model that runs its children in
   // visit order).
@@ -162,8 +172,20 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     if (policy.shards_parameters && !s.kept_unsharded) s.post_forward_ranks = k;
     s.reshard_after_backward = units[i].reshard_after_backward;
     s.accumulation = units[i].accumulation;
+    if (const auto& hook = units[i].post_accumulate_grad_hook) {
+      s.hook = true;
+      s.hook_frees = *hook == GradientAfterHook::free;
+      if (auto it = options.engine_state_in_hook.find(units[i].fqn); it != options.engine_state_in_hook.end())
+        s.hook_engine_state = it->second;
+    }
     for (std::size_t j = 0; j < i; ++j)
       if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
+  }
+  for (const auto& [fqn, bytes] : options.engine_state_in_hook) {
+    const auto it = std::find_if(units.begin(), units.end(), [&](const PlannedUnit& u) { return u.fqn == fqn; });
+    if (it == units.end()) detail::fail("fsdp::plan: engine_state_in_hook names '", detail::display(fqn), "', which is no unit");
+    if (!it->post_accumulate_grad_hook)
+      detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
   }
   // Forward order, then nesting: each unit's parent is the innermost open unit holding it.
   std::vector<int> forward;

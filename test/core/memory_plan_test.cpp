@@ -32,6 +32,9 @@ struct Run {
   fsdp::GradientSyncMode mode = fsdp::GradientSyncMode::keep_unsharded;
   bool after_backward = true;
   bool defer_all_reduce = false;  // those micro-batches with set_requires_all_reduce(false) instead
+  // A post-accumulate-grad hook: free, AdamW in backward (engine::OptimizerInBackward, its
+  // state created in each unit's first hook); keep, a hook that only counts, AdamW after.
+  std::optional<fsdp::GradientAfterHook> hook = std::nullopt;
 };
 
 struct Outcome {
@@ -66,12 +69,20 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       options.steps = run.steps;
       options.micro_batches = run.micro;
       options.defer_all_reduce = run.defer_all_reduce;
-      if (run.adamw)  // two f32 moments per element of each shard this rank steps
+      const bool in_backward = run.hook == fsdp::GradientAfterHook::free;
+      if (run.adamw && !in_backward)  // two f32 moments per element of each shard this rank steps
         for (const auto& v : sm.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
-      out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
+      if (run.adamw && in_backward)  // the same, created unit by unit in its first hook
+        for (auto& u : sm)
+          for (const auto& v : u->shards()) options.engine_state_in_hook[u->fqn()][static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
       engine::DeviceAllocator<fsdp::HostDevice> alloc(device, space);
       engine::AdamW adamw({}, alloc);
       engine::Sgd sgd(0.01f);
+      int hooks_run = 0;
+      std::optional<engine::OptimizerInBackward<engine::AdamW>> inside;
+      if (in_backward) inside.emplace(sm, [&] { return std::make_unique<engine::AdamW>(engine::AdamW::Options{}, alloc); });
+      if (run.hook == fsdp::GradientAfterHook::keep) sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase&) { ++hooks_run; }, *run.hook);
+      out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
       for (int s = 0; s < run.steps; ++s) {
         std::vector<engine::Batch> micro;
         for (int m = 0; m < run.micro; ++m) micro.push_back(engine::make_batch(c, s * run.micro + m, comm.rank(), 1));
@@ -82,14 +93,18 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
             sm.set_requires_all_reduce(m + 1 == run.micro);
             engine::sharded_micro_batch(model, sm, batches[static_cast<std::size_t>(m)]);
           }
+          if (in_backward) continue;  // the optimizer stepped inside backward
           if (run.adamw) adamw.step(engine::slots(sm));
           else sgd.step(engine::slots(sm));
+        } else if (in_backward) {
+          engine::sharded_forward_backward(model, sm, batches);
         } else if (run.adamw) {
           engine::sharded_step(model, sm, adamw, batches);
         } else {
           engine::sharded_step(model, sm, sgd, batches);
         }
       }
+      if (run.hook == fsdp::GradientAfterHook::keep) CHECK(hooks_run == run.steps * static_cast<int>(sm.size()));
       out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
       out.host[comm.rank()] = device.stats(fsdp::MemorySpace::host);
     };
@@ -110,6 +125,7 @@ Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
   CAPTURE(fsdp::name_of(run.mode));
   CAPTURE(run.after_backward);
   CAPTURE(run.defer_all_reduce);
+  CAPTURE(run.hook ? std::string(fsdp::name_of(*run.hook)) : std::string("none"));
   const Outcome o = train_and_plan<Async, Ps...>(shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
@@ -243,6 +259,29 @@ TEST_CASE("gradient accumulation: plan == measured peak, both modes, every strat
   CHECK(every.plan[0].peak_bytes() >= single.plan[0].peak_bytes());
 }
 
+TEST_CASE("the optimizer in backward: hooks that free the gradient, and the engine's state created in them, planned to the byte") {
+  using fsdp::GradientAfterHook;
+  for (auto after : {GradientAfterHook::free, GradientAfterHook::keep}) {
+    const Run run{.hook = after};
+    check_prefetch_modes<fsdp::FullShard>({1, 3}, run);
+    check_precisions_and_offload<fsdp::ShardGradOp>({1, 3}, run);
+    check_precisions_and_offload<fsdp::NoShard>({1, 2}, run);
+    check_precisions_and_offload<fsdp::HybridShard>({2, 2}, run);
+    check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, run);
+    check_common_prefetch<fsdp::FullShard, fsdp::CommPrecision<fsdp::bf16>>({1, 3}, run);
+    check_plan_on<true, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, run);
+    check_plan_on<true, fsdp::HybridShard, fsdp::BackwardPre, fsdp::MixedPrecision<fsdp::bf16>>({2, 2}, run);
+    check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.threshold = 150, .hook = after});
+    check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 3, .hook = after});  // hooks run in the last pass only
+    check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 3, .mode = fsdp::GradientSyncMode::reduce_every_microbatch, .hook = after});
+    check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.micro = 2, .defer_all_reduce = true, .hook = after});
+  }
+  // Stepping in backward and freeing each gradient lowers the planned peak.
+  const auto inside = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.hook = GradientAfterHook::free});
+  const auto after = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {});
+  CHECK(inside.plan[0].peak_bytes() < after.plan[0].peak_bytes());
+}
+
 TEST_CASE("what the planner does not model is refused, naming the unit and why") {
   using test_support::contains;
   using test_support::error_of;
@@ -264,8 +303,12 @@ TEST_CASE("what the planner does not model is refused, naming the unit and why")
     sm.set_requires_all_reduce(false);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "set PlanOptions::defer_all_reduce"));
     sm.set_requires_all_reduce(true);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.engine_state_in_hook = {{"gain", {8, 0}}}}); }),
+                   "names unit 'gain', which has no post-accumulate-grad hook"));
     sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, fsdp::GradientAfterHook::free);
-    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "optimizer in backward"));
+    CHECK(fsdp::plan<fsdp::FullShard>(sm).peak_bytes() > 0);
+    CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.engine_state_in_hook = {{"nowhere", {8, 0}}}}); }),
+                   "names 'nowhere', which is no unit"));
     sm.set_post_accumulate_grad_hook({});
     sm.unit("blocks.0").set_backward_prefetch({&sm.unit("gain")});
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm); }), "unit 'blocks.0' on rank"));

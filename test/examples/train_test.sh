@@ -164,7 +164,8 @@ fi
 for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYBRID_SHARD" "--precision bf16" \
     "--offload" "--precision bf16 --offload --optimizer sgd" "--comm-precision bf16" "--persistence-threshold 1000" \
     "--clip 0.5 --ranks 3" "--reshard-after-forward 2 --ranks 4" "--reshard-after-forward false" "--accumulate 3" \
-    "--accumulate 2 --sync-every-microbatch --precision bf16" "--accumulate 3 --reshard-after-backward false"; do
+    "--accumulate 2 --sync-every-microbatch --precision bf16" "--accumulate 3 --reshard-after-backward false" \
+    "--optimizer-in-backward" "--optimizer-in-backward --optimizer sgd --offload" "--optimizer-in-backward --accumulate 2"; do
   # shellcheck disable=SC2086
   planned=$("$train" --steps 3 --plan $flags 2>&1) || fail "--plan $flags: exited with $?"
   # shellcheck disable=SC2086
@@ -187,7 +188,7 @@ done
 for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
     "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
     "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \
-    "--plan --precision fp16" "--plan --optimizer-in-backward" "--reshard-after-forward 1" \
+    "--plan --precision fp16" "--plan --save /tmp/never-written" "--reshard-after-forward 1" \
     "--reshard-after-forward maybe" "--reshard-after-forward 3 --ranks 4" "--reshard-after-forward 4 --ranks 4"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi

@@ -11,9 +11,11 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/detail/flat_param_rules.hpp"
+#include "fsdp/detail/simulated_unit.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/flat_param.hpp"
@@ -21,50 +23,11 @@
 
 namespace fsdp::detail {
 
-struct SimFlat {
-  DType master = DType::f32;
-  std::int64_t numel = 0;
-};
-struct SimBuffer {
-  DType dtype = DType::f32;
-  std::int64_t numel = 0;
-};
-struct SimUnit {
-  std::vector<SimFlat> flat;
-  std::vector<SimBuffer> buffers;
-  bool kept_unsharded = false;  // under the persistence threshold
-  bool reshard_after_forward = true;  // the unit's ReshardSettings (its strategy's by default)
-  int post_forward_ranks = 0;         // a partial reshard's group size (sharded units only); 0: none
-  bool reshard_after_backward = true;  // off: kept between micro-batches while the gradient is not final
-  GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;  // what a backward with sync off does
-  std::vector<int> children;    // units nested in it, in forward order
-};
-
-// A flat parameter of `numel` elements split over n ranks, sized as the unit sizes it.
-inline FlatParamLayout sim_layout(DType dtype, std::int64_t numel, int n) {
-  return FlatParamLayout(dtype, {ParamInfo{.numel = numel}}, n);
-}
-
-// Where a space's peak was reached.
-struct SimPeak {
-  std::size_t bytes = 0;
-  int unit = -1;  // -1: the engine's state
-  const char* phase = "";
-  int step = 0;  // 1-based; 0: setup
-};
-
 class MemorySimulation {
  public:
   // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
   // place: no bytes of its own); forward: unit indices in the order forward enters them;
-  // tops: the outermost units, in forward order; micro_batches: passes per step, all but
-  // the last with gradient sync off (ShardedModel::no_sync), or (defer_all_reduce) with
-  // the replicate all-reduce deferred instead, over `replicate` replicas.
-  struct Accumulation {
-    int micro_batches = 1;
-    bool defer_all_reduce = false;
-    int replicate = 1;
-  };
+  // tops: the outermost units, in forward order.
   MemorySimulation(PolicyValues p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
                    int max_prefetched, bool async_reductions, Accumulation accumulation)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
@@ -106,6 +69,8 @@ class MemorySimulation {
             add(bytes(b.numel, p_.precision.buffer), MemorySpace::device, static_cast<int>(i), "setup");
           }
     }
+    for (std::size_t i = 0; i < units_.size(); ++i)  // a hook installed with GradientAfterHook::free frees them
+      if (units_[i].hook_frees) release_shard_grads(static_cast<int>(i));
   }
 
   // One training step: zero_grad, then per micro-batch forward, backward, finish_backward.
@@ -178,12 +143,14 @@ class MemorySimulation {
     bool full_grad_alive = false, full_grad_alias = false;
     bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
     bool partial_alive = false, deferred = false;  // a shard-group sum waiting for its all-reduce
+    bool shard_grad_alive = true;
   };
   struct UnitState {
     std::vector<FlatState> flat;
     State state = State::idle;
     bool prefetched = false, kept = false;
     bool grad_is_zero = true;  // nothing reduced into the sharded gradient since zero_grad
+    bool hook_due = false, hook_ran = false;
   };
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
@@ -250,7 +217,7 @@ class MemorySimulation {
     s.kept = false;
     for (auto& f : s.flat) {  // bind_gradients
       if (f.full_grad_alive || f.full_grad_alias) continue;  // kept by a backward with sync off: added into
-      if (f.direct && s.grad_is_zero) f.full_grad_alias = true;
+      if (f.direct && s.grad_is_zero) ensure_shard_grad(u, f, "backward (gradient)"), f.full_grad_alias = true;
       else add(bytes(f.padded, f.compute), MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
     }
     if (p_.backward == PrefetchMode::backward_pre)
@@ -273,6 +240,7 @@ class MemorySimulation {
     }
     for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero, defer);
     if (!defer) s.grad_is_zero = false;
+    s.hook_due = unit.hook && sync_ && !defer;  // the gradient is final once this reduction completes
     if (!async_) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
@@ -330,6 +298,7 @@ class MemorySimulation {
   // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
   void start_reduction(int u, FlatState& f, bool grad_is_zero, bool defer) {
     if (f.reduce != f.compute) to_reduce_dtype(u, f, "backward (reduction)");
+    if (!defer) ensure_shard_grad(u, f, "backward (reduction)");  // where a hook freed it
     f.deferred = defer;
     if (defer && !f.partial_alive && f.accumulate == f.reduce) {  // the first deferred sum is reduced into `partial`
       add(bytes(f.shard, f.accumulate), MemorySpace::device, u, "backward (reduction)"), f.partial_alive = true;
@@ -369,6 +338,20 @@ class MemorySimulation {
       if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
       release_full_grad(f);
     }
+    auto& s = state_[static_cast<std::size_t>(u)];
+    if (!std::exchange(s.hook_due, false)) return;
+    const SimUnit& unit = units_[static_cast<std::size_t>(u)];
+    if (!std::exchange(s.hook_ran, true))  // the engine's state for this unit (an optimizer in backward)
+      for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+        if (std::size_t b = unit.hook_engine_state[static_cast<std::size_t>(space)]) add(b, space, u, "optimizer state (engine, in backward)");
+    if (unit.hook_frees) release_shard_grads(u), s.grad_is_zero = true;
+  }
+  void ensure_shard_grad(int u, FlatState& f, const char* phase) {
+    if (!f.shard_grad_alive) add(bytes(f.shard, f.grad), p_.shard_space(), u, phase), f.shard_grad_alive = true;
+  }
+  void release_shard_grads(int u) {
+    for (auto& f : state_[static_cast<std::size_t>(u)].flat)
+      if (std::exchange(f.shard_grad_alive, false)) sub(bytes(f.shard, f.grad), p_.shard_space());
   }
   // The compute-dtype gradient cast to the reduce dtype (added into what earlier backwards
   // kept there, through a temporary), then freed.
