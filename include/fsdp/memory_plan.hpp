@@ -26,9 +26,10 @@
 // unit keeping its parameters between them if its reshard_after_backward is off. A unit's
 // post-accumulate-grad hook (optimizer in backward) runs as its final reduction completes;
 // GradientAfterHook::free then frees its sharded gradient until the next reduction.
-// Refused (an fsdp::Error): a model planned with gradient sync or the replicate
-// all-reduce off (plan between steps), explicit prefetch lists, and a model whose views
-// do not match the given policies, mesh or persistence threshold. Not modeled, so not to be
+// Explicit prefetch lists gather their units at the listing unit's pre_forward /
+// pre_backward from the first pass on. Refused (an fsdp::Error): a model planned with
+// gradient sync or the replicate all-reduce off (plan between steps), and a model whose
+// views do not match the given policies, mesh or persistence threshold. Not modeled, so not to be
 // planned with: summon_full_params, state dicts and checkpoints, deferred init's
 // temporaries, sync_module_states, the fp16 grad scaler, a forward-only pass
 // (evaluation), a forward order that changes from step to step.
@@ -75,6 +76,8 @@ struct PlannedUnit {
   // Its post-accumulate-grad hook (set_post_accumulate_grad_hook), if any: what it does
   // with the sharded gradient after running.
   std::optional<GradientAfterHook> post_accumulate_grad_hook = std::nullopt;
+  // Explicit prefetch lists (set_forward_prefetch / set_backward_prefetch), by unit FQN.
+  std::vector<std::string> forward_prefetch = {}, backward_prefetch = {};
 };
 
 struct PlanOptions {
@@ -180,6 +183,16 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     }
     for (std::size_t j = 0; j < i; ++j)
       if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
+  }
+  auto index_of = [&](const std::string& fqn, const std::string& of, const char* list) {
+    for (std::size_t j = 0; j < units.size(); ++j)
+      if (units[j].fqn == fqn) return static_cast<int>(j);
+    detail::fail("fsdp::plan: unit '", detail::display(of), "' lists '", detail::display(fqn), "' in its ", list,
+                 " prefetch, which is no unit");
+  };
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    for (const auto& f : units[i].forward_prefetch) sim[i].forward_prefetch.push_back(index_of(f, units[i].fqn, "forward"));
+    for (const auto& f : units[i].backward_prefetch) sim[i].backward_prefetch.push_back(index_of(f, units[i].fqn, "backward"));
   }
   for (const auto& [fqn, bytes] : options.engine_state_in_hook) {
     const auto it = std::find_if(units.begin(), units.end(), [&](const PlannedUnit& u) { return u.fqn == fqn; });

@@ -218,6 +218,8 @@ class UnitBase {
   void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
   bool has_explicit_prefetch() const { return !forward_prefetch_.empty() || !backward_prefetch_.empty(); }
+  const std::vector<UnitBase*>& forward_prefetch() const { return forward_prefetch_; }
+  const std::vector<UnitBase*>& backward_prefetch() const { return backward_prefetch_; }
 
   // Gradient accumulation (fsdp/gradient_sync.hpp): the settings the unit's next
   // post_backward reads. IDLE only; every rank must make the same calls (a unit checks

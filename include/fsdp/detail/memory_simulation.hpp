@@ -189,7 +189,9 @@ class MemorySimulation {
     ++forward_step_;
     if (s.kept) release_unsharded(u);
     unshard(u, "forward");
-    if (p_.forward_prefetch)
+    const auto& list = units_[static_cast<std::size_t>(u)].forward_prefetch;  // explicit: from the first pass on
+    for (int v : list) prefetch(v, "forward (prefetch)");
+    if (list.empty() && p_.forward_prefetch)
       if (int next = next_forward(recorded); next >= 0) prefetch(next, "forward (prefetch)");
     s.state = State::forward;
   }
@@ -220,7 +222,9 @@ class MemorySimulation {
       if (f.direct && s.grad_is_zero) ensure_shard_grad(u, f, "backward (gradient)"), f.full_grad_alias = true;
       else add(bytes(f.padded, f.compute), MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
     }
-    if (p_.backward == PrefetchMode::backward_pre)
+    const auto& list = units_[static_cast<std::size_t>(u)].backward_prefetch;
+    for (int v : list) prefetch(v, "backward (prefetch)");
+    if (list.empty() && p_.backward == PrefetchMode::backward_pre)
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_pre;
   }
@@ -230,7 +234,7 @@ class MemorySimulation {
     // GradientPlan::reduce_partial: the replicate all-reduce deferred (hybrid strategies, replicas > 1).
     const bool defer = !all_reduce_ && p_.hybrid && !unit.kept_unsharded && accumulation_.replicate > 1;
     if (unit.reshard_after_backward || (sync_ && !defer)) release_unsharded(u);  // else kept for the next forward
-    if (p_.backward == PrefetchMode::backward_post)
+    if (p_.backward == PrefetchMode::backward_post && unit.backward_prefetch.empty())  // a list ran at pre_backward
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
     if (!sync_ && unit.accumulation == GradientSyncMode::keep_unsharded) {  // no communication

@@ -27,7 +27,6 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
     auto refuse = [&](const std::string& why) {
       detail::fail("fsdp::plan: unit '", name, "' on rank ", u.rank(), ": ", why);
     };
-    if (u.has_explicit_prefetch()) refuse("has explicit prefetch lists, which the planner does not model");
     if (!u.gradient_sync().requires_sync)
       refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
              "PlanOptions::micro_batches");
@@ -47,6 +46,8 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
     p.reshard_after_backward = u.reshard_settings().after_backward;
     p.accumulation = u.gradient_sync().mode;
     if (u.has_post_accumulate_grad_hook()) p.post_accumulate_grad_hook = u.gradient_after_hook();
+    for (const UnitBase* v : u.forward_prefetch()) p.forward_prefetch.emplace_back(v->fqn());
+    for (const UnitBase* v : u.backward_prefetch()) p.backward_prefetch.emplace_back(v->fqn());
     // What the unit holds must be what these policies (and threshold) would give it.
     std::int64_t elements = 0;
     for (const auto& f : p.flat) elements += f.numel;

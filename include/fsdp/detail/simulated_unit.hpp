@@ -33,6 +33,7 @@ struct SimUnit {
   // gradient, and what the engine allocates in its first run and keeps, per space.
   bool hook = false, hook_frees = false;
   std::array<std::size_t, 2> hook_engine_state{};
+  std::vector<int> forward_prefetch, backward_prefetch;  // explicit lists (unit indices); empty: the order's next
   std::vector<int> children;    // units nested in it, in forward order
 };
 
