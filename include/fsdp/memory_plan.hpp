@@ -194,7 +194,8 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     for (const auto& f : units[i].forward_prefetch) sim[i].forward_prefetch.push_back(index_of(f, units[i].fqn, "forward"));
     for (const auto& f : units[i].backward_prefetch) sim[i].backward_prefetch.push_back(index_of(f, units[i].fqn, "backward"));
   }
-  for (const auto& [fqn, bytes] : options.engine_state_in_hook) {
+  for (const auto& entry : options.engine_state_in_hook) {
+    const std::string& fqn = entry.first;  // not a structured binding: clang 14 cannot capture one
     const auto it = std::find_if(units.begin(), units.end(), [&](const PlannedUnit& u) { return u.fqn == fqn; });
     if (it == units.end()) detail::fail("fsdp::plan: engine_state_in_hook names '", detail::display(fqn), "', which is no unit");
     if (!it->post_accumulate_grad_hook)

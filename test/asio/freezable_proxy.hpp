@@ -2,16 +2,19 @@
 // A loopback TCP proxy in front of a server that a test can freeze: from then on it still
 // accepts connections, but drops every byte in both directions, so to its clients the
 // server looks alive (connections succeed) and never answers. There is no thaw: the
-// dropped bytes would leave every open connection out of frame. Its own I/O thread; the
-// destructor stops it, and the connections close with its io_context.
+// dropped bytes would leave every open connection out of frame. It can also stall for a
+// while (a server that is only slow): bytes are held, then passed on in order. Its own
+// I/O thread; the destructor stops it, and the connections close with its io_context.
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <thread>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
 namespace test_support {
@@ -36,9 +39,11 @@ class FreezableProxy {
 
   std::uint16_t port() const { return port_; }
   void freeze() { frozen_ = true; }
-  // Bytes the clients sent that reached the server: a test waits for a client's next
-  // request, which it sends only after the reply to its last one arrived.
-  std::uint64_t bytes_to_server() const { return bytes_to_server_; }
+  void stall_for(std::chrono::milliseconds d) { stalled_until_ = (std::chrono::steady_clock::now() + d).time_since_epoch().count(); }
+  // Bytes read from the clients (counted before they are passed on, so a request the
+  // server has seen is counted): a test waits for a client's next request, which it sends
+  // only after the reply to its last one arrived.
+  std::uint64_t bytes_from_clients() const { return bytes_from_clients_; }
 
  private:
   struct Pipe {
@@ -67,13 +72,24 @@ class FreezableProxy {
                                                                                          std::size_t n) {
       if (ec) return close(*pipe);
       if (frozen_) return pump(pipe, from, to);
-      boost::asio::async_write(to, boost::asio::buffer(buffer->data(), n),
-                               [this, pipe, &from, &to, buffer](boost::system::error_code wec, std::size_t sent) {
-                                 if (wec) return close(*pipe);
-                                 if (&to == &pipe->server) bytes_to_server_ += sent;
-                                 pump(pipe, from, to);
-                               });
+      if (&from == &pipe->client) bytes_from_clients_ += n;
+      const std::chrono::steady_clock::time_point until{std::chrono::steady_clock::duration(stalled_until_.load())};
+      if (std::chrono::steady_clock::now() < until) {  // held, then passed on: this pipe reads nothing meanwhile
+        auto timer = std::make_shared<boost::asio::steady_timer>(io_, until);
+        return timer->async_wait([this, pipe, &from, &to, buffer, n, timer](boost::system::error_code) {
+          forward(pipe, from, to, buffer, n);
+        });
+      }
+      forward(pipe, from, to, buffer, n);
     });
+  }
+  void forward(std::shared_ptr<Pipe> pipe, tcp::socket& from, tcp::socket& to, std::shared_ptr<std::array<char, 4096>> buffer,
+               std::size_t n) {
+    boost::asio::async_write(to, boost::asio::buffer(buffer->data(), n),
+                             [this, pipe, &from, &to, buffer](boost::system::error_code wec, std::size_t) {
+                               if (wec) return close(*pipe);
+                               pump(pipe, from, to);
+                             });
   }
 
   static void close(Pipe& pipe) {
@@ -87,7 +103,8 @@ class FreezableProxy {
   tcp::acceptor acceptor_;
   const std::uint16_t port_;
   std::atomic<bool> frozen_{false};
-  std::atomic<std::uint64_t> bytes_to_server_{0};
+  std::atomic<std::uint64_t> bytes_from_clients_{0};
+  std::atomic<std::chrono::steady_clock::rep> stalled_until_{0};
   std::thread thread_;
 };
 

@@ -237,6 +237,10 @@ TEST_CASE("gradient accumulation: plan == measured peak, both modes, every strat
     const Run run{.micro = 3, .mode = mode};
     check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3}, run);
     check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2}, run);
+    // Reduce in f32 under bf16 compute: the kept sums are f32 (the accumulate dtype), each
+    // backward's bf16 gradient cast and added through a temporary.
+    check_prefetch_modes<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16, float>>({1, 3}, run);
+    check_common_prefetch<fsdp::HybridShard, fsdp::MixedPrecision<fsdp::bf16, float>, fsdp::OffloadParams>({2, 2}, run);
     check_common_prefetch<fsdp::FullShard, fsdp::CommPrecision<fsdp::bf16>>({1, 3}, run);
     check_precisions_and_offload<fsdp::HybridShard>({2, 2}, run);
     check_common_prefetch<fsdp::HybridShardZero2>({2, 3}, run);
@@ -253,6 +257,7 @@ TEST_CASE("gradient accumulation: plan == measured peak, both modes, every strat
     check_precisions_and_offload<fsdp::HybridShard>({2, 2}, run);
     check_common_prefetch<fsdp::HybridShardZero2>({2, 3}, run);
     check_common_prefetch<fsdp::HybridShard, fsdp::CommPrecision<fsdp::bf16>>({2, 2}, run);
+    check_common_prefetch<fsdp::HybridShard, fsdp::MixedPrecision<fsdp::bf16, float>>({2, 2}, run);
     check_plan_on<true, fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, run);
     check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.threshold = 150, .micro = micro, .defer_all_reduce = true});
     check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.micro = micro, .after_backward = false, .defer_all_reduce = true});

@@ -80,9 +80,9 @@ class TcpCommCore {
       : store_(std::move(store)), id_(std::move(id)), planner_(id_.rank, id_.size, id_.segment_bytes),
         reports_(store_, id_.prefix, id_.rank, id_.size, id_.timeout) {
     if (id_.size > 1) {
-      reports_.forget(/*shared=*/id_.rank == 0);  // what a dead process of this prefix left
       try {
-        RingSockets links = RingJoiner(io_, *store_, id_).join();
+        // First what a dead process of this prefix left (rank 0: the shared keys too).
+        RingSockets links = RingJoiner(io_, *store_, id_).join([&](Store& s) { reports_.forget(s, id_.rank == 0); });
         ShmLinks shm = ShmHandshake::negotiate(io_, links, id_);
         ring_.emplace(io_, std::move(links), std::move(shm), id_);
       } catch (...) {

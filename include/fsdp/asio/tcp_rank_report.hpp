@@ -120,21 +120,13 @@ class StoreRankReport final : public RingObserver {
   // mismatch message that compare_set would return as this communicator's. Rank 0 clears
   // the shared keys, before it publishes its address: a mismatch found earlier (only
   // between ranks that joined without waiting for rank 0) at worst leaves the ranks'
-  // messages different. Bounded, as the join's requests: a store that stopped answering
-  // costs one bound here (and none at a failed join's cleanup), and the join says the rest.
-  void forget(bool shared) noexcept {
-    try {
-      std::string ignored;
-      through_store(
-          [&](Store& s) {
-            s.delete_key(last_key(rank_));
-            if (!shared) return;
-            s.delete_key(flag_key());
-            s.delete_key(mismatch_key());
-          },
-          ignored);
-    } catch (...) {  // only bad_alloc: through_store catches the store's errors
-    }
+  // messages different. Run by the join (RingJoiner::join), through its bounded client and
+  // under its deadline; throws the store's error.
+  void forget(Store& s, bool shared) const {
+    s.delete_key(last_key(rank_));
+    if (!shared) return;
+    s.delete_key(flag_key());
+    s.delete_key(mismatch_key());
   }
 
  private:

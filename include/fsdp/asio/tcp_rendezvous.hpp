@@ -15,6 +15,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,6 +28,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
+#include "fsdp/asio/endpoint.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/error.hpp"
 #include "fsdp/store.hpp"
@@ -56,34 +58,6 @@ struct RingSockets {
   boost::asio::ip::tcp::socket left, right;  // receive from rank-1 / send to rank+1 (ABORTs go both ways)
 };
 
-inline std::string format_endpoint(const boost::asio::ip::address& a, std::uint16_t port) {
-  return a.is_v6() ? "[" + a.to_string() + "]:" + std::to_string(port) : a.to_string() + ":" + std::to_string(port);
-}
-
-// "1.2.3.4:5" or "[::1]:5"; empty on anything else.
-inline std::optional<boost::asio::ip::tcp::endpoint> parse_endpoint(const std::string& s) {
-  const auto colon = s.rfind(':');
-  if (colon == std::string::npos || colon + 1 >= s.size()) return std::nullopt;
-  std::string host = s.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  boost::system::error_code ec;
-  const auto addr = boost::asio::ip::make_address(host, ec);
-  const std::string port_text = s.substr(colon + 1);
-  if (ec || port_text.find_first_not_of("0123456789") != std::string::npos || port_text.size() > 5) return std::nullopt;
-  const long port = std::stol(port_text);
-  if (port < 1 || port > 65535) return std::nullopt;
-  return boost::asio::ip::tcp::endpoint(addr, static_cast<std::uint16_t>(port));
-}
-
-inline void tune_socket(boost::asio::ip::tcp::socket& s, int buffer_bytes) {
-  boost::system::error_code ignored;
-  s.set_option(boost::asio::ip::tcp::no_delay(true), ignored);  // frames are written whole: never wait to coalesce
-  if (buffer_bytes > 0) {
-    s.set_option(boost::asio::socket_base::send_buffer_size(buffer_bytes), ignored);
-    s.set_option(boost::asio::socket_base::receive_buffer_size(buffer_bytes), ignored);
-  }
-}
-
 class RingJoiner {
   using tcp = boost::asio::ip::tcp;
   using error_code = boost::system::error_code;
@@ -93,11 +67,14 @@ class RingJoiner {
   RingJoiner(boost::asio::io_context& io, Store& store, const RingIdentity& id) : io_(io), store_(store), id_(id) {}
 
   // Runs `io` (nobody else may run it meanwhile) until both links are up; throws
-  // fsdp::Error naming the neighbour and the communicator otherwise.
-  RingSockets join() {
+  // fsdp::Error naming the neighbour and the communicator otherwise. `clear` first removes
+  // what an earlier communicator of the prefix left in the store (under the same deadline).
+  RingSockets join(const std::function<void(Store&)>& clear = {}) {
     deadline_ = Clock::now() + id_.timeout;
     listen();
-    publish();
+    if (clear) until_answered(clear, "could not clear what an earlier communicator " + id_.prefix + " left in the store");
+    until_answered([&](Store& s) { s.set(id_.address_key(id_.rank), advertised_); },
+                   "could not publish its address for communicator " + id_.prefix);
     start_accept();
     look_up_right();
     while (!(left_ && right_done_) && !failure_ && io_.run_one_until(deadline_)) {
@@ -151,24 +128,30 @@ class RingJoiner {
   // ---- the store: every request bounded ----
   // Through Store::bounded_client (kStoreRequestBound per request), not the caller's
   // client, whose requests may wait minutes. A request that ran out its bound may have met
-  // a store that is only slow: it is tried again, on a fresh connection, until the
-  // deadline, and false says it got no answer. One that failed sooner was refused or cut
-  // off: the store is gone, and its fsdp::Error propagates.
+  // a store that is only slow: false, and the caller asks again (on a fresh connection)
+  // until the deadline. One that failed sooner is tried once more on a fresh connection
+  // (the bounded client is shared: another thread's request may have lost it meanwhile);
+  // failing fast again, the store is gone, and its fsdp::Error propagates.
   template <class Request>
-  bool ask_store(Request request) {
-    const auto start = Clock::now();
-    try {
-      if (!bounded_) bounded_ = store_.bounded_client(kStoreRequestBound);
-      request(bounded_ ? *bounded_ : store_);  // none: an in-process store, whose requests are quick
-      silent_ = false;
-      return true;
-    } catch (const Error& e) {
-      bounded_.reset();
-      if (Clock::now() - start < kStoreRequestBound) throw;
-      ++unanswered_;
-      silent_ = true;
-      last_unanswered_ = e.what();
-      return false;
+  bool ask_store(Request&& request) {
+    for (int attempt = 1;; ++attempt) {
+      const auto start = Clock::now();
+      try {
+        if (!bounded_) bounded_ = store_.bounded_client(kStoreRequestBound);
+        request(bounded_ ? *bounded_ : store_);  // none: an in-process store, whose requests are quick
+        silent_ = false;
+        return true;
+      } catch (const Error& e) {
+        bounded_.reset();
+        if (Clock::now() - start < kStoreRequestBound) {
+          if (attempt == 1) continue;
+          throw;
+        }
+        ++unanswered_;
+        silent_ = true;
+        last_unanswered_ = e.what();
+        return false;
+      }
     }
   }
   std::string silence() const {
@@ -177,15 +160,16 @@ class RingJoiner {
            last_unanswered_ + ")";
   }
 
-  void publish() {
-    const std::string what = id_.where() + "could not publish its address for communicator " + id_.prefix;
+  // `request` until the store answers it; else an error saying `what` could not be done.
+  template <class Request>
+  void until_answered(Request&& request, const std::string& what) {
     for (;;) {
       try {
-        if (ask_store([&](Store& s) { s.set(id_.address_key(id_.rank), advertised_); })) return;
+        if (ask_store(request)) return;
       } catch (const Error& e) {
-        fail(what, ": ", e.what());
+        fail(id_.where(), what, ": ", e.what());
       }
-      if (Clock::now() >= deadline_) fail(what, " within ", waited(), ": ", silence());
+      if (Clock::now() >= deadline_) fail(id_.where(), what, " before the join's timeout (", waited(), "): ", silence());
     }
   }
 
