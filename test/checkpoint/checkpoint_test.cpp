@@ -214,6 +214,11 @@ TEST_CASE("a corrupted rank file fails the load on every rank, naming the file, 
       CAPTURE(failed.errors[r]);
       CHECK(test_support::contains(failed.errors[r], fsdp::checkpoint::rank_file_name(1)));
       CHECK(test_support::contains(failed.errors[r], "XXH64"));
+      // The checkpoint is named once, not by the load and again by the check that failed.
+      const std::string& e = failed.errors[r];
+      const auto first = e.find(dir.string());
+      CHECK(first != std::string::npos);
+      CHECK(e.find(dir.string(), first + 1) == std::string::npos);
       CHECK(failed.untouched[r]);
     }
   }

@@ -4,6 +4,7 @@
 // its own message where it has one) and nothing waits on a rank that gave up.
 #include <exception>
 #include <string>
+#include <string_view>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/error.hpp"
@@ -42,6 +43,15 @@ void run_agreed(ShardedModel& model, const std::string& what, F&& part, const ch
   }
   if (model[0].all_ranks_agree(error.empty())) return;
   if (foreign) std::rethrow_exception(foreign);
+  // The part's error often starts with what `what` ends with (the checkpoint it names): say it once.
+  for (std::size_t space = what.find(' '); space != std::string::npos; space = what.find(' ', space + 1)) {
+    const std::string_view subject = std::string_view(what).substr(space + 1);
+    if (error.size() > subject.size() + 2 && error.compare(0, subject.size(), subject) == 0 &&
+        error.compare(subject.size(), 2, ": ") == 0) {
+      error.erase(0, subject.size() + 2);
+      break;
+    }
+  }
   if (!error.empty()) fail(what, " on rank ", model[0].rank(), ": ", error, outcome);
   fail(what, " on rank ", model[0].rank(), ": another rank failed (its error says why)", outcome);
 }
