@@ -95,11 +95,12 @@ void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
   options.micro_batches = cfg.accumulate;  // each unit's accumulation mode and resharding are read from it
   const auto space = fsdp::Policies<Ps...>::cpu_offload::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
   const auto k = static_cast<std::size_t>(space);
-  if (cfg.optimizer == "adamw" && !cfg.optimizer_in_backward)
-    for (const auto& v : sharded.shards()) options.engine_state[k] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
-  if (cfg.optimizer == "adamw" && cfg.optimizer_in_backward)  // each unit's AdamW creates its moments in its first hook
-    for (auto& u : sharded)
-      for (const auto& v : u->shards()) options.engine_state_in_hook[u->fqn()][k] += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
+  if (cfg.optimizer == "adamw")  // two f32 moments per shard element: after the first step, or in each unit's first hook
+    for (auto& u : sharded) {
+      std::size_t moments = 0;
+      for (const auto& v : u->shards()) moments += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
+      (cfg.optimizer_in_backward ? options.engine_state_in_hook[u->fqn()][k] : options.engine_state[k]) += moments;
+    }
   const auto mine = static_cast<std::int64_t>(fsdp::plan<Ps...>(sharded, options).peak_bytes());
   std::int64_t most = 0;
   comm.all_reduce(&mine, &most, 1, fsdp::DType::i64, fsdp::ReduceOp::max).wait();

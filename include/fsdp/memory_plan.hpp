@@ -27,12 +27,15 @@
 // post-accumulate-grad hook (optimizer in backward) runs as its final reduction completes;
 // GradientAfterHook::free then frees its sharded gradient until the next reduction.
 // Explicit prefetch lists gather their units at the listing unit's pre_forward /
-// pre_backward from the first pass on. Refused (an fsdp::Error): a model planned with
-// gradient sync or the replicate all-reduce off (plan between steps), and a model whose
-// views do not match the given policies, mesh or persistence threshold. Not modeled, so not to be
-// planned with: summon_full_params, state dicts and checkpoints, deferred init's
-// temporaries, sync_module_states, the fp16 grad scaler, a forward-only pass
-// (evaluation), a forward order that changes from step to step.
+// pre_backward from the first pass on.
+//
+// Refused (an fsdp::Error): a model planned with gradient sync or the replicate all-reduce
+// off (plan between steps), and a model whose views do not match the given policies, mesh
+// or persistence threshold. Not modeled, so not to be planned with: summon_full_params,
+// state dicts and checkpoints, deferred init's temporaries, sync_module_states, the fp16
+// grad scaler, a forward-only pass (evaluation), a forward order that changes from step to
+// step, a unit used twice per pass, sync off for some units only, and settings changed
+// between micro-batches (each unit is planned with those it has when planned).
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -41,6 +44,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fsdp/detail/memory_simulation.hpp"
@@ -155,6 +159,15 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
   // shard dimension, the others across (FullShard) or over (NoShard) the whole world.
   const int world = m.size();
   const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? world : 1;
+  std::map<std::string_view, int> index;  // by FQN
+  for (std::size_t i = 0; i < units.size(); ++i)
+    if (!index.emplace(units[i].fqn, static_cast<int>(i)).second)
+      detail::fail("fsdp::plan: two units named '", detail::display(units[i].fqn), "'");
+  auto index_of = [&](const std::string& fqn, auto&&... what) {
+    const auto it = index.find(fqn);
+    if (it == index.end()) detail::fail("fsdp::plan: ", what..., " names '", detail::display(fqn), "', which is no unit");
+    return it->second;
+  };
   std::vector<detail::SimUnit> sim(units.size());
   for (std::size_t i = 0; i < units.size(); ++i) {
     auto& s = sim[i];
@@ -175,31 +188,14 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     if (policy.shards_parameters && !s.kept_unsharded) s.post_forward_ranks = k;
     s.reshard_after_backward = units[i].reshard_after_backward;
     s.accumulation = units[i].accumulation;
-    if (const auto& hook = units[i].post_accumulate_grad_hook) {
-      s.hook = true;
-      s.hook_frees = *hook == GradientAfterHook::free;
-      if (auto it = options.engine_state_in_hook.find(units[i].fqn); it != options.engine_state_in_hook.end())
-        s.hook_engine_state = it->second;
-    }
-    for (std::size_t j = 0; j < i; ++j)
-      if (units[j].fqn == units[i].fqn) detail::fail("fsdp::plan: two units named '", name, "'");
+    s.hook = units[i].post_accumulate_grad_hook;
+    for (const auto& f : units[i].forward_prefetch) s.forward_prefetch.push_back(index_of(f, "unit '", name, "''s forward prefetch"));
+    for (const auto& f : units[i].backward_prefetch) s.backward_prefetch.push_back(index_of(f, "unit '", name, "''s backward prefetch"));
   }
-  auto index_of = [&](const std::string& fqn, const std::string& of, const char* list) {
-    for (std::size_t j = 0; j < units.size(); ++j)
-      if (units[j].fqn == fqn) return static_cast<int>(j);
-    detail::fail("fsdp::plan: unit '", detail::display(of), "' lists '", detail::display(fqn), "' in its ", list,
-                 " prefetch, which is no unit");
-  };
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    for (const auto& f : units[i].forward_prefetch) sim[i].forward_prefetch.push_back(index_of(f, units[i].fqn, "forward"));
-    for (const auto& f : units[i].backward_prefetch) sim[i].backward_prefetch.push_back(index_of(f, units[i].fqn, "backward"));
-  }
-  for (const auto& entry : options.engine_state_in_hook) {
-    const std::string& fqn = entry.first;  // not a structured binding: clang 14 cannot capture one
-    const auto it = std::find_if(units.begin(), units.end(), [&](const PlannedUnit& u) { return u.fqn == fqn; });
-    if (it == units.end()) detail::fail("fsdp::plan: engine_state_in_hook names '", detail::display(fqn), "', which is no unit");
-    if (!it->post_accumulate_grad_hook)
-      detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
+  for (const auto& [fqn, bytes] : options.engine_state_in_hook) {
+    auto& s = sim[static_cast<std::size_t>(index_of(fqn, "engine_state_in_hook"))];
+    if (!s.hook) detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
+    s.hook_engine_state = bytes;
   }
   // Forward order, then nesting: each unit's parent is the innermost open unit holding it.
   std::vector<int> forward;
@@ -207,9 +203,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     for (std::size_t i = 0; i < units.size(); ++i) forward.push_back(static_cast<int>(i));
   } else {
     for (const auto& name : options.forward_order) {
-      int found = -1;
-      for (std::size_t i = 0; i < units.size(); ++i) if (units[i].fqn == name) found = static_cast<int>(i);
-      if (found < 0) detail::fail("fsdp::plan: forward_order names '", detail::display(name), "', which is no unit");
+      const int found = index_of(name, "forward_order");
       if (std::find(forward.begin(), forward.end(), found) != forward.end())
         detail::fail("fsdp::plan: forward_order names '", detail::display(name), "' twice (a unit used twice per pass is not planned)");
       forward.push_back(found);

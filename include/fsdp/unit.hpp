@@ -217,7 +217,6 @@ class UnitBase {
   // of the next unit in the recorded order.
   void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
   void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
-  bool has_explicit_prefetch() const { return !forward_prefetch_.empty() || !backward_prefetch_.empty(); }
   const std::vector<UnitBase*>& forward_prefetch() const { return forward_prefetch_; }
   const std::vector<UnitBase*>& backward_prefetch() const { return backward_prefetch_; }
 

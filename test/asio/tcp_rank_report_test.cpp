@@ -108,7 +108,7 @@ TEST_CASE("a mismatch with a store that stopped answering: every rank fails with
     // Frozen: each rank's report waits one bound for its first request on the bounded
     // connection, open since the join (the ranks in parallel), then the error; 4 s of room for a loaded machine. Before the bound: the
     // store's 60 s request timeout.
-    CHECK(took < fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 4.0);
+    CHECK(took < fsdp::detail::kStoreRequestBound.count() / 1000.0 + 4.0);
     for (const auto& e : errors) {
       CAPTURE(e);
       CHECK(contains(e, "collective mismatch: rank "));
@@ -141,11 +141,11 @@ TEST_CASE("a timeout with a store that stopped answering: the error comes within
   CHECK(contains(error, "failed: no reply within the deadline"));
   // While stalled, the rank looked for the flag (one bounded request, from 0.5 s); the
   // timeout then reports that failure without asking again.
-  CHECK(took < 2.0 + fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 3.0);
+  CHECK(took < 2.0 + fsdp::detail::kStoreRequestBound.count() / 1000.0 + 3.0);
   const auto t1 = Clock::now();
   world.comms[0].reset();
   world.comms[1].reset();
-  CHECK(seconds_since(t1) < fsdp::detail::StoreRankReport::kRequestBound.count() / 1000.0 + 3.0);
+  CHECK(seconds_since(t1) < fsdp::detail::kStoreRequestBound.count() / 1000.0 + 3.0);
 }
 
 // fsdp/asio/tcp_rendezvous.hpp: the join's store requests are bounded as the reports' are.

@@ -78,11 +78,12 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       options.micro_batches = run.micro;
       options.defer_all_reduce = run.defer_all_reduce;
       const bool in_backward = run.hook == fsdp::GradientAfterHook::free;
-      if (run.adamw && !in_backward)  // two f32 moments per element of each shard this rank steps
-        for (const auto& v : sm.shards()) options.engine_state[static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
-      if (run.adamw && in_backward)  // the same, created unit by unit in its first hook
-        for (auto& u : sm)
-          for (const auto& v : u->shards()) options.engine_state_in_hook[u->fqn()][static_cast<std::size_t>(space)] += 2 * 4 * static_cast<std::size_t>(v.numel);
+      if (run.adamw)  // two f32 moments per shard element: after the first step, or in each unit's first hook
+        for (auto& u : sm) {
+          std::size_t moments = 0;
+          for (const auto& v : u->shards()) moments += 2 * 4 * static_cast<std::size_t>(v.numel);
+          (in_backward ? options.engine_state_in_hook[u->fqn()] : options.engine_state)[static_cast<std::size_t>(space)] += moments;
+        }
       engine::DeviceAllocator<fsdp::HostDevice> alloc(device, space);
       engine::AdamW adamw({}, alloc);
       engine::Sgd sgd(0.01f);
@@ -94,23 +95,17 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       for (int s = 0; s < run.steps; ++s) {
         std::vector<engine::Batch> micro;
         for (int m = 0; m < run.micro; ++m) micro.push_back(engine::make_batch(c, s * run.micro + m, comm.rank(), 1));
-        const std::span<const engine::Batch> batches(micro);
-        if (run.defer_all_reduce) {  // the accumulation loop of an HSDP run
-          sm.zero_grad();
-          for (int m = 0; m < run.micro; ++m) {
-            sm.set_requires_all_reduce(m + 1 == run.micro);
-            engine::sharded_micro_batch(model, sm, batches[static_cast<std::size_t>(m)]);
-          }
-          if (in_backward) continue;  // the optimizer stepped inside backward
-          if (run.adamw) adamw.step(engine::slots(sm));
-          else sgd.step(engine::slots(sm));
-        } else if (in_backward) {
-          engine::sharded_forward_backward(model, sm, batches);
-        } else if (run.adamw) {
-          engine::sharded_step(model, sm, adamw, batches);
-        } else {
-          engine::sharded_step(model, sm, sgd, batches);
+        // All micro-batches but the last with sync off (no_sync) or the all-reduce deferred (HSDP).
+        sm.zero_grad();
+        for (int m = 0; m < run.micro; ++m) {
+          const bool last = m + 1 == run.micro;
+          if (run.defer_all_reduce) sm.set_requires_all_reduce(last);
+          else sm.set_requires_gradient_sync(last);
+          engine::sharded_micro_batch(model, sm, micro[static_cast<std::size_t>(m)]);
         }
+        if (in_backward) continue;  // the optimizer stepped inside backward
+        if (run.adamw) adamw.step(engine::slots(sm));
+        else sgd.step(engine::slots(sm));
       }
       if (run.hook == fsdp::GradientAfterHook::keep) CHECK(hooks_run == run.steps * static_cast<int>(sm.size()));
       out.device[comm.rank()] = device.stats(fsdp::MemorySpace::device);
@@ -312,10 +307,12 @@ TEST_CASE("explicit prefetch lists: gathered from the first pass on, under the l
   CHECK(listed.plan[0].peak_bytes() > plain.plan[0].peak_bytes());
   using test_support::contains;
   using test_support::error_of;
-  const std::vector<fsdp::PlannedUnit> by_hand{{.fqn = "", .flat = {{fsdp::DType::f32, 4}}},
-                                               {.fqn = "a", .flat = {{fsdp::DType::f32, 4}}, .forward_prefetch = {"b"}}};
+  std::vector<fsdp::PlannedUnit> by_hand(2);
+  by_hand[0].flat = by_hand[1].flat = {{fsdp::DType::f32, 4}};
+  by_hand[1].fqn = "a";
+  by_hand[1].forward_prefetch = {"b"};
   CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(by_hand, {.mesh = {1, 2}}); }),
-                 "unit 'a' lists 'b' in its forward prefetch, which is no unit"));
+                 "unit 'a''s forward prefetch names 'b', which is no unit"));
 }
 
 TEST_CASE("what the planner does not model is refused, naming the unit and why") {

@@ -12,7 +12,7 @@
 //    (detail/collective_mismatch.hpp). The first such message in <prefix>/mismatch is the
 //    one every detecting rank reports, and ABORT frames carry it to the others.
 // Every store request of a report, and the destructor's removal of the address, goes
-// through Store::bounded_client (kRequestBound per request, one connection per process),
+// through Store::bounded_client (kStoreRequestBound per request, one connection per process),
 // not the communicator's own store client, whose request timeout may be minutes: a store
 // that stopped answering costs the failing rank about one bound, and the error then says
 // the ranks could not be asked and why. Used by one thread at a time: the communicator's
@@ -39,9 +39,6 @@ class StoreRankReport final : public RingObserver {
  public:
   StoreRankReport(std::shared_ptr<Store> store, std::string prefix, int rank, int size, std::chrono::milliseconds timeout)
       : store_(std::move(store)), prefix_(std::move(prefix)), rank_(rank), size_(size), timeout_(timeout) {}
-
-  // The longest any one store request of a report may take (store.hpp).
-  static constexpr std::chrono::milliseconds kRequestBound = kStoreRequestBound;
 
   std::string last_key(int r) const { return prefix_ + "/last/" + std::to_string(r); }
   std::string flag_key() const { return prefix_ + "/ask"; }
@@ -235,7 +232,7 @@ class StoreRankReport final : public RingObserver {
   // Connected at first use (a communicator that never fails or stalls may never open it,
   // though its destructor does); the store itself where it has none (in-process).
   Store& bounded_store() {
-    if (!bounded_) bounded_ = store_->bounded_client(kRequestBound);
+    if (!bounded_) bounded_ = store_->bounded_client(kStoreRequestBound);
     if (!bounded_) bounded_ = store_;
     return *bounded_;
   }

@@ -1,7 +1,8 @@
 #pragma once
-// The rules that decide how a unit holds its flat parameters, written once: the units
-// follow them (fsdp/detail/unit_setup.hpp, fsdp/flat_param_group.hpp) and the memory
-// planner replays them (fsdp/detail/memory_simulation.hpp, fsdp/memory_plan.hpp), so the
+// The rules that decide how a unit holds its flat parameters and what it does with their
+// gradients, written once: the units follow them (fsdp/detail/unit_setup.hpp,
+// fsdp/flat_param_group.hpp, fsdp/detail/gradient_reduction.hpp) and the memory planner
+// replays them (fsdp/detail/memory_simulation.hpp, fsdp/memory_plan.hpp), so the
 // two cannot drift apart.
 #include <cstdint>
 #include <optional>
@@ -9,6 +10,7 @@
 
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
+#include "fsdp/gradient_sync.hpp"
 #include "fsdp/policies.hpp"
 
 namespace fsdp::detail {
@@ -103,6 +105,28 @@ inline FlatParamDTypes flat_param_dtypes(DType master, const PrecisionChoice& p)
 // engine accumulates straight into the sharded gradient.
 inline bool flat_param_is_direct(bool shards, bool offload, DType master, const FlatParamDTypes& t) {
   return !shards && !offload && t.compute == master && t.reduce == master;
+}
+
+// What one post_backward does with a unit's gradient (chosen from its GradientSync).
+enum class GradientPlan : std::uint8_t {
+  keep_unsharded,  // no communication: kept for the next backward to add into
+  reduce_partial,  // reduce inside the shard group only; the replicate all-reduce waits
+  reduce,          // the whole reduction into the sharded gradient
+};
+
+// The plan under a unit's GradientSync: without sync, kept unsharded in that mode; the
+// hybrid strategies' replica all-reduce deferred (`all_reduces_shards`: the unit's shards
+// have replicas); else the whole reduction.
+inline GradientPlan plan_gradient(const GradientSync& sync, bool all_reduces_shards) {
+  if (!sync.requires_sync && sync.mode == GradientSyncMode::keep_unsharded) return GradientPlan::keep_unsharded;
+  if (all_reduces_shards && !sync.requires_all_reduce) return GradientPlan::reduce_partial;
+  return GradientPlan::reduce;
+}
+
+// Whether a reduction under `plan` makes the sharded gradient final (what an optimizer
+// steps on): sync on, and nothing of it deferred.
+inline bool gradient_is_final(const GradientSync& sync, GradientPlan plan) {
+  return sync.requires_sync && plan == GradientPlan::reduce;
 }
 
 }  // namespace fsdp::detail

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/unit_groups.hpp"
 #include "fsdp/gradient_sync.hpp"
@@ -25,26 +26,10 @@ inline double gradient_predivide_factor(double divide_by) {
 
 namespace detail {
 
-// What one post_backward does with a unit's gradient (chosen from its GradientSync).
-enum class GradientPlan : std::uint8_t {
-  keep_unsharded,  // no communication: kept for the next backward to add into
-  reduce_partial,  // reduce inside the shard group only; the replicate all-reduce waits
-  reduce,          // the whole reduction into the sharded gradient
-};
-
-// The plan under a unit's GradientSync: without sync, kept unsharded in that mode; the
-// hybrid strategies' replica all-reduce deferred; else the whole reduction.
+// The plan (fsdp/detail/flat_param_rules.hpp) for a unit's groups: only sharded
+// parameters with replicas have an all-reduce of gradient shards to defer.
 inline GradientPlan plan_gradient(const GradientSync& sync, const UnitGroups& groups) {
-  if (!sync.requires_sync && sync.mode == GradientSyncMode::keep_unsharded) return GradientPlan::keep_unsharded;
-  const bool all_reduces_shards = groups.shards_parameters && groups.replicate_size > 1;
-  if (all_reduces_shards && !sync.requires_all_reduce) return GradientPlan::reduce_partial;
-  return GradientPlan::reduce;
-}
-
-// Whether a reduction under `plan` makes the sharded gradient final (what an optimizer
-// steps on): sync on, and nothing of it deferred.
-inline bool gradient_is_final(const GradientSync& sync, GradientPlan plan) {
-  return sync.requires_sync && plan == GradientPlan::reduce;
+  return plan_gradient(sync, groups.shards_parameters && groups.replicate_size > 1);
 }
 
 // Not a template: the one policy it reads (CpuOffload) is a value, so its code compiles

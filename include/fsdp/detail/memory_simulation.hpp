@@ -70,7 +70,7 @@ class MemorySimulation {
           }
     }
     for (std::size_t i = 0; i < units_.size(); ++i)  // a hook installed with GradientAfterHook::free frees them
-      if (units_[i].hook_frees) release_shard_grads(static_cast<int>(i));
+      if (units_[i].hook == GradientAfterHook::free) release_shard_grads(static_cast<int>(i));
   }
 
   // One training step: zero_grad, then per micro-batch forward, backward, finish_backward.
@@ -101,8 +101,8 @@ class MemorySimulation {
 
   // One forward and backward; `last`: the last micro-batch of a step, whose reduction is whole.
   void pass(bool last) {
-    sync_ = last || accumulation_.defer_all_reduce;
-    all_reduce_ = last || !accumulation_.defer_all_reduce;
+    sync_.requires_sync = last || accumulation_.defer_all_reduce;
+    sync_.requires_all_reduce = last || !accumulation_.defer_all_reduce;
     const bool recorded = ++pass_ > 1;  // the first pass records the order and prefetches nothing
     forward_step_ = backward_step_ = 0;
     std::vector<int> open;  // forward: nested scopes
@@ -231,20 +231,24 @@ class MemorySimulation {
   void post_backward(int u, bool recorded) {
     auto& s = state_[static_cast<std::size_t>(u)];
     const SimUnit& unit = units_[static_cast<std::size_t>(u)];
-    // GradientPlan::reduce_partial: the replicate all-reduce deferred (hybrid strategies, replicas > 1).
-    const bool defer = !all_reduce_ && p_.hybrid && !unit.kept_unsharded && accumulation_.replicate > 1;
-    if (unit.reshard_after_backward || (sync_ && !defer)) release_unsharded(u);  // else kept for the next forward
+    GradientSync sync = sync_;
+    sync.mode = unit.accumulation;
+    // Only sharded parameters with replicas (hybrid strategies) have an all-reduce to defer.
+    const GradientPlan plan = plan_gradient(sync, p_.hybrid && !unit.kept_unsharded && accumulation_.replicate > 1);
+    const bool final = gradient_is_final(sync, plan);
+    if (unit.reshard_after_backward || final) release_unsharded(u);  // else kept for the next forward
     if (p_.backward == PrefetchMode::backward_post && unit.backward_prefetch.empty())  // a list ran at pre_backward
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
-    if (!sync_ && unit.accumulation == GradientSyncMode::keep_unsharded) {  // no communication
+    if (plan == GradientPlan::keep_unsharded) {  // no communication
       for (auto& f : s.flat)
         if (f.accumulate != f.compute) to_reduce_dtype(u, f, "backward (accumulation)");
       return;
     }
+    const bool defer = plan == GradientPlan::reduce_partial;
     for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero, defer);
     if (!defer) s.grad_is_zero = false;
-    s.hook_due = unit.hook && sync_ && !defer;  // the gradient is final once this reduction completes
+    s.hook_due = unit.hook && final;  // the hook runs once this reduction completes
     if (!async_) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
@@ -348,7 +352,7 @@ class MemorySimulation {
     if (!std::exchange(s.hook_ran, true))  // the engine's state for this unit (an optimizer in backward)
       for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
         if (std::size_t b = unit.hook_engine_state[static_cast<std::size_t>(space)]) add(b, space, u, "optimizer state (engine, in backward)");
-    if (unit.hook_frees) release_shard_grads(u), s.grad_is_zero = true;
+    if (unit.hook == GradientAfterHook::free) release_shard_grads(u), s.grad_is_zero = true;
   }
   void ensure_shard_grad(int u, FlatState& f, const char* phase) {
     if (!f.shard_grad_alive) add(bytes(f.shard, f.grad), p_.shard_space(), u, phase), f.shard_grad_alive = true;
@@ -377,7 +381,7 @@ class MemorySimulation {
   int max_prefetched_ = 2;
   bool async_ = false;
   Accumulation accumulation_;
-  bool sync_ = true, all_reduce_ = true;  // the pass's gradient sync and replicate all-reduce
+  GradientSync sync_;  // the pass's gradient sync and replicate all-reduce (each unit's mode aside)
   int step_ = 0, pass_ = 0;
   std::size_t forward_step_ = 0, backward_step_ = 0;
   int prefetched_ = 0;

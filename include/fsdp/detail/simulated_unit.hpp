@@ -5,11 +5,13 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "fsdp/dtype.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/gradient_sync.hpp"
+#include "fsdp/post_accumulate_grad_hook.hpp"
 
 namespace fsdp::detail {
 
@@ -29,9 +31,9 @@ struct SimUnit {
   int post_forward_ranks = 0;         // a partial reshard's group size (sharded units only); 0: none
   bool reshard_after_backward = true;  // off: kept between micro-batches while the gradient is not final
   GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;  // what a backward with sync off does
-  // A post-accumulate-grad hook (optimizer in backward): whether it frees the sharded
-  // gradient, and what the engine allocates in its first run and keeps, per space.
-  bool hook = false, hook_frees = false;
+  // A post-accumulate-grad hook (optimizer in backward), if any: what it does with the
+  // sharded gradient, and what the engine allocates in its first run and keeps, per space.
+  std::optional<GradientAfterHook> hook;
   std::array<std::size_t, 2> hook_engine_state{};
   std::vector<int> forward_prefetch, backward_prefetch;  // explicit lists (unit indices); empty: the order's next
   std::vector<int> children;    // units nested in it, in forward order
