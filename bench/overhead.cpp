@@ -15,14 +15,15 @@
 // hooks has to do on this device for the same unit: the same allocate/deallocate calls
 // (unsharded parameters twice, unsharded gradient once), every parameter and gradient
 // tensor rebound the same number of times (6 rebinds per parameter per step), zeroing
-// the unsharded and the sharded gradient, and, for world > 1, the gradient averaging FSDP
-// defines: the unsharded gradient scaled by 1/predivide before the reduce-scatter and the
-// shard by 1/postdivide after it (factors computed once, up front). It calls HostDevice
-// and HostTensor directly, with no type erasure, state checks or per-step bookkeeping.
+// the unsharded and the sharded gradient; at world 1, where no collective is made, the
+// copies that replace them (shard to unsharded buffer twice, gradient to shard once). The
+// averaging over the world is the reduce-scatter's own (ReduceOp::avg, as the library
+// does for f32). It calls HostDevice and HostTensor directly, with no type erasure, state
+// checks or per-step bookkeeping.
 //
 // Cases: P in {1, 10, 100} parameters, world size 1 and 8 (rank 0 of 8: the
-// communicator moves no data, so it can claim any size; it exercises padding and the
-// gradient pre/post-divide factors). Goal: < 5 us per unit per step in every case.
+// communicator moves no data, so it can claim any size; it exercises padding).
+// Goal: < 5 us per unit per step in every case.
 //
 // Tags (fsdp/collective_tag.hpp): the same step through a ShardedModel of that one unit
 // at world 8, over an instant communicator that takes tags (each tag packed and kept, as
@@ -166,8 +167,8 @@ struct BaselineCase {
   fsdp::HostDevice& dev;
   std::vector<std::int64_t> offsets;  // byte offset of each parameter in the flat buffer
   std::size_t padded_bytes = 0, shard_bytes = 0;
-  double pre = 1.0, post = 1.0;  // FSDP's gradient pre/post-divide factors for this world
   void* shard_grad = nullptr;
+  void* shard_data = nullptr;  // world 1: copied from, as the library's gathers do there
   std::size_t k = 0;
 
   BaselineCase(Model& model, fsdp::HostDevice& d, int world) : m(model), dev(d) {
@@ -176,15 +177,20 @@ struct BaselineCase {
     const std::int64_t shard = (off + world - 1) / world;
     padded_bytes = static_cast<std::size_t>(shard * world * 4);
     shard_bytes = static_cast<std::size_t>(shard * 4);
-    pre = fsdp::gradient_predivide_factor(world);
-    post = world / pre;
     shard_grad = dev.allocate(shard_bytes, fsdp::MemorySpace::device);
+    if (world == 1) {
+      shard_data = dev.allocate(shard_bytes, fsdp::MemorySpace::device);
+      dev.fill_zero(shard_data, shard_bytes);
+    }
     for (std::size_t i = 0; i < m.params.size(); ++i) {  // start resharded, like the unit
       m.params[i].rebind(nullptr);
       m.grads[i].rebind(nullptr);
     }
   }
-  ~BaselineCase() { dev.deallocate(shard_grad, shard_bytes, fsdp::MemorySpace::device); }
+  ~BaselineCase() {
+    dev.deallocate(shard_grad, shard_bytes, fsdp::MemorySpace::device);
+    if (shard_data) dev.deallocate(shard_data, shard_bytes, fsdp::MemorySpace::device);
+  }
 
   void bind(std::vector<fsdp::HostTensor>& ts, void* base) {
     for (std::size_t i = 0; i < ts.size(); ++i)
@@ -197,11 +203,13 @@ struct BaselineCase {
     const std::size_t i = k++ % P;
     dev.fill_zero(shard_grad, shard_bytes);  // zero_grad
     void* full = dev.allocate(padded_bytes, MemorySpace::device);  // pre_forward
+    if (shard_data) dev.copy(full, shard_data, shard_bytes);
     bind(m.params, full);
     g_sink = g_sink + reinterpret_cast<std::uintptr_t>(m.params[i].data());
     bind(m.params, nullptr);  // post_forward
     dev.deallocate(full, padded_bytes, MemorySpace::device);
     full = dev.allocate(padded_bytes, MemorySpace::device);  // pre_backward
+    if (shard_data) dev.copy(full, shard_data, shard_bytes);
     bind(m.params, full);
     void* full_grad = dev.allocate(padded_bytes, MemorySpace::device);
     dev.fill_zero(full_grad, padded_bytes);
@@ -212,9 +220,8 @@ struct BaselineCase {
     bind(m.params, nullptr);  // post_backward
     dev.deallocate(full, padded_bytes, MemorySpace::device);
     bind(m.grads, nullptr);
-    if (pre != 1.0) dev.scale(full_grad, padded_bytes / 4, fsdp::DType::f32, 1.0 / pre);
-    // (the reduce-scatter into shard_grad would go here; it is instant in this benchmark)
-    if (post != 1.0) dev.scale(shard_grad, shard_bytes / 4, fsdp::DType::f32, 1.0 / post);
+    // (the averaging reduce-scatter into shard_grad would go here; it is instant in this benchmark)
+    if (shard_data) dev.copy(shard_grad, full_grad, shard_bytes);
     dev.deallocate(full_grad, padded_bytes, MemorySpace::device);
   }
 };
@@ -357,8 +364,8 @@ int main(int argc, char** argv) {
                "post_backward + finish_backward per step; HostDevice; instant collectives (no data moved);\n"
                "parameters of "
             << kElemsPerParam << " f32 each. Median of " << reps << " reps; ns per unit per step.\n"
-            << "baseline = same allocs/frees + 6 tensor rebinds per parameter + grad zeroing (+ the two\n"
-               "gradient-averaging scales when world > 1), done by hand.\n"
+            << "baseline = same allocs/frees + 6 tensor rebinds per parameter + grad zeroing (+ at world 1\n"
+               "the copies that replace the collectives there), done by hand.\n"
             << "allocs = allocations per step, library/baseline; colls = collectives per step;\n"
             << "spread = max/min of the library's reps (well above 1: the machine was busy).\n\n";
 

@@ -167,7 +167,7 @@ class FlatParamGroup {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
       device_.cast(mine, wire, fp.shard, fp.master(), S);
-      fp.gather_work = groups_.shard.all_gather(mine, fp.wire, S, wire, tag);
+      fp.gather_work = groups_.all_gather(device_, mine, fp.wire, S, wire, tag);
       return;
     }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
@@ -175,7 +175,7 @@ class FlatParamGroup {
     const bool staged = offloaded() || as != fp.master() || !groups_.shards_parameters;
     if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
     if (groups_.shards_parameters)
-      fp.gather_work = groups_.shard.all_gather(staged ? mine : fp.shard, fp.full, S, as, tag);
+      fp.gather_work = groups_.all_gather(device_, staged ? mine : fp.shard, fp.full, S, as, tag);
   }
 
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower

@@ -8,6 +8,7 @@
 #include "fsdp/collective_tag.hpp"
 #include "fsdp/communicator.hpp"
 #include "fsdp/counting_communicator.hpp"
+#include "fsdp/counting_device.hpp"
 #include "fsdp/deferred_init.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"

@@ -218,7 +218,7 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
     else sim[static_cast<std::size_t>(open.back())].children.push_back(u);
     open.push_back(u);
   }
-  detail::MemorySimulation replay(policy, shard, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
+  detail::MemorySimulation replay(policy, shard, world, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
                                   options.asynchronous, {options.micro_batches, options.defer_all_reduce, m.replicate});
   replay.setup();
   for (int s = 0; s < options.steps; ++s) {

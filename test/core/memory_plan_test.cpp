@@ -196,6 +196,26 @@ TEST_CASE("FullShard: plan == measured on 1 to 4 ranks, with SGD (no engine stat
   check_plan<fsdp::NoShard, fsdp::BackwardPre, fsdp::CommPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2});
 }
 
+// Alone in the reducing group (one rank, HSDP over shard groups of one), a gradient of
+// another dtype than the reduction's is cast straight into the sharded gradient: no
+// buffer of the reduce dtype, unless sums are kept, deferred or offloaded.
+TEST_CASE("a group of one: plan == measured where the reduction is a cast into the sharded gradient") {
+  using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
+  check_prefetch_modes<fsdp::FullShard, MP>({1, 1});
+  check_common_prefetch<fsdp::FullShard, MP, fsdp::OffloadParams>({1, 1});
+  check_precisions_and_offload<fsdp::FullShard>({1, 1});
+  check_precisions_and_offload<fsdp::NoShard>({1, 1});
+  check_common_prefetch<fsdp::NoShard, MP>({1, 1});
+  check_precisions_and_offload<fsdp::HybridShard>({2, 1});
+  check_common_prefetch<fsdp::HybridShard, MP>({3, 1});
+  check_common_prefetch<fsdp::HybridShardZero2, MP>({2, 1});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, MP>({1, 1}, {.threshold = 150});
+  for (auto mode : {fsdp::GradientSyncMode::keep_unsharded, fsdp::GradientSyncMode::reduce_every_microbatch})
+    check_common_prefetch<fsdp::FullShard, MP>({1, 1}, {.micro = 3, .mode = mode});
+  check_common_prefetch<fsdp::HybridShard, MP>({2, 1}, {.micro = 2, .defer_all_reduce = true});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, MP>({1, 1}, {.hook = fsdp::GradientAfterHook::free});  // allocated again, then cast into
+}
+
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {
   check_precisions_and_offload<fsdp::ShardGradOp>({1, 3});
   check_precisions_and_offload<fsdp::NoShard>({1, 2});

@@ -96,27 +96,29 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
     full_bytes += 4 * static_cast<std::uint64_t>(u);
   }
   reduce_bytes = gather_bytes;
-  const std::uint64_t gathers_per_unit = !p.shards ? 0 : (p.reshard_after_forward ? 2 : 1);
+  // A group of one rank has nothing to exchange: no call at all (fsdp/detail/unit_groups.hpp).
+  const bool gathers = p.shards && group > 1;
+  const std::uint64_t gathers_per_unit = !gathers ? 0 : (p.reshard_after_forward ? 2 : 1);
   // After the first iteration the unit backward starts with (the root) is not resharded at
   // the end of forward, so where parameters are resharded it is gathered once, not twice.
   const std::uint64_t root_gather_bytes = 4 * static_cast<std::uint64_t>(round_up(units[0], group));
-  const bool root_kept = p.shards && p.reshard_after_forward;
+  const bool root_kept = gathers && p.reshard_after_forward;
   using fsdp::Collective;
   // Where each collective runs: hybrid uses the mesh's groups, the others the world.
   const fsdp::CollectiveCounts& sharding = p.hybrid ? got.shard : got.world;
   // No order check of its own: ThreadComm checks each collective's tag (fsdp/collective_tag.hpp).
   CHECK(sharding[Collective::all_gather].calls == gathers_per_unit * n - (root_kept ? 1 : 0));
   CHECK(sharding[Collective::all_gather].bytes == gathers_per_unit * gather_bytes - (root_kept ? root_gather_bytes : 0));
-  if (p.shards) {
+  if (gathers) {
     CHECK(sharding[Collective::reduce_scatter].calls == n);
     CHECK(sharding[Collective::reduce_scatter].bytes == reduce_bytes);
   } else {
-    CHECK(got.world[Collective::reduce_scatter].calls == 0);
+    CHECK(sharding[Collective::reduce_scatter].calls == 0);
   }
   // All-reduce: NoShard all-reduces whole gradients over the world; hybrid all-reduces the
   // gradient shards over the replicate group (only when there is more than one replica).
   const fsdp::CollectiveCounts& replicating = p.hybrid ? got.replicate : got.world;
-  if (!p.shards) {
+  if (!p.shards && shape.size() > 1) {
     CHECK(replicating[Collective::all_reduce].calls == n);
     CHECK(replicating[Collective::all_reduce].bytes == full_bytes);
   } else if (p.hybrid && shape.replicate > 1) {
@@ -210,6 +212,13 @@ TEST_CASE("HybridShard: FullShard inside shard groups, gradient shards all-reduc
   check_strategy<fsdp::HybridShard>({2, 2}, /*bitwise=*/false);
   check_strategy<fsdp::HybridShard>({3, 2}, /*bitwise=*/false);
   check_strategy<fsdp::HybridShard>({1, 4}, /*bitwise=*/true);  // one replica: plain FullShard
+}
+TEST_CASE("a group of one rank makes no collective call: one-rank runs, HSDP over shard groups of one") {
+  check_strategy<fsdp::FullShard>({1, 1}, /*bitwise=*/true);
+  check_strategy<fsdp::ShardGradOp>({1, 1}, /*bitwise=*/true);
+  check_strategy<fsdp::NoShard>({1, 1}, /*bitwise=*/true);
+  check_strategy<fsdp::HybridShard>({4, 1}, /*bitwise=*/true);  // the replicas' all-reduce only: DDP
+  check_strategy<fsdp::HybridShardZero2>({3, 1}, /*bitwise=*/false);
 }
 TEST_CASE("HybridShardZero2: ShardGradOp inside shard groups, replicated across") {
   check_strategy<fsdp::HybridShardZero2>({2, 2}, /*bitwise=*/false);

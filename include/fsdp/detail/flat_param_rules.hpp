@@ -107,6 +107,17 @@ inline bool flat_param_is_direct(bool shards, bool offload, DType master, const 
   return !shards && !offload && t.compute == master && t.reduce == master;
 }
 
+// Alone in its reducing group (UnitGroups::reduces_alone), a gradient of another dtype than
+// the reduction's needs no buffer of the reduce dtype: the cast writes the sharded gradient
+// itself, where the reduction would have put it. Only where that is the reduction's place:
+// zero since zero_grad, device-resident, of the reduce dtype, with no earlier sums kept
+// in such a buffer (`sums_kept`) and nothing deferred.
+inline bool casts_into_shard_grad(bool reduces_alone, const FlatParamDTypes& t, bool sums_kept, bool grad_is_zero,
+                                  bool defer_all_reduce, bool offload) {
+  return reduces_alone && t.reduce != t.compute && t.grad == t.reduce && !sums_kept && grad_is_zero &&
+         !defer_all_reduce && !offload;
+}
+
 // What one post_backward does with a unit's gradient (chosen from its GradientSync).
 enum class GradientPlan : std::uint8_t {
   keep_unsharded,  // no communication: kept for the next backward to add into

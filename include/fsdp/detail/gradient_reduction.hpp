@@ -52,6 +52,7 @@ class GradientReduction {
     const double total = f > 0 ? f : groups_.world_size();
     pre_divide_ = gradient_predivide_factor(total);
     post_divide_ = total / pre_divide_;
+    by_world_ = total == groups_.world_size();
   }
 
   // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
@@ -159,12 +160,20 @@ class GradientReduction {
     const auto S = static_cast<std::size_t>(L.shard_numel());
     const auto padded = static_cast<std::size_t>(L.padded_numel());
     void* in = fp.full_grad;
-    if (fp.reduce != fp.compute) {
+    const FlatParamDTypes t{fp.compute, fp.gather, fp.accumulate, fp.reduce, fp.grad};
+    if (casts_into_shard_grad(groups_.reduces_alone(), t, fp.reduce_in != nullptr, grad_is_zero, defer_all_reduce,
+                              shard_space_ == MemorySpace::host)) {
+      ensure_shard_grad(fp);
+      device_.cast(fp.shard_grad, fp.reduce, fp.full_grad, fp.compute, padded);
+      release_full_grad(fp);
+      in = fp.shard_grad;  // the reduction below is then nothing: in place, alone
+    } else if (fp.reduce != fp.compute) {
       to_reduce_dtype(fp);
       in = fp.reduce_in;
     }
     fp.grad_kept = false;  // whatever was kept is in `in` now
-    if (pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
+    const ReduceOp op = collectives_average(fp) ? ReduceOp::avg : ReduceOp::sum;
+    if (op == ReduceOp::sum && pre_divide_ != 1.0) device_.scale(in, padded, fp.reduce, 1.0 / pre_divide_);
     // Right after zero_grad a device-resident sharded gradient of the reduce dtype is zero:
     // reduce straight into it (in place when the engine already accumulated into it).
     // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial` (reduced
@@ -179,10 +188,7 @@ class GradientReduction {
     else fp.reduce_out = fp.into_shard_grad && shard_space_ == MemorySpace::device && fp.grad == fp.reduce
                              ? fp.shard_grad
                              : device_.allocate(out_bytes, MemorySpace::device);
-    if (groups_.shards_parameters)
-      fp.reduce_work = groups_.shard.reduce_scatter(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum, tag());
-    else
-      fp.reduce_work = groups_.replicate.all_reduce(in, fp.reduce_out, S, fp.reduce, ReduceOp::sum, tag());
+    fp.reduce_work = groups_.reduce(device_, in, fp.reduce_out, S, fp.reduce, op, tag());
     fp.reducing = true;
     return fp.reduce_work.completed_inline();
   }
@@ -206,11 +212,12 @@ class GradientReduction {
       }
       release(fp.partial, fp.partial_bytes(), MemorySpace::device);
     }
+    const bool average = collectives_average(fp);
     if (groups_.shards_parameters && groups_.replicate_size > 1) {
-      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, ReduceOp::sum, tag());
+      Work w = groups_.replicate.all_reduce(out, out, S, fp.reduce, average ? ReduceOp::avg : ReduceOp::sum, tag());
       if (wait_for_use(w, device_, wait, "wait all_reduce")) unchecked_.push_back(std::move(w));
     }
-    if (post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
+    if (!average && post_divide_ != 1.0) device_.scale(out, S, fp.reduce, 1.0 / post_divide_);
     if (out != fp.shard_grad) {
       // Bring the result to the sharded gradient's dtype and memory space, then add it.
       void* in_grad_dtype = out;
@@ -267,6 +274,13 @@ class GradientReduction {
     device_.deallocate(wide, fp.partial_bytes(), MemorySpace::device);
   }
 
+  // Whether the collectives divide by the group sizes themselves (ReduceOp::avg, NCCL's
+  // pre-multiplied sum), instead of the pre/post factors' two scale kernels, as FSDP2 does
+  // where the sum cannot overflow: every floating dtype but f16, dividing by the world.
+  // Bitwise the same where N is a power of two; with host backends (a sum, then one
+  // multiplication by 1/N in double) for every N, since the pre-divide is a power of two.
+  bool collectives_average(const FlatParam& fp) const { return by_world_ && fp.reduce != DType::f16; }
+
   void release(void*& p, std::size_t n, MemorySpace space) { release_buffer(device_, p, n, space); }
 
   const CollectiveTag* tag() const { return tag_ ? &*tag_ : nullptr; }
@@ -276,6 +290,7 @@ class GradientReduction {
   MemorySpace shard_space_;
   std::optional<CollectiveTag> tag_;  // the reduction in flight's (its all-reduce may come later)
   double pre_divide_ = 1, post_divide_ = 1;
+  bool by_world_ = true;  // the divide factor is the world size (set_divide_factor)
   std::vector<Work> unchecked_;  // waited on the device's queue; the host has not seen them complete
 };
 

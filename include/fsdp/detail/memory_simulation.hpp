@@ -26,10 +26,11 @@ namespace fsdp::detail {
 class MemorySimulation {
  public:
   // shard_size: the ranks a sharded unit splits over (the replicate all-reduce runs in
-  // place: no bytes of its own); forward: unit indices in the order forward enters them;
-  // tops: the outermost units, in forward order.
-  MemorySimulation(PolicyValues p, int shard_size, std::vector<SimUnit> units, std::vector<int> forward, std::vector<int> tops,
-                   int max_prefetched, bool async_reductions, Accumulation accumulation)
+  // place: no bytes of its own); world: the ranks a replicated unit's gradient is
+  // all-reduced over; forward: unit indices in the order forward enters them; tops: the
+  // outermost units, in forward order.
+  MemorySimulation(PolicyValues p, int shard_size, int world, std::vector<SimUnit> units, std::vector<int> forward,
+                   std::vector<int> tops, int max_prefetched, bool async_reductions, Accumulation accumulation)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
         max_prefetched_(max_prefetched), async_(async_reductions), accumulation_(accumulation) {
     backward_ = backward_order();
@@ -47,6 +48,7 @@ class MemorySimulation {
         fs.master = f.master;
         fs.compute = t.compute, fs.gather = t.gather, fs.accumulate = t.accumulate, fs.reduce = t.reduce, fs.grad = t.grad;
         fs.shards = shards;
+        fs.reduces_alone = (shards ? shard_size : world) == 1;  // UnitGroups::reduces_alone
         if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
         fs.direct = flat_param_is_direct(shards, p_.offload, f.master, t);
         s.flat.push_back(fs);
@@ -137,7 +139,7 @@ class MemorySimulation {
   struct FlatState {
     std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
     DType master{}, compute{}, gather{}, accumulate{}, reduce{}, grad{};
-    bool shards = true, direct = false;
+    bool shards = true, direct = false, reduces_alone = false;
     std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
     bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
     bool full_grad_alive = false, full_grad_alias = false;
@@ -305,7 +307,13 @@ class MemorySimulation {
 
   // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
   void start_reduction(int u, FlatState& f, bool grad_is_zero, bool defer) {
-    if (f.reduce != f.compute) to_reduce_dtype(u, f, "backward (reduction)");
+    const FlatParamDTypes t{f.compute, f.gather, f.accumulate, f.reduce, f.grad};
+    if (casts_into_shard_grad(f.reduces_alone, t, f.reduce_in_alive, grad_is_zero, defer, p_.offload)) {
+      ensure_shard_grad(u, f, "backward (reduction)");
+      release_full_grad(f);
+    } else if (f.reduce != f.compute) {
+      to_reduce_dtype(u, f, "backward (reduction)");
+    }
     if (!defer) ensure_shard_grad(u, f, "backward (reduction)");  // where a hook freed it
     f.deferred = defer;
     if (defer && !f.partial_alive && f.accumulate == f.reduce) {  // the first deferred sum is reduced into `partial`

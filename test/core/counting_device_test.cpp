@@ -1,0 +1,161 @@
+// CountingDevice, and the device-call budget of a training step it pins: every device
+// operation is one CUDA runtime call on a GPU (a few microseconds of host time each, see
+// docs/cuda.md), so the operations and collectives a unit issues per step are stated here,
+// derived from the design, for FullShard in full and mixed precision, over one and two ranks.
+#include <doctest/doctest.h>
+
+#include <fsdp/counting_device.hpp>
+
+#include "examples/engine/fsdp_integration.hpp"
+
+namespace core_counting_device_test {
+
+namespace {
+
+using fsdp::Collective;
+using fsdp::DeviceOp;
+using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
+
+static_assert(fsdp::Device<fsdp::CountingDevice<fsdp::HostDevice>>);
+static_assert(fsdp::UnscalingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);  // passed through
+static_assert(!fsdp::QueuedDevice<fsdp::CountingDevice<fsdp::HostDevice>>);     // not invented
+
+struct StepCounts {
+  std::size_t units = 0;
+  fsdp::DeviceOpCounts ops;
+  fsdp::CollectiveCounts collectives;
+};
+
+// Trains 3 steps; counts the last (steady state: the root unit kept from forward to backward).
+template <class Precision>
+StepCounts count_step(int world, double divide_factor = 0) {
+  engine::ModelConfig c;
+  c.blocks = 3;
+  std::vector<StepCounts> per_rank(world);
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    Counting counted(comm);
+    engine::Model model(c);
+    fsdp::HostDevice host;
+    fsdp::CountingDevice<fsdp::HostDevice> device(host);
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre, Precision>(model, counted, device, engine::Wrap{});
+    if (divide_factor > 0) sm.set_gradient_divide_factor(divide_factor);
+    engine::Sgd sgd(0.05f);
+    auto& out = per_rank[comm.rank()];
+    for (int s = 0; s < 3; ++s) {
+      device.reset();
+      counted.reset();
+      engine::sharded_step(model, sm, sgd, engine::make_batch(c, s, comm.rank(), 1));
+    }
+    out.units = sm.size();
+    out.ops = device.counts();
+    out.collectives = counted.counts();
+  });
+  for (int r = 1; r < world; ++r) {
+    CHECK(per_rank[r].ops == per_rank[0].ops);
+    CHECK(per_rank[r].collectives == per_rank[0].collectives);
+  }
+  return per_rank[0];
+}
+
+}  // namespace
+
+TEST_CASE("CountingDevice counts each operation by kind and passes it on") {
+  fsdp::HostDevice host;
+  fsdp::CountingDevice<fsdp::HostDevice> d(host);
+  void* a = d.allocate(16, fsdp::MemorySpace::device);
+  void* b = d.allocate(16, fsdp::MemorySpace::host);
+  d.fill_zero(a, 16);
+  float four[4] = {1, 2, 3, 4};
+  d.copy(b, four, 16);
+  d.accumulate(a, b, 4, fsdp::DType::f32);
+  d.scale(a, 4, fsdp::DType::f32, 0.5);
+  d.cast(b, fsdp::DType::bf16, a, fsdp::DType::f32, 4);
+  d.cast(b, fsdp::DType::f32, a, fsdp::DType::f32, 4);  // same dtype: a copy
+  d.cast(a, fsdp::DType::f32, a, fsdp::DType::f32, 4);  // in place: nothing
+  d.fill_zero(a, 0);                                     // nothing to do: not a call
+  d.unscale(a, 4, fsdp::DType::f32, 2.0);
+  CHECK(!d.found_nonfinite());
+  CHECK(static_cast<float*>(a)[3] == 4.0f);  // (0 + 4) * 0.5 * 2
+  d.deallocate(a, 16, fsdp::MemorySpace::device);
+  d.deallocate(b, 16, fsdp::MemorySpace::host);
+  d.deallocate(nullptr, 0, fsdp::MemorySpace::device);
+  const auto& n = d.counts();
+  CHECK(n[DeviceOp::allocate] == 2);
+  CHECK(n[DeviceOp::deallocate] == 2);
+  CHECK(n[DeviceOp::copy] == 2);
+  CHECK(n[DeviceOp::fill_zero] == 1);
+  CHECK(n[DeviceOp::accumulate] == 1);
+  CHECK(n[DeviceOp::scale] == 1);
+  CHECK(n[DeviceOp::cast] == 1);
+  CHECK(n[DeviceOp::unscale] == 1);
+  CHECK(n.total() == 11);
+  CHECK(host.stats().live_bytes == 0);  // every call reached the device
+  CHECK(name_of(DeviceOp::fill_zero) == "fill_zero");
+  d.reset();
+  CHECK(d.counts().total() == 0);
+}
+
+// Per step, U units, the root kept from forward to backward (so 2U-1 gathers), FSDP's
+// schedule: zero_grad zeroes each sharded gradient; each gather allocates the unsharded
+// buffer; each backward allocates and zeroes the unsharded gradient the engine adds into,
+// and the gradient is reduced straight into the zeroed sharded gradient. Freed: every
+// buffer allocated. Over 2 ranks the reduction averages by itself (ReduceOp::avg): no
+// scale. Over one rank nothing is exchanged: the gathers and the reduction are copies, or
+// nothing where the buffer is already this rank's slot (in place).
+TEST_CASE("a FullShard step's device operations and collectives per unit, f32") {
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    const auto got = count_step<fsdp::FullPrecision>(world);
+    const std::uint64_t U = got.units, gathers = 2 * U - 1;
+    REQUIRE(U == 5);  // 3 blocks, the gain, the root
+    CHECK(got.ops[DeviceOp::allocate] == gathers + U);  // gathered parameters, unsharded gradients
+    CHECK(got.ops[DeviceOp::deallocate] == gathers + U);
+    CHECK(got.ops[DeviceOp::fill_zero] == 2 * U);        // zero_grad, and the unsharded gradients
+    CHECK(got.ops[DeviceOp::cast] == 0);
+    CHECK(got.ops[DeviceOp::accumulate] == 0);
+    CHECK(got.ops[DeviceOp::scale] == 0);
+    CHECK(got.ops[DeviceOp::copy] == (world == 1 ? gathers + U : 0));  // shard -> full, full grad -> shard
+    CHECK(got.collectives[Collective::all_gather].calls == (world == 2 ? gathers : 0));
+    CHECK(got.collectives[Collective::reduce_scatter].calls == (world == 2 ? U : 0));
+    CHECK(got.collectives[Collective::all_reduce].calls == 0);
+  }
+}
+
+// Mixed precision (bf16 parameters, f32 reduction): each gather first casts the f32 shard
+// into this rank's slot of the bf16 buffer (gathered in place), and each backward casts the
+// bf16 gradient into an f32 buffer of its own, reduced into the sharded gradient; over one
+// rank the cast writes the sharded gradient itself (no f32 buffer, nothing else).
+TEST_CASE("a FullShard step's device operations and collectives per unit, bf16 with f32 reduction") {
+  using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    const auto got = count_step<MP>(world);
+    const std::uint64_t U = got.units, gathers = 2 * U - 1;
+    const std::uint64_t f32_grads = world == 2 ? U : 0;
+    CHECK(got.ops[DeviceOp::allocate] == gathers + U + f32_grads);  // + unsharded gradients, bf16 (and f32)
+    CHECK(got.ops[DeviceOp::deallocate] == gathers + U + f32_grads);
+    CHECK(got.ops[DeviceOp::cast] == gathers + U);
+    CHECK(got.ops[DeviceOp::fill_zero] == 2 * U);
+    CHECK(got.ops[DeviceOp::scale] == 0);
+    CHECK(got.ops[DeviceOp::copy] == 0);  // gathered in place; over one rank nothing to copy either
+    CHECK(got.ops[DeviceOp::accumulate] == 0);
+    CHECK(got.collectives[Collective::all_gather].calls == (world == 2 ? gathers : 0));
+    CHECK(got.collectives[Collective::reduce_scatter].calls == (world == 2 ? U : 0));
+  }
+}
+
+// Where the collectives cannot average: an f16 sum may overflow, so FSDP's factors split
+// the division around it (for 2 ranks: pre 2, post 1: one scale); a divide factor other
+// than the world size (here 4 over 2 ranks: pre 2, post 2) is not what avg divides by.
+TEST_CASE("f16 reductions and other divide factors keep FSDP's pre/post scaling") {
+  const auto f16 = count_step<fsdp::MixedPrecision<fsdp::f16, fsdp::f16>>(2);
+  CHECK(f16.ops[DeviceOp::scale] == f16.units);
+  const auto f32_by_4 = count_step<fsdp::FullPrecision>(2, 4.0);
+  CHECK(f32_by_4.ops[DeviceOp::scale] == 2 * f32_by_4.units);
+  const auto f32_by_2 = count_step<fsdp::FullPrecision>(2, 2.0);  // the world size, given
+  CHECK(f32_by_2.ops[DeviceOp::scale] == 0);
+  const auto one_rank_by_3 = count_step<fsdp::FullPrecision>(1, 3.0);  // pre 2, post 1.5, no collective
+  CHECK(one_rank_by_3.ops[DeviceOp::scale] == 2 * one_rank_by_3.units);
+}
+
+}  // namespace core_counting_device_test
