@@ -147,9 +147,17 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, bf16 w
 // Where the collectives cannot average: an f16 sum may overflow, so FSDP's factors split
 // the division around it (for 2 ranks: pre 2, post 1: one scale); a divide factor other
 // than the world size (here 4 over 2 ranks: pre 2, post 2) is not what avg divides by.
-TEST_CASE("f16 reductions and other divide factors keep FSDP's pre/post scaling") {
+TEST_CASE("f16 reductions, bf16 over 3 ranks and other divide factors keep FSDP's pre/post scaling") {
   const auto f16 = count_step<fsdp::MixedPrecision<fsdp::f16, fsdp::f16>>(2);
   CHECK(f16.ops[DeviceOp::scale] == f16.units);
+  // bf16 averages in the collectives only over a power of two ranks (NCCL would multiply
+  // by 1/3 rounded to bf16); over 3 ranks: pre 2, post 1.5, two scales.
+  const auto bf16_2 = count_step<fsdp::MixedPrecision<fsdp::bf16>>(2);
+  CHECK(bf16_2.ops[DeviceOp::scale] == 0);
+  const auto bf16_3 = count_step<fsdp::MixedPrecision<fsdp::bf16>>(3);
+  CHECK(bf16_3.ops[DeviceOp::scale] == 2 * bf16_3.units);
+  const auto f32_3 = count_step<fsdp::FullPrecision>(3);
+  CHECK(f32_3.ops[DeviceOp::scale] == 0);
   const auto f32_by_4 = count_step<fsdp::FullPrecision>(2, 4.0);
   CHECK(f32_by_4.ops[DeviceOp::scale] == 2 * f32_by_4.units);
   const auto f32_by_2 = count_step<fsdp::FullPrecision>(2, 2.0);  // the world size, given

@@ -523,4 +523,24 @@ TEST_CASE("settings that differ across ranks fail on every rank, naming the unit
   }
 }
 
+// Groups of one (one rank, HSDP over shard groups of one): the reduction is a copy, or
+// the cast straight into the sharded gradient, which must not drop what earlier
+// micro-batches reduced or kept (grad_is_zero, kept sums, deferral).
+TEST_CASE("groups of one rank: parity in every accumulation mode, bf16 with f32 reduction and f32") {
+  using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
+  for (Accum a : modes()) {
+    CAPTURE(static_cast<int>(a));
+    check_parity<fsdp::FullShard, MP>({1}, a, bf16_tolerance, DType::bf16, DType::f32);
+    check_parity<fsdp::NoShard, MP>({1}, a, bf16_tolerance, DType::bf16, DType::f32);
+    check_parity<fsdp::FullShard>({1}, a, f32_tolerance);
+    check_parity<fsdp::NoShard>({1}, a, f32_tolerance);
+  }
+  for (Accum a : {Accum::keep_unsharded, Accum::reduce_every_microbatch, Accum::defer_all_reduce}) {
+    CAPTURE(static_cast<int>(a));
+    check_parity<fsdp::HybridShard, MP>({2, {2, 1}}, a, bf16_tolerance, DType::bf16, DType::f32);
+    check_parity<fsdp::HybridShard>({2, {2, 1}}, a, f32_tolerance);
+    check_parity<fsdp::HybridShard>({6, {2, 3}}, a, f32_tolerance);
+  }
+}
+
 }  // namespace core_gradient_accumulation_test

@@ -214,6 +214,10 @@ TEST_CASE("a group of one: plan == measured where the reduction is a cast into t
     check_common_prefetch<fsdp::FullShard, MP>({1, 1}, {.micro = 3, .mode = mode});
   check_common_prefetch<fsdp::HybridShard, MP>({2, 1}, {.micro = 2, .defer_all_reduce = true});
   check_plan<fsdp::FullShard, fsdp::BackwardPre, MP>({1, 1}, {.hook = fsdp::GradientAfterHook::free});  // allocated again, then cast into
+  // An asynchronous communicator: a reduction with no peers completes inside the call.
+  check_async_plan<fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 1});
+  check_async_plan<fsdp::FullShard, fsdp::BackwardPre, MP>({1, 1});
+  check_async_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 1});
 }
 
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {

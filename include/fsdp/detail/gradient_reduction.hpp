@@ -276,10 +276,17 @@ class GradientReduction {
 
   // Whether the collectives divide by the group sizes themselves (ReduceOp::avg, NCCL's
   // pre-multiplied sum), instead of the pre/post factors' two scale kernels, as FSDP2 does
-  // where the sum cannot overflow: every floating dtype but f16, dividing by the world.
-  // Bitwise the same where N is a power of two; with host backends (a sum, then one
-  // multiplication by 1/N in double) for every N, since the pre-divide is a power of two.
-  bool collectives_average(const FlatParam& fp) const { return by_world_ && fp.reduce != DType::f16; }
+  // where the sum cannot overflow: every floating dtype but f16, dividing by the world. In
+  // bf16 only over groups of a power of two ranks: NCCL multiplies by 1/n rounded to bf16
+  // (1/3 becomes 0.333984), which would bias every gradient. Single-stage reductions give
+  // bitwise what the factors give where no value is subnormal, over a power of two ranks
+  // on NCCL and over any number on the host backends (a sum, then one multiplication by
+  // 1/n, where the pre-factor is a power of two); hybrid ones round once per group.
+  bool collectives_average(const FlatParam& fp) const {
+    if (!by_world_ || fp.reduce == DType::f16) return false;
+    auto power_of_two = [](int n) { return n > 0 && (n & (n - 1)) == 0; };
+    return fp.reduce != DType::bf16 || (power_of_two(groups_.shard_size) && power_of_two(groups_.replicate_size));
+  }
 
   void release(void*& p, std::size_t n, MemorySpace space) { release_buffer(device_, p, n, space); }
 

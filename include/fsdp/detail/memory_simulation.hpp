@@ -251,7 +251,8 @@ class MemorySimulation {
     for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero, defer);
     if (!defer) s.grad_is_zero = false;
     s.hook_due = unit.hook && final;  // the hook runs once this reduction completes
-    if (!async_) return finish_reduction(u);
+    // Alone in the reducing group nothing is exchanged: done inside the call, finished at once.
+    if (!async_ || s.flat.empty() || s.flat.front().reduces_alone) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
   }
