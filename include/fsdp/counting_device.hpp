@@ -80,7 +80,6 @@ class CountingDevice {
 
   const DeviceOpCounts& counts() const { return counts_; }
   void reset() { counts_ = {}; }
-  D& inner() { return *inner_; }
 
  private:
   void note(DeviceOp op, std::size_t size) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/param_collection.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/flat_param.hpp"
@@ -57,6 +58,7 @@ struct FlatParam {
 
   static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
   DType master() const { return layout.dtype(); }
+  detail::FlatParamDTypes dtypes() const { return {compute, gather, accumulate, reduce, grad}; }
   std::size_t shard_bytes() const { return bytes(layout.shard_numel(), master()); }
   std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }

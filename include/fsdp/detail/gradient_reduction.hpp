@@ -160,9 +160,8 @@ class GradientReduction {
     const auto S = static_cast<std::size_t>(L.shard_numel());
     const auto padded = static_cast<std::size_t>(L.padded_numel());
     void* in = fp.full_grad;
-    const FlatParamDTypes t{fp.compute, fp.gather, fp.accumulate, fp.reduce, fp.grad};
-    if (casts_into_shard_grad(groups_.reduces_alone(), t, fp.reduce_in != nullptr, grad_is_zero, defer_all_reduce,
-                              shard_space_ == MemorySpace::host)) {
+    if (casts_into_shard_grad(groups_.reduces_alone(), fp.dtypes(), fp.reduce_in != nullptr, grad_is_zero,
+                              defer_all_reduce, shard_space_ == MemorySpace::host)) {
       ensure_shard_grad(fp);
       device_.cast(fp.shard_grad, fp.reduce, fp.full_grad, fp.compute, padded);
       release_full_grad(fp);

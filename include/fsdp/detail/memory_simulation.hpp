@@ -2,9 +2,9 @@
 // The memory planner's replay (fsdp/memory_plan.hpp): every allocation and free a unit
 // makes through its Device during training steps, in the order the unit's state machine
 // (fsdp/detail/sharded_unit.hpp), its flat parameters (fsdp/flat_param_group.hpp) and its gradient
-// reduction (fsdp/detail/gradient_reduction.hpp) make them, counted per memory space as
-// a Device counts them. It mirrors that code on purpose: a change there that moves a byte
-// must change this too, or memory_plan_test fails.
+// reduction (fsdp/detail/gradient_reduction.hpp, replayed in fsdp/detail/simulated_gradients.hpp)
+// make them, counted per memory space as a Device counts them. It mirrors that code on
+// purpose: a change there that moves a byte must change this too, or memory_plan_test fails.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fsdp/detail/flat_param_rules.hpp"
+#include "fsdp/detail/simulated_gradients.hpp"
 #include "fsdp/detail/simulated_unit.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
@@ -37,9 +38,10 @@ class MemorySimulation {
     for (auto& u : units_) {
       UnitState s;
       const bool shards = p_.shards_parameters && !u.kept_unsharded;
+      s.reduces_alone = (shards ? shard_size : world) == 1;
       const int n = shards ? shard_size : 1;
       for (auto& f : u.flat) {
-        FlatState fs;
+        SimFlatState fs;
         const FlatParamLayout layout = sim_layout(f.master, f.numel, n);
         fs.shard = layout.shard_numel();
         fs.padded = layout.padded_numel();
@@ -48,7 +50,6 @@ class MemorySimulation {
         fs.master = f.master;
         fs.compute = t.compute, fs.gather = t.gather, fs.accumulate = t.accumulate, fs.reduce = t.reduce, fs.grad = t.grad;
         fs.shards = shards;
-        fs.reduces_alone = (shards ? shard_size : world) == 1;  // UnitGroups::reduces_alone
         if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
         fs.direct = flat_param_is_direct(shards, p_.offload, f.master, t);
         s.flat.push_back(fs);
@@ -57,18 +58,21 @@ class MemorySimulation {
     }
   }
 
+  MemorySimulation(const MemorySimulation&) = delete;  // grads_ refers to ledger_ and p_
+  MemorySimulation& operator=(const MemorySimulation&) = delete;
+
   // Construction: shards, sharded gradients, MixedPrecision's buffer copies.
   void setup() {
     for (std::size_t i = 0; i < units_.size(); ++i) {
       for (auto& f : state_[i].flat) {
-        add(bytes(f.shard, f.master), p_.shard_space(), static_cast<int>(i), "setup");
-        add(bytes(f.shard, f.grad), p_.shard_space(), static_cast<int>(i), "setup");
+        ledger_.add(f.shard, f.master, p_.shard_space(), static_cast<int>(i), "setup");
+        ledger_.add(f.shard, f.grad, p_.shard_space(), static_cast<int>(i), "setup");
       }
       if (p_.precision.mixed)
         for (auto& b : units_[i].buffers)
           if (b.dtype != p_.precision.buffer && is_floating(b.dtype)) {
-            add(bytes(b.numel, b.dtype), MemorySpace::device, static_cast<int>(i), "setup");
-            add(bytes(b.numel, p_.precision.buffer), MemorySpace::device, static_cast<int>(i), "setup");
+            ledger_.add(b.numel, b.dtype, MemorySpace::device, static_cast<int>(i), "setup");
+            ledger_.add(b.numel, p_.precision.buffer, MemorySpace::device, static_cast<int>(i), "setup");
           }
     }
     for (std::size_t i = 0; i < units_.size(); ++i)  // a hook installed with GradientAfterHook::free frees them
@@ -77,27 +81,23 @@ class MemorySimulation {
 
   // One training step: zero_grad, then per micro-batch forward, backward, finish_backward.
   void step() {
-    ++step_;
+    ledger_.next_step();
     zero_grad();
     for (int m = 1; m <= accumulation_.micro_batches; ++m) pass(m == accumulation_.micro_batches);
   }
 
   // Bytes the engine allocates through the same Device after a step and keeps (optimizer state).
-  void engine_state(std::size_t b, MemorySpace space) { add(b, space, -1, "optimizer state (engine)"); }
+  void engine_state(std::size_t b, MemorySpace space) { ledger_.add(b, space, -1, "optimizer state (engine)"); }
 
-  const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
-  std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
+  const SimPeak& peak(MemorySpace s) const { return ledger_.peak(s); }
+  std::size_t live(MemorySpace s) const { return ledger_.live(s); }
 
  private:
   // Frees what accumulation kept (nothing once a synchronized backward reduced it).
   void zero_grad() {
     for (auto& s : state_) {
       s.grad_is_zero = true;
-      for (auto& f : s.flat) {
-        if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
-        if (f.partial_alive) sub(bytes(f.shard, f.accumulate), MemorySpace::device), f.partial_alive = false;
-        release_full_grad(f);
-      }
+      for (auto& f : s.flat) grads_.zero_grad(f);
     }
   }
 
@@ -136,34 +136,14 @@ class MemorySimulation {
   }
 
   enum class State : std::uint8_t { idle, forward, backward_pre, backward_post };
-  struct FlatState {
-    std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
-    DType master{}, compute{}, gather{}, accumulate{}, reduce{}, grad{};
-    bool shards = true, direct = false, reduces_alone = false;
-    std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
-    bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
-    bool full_grad_alive = false, full_grad_alias = false;
-    bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
-    bool partial_alive = false, deferred = false;  // a shard-group sum waiting for its all-reduce
-    bool shard_grad_alive = true;
-  };
   struct UnitState {
-    std::vector<FlatState> flat;
+    std::vector<SimFlatState> flat;
     State state = State::idle;
     bool prefetched = false, kept = false;
+    bool reduces_alone = false;  // UnitGroups::reduces_alone: its reductions complete inside the call
     bool grad_is_zero = true;  // nothing reduced into the sharded gradient since zero_grad
     bool hook_due = false, hook_ran = false;
   };
-
-  static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
-
-  void add(std::size_t b, MemorySpace space, int unit, const char* phase) {
-    auto& live = live_[static_cast<std::size_t>(space)];
-    live += b;
-    auto& pk = peak_[static_cast<std::size_t>(space)];
-    if (live > pk.bytes) pk = {live, unit, phase, step_};
-  }
-  void sub(std::size_t b, MemorySpace space) { live_[static_cast<std::size_t>(space)] -= b; }
 
   bool contains(int outer, int inner) const {
     for (int c : units_[static_cast<std::size_t>(outer)].children)
@@ -207,8 +187,8 @@ class MemorySimulation {
     else {  // reshard_to_post_forward: this rank's chunk kept, the rest freed
       for (auto& f : s.flat) {
         if (f.direct || !f.full_alive || f.unbound) continue;
-        add(bytes(f.post, f.gather), MemorySpace::device, u, "forward (partial reshard)"), f.post_alive = true;
-        sub(bytes(f.full, f.compute), MemorySpace::device), f.full_alive = false;
+        ledger_.add(f.post, f.gather, MemorySpace::device, u, "forward (partial reshard)"), f.post_alive = true;
+        ledger_.sub(f.full, f.compute, MemorySpace::device), f.full_alive = false;
       }
       s.kept = true;
     }
@@ -219,11 +199,7 @@ class MemorySimulation {
     ++backward_step_;
     unshard(u, "backward");
     s.kept = false;
-    for (auto& f : s.flat) {  // bind_gradients
-      if (f.full_grad_alive || f.full_grad_alias) continue;  // kept by a backward with sync off: added into
-      if (f.direct && s.grad_is_zero) ensure_shard_grad(u, f, "backward (gradient)"), f.full_grad_alias = true;
-      else add(bytes(f.padded, f.compute), MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
-    }
+    for (auto& f : s.flat) grads_.bind(u, f, s.grad_is_zero);
     const auto& list = units_[static_cast<std::size_t>(u)].backward_prefetch;
     for (int v : list) prefetch(v, "backward (prefetch)");
     if (list.empty() && p_.backward == PrefetchMode::backward_pre)
@@ -243,16 +219,15 @@ class MemorySimulation {
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
     if (plan == GradientPlan::keep_unsharded) {  // no communication
-      for (auto& f : s.flat)
-        if (f.accumulate != f.compute) to_reduce_dtype(u, f, "backward (accumulation)");
+      for (auto& f : s.flat) grads_.keep(u, f);
       return;
     }
     const bool defer = plan == GradientPlan::reduce_partial;
-    for (auto& f : s.flat) start_reduction(u, f, s.grad_is_zero, defer);
+    for (auto& f : s.flat) grads_.start(u, f, s.reduces_alone, s.grad_is_zero, defer);
     if (!defer) s.grad_is_zero = false;
     s.hook_due = unit.hook && final;  // the hook runs once this reduction completes
     // Alone in the reducing group nothing is exchanged: done inside the call, finished at once.
-    if (!async_ || s.flat.empty() || s.flat.front().reduces_alone) return finish_reduction(u);
+    if (!async_ || s.reduces_alone) return finish_reduction(u);
     reducing_.push_back(u);  // at most one reduction stays in flight (ExecutionOrder)
     while (reducing_.size() > 1) finish_reduction(reducing_.front()), reducing_.pop_front();
   }
@@ -268,15 +243,15 @@ class MemorySimulation {
   }
 
   // ---- parameters (FlatParamGroup) ----
-  bool gather_issued(const FlatState& f) const { return f.direct || f.full_alive || f.wire_alive; }
-  void start_gather(int u, FlatState& f, const char* phase) {
+  bool gather_issued(const SimFlatState& f) const { return f.direct || f.full_alive || f.wire_alive; }
+  void start_gather(int u, SimFlatState& f, const char* phase) {
     if (f.direct) return;
     f.unbound = true;
     if (f.gather != f.compute && (f.shards || f.post_alive)) {
-      add(bytes(f.padded, f.gather), MemorySpace::device, u, phase), f.wire_alive = true;
+      ledger_.add(f.padded, f.gather, MemorySpace::device, u, phase), f.wire_alive = true;
       return;
     }
-    add(bytes(f.full, f.compute), MemorySpace::device, u, phase), f.full_alive = true;
+    ledger_.add(f.full, f.compute, MemorySpace::device, u, phase), f.full_alive = true;
   }
   void unshard(int u, const char* phase) {
     auto& s = state_[static_cast<std::size_t>(u)];
@@ -284,11 +259,11 @@ class MemorySimulation {
       if (!gather_issued(f)) start_gather(u, f, phase);
       if (f.unbound) {  // finish_gather: a narrower gather is widened, then freed
         if (f.wire_alive) {
-          add(bytes(f.padded, f.compute), MemorySpace::device, u, phase), f.full_alive = true;
-          sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
+          ledger_.add(f.padded, f.compute, MemorySpace::device, u, phase), f.full_alive = true;
+          ledger_.sub(f.padded, f.gather, MemorySpace::device), f.wire_alive = false;
         }
         f.unbound = false;
-        if (f.post_alive) sub(bytes(f.post, f.gather), MemorySpace::device), f.post_alive = false;  // gathered from: done
+        if (f.post_alive) ledger_.sub(f.post, f.gather, MemorySpace::device), f.post_alive = false;  // gathered from: done
       }
     }
     if (s.prefetched) s.prefetched = false, --prefetched_;
@@ -298,89 +273,29 @@ class MemorySimulation {
     for (auto& f : s.flat) {
       if (f.direct) continue;
       f.unbound = false;
-      if (f.wire_alive) sub(bytes(f.padded, f.gather), MemorySpace::device), f.wire_alive = false;
-      if (f.full_alive) sub(bytes(f.full, f.compute), MemorySpace::device), f.full_alive = false;
-      if (f.post_alive) sub(bytes(f.post, f.gather), MemorySpace::device), f.post_alive = false;
+      if (f.wire_alive) ledger_.sub(f.padded, f.gather, MemorySpace::device), f.wire_alive = false;
+      if (f.full_alive) ledger_.sub(f.full, f.compute, MemorySpace::device), f.full_alive = false;
+      if (f.post_alive) ledger_.sub(f.post, f.gather, MemorySpace::device), f.post_alive = false;
     }
     if (s.prefetched) s.prefetched = false, --prefetched_;
     s.kept = false;
   }
 
-  // ---- gradients (GradientReduction), the sharded gradient zero (after zero_grad) ----
-  void start_reduction(int u, FlatState& f, bool grad_is_zero, bool defer) {
-    const FlatParamDTypes t{f.compute, f.gather, f.accumulate, f.reduce, f.grad};
-    if (casts_into_shard_grad(f.reduces_alone, t, f.reduce_in_alive, grad_is_zero, defer, p_.offload)) {
-      ensure_shard_grad(u, f, "backward (reduction)");
-      release_full_grad(f);
-    } else if (f.reduce != f.compute) {
-      to_reduce_dtype(u, f, "backward (reduction)");
-    }
-    if (!defer) ensure_shard_grad(u, f, "backward (reduction)");  // where a hook freed it
-    f.deferred = defer;
-    if (defer && !f.partial_alive && f.accumulate == f.reduce) {  // the first deferred sum is reduced into `partial`
-      add(bytes(f.shard, f.accumulate), MemorySpace::device, u, "backward (reduction)"), f.partial_alive = true;
-    } else {
-      const bool into_shard_grad = !defer && grad_is_zero && !p_.offload && f.grad == f.reduce;
-      if (!into_shard_grad) add(bytes(f.shard, f.reduce), MemorySpace::device, u, "backward (reduction)"), f.reduce_out_alive = true;
-    }
-    f.reducing = true;
-  }
-  // A shard-group sum in the reduce dtype added into `partial` (the accumulate dtype):
-  // cast through a buffer of its own where the two differ, or cast into a new `partial`.
-  void add_into_partial(int u, FlatState& f) {
-    if (f.accumulate == f.reduce) return;
-    add(bytes(f.shard, f.accumulate), MemorySpace::device, u, "backward (reduction)");
-    if (f.partial_alive) sub(bytes(f.shard, f.accumulate), MemorySpace::device);
-    f.partial_alive = true;
-  }
+  // A reduction completes: the gradient's buffers (SimulatedGradients::finish), then the
+  // unit's post-accumulate-grad hook when its gradient is final.
   void finish_reduction(int u) {
-    for (auto& f : state_[static_cast<std::size_t>(u)].flat) {
-      if (!f.reducing) continue;
-      f.reducing = false;
-      if (f.deferred) {  // the sum waits in `partial` for a later all-reduce
-        if (f.reduce_out_alive) add_into_partial(u, f), sub(bytes(f.shard, f.reduce), MemorySpace::device), f.reduce_out_alive = false;
-        if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
-        release_full_grad(f);
-        continue;
-      }
-      if (f.partial_alive) {  // earlier deferred sums join this reduction
-        add_into_partial(u, f);
-        sub(bytes(f.shard, f.accumulate), MemorySpace::device), f.partial_alive = false;
-      }
-      if (f.reduce_out_alive && f.grad != f.reduce) {  // the result cast to the gradient's dtype
-        add(bytes(f.shard, f.grad), MemorySpace::device, u, "backward (reduction)");
-        sub(bytes(f.shard, f.grad), MemorySpace::device);
-      }
-      if (f.reduce_out_alive) sub(bytes(f.shard, f.reduce), MemorySpace::device), f.reduce_out_alive = false;
-      if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device), f.reduce_in_alive = false;
-      release_full_grad(f);
-    }
     auto& s = state_[static_cast<std::size_t>(u)];
+    for (auto& f : s.flat) grads_.finish(u, f);
     if (!std::exchange(s.hook_due, false)) return;
     const SimUnit& unit = units_[static_cast<std::size_t>(u)];
     if (!std::exchange(s.hook_ran, true))  // the engine's state for this unit (an optimizer in backward)
       for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
-        if (std::size_t b = unit.hook_engine_state[static_cast<std::size_t>(space)]) add(b, space, u, "optimizer state (engine, in backward)");
+        if (std::size_t b = unit.hook_engine_state[static_cast<std::size_t>(space)])
+          ledger_.add(b, space, u, "optimizer state (engine, in backward)");
     if (unit.hook == GradientAfterHook::free) release_shard_grads(u), s.grad_is_zero = true;
   }
-  void ensure_shard_grad(int u, FlatState& f, const char* phase) {
-    if (!f.shard_grad_alive) add(bytes(f.shard, f.grad), p_.shard_space(), u, phase), f.shard_grad_alive = true;
-  }
   void release_shard_grads(int u) {
-    for (auto& f : state_[static_cast<std::size_t>(u)].flat)
-      if (std::exchange(f.shard_grad_alive, false)) sub(bytes(f.shard, f.grad), p_.shard_space());
-  }
-  // The compute-dtype gradient cast to the reduce dtype (added into what earlier backwards
-  // kept there, through a temporary), then freed.
-  void to_reduce_dtype(int u, FlatState& f, const char* phase) {
-    add(bytes(f.padded, f.reduce), MemorySpace::device, u, phase);
-    if (f.reduce_in_alive) sub(bytes(f.padded, f.reduce), MemorySpace::device);
-    f.reduce_in_alive = true;
-    release_full_grad(f);
-  }
-  void release_full_grad(FlatState& f) {
-    if (f.full_grad_alive) sub(bytes(f.padded, f.compute), MemorySpace::device);
-    f.full_grad_alive = f.full_grad_alias = false;
+    for (auto& f : state_[static_cast<std::size_t>(u)].flat) grads_.release_shard_grad(f);
   }
 
   PolicyValues p_;
@@ -391,12 +306,12 @@ class MemorySimulation {
   bool async_ = false;
   Accumulation accumulation_;
   GradientSync sync_;  // the pass's gradient sync and replicate all-reduce (each unit's mode aside)
-  int step_ = 0, pass_ = 0;
+  int pass_ = 0;
   std::size_t forward_step_ = 0, backward_step_ = 0;
   int prefetched_ = 0;
   std::deque<int> reducing_;
-  std::array<std::size_t, 2> live_{};
-  std::array<SimPeak, 2> peak_{};
+  SimLedger ledger_;
+  SimulatedGradients grads_{ledger_, p_};
 };
 
 }  // namespace fsdp::detail

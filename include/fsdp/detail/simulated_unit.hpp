@@ -1,13 +1,15 @@
 #pragma once
-// What the memory planner's replay (fsdp/detail/memory_simulation.hpp) is given: each
-// unit as the planner sees it, how a step accumulates gradients, and where a peak was
-// reached.
+// The memory planner's replay data (fsdp/detail/memory_simulation.hpp): what it is given
+// (each unit as the planner sees it, how a step accumulates gradients), what it tracks of
+// each flat parameter, and the ledger of live and peak bytes it counts them in.
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "fsdp/detail/flat_param_rules.hpp"
+#include "fsdp/device.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/flat_param.hpp"
 #include "fsdp/gradient_sync.hpp"
@@ -50,6 +52,49 @@ struct SimPeak {
   int unit = -1;  // -1: the engine's state
   const char* phase = "";
   int step = 0;  // 1-based; 0: setup
+};
+
+// Live and peak bytes per memory space, as a Device counts them, and where each peak was
+// reached (unit, phase, step).
+class SimLedger {
+ public:
+  void add(std::size_t bytes, MemorySpace space, int unit, const char* phase) {
+    auto& live = live_[static_cast<std::size_t>(space)];
+    live += bytes;
+    auto& pk = peak_[static_cast<std::size_t>(space)];
+    if (live > pk.bytes) pk = {live, unit, phase, step_};
+  }
+  void sub(std::size_t bytes, MemorySpace space) { live_[static_cast<std::size_t>(space)] -= bytes; }
+  // n elements of dtype t.
+  void add(std::int64_t n, DType t, MemorySpace space, int unit, const char* phase) { add(bytes(n, t), space, unit, phase); }
+  void sub(std::int64_t n, DType t, MemorySpace space) { sub(bytes(n, t), space); }
+
+  void next_step() { ++step_; }
+  const SimPeak& peak(MemorySpace s) const { return peak_[static_cast<std::size_t>(s)]; }
+  std::size_t live(MemorySpace s) const { return live_[static_cast<std::size_t>(s)]; }
+
+ private:
+  static std::size_t bytes(std::int64_t n, DType t) { return static_cast<std::size_t>(n) * size_of(t); }
+
+  std::array<std::size_t, 2> live_{};
+  std::array<SimPeak, 2> peak_{};
+  int step_ = 0;
+};
+
+// One flat parameter during the replay: its sizes and dtypes (FlatParam's), and which of
+// the buffers a unit holds for it are alive.
+struct SimFlatState {
+  std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
+  DType master{}, compute{}, gather{}, accumulate{}, reduce{}, grad{};
+  bool shards = true, direct = false;
+  std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
+  bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
+  bool full_grad_alive = false, full_grad_alias = false;
+  bool reduce_in_alive = false, reduce_out_alive = false, reducing = false;
+  bool partial_alive = false, deferred = false;  // a shard-group sum waiting for its all-reduce
+  bool shard_grad_alive = true;
+
+  FlatParamDTypes dtypes() const { return {compute, gather, accumulate, reduce, grad}; }
 };
 
 // Passes per step: all but the last with gradient sync off (ShardedModel::no_sync), or
