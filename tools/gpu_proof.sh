@@ -90,7 +90,7 @@ else
 fi
 
 # ---- build (in parallel) ---------------------------------------------------------------
-TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/kernel_cache_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
+TESTS=(test/cuda/cuda_kernels_test.cpp test/cuda/zero_spans_test.cpp test/cuda/kernel_cache_test.cpp test/cuda/cuda_device_test.cpp test/cuda/cuda_sharded_test.cpp
        test/cuda/cuda_thread_comm_test.cpp
        test/nccl/nccl_comm_test.cpp test/nccl/nccl_streams_test.cpp test/examples_cuda/cuda_engine_test.cpp)
 build() {  # build <name> <sources...>

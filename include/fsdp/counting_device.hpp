@@ -13,12 +13,15 @@
 
 namespace fsdp {
 
-enum class DeviceOp : std::uint8_t { allocate, deallocate, copy, fill_zero, scale, accumulate, cast, unscale };
-inline constexpr std::size_t device_op_kinds = 8;
+enum class DeviceOp : std::uint8_t {
+  allocate, deallocate, copy, fill_zero, fill_zero_batch, scale, accumulate, cast, cast_zeroing, unscale
+};
+inline constexpr std::size_t device_op_kinds = 10;
 
 constexpr std::string_view name_of(DeviceOp op) {
-  constexpr std::array<std::string_view, device_op_kinds> names{"allocate", "deallocate", "copy",  "fill_zero",
-                                                                "scale",    "accumulate", "cast", "unscale"};
+  constexpr std::array<std::string_view, device_op_kinds> names{
+      "allocate", "deallocate", "copy", "fill_zero", "fill_zero_batch", "scale", "accumulate", "cast", "cast_zeroing",
+      "unscale"};
   return names[static_cast<std::size_t>(op)];
 }
 
@@ -53,15 +56,32 @@ class CountingDevice {
     note(DeviceOp::accumulate, n), inner_->accumulate(dst, src, n, t);
   }
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
-    // A cast to its own dtype is a copy on every device (or nothing, in place).
-    if (to != from) note(DeviceOp::cast, n);
-    else if (dst != src) note(DeviceOp::copy, n);
+    note_cast(dst, to, src, from, n);
     inner_->cast(dst, to, src, from, n);
   }
   void synchronize() { inner_->synchronize(); }
   MemoryStats stats(MemorySpace s = MemorySpace::device) const { return inner_->stats(s); }
   void reset_peak(MemorySpace s = MemorySpace::device) { inner_->reset_peak(s); }
 
+  // One call however many buffers (none: not a call).
+  void fill_zero_batch(std::span<const ZeroSpan> spans)
+    requires BatchZeroingDevice<D>
+  {
+    std::size_t bytes = 0;
+    for (const ZeroSpan& s : spans) bytes += s.bytes;
+    note(DeviceOp::fill_zero_batch, bytes), inner_->fill_zero_batch(spans);
+  }
+  // One call: the cast and the zeroing (a cast to its own dtype counts as cast does, the
+  // zeroing as a batch, the two calls a device makes for them).
+  void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans)
+    requires CastZeroingDevice<D>
+  {
+    std::size_t bytes = 0;
+    for (const ZeroSpan& s : spans) bytes += s.bytes;
+    if (to != from && n && bytes) note(DeviceOp::cast_zeroing, n);
+    else note(DeviceOp::fill_zero_batch, bytes), note_cast(dst, to, src, from, n);
+    inner_->cast_zeroing(dst, to, src, from, n, spans);
+  }
   void unscale(void* p, std::size_t n, DType t, double inv)
     requires UnscalingDevice<D>
   {
@@ -84,6 +104,11 @@ class CountingDevice {
  private:
   void note(DeviceOp op, std::size_t size) {
     if (size) ++counts_[op];
+  }
+  // A cast to its own dtype is a copy on every device (or nothing, in place).
+  void note_cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
+    if (to != from) note(DeviceOp::cast, n);
+    else if (dst != src) note(DeviceOp::copy, n);
   }
 
   D* inner_;

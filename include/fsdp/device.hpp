@@ -4,6 +4,7 @@
 // runs on its own buffers (zeroing, scaling by the divide factors, accumulating gradients).
 #include <concepts>
 #include <cstddef>
+#include <span>
 #include <string_view>
 
 #include "fsdp/dtype.hpp"
@@ -62,6 +63,34 @@ template <class D>
 concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DType t, double f) {
   d.unscale(p, n, t, f);
   { d.found_nonfinite() } -> std::convertible_to<bool>;
+};
+
+// One buffer to zero: fill_zero's arguments.
+struct ZeroSpan {
+  void* data;
+  std::size_t bytes;
+};
+
+// A Device that zeroes many device-space buffers with one call:
+//   d.fill_zero_batch(spans)   each spans[i] zeroed, queued like fill_zero
+// (CudaDevice: one kernel launch per 128 buffers instead of a cudaMemsetAsync each).
+// ShardedModel::zero_grad zeroes every unit's sharded gradients with it; on other devices
+// the library calls fill_zero once per buffer.
+template <class D>
+concept BatchZeroingDevice = Device<D> && requires(D& d, std::span<const ZeroSpan> spans) {
+  d.fill_zero_batch(spans);
+};
+
+// A Device that zeroes device-space buffers in the same call as a cast:
+//   d.cast_zeroing(dst, to, src, from, n, spans)   cast(dst, to, src, from, n), and each
+//                                                  span zeroed; none overlaps the cast's
+// (CudaDevice: one kernel launch, not a cast and a memset). A unit's pre_backward zeroes
+// its unsharded gradients in the cast that gathers the next unit ahead; elsewhere the
+// library zeroes them with fill_zero.
+template <class D>
+concept CastZeroingDevice = Device<D> && requires(D& d, void* p, const void* cp, DType t, std::size_t n,
+                                                  std::span<const ZeroSpan> spans) {
+  d.cast_zeroing(p, t, cp, t, n, spans);
 };
 
 // A Device whose operations run in order on one device queue (CudaDevice: the engine's

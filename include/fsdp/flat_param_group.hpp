@@ -153,7 +153,11 @@ class FlatParamGroup {
   // staging copy is ever alive. A narrower `wire` dtype (CommPrecision) gathers into a
   // `wire` buffer instead, widened into the `as` buffer once it arrives (finish_gather).
   // Replicated parameters need no collective. `tag` (may be null) goes with the all-gather.
-  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag) {
+  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag, detail::ZeroBatch* zeros = nullptr) {
+    auto cast = [&](void* dst, DType to, const void* src, DType from, std::size_t n) {
+      if (zeros) zeros->cast(device_, dst, to, src, from, n);
+      else device_.cast(dst, to, src, from, n);
+    };
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
     fp.full_dtype = as;
@@ -166,14 +170,14 @@ class FlatParamGroup {
     if (wire != as && groups_.shards_parameters) {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
-      device_.cast(mine, wire, fp.shard, fp.master(), S);
+      cast(mine, wire, fp.shard, fp.master(), S);
       fp.gather_work = groups_.all_gather(device_, mine, fp.wire, S, wire, tag);
       return;
     }
     fp.full = device_.allocate(FlatParam::bytes(full_numel(fp), as), MemorySpace::device);
     void* mine = static_cast<std::byte*>(fp.full) + (groups_.shards_parameters ? groups_.shard_rank : 0) * FlatParam::bytes(L.shard_numel(), as);
     const bool staged = offloaded() || as != fp.master() || !groups_.shards_parameters;
-    if (staged) device_.cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
+    if (staged) cast(mine, as, fp.shard, fp.master(), S);  // also the host-to-device copy
     if (groups_.shards_parameters)
       fp.gather_work = groups_.all_gather(device_, staged ? mine : fp.shard, fp.full, S, as, tag);
   }
@@ -196,11 +200,12 @@ class FlatParamGroup {
   }
 
   // Issues the all-gathers not yet issued; returns whether it issued any.
-  bool start_gathers(const CollectiveTag* tag) {
+  // `zeros` (may be null): another unit's pending zeroing, done by this gather's cast.
+  bool start_gathers(const CollectiveTag* tag, detail::ZeroBatch* zeros = nullptr) {
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.gather_issued()) continue;
-      start_gather(fp, fp.compute, fp.gather, tag);
+      start_gather(fp, fp.compute, fp.gather, tag, zeros);
       issued = true;
     }
     return issued;
@@ -290,7 +295,7 @@ class FlatParamGroup {
     if (!took_over_) return;
     release_unsharded();
     unbind_gradients();
-    reduction_.zero_grad(flat_);
+    zero_grad();
   }
 
   // A parameter whose engine tensor no longer views what it was bound to (its storage
@@ -307,7 +312,7 @@ class FlatParamGroup {
 
   // ---- gradients (the reduction owns their buffers) ----
 
-  void bind_gradients(bool grad_is_zero) { reduction_.bind_gradients(flat_, grad_is_zero); }
+  void bind_gradients(bool grad_is_zero, detail::ZeroBatch& zeros) { reduction_.bind_gradients(flat_, grad_is_zero, zeros); }
   // Between backward entries of one pass: the engine's gradients point at nothing while the
   // unsharded gradient stays, for the next entry to add into.
   void unbind_gradients() {
@@ -319,7 +324,10 @@ class FlatParamGroup {
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   // The host-side check of the reductions the device waited for (finish_backward).
   void check_reductions_on_host(const detail::TracedWait& wait) { reduction_.check_on_host(wait); }
-  void zero_grad() { reduction_.zero_grad(flat_); }
+  void zero_grad(detail::ZeroBatch& batch) { reduction_.zero_grad(flat_, batch); }
+  void zero_grad() {
+    detail::ZeroBatch::run([&](detail::ZeroBatch& batch) { zero_grad(batch); });
+  }
   void set_gradient_divide_factor(double f) { reduction_.set_divide_factor(f); }
 
   // Where a post-accumulate-grad hook frees the sharded gradients between backwards.

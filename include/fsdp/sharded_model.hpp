@@ -183,9 +183,12 @@ class ShardedModel {
   // The recorded execution order (after the first iteration), for tests and tools.
   const ExecutionOrder& execution_order() const { return *order_; }
 
-  // Zeroes the sharded gradients and frees what accumulation kept.
+  // Zeroes the sharded gradients and frees what accumulation kept. Every unit's zeroing
+  // goes out in one device call where the device can (BatchZeroingDevice).
   void zero_grad() {
-    for (auto& u : units_) u->zero_grad();
+    detail::ZeroBatch::run([&](detail::ZeroBatch& batch) {
+      for (auto& u : units_) u->zero_grad(batch);
+    });
   }
 
   // Every parameter whole, in its master dtype, in the engine's tensors until the returned

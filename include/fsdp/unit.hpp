@@ -17,6 +17,7 @@
 #include "fsdp/detail/backend_ref.hpp"
 #include "fsdp/detail/post_grad_hook_slot.hpp"
 #include "fsdp/detail/unit_uses.hpp"
+#include "fsdp/detail/zero_batch.hpp"
 #include "fsdp/device.hpp"
 #include "fsdp/device_mesh.hpp"
 #include "fsdp/dtype.hpp"
@@ -114,7 +115,10 @@ class UnitBase {
   virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
   // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
-  virtual void zero_grad() = 0;  // IDLE only: the sharded gradient becomes zero; kept accumulation is freed
+  // IDLE only: the sharded gradient becomes zero; kept accumulation is freed. With a
+  // batch, the zeroing joins it for the caller to flush (ShardedModel's: one call for all).
+  void zero_grad() { detail::ZeroBatch::run([&](detail::ZeroBatch& b) { zero_grad(b); }); }
+  virtual void zero_grad(detail::ZeroBatch& batch) = 0;
   // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
@@ -186,7 +190,7 @@ class UnitBase {
   virtual void finish_take_over() = 0;
 
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
-  virtual void prefetch() = 0;
+  virtual void prefetch(detail::ZeroBatch* zeros = nullptr) = 0;  // zeros: for its cast to do too
   // Completes a reduction that post_backward left in flight (asynchronous backends).
   virtual void finish_reduction() = 0;
 

@@ -4,6 +4,9 @@
 // derived from the design, for FullShard in full and mixed precision, over one and two ranks.
 #include <doctest/doctest.h>
 
+#include <cstdint>
+#include <cstring>
+
 #include <fsdp/counting_device.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
@@ -18,6 +21,7 @@ using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
 
 static_assert(fsdp::Device<fsdp::CountingDevice<fsdp::HostDevice>>);
 static_assert(fsdp::UnscalingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);  // passed through
+static_assert(fsdp::BatchZeroingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);
 static_assert(!fsdp::QueuedDevice<fsdp::CountingDevice<fsdp::HostDevice>>);     // not invented
 
 struct StepCounts {
@@ -73,9 +77,22 @@ TEST_CASE("CountingDevice counts each operation by kind and passes it on") {
   d.cast(b, fsdp::DType::f32, a, fsdp::DType::f32, 4);  // same dtype: a copy
   d.cast(a, fsdp::DType::f32, a, fsdp::DType::f32, 4);  // in place: nothing
   d.fill_zero(a, 0);                                     // nothing to do: not a call
+  const fsdp::ZeroSpan spans[] = {{a, 4}, {b, 0}, {static_cast<char*>(a) + 8, 4}};
+  d.fill_zero_batch(spans);                              // one call, however many buffers
+  d.fill_zero_batch({});                                 // none: not a call
+  float bf16_dst[2] = {7, 7};
+  const fsdp::ZeroSpan tail[] = {{&bf16_dst[1], 4}};
+  d.cast_zeroing(bf16_dst, fsdp::DType::bf16, four, fsdp::DType::f32, 2, tail);  // one call for both
+  CHECK(bf16_dst[1] == 0.0f);
+  std::uint16_t cast_bits[2];
+  std::memcpy(cast_bits, bf16_dst, sizeof cast_bits);  // the cast's 2 bf16 values in the first 4 bytes
+  CHECK(fsdp::bf16_bits_to_float(cast_bits[1]) == 2.0f);
   d.unscale(a, 4, fsdp::DType::f32, 2.0);
   CHECK(!d.found_nonfinite());
   CHECK(static_cast<float*>(a)[3] == 4.0f);  // (0 + 4) * 0.5 * 2
+  CHECK(static_cast<float*>(a)[0] == 0.0f);  // zeroed by the batch: (1 * 0.5 -> 0) * 2
+  CHECK(static_cast<float*>(a)[1] == 2.0f);  // between the batch's spans: 2 * 0.5 * 2
+  CHECK(static_cast<float*>(b)[0] == 0.5f);  // the batch's empty span left it alone
   d.deallocate(a, 16, fsdp::MemorySpace::device);
   d.deallocate(b, 16, fsdp::MemorySpace::host);
   d.deallocate(nullptr, 0, fsdp::MemorySpace::device);
@@ -84,11 +101,13 @@ TEST_CASE("CountingDevice counts each operation by kind and passes it on") {
   CHECK(n[DeviceOp::deallocate] == 2);
   CHECK(n[DeviceOp::copy] == 2);
   CHECK(n[DeviceOp::fill_zero] == 1);
+  CHECK(n[DeviceOp::fill_zero_batch] == 1);
   CHECK(n[DeviceOp::accumulate] == 1);
   CHECK(n[DeviceOp::scale] == 1);
   CHECK(n[DeviceOp::cast] == 1);
+  CHECK(n[DeviceOp::cast_zeroing] == 1);
   CHECK(n[DeviceOp::unscale] == 1);
-  CHECK(n.total() == 11);
+  CHECK(n.total() == 13);
   CHECK(host.stats().live_bytes == 0);  // every call reached the device
   CHECK(name_of(DeviceOp::fill_zero) == "fill_zero");
   d.reset();
@@ -96,7 +115,7 @@ TEST_CASE("CountingDevice counts each operation by kind and passes it on") {
 }
 
 // Per step, U units, the root kept from forward to backward (so 2U-1 gathers), FSDP's
-// schedule: zero_grad zeroes each sharded gradient; each gather allocates the unsharded
+// schedule: zero_grad zeroes every unit's sharded gradient in one call; each gather allocates the unsharded
 // buffer; each backward allocates and zeroes the unsharded gradient the engine adds into,
 // and the gradient is reduced straight into the zeroed sharded gradient. Freed: every
 // buffer allocated. Over 2 ranks the reduction averages by itself (ReduceOp::avg): no
@@ -110,7 +129,9 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, f32") 
     REQUIRE(U == 5);  // 3 blocks, the gain, the root
     CHECK(got.ops[DeviceOp::allocate] == gathers + U);  // gathered parameters, unsharded gradients
     CHECK(got.ops[DeviceOp::deallocate] == gathers + U);
-    CHECK(got.ops[DeviceOp::fill_zero] == 2 * U);        // zero_grad, and the unsharded gradients
+    CHECK(got.ops[DeviceOp::fill_zero] == U);  // the unsharded gradients (no cast to ride on)
+    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1);  // zero_grad, every unit's
+    CHECK(got.ops[DeviceOp::cast_zeroing] == 0);
     CHECK(got.ops[DeviceOp::cast] == 0);
     CHECK(got.ops[DeviceOp::accumulate] == 0);
     CHECK(got.ops[DeviceOp::scale] == 0);
@@ -124,7 +145,10 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, f32") 
 // Mixed precision (bf16 parameters, f32 reduction): each gather first casts the f32 shard
 // into this rank's slot of the bf16 buffer (gathered in place), and each backward casts the
 // bf16 gradient into an f32 buffer of its own, reduced into the sharded gradient; over one
-// rank the cast writes the sharded gradient itself (no f32 buffer, nothing else).
+// rank the cast writes the sharded gradient itself (no f32 buffer, nothing else). Each
+// backward but the last unit's gathers the next unit ahead (BackwardPre), and that cast
+// zeroes the unit's fresh bf16 gradient too (cast_zeroing: one call for both); the last
+// unit's gradient is zeroed on its own.
 TEST_CASE("a FullShard step's device operations and collectives per unit, bf16 with f32 reduction") {
   using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
   for (int world : {1, 2}) {
@@ -134,8 +158,11 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, bf16 w
     const std::uint64_t f32_grads = world == 2 ? U : 0;
     CHECK(got.ops[DeviceOp::allocate] == gathers + U + f32_grads);  // + unsharded gradients, bf16 (and f32)
     CHECK(got.ops[DeviceOp::deallocate] == gathers + U + f32_grads);
-    CHECK(got.ops[DeviceOp::cast] == gathers + U);
-    CHECK(got.ops[DeviceOp::fill_zero] == 2 * U);
+    const std::uint64_t prefetches = U - 1;
+    CHECK(got.ops[DeviceOp::cast_zeroing] == prefetches);
+    CHECK(got.ops[DeviceOp::cast] == gathers + U - prefetches);
+    CHECK(got.ops[DeviceOp::fill_zero] == U - prefetches);
+    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1);
     CHECK(got.ops[DeviceOp::scale] == 0);
     CHECK(got.ops[DeviceOp::copy] == 0);  // gathered in place; over one rank nothing to copy either
     CHECK(got.ops[DeviceOp::accumulate] == 0);

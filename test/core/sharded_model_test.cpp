@@ -7,6 +7,8 @@
 #include <map>
 #include <numeric>
 
+#include <fsdp/counting_device.hpp>
+
 #include "examples/engine/fsdp_integration.hpp"
 
 namespace core_sharded_model_test {
@@ -145,6 +147,69 @@ TEST_CASE_TEMPLATE("gradients accumulate across backward passes until zero_grad"
     for (float g : grads()) CHECK(g == 0.0f);
     backward_once();
     CHECK(grads() == once);
+  });
+}
+
+// One device call for a whole model's zero_grad (on CUDA one kernel launch, not one memset
+// per unit); offloaded (host-space) gradients are zeroed directly. A unit that refuses
+// (not IDLE) stops it with an error, and the units before it are zeroed all the same: they
+// already count their gradients as zero.
+TEST_CASE("zero_grad zeroes every unit's sharded gradients with one device call") {
+  const auto c = small();
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice host;
+    fsdp::CountingDevice<fsdp::HostDevice> device(host);
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    REQUIRE(sm.size() == 4);  // the root, 2 blocks, the gain
+    engine::Sgd sgd(0.05f);
+    auto nonzero = [](fsdp::UnitBase& u) {
+      std::size_t n = 0;
+      for (const auto& v : u.shards())
+        for (std::int64_t i = 0; i < v.numel; ++i) n += static_cast<const float*>(v.grad)[i] != 0.0f;
+      return n;
+    };
+    auto backward = [&](int step) {
+      engine::UnitHooks hooks{sm};
+      auto batch = engine::make_batch(c, step, comm.rank(), 1);
+      engine::Mat dout;
+      auto out = model.forward(batch.x, hooks);
+      engine::mse(out, batch.y, dout);
+      model.backward(dout, hooks);
+      sm.finish_backward();
+    };
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    for (auto& u : sm) REQUIRE(nonzero(*u) > 0);
+    device.reset();
+    sm.zero_grad();
+    CHECK(device.counts()[fsdp::DeviceOp::fill_zero_batch] == 1);
+    CHECK(device.counts()[fsdp::DeviceOp::fill_zero] == 0);
+    for (auto& u : sm) CHECK(nonzero(*u) == 0);
+
+    backward(1);
+    sm[2].pre_forward();  // not IDLE: its zero_grad refuses
+    CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("zero_grad"), fsdp::Error);
+    CHECK(nonzero(sm[0]) == 0);
+    CHECK(nonzero(sm[1]) == 0);
+    CHECK(nonzero(sm[2]) > 0);
+    sm[2].post_forward();
+    sm.zero_grad();
+    for (auto& u : sm) CHECK(nonzero(*u) == 0);
+  });
+
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice host;
+    fsdp::CountingDevice<fsdp::HostDevice> device(host);
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::OffloadParams>(model, comm, device, engine::Wrap{});
+    engine::Sgd sgd(0.05f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    device.reset();
+    sm.zero_grad();
+    CHECK(device.counts()[fsdp::DeviceOp::fill_zero_batch] == 0);
+    CHECK(device.counts()[fsdp::DeviceOp::fill_zero] == sm.shards().size());  // in host memory, one each
+    for (const auto& v : sm.shards())
+      for (std::int64_t i = 0; i < v.numel; ++i) CHECK(static_cast<const float*>(v.grad)[i] == 0.0f);
   });
 }
 

@@ -303,6 +303,96 @@ TEST_CASE("copies round-trip host <-> device and fill_zero zeroes both spaces" *
   dev.deallocate(d2, n, kDev);
 }
 
+// fill_zero_batch's kernel: 300 buffers (three launches of up to 128) of awkward sizes at
+// odd offsets, one of several blocks; every byte inside zeroed, every byte between kept.
+TEST_CASE("fill_zero_batch zeroes each buffer exactly, over several launches" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  std::mt19937 rng(5);
+  std::vector<std::size_t> sizes{1, 15, 16, 17, 32 * 1024 - 1, 32 * 1024 + 1, 5 * 32 * 1024 + 3};
+  while (sizes.size() < 300) sizes.push_back(1 + rng() % 5000);
+  std::size_t total = 64;
+  for (auto n : sizes) total += n + 40;
+  auto* d = static_cast<unsigned char*>(dev.allocate(total, kDev));
+  Bytes want(total, 0xAB);
+  std::vector<fsdp::ZeroSpan> spans;
+  std::size_t at = 3;
+  for (auto n : sizes) {
+    at += rng() % 23;
+    spans.push_back({d + at, n});
+    std::fill(want.begin() + static_cast<std::ptrdiff_t>(at), want.begin() + static_cast<std::ptrdiff_t>(at + n), 0);
+    at += n + 1 + rng() % 9;
+  }
+  REQUIRE(at <= total);
+  spans.push_back({d + at, 0});  // empty: skipped
+  Bytes pattern(total, 0xAB);
+  dev.copy(d, pattern.data(), total);
+  dev.fill_zero_batch(spans);
+  Bytes got(total, 0);
+  dev.copy(got.data(), d, total);
+  dev.synchronize();
+  std::size_t wrong = 0;
+  for (std::size_t k = 0; k < total; ++k) wrong += got[k] != want[k];
+  CHECK(wrong == 0);
+  dev.fill_zero_batch(std::span<const fsdp::ZeroSpan>(spans).first(1));  // one: a memset
+  dev.fill_zero_batch({});
+  dev.synchronize();
+  dev.deallocate(d, total, kDev);
+}
+
+// cast_zeroing's fused kernel: the cast equals HostDevice's bit for bit while the same
+// launch zeroes other buffers; a copy (equal dtypes) and more than 128 buffers take the
+// two-call path, with the same result.
+TEST_CASE("cast_zeroing casts like cast and zeroes like fill_zero_batch, in one launch" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  HostDevice host;
+  constexpr std::size_t n = 100003;
+  std::vector<float> src(n);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  for (auto& x : src) x = dist(rng);
+  std::vector<std::uint16_t> want(n);
+  host.cast(want.data(), DType::bf16, src.data(), DType::f32, n);
+
+  for (const std::size_t buffers : {std::size_t{3}, std::size_t{200}}) {
+    CAPTURE(buffers);
+    constexpr std::size_t each = 4099;
+    const std::size_t total = buffers * (each + 5);
+    auto* z = static_cast<unsigned char*>(dev.allocate(total, kDev));
+    Bytes pattern(total, 0xCD), expect(total, 0xCD);
+    std::vector<fsdp::ZeroSpan> spans;
+    for (std::size_t i = 0; i < buffers; ++i) {
+      spans.push_back({z + i * (each + 5) + 1, each});
+      std::fill_n(expect.begin() + static_cast<std::ptrdiff_t>(i * (each + 5) + 1), each, 0);
+    }
+    dev.copy(z, pattern.data(), total);
+    void* d_src = dev.allocate(n * 4, kDev);
+    void* d_dst = dev.allocate(n * 2, kDev);
+    dev.copy(d_src, src.data(), n * 4);
+    dev.cast_zeroing(d_dst, DType::bf16, d_src, DType::f32, n, spans);
+    std::vector<std::uint16_t> got(n);
+    Bytes zeroed(total);
+    dev.copy(got.data(), d_dst, n * 2);
+    dev.copy(zeroed.data(), z, total);
+    dev.synchronize();
+    CHECK(got == want);
+    CHECK(zeroed == expect);
+
+    dev.copy(z, pattern.data(), total);  // equal dtypes: a copy and the zeroing
+    void* d_copy = dev.allocate(n * 4, kDev);
+    dev.cast_zeroing(d_copy, DType::f32, d_src, DType::f32, n, spans);
+    std::vector<float> copied(n);
+    dev.copy(copied.data(), d_copy, n * 4);
+    dev.copy(zeroed.data(), z, total);
+    dev.synchronize();
+    CHECK(copied == src);
+    CHECK(zeroed == expect);
+    dev.deallocate(d_copy, n * 4, kDev);
+    dev.deallocate(d_src, n * 4, kDev);
+    dev.deallocate(d_dst, n * 2, kDev);
+    dev.deallocate(z, total, kDev);
+  }
+}
+
 TEST_CASE("scale matches HostDevice bitwise for every dtype" * doctest::skip(no_gpu)) {
   CudaDevice dev;
   HostDevice host;

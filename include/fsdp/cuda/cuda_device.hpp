@@ -7,7 +7,8 @@
 //   - MemorySpace::host: pinned memory (cudaMallocHost), freed after the stream drains,
 //     since a queued copy may still read it;
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
-//   - fill_zero: cudaMemsetAsync;
+//   - fill_zero: cudaMemsetAsync; fill_zero_batch: one kernel launch per 128 buffers;
+//     cast_zeroing: one kernel, a cast and up to 128 buffers zeroed;
 //   - scale / accumulate / cast / unscale: kernels compiled at run time with NVRTC for this GPU's
 //     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
 //     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
@@ -146,6 +147,29 @@ class CudaDevice {
     check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
   }
 
+  // Many device-space buffers, one launch per 128 of them (BatchZeroingDevice); a batch of
+  // one is a cudaMemsetAsync.
+  void fill_zero_batch(std::span<const ZeroSpan> spans) {
+    std::size_t nonempty = 0;
+    for (const ZeroSpan& z : spans) nonempty += z.bytes != 0;
+    if (nonempty <= 1) {
+      for (const ZeroSpan& z : spans) fill_zero(z.data, z.bytes);
+      return;
+    }
+    Guard g(*this);
+    detail::ZeroSpans table;
+    void* args[] = {&table};
+    while (!spans.empty()) {
+      spans = spans.subspan(detail::fill_zero_spans_table(spans, table));
+      if (table.count == 0) continue;
+      // A grid as for one element per thread of every block of the table (a grid-stride loop beyond).
+      check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().zero_spans),
+                             dim3(grid_for(table.first_block[table.count] * threads_per_block)), dim3(threads_per_block),
+                             args, 0, stream_),
+            "cudaLaunchKernel(fsdp_zero_spans, ", table.count, " buffers)");
+    }
+  }
+
   void scale(void* p, std::size_t n, DType t, double factor) { scale_on(stream_, p, n, t, factor); }
   void accumulate(void* dst, const void* src, std::size_t n, DType t) { accumulate_on(stream_, dst, src, n, t); }
 
@@ -179,6 +203,27 @@ class CudaDevice {
     int to_i = static_cast<int>(to), from_i = static_cast<int>(from);
     void* args[] = {&dst, &to_i, const_cast<void**>(&src), &from_i, &count};
     launch(kernels().cast, "fsdp_cast", n, args);
+  }
+
+  // The cast and the zeroing in one launch (CastZeroingDevice): the cast gets the grid it
+  // would get alone, the zeroing as many blocks more as fill_zero_batch would give it. A
+  // copy (to == from), or more than 128 buffers, goes as the two calls.
+  void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
+    detail::ZeroSpans table;
+    const bool fits = detail::fill_zero_spans_table(spans, table) == spans.size();
+    if (to == from || n == 0 || table.count == 0 || !fits) {
+      fill_zero_batch(spans);
+      return cast(dst, to, src, from, n);
+    }
+    Guard g(*this);
+    unsigned long long count = n;
+    int to_i = static_cast<int>(to), from_i = static_cast<int>(from);
+    unsigned cast_grid = grid_for(n);
+    const unsigned zero_grid = grid_for(table.first_block[table.count] * threads_per_block);
+    void* args[] = {&dst, &to_i, const_cast<void**>(&src), &from_i, &count, &cast_grid, &table};
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().cast_zero), dim3(cast_grid + zero_grid),
+                           dim3(threads_per_block), args, 0, stream_),
+          "cudaLaunchKernel(fsdp_cast_zero, ", n, " elements, ", table.count, " buffers)");
   }
 
   // ShardedGradScaler's unscale (see UnscalingDevice): one kernel per call, each setting a
@@ -222,7 +267,8 @@ class CudaDevice {
 
  private:
   struct Kernels {
-    cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr, unscale = nullptr;
+    cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr, unscale = nullptr, zero_spans = nullptr,
+                 cast_zero = nullptr;
   };
 
   // Makes this device current for the calling thread, restoring the previous one after.
@@ -264,7 +310,8 @@ class CudaDevice {
       Kernels k;
       const std::pair<cudaKernel_t*, const char*> names[] = {
           {&k.scale, "fsdp_scale"}, {&k.accumulate, "fsdp_accumulate"}, {&k.cast, "fsdp_cast"},
-          {&k.unscale, "fsdp_unscale"}};
+          {&k.unscale, "fsdp_unscale"}, {&k.zero_spans, "fsdp_zero_spans"},
+          {&k.cast_zero, "fsdp_cast_zero"}};
       for (auto [slot, name] : names) {
         const cudaError_t e = cudaLibraryGetKernel(slot, lib, name);
         if (e != cudaSuccess) {
@@ -280,13 +327,19 @@ class CudaDevice {
     return kernels_;
   }
 
+  static constexpr unsigned threads_per_block = 256;
+
+  // Blocks for n elements, one per thread: at most 32 per SM, grid-stride loops beyond.
+  unsigned grid_for(std::size_t n) const {
+    const std::size_t wanted = (n + threads_per_block - 1) / threads_per_block;
+    const std::size_t cap = static_cast<std::size_t>(std::max(sm_count_, 1)) * 32;
+    return static_cast<unsigned>(std::min(wanted, cap));
+  }
+
   void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args, cudaStream_t stream = nullptr) {
-    constexpr unsigned threads = 256;
-    const std::size_t wanted = (n + threads - 1) / threads;
-    const std::size_t cap = static_cast<std::size_t>(std::max(sm_count_, 1)) * 32;  // grid-stride beyond
-    const dim3 grid(static_cast<unsigned>(std::min(wanted, cap)));
     // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
-    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, 0, stream ? stream : stream_),
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(grid_for(n)), dim3(threads_per_block), args, 0,
+                           stream ? stream : stream_),
           "cudaLaunchKernel(", name, ", ", n, " elements)");
   }
 
@@ -304,6 +357,8 @@ class CudaDevice {
 };
 
 static_assert(UnscalingDevice<CudaDevice>);
+static_assert(BatchZeroingDevice<CudaDevice>);
+static_assert(CastZeroingDevice<CudaDevice>);
 static_assert(QueuedDevice<CudaDevice>);
 
 }  // namespace fsdp

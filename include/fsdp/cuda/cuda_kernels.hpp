@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fsdp/cuda/kernel_cache.hpp"
+#include "fsdp/cuda/zero_spans.hpp"
 #include "fsdp/dtype.hpp"
 #include "fsdp/error.hpp"
 
@@ -24,8 +25,9 @@ static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f64) 
               static_cast<int>(DType::i8) == 4 && static_cast<int>(DType::u8) == 5 &&
               static_cast<int>(DType::i32) == 6 && static_cast<int>(DType::i64) == 7);
 
-// NVRTC source of the element-wise kernels. Self-contained: no #include, so it compiles
-// the same wherever NVRTC is installed. The 16-bit conversions are fsdp/dtype.hpp's,
+// NVRTC source of the element-wise kernels (after zero_spans_source, see
+// cuda_kernel_program). Self-contained: no #include, so it compiles the same wherever
+// NVRTC is installed. The 16-bit conversions are fsdp/dtype.hpp's,
 // line for line (double -> 16-bit rounds once, as detail::double_to_16bit does).
 inline constexpr std::string_view cuda_kernels_source = R"cuda(
 typedef unsigned int u32;
@@ -218,33 +220,65 @@ extern "C" __global__ void fsdp_unscale(void* p, u64 n, int t, double inv, u32* 
   if (bad) *nonfinite = 1u;
 }
 
-// to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast.
-extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int from, u64 n) {
+// Every span of the table zeroed (fsdp/cuda/zero_spans.hpp): a grid-stride loop over the
+// blocks of all spans.
+extern "C" __global__ void fsdp_zero_spans(ZeroSpans s) {
+  const u64 blocks = s.first_block[s.count];
+  for (u64 b = blockIdx.x; b < blocks; b += gridDim.x) zero_spans_block(s, b, threadIdx.x, blockDim.x);
+}
+
+// to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast. Run by
+// blocks `block` of `blocks` (a grid-stride loop over them), so a kernel can give the cast
+// some of its blocks and other work the rest (fsdp_cast_zero).
+#define FSDP_FOR_EACH_OF(i, n, block, blocks) \
+  for (u64 i = (u64)(block) * blockDim.x + threadIdx.x; i < (n); i += (u64)(blocks) * blockDim.x)
+
+__device__ __forceinline__ void cast_blocks(void* dst, int to, const void* src, int from, u64 n, u64 block, u64 blocks) {
   if (from == F32 && is_half(to)) {  // the mixed-precision hot paths
     const float* s = (const float*)src;
     u16* d = (u16*)dst;
-    FSDP_FOR_EACH(i, n) d[i] = half_store(s[i], to);
+    FSDP_FOR_EACH_OF(i, n, block, blocks) d[i] = half_store(s[i], to);
     return;
   }
   if (is_half(from) && to == F32) {
     const u16* s = (const u16*)src;
     float* d = (float*)dst;
-    FSDP_FOR_EACH(i, n) d[i] = half_load(s[i], from);
+    FSDP_FOR_EACH_OF(i, n, block, blocks) d[i] = half_load(s[i], from);
     return;
   }
   if (to == F64 || from == F64) {
-    FSDP_FOR_EACH(i, n) store_from_double(dst, i, to, load_as_double(src, i, from));
+    FSDP_FOR_EACH_OF(i, n, block, blocks) store_from_double(dst, i, to, load_as_double(src, i, from));
     return;
   }
-  FSDP_FOR_EACH(i, n) {
+  FSDP_FOR_EACH_OF(i, n, block, blocks) {
     const float v = is_half(from) ? half_load(((const u16*)src)[i], from) : (float)load_as_double(src, i, from);
     if (is_half(to)) ((u16*)dst)[i] = half_store(v, to);
     else store_from_double(dst, i, to, (double)v);
   }
 }
+
+extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int from, u64 n) {
+  cast_blocks(dst, to, src, from, n, blockIdx.x, gridDim.x);
+}
+
+// A cast and a table of buffers to zero in one launch (CudaDevice::cast_zeroing): the
+// first `cast_grid` blocks cast, the others zero (a grid-stride loop over the table's blocks).
+extern "C" __global__ void fsdp_cast_zero(void* dst, int to, const void* src, int from, u64 n, u32 cast_grid,
+                                          ZeroSpans z) {
+  if (blockIdx.x < cast_grid) return cast_blocks(dst, to, src, from, n, blockIdx.x, cast_grid);
+  const u64 blocks = z.first_block[z.count];
+  for (u64 b = blockIdx.x - cast_grid; b < blocks; b += gridDim.x - cast_grid) zero_spans_block(z, b, threadIdx.x, blockDim.x);
+}
 )cuda";
 
-// Compiles cuda_kernels_source for compute capability major.minor: a CUBIN for sm_XY when
+// The whole NVRTC program: the zero-spans table and block code, then the kernels.
+inline std::string cuda_kernel_program() {
+  std::string program = "#define FSDP_ZERO_SPANS_FN __device__ __forceinline__\n";
+  program.append(zero_spans_source).append("\n").append(cuda_kernels_source);
+  return program;
+}
+
+// Compiles cuda_kernel_program() for compute capability major.minor: a CUBIN for sm_XY when
 // this NVRTC knows that architecture, else PTX for the newest compute_XY it supports that
 // is not newer than the device (the driver finishes it). Needs no GPU. Throws fsdp::Error
 // with NVRTC's log on failure.
@@ -299,7 +333,7 @@ inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_ind
   for (const char* o : cuda_kernel_options) opts.push_back(o);
 
   nvrtcProgram prog = nullptr;
-  const std::string src(cuda_kernels_source);
+  const std::string src = cuda_kernel_program();
   nvrtc_check(nvrtcCreateProgram(&prog, src.c_str(), "fsdp_cuda_kernels.cu", 0, nullptr, nullptr),
               "nvrtcCreateProgram", device_index);
   struct Destroy {
@@ -336,7 +370,8 @@ inline CudaKernelImage compile_cuda_kernels(int major, int minor, int device_ind
 inline std::uint64_t cuda_kernel_cache_key(const std::string& arch) {
   std::string options;
   for (const char* o : cuda_kernel_options) options.append(o).push_back(' ');
-  return KernelCache::key_of({cuda_kernels_source, arch, options, nvrtc_version_text()});
+  const std::string program = cuda_kernel_program();
+  return KernelCache::key_of({program, arch, options, nvrtc_version_text()});
 }
 
 // compile_cuda_kernels, or its result from `cache` when an entry for the same key is

@@ -78,13 +78,20 @@ class DeviceRef {
   void deallocate(void* p, std::size_t bytes, MemorySpace s) const { vt_->deallocate(obj_, p, bytes, s); }
   void copy(void* d, const void* s, std::size_t bytes) const { vt_->copy(obj_, d, s, bytes); }
   void fill_zero(void* p, std::size_t bytes) const { vt_->fill_zero(obj_, p, bytes); }
+  // Device-space buffers, in one call where the device can (BatchZeroingDevice).
+  void fill_zero_batch(std::span<const ZeroSpan> spans) const { vt_->fill_zero_batch(obj_, spans); }
   void scale(void* p, std::size_t n, DType t, double f) const { vt_->scale(obj_, p, n, t, f); }
   void accumulate(void* d, const void* s, std::size_t n, DType t) const { vt_->accumulate(obj_, d, s, n, t); }
   void cast(void* d, DType to, const void* s, DType from, std::size_t n) const { vt_->cast(obj_, d, to, s, from, n); }
+  // The cast, and `spans` zeroed, in one call where the device can (CastZeroingDevice).
+  void cast_zeroing(void* d, DType to, const void* s, DType from, std::size_t n, std::span<const ZeroSpan> spans) const {
+    vt_->cast_zeroing(obj_, d, to, s, from, n, spans);
+  }
   void synchronize() const { vt_->synchronize(obj_); }
   MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
   // The device's queue (QueuedDevice), or a null handle: collectives are waited on the host.
   DeviceQueue queue() const { return vt_->queue(obj_); }
+  const void* address() const { return obj_; }
 
  private:
   struct VTable {
@@ -93,13 +100,21 @@ class DeviceRef {
     void (*deallocate)(void*, void*, std::size_t, MemorySpace);
     void (*copy)(void*, void*, const void*, std::size_t);
     void (*fill_zero)(void*, void*, std::size_t);
+    void (*fill_zero_batch)(void*, std::span<const ZeroSpan>);
     void (*scale)(void*, void*, std::size_t, DType, double);
     void (*accumulate)(void*, void*, const void*, std::size_t, DType);
     void (*cast)(void*, void*, DType, const void*, DType, std::size_t);
+    void (*cast_zeroing)(void*, void*, DType, const void*, DType, std::size_t, std::span<const ZeroSpan>);
     void (*synchronize)(void*);
     MemoryStats (*stats)(void*, MemorySpace);
     DeviceQueue (*queue)(void*);
   };
+  template <class D>
+  static void zero_all(D& dev, std::span<const ZeroSpan> spans) {
+    if constexpr (BatchZeroingDevice<D>) dev.fill_zero_batch(spans);
+    else
+      for (const ZeroSpan& s : spans) dev.fill_zero(s.data, s.bytes);
+  }
   template <class D>
   static constexpr VTable table{
       [](void* o) -> DeviceId { return static_cast<D*>(o)->id(); },
@@ -107,9 +122,19 @@ class DeviceRef {
       [](void* o, void* p, std::size_t b, MemorySpace s) { static_cast<D*>(o)->deallocate(p, b, s); },
       [](void* o, void* d, const void* s, std::size_t b) { static_cast<D*>(o)->copy(d, s, b); },
       [](void* o, void* p, std::size_t b) { static_cast<D*>(o)->fill_zero(p, b); },
+      [](void* o, std::span<const ZeroSpan> spans) { zero_all(*static_cast<D*>(o), spans); },
       [](void* o, void* p, std::size_t n, DType t, double f) { static_cast<D*>(o)->scale(p, n, t, f); },
       [](void* o, void* d, const void* s, std::size_t n, DType t) { static_cast<D*>(o)->accumulate(d, s, n, t); },
       [](void* o, void* d, DType to, const void* s, DType from, std::size_t n) { static_cast<D*>(o)->cast(d, to, s, from, n); },
+      [](void* o, void* d, DType to, const void* s, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
+        D& dev = *static_cast<D*>(o);
+        if constexpr (CastZeroingDevice<D>) {
+          dev.cast_zeroing(d, to, s, from, n, spans);
+        } else {
+          zero_all(dev, spans);
+          dev.cast(d, to, s, from, n);
+        }
+      },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },
       [](void* o) -> DeviceQueue {

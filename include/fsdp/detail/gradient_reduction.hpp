@@ -11,6 +11,7 @@
 #include "fsdp/detail/flat_param_rules.hpp"
 #include "fsdp/detail/flat_param_storage.hpp"
 #include "fsdp/detail/unit_groups.hpp"
+#include "fsdp/detail/zero_batch.hpp"
 #include "fsdp/gradient_sync.hpp"
 
 namespace fsdp {
@@ -57,8 +58,9 @@ class GradientReduction {
 
   // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
   // unsynchronized backward kept, to add into). `grad_is_zero`: nothing was reduced into
-  // the sharded gradient since zero_grad.
-  void bind_gradients(std::vector<FlatParam>& flat, bool grad_is_zero) {
+  // the sharded gradient since zero_grad. The zeroing joins `zeros`, which the caller
+  // flushes before the engine's backward.
+  void bind_gradients(std::vector<FlatParam>& flat, bool grad_is_zero, ZeroBatch& zeros) {
     for (auto& fp : flat) {
       if (fp.full_grad) {
         // kept by an unsynchronized backward (accumulate == compute): the engine adds into it
@@ -67,7 +69,7 @@ class GradientReduction {
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
       } else {
         fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
-        device_.fill_zero(fp.full_grad, fp.full_bytes());  // engines accumulate into grads
+        zeros.add(device_, fp.full_grad, fp.full_bytes(), MemorySpace::device);  // engines accumulate into grads
       }
       bind_tensors(fp, fp.full_grad, &ParamBinding::grad, fp.compute);
     }
@@ -109,11 +111,12 @@ class GradientReduction {
   }
   void drop_checks() { unchecked_.clear(); }  // a step abandoned: their errors are reported again
 
-  // Also drops what accumulation kept: unsharded gradients and shard-group sums.
-  void zero_grad(std::vector<FlatParam>& flat) {
+  // Also drops what accumulation kept: unsharded gradients and shard-group sums. The
+  // zeroing joins `batch` (the caller flushes it: one call for a whole model's units).
+  void zero_grad(std::vector<FlatParam>& flat, ZeroBatch& batch) {
     for (auto& fp : flat) {
       release_accumulated(fp);
-      if (fp.shard_grad) device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());  // null: freed after a hook
+      batch.add(device_, fp.shard_grad, fp.shard_grad_bytes(), shard_space_);  // null: freed after a hook
     }
   }
 

@@ -53,8 +53,12 @@ inline void ShardedUnit::pre_backward() {
     order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != PrefetchMode::none);
   unshard();  // a no-op where forward left the parameters unsharded
   kept_ = false;
-  group_.bind_gradients(grad_is_zero_);
-  prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward == PrefetchMode::backward_pre);
+  // The fresh gradients are zeroed by the cast that gathers the next unit ahead, where
+  // there is one (one kernel on CUDA, not a cast and a memset), else on their own.
+  ZeroBatch::run([&](ZeroBatch& zeros) {
+    group_.bind_gradients(grad_is_zero_, zeros);
+    prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward == PrefetchMode::backward_pre, &zeros);
+  });
   state_ = TrainingState::BACKWARD_PRE;
   compute_begin_ = now_if_traced();
 }
@@ -79,12 +83,12 @@ inline void ShardedUnit::post_backward() {
   else order_->reduction_issued(*this);
 }
 
-inline void ShardedUnit::prefetch() {
+inline void ShardedUnit::prefetch(ZeroBatch* zeros) {
   HookScope scope(*this, "prefetch");
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
   if (!order_->may_prefetch()) return;
-  if (group_.start_gathers(tag(TagPhase::forward))) { prefetched_ = true; order_->prefetch_issued(); }
+  if (group_.start_gathers(tag(TagPhase::forward), zeros)) { prefetched_ = true; order_->prefetch_issued(); }
 }
 
 inline void ShardedUnit::finish_reduction() {

@@ -56,7 +56,7 @@ class ShardedUnit : public UnitBase {
 
   void post_backward() override;
 
-  void prefetch() override;
+  void prefetch(detail::ZeroBatch* zeros = nullptr) override;
 
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override;
@@ -87,10 +87,11 @@ class ShardedUnit : public UnitBase {
   }
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
-  void zero_grad() override {
+  using UnitBase::zero_grad;
+  void zero_grad(detail::ZeroBatch& batch) override {
     HookScope scope(*this, "zero_grad");
     expect({TrainingState::IDLE}, "zero_grad");
-    group_.zero_grad();
+    group_.zero_grad(batch);
     grad_is_zero_ = true;
   }
 
@@ -223,13 +224,14 @@ class ShardedUnit : public UnitBase {
  private:
   // Inside a model: the explicit prefetch list when set, else (`follow_order`: the policy
   // prefetches here) the next unit of the recorded order.
-  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order) {
+  // `zeros` (may be null): this unit's pending zeroing, for the gathers' casts to do too.
+  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order, detail::ZeroBatch* zeros = nullptr) {
     if (!order_) return;
-    if (!units.empty()) for (auto* u : units) u->prefetch();
-    else if (follow_order) prefetch_next(pass);
+    if (!units.empty()) for (auto* u : units) u->prefetch(zeros);
+    else if (follow_order) prefetch_next(pass, zeros);
   }
-  void prefetch_next(Pass pass) {
-    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch();  // null outside a model
+  void prefetch_next(Pass pass, detail::ZeroBatch* zeros = nullptr) {
+    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch(zeros);  // null outside a model
   }
 
   // The engine's parameter tensors still view what the unit bound them to; a tensor whose

@@ -38,11 +38,18 @@ class HostDevice {
 
   void copy(void* dst, const void* src, std::size_t bytes) { if (bytes) std::memmove(dst, src, bytes); }
   void fill_zero(void* p, std::size_t bytes) { if (bytes) std::memset(p, 0, bytes); }
+  void fill_zero_batch(std::span<const ZeroSpan> spans) {
+    for (const ZeroSpan& s : spans) fill_zero(s.data, s.bytes);
+  }
   void scale(void* p, std::size_t n, DType t, double f) { detail::host_scale(p, n, t, f); }
   void accumulate(void* dst, const void* src, std::size_t n, DType t) {
     detail::host_combine(dst, src, n, t, ReduceOp::sum);
   }
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
+  void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
+    fill_zero_batch(spans);
+    cast(dst, to, src, from, n);
+  }
   void synchronize() {}
   // ShardedGradScaler's unscale (see UnscalingDevice).
   void unscale(void* p, std::size_t n, DType t, double inv_scale) {

@@ -1,0 +1,88 @@
+#pragma once
+// Zeroing gathered into fewer device calls:
+//   - ShardedModel::zero_grad collects every unit's sharded gradients and zeroes the
+//     device-space ones of one device with one fill_zero_batch (one kernel launch on
+//     CUDA, not one memset per unit);
+//   - pre_backward collects the unit's fresh unsharded gradients, and the cast that
+//     gathers the next unit ahead zeroes them too (cast_zeroing: one launch, not two).
+// Host-space buffers (offloaded) are zeroed at once. Whoever fills a batch flushes it, also
+// when leaving by exception: the units already count those buffers as zero.
+#include <array>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "fsdp/detail/backend_ref.hpp"
+
+namespace fsdp::detail {
+
+class ZeroBatch {
+ public:
+  ZeroBatch() = default;
+  ZeroBatch(const ZeroBatch&) = delete;
+  ZeroBatch& operator=(const ZeroBatch&) = delete;
+
+  void add(const DeviceRef& device, void* p, std::size_t bytes, MemorySpace space) {
+    if (!p || bytes == 0) return;
+    if (space == MemorySpace::host) return device.fill_zero(p, bytes);
+    if (device_ && device_->address() != device.address()) flush();  // one batch per device
+    device_.emplace(device);
+    push({p, bytes});
+  }
+
+  // A cast on `device` that also zeroes what waits for that device, in one call where it
+  // can. The cast's buffers are not the batch's (they belong to another unit).
+  void cast(const DeviceRef& device, void* dst, DType to, const void* src, DType from, std::size_t n) {
+    if (count_ == 0 || to == from || n == 0 || device_->address() != device.address())
+      return device.cast(dst, to, src, from, n);
+    device.cast_zeroing(dst, to, src, from, n, spans());
+    clear();
+  }
+
+  void flush() {
+    if (count_ == 1) device_->fill_zero(spans()[0].data, spans()[0].bytes);
+    else if (count_ > 1) device_->fill_zero_batch(spans());
+    clear();
+  }
+
+  std::size_t pending() const { return count_; }
+
+  // fill(batch), then the flush, also when fill throws.
+  template <class Fill>
+  static void run(Fill&& fill) {
+    ZeroBatch batch;
+    try {
+      fill(batch);
+    } catch (...) {
+      batch.flush();
+      throw;
+    }
+    batch.flush();
+  }
+
+ private:
+  // A unit's few buffers stay inline (no allocation per hook); a model's go to the heap.
+  std::span<const ZeroSpan> spans() const {
+    return count_ <= inline_.size() ? std::span<const ZeroSpan>(inline_.data(), count_) : std::span<const ZeroSpan>(more_);
+  }
+  void push(ZeroSpan z) {
+    if (count_ < inline_.size()) inline_[count_] = z;
+    else {
+      if (count_ == inline_.size()) more_.assign(inline_.begin(), inline_.end());
+      more_.push_back(z);
+    }
+    ++count_;
+  }
+  void clear() {
+    count_ = 0;
+    more_.clear();
+    device_.reset();
+  }
+
+  std::optional<DeviceRef> device_;
+  std::array<ZeroSpan, 4> inline_{};
+  std::size_t count_ = 0;
+  std::vector<ZeroSpan> more_;
+};
+
+}  // namespace fsdp::detail
