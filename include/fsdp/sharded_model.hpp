@@ -186,9 +186,10 @@ class ShardedModel {
   // Zeroes the sharded gradients and frees what accumulation kept. Every unit's zeroing
   // goes out in one device call where the device can (BatchZeroingDevice).
   void zero_grad() {
-    detail::ZeroBatch::run([&](detail::ZeroBatch& batch) {
-      for (auto& u : units_) u->zero_grad(batch);
-    });
+    std::vector<UnitBase*> units;
+    units.reserve(units_.size());
+    for (auto& u : units_) units.push_back(u.get());
+    UnitBase::zero_grad_all(units);
   }
 
   // Every parameter whole, in its master dtype, in the engine's tensors until the returned

@@ -115,10 +115,11 @@ class UnitBase {
   virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
   // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
-  // IDLE only: the sharded gradient becomes zero; kept accumulation is freed. With a
-  // batch, the zeroing joins it for the caller to flush (ShardedModel's: one call for all).
-  void zero_grad() { detail::ZeroBatch::run([&](detail::ZeroBatch& b) { zero_grad(b); }); }
+  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. zero_grad_all:
+  // every unit's zeroing joins one batch, flushed as one call (detail::zero_grads).
+  void zero_grad() { UnitBase* u = this; zero_grad_all(std::span<UnitBase* const>(&u, 1)); }
   virtual void zero_grad(detail::ZeroBatch& batch) = 0;
+  static void zero_grad_all(std::span<UnitBase* const> units) { detail::zero_grads(units, [](UnitBase* u) { u->failed_hook_ = "zero_grad"; }); }
   // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
@@ -215,7 +216,6 @@ class UnitBase {
   virtual void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) = 0;
 
  public:
-
   // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
   // when set, these units are gathered at this unit's pre_forward / pre_backward instead
   // of the next unit in the recorded order.

@@ -22,6 +22,7 @@ using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
 static_assert(fsdp::Device<fsdp::CountingDevice<fsdp::HostDevice>>);
 static_assert(fsdp::UnscalingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);  // passed through
 static_assert(fsdp::BatchZeroingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);
+static_assert(fsdp::CastZeroingDevice<fsdp::CountingDevice<fsdp::HostDevice>>);
 static_assert(!fsdp::QueuedDevice<fsdp::CountingDevice<fsdp::HostDevice>>);     // not invented
 
 struct StepCounts {

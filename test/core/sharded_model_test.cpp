@@ -6,6 +6,9 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <span>
+#include <string_view>
+#include <utility>
 
 #include <fsdp/counting_device.hpp>
 
@@ -210,6 +213,37 @@ TEST_CASE("zero_grad zeroes every unit's sharded gradients with one device call"
     CHECK(device.counts()[fsdp::DeviceOp::fill_zero] == sm.shards().size());  // in host memory, one each
     for (const auto& v : sm.shards())
       for (std::int64_t i = 0; i < v.numel; ++i) CHECK(static_cast<const float*>(v.grad)[i] == 0.0f);
+  });
+}
+
+// The units count their gradients as zero once they joined the batch, so a zeroing call
+// that fails must not leave them training on stale gradients: each is failed in
+// zero_grad, its next hook asks for abort_step, and after it training goes on.
+TEST_CASE("a failed zero_grad call leaves every unit failed until abort_step") {
+  struct FlakyZeroing : fsdp::HostDevice {
+    bool fail_next = false;
+    void fill_zero_batch(std::span<const fsdp::ZeroSpan> spans) {
+      if (std::exchange(fail_next, false)) fsdp::detail::fail("injected: fill_zero_batch failed");
+      fsdp::HostDevice::fill_zero_batch(spans);
+    }
+  };
+  static_assert(fsdp::BatchZeroingDevice<FlakyZeroing>);
+  const auto c = small();
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    FlakyZeroing device;
+    auto sm = fsdp::shard<fsdp::NoShard>(model, comm, device, engine::Wrap{});
+    engine::Sgd sgd(0.05f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    device.fail_next = true;
+    CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("injected"), fsdp::Error);
+    for (auto& u : sm) CHECK(u->failed_hook() == std::string_view("zero_grad"));
+    CHECK_THROWS_WITH_AS(sm[0].pre_forward(), doctest::Contains("zero_grad left by an exception"), fsdp::Error);
+    sm.abort_step();
+    sm.zero_grad();
+    for (const auto& v : sm.shards())
+      for (std::int64_t i = 0; i < v.numel; ++i) CHECK(static_cast<const float*>(v.grad)[i] == 0.0f);
+    CHECK_NOTHROW(engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1)));
   });
 }
 

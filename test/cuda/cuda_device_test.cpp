@@ -333,9 +333,12 @@ TEST_CASE("fill_zero_batch zeroes each buffer exactly, over several launches" * 
   std::size_t wrong = 0;
   for (std::size_t k = 0; k < total; ++k) wrong += got[k] != want[k];
   CHECK(wrong == 0);
+  dev.copy(d, pattern.data(), total);
   dev.fill_zero_batch(std::span<const fsdp::ZeroSpan>(spans).first(1));  // one: a memset
   dev.fill_zero_batch({});
+  dev.copy(got.data(), d, total);
   dev.synchronize();
+  CHECK(std::count(got.begin(), got.end(), 0) == static_cast<std::ptrdiff_t>(sizes[0]));
   dev.deallocate(d, total, kDev);
 }
 
@@ -391,6 +394,41 @@ TEST_CASE("cast_zeroing casts like cast and zeroes like fill_zero_batch, in one 
     dev.deallocate(d_dst, n * 2, kDev);
     dev.deallocate(z, total, kDev);
   }
+}
+
+// Past the grid cap (32 blocks per SM) the kernels loop over their blocks: a 320 MiB
+// buffer (10,240 blocks of 32 KiB; an H200's cap is 4,224) zeroed alone and beside a cast
+// of 8M elements (cap: 4,224 blocks of 256 threads, 1.08M elements).
+TEST_CASE("fill_zero_batch and cast_zeroing loop past the grid cap" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  constexpr std::size_t big = std::size_t{320} << 20, small = 4096, n = std::size_t{8} << 20;
+  auto* z = static_cast<unsigned char*>(dev.allocate(big + small, kDev));
+  Bytes pattern(big + small, 0x5A), back(big + small);
+  auto count_zero = [&] {
+    dev.copy(back.data(), z, big + small);
+    dev.synchronize();
+    return static_cast<std::size_t>(std::count(back.begin(), back.end(), 0));
+  };
+  const fsdp::ZeroSpan spans[] = {{z, big}, {z + big, small}};
+  dev.copy(z, pattern.data(), big + small);
+  dev.fill_zero_batch(spans);
+  CHECK(count_zero() == big + small);
+
+  std::vector<float> src(n);
+  for (std::size_t i = 0; i < n; ++i) src[i] = static_cast<float>(i % 1000) * 0.25f;
+  std::vector<std::uint16_t> want(n), got(n);
+  HostDevice().cast(want.data(), DType::bf16, src.data(), DType::f32, n);
+  void* d_src = dev.allocate(n * 4, kDev);
+  void* d_dst = dev.allocate(n * 2, kDev);
+  dev.copy(d_src, src.data(), n * 4);
+  dev.copy(z, pattern.data(), big + small);
+  dev.cast_zeroing(d_dst, DType::bf16, d_src, DType::f32, n, spans);
+  dev.copy(got.data(), d_dst, n * 2);
+  CHECK(count_zero() == big + small);
+  CHECK(got == want);
+  dev.deallocate(d_src, n * 4, kDev);
+  dev.deallocate(d_dst, n * 2, kDev);
+  dev.deallocate(z, big + small, kDev);
 }
 
 TEST_CASE("scale matches HostDevice bitwise for every dtype" * doctest::skip(no_gpu)) {

@@ -209,9 +209,11 @@ class CudaDevice {
   // would get alone, the zeroing as many blocks more as fill_zero_batch would give it. A
   // copy (to == from), or more than 128 buffers, goes as the two calls.
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
+    std::size_t nonempty = 0;
+    for (const ZeroSpan& z : spans) nonempty += z.bytes != 0;
     detail::ZeroSpans table;
-    const bool fits = detail::fill_zero_spans_table(spans, table) == spans.size();
-    if (to == from || n == 0 || table.count == 0 || !fits) {
+    detail::fill_zero_spans_table(spans, table);
+    if (to == from || n == 0 || nonempty == 0 || nonempty > table.count) {
       fill_zero_batch(spans);
       return cast(dst, to, src, from, n);
     }

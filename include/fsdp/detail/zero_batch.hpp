@@ -19,6 +19,7 @@ namespace fsdp::detail {
 class ZeroBatch {
  public:
   ZeroBatch() = default;
+  ~ZeroBatch() { flush_quietly(); }  // a caller that forgot to flush still gets zeros
   ZeroBatch(const ZeroBatch&) = delete;
   ZeroBatch& operator=(const ZeroBatch&) = delete;
 
@@ -47,17 +48,25 @@ class ZeroBatch {
 
   std::size_t pending() const { return count_; }
 
-  // fill(batch), then the flush, also when fill throws.
+  // fill(batch), then the flush, also when fill throws (its error is the one that goes on).
   template <class Fill>
   static void run(Fill&& fill) {
     ZeroBatch batch;
     try {
       fill(batch);
     } catch (...) {
-      batch.flush();
+      batch.flush_quietly();
       throw;
     }
     batch.flush();
+  }
+
+  void flush_quietly() noexcept {
+    try {
+      flush();
+    } catch (...) {  // the caller is already failing with an error of its own
+      clear();
+    }
   }
 
  private:
@@ -84,5 +93,27 @@ class ZeroBatch {
   std::size_t count_ = 0;
   std::vector<ZeroSpan> more_;
 };
+
+// Each unit's zero_grad(batch), then one flush (UnitBase::zero_grad_all). The units count
+// their gradients as zero once they added them, so a flush that fails marks each of them
+// failed (`mark`), as a hook that throws does: its next hook asks for abort_step instead of
+// training on stale gradients. When a unit throws, the ones before it are flushed and its
+// error goes on.
+template <class Unit, class MarkFailed>
+void zero_grads(std::span<Unit* const> units, MarkFailed mark) {
+  ZeroBatch batch;
+  try {
+    for (Unit* u : units) u->zero_grad(batch);
+  } catch (...) {
+    batch.flush_quietly();
+    throw;
+  }
+  try {
+    batch.flush();
+  } catch (...) {
+    for (Unit* u : units) mark(u);
+    throw;
+  }
+}
 
 }  // namespace fsdp::detail
