@@ -67,17 +67,14 @@ class CountingDevice {
   void fill_zero_batch(std::span<const ZeroSpan> spans)
     requires BatchZeroingDevice<D>
   {
-    std::size_t bytes = 0;
-    for (const ZeroSpan& s : spans) bytes += s.bytes;
-    note(DeviceOp::fill_zero_batch, bytes), inner_->fill_zero_batch(spans);
+    note(DeviceOp::fill_zero_batch, bytes_of(spans)), inner_->fill_zero_batch(spans);
   }
   // One call: the cast and the zeroing (a cast to its own dtype counts as cast does, the
   // zeroing as a batch, the two calls a device makes for them).
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans)
     requires CastZeroingDevice<D>
   {
-    std::size_t bytes = 0;
-    for (const ZeroSpan& s : spans) bytes += s.bytes;
+    const std::size_t bytes = bytes_of(spans);
     if (to != from && n && bytes) note(DeviceOp::cast_zeroing, n);
     else note(DeviceOp::fill_zero_batch, bytes), note_cast(dst, to, src, from, n);
     inner_->cast_zeroing(dst, to, src, from, n, spans);
@@ -104,6 +101,11 @@ class CountingDevice {
  private:
   void note(DeviceOp op, std::size_t size) {
     if (size) ++counts_[op];
+  }
+  static std::size_t bytes_of(std::span<const ZeroSpan> spans) {
+    std::size_t bytes = 0;
+    for (const ZeroSpan& s : spans) bytes += s.bytes;
+    return bytes;
   }
   // A cast to its own dtype is a copy on every device (or nothing, in place).
   void note_cast(void* dst, DType to, const void* src, DType from, std::size_t n) {

@@ -130,8 +130,9 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, f32") 
     REQUIRE(U == 5);  // 3 blocks, the gain, the root
     CHECK(got.ops[DeviceOp::allocate] == gathers + U);  // gathered parameters, unsharded gradients
     CHECK(got.ops[DeviceOp::deallocate] == gathers + U);
-    CHECK(got.ops[DeviceOp::fill_zero] == U);  // the unsharded gradients (no cast to ride on)
-    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1);  // zero_grad, every unit's
+    // zero_grad, every unit's at once; each unit's unsharded gradient (no cast to ride on)
+    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1 + U);
+    CHECK(got.ops[DeviceOp::fill_zero] == 0);
     CHECK(got.ops[DeviceOp::cast_zeroing] == 0);
     CHECK(got.ops[DeviceOp::cast] == 0);
     CHECK(got.ops[DeviceOp::accumulate] == 0);
@@ -162,8 +163,8 @@ TEST_CASE("a FullShard step's device operations and collectives per unit, bf16 w
     const std::uint64_t prefetches = U - 1;
     CHECK(got.ops[DeviceOp::cast_zeroing] == prefetches);
     CHECK(got.ops[DeviceOp::cast] == gathers + U - prefetches);
-    CHECK(got.ops[DeviceOp::fill_zero] == U - prefetches);
-    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1);
+    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1 + U - prefetches);  // zero_grad's, the last unit's gradient
+    CHECK(got.ops[DeviceOp::fill_zero] == 0);
     CHECK(got.ops[DeviceOp::scale] == 0);
     CHECK(got.ops[DeviceOp::copy] == 0);  // gathered in place; over one rank nothing to copy either
     CHECK(got.ops[DeviceOp::accumulate] == 0);

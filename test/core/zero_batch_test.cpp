@@ -1,7 +1,7 @@
 // fsdp/detail/zero_batch.hpp: zeroing gathered into fewer device calls. Counted on
-// CountingDevice: one call for many buffers, a lone buffer as a plain fill_zero, host
-// buffers at once, one batch per device, and a cast that zeroes the batch along the way
-// only where it is a real cast on the batch's own device.
+// CountingDevice: one call for many buffers, host buffers at once, one batch per device,
+// and a cast that zeroes the batch along the way only where it is a real cast on the
+// batch's own device.
 #include <doctest/doctest.h>
 
 #include <stdexcept>
@@ -29,7 +29,7 @@ struct Buffers {  // n buffers of 8 floats, all 1
 };
 }  // namespace
 
-TEST_CASE("many buffers in one call (past the inline ones), one as fill_zero, host ones at once") {
+TEST_CASE("many buffers in one call (past the inline ones), host ones at once") {
   fsdp::HostDevice host;
   fsdp::CountingDevice<fsdp::HostDevice> counted(host);
   const DeviceRef dev(counted);
@@ -51,8 +51,8 @@ TEST_CASE("many buffers in one call (past the inline ones), one as fill_zero, ho
   batch.add(dev, one.v[0].data(), 32, MemorySpace::device);
   batch.flush();
   CHECK(one.zero(0));
-  CHECK(counted.counts()[DeviceOp::fill_zero] == 2);  // a lone buffer: a plain memset
-  batch.flush();                                      // empty: no call
+  CHECK(counted.counts()[DeviceOp::fill_zero_batch] == 2);  // a lone buffer too: the device decides how
+  batch.flush();                                            // empty: no call
   CHECK(counted.counts().total() == 3);
 }
 
@@ -70,7 +70,7 @@ TEST_CASE("a buffer of another device flushes the batch first") {
   CHECK(c1.counts()[DeviceOp::fill_zero_batch] == 1);
   batch.flush();
   CHECK(b.zero(2));
-  CHECK(c2.counts()[DeviceOp::fill_zero] == 1);
+  CHECK(c2.counts()[DeviceOp::fill_zero_batch] == 1);
 }
 
 TEST_CASE("a cast zeroes the batch on its way only when it is a cast on the batch's device") {

@@ -147,21 +147,16 @@ class CudaDevice {
     check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
   }
 
-  // Many device-space buffers, one launch per 128 of them (BatchZeroingDevice); a batch of
-  // one is a cudaMemsetAsync.
+  // Many device-space buffers, one launch per 128 of them (BatchZeroingDevice); a lone
+  // buffer is a cudaMemsetAsync.
   void fill_zero_batch(std::span<const ZeroSpan> spans) {
-    std::size_t nonempty = 0;
-    for (const ZeroSpan& z : spans) nonempty += z.bytes != 0;
-    if (nonempty <= 1) {
-      for (const ZeroSpan& z : spans) fill_zero(z.data, z.bytes);
-      return;
-    }
     Guard g(*this);
     detail::ZeroSpans table;
     void* args[] = {&table};
     while (!spans.empty()) {
       spans = spans.subspan(detail::fill_zero_spans_table(spans, table));
-      if (table.count == 0) continue;
+      if (table.count == 1) fill_zero(table.data[0], table.bytes[0]);
+      if (table.count <= 1) continue;
       // A grid as for one element per thread of every block of the table (a grid-stride loop beyond).
       check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().zero_spans),
                              dim3(grid_for(table.first_block[table.count] * threads_per_block)), dim3(threads_per_block),
@@ -209,11 +204,9 @@ class CudaDevice {
   // would get alone, the zeroing as many blocks more as fill_zero_batch would give it. A
   // copy (to == from), or more than 128 buffers, goes as the two calls.
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
-    std::size_t nonempty = 0;
-    for (const ZeroSpan& z : spans) nonempty += z.bytes != 0;
     detail::ZeroSpans table;
-    detail::fill_zero_spans_table(spans, table);
-    if (to == from || n == 0 || nonempty == 0 || nonempty > table.count) {
+    const bool fits = detail::fill_zero_spans_table(spans, table) == spans.size();
+    if (to == from || n == 0 || table.count == 0 || !fits) {
       fill_zero_batch(spans);
       return cast(dst, to, src, from, n);
     }

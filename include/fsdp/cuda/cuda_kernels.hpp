@@ -138,8 +138,11 @@ __device__ void store_from_double(void* p, u64 i, int t, double v) {
   }
 }
 
-#define FSDP_FOR_EACH(i, n) \
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+// Element i of n for this thread, as block `block` of `blocks` (a grid-stride loop): the
+// whole grid, or the share of it a kernel gives one task (fsdp_cast_zero).
+#define FSDP_FOR_EACH_OF(i, n, block, blocks) \
+  for (u64 i = (u64)(block) * blockDim.x + threadIdx.x; i < (n); i += (u64)(blocks) * blockDim.x)
+#define FSDP_FOR_EACH(i, n) FSDP_FOR_EACH_OF(i, n, blockIdx.x, gridDim.x)
 
 template <class T> __device__ void scale_float(T* q, u64 n, double factor) {
   const T f = (T)factor;
@@ -223,15 +226,12 @@ extern "C" __global__ void fsdp_unscale(void* p, u64 n, int t, double inv, u32* 
 // Every span of the table zeroed (fsdp/cuda/zero_spans.hpp): a grid-stride loop over the
 // blocks of all spans.
 extern "C" __global__ void fsdp_zero_spans(ZeroSpans s) {
-  const u64 blocks = s.first_block[s.count];
-  for (u64 b = blockIdx.x; b < blocks; b += gridDim.x) zero_spans_block(s, b, threadIdx.x, blockDim.x);
+  zero_spans_blocks(s, blockIdx.x, gridDim.x, threadIdx.x, blockDim.x);
 }
 
-// to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast. Run by
-// blocks `block` of `blocks` (a grid-stride loop over them), so a kernel can give the cast
-// some of its blocks and other work the rest (fsdp_cast_zero).
-#define FSDP_FOR_EACH_OF(i, n, block, blocks) \
-  for (u64 i = (u64)(block) * blockDim.x + threadIdx.x; i < (n); i += (u64)(blocks) * blockDim.x)
+// to != from (equal dtypes are a copy). Same steps as fsdp::detail::host_cast, run by
+// block `block` of `blocks`, so a kernel can give the cast some of its blocks and other
+// work the rest (fsdp_cast_zero).
 
 __device__ __forceinline__ void cast_blocks(void* dst, int to, const void* src, int from, u64 n, u64 block, u64 blocks) {
   if (from == F32 && is_half(to)) {  // the mixed-precision hot paths
@@ -266,8 +266,7 @@ extern "C" __global__ void fsdp_cast(void* dst, int to, const void* src, int fro
 extern "C" __global__ void fsdp_cast_zero(void* dst, int to, const void* src, int from, u64 n, u32 cast_grid,
                                           ZeroSpans z) {
   if (blockIdx.x < cast_grid) return cast_blocks(dst, to, src, from, n, blockIdx.x, cast_grid);
-  const u64 blocks = z.first_block[z.count];
-  for (u64 b = blockIdx.x - cast_grid; b < blocks; b += gridDim.x - cast_grid) zero_spans_block(z, b, threadIdx.x, blockDim.x);
+  zero_spans_blocks(z, blockIdx.x - cast_grid, gridDim.x - cast_grid, threadIdx.x, blockDim.x);
 }
 )cuda";
 

@@ -59,23 +59,32 @@ FSDP_ZERO_SPANS_TEXT(
       ZeroQuad* q = (ZeroQuad*)(p + body);
       for (unsigned long long i = t; i < quads; i += threads) q[i] = ZeroQuad{0, 0};
       for (unsigned long long i = body + quads * 16 + t; i < end; i += threads) p[i] = 0;
+    }
+
+    // A grid of `stride` blocks covers all of the table's: block `first` takes blocks
+    // first, first + stride, ... (a grid-stride loop; the kernels pass their block index).
+    FSDP_ZERO_SPANS_FN void zero_spans_blocks(const ZeroSpans& s, unsigned long long first, unsigned long long stride,
+                                              unsigned t, unsigned threads) {
+      for (unsigned long long b = first; b < s.first_block[s.count]; b += stride) zero_spans_block(s, b, t, threads);
     })
 
 inline constexpr std::size_t zero_spans_capacity = 128;
 inline constexpr std::size_t zero_spans_chunk = 32 * 1024;  // bytes per block: 8 stores of 16 per thread of 256
 static_assert(sizeof(ZeroSpans) == 3096 && std::size(ZeroSpans{}.data) == zero_spans_capacity);
 
-// Fills `table` with the first spans of `spans` that fit (empty ones skipped); returns
-// how many of `spans` it took. table.first_block[table.count] is the launch's block count.
+// Fills `table` with the first spans of `spans` that fit (empty ones skipped, also after
+// the last that fits); returns how many of `spans` it took: all of them when the table
+// holds every non-empty one. table.first_block[table.count] is the launch's block count.
 inline std::size_t fill_zero_spans_table(std::span<const ZeroSpan> spans, ZeroSpans& table,
                                          std::size_t chunk = zero_spans_chunk) {
   table.count = 0;
   table.chunk = chunk;
   table.first_block[0] = 0;
   std::size_t taken = 0;
-  for (; taken < spans.size() && table.count < zero_spans_capacity; ++taken) {
+  for (; taken < spans.size(); ++taken) {
     const ZeroSpan& s = spans[taken];
     if (s.bytes == 0) continue;
+    if (table.count == zero_spans_capacity) break;
     const auto i = table.count++;
     table.data[i] = static_cast<unsigned char*>(s.data);
     table.bytes[i] = s.bytes;

@@ -19,7 +19,12 @@ namespace fsdp::detail {
 class ZeroBatch {
  public:
   ZeroBatch() = default;
-  ~ZeroBatch() { flush_quietly(); }  // a caller that forgot to flush still gets zeros
+  ~ZeroBatch() {  // left by an exception (or never flushed): what was added is still zeroed
+    try {
+      flush();
+    } catch (...) {  // the caller is already failing with an error of its own
+    }
+  }
   ZeroBatch(const ZeroBatch&) = delete;
   ZeroBatch& operator=(const ZeroBatch&) = delete;
 
@@ -40,32 +45,30 @@ class ZeroBatch {
     clear();
   }
 
+  // Empty afterwards, also when the device call throws. A lone buffer goes the same way:
+  // the device knows best how to zero it (CudaDevice: a memset).
   void flush() {
-    if (count_ == 1) device_->fill_zero(spans()[0].data, spans()[0].bytes);
-    else if (count_ > 1) device_->fill_zero_batch(spans());
-    clear();
+    if (count_ == 0) return;
+    struct EmptyAfter {
+      ZeroBatch& b;
+      ~EmptyAfter() { b.clear(); }
+    } empty_after{*this};
+    device_->fill_zero_batch(spans());
   }
 
   std::size_t pending() const { return count_; }
 
-  // fill(batch), then the flush, also when fill throws (its error is the one that goes on).
-  template <class Fill>
-  static void run(Fill&& fill) {
+  // fill(batch), then the flush. When fill throws, what it added is flushed too (by the
+  // destructor) and fill's error goes on; when the flush throws, on_flush_error runs first.
+  template <class Fill, class OnFlushError = void (*)()>
+  static void run(Fill&& fill, OnFlushError on_flush_error = [] {}) {
     ZeroBatch batch;
+    fill(batch);
     try {
-      fill(batch);
+      batch.flush();
     } catch (...) {
-      batch.flush_quietly();
+      on_flush_error();
       throw;
-    }
-    batch.flush();
-  }
-
-  void flush_quietly() noexcept {
-    try {
-      flush();
-    } catch (...) {  // the caller is already failing with an error of its own
-      clear();
     }
   }
 
@@ -97,23 +100,12 @@ class ZeroBatch {
 // Each unit's zero_grad(batch), then one flush (UnitBase::zero_grad_all). The units count
 // their gradients as zero once they added them, so a flush that fails marks each of them
 // failed (`mark`), as a hook that throws does: its next hook asks for abort_step instead of
-// training on stale gradients. When a unit throws, the ones before it are flushed and its
+// training on stale gradients. When a unit throws, the ones before it are zeroed and its
 // error goes on.
 template <class Unit, class MarkFailed>
 void zero_grads(std::span<Unit* const> units, MarkFailed mark) {
-  ZeroBatch batch;
-  try {
-    for (Unit* u : units) u->zero_grad(batch);
-  } catch (...) {
-    batch.flush_quietly();
-    throw;
-  }
-  try {
-    batch.flush();
-  } catch (...) {
-    for (Unit* u : units) mark(u);
-    throw;
-  }
+  ZeroBatch::run([&](ZeroBatch& batch) { for (Unit* u : units) u->zero_grad(batch); },
+                 [&] { for (Unit* u : units) mark(u); });
 }
 
 }  // namespace fsdp::detail
