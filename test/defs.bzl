@@ -79,3 +79,29 @@ def fsdp_test_group(name, srcs, deps = [], hdrs = [], **kwargs):
         deps = deps + [":" + name + "_files"],
         **kwargs
     )
+
+def fsdp_emulated_cuda_test(name, srcs, deps = [], **kwargs):
+    """Declares a cc_test of the CUDA host code against the emulated CUDA runtime.
+
+    Linked with //tools/cuda_emulator instead of libcudart and libnvrtc, and with its doctest
+    main, which fails the run when the emulator found a stream-order race or an invalid
+    memory use. No NVIDIA library is linked, so these also run under the sanitizers.
+
+    Args:
+      name: target name, e.g. "cuda_sharded_emulated_test".
+      srcs: test files, relative to this package.
+      deps: extra deps; nothing that links //:fsdp_cuda (use //:fsdp_cuda_api).
+      **kwargs: forwarded to cc_test.
+    """
+    cc_test(
+        name = name,
+        srcs = srcs,
+        deps = deps + [
+            "//:fsdp",
+            "//:fsdp_cuda_api",
+            "//tools/cuda_emulator",
+            "//tools/cuda_emulator:emulated_doctest_main",
+            "@doctest",
+        ],
+        **kwargs
+    )

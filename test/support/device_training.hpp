@@ -215,6 +215,24 @@ double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const Devic
   return loss;
 }
 
+// One step's hooks alone, with an engine that computes nothing and makes no device call,
+// so every device or CUDA call made is the library's: zero_grad, every unit's forward, every
+// unit's backward (last layer first, inside the root's), finish_backward.
+template <fsdp::Device D>
+void hooks_only_step(Net<D>& net, fsdp::ShardedModel& sm) {
+  fsdp::UnitBase& root = *sm.find_unit_for(net);
+  sm.zero_grad();
+  {
+    auto fwd = root.forward_scope();
+    for (auto& l : net.layers) auto scope = sm.find_unit_for(l)->forward_scope();
+  }
+  {
+    auto bwd = root.backward_scope();
+    for (auto it = net.layers.rbegin(); it != net.layers.rend(); ++it) auto scope = sm.find_unit_for(*it)->backward_scope();
+  }
+  sm.finish_backward();
+}
+
 // SGD on this rank's f32 shards: p += (-lr) * g, as Device::scale then Device::accumulate
 // on `stepper`: the training Device, or a HostDevice for shards in host memory (offloaded),
 // which then reads the gradients right after finish_backward, as a CPU optimizer does; that

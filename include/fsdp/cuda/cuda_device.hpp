@@ -112,12 +112,13 @@ class CudaDevice {
 
   void* allocate(std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (bytes == 0) return nullptr;
-    Guard g(*this);
     void* p = nullptr;
-    if (space == MemorySpace::device)
+    if (space == MemorySpace::device) {  // from the stream's device's pool: no Guard needed
       check(cudaMallocAsync(&p, bytes, stream_), "cudaMallocAsync(", bytes, " bytes)");
-    else
+    } else {
+      Guard g(*this);
       check(cudaMallocHost(&p, bytes), "cudaMallocHost(", bytes, " bytes)");
+    }
     counter_.allocated(bytes, space);
     return p;
   }
@@ -125,10 +126,10 @@ class CudaDevice {
   void deallocate(void* p, std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (!p) return;
     counter_.check_free(bytes, space, "CudaDevice(cuda:" + std::to_string(index_) + ")");
-    Guard g(*this);
     if (space == MemorySpace::device) {
-      check(cudaFreeAsync(p, stream_), "cudaFreeAsync");
+      check(cudaFreeAsync(p, stream_), "cudaFreeAsync");  // ordered on the stream: no Guard needed
     } else {
+      Guard g(*this);
       check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (before cudaFreeHost)");
       check(cudaFreeHost(p), "cudaFreeHost");
     }
@@ -136,8 +137,7 @@ class CudaDevice {
   }
 
   void copy(void* dst, const void* src, std::size_t bytes) {
-    if (bytes == 0) return;
-    Guard g(*this);
+    if (bytes == 0) return;  // a copy may be queued on a stream of another device: no Guard
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync(", bytes, " bytes)");
   }
 
@@ -155,7 +155,8 @@ class CudaDevice {
     void* args[] = {&table};
     while (!spans.empty()) {
       spans = spans.subspan(detail::fill_zero_spans_table(spans, table));
-      if (table.count == 1) fill_zero(table.data[0], table.bytes[0]);
+      if (table.count == 1)
+        check(cudaMemsetAsync(table.data[0], 0, table.bytes[0], stream_), "cudaMemsetAsync(", table.bytes[0], " bytes)");
       if (table.count <= 1) continue;
       // A grid as for one element per thread of every block of the table (a grid-stride loop beyond).
       check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().zero_spans),
@@ -266,7 +267,11 @@ class CudaDevice {
                  cast_zero = nullptr;
   };
 
-  // Makes this device current for the calling thread, restoring the previous one after.
+  // Makes this device current for the calling thread, restoring the previous one after:
+  // around kernel launches (they fail on a stream of a device that is not current), memsets
+  // and the calls that are not stream-ordered. Stream-ordered allocation, free and copy take
+  // their device from the stream, so they go without one (a cudaGetDevice saved per call,
+  // several per unit and step).
   struct Guard {
     explicit Guard(const CudaDevice& d) : index(d.index_) {
       d.check(cudaGetDevice(&prev), "cudaGetDevice");

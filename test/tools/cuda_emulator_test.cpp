@@ -1,0 +1,190 @@
+// The emulated CUDA runtime (tools/cuda_emulator) itself: that it finds the stream-order
+// races and invalid memory uses it promises to find, and nothing where the order is right;
+// that its kernels compute what a GPU would for the grid they are given; that injected
+// failures reach the library as errors; that calls are counted per thread.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/cuda/cuda_device.hpp"
+#include "fsdp/cuda/cuda_kernels.hpp"
+#include "tools/cuda_emulator/emulator.hpp"
+
+namespace {
+
+bool any_contains(const std::vector<std::string>& v, const std::string& part) {
+  for (const auto& s : v)
+    if (s.find(part) != std::string::npos) return true;
+  return false;
+}
+
+struct Streams {
+  cudaStream_t a = nullptr, b = nullptr;
+  cudaEvent_t e = nullptr;
+  Streams() {
+    REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess);
+  }
+  ~Streams() {
+    cudaStreamSynchronize(a), cudaStreamSynchronize(b);
+    cudaEventDestroy(e), cudaStreamDestroy(a), cudaStreamDestroy(b);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a read on another stream with nothing ordering it after the write is a race; an event wait orders it") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  std::vector<char> host(64);
+  for (bool wait : {false, true}) {
+    CAPTURE(wait);
+    void* p = nullptr;
+    REQUIRE(cudaMallocAsync(&p, 64, s.a) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(p, 1, 64, s.a) == cudaSuccess);
+    if (wait) {
+      REQUIRE(cudaEventRecord(s.e, s.a) == cudaSuccess);
+      REQUIRE(cudaStreamWaitEvent(s.b, s.e, 0) == cudaSuccess);
+    }
+    REQUIRE(cudaMemcpyAsync(host.data(), p, 64, cudaMemcpyDeviceToHost, s.b) == cudaSuccess);
+    CHECK(host[63] == 1);  // eager: the bytes are right either way
+    const auto found = cuda_emulator::take_violations();
+    CHECK(found.empty() == wait);
+    if (!wait) {
+      CHECK(any_contains(found, "reads bytes [0, 64) of the 64-byte device allocation"));
+      CHECK(any_contains(found, "which cudaMemsetAsync on stream #"));
+      CHECK(any_contains(found, "before its cudaMallocAsync on stream #"));  // the allocation too
+    }
+    REQUIRE(cudaStreamSynchronize(s.b) == cudaSuccess);
+    REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);
+    (void)cuda_emulator::take_violations();
+  }
+}
+
+TEST_CASE("a host synchronization orders what follows it on every stream") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void* p = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 16, s.a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(p, 0, 16, s.a) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(p, 2, 16, s.b) == cudaSuccess);  // after the host saw stream a done
+  REQUIRE(cudaStreamSynchronize(s.b) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("a stream-ordered free must come after every stream's use of the memory") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void* p = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 32, s.a) == cudaSuccess);
+  REQUIRE(cudaEventRecord(s.e, s.a) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s.b, s.e, 0) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(p, 0, 32, s.b) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);  // stream a never waited for b's memset
+  const auto found = cuda_emulator::take_violations();
+  CHECK(any_contains(found, "cudaFreeAsync on stream #"));
+  CHECK(any_contains(found, "while cudaMemsetAsync on stream #"));
+}
+
+TEST_CASE("use after free, past the end, and pageable memory in a kernel are refused and reported") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void* p = nullptr;
+  REQUIRE(cudaMallocAsync(&p, 32, s.a) == cudaSuccess);
+  CHECK(cudaMemsetAsync(p, 0, 33, s.a) == cudaErrorInvalidValue);
+  CHECK(std::string(cudaGetErrorString(cudaErrorInvalidValue)).find("past its end") != std::string::npos);
+  (void)cudaGetLastError();
+  REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);
+  std::vector<char> host(32);
+  CHECK(cudaMemcpyAsync(host.data(), p, 32, cudaMemcpyDefault, s.a) == cudaErrorInvalidValue);
+  CHECK(std::string(cudaGetErrorString(cudaErrorInvalidValue)).find("already freed") != std::string::npos);
+  CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+  CHECK(cudaGetLastError() == cudaSuccess);  // cleared
+  // A kernel on pageable host memory (a GPU would fault), through CudaDevice: an fsdp::Error.
+  fsdp::CudaDevice d(0);
+  std::vector<float> pageable(8, 1.0f);
+  CHECK_THROWS_WITH_AS(d.scale(pageable.data(), 8, fsdp::DType::f32, 2.0),
+                       doctest::Contains("fsdp_scale writes"), fsdp::Error);
+  CHECK(pageable[0] == 1.0f);  // not run
+  const auto found = cuda_emulator::take_violations();
+  CHECK(found.size() == 3);
+  CHECK(any_contains(found, "which is not device memory"));
+}
+
+TEST_CASE("the kernels cover what their grid covers: a fused launch with no zeroing blocks zeroes nothing") {
+  const auto image = fsdp::detail::compile_cuda_kernels(9, 0);
+  cudaLibrary_t lib = nullptr;
+  REQUIRE(cudaLibraryLoadData(&lib, image.code.data(), nullptr, nullptr, 0, nullptr, nullptr, 0) == cudaSuccess);
+  cudaKernel_t cast_zero = nullptr, missing = nullptr;
+  REQUIRE(cudaLibraryGetKernel(&cast_zero, lib, "fsdp_cast_zero") == cudaSuccess);
+  CHECK(cudaLibraryGetKernel(&missing, lib, "fsdp_not_a_kernel") == cudaErrorSymbolNotFound);
+  (void)cudaGetLastError();
+  Streams s;
+  constexpr unsigned long long n = 1000;  // 4 blocks of 256 elements, cast by one block looping
+  void *src = nullptr, *dst = nullptr, *zeroed = nullptr;
+  REQUIRE(cudaMallocAsync(&src, n * 4, s.a) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&dst, n * 2, s.a) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&zeroed, 100, s.a) == cudaSuccess);
+  std::vector<float> ones(n, 1.0f);
+  REQUIRE(cudaMemcpyAsync(src, ones.data(), n * 4, cudaMemcpyHostToDevice, s.a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(dst, 0, n * 2, s.a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(zeroed, 7, 100, s.a) == cudaSuccess);
+  fsdp::detail::ZeroSpans table;
+  const fsdp::ZeroSpan spans[] = {{zeroed, 100}};
+  REQUIRE(fsdp::detail::fill_zero_spans_table(spans, table) == 1);
+  int to = static_cast<int>(fsdp::DType::bf16), from = static_cast<int>(fsdp::DType::f32);
+  unsigned long long count = n;
+  for (unsigned zero_blocks : {0u, 1u}) {
+    CAPTURE(zero_blocks);
+    unsigned cast_grid = 1;
+    void* args[] = {&dst, &to, &src, &from, &count, &cast_grid, &table};
+    REQUIRE(cudaLaunchKernel(reinterpret_cast<const void*>(cast_zero), dim3(cast_grid + zero_blocks), dim3(256), args, 0,
+                             s.a) == cudaSuccess);
+    std::vector<unsigned short> out(n);
+    std::vector<unsigned char> z(100);
+    REQUIRE(cudaMemcpyAsync(out.data(), dst, n * 2, cudaMemcpyDeviceToHost, s.a) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(z.data(), zeroed, 100, cudaMemcpyDeviceToHost, s.a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+    CHECK(out[0] == 0x3f80);  // bf16 1.0
+    CHECK(out[n - 1] == 0x3f80);
+    CHECK(z[99] == (zero_blocks ? 0 : 7));
+  }
+  for (void* p : {src, dst, zeroed}) REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);
+  CHECK(cudaLibraryUnload(lib) == cudaSuccess);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("an injected failure reaches the library as an fsdp::Error naming the device and the call") {
+  fsdp::CudaDevice d(0);
+  cuda_emulator::fail_next("cudaMallocAsync", cudaErrorMemoryAllocation);
+  CHECK_THROWS_WITH_AS(d.allocate(4096), doctest::Contains("CudaDevice(cuda:0): cudaMallocAsync(4096 bytes) failed"),
+                       fsdp::Error);
+  void* p = d.allocate(4096);  // once only
+  CHECK(p != nullptr);
+  d.deallocate(p, 4096);
+  d.synchronize();
+  CHECK(cuda_emulator::live_device_bytes() == 0);
+}
+
+TEST_CASE("calls are counted for the thread that makes them") {
+  cuda_emulator::reset_this_thread_calls();
+  int n = 0;
+  REQUIRE(cudaGetDeviceCount(&n) == cudaSuccess);
+  std::thread([] {
+    int d = 0;
+    (void)cudaGetDevice(&d);
+    CHECK(cuda_emulator::this_thread_calls().of(cuda_emulator::Call::cudaGetDevice) == 1);
+  }).join();
+  const auto& here = cuda_emulator::this_thread_calls();
+  CHECK(here.of(cuda_emulator::Call::cudaGetDeviceCount) == 1);
+  CHECK(here.of(cuda_emulator::Call::cudaGetDevice) == 0);
+  CHECK(here.total() == 1);
+  CHECK(here.summary() == "cudaGetDeviceCount=1");
+}

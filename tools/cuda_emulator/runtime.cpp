@@ -1,0 +1,261 @@
+// The emulated CUDA runtime's entry points (see emulator.hpp): the libcudart functions the
+// library, its tests and benches call, with C linkage, so a program linked with this
+// library instead of libcudart runs them here.
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "tools/cuda_emulator/entry.hpp"
+
+namespace cuda_emulator {
+
+thread_local ThreadCalls detail::calls_here;
+thread_local int detail::current_device = 0;
+thread_local cudaError_t detail::last_error = cudaSuccess;
+thread_local std::string detail::last_detail;
+thread_local cudaError_t detail::detail_code = cudaSuccess;
+
+using namespace detail;  // NOLINT
+
+const char* name_of(Call c) {
+  static constexpr const char* names[] = {
+#define FSDP_CUDA_EMULATOR_NAME(name) #name,
+      FSDP_CUDA_EMULATOR_CALLS(FSDP_CUDA_EMULATOR_NAME)
+#undef FSDP_CUDA_EMULATOR_NAME
+  };
+  return names[static_cast<std::size_t>(c)];
+}
+
+std::uint64_t ThreadCalls::total() const {
+  std::uint64_t n = 0;
+  for (auto c : calls) n += c;
+  return n;
+}
+
+std::string ThreadCalls::summary() const {
+  std::string out;
+  for (std::size_t i = 0; i < calls.size(); ++i)
+    if (calls[i]) out += (out.empty() ? "" : " ") + std::string(name_of(static_cast<Call>(i))) + "=" + std::to_string(calls[i]);
+  return out;
+}
+
+const ThreadCalls& this_thread_calls() { return calls_here; }
+void reset_this_thread_calls() { calls_here = {}; }
+
+std::vector<std::string> take_violations() {
+  std::lock_guard lock(rt().mutex);
+  return rt().take_violations();
+}
+
+void set_device_count(int n) {
+  std::lock_guard lock(rt().mutex);
+  rt().device_count = n;
+}
+
+void fail_next(std::string_view call, cudaError_t error, int skip) {
+  std::lock_guard lock(rt().mutex);
+  rt().injection = {std::string(call), error, skip};
+}
+
+std::size_t live_device_bytes() {
+  std::lock_guard lock(rt().mutex);
+  return rt().live_bytes(Space::device);
+}
+
+}  // namespace cuda_emulator
+
+using namespace cuda_emulator;          // NOLINT: the entry points below are the C API
+using namespace cuda_emulator::detail;  // NOLINT
+
+extern "C" {
+
+// ---- errors ----
+cudaError_t cudaGetLastError() {
+  Entry entry(Call::cudaGetLastError);
+  const cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() {
+  Entry entry(Call::cudaPeekAtLastError);
+  return last_error;
+}
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorSymbolNotFound: return "cudaErrorSymbolNotFound";
+    case cudaErrorInvalidKernelImage: return "cudaErrorInvalidKernelImage";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    default: return "cudaErrorUnknown";
+  }
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  thread_local std::string text;
+  text = std::string(cudaGetErrorName(e)) + " (CUDA runtime emulator)";
+  if (e == detail_code && !last_detail.empty()) text += ": " + last_detail;
+  return text.c_str();
+}
+
+// ---- devices ----
+cudaError_t cudaGetDeviceCount(int* count) {
+  FSDP_EMULATOR_ENTER(cudaGetDeviceCount);
+  *count = rt().device_count;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  FSDP_EMULATOR_ENTER(cudaGetDevice);
+  *device = current_device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  FSDP_EMULATOR_ENTER(cudaSetDevice);
+  if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
+  current_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  FSDP_EMULATOR_ENTER(cudaDeviceGetAttribute);
+  if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
+  switch (attr) {  // an H200's
+    case cudaDevAttrMultiProcessorCount: *value = 132; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
+    default: return entry.fail(cudaErrorInvalidValue, "attribute not emulated");
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  FSDP_EMULATOR_ENTER(cudaGetDeviceProperties);
+  if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
+  *prop = cudaDeviceProp{};
+  std::strncpy(prop->name, "fsdp CUDA runtime emulator", sizeof prop->name - 1);
+  prop->major = 9;
+  prop->minor = 0;
+  prop->multiProcessorCount = 132;
+  prop->totalGlobalMem = std::size_t{141} << 30;
+  prop->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  FSDP_EMULATOR_ENTER(cudaDeviceSynchronize);
+  for (Stream* s : rt().streams_of(current_device)) rt().host.join(s->clock);
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
+  FSDP_EMULATOR_ENTER(cudaMemGetInfo);
+  *total = std::size_t{141} << 30;
+  *free = *total - rt().live_bytes(Space::device);
+  return cudaSuccess;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// ---- streams ----
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
+  FSDP_EMULATOR_ENTER(cudaStreamCreateWithFlags);
+  if (flags & ~cudaStreamNonBlocking) return entry.fail(cudaErrorInvalidValue, "unknown stream flags");
+  *stream = reinterpret_cast<cudaStream_t>(rt().make_stream(current_device, !(flags & cudaStreamNonBlocking)));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+  FSDP_EMULATOR_ENTER(cudaStreamCreate);
+  *stream = reinterpret_cast<cudaStream_t>(rt().make_stream(current_device, true));
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  FSDP_EMULATOR_ENTER(cudaStreamDestroy);
+  if (!stream || !rt().destroy_stream(reinterpret_cast<Stream*>(stream)))
+    return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  FSDP_EMULATOR_ENTER(cudaStreamSynchronize);
+  Stream* s = rt().resolve(stream, current_device);
+  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize of an unknown stream");
+  rt().host.join(s->clock);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  FSDP_EMULATOR_ENTER(cudaStreamQuery);
+  Stream* s = rt().resolve(stream, current_device);
+  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery of an unknown stream");
+  rt().host.join(s->clock);  // eager: always complete
+  return cudaSuccess;
+}
+cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
+  FSDP_EMULATOR_ENTER(cudaStreamGetDevice);
+  Stream* s = rt().resolve(stream, current_device);
+  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamGetDevice of an unknown stream");
+  *device = s->device;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  FSDP_EMULATOR_ENTER(cudaStreamWaitEvent);
+  Stream* s = rt().resolve(stream, current_device);
+  auto* e = reinterpret_cast<Event*>(event);
+  if (!s || !rt().known(e) || flags != 0)
+    return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: unknown stream or event, or flags");
+  if (e->recorded) s->clock.join(e->clock);  // waiting on a never-recorded event is a no-op
+  return cudaSuccess;
+}
+
+// ---- events ----
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+  FSDP_EMULATOR_ENTER(cudaEventCreateWithFlags);
+  (void)flags;
+  *event = reinterpret_cast<cudaEvent_t>(rt().make_event(current_device));
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  FSDP_EMULATOR_ENTER(cudaEventCreate);
+  *event = reinterpret_cast<cudaEvent_t>(rt().make_event(current_device));
+  return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  FSDP_EMULATOR_ENTER(cudaEventDestroy);
+  if (!rt().destroy_event(reinterpret_cast<Event*>(event)))
+    return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy of an unknown event");
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  FSDP_EMULATOR_ENTER(cudaEventRecord);
+  Stream* s = rt().resolve(stream, current_device);
+  auto* e = reinterpret_cast<Event*>(event);
+  if (!s || !rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: unknown stream or event");
+  if (s->device != e->device)
+    return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: the event and the stream are on different devices");
+  s->clock.join(rt().host);
+  e->clock = s->clock;
+  e->recorded = true;
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  FSDP_EMULATOR_ENTER(cudaEventQuery);
+  auto* e = reinterpret_cast<Event*>(event);
+  if (!rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventQuery of an unknown event");
+  rt().host.join(e->clock);  // eager: the recorded work is done
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  FSDP_EMULATOR_ENTER(cudaEventSynchronize);
+  auto* e = reinterpret_cast<Event*>(event);
+  if (!rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of an unknown event");
+  rt().host.join(e->clock);
+  return cudaSuccess;
+}
+
+}  // extern "C"

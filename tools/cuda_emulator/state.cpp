@@ -1,0 +1,228 @@
+// The emulated runtime's model: clocks, streams, events, allocations and their checks.
+#include "tools/cuda_emulator/state.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <new>
+#include <string>
+#include <utility>
+
+namespace cuda_emulator::detail {
+
+namespace {
+
+constexpr std::size_t kAlignment = 256;                  // what cudaMalloc guarantees
+constexpr std::size_t kQuarantineBytes = 256ull << 20;   // freed memory kept unreleased
+constexpr std::size_t kQuarantineBlocks = 4096;
+constexpr std::size_t kAccessesKept = 256;               // per allocation (oldest dropped)
+constexpr std::size_t kViolationsKept = 64;
+
+std::string hex(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+
+const char* space_name(Space s) { return s == Space::device ? "device" : "pinned host"; }
+
+}  // namespace
+
+Runtime& Runtime::get() {
+  static Runtime* runtime = new Runtime;  // never destroyed: CUDA objects may outlive statics
+  return *runtime;
+}
+
+Stream* Runtime::make_stream(int device, bool blocking) {
+  auto s = std::make_unique<Stream>();
+  s->device = device;
+  s->blocking = blocking;
+  s->id = next_stream_id_++;
+  Stream* raw = s.get();
+  streams_.emplace(raw, std::move(s));
+  return raw;
+}
+
+bool Runtime::destroy_stream(Stream* s) {
+  auto it = streams_.find(s);
+  if (it == streams_.end() || s->legacy) return false;
+  host.join(s->clock);  // cudaStreamDestroy lets queued work finish; nothing is lost
+  streams_.erase(it);
+  return true;
+}
+
+Stream* Runtime::resolve(cudaStream_t handle, int current_device) {
+  const auto raw = reinterpret_cast<std::uintptr_t>(handle);
+  if (raw == 0 || handle == cudaStreamLegacy) {
+    Stream*& legacy = legacy_[current_device];
+    if (!legacy) {
+      legacy = make_stream(current_device, false);
+      legacy->legacy = true;
+    }
+    return legacy;
+  }
+  auto it = streams_.find(reinterpret_cast<Stream*>(handle));
+  return it == streams_.end() ? nullptr : it->first;
+}
+
+std::vector<Stream*> Runtime::streams_of(int device) {
+  std::vector<Stream*> out;
+  for (auto& [raw, owned] : streams_)
+    if (raw->device == device) out.push_back(raw);
+  return out;
+}
+
+Event* Runtime::make_event(int device) {
+  auto e = std::make_unique<Event>();
+  e->device = device;
+  Event* raw = e.get();
+  events_.emplace(raw, std::move(e));
+  return raw;
+}
+
+bool Runtime::destroy_event(Event* e) { return events_.erase(e) != 0; }
+
+std::uint64_t Runtime::begin_op(Stream& s) {
+  s.clock.join(host);
+  if (s.blocking) {
+    if (auto it = legacy_.find(s.device); it != legacy_.end()) s.clock.join(it->second->clock);
+  } else if (s.legacy) {
+    for (auto& [raw, owned] : streams_)
+      if (raw->device == s.device && raw->blocking) s.clock.join(raw->clock);
+  }
+  return s.clock.tick(s.id);
+}
+
+std::byte* Runtime::allocate(std::size_t bytes, Space space, int device, const char* how, Stream* on) {
+  auto* p = static_cast<std::byte*>(::operator new(bytes, std::align_val_t{kAlignment}, std::nothrow));
+  if (!p) return nullptr;
+  Allocation a;
+  a.base = p;
+  a.bytes = bytes;
+  a.space = space;
+  a.device = device;
+  a.how = how;
+  if (on) {
+    a.made_on = on->id;
+    a.made_at = begin_op(*on);
+  }
+  live_.emplace(reinterpret_cast<std::uintptr_t>(p), std::move(a));
+  return p;
+}
+
+bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
+  auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == live_.end() || it->second.space != space) return false;
+  Allocation& a = it->second;
+  // Every access must be ordered before the free: on its stream (stream-ordered free) or,
+  // for a synchronous free, seen complete by the host.
+  const Clock* at = &host;
+  if (on) {
+    begin_op(*on);
+    at = &on->clock;
+  }
+  const std::string freer = on ? std::string(how) + " on " + describe(*on) : std::string(how) + " (from the host)";
+  for (const Access& x : a.accesses)
+    if (at->at(x.stream) < x.time)
+      violation("stream-order race: " + freer + " frees the " + std::to_string(a.bytes) + "-byte " + space_name(a.space) +
+                " allocation at " + hex(a.base) + " (" + a.how + ") while " + x.what + " on stream #" +
+                std::to_string(x.stream) + " may still " + (x.write ? "write" : "read") + " it (nothing orders it before the free)");
+  if (on && a.made_on != Allocation::kNoStream && at->at(a.made_on) < a.made_at)
+    violation("stream-order race: " + freer + " frees the allocation at " + hex(a.base) + " before its " + a.how +
+              " on stream #" + std::to_string(a.made_on) + " is ordered before the free");
+  freed_.push_back({a.base, a.bytes, how});
+  freed_bytes_ += a.bytes;
+  live_.erase(it);
+  while (!freed_.empty() && (freed_bytes_ > kQuarantineBytes || freed_.size() > kQuarantineBlocks)) {
+    freed_bytes_ -= freed_.front().bytes;
+    ::operator delete(freed_.front().base, std::align_val_t{kAlignment});
+    freed_.pop_front();
+  }
+  return true;
+}
+
+Allocation* Runtime::find(const void* p) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  auto it = live_.upper_bound(addr);
+  if (it == live_.begin()) return nullptr;
+  --it;
+  Allocation& a = it->second;
+  return addr < it->first + std::max<std::size_t>(a.bytes, 1) ? &a : nullptr;
+}
+
+const Freed* Runtime::find_freed(const void* p) const {
+  const auto* b = static_cast<const std::byte*>(p);
+  for (auto it = freed_.rbegin(); it != freed_.rend(); ++it)
+    if (b >= it->base && b < it->base + std::max<std::size_t>(it->bytes, 1)) return &*it;
+  return nullptr;
+}
+
+std::size_t Runtime::live_bytes(Space space) const {
+  std::size_t n = 0;
+  for (const auto& [addr, a] : live_)
+    if (a.space == space) n += a.bytes;
+  return n;
+}
+
+bool Runtime::check_access(Stream& s, std::uint64_t time, const void* p, std::size_t bytes, bool write,
+                           bool device_only, const std::string& what, std::string& error) {
+  if (bytes == 0) return true;
+  Allocation* a = find(p);
+  if (!a) {
+    if (const Freed* f = find_freed(p)) {
+      error = what + " " + (write ? "writes " : "reads ") + hex(p) + ", inside the " + std::to_string(f->bytes) +
+              "-byte allocation at " + hex(f->base) + " that " + f->how + " already freed";
+    } else if (device_only) {
+      error = what + " " + (write ? "writes " : "reads ") + hex(p) +
+              ", which is not device memory (pageable host memory, or never allocated)";
+    } else {
+      return true;  // pageable host memory, which a copy may use
+    }
+    violation(error);
+    return false;
+  }
+  const auto begin = static_cast<std::size_t>(static_cast<const std::byte*>(p) - a->base);
+  if (bytes > a->bytes - begin) {
+    error = what + " " + (write ? "writes " : "reads ") + std::to_string(bytes) + " bytes at offset " +
+            std::to_string(begin) + " of the " + std::to_string(a->bytes) + "-byte allocation at " + hex(a->base) +
+            " (" + a->how + "): past its end";
+    violation(error);
+    return false;
+  }
+  const std::size_t end = begin + bytes;
+  if (a->made_on != Allocation::kNoStream && s.clock.at(a->made_on) < a->made_at)
+    violation("stream-order race: " + what + " on " + describe(s) + " uses the allocation at " + hex(a->base) +
+              " before its " + a->how + " on stream #" + std::to_string(a->made_on) + " is ordered before it");
+  for (const Access& x : a->accesses)
+    if (x.begin < end && begin < x.end && (x.write || write) && s.clock.at(x.stream) < x.time)
+      violation("stream-order race: " + what + " on " + describe(s) + " " + (write ? "writes" : "reads") + " bytes [" +
+                std::to_string(begin) + ", " + std::to_string(end) + ") of the " + std::to_string(a->bytes) + "-byte " +
+                space_name(a->space) + " allocation at " + hex(a->base) + " (" + a->how + "), which " + x.what +
+                " on stream #" + std::to_string(x.stream) + " " + (x.write ? "wrote" : "read") +
+                " with nothing ordering the two (no event wait or host synchronization between them)");
+  record_access(*a, s, {s.id, time, begin, end, write, what});
+  return true;
+}
+
+// Keeps the history short without losing a race: an earlier access ordered before this
+// one and inside its range is dropped when this one is a write or both are reads (any later
+// access that conflicts with the dropped one and is not ordered after this one conflicts
+// with this one too, and is reported against it).
+void Runtime::record_access(Allocation& a, const Stream& s, Access x) {
+  std::erase_if(a.accesses, [&](const Access& y) {
+    return s.clock.at(y.stream) >= y.time && x.begin <= y.begin && y.end <= x.end && (x.write || !y.write);
+  });
+  if (a.accesses.size() >= kAccessesKept) a.accesses.erase(a.accesses.begin());
+  a.accesses.push_back(std::move(x));
+}
+
+void Runtime::violation(std::string text) {
+  if (violations_.size() < kViolationsKept) violations_.push_back(std::move(text));
+}
+
+std::vector<std::string> Runtime::take_violations() { return std::exchange(violations_, {}); }
+
+std::string Runtime::describe(const Stream& s) const {
+  return "stream #" + std::to_string(s.id) + " (cuda:" + std::to_string(s.device) + (s.legacy ? ", legacy default" : "") + ")";
+}
+
+}  // namespace cuda_emulator::detail
