@@ -103,4 +103,22 @@ concept QueuedDevice = Device<D> && requires(D& d) {
   { d.queue() } -> std::convertible_to<DeviceQueue>;
 };
 
+namespace detail {
+
+// What a device without the zeroing capabilities above gets: its own batch where it has
+// one, else a fill_zero per buffer; and the cast after the zeroing, as two calls.
+template <Device D>
+void zero_spans(D& d, std::span<const ZeroSpan> spans) {
+  if constexpr (BatchZeroingDevice<D>) d.fill_zero_batch(spans);
+  else
+    for (const ZeroSpan& s : spans) d.fill_zero(s.data, s.bytes);
+}
+template <Device D>
+void zero_then_cast(D& d, void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
+  zero_spans(d, spans);
+  d.cast(dst, to, src, from, n);
+}
+
+}  // namespace detail
+
 }  // namespace fsdp

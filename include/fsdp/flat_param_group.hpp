@@ -334,8 +334,10 @@ class FlatParamGroup {
   void release_shard_grads() {
     for (auto& fp : flat_) reduction_.release_shard_grad(fp);
   }
-  void ensure_shard_grads() {
-    for (auto& fp : flat_) reduction_.ensure_shard_grad(fp);
+  void ensure_shard_grads() {  // zeroed, with one call
+    detail::ZeroBatch::run([&](detail::ZeroBatch& zeros) {
+      for (auto& fp : flat_) reduction_.ensure_shard_grad(fp, &zeros);
+    });
   }
   // Points the optimizer's views at the current sharded gradients (nullptr while freed).
   void point_views_at_gradients(std::vector<ShardView>& views, std::vector<ParamView>& params) const {

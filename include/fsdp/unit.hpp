@@ -117,9 +117,15 @@ class UnitBase {
   virtual void finish_backward() = 0;
   // IDLE only: the sharded gradient becomes zero, kept accumulation freed. zero_grad_all:
   // every unit's zeroing joins one batch, flushed as one call (detail::zero_grads).
-  void zero_grad() { UnitBase* u = this; zero_grad_all(std::span<UnitBase* const>(&u, 1)); }
+  void zero_grad() {
+    UnitBase* u = this;
+    zero_grad_all(std::span<UnitBase* const>(&u, 1));
+  }
   virtual void zero_grad(detail::ZeroBatch& batch) = 0;
-  static void zero_grad_all(std::span<UnitBase* const> units) { detail::zero_grads(units, [](UnitBase* u) { u->failed_hook_ = "zero_grad"; }); }
+  template <class Units>  // pointers to units, raw or owning
+  static void zero_grad_all(const Units& units) {
+    detail::zero_grads(units, [](UnitBase& u) { u.failed_hook_ = "zero_grad"; });
+  }
   // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
@@ -191,7 +197,7 @@ class UnitBase {
   virtual void finish_take_over() = 0;
 
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
-  virtual void prefetch(detail::ZeroBatch* zeros = nullptr) = 0;  // zeros: for its cast to do too
+  virtual void prefetch(detail::ZeroBatch* zeros) = 0;  // zeros (may be null): for its cast to do too
   // Completes a reduction that post_backward left in flight (asynchronous backends).
   virtual void finish_reduction() = 0;
 

@@ -33,7 +33,7 @@ struct StepCounts {
 
 // Trains 3 steps; counts the last (steady state: the root unit kept from forward to backward).
 template <class Precision>
-StepCounts count_step(int world, double divide_factor = 0) {
+StepCounts count_step(int world, double divide_factor = 0, fsdp::GradientAfterHook after = fsdp::GradientAfterHook::keep) {
   engine::ModelConfig c;
   c.blocks = 3;
   std::vector<StepCounts> per_rank(world);
@@ -44,12 +44,18 @@ StepCounts count_step(int world, double divide_factor = 0) {
     fsdp::CountingDevice<fsdp::HostDevice> device(host);
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre, Precision>(model, counted, device, engine::Wrap{});
     if (divide_factor > 0) sm.set_gradient_divide_factor(divide_factor);
+    if (after == fsdp::GradientAfterHook::free) sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, after);
     engine::Sgd sgd(0.05f);
+    struct InHook {  // a freeing hook's optimizer steps in the hook (here: not at all)
+      void step(std::span<const engine::Slot>) {}
+    } in_hook;
     auto& out = per_rank[comm.rank()];
     for (int s = 0; s < 3; ++s) {
       device.reset();
       counted.reset();
-      engine::sharded_step(model, sm, sgd, engine::make_batch(c, s, comm.rank(), 1));
+      const auto batch = engine::make_batch(c, s, comm.rank(), 1);
+      if (after == fsdp::GradientAfterHook::free) engine::sharded_step(model, sm, in_hook, batch);
+      else engine::sharded_step(model, sm, sgd, batch);
     }
     out.units = sm.size();
     out.ops = device.counts();
@@ -193,6 +199,28 @@ TEST_CASE("f16 reductions, bf16 over 3 ranks and other divide factors keep FSDP'
   CHECK(f32_by_2.ops[DeviceOp::scale] == 0);
   const auto one_rank_by_3 = count_step<fsdp::FullPrecision>(1, 3.0);  // pre 2, post 1.5, no collective
   CHECK(one_rank_by_3.ops[DeviceOp::scale] == 2 * one_rank_by_3.units);
+}
+
+// A hook that frees the sharded gradients after each backward: each step allocates them
+// again, and that is all. The reduction writes all of a freed gradient (it counts as
+// zero), so it needs no zeroing, and zero_grad finds nothing to zero.
+TEST_CASE("a freeing post-accumulate-grad hook adds the sharded gradients' allocations, not their zeroing") {
+  auto check = [](const StepCounts& keep, const StepCounts& freeing) {
+    const std::uint64_t U = keep.units;
+    CHECK(freeing.ops[DeviceOp::allocate] == keep.ops[DeviceOp::allocate] + U);
+    CHECK(freeing.ops[DeviceOp::deallocate] == keep.ops[DeviceOp::deallocate] + U);
+    CHECK(freeing.ops[DeviceOp::fill_zero] == 0);
+    CHECK(freeing.ops[DeviceOp::fill_zero_batch] == keep.ops[DeviceOp::fill_zero_batch] - 1);  // zero_grad's
+    for (DeviceOp op : {DeviceOp::copy, DeviceOp::cast, DeviceOp::cast_zeroing, DeviceOp::scale, DeviceOp::accumulate})
+      CHECK(freeing.ops[op] == keep.ops[op]);
+    CHECK(freeing.collectives == keep.collectives);
+  };
+  using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    check(count_step<MP>(world), count_step<MP>(world, 0, fsdp::GradientAfterHook::free));
+    check(count_step<fsdp::FullPrecision>(world), count_step<fsdp::FullPrecision>(world, 0, fsdp::GradientAfterHook::free));
+  }
 }
 
 }  // namespace core_counting_device_test

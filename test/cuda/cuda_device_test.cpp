@@ -343,8 +343,8 @@ TEST_CASE("fill_zero_batch zeroes each buffer exactly, over several launches" * 
 }
 
 // cast_zeroing's fused kernel: the cast equals HostDevice's bit for bit while the same
-// launch zeroes other buffers; a copy (equal dtypes) and more than 128 buffers take the
-// two-call path, with the same result.
+// launch zeroes other buffers (past 128 buffers, the rest in launches of their own); a
+// copy (equal dtypes) takes the two-call path, with the same result.
 TEST_CASE("cast_zeroing casts like cast and zeroes like fill_zero_batch, in one launch" * doctest::skip(no_gpu)) {
   CudaDevice dev;
   HostDevice host;

@@ -99,7 +99,10 @@ TEST_CASE("a step's CUDA calls per unit, one rank, full precision") {
 // and leaves the caller's device current; its allocations, frees and copies need no
 // switch. One real GPU cannot test this.
 TEST_CASE("a CudaDevice of another GPU makes it current only around launches and memsets") {
-  cuda_emulator::set_device_count(2);
+  struct TwoGpus {  // back to one however the case ends
+    TwoGpus() { cuda_emulator::set_device_count(2); }
+    ~TwoGpus() { cuda_emulator::set_device_count(1); }
+  } two_gpus;
   {
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
     fsdp::CudaDevice d(1);
@@ -126,5 +129,4 @@ TEST_CASE("a CudaDevice of another GPU makes it current only around launches and
     CHECK(cudaGetDevice(&current) == cudaSuccess);
     CHECK(current == 0);
   }
-  cuda_emulator::set_device_count(1);
 }

@@ -39,6 +39,7 @@ DOCTEST_REGISTER_LISTENER("cuda_emulator_violations", 1, ViolationListener);
 
 int main(int argc, char** argv) {
   doctest::Context context(argc, argv);
+  std::fprintf(stderr, "cuda_emulator: these cases run on the emulated CUDA runtime: they test host code, not a GPU\n");
   const int rc = context.run();
   if (context.shouldExit()) return rc;
   for (const auto& v : found) std::fprintf(stderr, "cuda_emulator violation in %s\n", v.c_str());

@@ -22,7 +22,7 @@ extern thread_local cudaError_t detail_code;   // the last error it returned
 // One entry point's bookkeeping: counted, timed, serialized, and the injected failure.
 class Entry {
  public:
-  explicit Entry(Call c) : begin_(std::chrono::steady_clock::now()), lock_(Runtime::get().mutex) {
+  explicit Entry(Call c) : call_(c), begin_(std::chrono::steady_clock::now()), lock_(Runtime::get().mutex) {
     ++calls_here.calls[static_cast<std::size_t>(c)];
     Runtime::Injected& i = Runtime::get().injection;
     if (i.error != cudaSuccess && i.call == name_of(c) && i.skip-- == 0) {
@@ -44,8 +44,19 @@ class Entry {
     last_detail = std::move(detail);
     return e;
   }
+  // A handle the runtime does not know ("stream", "event", "pointer"...).
+  cudaError_t unknown(const char* what) {
+    return fail(cudaErrorInvalidResourceHandle, std::string(name_of(call_)) + ": unknown " + what);
+  }
+  // Kernels (on a GPU) and memsets (as CudaDevice assumes) go on a stream of the current device.
+  cudaError_t require_current(const Stream& s, const std::string& what) {
+    if (s.device == current_device) return cudaSuccess;
+    return fail(cudaErrorInvalidResourceHandle, what + " on a stream of cuda:" + std::to_string(s.device) + " while cuda:" +
+                                                    std::to_string(current_device) + " is current");
+  }
 
  private:
+  Call call_;
   std::chrono::steady_clock::time_point begin_;
   std::unique_lock<std::mutex> lock_;
   cudaError_t injected_ = cudaSuccess;

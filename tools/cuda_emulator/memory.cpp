@@ -1,7 +1,6 @@
 // The emulated runtime's memory, copies, kernel launches and kernel libraries.
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -31,11 +30,8 @@ cudaError_t copy_on(Entry& entry, Stream& s, void* dst, const void* src, std::si
   return cudaSuccess;
 }
 
-// As CudaDevice assumes: a memset, like a kernel, on a stream of the current device.
 cudaError_t memset_on(Entry& entry, Stream& s, void* p, int value, std::size_t bytes, const char* what) {
-  if (s.device != current_device)
-    return entry.fail(cudaErrorInvalidResourceHandle, std::string(what) + " on a stream of cuda:" + std::to_string(s.device) +
-                                                          " while cuda:" + std::to_string(current_device) + " is current");
+  if (cudaError_t e = entry.require_current(s, what); e != cudaSuccess) return e;
   const std::uint64_t t = rt().begin_op(s);
   std::string error;
   if (!rt().check_access(s, t, p, bytes, true, true, what, error)) return entry.fail(cudaErrorInvalidValue, error);
@@ -43,14 +39,13 @@ cudaError_t memset_on(Entry& entry, Stream& s, void* p, int value, std::size_t b
   return cudaSuccess;
 }
 
-
 cudaError_t allocate(Entry& entry, void** p, std::size_t bytes, Space space, const char* how, Stream* on) {
   if (!p) return entry.fail(cudaErrorInvalidValue, std::string(how) + " with a null result pointer");
   *p = nullptr;
   if (bytes == 0) return cudaSuccess;
-  constexpr std::size_t kMemory = std::size_t{141} << 30;  // an H200's, per space
-  if (bytes > kMemory - std::min(kMemory, rt().live_bytes(space)))
-    return entry.fail(cudaErrorMemoryAllocation, std::string(how) + "(" + std::to_string(bytes) + " bytes): past the emulated 141 GiB");
+  if (bytes > kMemoryBytes - rt().live_bytes(space))
+    return entry.fail(cudaErrorMemoryAllocation, std::string(how) + "(" + std::to_string(bytes) + " bytes): past the emulated GPU's " +
+                                                     std::to_string(kMemoryBytes >> 30) + " GiB");
   *p = rt().allocate(bytes, space, on ? on->device : current_device, how, on);
   return *p ? cudaSuccess : entry.fail(cudaErrorMemoryAllocation, std::string(how) + "(" + std::to_string(bytes) + " bytes)");
 }
@@ -76,7 +71,7 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
 cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaMallocAsync);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaMallocAsync on an unknown stream");
+  if (!s) return entry.unknown("stream");
   return allocate(entry, p, bytes, Space::device, "cudaMallocAsync", s);
 }
 cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
@@ -97,7 +92,7 @@ cudaError_t cudaFree(void* p) {
 cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaFreeAsync);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaFreeAsync on an unknown stream");
+  if (!s) return entry.unknown("stream");
   if (p && !rt().release(p, Space::device, "cudaFreeAsync", s))
     return entry.fail(cudaErrorInvalidValue, "cudaFreeAsync of a pointer that is not a live device allocation");
   return cudaSuccess;
@@ -141,7 +136,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const vo
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaMemcpyAsync);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaMemcpyAsync on an unknown stream");
+  if (!s) return entry.unknown("stream");
   return copy_on(entry, *s, dst, src, bytes, kind, "cudaMemcpyAsync");
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
@@ -154,7 +149,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpy
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaMemsetAsync);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync on an unknown stream");
+  if (!s) return entry.unknown("stream");
   return memset_on(entry, *s, p, value, bytes, "cudaMemsetAsync");
 }
 cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
@@ -194,12 +189,10 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
                              cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaLaunchKernel);
   const Kernel* k = kernel_of(func);
-  if (!k) return entry.fail(cudaErrorInvalidResourceHandle, "cudaLaunchKernel of an unknown function");
+  if (!k) return entry.unknown("function");
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, std::string(k->name) + " on an unknown stream");
-  if (s->device != current_device)
-    return entry.fail(cudaErrorInvalidResourceHandle, std::string(k->name) + " on a stream of cuda:" + std::to_string(s->device) +
-                                                          " while cuda:" + std::to_string(current_device) + " is current");
+  if (!s) return entry.unknown("stream");
+  if (cudaError_t e = entry.require_current(*s, k->name); e != cudaSuccess) return e;
   if (grid.x == 0 || grid.y != 1 || grid.z != 1 || block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 ||
       shared_mem != 0)
     return entry.fail(cudaErrorInvalidConfiguration, std::string(k->name) + ": launch configuration");

@@ -10,11 +10,15 @@
 #include <string>
 #include <string_view>
 
+#include "tools/cuda_emulator/state.hpp"
+
 namespace cuda_emulator::detail {
 
 extern const char kImageMagic[] = "fsdp CUDA runtime emulator image\n";
 
 namespace {
+
+constexpr int kArch = kComputeMajor * 10 + kComputeMinor;  // the emulated GPU's, the only one
 
 struct Program {
   std::string source;
@@ -31,6 +35,7 @@ const bool cache_off = [] {
 
 }  // namespace cuda_emulator::detail
 
+using cuda_emulator::detail::kArch;
 using cuda_emulator::detail::Program;
 
 extern "C" {
@@ -55,7 +60,7 @@ nvrtcResult nvrtcGetNumSupportedArchs(int* n) {
   return NVRTC_SUCCESS;
 }
 nvrtcResult nvrtcGetSupportedArchs(int* archs) {
-  archs[0] = 90;  // the emulated device is compute capability 9.0
+  archs[0] = kArch;
   return NVRTC_SUCCESS;
 }
 nvrtcResult nvrtcCreateProgram(nvrtcProgram* prog, const char* src, const char*, int, const char* const*,
@@ -73,11 +78,13 @@ nvrtcResult nvrtcDestroyProgram(nvrtcProgram* prog) {
 nvrtcResult nvrtcCompileProgram(nvrtcProgram prog, int num_options, const char* const* options) {
   auto* p = reinterpret_cast<Program*>(prog);
   if (!p) return NVRTC_ERROR_INVALID_PROGRAM;
+  const std::string sm = "--gpu-architecture=sm_" + std::to_string(kArch);
+  const std::string compute = "--gpu-architecture=compute_" + std::to_string(kArch);
   bool arch = false;
   for (int i = 0; i < num_options; ++i) {
     const std::string_view o(options[i]);
-    if (o == "--gpu-architecture=sm_90" || o == "--gpu-architecture=compute_90") arch = true;
-    else if (o.rfind("--gpu-architecture=", 0) == 0) return p->log = "emulated NVRTC: only sm_90", NVRTC_ERROR_INVALID_OPTION;
+    if (o == sm || o == compute) arch = true;
+    else if (o.rfind("--gpu-architecture=", 0) == 0) return p->log = "emulated NVRTC: only " + sm, NVRTC_ERROR_INVALID_OPTION;
   }
   if (!arch) return p->log = "emulated NVRTC: no --gpu-architecture", NVRTC_ERROR_INVALID_OPTION;
   p->image = std::string(cuda_emulator::detail::kImageMagic) + p->source;

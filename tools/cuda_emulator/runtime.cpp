@@ -127,10 +127,10 @@ cudaError_t cudaSetDevice(int device) {
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   FSDP_EMULATOR_ENTER(cudaDeviceGetAttribute);
   if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
-  switch (attr) {  // an H200's
-    case cudaDevAttrMultiProcessorCount: *value = 132; break;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = kSmCount; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = kComputeMajor; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = kComputeMinor; break;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
     default: return entry.fail(cudaErrorInvalidValue, "attribute not emulated");
   }
@@ -140,11 +140,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   FSDP_EMULATOR_ENTER(cudaGetDeviceProperties);
   if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
   *prop = cudaDeviceProp{};
-  std::strncpy(prop->name, "fsdp CUDA runtime emulator", sizeof prop->name - 1);
-  prop->major = 9;
-  prop->minor = 0;
-  prop->multiProcessorCount = 132;
-  prop->totalGlobalMem = std::size_t{141} << 30;
+  std::strncpy(prop->name, kDeviceName, sizeof prop->name - 1);
+  prop->major = kComputeMajor;
+  prop->minor = kComputeMinor;
+  prop->multiProcessorCount = kSmCount;
+  prop->totalGlobalMem = kMemoryBytes;
   prop->maxThreadsPerBlock = 1024;
   return cudaSuccess;
 }
@@ -155,14 +155,11 @@ cudaError_t cudaDeviceSynchronize() {
 }
 cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
   FSDP_EMULATOR_ENTER(cudaMemGetInfo);
-  *total = std::size_t{141} << 30;
-  *free = *total - rt().live_bytes(Space::device);
+  *total = kMemoryBytes;
+  *free = kMemoryBytes - rt().live_bytes(Space::device);
   return cudaSuccess;
 }
 
-}  // extern "C"
-
-extern "C" {
 
 // ---- streams ----
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
@@ -178,28 +175,27 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamDestroy);
-  if (!stream || !rt().destroy_stream(reinterpret_cast<Stream*>(stream)))
-    return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy of an unknown stream");
+  if (!stream || !rt().destroy_stream(reinterpret_cast<Stream*>(stream))) return entry.unknown("stream");
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamSynchronize);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize of an unknown stream");
+  if (!s) return entry.unknown("stream");
   rt().host.join(s->clock);
   return cudaSuccess;
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamQuery);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamQuery of an unknown stream");
+  if (!s) return entry.unknown("stream");
   rt().host.join(s->clock);  // eager: always complete
   return cudaSuccess;
 }
 cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
   FSDP_EMULATOR_ENTER(cudaStreamGetDevice);
   Stream* s = rt().resolve(stream, current_device);
-  if (!s) return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamGetDevice of an unknown stream");
+  if (!s) return entry.unknown("stream");
   *device = s->device;
   return cudaSuccess;
 }
@@ -207,8 +203,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   FSDP_EMULATOR_ENTER(cudaStreamWaitEvent);
   Stream* s = rt().resolve(stream, current_device);
   auto* e = reinterpret_cast<Event*>(event);
-  if (!s || !rt().known(e) || flags != 0)
-    return entry.fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: unknown stream or event, or flags");
+  if (!s || !rt().known(e)) return entry.unknown(s ? "event" : "stream");
+  if (flags != 0) return entry.fail(cudaErrorInvalidValue, "cudaStreamWaitEvent: flags not emulated");
   if (e->recorded) s->clock.join(e->clock);  // waiting on a never-recorded event is a no-op
   return cudaSuccess;
 }
@@ -227,15 +223,14 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventDestroy);
-  if (!rt().destroy_event(reinterpret_cast<Event*>(event)))
-    return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy of an unknown event");
+  if (!rt().destroy_event(reinterpret_cast<Event*>(event))) return entry.unknown("event");
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaEventRecord);
   Stream* s = rt().resolve(stream, current_device);
   auto* e = reinterpret_cast<Event*>(event);
-  if (!s || !rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: unknown stream or event");
+  if (!s || !rt().known(e)) return entry.unknown(s ? "event" : "stream");
   if (s->device != e->device)
     return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: the event and the stream are on different devices");
   s->clock.join(rt().host);
@@ -246,14 +241,14 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventQuery);
   auto* e = reinterpret_cast<Event*>(event);
-  if (!rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventQuery of an unknown event");
+  if (!rt().known(e)) return entry.unknown("event");
   rt().host.join(e->clock);  // eager: the recorded work is done
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventSynchronize);
   auto* e = reinterpret_cast<Event*>(event);
-  if (!rt().known(e)) return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize of an unknown event");
+  if (!rt().known(e)) return entry.unknown("event");
   rt().host.join(e->clock);
   return cudaSuccess;
 }

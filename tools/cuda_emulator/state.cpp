@@ -45,8 +45,7 @@ Stream* Runtime::make_stream(int device, bool blocking) {
 bool Runtime::destroy_stream(Stream* s) {
   auto it = streams_.find(s);
   if (it == streams_.end() || s->legacy) return false;
-  host.join(s->clock);  // cudaStreamDestroy lets queued work finish; nothing is lost
-  streams_.erase(it);
+  streams_.erase(it);  // its queued work still finishes, but the host has not seen it: no join
   return true;
 }
 
@@ -106,6 +105,7 @@ std::byte* Runtime::allocate(std::size_t bytes, Space space, int device, const c
     a.made_at = begin_op(*on);
   }
   live_.emplace(reinterpret_cast<std::uintptr_t>(p), std::move(a));
+  live_bytes_[static_cast<int>(space)] += bytes;
   return p;
 }
 
@@ -131,6 +131,7 @@ bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
               " on stream #" + std::to_string(a.made_on) + " is ordered before the free");
   freed_.push_back({a.base, a.bytes, how});
   freed_bytes_ += a.bytes;
+  live_bytes_[static_cast<int>(space)] -= a.bytes;
   live_.erase(it);
   while (!freed_.empty() && (freed_bytes_ > kQuarantineBytes || freed_.size() > kQuarantineBlocks)) {
     freed_bytes_ -= freed_.front().bytes;
@@ -154,13 +155,6 @@ const Freed* Runtime::find_freed(const void* p) const {
   for (auto it = freed_.rbegin(); it != freed_.rend(); ++it)
     if (b >= it->base && b < it->base + std::max<std::size_t>(it->bytes, 1)) return &*it;
   return nullptr;
-}
-
-std::size_t Runtime::live_bytes(Space space) const {
-  std::size_t n = 0;
-  for (const auto& [addr, a] : live_)
-    if (a.space == space) n += a.bytes;
-  return n;
 }
 
 bool Runtime::check_access(Stream& s, std::uint64_t time, const void* p, std::size_t bytes, bool write,

@@ -15,6 +15,12 @@
 
 namespace cuda_emulator::detail {
 
+// The GPU the emulator shows: an H200's figures (NVRTC compiles for its architecture).
+inline constexpr char kDeviceName[] = "fsdp CUDA runtime emulator";  // test/support/gpu.hpp tells it by this
+inline constexpr int kSmCount = 132;
+inline constexpr int kComputeMajor = 9, kComputeMinor = 0;
+inline constexpr std::size_t kMemoryBytes = std::size_t{141} << 30;  // per space
+
 // What has happened on each stream (indexed by stream id) that is ordered before a point.
 struct Clock {
   std::vector<std::uint64_t> t;
@@ -109,7 +115,7 @@ class Runtime {
   bool release(void* p, Space space, const char* how, Stream* on);
   Allocation* find(const void* p);            // the live allocation holding p, if any
   const Freed* find_freed(const void* p) const;
-  std::size_t live_bytes(Space space) const;
+  std::size_t live_bytes(Space space) const { return live_bytes_[static_cast<int>(space)]; }
 
   // Checks one access of `bytes` at p by `what` at time `time` on s; appends a message to
   // `error` and returns false when p is not usable (not live, out of bounds, or pageable
@@ -131,6 +137,7 @@ class Runtime {
   std::map<int, Stream*> legacy_;
   std::map<Event*, std::unique_ptr<Event>> events_;
   std::map<std::uintptr_t, Allocation> live_;  // by base address
+  std::size_t live_bytes_[2] = {0, 0};          // per Space
   std::deque<Freed> freed_;
   std::size_t freed_bytes_ = 0;
   std::vector<std::string> violations_;

@@ -144,25 +144,21 @@ class CudaDevice {
   void fill_zero(void* p, std::size_t bytes) {
     if (bytes == 0) return;
     Guard g(*this);
-    check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
+    memset_zero(p, bytes);
   }
 
   // Many device-space buffers, one launch per 128 of them (BatchZeroingDevice); a lone
   // buffer is a cudaMemsetAsync.
   void fill_zero_batch(std::span<const ZeroSpan> spans) {
+    if (spans.empty()) return;  // nothing to make current for (cast_zeroing's rest, usually)
     Guard g(*this);
     detail::ZeroSpans table;
     void* args[] = {&table};
     while (!spans.empty()) {
       spans = spans.subspan(detail::fill_zero_spans_table(spans, table));
-      if (table.count == 1)
-        check(cudaMemsetAsync(table.data[0], 0, table.bytes[0], stream_), "cudaMemsetAsync(", table.bytes[0], " bytes)");
+      if (table.count == 1) memset_zero(table.data[0], table.bytes[0]);
       if (table.count <= 1) continue;
-      // A grid as for one element per thread of every block of the table (a grid-stride loop beyond).
-      check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().zero_spans),
-                             dim3(grid_for(table.first_block[table.count] * threads_per_block)), dim3(threads_per_block),
-                             args, 0, stream_),
-            "cudaLaunchKernel(fsdp_zero_spans, ", table.count, " buffers)");
+      launch(kernels().zero_spans, grid_for(table), args, stream_, "fsdp_zero_spans, ", table.count, " buffers");
     }
   }
 
@@ -177,7 +173,7 @@ class CudaDevice {
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&p, &count, &dtype, &factor};
-    launch(kernels().scale, "fsdp_scale", n, args, stream);
+    launch(kernels().scale, grid_for(n), args, stream, "fsdp_scale, ", n, " elements");
   }
   void accumulate_on(cudaStream_t stream, void* dst, const void* src, std::size_t n, DType t) {
     if (n == 0) return;
@@ -185,7 +181,7 @@ class CudaDevice {
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&dst, const_cast<void**>(&src), &count, &dtype};
-    launch(kernels().accumulate, "fsdp_accumulate", n, args, stream);
+    launch(kernels().accumulate, grid_for(n), args, stream, "fsdp_accumulate, ", n, " elements");
   }
 
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
@@ -198,16 +194,16 @@ class CudaDevice {
     unsigned long long count = n;
     int to_i = static_cast<int>(to), from_i = static_cast<int>(from);
     void* args[] = {&dst, &to_i, const_cast<void**>(&src), &from_i, &count};
-    launch(kernels().cast, "fsdp_cast", n, args);
+    launch(kernels().cast, grid_for(n), args, stream_, "fsdp_cast, ", n, " elements");
   }
 
   // The cast and the zeroing in one launch (CastZeroingDevice): the cast gets the grid it
   // would get alone, the zeroing as many blocks more as fill_zero_batch would give it. A
-  // copy (to == from), or more than 128 buffers, goes as the two calls.
+  // copy (to == from) goes as the two calls; buffers past the first 128 as fill_zero_batch's.
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
     detail::ZeroSpans table;
-    const bool fits = detail::fill_zero_spans_table(spans, table) == spans.size();
-    if (to == from || n == 0 || table.count == 0 || !fits) {
+    const std::size_t taken = detail::fill_zero_spans_table(spans, table);
+    if (to == from || n == 0 || table.count == 0) {
       fill_zero_batch(spans);
       return cast(dst, to, src, from, n);
     }
@@ -215,11 +211,10 @@ class CudaDevice {
     unsigned long long count = n;
     int to_i = static_cast<int>(to), from_i = static_cast<int>(from);
     unsigned cast_grid = grid_for(n);
-    const unsigned zero_grid = grid_for(table.first_block[table.count] * threads_per_block);
     void* args[] = {&dst, &to_i, const_cast<void**>(&src), &from_i, &count, &cast_grid, &table};
-    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernels().cast_zero), dim3(cast_grid + zero_grid),
-                           dim3(threads_per_block), args, 0, stream_),
-          "cudaLaunchKernel(fsdp_cast_zero, ", n, " elements, ", table.count, " buffers)");
+    launch(kernels().cast_zero, cast_grid + grid_for(table), args, stream_, "fsdp_cast_zero, ", n, " elements, ",
+           table.count, " buffers");
+    fill_zero_batch(spans.subspan(taken));
   }
 
   // ShardedGradScaler's unscale (see UnscalingDevice): one kernel per call, each setting a
@@ -235,7 +230,7 @@ class CudaDevice {
     unsigned long long count = n;
     int dtype = static_cast<int>(t);
     void* args[] = {&p, &count, &dtype, &inv_scale, &flag_};
-    launch(kernels().unscale, "fsdp_unscale", n, args);
+    launch(kernels().unscale, grid_for(n), args, stream_, "fsdp_unscale, ", n, " elements");
   }
 
   bool found_nonfinite() {
@@ -327,20 +322,24 @@ class CudaDevice {
     return kernels_;
   }
 
-  static constexpr unsigned threads_per_block = 256;
-
-  // Blocks for n elements, one per thread: at most 32 per SM, grid-stride loops beyond.
-  unsigned grid_for(std::size_t n) const {
-    const std::size_t wanted = (n + threads_per_block - 1) / threads_per_block;
-    const std::size_t cap = static_cast<std::size_t>(std::max(sm_count_, 1)) * 32;
-    return static_cast<unsigned>(std::min(wanted, cap));
+  void memset_zero(void* p, std::size_t bytes) {  // the caller holds a Guard
+    check(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync(", bytes, " bytes)");
   }
 
-  void launch(cudaKernel_t kernel, const char* name, std::size_t n, void** args, cudaStream_t stream = nullptr) {
-    // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
-    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(grid_for(n)), dim3(threads_per_block), args, 0,
-                           stream ? stream : stream_),
-          "cudaLaunchKernel(", name, ", ", n, " elements)");
+  static constexpr unsigned threads_per_block = 256;
+
+  // At most 32 blocks per SM; the kernels' grid-stride loops cover the rest.
+  unsigned capped(std::size_t blocks) const {
+    return static_cast<unsigned>(std::min(blocks, static_cast<std::size_t>(std::max(sm_count_, 1)) * 32));
+  }
+  unsigned grid_for(std::size_t n) const { return capped((n + threads_per_block - 1) / threads_per_block); }  // n elements
+  unsigned grid_for(const detail::ZeroSpans& t) const { return capped(t.first_block[t.count]); }  // a zero table
+
+  // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
+  template <class... What>
+  void launch(cudaKernel_t kernel, unsigned grid, void** args, cudaStream_t stream, const What&... what) {
+    check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(threads_per_block), args, 0, stream),
+          "cudaLaunchKernel(", what..., ")");
   }
 
   int index_;

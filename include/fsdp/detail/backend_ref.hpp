@@ -110,30 +110,20 @@ class DeviceRef {
     DeviceQueue (*queue)(void*);
   };
   template <class D>
-  static void zero_all(D& dev, std::span<const ZeroSpan> spans) {
-    if constexpr (BatchZeroingDevice<D>) dev.fill_zero_batch(spans);
-    else
-      for (const ZeroSpan& s : spans) dev.fill_zero(s.data, s.bytes);
-  }
-  template <class D>
   static constexpr VTable table{
       [](void* o) -> DeviceId { return static_cast<D*>(o)->id(); },
       [](void* o, std::size_t b, MemorySpace s) -> void* { return static_cast<D*>(o)->allocate(b, s); },
       [](void* o, void* p, std::size_t b, MemorySpace s) { static_cast<D*>(o)->deallocate(p, b, s); },
       [](void* o, void* d, const void* s, std::size_t b) { static_cast<D*>(o)->copy(d, s, b); },
       [](void* o, void* p, std::size_t b) { static_cast<D*>(o)->fill_zero(p, b); },
-      [](void* o, std::span<const ZeroSpan> spans) { zero_all(*static_cast<D*>(o), spans); },
+      [](void* o, std::span<const ZeroSpan> spans) { zero_spans(*static_cast<D*>(o), spans); },
       [](void* o, void* p, std::size_t n, DType t, double f) { static_cast<D*>(o)->scale(p, n, t, f); },
       [](void* o, void* d, const void* s, std::size_t n, DType t) { static_cast<D*>(o)->accumulate(d, s, n, t); },
       [](void* o, void* d, DType to, const void* s, DType from, std::size_t n) { static_cast<D*>(o)->cast(d, to, s, from, n); },
       [](void* o, void* d, DType to, const void* s, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
         D& dev = *static_cast<D*>(o);
-        if constexpr (CastZeroingDevice<D>) {
-          dev.cast_zeroing(d, to, s, from, n, spans);
-        } else {
-          zero_all(dev, spans);
-          dev.cast(d, to, s, from, n);
-        }
+        if constexpr (CastZeroingDevice<D>) dev.cast_zeroing(d, to, s, from, n, spans);
+        else zero_then_cast(dev, d, to, s, from, n, spans);
       },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },

@@ -65,7 +65,7 @@ class GradientReduction {
       if (fp.full_grad) {
         // kept by an unsynchronized backward (accumulate == compute): the engine adds into it
       } else if (fp.direct && grad_is_zero) {
-        ensure_shard_grad(fp);
+        ensure_shard_grad(fp, &zeros);
         fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
       } else {
         fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
@@ -120,11 +120,13 @@ class GradientReduction {
     }
   }
 
-  // The sharded gradient, allocated zeroed where a post-accumulate-grad hook freed it.
-  void ensure_shard_grad(FlatParam& fp) {
+  // The sharded gradient, allocated again where a post-accumulate-grad hook freed it, its
+  // zeroing joining `zeros`; none where the reduction writes all of it (null `zeros`: a
+  // freed gradient counts as zero, so the reduction goes into it, not adds).
+  void ensure_shard_grad(FlatParam& fp, ZeroBatch* zeros) {
     if (fp.shard_grad) return;
     fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
-    device_.fill_zero(fp.shard_grad, fp.shard_grad_bytes());
+    if (zeros) zeros->add(device_, fp.shard_grad, fp.shard_grad_bytes(), shard_space_);
   }
   void release_shard_grad(FlatParam& fp) { release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_); }
 
@@ -165,7 +167,7 @@ class GradientReduction {
     void* in = fp.full_grad;
     if (casts_into_shard_grad(groups_.reduces_alone(), fp.dtypes(), fp.reduce_in != nullptr, grad_is_zero,
                               defer_all_reduce, shard_space_ == MemorySpace::host)) {
-      ensure_shard_grad(fp);
+      ensure_shard_grad(fp, nullptr);  // the cast writes all of it
       device_.cast(fp.shard_grad, fp.reduce, fp.full_grad, fp.compute, padded);
       release_full_grad(fp);
       in = fp.shard_grad;  // the reduction below is then nothing: in place, alone
@@ -181,8 +183,11 @@ class GradientReduction {
     // A deferred all-reduce leaves it alone: the shard-group sum waits in `partial` (reduced
     // straight into it when it is the first and partial's dtype is the reduce dtype).
     fp.defer_all_reduce = defer_all_reduce;
-    if (!defer_all_reduce) ensure_shard_grad(fp);  // allocated only now where a hook freed it
     fp.into_shard_grad = grad_is_zero && !defer_all_reduce;
+    if (!defer_all_reduce && !fp.shard_grad) {  // a hook freed it: allocated only now
+      if (!fp.into_shard_grad) fail("internal: a freed sharded gradient must count as zero");
+      ensure_shard_grad(fp, nullptr);  // the reduction (or its copy) writes all of it
+    }
     const std::size_t out_bytes = FlatParam::bytes(L.shard_numel(), fp.reduce);
     if (defer_all_reduce) fp.reduce_out = fp.partial || fp.accumulate != fp.reduce
                                               ? device_.allocate(out_bytes, MemorySpace::device)

@@ -56,7 +56,7 @@ class ShardedUnit : public UnitBase {
 
   void post_backward() override;
 
-  void prefetch(detail::ZeroBatch* zeros = nullptr) override;
+  void prefetch(detail::ZeroBatch* zeros) override;
 
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override;

@@ -80,14 +80,15 @@ class SimulatedGradients {
     release_full_grad(f);
   }
 
-  void ensure_shard_grad(int u, SimFlatState& f, const char* phase) {
-    if (!f.shard_grad_alive) ledger_.add(f.shard, f.grad, p_.shard_space(), u, phase), f.shard_grad_alive = true;
-  }
   void release_shard_grad(SimFlatState& f) {
     if (std::exchange(f.shard_grad_alive, false)) ledger_.sub(f.shard, f.grad, p_.shard_space());
   }
 
  private:
+  void ensure_shard_grad(int u, SimFlatState& f, const char* phase) {
+    if (!f.shard_grad_alive) ledger_.add(f.shard, f.grad, p_.shard_space(), u, phase), f.shard_grad_alive = true;
+  }
+
   // A shard-group sum in the reduce dtype added into `partial` (the accumulate dtype):
   // cast through a buffer of its own where the two differ, or cast into a new `partial`.
   void add_into_partial(int u, SimFlatState& f) {

@@ -57,6 +57,9 @@ class ZeroBatch {
   }
 
   std::size_t pending() const { return count_; }
+  void reserve(std::size_t buffers) {  // for a model's many: one allocation, not one per doubling
+    if (buffers > inline_.size()) more_.reserve(buffers);
+  }
 
   // fill(batch), then the flush. When fill throws, what it added is flushed too (by the
   // destructor) and fill's error goes on; when the flush throws, on_flush_error runs first.
@@ -101,11 +104,15 @@ class ZeroBatch {
 // their gradients as zero once they added them, so a flush that fails marks each of them
 // failed (`mark`), as a hook that throws does: its next hook asks for abort_step instead of
 // training on stale gradients. When a unit throws, the ones before it are zeroed and its
-// error goes on.
-template <class Unit, class MarkFailed>
-void zero_grads(std::span<Unit* const> units, MarkFailed mark) {
-  ZeroBatch::run([&](ZeroBatch& batch) { for (Unit* u : units) u->zero_grad(batch); },
-                 [&] { for (Unit* u : units) mark(u); });
+// error goes on. `units`: a range of pointers to units (raw or owning).
+template <class Units, class MarkFailed>
+void zero_grads(const Units& units, MarkFailed mark) {
+  ZeroBatch::run(
+      [&](ZeroBatch& batch) {
+        batch.reserve(std::size(units));  // about a buffer per unit
+        for (const auto& u : units) u->zero_grad(batch);
+      },
+      [&] { for (const auto& u : units) mark(*u); });
 }
 
 }  // namespace fsdp::detail

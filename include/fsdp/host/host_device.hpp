@@ -47,8 +47,7 @@ class HostDevice {
   }
   void cast(void* dst, DType to, const void* src, DType from, std::size_t n) { detail::host_cast(dst, to, src, from, n); }
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
-    fill_zero_batch(spans);
-    cast(dst, to, src, from, n);
+    detail::zero_then_cast(*this, dst, to, src, from, n, spans);
   }
   void synchronize() {}
   // ShardedGradScaler's unscale (see UnscalingDevice).
