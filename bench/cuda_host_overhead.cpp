@@ -48,7 +48,8 @@ const std::map<Call, double> h200_us_per_call = {
 // test/cuda/cuda_step_calls_test.cpp): zero_grad's batch; forward, each unit gathered
 // (allocate, cast; the root kept), each but the root freed; backward, each unit's gradient
 // allocated, the next unit gathered ahead by a cast that zeroes it (the last one zeroed by a
-// memset), the gradient cast into its shard, both freed. Full precision: copies, memsets.
+// memset), the gradient cast into its shard, both freed. Full precision: copies, and no
+// unsharded gradient (one rank: the engine adds into the zeroed sharded gradient itself).
 struct Baseline {
   fsdp::CudaDevice& dev;
   std::size_t units, elements;
@@ -81,22 +82,30 @@ struct Baseline {
     for (std::size_t u = units; u-- > 1;) order.push_back(u);
     for (std::size_t i = 0; i < order.size(); ++i) {
       const std::size_t u = order[i];
-      unsharded_grads[u] = dev.allocate(full);
-      const fsdp::ZeroSpan fresh[] = {{unsharded_grads[u], full}};
-      if (i + 1 < order.size() && bf16) {  // the next gathered ahead; its cast zeroes this gradient
-        params[order[i + 1]] = dev.allocate(full);
-        dev.cast_zeroing(params[order[i + 1]], param_t, shards[order[i + 1]], fsdp::DType::f32, elements, fresh);
-      } else {
-        dev.fill_zero_batch(fresh);
-        if (i + 1 < order.size()) gather(order[i + 1]);
+      const bool ahead = i + 1 < order.size();
+      if (bf16) {
+        unsharded_grads[u] = dev.allocate(full);
+        const fsdp::ZeroSpan fresh[] = {{unsharded_grads[u], full}};
+        if (ahead) {  // the next gathered ahead; its cast zeroes this gradient
+          params[order[i + 1]] = dev.allocate(full);
+          dev.cast_zeroing(params[order[i + 1]], param_t, shards[order[i + 1]], fsdp::DType::f32, elements, fresh);
+        } else {
+          dev.fill_zero_batch(fresh);
+        }
+      } else if (ahead) {
+        gather(order[i + 1]);
       }
       if (u == 0) continue;  // the root's post-backward comes last
-      dev.cast(grads[u], fsdp::DType::f32, unsharded_grads[u], param_t, elements);
-      dev.deallocate(unsharded_grads[u], full);
+      if (bf16) {
+        dev.cast(grads[u], fsdp::DType::f32, unsharded_grads[u], param_t, elements);
+        dev.deallocate(unsharded_grads[u], full);
+      }
       release(u);
     }
-    dev.cast(grads[0], fsdp::DType::f32, unsharded_grads[0], param_t, elements);
-    dev.deallocate(unsharded_grads[0], full);
+    if (bf16) {
+      dev.cast(grads[0], fsdp::DType::f32, unsharded_grads[0], param_t, elements);
+      dev.deallocate(unsharded_grads[0], full);
+    }
     release(0);
   }
 };

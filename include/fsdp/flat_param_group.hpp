@@ -103,6 +103,7 @@ class FlatParamGroup {
       const auto t = detail::flat_param_dtypes(fp.master(), precision_);
       fp.compute = t.compute, fp.gather = t.gather, fp.accumulate = t.accumulate, fp.reduce = t.reduce, fp.grad = t.grad;
       fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offloaded(), fp.master(), t);
+      fp.grad_in_shard = detail::grad_accumulates_in_shard(fp.direct, groups_.world_size() == 1, offloaded(), t);
       fp.shard = device_.allocate(fp.shard_bytes(), shard_space_);
       fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
       device_.fill_zero(fp.shard, fp.shard_bytes());

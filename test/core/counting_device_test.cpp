@@ -126,24 +126,26 @@ TEST_CASE("CountingDevice counts each operation by kind and passes it on") {
 // buffer; each backward allocates and zeroes the unsharded gradient the engine adds into,
 // and the gradient is reduced straight into the zeroed sharded gradient. Freed: every
 // buffer allocated. Over 2 ranks the reduction averages by itself (ReduceOp::avg): no
-// scale. Over one rank nothing is exchanged: the gathers and the reduction are copies, or
-// nothing where the buffer is already this rank's slot (in place).
+// scale. Over one rank nothing is exchanged: the gathers are copies, and the engine adds
+// into the sharded gradient itself (zeroed by zero_grad, and the whole parameter's): no
+// unsharded gradient, no zeroing of one, no copy out of it.
 TEST_CASE("a FullShard step's device operations and collectives per unit, f32") {
   for (int world : {1, 2}) {
     CAPTURE(world);
     const auto got = count_step<fsdp::FullPrecision>(world);
     const std::uint64_t U = got.units, gathers = 2 * U - 1;
+    const std::uint64_t unsharded_grads = world == 1 ? 0 : U;
     REQUIRE(U == 5);  // 3 blocks, the gain, the root
-    CHECK(got.ops[DeviceOp::allocate] == gathers + U);  // gathered parameters, unsharded gradients
-    CHECK(got.ops[DeviceOp::deallocate] == gathers + U);
+    CHECK(got.ops[DeviceOp::allocate] == gathers + unsharded_grads);  // gathered parameters, unsharded gradients
+    CHECK(got.ops[DeviceOp::deallocate] == gathers + unsharded_grads);
     // zero_grad, every unit's at once; each unit's unsharded gradient (no cast to ride on)
-    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1 + U);
+    CHECK(got.ops[DeviceOp::fill_zero_batch] == 1 + unsharded_grads);
     CHECK(got.ops[DeviceOp::fill_zero] == 0);
     CHECK(got.ops[DeviceOp::cast_zeroing] == 0);
     CHECK(got.ops[DeviceOp::cast] == 0);
     CHECK(got.ops[DeviceOp::accumulate] == 0);
     CHECK(got.ops[DeviceOp::scale] == 0);
-    CHECK(got.ops[DeviceOp::copy] == (world == 1 ? gathers + U : 0));  // shard -> full, full grad -> shard
+    CHECK(got.ops[DeviceOp::copy] == (world == 1 ? gathers : 0));  // shard -> full
     CHECK(got.collectives[Collective::all_gather].calls == (world == 2 ? gathers : 0));
     CHECK(got.collectives[Collective::reduce_scatter].calls == (world == 2 ? U : 0));
     CHECK(got.collectives[Collective::all_reduce].calls == 0);
@@ -203,14 +205,17 @@ TEST_CASE("f16 reductions, bf16 over 3 ranks and other divide factors keep FSDP'
 
 // A hook that frees the sharded gradients after each backward: each step allocates them
 // again, and that is all. The reduction writes all of a freed gradient (it counts as
-// zero), so it needs no zeroing, and zero_grad finds nothing to zero.
+// zero), so it needs no zeroing, and zero_grad finds nothing to zero. Where the engine
+// adds into the sharded gradient itself (one rank, full precision) it must be zero
+// first: each unit's backward zeroes it (no cast to ride on), and that is all.
 TEST_CASE("a freeing post-accumulate-grad hook adds the sharded gradients' allocations, not their zeroing") {
-  auto check = [](const StepCounts& keep, const StepCounts& freeing) {
-    const std::uint64_t U = keep.units;
+  auto check = [](const StepCounts& keep, const StepCounts& freeing, bool engine_adds_into_it) {
+    const std::uint64_t U = keep.units, zeroed_for_engine = engine_adds_into_it ? U : 0;
     CHECK(freeing.ops[DeviceOp::allocate] == keep.ops[DeviceOp::allocate] + U);
     CHECK(freeing.ops[DeviceOp::deallocate] == keep.ops[DeviceOp::deallocate] + U);
     CHECK(freeing.ops[DeviceOp::fill_zero] == 0);
-    CHECK(freeing.ops[DeviceOp::fill_zero_batch] == keep.ops[DeviceOp::fill_zero_batch] - 1);  // zero_grad's
+    // zero_grad's is gone
+    CHECK(freeing.ops[DeviceOp::fill_zero_batch] == keep.ops[DeviceOp::fill_zero_batch] - 1 + zeroed_for_engine);
     for (DeviceOp op : {DeviceOp::copy, DeviceOp::cast, DeviceOp::cast_zeroing, DeviceOp::scale, DeviceOp::accumulate})
       CHECK(freeing.ops[op] == keep.ops[op]);
     CHECK(freeing.collectives == keep.collectives);
@@ -218,8 +223,9 @@ TEST_CASE("a freeing post-accumulate-grad hook adds the sharded gradients' alloc
   using MP = fsdp::MixedPrecision<fsdp::bf16, float>;
   for (int world : {1, 2}) {
     CAPTURE(world);
-    check(count_step<MP>(world), count_step<MP>(world, 0, fsdp::GradientAfterHook::free));
-    check(count_step<fsdp::FullPrecision>(world), count_step<fsdp::FullPrecision>(world, 0, fsdp::GradientAfterHook::free));
+    check(count_step<MP>(world), count_step<MP>(world, 0, fsdp::GradientAfterHook::free), false);
+    check(count_step<fsdp::FullPrecision>(world), count_step<fsdp::FullPrecision>(world, 0, fsdp::GradientAfterHook::free),
+          world == 1);
   }
 }
 

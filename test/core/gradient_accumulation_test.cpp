@@ -188,6 +188,7 @@ TEST_CASE_TEMPLATE("parity with unsharded accumulation over k = 1, 2, 4 micro-ba
                    fsdp::FullShard, fsdp::ShardGradOp, fsdp::NoShard) {
   for (Accum a : modes()) {
     CAPTURE(static_cast<int>(a));
+    check_parity<Strategy>({1}, a, f32_tolerance);  // one rank: the engine adds into the sharded gradient
     check_parity<Strategy>({2}, a, f32_tolerance);
     check_parity<Strategy>({4}, a, f32_tolerance);
   }
@@ -207,6 +208,7 @@ TEST_CASE("bf16 mixed precision: parity in both modes, reduce in bf16 or in f32"
     CAPTURE(static_cast<int>(a));
     check_parity<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({4}, a, bf16_tolerance, DType::bf16, DType::bf16);
     check_parity<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16, float>>({4}, a, bf16_tolerance, DType::bf16, DType::f32);
+    check_parity<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16, float>>({1}, a, bf16_tolerance, DType::bf16, DType::f32);
     check_parity<fsdp::NoShard, fsdp::MixedPrecision<fsdp::bf16>>({2}, a, bf16_tolerance, DType::bf16, DType::bf16);
   }
   check_parity<fsdp::HybridShard, fsdp::MixedPrecision<fsdp::bf16>>({4, {2, 2}}, Accum::defer_all_reduce, bf16_tolerance,
@@ -217,6 +219,7 @@ TEST_CASE("OffloadParams: parity in both modes, f32 and bf16") {
   for (Accum a : modes()) {
     CAPTURE(static_cast<int>(a));
     check_parity<fsdp::FullShard, fsdp::FullPrecision, fsdp::OffloadParams>({4}, a, f32_tolerance);
+    check_parity<fsdp::FullShard, fsdp::FullPrecision, fsdp::OffloadParams>({1}, a, f32_tolerance);
     check_parity<fsdp::ShardGradOp, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({2}, a, bf16_tolerance,
                                                                                             DType::bf16, DType::bf16);
     check_parity<fsdp::NoShard, fsdp::FullPrecision, fsdp::OffloadParams>({2}, a, f32_tolerance);
@@ -284,6 +287,21 @@ TEST_CASE("NoShard keeps in full precision in place: no extra memory, 1/k of the
     CHECK(b.world_counts[r][Collective::all_reduce].bytes == k * grads);
     CHECK(a.peak[r] <= b.peak[r]);  // the gradient accumulates in the sharded (= full) gradient itself
   }
+}
+
+// One rank: a unit's shard is its whole padded parameter, so after zero_grad the engine
+// adds into the sharded gradient itself, as under NoShard. Kept unsharded across k
+// micro-batches it stays there: the peak is the one of a step without accumulation. Reduced
+// every micro-batch, each later one needs an unsharded gradient of its own (the sharded one
+// already holds a sum), and the peak is higher by the largest such gradients alive at once.
+TEST_CASE("FullShard on one rank accumulates in the sharded gradient: no unsharded gradient kept") {
+  const int k = 4;
+  const auto a = sharded<fsdp::FullShard>({1}, Accum::keep_unsharded, k, 2);
+  const auto b = sharded<fsdp::FullShard>({1}, Accum::reduce_every_microbatch, k, 2);
+  const auto plain = sharded<fsdp::FullShard>({1}, Accum::keep_unsharded, 1, 2);
+  CHECK(a.peak[0] == plain.peak[0]);
+  CHECK(a.live_after_first[0] == a.live_after_sync[0]);  // nothing kept beside the sharded gradients
+  CHECK(b.peak[0] > a.peak[0]);
 }
 
 TEST_CASE("HybridShard 2x2: what each way of accumulating sends and keeps") {

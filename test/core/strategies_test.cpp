@@ -141,7 +141,7 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
 // Peak bytes on rank r, by replaying the step's hook sequence under the strategy's rules:
 // steady state (sharded params + grads + AdamW moments), plus unsharded parameters from
 // all-gather until freed, plus an unsharded gradient from pre- to post-backward where
-// parameters are sharded.
+// parameters are sharded over more than the one rank of a one-rank world.
 std::size_t expected_peak(const Promise& p, fsdp::MeshShape shape, int rank) {
   const auto units = unit_numels(config());
   const std::int64_t g = p.shards ? (p.hybrid ? shape.shard : shape.size()) : 1;
@@ -168,8 +168,9 @@ std::size_t expected_peak(const Promise& p, fsdp::MeshShape shape, int rank) {
       const std::size_t u = k == 0 ? 0 : last + 1 - k;
       gather(u);
       // The unsharded gradient. Replicated parameters after zero_grad accumulate straight
-      // into their (replicated) gradient, as DDP does: no extra buffer.
-      const std::size_t grad = p.shards ? full[u] : 0;
+      // into their (replicated) gradient, as DDP does: no extra buffer. So do sharded ones
+      // in a world of one rank, whose shard is the whole padded parameter.
+      const std::size_t grad = p.shards && shape.size() > 1 ? full[u] : 0;
       add(grad);
       if (u != 0) { release(u); live -= grad; }
     }

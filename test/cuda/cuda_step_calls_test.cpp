@@ -78,20 +78,21 @@ TEST_CASE("a step's CUDA calls per unit, one rank, bf16 parameters with f32 redu
   }
 }
 
-// Full precision: each gather copies the shard into the parameter, each backward zeroes the
-// fresh gradient with a memset (no cast to ride on) and copies it into the sharded one;
-// zero_grad is one launch.
+// Full precision: each gather copies the shard into the parameter; the engine adds its
+// gradients into the sharded ones themselves (one rank: the shard is the whole padded
+// parameter), which zero_grad zeroes with one launch. No unsharded gradient: nothing to
+// allocate, zero, copy or free per backward.
 TEST_CASE("a step's CUDA calls per unit, one rank, full precision") {
   const auto got = count_step<fsdp::FullPrecision>(5);
   const std::uint64_t U = got.units, gathers = 2 * U - 1;
   CAPTURE(got.calls.summary());
-  CHECK(got.calls.of(Call::cudaMemcpyAsync) == gathers + U);
-  CHECK(got.calls.of(Call::cudaMemsetAsync) == U);
+  CHECK(got.calls.of(Call::cudaMemcpyAsync) == gathers);
+  CHECK(got.calls.of(Call::cudaMemsetAsync) == 0);
   CHECK(got.calls.of(Call::cudaLaunchKernel) == 1);
-  CHECK(got.calls.of(Call::cudaMallocAsync) == gathers + U);
-  CHECK(got.calls.of(Call::cudaFreeAsync) == gathers + U);
-  CHECK(got.calls.of(Call::cudaGetDevice) == U + 1);
-  CHECK(got.calls.total() == 3 * (gathers + U) + 2 * (U + 1));  // nothing else
+  CHECK(got.calls.of(Call::cudaMallocAsync) == gathers);
+  CHECK(got.calls.of(Call::cudaFreeAsync) == gathers);
+  CHECK(got.calls.of(Call::cudaGetDevice) == 1);
+  CHECK(got.calls.total() == 3 * gathers + 2);  // nothing else
 }
 
 // With two GPUs, a CudaDevice of the second one launches its kernels and memsets with that

@@ -107,6 +107,18 @@ inline bool flat_param_is_direct(bool shards, bool offload, DType master, const 
   return !shards && !offload && t.compute == master && t.reduce == master;
 }
 
+// Where the engine's backward accumulates straight into the sharded gradient, as DDP does:
+// no unsharded gradient buffer, no zeroing of one, no copy out of it. Replicated
+// parameters in their own dtype (`direct`), and a rank alone in the world (FSDP1 runs
+// FULL_SHARD as NO_SHARD there): its shard is the whole padded parameter, so where every
+// gradient dtype is the compute dtype and the shard is device-resident, the reduction has
+// nothing to do to the gradient. Only in the world: a replica group, even with shard
+// groups of one, still averages, and may defer that into another buffer.
+inline bool grad_accumulates_in_shard(bool direct, bool alone_in_world, bool offload, const FlatParamDTypes& t) {
+  return direct ||
+         (alone_in_world && !offload && t.accumulate == t.compute && t.reduce == t.compute && t.grad == t.compute);
+}
+
 // Alone in its reducing group (UnitGroups::reduces_alone), a gradient of another dtype than
 // the reduction's needs no buffer of the reduce dtype: the cast writes the sharded gradient
 // itself, where the reduction would have put it. Only where that is the reduction's place:

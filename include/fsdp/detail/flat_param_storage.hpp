@@ -31,6 +31,7 @@ struct FlatParam {
   DType reduce = DType::f32;   // what gradients are reduced in (CommPrecision's Reduce, else accumulate)
   DType grad = DType::f32;     // what the sharded gradient is kept in
   bool direct = false;         // replicated, same dtype, not offloaded: the shard *is* the parameters
+  bool grad_in_shard = false;  // the engine accumulates into shard_grad itself (grad_accumulates_in_shard)
   void* shard = nullptr;       // shard_numel master-dtype elements, this rank's (host space when offloaded)
   void* shard_grad = nullptr;  // shard_numel `grad`-dtype elements, the reduced gradient
   void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for

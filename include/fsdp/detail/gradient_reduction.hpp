@@ -64,9 +64,9 @@ class GradientReduction {
     for (auto& fp : flat) {
       if (fp.full_grad) {
         // kept by an unsynchronized backward (accumulate == compute): the engine adds into it
-      } else if (fp.direct && grad_is_zero) {
+      } else if (fp.grad_in_shard && grad_is_zero) {
         ensure_shard_grad(fp, &zeros);
-        fp.full_grad = fp.shard_grad;  // replicated and zero: accumulate in place, as DDP does
+        fp.full_grad = fp.shard_grad;  // zero, and the whole parameter's: accumulate in place, as DDP does
       } else {
         fp.full_grad = device_.allocate(fp.full_bytes(), MemorySpace::device);
         zeros.add(device_, fp.full_grad, fp.full_bytes(), MemorySpace::device);  // engines accumulate into grads

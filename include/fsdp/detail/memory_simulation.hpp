@@ -52,6 +52,7 @@ class MemorySimulation {
         fs.shards = shards;
         if (shards && u.post_forward_ranks > 0) fs.post = fs.padded / u.post_forward_ranks;
         fs.direct = flat_param_is_direct(shards, p_.offload, f.master, t);
+        fs.grad_in_shard = grad_accumulates_in_shard(fs.direct, world == 1, p_.offload, t);
         s.flat.push_back(fs);
       }
       state_.push_back(s);

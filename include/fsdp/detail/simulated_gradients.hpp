@@ -24,11 +24,12 @@ class SimulatedGradients {
     release_full_grad(f);
   }
 
-  // bind_gradients: a zeroed unsharded gradient, or the replicated one itself right after
-  // zero_grad; one a backward with sync off kept is added into.
+  // bind_gradients: a zeroed unsharded gradient, or the sharded one itself right after
+  // zero_grad where the engine accumulates into it (grad_accumulates_in_shard); one a
+  // backward with sync off kept is added into.
   void bind(int u, SimFlatState& f, bool grad_is_zero) {
     if (f.full_grad_alive || f.full_grad_alias) return;
-    if (f.direct && grad_is_zero) ensure_shard_grad(u, f, "backward (gradient)"), f.full_grad_alias = true;
+    if (f.grad_in_shard && grad_is_zero) ensure_shard_grad(u, f, "backward (gradient)"), f.full_grad_alias = true;
     else ledger_.add(f.padded, f.compute, MemorySpace::device, u, "backward (gradient)"), f.full_grad_alive = true;
   }
 

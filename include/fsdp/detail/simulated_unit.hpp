@@ -86,7 +86,7 @@ class SimLedger {
 struct SimFlatState {
   std::int64_t shard = 0, padded = 0, full = 0;  // elements: shard, padded flat, what a gather holds
   DType master{}, compute{}, gather{}, accumulate{}, reduce{}, grad{};
-  bool shards = true, direct = false;
+  bool shards = true, direct = false, grad_in_shard = false;
   std::int64_t post = 0;  // elements a partial reshard keeps (0: none)
   bool full_alive = false, wire_alive = false, unbound = false, post_alive = false;
   bool full_grad_alive = false, full_grad_alias = false;
