@@ -221,13 +221,8 @@ if [ "$example_ran" = 1 ] && [ "$(cat "$OUT/api_timer.build" 2>/dev/null)" = ok 
     measured=$(summary_field "$OUT/api.$name.out" host_us_per_unit_step)
     echo
     echo "== library host time per unit per step in CUDA / NCCL calls ($name: $units units, $timed timed steps) =="
-    awk -v per="$(( ${units:-1} * ${timed:-1} ))" -v measured="${measured:-0}" '
-      /^api_timer: / {
-        split($7, c, "="); split($8, u, "=")
-        if (c[2] > 0) { printf "  %-26s %6.2f calls %7.2f us\n", $2, c[2] / per, u[2] / per; total += u[2] / per }
-      }
-      END { printf "gpu proof: of the library host time per unit per step (%s us), %.2f us are CUDA and NCCL calls, %.2f us the library'"'"'s own code\n", measured, total, measured - total }
-    ' "$OUT/api.$name.log"
+    awk -v per="$(( ${units:-1} * ${timed:-1} ))" -v measured="${measured:-0}" -f tools/gpu_proof/host_time_split.awk \
+      "$OUT/api.$name.log"
   done
 fi
 
