@@ -343,4 +343,43 @@ TEST_CASE("hooks change only between steps; removing a freeing hook brings back 
   });
 }
 
+// A freeing hook set between the micro-batches of a step: what the unsynchronized ones kept
+// stays, and the hooks see the same final gradients as with the hook set before the step.
+// On one rank (and under NoShard) the kept sum is in the sharded gradient itself, which
+// the engine adds into; freeing it would lose the sum (and the engine would write into
+// freed memory), so it becomes the kept unsharded gradient instead. After the step the
+// device holds what it holds with the hook set before: the shards alone.
+TEST_CASE_TEMPLATE("a freeing hook set between no_sync micro-batches keeps what they summed", Strategy, fsdp::FullShard,
+                   fsdp::NoShard) {
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    auto run = [&](bool set_between) {
+      std::vector<std::vector<float>> seen;  // rank 0's hooks, in order
+      std::size_t live_after = 0;
+      on_ranks<Strategy>(world, {1, world}, false, [&](engine::Model& model, fsdp::ShardedModel& sm,
+                                                       fsdp::HostDevice& device, auto&, int r) {
+        auto hook = [&](fsdp::UnitBase& u) {
+          if (r != 0) return;
+          for (const auto& v : u.shards()) seen.push_back(copy_grad(v));
+        };
+        if (!set_between) sm.set_post_accumulate_grad_hook(hook, GradientAfterHook::free);
+        sm.zero_grad();
+        {
+          auto unsynchronized = sm.no_sync();
+          micro_batch(model, sm, engine::make_batch(config(), 0, r, 1));
+        }
+        if (set_between) sm.set_post_accumulate_grad_hook(hook, GradientAfterHook::free);
+        micro_batch(model, sm, engine::make_batch(config(), 1, r, 1));
+        if (r == 0) live_after = device.stats().live_bytes;
+      });
+      return std::pair{seen, live_after};
+    };
+    const auto [want, want_live] = run(false);
+    const auto [got, got_live] = run(true);
+    REQUIRE(!want.empty());
+    CHECK(got == want);
+    CHECK(got_live == want_live);
+  }
+}
+
 }  // namespace core_post_accumulate_grad_hook_test

@@ -128,7 +128,14 @@ class GradientReduction {
     fp.shard_grad = device_.allocate(fp.shard_grad_bytes(), shard_space_);
     if (zeros) zeros->add(device_, fp.shard_grad, fp.shard_grad_bytes(), shard_space_);
   }
-  void release_shard_grad(FlatParam& fp) { release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_); }
+  // Where an unsynchronized backward kept its sum in the sharded gradient itself (the
+  // engine adds into it: grad_accumulates_in_shard), freeing it would drop that sum: the
+  // buffer becomes the kept unsharded gradient instead (the same bytes, device-resident),
+  // and the next reduction writes a new sharded gradient.
+  void release_shard_grad(FlatParam& fp) {
+    if (fp.shard_grad && fp.full_grad == fp.shard_grad) fp.shard_grad = nullptr;
+    else release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_);
+  }
 
   // Frees what accumulation keeps between backwards (none of it is in flight in IDLE).
   void release_accumulated(FlatParam& fp) {
