@@ -14,7 +14,7 @@
 //   - an estimate for the H200 of docs/cuda.md: the calls priced at that run's measured
 //     host time per call, plus the own code measured here. An estimate, not a measurement:
 //     only tools/gpu_proof.sh on a GPU measures it (goal: at most 20 us per unit).
-//   cuda_host_overhead [--layers N] [--steps S] [--precision bf16|f32]
+//   cuda_host_overhead [--layers N] [--steps S] [--precision bf16|f32|both]
 // test/support/device_training.hpp's model is reused; its doctest checks are compiled out.
 #define DOCTEST_CONFIG_DISABLE
 #include <CLI/CLI.hpp>
@@ -160,7 +160,8 @@ int run(int layers, int steps) {
     std::printf("H200 estimate (calls priced at docs/cuda.md's run + own code here): %.1f us per unit (goal 20)\n",
                 gpu_us + own_ns / 1e3);
     // That run's own code took 5.37 us per unit on its host (a sandboxed VM, more work at
-    // world 1 then): the estimate with that figure instead of this machine's.
+    // world 1 then, and its call timer's own cost, about 1.6 us, counted in: docs/cuda.md):
+    // the estimate with that figure instead of this machine's, a pessimistic one.
     std::printf("  with that run's own-code time (5.37 us) instead of this machine's: %.1f us per unit\n\n", gpu_us + 5.37);
     if (base_calls.calls != calls.calls) {  // the ratio compares like with like, or nothing
       std::fprintf(stderr, "the baseline's CUDA calls differ from the library's:\n  %s\n  %s\n", base_calls.summary().c_str(),

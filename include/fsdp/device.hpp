@@ -85,8 +85,8 @@ concept BatchZeroingDevice = Device<D> && requires(D& d, std::span<const ZeroSpa
 //   d.cast_zeroing(dst, to, src, from, n, spans)   cast(dst, to, src, from, n), and each
 //                                                  span zeroed; none overlaps the cast's
 // (CudaDevice: one kernel launch, not a cast and a memset). A unit's pre_backward zeroes
-// its unsharded gradients in the cast that gathers the next unit ahead; elsewhere the
-// library zeroes them with fill_zero.
+// its fresh gradients in the cast that gathers the next unit ahead; elsewhere the library
+// zeroes them through detail::zero_spans.
 template <class D>
 concept CastZeroingDevice = Device<D> && requires(D& d, void* p, const void* cp, DType t, std::size_t n,
                                                   std::span<const ZeroSpan> spans) {
@@ -105,8 +105,8 @@ concept QueuedDevice = Device<D> && requires(D& d) {
 
 namespace detail {
 
-// What a device without the zeroing capabilities above gets: its own batch where it has
-// one, else a fill_zero per buffer; and the cast after the zeroing, as two calls.
+// The zeroing capabilities above written out for any device: its own batch where it has
+// one, else a fill_zero per buffer; and the zeroing, then the cast, as two calls.
 template <Device D>
 void zero_spans(D& d, std::span<const ZeroSpan> spans) {
   if constexpr (BatchZeroingDevice<D>) d.fill_zero_batch(spans);

@@ -31,7 +31,8 @@ struct ParamView;
 // What a unit does with its sharded gradient once its hook has returned.
 enum class GradientAfterHook : std::uint8_t {
   keep,  // it stays, as without a hook (zero_grad zeroes it)
-  free,  // freed now; the next reduction allocates it afresh (zeroed, as after zero_grad)
+  free,  // freed now; allocated again by the next backward, counting as zero (the
+         // reduction writes all of it; where the engine adds into it, it is zeroed first)
 };
 
 constexpr std::string_view name_of(GradientAfterHook a) { return a == GradientAfterHook::keep ? "keep" : "free"; }

@@ -185,7 +185,7 @@ class ShardedModel {
 
   // Zeroes the sharded gradients and frees what accumulation kept. Every unit's zeroing
   // goes out in one device call where the device can (BatchZeroingDevice).
-  void zero_grad() { UnitBase::zero_grad_all(units_); }
+  void zero_grad() { detail::zero_grads(units_, UnitBase::mark_failed_in_zero_grad); }
 
   // Every parameter whole, in its master dtype, in the engine's tensors until the returned
   // scope ends; IDLE units only, a collective. With writeback each rank keeps the edits to

@@ -26,64 +26,11 @@
 #include "fsdp/post_accumulate_grad_hook.hpp"
 #include "fsdp/reshard_settings.hpp"
 #include "fsdp/training_state.hpp"
+#include "fsdp/unit_views.hpp"
 
 namespace fsdp {
 
 namespace detail { class TakeOverLog; }
-
-// One flat shard of a unit as the optimizer sees it: this rank's slice of the unit's
-// parameters of one dtype and the matching slice of the reduced gradient. Padding is
-// left out: numel counts only real parameter elements. The gradient has the parameters'
-// dtype unless MixedPrecision keeps low-precision gradients.
-struct ShardView {
-  std::string_view unit;  // FQN of the unit ("" for the root)
-  DType dtype = DType::f32;
-  void* param = nullptr;
-  void* grad = nullptr;
-  std::int64_t numel = 0;
-  DType grad_dtype = DType::f32;
-  std::int64_t padded_numel = 0;  // the shard's size with padding (every rank's shard has it)
-  MemorySpace space = MemorySpace::device;  // host when OffloadParams put the shard there
-};
-
-// One parameter as this rank holds it: the elements [param_begin, param_begin + count) of
-// the flattened parameter, which sit at shard_offset in shards()[shard] of its unit. A
-// shard may cut through a parameter, so count may be anything from 0 to numel. What an
-// optimizer needs for per-parameter rules (weight-decay masks) and what state dicts and
-// checkpoints are made of; no cast to a concrete unit type is needed.
-struct ParamView {
-  std::string_view unit;  // FQN of the unit ("" for the root)
-  std::string_view fqn;   // the parameter's FQN in the model
-  std::span<const std::int64_t> shape;
-  DType dtype = DType::f32;  // the master dtype: what shards and checkpoints hold
-  std::int64_t numel = 0;    // of the whole parameter
-  std::size_t shard = 0;     // index into the unit's shards()
-  std::size_t model_shard = 0;  // index into ShardedModel::shards() (the unit's own: = shard)
-  std::int64_t param_begin = 0, count = 0, shard_offset = 0;
-  void* param = nullptr;  // this rank's elements (nullptr when count == 0)
-  void* grad = nullptr;   // the matching elements of the sharded gradient, in grad_dtype
-  DType grad_dtype = DType::f32;
-  MemorySpace space = MemorySpace::device;
-  // Its other FQNs when tied (one tensor under several names, stored once): state dicts
-  // save it under `fqn` and loads accept any of them.
-  std::span<const std::string> aliases;
-};
-
-// A parameter's storage as its unit found it at setup (the tensor's data pointer, or the
-// tensor object when it holds no elements), with the FQN it was found under: how the
-// root finds one tensor in two units.
-struct ParamStorage {
-  const void* key = nullptr;
-  std::string fqn;
-};
-
-// A buffer (non-trainable tensor: running statistics, masks) of a unit.
-struct BufferView {
-  std::string_view unit, fqn;
-  std::span<const std::int64_t> shape;
-  DType dtype = DType::f32;  // its own dtype (MixedPrecision may show it cast to the engine)
-  std::int64_t numel = 0;
-};
 
 // How summon_full_params shows the full parameters (FSDP's arguments of the same names).
 struct SummonOptions {
@@ -115,17 +62,13 @@ class UnitBase {
   virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
   // Called by the root once per backward, after every unit's post_backward; -> IDLE.
   virtual void finish_backward() = 0;
-  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. zero_grad_all:
-  // every unit's zeroing joins one batch, flushed as one call (detail::zero_grads).
+  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. The zeroing
+  // joins a batch flushed as one call (ShardedModel::zero_grad: one for all its units).
   void zero_grad() {
     UnitBase* u = this;
-    zero_grad_all(std::span<UnitBase* const>(&u, 1));
+    detail::zero_grads(std::span<UnitBase* const>(&u, 1), mark_failed_in_zero_grad);
   }
   virtual void zero_grad(detail::ZeroBatch& batch) = 0;
-  template <class Units>  // pointers to units, raw or owning
-  static void zero_grad_all(const Units& units) {
-    detail::zero_grads(units, [](UnitBase& u) { u.failed_hook_ = "zero_grad"; });
-  }
   // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
@@ -375,6 +318,7 @@ class UnitBase {
     const char* hook_;
     int exceptions_ = std::uncaught_exceptions();
   };
+  static void mark_failed_in_zero_grad(UnitBase& u) { u.failed_hook_ = "zero_grad"; }
   void agree_on_abort() {
     failed_hook_ = "abort_step";  // until every rank took part
     all_ranks_agree(true);

@@ -216,17 +216,19 @@ TEST_CASE("zero_grad zeroes every unit's sharded gradients with one device call"
   });
 }
 
+// A HostDevice whose next fill_zero_batch fails, when asked.
+struct FlakyZeroing : fsdp::HostDevice {
+  bool fail_next = false;
+  void fill_zero_batch(std::span<const fsdp::ZeroSpan> spans) {
+    if (std::exchange(fail_next, false)) fsdp::detail::fail("injected: fill_zero_batch failed");
+    fsdp::HostDevice::fill_zero_batch(spans);
+  }
+};
+
 // The units count their gradients as zero once they joined the batch, so a zeroing call
 // that fails must not leave them training on stale gradients: each is failed in
 // zero_grad, its next hook asks for abort_step, and after it training goes on.
 TEST_CASE("a failed zero_grad call leaves every unit failed until abort_step") {
-  struct FlakyZeroing : fsdp::HostDevice {
-    bool fail_next = false;
-    void fill_zero_batch(std::span<const fsdp::ZeroSpan> spans) {
-      if (std::exchange(fail_next, false)) fsdp::detail::fail("injected: fill_zero_batch failed");
-      fsdp::HostDevice::fill_zero_batch(spans);
-    }
-  };
   static_assert(fsdp::BatchZeroingDevice<FlakyZeroing>);
   const auto c = small();
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
@@ -243,6 +245,31 @@ TEST_CASE("a failed zero_grad call leaves every unit failed until abort_step") {
     sm.zero_grad();
     for (const auto& v : sm.shards())
       for (std::int64_t i = 0; i < v.numel; ++i) CHECK(static_cast<const float*>(v.grad)[i] == 0.0f);
+    CHECK_NOTHROW(engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1)));
+  });
+}
+
+// The same when a unit throws in zero_grad (here: it is mid-forward) and the flush of what
+// the units before it added fails too: the unit's error is the one reported, and the units
+// before it are failed in zero_grad, not left counting stale gradients as zero.
+TEST_CASE("a unit that throws in zero_grad, then a failed flush: the units before it are failed too") {
+  const auto c = small();
+  fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    FlakyZeroing device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    engine::Sgd sgd(0.05f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    REQUIRE(sm.size() >= 2);
+    auto& last = sm[sm.size() - 1];
+    last.pre_forward();  // not IDLE: its zero_grad throws after the others joined the batch
+    device.fail_next = true;
+    CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("zero_grad"), fsdp::Error);
+    CHECK(!device.fail_next);  // the flush ran, and failed
+    for (std::size_t i = 0; i + 1 < sm.size(); ++i)
+      CHECK(std::string_view(sm[i].failed_hook() ? sm[i].failed_hook() : "(none)") == "zero_grad");
+    sm.abort_step();
+    sm.zero_grad();
     CHECK_NOTHROW(engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1)));
   });
 }

@@ -501,7 +501,10 @@ TEST_CASE("unscale matches HostDevice bitwise and flags the same inf/NaN" * doct
   CHECK_THROWS_AS(dev.unscale(nullptr, 1, DType::i32, 0.5), fsdp::Error);
 }
 
-TEST_CASE("16-bit accumulate rounds ties to even and keeps subnormals" * doctest::skip(no_gpu)) {
+// A claim about the GPU's rounding: on the emulated runtime the kernel is HostDevice's own
+// arithmetic, so the comparison could not fail there, and the case skips.
+TEST_CASE("16-bit accumulate rounds ties to even and keeps subnormals" *
+          doctest::skip(no_gpu || test_support::emulated_runtime)) {
   CudaDevice dev;
   HostDevice host;
   // bf16: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 (-> 1, even); 1 + 3*2^-8 -> 1 + 2^-6;

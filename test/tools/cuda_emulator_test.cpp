@@ -6,20 +6,22 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/cuda/cuda_kernels.hpp"
+#include "test/support/errors.hpp"
 #include "tools/cuda_emulator/emulator.hpp"
 
 namespace {
 
+using test_support::contains;
+
 bool any_contains(const std::vector<std::string>& v, const std::string& part) {
-  for (const auto& s : v)
-    if (s.find(part) != std::string::npos) return true;
-  return false;
+  return std::ranges::any_of(v, [&](const std::string& s) { return contains(s, part); });
 }
 
 struct Streams {
@@ -79,6 +81,26 @@ TEST_CASE("a host synchronization orders what follows it on every stream") {
   CHECK(cuda_emulator::take_violations().empty());
 }
 
+// A destroyed stream's queued work still runs: cudaDeviceSynchronize waits for it, and
+// what follows is ordered after it; without the synchronization a free races with it.
+TEST_CASE("cudaDeviceSynchronize waits for the work of a stream destroyed since") {
+  for (bool sync : {false, true}) {
+    CAPTURE(sync);
+    (void)cuda_emulator::take_violations();
+    cudaStream_t a = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking) == cudaSuccess);
+    void* p = nullptr;
+    REQUIRE(cudaMalloc(&p, 16) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(p, 1, 16, a) == cudaSuccess);
+    REQUIRE(cudaStreamDestroy(a) == cudaSuccess);
+    if (sync) REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    REQUIRE(cudaFree(p) == cudaSuccess);
+    const auto found = cuda_emulator::take_violations();
+    CHECK(found.empty() == sync);
+    if (!sync) CHECK(any_contains(found, "cudaFree"));
+  }
+}
+
 TEST_CASE("a stream-ordered free must come after every stream's use of the memory") {
   (void)cuda_emulator::take_violations();
   Streams s;
@@ -99,12 +121,12 @@ TEST_CASE("use after free, past the end, and pageable memory in a kernel are ref
   void* p = nullptr;
   REQUIRE(cudaMallocAsync(&p, 32, s.a) == cudaSuccess);
   CHECK(cudaMemsetAsync(p, 0, 33, s.a) == cudaErrorInvalidValue);
-  CHECK(std::string(cudaGetErrorString(cudaErrorInvalidValue)).find("past its end") != std::string::npos);
+  CHECK(contains(cudaGetErrorString(cudaErrorInvalidValue), "past its end"));
   (void)cudaGetLastError();
   REQUIRE(cudaFreeAsync(p, s.a) == cudaSuccess);
   std::vector<char> host(32);
   CHECK(cudaMemcpyAsync(host.data(), p, 32, cudaMemcpyDefault, s.a) == cudaErrorInvalidValue);
-  CHECK(std::string(cudaGetErrorString(cudaErrorInvalidValue)).find("already freed") != std::string::npos);
+  CHECK(contains(cudaGetErrorString(cudaErrorInvalidValue), "already freed"));
   CHECK(cudaGetLastError() == cudaErrorInvalidValue);
   CHECK(cudaGetLastError() == cudaSuccess);  // cleared
   // A kernel on pageable host memory (a GPU would fault), through CudaDevice: an fsdp::Error.

@@ -150,7 +150,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceSynchronize() {
   FSDP_EMULATOR_ENTER(cudaDeviceSynchronize);
-  for (Stream* s : rt().streams_of(current_device)) rt().host.join(s->clock);
+  rt().host.join(rt().device_work(current_device));
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {

@@ -45,7 +45,8 @@ Stream* Runtime::make_stream(int device, bool blocking) {
 bool Runtime::destroy_stream(Stream* s) {
   auto it = streams_.find(s);
   if (it == streams_.end() || s->legacy) return false;
-  streams_.erase(it);  // its queued work still finishes, but the host has not seen it: no join
+  retired_[s->device].join(s->clock);  // its queued work still finishes: a device sync waits for it
+  streams_.erase(it);  // the host has not seen that work: no join into `host`
   return true;
 }
 
@@ -63,10 +64,11 @@ Stream* Runtime::resolve(cudaStream_t handle, int current_device) {
   return it == streams_.end() ? nullptr : it->first;
 }
 
-std::vector<Stream*> Runtime::streams_of(int device) {
-  std::vector<Stream*> out;
-  for (auto& [raw, owned] : streams_)
-    if (raw->device == device) out.push_back(raw);
+Clock Runtime::device_work(int device) const {
+  Clock out;
+  for (const auto& [raw, owned] : streams_)
+    if (raw->device == device) out.join(raw->clock);
+  if (auto it = retired_.find(device); it != retired_.end()) out.join(it->second);
   return out;
 }
 

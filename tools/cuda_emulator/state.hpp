@@ -98,7 +98,9 @@ class Runtime {
   Stream* make_stream(int device, bool blocking);
   bool destroy_stream(Stream* s);
   Stream* resolve(cudaStream_t s, int current_device);  // null for an unknown handle
-  std::vector<Stream*> streams_of(int device);
+  // What a cudaDeviceSynchronize on `device` waits for: its streams' work, destroyed
+  // streams' included (their queued work still finishes).
+  Clock device_work(int device) const;
 
   Event* make_event(int device);
   bool destroy_event(Event* e);
@@ -135,6 +137,7 @@ class Runtime {
   std::size_t next_stream_id_ = 0;
   std::map<Stream*, std::unique_ptr<Stream>> streams_;
   std::map<int, Stream*> legacy_;
+  std::map<int, Clock> retired_;  // per device: the clocks of its destroyed streams, joined
   std::map<Event*, std::unique_ptr<Event>> events_;
   std::map<std::uintptr_t, Allocation> live_;  // by base address
   std::size_t live_bytes_[2] = {0, 0};          // per Space

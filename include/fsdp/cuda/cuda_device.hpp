@@ -201,12 +201,13 @@ class CudaDevice {
   // would get alone, the zeroing as many blocks more as fill_zero_batch would give it. A
   // copy (to == from) goes as the two calls; buffers past the first 128 as fill_zero_batch's.
   void cast_zeroing(void* dst, DType to, const void* src, DType from, std::size_t n, std::span<const ZeroSpan> spans) {
-    detail::ZeroSpans table;
-    const std::size_t taken = detail::fill_zero_spans_table(spans, table);
-    if (to == from || n == 0 || table.count == 0) {
+    if (to == from || n == 0) {
       fill_zero_batch(spans);
       return cast(dst, to, src, from, n);
     }
+    detail::ZeroSpans table;
+    const std::size_t taken = detail::fill_zero_spans_table(spans, table);
+    if (table.count == 0) return cast(dst, to, src, from, n);  // only empty spans
     Guard g(*this);
     unsigned long long count = n;
     int to_i = static_cast<int>(to), from_i = static_cast<int>(from);

@@ -56,10 +56,11 @@ class GradientReduction {
     by_world_ = total == groups_.world_size();
   }
 
-  // Binds zeroed unsharded gradients for the engine to accumulate into (or the one an
-  // unsynchronized backward kept, to add into). `grad_is_zero`: nothing was reduced into
-  // the sharded gradient since zero_grad. The zeroing joins `zeros`, which the caller
-  // flushes before the engine's backward.
+  // Binds zeroed gradients for the engine to accumulate into: unsharded ones, or the
+  // sharded one itself where it is zero and the whole parameter (grad_accumulates_in_shard),
+  // or the one an unsynchronized backward kept, to add into. `grad_is_zero`: nothing was
+  // reduced into the sharded gradient since zero_grad. The zeroing joins `zeros`, which the
+  // caller flushes before the engine's backward.
   void bind_gradients(std::vector<FlatParam>& flat, bool grad_is_zero, ZeroBatch& zeros) {
     for (auto& fp : flat) {
       if (fp.full_grad) {
@@ -130,10 +131,12 @@ class GradientReduction {
   }
   // Where an unsynchronized backward kept its sum in the sharded gradient itself (the
   // engine adds into it: grad_accumulates_in_shard), freeing it would drop that sum: the
-  // buffer becomes the kept unsharded gradient instead (the same bytes, device-resident),
-  // and the next reduction writes a new sharded gradient.
+  // buffer becomes the kept unsharded gradient instead, and the next reduction writes a new
+  // sharded gradient. release_full_grad frees it later as full_bytes() of device memory:
+  // the same buffer, as grad_accumulates_in_shard holds only for a device-resident shard
+  // that is the whole padded parameter in the compute dtype.
   void release_shard_grad(FlatParam& fp) {
-    if (fp.shard_grad && fp.full_grad == fp.shard_grad) fp.shard_grad = nullptr;
+    if (fp.full_grad == fp.shard_grad) fp.shard_grad = nullptr;
     else release(fp.shard_grad, fp.shard_grad_bytes(), shard_space_);
   }
 

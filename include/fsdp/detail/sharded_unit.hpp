@@ -61,8 +61,9 @@ class ShardedUnit : public UnitBase {
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override;
 
-  // Switching to GradientAfterHook::free frees the sharded gradient now; keep allocates it
-  // again (zeroed) where it was freed.
+  // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
+  // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
+  // where it was freed.
   void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
     expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
     const bool freed = grad_hook_.frees_gradient();

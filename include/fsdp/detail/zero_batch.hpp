@@ -3,8 +3,9 @@
 //   - ShardedModel::zero_grad collects every unit's sharded gradients and zeroes the
 //     device-space ones of one device with one fill_zero_batch (one kernel launch on
 //     CUDA, not one memset per unit);
-//   - pre_backward collects the unit's fresh unsharded gradients, and the cast that
-//     gathers the next unit ahead zeroes them too (cast_zeroing: one launch, not two).
+//   - pre_backward collects the gradients it binds fresh (unsharded ones, or a sharded one
+//     a hook freed where the engine adds into it), and the cast that gathers the next unit
+//     ahead zeroes them too (cast_zeroing: one launch, not two).
 // Host-space buffers (offloaded) are zeroed at once. Whoever fills a batch flushes it, also
 // when leaving by exception: the units already count those buffers as zero.
 #include <array>
@@ -61,18 +62,30 @@ class ZeroBatch {
     if (buffers > inline_.size()) more_.reserve(buffers);
   }
 
-  // fill(batch), then the flush. When fill throws, what it added is flushed too (by the
-  // destructor) and fill's error goes on; when the flush throws, on_flush_error runs first.
+  // fill(batch), then the flush; when the flush throws, on_flush_error runs first. When
+  // fill throws, what it added is flushed too and fill's error goes on (a flush failing
+  // then runs on_flush_error as well: what was added already counts as zero).
   template <class Fill, class OnFlushError = void (*)()>
   static void run(Fill&& fill, OnFlushError on_flush_error = [] {}) {
     ZeroBatch batch;
-    fill(batch);
+    auto flush = [&] {
+      try {
+        batch.flush();
+      } catch (...) {
+        on_flush_error();
+        throw;
+      }
+    };
     try {
-      batch.flush();
+      fill(batch);
     } catch (...) {
-      on_flush_error();
+      try {
+        flush();
+      } catch (...) {  // fill's error is the one to report
+      }
       throw;
     }
+    flush();
   }
 
  private:
@@ -100,7 +113,7 @@ class ZeroBatch {
   std::vector<ZeroSpan> more_;
 };
 
-// Each unit's zero_grad(batch), then one flush (UnitBase::zero_grad_all). The units count
+// Each unit's zero_grad(batch), then one flush. The units count
 // their gradients as zero once they added them, so a flush that fails marks each of them
 // failed (`mark`), as a hook that throws does: its next hook asks for abort_step instead of
 // training on stale gradients. When a unit throws, the ones before it are zeroed and its
@@ -109,7 +122,7 @@ template <class Units, class MarkFailed>
 void zero_grads(const Units& units, MarkFailed mark) {
   ZeroBatch::run(
       [&](ZeroBatch& batch) {
-        batch.reserve(std::size(units));  // about a buffer per unit
+        batch.reserve(std::size(units));  // a buffer per flat parameter: at least one per unit
         for (const auto& u : units) u->zero_grad(batch);
       },
       [&] { for (const auto& u : units) mark(*u); });

@@ -1,6 +1,6 @@
-// Per-parameter shard views (UnitBase::parameters, ShardedModel::parameters): for every
-// parameter, which elements this rank holds, where they lie in its shard, and the same for
-// the gradient, with no cast to a concrete unit type.
+// fsdp/unit_views.hpp: per-parameter shard views (UnitBase::parameters,
+// ShardedModel::parameters): for every parameter, which elements this rank holds, where
+// they lie in its shard, and the same for the gradient, with no cast to a concrete unit type.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -10,7 +10,7 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
-namespace core_param_view_test {
+namespace core_unit_views_test {
 
 namespace {
 
@@ -175,4 +175,4 @@ TEST_CASE("a weight-decay mask built from the parameter views trains like the un
   CHECK(to_plain > 1e-4);  // the mask changed the result: biases and gains were not decayed
 }
 
-}  // namespace core_param_view_test
+}  // namespace core_unit_views_test
