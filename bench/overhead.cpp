@@ -25,7 +25,7 @@
 // communicator moves no data, so it can claim any size; it exercises padding).
 // Goal: < 5 us per unit per step in every case.
 //
-// Tags (fsdp/collective_tag.hpp): the same step through a ShardedModel of that one unit
+// Tags (fsdp/core/collective_tag.hpp): the same step through a ShardedModel of that one unit
 // at world 8, over an instant communicator that takes tags (each tag packed and kept, as
 // a backend compares it) and over the same communicator without them
 // (fsdp::UntaggedCommunicator: the library then checks the order as each pass ends, one
@@ -48,6 +48,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/fsdp.hpp"
+#include "fsdp/testing/untagged_communicator.hpp"
 
 namespace {
 

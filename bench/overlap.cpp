@@ -20,9 +20,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <fsdp/async_communicator.hpp>
+#include <fsdp/comm/async_communicator.hpp>
 #include <fsdp/fsdp.hpp>
-#include <fsdp/trace.hpp>
+#include <fsdp/core/trace.hpp>
 
 #include <chrono>
 #include <fstream>

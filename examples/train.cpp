@@ -28,11 +28,12 @@
 #include <vector>
 
 #include <fsdp/asio/tcp_process_group.hpp>
-#include <fsdp/async_communicator.hpp>
+#include <fsdp/comm/async_communicator.hpp>
 #include <fsdp/checkpoint/checkpoint.hpp>
-#include <fsdp/memory_plan.hpp>
+#include <fsdp/model/memory_plan.hpp>
 #include <fsdp/mpi/mpi_comm.hpp>
-#include <fsdp/trace_json.hpp>
+#include <fsdp/core/trace_json.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>

@@ -10,7 +10,7 @@
 #include <string>
 
 #include <fsdp/checkpoint/checkpoint.hpp>
-#include <fsdp/grad_scaler.hpp>
+#include <fsdp/model/grad_scaler.hpp>
 
 #include "examples/train_config.hpp"
 

@@ -19,7 +19,7 @@
 #include <span>
 #include <system_error>
 
-#include <fsdp/error.hpp>
+#include <fsdp/core/error.hpp>
 
 namespace bench {
 

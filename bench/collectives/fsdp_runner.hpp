@@ -2,7 +2,7 @@
 // The benchmark's Runner (see measure.hpp) over any fsdp::Communicator: thread, TCP, MPI.
 #include <cstddef>
 
-#include "fsdp/communicator.hpp"
+#include "fsdp/core/communicator.hpp"
 
 namespace bench {
 

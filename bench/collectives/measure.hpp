@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "pattern.hpp"
 
 namespace bench {

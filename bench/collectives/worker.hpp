@@ -9,7 +9,7 @@
 
 #include <fsdp/asio/tcp_comm.hpp>
 #include <fsdp/asio/tcp_store.hpp>
-#include <fsdp/dist_env.hpp>
+#include <fsdp/core/dist_env.hpp>
 #include <fsdp/mpi/mpi_comm.hpp>
 
 #include <filesystem>

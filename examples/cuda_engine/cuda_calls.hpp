@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <utility>
 
-#include <fsdp/error.hpp>
+#include <fsdp/core/error.hpp>
 
 namespace cuda_engine {
 

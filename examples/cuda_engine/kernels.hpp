@@ -5,7 +5,7 @@
 // cudaLaunchKernel on the engine's stream only, like fsdp::CudaDevice's kernels.
 //
 // Storage dtypes are f32 and bf16 (activations and parameters in the compute dtype); all
-// arithmetic is in float, with the bf16 rounding of fsdp/dtype.hpp. Compiled without fused
+// arithmetic is in float, with the bf16 rounding of fsdp/core/dtype.hpp. Compiled without fused
 // multiply-adds, so adamw computes exactly what engine::AdamW computes on the host.
 #include <cuda_runtime.h>
 #include <nvrtc.h>
@@ -18,7 +18,7 @@
 
 #include <fsdp/cuda/cuda_kernels.hpp>
 #include <fsdp/cuda/kernel_cache.hpp>
-#include <fsdp/dtype.hpp>
+#include <fsdp/core/dtype.hpp>
 
 #include "examples/cuda_engine/cuda_calls.hpp"
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/detail/host_math.hpp>
+#include <fsdp/core/detail/host_math.hpp>
 
 #include "examples/cuda_engine/layers.hpp"
 #include "examples/engine/model.hpp"

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/tensor.hpp>
+#include <fsdp/core/tensor.hpp>
 
 #include "examples/cuda_engine/cuda_calls.hpp"
 

@@ -14,8 +14,8 @@
 #include <span>
 #include <vector>
 
-#include <fsdp/detail/host_math.hpp>
-#include <fsdp/sharded_model.hpp>
+#include <fsdp/core/detail/host_math.hpp>
+#include <fsdp/model/sharded_model.hpp>
 
 #include "examples/cuda_engine/model.hpp"
 #include "examples/engine/optim.hpp"

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include <fsdp/checkpoint/optimizer_state.hpp>
-#include <fsdp/sharded_model.hpp>
+#include <fsdp/model/sharded_model.hpp>
 
 #include "examples/engine/optim.hpp"
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 #include "examples/engine/model.hpp"
 #include "examples/engine/optim.hpp"

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/tensor.hpp>
+#include <fsdp/core/tensor.hpp>
 
 namespace engine {
 

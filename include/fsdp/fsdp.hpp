@@ -1,37 +1,46 @@
 #pragma once
-// Everything an engine needs: concepts, policies, units, the root, and the host backend.
-// (fsdp/trace_json.hpp, which writes traces with nlohmann::json, and the CUDA adapters in
-// fsdp/cuda/ are included on their own.)
-#include "fsdp/async_communicator.hpp"
-#include "fsdp/cast.hpp"
-#include "fsdp/clip_grad_norm.hpp"
-#include "fsdp/collective_tag.hpp"
-#include "fsdp/communicator.hpp"
-#include "fsdp/counting_communicator.hpp"
-#include "fsdp/counting_device.hpp"
-#include "fsdp/deferred_init.hpp"
-#include "fsdp/device.hpp"
-#include "fsdp/device_mesh.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/execution_order.hpp"
-#include "fsdp/flat_param.hpp"
-#include "fsdp/grad_scaler.hpp"
-#include "fsdp/memory_plan.hpp"
-#include "fsdp/module.hpp"
-#include "fsdp/policies.hpp"
-#include "fsdp/post_accumulate_grad_hook.hpp"
-#include "fsdp/sharded.hpp"
-#include "fsdp/shard.hpp"
-#include "fsdp/sharded_model.hpp"
-#include "fsdp/staged_communicator.hpp"
-#include "fsdp/strategy_name.hpp"
-#include "fsdp/tensor.hpp"
-#include "fsdp/trace.hpp"
-#include "fsdp/training_state.hpp"
-#include "fsdp/unit.hpp"
-#include "fsdp/untagged_communicator.hpp"
-#include "fsdp/work.hpp"
+// Everything an engine needs on the host, layer by layer (docs/layout.md): the concepts,
+// the policies, the unit, the model and its training-loop features, the communicator
+// adapters and the host backend. Included on their own, each with its Bazel target:
+// checkpoints (fsdp/checkpoint/checkpoint.hpp), the multi-process backends (fsdp/asio/,
+// fsdp/mpi/), the CUDA adapters (fsdp/cuda/, fsdp/nccl/), traces written as JSON
+// (fsdp/core/trace_json.hpp, with nlohmann::json) and the testing tools (fsdp/testing/).
+
+// Concepts: what the library needs from an engine and a backend.
+#include "fsdp/core/cast.hpp"
+#include "fsdp/core/collective_tag.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/flat_param.hpp"
+#include "fsdp/core/module.hpp"
+#include "fsdp/core/tensor.hpp"
+#include "fsdp/core/trace.hpp"
+#include "fsdp/core/training_state.hpp"
+#include "fsdp/core/work.hpp"
+
+// Policies and settings: the choices.
+#include "fsdp/policy/policies.hpp"
+#include "fsdp/policy/post_accumulate_grad_hook.hpp"
+#include "fsdp/policy/strategy_name.hpp"
+
+// The unit.
+#include "fsdp/unit/sharded.hpp"
+#include "fsdp/unit/unit.hpp"
+
+// The model: shard(), the root, and the training-loop features.
+#include "fsdp/model/clip_grad_norm.hpp"
+#include "fsdp/model/deferred_init.hpp"
+#include "fsdp/model/grad_scaler.hpp"
+#include "fsdp/model/memory_plan.hpp"
+#include "fsdp/model/shard.hpp"
+#include "fsdp/model/sharded_model.hpp"
+
+// Communicator adapters and the host backend.
+#include "fsdp/comm/async_communicator.hpp"
+#include "fsdp/comm/staged_communicator.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"

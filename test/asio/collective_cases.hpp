@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
 #include "ring_reference.hpp"
 
 namespace test_support {

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
 
 namespace test_support {
 

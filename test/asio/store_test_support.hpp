@@ -8,7 +8,7 @@
 
 #include <fsdp/asio/deadline_socket.hpp>
 #include <fsdp/asio/store_protocol.hpp>
-#include <fsdp/error.hpp>
+#include <fsdp/core/error.hpp>
 
 #include "test/support/errors.hpp"
 #include "tools/launcher/launcher.hpp"

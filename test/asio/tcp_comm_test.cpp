@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "collective_cases.hpp"
-#include "fsdp/device_mesh.hpp"
+#include "fsdp/core/device_mesh.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "tcp_cases.hpp"
 #include "test/asio/tcp_world.hpp"

@@ -1,4 +1,4 @@
-// TcpComm carries each collective's tag (fsdp/collective_tag.hpp) in its frame header
+// TcpComm carries each collective's tag (fsdp/core/collective_tag.hpp) in its frame header
 // (fsdp/asio/tcp_frame.hpp) and compares it with the receiver's before it touches the
 // payload: ranks gathering different units of the same size fail on every rank, each
 // naming every rank's call and unit (learned through the store, fsdp/asio/tcp_rank_report.hpp)

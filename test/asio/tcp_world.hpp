@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "fsdp/asio/tcp_comm.hpp"
-#include "fsdp/store.hpp"
+#include "fsdp/core/store.hpp"
 #include "test/support/errors.hpp"
 
 namespace test_support {

@@ -10,7 +10,7 @@
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"
-#include "fsdp/shard.hpp"
+#include "fsdp/model/shard.hpp"
 #include "test/support/errors.hpp"
 
 namespace checkpoint_checkpoint_collective_test {

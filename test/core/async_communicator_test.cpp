@@ -1,4 +1,4 @@
-// fsdp/async_communicator.hpp: a blocking communicator made asynchronous by one worker
+// fsdp/comm/async_communicator.hpp: a blocking communicator made asynchronous by one worker
 // thread per instance. Same results as the wrapped communicator; calls return before the
 // collective completes; collectives run one at a time in issue order; failures reach
 // wait() and break the stream; destruction never hangs; split groups get their own
@@ -6,7 +6,7 @@
 //
 // Rank bodies never use doctest assertions (doctest's are not meant for many threads at
 // once); they record what they saw in per-rank slots, checked after ThreadGroup::run.
-#include <fsdp/async_communicator.hpp>  // first: it must compile on its own
+#include <fsdp/comm/async_communicator.hpp>  // first: it must compile on its own
 
 #include <doctest/doctest.h>
 
@@ -21,9 +21,9 @@
 #include <type_traits>
 #include <vector>
 
-#include <fsdp/device_mesh.hpp>
+#include <fsdp/core/device_mesh.hpp>
 #include <fsdp/host/thread_group.hpp>
-#include <fsdp/trace.hpp>
+#include <fsdp/core/trace.hpp>
 
 namespace core_async_communicator_test {
 

@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/clip_grad_norm.hpp>
+#include <fsdp/model/clip_grad_norm.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
+#include <fsdp/testing/counting_device.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/rank_errors.hpp"

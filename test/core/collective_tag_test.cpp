@@ -1,4 +1,4 @@
-// fsdp/collective_tag.hpp: a tag's 8 bytes and its words; which communicators take tags
+// fsdp/core/collective_tag.hpp: a tag's 8 bytes and its words; which communicators take tags
 // (the backends that compare them, the wrappers that pass them on) and which do not (a
 // user's own Communicator, UntaggedCommunicator); ThreadComm fails on every rank when the
 // ranks' tags differ, and runs the collective when they agree; the mismatch message every
@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/detail/collective_mismatch.hpp>
+#include <fsdp/core/detail/collective_mismatch.hpp>
 #include <fsdp/fsdp.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
+#include <fsdp/testing/untagged_communicator.hpp>
 
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"

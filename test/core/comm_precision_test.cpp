@@ -1,4 +1,4 @@
-// CommPrecision (fsdp/policies.hpp): collectives in bf16 / f16 while the engine computes,
+// CommPrecision (fsdp/policy/policies.hpp): collectives in bf16 / f16 while the engine computes,
 // and accumulates into, f32. What the engine sees, the bytes each step moves, the loss
 // deviation against f32 communication, the per-rank peak to the byte, and how it composes
 // with the other policies.

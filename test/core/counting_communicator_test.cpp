@@ -2,6 +2,7 @@
 #include <doctest/doctest.h>
 
 #include <fsdp/fsdp.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 namespace core_counting_communicator_test {
 

@@ -7,7 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include <fsdp/counting_device.hpp>
+#include <fsdp/testing/counting_device.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 

@@ -1,4 +1,4 @@
-// Deferred initialization (fsdp/deferred_init.hpp): a model built from shapes and dtypes
+// Deferred initialization (fsdp/model/deferred_init.hpp): a model built from shapes and dtypes
 // alone is materialized, initialized and sharded one unit at a time.
 //
 // Setup memory, on rank r of N under FullShard, units k in build order (root, blocks,

@@ -1,5 +1,5 @@
-// fsdp/dtype.hpp: dtype metadata and the float / double <-> f16 / bf16 host conversions;
-// fsdp/cast.hpp: bulk conversion between any two dtypes.
+// fsdp/core/dtype.hpp: dtype metadata and the float / double <-> f16 / bf16 host conversions;
+// fsdp/core/cast.hpp: bulk conversion between any two dtypes.
 //
 // The conversions are checked against reference implementations written here in a
 // different way: decoding via std::ldexp, encoding by looking up the two nearest
@@ -17,9 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include "fsdp/cast.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/cast.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 #include "test/support/errors.hpp"
 
 namespace core_dtype_test {
@@ -558,7 +558,7 @@ TEST_CASE("load_as_double / store_from_double round-trip each dtype") {
   CHECK(fsdp::load_as_double(buf, 0, DType::f16) == 1.0 + std::ldexp(1.0, -9));
 }
 
-// ---- fsdp::cast (fsdp/cast.hpp): bulk conversion between any two dtypes ------------------
+// ---- fsdp::cast (fsdp/core/cast.hpp): bulk conversion between any two dtypes ------------------
 
 namespace {
 

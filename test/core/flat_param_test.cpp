@@ -1,4 +1,4 @@
-// fsdp/flat_param.hpp: how a unit's parameters are laid out back to back and split
+// fsdp/core/flat_param.hpp: how a unit's parameters are laid out back to back and split
 // into equal per-rank shards, padded at the end only.
 #include <doctest/doctest.h>
 
@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/error.hpp"
-#include "fsdp/flat_param.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/flat_param.hpp"
 
 namespace core_flat_param_test {
 

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/async_communicator.hpp>
-#include <fsdp/counting_communicator.hpp>
-#include <fsdp/grad_scaler.hpp>
+#include <fsdp/comm/async_communicator.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
+#include <fsdp/model/grad_scaler.hpp>
 #include <fsdp/host/thread_group.hpp>
 
 namespace core_grad_scaler_test {

@@ -1,4 +1,4 @@
-// Gradient accumulation over k micro-batches (fsdp/gradient_sync.hpp): parity with an
+// Gradient accumulation over k micro-batches (fsdp/policy/gradient_sync.hpp): parity with an
 // unsharded engine that calls backward k times before stepping, for every strategy, both
 // accumulation modes, HybridShard's deferred all-reduce, mixed precision and offload; the
 // bytes each mode communicates and the memory it keeps; and the errors.

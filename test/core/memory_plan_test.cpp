@@ -5,8 +5,8 @@
 // is refused.
 #include <doctest/doctest.h>
 
-#include <fsdp/async_communicator.hpp>
-#include <fsdp/memory_plan.hpp>
+#include <fsdp/comm/async_communicator.hpp>
+#include <fsdp/model/memory_plan.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"

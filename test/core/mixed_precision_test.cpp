@@ -6,7 +6,8 @@
 #include <cmath>
 #include <cstring>
 
-#include <fsdp/grad_scaler.hpp>
+#include <fsdp/model/grad_scaler.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"

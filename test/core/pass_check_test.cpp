@@ -1,6 +1,6 @@
 // Over a communicator without tags (a user's own; here UntaggedCommunicator), every pass,
 // not only the first iteration, is checked across ranks as it ends
-// (fsdp/detail/pass_check.hpp): a rank that swaps two same-sized units (whose collectives
+// (fsdp/unit/detail/pass_check.hpp): a rank that swaps two same-sized units (whose collectives
 // would pair silently), or runs an evaluation pass in another order, is an error on every
 // rank at finish_backward / reshard(), before any optimizer step, naming what each rank ran.
 // Plain training pays one 8-byte all-gather per pass. Tagged communicators check every
@@ -9,6 +9,8 @@
 
 #include <string>
 #include <vector>
+
+#include <fsdp/testing/untagged_communicator.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include <fsdp/checkpoint/checkpoint.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
 
 #include "examples/engine/checkpoint_integration.hpp"
 #include "examples/engine/fsdp_integration.hpp"

@@ -1,4 +1,4 @@
-// fsdp/policies.hpp: resolving fsdp::Policies<P...> into one policy per slot.
+// fsdp/policy/policies.hpp: resolving fsdp::Policies<P...> into one policy per slot.
 //
 // The library ships one policy per slot, and each is also that slot's default, so the
 // tests add their own policies (any type naming a slot is a policy) to tell "picked"
@@ -9,8 +9,8 @@
 #include <string_view>
 #include <type_traits>
 
-#include "fsdp/policies.hpp"
-#include "fsdp/detail/flat_param_rules.hpp"
+#include "fsdp/policy/policies.hpp"
+#include "fsdp/unit/detail/flat_param_rules.hpp"
 
 namespace core_policies_test {
 

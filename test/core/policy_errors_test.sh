@@ -12,7 +12,7 @@ set -u
 
 inc="${1:-$(dirname "$0")/../../include}"
 if [[ ! -f "$inc/fsdp/policies.hpp" ]]; then
-  echo "FAIL: include dir '$inc' has no fsdp/policies.hpp"
+  echo "FAIL: include dir '$inc' has no fsdp/policy/policies.hpp"
   exit 2
 fi
 if ! command -v g++ >/dev/null 2>&1; then
@@ -62,50 +62,50 @@ expect_ok() {
 }
 
 expect_error non_policy_argument "is not an fsdp policy" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<int> p;
 EOF
 
 expect_error two_sharding_strategies "more than one policy for the ShardingStrategy slot" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::FullShard, fsdp::FullShard> p;
 EOF
 
 expect_error two_different_strategies "more than one policy for the ShardingStrategy slot" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 struct MyStrategy { using fsdp_policy_slot = fsdp::sharding_strategy_slot; };
 fsdp::Policies<fsdp::NoOffload, MyStrategy, fsdp::FullShard> p;
 EOF
 
 expect_error two_comm_precisions "more than one policy for the CommPrecision slot" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::CommPrecision<fsdp::bf16>, fsdp::FullShard, fsdp::FullCommPrecision> p;
 EOF
 
 expect_error comm_precision_integer "CommPrecision dtypes must be floating point" <<'EOF'
 #include <cstdint>
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::CommPrecision<std::int32_t>> p;
 EOF
 
 expect_error comm_and_mixed_reduce "both choose the gradient reduction dtype" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<float, fsdp::bf16>, fsdp::CommPrecision<fsdp::bf16>> p;
 EOF
 
 expect_error comm_wider_than_compute "must be MixedPrecision's Param" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::CommPrecision<float>, fsdp::MixedPrecision<fsdp::bf16>> p;
 EOF
 
 expect_error comm_same_size_as_compute "must be MixedPrecision's Param" <<'EOF'
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<fsdp::f16>, fsdp::CommPrecision<fsdp::bf16>> p;
 EOF
 
 expect_ok comm_precision_in_any_order <<'EOF'
 #include <type_traits>
-#include "fsdp/policies.hpp"
+#include "fsdp/policy/policies.hpp"
 using A = fsdp::Policies<fsdp::CommPrecision<fsdp::bf16>, fsdp::MixedPrecision<float>, fsdp::FullShard>;
 using B = fsdp::Policies<fsdp::FullShard, fsdp::MixedPrecision<float>, fsdp::CommPrecision<fsdp::bf16>>;
 static_assert(std::is_same_v<A::comm_precision, B::comm_precision>);
@@ -131,13 +131,13 @@ EOF
 
 expect_error unknown_tensor_type "no fsdp::tensor_traits" <<'EOF'
 #include <cstdint>
-#include "fsdp/tensor.hpp"
+#include "fsdp/core/tensor.hpp"
 struct MyTensor { int rows = 2, cols = 3; };
 std::int64_t f(const MyTensor& t) { return fsdp::numel(t); }
 EOF
 
 expect_error not_a_communicator "is not an fsdp::Communicator" <<'EOF'
-#include "fsdp/communicator.hpp"
+#include "fsdp/core/communicator.hpp"
 void f() { fsdp::check_communicator<int>(); }
 EOF
 
@@ -165,7 +165,7 @@ EOF
 # The same kinds of use, done right: must compile (so the errors above come from the
 # misuse, not from the snippets' scaffolding).
 expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, count, dtype, inv_scale) and found_nonfinite()" <<'EOF'
-#include "fsdp/grad_scaler.hpp"
+#include "fsdp/model/grad_scaler.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/thread_group.hpp"
 struct PlainDevice : fsdp::HostDevice { void unscale() = delete; };  // a Device without unscale
@@ -173,7 +173,7 @@ void f(fsdp::ThreadComm& comm, PlainDevice& d) { fsdp::ShardedGradScaler scaler(
 EOF
 
 expect_ok scaler_on_a_device <<'EOF'
-#include "fsdp/grad_scaler.hpp"
+#include "fsdp/model/grad_scaler.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/thread_group.hpp"
 void f(fsdp::ThreadComm& comm, fsdp::HostDevice& d) {
@@ -188,9 +188,9 @@ expect_ok valid_usage <<'EOF'
 #include <cstdint>
 #include <span>
 #include <type_traits>
-#include "fsdp/communicator.hpp"
-#include "fsdp/policies.hpp"
-#include "fsdp/tensor.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/policy/policies.hpp"
+#include "fsdp/core/tensor.hpp"
 #include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"
 

@@ -1,4 +1,4 @@
-// Post-accumulate-grad hooks (fsdp/post_accumulate_grad_hook.hpp) and the optimizer in
+// Post-accumulate-grad hooks (fsdp/policy/post_accumulate_grad_hook.hpp) and the optimizer in
 // backward built on them (engine::OptimizerInBackward): when hooks run (once per unit per
 // synchronized backward, after the reduction, also on an asynchronous backend; never under
 // no_sync or a deferred replica all-reduce), bitwise parity of stepping in backward with

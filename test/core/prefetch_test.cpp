@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include <fsdp/async_communicator.hpp>
+#include <fsdp/comm/async_communicator.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"

@@ -1,4 +1,4 @@
-// A unit entered several times per pass (fsdp/sharded.hpp): the root of a GPT-style model
+// A unit entered several times per pass (fsdp/unit/sharded.hpp): the root of a GPT-style model
 // with a tied embedding is used at both ends, a block may be applied twice, and blocks may
 // recompute their forward inside their backward. Gradients accumulate across a unit's
 // entries and are reduced once, after its last backward entry; its parameters are freed
@@ -23,6 +23,8 @@
 #include <cmath>
 #include <string>
 #include <vector>
+
+#include <fsdp/testing/counting_communicator.hpp>
 
 #include "test/core/tied_model.hpp"
 #include "test/support/rank_errors.hpp"

@@ -1,4 +1,4 @@
-// Run-time resharding settings (fsdp/reshard_settings.hpp): partial resharding after
+// Run-time resharding settings (fsdp/policy/reshard_settings.hpp): partial resharding after
 // forward (FSDP2's integer reshard_after_forward, ZeRO++ hpZ), reshard_after_forward and
 // reshard_after_backward switched at run time, the gradient divide factor. Parity with the
 // default settings over several steps, where the backward all-gathers run, the memory a

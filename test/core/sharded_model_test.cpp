@@ -10,7 +10,7 @@
 #include <string_view>
 #include <utility>
 
-#include <fsdp/counting_device.hpp>
+#include <fsdp/testing/counting_device.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
 

@@ -1,4 +1,4 @@
-// fsdp/staged_communicator.hpp: every collective staged through host memory gives what the
+// fsdp/comm/staged_communicator.hpp: every collective staged through host memory gives what the
 // inner communicator gives, in place or not; errors of the inner communicator reach every
 // rank; and sharded training over it is bitwise identical to training over ThreadComm,
 // for every precision x offload x strategy combination. (The same training on CudaDevice

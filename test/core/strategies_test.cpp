@@ -96,7 +96,7 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
     full_bytes += 4 * static_cast<std::uint64_t>(u);
   }
   reduce_bytes = gather_bytes;
-  // A group of one rank has nothing to exchange: no call at all (fsdp/detail/unit_groups.hpp).
+  // A group of one rank has nothing to exchange: no call at all (fsdp/unit/detail/unit_groups.hpp).
   const bool gathers = p.shards && group > 1;
   const std::uint64_t gathers_per_unit = !gathers ? 0 : (p.reshard_after_forward ? 2 : 1);
   // After the first iteration the unit backward starts with (the root) is not resharded at
@@ -106,7 +106,7 @@ void check_counts(const Promise& p, fsdp::MeshShape shape, const StepCounts& got
   using fsdp::Collective;
   // Where each collective runs: hybrid uses the mesh's groups, the others the world.
   const fsdp::CollectiveCounts& sharding = p.hybrid ? got.shard : got.world;
-  // No order check of its own: ThreadComm checks each collective's tag (fsdp/collective_tag.hpp).
+  // No order check of its own: ThreadComm checks each collective's tag (fsdp/core/collective_tag.hpp).
   CHECK(sharding[Collective::all_gather].calls == gathers_per_unit * n - (root_kept ? 1 : 0));
   CHECK(sharding[Collective::all_gather].bytes == gathers_per_unit * gather_bytes - (root_kept ? root_gather_bytes : 0));
   if (gathers) {

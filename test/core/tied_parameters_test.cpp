@@ -1,4 +1,4 @@
-// Tied parameters (fsdp/detail/param_collection.hpp, fsdp/sharded_model.hpp): one tensor
+// Tied parameters (fsdp/unit/detail/param_collection.hpp, fsdp/model/sharded_model.hpp): one tensor
 // reachable under several FQNs — here a GPT-style embedding and the output projection
 // that reuses its weight, two engine tensors viewing one storage — is one parameter of
 // the unit that holds both uses, stored and gathered once, with every FQN kept. A tie

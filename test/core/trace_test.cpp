@@ -1,8 +1,8 @@
-// fsdp/trace.hpp and fsdp/trace_json.hpp: spans record what they cover, from any thread,
+// fsdp/core/trace.hpp and fsdp/core/trace_json.hpp: spans record what they cover, from any thread,
 // MaybeSpan is free when there is no trace, and the Chrome trace JSON carries every field
 // a viewer needs and is written whole or not at all.
-#include <fsdp/trace.hpp>  // first: it must compile on its own
-#include <fsdp/trace_json.hpp>
+#include <fsdp/core/trace.hpp>  // first: it must compile on its own
+#include <fsdp/core/trace_json.hpp>
 
 #include <doctest/doctest.h>
 

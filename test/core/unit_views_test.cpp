@@ -1,4 +1,4 @@
-// fsdp/unit_views.hpp: per-parameter shard views (UnitBase::parameters,
+// fsdp/unit/unit_views.hpp: per-parameter shard views (UnitBase::parameters,
 // ShardedModel::parameters): for every parameter, which elements this rank holds, where
 // they lie in its shard, and the same for the gradient, with no cast to a concrete unit type.
 #include <doctest/doctest.h>

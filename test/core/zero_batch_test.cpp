@@ -1,4 +1,4 @@
-// fsdp/detail/zero_batch.hpp: zeroing gathered into fewer device calls. Counted on
+// fsdp/unit/detail/zero_batch.hpp: zeroing gathered into fewer device calls. Counted on
 // CountingDevice: one call for many buffers, host buffers at once, one batch per device,
 // and a cast that zeroes the batch along the way only where it is a real cast on the
 // batch's own device.
@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include <fsdp/counting_device.hpp>
-#include <fsdp/detail/zero_batch.hpp>
+#include <fsdp/testing/counting_device.hpp>
+#include <fsdp/unit/detail/zero_batch.hpp>
 #include <fsdp/host/host_device.hpp>
 
 namespace core_zero_batch_test {

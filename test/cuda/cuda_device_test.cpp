@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "fsdp/cuda/cuda_device.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
 #include "test/support/gpu.hpp"

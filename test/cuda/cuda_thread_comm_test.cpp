@@ -21,6 +21,8 @@
 
 #include "fsdp/cuda/cuda_thread_comm.hpp"
 #include "fsdp/fsdp.hpp"
+#include "fsdp/testing/counting_communicator.hpp"
+#include "fsdp/testing/untagged_communicator.hpp"
 #include "test/support/device_training.hpp"
 #include "test/faults/unit_order_driver.hpp"
 #include "test/support/errors.hpp"

@@ -78,7 +78,7 @@ read -r rs_calls rs_bytes < <(comm_field reduce_scatter "$f32")
 read -r bag_calls bag_bytes < <(comm_field all_gather "$bf16")
 read -r brs_calls brs_bytes < <(comm_field reduce_scatter "$bf16")
 # No order check of its own: the thread backend checks each collective's tag
-# (fsdp/collective_tag.hpp), so every byte here is a parameter's or a gradient's.
+# (fsdp/core/collective_tag.hpp), so every byte here is a parameter's or a gradient's.
 if [[ -n "${ag_bytes:-}" && -n "${brs_bytes:-}" ]] && ((bag_calls == ag_calls && 2 * bag_bytes == ag_bytes &&
     brs_calls == rs_calls && 2 * brs_bytes == rs_bytes)); then
   echo "PASS: --comm-precision bf16: all-gathers $ag_bytes -> $bag_bytes B, reduce-scatters $rs_bytes -> $brs_bytes B per step"

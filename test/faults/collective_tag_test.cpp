@@ -1,4 +1,4 @@
-// Desync at every unit, every iteration (fsdp/collective_tag.hpp): a rank that runs its
+// Desync at every unit, every iteration (fsdp/core/collective_tag.hpp): a rank that runs its
 // units in another order after the first iteration (a swapped pair of same-sized units, an
 // evaluation pass in another order, explicit prefetch lists that differ, a skipped unit)
 // fails on every rank at the first collective that pairs two different units, naming the

@@ -11,7 +11,7 @@
 
 #include <fsdp/fsdp.hpp>
 
-#include "fsdp/detail/tagged_calls.hpp"
+#include "fsdp/core/detail/tagged_calls.hpp"
 
 namespace test_support {
 

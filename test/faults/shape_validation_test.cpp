@@ -1,4 +1,4 @@
-// Shapes the library cannot size (fsdp/tensor.hpp): a negative dimension or an element
+// Shapes the library cannot size (fsdp/core/tensor.hpp): a negative dimension or an element
 // or byte count past what int64 / size_t hold is an fsdp::Error naming the shape and the
 // tensor, never a wrapped count that allocates too little.
 #include <doctest/doctest.h>
@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/thread_group.hpp"
-#include "fsdp/shard.hpp"
-#include "fsdp/tensor.hpp"
+#include "fsdp/model/shard.hpp"
+#include "fsdp/core/tensor.hpp"
 #include "test/support/errors.hpp"
 
 namespace faults_shape_validation_test {

@@ -1,5 +1,5 @@
 // A tensor_traits<T>::rebind that throws while units take over the engine's tensors
-// (fsdp/detail/take_over.hpp): fsdp::shard fails with an fsdp::Error naming the unit and
+// (fsdp/unit/detail/take_over.hpp): fsdp::shard fails with an fsdp::Error naming the unit and
 // the tensor; no tensor is left viewing the library's memory; the library frees all it
 // allocated; the engine's storage is freed once at most and none leaks. For a tensor type
 // with keep/restore, every tensor of every unit keeps its storage, dtype and values (ties
@@ -22,7 +22,7 @@
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"
-#include "fsdp/shard.hpp"
+#include "fsdp/model/shard.hpp"
 #include "test/support/errors.hpp"
 
 namespace faults_take_over_test {

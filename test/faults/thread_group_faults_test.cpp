@@ -26,7 +26,7 @@
 #include <thread>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "test/support/errors.hpp"
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "test/support/errors.hpp"
 

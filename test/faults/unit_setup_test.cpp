@@ -1,4 +1,4 @@
-// Setup agreement (fsdp/detail/unit_setup.hpp): ranks that build a unit with another policy,
+// Setup agreement (fsdp/unit/unit_setup.hpp): ranks that build a unit with another policy,
 // option or buffer fail on every rank with an fsdp::Error naming the unit, the setting and
 // each rank's value, before any collective of training could pair up wrong buffers; and
 // ranks that agree pay no collective for it beyond the unit's one hash all-gather.
@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/counting_communicator.hpp"
-#include "fsdp/deferred_init.hpp"
+#include "fsdp/testing/counting_communicator.hpp"
+#include "fsdp/model/deferred_init.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/thread_group.hpp"
-#include "fsdp/shard.hpp"
+#include "fsdp/model/shard.hpp"
 #include "test/support/rank_errors.hpp"
 
 namespace faults_unit_setup_test {

@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
 

@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group.hpp"
 
 namespace host_thread_group_test {

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "fsdp/async_communicator.hpp"
+#include "fsdp/comm/async_communicator.hpp"
 #include "test/mpi/mpi_test_support.hpp"
 
 namespace {

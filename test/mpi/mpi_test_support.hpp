@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/detail/host_math.hpp"
+#include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/mpi/mpi_comm.hpp"
 #include "test/support/errors.hpp"
 

@@ -23,11 +23,11 @@
 #define FSDP_NCCL_TEST_TCP 1
 #include "fsdp/asio/tcp_store.hpp"
 #endif
-#include "fsdp/counting_communicator.hpp"
-#include "fsdp/detail/backend_ref.hpp"
+#include "fsdp/testing/counting_communicator.hpp"
+#include "fsdp/core/detail/backend_ref.hpp"
 #include "fsdp/nccl/nccl_comm.hpp"
-#include "fsdp/store.hpp"
-#include "fsdp/untagged_communicator.hpp"
+#include "fsdp/core/store.hpp"
+#include "fsdp/testing/untagged_communicator.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
 #include "test/tools/child_process.hpp"

@@ -1,4 +1,4 @@
-// Where the library waits for collectives on a QueuedDevice (fsdp/device.hpp) whose
+// Where the library waits for collectives on a QueuedDevice (fsdp/core/device.hpp) whose
 // communicator's Work can be waited on by the device (Work::wait_on): the CUDA path's
 // dispatch, checked on the host. A recording communicator wraps ThreadComm: each of its
 // Work logs whether it was waited on the device queue or on the host; a recording device

@@ -4,7 +4,7 @@
 // the same rules, so every device's test runs this same scenario.
 #include <doctest/doctest.h>
 
-#include <fsdp/device.hpp>
+#include <fsdp/core/device.hpp>
 
 namespace test_support {
 

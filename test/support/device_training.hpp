@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/detail/host_math.hpp>
+#include <fsdp/core/detail/host_math.hpp>
 #include <fsdp/fsdp.hpp>
 
 #include "test/support/full_params.hpp"

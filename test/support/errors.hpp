@@ -2,7 +2,7 @@
 // Reading errors in tests: the fsdp::Error message a call throws, and substring checks.
 #include <string>
 
-#include <fsdp/error.hpp>
+#include <fsdp/core/error.hpp>
 
 namespace test_support {
 

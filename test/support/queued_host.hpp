@@ -1,6 +1,6 @@
 #pragma once
 // A host stand-in for the CUDA path's scheduling, for tests: QueuedHostDevice is a
-// HostDevice with a queue (a QueuedDevice, fsdp/device.hpp), and RecordingComm wraps
+// HostDevice with a queue (a QueuedDevice, fsdp/core/device.hpp), and RecordingComm wraps
 // ThreadComm so that its Work is never complete inside the call and can be waited on that
 // queue (Work::wait_on). The library then takes the same decisions as on CudaDevice with
 // NcclComm or CudaThreadComm: it waits on the queue, keeps a reduction in flight until

@@ -7,8 +7,8 @@
 #include <iterator>
 
 #include "fsdp/cuda/zero_spans.hpp"
-#include "fsdp/detail/host_math.hpp"
-#include "fsdp/dtype.hpp"
+#include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/dtype.hpp"
 
 namespace cuda_emulator::detail {
 

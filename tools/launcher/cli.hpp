@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "tools/launcher/options.hpp"
 
 namespace fsdp::launch {

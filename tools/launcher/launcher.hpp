@@ -3,7 +3,7 @@
 //
 //   run(options, {"./train", "--steps", "10"})  starts options.nproc copies of ./train with
 //   MASTER_ADDR, MASTER_PORT, RANK (node_rank * nproc + i), WORLD_SIZE (nnodes * nproc),
-//   LOCAL_RANK (i) and LOCAL_WORLD_SIZE (nproc) set, as fsdp/dist_env.hpp reads them.
+//   LOCAL_RANK (i) and LOCAL_WORLD_SIZE (nproc) set, as fsdp/core/dist_env.hpp reads them.
 //
 // Store variables: with several nodes FSDP_STORE_BIND=<master_addr>, so rank 0's store
 // listens where the other nodes connect (a single node keeps it on loopback). Every job has
@@ -41,8 +41,8 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/dist_env.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/dist_env.hpp"
+#include "fsdp/core/error.hpp"
 #include "tools/launcher/options.hpp"
 #include "tools/launcher/rank_process.hpp"
 #include "tools/launcher/signals.hpp"

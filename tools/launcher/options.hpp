@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::launch {
 
@@ -28,7 +28,7 @@ struct Options {
   std::vector<std::pair<std::string, std::string>> env;
 };
 
-// The variables every rank gets, with torchrun's names and meaning (see fsdp/dist_env.hpp).
+// The variables every rank gets, with torchrun's names and meaning (see fsdp/core/dist_env.hpp).
 inline constexpr std::string_view kRankVariables[] = {"MASTER_ADDR", "MASTER_PORT", "RANK",
                                                       "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
 // The store's shared secret, and (several nodes) the address rank 0's store binds to.

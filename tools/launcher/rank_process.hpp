@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "tools/launcher/line_prefixer.hpp"
 #include "tools/launcher/options.hpp"
 #include "tools/launcher/signals.hpp"

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::launch {
 

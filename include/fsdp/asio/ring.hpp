@@ -31,8 +31,8 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
 

@@ -24,7 +24,7 @@
 #include "fsdp/asio/shm_link.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
 #include "fsdp/asio/tcp_rendezvous.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
 

@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::store_wire {
 

@@ -55,12 +55,12 @@
 #include <vector>
 
 #include "fsdp/asio/tcp_comm_core.hpp"
-#include "fsdp/communicator.hpp"
-#include "fsdp/device_mesh.hpp"
-#include "fsdp/detail/timeout.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/store.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/detail/timeout.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/store.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp {
 

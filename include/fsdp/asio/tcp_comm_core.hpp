@@ -28,9 +28,9 @@
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring.hpp"
 #include "fsdp/asio/tcp_rank_report.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/store.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/store.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp::detail {
 

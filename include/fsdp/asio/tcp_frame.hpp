@@ -19,7 +19,7 @@
 #include <string>
 #include <string_view>
 
-#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
 
 namespace fsdp::detail {
 

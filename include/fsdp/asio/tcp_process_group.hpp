@@ -25,7 +25,7 @@
 
 #include "fsdp/asio/tcp_comm.hpp"
 #include "fsdp/asio/tcp_store.hpp"
-#include "fsdp/dist_env.hpp"
+#include "fsdp/core/dist_env.hpp"
 
 namespace fsdp {
 

@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "fsdp/asio/tcp_ring.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
-#include "fsdp/store.hpp"
+#include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/store.hpp"
 
 namespace fsdp::detail {
 

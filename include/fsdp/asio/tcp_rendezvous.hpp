@@ -30,8 +30,8 @@
 
 #include "fsdp/asio/endpoint.hpp"
 #include "fsdp/asio/tcp_frame.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/store.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/store.hpp"
 
 namespace fsdp::detail {
 

@@ -27,9 +27,9 @@
 #include "fsdp/asio/deadline_socket.hpp"
 #include "fsdp/asio/store_protocol.hpp"
 #include "fsdp/asio/tcp_store_server.hpp"
-#include "fsdp/dist_env.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/store.hpp"
+#include "fsdp/core/dist_env.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/store.hpp"
 
 namespace fsdp {
 

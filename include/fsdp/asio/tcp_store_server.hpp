@@ -26,10 +26,10 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
-#include "fsdp/detail/timeout.hpp"
+#include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/asio/store_protocol.hpp"
 #include "fsdp/asio/store_table.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 

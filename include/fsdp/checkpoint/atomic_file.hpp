@@ -21,7 +21,7 @@
 
 #include "fsdp/checkpoint/checksum.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

@@ -7,8 +7,8 @@
 #include <string_view>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
-#include "fsdp/error.hpp"
-#include "fsdp/sharded_model.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/model/sharded_model.hpp"
 
 namespace fsdp::detail {
 

@@ -28,7 +28,7 @@
 
 #include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

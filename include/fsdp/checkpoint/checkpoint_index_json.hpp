@@ -1,5 +1,5 @@
 #pragma once
-// CheckpointIndex as JSON (the format is shown in checkpoint_index.hpp): writing, and
+// CheckpointIndex as JSON (the format is shown in checkpoint_index_types.hpp): writing, and
 // reading with a check of every field, so a damaged or foreign index is an error that
 // names the index file and the field or tensor, never a wrong load.
 #include <cstdint>
@@ -11,12 +11,12 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
-#include "fsdp/checkpoint/checkpoint_index.hpp"
+#include "fsdp/checkpoint/checkpoint_index_types.hpp"
 #include "fsdp/checkpoint/checksum.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
 #include "fsdp/checkpoint/json_checks.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

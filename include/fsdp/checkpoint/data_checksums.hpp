@@ -19,7 +19,7 @@
 
 #include "fsdp/checkpoint/checksum.hpp"
 #include "fsdp/checkpoint/json_checks.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/checksum.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint::detail {
 

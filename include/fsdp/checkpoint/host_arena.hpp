@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <memory>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

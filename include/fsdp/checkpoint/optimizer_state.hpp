@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "fsdp/dtype.hpp"
+#include "fsdp/core/dtype.hpp"
 
 namespace fsdp {
 

@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/checkpoint/checkpoint_index.hpp"
+#include "fsdp/checkpoint/checkpoint_index_types.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

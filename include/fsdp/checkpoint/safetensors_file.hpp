@@ -17,7 +17,7 @@
 
 #include "fsdp/checkpoint/file_io.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

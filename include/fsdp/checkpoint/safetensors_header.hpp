@@ -18,9 +18,9 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp/checkpoint/json_checks.hpp"
-#include "fsdp/tensor.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/tensor.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

@@ -27,8 +27,8 @@
 #include "fsdp/checkpoint/data_checksums.hpp"
 #include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

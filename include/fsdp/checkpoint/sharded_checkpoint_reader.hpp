@@ -25,7 +25,7 @@
 #include "fsdp/checkpoint/checkpoint_index.hpp"
 #include "fsdp/checkpoint/checksum.hpp"
 #include "fsdp/checkpoint/safetensors_file.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
 

@@ -18,7 +18,7 @@
 #include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/optimizer_state.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
-#include "fsdp/sharded_model.hpp"
+#include "fsdp/model/sharded_model.hpp"
 
 namespace fsdp {
 

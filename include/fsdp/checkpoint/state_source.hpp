@@ -13,7 +13,7 @@
 
 #include "fsdp/checkpoint/state_dict.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 

@@ -8,7 +8,7 @@
 #include <thread>
 #include <utility>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
 

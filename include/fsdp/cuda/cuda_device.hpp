@@ -18,7 +18,7 @@
 //     driver; cuda_device_count() then returns 0.
 // The kernels compute exactly what fsdp::HostDevice computes: f32/f64 in their own type
 // without fused multiply-adds or flush-to-zero, f16/bf16 through float with the same
-// bitwise round-to-nearest-even conversions as fsdp/dtype.hpp, rounding to the 16-bit
+// bitwise round-to-nearest-even conversions as fsdp/core/dtype.hpp, rounding to the 16-bit
 // type after every operation, so results are bitwise identical (NaN payloads from
 // arithmetic aside, which differ between CPUs and GPUs).
 // Like HostDevice, one CudaDevice is used by one thread at a time.
@@ -35,10 +35,10 @@
 #include <vector>
 
 #include "fsdp/cuda/cuda_kernels.hpp"
-#include "fsdp/detail/memory_counter.hpp"
-#include "fsdp/device.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/memory_counter.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 

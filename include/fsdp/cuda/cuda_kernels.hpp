@@ -13,8 +13,8 @@
 
 #include "fsdp/cuda/kernel_cache.hpp"
 #include "fsdp/cuda/zero_spans.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 namespace detail {
@@ -27,7 +27,7 @@ static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f64) 
 
 // NVRTC source of the element-wise kernels (after zero_spans_source, see
 // cuda_kernel_program). Self-contained: no #include, so it compiles the same wherever
-// NVRTC is installed. The 16-bit conversions are fsdp/dtype.hpp's,
+// NVRTC is installed. The 16-bit conversions are fsdp/core/dtype.hpp's,
 // line for line (double -> 16-bit rounds once, as detail::double_to_16bit does).
 inline constexpr std::string_view cuda_kernels_source = R"cuda(
 typedef unsigned int u32;

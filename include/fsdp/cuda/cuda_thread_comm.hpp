@@ -42,16 +42,16 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/communicator.hpp"
+#include "fsdp/core/communicator.hpp"
 #include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/cuda/cuda_device.hpp"
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
-#include "fsdp/detail/tagged_calls.hpp"
-#include "fsdp/device_mesh.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/tagged_calls.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp {
 

@@ -25,7 +25,7 @@
 #include <system_error>
 #include <vector>
 
-#include "fsdp/detail/fingerprint.hpp"
+#include "fsdp/core/detail/fingerprint.hpp"
 
 namespace fsdp::detail {
 

@@ -13,7 +13,7 @@
 #include <span>
 #include <string_view>
 
-#include "fsdp/device.hpp"
+#include "fsdp/core/device.hpp"
 
 // Host: plain inline functions. NVRTC's program defines FSDP_ZERO_SPANS_FN itself.
 #define FSDP_ZERO_SPANS_FN inline

@@ -8,10 +8,10 @@
 #include <new>
 #include <utility>
 
-#include "fsdp/detail/host_math.hpp"
-#include "fsdp/detail/memory_counter.hpp"
-#include "fsdp/device.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/detail/memory_counter.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 

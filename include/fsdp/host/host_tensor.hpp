@@ -6,7 +6,7 @@
 #include <span>
 #include <vector>
 
-#include "fsdp/tensor.hpp"
+#include "fsdp/core/tensor.hpp"
 
 namespace fsdp {
 

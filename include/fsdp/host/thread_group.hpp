@@ -20,12 +20,12 @@
 #include <thread>
 #include <vector>
 
-#include "fsdp/communicator.hpp"
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
-#include "fsdp/detail/host_math.hpp"
-#include "fsdp/detail/timeout.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/detail/timeout.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group_state.hpp"
 
 namespace fsdp {

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_mismatch.hpp"
 #include "fsdp/mpi/mpi_types.hpp"
 
 namespace fsdp::detail {

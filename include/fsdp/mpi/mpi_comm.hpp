@@ -23,7 +23,7 @@
 //
 // Calls compared (mpi_call_check.hpp): before each collective, every rank starts a 16-byte
 // MPI_Iallgather of its call's descriptor (kind, count, dtype, op, root and collective tag,
-// fsdp/collective_tag.hpp); wait() completes it, then the collective, and compares every
+// fsdp/core/collective_tag.hpp); wait() completes it, then the collective, and compares every
 // rank's call before the result is used. Ranks whose calls differ all fail with an
 // fsdp::Error naming every rank's call (ThreadComm's message):
 //   - only in their tags: MPI ran one collective alike on every rank; the communicator
@@ -55,12 +55,12 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/collective_tag.hpp"
-#include "fsdp/detail/timeout.hpp"
-#include "fsdp/communicator.hpp"
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/device_mesh.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/collective_tag.hpp"
+#include "fsdp/core/detail/timeout.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
 #include "fsdp/mpi/mpi_work.hpp"
 

@@ -31,7 +31,7 @@
 #include <string>
 #include <string_view>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/mpi/mpi_types.hpp"
 
 namespace fsdp {

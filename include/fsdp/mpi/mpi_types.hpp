@@ -16,9 +16,9 @@
 
 #include <string>
 
-#include "fsdp/communicator.hpp"
-#include "fsdp/detail/host_math.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
 

@@ -22,11 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/mpi/mpi_call_check.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp::detail {
 

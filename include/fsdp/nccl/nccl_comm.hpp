@@ -34,18 +34,18 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/communicator.hpp"
+#include "fsdp/core/communicator.hpp"
 #include "fsdp/cuda/cuda_device.hpp"
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/device_mesh.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/nccl/nccl_group.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_pending.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
-#include "fsdp/store.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/store.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp {
 

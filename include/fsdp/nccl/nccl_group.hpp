@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/error.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
 #include "fsdp/nccl/nccl_types.hpp"

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fsdp/cuda/cuda_check.hpp"
-#include "fsdp/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
 
 namespace fsdp::detail {

@@ -6,7 +6,7 @@
 
 #include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_state.hpp"
-#include "fsdp/work.hpp"
+#include "fsdp/core/work.hpp"
 
 namespace fsdp::detail {
 

@@ -39,9 +39,9 @@
 #include <thread>
 #include <utility>
 
-#include "fsdp/detail/collective_call.hpp"
-#include "fsdp/detail/collective_mismatch.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/nccl/nccl_abort.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
 #include "fsdp/nccl/nccl_streams.hpp"

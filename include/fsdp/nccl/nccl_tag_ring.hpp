@@ -1,5 +1,5 @@
 #pragma once
-// Where NcclComm gathers collective tags (fsdp/collective_tag.hpp): NCCL has no call
+// Where NcclComm gathers collective tags (fsdp/core/collective_tag.hpp): NCCL has no call
 // descriptor to carry them, so each tagged collective is launched in one NCCL group with
 // an 8-byte ncclAllGather of its packed tag, and the ranks' tags are compared once the
 // collective is known complete (nccl_state.hpp: a host wait, or the watchdog retiring it).

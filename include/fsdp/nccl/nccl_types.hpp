@@ -13,11 +13,11 @@
 #include <string_view>
 #include <utility>
 
-#include "fsdp/communicator.hpp"
+#include "fsdp/core/communicator.hpp"
 #include "fsdp/cuda/cuda_check.hpp"
-#include "fsdp/detail/timeout.hpp"
-#include "fsdp/dtype.hpp"
-#include "fsdp/error.hpp"
+#include "fsdp/core/detail/timeout.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 

@@ -1,0 +1,89 @@
+#pragma once
+// CollectiveTag: which unit a collective belongs to, in which phase of which pass. The
+// library passes one with every all-gather and reduction of a unit (to communicators that
+// take it, see TaggedCommunicator); the backend compares the ranks' tags as it compares
+// their calls, once the collective has met and before its result is used, so a rank that
+// runs another unit (a swapped pair of same-sized units, an evaluation pass in another
+// order, prefetch lists that differ) fails on every rank instead of computing with another
+// unit's weights. The tag travels in the backend's own call descriptor (ThreadComm's
+// rendezvous, CudaThreadComm's exchange of handles, TcpComm's frame header, the descriptor
+// MpiComm gathers ahead of the collective; NcclComm gathers it beside the collective), not in
+// the payload, where the flat layout leaves no room. NcclComm compares once the collective
+// completes, which on the GPU may be after its result was used: the step then fails before
+// the optimizer applies it.
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fsdp/core/communicator.hpp"
+
+namespace fsdp {
+
+enum class TagPhase : std::uint8_t { forward = 1, backward = 2, reduce = 3, summon = 4 };
+
+constexpr const char* name_of(TagPhase p) {
+  switch (p) {
+    case TagPhase::forward: return "forward";
+    case TagPhase::backward: return "backward";
+    case TagPhase::reduce: return "gradient reduction";
+    case TagPhase::summon: return "summon";
+  }
+  return "?";
+}
+
+// Names a model's units in messages (fsdp::ExecutionOrder is one): a tag holds a number.
+class UnitNames {
+ public:
+  virtual std::string unit_name(int index) const = 0;
+
+ protected:
+  ~UnitNames() = default;
+};
+
+struct CollectiveTag {
+  std::uint32_t unit = 0;  // the unit's index in its model (ExecutionOrder::add_unit)
+  TagPhase phase = TagPhase::forward;
+  std::uint64_t step = 0;  // the model's pass number (ExecutionOrder::forward_pass)
+  // In-process only (never sent, never compared): how messages name the unit. Must outlive
+  // the collective; the model's ExecutionOrder does.
+  const UnitNames* names = nullptr;
+
+  static constexpr int kUnitBits = 20, kStepBits = 40;
+
+  // 4 bits of phase, 20 of unit, 40 of step (compared modulo 2^40); never 0, which is
+  // "untagged" on the wire and in detail::CollectiveCall.
+  std::uint64_t packed() const {
+    return std::uint64_t(phase) << (kUnitBits + kStepBits) | (std::uint64_t(unit) & ((1u << kUnitBits) - 1)) << kStepBits |
+           (step & ((std::uint64_t(1) << kStepBits) - 1));
+  }
+  static CollectiveTag unpack(std::uint64_t bits, const UnitNames* names = nullptr) {
+    CollectiveTag t;
+    t.phase = static_cast<TagPhase>(bits >> (kUnitBits + kStepBits));
+    t.unit = static_cast<std::uint32_t>(bits >> kStepBits) & ((1u << kUnitBits) - 1);
+    t.step = bits & ((std::uint64_t(1) << kStepBits) - 1);
+    t.names = names;
+    return t;
+  }
+
+  // "unit 'blocks.2' (forward, pass 3)"; "unit #5" where no names are known.
+  std::string describe() const {
+    std::string unit_text = names ? "'" + names->unit_name(static_cast<int>(unit)) + "'" : "#" + std::to_string(unit);
+    return "unit " + unit_text + " (" + name_of(phase) + ", pass " + std::to_string(step) + ")";
+  }
+};
+
+// A communicator that takes a tag with its all-gathers and reductions and fails on every
+// rank when the ranks' tags differ (ThreadComm, TcpComm, MpiComm, NcclComm,
+// CudaThreadComm and the wrappers). The
+// library uses the tagged calls where a communicator has them; a Communicator without
+// them works unchanged, its passes checked as they end (docs/reliability.md).
+template <class C>
+concept TaggedCommunicator = Communicator<C> && requires(C& c, const void* send, void* recv, std::size_t count,
+                                                         DType t, ReduceOp op, const CollectiveTag& tag) {
+  { c.all_gather(send, recv, count, t, tag) } -> std::convertible_to<Work>;
+  { c.reduce_scatter(send, recv, count, t, op, tag) } -> std::convertible_to<Work>;
+  { c.all_reduce(send, recv, count, t, op, tag) } -> std::convertible_to<Work>;
+};
+
+}  // namespace fsdp

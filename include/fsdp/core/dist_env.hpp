@@ -1,0 +1,64 @@
+#pragma once
+// The launch environment, with torchrun's names and meaning: MASTER_ADDR, MASTER_PORT,
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. fsdp_run (tools/) sets them; so can a
+// cluster script by hand. FSDP_STORE_TOKEN, if set, is a shared secret the store demands.
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "fsdp/core/error.hpp"
+
+namespace fsdp {
+
+struct DistEnv {
+  std::string master_addr = "127.0.0.1";
+  std::uint16_t master_port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string token;  // FSDP_STORE_TOKEN; empty = none
+
+  // True when RANK and WORLD_SIZE are both set (the program was launched as one rank of
+  // a job); a lone process then runs as world size 1.
+  static bool launched() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
+
+  // Reads the environment; every variable that is set must be a valid value, and a
+  // required one (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) that is missing is an error.
+  static DistEnv from_env() {
+    DistEnv e;
+    e.master_addr = text("MASTER_ADDR", true).value();
+    e.master_port = static_cast<std::uint16_t>(number("MASTER_PORT", 1, 65535, true).value());
+    e.world_size = static_cast<int>(number("WORLD_SIZE", 1, 1 << 20, true).value());
+    e.rank = static_cast<int>(number("RANK", 0, e.world_size - 1, true).value());
+    e.local_world_size = static_cast<int>(number("LOCAL_WORLD_SIZE", 1, e.world_size, false).value_or(e.world_size));
+    e.local_rank = static_cast<int>(number("LOCAL_RANK", 0, e.local_world_size - 1, false).value_or(e.rank % e.local_world_size));
+    e.token = text("FSDP_STORE_TOKEN", false).value_or("");
+    return e;
+  }
+
+  // An environment variable's value (nullopt when unset or empty; an error when required).
+  static std::optional<std::string> text(const char* name, bool required) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) {
+      if (required) detail::fail("environment: ", name, " is not set (launch with fsdp_run, torchrun-style)");
+      return std::nullopt;
+    }
+    return std::string(v);
+  }
+  // An integer variable in [lo, hi]: anything else set there is an error naming it.
+  static std::optional<long long> number(const char* name, long long lo, long long hi, bool required) {
+    auto s = text(name, required);
+    if (!s) return std::nullopt;
+    errno = 0;
+    char* end = nullptr;
+    const long long v = std::strtoll(s->c_str(), &end, 10);
+    if (errno || end == s->c_str() || *end || v < lo || v > hi)
+      detail::fail("environment: ", name, "='", *s, "' is not an integer in [", lo, ", ", hi, "]");
+    return v;
+  }
+};
+
+}  // namespace fsdp

@@ -1,0 +1,151 @@
+#pragma once
+// The Module customization point: how the library walks an engine's model.
+//
+//   visit_parameters(m, f)  calls f(std::string_view name, T& param, T& grad) for each of
+//                           m's *own* parameters (not its children's); T models fsdp::Tensor.
+//   visit_children(m, f)    calls f(std::string_view name, Child& child) for each direct
+//                           child module. Optional: a module without it is a leaf.
+//   visit_buffers(m, f)     calls f(std::string_view name, T& buffer) for each of m's own
+//                           non-trainable tensors (running statistics and the like).
+//                           Optional: MixedPrecision casts them, sync_module_states
+//                           broadcasts them.
+//
+// Each as a static member of a fsdp::module_traits<M> specialization (for module types the
+// engine does not own: no function has to be added to a third-party namespace), as a member
+// (m.visit_parameters(f)), or as a free function found by ADL, looked up in that order. The
+// library joins names with '.' into fully qualified names (FQNs) such as "blocks.3.weight",
+// the keys of state dicts and checkpoints.
+//
+// Type-erased trees: a virtual base works when its visitors take a type-erased callback,
+// e.g. virtual void visit_children(const std::function<void(std::string_view, Layer&)>&);
+// children are then seen as Layer& and identified by their dynamic type (ModuleId).
+#include <functional>
+#include <string>
+#include <string_view>
+#include <typeindex>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+
+#include "fsdp/core/tensor.hpp"
+
+namespace fsdp {
+
+// Specialize to adapt a module type without touching it. Any of (all static, optional
+// except visit_parameters):
+//   static void visit_parameters(M&, F&& f);   f(std::string_view, T& param, T& grad)
+//   static void visit_children(M&, F&& f);     f(std::string_view, Child&)
+//   static void visit_buffers(M&, F&& f);      f(std::string_view, T& buffer)
+// The primary template is empty: a type without a specialization uses members or ADL.
+template <class M>
+struct module_traits {};
+
+// Which module an object is: its address and type together (a module's first member has
+// the module's address). For polymorphic types, the most derived object's address and
+// dynamic type, so a child seen through its base class (Layer&) and the same child seen
+// as itself (Linear&) are one module.
+struct ModuleId {
+  const void* address = nullptr;
+  std::type_index type = typeid(void);
+
+  template <class M>
+  static ModuleId of(const M& m) {
+    if constexpr (std::is_polymorphic_v<M>) return {dynamic_cast<const void*>(&m), typeid(m)};
+    else return {static_cast<const void*>(&m), typeid(M)};
+  }
+  friend bool operator==(const ModuleId&, const ModuleId&) = default;
+  friend bool operator<(const ModuleId& a, const ModuleId& b) {
+    return a.address != b.address ? std::less<const void*>()(a.address, b.address) : a.type < b.type;
+  }
+};
+
+namespace detail {
+struct param_visitor_archetype {
+  template <class T> void operator()(std::string_view, T&, T&) const {}
+};
+struct child_visitor_archetype {
+  template <class C> void operator()(std::string_view, C&) const {}
+};
+
+template <class M, class F>
+concept traits_param_visit = requires(M& m, F f) { module_traits<M>::visit_parameters(m, f); };
+template <class M, class F>
+concept traits_child_visit = requires(M& m, F f) { module_traits<M>::visit_children(m, f); };
+template <class M, class F>
+concept traits_buffer_visit = requires(M& m, F f) { module_traits<M>::visit_buffers(m, f); };
+template <class M, class F>
+concept member_param_visit = requires(M& m, F f) { m.visit_parameters(f); };
+template <class M, class F>
+concept adl_param_visit = requires(M& m, F f) { visit_parameters(m, f); };
+template <class M, class F>
+concept member_child_visit = requires(M& m, F f) { m.visit_children(f); };
+template <class M, class F>
+concept adl_child_visit = requires(M& m, F f) { visit_children(m, f); };
+}  // namespace detail
+
+template <class M>
+concept Module = detail::traits_param_visit<M, detail::param_visitor_archetype> ||
+                 detail::member_param_visit<M, detail::param_visitor_archetype> ||
+                 detail::adl_param_visit<M, detail::param_visitor_archetype>;
+
+// Own parameters of m: f(name, param, grad).
+template <class M, class F>
+void for_each_own_parameter(M& m, F&& f) {
+  static_assert(Module<M>,
+                "fsdp: this type is not an fsdp::Module. Provide visit_parameters(M&, F) (member, "
+                "free function found by ADL, or static member of a fsdp::module_traits<M> "
+                "specialization) that calls f(std::string_view name, T& param, T& grad) for each "
+                "of the module's own parameters. See docs/concepts.md#module.");
+  auto checked = [&](std::string_view name, auto& param, auto& grad) {
+    using P = std::remove_cvref_t<decltype(param)>;
+    static_assert(Tensor<P>, "fsdp: visit_parameters passed a parameter whose type does not "
+                             "satisfy fsdp::Tensor (specialize fsdp::tensor_traits for it)");
+    static_assert(std::is_same_v<P, std::remove_cvref_t<decltype(grad)>>,
+                  "fsdp: a parameter and its gradient must have the same tensor type");
+    f(name, param, grad);
+  };
+  if constexpr (detail::traits_param_visit<M, decltype(checked)>) module_traits<M>::visit_parameters(m, checked);
+  else if constexpr (detail::member_param_visit<M, decltype(checked)>) m.visit_parameters(checked);
+  else visit_parameters(m, checked);
+}
+
+// Direct children of m: f(name, child). Leaves have none.
+template <class M, class F>
+void for_each_child(M& m, F&& f) {
+  if constexpr (detail::traits_child_visit<M, detail::child_visitor_archetype>) module_traits<M>::visit_children(m, f);
+  else if constexpr (detail::member_child_visit<M, detail::child_visitor_archetype>) m.visit_children(f);
+  else if constexpr (detail::adl_child_visit<M, detail::child_visitor_archetype>) visit_children(m, f);
+}
+
+namespace detail {
+struct buffer_visitor_archetype {
+  template <class T> void operator()(std::string_view, T&) const {}
+};
+template <class M, class F>
+concept member_buffer_visit = requires(M& m, F f) { m.visit_buffers(f); };
+template <class M, class F>
+concept adl_buffer_visit = requires(M& m, F f) { visit_buffers(m, f); };
+}  // namespace detail
+
+// Own buffers of m: f(name, buffer). Modules without visit_buffers have none.
+template <class M, class F>
+void for_each_own_buffer(M& m, F&& f) {
+  auto checked = [&](std::string_view name, auto& buffer) {
+    static_assert(Tensor<std::remove_cvref_t<decltype(buffer)>>,
+                  "fsdp: visit_buffers passed a buffer whose type does not satisfy fsdp::Tensor");
+    f(name, buffer);
+  };
+  if constexpr (detail::traits_buffer_visit<M, detail::buffer_visitor_archetype>) module_traits<M>::visit_buffers(m, checked);
+  else if constexpr (detail::member_buffer_visit<M, detail::buffer_visitor_archetype>) m.visit_buffers(checked);
+  else if constexpr (detail::adl_buffer_visit<M, detail::buffer_visitor_archetype>) visit_buffers(m, checked);
+}
+
+inline std::string join_fqn(std::string_view prefix, std::string_view name) {
+  if (prefix.empty()) return std::string(name);
+  std::string s;
+  s.reserve(prefix.size() + 1 + name.size());
+  s.append(prefix).append(".").append(name);
+  return s;
+}
+
+}  // namespace fsdp

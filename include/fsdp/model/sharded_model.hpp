@@ -1,0 +1,377 @@
+#pragma once
+// ShardedModel: the root over a model's units (FSDP's root instance). It owns the units,
+// finds the unit of a module, ends each backward (finish_backward, the job of FSDP's
+// queued root callback: every pending unit completed, every unit back to IDLE) and lists
+// the flat shards for the optimizer. fsdp::shard (fsdp/model/shard.hpp)
+// builds one from a model and wrap policies.
+#include <exception>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <map>
+#include <typeindex>
+#include <utility>
+#include <vector>
+
+#include "fsdp/unit/sharded.hpp"
+
+namespace fsdp {
+
+// Every unit of a model summoned at once (FSDP's summon_full_params on the root; see
+// ShardedModel::summon_full_params). Ends each unit's summon when it goes, in unit order on
+// every rank (the writeback check is a collective per unit); leaving by exception drops the
+// edits. A unit whose end fails does not stop the others from ending: the first error is
+// rethrown after all have.
+class ModelSummon {
+ public:
+  template <class Units>
+  ModelSummon(Units& units, const SummonOptions& options) : writeback_(options.writeback) {
+    try {
+      for (auto& u : units) {  // in unit order: the same gathers on every rank
+        u->begin_summon_full_params(options);
+        summoned_.push_back(u.get());
+      }
+    } catch (...) {
+      end_all(false);
+      throw;
+    }
+  }
+  ModelSummon(ModelSummon&& o) noexcept
+      : summoned_(std::exchange(o.summoned_, {})), writeback_(o.writeback_), exceptions_(o.exceptions_) {}
+  ModelSummon(const ModelSummon&) = delete;
+  ModelSummon& operator=(const ModelSummon&) = delete;
+  ~ModelSummon() noexcept(false) {
+    const bool unwinding = std::uncaught_exceptions() != exceptions_;
+    if (auto error = end_all(writeback_ && !unwinding); error && !unwinding) std::rethrow_exception(error);
+  }
+
+ private:
+  std::exception_ptr end_all(bool writeback) noexcept {
+    std::exception_ptr first;
+    for (UnitBase* u : std::exchange(summoned_, {})) {
+      try {
+        u->end_summon_full_params(writeback);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    return first;
+  }
+
+  std::vector<UnitBase*> summoned_;
+  bool writeback_;
+  int exceptions_ = std::uncaught_exceptions();
+};
+
+class ShardedModel {
+ public:
+  ShardedModel() : order_(std::make_unique<ExecutionOrder>()) {}
+  ShardedModel(ShardedModel&&) noexcept = default;
+  ShardedModel& operator=(ShardedModel&&) noexcept = default;
+
+  // Adds a unit built in place; returns it.
+  template <class Unit, class... Args>
+  Unit& emplace(Args&&... args) {
+    auto u = std::make_unique<Unit>(std::forward<Args>(args)...);
+    Unit& ref = *u;
+    add(std::move(u));
+    return ref;
+  }
+
+  void add(std::unique_ptr<UnitBase> unit) {
+    for (auto& u : units_)
+      if (u->fqn() == unit->fqn())
+        detail::fail("ShardedModel: two units named '", unit->display_name(), "' on rank ",
+                     unit->rank());
+    if (!units_.empty() && unit->groups() != units_.front()->groups())
+      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", unit->groups(),
+                   " but unit '", units_.front()->display_name(), "' a ",
+                   units_.front()->groups(), "; every unit of a model must use the same groups");
+    const ModuleKey key{unit->module_address(), unit->module_type()};
+    if (by_module_.count(key))
+      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
+                   by_module_[key]->fqn(), "' already manages");
+    check_no_tie_across(*unit);
+    by_module_[key] = unit.get();
+    for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
+    unit->attach(order_.get());
+    units_.push_back(std::move(unit));
+    refresh_views();
+  }
+
+  // Completes setup of units built with UnitOptions::defer_take_over (fsdp::shard's). All
+  // units or none: a rebind that throws in any unit gives back every unit's tensors (their
+  // storage and values too, for tensor types with keep/restore; detail/take_over.hpp).
+  void take_over() {
+    if (units_.empty()) return;
+    detail::take_over_together(units_.front()->rank(), units_);
+    refresh_views();
+  }
+
+  std::size_t size() const { return units_.size(); }
+  UnitBase& operator[](std::size_t i) { return *units_.at(i); }
+  auto begin() { return units_.begin(); }
+  auto end() { return units_.end(); }
+
+  // The unit that manages `module`, or nullptr. A polymorphic module may be passed as any
+  // of its bases (Layer&): it is identified by its dynamic type (ModuleId).
+  template <class M>
+  UnitBase* find_unit_for(const M& module) const {
+    static_assert(!std::is_pointer_v<M>, "fsdp: pass the module itself (unit_for(block)), not a pointer to it");
+    const ModuleId id = ModuleId::of(module);
+    auto it = by_module_.find(ModuleKey{id.address, id.type});
+    return it == by_module_.end() ? nullptr : it->second;
+  }
+  template <class M>
+  UnitBase& unit_for(const M& module) const {
+    if (auto* u = find_unit_for(module)) return *u;
+    detail::fail("ShardedModel: the ", ModuleId::of(module).type.name(), " at ", ModuleId::of(module).address,
+                 " is not a unit; units are: ", unit_names());
+  }
+  // The unit whose module lies at `address` whatever its type (for hooks that only keep a
+  // pointer), or nullptr; an error when a module and its first member are both units there.
+  UnitBase* find_unit_at(const void* address) const {
+    UnitBase* found = nullptr;
+    for (const auto& [key, unit] : by_module_) {
+      if (key.first != address) continue;
+      if (found)
+        detail::fail("ShardedModel: units '", found->fqn(), "' and '", unit->fqn(), "' both manage a module at ",
+                     address, "; look the unit up by module (find_unit_for) instead");
+      found = unit;
+    }
+    return found;
+  }
+  UnitBase& unit(std::string_view fqn) const {
+    for (auto& u : units_) if (u->fqn() == fqn) return *u;
+    detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
+  }
+
+  // Ends a backward pass (the job of FSDP's queued final callback), so that an engine need
+  // not track which units' hooks fired: a unit whose pre_backward ran but post_backward did
+  // not gets its post_backward now (reverse unit order: nested units before the units around
+  // them; the same on every rank, as the reductions must be); every reduction is finished;
+  // a unit that ran no backward frees what its forward kept; every unit is IDLE again. A
+  // unit left in FORWARD is an error.
+  void finish_backward() {
+    for (auto& u : units_)  // before any collective: the unit's own check names it and its state
+      if (u->state() == TrainingState::FORWARD) u->finish_backward();
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it)
+      if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
+    order_->finish_reductions();
+    for (auto& u : units_) u->finish_backward();
+    try {
+      order_->check_pass();
+    } catch (...) {  // the gradients are wrong: nothing may use them before abort_step
+      for (auto& u : units_) u->failed_hook_ = "finish_backward";
+      throw;
+    }
+    order_->end_iteration();
+  }
+
+  // Records every unit's forward, backward and waits (and, with an AsyncCommunicator
+  // given the same Trace, its collectives) into `trace`; nullptr stops. Off by default.
+  void set_trace(Trace* trace) { order_->trace = trace; }
+
+  // At most `n` units gathered ahead of the one computing (FSDP's limit_all_gathers);
+  // a prefetch beyond it is skipped and that unit gathers when its hook runs. Default 2.
+  void set_max_prefetched_units(int n) {
+    if (n < 0) detail::fail("ShardedModel: the prefetch limit must be >= 0, got ", n);
+    order_->max_prefetched = n;
+  }
+
+  // The recorded execution order (after the first iteration), for tests and tools.
+  const ExecutionOrder& execution_order() const { return *order_; }
+
+  // Zeroes the sharded gradients and frees what accumulation kept. Every unit's zeroing
+  // goes out in one device call where the device can (BatchZeroingDevice).
+  void zero_grad() { detail::zero_grads(units_, UnitBase::mark_failed_in_zero_grad); }
+
+  // Every parameter whole, in its master dtype, in the engine's tensors until the returned
+  // scope ends; IDLE units only, a collective. With writeback each rank keeps the edits to
+  // its own slice, so edits must be the same on every rank. rank0_only: the other ranks
+  // gather for rank 0 and hold nothing (writeback with it is an error). offload_to_host:
+  // the full parameters live in host memory and the device holds one unit's at a time.
+  [[nodiscard]] ModelSummon summon_full_params(const SummonOptions& options = {}) { return ModelSummon(units_, options); }
+
+  // Gradient accumulation (fsdp/policy/gradient_sync.hpp) for every unit: FSDP2's names. IDLE only.
+  void set_requires_gradient_sync(bool on) {
+    for (auto& u : units_) u->set_requires_gradient_sync(on);
+  }
+  void set_requires_all_reduce(bool on) {
+    for (auto& u : units_) u->set_requires_all_reduce(on);
+  }
+  void set_gradient_sync_mode(GradientSyncMode m) {
+    for (auto& u : units_) u->set_gradient_sync_mode(m);
+  }
+
+  // Resharding and the gradient divide factor (fsdp/policy/reshard_settings.hpp) for every unit:
+  // FSDP2's names. IDLE only. A partial reshard (an int in FSDP2) takes the group each
+  // rank keeps the parameters sharded over between forward and backward.
+  void set_reshard_after_forward(bool on) {
+    for (auto& u : units_) u->set_reshard_after_forward(on);
+  }
+  template <Communicator C>
+  void set_reshard_after_forward(C& group) {
+    for (auto& u : units_) u->set_reshard_after_forward(group);
+  }
+  void set_reshard_after_backward(bool on) {
+    for (auto& u : units_) u->set_reshard_after_backward(on);
+  }
+  void set_gradient_divide_factor(double factor) {
+    for (auto& u : units_) u->set_gradient_divide_factor(factor);
+  }
+
+  // Post-accumulate-grad hooks (fsdp/policy/post_accumulate_grad_hook.hpp) for every unit: per
+  // unit, or per parameter (each of the unit's parameters in turn). IDLE only; an empty
+  // hook removes them. With GradientAfterHook::free, shards() and parameters() show
+  // grad == nullptr: the gradient exists only while the hook runs (see the unit's views).
+  void set_post_accumulate_grad_hook(const PostAccumulateGradHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
+    for (auto& u : units_)  // all or none
+      if (u->state() != TrainingState::IDLE)
+        detail::fail("set_post_accumulate_grad_hook: unit '", u->display_name(), "' on rank ", u->rank(), " is ",
+                     name_of(u->state()), "; set hooks between steps (every unit IDLE)");
+    for (auto& u : units_) u->set_post_accumulate_grad_hook(hook, after);
+    refresh_views();
+  }
+  void set_post_accumulate_param_hook(const PostAccumulateParamHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
+    PostAccumulateGradHook per_unit;
+    if (hook) per_unit = [hook](UnitBase& u) {
+      for (const ParamView& p : u.parameters()) hook(u, p);
+    };
+    set_post_accumulate_grad_hook(per_unit, after);
+  }
+
+  // FSDP1's no_sync: gradient sync off for every unit while the scope lives; each unit's
+  // setting is restored when it ends, also by an exception (then whatever state the units
+  // are in: a destructor must not throw).
+  class NoSyncScope {
+   public:
+    explicit NoSyncScope(ShardedModel& m) {
+      for (auto& u : m.units_) saved_.emplace_back(u.get(), u->gradient_sync().requires_sync);
+      try {
+        m.set_requires_gradient_sync(false);
+      } catch (...) {
+        restore();
+        throw;
+      }
+    }
+    ~NoSyncScope() { restore(); }
+    NoSyncScope(const NoSyncScope&) = delete;
+    NoSyncScope& operator=(const NoSyncScope&) = delete;
+
+   private:
+    void restore() noexcept {
+      for (auto& [u, on] : saved_) u->sync_.requires_sync = on;
+    }
+    std::vector<std::pair<UnitBase*, bool>> saved_;
+  };
+  [[nodiscard]] NoSyncScope no_sync() { return NoSyncScope(*this); }
+
+  // Frees unsharded parameters kept after forward for a backward that is not coming
+  // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.
+  void reshard() {
+    for (auto& u : units_) u->reshard();
+    if (!order_->in_backward()) order_->check_pass();  // a forward-only pass ends here
+    order_->end_forward_pass();
+  }
+
+  // Recovery after an exception inside a step (a failed allocation, an engine error, a hook
+  // that threw; UnitBase::abort_step): every unit frees what the step held, discards the
+  // step's gradients (as zero_grad) and returns to IDLE, and the execution order forgets
+  // the pass (an order still being recorded is recorded again). Then one agreement across
+  // the world: every rank must call it; a rank still inside another collective makes it
+  // an error on every rank instead, and the units then stay failed. The next step computes
+  // with the parameters as they were before the aborted one.
+  void abort_step() {
+    for (auto& u : units_) u->abandon_step();
+    order_->abort_pass();
+    if (units_.empty()) return;
+    for (auto& u : units_) u->failed_hook_ = "abort_step";  // until every rank took part
+    units_[0]->all_ranks_agree(true);
+    for (auto& u : units_) u->failed_hook_ = nullptr;
+  }
+
+  // This rank's flat shards of every unit, for the optimizer.
+  std::span<const ShardView> shards() const { return views_; }
+  // Every parameter of every unit as this rank holds it (unit by unit, in unit order):
+  // FQN, shape, dtype and where its elements lie in this rank's shard and in the parameter.
+  std::span<const ParamView> parameters() const { return params_; }
+
+ private:
+  void refresh_views() {
+    views_.clear();
+    params_.clear();
+    for (auto& u : units_) {
+      const std::size_t first = views_.size();
+      views_.insert(views_.end(), u->shards().begin(), u->shards().end());
+      for (ParamView p : u->parameters()) {
+        p.model_shard = first + p.shard;
+        params_.push_back(p);
+      }
+    }
+  }
+
+  // A tensor reachable under several FQNs (tied) is sharded once, by the one unit that
+  // holds all its uses; found in two units it would be two copies that drift apart.
+  void check_no_tie_across(const UnitBase& unit) const {
+    for (const auto& st : unit.param_storage()) {
+      auto it = storage_owner_.find(st.key);
+      if (it == storage_owner_.end()) continue;
+      const auto& [other, other_fqn] = it->second;
+      detail::fail("ShardedModel on rank ", unit.rank(), ": parameters '", other_fqn, "' (unit '", other->display_name(),
+                   "') and '", st.fqn, "' (unit '", unit.display_name(), "') are the same tensor (tied) but lie in ",
+                   "different units; a tied parameter must lie in one unit that holds all its uses: ",
+                   owner_of(other_fqn, st.fqn, unit), " (do not make the modules in between units of their own)");
+    }
+  }
+
+  // The innermost unit whose module holds both FQNs, in words.
+  std::string owner_of(const std::string& a, const std::string& b, const UnitBase& adding) const {
+    auto holds = [](const std::string& unit, const std::string& fqn) {
+      return unit.empty() || (fqn.size() > unit.size() && fqn.compare(0, unit.size(), unit) == 0 && fqn[unit.size()] == '.');
+    };
+    const UnitBase* best = nullptr;
+    auto consider = [&](const UnitBase& u) {
+      if (holds(u.fqn(), a) && holds(u.fqn(), b) && (!best || u.fqn().size() > best->fqn().size())) best = &u;
+    };
+    for (const auto& u : units_) consider(*u);
+    consider(adding);
+    if (best) return "unit '" + std::string(best->display_name()) + "'";
+    std::size_t common = 0;  // their common module, for a model built without a unit around it
+    for (std::size_t i = 0; i < a.size() && i < b.size() && a[i] == b[i]; ++i)
+      if (a[i] == '.') common = i;
+    return "a unit wrapping module '" + (common ? a.substr(0, common) : std::string("<root>")) + "'";
+  }
+
+  std::string unit_names() const {
+    std::ostringstream os;
+    for (std::size_t i = 0; i < units_.size(); ++i)
+      os << (i ? ", " : "") << "'" << units_[i]->display_name() << "'";
+    return os.str();
+  }
+
+  using ModuleKey = std::pair<const void*, std::type_index>;
+  // Declared before the units, so destroyed after them: a unit's destructor waits for its
+  // collectives, whose error messages name their unit through it (CollectiveTag::names).
+  std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
+  std::vector<std::unique_ptr<UnitBase>> units_;
+  std::map<ModuleKey, UnitBase*> by_module_;
+  std::map<const void*, std::pair<UnitBase*, std::string>> storage_owner_;  // every unit's parameters, by storage
+  std::vector<ShardView> views_;
+  std::vector<ParamView> params_;
+};
+
+namespace detail {
+template <class G> struct is_mesh : std::false_type {};
+template <class C> struct is_mesh<DeviceMesh<C>> : std::true_type {};
+
+template <class Group>
+auto& world_of(Group& g) {
+  if constexpr (is_mesh<Group>::value) return g.world();
+  else return g;
+}
+
+}  // namespace detail
+
+}  // namespace fsdp

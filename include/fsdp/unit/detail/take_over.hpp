@@ -1,0 +1,158 @@
+#pragma once
+// Taking over the engine's tensors (the last step of setup): every parameter, gradient and
+// cast buffer is rebound to a unit's storage or to nothing. The engine's
+// tensor_traits<T>::rebind may throw; then no unit may keep half of them, nor leave a
+// tensor pointing at storage about to be freed. TakeOverLog rebinds one tensor at a time
+// and records it: for a type with keep/restore (fsdp::KeepsStorage), the engine's storage
+// is kept alive until every unit took over (commit), so a rebind that throws anywhere
+// gives every tensor its storage and values back; a type without them can only be handed
+// back empty (its rebind released the storage, as the Tensor contract asks). Either way
+// nothing views the units' memory afterwards, and an fsdp::Error names the unit and tensor.
+#include <algorithm>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "fsdp/unit/detail/flat_param_storage.hpp"
+#include "fsdp/core/error.hpp"
+
+namespace fsdp::detail {
+
+class TakeOverLog {
+ public:
+  explicit TakeOverLog(int rank) : rank_(rank) {}
+  TakeOverLog(const TakeOverLog&) = delete;
+  TakeOverLog& operator=(const TakeOverLog&) = delete;
+  // Not committed (an exception on the way): everything is rolled back.
+  ~TakeOverLog() { roll_back(); }
+
+  // The unit whose tensors come next (named in an error).
+  void unit(std::string_view name) { unit_ = name; }
+
+  // Points `tensor` at `data` shown in `dtype`; `own` is the tensor's own dtype, `what`
+  // names it for the message ("parameter 'a.w'"). `keep` (may be null) keeps its storage.
+  void rebind(void* tensor, RebindFn fn, KeepFn keep, void* data, DType dtype, DType own, const std::string& what) {
+    // Room first: once the tensor has changed, recording it must not fail. A failure here
+    // has changed nothing of it (the destructor rolls back the others).
+    room_for_one(shown_);
+    room_for_one(kept_);
+    room_for_one(lost_);
+    const char* call = "keep";
+    try {
+      if (keep) kept_.push_back(keep(tensor));  // before the rebind releases it
+      call = "rebind";
+      fn(tensor, data, dtype);
+    } catch (const std::exception& e) {
+      failed(call, what, e.what());
+    } catch (...) {
+      failed(call, what, "an exception that is not a std::exception");
+    }
+    if (data || dtype != own) shown_.push_back({tensor, fn, own});
+    if (!keep) lost_.push_back(tensor);
+  }
+
+  // Every unit took over: the engine's old storage goes.
+  void commit() noexcept {
+    shown_.clear();
+    kept_.clear();
+    lost_.clear();
+  }
+
+  // Hands back what was pointed at a unit's storage (no storage, own dtype), then gives the
+  // kept storage back, newest first. Noexcept: a second throw here would leave a tensor
+  // viewing memory the units free next.
+  void roll_back() noexcept {
+    for (auto it = shown_.rbegin(); it != shown_.rend(); ++it) it->fn(it->tensor, nullptr, it->own);
+    for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) (*it)->restore();
+    commit();
+  }
+
+ private:
+  struct Shown {
+    void* tensor;
+    RebindFn fn;
+    DType own;
+  };
+
+  template <class V>
+  static void room_for_one(V& v) {
+    if (v.size() == v.capacity()) v.reserve(2 * v.size() + 16);
+  }
+
+  [[noreturn]] void failed(const char* call, const std::string& what, std::string_view why) {
+    std::sort(lost_.begin(), lost_.end(), std::less<>());  // a tensor tied under two names counts once
+    const auto lost = static_cast<std::size_t>(std::unique(lost_.begin(), lost_.end()) - lost_.begin());
+    roll_back();
+    std::string outcome = "; nothing was taken over, and every tensor keeps its storage and values";
+    if (lost)
+      outcome = "; nothing was taken over, but " + std::to_string(lost) +
+                (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") +
+                " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
+                "docs/concepts.md#tensor); the others keep theirs";
+    fail("unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::", call, " threw while the unit took over ", what,
+         ": ", why, outcome);
+  }
+
+  std::string unit_;
+  int rank_;
+  std::vector<Shown> shown_;
+  std::vector<std::unique_ptr<KeptStorage>> kept_;
+  std::vector<void*> lost_;  // tensors rebound without kept storage
+};
+
+// Takes over `units` (pointers to fsdp::UnitBase) as one: each rebinds into one log, and
+// a rebind that throws in any unit gives back every unit's tensors, each of those units
+// (the failing one included) forgetting what it did. Units taken over by an earlier call
+// are left alone. After the commit every unit finishes (writes rank 0's buffer values;
+// a no-op where done before).
+template <class UnitPtrs>
+void take_over_together(int rank, const UnitPtrs& units) {
+  using Unit = std::remove_reference_t<decltype(**std::begin(units))>;
+  TakeOverLog log(rank);
+  std::vector<Unit*> taking;
+  taking.reserve(std::size(units));  // push_back below cannot throw
+  try {
+    for (auto& u : units) {
+      taking.push_back(&*u);  // before its take_over: a unit that throws midway forgets too
+      if (!u->take_over(log)) taking.pop_back();
+    }
+  } catch (...) {
+    for (Unit* u : taking) u->forget_take_over();  // the log gives the tensors back as it unwinds
+    throw;
+  }
+  log.commit();
+  for (auto& u : units) u->finish_take_over();
+}
+
+// Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the
+// replicated shard for good) or to nothing, each tied name with its parameter.
+inline void take_over_tensors(FlatParam& fp, void* params_at, TakeOverLog& log) {
+  const DType own = fp.master();
+  const auto& infos = fp.layout.params();
+  auto at = [&](std::size_t i) -> void* {
+    return params_at ? static_cast<std::byte*>(params_at) + infos[i].offset * size_of(own) : nullptr;
+  };
+  std::vector<std::size_t> next_alias(infos.size(), 0);  // alias_bindings follow infos[i].aliases
+  auto name = [&](std::size_t i, bool alias) {
+    return "parameter '" + (alias ? infos[i].aliases.at(next_alias[i]++) : infos[i].fqn) + "'";
+  };
+  auto grad = [&](const ParamBinding& b, std::size_t i, bool alias) {
+    log.rebind(b.grad, b.rebind, b.keep, nullptr, own, own, "the gradient of " + name(i, alias));
+  };
+  auto param = [&](const ParamBinding& b, std::size_t i, bool alias) {
+    log.rebind(b.param, b.rebind, b.keep, at(i), own, own, name(i, alias));
+  };
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) grad(fp.bindings[i], i, false);
+  for (auto& [i, b] : fp.alias_bindings) grad(b, i, true);
+  std::fill(next_alias.begin(), next_alias.end(), 0);
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i) param(fp.bindings[i], i, false);
+  for (auto& [i, b] : fp.alias_bindings) param(b, i, true);
+}
+
+}  // namespace fsdp::detail

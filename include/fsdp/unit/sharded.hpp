@@ -1,0 +1,62 @@
+#pragma once
+// fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module). At
+// construction it takes over the module's parameters (all of its subtree, except children
+// whose type is listed in the `exclude` wrap_types and what UnitOptions::skip_* name: units
+// of their own, ignored modules and parameters). Module may be a polymorphic base
+// (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat
+// shard, it checks that every rank built the same unit, and it rebinds the engine's tensors
+// to "no storage". The hooks then make the parameters valid exactly while the engine
+// computes with them; inside a ShardedModel they also follow its ExecutionOrder to prefetch
+// and to keep one reduction in flight.
+//
+// Only the walk of the module's subtree depends on Module, and only the checks of the
+// policies on their types: the hooks, the setup and the state-dict interface are
+// fsdp/unit/sharded_unit.hpp's, which reads the policies as values and compiles once.
+#include <string>
+#include <utility>
+
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/unit/sharded_hooks.hpp"  // the unit class and its hooks' definitions
+#include "fsdp/unit/detail/unit_groups.hpp"
+#include "fsdp/unit/unit_setup.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/module.hpp"
+#include "fsdp/policy/policies.hpp"
+#include "fsdp/unit/unit_options.hpp"
+#include "fsdp/policy/wrap_policy.hpp"
+
+namespace fsdp {
+
+template <class Module, class... Ps>
+class Sharded final : public detail::ShardedUnit {
+ public:
+  using module_type = Module;
+  using config = Policies<Ps...>;
+  using strategy = typename config::strategy;
+
+  // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
+  template <Communicator C, Device D, class Exclude = wrap_types<>>
+  Sharded(Module& module, C& comm, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(options), exclude) {}
+
+  // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
+  // its replicate groups; the others use its whole world as above.
+  template <SplittableCommunicator C, Device D, class Exclude = wrap_types<>>
+  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, UnitOptions options = {}, Exclude exclude = {})
+      : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(options),
+                exclude) {}
+
+  template <class Group, Device D>
+  Sharded(Module& module, Group& group, D& device, std::string fqn)
+      : Sharded(module, group, device, UnitOptions{std::move(fqn)}) {}
+
+ private:
+  template <class Exclude>
+  Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
+      : ShardedUnit(detail::policy_values<config>(), detail::policy_settings<config>(), ModuleId::of(module),
+                    detail::ModuleVisit::of<Exclude, config::mixed_precision::enabled>(module), std::move(groups), device,
+                    std::move(options)) {}
+};
+
+}  // namespace fsdp

@@ -1,0 +1,348 @@
+#pragma once
+// fsdp::detail::ShardedUnit: all of a unit (fsdp::Sharded) but the walk of its module's
+// subtree: the hooks' state machine, the unit's state-dict interface, its construction from
+// what the module visit collected. Not a template: it reads its policies as values
+// (PolicyValues, fsdp/unit/detail/flat_param_rules.hpp), so it compiles once, whatever the
+// module types and policy configurations an engine uses; Sharded<Module, Ps...> checks the
+// policies as types and derives from it.
+// Here: the state machine; the construction path is in fsdp/unit/unit_setup.hpp, the
+// summon's gathers and writeback check in fsdp/unit/summon_full_params.hpp, the
+// post-accumulate-grad hook in fsdp/unit/detail/post_grad_hook_slot.hpp, the hooks' bodies in
+// fsdp/unit/sharded_hooks.hpp, which includes this header (include that one: it is the whole unit).
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/unit/detail/buffer_copies.hpp"
+#include "fsdp/core/detail/fingerprint.hpp"
+#include "fsdp/unit/detail/flat_param_rules.hpp"
+#include "fsdp/unit/detail/param_collection.hpp"
+#include "fsdp/unit/summon_full_params.hpp"
+#include "fsdp/unit/detail/take_over.hpp"
+#include "fsdp/unit/detail/unit_groups.hpp"
+#include "fsdp/unit/unit_setup.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/unit/flat_param_group.hpp"
+#include "fsdp/core/trace.hpp"
+#include "fsdp/unit/unit.hpp"
+#include "fsdp/unit/execution_order_impl.hpp"  // ExecutionOrder's calls into units
+#include "fsdp/unit/unit_options.hpp"
+
+namespace fsdp::detail {
+
+class ShardedUnit : public UnitBase {
+ public:
+  // The group hands the engine's parameters back empty and frees its storage as it is
+  // destroyed; the buffer copies are handed back here.
+  ~ShardedUnit() override { buffers_.unbind_and_release(); }
+
+  int world_size() const override { return group_.groups().world.size(); }
+  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
+  bool kept_unsharded() const { return group_.kept_unsharded(); }
+  std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
+  MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
+
+  // A unit may be entered several times per pass (fsdp/unit/detail/unit_uses.hpp). A
+  // recomputed forward is not part of the recorded order, and inside the unit's own
+  // backward it needs no all-gather.
+  void pre_forward() override;
+
+  void post_forward() override;
+
+  void pre_backward() override;
+
+  void post_backward() override;
+
+  void prefetch(detail::ZeroBatch* zeros) override;
+
+  // The unit's gradient is final once its reduction completes: the engine's hook runs.
+  void finish_reduction() override;
+
+  // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
+  // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
+  // where it was freed.
+  void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
+    expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
+    const bool freed = grad_hook_.frees_gradient();
+    grad_hook_.set(std::move(hook), after);
+    if (grad_hook_.frees_gradient()) {
+      if (!freed) free_shard_grads();
+    } else {
+      group_.ensure_shard_grads();
+      group_.point_views_at_gradients(views_, params_);
+    }
+  }
+
+  void finish_backward() override;
+
+  void abandon_step() override;
+
+  void reshard() override {
+    HookScope scope(*this, "reshard");
+    expect({TrainingState::IDLE}, "reshard");
+    release_unsharded();
+    uses_.end_forward_pass();
+  }
+
+  // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
+  using UnitBase::zero_grad;
+  void zero_grad(detail::ZeroBatch& batch) override {
+    HookScope scope(*this, "zero_grad");
+    expect({TrainingState::IDLE}, "zero_grad");
+    group_.zero_grad(batch);
+    grad_is_zero_ = true;
+  }
+
+  // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
+  // summon_full_params and state dicts show, whatever the mixed precision.
+  using UnitBase::begin_summon_full_params;
+  void begin_summon_full_params(const SummonOptions& options) override {
+    expect({TrainingState::IDLE}, "summon_full_params");
+    detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
+    release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
+    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
+    summon_checks_writeback_ = options.check_writeback;
+    buffers_.show_master(true);
+    state_ = TrainingState::SUMMON_FULL_PARAMS;
+  }
+
+  void end_summon_full_params(bool writeback) override {
+    expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
+    if (writeback) check_storage("the end of summon_full_params(writeback)");
+    if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
+    if (writeback) group_.write_back();
+    group_.release_summoned_gradients();
+    buffers_.show_master(false, writeback);
+    release_unsharded();
+    state_ = TrainingState::IDLE;
+  }
+
+  void discard_summon() {  // a summon's end that writes nothing back
+    buffers_.show_master(false);
+    group_.release_summoned_gradients();
+    release_unsharded();
+    state_ = TrainingState::IDLE;
+  }
+
+  // All or nothing for this unit (fsdp/unit/detail/take_over.hpp).
+  void take_over() override {
+    ShardedUnit* self = this;
+    detail::take_over_together(rank_, std::span(&self, 1));
+  }
+  // Buffers first, so that the group counts as taken over only once every tensor is.
+  bool take_over(detail::TakeOverLog& log) override {
+    if (group_.took_over()) return false;
+    log.unit(display_name());
+    buffers_.show_cast(log);
+    group_.take_over(fqn_, views_, params_, log);
+    return true;
+  }
+  // Back to before take_over(log): nothing appended, nothing to unbind at destruction.
+  void forget_take_over() noexcept override {
+    buffers_.forget_shown();
+    group_.forget_take_over();
+    views_.clear();
+    params_.clear();
+  }
+  // Writes once: the values are released once written.
+  void finish_take_over() override {
+    rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
+  }
+
+  std::span<const ShardView> shards() const override { return views_; }
+  std::span<const ParamView> parameters() const override { return params_; }
+  std::span<const BufferView> buffers() const override { return buffer_views_; }
+  void* buffer_data(std::size_t i) const override {
+    const auto& b = all_buffers_.at(i);
+    if (state_ != TrainingState::SUMMON_FULL_PARAMS)  // the tensor shows a cast copy under MixedPrecision
+      if (void* master = buffers_.current_master(b.tensor)) return master;
+    return b.data_of(b.tensor);
+  }
+  void load_buffer(std::size_t i, const void* values) override {
+    expect({TrainingState::IDLE}, "load_buffer");
+    const auto& b = all_buffers_.at(i);
+    if (buffers_.load(b.tensor, values)) return;
+    const std::size_t n = static_cast<std::size_t>(b.numel) * size_of(b.dtype);
+    if (n) group_.device().copy(b.data_of(b.tensor), values, n);
+  }
+  void* full_parameter(std::size_t i) const override {
+    if (state_ != TrainingState::SUMMON_FULL_PARAMS)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
+    if (summon_holds_nothing_)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "'): the summon is rank0_only, so only rank 0 holds full parameters");
+    return group_.full_parameter(i);
+  }
+  DeviceId device_id() const override { return group_.device().id(); }
+  void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
+    if (bytes) group_.device().copy(dst, src, bytes);
+  }
+  void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const override {
+    group_.gather_array(shard, mine, full_host, dtype);
+  }
+  bool saves_shards() const override {
+    const auto& g = group_.groups();
+    return g.replicate_size == 1 || g.replicate.rank() == 0;
+  }
+  bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
+  std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }
+
+  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
+  std::vector<const FlatParamLayout*> layouts() const {
+    std::vector<const FlatParamLayout*> out;
+    for (auto& fp : group_.flat()) out.push_back(&fp.layout);
+    return out;
+  }
+
+ protected:
+  // Built by Sharded<Module, Ps...>, which hands over its policies as values and by name
+  // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
+  // identity; nothing below depends on the module's type.
+  ShardedUnit(const PolicyValues& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
+              UnitGroups unit_groups, DeviceRef device, UnitOptions options)
+      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
+        policies_(policies),
+        buffers_(device),
+        rank0_values_(device),
+        group_(unit_groups, device, policies.precision, policies.shard_space()) {
+    // Copy everything first; rebind the engine's tensors (which frees their storage) only
+    // once nothing can fail, so a failed construction loses no data and leaks nothing (the
+    // members free their copies).
+    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, *this, settings,
+                                     policies.buffer_cast());
+    storage_ = std::move(setup.storage);
+    all_buffers_ = std::move(setup.buffers);
+    for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
+    reshard_.after_forward = policies.reshard_after_forward;
+    agreed_reshard_ = reshard_;
+    if (!options.defer_take_over) take_over();
+  }
+
+ private:
+  // Inside a model: the explicit prefetch list when set, else (`follow_order`: the policy
+  // prefetches here) the next unit of the recorded order.
+  // `zeros` (may be null): this unit's pending zeroing, for the gathers' casts to do too.
+  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order, detail::ZeroBatch* zeros = nullptr) {
+    if (!order_) return;
+    if (!units.empty()) for (auto* u : units) u->prefetch(zeros);
+    else if (follow_order) prefetch_next(pass, zeros);
+  }
+  void prefetch_next(Pass pass, detail::ZeroBatch* zeros = nullptr) {
+    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch(zeros);  // null outside a model
+  }
+
+  // The engine's parameter tensors still view what the unit bound them to; a tensor whose
+  // storage the engine replaced would have its values dropped (one call per parameter).
+  void check_storage(const char* where) {
+    const std::string moved = group_.moved_storage();
+    if (moved.empty()) return;
+    if (state_ == TrainingState::SUMMON_FULL_PARAMS) discard_summon();
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": at ", where, ", parameter '", moved,
+                 "' no longer views the storage fsdp bound it to: the engine replaced its storage, and values "
+                 "put there would be lost. Write into the tensor's own storage, inside summon_full_params(writeback) "
+                 "or through a state dict load");
+  }
+
+  void begin_recompute() {
+    uses_.recompute_from = state_;
+    unshard();  // a no-op inside the unit's backward, where the parameters are unsharded already
+    state_ = TrainingState::FORWARD;
+    compute_begin_ = now_if_traced();
+  }
+  void end_recompute() {
+    record_compute("recompute");
+    const TrainingState back = *std::exchange(uses_.recompute_from, std::nullopt);
+    if (back != TrainingState::BACKWARD_PRE) reshard_after_forward(!reshard_.after_forward);  // gathered for it
+    state_ = back;
+  }
+
+  // After forward: keep the parameters whole (for this unit's next pre_backward only), keep
+  // this rank's chunk of them (partial resharding), or free them.
+  void reshard_after_forward(bool keep_whole) {
+    if (!keep_whole) {
+      if (!group_.reshards_partially()) return release_unsharded();
+      group_.reshard_to_post_forward();
+    }
+    kept_ = true;
+  }
+
+  void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) override {
+    group_.set_post_forward_group(group, display_name());
+    reshard_.after_forward = reshard;
+    reshard_.post_forward_ranks = group_.reshards_partially() ? group_.post_forward_size() : 0;
+  }
+
+  // Reduces the gradient accumulated over this pass's backward entries; returns whether
+  // the reduction completed inside the call.
+  bool start_reduction() {
+    uses_.reduced();
+    const auto plan = detail::plan_gradient(sync_, group_.groups());
+    const bool inline_done = group_.start_reductions(grad_is_zero_, plan, tag(TagPhase::reduce));
+    if (plan == detail::GradientPlan::reduce) grad_is_zero_ = false;  // the others leave it as it was
+    if (grad_hook_.frees_gradient()) group_.point_views_at_gradients(views_, params_);  // allocated now
+    grad_hook_.arm(detail::gradient_is_final(sync_, plan));  // the hook runs once it completes
+    return inline_done;
+  }
+
+  void free_shard_grads() {
+    group_.release_shard_grads();
+    grad_is_zero_ = true;
+    group_.point_views_at_gradients(views_, params_);
+  }
+
+  // The tag of the collective this unit issues now (fsdp/core/collective_tag.hpp): an
+  // all-gather's says forward or backward, by the model's pass. None outside a model.
+  const CollectiveTag* tag(TagPhase phase) {
+    if (!order_) return nullptr;
+    tag_ = order_->tag(order_index_, phase);
+    return &tag_;
+  }
+
+  void unshard() {
+    group_.unshard(waiter(), tag(TagPhase::forward));
+    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }
+  }
+
+  void release_unsharded() {
+    group_.release_unsharded();
+    if (prefetched_) { prefetched_ = false; order_->prefetch_consumed(); }  // gathered ahead, never used
+    kept_ = kept_after_backward_ = false;
+  }
+
+  // ---- tracing: one pointer test when off ----
+  Trace* trace() const { return order_ ? order_->trace : nullptr; }
+  detail::TracedWait waiter() const { return {trace(), display_name()}; }
+  Trace::Clock::time_point now_if_traced() const { return trace() ? Trace::Clock::now() : Trace::Clock::time_point{}; }
+  void record_compute(const char* pass) {
+    Trace* t = trace();
+    if (t && compute_begin_ != Trace::Clock::time_point{})  // not when tracing began mid-pass
+      t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
+  }
+
+  const PolicyValues policies_;
+  detail::BufferCopies buffers_;
+  detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
+  FlatParamGroup group_;
+  CollectiveTag tag_;  // what tag() hands out
+  bool prefetched_ = false;  // gathered ahead of its hook, counted by the order
+  bool kept_ = false;        // gathered in a forward and kept (whole or partly) for this unit's backward
+  bool kept_after_backward_ = false;  // kept whole by a backward for the next forward
+  bool grad_is_zero_ = true;  // nothing reduced into the sharded gradient since zero_grad
+  GradientSync agreed_sync_;  // the settings every rank last agreed on (the defaults at first)
+  ReshardSettings agreed_reshard_;
+  bool summon_holds_nothing_ = false;  // a rank0_only summon on a rank other than 0
+  bool summon_checks_writeback_ = true;
+  Trace::Clock::time_point compute_begin_{};
+  std::vector<ShardView> views_;
+  std::vector<ParamView> params_;
+  std::vector<detail::CollectedBuffer> all_buffers_;
+  std::vector<BufferView> buffer_views_;
+};
+
+}  // namespace fsdp::detail
+

@@ -1,0 +1,348 @@
+#pragma once
+// UnitBase: what the root and the engine see of a sharded unit, whatever its module type
+// and policies: the lifecycle hooks, the training state, and the flat shards the
+// optimizer steps on.
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <typeindex>
+#include <utility>
+#include <vector>
+
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/detail/backend_ref.hpp"
+#include "fsdp/unit/detail/post_grad_hook_slot.hpp"
+#include "fsdp/unit/detail/unit_uses.hpp"
+#include "fsdp/unit/detail/zero_batch.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/unit/execution_order.hpp"
+#include "fsdp/policy/gradient_sync.hpp"
+#include "fsdp/policy/post_accumulate_grad_hook.hpp"
+#include "fsdp/policy/reshard_settings.hpp"
+#include "fsdp/core/training_state.hpp"
+#include "fsdp/unit/unit_views.hpp"
+
+namespace fsdp {
+
+namespace detail { class TakeOverLog; }
+
+// How summon_full_params shows the full parameters (FSDP's arguments of the same names).
+struct SummonOptions {
+  bool writeback = false;        // edits are kept: each rank writes its own slice back to its shard
+  bool rank0_only = false;       // only world rank 0 keeps them; the others take part in the gathers
+  bool offload_to_host = false;  // kept in host memory, so the device holds one unit's at a time
+  // At the end, agree across ranks on the writeback flag (one 8-byte all-gather per unit)
+  // and, with writeback, hash the edited parameters and buffers (a pass over the unit's
+  // full parameters and one more 8-byte all-gather); fail on every rank, writing nothing
+  // back, when ranks differ.
+  bool check_writeback = true;
+  // The reduced gradients whole as well, in the engine's gradient tensors (FSDP's
+  // with_grads): "are my gradients right?" after finish_backward. Read-only: edits to them
+  // are not kept. Gradients kept unsharded by gradient accumulation are not included.
+  bool with_grads = false;
+};
+class ShardedModel;
+
+class UnitBase {
+ public:
+  virtual ~UnitBase() = default;
+  UnitBase(const UnitBase&) = delete;
+  UnitBase& operator=(const UnitBase&) = delete;
+
+  // Hooks, in the order a training step calls them. Each checks the state first.
+  virtual void pre_forward() = 0;    // IDLE -> FORWARD: all-gather; parameters become valid
+  virtual void post_forward() = 0;   // FORWARD -> IDLE: free unsharded parameters
+  virtual void pre_backward() = 0;   // IDLE -> BACKWARD_PRE: all-gather; zeroed gradients bound
+  virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
+  // Called by the root once per backward, after every unit's post_backward; -> IDLE.
+  virtual void finish_backward() = 0;
+  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. The zeroing
+  // joins a batch flushed as one call (ShardedModel::zero_grad: one for all its units).
+  void zero_grad() {
+    UnitBase* u = this;
+    detail::zero_grads(std::span<UnitBase* const>(&u, 1), mark_failed_in_zero_grad);
+  }
+  virtual void zero_grad(detail::ZeroBatch& batch) = 0;
+  // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
+  // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
+  // pass, such as evaluation, call this to free them (the next forward regathers anyway).
+  virtual void reshard() = 0;
+
+  // Parameters unsharded outside training (inspection, init, export): IDLE ->
+  // SUMMON_FULL_PARAMS, a collective. Writeback with rank0_only is an error (the other
+  // ranks would have nothing to write back). With writeback, end_ keeps the edits.
+  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
+  void begin_summon_full_params() { begin_summon_full_params(SummonOptions{}); }
+  virtual void end_summon_full_params(bool writeback) = 0;
+
+  virtual std::span<const ShardView> shards() const = 0;
+  // Every parameter and buffer of the unit, in visit order (parameters grouped by dtype as
+  // their flat shards are).
+  virtual std::span<const ParamView> parameters() const = 0;
+  virtual std::span<const BufferView> buffers() const = 0;
+  // buffers()[i]'s values in buffers()[i].dtype. While summoned: the storage the engine's
+  // tensor shows (write to it there). Otherwise, under MixedPrecision with a cast Buffer
+  // dtype: the unit's master copy, refreshed from the cast copy the engine computes with
+  // (read it only: the next refresh overwrites it).
+  virtual void* buffer_data(std::size_t i) const = 0;
+  // IDLE only: sets buffers()[i] from `values` (its dtype, numel elements, host or device
+  // memory), in the engine's tensor and in any copy MixedPrecision keeps. What loads use,
+  // with no summon (no gather) needed.
+  virtual void load_buffer(std::size_t i, const void* values) = 0;
+  // While summoned: the full parameters()[i], in its master dtype (writable when the summon
+  // writes back; in host memory under offload_to_host). An error in any other state, and
+  // on ranks other than 0 of a rank0_only summon.
+  virtual void* full_parameter(std::size_t i) const = 0;
+  // Its Device's id(): whether its shards are in memory the host can address (cpu).
+  virtual DeviceId device_id() const = 0;
+  // Copies bytes through the unit's Device: either side may be host or device memory.
+  virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) const = 0;
+  // All-gathers an array laid out like shards()[shard] (its numel valid elements of
+  // `dtype`, in the shard's memory space; for example an optimizer moment) into
+  // `full_host`, host memory for the flat parameter's unpadded elements. A collective over
+  // the shard group.
+  virtual void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const = 0;
+  // Whether `ok` holds on every rank of the world (a collective): so that no rank goes on
+  // to change state, or to commit a file, that another rank has found wrong.
+  virtual bool all_ranks_agree(bool ok) const = 0;
+  // The largest `v` of any rank of the world (a collective): how one rank's value (a
+  // random token, a size) reaches every rank.
+  virtual std::int64_t max_over_ranks(std::int64_t v) const = 0;
+  // Whether this rank's shards are the copy a sharded checkpoint saves: replicas (NoShard,
+  // the replicate dimension of HybridShard) hold the same elements, and one copy is saved.
+  virtual bool saves_shards() const = 0;
+  // The process groups the unit uses, in words; every unit of a model must use the same.
+  virtual std::string groups() const = 0;
+  // Those groups as a mesh: {replicate group size, shard group size} (the model's, also
+  // for a unit kept unsharded by the persistence threshold).
+  virtual MeshShape mesh_shape() const = 0;
+  // The number of ranks of its world (shard group size x replicate group size).
+  virtual int world_size() const = 0;
+
+  // Completes setup: points the engine's tensors at the unit's storage (their own storage
+  // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard
+  // defers it until every unit is built, so a failed shard leaves the model as it was. A
+  // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
+  virtual void take_over() = 0;
+  // take_over in three steps, for ShardedModel, which takes over all of its units as one:
+  // rebind into `log` (false: taken over before, nothing done), which a throwing rebind
+  // rolls back, every unit's tensors; after a failure, forget_take_over (the log gave the
+  // tensors back); once the log is committed, finish_take_over (writes rank 0's buffer
+  // values under sync_module_states).
+  virtual bool take_over(detail::TakeOverLog& log) = 0;
+  virtual void forget_take_over() noexcept = 0;
+  virtual void finish_take_over() = 0;
+
+  // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
+  virtual void prefetch(detail::ZeroBatch* zeros) = 0;  // zeros (may be null): for its cast to do too
+  // Completes a reduction that post_backward left in flight (asynchronous backends).
+  virtual void finish_reduction() = 0;
+
+  // Recovery after an exception inside a step (a failed allocation, an engine error between
+  // hooks, a hook that threw): frees what the step held (unsharded parameters, gradients,
+  // collectives in flight, which are waited for and whose errors are dropped), discards the
+  // step's gradients as zero_grad does, and returns the unit to IDLE. A collective over
+  // the unit's world: every rank must call it, so no rank continues alone (a rank still in
+  // another collective makes it an error on every rank). ShardedModel::abort_step does it
+  // for every unit with one agreement.
+  void abort_step() {
+    abandon_step();
+    agree_on_abort();
+  }
+  // The local part: no collective.
+  virtual void abandon_step() = 0;
+  // Which hook last left by an exception (null: none since the last abort_step).
+  const char* failed_hook() const { return failed_hook_; }
+
+ protected:
+  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
+  virtual void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) = 0;
+
+ public:
+  // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
+  // when set, these units are gathered at this unit's pre_forward / pre_backward instead
+  // of the next unit in the recorded order.
+  void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
+  void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
+  const std::vector<UnitBase*>& forward_prefetch() const { return forward_prefetch_; }
+  const std::vector<UnitBase*>& backward_prefetch() const { return backward_prefetch_; }
+
+  // Gradient accumulation (fsdp/policy/gradient_sync.hpp): the settings the unit's next
+  // post_backward reads. IDLE only; every rank must make the same calls (a unit checks
+  // that they did at its first backward after a change).
+  void set_requires_gradient_sync(bool on) { expect({TrainingState::IDLE}, "set_requires_gradient_sync"); sync_.requires_sync = on; }
+  void set_requires_all_reduce(bool on) { expect({TrainingState::IDLE}, "set_requires_all_reduce"); sync_.requires_all_reduce = on; }
+  void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
+  const GradientSync& gradient_sync() const { return sync_; }
+
+  // Resharding and the gradient's divide factor (fsdp/policy/reshard_settings.hpp), read by the
+  // unit's next hooks. IDLE only; every rank must make the same calls (checked with the
+  // gradient sync settings). A partial reshard keeps the parameters sharded over `group`
+  // between forward and backward; the group must outlive the setting. Units whose
+  // parameters are not sharded (NoShard, under the persistence threshold) have nothing to
+  // reshard: the setting is accepted and changes nothing.
+  void set_reshard_after_forward(bool on) {
+    expect({TrainingState::IDLE}, "set_reshard_after_forward");
+    set_post_forward_group(std::nullopt, on);
+  }
+  template <Communicator C>
+  void set_reshard_after_forward(C& group) {
+    expect({TrainingState::IDLE}, "set_reshard_after_forward");
+    set_post_forward_group(detail::CommRef(group), true);
+  }
+  void set_reshard_after_backward(bool on) {
+    expect({TrainingState::IDLE}, "set_reshard_after_backward");
+    reshard_.after_backward = on;
+  }
+  void set_gradient_divide_factor(double factor) {
+    expect({TrainingState::IDLE}, "set_gradient_divide_factor");
+    detail::check_divide_factor(factor, fqn_, rank_);
+    reshard_.gradient_divide_factor = factor;
+  }
+  const ReshardSettings& reshard_settings() const { return reshard_; }
+
+  // Post-accumulate-grad hook (fsdp/policy/post_accumulate_grad_hook.hpp): run once this unit's
+  // sharded gradient is final; with GradientAfterHook::free the gradient is freed after it
+  // (switching to free drops the current sharded gradient, as zero_grad would). An empty
+  // hook removes it (and frees nothing). IDLE only. ShardedModel sets it for every unit.
+  virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
+  bool has_post_accumulate_grad_hook() const { return grad_hook_.installed(); }
+  GradientAfterHook gradient_after_hook() const { return grad_hook_.after(); }
+
+  // The root's shared execution order; set when the unit joins a ShardedModel.
+  void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
+
+  // Uses of the unit in the current pass (fsdp/unit/detail/unit_uses.hpp): forward entries so
+  // far, and backward entries still expected before its gradient is reduced (-1: not
+  // known, so at finish_backward).
+  int forward_entries() const { return uses_.forward_entries(); }
+  int backward_entries_left() const { return uses_.backward_left(); }
+  // Each parameter's storage at setup, aliases of tied parameters included.
+  std::span<const ParamStorage> param_storage() const { return storage_; }
+
+  const std::string& fqn() const { return fqn_; }
+  // The FQN as messages and traces show it: "<root>" for the root.
+  std::string_view display_name() const { return fqn_.empty() ? std::string_view("<root>") : std::string_view(fqn_); }
+  TrainingState state() const { return state_; }
+  int rank() const { return rank_; }
+  // The module this unit manages: its address and type together (a module's first member
+  // has the same address as the module itself).
+  const void* module_address() const { return module_; }
+  std::type_index module_type() const { return module_type_; }
+
+  // RAII around the engine's forward / backward of this unit. The backward scope skips
+  // post_backward when it is left by an exception: a collective during unwinding could
+  // only make things worse.
+  class ForwardScope {
+   public:
+    explicit ForwardScope(UnitBase& u) : u_(u) { u_.pre_forward(); }
+    ~ForwardScope() noexcept(false) {
+      if (std::uncaught_exceptions() == exceptions_) u_.post_forward();
+    }
+    ForwardScope(const ForwardScope&) = delete;
+    ForwardScope& operator=(const ForwardScope&) = delete;
+   private:
+    UnitBase& u_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  class BackwardScope {
+   public:
+    explicit BackwardScope(UnitBase& u) : u_(u) { u_.pre_backward(); }
+    ~BackwardScope() noexcept(false) {
+      if (std::uncaught_exceptions() == exceptions_) u_.post_backward();
+    }
+    BackwardScope(const BackwardScope&) = delete;
+    BackwardScope& operator=(const BackwardScope&) = delete;
+   private:
+    UnitBase& u_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  class SummonScope {
+   public:
+    SummonScope(UnitBase& u, const SummonOptions& options) : u_(u), writeback_(options.writeback) {
+      u_.begin_summon_full_params(options);
+    }
+    ~SummonScope() noexcept(false) {
+      // Leaving by exception: reshard without writeback, so half-edited values are dropped.
+      u_.end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
+    }
+    SummonScope(const SummonScope&) = delete;
+    SummonScope& operator=(const SummonScope&) = delete;
+   private:
+    UnitBase& u_;
+    bool writeback_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+
+  [[nodiscard]] ForwardScope forward_scope() { return ForwardScope(*this); }
+  [[nodiscard]] BackwardScope backward_scope() { return BackwardScope(*this); }
+  [[nodiscard]] SummonScope summon_full_params(bool writeback = false) { return SummonScope(*this, {.writeback = writeback}); }
+  [[nodiscard]] SummonScope summon_full_params(const SummonOptions& options) { return SummonScope(*this, options); }
+
+ protected:
+  UnitBase(std::string fqn, int rank, const void* module, std::type_index type)
+      : fqn_(std::move(fqn)), rank_(rank), module_(module), module_type_(type) {}
+  void expect(std::initializer_list<TrainingState> states, std::string_view hook) const {
+    expect_not_failed(hook);
+    for (auto s : states)
+      if (s == state_) return;
+    misuse_ = true;
+    detail::expect_state(state_, states, hook, fqn_, rank_);
+  }
+  void expect_not_failed(std::string_view hook) const {
+    if (!failed_hook_) return;
+    misuse_ = true;
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called after ", failed_hook_,
+                 " left by an exception; call abort_step() (ShardedModel::abort_step) on every rank first");
+  }
+  // Held by each hook: a hook left by an exception (other than a call in the wrong state,
+  // which changes nothing) leaves the unit in a state only abort_step ends; its next hook
+  // says so.
+  class HookScope {
+   public:
+    HookScope(UnitBase& u, const char* hook) : u_(u), hook_(hook) { u_.misuse_ = false; }
+    ~HookScope() {
+      if (std::uncaught_exceptions() > exceptions_ && !u_.misuse_) u_.failed_hook_ = hook_;
+    }
+    HookScope(const HookScope&) = delete;
+    HookScope& operator=(const HookScope&) = delete;
+
+   private:
+    UnitBase& u_;
+    const char* hook_;
+    int exceptions_ = std::uncaught_exceptions();
+  };
+  static void mark_failed_in_zero_grad(UnitBase& u) { u.failed_hook_ = "zero_grad"; }
+  void agree_on_abort() {
+    failed_hook_ = "abort_step";  // until every rank took part
+    all_ranks_agree(true);
+    failed_hook_ = nullptr;
+  }
+  const char* failed_hook_ = nullptr;
+  mutable bool misuse_ = false;  // the exception leaving a hook is expect()'s
+  std::string fqn_;
+  TrainingState state_ = TrainingState::IDLE;
+  int rank_ = 0;
+  const void* module_ = nullptr;
+  std::type_index module_type_;
+  ExecutionOrder* order_ = nullptr;
+  int order_index_ = -1;  // this unit's index in the order
+  std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
+  GradientSync sync_;
+  ReshardSettings reshard_;
+  detail::UnitUses uses_;
+  std::vector<ParamStorage> storage_;
+  detail::PostGradHookSlot grad_hook_;
+
+ private:
+  friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
+};
+
+}  // namespace fsdp
+

@@ -1,0 +1,148 @@
+#pragma once
+// What a unit's construction does before it takes the engine's tensors over: collect the
+// module's parameters and buffers, build the flat parameters, check that every rank built
+// the same unit, run a deferred init, synchronise from rank 0 (sync_module_states), and
+// copy this rank's shards and the buffers' copies. The engine's tensors are not touched
+// here, so a failed construction loses no data.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "fsdp/unit/detail/buffer_copies.hpp"
+#include "fsdp/unit/detail/deferred_storage.hpp"
+#include "fsdp/core/detail/fingerprint.hpp"
+#include "fsdp/unit/detail/flat_param_rules.hpp"
+#include "fsdp/unit/detail/param_collection.hpp"
+#include "fsdp/unit/detail/rank0_values.hpp"
+#include "fsdp/unit/detail/unit_groups.hpp"
+#include "fsdp/unit/unit.hpp"
+#include "fsdp/unit/unit_options.hpp"
+#include "fsdp/policy/wrap_policy.hpp"
+
+namespace fsdp::detail {
+
+// "shard group of S ranks, replicate group of R ranks": units of one model must agree.
+inline std::string describe_groups(const UnitGroups& mesh) {
+  return "shard group of " + std::to_string(mesh.shard_size) + " ranks, replicate group of " +
+         std::to_string(mesh.replicate_size) + " ranks";
+}
+
+// A policy for messages: its type without the namespace ("FullShard",
+// "MixedPrecision<bf16, float, bf16, false>").
+template <class P>
+std::string policy_name() {
+  std::string s = type_name(typeid(P));
+  for (std::size_t at; (at = s.find("fsdp::")) != std::string::npos;) s.erase(at, 6);
+  return s;
+}
+
+// The policies of a configuration, as the settings every rank must choose alike.
+template <class Config>
+const Settings& policy_settings() {
+  static const Settings policies = [] {  // the same for every unit of a configuration
+    Settings p;
+    p.add("sharding strategy", policy_name<typename Config::strategy>());
+    p.add("mixed precision", policy_name<typename Config::mixed_precision>());
+    p.add("communication precision", policy_name<typename Config::comm_precision>());
+    p.add("backward prefetch", policy_name<typename Config::backward_prefetch>());
+    p.add("forward prefetch", policy_name<typename Config::forward_prefetch>());
+    p.add("cpu offload", policy_name<typename Config::cpu_offload>());
+    return p;
+  }();
+  return policies;
+}
+
+// What every rank must set alike for a unit besides its parameters: the policies, the
+// options that change its collectives, and its buffers (sync_module_states broadcasts them
+// by element count, so a shape that differs must be caught here).
+inline Settings unit_settings(const Settings& policies, const UnitOptions& options,
+                              const std::vector<CollectedBuffer>& buffers) {
+  Settings s = policies;
+  s.add("sync_module_states", options.sync_module_states ? "true" : "false");
+  s.add("persistence_threshold", std::to_string(options.persistence_threshold));
+  s.add("deferred init", !options.init ? "off" : options.check_init_agrees ? "on, values compared" : "on, not compared");
+  for (const auto& b : buffers) s.add("buffer '" + b.fqn + "'", format_shape(b.shape) + " " + std::string(name_of(b.dtype)));
+  return s;
+}
+
+struct UnitSetup {
+  std::vector<ParamStorage> storage;       // each parameter's storage, for UnitBase::param_storage
+  std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
+};
+
+// The one step of a unit's construction that depends on the module's type: walking its
+// subtree for parameters and buffers. Everything after it works on what it collected, so
+// the rest of a unit (its setup, its hooks) compiles once, not once per module type.
+struct ModuleVisit {
+  void* module = nullptr;
+  void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
+                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip) = nullptr;
+
+  template <class Exclude, bool ChangesDtype, class M>
+  static ModuleVisit of(M& module) {
+    return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
+              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip);
+            }};
+  }
+  void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
+                  const SkipSet& skip) const {
+    collect(module, prefix, params, buffers, skip);
+  }
+};
+
+// Builds `group` for `unit` over the module `visit` walks (buffers: under MixedPrecision,
+// cast to `buffer_cast`) and copies the shards and buffers; the caller takes over afterwards.
+// `policies`: the unit's policy settings (policy_settings), compared across ranks.
+template <class Group>
+UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
+                      const UnitOptions& options, const UnitBase& unit, const Settings& policies,
+                      std::optional<DType> buffer_cast) {
+  const auto& device = group.device();
+  std::vector<CollectedParam> params;
+  UnitSetup setup;
+  const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
+                     {options.skip_parameters.begin(), options.skip_parameters.end()}};
+  visit(unit.fqn(), params, setup.buffers, skip);
+  {  // a visitor of temporaries, found before anything is copied
+    std::vector<CollectedParam> again;
+    std::vector<CollectedBuffer> again_buffers;
+    visit(unit.fqn(), again, again_buffers, skip);
+    check_visits_agree(params, setup.buffers, again, again_buffers, unit.display_name(), unit.rank());
+  }
+  validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
+  for (auto& p : params) setup.storage.push_back({storage_key(p), p.info.fqn});
+  const auto aliases = take_ties(params, unit.display_name(), unit.rank());
+  std::int64_t elements = 0;  // a tied tensor once
+  for (const auto& p : params) elements += p.info.numel;
+  if (kept_unsharded_by_threshold(group.groups().shards_parameters, elements, options.persistence_threshold))
+    group.keep_unsharded();
+  group.build(params, aliases);
+  const std::string groups = describe_groups(group.mesh_groups());
+  const Settings settings = unit_settings(policies, options, setup.buffers);
+  Fingerprint f;
+  f.add(unit.fqn());
+  f.add(groups);
+  group.add_to(f);
+  settings.add_to(f);
+  check_same_across_ranks(group.groups().world, f, [&] {  // built only on a mismatch
+    return "unit '" + std::string(unit.display_name()) + "'";
+  }, [&] { return group.describe() + " (" + groups + ")"; }, &settings);
+  DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
+  if (options.init)
+    run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
+                      device, unit.display_name(), unit.rank());
+  std::vector<CollectedBuffer> rank0_buffers;  // sync_module_states: the buffers at rank 0's values
+  if (options.sync_module_states) {
+    rank0_buffers = setup.buffers;
+    rank0.broadcast(group.groups().world, params, rank0_buffers, deferred.tensors());
+  }
+  group.copy_shards(params);
+  buffer_copies.copy(options.sync_module_states ? rank0_buffers : setup.buffers, buffer_cast);
+  rank0.release_parameters();
+  return setup;  // `deferred` freed: one unit's full parameters at most, and only until here
+}
+
+}  // namespace fsdp::detail
