@@ -141,7 +141,7 @@ template <class Root>
 struct StepCase {
   Model& m;
   Root& root;
-  fsdp::UnitBase& unit;
+  fsdp::Unit& unit;
   std::size_t k = 0;
 
   void step() {
@@ -159,7 +159,7 @@ struct StepCase {
     root.finish_backward();
   }
 };
-using LibraryCase = StepCase<fsdp::UnitBase>;
+using LibraryCase = StepCase<fsdp::Unit>;
 using ModelCase = StepCase<fsdp::ShardedModel>;
 
 // ---- the bare minimum, done by hand -------------------------------------------------

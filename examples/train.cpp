@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <array>
 #include <filesystem>
-#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -86,15 +85,15 @@ Reference train_unsharded(const Config& cfg, int world) {
 
 // --plan: the per-rank device peak fsdp::plan predicts for this run (AdamW's moments are
 // the engine's bytes through the same Device, planned as such), the largest of any rank's,
-// printed before the first step. A collective.
-template <class... Ps, class C>
+// printed before the first step. The model reports its own policies, mesh, threshold and
+// settings (ShardedModel::config()), so nothing is restated here. A collective.
+template <class C>
 void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
   fsdp::PlanOptions options;
   options.asynchronous = true;  // the AsyncCommunicator: one reduction stays in flight
-  options.persistence_threshold = cfg.persistence_threshold;
   options.steps = std::min(cfg.steps, 2);
   options.micro_batches = cfg.accumulate;  // each unit's accumulation mode and resharding are read from it
-  const auto space = fsdp::Policies<Ps...>::cpu_offload::offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
+  const auto space = sharded.config().units.front().policies.shard_space();
   const auto k = static_cast<std::size_t>(space);
   if (cfg.optimizer == "adamw")  // two f32 moments per shard element: after the first step, or in each unit's first hook
     for (auto& u : sharded) {
@@ -102,7 +101,7 @@ void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
       for (const auto& v : u->shards()) moments += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
       (cfg.optimizer_in_backward ? options.engine_state_in_hook[u->fqn()][k] : options.engine_state[k]) += moments;
     }
-  const auto mine = static_cast<std::int64_t>(fsdp::plan<Ps...>(sharded, options).peak_bytes());
+  const auto mine = static_cast<std::int64_t>(fsdp::plan(sharded, options).peak_bytes());
   std::int64_t most = 0;
   comm.all_reduce(&mine, &most, 1, fsdp::DType::i64, fsdp::ReduceOp::max).wait();
   if (comm.rank() == 0) fmt::print("plan: peak_bytes_per_rank={}\n", most);
@@ -132,12 +131,11 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   adam.lr = 1e-3f;
   Summary summary;
   {  // the sharded model and all that uses it end here, before the trace is written
-    // Runtime flags -> compile-time policies. Only fsdp::shard and fsdp::plan take them as
-    // types, and every combination returns the same fsdp::ShardedModel, so the training
+    // Runtime flags -> compile-time policies. Only fsdp::shard takes them as types, and
+    // every combination returns the same fsdp::ShardedModel, so the training
     // below is compiled once per communicator, not once per combination (5 strategies x 4
     // precisions x offload: 40).
     std::optional<fsdp::ShardedModel> built;
-    std::function<void()> plan;  // print_plan with the same policies, after the settings below
     fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
       with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
         using S = decltype(chosen);
@@ -146,7 +144,6 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         using O = decltype(off);
         built.emplace(fsdp::shard<S, M, P, O>(model, mesh, device, engine::Wrap{},
                                               fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold}));
-        plan = [&] { print_plan<S, M, P, O>(*built, stream, cfg); };
       });
     });
     fsdp::ShardedModel& sharded = *built;
@@ -200,7 +197,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       adamw_inside.emplace(sharded, [&] { return std::make_unique<engine::AdamW>(adam, alloc); });
     else if (cfg.optimizer_in_backward)
       sgd_inside.emplace(sharded, [] { return std::make_unique<engine::Sgd>(0.05f); });
-    if (cfg.plan) plan();
+    if (cfg.plan) print_plan(sharded, stream, cfg);
+    if (cfg.show_config && r == 0) fmt::print("config: {}", fsdp::to_string(sharded.config()));
     auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
       if (cfg.optimizer_in_backward) return engine::sharded_forward_backward(model, sharded, micro);
       if (!scaled) return engine::sharded_step(model, sharded, opt, micro, clip);
@@ -320,6 +318,9 @@ int main(int argc, char** argv) {
                  "false: between micro-batches of --accumulate, keep the parameters for the next forward");
   app.add_flag("--plan", cfg.plan,
                "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step");
+  app.add_flag("--show-config", cfg.show_config,
+               "print what the sharded model reports of itself (fsdp::ShardedModel::config()): each unit's policies and "
+               "settings, after the settings the other flags make");
   app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
   auto* save = app.add_option("--save", cfg.save_dir,
                               "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");

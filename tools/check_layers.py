@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks the layers of include/fsdp (docs/layout.md): every `#include "fsdp/..."` in a
+"""Checks the layers of include/fsdp (README.md, "Layout"; each folder's README.md): every `#include "fsdp/..."` in a
 header must point at its own folder or at a folder that the table below lets it use, a
 folder's detail/ may include of its own folder's public headers only those that use no
 detail/ header of the folder, even indirectly (detail sits strictly below what uses it), and no header includes anything after its first declaration (no include at the end

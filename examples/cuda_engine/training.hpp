@@ -176,10 +176,10 @@ struct TimedUnitHooks {
     });
     if (clock.on) ++clock.hook_calls;
   }
-  template <class M> void before_forward(const M* m) { at(m, [](fsdp::UnitBase& u) { u.pre_forward(); }); }
-  template <class M> void after_forward(const M* m) { at(m, [](fsdp::UnitBase& u) { u.post_forward(); }); }
-  template <class M> void before_backward(const M* m) { at(m, [](fsdp::UnitBase& u) { u.pre_backward(); }); }
-  template <class M> void after_backward(const M* m) { at(m, [](fsdp::UnitBase& u) { u.post_backward(); }); }
+  template <class M> void before_forward(const M* m) { at(m, [](fsdp::Unit& u) { u.pre_forward(); }); }
+  template <class M> void after_forward(const M* m) { at(m, [](fsdp::Unit& u) { u.post_forward(); }); }
+  template <class M> void before_backward(const M* m) { at(m, [](fsdp::Unit& u) { u.pre_backward(); }); }
+  template <class M> void after_backward(const M* m) { at(m, [](fsdp::Unit& u) { u.post_backward(); }); }
 };
 
 // Forward, loss and backward of one batch; the loss's sum of squares lands in *sum.

@@ -80,7 +80,7 @@ class OptimizerInBackward {
   template <class Make>
   OptimizerInBackward(fsdp::ShardedModel& model, Make make) : model_(model) {
     for (auto& u : model) index_.push_back(u.get()), optimizers_.push_back(make());
-    model.set_post_accumulate_grad_hook([this](fsdp::UnitBase& u) { step(u); }, fsdp::GradientAfterHook::free);
+    model.set_post_accumulate_grad_hook([this](fsdp::Unit& u) { step(u); }, fsdp::GradientAfterHook::free);
   }
   ~OptimizerInBackward() {
     try {
@@ -95,7 +95,7 @@ class OptimizerInBackward {
   long unit_steps() const { return unit_steps_; }
 
  private:
-  void step(fsdp::UnitBase& u) {
+  void step(fsdp::Unit& u) {
     const auto at = std::find(index_.begin(), index_.end(), &u);
     if (at == index_.end()) throw fsdp::Error("OptimizerInBackward: unit '" + std::string(u.display_name()) + "' is not of its model");
     std::vector<Slot> s;
@@ -108,7 +108,7 @@ class OptimizerInBackward {
   }
 
   fsdp::ShardedModel& model_;
-  std::vector<fsdp::UnitBase*> index_;
+  std::vector<fsdp::Unit*> index_;
   std::vector<std::unique_ptr<Optimizer>> optimizers_;
   long unit_steps_ = 0;
 };

@@ -105,6 +105,12 @@ TEST_CASE("every truncation of every request is refused") {
       CHECK((contains(e, "store frame: truncated in") || contains(e, "keys cannot fit in the frame")));
     }
     CHECK(contains(error_of([&] { wire::decode_request(payload + "x", limits); }), "1 unexpected bytes at the end"));
+    try {  // a frame that fails its format is corrupt, not the caller's misuse
+      wire::decode_request(payload + "x", limits);
+      FAIL("expected fsdp::Error");
+    } catch (const fsdp::Error& e) {
+      CHECK(e.kind() == fsdp::ErrorKind::corrupt);
+    }
   }
 }
 
@@ -123,6 +129,12 @@ TEST_CASE("malformed requests name what is wrong") {
   p = payload_of(wire::encode(hello));
   p[5] = 7;
   CHECK(contains(request_error(p), "protocol version 7, this store speaks 1"));
+  try {  // a client of another version is a mismatch between builds, not damaged data
+    wire::decode_request(p, limits);
+    FAIL("expected fsdp::Error");
+  } catch (const fsdp::Error& e) {
+    CHECK(e.kind() == fsdp::ErrorKind::mismatch);
+  }
   hello.token = std::string(wire::max_token_bytes + 1, 't');
   CHECK(contains(request_error(payload_of(wire::encode(hello))), "token of 1025 bytes exceeds the limit of 1024 bytes"));
 

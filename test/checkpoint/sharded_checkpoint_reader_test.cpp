@@ -85,9 +85,11 @@ TEST_CASE("a damaged file is found by its checksum when read, or skipped knowing
   const ShardedCheckpointReader reader(dir);  // headers still fine: opens
   float x = 0;
   reader.read(StateKey::param("fc.weight"), 0, 1, &x, 4);  // rank 0's file: not damaged
-  const std::string err = error_of([&] { reader.read(StateKey::param("fc.weight"), 30, 1, &x, 4); });
+  const test_support::Thrown damaged = test_support::thrown_by([&] { reader.read(StateKey::param("fc.weight"), 30, 1, &x, 4); });
+  const std::string& err = damaged.message;
   CHECK(contains(err, "checkpoint '" + dir.string() + "': file 'rank-00001.safetensors': its XXH64 is "));
   CHECK(contains(err, "but the index says"));
+  CHECK(damaged.kind == fsdp::ErrorKind::corrupt);
   CHECK(contains(error_of([&] { ShardedCheckpointReader(dir).verify_checksums(); }), "rank-00001.safetensors"));
   const ShardedCheckpointReader unchecked(dir, Checksums::skip);
   std::vector<float> v(37);
@@ -133,9 +135,13 @@ TEST_CASE("mismatches between the index and the files are refused when the check
       d.commit();
     }
     c.damage(dir);
-    const std::string err = error_of([&] { ShardedCheckpointReader reader(dir); });
+    const test_support::Thrown t = test_support::thrown_by([&] { ShardedCheckpointReader reader(dir); });
+    const std::string& err = t.message;
     CHECK_MESSAGE(contains(err, dir.string()), err);
     CHECK_MESSAGE(contains(err, c.expected), err);
+    // A file that is not there cannot be opened (io); one that disagrees with the index is corrupt.
+    const bool missing = c.what == "index missing" || c.what == "file missing";
+    CHECK(t.kind == (missing ? fsdp::ErrorKind::io : fsdp::ErrorKind::corrupt));
     std::filesystem::remove_all(dir);
   }
 }

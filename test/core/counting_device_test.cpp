@@ -45,7 +45,7 @@ StepCounts count_step(int world, double divide_factor = 0, fsdp::GradientAfterHo
     fsdp::CountingDevice<fsdp::HostDevice> device(host);
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre, Precision>(model, counted, device, engine::Wrap{});
     if (divide_factor > 0) sm.set_gradient_divide_factor(divide_factor);
-    if (after == fsdp::GradientAfterHook::free) sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, after);
+    if (after == fsdp::GradientAfterHook::free) sm.set_post_accumulate_grad_hook([](fsdp::Unit&) {}, after);
     engine::Sgd sgd(0.05f);
     struct InHook {  // a freeing hook's optimizer steps in the hook (here: not at all)
       void step(std::span<const engine::Slot>) {}

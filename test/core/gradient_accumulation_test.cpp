@@ -1,16 +1,22 @@
 // Gradient accumulation over k micro-batches (fsdp/policy/gradient_sync.hpp): parity with an
 // unsharded engine that calls backward k times before stepping, for every strategy, both
 // accumulation modes, HybridShard's deferred all-reduce, mixed precision and offload; the
-// bytes each mode communicates and the memory it keeps; and the errors.
+// bytes each mode communicates and the memory it keeps; what the engine's gradient tensors
+// hold when a later micro-batch's backward starts; and the errors.
 //
 // Convention checked here: each micro-batch's loss is a mean over its samples; after k
 // micro-batches the parameters equal those of an unsharded engine that sums the gradients
 // of the k global micro-batches (it calls backward k times, zeroing only once per step).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/rank_errors.hpp"
@@ -461,7 +467,7 @@ TEST_CASE("no_sync restores each unit's setting when it ends, also by an excepti
     sm.unit("gain").set_requires_gradient_sync(false);
     auto syncs = [&] {
       std::vector<bool> out;
-      for (auto& u : sm) out.push_back(u->gradient_sync().requires_sync);
+      for (auto& u : sm) out.push_back(u->config().sync.requires_sync);
       return out;
     };
     const auto before = syncs();
@@ -501,7 +507,7 @@ TEST_CASE("changing the settings outside IDLE is an error naming the unit and it
                          "fsdp: unit 'blocks.0' on rank 0: set_requires_all_reduce called in state FORWARD; expected IDLE",
                          fsdp::Error);
     CHECK_THROWS_AS(auto scope = sm.no_sync(), fsdp::Error);
-    for (auto& u : sm) CHECK(u->gradient_sync().requires_sync);  // a failed no_sync changes nothing
+    for (auto& u : sm) CHECK(u->config().sync.requires_sync);  // a failed no_sync changes nothing
   });
 }
 
@@ -561,6 +567,156 @@ TEST_CASE("groups of one rank: parity in every accumulation mode, bf16 with f32 
     check_parity<fsdp::HybridShard>({2, {2, 1}}, a, f32_tolerance);
     check_parity<fsdp::HybridShard>({6, {2, 3}}, a, f32_tolerance);
   }
+}
+
+
+// What the engine finds in its gradient tensors when a unit's backward starts (the table
+// in docs/training_loop.md#what-the-gradient-holds-when-backward-starts): zeros, or the
+// gradient the engine wrote in the previous micro-batch (the kept unsharded sum, handed back
+// to be added into). Read right after each unit's pre_backward, before the engine writes.
+namespace {
+
+enum class FirstBackward {
+  synced,             // sync on: no accumulation (two backwards between zero_grads)
+  keep_unsharded,     // no_sync, GradientSyncMode::keep_unsharded (the default)
+  reduce_every,       // no_sync, GradientSyncMode::reduce_every_microbatch
+  no_all_reduce,      // sync on, set_requires_all_reduce(false) (hybrid)
+  set_sync_off,       // set_requires_gradient_sync(false), the default mode
+};
+
+enum class Holds { zeros, first, other };
+
+const char* name_of(Holds h) { return h == Holds::zeros ? "zeros" : h == Holds::first ? "first" : "other"; }
+
+// Hooks that call the units' hooks (as engine::UnitHooks does) and read every bound
+// gradient tensor: the first time one is seen in a pass (right after its unit's
+// pre_backward), and the last time (right before its unit's post_backward).
+struct GradientReader {
+  engine::Model& model;
+  fsdp::ShardedModel& sm;
+  std::map<std::string, std::vector<float>> at_start, at_end;
+
+  void read(std::map<std::string, std::vector<float>>& into, bool first_only) {
+    for (auto& p : engine::named_parameters(model)) {
+      if (!p.grad->raw() || (first_only && into.count(p.fqn))) continue;
+      std::vector<float> v(static_cast<std::size_t>(p.grad->numel()));
+      for (std::int64_t i = 0; i < p.grad->numel(); ++i) v[static_cast<std::size_t>(i)] = p.grad->get(i);
+      into[p.fqn] = std::move(v);
+    }
+  }
+  template <class M> void before_forward(const M* m) { if (auto* u = sm.find_unit_for(*m)) u->pre_forward(); }
+  template <class M> void after_forward(const M* m) { if (auto* u = sm.find_unit_for(*m)) u->post_forward(); }
+  template <class M> void before_backward(const M* m) {
+    if (auto* u = sm.find_unit_for(*m)) u->pre_backward(), read(at_start, true);
+  }
+  template <class M> void after_backward(const M* m) {
+    if (auto* u = sm.find_unit_for(*m)) read(at_end, false), u->post_backward();
+  }
+  void micro_batch(const engine::Batch& b) {
+    at_start.clear(), at_end.clear();
+    engine::Mat dout;
+    engine::mse(model.forward(b.x, *this), b.y, dout);
+    model.backward(dout, *this);
+    sm.finish_backward();
+  }
+};
+
+// For every rank and parameter: what its gradient tensor held when the second
+// micro-batch's backward reached its unit, the first having run as `first`.
+template <class Strategy, class... Ps>
+std::set<std::string> second_backward_sees(Layout layout, FirstBackward first) {
+  const auto c = config();
+  std::vector<std::set<std::string>> per_rank(layout.world);
+  fsdp::ThreadGroup(layout.world).run([&](fsdp::ThreadComm& comm) {
+    const int r = comm.rank();
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    std::optional<fsdp::DeviceMesh<fsdp::ThreadComm>> mesh;
+    fsdp::ShardedModel sm = test_support::shard_engine<Strategy, Ps...>(model, comm, mesh, layout.mesh, device);
+    GradientReader reader{model, sm, {}, {}};
+    sm.zero_grad();
+    const auto b1 = engine::make_batch(c, 0, r, 1), b2 = engine::make_batch(c, 1, r, 1);
+    switch (first) {
+      case FirstBackward::synced: reader.micro_batch(b1); break;
+      case FirstBackward::keep_unsharded: {
+        auto scope = sm.no_sync();
+        reader.micro_batch(b1);
+        break;
+      }
+      case FirstBackward::reduce_every: {
+        sm.set_gradient_sync_mode(GradientSyncMode::reduce_every_microbatch);
+        auto scope = sm.no_sync();
+        reader.micro_batch(b1);
+        break;
+      }
+      case FirstBackward::no_all_reduce:
+        sm.set_requires_all_reduce(false);
+        reader.micro_batch(b1);
+        sm.set_requires_all_reduce(true);
+        break;
+      case FirstBackward::set_sync_off:
+        sm.set_requires_gradient_sync(false);
+        reader.micro_batch(b1);
+        sm.set_requires_gradient_sync(true);
+        break;
+    }
+    const auto written = reader.at_end;  // what the engine wrote in micro-batch 1
+    reader.micro_batch(b2);              // synced
+    const std::size_t params = engine::named_parameters(model).size();
+    REQUIRE(written.size() == params);
+    REQUIRE(reader.at_start.size() == params);
+    for (const auto& [fqn, seen] : reader.at_start) {
+      const auto& w = written.at(fqn);
+      if (w.empty()) continue;  // blocks.N.adapter holds no elements
+      // Zeros and the first gradient must be told apart: every parameter got some gradient.
+      REQUIRE(std::any_of(w.begin(), w.end(), [](float x) { return x != 0.0f; }));
+      const bool zero = std::all_of(seen.begin(), seen.end(), [](float x) { return x == 0.0f; });
+      per_rank[r].insert(name_of(zero ? Holds::zeros : seen == w ? Holds::first : Holds::other));
+    }
+  });
+  for (int r = 1; r < layout.world; ++r) CHECK(per_rank[r] == per_rank[0]);
+  return per_rank[0];
+}
+
+const std::set<std::string> zeros{"zeros"}, first{"first"};
+
+}  // namespace
+
+TEST_CASE("what the engine's gradient holds when the second micro-batch's backward starts") {
+  using F = FirstBackward;
+  using MPbf16 = fsdp::MixedPrecision<fsdp::bf16>;                       // reduce in bf16 = param
+  using MPf32 = fsdp::MixedPrecision<fsdp::bf16, float>;                 // reduce in f32
+  using MPbf16Keep = fsdp::MixedPrecision<fsdp::bf16, fsdp::bf16, fsdp::bf16, true>;
+  using MPf32Keep = fsdp::MixedPrecision<fsdp::bf16, float, fsdp::bf16, true>;
+  const Layout one{1}, two{2}, hybrid{4, {2, 2}};
+  // No accumulation: every backward starts from zeros (each one reduced right away).
+  CHECK(second_backward_sees<fsdp::FullShard>(two, F::synced) == zeros);
+  CHECK(second_backward_sees<fsdp::FullShard>(one, F::synced) == zeros);  // the engine wrote into the shard
+  CHECK(second_backward_sees<fsdp::NoShard>(two, F::synced) == zeros);
+  // Sync off, keep_unsharded, accumulating in the compute dtype: the kept sum, to add into.
+  CHECK(second_backward_sees<fsdp::FullShard>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard>(two, F::set_sync_off) == first);
+  CHECK(second_backward_sees<fsdp::FullShard>(one, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::ShardGradOp>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::NoShard>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::HybridShard>(hybrid, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard, fsdp::OffloadParams>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard, fsdp::CommPrecision<fsdp::bf16>>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard, MPbf16>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard, MPbf16Keep>(two, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::FullShard, MPbf16>(one, F::keep_unsharded) == first);
+  CHECK(second_backward_sees<fsdp::NoShard, MPbf16>(two, F::keep_unsharded) == first);
+  // keep_unsharded with a reduce dtype other than the compute dtype: the sum is kept in the
+  // reduce dtype, apart, and the engine gets a zeroed compute-dtype gradient.
+  CHECK(second_backward_sees<fsdp::FullShard, MPf32>(two, F::keep_unsharded) == zeros);
+  CHECK(second_backward_sees<fsdp::FullShard, MPf32Keep>(two, F::keep_unsharded) == zeros);
+  CHECK(second_backward_sees<fsdp::FullShard, MPf32>(one, F::keep_unsharded) == zeros);
+  CHECK(second_backward_sees<fsdp::NoShard, MPf32>(two, F::keep_unsharded) == zeros);
+  // Reduced every micro-batch, or reduce-scattered with the all-reduce deferred: zeros.
+  CHECK(second_backward_sees<fsdp::FullShard>(two, F::reduce_every) == zeros);
+  CHECK(second_backward_sees<fsdp::FullShard>(one, F::reduce_every) == zeros);
+  CHECK(second_backward_sees<fsdp::NoShard>(two, F::reduce_every) == zeros);
+  CHECK(second_backward_sees<fsdp::HybridShard>(hybrid, F::no_all_reduce) == zeros);
 }
 
 }  // namespace core_gradient_accumulation_test

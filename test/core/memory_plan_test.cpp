@@ -90,8 +90,14 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       int hooks_run = 0;
       std::optional<engine::OptimizerInBackward<engine::AdamW>> inside;
       if (in_backward) inside.emplace(sm, [&] { return std::make_unique<engine::AdamW>(engine::AdamW::Options{}, alloc); });
-      if (run.hook == fsdp::GradientAfterHook::keep) sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase&) { ++hooks_run; }, *run.hook);
+      if (run.hook == fsdp::GradientAfterHook::keep) sm.set_post_accumulate_grad_hook([&](fsdp::Unit&) { ++hooks_run; }, *run.hook);
       out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
+      {  // the model's own report (ShardedModel::config()) plans the same, with nothing restated
+        const fsdp::MemoryPlan from_config = fsdp::plan(sm, options);
+        CHECK(from_config.peaks[0].bytes == out.plan[comm.rank()].peaks[0].bytes);
+        CHECK(from_config.peaks[1].bytes == out.plan[comm.rank()].peaks[1].bytes);
+        CHECK(from_config.steady == out.plan[comm.rank()].steady);
+      }
       for (int s = 0; s < run.steps; ++s) {
         std::vector<engine::Batch> micro;
         for (int m = 0; m < run.micro; ++m) micro.push_back(engine::make_batch(c, s * run.micro + m, comm.rank(), 1));
@@ -362,7 +368,7 @@ TEST_CASE("what the planner does not model is refused, naming the unit and why")
     sm.set_requires_all_reduce(true);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.engine_state_in_hook = {{"gain", {8, 0}}}}); }),
                    "names unit 'gain', which has no post-accumulate-grad hook"));
-    sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, fsdp::GradientAfterHook::free);
+    sm.set_post_accumulate_grad_hook([](fsdp::Unit&) {}, fsdp::GradientAfterHook::free);
     CHECK(fsdp::plan<fsdp::FullShard>(sm).peak_bytes() > 0);
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.engine_state_in_hook = {{"nowhere", {8, 0}}}}); }),
                    "names 'nowhere', which is no unit"));

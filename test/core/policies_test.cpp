@@ -139,34 +139,36 @@ TEST_CASE("a resolved policy keeps its members") {
   CHECK_FALSE(P::strategy::reshard_after_forward);
 }
 
-TEST_CASE("policy_values: the policies as the unit and the memory planner read them, in any order") {
-  using fsdp::detail::PrefetchMode;
-  const auto a = fsdp::detail::policy_values<fsdp::Policies<fsdp::BackwardPost, fsdp::ShardGradOp, fsdp::OffloadParams>>();
+TEST_CASE("policy_config: the policies as the unit, the memory planner and a model's report read them, in any order") {
+  using fsdp::BackwardPrefetchMode;
+  const auto a = fsdp::policy_config<fsdp::Policies<fsdp::BackwardPost, fsdp::ShardGradOp, fsdp::OffloadParams>>();
   CHECK(a.shards_parameters);
   CHECK_FALSE(a.reshard_after_forward);  // ShardGradOp's
   CHECK_FALSE(a.hybrid);
-  CHECK(a.backward == PrefetchMode::backward_post);
+  CHECK(a.backward == BackwardPrefetchMode::backward_post);
   CHECK_FALSE(a.forward_prefetch);
   CHECK(a.offload);
+  CHECK(a.strategy() == "SHARD_GRAD_OP");
   CHECK(a.shard_space() == fsdp::MemorySpace::host);
   CHECK_FALSE(a.precision.mixed);
   CHECK_FALSE(a.buffer_cast().has_value());
 
-  const auto b = fsdp::detail::policy_values<
+  const auto b = fsdp::policy_config<
       fsdp::Policies<fsdp::ForwardPrefetch, fsdp::MixedPrecision<fsdp::bf16, float, fsdp::f16>, fsdp::NoBackwardPrefetch,
                      fsdp::HybridShard>>();
   CHECK(b.hybrid);
   CHECK(b.reshard_after_forward);
-  CHECK(b.backward == PrefetchMode::none);
+  CHECK(b.backward == BackwardPrefetchMode::none);
   CHECK(b.forward_prefetch);
+  CHECK(b.strategy() == "HYBRID_SHARD");
   CHECK(b.shard_space() == fsdp::MemorySpace::device);
   CHECK(b.precision.param == fsdp::DType::bf16);
   CHECK(b.precision.reduce == fsdp::DType::f32);
   CHECK(b.buffer_cast() == fsdp::DType::f16);
 
   // The defaults (BackwardPre); a backward prefetch policy of the engine's own prefetches nothing.
-  CHECK(fsdp::detail::policy_values<fsdp::Policies<>>().backward == PrefetchMode::backward_pre);
-  CHECK(fsdp::detail::policy_values<fsdp::Policies<TestPrefetch>>().backward == PrefetchMode::none);
+  CHECK(fsdp::policy_config<fsdp::Policies<>>().backward == BackwardPrefetchMode::backward_pre);
+  CHECK(fsdp::policy_config<fsdp::Policies<TestPrefetch>>().backward == BackwardPrefetchMode::none);
 }
 
 }  // namespace core_policies_test

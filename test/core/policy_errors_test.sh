@@ -11,7 +11,7 @@
 set -u
 
 inc="${1:-$(dirname "$0")/../../include}"
-if [[ ! -f "$inc/fsdp/policies.hpp" ]]; then
+if [[ ! -f "$inc/fsdp/policy/policies.hpp" ]]; then
   echo "FAIL: include dir '$inc' has no fsdp/policy/policies.hpp"
   exit 2
 fi

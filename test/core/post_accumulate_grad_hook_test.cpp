@@ -116,7 +116,7 @@ TEST_CASE("a unit's hook runs once per synchronized backward, on its final gradi
     on_ranks<fsdp::FullShard>(2, {1, 2}, async, [&](engine::Model& model, fsdp::ShardedModel& sm, fsdp::HostDevice&, auto&, int r) {
       const auto c = config();
       std::vector<std::pair<std::string, std::vector<std::vector<float>>>> seen;  // unit, its gradient shards then
-      sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase& u) {
+      sm.set_post_accumulate_grad_hook([&](fsdp::Unit& u) {
         CHECK(u.state() == fsdp::TrainingState::BACKWARD_POST);
         std::vector<std::vector<float>> g;
         for (const auto& v : u.shards()) g.push_back(copy_grad(v));
@@ -153,7 +153,7 @@ TEST_CASE("a unit's hook runs once per synchronized backward, on its final gradi
 TEST_CASE("HybridShard: no hook while the replica all-reduce is deferred") {
   on_ranks<fsdp::HybridShard>(4, {2, 2}, false, [&](engine::Model& model, fsdp::ShardedModel& sm, fsdp::HostDevice&, auto&, int r) {
     int calls = 0;
-    sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase&) { ++calls; });
+    sm.set_post_accumulate_grad_hook([&](fsdp::Unit&) { ++calls; });
     sm.set_requires_all_reduce(false);
     micro_batch(model, sm, engine::make_batch(config(), 0, r, 1));
     CHECK(calls == 0);
@@ -166,7 +166,7 @@ TEST_CASE("HybridShard: no hook while the replica all-reduce is deferred") {
 TEST_CASE("per-parameter hooks see each parameter's slice of the final gradient") {
   on_ranks<fsdp::FullShard>(3, {1, 3}, true, [&](engine::Model& model, fsdp::ShardedModel& sm, fsdp::HostDevice&, auto&, int r) {
     std::vector<std::string> called;
-    sm.set_post_accumulate_param_hook([&](fsdp::UnitBase& u, const fsdp::ParamView& p) {
+    sm.set_post_accumulate_param_hook([&](fsdp::Unit& u, const fsdp::ParamView& p) {
       called.emplace_back(p.fqn);
       CHECK(p.unit == u.fqn());
       if (p.count == 0) {
@@ -251,7 +251,7 @@ TEST_CASE("optimizer in backward: per-rank memory, to the byte") {
           if (in_backward && adam) {
             adam_inside.emplace(sm, [&] { return std::make_unique<engine::AdamW>(engine::AdamW::Options{}, alloc); });
           } else if (in_backward) {
-            sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase& u) {
+            sm.set_post_accumulate_grad_hook([&](fsdp::Unit& u) {
               std::int64_t n = 0;
               for (const auto& p : u.parameters()) n += p.numel;
               CHECK(device.stats().live_bytes == shards + (u.fqn().empty() ? 0 : 2 * root) + padded(n) / world);
@@ -288,13 +288,13 @@ TEST_CASE("optimizer in backward: per-rank memory, to the byte") {
 
 TEST_CASE("on an asynchronous backend at most one more unit holds a gradient at a hook") {
   on_ranks<fsdp::FullShard>(2, {1, 2}, true, [&](engine::Model& model, fsdp::ShardedModel& sm, fsdp::HostDevice&, auto&, int r) {
-    std::vector<fsdp::UnitBase*> units;
+    std::vector<fsdp::Unit*> units;
     for (auto& u : sm) units.push_back(u.get());
     int most = 0, hooks = 0;
-    sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase& u) {
+    sm.set_post_accumulate_grad_hook([&](fsdp::Unit& u) {
       ++hooks;
       CHECK(u.shards()[0].grad != nullptr);
-      const int holding = static_cast<int>(std::count_if(units.begin(), units.end(), [](fsdp::UnitBase* x) {
+      const int holding = static_cast<int>(std::count_if(units.begin(), units.end(), [](fsdp::Unit* x) {
         return std::any_of(x->shards().begin(), x->shards().end(), [](auto& v) { return v.grad != nullptr; });
       }));
       most = std::max(most, holding);
@@ -323,11 +323,11 @@ TEST_CASE("gradients freed by the hook: clipping and with_grads summons are refu
 TEST_CASE("hooks change only between steps; removing a freeing hook brings back zeroed gradients") {
   on_ranks<fsdp::FullShard>(2, {1, 2}, false, [&](engine::Model& model, fsdp::ShardedModel& sm, fsdp::HostDevice& device, auto&, int r) {
     const std::size_t before = device.stats().live_bytes;
-    sm.set_post_accumulate_grad_hook([](fsdp::UnitBase&) {}, GradientAfterHook::free);
+    sm.set_post_accumulate_grad_hook([](fsdp::Unit&) {}, GradientAfterHook::free);
     const std::size_t freed = before - device.stats().live_bytes;
     CHECK(freed > 0);
     std::string mid;  // from inside a hook: the unit is mid-backward
-    sm.set_post_accumulate_grad_hook([&](fsdp::UnitBase&) {
+    sm.set_post_accumulate_grad_hook([&](fsdp::Unit&) {
       if (mid.empty()) mid = test_support::error_of([&] { sm.set_post_accumulate_grad_hook({}); });
     }, GradientAfterHook::free);
     micro_batch(model, sm, engine::make_batch(config(), 0, r, 1));
@@ -358,7 +358,7 @@ TEST_CASE_TEMPLATE("a freeing hook set between no_sync micro-batches keeps what 
       std::size_t live_after = 0;
       on_ranks<Strategy>(world, {1, world}, false, [&](engine::Model& model, fsdp::ShardedModel& sm,
                                                        fsdp::HostDevice& device, auto&, int r) {
-        auto hook = [&](fsdp::UnitBase& u) {
+        auto hook = [&](fsdp::Unit& u) {
           if (r != 0) return;
           for (const auto& v : u.shards()) seen.push_back(copy_grad(v));
         };

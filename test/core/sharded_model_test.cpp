@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -166,7 +167,7 @@ TEST_CASE("zero_grad zeroes every unit's sharded gradients with one device call"
     auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
     REQUIRE(sm.size() == 4);  // the root, 2 blocks, the gain
     engine::Sgd sgd(0.05f);
-    auto nonzero = [](fsdp::UnitBase& u) {
+    auto nonzero = [](fsdp::Unit& u) {
       std::size_t n = 0;
       for (const auto& v : u.shards())
         for (std::int64_t i = 0; i < v.numel; ++i) n += static_cast<const float*>(v.grad)[i] != 0.0f;
@@ -367,7 +368,7 @@ struct Root3 {  // root parameters + two leaf units
   template <class F> void visit_children(F&& f) { f("a", a); f("b", b); }
 };
 
-void set_shards(fsdp::UnitBase& u, float value) {  // what an optimizer step does
+void set_shards(fsdp::Unit& u, float value) {  // what an optimizer step does
   for (auto& v : u.shards())
     for (std::int64_t i = 0; i < v.numel; ++i) static_cast<float*>(v.param)[i] = value;
 }
@@ -411,6 +412,74 @@ TEST_CASE("no unsharded copy outlives an optimizer step: kept or prefetched para
     root.post_forward();
     sm.reshard();
     CHECK(device.stats().live_bytes == 2 * 4 * (2 + 2 + 2));  // only the shards: 3 units x (params + grads), 2 floats each
+  });
+}
+
+}  // namespace core_sharded_model_test
+
+namespace core_sharded_model_test {
+
+TEST_CASE("scopes move and start empty: one call for a layer that may or may not be a unit") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    fsdp::Unit& block = sm.unit_for(model.blocks[0]);
+    {  // a module that is not a unit: nothing opens; one that is: its forward is open
+      fsdp::Unit::ForwardScope none, some;
+      if (auto* u = sm.find_unit_for(model.embed)) none = u->forward_scope();
+      if (auto* u = sm.find_unit_for(model.blocks[0])) some = u->forward_scope();
+      CHECK(block.state() == fsdp::TrainingState::FORWARD);
+      // Moving the scope moves who ends it: the moved-from one ends nothing.
+      fsdp::Unit::ForwardScope moved = std::move(some);
+      some = {};
+      CHECK(block.state() == fsdp::TrainingState::FORWARD);
+    }
+    CHECK(block.state() == fsdp::TrainingState::IDLE);  // ended once, by `moved`
+    {
+      // Assigning to an open scope ends it after the new one has begun (the right side runs
+      // first): for a moment both units are gathered, one unit's parameters more than
+      // ending it first (`s = {}`) holds.
+      const std::size_t bytes = 4 * ((13 * 7 + 7 + 7 * 13 + 13 + 1) / 2 * 2);  // a block's padded parameters, f32
+      device.reset_peak();
+      {
+        auto s = sm.unit("blocks.0").forward_scope();
+        s = {};
+        s = sm.unit("blocks.1").forward_scope();
+      }
+      const std::size_t one_at_a_time = device.stats().peak_bytes;
+      device.reset_peak();
+      {
+        auto s = sm.unit("blocks.0").forward_scope();
+        s = sm.unit("blocks.1").forward_scope();
+        CHECK(block.state() == fsdp::TrainingState::IDLE);
+        CHECK(sm.unit("blocks.1").state() == fsdp::TrainingState::FORWARD);
+      }
+      CHECK(device.stats().peak_bytes == one_at_a_time + bytes);
+    }
+    CHECK(sm.unit("blocks.1").state() == fsdp::TrainingState::IDLE);
+    {  // the same for backward and summon
+      fsdp::Unit::BackwardScope b;
+      b = block.backward_scope();
+      CHECK(block.state() == fsdp::TrainingState::BACKWARD_PRE);
+      b = {};
+      CHECK(block.state() == fsdp::TrainingState::BACKWARD_POST);
+      sm.finish_backward();
+      fsdp::Unit::SummonScope summon;
+      summon = block.summon_full_params();
+      CHECK(block.state() == fsdp::TrainingState::SUMMON_FULL_PARAMS);
+      auto held = std::move(summon);
+      summon = {};
+      CHECK(block.state() == fsdp::TrainingState::SUMMON_FULL_PARAMS);
+    }
+    CHECK(block.state() == fsdp::TrainingState::IDLE);
+    {  // a hook that throws while a scope ends reaches the caller (std::optional would terminate)
+      fsdp::Unit::ForwardScope s = block.forward_scope();
+      block.post_forward();  // behind the scope's back: its own post_forward now finds IDLE
+      CHECK_THROWS_WITH_AS(s = {}, doctest::Contains("post_forward called in state IDLE"), fsdp::Error);
+      block.abort_step();
+    }
+    CHECK(block.state() == fsdp::TrainingState::IDLE);
   });
 }
 

@@ -1,4 +1,4 @@
-// fsdp/unit/unit_views.hpp: per-parameter shard views (UnitBase::parameters,
+// fsdp/unit/unit_views.hpp: per-parameter shard views (Unit::parameters,
 // ShardedModel::parameters): for every parameter, which elements this rank holds, where
 // they lie in its shard, and the same for the gradient, with no cast to a concrete unit type.
 #include <doctest/doctest.h>
@@ -43,7 +43,7 @@ void check_views(int world) {
     CHECK(views.size() == count);
     for (const auto& p : views) {
       // The view's pointers are the shard's, at shard_offset.
-      const fsdp::UnitBase& unit = sm.unit(p.unit);
+      const fsdp::Unit& unit = sm.unit(p.unit);
       const auto& shard = unit.shards()[p.shard];
       CHECK(shard.dtype == p.dtype);
       CHECK(shard.padded_numel >= shard.numel);

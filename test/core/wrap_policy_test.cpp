@@ -100,10 +100,10 @@ TEST_CASE("manual nesting with units built directly: the parent lists its wrappe
     auto& block = static_cast<layers::Residual&>(*net->body[1]);
     fsdp::HostDevice device;
     fsdp::ShardedModel sm;
-    using Unit = fsdp::Sharded<layers::Layer, fsdp::FullShard>;
-    sm.emplace<Unit>(*block.body[0], comm, device, fsdp::UnitOptions{"layers.1.body.0"});
-    sm.emplace<Unit>(block, comm, device,
-                     fsdp::UnitOptions{.fqn = "layers.1", .skip_modules = {fsdp::ModuleId::of(*block.body[0])}});
+    using LayerUnit = fsdp::Sharded<layers::Layer, fsdp::FullShard>;
+    sm.emplace<LayerUnit>(*block.body[0], comm, device, fsdp::UnitOptions{"layers.1.body.0"});
+    sm.emplace<LayerUnit>(block, comm, device,
+                     fsdp::UnitOptions{.fqn = "layers.1", .ignored_modules = {fsdp::ModuleId::of(*block.body[0])}});
     const auto owner = unit_of_each_parameter(sm);
     CHECK(owner == std::map<std::string, std::string>{{"layers.1.body.0.weight", "layers.1.body.0"},
                                                       {"layers.1.body.0.bias", "layers.1.body.0"},

@@ -98,7 +98,7 @@ TEST_CASE("offloaded shards are pinned host memory; parameters the engine sees a
         CHECK(memory_type(v.grad) == shard_type);
       }
       CHECK(net.layers[0].w.data == nullptr);  // resharded between steps
-      fsdp::UnitBase& root = *sm.find_unit_for(net);
+      fsdp::Unit& root = *sm.find_unit_for(net);
       {
         auto fwd = root.forward_scope();
         CHECK(memory_type(net.gain.data) == cudaMemoryTypeDevice);  // gathered, in bf16

@@ -185,6 +185,18 @@ for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYB
   fi
 done
 
+# --show-config: what the sharded model reports of itself (ShardedModel::config()), after the
+# settings the other flags make: the policies fsdp::shard got and each unit's settings.
+shown=$("$train" --steps 1 --ranks 2 --strategy SHARD_GRAD_OP --precision bf16 --accumulate 2 --sync-every-microbatch \
+  --show-config 2>&1) || fail "--show-config: exited with $?"
+config=$(sed -n '/^config: /,/^[^ c]/p' <<<"$shown")
+if [[ "$config" != *"config: 10 units, max_prefetched=2"* || "$config" != *"'blocks.0': SHARD_GRAD_OP BACKWARD_PRE"* ||
+      "$config" != *"MixedPrecision<bf16, bf16, bf16> mesh=1x2"* || "$config" != *"reduce_every_microbatch"* ]]; then
+  fail "--show-config: $config"
+else
+  echo "PASS: --show-config prints the model's policies and settings"
+fi
+
 for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--accumulate 0" "--clip -1" \
     "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
     "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \

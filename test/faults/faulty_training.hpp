@@ -64,7 +64,7 @@ struct RecordingHooks {
   template <class M> void before_backward(const M* m) { if (auto* u = sm.find_unit_for(*m)) u->pre_backward(), note("pre_backward", *u); }
   template <class M> void after_backward(const M* m) { if (auto* u = sm.find_unit_for(*m)) u->post_backward(); }
 
-  void note(const char* hook, const fsdp::UnitBase& u) {
+  void note(const char* hook, const fsdp::Unit& u) {
     std::uint64_t h = fingerprint(nullptr, 0);
     for (const auto& p : u.parameters()) {
       const engine::Tensor& t = *by_fqn.find(p.fqn)->second;

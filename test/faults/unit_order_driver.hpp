@@ -16,19 +16,19 @@ inline const std::vector<std::string> swapped{"blocks.1", "blocks.0", "blocks.2"
 // forward-only pass. `log` gets "<hook> <unit>" as each hook returns.
 inline void iteration(fsdp::ShardedModel& sm, const std::vector<std::string>& order, std::vector<std::string>& log,
                       bool backward = true) {
-  auto run = [&](const std::string& unit, void (fsdp::UnitBase::*hook)(), const char* name) {
+  auto run = [&](const std::string& unit, void (fsdp::Unit::*hook)(), const char* name) {
     (sm.unit(unit).*hook)();
     log.push_back(std::string(name) + " " + unit);
   };
   sm.zero_grad();
-  run("", &fsdp::UnitBase::pre_forward, "pre_forward");
-  for (const auto& n : order) run(n, &fsdp::UnitBase::pre_forward, "pre_forward"), run(n, &fsdp::UnitBase::post_forward, "post_forward");
-  run("", &fsdp::UnitBase::post_forward, "post_forward");
+  run("", &fsdp::Unit::pre_forward, "pre_forward");
+  for (const auto& n : order) run(n, &fsdp::Unit::pre_forward, "pre_forward"), run(n, &fsdp::Unit::post_forward, "post_forward");
+  run("", &fsdp::Unit::post_forward, "post_forward");
   if (!backward) return sm.reshard();
-  run("", &fsdp::UnitBase::pre_backward, "pre_backward");
+  run("", &fsdp::Unit::pre_backward, "pre_backward");
   for (auto it = order.rbegin(); it != order.rend(); ++it)
-    run(*it, &fsdp::UnitBase::pre_backward, "pre_backward"), run(*it, &fsdp::UnitBase::post_backward, "post_backward");
-  run("", &fsdp::UnitBase::post_backward, "post_backward");
+    run(*it, &fsdp::Unit::pre_backward, "pre_backward"), run(*it, &fsdp::Unit::post_backward, "post_backward");
+  run("", &fsdp::Unit::post_backward, "post_backward");
   sm.finish_backward();
   log.push_back("finish_backward");
 }

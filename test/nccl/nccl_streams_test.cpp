@@ -101,7 +101,7 @@ struct QueuedStep {
   }
   void run(test_support::Net<D>& net, fsdp::ShardedModel& sm) {
     const auto n = static_cast<std::size_t>(kConfig.width);
-    fsdp::UnitBase& root = *sm.find_unit_for(net);
+    fsdp::Unit& root = *sm.find_unit_for(net);
     {
       auto r = root.forward_scope();
       for (auto& l : net.layers) auto s = sm.find_unit_for(l)->forward_scope();

@@ -157,7 +157,7 @@ template <fsdp::Device D>
 double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const DeviceTrainingConfig& c, int rank, int step,
                         double loss_scale) {
   const auto W = static_cast<std::size_t>(c.width);
-  fsdp::UnitBase& root = *sm.find_unit_for(net);
+  fsdp::Unit& root = *sm.find_unit_for(net);
   const auto B = static_cast<std::size_t>(c.batch);
   std::vector<std::vector<float>> xs(B), dh(B);
   // acts[k][s]: sample s's activations after layer k (k = 0: h0), kept for backward.
@@ -220,7 +220,7 @@ double forward_backward(D& dev, Net<D>& net, fsdp::ShardedModel& sm, const Devic
 // unit's backward (last layer first, inside the root's), finish_backward.
 template <fsdp::Device D>
 void hooks_only_step(Net<D>& net, fsdp::ShardedModel& sm) {
-  fsdp::UnitBase& root = *sm.find_unit_for(net);
+  fsdp::Unit& root = *sm.find_unit_for(net);
   sm.zero_grad();
   {
     auto fwd = root.forward_scope();

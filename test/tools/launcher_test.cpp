@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -122,6 +123,24 @@ TEST_CASE("run() in this process: the failing rank's status, and signal handling
   o.prefix_output = false;
   CHECK(launch::run(o, {"sh", "-c", "[ $RANK = 2 ] && exit 5; exit 0"}) == 5);
   CHECK(launch::run(o, {"sh", "-c", "exit 0"}) == 0);
+  {  // the launcher's own failures carry their fsdp::ErrorKind: a job past its timeout, a program it cannot start
+    launch::Options timed = o;
+    timed.timeout = std::chrono::milliseconds(200);
+    try {
+      launch::run(timed, {"sh", "-c", "exec sleep 30"});
+      FAIL("expected fsdp::Error");
+    } catch (const fsdp::Error& e) {
+      CHECK(std::string(e.what()).find("were still running after the 200 ms timeout") != std::string::npos);
+      CHECK(e.kind() == fsdp::ErrorKind::timeout);
+    }
+    try {
+      launch::run(o, {"no-such-program-fsdp"});
+      FAIL("expected fsdp::Error");
+    } catch (const fsdp::Error& e) {
+      CHECK(std::string(e.what()).find("cannot start 'no-such-program-fsdp'") != std::string::npos);
+      CHECK(e.kind() == fsdp::ErrorKind::io);
+    }
+  }
   CHECK_THROWS_WITH_AS(launch::run(o, {}), "fsdp: launch: missing the program to run", fsdp::Error);
   o.nproc = 0;
   CHECK_THROWS_AS(launch::run(o, {"true"}), fsdp::Error);

@@ -54,7 +54,9 @@ namespace fsdp::launch {
 // naming the address.
 inline int find_free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) fsdp::detail::fail("launch: cannot create a socket to find a free port: ", std::strerror(errno));
+  if (fd < 0)
+    fsdp::detail::fail_as(fsdp::ErrorKind::io,
+                          "launch: cannot create a socket to find a free port: ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -63,7 +65,9 @@ inline int find_free_port() {
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   const int err = errno;
   ::close(fd);
-  if (!ok) fsdp::detail::fail("launch: cannot bind 127.0.0.1:0 to find a free port: ", std::strerror(err));
+  if (!ok)
+    fsdp::detail::fail_as(fsdp::ErrorKind::io,
+                          "launch: cannot bind 127.0.0.1:0 to find a free port: ", std::strerror(err));
   return ntohs(addr.sin_port);
 }
 
@@ -150,8 +154,8 @@ class Job {
       finish_stream(r->err());
     }
     if (!timed_out_.empty())
-      fsdp::detail::fail("launch: ranks ", timed_out_, " were still running after the ", options_.timeout.count(),
-                         " ms timeout; they were stopped");
+      fsdp::detail::fail_as(fsdp::ErrorKind::timeout, "launch: ranks ", timed_out_, " were still running after the ",
+                            options_.timeout.count(), " ms timeout; they were stopped");
     return result_.value_or(0);
   }
 

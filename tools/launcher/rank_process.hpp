@@ -99,8 +99,8 @@ class RankProcess {
       const int err = errno;
       for (int fd : out_pipe)
         if (fd >= 0) ::close(fd);
-      fsdp::detail::fail("launch: cannot create the output pipes of rank ", rank_, ": ", std::strerror(err),
-                         " (each rank takes 4 descriptors; see ulimit -n)");
+      fsdp::detail::fail_as(fsdp::ErrorKind::io, "launch: cannot create the output pipes of rank ", rank_, ": ",
+                            std::strerror(err), " (each rank takes 4 descriptors; see ulimit -n)");
     }
     std::vector<std::string> env = rank_environment(o, spec, local_rank_);
     std::vector<char*> argv = c_strings(spec.argv), envp = c_strings(env);
@@ -143,8 +143,8 @@ class RankProcess {
     if (rc != 0) {
       pid_ = -1;
       const bool not_in_path = rc == ENOENT && spec.search_path && spec.program.find('/') == std::string::npos;
-      fsdp::detail::fail("launch: cannot start '", spec.program, "' for rank ", rank_, ": ", std::strerror(rc),
-                         not_in_path ? " (looked in PATH)" : "");
+      fsdp::detail::fail_as(fsdp::ErrorKind::io, "launch: cannot start '", spec.program, "' for rank ", rank_, ": ",
+                            std::strerror(rc), not_in_path ? " (looked in PATH)" : "");
     }
   }
 

@@ -75,7 +75,7 @@ class SignalGuard {
     if (::pipe2(pipe_, O_CLOEXEC | O_NONBLOCK) != 0) {
       const int err = errno;
       launch_active() = false;
-      fsdp::detail::fail("launch: cannot create the signal pipe: ", std::strerror(err));
+      fsdp::detail::fail_as(fsdp::ErrorKind::io, "launch: cannot create the signal pipe: ", std::strerror(err));
     }
     wake_fd = pipe_[1];
     struct sigaction wake {};

@@ -86,9 +86,10 @@ class ShmHandshake {
       links_.right.cancel(ignored);
       while (io_.poll()) {  // the cancelled handlers finish here: none outlives this call
       }
-      fail(failure_ ? *failure_
-                    : id_.where() + "the shared-memory handshake with its ring neighbours in communicator " + id_.prefix +
-                          " did not finish within " + std::to_string(id_.timeout.count()) + " ms");
+      fail_as(failure_ ? failure_kind_ : ErrorKind::timeout,
+              failure_ ? *failure_
+                       : id_.where() + "the shared-memory handshake with its ring neighbours in communicator " +
+                             id_.prefix + " did not finish within " + std::to_string(id_.timeout.count()) + " ms");
     }
     return std::move(out_);
   }
@@ -140,11 +141,13 @@ class ShmHandshake {
     if (ec == boost::asio::error::operation_aborted || failure_) return;
     failure_ = id_.where() + "rank " + std::to_string(peer) + " left during the shared-memory handshake of communicator " +
                id_.prefix + " (" + ec.message() + ")";
+    failure_kind_ = ErrorKind::peer_lost;
   }
   void garbled(int peer) {
-    if (!failure_)
-      failure_ = id_.where() + "rank " + std::to_string(peer) + " sent a malformed shared-memory handshake in communicator " +
-                 id_.prefix + " (not an fsdp TcpComm of this version?)";
+    if (failure_) return;
+    failure_ = id_.where() + "rank " + std::to_string(peer) + " sent a malformed shared-memory handshake in communicator " +
+               id_.prefix + " (not an fsdp TcpComm of this version?)";
+    failure_kind_ = ErrorKind::corrupt;
   }
 
   boost::asio::io_context& io_;
@@ -159,6 +162,7 @@ class ShmHandshake {
   ShmLinks out_;
   bool left_done_ = false, right_done_ = false;
   std::optional<std::string> failure_;
+  ErrorKind failure_kind_ = ErrorKind::misuse;  // of failure_
 };
 
 }  // namespace fsdp::detail

@@ -130,12 +130,14 @@ class Reader {
   std::int64_t i64() { return static_cast<std::int64_t>(u64()); }
   bool flag() {
     const auto b = u8();
-    if (b > 1) fsdp::detail::fail("store frame: flag byte is ", int(b), ", not 0 or 1");
+    if (b > 1) fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: flag byte is ", int(b), ", not 0 or 1");
     return b == 1;
   }
   std::string str(std::size_t max, const char* what) {
     const std::uint32_t n = u32();
-    if (n > max) fsdp::detail::fail("store frame: ", what, " of ", n, " bytes exceeds the limit of ", max, " bytes");
+    if (n > max)
+      fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: ", what, " of ", n, " bytes exceeds the limit of ", max,
+                            " bytes");
     need(n, what);
     std::string s(in_.substr(pos_, n));
     pos_ += n;
@@ -145,19 +147,21 @@ class Reader {
   // vector grows, so a forged count cannot make us allocate.
   std::vector<std::string> strs(std::size_t max_each, const char* what) {
     const std::uint32_t n = u32();
-    if (n > (in_.size() - pos_) / 4) fsdp::detail::fail("store frame: ", n, " ", what, "s cannot fit in the frame");
+    if (n > (in_.size() - pos_) / 4)
+      fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: ", n, " ", what, "s cannot fit in the frame");
     std::vector<std::string> v;
     v.reserve(n);
     for (std::uint32_t i = 0; i < n; ++i) v.push_back(str(max_each, what));
     return v;
   }
   void finish() const {
-    if (pos_ != in_.size()) fsdp::detail::fail("store frame: ", in_.size() - pos_, " unexpected bytes at the end");
+    if (pos_ != in_.size())
+      fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: ", in_.size() - pos_, " unexpected bytes at the end");
   }
 
  private:
   void need(std::size_t n, const char* what) const {
-    if (in_.size() - pos_ < n) fsdp::detail::fail("store frame: truncated in ", what);
+    if (in_.size() - pos_ < n) fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: truncated in ", what);
   }
   std::uint64_t little_endian(int bytes, const char* what) {
     need(static_cast<std::size_t>(bytes), what);
@@ -180,8 +184,10 @@ inline bool waits(Verb v) { return v == Verb::get || v == Verb::wait; }
 inline std::size_t frame_length(const unsigned char* header, std::size_t max_payload) {
   const std::size_t n = std::size_t(header[0]) | std::size_t(header[1]) << 8 | std::size_t(header[2]) << 16 |
                         std::size_t(header[3]) << 24;
-  if (n == 0) fsdp::detail::fail("store frame: empty payload");
-  if (n > max_payload) fsdp::detail::fail("store frame: payload of ", n, " bytes exceeds the limit of ", max_payload, " bytes");
+  if (n == 0) fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: empty payload");
+  if (n > max_payload)
+    fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: payload of ", n, " bytes exceeds the limit of ",
+                          max_payload, " bytes");
   return n;
 }
 
@@ -214,12 +220,15 @@ inline Request decode_request(std::string_view payload, const Limits& limits) {
   Request r;
   const std::uint8_t verb = in.u8();
   if (verb < std::uint8_t(Verb::hello) || verb > std::uint8_t(Verb::num_keys))
-    fsdp::detail::fail("store frame: unknown verb ", int(verb));
+    fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: unknown verb ", int(verb));
   r.verb = Verb(verb);
   if (r.verb == Verb::hello) {
-    if (in.u32() != magic) fsdp::detail::fail("store frame: not an fsdp store client (bad magic)");
+    if (in.u32() != magic)
+      fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: not an fsdp store client (bad magic)");
     const std::uint8_t v = in.u8();
-    if (v != version) fsdp::detail::fail("store frame: protocol version ", int(v), ", this store speaks ", int(version));
+    if (v != version)
+      fsdp::detail::fail_as(ErrorKind::mismatch, "store frame: protocol version ", int(v), ", this store speaks ",
+                            int(version));
     r.token = in.str(max_token_bytes, "token");
   } else if (r.verb == Verb::wait) {
     r.keys = in.strs(limits.max_key_bytes, "key");
@@ -235,7 +244,8 @@ inline Request decode_request(std::string_view payload, const Limits& limits) {
   if (detail::waits(r.verb)) {
     r.timeout_ms = in.u32();
     if (r.timeout_ms == 0 || r.timeout_ms > max_timeout_ms)
-      fsdp::detail::fail("store frame: ", name_of(r.verb), " timeout of ", r.timeout_ms, " ms is outside (0 ms, 24 h]");
+      fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: ", name_of(r.verb), " timeout of ", r.timeout_ms,
+                            " ms is outside (0 ms, 24 h]");
   }
   in.finish();
   return r;
@@ -271,12 +281,13 @@ inline Reply decode_reply(Verb to, std::string_view payload, const Limits& limit
   detail::Reader in(payload);
   Reply r;
   const std::uint8_t status = in.u8();
-  if (status > std::uint8_t(Status::error)) fsdp::detail::fail("store frame: unknown reply status ", int(status));
+  if (status > std::uint8_t(Status::error))
+    fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: unknown reply status ", int(status));
   r.status = Status(status);
   if (r.status == Status::error) {
     r.value = in.str(limits.max_frame_bytes(), "error message");
   } else if (r.status == Status::timeout) {
-    if (!detail::waits(to)) fsdp::detail::fail("store frame: a timeout reply to ", name_of(to));
+    if (!detail::waits(to)) fsdp::detail::fail_as(ErrorKind::corrupt, "store frame: a timeout reply to ", name_of(to));
     r.keys = in.strs(limits.max_key_bytes, "key");
   } else if (to == Verb::hello) {
     r.limits.max_key_bytes = in.u32();

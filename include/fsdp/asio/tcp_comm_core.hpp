@@ -38,16 +38,24 @@ namespace fsdp::detail {
 struct TcpJobState {
   bool done = false;        // guarded by TcpCompletions::mu
   std::string error;        // set before done: the collective failed
+  ErrorKind kind = ErrorKind::misuse;  // and its kind
+};
+
+// A collective's outcome on the I/O thread: no error, or its message and kind.
+struct TcpOutcome {
+  std::string error;
+  ErrorKind kind = ErrorKind::misuse;
 };
 
 struct TcpCompletions {
   std::mutex mu;
   std::condition_variable cv;
 
-  void finish(TcpJobState& job, std::string error) {
+  void finish(TcpJobState& job, TcpOutcome outcome) {
     {
       std::lock_guard lk(mu);
-      job.error = std::move(error);
+      job.error = std::move(outcome.error);
+      job.kind = outcome.kind;
       job.done = true;
     }
     cv.notify_all();
@@ -61,7 +69,7 @@ class TcpPending final : public Work::Pending {
   void wait() override {
     std::unique_lock lk(c_->mu);
     c_->cv.wait(lk, [&] { return job_->done; });
-    if (!job_->error.empty()) throw Error(job_->error);
+    if (!job_->error.empty()) throw Error(job_->kind, job_->error);
   }
   bool ready() override {
     std::lock_guard lk(c_->mu);
@@ -134,18 +142,21 @@ class TcpCommCore {
       if (stopping_) return;
       try {
         io_.run_one();  // a new collective, or a neighbour's ABORT / EOF
-        if (ring_ && !broken_) broken_ = ring_->idle_failure();
+        if (ring_ && !broken_) broken_ = ring_->idle_failure(broken_kind_);
       } catch (const std::exception& e) {  // out of memory in a handler: the ring is out of step
-        if (!broken_) broken_ = id_.where() + "communicator failed between collectives: " + e.what();
-        if (ring_) ring_->abort_and_close(*broken_);
+        if (!broken_) {
+          broken_ = id_.where() + "communicator failed between collectives: " + e.what();
+          broken_kind_ = kind_of(e);
+        }
+        if (ring_) ring_->abort_and_close(*broken_, ErrorKind::peer_lost);  // the others lost this rank
       }
     }
   }
 
-  // Runs one collective; returns its error message, empty on success.
-  std::string execute(const CollectiveCall& call) {
+  // Runs one collective; returns its error message (empty on success) and kind.
+  TcpOutcome execute(const CollectiveCall& call) {
     const std::string where = id_.where();
-    if (broken_) return where + call.describe() + " aborted: " + *broken_;
+    if (broken_) return {where + call.describe() + " aborted: " + *broken_, broken_kind_};
     try {
       const RingPlan& plan = planner_.plan(call);
       if (!ring_) {
@@ -154,15 +165,17 @@ class TcpCommCore {
       }
       if (auto failure = ring_->run(call, plan, reports_)) {
         broken_ = failure->cause;
-        return failure->message;
+        broken_kind_ = failure->kind;
+        return {failure->message, failure->kind};
       }
       return {};
     } catch (const std::exception& e) {  // a local failure: the ring cannot go on in step
       std::string what = e.what();
       if (what.rfind("fsdp: ", 0) == 0) what.erase(0, 6);
       broken_ = what;
-      if (ring_) ring_->abort_and_close(what);
-      return what;
+      broken_kind_ = kind_of(e);
+      if (ring_) ring_->abort_and_close(what, ErrorKind::peer_lost);  // the others lost this rank
+      return {what, broken_kind_};
     }
   }
 
@@ -196,6 +209,7 @@ class TcpCommCore {
   std::deque<Job> queue_;
   bool stopping_ = false;
   std::optional<std::string> broken_;  // the first failure's cause
+  ErrorKind broken_kind_ = ErrorKind::misuse;  // and its kind
   std::thread thread_;
 };
 

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
 
@@ -61,11 +62,19 @@ struct FrameHeader {
     h.type = FrameType::credit;
     return h;
   }
-  static FrameHeader abort_with(std::size_t reason_bytes) {
+  // An ABORT carries the fsdp::ErrorKind its receivers throw in `count` (unused otherwise),
+  // as kind + 1: 0 is a sender that states none (one built before kinds), whose abort means
+  // that its rank failed, so it reads as peer_lost, not as the receiver's misuse.
+  static FrameHeader abort_with(std::size_t reason_bytes, ErrorKind error_kind) {
     FrameHeader h;
     h.type = FrameType::abort;
     h.bytes = reason_bytes;
+    h.count = static_cast<std::uint64_t>(error_kind) + 1;
     return h;
+  }
+  ErrorKind abort_kind() const {
+    if (count == 0 || count > static_cast<std::uint64_t>(ErrorKind::out_of_memory) + 1) return ErrorKind::peer_lost;
+    return static_cast<ErrorKind>(count - 1);
   }
 
   // The call this frame says its sender made (pointers left null; `names` names the

@@ -79,6 +79,13 @@ class RingJoiner {
     look_up_right();
     while (!(left_ && right_done_) && !failure_ && io_.run_one_until(deadline_)) {
     }
+    // A refusal still being written to the left neighbour goes out before the sockets close
+    // (within a second, and the deadline): when both ranks refuse each other, the one that
+    // finds out first would otherwise close the connection its refusal is on, and its
+    // neighbour would read "it closed the connection" instead of why.
+    const auto grace = std::min(deadline_, Clock::now() + std::chrono::seconds(1));
+    while (failure_ && answers_in_flight_ > 0 && io_.run_one_until(grace)) {
+    }
     const bool ok = left_ && right_done_ && !failure_;
     error_code ignored;
     acceptor_.close(ignored);
@@ -88,8 +95,8 @@ class RingJoiner {
     io_.restart();
     while (io_.poll()) {  // the cancelled handlers finish here: none outlives this call
     }
-    if (failure_) fail(*failure_);
-    if (!ok) fail(timeout_message());
+    if (failure_) fail_as(failure_kind_, *failure_);
+    if (!ok) fail_as(ErrorKind::timeout, timeout_message());
     return {std::move(*left_), std::move(right_)};
   }
 
@@ -121,7 +128,9 @@ class RingJoiner {
     acceptor_.open(local.protocol(), ec);
     if (!ec) acceptor_.bind(local, ec);
     if (!ec) acceptor_.listen(boost::asio::socket_base::max_listen_connections, ec);
-    if (ec) fail(id_.where(), "cannot listen on ", id_.address, " for communicator ", id_.prefix, ": ", ec.message());
+    if (ec)
+      fail_as(ErrorKind::io, id_.where(), "cannot listen on ", id_.address, " for communicator ", id_.prefix, ": ",
+              ec.message());
     advertised_ = format_endpoint(addr, acceptor_.local_endpoint().port());
   }
 
@@ -167,9 +176,10 @@ class RingJoiner {
       try {
         if (ask_store(request)) return;
       } catch (const Error& e) {
-        fail(id_.where(), what, ": ", e.what());
+        fail_as(e.kind(), id_.where(), what, ": ", e.what());
       }
-      if (Clock::now() >= deadline_) fail(id_.where(), what, " before the join's timeout (", waited(), "): ", silence());
+      if (Clock::now() >= deadline_)
+        fail_as(ErrorKind::timeout, id_.where(), what, " before the join's timeout (", waited(), "): ", silence());
     }
   }
 
@@ -188,6 +198,7 @@ class RingJoiner {
                  " when the store failed, after " + waited_so_far() + " of waiting for its address";
       if (!target_text_.empty()) *failure_ += " (the one it had published, " + target_text_ + ", was stale: " + last_connect_error_ + ")";
       *failure_ += ": " + std::string(e.what());
+      failure_kind_ = e.kind();
       return;
     }
     if (text) {
@@ -205,6 +216,7 @@ class RingJoiner {
     if (!target) {
       failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " published an unusable address '" + target_text_ +
                  "' for communicator " + id_.prefix;
+      failure_kind_ = ErrorKind::corrupt;
       return;
     }
     right_ = tcp::socket(io_);
@@ -225,15 +237,17 @@ class RingJoiner {
           refusal_.resize(*n);
           boost::asio::async_read(right_, boost::asio::buffer(refusal_), [this](error_code ec, std::size_t) {
             if (!ec && refusal_.rfind(kAnotherCommunicator, 0) == 0) return stale_address(refusal_);
-            refused(ec ? "it closed the connection" : refusal_);
+            refused(ec ? "it closed the connection" : refusal_, ec ? ErrorKind::peer_lost : ErrorKind::mismatch);
           });
         });
       });
     });
   }
-  void refused(const std::string& why) {
+  // `kind`: mismatch for a refusal (the ranks' sizes or settings differ), peer_lost for a close.
+  void refused(const std::string& why, ErrorKind kind) {
     failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " at " + target_text_ + " refused to join communicator " +
                id_.prefix + ": " + why;
+    failure_kind_ = kind;
   }
   // The address may be stale (an earlier communicator of this prefix): read it again.
   void connect_failed(error_code ec) {
@@ -279,8 +293,14 @@ class RingJoiner {
           std::string problem = check_hello(h);
           if (problem.empty() && left_) problem = id_.where() + "a second rank " + std::to_string(h.from_rank) + " connected";
           answer(in, problem, [this, in, problem] {
-            if (!problem.empty()) failure_ = problem;
-            else left_ = std::move(in->socket);
+            if (!problem.empty()) {
+              if (!failure_) {  // the first failure is the one reported
+                failure_ = problem;
+                failure_kind_ = ErrorKind::mismatch;
+              }
+            } else {
+              left_ = std::move(in->socket);
+            }
           });
         };
         boost::asio::async_read(in->socket, boost::asio::buffer(in->prefix), on_prefix);
@@ -304,7 +324,9 @@ class RingJoiner {
   template <class Then>
   void answer(const std::shared_ptr<Incoming>& in, const std::string& refusal, Then then) {
     in->answer = HelloReply::encode(refusal);
-    boost::asio::async_write(in->socket, boost::asio::buffer(in->answer), [in, then](error_code ec, std::size_t) {
+    ++answers_in_flight_;
+    boost::asio::async_write(in->socket, boost::asio::buffer(in->answer), [this, in, then](error_code ec, std::size_t) {
+      --answers_in_flight_;
       if (ec != boost::asio::error::operation_aborted) then();
     });
   }
@@ -373,6 +395,8 @@ class RingJoiner {
   std::optional<tcp::socket> left_;
   bool right_done_ = false;
   std::optional<std::string> failure_;
+  int answers_in_flight_ = 0;  // handshake answers written but not yet sent
+  ErrorKind failure_kind_ = ErrorKind::misuse;  // of failure_
   std::string advertised_, target_text_, hello_, refusal_, rejected_, last_connect_error_;
   std::array<std::byte, HelloReply::kFixedSize> reply_{};
 };

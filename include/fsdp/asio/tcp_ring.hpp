@@ -16,7 +16,9 @@
 // frames are still due on that link, or no progress for `timeout`: this rank sends ABORT
 // with the reason to both neighbours (best effort, at most 1 s), closes both links, and
 // the collective fails. A rank that receives ABORT does the same with the same reason, so
-// it travels around the ring to every rank.
+// it travels around the ring to every rank. The ABORT frame carries the failure's
+// fsdp::ErrorKind (timeout, mismatch, peer_lost, corrupt for a malformed frame; peer_lost
+// for a rank that failed of its own, which the others lost), and every rank throws it.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -63,6 +65,7 @@ struct RingFailure {
   std::string message;     // this rank's error for the collective that failed
   std::string cause;       // the original reason, sent on in ABORT frames
   bool link_lost = false;  // a neighbour closed: a moment is left for its ABORT to arrive
+  ErrorKind kind = ErrorKind::misuse;  // of the error, on this rank and (in ABORT frames) on the others
 };
 
 class TcpRing {
@@ -125,7 +128,7 @@ class TcpRing {
         last_progress_at = now;
       } else if (now >= deadline) {
         const std::string msg = observer.timed_out(call, state());
-        failure = RingFailure{msg, msg};
+        failure = RingFailure{msg, msg, false, ErrorKind::timeout};
         break;
       }
       if (now >= next_poll && !(progressed && woken)) {
@@ -137,7 +140,7 @@ class TcpRing {
         next_poll = now + poll_every;
       }
     }
-    if (failure) abort_and_close(failure->cause);
+    if (failure) abort_and_close(failure->cause, failure->kind);
     call_ = nullptr;
     plan_ = nullptr;
     observer_ = nullptr;
@@ -145,14 +148,17 @@ class TcpRing {
   }
 
   // Between collectives: a neighbour's ABORT or a malformed frame that arrived meanwhile,
-  // passed on and turned into this ring's end. Empty if the ring is fine.
-  std::optional<std::string> idle_failure() {
+  // passed on and turned into this ring's end (`kind` set to its kind). Empty if the ring
+  // is fine.
+  std::optional<std::string> idle_failure(ErrorKind& kind) {
     std::optional<std::string> cause = peer_abort_ ? peer_abort_ : protocol_;
+    kind = peer_abort_ ? peer_abort_kind_ : ErrorKind::corrupt;
     if (!cause && sender_.has_events()) {
       const RightLinkEvents e = sender_.events();
       cause = e.abort ? e.abort : e.protocol;
+      kind = e.abort ? e.abort_kind : ErrorKind::corrupt;
     }
-    if (cause) abort_and_close(*cause);
+    if (cause) abort_and_close(*cause, kind);
     return cause;
   }
 
@@ -160,13 +166,14 @@ class TcpRing {
   bool shm_from_left() const { return left_shm_.active(); }
   bool shm_to_right() const { return sender_.shared(); }
 
-  // Sends ABORT with `cause` to both neighbours (at most 1 s), then closes both links.
-  void abort_and_close(const std::string& cause) {
+  // Sends ABORT with `cause` and `kind` (what the neighbours throw) to both neighbours (at
+  // most 1 s), then closes both links.
+  void abort_and_close(const std::string& cause, ErrorKind kind) {
     if (closed_) return;
-    sender_.abort(cause);
+    sender_.abort(cause, kind);
     const std::string reason = cause.substr(0, FrameHeader::kMaxAbortBytes);
     abort_frame_.assign(FrameHeader::kSize + reason.size(), '\0');
-    FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_frame_.data()));
+    FrameHeader::abort_with(reason.size(), kind).encode(reinterpret_cast<std::byte*>(abort_frame_.data()));
     std::copy(reason.begin(), reason.end(), abort_frame_.begin() + FrameHeader::kSize);
     bool sent = false, started = false;
     left_shm_.stop();
@@ -251,11 +258,13 @@ class TcpRing {
     const FrameHeader& h = left_header_;
     if (!h.matches(*call_)) {
       local_failure_ = observer_->mismatched(*call_, h.call(call_->names), left_rank_);  // blocks briefly, bounded
+      local_failure_kind_ = ErrorKind::mismatch;
     } else if (h.index != recvs_done_ || h.bytes != f.bytes) {
       std::ostringstream os;
       os << where() << "frame " << h.index << " (" << h.bytes << " bytes) from rank " << left_rank_ << " in "
          << call_->describe() << " is not the expected frame " << recvs_done_ << " (" << f.bytes << " bytes)";
       local_failure_ = os.str();
+      local_failure_kind_ = ErrorKind::mismatch;
     }
     return !local_failure_;
   }
@@ -271,6 +280,7 @@ class TcpRing {
       if (!left_shm_.take(f.dest, f.bytes)) {
         local_failure_ = where() + "rank " + std::to_string(left_rank_) + " sent the header of frame " +
                          std::to_string(recvs_done_) + " of " + call_->describe() + " without its shared-memory payload";
+        local_failure_kind_ = ErrorKind::corrupt;
         return false;
       }
       complete_recv();
@@ -308,7 +318,7 @@ class TcpRing {
         protocol_ = where() + "malformed frame from " + who(left_rank_) + ": " + problem + " (out of step?)";
         left_state_ = Left::closed;
       } else if (h->type == FrameType::abort) {
-        read_abort(h->bytes);
+        read_abort(h->bytes, h->abort_kind());
       } else if (h->type == FrameType::credit) {
         protocol_ = where() + who(left_rank_) + " sent a credit frame forwards (out of step?)";
         left_state_ = Left::closed;
@@ -318,12 +328,14 @@ class TcpRing {
       }
     });
   }
-  void read_abort(std::size_t bytes) {
+  void read_abort(std::size_t bytes, ErrorKind kind) {
     left_abort_.resize(bytes);
-    boost::asio::async_read(left_, boost::asio::buffer(left_abort_), [this](error_code ec, std::size_t) {
+    boost::asio::async_read(left_, boost::asio::buffer(left_abort_), [this, kind](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted) return;
       ++counters_.progress;
-      if (!peer_abort_) peer_abort_ = ec ? std::string("a neighbour aborted (its reason was cut off)") : left_abort_;
+      if (peer_abort_) return;
+      peer_abort_ = ec ? std::string("a neighbour aborted (its reason was cut off)") : left_abort_;
+      peer_abort_kind_ = kind;
     });
   }
 
@@ -343,16 +355,20 @@ class TcpRing {
 
   // ---- what went wrong, if anything, for the current call ----
   std::optional<RingFailure> check() const {
-    if (local_failure_) return RingFailure{*local_failure_, *local_failure_};
+    if (local_failure_) return RingFailure{*local_failure_, *local_failure_, false, local_failure_kind_};
     std::optional<std::string> abort = peer_abort_, protocol = protocol_;
+    ErrorKind abort_kind = peer_abort_kind_;
     RightLinkEvents right;
     if (sender_.has_events()) {
       right = sender_.events();
-      if (!abort) abort = right.abort;
+      if (!abort) {
+        abort = right.abort;
+        abort_kind = right.abort_kind;
+      }
       if (!protocol) protocol = right.protocol;
     }
-    if (abort) return RingFailure{where() + call_->describe() + " aborted: " + *abort, *abort};
-    if (protocol) return RingFailure{*protocol + " during " + call_->describe(), *protocol};
+    if (abort) return RingFailure{where() + call_->describe() + " aborted: " + *abort, *abort, false, abort_kind};
+    if (protocol) return RingFailure{*protocol + " during " + call_->describe(), *protocol, false, ErrorKind::corrupt};
     if (left_state_ == Left::closed && recvs_done_ < plan_->recvs.size()) return lost(left_rank_, left_error_);
     if ((right.closed || right.shut) && sends_done() < plan_->sends.size()) return lost(right_rank_, right.error);
     return std::nullopt;
@@ -362,7 +378,7 @@ class TcpRing {
                         ec == boost::asio::error::broken_pipe || !ec;
     const std::string what = closed ? " closed the connection" : " is unreachable (" + ec.message() + ")";
     std::string msg = where() + "peer " + who(peer) + what + " during " + call_->describe() + " (did its process exit?)";
-    return {msg, msg, true};
+    return {msg, msg, true, ErrorKind::peer_lost};
   }
 
   std::string state() const {
@@ -392,6 +408,7 @@ class TcpRing {
   HeaderBytes left_bytes_{};
   error_code left_error_;
   std::optional<std::string> local_failure_, peer_abort_, protocol_;
+  ErrorKind local_failure_kind_ = ErrorKind::misuse, peer_abort_kind_ = ErrorKind::misuse;
   std::string left_abort_, abort_frame_;
   bool closed_ = false;
 };

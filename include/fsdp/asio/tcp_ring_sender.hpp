@@ -66,7 +66,8 @@ struct RightLinkEvents {
   boost::system::error_code error;
   bool write_failed = false;
   std::optional<std::string> abort;     // the right neighbour's ABORT reason
-  std::optional<std::string> protocol;  // a malformed frame
+  ErrorKind abort_kind = ErrorKind::misuse;  // and the kind it carries
+  std::optional<std::string> protocol;       // a malformed frame (ErrorKind::corrupt)
   bool shut = false;                    // closed by abort() or close(): no buffer is touched any more
 };
 
@@ -122,9 +123,10 @@ class RingSender {
   void wake() {
     on_my_thread([this] { pump(); });
   }
-  // Finishes a frame in flight, sends ABORT with `cause` and closes, within 1 s.
-  void abort(const std::string& cause) {
-    on_my_thread([this, cause] { start_abort(cause); });
+  // Finishes a frame in flight, sends ABORT with `cause` (and the kind its receivers throw)
+  // and closes, within 1 s.
+  void abort(const std::string& cause, ErrorKind kind) {
+    on_my_thread([this, cause, kind] { start_abort(cause, kind); });
   }
   void close() {
     on_my_thread([this] { shut_down(); });
@@ -209,10 +211,14 @@ class RingSender {
       }
       if (h && h->type == FrameType::abort) {
         abort_in_.resize(h->bytes);
-        boost::asio::async_read(right_, boost::asio::buffer(abort_in_), [this](error_code ec, std::size_t) {
-          if (ec == boost::asio::error::operation_aborted) return;
-          record([&](RightLinkEvents& e) { e.abort = ec ? "a neighbour aborted (its reason was cut off)" : abort_in_; });
-        });
+        boost::asio::async_read(right_, boost::asio::buffer(abort_in_),
+                                [this, kind = h->abort_kind()](error_code ec, std::size_t) {
+                                  if (ec == boost::asio::error::operation_aborted) return;
+                                  record([&](RightLinkEvents& e) {
+                                    e.abort = ec ? "a neighbour aborted (its reason was cut off)" : abort_in_;
+                                    e.abort_kind = kind;
+                                  });
+                                });
         return;
       }
       const std::string who = "rank " + std::to_string(rank_) + ": rank " + std::to_string(right_rank_);
@@ -223,13 +229,13 @@ class RingSender {
     });
   }
 
-  void start_abort(const std::string& cause) {
+  void start_abort(const std::string& cause, ErrorKind kind) {
     if (shut_ || aborting_) return;
     aborting_ = true;
     plan_ = nullptr;  // no new frame starts
     const std::string reason = cause.substr(0, FrameHeader::kMaxAbortBytes);
     abort_out_.assign(FrameHeader::kSize + reason.size(), '\0');
-    FrameHeader::abort_with(reason.size()).encode(reinterpret_cast<std::byte*>(abort_out_.data()));
+    FrameHeader::abort_with(reason.size(), kind).encode(reinterpret_cast<std::byte*>(abort_out_.data()));
     std::copy(reason.begin(), reason.end(), abort_out_.begin() + FrameHeader::kSize);
     deadline_.expires_after(std::min<std::chrono::milliseconds>(timeout_, std::chrono::seconds(1)));
     deadline_.async_wait([this](error_code ec) {

@@ -109,7 +109,9 @@ class TcpStore final : public Store {
     std::lock_guard lk(mu_);
     boost::system::error_code ec;
     const auto endpoint = socket_.socket().local_endpoint(ec);
-    if (ec) detail::fail(where(), ": no local address: ", broken_.empty() ? ec.message() : broken_);
+    if (ec)
+      detail::fail_as(broken_.empty() ? ErrorKind::io : broken_kind_, where(),
+                      ": no local address: ", broken_.empty() ? ec.message() : broken_);
     return endpoint.address().to_string();
   }
   const std::string& host() const { return host_; }
@@ -143,9 +145,11 @@ class TcpStore final : public Store {
       const auto ec = socket_.connect(host_, port_, deadline);
       if (!ec) break;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left <= backoff || !retry_connect_)
-        detail::fail("could not reach the store at ", host_, ":", port_, " within ", options_.connect_timeout.count(),
-                     " ms (", attempts, " attempts; last error: ", ec.message(), ")");
+      if (left <= backoff || !retry_connect_)  // a store that refuses a connection it once took is gone
+        detail::fail_as(
+            retry_connect_ || ec == boost::asio::error::timed_out ? ErrorKind::timeout : ErrorKind::peer_lost,
+            "could not reach the store at ", host_, ":", port_, " within ", options_.connect_timeout.count(), " ms (",
+            attempts, " attempts; last error: ", ec.message(), ")");
       std::this_thread::sleep_for(backoff);
       backoff = std::min(2 * backoff, std::chrono::milliseconds(1000));
     }
@@ -191,7 +195,7 @@ class TcpStore final : public Store {
         for (std::size_t i = 0; i < reply.keys.size() && i < 8; ++i) os << " '" << reply.keys[i] << "'";
         if (reply.keys.size() > 8) os << " and " << reply.keys.size() - 8 << " more";
       }
-      detail::fail(where(), ": ", os.str());
+      detail::fail_as(ErrorKind::timeout, where(), ": ", os.str());
     }
     return reply;
   }
@@ -200,7 +204,8 @@ class TcpStore final : public Store {
   // the connection stays usable.
   store_wire::Reply call(const store_wire::Request& r, Timeout waited = Timeout(0)) {
     std::lock_guard lk(mu_);
-    if (!broken_.empty()) detail::fail(where(), ": ", what(r), " on a connection lost earlier: ", broken_);
+    if (!broken_.empty())
+      detail::fail_as(broken_kind_, where(), ": ", what(r), " on a connection lost earlier: ", broken_);
     for (const auto& k : r.keys)
       if (k.size() > limits_.max_key_bytes)
         detail::fail(where(), ": ", what(r), ": key of ", k.size(), " bytes exceeds the store's limit of ",
@@ -233,15 +238,23 @@ class TcpStore final : public Store {
     }
   }
 
+  // The kind: timeout past the deadline, peer_lost for a store that closed or reset the
+  // connection, corrupt for a malformed reply (no `ec`), io for another socket error.
   [[noreturn]] void lose(const store_wire::Request& r, boost::system::error_code ec, std::string reason) {
     if (ec == boost::asio::error::timed_out) reason = "no reply within the deadline";
     else if (ec == boost::asio::error::eof) reason = "the store closed the connection";
     else if (ec) reason = ec.message();
+    if (!ec) broken_kind_ = ErrorKind::corrupt;
+    else if (ec == boost::asio::error::timed_out) broken_kind_ = ErrorKind::timeout;
+    else if (ec == boost::asio::error::eof || ec == boost::asio::error::connection_reset ||
+             ec == boost::asio::error::broken_pipe)
+      broken_kind_ = ErrorKind::peer_lost;
+    else broken_kind_ = ErrorKind::io;
     socket_.close();
     lost_ = true;
     broken_code_ = ec;
     broken_ = what(r) + " failed: " + reason;
-    detail::fail(where(), ": ", broken_);
+    detail::fail_as(broken_kind_, where(), ": ", broken_);
   }
 
   static std::string what(const store_wire::Request& r) {
@@ -261,6 +274,7 @@ class TcpStore final : public Store {
   store_wire::Limits limits_;  // the server's, from the handshake
   std::string broken_;         // why the connection was lost; empty while it is up
   boost::system::error_code broken_code_;
+  ErrorKind broken_kind_ = ErrorKind::io;  // its kind (see lose)
   std::atomic<bool> lost_{false};  // broken_ is set: read without mu_
 
   std::mutex bounded_mu_;

@@ -97,14 +97,15 @@ class TcpStoreServer {
     if (ec) {  // a host name: listen on its first address
       tcp::resolver resolver(io_);
       auto found = resolver.resolve(options_.host, std::to_string(options_.port), ec);
-      if (ec || found.empty()) detail::fail("store server: cannot resolve '", options_.host, "': ", ec.message());
+      if (ec || found.empty())
+        detail::fail_as(ErrorKind::io, "store server: cannot resolve '", options_.host, "': ", ec.message());
       endpoint = found.begin()->endpoint();
     }
     acceptor_.open(endpoint.protocol(), ec);
     if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
     if (!ec) acceptor_.bind(endpoint, ec);
     if (!ec) acceptor_.listen(tcp::socket::max_listen_connections, ec);
-    if (ec) detail::fail("store server: could not listen on ", where, ": ", ec.message());
+    if (ec) detail::fail_as(ErrorKind::io, "store server: could not listen on ", where, ": ", ec.message());
     port_ = acceptor_.local_endpoint().port();
   }
 

@@ -138,13 +138,14 @@ inline WriteResult write_file_atomically(const std::filesystem::path& path, cons
     detail::fsync_fd(fd.get(), temp);
     fd.close_checked(temp);
     if (::rename(temp.c_str(), path.c_str()) != 0)
-      fsdp::detail::fail("renaming '", temp.string(), "' to it failed: ", detail::errno_text(errno));
+      fsdp::detail::fail_as(ErrorKind::io, "renaming '", temp.string(), "' to it failed: ", detail::errno_text(errno));
     renamed = true;
     detail::fsync_directory(detail::parent_or_dot(path));
     return {sink.bytes_written(), sink.xxh64()};
   } catch (const std::exception& e) {
     remove_temp();
-    fsdp::detail::fail("cannot write '", path.string(), "': ", detail::message_of(e));
+    // Keeps the kind of what failed (a write's io, a writer's misuse); io for a foreign exception.
+    fsdp::detail::fail_as(kind_of(e, ErrorKind::io), "cannot write '", path.string(), "': ", detail::message_of(e));
   } catch (...) {
     remove_temp();
     throw;

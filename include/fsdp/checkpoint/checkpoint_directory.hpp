@@ -59,11 +59,12 @@ class CheckpointDirectory {
     const std::filesystem::path parent = detail::parent_or_dot(target);
     std::error_code ec;
     if (!std::filesystem::is_directory(parent, ec))
-      fsdp::detail::fail("cannot save checkpoint '", target.string(), "': its parent directory '", parent.string(),
-                         "' does not exist");
+      fsdp::detail::fail_as(ErrorKind::io, "cannot save checkpoint '", target.string(), "': its parent directory '",
+                            parent.string(), "' does not exist");
     if (::mkdir(staging.c_str(), 0777) != 0)
-      fsdp::detail::fail("cannot save checkpoint '", target.string(), "': creating the staging directory '",
-                         staging.string(), "' failed: ", detail::errno_text(errno));
+      fsdp::detail::fail_as(ErrorKind::io, "cannot save checkpoint '", target.string(),
+                            "': creating the staging directory '", staging.string(),
+                            "' failed: ", detail::errno_text(errno));
     return CheckpointDirectory(std::move(target), std::move(staging), std::move(token));
   }
 
@@ -108,15 +109,15 @@ class CheckpointDirectory {
     struct stat st {};
     if (::lstat(target_.c_str(), &st) == 0) {
       if (!S_ISDIR(st.st_mode))
-        fsdp::detail::fail("cannot commit checkpoint '", target_.string(),
-                           "': it exists and is not a directory; refusing to replace it");
+        fsdp::detail::fail_as(ErrorKind::io, "cannot commit checkpoint '", target_.string(),
+                              "': it exists and is not a directory; refusing to replace it");
       const std::filesystem::path old = parent / detail::sibling_name(target_, "old", token_);
       rename_or_fail(target_, old);
       if (::rename(staging_.c_str(), target_.c_str()) != 0) {
         const int err = errno;
         ::rename(old.c_str(), target_.c_str());  // put the old checkpoint back
-        fsdp::detail::fail("cannot commit checkpoint '", target_.string(), "': renaming '", staging_.string(),
-                           "' to it failed: ", detail::errno_text(err));
+        fsdp::detail::fail_as(ErrorKind::io, "cannot commit checkpoint '", target_.string(), "': renaming '",
+                              staging_.string(), "' to it failed: ", detail::errno_text(err));
       }
       open_ = false;
       detail::fsync_directory(parent);
@@ -150,8 +151,8 @@ class CheckpointDirectory {
   }
   void rename_or_fail(const std::filesystem::path& from, const std::filesystem::path& to) const {
     if (::rename(from.c_str(), to.c_str()) != 0)
-      fsdp::detail::fail("cannot commit checkpoint '", target_.string(), "': renaming '", from.string(), "' to '",
-                         to.string(), "' failed: ", detail::errno_text(errno));
+      fsdp::detail::fail_as(ErrorKind::io, "cannot commit checkpoint '", target_.string(), "': renaming '",
+                            from.string(), "' to '", to.string(), "' failed: ", detail::errno_text(errno));
   }
 
   std::filesystem::path target_;
@@ -190,12 +191,12 @@ inline bool restore_interrupted_checkpoint(const std::filesystem::path& dir) {
   if (olds.size() > 1) {
     std::string names;
     for (const auto& p : olds) names += " '" + p.string() + "'";
-    fsdp::detail::fail("checkpoint '", target.string(), "' is absent and several old copies exist:", names,
-                       "; restore one by hand");
+    fsdp::detail::fail_as(ErrorKind::io, "checkpoint '", target.string(),
+                          "' is absent and several old copies exist:", names, "; restore one by hand");
   }
   if (::rename(olds[0].c_str(), target.c_str()) != 0)
-    fsdp::detail::fail("cannot restore checkpoint '", target.string(), "' from '", olds[0].string(),
-                       "': ", detail::errno_text(errno));
+    fsdp::detail::fail_as(ErrorKind::io, "cannot restore checkpoint '", target.string(), "' from '", olds[0].string(),
+                          "': ", detail::errno_text(errno));
   detail::fsync_directory(detail::parent_or_dot(target));
   return true;
 }

@@ -35,7 +35,7 @@ class IndexJsonReader {
 
   template <class... Parts>
   [[noreturn]] void fail_at(const std::string& where, Parts&&... parts) const {
-    fail("checkpoint index '", source_, "': ", where, ": ", std::forward<Parts>(parts)...);
+    fail_as(ErrorKind::corrupt, "checkpoint index '", source_, "': ", where, ": ", std::forward<Parts>(parts)...);
   }
 
   // `j` must be an object with every `required` field and no field outside both lists.
@@ -191,15 +191,17 @@ inline CheckpointIndex CheckpointIndex::load(const std::filesystem::path& path) 
   const std::uint64_t size = detail::file_size_of(fd.get(), path);
   std::string text(size, '\0');
   if (detail::pread_up_to(fd.get(), text.data(), size, 0, path) != size)
-    detail::fail("checkpoint index '", path.string(), "' shrank while it was read");
+    detail::fail_as(ErrorKind::io, "checkpoint index '", path.string(), "' shrank while it was read");
   detail::JsonChecker checker;
   if (!nlohmann::json::sax_parse(text, &checker)) {
     if (checker.too_deep)
-      detail::fail("checkpoint index '", path.string(), "' nests deeper than ", detail::JsonChecker::max_depth, " levels");
-    detail::fail("checkpoint index '", path.string(), "' is not valid JSON: ", checker.error);
+      detail::fail_as(ErrorKind::corrupt, "checkpoint index '", path.string(), "' nests deeper than ",
+                      detail::JsonChecker::max_depth, " levels");
+    detail::fail_as(ErrorKind::corrupt, "checkpoint index '", path.string(), "' is not valid JSON: ", checker.error);
   }
   if (!checker.duplicate.empty())
-    detail::fail("checkpoint index '", path.string(), "' has the key '", checker.duplicate, "' twice in one object");
+    detail::fail_as(ErrorKind::corrupt, "checkpoint index '", path.string(), "' has the key '", checker.duplicate,
+                    "' twice in one object");
   return from_json(nlohmann::json::parse(text), path.string());
 }
 

@@ -24,6 +24,7 @@
 namespace fsdp::checkpoint::detail {
 
 using fsdp::detail::fail;
+using fsdp::detail::fail_as;
 
 inline std::string errno_text(int err) { return std::generic_category().message(err); }
 
@@ -50,7 +51,7 @@ class UniqueFd {
   void close_checked(const std::filesystem::path& path) {
     if (fd_ < 0) return;
     if (::close(std::exchange(fd_, -1)) != 0)
-      fail("closing '", path.string(), "' failed: ", errno_text(errno));
+      fail_as(ErrorKind::io, "closing '", path.string(), "' failed: ", errno_text(errno));
   }
 
  private:
@@ -62,14 +63,14 @@ inline UniqueFd open_fd(const std::filesystem::path& path, int flags, const char
   int fd;
   do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   while (fd < 0 && errno == EINTR);
-  if (fd < 0) fail("cannot open '", path.string(), "' ", why, ": ", errno_text(errno));
+  if (fd < 0) fail_as(ErrorKind::io, "cannot open '", path.string(), "' ", why, ": ", errno_text(errno));
   return UniqueFd(fd);
 }
 
 inline std::uint64_t file_size_of(int fd, const std::filesystem::path& path) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) fail("cannot stat '", path.string(), "': ", errno_text(errno));
-  if (!S_ISREG(st.st_mode)) fail("'", path.string(), "' is not a regular file");
+  if (::fstat(fd, &st) != 0) fail_as(ErrorKind::io, "cannot stat '", path.string(), "': ", errno_text(errno));
+  if (!S_ISREG(st.st_mode)) fail_as(ErrorKind::io, "'", path.string(), "' is not a regular file");
   return static_cast<std::uint64_t>(st.st_size);
 }
 
@@ -79,8 +80,8 @@ inline void write_all(int fd, const void* data, std::size_t n, const std::filesy
   while (n > 0) {
     const ssize_t w = ::write(fd, p, n);
     if (w < 0 && errno == EINTR) continue;
-    if (w < 0) fail("cannot write '", path.string(), "': ", errno_text(errno));
-    if (w == 0) fail("cannot write '", path.string(), "': the write made no progress (disk full?)");
+    if (w < 0) fail_as(ErrorKind::io, "cannot write '", path.string(), "': ", errno_text(errno));
+    if (w == 0) fail_as(ErrorKind::io, "cannot write '", path.string(), "': the write made no progress (disk full?)");
     p += w;
     n -= static_cast<std::size_t>(w);
   }
@@ -92,8 +93,10 @@ inline void pwrite_all(int fd, const void* data, std::size_t n, std::uint64_t of
   while (n > 0) {
     const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
     if (w < 0 && errno == EINTR) continue;
-    if (w < 0) fail("cannot write '", path.string(), "' at byte ", offset, ": ", errno_text(errno));
-    if (w == 0) fail("cannot write '", path.string(), "' at byte ", offset, ": the write made no progress (disk full?)");
+    if (w < 0) fail_as(ErrorKind::io, "cannot write '", path.string(), "' at byte ", offset, ": ", errno_text(errno));
+    if (w == 0)
+      fail_as(ErrorKind::io, "cannot write '", path.string(), "' at byte ", offset,
+              ": the write made no progress (disk full?)");
     p += w, offset += static_cast<std::uint64_t>(w);
     n -= static_cast<std::size_t>(w);
   }
@@ -108,7 +111,8 @@ inline std::uint64_t pread_up_to(int fd, void* dst, std::uint64_t n, std::uint64
     const std::uint64_t chunk = std::min<std::uint64_t>(n - done, std::uint64_t{1} << 30);
     const ssize_t r = ::pread(fd, p + done, chunk, static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) fail("cannot read '", path.string(), "' at byte ", offset + done, ": ", errno_text(errno));
+    if (r < 0)
+      fail_as(ErrorKind::io, "cannot read '", path.string(), "' at byte ", offset + done, ": ", errno_text(errno));
     if (r == 0) break;
     done += static_cast<std::uint64_t>(r);
   }
@@ -119,7 +123,7 @@ inline void fsync_fd(int fd, const std::filesystem::path& path) {
   int rc;
   do rc = ::fsync(fd);
   while (rc != 0 && errno == EINTR);
-  if (rc != 0) fail("cannot fsync '", path.string(), "': ", errno_text(errno));
+  if (rc != 0) fail_as(ErrorKind::io, "cannot fsync '", path.string(), "': ", errno_text(errno));
 }
 
 // Makes renames and creations inside `dir` durable.
@@ -133,7 +137,8 @@ inline std::uint64_t xxh64_of_fd(int fd, std::uint64_t size, const std::filesyst
   std::vector<std::byte> scratch(std::min<std::uint64_t>(size, std::uint64_t{4} << 20));
   const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
     if (pread_up_to(fd, dst, n, at, path) != n)
-      fail("'", path.string(), "' ended before byte ", size, " while computing its checksum (it shrank)");
+      fail_as(ErrorKind::io, "'", path.string(), "' ended before byte ", size,
+              " while computing its checksum (it shrank)");
   };
   return xxh64_of_range(read, 0, size, scratch);
 }

@@ -124,8 +124,9 @@ class FullCheckpointSource final : public StateSource {
     if (entry == f.metadata().end()) return std::nullopt;
     auto sums = checkpoint::DataChecksums::parse(entry->second, data_bytes(f));
     if (!sums)
-      detail::fail("checkpoint '", f.path().string(), "' is damaged: its metadata '", checkpoint::data_checksums_key,
-                   "' is not a list of chunk checksums for its ", data_bytes(f), " bytes of data");
+      detail::fail_as(ErrorKind::corrupt, "checkpoint '", f.path().string(), "' is damaged: its metadata '",
+                      checkpoint::data_checksums_key, "' is not a list of chunk checksums for its ", data_bytes(f),
+                      " bytes of data");
     return sums;
   }
 

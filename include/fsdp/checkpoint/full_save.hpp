@@ -58,7 +58,7 @@ class FullSave {
     if (writes_)
       for (const auto& [u, i] : buffers_) {
         const auto& b = u->buffers()[i];
-        buffer_copies_.push_back(to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype)));
+        buffer_copies_.push_back(to_host(*u, fsdp::detail::internals(*u).buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype)));
       }
   }
 
@@ -163,10 +163,10 @@ class FullSave {
       if (!buffer_copies_.empty()) {
         model.add(std::string(b.fqn), b.dtype, shape_of(b.shape), buffer_copies_[j].data());
       } else {
-        const UnitBase* unit = u;
+        const Unit* unit = u;
         const std::size_t index = i;
         model.add(std::string(b.fqn), b.dtype, shape_of(b.shape),
-                  [unit, index](std::span<std::byte> out) { unit->copy_bytes(out.data(), unit->buffer_data(index), out.size()); });
+                  [unit, index](std::span<std::byte> out) { fsdp::detail::internals(*unit).copy_bytes(out.data(), fsdp::detail::internals(*unit).buffer_data(index), out.size()); });
       }
     }
     for (const auto& [key, v] : metadata_) model.set_metadata(key, v);
@@ -185,7 +185,7 @@ class FullSave {
   OptimizerState* optimizer_;
   bool writes_;
   std::vector<FullGather> gathers_;
-  std::vector<std::pair<UnitBase*, std::size_t>> buffers_;  // (unit, buffer index)
+  std::vector<std::pair<Unit*, std::size_t>> buffers_;  // (unit, buffer index)
   std::map<std::string, std::string> optim_scalars_;
   std::vector<checkpoint::HostArena> snapshot_;          // per gather, on rank 0 (empty elsewhere)
   std::vector<std::vector<std::byte>> buffer_copies_;    // per buffer, on rank 0 (empty elsewhere)

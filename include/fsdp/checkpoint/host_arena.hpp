@@ -23,7 +23,9 @@ class HostArena {
     const std::size_t align = large ? huge : alignof(std::max_align_t);
     const std::size_t rounded = (bytes + align - 1) / align * align;  // aligned_alloc wants a multiple
     data_.reset(static_cast<std::byte*>(std::aligned_alloc(align, rounded)));
-    if (!data_) fsdp::detail::fail("out of host memory allocating ", bytes, " bytes of checkpoint staging");
+    if (!data_)
+      fsdp::detail::fail_as(ErrorKind::out_of_memory, "out of host memory allocating ", bytes,
+                            " bytes of checkpoint staging");
 #ifdef MADV_HUGEPAGE
     if (large) ::madvise(data_.get(), rounded, MADV_HUGEPAGE);
 #endif

@@ -43,7 +43,7 @@ struct LoadReport {
 namespace detail {
 
 // Where one staged range goes: `offset` into the staging arena, then to `dst` (a parameter
-// or optimizer slice), or to buffer `buffer` of unit `unit` (through UnitBase::load_buffer,
+// or optimizer slice), or to buffer `buffer` of unit `unit` (through Unit::load_buffer,
 // which also updates a MixedPrecision cast copy).
 struct StagedCopy {
   std::size_t offset, bytes;
@@ -74,7 +74,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
                              LoadOptions options = {}) {
   LoadReport report;
   if (model.size() == 0) return report;
-  const int rank = model[0].rank(), ranks = model[0].world_size();
+  const int rank = model[0].rank(), ranks = fsdp::detail::internals(model[0]).world_size();
   // Parameters kept unsharded (after a forward-only pass, or between micro-batches under
   // reshard_after_backward off) would show the old values: freed first (IDLE units only).
   model.reshard();
@@ -84,8 +84,8 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   // read_all so a source can read each file in one pass. The ranks agree on the way: a rank
   // reading in place runs one agreement more than a staging one, which would pair it with
   // another rank's next collective.
-  const bool in_place = model[0].all_ranks_agree(src.reads_in_place() && !options.stage_in_host_memory &&
-                                                 model[0].device_id().kind == DeviceKind::cpu);
+  const bool in_place = fsdp::detail::internals(model[0]).all_ranks_agree(src.reads_in_place() && !options.stage_in_host_memory &&
+                                                 fsdp::detail::internals(model[0]).device_id().kind == DeviceKind::cpu);
   std::vector<ReadRequest> requests, staged_requests;
   std::vector<detail::StagedCopy> params_and_optim, buffers;
   checkpoint::HostArena arena;
@@ -103,7 +103,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   auto check = [&] {
     std::set<StateKey> known;  // what the model has (a buffer as a param: sources may not tell them apart)
     const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
-    detail::for_each_param(model, [&](UnitBase&, const ParamView& p, std::size_t shard) {
+    detail::for_each_param(model, [&](Unit&, const ParamView& p, std::size_t shard) {
       const auto shape = detail::shape_of(p.shape);
       // A tied parameter is read under its own FQN, or under another of its names when
       // the source has only that one (an unsharded model's state dict has them all).
@@ -126,7 +126,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
       }
     });
     for (std::size_t k = 0; k < model.size(); ++k) {
-      UnitBase& u = model[k];
+      Unit& u = model[k];
       for (std::size_t i = 0; i < u.buffers().size(); ++i) {
         const auto& b = u.buffers()[i];
         known.insert(StateKey::param(std::string(b.fqn)));
@@ -160,18 +160,18 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
     if (in_place) src.verify(rank, ranks);
     src.read_all(staged_requests, rank, ranks);  // in place: only the buffers
   });
-  const std::string damage = src.agree_damage([&](bool ok) { return model[0].all_ranks_agree(ok); });
+  const std::string damage = src.agree_damage([&](bool ok) { return fsdp::detail::internals(model[0]).all_ranks_agree(ok); });
   detail::run_agreed(model, "load_state from " + src.name(), [&] {
     if (checked) std::rethrow_exception(checked);
-    if (!damage.empty()) detail::fail(damage);
+    if (!damage.empty()) detail::fail_as(ErrorKind::corrupt, damage);
   }, "; nothing was loaded");
   if (in_place)  // verified and agreed: only an I/O error can fail now, and every rank hears of it
     detail::run_agreed(model, "load_state from " + src.name(), [&] { src.read_all(requests, rank, ranks); },
                        "; the source had been checked, but reading it failed: the model and optimizer state are "
                        "partially loaded (load again, or use LoadOptions::stage_in_host_memory)");
-  for (const auto& b : buffers) model[b.unit].load_buffer(b.buffer, arena.data() + b.offset);
+  for (const auto& b : buffers) fsdp::detail::internals(model[b.unit]).load_buffer(b.buffer, arena.data() + b.offset);
   for (const auto& c : params_and_optim)
-    if (c.bytes) model[0].copy_bytes(c.dst, arena.data() + c.offset, c.bytes);
+    if (c.bytes) fsdp::detail::internals(model[0]).copy_bytes(c.dst, arena.data() + c.offset, c.bytes);
   if (optimizer) {
     const auto scalars = src.optim_scalars();
     if (!scalars.empty()) optimizer->load_scalars(scalars);

@@ -32,7 +32,8 @@ struct ReadStep {
 namespace detail {
 
 [[noreturn]] inline void fail_gap(const std::string& source, const StateKey& id, std::uint64_t a, std::uint64_t b) {
-  fail("checkpoint '", source, "': elements [", a, ", ", b, ") of ", id.describe(), " are in no file");
+  fail_as(ErrorKind::corrupt, "checkpoint '", source, "': elements [", a, ", ", b, ") of ", id.describe(),
+          " are in no file");
 }
 
 // Entries by id and each tensor's slices with elements, sorted by begin (indexes into the
@@ -43,36 +44,44 @@ struct SliceTable {
 
   explicit SliceTable(const CheckpointIndex& ix) {
     const std::string& src = ix.source;
-    if (ix.world_size < 1) fail("checkpoint '", src, "': world_size ", ix.world_size, " must be at least 1");
+    if (ix.world_size < 1)
+      fail_as(ErrorKind::corrupt, "checkpoint '", src, "': world_size ", ix.world_size, " must be at least 1");
     std::set<std::string_view> files;
     for (const IndexFile& f : ix.files) {
       check_file_name(f.name, src);
-      if (!files.insert(f.name).second) fail("checkpoint '", src, "': file '", f.name, "' is listed twice");
+      if (!files.insert(f.name).second)
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': file '", f.name, "' is listed twice");
     }
     for (std::size_t i = 0; i < ix.entries.size(); ++i) {
       const IndexEntry& e = ix.entries[i];
       const std::string what = e.id.describe();
-      if (e.id.fqn.empty()) fail("checkpoint '", src, "': an entry has an empty fqn");
+      if (e.id.fqn.empty()) fail_as(ErrorKind::corrupt, "checkpoint '", src, "': an entry has an empty fqn");
       if ((e.id.kind == StateKind::optim) == e.id.state.empty())
-        fail("checkpoint '", src, "': entry ", what, ": a state name is required for kind \"optim\" and only for it");
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': entry ", what,
+                ": a state name is required for kind \"optim\" and only for it");
       if (!checked_bytes(e.shape, e.dtype))
-        fail("checkpoint '", src, "': entry ", what, ": shape ", format_shape(e.shape), " is negative or overflows");
-      if (!entry.emplace(e.id, i).second) fail("checkpoint '", src, "': entry ", what, " is listed twice");
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': entry ", what, ": shape ", format_shape(e.shape),
+                " is negative or overflows");
+      if (!entry.emplace(e.id, i).second)
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': entry ", what, " is listed twice");
     }
     std::set<std::pair<std::string_view, std::string_view>> keys;
     for (std::size_t i = 0; i < ix.slices.size(); ++i) {
       const IndexSlice& s = ix.slices[i];
       const std::string where = "slice of " + s.id.describe() + " in file '" + s.file + "' (key '" + s.key + "')";
       const auto e = entry.find(s.id);
-      if (e == entry.end()) fail("checkpoint '", src, "': ", where, ": no entry for that tensor");
-      if (files.count(s.file) == 0) fail("checkpoint '", src, "': ", where, ": the file is not in \"files\"");
-      if (s.key.empty()) fail("checkpoint '", src, "': ", where, ": the key is empty");
+      if (e == entry.end())
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': ", where, ": no entry for that tensor");
+      if (files.count(s.file) == 0)
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': ", where, ": the file is not in \"files\"");
+      if (s.key.empty()) fail_as(ErrorKind::corrupt, "checkpoint '", src, "': ", where, ": the key is empty");
       const std::uint64_t numel = *checked_numel(ix.entries[e->second].shape);
       if (s.begin > numel || s.count > numel - s.begin)
-        fail("checkpoint '", src, "': ", where, ": elements [", s.begin, ", +", s.count, ") are outside the tensor's ",
-             numel, " elements");
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': ", where, ": elements [", s.begin, ", +", s.count,
+                ") are outside the tensor's ", numel, " elements");
       if (!keys.emplace(s.file, s.key).second)
-        fail("checkpoint '", src, "': ", where, ": another slice uses the same key of the same file");
+        fail_as(ErrorKind::corrupt, "checkpoint '", src, "': ", where,
+                ": another slice uses the same key of the same file");
       // A count-0 slice (a saving rank that holds none of the tensor) holds no element:
       // checked like any slice, then left out of the tables that place elements.
       if (s.count > 0) slices[s.id].push_back(i);
@@ -83,8 +92,9 @@ struct SliceTable {
         const IndexSlice& p = ix.slices[list[k - 1]];
         const IndexSlice& s = ix.slices[list[k]];
         if (s.begin < p.begin + p.count)
-          fail("checkpoint '", src, "': slices of ", id.describe(), " overlap: [", p.begin, ", ", p.begin + p.count,
-               ") in file '", p.file, "' and [", s.begin, ", ", s.begin + s.count, ") in file '", s.file, "'");
+          fail_as(ErrorKind::corrupt, "checkpoint '", src, "': slices of ", id.describe(), " overlap: [", p.begin, ", ",
+                  p.begin + p.count, ") in file '", p.file, "' and [", s.begin, ", ", s.begin + s.count, ") in file '",
+                  s.file, "'");
       }
     }
   }

@@ -30,16 +30,17 @@ class SafetensorsFile {
     f.file_bytes_ = detail::file_size_of(f.fd_.get(), path);
     const std::string name = path.string();
     if (f.file_bytes_ < 8)
-      detail::fail("safetensors file '", name, "': ", f.file_bytes_, " bytes is too short to hold the 8-byte header length");
+      detail::fail_as(ErrorKind::corrupt, "safetensors file '", name, "': ", f.file_bytes_,
+                      " bytes is too short to hold the 8-byte header length");
     std::uint64_t n = 0;
     f.read_at(&n, 8, 0, "the header length");
-    if (n == 0) detail::fail("safetensors file '", name, "': the header length is 0");
+    if (n == 0) detail::fail_as(ErrorKind::corrupt, "safetensors file '", name, "': the header length is 0");
     if (n > max_safetensors_header_bytes)
-      detail::fail("safetensors file '", name, "': the header length ", n, " is over the limit of ",
-                   max_safetensors_header_bytes, " bytes (corrupt length?)");
+      detail::fail_as(ErrorKind::corrupt, "safetensors file '", name, "': the header length ", n,
+                      " is over the limit of ", max_safetensors_header_bytes, " bytes (corrupt length?)");
     if (n > f.file_bytes_ - 8)
-      detail::fail("safetensors file '", name, "': the header length ", n, " runs past the end of the file (",
-                   f.file_bytes_, " bytes; truncated?)");
+      detail::fail_as(ErrorKind::corrupt, "safetensors file '", name, "': the header length ", n,
+                      " runs past the end of the file (", f.file_bytes_, " bytes; truncated?)");
     std::string json(n, '\0');
     f.read_at(json.data(), n, 8, "the header");
     f.header_bytes_ = n;
@@ -123,8 +124,9 @@ class SafetensorsFile {
   void read_at(void* dst, std::uint64_t n, std::uint64_t offset, const std::string& what) const {
     const std::uint64_t got = detail::pread_up_to(fd_.get(), dst, n, offset, path_);
     if (got != n)
-      detail::fail("safetensors file '", path_.string(), "': reading ", what, " hit the end of the file at byte ",
-                   offset + got, " (it had ", file_bytes_, " bytes when opened; truncated since?)");
+      detail::fail_as(ErrorKind::corrupt, "safetensors file '", path_.string(), "': reading ", what,
+                      " hit the end of the file at byte ", offset + got, " (it had ", file_bytes_,
+                      " bytes when opened; truncated since?)");
   }
 
   std::filesystem::path path_;

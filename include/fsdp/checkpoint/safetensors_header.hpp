@@ -31,6 +31,7 @@ using Shape = std::vector<std::int64_t>;
 
 namespace detail {
 using fsdp::detail::fail;
+using fsdp::detail::fail_as;
 }
 
 // The reference implementation refuses larger headers too (a guard against a corrupt N).
@@ -122,7 +123,9 @@ class HeaderParser {
 
   SafetensorsHeader parse(std::string_view text) {
     nlohmann::json root = parse_json(text);
-    if (!root.is_object()) fail("safetensors file '", file_, "': the header is not a JSON object but ", json_text(root));
+    if (!root.is_object())
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the header is not a JSON object but ",
+              json_text(root));
     SafetensorsHeader h;
     for (auto& [key, value] : root.items()) {
       if (key == "__metadata__") h.metadata = parse_metadata(value);
@@ -135,27 +138,32 @@ class HeaderParser {
  private:
   template <class... Parts>
   [[noreturn]] void fail_tensor(const std::string& key, Parts&&... parts) const {
-    fail("safetensors file '", file_, "': tensor '", key, "': ", std::forward<Parts>(parts)...);
+    fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': tensor '", key, "': ", std::forward<Parts>(parts)...);
   }
 
   // A first pass over the text without building anything (JsonChecker), then the tree.
   nlohmann::json parse_json(std::string_view text) const {
     detail::JsonChecker checker;
     if (!nlohmann::json::sax_parse(text.begin(), text.end(), &checker)) {
-      if (checker.too_deep) fail("safetensors file '", file_, "': the header nests deeper than ", detail::JsonChecker::max_depth, " levels");
-      fail("safetensors file '", file_, "': the header is not valid JSON: ", checker.error);
+      if (checker.too_deep)
+        fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the header nests deeper than ",
+                detail::JsonChecker::max_depth, " levels");
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the header is not valid JSON: ", checker.error);
     }
     if (!checker.duplicate.empty())
-      fail("safetensors file '", file_, "': the header has the key '", checker.duplicate, "' twice");
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the header has the key '", checker.duplicate,
+              "' twice");
     return nlohmann::json::parse(text.begin(), text.end());
   }
 
   std::map<std::string, std::string, std::less<>> parse_metadata(const nlohmann::json& j) const {
-    if (!j.is_object()) fail("safetensors file '", file_, "': __metadata__ is not an object but ", json_text(j));
+    if (!j.is_object())
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': __metadata__ is not an object but ", json_text(j));
     std::map<std::string, std::string, std::less<>> m;
     for (auto& [k, v] : j.items()) {
       if (!v.is_string())
-        fail("safetensors file '", file_, "': __metadata__ value of '", k, "' is not a string but ", json_text(v));
+        fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': __metadata__ value of '", k,
+                "' is not a string but ", json_text(v));
       m.emplace(k, v.get<std::string>());
     }
     return m;
@@ -217,8 +225,9 @@ class HeaderParser {
       fail_tensor(prev->name, "data_offsets [", prev->begin, ", ", prev->end, "] end past the data buffer, which has ",
                   data_bytes_, " bytes (the file is truncated)");
     if (at < data_bytes_)
-      fail("safetensors file '", file_, "': the data buffer has ", data_bytes_ - at,
-           " bytes after the last tensor's end (byte ", at, " of ", data_bytes_, "; extra bytes or a missing tensor)");
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the data buffer has ", data_bytes_ - at,
+              " bytes after the last tensor's end (byte ", at, " of ", data_bytes_,
+              "; extra bytes or a missing tensor)");
   }
 
   const std::string& file_;

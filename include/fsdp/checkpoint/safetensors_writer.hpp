@@ -155,7 +155,7 @@ class SafetensorsWriter {
       try {
         p.fill(out);
       } catch (const std::exception& e) {
-        fail_tensor(p.info.name, "producing its bytes failed: ", detail::message_of(e));
+        fail_tensor_as(kind_of(e), p.info.name, "producing its bytes failed: ", detail::message_of(e));
       }
       written();
       i += p.together;
@@ -190,7 +190,11 @@ class SafetensorsWriter {
 
   template <class... Parts>
   [[noreturn]] static void fail_tensor(const std::string& name, Parts&&... parts) {
-    detail::fail("safetensors writer: tensor '", name, "': ", std::forward<Parts>(parts)...);
+    fail_tensor_as(ErrorKind::misuse, name, std::forward<Parts>(parts)...);
+  }
+  template <class... Parts>
+  [[noreturn]] static void fail_tensor_as(ErrorKind kind, const std::string& name, Parts&&... parts) {
+    fsdp::detail::fail_as(kind, "safetensors writer: tensor '", name, "': ", std::forward<Parts>(parts)...);
   }
 
   // The bytes of a tensor that may be added; throws naming it if it may not.

@@ -74,7 +74,7 @@ inline checkpoint::WriteResult write_rank_file(const std::filesystem::path& path
     if (s.unit == nullptr || s.count == 0)
       writer.add(key, s.dtype, {s.count}, s.src);
     else
-      writer.add(key, s.dtype, {s.count}, [&s](std::span<std::byte> out) { s.unit->copy_bytes(out.data(), s.src, out.size()); });
+      writer.add(key, s.dtype, {s.count}, [&s](std::span<std::byte> out) { fsdp::detail::internals(*s.unit).copy_bytes(out.data(), s.src, out.size()); });
   }
   writer.set_metadata(slices_metadata_key, places.dump());
   return writer.write(path);
@@ -89,7 +89,7 @@ inline void note_written(const std::filesystem::path& rank_file, const checkpoin
   std::ofstream out(written_note_path(rank_file), std::ios::trunc);
   out << w.bytes << " " << checkpoint::xxh64_hex(w.xxh64) << "\n";
   out.close();
-  if (!out) fail("cannot write '", written_note_path(rank_file).string(), "'");
+  if (!out) fail_as(ErrorKind::io, "cannot write '", written_note_path(rank_file).string(), "'");
 }
 inline checkpoint::WriteResult read_written_note(const std::filesystem::path& rank_file) {
   const auto note = written_note_path(rank_file);
@@ -98,7 +98,8 @@ inline checkpoint::WriteResult read_written_note(const std::filesystem::path& ra
   std::string hex;
   std::optional<std::uint64_t> h;
   if (!(in >> w.bytes >> hex) || !(h = checkpoint::parse_xxh64_hex(hex)))
-    fail("staging file '", note.string(), "' is missing or unreadable (did its rank write its file?)");
+    fail_as(ErrorKind::io, "staging file '", note.string(),
+            "' is missing or unreadable (did its rank write its file?)");
   w.xxh64 = *h;
   std::filesystem::remove(note);
   return w;
@@ -111,20 +112,24 @@ inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::files
   const auto file = checkpoint::SafetensorsFile::open(path);
   const std::string name = path.filename().string();
   if (file.file_bytes() != written.bytes)
-    fail("checkpoint file '", path.string(), "' has ", file.file_bytes(), " bytes but its writer wrote ", written.bytes);
+    fail_as(ErrorKind::corrupt, "checkpoint file '", path.string(), "' has ", file.file_bytes(),
+            " bytes but its writer wrote ", written.bytes);
   index.files.push_back({name, written.bytes, written.xxh64});
   auto it = file.metadata().find(slices_metadata_key);
-  if (it == file.metadata().end()) fail("checkpoint file '", path.string(), "': no '", slices_metadata_key, "' metadata");
+  if (it == file.metadata().end())
+    fail_as(ErrorKind::corrupt, "checkpoint file '", path.string(), "': no '", slices_metadata_key, "' metadata");
   const nlohmann::json places = nlohmann::json::parse(it->second);  // outlives the loop's proxy
   for (const auto& [key, p] : places.items()) {
     const auto kind = state_kind_from_name(p.at("kind").get<std::string>());
     const auto dtype = checkpoint::dtype_from_safetensors(p.at("dtype").get<std::string>());
-    if (!kind || !dtype) fail("checkpoint file '", path.string(), "': slice '", key, "' has a bad kind or dtype");
+    if (!kind || !dtype)
+      fail_as(ErrorKind::corrupt, "checkpoint file '", path.string(), "': slice '", key, "' has a bad kind or dtype");
     const StateKey id{*kind, p.at("state").get<std::string>(), p.at("fqn").get<std::string>()};
     const auto shape = p.at("shape").get<checkpoint::Shape>();
     if (const checkpoint::IndexEntry* e = index.find(id)) {
       if (e->dtype != *dtype || e->shape != shape)
-        fail("checkpoint file '", path.string(), "': ", id.describe(), " disagrees with another rank file on dtype or shape");
+        fail_as(ErrorKind::corrupt, "checkpoint file '", path.string(), "': ", id.describe(),
+                " disagrees with another rank file on dtype or shape");
     } else {
       index.entries.push_back({id, *dtype, shape});
     }
@@ -205,8 +210,9 @@ class ShardedSave {
       index.world_size = static_cast<int>(files.size());
       for (int r = 0; r < index.world_size; ++r)
         if (files[static_cast<std::size_t>(r)].filename() != checkpoint::rank_file_name(r))
-          fail("staging directory '", staging_dir_.string(), "' holds '", files[static_cast<std::size_t>(r)].string(),
-               "' where '", checkpoint::rank_file_name(r), "' was expected");
+          fail_as(ErrorKind::io, "staging directory '", staging_dir_.string(), "' holds '",
+                  files[static_cast<std::size_t>(r)].string(), "' where '", checkpoint::rank_file_name(r),
+                  "' was expected");
       for (const auto& f : files) index_rank_file(index, f, read_written_note(f));
       for (const auto& [k, v] : metadata_) index.metadata[k] = v;
       for (const auto& [k, v] : optim_scalars_) index.metadata[optim_scalar_prefix + k] = v;

@@ -153,7 +153,8 @@ class ShardedCheckpointReader {
 
   template <class... Parts>
   [[noreturn]] void fail_file(const std::string& name, Parts&&... parts) const {
-    detail::fail("checkpoint '", dir_.string(), "': file '", name, "': ", std::forward<Parts>(parts)...);
+    detail::fail_as(ErrorKind::corrupt, "checkpoint '", dir_.string(), "': file '", name,
+                    "': ", std::forward<Parts>(parts)...);
   }
 
   // Reads file `name` from its first byte to its last in 1 MiB steps, each into its piece's

@@ -33,13 +33,13 @@ namespace fsdp::detail {
 // header's placeholder (at `digits_at` in the file): every rank fills in its own, so the
 // digests need no collective.
 inline void write_my_digests(int fd, const std::filesystem::path& file, std::uint64_t data_begin, std::uint64_t data_bytes,
-                             std::uint64_t digits_at, const UnitBase& unit) {
+                             std::uint64_t digits_at, const Unit& unit) {
   const auto chunks = checkpoint::DataChecksums::placeholder(data_bytes);
   const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
     if (checkpoint::detail::pread_up_to(fd, dst, n, data_begin + at, file) != n)
-      fail("'", file.string(), "' is shorter than the data written into it");
+      fail_as(ErrorKind::io, "'", file.string(), "' is shorter than the data written into it");
   };
-  checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), unit.world_size(), read,
+  checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), fsdp::detail::internals(unit).world_size(), read,
                                 [&](std::size_t c, std::uint64_t digest) {
                                   const std::string hex = checkpoint::xxh64_hex(digest);
                                   checkpoint::detail::pwrite_all(fd, hex.data(), hex.size(), digits_at + chunks.digits_at(c), file);
@@ -53,8 +53,8 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   if (model.size() == 0) return false;
   const bool root = model[0].rank() == 0;
   bool host = true;
-  for (auto& u : model) host = host && u->device_id().kind == DeviceKind::cpu;
-  if (!model[0].all_ranks_agree(host)) return false;
+  for (auto& u : model) host = host && fsdp::detail::internals(*u).device_id().kind == DeviceKind::cpu;
+  if (!fsdp::detail::internals(model[0]).all_ranks_agree(host)) return false;
 
   struct File {
     std::filesystem::path target, temp;
@@ -72,13 +72,13 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   if (files.size() == 2) files[1].target = optimizer_file_of(save.file());
 
   std::random_device rd;
-  const std::int64_t token = model[0].max_over_ranks(
+  const std::int64_t token = fsdp::detail::internals(model[0]).max_over_ranks(
       root ? static_cast<std::int64_t>((std::uint64_t{rd()} << 31 ^ rd()) & 0x3fffffffffffffff) | 1 : 0);
   for (File& f : files) {
     f.temp = checkpoint::detail::temp_path_for(f.target, "shared-" + std::to_string(token));
     if (root) f.header = f.layout.header();
-    f.header_bytes = static_cast<std::uint64_t>(model[0].max_over_ranks(root ? std::int64_t(f.header.size()) : 0));
-    f.digests_at = static_cast<std::uint64_t>(model[0].max_over_ranks(
+    f.header_bytes = static_cast<std::uint64_t>(fsdp::detail::internals(model[0]).max_over_ranks(root ? std::int64_t(f.header.size()) : 0));
+    f.digests_at = static_cast<std::uint64_t>(fsdp::detail::internals(model[0]).max_over_ranks(
         root ? std::int64_t(checkpoint::data_checksums_offset(f.header, f.layout.data_bytes(), f.temp.string())) : 0));
     for (const auto& t : f.layout.layout()) f.offset[t.name] = 8 + f.header_bytes + t.begin;
   }
@@ -102,7 +102,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
       checkpoint::detail::pwrite_all(f.fd.get(), &n, sizeof n, 0, f.temp);
       checkpoint::detail::pwrite_all(f.fd.get(), f.header.data(), n, 8, f.temp);
       if (::ftruncate(f.fd.get(), static_cast<off_t>(8 + n + f.layout.data_bytes())) != 0)
-        fail("cannot size '", f.temp.string(), "': ", checkpoint::detail::errno_text(errno));
+        fail_as(ErrorKind::io, "cannot size '", f.temp.string(), "': ", checkpoint::detail::errno_text(errno));
     }
   }, "; nothing was saved");
   bool opened = true;
@@ -112,7 +112,7 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
       opened = opened && fd >= 0;
       f.fd = checkpoint::detail::UniqueFd(fd);
     }
-  if (!model[0].all_ranks_agree(opened)) return false;  // not one file system: gather instead
+  if (!fsdp::detail::internals(model[0]).all_ranks_agree(opened)) return false;  // not one file system: gather instead
 
   run_agreed(model, what, [&] {  // every rank writes what it saves
     for (const SliceSource& s : sharded_slice_sources(model, optimizer)) {
@@ -136,8 +136,8 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     if (files.size() == 1) std::filesystem::remove(optimizer_file_of(save.file()));  // a stale one would load
     for (std::size_t i = files.size(); i-- > 0;)
       if (::rename(files[i].temp.c_str(), files[i].target.c_str()) != 0)
-        fail("renaming '", files[i].temp.string(), "' to '", files[i].target.string(), "' failed: ",
-             checkpoint::detail::errno_text(errno));
+        fail_as(ErrorKind::io, "renaming '", files[i].temp.string(), "' to '", files[i].target.string(),
+                "' failed: ", checkpoint::detail::errno_text(errno));
     committed = true;
     checkpoint::detail::fsync_directory(checkpoint::detail::parent_or_dot(save.file()));
   });

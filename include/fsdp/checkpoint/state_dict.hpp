@@ -53,9 +53,9 @@ struct ShardedStateDict {
 
 namespace detail {
 
-inline std::vector<std::byte> to_host(const UnitBase& u, const void* src, std::size_t bytes) {
+inline std::vector<std::byte> to_host(const Unit& u, const void* src, std::size_t bytes) {
   std::vector<std::byte> out(bytes);
-  u.copy_bytes(out.data(), src, bytes);
+  fsdp::detail::internals(u).copy_bytes(out.data(), src, bytes);
   return out;
 }
 
@@ -78,7 +78,7 @@ struct SliceSource {
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
   std::int64_t begin = 0, count = 0;
-  const UnitBase* unit = nullptr;
+  const Unit* unit = nullptr;
   const void* src = nullptr;
   std::size_t bytes() const { return static_cast<std::size_t>(count) * size_of(dtype); }
   StateSlice copy_to_host() const { return {id, dtype, shape, begin, count, to_host(*unit, src, bytes())}; }
@@ -90,8 +90,8 @@ inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, Optim
   std::vector<SliceSource> out;
   if (model.size() == 0) return out;
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
-  for_each_param(model, [&](UnitBase& u, const ParamView& p, std::size_t shard) {
-    if (!u.saves_shards()) return;
+  for_each_param(model, [&](Unit& u, const ParamView& p, std::size_t shard) {
+    if (!fsdp::detail::internals(u).saves_shards()) return;
     out.push_back({StateKey::param(std::string(p.fqn)), p.dtype, shape_of(p.shape), p.param_begin, p.count, &u, p.param});
     for (const auto& name : names) {
       const DType t = optimizer->state_dtype(name);
@@ -104,14 +104,14 @@ inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, Optim
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) {
         const auto& b = u->buffers()[i];
-        out.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, shape_of(b.shape), 0, b.numel, u.get(), u->buffer_data(i)});
+        out.push_back({StateKey::buffer(std::string(b.fqn)), b.dtype, shape_of(b.shape), 0, b.numel, u.get(), fsdp::detail::internals(*u).buffer_data(i)});
       }
   return out;
 }
 
 }  // namespace detail
 
-// This rank's slices. Where this rank's shards are the saved copy (UnitBase::saves_shards):
+// This rank's slices. Where this rank's shards are the saved copy (Unit::saves_shards):
 // a slice of every parameter and of its optimizer states, with count 0 where this rank
 // holds none of it, so every tensor is known, empty ones included. Buffers on world rank 0.
 // No collective.
@@ -131,7 +131,7 @@ namespace detail {
 // themselves (`state` empty) or an optimizer state laid out like them — whose parameters
 // lie back to back in it, in visit order.
 struct FullGather {
-  UnitBase* unit = nullptr;
+  Unit* unit = nullptr;
   std::size_t shard = 0, model_shard = 0;
   std::string state;  // "" for the parameters
   DType dtype = DType::f32;
@@ -178,7 +178,7 @@ inline std::size_t largest_gather(const std::vector<FullGather>& gathers) {
 inline void gather(const FullGather& g, OptimizerState* optimizer, void* full_host) {
   const ShardView& view = g.unit->shards()[g.shard];
   const void* mine = g.state.empty() ? view.param : optimizer->state(g.state, g.model_shard, view.numel);
-  g.unit->gather_like_shard(g.shard, mine, full_host, g.dtype);
+  fsdp::detail::internals(*g.unit).gather_like_shard(g.shard, mine, full_host, g.dtype);
 }
 
 }  // namespace detail
@@ -215,7 +215,7 @@ inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimi
     for (std::size_t i = 0; i < u->buffers().size(); ++i) {
       const auto& b = u->buffers()[i];
       out.tensors[std::string(b.fqn)] = {b.dtype, detail::shape_of(b.shape),
-                                         detail::to_host(*u, u->buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))};
+                                         detail::to_host(*u, fsdp::detail::internals(*u).buffer_data(i), static_cast<std::size_t>(b.numel) * size_of(b.dtype))};
     }
   if (optimizer) out.optim_scalars = optimizer->scalars();
   return out;

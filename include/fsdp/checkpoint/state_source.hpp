@@ -56,7 +56,7 @@ class StateSource {
   virtual void verify(int /*rank*/, int /*ranks*/) const {}
   // A collective after read_all on every rank (also where it threw): "" when no rank found a
   // damaged file, else the same message naming one on every rank. `agree` is
-  // UnitBase::all_ranks_agree.
+  // Unit::all_ranks_agree.
   virtual std::string agree_damage(const std::function<bool(bool)>& /*agree*/) const { return ""; }
 
  protected:
@@ -120,7 +120,8 @@ class ShardedStateDictsSource final : public StateSource {
       for (auto& s : d.slices) {
         auto& e = entries_[s.id];
         if (!e.slices.empty() && (e.meta.dtype != s.dtype || e.meta.shape != s.shape))
-          detail::fail("sharded state dicts disagree on the dtype or shape of ", s.id.describe());
+          detail::fail_as(ErrorKind::mismatch, "sharded state dicts disagree on the dtype or shape of ",
+                          s.id.describe());
         e.meta = {s.dtype, s.shape};
         e.slices.push_back(&s);
       }

@@ -206,9 +206,9 @@ class AsyncCommunicator : public detail::WrappedCollectives<AsyncCommunicator<C>
 
     // The error for a collective that is not run because `failure` happened before it.
     std::exception_ptr broken(int rank, const Op& op) const {
-      return std::make_exception_ptr(Error("rank " + std::to_string(rank) + ": " + op.label() +
-                                           " not run: an earlier collective on this stream failed (" + failed_op +
-                                           "): " + failure));
+      return std::make_exception_ptr(Error(failure_kind, "rank " + std::to_string(rank) + ": " + op.label() +
+                                                             " not run: an earlier collective on this stream failed (" +
+                                                             failed_op + "): " + failure));
     }
 
     void loop() {
@@ -250,6 +250,7 @@ class AsyncCommunicator : public detail::WrappedCollectives<AsyncCommunicator<C>
         } catch (...) {}  // out of memory: the stream still breaks, with less said
         std::lock_guard lk(mu);
         is_broken = true;
+        failure_kind = kind_of(error);
         failed_op = std::move(label);
         failure = std::move(message);
       }
@@ -265,6 +266,7 @@ class AsyncCommunicator : public detail::WrappedCollectives<AsyncCommunicator<C>
     bool stopping = false;
     bool is_broken = false;          // a collective failed: nothing more runs
     std::string failure, failed_op;  // what failed first, and its message
+    ErrorKind failure_kind = ErrorKind::misuse;  // and its kind, kept by the errors that quote it
     std::thread worker;              // last: starts after everything it uses exists
   };
 

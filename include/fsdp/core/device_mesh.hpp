@@ -62,8 +62,8 @@ class DeviceMesh {
     world.all_gather(mine.data(), all.data(), 2, DType::i32).wait();
     for (int r = 0; r < n; ++r)
       if (all[2 * r] != mine[0] || all[2 * r + 1] != mine[1])
-        detail::fail("device mesh on rank ", rank, ": ranks disagree on the shape: rank ", r, " asked for ",
-                     all[2 * r], "x", all[2 * r + 1], ", rank ", rank, " for ", shape.str());
+        detail::fail_as(ErrorKind::mismatch, "device mesh on rank ", rank, ": ranks disagree on the shape: rank ", r,
+                        " asked for ", all[2 * r], "x", all[2 * r + 1], ", rank ", rank, " for ", shape.str());
     if (shape.replicate < 1 || shape.shard < 1 || shape.size() != n)
       detail::fail("device mesh on rank ", rank, ": shape ", shape.str(), " (replicate x shard) needs ",
                    shape.size(), " ranks but the communicator has ", n);

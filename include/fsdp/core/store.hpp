@@ -140,7 +140,8 @@ class HashStore final : public Store {
     for (const auto& k : keys) {
       while (!map_.count(k)) {
         if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !map_.count(k))
-          detail::fail("store: waited ", timeout.count(), " ms for key '", k, "', which no rank set");
+          detail::fail_as(ErrorKind::timeout, "store: waited ", timeout.count(), " ms for key '", k,
+                          "', which no rank set");
       }
     }
   }

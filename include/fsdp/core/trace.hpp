@@ -2,8 +2,8 @@
 // fsdp::Trace: one rank's timeline of named, timed spans on two lanes (compute and
 // communication), for seeing whether communication overlaps compute. Recording is
 // thread-safe: the compute thread and a communication stream's worker record into the same
-// Trace. Only the standard library is used here; fsdp/core/trace_json.hpp writes a Trace as
-// Chrome trace / Perfetto JSON.
+// Trace. Only the standard library and fsdp::Error are used here; fsdp/core/trace_json.hpp
+// writes a Trace as Chrome trace / Perfetto JSON.
 //
 //   fsdp::Trace trace(comm.rank());
 //   { auto s = trace.span("forward", "compute"); model.forward(...); }   // recorded here
@@ -11,10 +11,11 @@
 #include <chrono>
 #include <cstddef>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 
@@ -40,10 +41,10 @@ class Trace {
   int rank() const { return rank_; }
   Clock::time_point origin() const { return origin_; }
 
-  // Records a finished span. Throws std::invalid_argument if it ends before it begins
-  // (a caller's mix-up that would otherwise export a negative duration).
+  // Records a finished span. Throws fsdp::Error (misuse) if it ends before it begins (a
+  // caller's mix-up that would otherwise export a negative duration).
   void add(std::string name, std::string category, Lane lane, Clock::time_point begin, Clock::time_point end) {
-    if (end < begin) throw std::invalid_argument("fsdp::Trace::add: span '" + name + "' ends before it begins");
+    if (end < begin) throw Error("Trace::add: span '" + name + "' ends before it begins");
     std::lock_guard lk(mu_);
     events_.push_back(Event{std::move(name), std::move(category), lane, begin, end});
   }

@@ -54,20 +54,21 @@ inline void write_chrome_json(const Trace& trace, const std::string& path) {
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
   if (!out) {
     const std::string why = errno ? std::generic_category().message(errno) : "cannot open it";
-    detail::fail("cannot write trace to '", path, "': opening '", tmp, "' for writing failed: ", why);
+    detail::fail_as(ErrorKind::io, "cannot write trace to '", path, "': opening '", tmp, "' for writing failed: ", why);
   }
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   out.close();
   std::error_code ignored;
   if (!out) {
     std::filesystem::remove(tmp, ignored);
-    detail::fail("cannot write trace to '", path, "': writing '", tmp, "' failed");
+    detail::fail_as(ErrorKind::io, "cannot write trace to '", path, "': writing '", tmp, "' failed");
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ignored);
-    detail::fail("cannot write trace to '", path, "': renaming '", tmp, "' to it failed: ", ec.message());
+    detail::fail_as(ErrorKind::io, "cannot write trace to '", path, "': renaming '", tmp,
+                    "' to it failed: ", ec.message());
   }
 }
 

@@ -12,11 +12,18 @@
 
 namespace fsdp::detail {
 
+// The fsdp::ErrorKind of a failed CUDA call: out_of_memory for an allocation the device
+// refused, misuse (a bug, or a broken context) for the rest.
+inline ErrorKind cuda_error_kind(cudaError_t e) {
+  return e == cudaErrorMemoryAllocation ? ErrorKind::out_of_memory : ErrorKind::misuse;
+}
+
 template <class... Where>
 void cuda_check(cudaError_t e, const char* call, Where&&... where) {
   if (e == cudaSuccess) return;
   (void)cudaGetLastError();  // clear a non-sticky error so the next call does not see it
-  fail(std::forward<Where>(where)..., ": ", call, " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
+  fail_as(cuda_error_kind(e), std::forward<Where>(where)..., ": ", call, " failed: ", cudaGetErrorString(e), " (",
+          cudaGetErrorName(e), ")");
 }
 
 // Between polls: a few yields (collectives often finish within microseconds), then short

@@ -34,11 +34,12 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/cuda/cuda_kernels.hpp"
 #include "fsdp/core/detail/memory_counter.hpp"
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/cuda/cuda_check.hpp"
+#include "fsdp/cuda/cuda_kernels.hpp"
 
 namespace fsdp {
 
@@ -287,8 +288,8 @@ class CudaDevice {
   void check(cudaError_t e, const char* call, Parts&&... parts) const {
     if (e == cudaSuccess) return;
     (void)cudaGetLastError();  // clear it unless sticky, so the next call does not see it
-    detail::fail("CudaDevice(cuda:", index_, "): ", call, std::forward<Parts>(parts)..., " failed: ",
-                 cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
+    detail::fail_as(detail::cuda_error_kind(e), "CudaDevice(cuda:", index_, "): ", call, std::forward<Parts>(parts)...,
+                    " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
   }
 
   const Kernels& kernels() {  // compiles and loads on first use (the caller holds a Guard)

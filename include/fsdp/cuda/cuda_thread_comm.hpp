@@ -90,7 +90,8 @@ class CudaEventPending final : public Work::Pending {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     for (int spins = 0; !ready(); ++spins) {
       if (std::chrono::steady_clock::now() > deadline)
-        fail(at(), " did not complete within ", timeout_.count(), " ms (CudaThreadCommOptions::timeout)");
+        fail_as(ErrorKind::timeout, at(), " did not complete within ", timeout_.count(),
+                " ms (CudaThreadCommOptions::timeout)");
       cuda_poll_backoff(spins);
     }
   }
@@ -270,7 +271,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
       calls[r].seq = static_cast<std::uint64_t>(p[9]);
     }
     const std::string mismatch = detail::collective_mismatch(calls, static_cast<std::size_t>(rank()));
-    if (!mismatch.empty()) detail::fail(where(), ": ", mismatch);
+    if (!mismatch.empty()) detail::fail_as(ErrorKind::mismatch, where(), ": ", mismatch);
   }
 
   template <class P>

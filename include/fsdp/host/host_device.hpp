@@ -24,7 +24,9 @@ class HostDevice {
   void* allocate(std::size_t bytes, MemorySpace space = MemorySpace::device) {
     if (bytes == 0) return nullptr;
     void* p = ::operator new(bytes, std::align_val_t{alignment}, std::nothrow);
-    if (!p) detail::fail("HostDevice: out of memory allocating ", bytes, " bytes in ", name_of(space), " space");
+    if (!p)
+      detail::fail_as(ErrorKind::out_of_memory, "HostDevice: out of memory allocating ", bytes, " bytes in ",
+                      name_of(space), " space");
     counter_.allocated(bytes, space);
     return p;
   }

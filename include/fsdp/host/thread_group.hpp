@@ -116,12 +116,14 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
       } catch (...) {}  // out of memory even for the message: abort without one
     }
     lk.lock();
-    if (!mismatch.empty()) st.abort(st.world_ranks[rank_], mismatch);
-    if (failure) st.abort(st.world_ranks[rank_], std::move(failed));
+    if (!mismatch.empty()) st.abort(st.world_ranks[rank_], mismatch, ErrorKind::mismatch);
+    if (failure) st.abort(st.world_ranks[rank_], std::move(failed), ErrorKind::peer_lost);  // the others lost this rank
     const bool ok = st.finish_reading(lk, rank_, call, complete);  // nobody reads our buffers after this
     if (failure) std::rethrow_exception(failure);
     if (!mismatch.empty()) st.fail_aborted();
-    if (!ok) detail::fail("rank ", st.world_ranks[rank_], ": ", call.describe(), " aborted: ", st.root->abort_reason);
+    if (!ok)
+      detail::fail_as(st.root->abort_kind, "rank ", st.world_ranks[rank_], ": ", call.describe(),
+                      " aborted: ", st.root->abort_reason);
     lk.unlock();
     if (!reduced.empty()) std::memcpy(call.recv, reduced.data(), reduced.size());
     return Work{};
@@ -229,7 +231,8 @@ class ThreadGroup {
       } catch (...) {
         errors[rank] = std::current_exception();
         std::lock_guard lk(state->mu);
-        state->abort(rank, "rank " + std::to_string(rank) + " failed: " + ThreadComm::what_of(errors[rank]));
+        state->abort(rank, "rank " + std::to_string(rank) + " failed: " + ThreadComm::what_of(errors[rank]),
+                     ErrorKind::peer_lost);
       }
       std::lock_guard lk(state->mu);
       state->exited[rank] = true;
@@ -238,6 +241,7 @@ class ThreadGroup {
     std::vector<std::thread> threads;
     threads.reserve(size_);
     std::string start_failure;
+    ErrorKind start_kind = ErrorKind::misuse;
     for (int r = 1; r < size_ && start_failure.empty(); ++r) {
       try {
         threads.emplace_back(body, r);
@@ -247,13 +251,14 @@ class ThreadGroup {
            << "); the " << r - 1 << " rank(s) already started were aborted and joined";
         start_failure = os.str();
         std::lock_guard lk(state->mu);
-        state->abort(r, start_failure);
+        start_kind = kind_of(e);  // a thread limit: a std::system_error (io)
+        state->abort(r, start_failure, start_kind);
       }
     }
     if (start_failure.empty()) body(0);  // rank 0 on the calling thread: one fewer thread, and debuggers stop there
     for (auto& t : threads) t.join();
     state->pending_splits.clear();  // splits some member never picked up (they keep the root alive)
-    if (!start_failure.empty()) throw Error(start_failure);
+    if (!start_failure.empty()) throw Error(start_kind, start_failure);
     if (state->abort_origin >= 0 && errors[state->abort_origin]) std::rethrow_exception(errors[state->abort_origin]);
     for (auto& e : errors) if (e) std::rethrow_exception(e);
   }

@@ -98,6 +98,7 @@ struct ThreadGroupState {
   std::atomic<bool> aborted{false};  // read without the lock between chunks
   int abort_origin = -1;  // the world rank whose failure aborted the group
   std::string abort_reason;
+  ErrorKind abort_kind = ErrorKind::misuse;  // what the ranks that did not fail themselves throw
   // Split groups not yet picked up by all their members, keyed by (parent id, split
   // number, color); afterwards only their communicators own them.
   struct PendingSplit {
@@ -108,15 +109,17 @@ struct ThreadGroupState {
   std::uint64_t next_group_id = 1;
   std::atomic<std::size_t> live_splits{0};
 
-  void abort(int origin_world_rank, std::string reason) {  // caller holds mu
+  // `kind`: a timeout, a mismatch, or peer_lost for a rank that failed (the others lost it).
+  void abort(int origin_world_rank, std::string reason, ErrorKind kind) {  // caller holds mu
     if (!root->aborted) {
       root->abort_origin = origin_world_rank;
       root->abort_reason = std::move(reason);
+      root->abort_kind = kind;
       root->aborted = true;
     }
     cv.notify_all();
   }
-  [[noreturn]] void fail_aborted() const { fail(root->abort_reason); }
+  [[noreturn]] void fail_aborted() const { fail_as(root->abort_kind, root->abort_reason); }
 
   void run_hook(int rank, std::uint64_t seq, CollectiveStage stage, std::size_t bytes_read) const {
     if (fault_hook) fault_hook(CollectivePoint{world_ranks[rank], seq, stage, bytes_read});
@@ -126,7 +129,8 @@ struct ThreadGroupState {
   // (having read nothing) if the group aborts, a peer exits, or the timeout passes first.
   void post_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call) {
     const int me = world_ranks[rank];
-    if (root->aborted) fail("rank ", me, ": ", call.describe(), " not started: ", root->abort_reason);
+    if (root->aborted)
+      fail_as(root->abort_kind, "rank ", me, ": ", call.describe(), " not started: ", root->abort_reason);
     posted[rank] = call;
     const std::uint64_t gen = generation;
     arrived_gen[rank] = gen + 1;
@@ -141,13 +145,14 @@ struct ThreadGroupState {
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (generation == gen) {
-      if (root->aborted) fail("rank ", me, ": ", call.describe(), " aborted: ", root->abort_reason);
+      if (root->aborted)
+        fail_as(root->abort_kind, "rank ", me, ": ", call.describe(), " aborted: ", root->abort_reason);
       for (int r = 0; r < size; ++r) {
         if (root->exited[world_ranks[r]] && arrived_gen[r] <= gen) {
           std::ostringstream os;
           os << "rank " << world_ranks[r] << " finished without joining " << call.describe() << " that rank " << me
              << " is waiting in (ranks ran different numbers of collectives)";
-          abort(me, os.str());
+          abort(me, os.str(), ErrorKind::mismatch);
           fail_aborted();
         }
       }
@@ -156,7 +161,7 @@ struct ThreadGroupState {
         os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
            << " ms; ranks that never arrived:";
         for (int r = 0; r < size; ++r) if (arrived_gen[r] <= gen) os << ' ' << world_ranks[r];
-        abort(me, os.str());
+        abort(me, os.str(), ErrorKind::timeout);
         fail_aborted();
       }
     }
@@ -182,13 +187,13 @@ struct ThreadGroupState {
         std::ostringstream os;
         os << "rank " << me << ": " << call.describe() << " aborted: " << root->abort_reason << " (left after "
            << 2 * timeout.count() << " ms with ranks still reading:" << still_reading() << ")";
-        fail(os.str());
+        fail_as(ErrorKind::timeout, os.str());
       }
       if (!root->aborted) {
         std::ostringstream os;
         os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
            << " ms; ranks still reading their peers' buffers:" << still_reading();
-        abort(me, os.str());
+        abort(me, os.str(), ErrorKind::timeout);
       }
       incomplete = true;
       deadline = std::chrono::steady_clock::now() + timeout;

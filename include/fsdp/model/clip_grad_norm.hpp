@@ -12,7 +12,7 @@
 // collective over the world combines them, so the result is identical on every rank. Each
 // element counts exactly once: padding is never in a ParamView, and where replicas hold the
 // same reduced gradient (NoShard; the replicate dimension of the hybrid strategies) only
-// the copy UnitBase::saves_shards() names is counted.
+// the copy Unit::saves_shards() names is counted.
 //
 // When the total norm exceeds max_norm, every gradient shard on every rank (replicas too)
 // is multiplied by max_norm / (total_norm + 1e-6), PyTorch's coefficient, applied only when
@@ -20,7 +20,7 @@
 // error_if_nonfinite it is an fsdp::Error on every rank, without it the non-finite norm is
 // returned and the gradients are left as they are.
 //
-// Gradients are read to the host through UnitBase::copy_bytes in fixed-size chunks (a GPU
+// Gradients are read to the host through Unit::copy_bytes in fixed-size chunks (a GPU
 // path would reduce on the device with a kernel and copy back one number per shard; CUDA
 // cannot run here). Built with a Device (one with unscale(), fsdp::UnscalingDevice) the
 // multiply runs there, wherever the shards live; without one it is a host read-multiply-
@@ -118,7 +118,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
   auto invalid = [&](std::string msg) { rec.status = ClipRecord::invalid, why = prefix() + msg; return rec; };
   if (auto bad = check_clip_options(o); !bad.empty()) return invalid(bad);
   for (auto& u : model) {
-    const int unit_world = u->world_size();
+    const int unit_world = fsdp::detail::internals(*u).world_size();
     if (u->rank() != world_rank || unit_world != world_size)
       return invalid("unit '" + std::string(u->display_name()) + "' is on rank " + std::to_string(u->rank()) + " of a world of " +
                      std::to_string(unit_world) + " ranks, but the communicator passed has rank " +
@@ -127,7 +127,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
     if (u->state() != TrainingState::IDLE)
       return invalid("unit '" + std::string(u->display_name()) + "' is in state " + std::string(name_of(u->state())) +
                      "; clip gradients after ShardedModel::finish_backward() and before the optimizer step");
-    if (u->gradient_after_hook() == GradientAfterHook::free)
+    if (u->config().after_hook == GradientAfterHook::free)
       return invalid("unit '" + std::string(u->display_name()) + "' frees its sharded gradient after its "
                      "post-accumulate-grad hook (the optimizer steps inside backward), so no gradient is left to "
                      "clip; the global norm needs every gradient before any step: clip outside backward, or not at all");
@@ -141,12 +141,12 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
   }
   std::vector<std::byte> host(clip_chunk_bytes);
   for (auto& u : model) {
-    if (!u->saves_shards()) continue;  // a replica: another rank counts these elements
+    if (!fsdp::detail::internals(*u).saves_shards()) continue;  // a replica: another rank counts these elements
     for (const ParamView& p : u->parameters()) {
       const std::size_t elem = size_of(p.grad_dtype), per_chunk = clip_chunk_bytes / elem;
       for (std::size_t done = 0; done < static_cast<std::size_t>(p.count);) {
         const std::size_t n = std::min(per_chunk, static_cast<std::size_t>(p.count) - done);
-        u->copy_bytes(host.data(), static_cast<const std::byte*>(p.grad) + done * elem, n * elem);
+        fsdp::detail::internals(*u).copy_bytes(host.data(), static_cast<const std::byte*>(p.grad) + done * elem, n * elem);
         std::size_t bad = 0;
         if (!accumulate_norm(host.data(), n, p.grad_dtype, o.norm_type, rec.partial, &bad)) {
           rec.status = ClipRecord::nonfinite;
@@ -173,9 +173,9 @@ inline void scale_grads_on_host(ShardedModel& model, double factor) {
       for (std::size_t done = 0; done < static_cast<std::size_t>(s.numel);) {
         const std::size_t n = std::min(per_chunk, static_cast<std::size_t>(s.numel) - done);
         std::byte* at = static_cast<std::byte*>(s.grad) + done * elem;
-        u->copy_bytes(host.data(), at, n * elem);
+        fsdp::detail::internals(*u).copy_bytes(host.data(), at, n * elem);
         host_unscale(host.data(), n, s.grad_dtype, factor);  // the product in double, rounded once
-        u->copy_bytes(at, host.data(), n * elem);
+        fsdp::detail::internals(*u).copy_bytes(at, host.data(), n * elem);
         done += n;
       }
     }
@@ -200,10 +200,12 @@ ClipResult clip_grad_norm_impl(ShardedModel& model, Comm& world, const ClipOptio
   for (int r = 1; r < size; ++r)
     if (all[r].max_norm != all[0].max_norm || all[r].norm_type != all[0].norm_type ||
         all[r].error_if_nonfinite != all[0].error_if_nonfinite)
-      fail("ranks were given different options: rank 0 max_norm ", all[0].max_norm, ", norm_type ",
-           all[0].norm_type, ", error_if_nonfinite ", all[0].error_if_nonfinite != 0 ? "true" : "false", "; rank ", r, " max_norm ",
-           all[r].max_norm, ", norm_type ", all[r].norm_type, ", error_if_nonfinite ", all[r].error_if_nonfinite != 0 ? "true" : "false",
-           "; every rank must pass the same ClipOptions. No gradient was changed");
+      fail_as(ErrorKind::mismatch, "ranks were given different options: rank 0 max_norm ", all[0].max_norm,
+              ", norm_type ", all[0].norm_type, ", error_if_nonfinite ",
+              all[0].error_if_nonfinite != 0 ? "true" : "false", "; rank ", r, " max_norm ", all[r].max_norm,
+              ", norm_type ", all[r].norm_type, ", error_if_nonfinite ",
+              all[r].error_if_nonfinite != 0 ? "true" : "false",
+              "; every rank must pass the same ClipOptions. No gradient was changed");
 
   const bool inf_norm = std::isinf(o.norm_type);
   double total = 0, counted = 0;

@@ -148,7 +148,7 @@ inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root
 
 // The plan for policies read as values: compiled once per translation unit, however many
 // policy configurations it plans (fsdp::plan<Ps...> below only converts them).
-inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options) {
+inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options) {
   const MeshShape m = options.mesh;
   if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
   if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
@@ -242,27 +242,28 @@ inline MemoryPlan plan_for(const PolicyValues& policy, const std::vector<Planned
 // fsdp::planned_units for policies read as values: a ShardedModel's units as the planner
 // needs them, read from the units' public views and checked against the policies, so that
 // a plan made with other policies than the model's is refused rather than wrong.
-inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, ShardedModel& model, PlanOptions& options) {
+inline std::vector<PlannedUnit> planned_units_for(const PolicyConfig& policy, ShardedModel& model, PlanOptions& options) {
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
-  options.mesh = model[0].mesh_shape();  // every unit of a model uses the same groups
+  options.mesh = fsdp::detail::internals(model[0]).mesh_shape();  // every unit of a model uses the same groups
   options.max_prefetched = model.execution_order().max_prefetched;
   const int shard = options.mesh.shard;
   const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? options.mesh.size() : 1;
   if (shard_size != shard)
-    detail::fail("fsdp::plan: the model uses a ", model[0].groups(), ", which its policies' strategy would not: plan with the "
+    detail::fail("fsdp::plan: the model uses a ", fsdp::detail::internals(model[0]).groups(), ", which its policies' strategy would not: plan with the "
                  "policies given to fsdp::shard");
 
   std::vector<PlannedUnit> out;
   for (auto& unit : model) {
-    const UnitBase& u = *unit;
+    const Unit& u = *unit;
+    const UnitConfig config = u.config();
     const std::string name(u.display_name());
     auto refuse = [&](const std::string& why) {
       detail::fail("fsdp::plan: unit '", name, "' on rank ", u.rank(), ": ", why);
     };
-    if (!u.gradient_sync().requires_sync)
+    if (!config.sync.requires_sync)
       refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
              "PlanOptions::micro_batches");
-    if (!u.gradient_sync().requires_all_reduce)
+    if (!config.sync.requires_all_reduce)
       refuse("has the replicate all-reduce off; plan between steps, with it on, and set PlanOptions::defer_all_reduce "
              "and micro_batches");
     if (u.state() != TrainingState::IDLE) refuse("is not IDLE; plan between steps");
@@ -273,13 +274,13 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
     for (std::size_t k = 0; k < shards.size(); ++k) p.flat[k].dtype = shards[k].dtype;
     for (const ParamView& v : u.parameters()) p.flat.at(v.shard).numel += v.numel;
     for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
-    p.reshard_after_forward = u.reshard_settings().after_forward;
-    p.post_forward_ranks = u.reshard_settings().post_forward_ranks;
-    p.reshard_after_backward = u.reshard_settings().after_backward;
-    p.accumulation = u.gradient_sync().mode;
-    if (u.has_post_accumulate_grad_hook()) p.post_accumulate_grad_hook = u.gradient_after_hook();
-    for (const UnitBase* v : u.forward_prefetch()) p.forward_prefetch.emplace_back(v->fqn());
-    for (const UnitBase* v : u.backward_prefetch()) p.backward_prefetch.emplace_back(v->fqn());
+    p.reshard_after_forward = config.reshard.after_forward;
+    p.post_forward_ranks = config.reshard.post_forward_ranks;
+    p.reshard_after_backward = config.reshard.after_backward;
+    p.accumulation = config.sync.mode;
+    if (config.post_accumulate_grad_hook) p.post_accumulate_grad_hook = config.after_hook;
+    p.forward_prefetch = config.forward_prefetch;
+    p.backward_prefetch = config.backward_prefetch;
     // What the unit holds must be what these policies (and threshold) would give it.
     std::int64_t elements = 0;
     for (const auto& f : p.flat) elements += f.numel;
@@ -312,7 +313,7 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyValues& policy, Sh
 // would get. options.mesh is required ({1, N} for N ranks without a hybrid strategy).
 template <class... Ps>
 MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& options) {
-  return detail::plan_for(detail::policy_values<Policies<Ps...>>(), units, options);
+  return detail::plan_for(policy_config<Policies<Ps...>>(), units, options);
 }
 
 // The units of a sharded model as the planner needs them, checked against the policies
@@ -320,14 +321,39 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
 // max_prefetched are read from the model.
 template <class... Ps>
 std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
-  return detail::planned_units_for(detail::policy_values<Policies<Ps...>>(), model, options);
+  return detail::planned_units_for(policy_config<Policies<Ps...>>(), model, options);
 }
 
-// The plan of `model`'s training steps, built before any step (or between steps).
+// The plan of `model`'s training steps, built before any step (or between steps), checked
+// against the policies Ps given to fsdp::shard. fsdp::plan(model) below needs none.
 template <class... Ps>
 MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
   const auto units = planned_units<Ps...>(model, options);
   return plan<Ps...>(units, options);
+}
+
+// The plan of `model`'s training steps, from what the model reports of itself
+// (ShardedModel::config()): its policies, mesh, prefetch limit and persistence threshold
+// are read, not restated; options.mesh, max_prefetched and persistence_threshold are
+// overwritten. Every unit must have the same policies and threshold (units built by hand
+// with different ones are refused: the planner replays one configuration).
+inline MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
+  if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
+  const ModelConfig config = model.config();
+  const UnitConfig& first = config.units.front();
+  for (const UnitConfig& u : config.units) {
+    if (u.policies != first.policies)
+      detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' (", to_string(first.policies), ") and '",
+                   detail::display(u.fqn), "' (", to_string(u.policies), ") on rank ", model[0].rank(),
+                   " have different policies; the planner replays one configuration");
+    if (u.persistence_threshold != first.persistence_threshold)
+      detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' and '", detail::display(u.fqn), "' on rank ",
+                   model[0].rank(), " have different persistence thresholds (", first.persistence_threshold, " and ",
+                   u.persistence_threshold, "); the planner replays one configuration");
+  }
+  options.persistence_threshold = first.persistence_threshold;
+  const auto units = detail::planned_units_for(first.policies, model, options);
+  return detail::plan_for(first.policies, units, options);
 }
 
 }  // namespace fsdp

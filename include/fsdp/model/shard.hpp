@@ -241,6 +241,8 @@ auto unit_options_for(const UnitOptions& base, const Init& init) {
     if constexpr (is_deferred_init<Init>::value) {
       o.init = unit_init(init, module, fqn);
       o.check_init_agrees = init.check == InitCheck::ranks_agree && !base.sync_module_states;  // sync makes them agree
+    } else {
+      (void)init;  // used by a deferred init only (clang's -Wunused-lambda-capture otherwise)
     }
     return o;
   };
@@ -273,7 +275,7 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
     if (n.unit) {
       f.add(n.fqn);
       units.insert(n.id);
-      unit_options.skip_modules.push_back(n.id);
+      unit_options.ignored_modules.push_back(n.id);
     }
   const std::size_t count = units.size() + 1;
   f.add_count(count);

@@ -49,7 +49,7 @@ class ModelSummon {
  private:
   std::exception_ptr end_all(bool writeback) noexcept {
     std::exception_ptr first;
-    for (UnitBase* u : std::exchange(summoned_, {})) {
+    for (Unit* u : std::exchange(summoned_, {})) {
       try {
         u->end_summon_full_params(writeback);
       } catch (...) {
@@ -59,7 +59,7 @@ class ModelSummon {
     return first;
   }
 
-  std::vector<UnitBase*> summoned_;
+  std::vector<Unit*> summoned_;
   bool writeback_;
   int exceptions_ = std::uncaught_exceptions();
 };
@@ -71,23 +71,23 @@ class ShardedModel {
   ShardedModel& operator=(ShardedModel&&) noexcept = default;
 
   // Adds a unit built in place; returns it.
-  template <class Unit, class... Args>
-  Unit& emplace(Args&&... args) {
-    auto u = std::make_unique<Unit>(std::forward<Args>(args)...);
-    Unit& ref = *u;
+  template <class U, class... Args>
+  U& emplace(Args&&... args) {
+    auto u = std::make_unique<U>(std::forward<Args>(args)...);
+    U& ref = *u;
     add(std::move(u));
     return ref;
   }
 
-  void add(std::unique_ptr<UnitBase> unit) {
+  void add(std::unique_ptr<Unit> unit) {
     for (auto& u : units_)
       if (u->fqn() == unit->fqn())
         detail::fail("ShardedModel: two units named '", unit->display_name(), "' on rank ",
                      unit->rank());
-    if (!units_.empty() && unit->groups() != units_.front()->groups())
-      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", unit->groups(),
+    if (!units_.empty() && fsdp::detail::internals(*unit).groups() != fsdp::detail::internals(*units_.front()).groups())
+      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", fsdp::detail::internals(*unit).groups(),
                    " but unit '", units_.front()->display_name(), "' a ",
-                   units_.front()->groups(), "; every unit of a model must use the same groups");
+                   fsdp::detail::internals(*units_.front()).groups(), "; every unit of a model must use the same groups");
     const ModuleKey key{unit->module_address(), unit->module_type()};
     if (by_module_.count(key))
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
@@ -110,29 +110,29 @@ class ShardedModel {
   }
 
   std::size_t size() const { return units_.size(); }
-  UnitBase& operator[](std::size_t i) { return *units_.at(i); }
+  Unit& operator[](std::size_t i) { return *units_.at(i); }
   auto begin() { return units_.begin(); }
   auto end() { return units_.end(); }
 
   // The unit that manages `module`, or nullptr. A polymorphic module may be passed as any
   // of its bases (Layer&): it is identified by its dynamic type (ModuleId).
   template <class M>
-  UnitBase* find_unit_for(const M& module) const {
+  Unit* find_unit_for(const M& module) const {
     static_assert(!std::is_pointer_v<M>, "fsdp: pass the module itself (unit_for(block)), not a pointer to it");
     const ModuleId id = ModuleId::of(module);
     auto it = by_module_.find(ModuleKey{id.address, id.type});
     return it == by_module_.end() ? nullptr : it->second;
   }
   template <class M>
-  UnitBase& unit_for(const M& module) const {
+  Unit& unit_for(const M& module) const {
     if (auto* u = find_unit_for(module)) return *u;
     detail::fail("ShardedModel: the ", ModuleId::of(module).type.name(), " at ", ModuleId::of(module).address,
                  " is not a unit; units are: ", unit_names());
   }
   // The unit whose module lies at `address` whatever its type (for hooks that only keep a
   // pointer), or nullptr; an error when a module and its first member are both units there.
-  UnitBase* find_unit_at(const void* address) const {
-    UnitBase* found = nullptr;
+  Unit* find_unit_at(const void* address) const {
+    Unit* found = nullptr;
     for (const auto& [key, unit] : by_module_) {
       if (key.first != address) continue;
       if (found)
@@ -142,7 +142,7 @@ class ShardedModel {
     }
     return found;
   }
-  UnitBase& unit(std::string_view fqn) const {
+  Unit& unit(std::string_view fqn) const {
     for (auto& u : units_) if (u->fqn() == fqn) return *u;
     detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
   }
@@ -180,12 +180,21 @@ class ShardedModel {
     order_->max_prefetched = n;
   }
 
+  // The whole configuration: each unit's policies and run-time settings as they are now,
+  // and the prefetch limit (fsdp/policy/configuration.hpp; to_string prints it).
+  ModelConfig config() const {
+    ModelConfig c;
+    c.max_prefetched = order_->max_prefetched;
+    for (const auto& u : units_) c.units.push_back(u->config());
+    return c;
+  }
+
   // The recorded execution order (after the first iteration), for tests and tools.
   const ExecutionOrder& execution_order() const { return *order_; }
 
   // Zeroes the sharded gradients and frees what accumulation kept. Every unit's zeroing
   // goes out in one device call where the device can (BatchZeroingDevice).
-  void zero_grad() { detail::zero_grads(units_, UnitBase::mark_failed_in_zero_grad); }
+  void zero_grad() { detail::zero_grads(units_, Unit::mark_failed_in_zero_grad); }
 
   // Every parameter whole, in its master dtype, in the engine's tensors until the returned
   // scope ends; IDLE units only, a collective. With writeback each rank keeps the edits to
@@ -236,7 +245,7 @@ class ShardedModel {
   }
   void set_post_accumulate_param_hook(const PostAccumulateParamHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
     PostAccumulateGradHook per_unit;
-    if (hook) per_unit = [hook](UnitBase& u) {
+    if (hook) per_unit = [hook](Unit& u) {
       for (const ParamView& p : u.parameters()) hook(u, p);
     };
     set_post_accumulate_grad_hook(per_unit, after);
@@ -264,7 +273,7 @@ class ShardedModel {
     void restore() noexcept {
       for (auto& [u, on] : saved_) u->sync_.requires_sync = on;
     }
-    std::vector<std::pair<UnitBase*, bool>> saved_;
+    std::vector<std::pair<Unit*, bool>> saved_;
   };
   [[nodiscard]] NoSyncScope no_sync() { return NoSyncScope(*this); }
 
@@ -277,18 +286,18 @@ class ShardedModel {
   }
 
   // Recovery after an exception inside a step (a failed allocation, an engine error, a hook
-  // that threw; UnitBase::abort_step): every unit frees what the step held, discards the
+  // that threw; Unit::abort_step): every unit frees what the step held, discards the
   // step's gradients (as zero_grad) and returns to IDLE, and the execution order forgets
   // the pass (an order still being recorded is recorded again). Then one agreement across
   // the world: every rank must call it; a rank still inside another collective makes it
   // an error on every rank instead, and the units then stay failed. The next step computes
   // with the parameters as they were before the aborted one.
   void abort_step() {
-    for (auto& u : units_) u->abandon_step();
+    for (auto& u : units_) fsdp::detail::internals(*u).abandon_step();
     order_->abort_pass();
     if (units_.empty()) return;
     for (auto& u : units_) u->failed_hook_ = "abort_step";  // until every rank took part
-    units_[0]->all_ranks_agree(true);
+    fsdp::detail::internals(*units_[0]).all_ranks_agree(true);
     for (auto& u : units_) u->failed_hook_ = nullptr;
   }
 
@@ -314,7 +323,7 @@ class ShardedModel {
 
   // A tensor reachable under several FQNs (tied) is sharded once, by the one unit that
   // holds all its uses; found in two units it would be two copies that drift apart.
-  void check_no_tie_across(const UnitBase& unit) const {
+  void check_no_tie_across(const Unit& unit) const {
     for (const auto& st : unit.param_storage()) {
       auto it = storage_owner_.find(st.key);
       if (it == storage_owner_.end()) continue;
@@ -327,12 +336,12 @@ class ShardedModel {
   }
 
   // The innermost unit whose module holds both FQNs, in words.
-  std::string owner_of(const std::string& a, const std::string& b, const UnitBase& adding) const {
+  std::string owner_of(const std::string& a, const std::string& b, const Unit& adding) const {
     auto holds = [](const std::string& unit, const std::string& fqn) {
       return unit.empty() || (fqn.size() > unit.size() && fqn.compare(0, unit.size(), unit) == 0 && fqn[unit.size()] == '.');
     };
-    const UnitBase* best = nullptr;
-    auto consider = [&](const UnitBase& u) {
+    const Unit* best = nullptr;
+    auto consider = [&](const Unit& u) {
       if (holds(u.fqn(), a) && holds(u.fqn(), b) && (!best || u.fqn().size() > best->fqn().size())) best = &u;
     };
     for (const auto& u : units_) consider(*u);
@@ -355,9 +364,9 @@ class ShardedModel {
   // Declared before the units, so destroyed after them: a unit's destructor waits for its
   // collectives, whose error messages name their unit through it (CollectiveTag::names).
   std::unique_ptr<ExecutionOrder> order_;  // on the heap: units keep its address across moves
-  std::vector<std::unique_ptr<UnitBase>> units_;
-  std::map<ModuleKey, UnitBase*> by_module_;
-  std::map<const void*, std::pair<UnitBase*, std::string>> storage_owner_;  // every unit's parameters, by storage
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::map<ModuleKey, Unit*> by_module_;
+  std::map<const void*, std::pair<Unit*, std::string>> storage_owner_;  // every unit's parameters, by storage
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;
 };

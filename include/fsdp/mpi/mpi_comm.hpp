@@ -101,12 +101,12 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     if (rc == detail::kMpiTimedOut) {
       const auto message = where + "MPI_Comm_idup did not complete within " + std::to_string(options.timeout.count()) +
                            " ms (MpiCommOptions::timeout): a rank of the parent communicator never created its MpiComm";
-      rt->mark_failed(message);
-      detail::fail(message);
+      rt->mark_failed(message, ErrorKind::timeout);
+      detail::fail_as(ErrorKind::timeout, message);
     }
     if (rc != MPI_SUCCESS) {
       const auto message = where + "MPI_Comm_idup failed: " + detail::mpi_error_text(rc);
-      rt->mark_failed(message);
+      rt->mark_failed(message, ErrorKind::misuse);
       detail::fail(message);
     }
     auto state = std::make_shared<detail::MpiCommState>(rt, comm, std::move(name), options.timeout, options.check_calls);
@@ -156,7 +156,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     }
     if (rc != MPI_SUCCESS)
       state_->fail_collective(where() + ": MPI_Comm_split(color " + std::to_string(color) + ", key " +
-                              std::to_string(key) + ") failed: " + detail::mpi_error_text(rc));
+                                  std::to_string(key) + ") failed: " + detail::mpi_error_text(rc),
+                              ErrorKind::misuse);
     auto name = state_->name + "/split#" + std::to_string(id) + "(color " + std::to_string(color) + ")";
     return MpiComm(
         std::make_shared<detail::MpiCommState>(state_->rt, comm, std::move(name), state_->timeout, state_->check_calls));
@@ -260,11 +261,14 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     if (rc == MPI_SUCCESS) rc = detail::mpi_test_until(*s.rt, req, std::chrono::steady_clock::now() + s.timeout);
     if (rc != MPI_SUCCESS)
       s.fail_collective(s.where() + ": agreeing on MpiCommOptions::check_calls " +
-                        (rc == detail::kMpiTimedOut ? "timed out" : "failed: " + detail::mpi_error_text(rc)));
+                            (rc == detail::kMpiTimedOut ? "timed out" : "failed: " + detail::mpi_error_text(rc)),
+                        rc == detail::kMpiTimedOut ? ErrorKind::timeout : ErrorKind::misuse);
     for (int r = 0; r < s.size; ++r)
       if (all[static_cast<std::size_t>(r)] != mine)
-        detail::fail(s.where(), ": MpiCommOptions::check_calls must be the same on every rank, but rank ", r, " has ",
-                     all[static_cast<std::size_t>(r)] ? "true" : "false", " and this rank ", mine ? "true" : "false");
+        detail::fail_as(ErrorKind::mismatch, s.where(),
+                        ": MpiCommOptions::check_calls must be the same on every rank, but rank ", r, " has ",
+                        all[static_cast<std::size_t>(r)] ? "true" : "false", " and this rank ",
+                        mine ? "true" : "false");
   }
 
   static std::uintptr_t address(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
@@ -276,7 +280,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     call.seq = state_->seq++;
     const auto broken_by = state_->broken_by();
     if (!broken_by.empty())
-      detail::fail(where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_by);
+      detail::fail_as(state_->broken_by_kind(), where(), ": ", call.describe(),
+                      " not started: the communicator broke earlier: ", broken_by);
     return call;
   }
 
@@ -330,8 +335,9 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
         mpi_function = "MPI_Iallgather (the call descriptors)";
     }
     if (rc != MPI_SUCCESS)
-      state_->fail_collective(where() + ": " + call.describe() + " failed in " + mpi_function + ": " +
-                              detail::mpi_error_text(rc));
+      state_->fail_collective(
+          where() + ": " + call.describe() + " failed in " + mpi_function + ": " + detail::mpi_error_text(rc),
+          ErrorKind::misuse);
     return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(check)));
   }
 

@@ -95,9 +95,9 @@ struct MpiRuntime {
   // while unwinding. After a failure fsdp makes no MPI call but MPI_Abort.
   std::unique_lock<std::mutex> lock_for_call(const std::string& where) {
     if (has_failed())
-      fail(where, ": not started: the MPI job already failed (", failure(),
-           "); fsdp makes no further MPI calls, since a timed-out collective could still write into freed "
-           "buffers. End the job (the MpiSession aborts it when it ends)");
+      fail_as(failure_kind(), where, ": not started: the MPI job already failed (", failure(),
+              "); fsdp makes no further MPI calls, since a timed-out collective could still write into freed "
+              "buffers. End the job (the MpiSession aborts it when it ends)");
     return lock();
   }
   // The same with `where()` built only to refuse: no string per collective.
@@ -108,14 +108,20 @@ struct MpiRuntime {
   }
 
   // Records the first failure that leaves MPI in an unknown state.
-  void mark_failed(const std::string& reason) {
+  void mark_failed(const std::string& reason, ErrorKind kind) {
     std::lock_guard lk(failure_mutex);
-    if (!failed.exchange(true)) first_failure = reason;
+    if (failed.exchange(true)) return;
+    first_failure = reason;
+    first_failure_kind = kind;
   }
   bool has_failed() const { return failed.load(); }
   std::string failure() const {
     std::lock_guard lk(failure_mutex);
     return first_failure;
+  }
+  ErrorKind failure_kind() const {
+    std::lock_guard lk(failure_mutex);
+    return first_failure_kind;
   }
 
   // The process's runtime: the live one if a session or communicator still holds it,
@@ -142,6 +148,7 @@ struct MpiRuntime {
   std::atomic<bool> failed{false};
   mutable std::mutex failure_mutex;
   std::string first_failure;
+  ErrorKind first_failure_kind = ErrorKind::misuse;
 };
 
 }  // namespace detail

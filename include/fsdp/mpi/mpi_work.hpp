@@ -69,24 +69,34 @@ struct MpiCommState {
 
   // A failure that leaves this communicator out of step with its peers: later collectives
   // on it fail at once, and the session will abort the job.
-  [[noreturn]] void fail_collective(const std::string& message) {
+  // `kind`: timeout, mismatch, or misuse for an MPI error (MPI says no more).
+  [[noreturn]] void fail_collective(const std::string& message, ErrorKind kind) {
     {
       std::lock_guard lk(broken_mutex);
-      if (broken.empty()) broken = message;
+      if (broken.empty()) {
+        broken = message;
+        broken_kind = kind;
+      }
     }
-    rt->mark_failed(message);
-    fail(message);
+    rt->mark_failed(message, kind);
+    fail_as(kind, message);
   }
   // MPI paired different collectives here, which completed on this rank: its buffers are
   // safe, but later collectives on it could meet leftover messages, so it takes no more.
   // The job goes on (a peer still waiting in them times out and fails it).
   void break_comm(const std::string& message) {
     std::lock_guard lk(broken_mutex);
-    if (broken.empty()) broken = message;
+    if (!broken.empty()) return;
+    broken = message;
+    broken_kind = ErrorKind::mismatch;
   }
   std::string broken_by() const {
     std::lock_guard lk(broken_mutex);
     return broken;
+  }
+  ErrorKind broken_by_kind() const {
+    std::lock_guard lk(broken_mutex);
+    return broken_kind;
   }
 
   std::shared_ptr<MpiRuntime> rt;
@@ -101,6 +111,7 @@ struct MpiCommState {
   std::vector<int> world_ranks;  // world rank of each rank; empty for the world's own order
   mutable std::mutex broken_mutex;  // a Work may be waited on by another thread
   std::string broken;               // the failure that broke it; empty while healthy
+  ErrorKind broken_kind = ErrorKind::misuse;  // and its kind
 };
 
 inline constexpr int kMpiTimedOut = -1;  // not an MPI error code (those are >= 0)
@@ -156,7 +167,8 @@ class MpiPending final : public Work::Pending {
   // (blocking: or until the timeout, a failure) or once each; true once complete.
   bool finish(bool blocking) {
     if (done_) {
-      if (!mismatch_.empty()) fail(mismatch_);  // also on a wait() after the ready() that found it
+      if (!mismatch_.empty())
+        fail_as(ErrorKind::mismatch, mismatch_);  // also on a wait() after the ready() that found it
       return true;
     }
     if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
@@ -174,11 +186,14 @@ class MpiPending final : public Work::Pending {
     const int rc = calls_rc == MPI_SUCCESS ? mpi_test_until(*comm_->rt, req_, collective_deadline) : calls_rc;
     if (rc == kMpiTimedOut && !blocking) return false;
     const std::string at = comm_->where() + ": ";
-    if (rc == kMpiTimedOut) comm_->fail_collective(at + timed_out(calls_rc, mismatch));
+    if (rc == kMpiTimedOut)
+      comm_->fail_collective(at + timed_out(calls_rc, mismatch),
+                             mismatch.empty() ? ErrorKind::timeout : ErrorKind::mismatch);
     if (rc != MPI_SUCCESS) {
       const char* in = calls_rc != MPI_SUCCESS ? "MPI_Test of the call descriptors' MPI_Iallgather" : "MPI_Test";
       comm_->fail_collective(at + (mismatch.empty() ? "" : mismatch + "; MPI paired the different collectives: ") +
-                             call_.describe() + " failed in " + in + ": " + mpi_error_text(rc));
+                                 call_.describe() + " failed in " + in + ": " + mpi_error_text(rc),
+                             mismatch.empty() ? ErrorKind::misuse : ErrorKind::mismatch);
     }
     done_ = true;
     if (!mismatch.empty()) {  // the result is not used
@@ -187,7 +202,7 @@ class MpiPending final : public Work::Pending {
         mismatch_ += "; MPI paired the different collectives, so this communicator takes no more collectives";
         comm_->break_comm(mismatch_);
       }
-      fail(mismatch_);
+      fail_as(ErrorKind::mismatch, mismatch_);
     }
     epilogue_.run();
     return true;

@@ -95,6 +95,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     std::vector<ncclResult_t> started(devices.size(), ncclSuccess);
     std::vector<ncclConfig_t> configs(devices.size(), detail::nccl_nonblocking_config(options.name.c_str()));
     std::string error;
+    ErrorKind kind = ErrorKind::misuse;
     detail::CurrentDevice restore(devices[0], at);  // the loop below moves between devices
     ncclGroupStart();
     for (int i = 0; i < n; ++i) {
@@ -107,15 +108,18 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     }
     const ncclResult_t ended = ncclGroupEnd();
     cudaSetDevice(devices[0]);  // back where `restore` left it, so that it restores the caller's
-    if (ended != ncclSuccess && ended != ncclInProgress && error.empty())
+    if (ended != ncclSuccess && ended != ncclInProgress && error.empty()) {
       error = "ncclGroupEnd failed: " + detail::nccl_error_text(ended);
+      kind = detail::nccl_error_kind(ended);
+    }
     const auto deadline = detail::NcclClock::now() + options.setup_timeout;
     for (int i = 0; i < n && error.empty(); ++i)
-      error = settled(started[i], comms[i], deadline, options, "ncclCommInitRankConfig(rank " + std::to_string(i) + ")");
+      error = settled(started[i], comms[i], deadline, options, "ncclCommInitRankConfig(rank " + std::to_string(i) + ")",
+                      kind);
     if (!error.empty()) {
       for (ncclComm_t c : comms)
         if (c) ncclCommAbort(c);
-      detail::fail(at, ": ", error);
+      detail::fail_as(kind, at, ": ", error);
     }
     std::vector<NcclComm> out;
     for (int i = 0; i < n; ++i) {
@@ -161,15 +165,19 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     ncclComm_t comm = nullptr;
     {
       auto lk = state_->lock();
-      if (!state_->broken_locked().empty()) detail::fail(at, ": the communicator broke earlier: ", state_->broken_locked());
+      if (!state_->broken_locked().empty())
+        detail::fail_as(state_->broken_kind_locked(), at,
+                        ": the communicator broke earlier: ", state_->broken_locked());
       detail::CurrentDevice current(device(), at);
       const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, &comm, &config);
       const auto deadline = detail::NcclClock::now() + child.setup_timeout;
-      std::string error = settled(r, comm, deadline, child, "ncclCommSplit");
-      if (error.empty()) error = settled(ncclSuccess, state_->comm_locked(), deadline, child, "ncclCommSplit (parent)");
+      ErrorKind kind = ErrorKind::misuse;
+      std::string error = settled(r, comm, deadline, child, "ncclCommSplit", kind);
+      if (error.empty())
+        error = settled(ncclSuccess, state_->comm_locked(), deadline, child, "ncclCommSplit (parent)", kind);
       if (!error.empty()) {
         if (comm) ncclCommAbort(comm);
-        state_->fail_locked(at + ": " + error, ~std::uint64_t{0});  // the ranks are out of step now
+        state_->fail_locked(at + ": " + error, ~std::uint64_t{0}, kind);  // the ranks are out of step now
       }
     }
     return NcclComm(detail::NcclCommState::make(comm, new_rank, static_cast<int>(members.size()), device(),
@@ -189,16 +197,23 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   }
 
   // "" once `call`, which returned `r` for `comm`, has left ncclInProgress successfully
-  // (by `deadline`), else what went wrong.
-  static std::string settled(ncclResult_t r, ncclComm_t comm, detail::NcclClock::time_point deadline,
-                             const Options& o, const std::string& call) {
-    if (r != ncclSuccess && r != ncclInProgress) return call + " failed: " + detail::nccl_error_text(r);
+  // (by `deadline`), else what went wrong (and `kind` is set to its kind).
+  static std::string settled(ncclResult_t r, ncclComm_t comm, detail::NcclClock::time_point deadline, const Options& o,
+                             const std::string& call, ErrorKind& kind) {
+    kind = ErrorKind::misuse;
+    if (r != ncclSuccess && r != ncclInProgress) {
+      kind = detail::nccl_error_kind(r);
+      return call + " failed: " + detail::nccl_error_text(r);
+    }
     if (!comm) return call + " returned no communicator";
     const ncclResult_t s = detail::nccl_settle(comm, deadline);
     if (s == ncclSuccess) return {};
-    if (s == ncclInProgress)
+    if (s == ncclInProgress) {
+      kind = ErrorKind::timeout;
       return call + " did not complete within " + std::to_string(o.setup_timeout.count()) +
              " ms (NcclCommOptions::setup_timeout): not every rank joined";
+    }
+    kind = detail::nccl_error_kind(s);
     return call + " failed: " + detail::nccl_error_text(s, comm);
   }
 
@@ -208,10 +223,12 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     ncclConfig_t config = detail::nccl_nonblocking_config(o.name.c_str());
     ncclComm_t comm = nullptr;
     const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
-    const std::string error = settled(r, comm, detail::NcclClock::now() + o.setup_timeout, o, "ncclCommInitRankConfig");
+    ErrorKind kind = ErrorKind::misuse;
+    const std::string error =
+        settled(r, comm, detail::NcclClock::now() + o.setup_timeout, o, "ncclCommInitRankConfig", kind);
     if (!error.empty()) {
       if (comm) ncclCommAbort(comm);
-      detail::fail(at, ": ", error, " (unique id from store key '", o.store_key, "')");
+      detail::fail_as(kind, at, ": ", error, " (unique id from store key '", o.store_key, "')");
     }
     return comm;
   }

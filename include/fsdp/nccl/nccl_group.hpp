@@ -53,25 +53,29 @@ class NcclGroup {
     for (auto& [state, n] : issued) locks.push_back(state->lock());
     const ncclResult_t r = ncclGroupEnd();
     std::string error;
+    ErrorKind kind = detail::nccl_error_kind(r);
     if (r != ncclSuccess && r != ncclInProgress) error = "ncclGroupEnd failed: " + detail::nccl_error_text(r);
     for (auto& [state, n] : issued) {
       if (!error.empty() || !state->broken_locked().empty()) continue;
       const ncclResult_t s =
           detail::nccl_settle(state->comm_locked(), detail::NcclClock::now() + state->options.timeout);
-      if (s == ncclInProgress)
+      if (s == ncclInProgress) {
         error = state->where() + ": the collectives of an nccl_group were not launched within " +
                 std::to_string(state->options.timeout.count()) + " ms after ncclGroupEnd (NcclCommOptions::timeout)";
-      else if (s != ncclSuccess)
+        kind = ErrorKind::timeout;
+      } else if (s != ncclSuccess) {
         error = state->where() + ": ncclGroupEnd failed: " + detail::nccl_error_text(s, state->comm_locked());
+        kind = detail::nccl_error_kind(s);
+      }
     }
     if (error.empty())
       for (auto& [state, f] : frame_.issued)
         if (state->broken_locked().empty()) state->record_locked(*f);
     for (auto& [state, n] : issued) {  // a communicator that broke meanwhile reports through its Work
-      if (!error.empty()) state->abort_locked(error, ~std::uint64_t{0});
+      if (!error.empty()) state->abort_locked(error, ~std::uint64_t{0}, kind);
       state->group_ended_locked(n);
     }
-    if (!error.empty()) detail::fail(error);
+    if (!error.empty()) detail::fail_as(kind, error);
   }
 
  private:

@@ -64,7 +64,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       s->start();
     } catch (...) {
       std::lock_guard lk(s->mu_);
-      s->abort_locked("creating the communicator failed", ~std::uint64_t{0});
+      s->abort_locked("creating the communicator failed", ~std::uint64_t{0}, ErrorKind::misuse);
       throw;
     }
     return s;
@@ -134,7 +134,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
     std::lock_guard lk(mu_);
     if (!broken_.empty())
-      fail(where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
+      fail_as(broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
     const CallAt at{where_, call};  // streamed into a message only on failure
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
@@ -154,9 +154,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (r == ncclInProgress)
       fail_locked(at.text() + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
                       nccl_function + " (NcclCommOptions::timeout)",
-                  call.seq);
+                  call.seq, ErrorKind::timeout);
     if (r != ncclSuccess)
-      fail_locked(at.text() + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq);
+      fail_locked(at.text() + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq,
+                  nccl_error_kind(r));
     in_flight_.push_back(f);
     if (!nccl_active_group) record_locked(*f);
     return f;
@@ -171,21 +172,21 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (!f.complete) {
       check_waitable_locked(f, "wait() on ");
       const std::string reason = inspect_locked(f);
-      if (!reason.empty()) fail_locked(reason, f.call.seq);
+      if (!reason.empty()) fail_locked(reason, f.call.seq, reason_kind_);
       if (!f.complete) return false;
     }
     // A host wait is also the check of collectives waited for on the GPU before it.
     const ncclResult_t state = nccl_async_state(comm_);
     if (state != ncclSuccess && state != ncclInProgress)
-      fail_locked(where() + ": " + f.call.describe() + " completed, but NCCL reported an asynchronous error: " +
-                      nccl_error_text(state, comm_),
-                  f.call.seq);
+      fail_locked(where() + ": " + f.call.describe() +
+                      " completed, but NCCL reported an asynchronous error: " + nccl_error_text(state, comm_),
+                  f.call.seq, nccl_error_kind(state));
     // Those before it have completed too (in order): their tags are compared now, not at
     // the watchdog's next look, so no host wait passes a mismatch. Up to `f` only: a later
     // collective's state is not this wait's.
     std::uint64_t seq = 0;
     const std::string earlier = retire_locked(seq, &f);
-    if (!earlier.empty()) fail_locked(earlier, seq);
+    if (!earlier.empty()) fail_locked(earlier, seq, reason_kind_);
     return true;
   }
 
@@ -202,6 +203,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // For nccl_group: the lock, and what the group's end does under it.
   std::unique_lock<std::mutex> lock() { return std::unique_lock(mu_); }
   const std::string& broken_locked() const { return broken_; }
+  ErrorKind broken_kind_locked() const { return broken_kind_; }
   ncclComm_t comm_locked() const { return comm_; }
   void record_locked(NcclInFlight& f) {
     const CallAt at{where_, f.call};
@@ -212,10 +214,12 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // Records why the communicator broke (the first reason wins) and aborts it, unless an
   // nccl_group that issued on it is still open: NCCL has not launched that group yet, so its
   // end aborts instead (group_ended_locked).
-  void abort_locked(const std::string& reason, std::uint64_t seq) {
+  // `kind`: what every error quoting `reason` throws.
+  void abort_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind) {
     if (broken_.empty()) {
       broken_ = reason + "; the communicator is aborted (ncclCommAbort)";
       broken_seq_ = seq;
+      broken_kind_ = kind;
     }
     if (aborted_ || grouped_ > 0) return;
     aborter_.start(comm_, device);  // returns at once: the abort may wait for the device (nccl_abort.hpp)
@@ -224,12 +228,12 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // The group that issued `n` collectives here has ended (ncclGroupEnd returned).
   void group_ended_locked(std::size_t n) {
     grouped_ -= n;
-    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_);
+    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_, broken_kind_);
   }
 
-  [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq) {
-    abort_locked(reason, seq);
-    fail(broken_);
+  [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind) {
+    abort_locked(reason, seq, kind);
+    fail_as(broken_kind_, broken_);
   }
 
  private:
@@ -246,8 +250,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // nccl_group has not ended (`what`: "wait() on ", ...).
   void check_waitable_locked(const NcclInFlight& f, const char* what) const {
     if (!broken_.empty()) {
-      if (broken_seq_ == f.call.seq) fail(broken_);
-      fail(where(), ": ", f.call.describe(), " did not complete: ", broken_);
+      if (broken_seq_ == f.call.seq) fail_as(broken_kind_, broken_);
+      fail_as(broken_kind_, where(), ": ", f.call.describe(), " did not complete: ", broken_);
     }
     if (!f.recorded)
       fail(where(), ": ", what, f.call.describe(),
@@ -268,24 +272,30 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   }
 
   // Why the communicator must be aborted while `f` is in flight, or "" (f.complete says
-  // whether it has finished). A tagged collective whose ranks' tags differ never completes.
+  // whether it has finished), with its kind in reason_kind_. A tagged collective whose
+  // ranks' tags differ never completes.
   std::string inspect_locked(NcclInFlight& f) {
     const cudaError_t q = cudaEventQuery(f.event);
     if (q == cudaSuccess) {
       std::string mismatch = tag_mismatch_locked(f);
       f.complete = mismatch.empty();
+      reason_kind_ = ErrorKind::mismatch;
       return mismatch;
     }
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
+      reason_kind_ = cuda_error_kind(q);
       return where() + ": " + f.call.describe() + " failed: cudaEventQuery: " + cudaGetErrorString(q) + " (" +
              cudaGetErrorName(q) + ")";
     }
     const ncclResult_t state = nccl_async_state(comm_);
-    if (state != ncclSuccess && state != ncclInProgress)
+    if (state != ncclSuccess && state != ncclInProgress) {
+      reason_kind_ = nccl_error_kind(state);
       return where() + ": " + f.call.describe() + " failed: NCCL reported an asynchronous error: " +
              nccl_error_text(state, comm_);
+    }
     const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(NcclClock::now() - f.issued);
+    reason_kind_ = ErrorKind::timeout;
     if (age > options.timeout)
       return where() + ": " + f.call.describe() + " did not complete within " +
              std::to_string(options.timeout.count()) + " ms of being issued (NcclCommOptions::timeout): a peer is " +
@@ -309,10 +319,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       fail_locked(at.text() + ": its tag slot is still used by " + last->call.describe() +
                       ", inside an nccl_group that has not ended (at most " + std::to_string(NcclTagRing::kSlots) +
                       " tagged collectives may be in flight)",
-                  f->call.seq);
+                  f->call.seq, ErrorKind::misuse);
     for (int spins = 0; last && !last->complete; ++spins) {
       const std::string reason = inspect_locked(*last);
-      if (!reason.empty()) fail_locked(reason, last->call.seq);
+      if (!reason.empty()) fail_locked(reason, last->call.seq, reason_kind_);
       if (!last->complete) cuda_poll_backoff(spins);
     }
     tags_.set_mine(slot, f->call.tag);
@@ -352,13 +362,13 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       if (stopping_) break;
       std::uint64_t seq = 0;
       const std::string reason = retire_locked(seq);
-      if (!reason.empty()) abort_locked("watchdog: " + reason, seq);
+      if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_);
       if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
         const ncclResult_t state = nccl_async_state(comm_);
         if (state != ncclSuccess && state != ncclInProgress)
           abort_locked("watchdog: " + where() + ": NCCL reported an asynchronous error between collectives: " +
                            nccl_error_text(state, comm_),
-                       ~std::uint64_t{0});
+                       ~std::uint64_t{0}, nccl_error_kind(state));
       }
     }
   }
@@ -369,6 +379,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   bool aborted_ = false;
   std::string broken_;              // why it was aborted; empty while healthy
   std::uint64_t broken_seq_ = ~std::uint64_t{0};  // the collective that broke it
+  ErrorKind broken_kind_ = ErrorKind::misuse;     // what the errors quoting broken_ throw
+  ErrorKind reason_kind_ = ErrorKind::misuse;     // the kind of inspect_locked's last reason
   std::uint64_t seq_ = 0;
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended

@@ -104,11 +104,17 @@ inline std::string nccl_error_text(ncclResult_t r, ncclComm_t comm = nullptr) {
   return text;
 }
 
+// The fsdp::ErrorKind of an NCCL error: peer_lost for a remote peer's failure or a failed
+// system call (a socket to a peer that died), misuse for the rest.
+inline ErrorKind nccl_error_kind(ncclResult_t r) {
+  return r == ncclRemoteError || r == ncclSystemError ? ErrorKind::peer_lost : ErrorKind::misuse;
+}
+
 // ncclSuccess and ncclInProgress (a nonblocking call still under way) pass.
 template <class... Where>
 void nccl_check(ncclResult_t r, ncclComm_t comm, const char* call, Where&&... where) {
   if (r == ncclSuccess || r == ncclInProgress) return;
-  fail(std::forward<Where>(where)..., ": ", call, " failed: ", nccl_error_text(r, comm));
+  fail_as(nccl_error_kind(r), std::forward<Where>(where)..., ": ", call, " failed: ", nccl_error_text(r, comm));
 }
 
 // Makes a device current for the calling thread, restoring the previous one after.

@@ -25,7 +25,7 @@
 
 namespace fsdp {
 
-class UnitBase;
+class Unit;
 struct ParamView;
 
 // What a unit does with its sharded gradient once its hook has returned.
@@ -38,9 +38,9 @@ enum class GradientAfterHook : std::uint8_t {
 constexpr std::string_view name_of(GradientAfterHook a) { return a == GradientAfterHook::keep ? "keep" : "free"; }
 
 // Per unit: called with the unit whose gradient is final.
-using PostAccumulateGradHook = std::function<void(UnitBase&)>;
+using PostAccumulateGradHook = std::function<void(Unit&)>;
 // Per parameter: called for each parameter of that unit in turn (parameters() order,
 // including those with no element on this rank: count == 0, grad == nullptr).
-using PostAccumulateParamHook = std::function<void(UnitBase&, const ParamView&)>;
+using PostAccumulateParamHook = std::function<void(Unit&, const ParamView&)>;
 
 }  // namespace fsdp

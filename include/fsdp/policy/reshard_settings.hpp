@@ -74,10 +74,13 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
   try {
     world.all_gather(mine.data(), all.data(), n, DType::i64).wait();
   } catch (const Error& e) {
-    fail("unit '", unit, "' on rank ", rank, ": its run-time settings changed at this backward (now ",
-         describe_settings(mine.data()), ") but another rank ran a different collective here: the ranks' "
-         "set_requires_gradient_sync / set_requires_all_reduce / no_sync / set_reshard_after_forward / "
-         "set_reshard_after_backward / set_gradient_divide_factor calls differ (", e.what(), ")");
+    // The other side ran another collective: a mismatch, unless the backend lost a peer or timed out.
+    fail_as(e.kind() == ErrorKind::misuse ? ErrorKind::mismatch : e.kind(), "unit '", unit, "' on rank ", rank,
+            ": its run-time settings changed at this backward (now ", describe_settings(mine.data()),
+            ") but another rank ran a different collective here: the ranks' "
+            "set_requires_gradient_sync / set_requires_all_reduce / no_sync / set_reshard_after_forward / "
+            "set_reshard_after_backward / set_gradient_divide_factor calls differ (",
+            e.what(), ")");
   }
   for (std::size_t r = 0; r < static_cast<std::size_t>(world.size()); ++r) {
     if (std::equal(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(r * n))) continue;
@@ -85,7 +88,7 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
     os << "unit '" << unit << "': run-time settings differ across ranks (seen on rank " << rank << "):";
     for (std::size_t q = 0; q < static_cast<std::size_t>(world.size()); ++q)
       os << (q ? ";" : "") << " rank " << q << " " << describe_settings(all.data() + q * n);
-    throw Error(os.str());
+    throw Error(ErrorKind::mismatch, os.str());
   }
 }
 

@@ -25,7 +25,7 @@
 
 namespace fsdp {
 
-class UnitBase;
+class Unit;
 class Trace;
 
 enum class Pass : std::uint8_t { forward, backward };
@@ -46,7 +46,7 @@ class ExecutionOrder final : public UnitNames {
   std::string unit_name(int index) const override { return name_of(index); }
 
   // Registers a unit; returns its index, which the unit passes back to enter().
-  int add_unit(UnitBase* u) {
+  int add_unit(Unit* u) {
     units_.push_back(u);
     return static_cast<int>(units_.size()) - 1;
   }
@@ -54,11 +54,11 @@ class ExecutionOrder final : public UnitNames {
   // Called by a unit as it enters a pass, before any collective of its own. While the
   // pass is being recorded, checks across `world` that every rank enters the same unit;
   // afterwards, when the unit prefetches, that the unit runs where it ran before.
-  void enter(UnitBase& u, int index, Pass pass, const detail::CommRef& world, bool prefetching);
+  void enter(Unit& u, int index, Pass pass, const detail::CommRef& world, bool prefetching);
 
   // The unit that runs after the one that just entered `pass`, per the recorded order
   // (null: the pass is still being recorded, or it was the last unit).
-  UnitBase* next(Pass pass) const {
+  Unit* next(Pass pass) const {
     if (!backward_recorded_) return nullptr;
     const auto& order = pass == Pass::forward ? forward_ : backward_;
     const std::size_t at = pass == Pass::forward ? forward_step_ : backward_step_;  // already past the unit
@@ -68,7 +68,7 @@ class ExecutionOrder final : public UnitNames {
   // Whether `u`, leaving forward now, is the unit backward starts with: it then keeps its
   // parameters (freeing and re-gathering them back to back would only cost an all-gather;
   // FSDP2 does the same for its root).
-  bool keeps_after_forward(const UnitBase& u) const {
+  bool keeps_after_forward(const Unit& u) const {
     return backward_recorded_ && first_backward_ == &u && forward_step_ == forward_.size();
   }
 
@@ -79,7 +79,7 @@ class ExecutionOrder final : public UnitNames {
 
   // Asynchronous reductions: at most one unit's reduction stays in flight, so issuing one
   // completes the one before it.
-  void reduction_issued(UnitBase& u);
+  void reduction_issued(Unit& u);
   void finish_reductions();
 
   // The end of a pass (finish_backward, or reshard() after a forward-only pass): every rank
@@ -128,8 +128,8 @@ class ExecutionOrder final : public UnitNames {
  private:
   std::string name_of(int index) const;
 
-  std::vector<UnitBase*> units_;  // in the root's order
-  const UnitBase* first_backward_ = nullptr;
+  std::vector<Unit*> units_;  // in the root's order
+  const Unit* first_backward_ = nullptr;
   std::vector<int> forward_, backward_;  // recorded on the first iteration
   std::size_t forward_step_ = 0, backward_step_ = 0;
   // The backward order is recorded at the end of the first iteration with a backward: until
@@ -138,7 +138,7 @@ class ExecutionOrder final : public UnitNames {
   bool in_backward_ = false;
   std::uint64_t forward_pass_ = 0;
   int prefetched_ = 0;
-  UnitBase* reducing_ = nullptr;  // the unit whose reduction is in flight
+  Unit* reducing_ = nullptr;  // the unit whose reduction is in flight
   detail::PassRecord passes_;  // this pass's entries, checked across ranks as it ends
 };
 

@@ -1,6 +1,6 @@
 #pragma once
 // ExecutionOrder's members that call into units (fsdp/unit/execution_order.hpp), defined once
-// UnitBase is complete: fsdp/unit/sharded_unit.hpp includes it, the one unit that calls them.
+// Unit is complete: fsdp/unit/sharded_unit.hpp includes it, the one unit that calls them.
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -16,7 +16,7 @@ inline std::string ExecutionOrder::name_of(int index) const {
   return std::string(units_[index]->display_name());
 }
 
-inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {
+inline void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {
   auto& order = pass == Pass::forward ? forward_ : backward_;
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
@@ -37,7 +37,7 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
         os << "ranks run units in different orders: at " << pass_name << " step #" << step << " of the first iteration";
         for (std::size_t r = 0; r < all.size(); ++r) os << (r ? "," : "") << " rank " << r << " runs '" << name_of(all[r]) << "'";
         os << " (seen on rank " << world.rank() << ")";
-        throw Error(os.str());
+        throw Error(ErrorKind::mismatch, os.str());
       }
     }
     if (pass == Pass::backward && order.empty()) first_backward_ = &u;
@@ -58,12 +58,12 @@ inline void ExecutionOrder::enter(UnitBase& u, int idx, Pass pass, const detail:
   ++step;
 }
 
-inline void ExecutionOrder::reduction_issued(UnitBase& u) {
-  if (UnitBase* before = std::exchange(reducing_, &u)) before->finish_reduction();
+inline void ExecutionOrder::reduction_issued(Unit& u) {
+  if (Unit* before = std::exchange(reducing_, &u)) fsdp::detail::internals(*before).finish_reduction();
 }
 
 inline void ExecutionOrder::finish_reductions() {
-  if (UnitBase* last = std::exchange(reducing_, nullptr)) last->finish_reduction();
+  if (Unit* last = std::exchange(reducing_, nullptr)) fsdp::detail::internals(*last).finish_reduction();
 }
 
 }  // namespace fsdp

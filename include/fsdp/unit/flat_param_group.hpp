@@ -37,7 +37,7 @@ namespace fsdp {
 class FlatParamGroup {
  public:
   // `shard_space`: where the shards and their gradients live (host under OffloadParams).
-  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device, detail::PrecisionChoice precision,
+  FlatParamGroup(detail::UnitGroups groups, detail::DeviceRef device, PrecisionConfig precision,
                  MemorySpace shard_space)
       : mesh_groups_(groups),
         groups_(groups),
@@ -367,7 +367,7 @@ class FlatParamGroup {
   detail::UnitGroups mesh_groups_, groups_;
   detail::PostForwardGroup post_forward_;
   detail::DeviceRef device_;
-  detail::PrecisionChoice precision_;
+  PrecisionConfig precision_;
   MemorySpace shard_space_;
   detail::GradientReduction reduction_;
   std::vector<FlatParam> flat_;

@@ -1,7 +1,7 @@
 #pragma once
 // fsdp::Sharded<Module, Policies...>: one unit of sharding (FSDP's wrapped module). At
 // construction it takes over the module's parameters (all of its subtree, except children
-// whose type is listed in the `exclude` wrap_types and what UnitOptions::skip_* name: units
+// whose type is listed in the `exclude` wrap_types and what UnitOptions::ignored_* name: units
 // of their own, ignored modules and parameters). Module may be a polymorphic base
 // (Sharded<Layer> over a Layer&): its FlatParamGroup copies this rank's slice into a flat
 // shard, it checks that every rank built the same unit, and it rebinds the engine's tensors
@@ -54,7 +54,7 @@ class Sharded final : public detail::ShardedUnit {
  private:
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
-      : ShardedUnit(detail::policy_values<config>(), detail::policy_settings<config>(), ModuleId::of(module),
+      : ShardedUnit(policy_config<config>(), detail::policy_settings<config>(), ModuleId::of(module),
                     detail::ModuleVisit::of<Exclude, config::mixed_precision::enabled>(module), std::move(groups), device,
                     std::move(options)) {}
 };

@@ -6,7 +6,7 @@
 
 namespace fsdp::detail {
 
-inline void ShardedUnit::pre_forward() {
+inline void ShardedUnit::pre_forward_body() {
   HookScope scope(*this, "pre_forward");
   expect_not_failed("pre_forward");
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
@@ -24,7 +24,7 @@ inline void ShardedUnit::pre_forward() {
   compute_begin_ = now_if_traced();
 }
 
-inline void ShardedUnit::post_forward() {
+inline void ShardedUnit::post_forward_body() {
   HookScope scope(*this, "post_forward");
   expect({TrainingState::FORWARD}, "post_forward");
   if (uses_.recompute_from) return end_recompute();
@@ -33,7 +33,7 @@ inline void ShardedUnit::post_forward() {
   state_ = TrainingState::IDLE;
 }
 
-inline void ShardedUnit::pre_backward() {
+inline void ShardedUnit::pre_backward_body() {
   HookScope scope(*this, "pre_backward");
   if (!uses_.awaits_backward(state_)) {
     if (state_ == TrainingState::BACKWARD_POST)
@@ -51,20 +51,20 @@ inline void ShardedUnit::pre_backward() {
     uses_.start_backward();
   }
   if (order_)
-    order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != PrefetchMode::none);
+    order_->enter(*this, order_index_, Pass::backward, group_.groups().world, policies_.backward != BackwardPrefetchMode::none);
   unshard();  // a no-op where forward left the parameters unsharded
   kept_ = false;
   // The fresh gradients are zeroed by the cast that gathers the next unit ahead, where
   // there is one (one kernel on CUDA, not a cast and a memset), else on their own.
   ZeroBatch::run([&](ZeroBatch& zeros) {
     group_.bind_gradients(grad_is_zero_, zeros);
-    prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward == PrefetchMode::backward_pre, &zeros);
+    prefetch_ahead(backward_prefetch_, Pass::backward, policies_.backward == BackwardPrefetchMode::backward_pre, &zeros);
   });
   state_ = TrainingState::BACKWARD_PRE;
   compute_begin_ = now_if_traced();
 }
 
-inline void ShardedUnit::post_backward() {
+inline void ShardedUnit::post_backward_body() {
   HookScope scope(*this, "post_backward");
   expect({TrainingState::BACKWARD_PRE}, "post_backward");
   record_compute("backward");
@@ -73,7 +73,7 @@ inline void ShardedUnit::post_backward() {
   if (reshard_.after_backward || detail::gradient_is_final(sync_, detail::plan_gradient(sync_, group_.groups())))
     release_unsharded();
   else kept_after_backward_ = true;
-  if (policies_.backward == PrefetchMode::backward_post)
+  if (policies_.backward == BackwardPrefetchMode::backward_post)
     if (backward_prefetch_.empty()) prefetch_next(Pass::backward);  // an explicit list ran at pre_backward
   state_ = TrainingState::BACKWARD_POST;
   if (!uses_.end_backward()) return group_.unbind_gradients();  // more entries to come: it accumulates
@@ -84,7 +84,7 @@ inline void ShardedUnit::post_backward() {
   else order_->reduction_issued(*this);
 }
 
-inline void ShardedUnit::prefetch(ZeroBatch* zeros) {
+inline void ShardedUnit::prefetch_body(ZeroBatch* zeros) {
   HookScope scope(*this, "prefetch");
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
@@ -92,7 +92,7 @@ inline void ShardedUnit::prefetch(ZeroBatch* zeros) {
   if (group_.start_gathers(tag(TagPhase::forward), zeros)) { prefetched_ = true; order_->prefetch_issued(); }
 }
 
-inline void ShardedUnit::finish_reduction() {
+inline void ShardedUnit::finish_reduction_body() {
   HookScope scope(*this, "finish_reduction");
   group_.finish_reductions(waiter());
   if (!grad_hook_.take_due()) return;
@@ -100,7 +100,7 @@ inline void ShardedUnit::finish_reduction() {
   grad_hook_.run(*this, [this] { free_shard_grads(); });
 }
 
-inline void ShardedUnit::finish_backward() {
+inline void ShardedUnit::finish_backward_body() {
   HookScope scope(*this, "finish_backward");
   expect({TrainingState::BACKWARD_POST, TrainingState::IDLE}, "finish_backward");
   if (uses_.awaits_backward(state_)) start_reduction();  // fewer backward entries than forward ones, or not known
@@ -116,7 +116,7 @@ inline void ShardedUnit::finish_backward() {
   state_ = TrainingState::IDLE;
 }
 
-inline void ShardedUnit::abandon_step() {
+inline void ShardedUnit::abandon_step_body() {
   group_.abandon();
   if (state_ == TrainingState::SUMMON_FULL_PARAMS) buffers_.show_master(false), group_.release_summoned_gradients();
   grad_is_zero_ = true;

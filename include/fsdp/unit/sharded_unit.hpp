@@ -2,7 +2,7 @@
 // fsdp::detail::ShardedUnit: all of a unit (fsdp::Sharded) but the walk of its module's
 // subtree: the hooks' state machine, the unit's state-dict interface, its construction from
 // what the module visit collected. Not a template: it reads its policies as values
-// (PolicyValues, fsdp/unit/detail/flat_param_rules.hpp), so it compiles once, whatever the
+// (PolicyConfig, fsdp/unit/detail/flat_param_rules.hpp), so it compiles once, whatever the
 // module types and policy configurations an engine uses; Sharded<Module, Ps...> checks the
 // policies as types and derives from it.
 // Here: the state machine; the construction path is in fsdp/unit/unit_setup.hpp, the
@@ -34,7 +34,7 @@
 
 namespace fsdp::detail {
 
-class ShardedUnit : public UnitBase {
+class ShardedUnit : public Unit {
  public:
   // The group hands the engine's parameters back empty and frees its storage as it is
   // destroyed; the buffer copies are handed back here.
@@ -45,22 +45,42 @@ class ShardedUnit : public UnitBase {
   bool kept_unsharded() const { return group_.kept_unsharded(); }
   std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
   MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
+  UnitConfig config() const override {
+    UnitConfig c;
+    c.fqn = fqn_;
+    c.policies = policies_;
+    c.mesh = mesh_shape();
+    c.persistence_threshold = persistence_threshold_;
+    c.kept_unsharded = kept_unsharded();
+    c.reshard = reshard_;
+    c.sync = sync_;
+    c.post_accumulate_grad_hook = has_post_accumulate_grad_hook();
+    c.after_hook = gradient_after_hook();
+    for (const Unit* u : forward_prefetch()) c.forward_prefetch.push_back(u->fqn());
+    for (const Unit* u : backward_prefetch()) c.backward_prefetch.push_back(u->fqn());
+    return c;
+  }
 
+  // The hooks below run their bodies, which fsdp/unit/sharded_hooks.hpp defines (*_body,
+  // declared below). Each virtual function is defined here, in the class: one that were not
+  // would be the class's key function, and every file that includes the hooks' definitions
+  // (fsdp/fsdp.hpp) would compile the vtable and every virtual function, at -O2 about 5 s,
+  // even a file that shards nothing.
   // A unit may be entered several times per pass (fsdp/unit/detail/unit_uses.hpp). A
   // recomputed forward is not part of the recorded order, and inside the unit's own
   // backward it needs no all-gather.
-  void pre_forward() override;
+  void pre_forward() override { pre_forward_body(); }
 
-  void post_forward() override;
+  void post_forward() override { post_forward_body(); }
 
-  void pre_backward() override;
+  void pre_backward() override { pre_backward_body(); }
 
-  void post_backward() override;
+  void post_backward() override { post_backward_body(); }
 
-  void prefetch(detail::ZeroBatch* zeros) override;
+  void prefetch(detail::ZeroBatch* zeros) override { prefetch_body(zeros); }
 
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
-  void finish_reduction() override;
+  void finish_reduction() override { finish_reduction_body(); }
 
   // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
   // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
@@ -77,9 +97,9 @@ class ShardedUnit : public UnitBase {
     }
   }
 
-  void finish_backward() override;
+  void finish_backward() override { finish_backward_body(); }
 
-  void abandon_step() override;
+  void abandon_step() override { abandon_step_body(); }
 
   void reshard() override {
     HookScope scope(*this, "reshard");
@@ -89,7 +109,7 @@ class ShardedUnit : public UnitBase {
   }
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
-  using UnitBase::zero_grad;
+  using Unit::zero_grad;
   void zero_grad(detail::ZeroBatch& batch) override {
     HookScope scope(*this, "zero_grad");
     expect({TrainingState::IDLE}, "zero_grad");
@@ -99,7 +119,7 @@ class ShardedUnit : public UnitBase {
 
   // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
   // summon_full_params and state dicts show, whatever the mixed precision.
-  using UnitBase::begin_summon_full_params;
+  using Unit::begin_summon_full_params;
   void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
     detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
@@ -203,9 +223,9 @@ class ShardedUnit : public UnitBase {
   // Built by Sharded<Module, Ps...>, which hands over its policies as values and by name
   // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
   // identity; nothing below depends on the module's type.
-  ShardedUnit(const PolicyValues& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
+  ShardedUnit(const PolicyConfig& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
               UnitGroups unit_groups, DeviceRef device, UnitOptions options)
-      : UnitBase(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
+      : Unit(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
         policies_(policies),
         buffers_(device),
         rank0_values_(device),
@@ -220,20 +240,31 @@ class ShardedUnit : public UnitBase {
     for (auto& b : all_buffers_) buffer_views_.push_back({fqn_, b.fqn, b.shape, b.dtype, b.numel});
     reshard_.after_forward = policies.reshard_after_forward;
     agreed_reshard_ = reshard_;
+    persistence_threshold_ = options.persistence_threshold;
     if (!options.defer_take_over) take_over();
   }
 
  private:
+  // The hooks' bodies (fsdp/unit/sharded_hooks.hpp).
+  void pre_forward_body();
+  void post_forward_body();
+  void pre_backward_body();
+  void post_backward_body();
+  void prefetch_body(detail::ZeroBatch* zeros);
+  void finish_reduction_body();
+  void finish_backward_body();
+  void abandon_step_body();
+
   // Inside a model: the explicit prefetch list when set, else (`follow_order`: the policy
   // prefetches here) the next unit of the recorded order.
   // `zeros` (may be null): this unit's pending zeroing, for the gathers' casts to do too.
-  void prefetch_ahead(const std::vector<UnitBase*>& units, Pass pass, bool follow_order, detail::ZeroBatch* zeros = nullptr) {
+  void prefetch_ahead(const std::vector<Unit*>& units, Pass pass, bool follow_order, detail::ZeroBatch* zeros = nullptr) {
     if (!order_) return;
-    if (!units.empty()) for (auto* u : units) u->prefetch(zeros);
+    if (!units.empty()) for (auto* u : units) fsdp::detail::internals(*u).prefetch(zeros);
     else if (follow_order) prefetch_next(pass, zeros);
   }
   void prefetch_next(Pass pass, detail::ZeroBatch* zeros = nullptr) {
-    if (auto* next = order_ ? order_->next(pass) : nullptr) next->prefetch(zeros);  // null outside a model
+    if (auto* next = order_ ? order_->next(pass) : nullptr) fsdp::detail::internals(*next).prefetch(zeros);  // null outside a model
   }
 
   // The engine's parameter tensors still view what the unit bound them to; a tensor whose
@@ -324,7 +355,8 @@ class ShardedUnit : public UnitBase {
       t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
-  const PolicyValues policies_;
+  const PolicyConfig policies_;
+  std::int64_t persistence_threshold_ = 0;  // UnitOptions::persistence_threshold, for config()
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup group_;

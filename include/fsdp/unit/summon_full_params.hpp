@@ -67,14 +67,14 @@ inline void check_writeback_flag_agrees(const CommRef& world, bool writeback, st
 // hash differs from rank 0's ("1, 3"), empty when all agree, and sets `in_place` when some
 // parameters are their own shard (edited in place, so each rank's edits are kept).
 template <class Group>
-std::string ranks_with_other_edits(const Group& group, const UnitBase& unit, bool& in_place) {
+std::string ranks_with_other_edits(const Group& group, const Unit& unit, bool& in_place) {
   const auto& world = group.groups().world;
   if (world.size() == 1) return {};  // one rank: nothing to compare, so no pass over the parameters
   Fingerprint f;
   in_place = group.hash_unsharded(f);
   const auto buffers = unit.buffers();
   for (std::size_t i = 0; i < buffers.size(); ++i)
-    f.add_bytes(unit.buffer_data(i), static_cast<std::size_t>(buffers[i].numel) * size_of(buffers[i].dtype));
+    f.add_bytes(fsdp::detail::internals(unit).buffer_data(i), static_cast<std::size_t>(buffers[i].numel) * size_of(buffers[i].dtype));
   std::uint64_t mine = f.value();
   std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
   world.all_gather(&mine, all.data(), 1, DType::i64).wait();
@@ -85,11 +85,13 @@ std::string ranks_with_other_edits(const Group& group, const UnitBase& unit, boo
 }
 
 [[noreturn]] inline void fail_edits_differ(std::string_view unit, int rank, const std::string& differ, bool in_place) {
-  fail("unit '", unit, "' on rank ", rank,
-       ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
-       "(rank(s) ", differ, " differ from rank 0): each rank writes back only its own slice, so "
-       "make the same edits on every rank; ",
-       in_place ? "parameters replicated in place kept each rank's own edits" : "nothing was written back");
+  fail_as(ErrorKind::mismatch, "unit '", unit, "' on rank ", rank,
+          ": summon_full_params(writeback) ended with full parameters or buffers that differ across ranks "
+          "(rank(s) ",
+          differ,
+          " differ from rank 0): each rank writes back only its own slice, so "
+          "make the same edits on every rank; ",
+          in_place ? "parameters replicated in place kept each rank's own edits" : "nothing was written back");
 }
 
 // The end of a summon: writeback is a decision of every rank (one all-gather of a flag;
@@ -97,7 +99,7 @@ std::string ranks_with_other_edits(const Group& group, const UnitBase& unit, boo
 // every rank must have made the same edits. Else `discard` ends the summon without
 // writing anything back and an error is thrown on every rank.
 template <class Group, class Discard>
-void check_summon_end(const Group& group, const UnitBase& unit, bool writeback, int rank, Discard discard) {
+void check_summon_end(const Group& group, const Unit& unit, bool writeback, int rank, Discard discard) {
   try {
     check_writeback_flag_agrees(group.groups().world, writeback, unit.display_name());
   } catch (...) {

@@ -1,5 +1,5 @@
 #pragma once
-// UnitBase: what the root and the engine see of a sharded unit, whatever its module type
+// Unit: what the root and the engine see of a sharded unit, whatever its module type
 // and policies: the lifecycle hooks, the training state, and the flat shards the
 // optimizer steps on.
 #include <cstdint>
@@ -22,6 +22,7 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/unit/execution_order.hpp"
+#include "fsdp/policy/configuration.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/post_accumulate_grad_hook.hpp"
 #include "fsdp/policy/reshard_settings.hpp"
@@ -49,43 +50,18 @@ struct SummonOptions {
 };
 class ShardedModel;
 
-class UnitBase {
+class Unit;
+
+namespace detail {
+
+// What the root (ShardedModel), checkpoints, clipping and the other units of a model need
+// of a unit, and an engine does not call: Unit inherits it privately, so it is no part
+// of the type an engine holds; detail::internals(unit) reaches it.
+class UnitInternals {
  public:
-  virtual ~UnitBase() = default;
-  UnitBase(const UnitBase&) = delete;
-  UnitBase& operator=(const UnitBase&) = delete;
+  virtual ~UnitInternals() = default;
 
-  // Hooks, in the order a training step calls them. Each checks the state first.
-  virtual void pre_forward() = 0;    // IDLE -> FORWARD: all-gather; parameters become valid
-  virtual void post_forward() = 0;   // FORWARD -> IDLE: free unsharded parameters
-  virtual void pre_backward() = 0;   // IDLE -> BACKWARD_PRE: all-gather; zeroed gradients bound
-  virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
-  // Called by the root once per backward, after every unit's post_backward; -> IDLE.
-  virtual void finish_backward() = 0;
-  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. The zeroing
-  // joins a batch flushed as one call (ShardedModel::zero_grad: one for all its units).
-  void zero_grad() {
-    UnitBase* u = this;
-    detail::zero_grads(std::span<UnitBase* const>(&u, 1), mark_failed_in_zero_grad);
-  }
-  virtual void zero_grad(detail::ZeroBatch& batch) = 0;
-  // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
-  // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
-  // pass, such as evaluation, call this to free them (the next forward regathers anyway).
-  virtual void reshard() = 0;
-
-  // Parameters unsharded outside training (inspection, init, export): IDLE ->
-  // SUMMON_FULL_PARAMS, a collective. Writeback with rank0_only is an error (the other
-  // ranks would have nothing to write back). With writeback, end_ keeps the edits.
-  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
-  void begin_summon_full_params() { begin_summon_full_params(SummonOptions{}); }
-  virtual void end_summon_full_params(bool writeback) = 0;
-
-  virtual std::span<const ShardView> shards() const = 0;
-  // Every parameter and buffer of the unit, in visit order (parameters grouped by dtype as
-  // their flat shards are).
-  virtual std::span<const ParamView> parameters() const = 0;
-  virtual std::span<const BufferView> buffers() const = 0;
+  virtual void zero_grad(ZeroBatch& batch) = 0;
   // buffers()[i]'s values in buffers()[i].dtype. While summoned: the storage the engine's
   // tensor shows (write to it there). Otherwise, under MixedPrecision with a cast Buffer
   // dtype: the unit's master copy, refreshed from the cast copy the engine computes with
@@ -95,10 +71,6 @@ class UnitBase {
   // memory), in the engine's tensor and in any copy MixedPrecision keeps. What loads use,
   // with no summon (no gather) needed.
   virtual void load_buffer(std::size_t i, const void* values) = 0;
-  // While summoned: the full parameters()[i], in its master dtype (writable when the summon
-  // writes back; in host memory under offload_to_host). An error in any other state, and
-  // on ranks other than 0 of a rank0_only summon.
-  virtual void* full_parameter(std::size_t i) const = 0;
   // Its Device's id(): whether its shards are in memory the host can address (cpu).
   virtual DeviceId device_id() const = 0;
   // Copies bytes through the unit's Device: either side may be host or device memory.
@@ -124,25 +96,85 @@ class UnitBase {
   virtual MeshShape mesh_shape() const = 0;
   // The number of ranks of its world (shard group size x replicate group size).
   virtual int world_size() const = 0;
+  // take_over in three steps, for ShardedModel, which takes over all of its units as one:
+  // rebind into `log` (false: taken over before, nothing done), which a throwing rebind
+  // rolls back, every unit's tensors; after a failure, forget_take_over (the log gave the
+  // tensors back); once the log is committed, finish_take_over (writes rank 0's buffer
+  // values under sync_module_states).
+  virtual bool take_over(TakeOverLog& log) = 0;
+  virtual void forget_take_over() noexcept = 0;
+  virtual void finish_take_over() = 0;
+
+  // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
+  virtual void prefetch(ZeroBatch* zeros) = 0;  // zeros (may be null): for its cast to do too
+  // Completes a reduction that post_backward left in flight (asynchronous backends).
+  virtual void finish_reduction() = 0;
+  // abort_step's local part: no collective.
+  virtual void abandon_step() = 0;
+  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
+  virtual void set_post_forward_group(std::optional<CommRef> group, bool reshard) = 0;
+
+ protected:
+  UnitInternals() = default;
+};
+
+UnitInternals& internals(Unit& unit);
+const UnitInternals& internals(const Unit& unit);
+
+}  // namespace detail
+
+class Unit : private detail::UnitInternals {
+  friend detail::UnitInternals& detail::internals(Unit&);
+  friend const detail::UnitInternals& detail::internals(const Unit&);
+
+ public:
+  virtual ~Unit() = default;
+  Unit(const Unit&) = delete;
+  Unit& operator=(const Unit&) = delete;
+
+  // Hooks, in the order a training step calls them. Each checks the state first.
+  virtual void pre_forward() = 0;    // IDLE -> FORWARD: all-gather; parameters become valid
+  virtual void post_forward() = 0;   // FORWARD -> IDLE: free unsharded parameters
+  virtual void pre_backward() = 0;   // IDLE -> BACKWARD_PRE: all-gather; zeroed gradients bound
+  virtual void post_backward() = 0;  // BACKWARD_PRE -> BACKWARD_POST: reduce-scatter, free
+  // Called by the root once per backward, after every unit's post_backward; -> IDLE.
+  virtual void finish_backward() = 0;
+  // IDLE only: the sharded gradient becomes zero, kept accumulation freed. The zeroing
+  // joins a batch flushed as one call (ShardedModel::zero_grad: one for all its units).
+  void zero_grad() {
+    Unit* u = this;
+    detail::zero_grads(std::span<Unit* const>(&u, 1), mark_failed_in_zero_grad);
+  }
+  // IDLE only: frees unsharded parameters kept after forward for backward (ShardGradOp
+  // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
+  // pass, such as evaluation, call this to free them (the next forward regathers anyway).
+  virtual void reshard() = 0;
+
+  // Parameters unsharded outside training (inspection, init, export): IDLE ->
+  // SUMMON_FULL_PARAMS, a collective. Writeback with rank0_only is an error (the other
+  // ranks would have nothing to write back). With writeback, end_ keeps the edits.
+  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
+  void begin_summon_full_params() { begin_summon_full_params(SummonOptions{}); }
+  virtual void end_summon_full_params(bool writeback) = 0;
+
+  virtual std::span<const ShardView> shards() const = 0;
+  // Every parameter and buffer of the unit, in visit order (parameters grouped by dtype as
+  // their flat shards are).
+  virtual std::span<const ParamView> parameters() const = 0;
+  virtual std::span<const BufferView> buffers() const = 0;
+  // While summoned: the full parameters()[i], in its master dtype (writable when the summon
+  // writes back; in host memory under offload_to_host). An error in any other state, and
+  // on ranks other than 0 of a rank0_only summon.
+  virtual void* full_parameter(std::size_t i) const = 0;
+  // The unit's whole configuration: the policies it was built with and its run-time
+  // settings as they are now (fsdp/policy/configuration.hpp; printable with to_string).
+  virtual UnitConfig config() const = 0;
 
   // Completes setup: points the engine's tensors at the unit's storage (their own storage
   // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard
   // defers it until every unit is built, so a failed shard leaves the model as it was. A
   // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
   virtual void take_over() = 0;
-  // take_over in three steps, for ShardedModel, which takes over all of its units as one:
-  // rebind into `log` (false: taken over before, nothing done), which a throwing rebind
-  // rolls back, every unit's tensors; after a failure, forget_take_over (the log gave the
-  // tensors back); once the log is committed, finish_take_over (writes rank 0's buffer
-  // values under sync_module_states).
-  virtual bool take_over(detail::TakeOverLog& log) = 0;
-  virtual void forget_take_over() noexcept = 0;
-  virtual void finish_take_over() = 0;
-
-  // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
-  virtual void prefetch(detail::ZeroBatch* zeros) = 0;  // zeros (may be null): for its cast to do too
-  // Completes a reduction that post_backward left in flight (asynchronous backends).
-  virtual void finish_reduction() = 0;
 
   // Recovery after an exception inside a step (a failed allocation, an engine error between
   // hooks, a hook that threw): frees what the step held (unsharded parameters, gradients,
@@ -155,23 +187,14 @@ class UnitBase {
     abandon_step();
     agree_on_abort();
   }
-  // The local part: no collective.
-  virtual void abandon_step() = 0;
   // Which hook last left by an exception (null: none since the last abort_step).
   const char* failed_hook() const { return failed_hook_; }
 
- protected:
-  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
-  virtual void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) = 0;
-
- public:
   // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
   // when set, these units are gathered at this unit's pre_forward / pre_backward instead
   // of the next unit in the recorded order.
-  void set_forward_prefetch(std::vector<UnitBase*> units) { forward_prefetch_ = std::move(units); }
-  void set_backward_prefetch(std::vector<UnitBase*> units) { backward_prefetch_ = std::move(units); }
-  const std::vector<UnitBase*>& forward_prefetch() const { return forward_prefetch_; }
-  const std::vector<UnitBase*>& backward_prefetch() const { return backward_prefetch_; }
+  void set_forward_prefetch(std::vector<Unit*> units) { forward_prefetch_ = std::move(units); }
+  void set_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
 
   // Gradient accumulation (fsdp/policy/gradient_sync.hpp): the settings the unit's next
   // post_backward reads. IDLE only; every rank must make the same calls (a unit checks
@@ -179,7 +202,6 @@ class UnitBase {
   void set_requires_gradient_sync(bool on) { expect({TrainingState::IDLE}, "set_requires_gradient_sync"); sync_.requires_sync = on; }
   void set_requires_all_reduce(bool on) { expect({TrainingState::IDLE}, "set_requires_all_reduce"); sync_.requires_all_reduce = on; }
   void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
-  const GradientSync& gradient_sync() const { return sync_; }
 
   // Resharding and the gradient's divide factor (fsdp/policy/reshard_settings.hpp), read by the
   // unit's next hooks. IDLE only; every rank must make the same calls (checked with the
@@ -205,26 +227,19 @@ class UnitBase {
     detail::check_divide_factor(factor, fqn_, rank_);
     reshard_.gradient_divide_factor = factor;
   }
-  const ReshardSettings& reshard_settings() const { return reshard_; }
 
   // Post-accumulate-grad hook (fsdp/policy/post_accumulate_grad_hook.hpp): run once this unit's
   // sharded gradient is final; with GradientAfterHook::free the gradient is freed after it
   // (switching to free drops the current sharded gradient, as zero_grad would). An empty
   // hook removes it (and frees nothing). IDLE only. ShardedModel sets it for every unit.
   virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
-  bool has_post_accumulate_grad_hook() const { return grad_hook_.installed(); }
-  GradientAfterHook gradient_after_hook() const { return grad_hook_.after(); }
 
-  // The root's shared execution order; set when the unit joins a ShardedModel.
-  void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
 
   // Uses of the unit in the current pass (fsdp/unit/detail/unit_uses.hpp): forward entries so
   // far, and backward entries still expected before its gradient is reduced (-1: not
   // known, so at finish_backward).
   int forward_entries() const { return uses_.forward_entries(); }
   int backward_entries_left() const { return uses_.backward_left(); }
-  // Each parameter's storage at setup, aliases of tied parameters included.
-  std::span<const ParamStorage> param_storage() const { return storage_; }
 
   const std::string& fqn() const { return fqn_; }
   // The FQN as messages and traces show it: "<root>" for the root.
@@ -238,44 +253,93 @@ class UnitBase {
 
   // RAII around the engine's forward / backward of this unit. The backward scope skips
   // post_backward when it is left by an exception: a collective during unwinding could
-  // only make things worse.
-  class ForwardScope {
+  // only make things worse. Scopes move (a moved-from scope ends nothing), and a
+  // default-constructed one is empty, for an engine whose layer may or may not be a unit:
+  //   fsdp::Unit::ForwardScope s;
+  //   if (auto* u = sharded.find_unit_for(layer)) s = u->forward_scope();
+  // Assigning to an open scope ends it after the new one has begun (the right side runs
+  // first), so both units are whole for a moment: `s = {}` ends it first where that
+  // matters. Do not keep scopes in a std::optional: its reset() and destructor are
+  // noexcept, so a hook that throws there (a timeout, a lost peer) ends the process.
+  template <class Begin, class End>
+  class Scope {
    public:
-    explicit ForwardScope(UnitBase& u) : u_(u) { u_.pre_forward(); }
-    ~ForwardScope() noexcept(false) {
-      if (std::uncaught_exceptions() == exceptions_) u_.post_forward();
+    Scope() noexcept : u_(nullptr) {}  // empty: ends nothing
+    Scope(Scope&& o) noexcept : u_(std::exchange(o.u_, nullptr)), exceptions_(o.exceptions_) {}
+    Scope& operator=(Scope&& o) noexcept(false) {
+      if (this != &o) {
+        close();
+        u_ = std::exchange(o.u_, nullptr);
+        exceptions_ = o.exceptions_;
+      }
+      return *this;
     }
-    ForwardScope(const ForwardScope&) = delete;
-    ForwardScope& operator=(const ForwardScope&) = delete;
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    ~Scope() noexcept(false) { close(); }
+
+   protected:
+    explicit Scope(Unit& u) : u_(&u) { Begin{}(u); }
+
    private:
-    UnitBase& u_;
+    void close() {
+      if (Unit* u = std::exchange(u_, nullptr); u && std::uncaught_exceptions() == exceptions_) End{}(*u);
+    }
+    Unit* u_;
     int exceptions_ = std::uncaught_exceptions();
   };
-  class BackwardScope {
+
+ protected:
+  // The internal overloads, not public: named here only so that the public zero_grad() and
+  // take_over() above hide nothing (clang's -Woverloaded-virtual); protected, since a unit
+  // class (detail::ShardedUnit) names both overloads of zero_grad with a using-declaration.
+  using detail::UnitInternals::take_over;
+  using detail::UnitInternals::zero_grad;
+
+ private:
+  struct BeginForward { void operator()(Unit& u) const { u.pre_forward(); } };
+  struct EndForward { void operator()(Unit& u) const { u.post_forward(); } };
+  struct BeginBackward { void operator()(Unit& u) const { u.pre_backward(); } };
+  struct EndBackward { void operator()(Unit& u) const { u.post_backward(); } };
+
+ public:
+  class ForwardScope : public Scope<BeginForward, EndForward> {
    public:
-    explicit BackwardScope(UnitBase& u) : u_(u) { u_.pre_backward(); }
-    ~BackwardScope() noexcept(false) {
-      if (std::uncaught_exceptions() == exceptions_) u_.post_backward();
-    }
-    BackwardScope(const BackwardScope&) = delete;
-    BackwardScope& operator=(const BackwardScope&) = delete;
-   private:
-    UnitBase& u_;
-    int exceptions_ = std::uncaught_exceptions();
+    ForwardScope() = default;  // empty: ends nothing
+    explicit ForwardScope(Unit& u) : Scope(u) {}
+  };
+  class BackwardScope : public Scope<BeginBackward, EndBackward> {
+   public:
+    BackwardScope() = default;  // empty: ends nothing
+    explicit BackwardScope(Unit& u) : Scope(u) {}
   };
   class SummonScope {
    public:
-    SummonScope(UnitBase& u, const SummonOptions& options) : u_(u), writeback_(options.writeback) {
-      u_.begin_summon_full_params(options);
+    SummonScope() noexcept : u_(nullptr), writeback_(false) {}  // empty: ends nothing
+    SummonScope(Unit& u, const SummonOptions& options) : u_(&u), writeback_(options.writeback) {
+      u.begin_summon_full_params(options);
     }
-    ~SummonScope() noexcept(false) {
-      // Leaving by exception: reshard without writeback, so half-edited values are dropped.
-      u_.end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
+    SummonScope(SummonScope&& o) noexcept
+        : u_(std::exchange(o.u_, nullptr)), writeback_(o.writeback_), exceptions_(o.exceptions_) {}
+    SummonScope& operator=(SummonScope&& o) noexcept(false) {
+      if (this != &o) {
+        close();
+        u_ = std::exchange(o.u_, nullptr);
+        writeback_ = o.writeback_;
+        exceptions_ = o.exceptions_;
+      }
+      return *this;
     }
     SummonScope(const SummonScope&) = delete;
     SummonScope& operator=(const SummonScope&) = delete;
+    ~SummonScope() noexcept(false) { close(); }
+
    private:
-    UnitBase& u_;
+    // Leaving by exception: reshard without writeback, so half-edited values are dropped.
+    void close() {
+      if (Unit* u = std::exchange(u_, nullptr)) u->end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
+    }
+    Unit* u_;
     bool writeback_;
     int exceptions_ = std::uncaught_exceptions();
   };
@@ -286,7 +350,19 @@ class UnitBase {
   [[nodiscard]] SummonScope summon_full_params(const SummonOptions& options) { return SummonScope(*this, options); }
 
  protected:
-  UnitBase(std::string fqn, int rank, const void* module, std::type_index type)
+  // The settings as they are now; an engine reads them with config(). ShardedModel (a
+  // friend) and the unit's own code use these.
+  const std::vector<Unit*>& forward_prefetch() const { return forward_prefetch_; }
+  const std::vector<Unit*>& backward_prefetch() const { return backward_prefetch_; }
+  const GradientSync& gradient_sync() const { return sync_; }
+  const ReshardSettings& reshard_settings() const { return reshard_; }
+  bool has_post_accumulate_grad_hook() const { return grad_hook_.installed(); }
+  GradientAfterHook gradient_after_hook() const { return grad_hook_.after(); }
+  // The root's shared execution order; set when the unit joins a ShardedModel.
+  void attach(ExecutionOrder* order) { order_ = order, order_index_ = order->add_unit(this); }
+  // Each parameter's storage at setup, aliases of tied parameters included.
+  std::span<const ParamStorage> param_storage() const { return storage_; }
+  Unit(std::string fqn, int rank, const void* module, std::type_index type)
       : fqn_(std::move(fqn)), rank_(rank), module_(module), module_type_(type) {}
   void expect(std::initializer_list<TrainingState> states, std::string_view hook) const {
     expect_not_failed(hook);
@@ -306,7 +382,7 @@ class UnitBase {
   // says so.
   class HookScope {
    public:
-    HookScope(UnitBase& u, const char* hook) : u_(u), hook_(hook) { u_.misuse_ = false; }
+    HookScope(Unit& u, const char* hook) : u_(u), hook_(hook) { u_.misuse_ = false; }
     ~HookScope() {
       if (std::uncaught_exceptions() > exceptions_ && !u_.misuse_) u_.failed_hook_ = hook_;
     }
@@ -314,11 +390,11 @@ class UnitBase {
     HookScope& operator=(const HookScope&) = delete;
 
    private:
-    UnitBase& u_;
+    Unit& u_;
     const char* hook_;
     int exceptions_ = std::uncaught_exceptions();
   };
-  static void mark_failed_in_zero_grad(UnitBase& u) { u.failed_hook_ = "zero_grad"; }
+  static void mark_failed_in_zero_grad(Unit& u) { u.failed_hook_ = "zero_grad"; }
   void agree_on_abort() {
     failed_hook_ = "abort_step";  // until every rank took part
     all_ranks_agree(true);
@@ -333,7 +409,7 @@ class UnitBase {
   std::type_index module_type_;
   ExecutionOrder* order_ = nullptr;
   int order_index_ = -1;  // this unit's index in the order
-  std::vector<UnitBase*> forward_prefetch_, backward_prefetch_;
+  std::vector<Unit*> forward_prefetch_, backward_prefetch_;
   GradientSync sync_;
   ReshardSettings reshard_;
   detail::UnitUses uses_;
@@ -344,5 +420,13 @@ class UnitBase {
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
 };
 
-}  // namespace fsdp
+// The name before issue 34 (CHANGELOG.md): kept one release so that engines compile, with a
+// warning, while they rename.
+using UnitBase [[deprecated("fsdp::UnitBase is now fsdp::Unit (CHANGELOG.md)")]] = Unit;
 
+namespace detail {
+inline UnitInternals& internals(Unit& unit) { return unit; }
+inline const UnitInternals& internals(const Unit& unit) { return unit; }
+}  // namespace detail
+
+}  // namespace fsdp

@@ -18,12 +18,13 @@ struct UnitOptions {
   bool sync_module_states = false;
   // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
   bool defer_take_over = false;
-  // Parts of the module's subtree (at any depth) this unit leaves out: modules that are
-  // units of their own (manual nesting: build the child's unit, then the parent's with the
-  // child listed here, so the parent takes what is left) and ignored modules; and ignored
-  // parameters (the engine's parameter tensors, by address). Nothing manages the ignored.
-  std::vector<ModuleId> skip_modules = {};
-  std::vector<const void*> skip_parameters = {};
+  // Parts of the module's subtree (at any depth) this unit leaves out, with the names
+  // ShardOptions and FSDP use: modules that are units of their own (manual nesting: build
+  // the child's unit, then the parent's with the child listed here, so the parent takes
+  // what is left) and modules no unit manages; and parameters (the engine's parameter
+  // tensors, by address). Nothing in this unit manages what is listed.
+  std::vector<ModuleId> ignored_modules = {};
+  std::vector<const void*> ignored_parameters = {};
   // Deferred init (fsdp::deferred_init sets it for fsdp::shard): parameters without storage
   // are bound to zeroed storage of the unit's, `init` fills them (it gets their tensors'
   // addresses), the unit copies its shard and frees that storage. Empty: they are an error.

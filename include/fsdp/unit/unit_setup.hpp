@@ -68,7 +68,7 @@ inline Settings unit_settings(const Settings& policies, const UnitOptions& optio
 }
 
 struct UnitSetup {
-  std::vector<ParamStorage> storage;       // each parameter's storage, for UnitBase::param_storage
+  std::vector<ParamStorage> storage;       // each parameter's storage, for Unit::param_storage
   std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
 };
 
@@ -98,13 +98,13 @@ struct ModuleVisit {
 // `policies`: the unit's policy settings (policy_settings), compared across ranks.
 template <class Group>
 UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
-                      const UnitOptions& options, const UnitBase& unit, const Settings& policies,
+                      const UnitOptions& options, const Unit& unit, const Settings& policies,
                       std::optional<DType> buffer_cast) {
   const auto& device = group.device();
   std::vector<CollectedParam> params;
   UnitSetup setup;
-  const SkipSet skip{{options.skip_modules.begin(), options.skip_modules.end()},
-                     {options.skip_parameters.begin(), options.skip_parameters.end()}};
+  const SkipSet skip{{options.ignored_modules.begin(), options.ignored_modules.end()},
+                     {options.ignored_parameters.begin(), options.ignored_parameters.end()}};
   visit(unit.fqn(), params, setup.buffers, skip);
   {  // a visitor of temporaries, found before anything is copied
     std::vector<CollectedParam> again;

@@ -119,11 +119,11 @@ inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, 
   std::string mine_text = text(0), other_text = text(other);
   if (settings) {
     if (auto differ = Settings::first_difference(mine_text, 0, other_text, other); !differ.empty())
-      fail(what(), ": ranks differ in ", differ, " (seen on rank ", rank, ")");
+      fail_as(ErrorKind::mismatch, what(), ": ranks differ in ", differ, " (seen on rank ", rank, ")");
     mine_text = Settings::rest(mine_text), other_text = Settings::rest(other_text);
   }
-  fail(what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", mine_text, "; rank ", other, " has ",
-       other_text);
+  fail_as(ErrorKind::mismatch, what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", mine_text,
+          "; rank ", other, " has ", other_text);
 }
 
 inline bool all_ranks_agree(const CommRef& comm, bool ok) {

@@ -30,7 +30,7 @@ class MemorySimulation {
   // place: no bytes of its own); world: the ranks a replicated unit's gradient is
   // all-reduced over; forward: unit indices in the order forward enters them; tops: the
   // outermost units, in forward order.
-  MemorySimulation(PolicyValues p, int shard_size, int world, std::vector<SimUnit> units, std::vector<int> forward,
+  MemorySimulation(PolicyConfig p, int shard_size, int world, std::vector<SimUnit> units, std::vector<int> forward,
                    std::vector<int> tops, int max_prefetched, bool async_reductions, Accumulation accumulation)
       : p_(p), units_(std::move(units)), forward_(std::move(forward)), tops_(std::move(tops)),
         max_prefetched_(max_prefetched), async_(async_reductions), accumulation_(accumulation) {
@@ -203,7 +203,7 @@ class MemorySimulation {
     for (auto& f : s.flat) grads_.bind(u, f, s.grad_is_zero);
     const auto& list = units_[static_cast<std::size_t>(u)].backward_prefetch;
     for (int v : list) prefetch(v, "backward (prefetch)");
-    if (list.empty() && p_.backward == PrefetchMode::backward_pre)
+    if (list.empty() && p_.backward == BackwardPrefetchMode::backward_pre)
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_pre;
   }
@@ -216,7 +216,7 @@ class MemorySimulation {
     const GradientPlan plan = plan_gradient(sync, p_.hybrid && !unit.kept_unsharded && accumulation_.replicate > 1);
     const bool final = gradient_is_final(sync, plan);
     if (unit.reshard_after_backward || final) release_unsharded(u);  // else kept for the next forward
-    if (p_.backward == PrefetchMode::backward_post && unit.backward_prefetch.empty())  // a list ran at pre_backward
+    if (p_.backward == BackwardPrefetchMode::backward_post && unit.backward_prefetch.empty())  // a list ran at pre_backward
       if (int next = next_backward(recorded); next >= 0) prefetch(next, "backward (prefetch)");
     s.state = State::backward_post;
     if (plan == GradientPlan::keep_unsharded) {  // no communication
@@ -299,7 +299,7 @@ class MemorySimulation {
     for (auto& f : state_[static_cast<std::size_t>(u)].flat) grads_.release_shard_grad(f);
   }
 
-  PolicyValues p_;
+  PolicyConfig p_;
   std::vector<SimUnit> units_;
   std::vector<UnitState> state_;
   std::vector<int> forward_, tops_, backward_;

@@ -15,7 +15,7 @@ namespace fsdp::detail {
 
 class SimulatedGradients {
  public:
-  SimulatedGradients(SimLedger& ledger, const PolicyValues& p) : ledger_(ledger), p_(p) {}
+  SimulatedGradients(SimLedger& ledger, const PolicyConfig& p) : ledger_(ledger), p_(p) {}
 
   // zero_grad: frees what accumulation kept (nothing once a synchronized backward reduced it).
   void zero_grad(SimFlatState& f) {
@@ -112,7 +112,7 @@ class SimulatedGradients {
   }
 
   SimLedger& ledger_;
-  const PolicyValues& p_;
+  const PolicyConfig& p_;
 };
 
 }  // namespace fsdp::detail

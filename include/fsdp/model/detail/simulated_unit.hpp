@@ -43,7 +43,9 @@ struct SimUnit {
 
 // A flat parameter of `numel` elements split over n ranks, sized as the unit sizes it.
 inline FlatParamLayout sim_layout(DType dtype, std::int64_t numel, int n) {
-  return FlatParamLayout(dtype, {ParamInfo{.numel = numel}}, n);
+  ParamInfo p;  // not ParamInfo{.numel = numel}: g++ 12's -Wextra warns of the members left out
+  p.numel = numel;
+  return FlatParamLayout(dtype, {p}, n);
 }
 
 // Where a space's peak was reached.

@@ -119,9 +119,11 @@ inline void check_init_agrees(const std::vector<CollectedParam>& params, const C
     for (std::size_t r = 1; r < static_cast<std::size_t>(world.size()); ++r)
       if (all[r * n + i] != all[i]) differ << (differ.tellp() ? ", " : "") << r;
     if (differ.tellp())
-      fail("unit '", unit, "' on rank ", rank, ": deferred init gave parameter '", params[i].info.fqn,
-           "' other values on rank(s) ", differ.str(), " than on rank 0; the init callback must give every rank "
-           "the same values (seed it by FQN, not by rank), or set ShardOptions::sync_module_states to take rank 0's");
+      fail_as(
+          ErrorKind::mismatch, "unit '", unit, "' on rank ", rank, ": deferred init gave parameter '",
+          params[i].info.fqn, "' other values on rank(s) ", differ.str(),
+          " than on rank 0; the init callback must give every rank "
+          "the same values (seed it by FQN, not by rank), or set ShardOptions::sync_module_states to take rank 0's");
   }
 }
 

@@ -11,6 +11,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
+#include "fsdp/policy/configuration.hpp"  // PolicyConfig: the policies as values
 #include "fsdp/policy/policies.hpp"
 
 namespace fsdp::detail {
@@ -19,59 +20,6 @@ namespace fsdp::detail {
 // only a strategy that shards has something to keep unsharded.
 inline bool kept_unsharded_by_threshold(bool shards_parameters, std::int64_t elements, std::int64_t threshold) {
   return shards_parameters && elements < threshold;
-}
-
-// The precision policies as values (the runtime values of MixedPrecision and CommPrecision).
-struct PrecisionChoice {
-  bool mixed = false;  // MixedPrecision
-  DType param = DType::f32, reduce = DType::f32, buffer = DType::f32;
-  bool keep_low_precision_grads = false;
-  bool comm = false;  // CommPrecision
-  DType comm_gather = DType::f32, comm_reduce = DType::f32;
-};
-
-template <class MP, class CP>
-PrecisionChoice precision_choice() {
-  PrecisionChoice p;
-  p.mixed = MP::enabled;
-  p.keep_low_precision_grads = MP::keep_low_precision_grads;
-  if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
-  p.comm = CP::enabled;
-  if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
-  return p;
-}
-
-enum class PrefetchMode : std::uint8_t { none, backward_pre, backward_post };
-
-// A configuration's policies as values: all that a unit's code (fsdp/unit/sharded_unit.hpp)
-// and the planner's replay (fsdp/model/detail/memory_simulation.hpp) read of them.
-struct PolicyValues {
-  bool shards_parameters = true, reshard_after_forward = true, hybrid = false;  // the strategy's
-  PrefetchMode backward = PrefetchMode::backward_pre;
-  bool forward_prefetch = false, offload = false;
-  PrecisionChoice precision;  // MixedPrecision and CommPrecision
-
-  MemorySpace shard_space() const { return offload ? MemorySpace::host : MemorySpace::device; }
-  // Under MixedPrecision buffers are shown in its Buffer dtype; otherwise they stay the engine's.
-  std::optional<DType> buffer_cast() const { return precision.mixed ? std::optional<DType>(precision.buffer) : std::nullopt; }
-};
-
-// A backward prefetch policy other than the library's three prefetches nothing.
-template <class Config>
-PolicyValues policy_values() {
-  using S = typename Config::strategy;
-  using BP = typename Config::backward_prefetch;
-  PolicyValues p;
-  p.shards_parameters = S::shards_parameters;
-  p.reshard_after_forward = S::reshard_after_forward;
-  p.hybrid = S::hybrid;
-  p.backward = std::is_same_v<BP, BackwardPre>    ? PrefetchMode::backward_pre
-               : std::is_same_v<BP, BackwardPost> ? PrefetchMode::backward_post
-                                                  : PrefetchMode::none;
-  p.forward_prefetch = Config::forward_prefetch::enabled;
-  p.offload = Config::cpu_offload::offload;
-  p.precision = precision_choice<typename Config::mixed_precision, typename Config::comm_precision>();
-  return p;
 }
 
 // The dtypes of one flat parameter whose master (sharded) dtype is `master`.
@@ -86,7 +34,7 @@ struct FlatParamDTypes {
 
 // A CommPrecision dtype applies only where it has fewer bytes than the compute dtype; it
 // changes what the collectives move, never what anything accumulates in.
-inline FlatParamDTypes flat_param_dtypes(DType master, const PrecisionChoice& p) {
+inline FlatParamDTypes flat_param_dtypes(DType master, const PrecisionConfig& p) {
   FlatParamDTypes t{master, master, master, master, master};
   if (p.mixed) {
     t.compute = p.param;

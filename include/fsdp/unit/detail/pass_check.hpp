@@ -74,7 +74,7 @@ class PassRecord {
        << at << ",";
     for (std::size_t r = 0; r < n; ++r) os << (r ? ";" : "") << " rank " << r << " ran " << entry(lists[r * longest + at]);
     os << " (seen on rank " << world_->rank() << "); every rank must run the same units in the same order";
-    throw Error(os.str());
+    throw Error(ErrorKind::mismatch, os.str());
   }
 
   std::vector<std::int32_t> ran_;

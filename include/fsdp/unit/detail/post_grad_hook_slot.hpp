@@ -29,7 +29,7 @@ class PostGradHookSlot {
 
   // The engine's hook, then (GradientAfterHook::free) `free_gradient`, also when the hook throws.
   template <class FreeGradient>
-  void run(UnitBase& unit, FreeGradient&& free_gradient) {
+  void run(Unit& unit, FreeGradient&& free_gradient) {
     try {
       hook_(unit);
     } catch (...) {

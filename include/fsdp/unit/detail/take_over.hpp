@@ -22,6 +22,14 @@
 #include "fsdp/unit/detail/flat_param_storage.hpp"
 #include "fsdp/core/error.hpp"
 
+namespace fsdp {
+class Unit;
+namespace detail {
+class UnitInternals;
+UnitInternals& internals(Unit& unit);  // fsdp/unit/unit.hpp
+}  // namespace detail
+}  // namespace fsdp
+
 namespace fsdp::detail {
 
 class TakeOverLog {
@@ -49,9 +57,9 @@ class TakeOverLog {
       call = "rebind";
       fn(tensor, data, dtype);
     } catch (const std::exception& e) {
-      failed(call, what, e.what());
+      failed(call, what, e.what(), kind_of(e));  // an engine's std::bad_alloc stays out_of_memory
     } catch (...) {
-      failed(call, what, "an exception that is not a std::exception");
+      failed(call, what, "an exception that is not a std::exception", ErrorKind::misuse);
     }
     if (data || dtype != own) shown_.push_back({tensor, fn, own});
     if (!keep) lost_.push_back(tensor);
@@ -85,7 +93,7 @@ class TakeOverLog {
     if (v.size() == v.capacity()) v.reserve(2 * v.size() + 16);
   }
 
-  [[noreturn]] void failed(const char* call, const std::string& what, std::string_view why) {
+  [[noreturn]] void failed(const char* call, const std::string& what, std::string_view why, ErrorKind kind) {
     std::sort(lost_.begin(), lost_.end(), std::less<>());  // a tensor tied under two names counts once
     const auto lost = static_cast<std::size_t>(std::unique(lost_.begin(), lost_.end()) - lost_.begin());
     roll_back();
@@ -95,8 +103,8 @@ class TakeOverLog {
                 (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") +
                 " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
                 "docs/concepts.md#tensor); the others keep theirs";
-    fail("unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::", call, " threw while the unit took over ", what,
-         ": ", why, outcome);
+    fail_as(kind, "unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::", call,
+            " threw while the unit took over ", what, ": ", why, outcome);
   }
 
   std::string unit_;
@@ -106,28 +114,28 @@ class TakeOverLog {
   std::vector<void*> lost_;  // tensors rebound without kept storage
 };
 
-// Takes over `units` (pointers to fsdp::UnitBase) as one: each rebinds into one log, and
+// Takes over `units` (pointers to fsdp::Unit) as one: each rebinds into one log, and
 // a rebind that throws in any unit gives back every unit's tensors, each of those units
 // (the failing one included) forgetting what it did. Units taken over by an earlier call
 // are left alone. After the commit every unit finishes (writes rank 0's buffer values;
 // a no-op where done before).
 template <class UnitPtrs>
 void take_over_together(int rank, const UnitPtrs& units) {
-  using Unit = std::remove_reference_t<decltype(**std::begin(units))>;
+  using U = std::remove_reference_t<decltype(**std::begin(units))>;
   TakeOverLog log(rank);
-  std::vector<Unit*> taking;
+  std::vector<U*> taking;
   taking.reserve(std::size(units));  // push_back below cannot throw
   try {
     for (auto& u : units) {
       taking.push_back(&*u);  // before its take_over: a unit that throws midway forgets too
-      if (!u->take_over(log)) taking.pop_back();
+      if (!internals(*u).take_over(log)) taking.pop_back();
     }
   } catch (...) {
-    for (Unit* u : taking) u->forget_take_over();  // the log gives the tensors back as it unwinds
+    for (U* u : taking) internals(*u).forget_take_over();  // the log gives the tensors back as it unwinds
     throw;
   }
   log.commit();
-  for (auto& u : units) u->finish_take_over();
+  for (auto& u : units) internals(*u).finish_take_over();
 }
 
 // Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the

@@ -15,6 +15,14 @@
 
 #include "fsdp/core/detail/backend_ref.hpp"
 
+namespace fsdp {
+class Unit;
+namespace detail {
+class UnitInternals;
+UnitInternals& internals(Unit& unit);  // fsdp/unit/unit.hpp
+}  // namespace detail
+}  // namespace fsdp
+
 namespace fsdp::detail {
 
 class ZeroBatch {
@@ -123,7 +131,7 @@ void zero_grads(const Units& units, MarkFailed mark) {
   ZeroBatch::run(
       [&](ZeroBatch& batch) {
         batch.reserve(std::size(units));  // a buffer per flat parameter: at least one per unit
-        for (const auto& u : units) u->zero_grad(batch);
+        for (const auto& u : units) internals(*u).zero_grad(batch);
       },
       [&] { for (const auto& u : units) mark(*u); });
 }
