@@ -137,7 +137,9 @@ TEST_CASE("fsdp::plan(model) needs no policies restated, and refuses units whose
     engine::Model other(two_blocks());
     fsdp::ShardedModel mixed;
     mixed.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard>>(other.blocks[0], comm, device, fsdp::UnitOptions{"blocks.0"});
-    mixed.emplace<fsdp::Sharded<engine::Block, fsdp::ShardGradOp>>(other.blocks[1], comm, device, fsdp::UnitOptions{"blocks.1"});
+    auto& by_hand = mixed.emplace<fsdp::Sharded<engine::Block, fsdp::ShardGradOp>>(other.blocks[1], comm, device,
+                                                                                   fsdp::UnitOptions{"blocks.1"});
+    CHECK(by_hand.config().policies.strategy() == "SHARD_GRAD_OP");  // on the typed unit too, not only through Unit&
     const std::string error = test_support::error_of([&] { fsdp::plan(mixed); });
     CAPTURE(error);
     CHECK(contains(error, "units 'blocks.0' (FULL_SHARD"));

@@ -127,7 +127,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
     if (u->state() != TrainingState::IDLE)
       return invalid("unit '" + std::string(u->display_name()) + "' is in state " + std::string(name_of(u->state())) +
                      "; clip gradients after ShardedModel::finish_backward() and before the optimizer step");
-    if (u->config().after_hook == GradientAfterHook::free)
+    if (fsdp::detail::after_hook_of(*u) == GradientAfterHook::free)
       return invalid("unit '" + std::string(u->display_name()) + "' frees its sharded gradient after its "
                      "post-accumulate-grad hook (the optimizer steps inside backward), so no gradient is left to "
                      "clip; the global norm needs every gradient before any step: clip outside backward, or not at all");

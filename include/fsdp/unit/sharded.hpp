@@ -32,8 +32,8 @@ template <class Module, class... Ps>
 class Sharded final : public detail::ShardedUnit {
  public:
   using module_type = Module;
-  using config = Policies<Ps...>;
-  using strategy = typename config::strategy;
+  using policies = Policies<Ps...>;  // the resolved policies (Unit::config() reports them as values)
+  using strategy = typename policies::strategy;
 
   // Over one communicator: FullShard and ShardGradOp shard across it, NoShard replicates.
   template <Communicator C, Device D, class Exclude = wrap_types<>>
@@ -54,8 +54,8 @@ class Sharded final : public detail::ShardedUnit {
  private:
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, UnitOptions options, Exclude)
-      : ShardedUnit(policy_config<config>(), detail::policy_settings<config>(), ModuleId::of(module),
-                    detail::ModuleVisit::of<Exclude, config::mixed_precision::enabled>(module), std::move(groups), device,
+      : ShardedUnit(policy_config<policies>(), detail::policy_settings<policies>(), ModuleId::of(module),
+                    detail::ModuleVisit::of<Exclude, policies::mixed_precision::enabled>(module), std::move(groups), device,
                     std::move(options)) {}
 };
 

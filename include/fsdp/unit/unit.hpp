@@ -120,12 +120,16 @@ class UnitInternals {
 
 UnitInternals& internals(Unit& unit);
 const UnitInternals& internals(const Unit& unit);
+// What the unit does with its sharded gradient after its post-accumulate-grad hook, without
+// building its whole config() (clip_grad_norm asks on every call).
+GradientAfterHook after_hook_of(const Unit& unit);
 
 }  // namespace detail
 
 class Unit : private detail::UnitInternals {
   friend detail::UnitInternals& detail::internals(Unit&);
   friend const detail::UnitInternals& detail::internals(const Unit&);
+  friend GradientAfterHook detail::after_hook_of(const Unit&);
 
  public:
   virtual ~Unit() = default;
@@ -427,6 +431,7 @@ using UnitBase [[deprecated("fsdp::UnitBase is now fsdp::Unit (CHANGELOG.md)")]]
 namespace detail {
 inline UnitInternals& internals(Unit& unit) { return unit; }
 inline const UnitInternals& internals(const Unit& unit) { return unit; }
+inline GradientAfterHook after_hook_of(const Unit& unit) { return unit.gradient_after_hook(); }
 }  // namespace detail
 
 }  // namespace fsdp
