@@ -21,7 +21,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
 #include <optional>
 #include <span>
 #include <vector>
@@ -88,7 +92,7 @@ Reference train_unsharded(const Config& cfg, int world) {
 // printed before the first step. The model reports its own policies, mesh, threshold and
 // settings (ShardedModel::config()), so nothing is restated here. A collective.
 template <class C>
-void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
+fsdp::MemoryPlan print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
   fsdp::PlanOptions options;
   options.asynchronous = true;  // the AsyncCommunicator: one reduction stays in flight
   options.steps = std::min(cfg.steps, 2);
@@ -101,10 +105,55 @@ void print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& cfg) {
       for (const auto& v : u->shards()) moments += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
       (cfg.optimizer_in_backward ? options.engine_state_in_hook[u->fqn()][k] : options.engine_state[k]) += moments;
     }
-  const auto mine = static_cast<std::int64_t>(fsdp::plan(sharded, options).peak_bytes());
+  fsdp::MemoryPlan plan = fsdp::plan(sharded, options);
+  const auto mine = static_cast<std::int64_t>(plan.peak_bytes());
   std::int64_t most = 0;
   comm.all_reduce(&mine, &most, 1, fsdp::DType::i64, fsdp::ReduceOp::max).wait();
-  if (comm.rank() == 0) fmt::print("plan: peak_bytes_per_rank={}\n", most);
+  if (comm.rank() == 0) fmt::print("plan: peak_bytes_per_rank={}\nplan: rank 0 {}\n", most, plan.describe());
+  return plan;
+}
+
+// A dashed line where each step begins, labelled.
+std::string step_marks(const fsdp::MemoryPlan& plan) {
+  std::string marks;
+  int step = 0;
+  for (std::size_t i = 0; i < plan.timeline.size(); ++i)
+    if (plan.timeline[i].step != step) {
+      step = plan.timeline[i].step;
+      marks += fmt::format("set arrow from {0}, graph 0 to {0}, graph 1 nohead dashtype 2\n"
+                           "set label 'step {1}' at {0}, graph 0.95 offset 0.5, 0\n", i, step);
+    }
+  return marks;
+}
+
+// --plot FILE: the plan's timeline (live bytes, allocation by allocation) as a PNG drawn by
+// gnuplot, with the data beside it (FILE.dat). Rank 0's plan.
+void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
+  const std::string data = png + ".dat";
+  {
+    std::ofstream out(data);
+    plan.write_timeline(out);
+    if (!out) throw std::runtime_error("--plot: cannot write '" + data + "'");
+  }
+  auto quoted = [](const std::string& s) {  // a gnuplot string in single quotes
+    std::string q = "'";
+    for (char ch : s) q += ch == '\'' ? std::string("''") : std::string(1, ch);
+    return q + "'";
+  };
+  const std::string script =
+      "set terminal pngcairo size 1200,500\nset output " + quoted(png) + "\n" +
+      "set title " + quoted("fsdp::plan, rank 0: live bytes (peak " + std::to_string(plan.peak_bytes()) + " B at " +
+                            plan.peak().unit + ", " + plan.peak().phase + ", step " + std::to_string(plan.peak().step) + ")") +
+      " noenhanced\nset xlabel 'allocation or free, in order (setup, then each step)'\nset ylabel 'bytes live'\n"
+      "set key right bottom\nset grid\n" + step_marks(plan) +
+      "plot " + quoted(data) + " using 1:3 with steps lw 2 title 'device', '' using 1:4 with steps lw 2 title 'host'\n";
+  FILE* gnuplot = popen("gnuplot", "w");
+  if (!gnuplot) throw std::runtime_error("--plot: cannot start gnuplot (apt install gnuplot-nox)");
+  std::fputs(script.c_str(), gnuplot);
+  const int status = pclose(gnuplot);
+  if (status != 0 || !std::filesystem::exists(png))
+    throw std::runtime_error("--plot: gnuplot did not draw '" + png + "' (exit status " + std::to_string(status) +
+                             "; is gnuplot installed? apt install gnuplot-nox)");
 }
 
 // One rank's training on any communicator. Figures reach rank 0 through the communicator
@@ -130,6 +179,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   engine::AdamW::Options adam;
   adam.lr = 1e-3f;
   Summary summary;
+  std::vector<fsdp::CounterTrack> plan_tracks;  // --plan with --trace: the planned timeline
   {  // the sharded model and all that uses it end here, before the trace is written
     // Runtime flags -> compile-time policies. Only fsdp::shard takes them as types, and
     // every combination returns the same fsdp::ShardedModel, so the training
@@ -197,7 +247,11 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       adamw_inside.emplace(sharded, [&] { return std::make_unique<engine::AdamW>(adam, alloc); });
     else if (cfg.optimizer_in_backward)
       sgd_inside.emplace(sharded, [] { return std::make_unique<engine::Sgd>(0.05f); });
-    if (cfg.plan) print_plan(sharded, stream, cfg);
+    if (cfg.plan) {
+      const fsdp::MemoryPlan plan = print_plan(sharded, stream, cfg);
+      if (tracing) plan_tracks = plan.counter_tracks(r);  // beside the rank's spans in its trace file
+      if (!cfg.plot.empty() && r == 0) plot_plan(plan, cfg.plot);
+    }
     if (cfg.show_config && r == 0) fmt::print("config: {}", fsdp::to_string(sharded.config()));
     auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
       if (cfg.optimizer_in_backward) return engine::sharded_forward_backward(model, sharded, micro);
@@ -260,7 +314,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   }
   if (tracing) {
     std::filesystem::create_directories(cfg.trace_dir);
-    fsdp::write_chrome_json(trace, (std::filesystem::path(cfg.trace_dir) / ("rank" + std::to_string(r) + ".json")).string());
+    fsdp::write_chrome_json(trace, (std::filesystem::path(cfg.trace_dir) / ("rank" + std::to_string(r) + ".json")).string(),
+                            plan_tracks);
   }
   return summary;
 }
@@ -321,7 +376,11 @@ int main(int argc, char** argv) {
   app.add_flag("--show-config", cfg.show_config,
                "print what the sharded model reports of itself (fsdp::ShardedModel::config()): each unit's policies and "
                "settings, after the settings the other flags make");
-  app.add_option("--trace", cfg.trace_dir, "write a Chrome / Perfetto trace per rank into this directory (rankN.json)");
+  app.add_option("--plot", cfg.plot,
+                 "with --plan: draw rank 0's planned timeline (live bytes per allocation) into this PNG file (gnuplot)");
+  app.add_option("--trace", cfg.trace_dir,
+                 "write a Chrome / Perfetto trace per rank into this directory (rankN.json); with --plan, the planned "
+                 "live bytes as a counter track too");
   auto* save = app.add_option("--save", cfg.save_dir,
                               "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");
   app.add_option("--save-every", cfg.save_every, "also save every K steps (needs --save)")
@@ -354,6 +413,10 @@ int main(int argc, char** argv) {
                cfg.precision == "fp16" ? "--precision fp16" : !cfg.save_dir.empty() ? "--save" : "--resume",
                cfg.precision == "fp16" ? "the loss scaler checks every gradient for inf/NaN before any step"
                                        : "checkpoints hold the one optimizer's state that stepping after backward keeps");
+    return 2;
+  }
+  if (!cfg.plot.empty() && !cfg.plan) {
+    fmt::print(stderr, "--plot draws the plan: give --plan too\n");
     return 2;
   }
   if (cfg.plan && (cfg.precision == "fp16" || !cfg.save_dir.empty() || !cfg.resume_dir.empty())) {

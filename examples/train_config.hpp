@@ -40,6 +40,7 @@ struct Config {
   int accumulate = 1;                  // --accumulate: micro-batches per step
   bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch
   bool plan = false;  // --plan: print fsdp::plan's per-rank peak before the first step
+  std::string plot;   // --plot FILE: with --plan, rank 0's planned timeline as a PNG (gnuplot)
   bool show_config = false;  // --show-config: print the sharded model's configuration (rank 0)
   bool optimizer_in_backward = false;  // --optimizer-in-backward: each unit steps in its post-accumulate-grad hook
   // --reshard-after-forward: "" (the strategy's), "true", "false", or N: a partial reshard

@@ -393,7 +393,265 @@ TEST_CASE("planning by hand, without a model: the FullShard formula of sharded_m
   CHECK(p.peak_bytes() == steady + 2 * root + 2 * layer);
   CHECK(p.peak_bytes(fsdp::MemorySpace::host) == 0);
   CHECK(p.peak().unit == "a");
-  CHECK(p.peak().phase == "backward (gradient)");
+  CHECK(p.peak().phase == "pre_backward");  // the hook that allocated it: its gradient, with its own parameters and the root's kept
+}
+
+}  // namespace core_memory_plan_test
+
+namespace core_memory_plan_test {
+
+namespace {
+
+// Setup as fsdp::shard runs it (plain, sync_module_states, deferred init), then two SGD
+// steps (no engine state) and, if given, a summon: what the Device measured at each point.
+struct SetupRun {
+  bool sync_module_states = false;
+  bool deferred = false;
+  bool partly = false;  // deferred, but each block's first weight built with storage
+  std::optional<fsdp::SummonOptions> summon = std::nullopt;
+};
+struct SetupOutcome {
+  std::size_t setup_peak = 0, peak = 0, host_peak = 0, live = 0;
+  std::array<std::size_t, 2> summon_peak{};  // from the summon's start (device, host)
+  fsdp::MemoryPlan plan;
+  fsdp::ModelConfig config;
+};
+
+template <class... Ps>
+SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report = 1) {
+  engine::ModelConfig c = config();
+  if (run.deferred) c.init = engine::Init::deferred;
+  std::vector<SetupOutcome> out(static_cast<std::size_t>(shape.size()));
+  fsdp::ThreadGroup(shape.size()).run([&](fsdp::ThreadComm& comm) {
+    fsdp::DeviceMesh mesh(comm, shape);
+    engine::Model model(c);
+    if (run.partly)
+      for (auto& b : model.blocks) b.fc1.weight = engine::Tensor({c.hidden, c.dim}, engine::heap(), fsdp::DType::f32);
+    fsdp::HostDevice device;
+    const fsdp::ShardOptions options{.sync_module_states = run.sync_module_states};
+    auto sm = run.deferred ? fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options, fsdp::deferred_init(engine::reset_parameters))
+                           : fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options);
+    auto& mine = out[static_cast<std::size_t>(comm.rank())];
+    mine.setup_peak = device.stats().peak_bytes;
+    mine.config = sm.config();
+    mine.plan = fsdp::plan(sm, {.summon = run.summon});
+    engine::Sgd sgd(0.01f);
+    for (int s = 0; s < 2; ++s) {
+      sm.zero_grad();
+      engine::sharded_micro_batch(model, sm, engine::make_batch(c, s, comm.rank(), 1));
+      sgd.step(engine::slots(sm));
+    }
+    mine.live = device.stats().live_bytes;
+    mine.peak = device.stats().peak_bytes;
+    mine.host_peak = device.stats(fsdp::MemorySpace::host).peak_bytes;
+    if (run.summon) {
+      device.reset_peak(fsdp::MemorySpace::device), device.reset_peak(fsdp::MemorySpace::host);
+      { auto summoned = sm.summon_full_params(*run.summon); }
+      mine.summon_peak = {device.stats().peak_bytes, device.stats(fsdp::MemorySpace::host).peak_bytes};
+      mine.peak = std::max(mine.peak, mine.summon_peak[0]);
+      mine.host_peak = std::max(mine.host_peak, mine.summon_peak[1]);
+    }
+  });
+  return out[static_cast<std::size_t>(rank_to_report)];
+}
+
+template <class... Ps>
+void check_setup(fsdp::MeshShape shape, SetupRun run) {
+  CAPTURE(shape.str());
+  CAPTURE(run.sync_module_states);
+  CAPTURE(run.deferred);
+  const SetupOutcome o = run_setup<Ps...>(shape, run);
+  CAPTURE(o.plan.describe());
+  CHECK(o.plan.setup_peak[0] == o.setup_peak);
+  CHECK(o.plan.peak_bytes() == o.peak);
+  CHECK(o.plan.peak_bytes(fsdp::MemorySpace::host) == o.host_peak);
+  CHECK(o.plan.steady[0] == o.live);
+  for (const auto& u : o.config.units) {  // the model reports how it was built, and the plan replays it
+    CHECK(u.sync_module_states == run.sync_module_states);
+    CHECK(u.deferred_parameters.empty() != run.deferred);
+    if (run.partly && u.fqn.starts_with("blocks."))
+      CHECK(std::find(u.deferred_parameters.begin(), u.deferred_parameters.end(), u.fqn + ".fc1.weight") == u.deferred_parameters.end());
+  }
+}
+
+template <class... Ps>
+void check_setups(fsdp::MeshShape shape) {
+  check_setup<Ps...>(shape, {});
+  check_setup<Ps...>(shape, {.sync_module_states = true});
+  check_setup<Ps...>(shape, {.deferred = true});
+  check_setup<Ps...>(shape, {.sync_module_states = true, .deferred = true});
+  check_setup<Ps...>(shape, {.deferred = true, .partly = true});  // the root and gain deferred whole, each block in part
+}
+
+}  // namespace
+
+TEST_CASE("setup is planned by running it: sync_module_states and deferred init, every strategy, to the byte") {
+  check_setups<fsdp::FullShard>({1, 3});
+  check_setups<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 2});
+  check_setups<fsdp::FullShard, fsdp::OffloadParams>({1, 2});
+  check_setups<fsdp::ShardGradOp>({1, 2});
+  check_setups<fsdp::NoShard>({1, 2});
+  check_setups<fsdp::NoShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3});
+  check_setups<fsdp::HybridShard>({2, 2});
+  check_setups<fsdp::HybridShardZero2>({2, 2});
+}
+
+TEST_CASE("NoShard with sync_module_states: setup holds rank 0's copy of one unit's parameters, and the plan says so") {
+  // Units of 120 (root), 3 x 202 (blocks) and 13 (gain) f32 elements, replicated on 2
+  // ranks: a shard and a gradient of each (steady = 2 x 739 x 4 = 5,912 bytes). While a
+  // unit is built with sync_module_states it also holds rank 0's values of its parameters
+  // until its shard is copied: the last block's 808 bytes on top of the units built so far
+  // (root and three blocks: 2 x (120 + 3 x 202) x 4 = 5,808), 6,616 in all, where a plain
+  // setup peaks at the steady figure. Figures from the configuration, not the library.
+  const std::size_t steady = 2 * (120 + 3 * 202 + 13) * 4;
+  const SetupOutcome plain = run_setup<fsdp::NoShard>({1, 2}, {});
+  const SetupOutcome synced = run_setup<fsdp::NoShard>({1, 2}, {.sync_module_states = true});
+  CHECK(plain.setup_peak == steady);
+  CHECK(plain.plan.setup_peak[0] == steady);
+  CHECK(synced.setup_peak == 2 * (120 + 3 * 202) * 4 + 202 * 4);
+  CHECK(synced.plan.setup_peak[0] == synced.setup_peak);
+  CHECK(synced.plan.steady[0] == steady);
+}
+
+TEST_CASE("a summon after the steps is planned to the byte, with each of its options") {
+  for (const fsdp::SummonOptions& summon :
+       {fsdp::SummonOptions{}, fsdp::SummonOptions{.writeback = true}, fsdp::SummonOptions{.rank0_only = true},
+        fsdp::SummonOptions{.offload_to_host = true}, fsdp::SummonOptions{.with_grads = true}}) {
+    CAPTURE(summon.writeback);
+    CAPTURE(summon.rank0_only);
+    CAPTURE(summon.offload_to_host);
+    CAPTURE(summon.with_grads);
+    for (int rank : {0, 1}) {
+      CAPTURE(rank);
+      const SetupOutcome o = run_setup<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 2}, {.summon = summon}, rank);
+      CHECK(o.plan.peak_bytes() == o.peak);
+      CHECK(o.plan.peak_bytes(fsdp::MemorySpace::host) == o.host_peak);
+      // The summon's own peak, from its start (the steady bytes) over its events.
+      std::array<std::size_t, 2> planned = o.plan.steady;
+      for (const auto& e : o.plan.timeline)
+        if (e.phase == "summon_full_params")
+          for (std::size_t k = 0; k < 2; ++k) planned[k] = std::max(planned[k], e.live[k]);
+      CHECK(planned == o.summon_peak);
+    }
+  }
+  // In the timeline: every unit's full parameters at once, 4 x (120 + 3 x 202 + 13) bytes
+  // padded to 2 ranks (740 elements) above the steady bytes, freed at its end.
+  const SetupOutcome o = run_setup<fsdp::FullShard>({1, 2}, {.summon = fsdp::SummonOptions{}});
+  std::size_t summoned = 0;
+  for (const auto& e : o.plan.timeline)
+    if (e.phase == "summon_full_params") summoned = std::max(summoned, e.live[0]);
+  CHECK(summoned == o.plan.steady[0] + 4 * (120 + 3 * 202 + 14));
+  CHECK(o.summon_peak[0] == summoned);
+  CHECK(o.plan.timeline.back().live[0] == o.plan.steady[0]);
+}
+
+TEST_CASE("settings changed between micro-batches are planned by making the same calls on the planning model") {
+  // Three micro-batches: the first two keep each unit's parameters after backward and
+  // accumulate in the sharded gradient; the last reshards and syncs as usual.
+  auto settings = [](fsdp::ShardedModel& sm, bool last) {
+    sm.set_reshard_after_backward(last);
+    sm.set_gradient_sync_mode(last ? fsdp::GradientSyncMode::keep_unsharded : fsdp::GradientSyncMode::reduce_every_microbatch);
+  };
+  const auto c = config();
+  std::vector<std::size_t> measured(2), planned(2), planned_fixed(2);
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre>(model, comm, device, engine::Wrap{});
+    const auto r = static_cast<std::size_t>(comm.rank());
+    planned[r] = fsdp::plan(sm, {.micro_batches = 3, .before_pass = [&](fsdp::ShardedModel& m, const fsdp::PlanPass& p) {
+                                   settings(m, p.last);
+                                 }}).peak_bytes();
+    planned_fixed[r] = fsdp::plan(sm, {.micro_batches = 3}).peak_bytes();
+    for (int s = 0; s < 2; ++s) {
+      sm.zero_grad();
+      for (int m = 0; m < 3; ++m) {
+        const bool last = m == 2;
+        sm.set_requires_gradient_sync(last);
+        settings(sm, last);
+        engine::sharded_micro_batch(model, sm, engine::make_batch(c, s * 3 + m, comm.rank(), 1));
+      }
+    }
+    measured[r] = device.stats().peak_bytes;
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(planned[static_cast<std::size_t>(r)] == measured[static_cast<std::size_t>(r)]);
+    CHECK(planned_fixed[static_cast<std::size_t>(r)] != measured[static_cast<std::size_t>(r)]);  // the settings matter here
+  }
+}
+
+TEST_CASE("the timeline: every allocation and free in order, adding up to the peak and the steady bytes") {
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::OffloadParams>(model, comm, device, engine::Wrap{});
+    const fsdp::MemoryPlan p = fsdp::plan(sm, {.steps = 2});
+    REQUIRE(!p.timeline.empty());
+    std::array<std::int64_t, 2> live{};
+    std::array<std::size_t, 2> max{};
+    int step = 0;
+    bool named_prefetch = false;
+    for (const auto& e : p.timeline) {
+      const auto k = static_cast<std::size_t>(e.space);
+      live[k] += e.delta;
+      CHECK(live[k] >= 0);
+      CHECK(static_cast<std::size_t>(live[k]) == e.live[k]);
+      max[k] = std::max(max[k], e.live[k]);
+      CHECK(e.step >= step);  // in order: setup (0), then step 1, 2
+      step = e.step;
+      if (e.step == 0) CHECK(e.phase == "setup");
+      CHECK(!e.unit.empty());  // no engine state given: every byte is a unit's
+      named_prefetch = named_prefetch || e.phase.find(" of '") != std::string::npos;
+    }
+    CHECK(step == 2);
+    CHECK(max[0] == p.peak_bytes());
+    CHECK(max[1] == p.peak_bytes(fsdp::MemorySpace::host));
+    CHECK(static_cast<std::size_t>(live[0]) == p.steady[0]);
+    CHECK(static_cast<std::size_t>(live[1]) == p.steady[1]);
+    CHECK(p.steady[1] > 0);  // the offloaded shards
+    CHECK(named_prefetch);   // BackwardPre (the default) prefetches: another unit's hook allocates
+    CHECK(fsdp::plan(sm, {.timeline = false}).timeline.empty());
+  });
+}
+
+}  // namespace core_memory_plan_test
+
+namespace core_memory_plan_test {
+
+TEST_CASE("on one rank a persistence threshold other than the model's is refused by what it changes") {
+  // One rank: a unit kept whole and a sharded one hold shards of the same size, so only
+  // whether it was kept tells the thresholds apart (units of 120, 202 and 13 elements).
+  using test_support::contains;
+  using test_support::error_of;
+  fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = 1000});
+    CHECK(fsdp::plan(sm).peak_bytes() > 0);  // read from the model: right
+    const std::string error = error_of([&] { fsdp::plan<fsdp::FullShard>(sm); });
+    CAPTURE(error);
+    CHECK(contains(error, "unit '<root>' on rank 0: is kept whole where the plan shards it under the persistence threshold 0"));
+    CHECK(fsdp::plan<fsdp::FullShard>(sm, {.persistence_threshold = 1000}).peak_bytes() == fsdp::plan(sm).peak_bytes());
+  });
+}
+
+TEST_CASE("the planning device reports the model's device: a summon's gradients go through device buffers on CUDA") {
+  // With with_grads, each flat gradient is gathered into host memory: straight on a host
+  // device when nothing is padded, through a shard-sized and a full-sized device buffer
+  // on CUDA (two allocations and two frees more per flat parameter).
+  const std::vector<fsdp::PlannedUnit> units{{"", {{fsdp::DType::f32, 16}}, {}}};
+  auto summon_events = [&](fsdp::DeviceId device) {
+    const auto p = fsdp::plan<fsdp::FullShard>(units, {.mesh = {1, 2}, .summon = fsdp::SummonOptions{.with_grads = true},
+                                                       .device = device});
+    std::vector<std::int64_t> deltas;
+    for (const auto& e : p.timeline)
+      if (e.phase == "summon_full_params") deltas.push_back(e.delta);
+    return deltas;
+  };
+  const auto host = summon_events({fsdp::DeviceKind::cpu, 0});
+  const auto cuda = summon_events({fsdp::DeviceKind::cuda, 0});
+  CHECK(cuda.size() == host.size() + 4);
+  CHECK(std::count(cuda.begin(), cuda.end(), 8 * 4) == std::count(host.begin(), host.end(), 8 * 4) + 1);  // S: 8 of 16 elements
 }
 
 }  // namespace core_memory_plan_test

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/model/memory_plan.hpp>
 #include <fsdp/testing/counting_communicator.hpp>
 
 #include "test/core/tied_model.hpp"
@@ -173,6 +174,59 @@ TEST_CASE("the root is gathered only around its uses: the per-rank peak equals t
     if (world == 4)
       MESSAGE("4 ranks: steady ", s.steady, ", P_root ", s.root, ", P_block ", s.block, "; peak around uses ",
               a.later_peak, " (block twice ", t.later_peak, ") vs whole pass ", p.later_peak);
+  }
+}
+
+TEST_CASE("the planner, given the pass's hook calls, plans each way of using the root to the byte") {
+  // The hook calls TiedLM makes, on the planning model (its units have the model's FQNs):
+  // the engine's own sequence, without the compute. fsdp::plan's default (each unit once,
+  // nested by FQN) is the whole-pass root; the two others need the pass spelled out.
+  auto pass_of = [](const tied::Config& c) {
+    return [c](fsdp::ShardedModel& sm, const fsdp::PlanPass&) {
+      fsdp::Unit& root = sm.unit("");
+      std::vector<int> uses;
+      for (int i = 0; i < c.blocks; ++i) uses.push_back(i);
+      if (c.repeat_block >= 0) uses.push_back(c.repeat_block);
+      auto block = [&](int i) -> fsdp::Unit& { return sm.unit("blocks." + std::to_string(i)); };
+      if (c.whole_pass_root) root.pre_forward();
+      else root.pre_forward(), root.post_forward();  // the embedding
+      for (int i : uses) block(i).pre_forward(), block(i).post_forward();
+      if (!c.whole_pass_root) root.pre_forward(), root.post_forward();  // the projection
+      else root.post_forward();
+      if (c.whole_pass_root) root.pre_backward();
+      else root.pre_backward(), root.post_backward();
+      for (std::size_t k = uses.size(); k-- > 0;) {
+        fsdp::Unit& b = block(uses[k]);
+        b.pre_backward();
+        if (c.repeat_block >= 0 && uses[k] == c.repeat_block) b.pre_forward(), b.post_forward();  // recomputed
+        b.post_backward();
+      }
+      if (!c.whole_pass_root) root.pre_backward(), root.post_backward();
+      else root.post_backward();
+    };
+  };
+  for (int world : {1, 2, 4}) {
+    CAPTURE(world);
+    tied::Config around_uses, twice, whole_pass;
+    twice.repeat_block = 0;
+    whole_pass.whole_pass_root = true;
+    for (const tied::Config& c : {around_uses, twice, whole_pass}) {
+      CAPTURE(c.repeat_block);
+      CAPTURE(c.whole_pass_root);
+      std::vector<fsdp::MemoryPlan> plans(static_cast<std::size_t>(world)), defaults(static_cast<std::size_t>(world));
+      fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+        tied::TiedLM m(c);
+        fsdp::HostDevice device;
+        auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(m, comm, device, fsdp::wrap_types<engine::Block>{});
+        const auto r = static_cast<std::size_t>(comm.rank());
+        plans[r] = fsdp::plan(sm, {.steps = steps, .pass = pass_of(c)});
+        defaults[r] = fsdp::plan(sm, {.steps = steps});
+      });
+      const Measured got = measure(c, world);
+      CHECK(plans[0].peak_bytes() == std::max(got.first_peak, got.later_peak));
+      CHECK(plans[0].steady[0] == got.live);
+      if (c.whole_pass_root) CHECK(defaults[0].peak_bytes() == plans[0].peak_bytes());
+    }
   }
 }
 

@@ -293,3 +293,24 @@ TEST_CASE("write_chrome_json fails with fsdp::Error naming the path, and leaves 
   CHECK(std::filesystem::is_directory(occupied));
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("counter tracks: a process of their own, named, and one \"C\" event per point with its value") {
+  Trace trace(2);
+  const std::vector<fsdp::CounterTrack> counters{
+      {"rank 2: fsdp::plan", 1002, "planned device bytes", {{0.0, 64.0}, {1.0, 192.0}, {2.0, 128.0}}},
+      {"rank 2: fsdp::plan", 1002, "planned host bytes", {{0.0, 0.0}}}};
+  const auto doc = nlohmann::json::parse(fsdp::to_chrome_json(trace, counters));
+  const auto& ev = doc.at("traceEvents");
+  REQUIRE(ev.size() == 3 + 1 + 4);  // the rank's metadata, the tracks' process named once, the points
+  CHECK(ev[3].at("ph") == "M");
+  CHECK(ev[3].at("pid") == 1002);
+  CHECK(ev[3].at("args").at("name") == "rank 2: fsdp::plan");
+  const auto& second = ev[5];
+  CHECK(second.at("ph") == "C");
+  CHECK(second.at("name") == "planned device bytes");
+  CHECK(second.at("pid") == 1002);
+  CHECK(second.at("ts").get<double>() == 1.0);
+  CHECK(second.at("args") == nlohmann::json{{"bytes", 192.0}});
+  CHECK(ev[7].at("name") == "planned host bytes");
+  CHECK(ev[7].at("pid") == 1002);
+}

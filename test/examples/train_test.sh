@@ -185,6 +185,38 @@ for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYB
   fi
 done
 
+# --plan --trace: the planned timeline as counter tracks in each rank's trace file;
+# --plan --plot FILE: rank 0's drawn by gnuplot (a PNG, with its data beside it: one line per
+# allocation or free, as many as the trace's samples per track). Without gnuplot the plot is skipped.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+plot=()
+command -v gnuplot >/dev/null && plot=(--plot "$work/plan.png")
+"$train" --steps 2 --ranks 2 --plan "${plot[@]}" --trace "$work/trace" >/dev/null 2>&1 ||
+  fail "--plan ${plot[*]} --trace: exited with $?"
+planned_events=$(grep -o '"ph":"C"' "$work/trace/rank0.json" 2>/dev/null | wc -l)
+if ((planned_events < 40)); then
+  fail "--plan --trace: $planned_events counter samples in rank0.json"
+else
+  echo "PASS: --plan --trace writes the planned timeline as device and host counter tracks ($planned_events samples)"
+fi
+if ((${#plot[@]})); then
+  magic=$(head -c 8 "$work/plan.png" 2>/dev/null | od -An -tx1 | tr -d ' \n')
+  events=$(grep -vc '^#' "$work/plan.png.dat" 2>/dev/null || true)
+  if [[ "$magic" != 89504e470d0a1a0a ]]; then
+    fail "--plot: $work/plan.png is no PNG ($magic)"
+  elif ((planned_events != 2 * events)); then
+    fail "--plot: $events planned events in its data, $planned_events counter samples in rank0.json (expected twice as many)"
+  else
+    echo "PASS: --plan --plot draws the $events planned events of rank 0"
+  fi
+else
+  echo "SKIP: --plot (no gnuplot here: apt install gnuplot-nox)"
+fi
+if "$train" --steps 1 --plot "$work/never.png" >/dev/null 2>&1; then fail "--plot without --plan was accepted"; else
+  echo "PASS: --plot without --plan is refused"
+fi
+
 # --show-config: what the sharded model reports of itself (ShardedModel::config()), after the
 # settings the other flags make: the policies fsdp::shard got and each unit's settings.
 shown=$("$train" --steps 1 --ranks 2 --strategy SHARD_GRAD_OP --precision bf16 --accumulate 2 --sync-every-microbatch \

@@ -19,6 +19,16 @@
 
 namespace fsdp {
 
+// One counter track for a trace file (fsdp/core/trace_json.hpp writes it as "ph": "C"
+// events): `points` (x in microseconds, value) under `name`, in a process of its own named
+// `process` (pid `pid`), so that it does not read as part of a rank's timeline.
+struct CounterTrack {
+  std::string process;
+  int pid = 0;
+  std::string name;
+  std::vector<std::pair<double, double>> points;
+};
+
 class Trace {
  public:
   using Clock = std::chrono::steady_clock;

@@ -3,15 +3,20 @@
 // open directly: {"traceEvents": [...], "displayTimeUnit": "ms"}. Each span is a complete
 // event {"name", "cat", "ph": "X", "ts", "dur", "pid": rank, "tid": lane} with ts and dur
 // in microseconds (ts since the trace's origin); metadata events ("ph": "M") name the
-// process "rank N" and its two threads "compute" and "communication".
+// process "rank N" and its two threads "compute" and "communication". Counter tracks
+// (CounterTrack: a value over time, "ph": "C", drawn as a filled graph) may be added, each in
+// a process of its own: a memory plan's live bytes, allocation by allocation.
 //
 // Kept apart from fsdp/core/trace.hpp so that only code that exports traces needs nlohmann/json.
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -20,7 +25,7 @@
 
 namespace fsdp {
 
-inline std::string to_chrome_json(const Trace& trace) {
+inline std::string to_chrome_json(const Trace& trace, const std::vector<CounterTrack>& counters = {}) {
   using micros = std::chrono::duration<double, std::micro>;
   const int pid = trace.rank();
   nlohmann::json events = nlohmann::json::array();
@@ -39,6 +44,15 @@ inline std::string to_chrome_json(const Trace& trace) {
                       {"pid", pid},
                       {"tid", static_cast<int>(e.lane)}});
   }
+  std::vector<int> named;  // one process_name per pid
+  for (const CounterTrack& c : counters) {
+    if (std::find(named.begin(), named.end(), c.pid) == named.end()) {
+      named.push_back(c.pid);
+      events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", c.pid}, {"tid", 0}, {"args", {{"name", c.process}}}});
+    }
+    for (const auto& [ts, value] : c.points)
+      events.push_back({{"name", c.name}, {"ph", "C"}, {"ts", ts}, {"pid", c.pid}, {"args", {{"bytes", value}}}});
+  }
   const nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   // Names are caller strings; invalid UTF-8 in one becomes U+FFFD instead of failing the export.
   return doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -47,8 +61,8 @@ inline std::string to_chrome_json(const Trace& trace) {
 // Writes to `path` + ".tmp" and renames it over `path`, so a reader (a viewer reloading
 // the file, a job collecting it) never sees half a trace. Throws fsdp::Error naming the
 // path if it cannot be written; the temporary file is not left behind.
-inline void write_chrome_json(const Trace& trace, const std::string& path) {
-  const std::string text = to_chrome_json(trace) + "\n";
+inline void write_chrome_json(const Trace& trace, const std::string& path, const std::vector<CounterTrack>& counters = {}) {
+  const std::string text = to_chrome_json(trace, counters) + "\n";
   const std::string tmp = path + ".tmp";
   errno = 0;
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);

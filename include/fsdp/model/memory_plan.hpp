@@ -1,56 +1,52 @@
 #pragma once
-// fsdp::plan: the per-rank peak bytes of training, per memory space, before any step.
+// fsdp::plan: the per-rank peak bytes of training, per memory space, before any step, and
+// the live bytes event by event.
 //
-// The planner replays what the library allocates and frees through its Device during
-// setup and training steps (fsdp/model/detail/memory_simulation.hpp): each unit's shards and
-// sharded gradients, the unsharded parameters of each all-gather (with the prefetch mode
-// and limit, each unit's reshard-after-forward (partial too), the unit backward starts with keeping
-// its parameters), the unsharded gradients, the reduction buffers and precision casts,
-// offloaded shards in host space, MixedPrecision's buffer copies. What it needs: each
-// unit's flat parameters (dtype and element count), its floating buffers, its nesting
-// (FQNs) and forward order, the policies, the mesh, the prefetch limit, and whether the
-// communicator is asynchronous (then one reduction stays in flight). It takes them from a
-// ShardedModel (so the plan is of the very units the steps will run) or from a list of
-// units, without building anything.
+// The planner runs the library's own code. It builds, for each unit, a real unit
+// (fsdp/model/detail/plan_backend.hpp) over a module of the same flat parameters and
+// buffers, on a device that counts bytes without allocating any and a communicator that
+// moves nothing, with the policies, mesh, persistence threshold and construction options
+// of the unit it stands for; it gives them the same run-time settings (reshard, gradient
+// sync mode, post-accumulate-grad hooks, explicit prefetch lists, the prefetch limit); and
+// it drives them through setup (what fsdp::shard does: sync_module_states, deferred init)
+// and training steps, and, if asked, a summon. What those units allocate is what the
+// training units allocate, by construction: a change to the schedule moves the plan with it.
 //
 // The engine's own memory (activations, the model's tensors, optimizer state) is the
 // engine's; the plan counts the library's bytes, plus what PlanOptions::engine_state
 // says the engine allocates through the same Device after its first step and keeps.
 //
-// Assumed, per step: zero_grad, then for each of PlanOptions::micro_batches: one forward
-// (units entered in `forward_order`, nested by FQN), one backward (the mirror: a unit's
-// backward starts before, and ends after, those of the units nested in it, which run in
-// reverse forward order), finish_backward; all micro-batches but the last with gradient
-// sync off (ShardedModel::no_sync), each unit accumulating in its GradientSyncMode, or
-// (PlanOptions::defer_all_reduce) with the replicate all-reduce deferred instead, each
-// unit keeping its parameters between them if its reshard_after_backward is off. A unit's
-// post-accumulate-grad hook (optimizer in backward) runs as its final reduction completes;
-// GradientAfterHook::free then frees its sharded gradient until the next reduction.
-// Explicit prefetch lists gather their units at the listing unit's pre_forward /
-// pre_backward from the first pass on.
+// A step, by default: zero_grad, then for each of PlanOptions::micro_batches a pass: one
+// forward (units entered in `forward_order`, nested by FQN; a unit may be listed more than
+// once, a use each), one backward (the mirror), finish_backward; all passes but the last
+// with gradient sync off (no_sync), or (PlanOptions::defer_all_reduce) with the replicate
+// all-reduce deferred. PlanOptions::before_pass changes settings between passes (as the
+// engine does between micro-batches) and PlanOptions::pass makes a pass's hook calls the
+// engine's way (a unit used around separate uses, a forward-only pass), both on the
+// planning model, whose units have the FQNs of the model's.
 //
 // Refused (an fsdp::Error): a model planned with gradient sync or the replicate all-reduce
-// off (plan between steps), and a model whose views do not match the given policies, mesh
-// or persistence threshold. Not modeled, so not to be planned with: summon_full_params,
-// state dicts and checkpoints, deferred init's temporaries, sync_module_states, the fp16
-// grad scaler, a forward-only pass (evaluation), a forward order that changes from step to
-// step, a unit used twice per pass, sync off for some units only, and settings changed
-// between micro-batches (each unit is planned with those it has when planned).
+// off (plan between steps), and a model whose units the given policies or threshold would
+// not build (plan<Ps...>: a planning unit holding other shards than the model's unit).
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "fsdp/model/detail/memory_simulation.hpp"
 #include "fsdp/core/device_mesh.hpp"
-#include "fsdp/policy/policies.hpp"
+#include "fsdp/core/trace.hpp"
+#include "fsdp/model/detail/plan_backend.hpp"
 #include "fsdp/model/sharded_model.hpp"
+#include "fsdp/policy/policies.hpp"
 
 namespace fsdp {
 
@@ -60,6 +56,9 @@ struct PlannedUnit {
   struct Flat {
     DType dtype = DType::f32;
     std::int64_t numel = 0;  // parameter elements (a tied tensor once)
+    // Of those, the elements of parameters built without storage (fsdp::deferred_init):
+    // setup holds them whole while the init fills them.
+    std::int64_t deferred_numel = 0;
   };
   std::vector<Flat> flat;
   struct Buffer {
@@ -82,6 +81,17 @@ struct PlannedUnit {
   std::optional<GradientAfterHook> post_accumulate_grad_hook = std::nullopt;
   // Explicit prefetch lists (set_forward_prefetch / set_backward_prefetch), by unit FQN.
   std::vector<std::string> forward_prefetch = {}, backward_prefetch = {};
+  // How it was built (UnitConfig reports it): with rank 0's values broadcast
+  // (sync_module_states: setup holds a copy of the unit's parameters and buffers). Deferred
+  // init: Flat::deferred_numel.
+  bool sync_module_states = false;
+};
+
+// Which pass of the plan runs (PlanOptions::before_pass and pass get it).
+struct PlanPass {
+  int step = 1;         // 1-based
+  int micro_batch = 0;  // 0-based, of PlanOptions::micro_batches
+  bool last = true;     // the step's last pass: gradient sync on
 };
 
 struct PlanOptions {
@@ -105,25 +115,83 @@ struct PlanOptions {
   // hook and keeps, per space, by unit FQN ("" for the root): an optimizer stepping in
   // backward creates its state there.
   std::map<std::string, std::array<std::size_t, 2>, std::less<>> engine_state_in_hook = {};
-  // Unit FQNs in the order forward enters them; empty: the units' order (fsdp::shard's
-  // depth-first order, which is the forward order of a model that runs its children in
-  // visit order).
+  // Unit FQNs in the order forward enters them, a unit once per use; empty: the units'
+  // order (fsdp::shard's depth-first order, which is the forward order of a model that runs
+  // its children in visit order). Entries nest by FQN ("blocks.0" inside the root's entry
+  // before it); a unit listed twice is entered twice, as a tied embedding or a block
+  // applied twice is, and backward mirrors the entries.
   std::vector<std::string> forward_order = {};
+  // Called before each pass, after the planner set gradient sync for it: the settings the
+  // engine changes between micro-batches (set_reshard_after_backward, set_gradient_sync_mode,
+  // ...), made on the planning model's units, found by FQN (model.unit("blocks.0")).
+  std::function<void(ShardedModel&, const PlanPass&)> before_pass = {};
+  // The hook calls of one pass (forward, then backward; the planner calls finish_backward
+  // after it), as the engine makes them, on the planning model; empty: forward_order's.
+  std::function<void(ShardedModel&, const PlanPass&)> pass = {};
+  // A summon of the whole model (ShardedModel::summon_full_params with these options) after
+  // the last step, as a state dict or an evaluation between steps makes one.
+  std::optional<SummonOptions> summon = std::nullopt;
+  // Keep the timeline of live bytes (MemoryPlan::timeline): one entry per allocation and free.
+  bool timeline = true;
+  // The device the units are on (a few buffers differ on CUDA: a summon's gradients);
+  // from a ShardedModel, read from its units.
+  DeviceId device{};
 };
 
 struct MemoryPlan {
   struct Peak {
     std::size_t bytes = 0;
-    std::string unit;   // the unit whose allocation reached it ("<root>" for the root; "" for the engine's state)
-    std::string phase;  // setup, forward, backward (gradient), backward (reduction), ... (prefetch)
+    std::string unit;   // the unit whose allocation reached it ("<root>" for the root; "" for PlanOptions::engine_state)
+    std::string phase;  // setup, the hook that allocated (pre_backward, ...; "pre_forward of 'a'": a's prefetches it), summon_full_params
     int step = 0;       // 1-based; 0: setup
   };
   std::array<Peak, 2> peaks;          // per MemorySpace
   std::array<std::size_t, 2> steady{};  // live between steps (after the last one replayed)
+  std::array<std::size_t, 2> setup_peak{};  // the peak while fsdp::shard builds the units
+  // Every allocation and free, in order: the bytes live after it in each space, whose memory
+  // it is (a unit's display name, also for the engine's state made in its hook; "" for
+  // PlanOptions::engine_state) and in which hook ("pre_forward"; "pre_forward of 'blocks.0'"
+  // when another unit's hook runs it: a prefetch, or a reduction completing), step 0 for setup.
+  struct Event {
+    std::array<std::size_t, 2> live{};
+    std::int64_t delta = 0;
+    MemorySpace space = MemorySpace::device;
+    std::string unit, phase;
+    int step = 0;
+  };
+  std::vector<Event> timeline;
 
   std::size_t peak_bytes(MemorySpace s = MemorySpace::device) const { return peaks[static_cast<std::size_t>(s)].bytes; }
   const Peak& peak(MemorySpace s = MemorySpace::device) const { return peaks[static_cast<std::size_t>(s)]; }
-  // "device: peak 123 B at unit 'blocks.2', backward (gradient), step 2; host: ..."
+  // The timeline as counter tracks for a trace file (fsdp::write_chrome_json): live bytes
+  // per memory space, one microsecond per allocation or free (the plan has no clock), in a
+  // process "rank R: fsdp::plan" of its own (pid 1000 + R).
+  std::vector<CounterTrack> counter_tracks(int rank) const {
+    std::vector<CounterTrack> out;
+    for (MemorySpace s : {MemorySpace::device, MemorySpace::host}) {
+      CounterTrack t{"rank " + std::to_string(rank) + ": fsdp::plan (1 us per allocation or free)", 1000 + rank,
+                     "planned " + std::string(name_of(s)) + " bytes", {}};
+      for (std::size_t i = 0; i < timeline.size(); ++i)
+        t.points.emplace_back(static_cast<double>(i), static_cast<double>(timeline[i].live[static_cast<std::size_t>(s)]));
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+  // The timeline as a table gnuplot reads: a header line, then per event its index, step,
+  // device and host bytes live after it, and "unit" and "phase" quoted.
+  void write_timeline(std::ostream& os) const {
+    os << "# event step device_bytes host_bytes unit phase\n";
+    for (std::size_t i = 0; i < timeline.size(); ++i) {
+      const Event& e = timeline[i];
+      auto quoted = [](std::string s) {  // gnuplot's data strings have no escapes: " becomes '
+        for (char& c : s) if (c == '"') c = '\'';
+        return '"' + s + '"';
+      };
+      os << i << ' ' << e.step << ' ' << e.live[0] << ' ' << e.live[1] << ' ' << quoted(e.unit) << ' ' << quoted(e.phase) << '\n';
+    }
+  }
+
+  // "device: peak 123 B at unit 'blocks.2', pre_backward, step 2; host: ..."
   std::string describe() const {
     std::ostringstream os;
     for (MemorySpace s : {MemorySpace::device, MemorySpace::host}) {
@@ -146,19 +214,96 @@ inline bool nests_in(const std::string& outer, const std::string& inner) {
 
 inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
 
-// The plan for policies read as values: compiled once per translation unit, however many
-// policy configurations it plans (fsdp::plan<Ps...> below only converts them).
-inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options) {
+// The planning model and what its units run on; the model goes first, the ledger last.
+struct PlanRun {
+  PlanLedger ledger;
+  std::vector<std::unique_ptr<PlanComm>> comms;
+  std::vector<std::unique_ptr<PlanDevice>> devices;
+  std::vector<std::unique_ptr<PlanModule>> modules;
+  ShardedModel model;
+
+  PlanComm& comm(int rank, int size, bool asynchronous) {
+    comms.push_back(std::make_unique<PlanComm>(rank, size, asynchronous));
+    return *comms.back();
+  }
+};
+
+// The groups fsdp::shard gives a unit of `policy` on `rank` of mesh `m` (UnitGroups::flat
+// and from_mesh; a hybrid mesh's shard groups are its rows, as DeviceMesh's).
+inline UnitGroups plan_groups(PlanRun& run, const PolicyConfig& policy, MeshShape m, int rank, bool asynchronous) {
+  const int world = m.size();
+  PlanComm& w = run.comm(rank, world, asynchronous);
+  if (policy.hybrid) {
+    PlanComm& shard = run.comm(rank % m.shard, m.shard, asynchronous);
+    PlanComm& replicate = run.comm(rank / m.shard, m.replicate, asynchronous);
+    UnitGroups g{CommRef(w), CommRef(shard), CommRef(replicate)};
+    g.shard_size = m.shard, g.shard_rank = rank % m.shard, g.replicate_size = m.replicate;
+    return g;
+  }
+  UnitGroups g{CommRef(w), CommRef(w), CommRef(w)};
+  g.shards_parameters = policy.shards_parameters;
+  if (policy.shards_parameters) g.shard_size = world, g.shard_rank = rank;
+  else g.replicate_size = world;
+  return g;
+}
+
+// Forward entries nested by FQN: each entry's unit, and the entries inside it.
+struct PlanEntries {
+  struct Entry {
+    int unit;
+    std::vector<int> inside;
+  };
+  std::vector<Entry> entries;
+  std::vector<int> tops;
+
+  PlanEntries(const std::vector<PlannedUnit>& units, const std::vector<int>& forward) {
+    std::vector<int> open;
+    for (int u : forward) {
+      const std::string& fqn = units[static_cast<std::size_t>(u)].fqn;
+      while (!open.empty() && !nests_in(units[static_cast<std::size_t>(entries[static_cast<std::size_t>(open.back())].unit)].fqn, fqn))
+        open.pop_back();
+      entries.push_back({u, {}});
+      const int e = static_cast<int>(entries.size()) - 1;
+      (open.empty() ? tops : entries[static_cast<std::size_t>(open.back())].inside).push_back(e);
+      open.push_back(e);
+    }
+  }
+  // One pass's hooks: forward in entry order, backward the mirror.
+  void run(ShardedModel& model) const {
+    for (int e : tops) forward(model, e);
+    for (auto it = tops.rbegin(); it != tops.rend(); ++it) backward(model, *it);
+  }
+
+ private:
+  void forward(ShardedModel& model, int e) const {
+    const Entry& entry = entries[static_cast<std::size_t>(e)];
+    Unit& u = model[static_cast<std::size_t>(entry.unit)];
+    u.pre_forward();
+    for (int i : entry.inside) forward(model, i);
+    u.post_forward();
+  }
+  void backward(ShardedModel& model, int e) const {
+    const Entry& entry = entries[static_cast<std::size_t>(e)];
+    Unit& u = model[static_cast<std::size_t>(entry.unit)];
+    u.pre_backward();
+    for (auto it = entry.inside.rbegin(); it != entry.inside.rend(); ++it) backward(model, *it);
+    u.post_backward();
+  }
+};
+
+// The plan of `units` under `policy` on `rank`: builds a real unit for each over the
+// planning backend (fsdp/model/detail/plan_backend.hpp) and runs setup, the steps and the
+// summon on them. `model` (may be null): the model planned, whose shards each planning
+// unit must reproduce (else the policies or threshold given are not the model's).
+inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options,
+                           int rank = 0, ShardedModel* model = nullptr) {
   const MeshShape m = options.mesh;
   if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
   if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
   if (options.steps < 1) detail::fail("fsdp::plan: steps must be >= 1, got ", options.steps);
   if (options.micro_batches < 1) detail::fail("fsdp::plan: micro_batches must be >= 1, got ", options.micro_batches);
   if (units.empty()) detail::fail("fsdp::plan: no units");
-  // The groups a unit uses (detail::UnitGroups): hybrid strategies shard inside the mesh's
-  // shard dimension, the others across (FullShard) or over (NoShard) the whole world.
-  const int world = m.size();
-  const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? world : 1;
+  const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? m.size() : 1;
   std::map<std::string_view, int> index;  // by FQN
   for (std::size_t i = 0; i < units.size(); ++i)
     if (!index.emplace(units[i].fqn, static_cast<int>(i)).second)
@@ -168,97 +313,179 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     if (it == index.end()) detail::fail("fsdp::plan: ", what..., " names '", detail::display(fqn), "', which is no unit");
     return it->second;
   };
-  std::vector<detail::SimUnit> sim(units.size());
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    auto& s = sim[i];
-    const std::string name = detail::display(units[i].fqn);
-    std::int64_t elements = 0;
-    for (const auto& f : units[i].flat) {
+  for (const PlannedUnit& u : units) {
+    const std::string name = detail::display(u.fqn);
+    for (const auto& f : u.flat)
       if (f.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements");
-      s.flat.push_back({f.dtype, f.numel});
-      elements += f.numel;
-    }
-    for (const auto& b : units[i].buffers) s.buffers.push_back({b.dtype, b.numel});
-    s.kept_unsharded = detail::kept_unsharded_by_threshold(policy.shards_parameters, elements, options.persistence_threshold);
-    s.reshard_after_forward = units[i].reshard_after_forward.value_or(policy.reshard_after_forward);
-    const int k = units[i].post_forward_ranks;
+    const int k = u.post_forward_ranks;
     if (k != 0 && (k <= 1 || k >= shard || shard % k != 0))
       detail::fail("fsdp::plan: unit '", name, "' reshards after forward to groups of ", k, " ranks, which must divide the ",
                    shard, " ranks of its shard group and lie strictly between 1 and ", shard);
-    if (policy.shards_parameters && !s.kept_unsharded) s.post_forward_ranks = k;
-    s.reshard_after_backward = units[i].reshard_after_backward;
-    s.accumulation = units[i].accumulation;
-    s.hook = units[i].post_accumulate_grad_hook;
-    for (const auto& f : units[i].forward_prefetch) s.forward_prefetch.push_back(index_of(f, "unit '", name, "''s forward prefetch"));
-    for (const auto& f : units[i].backward_prefetch) s.backward_prefetch.push_back(index_of(f, "unit '", name, "''s backward prefetch"));
+    for (const auto& f : u.forward_prefetch) index_of(f, "unit '", name, "''s forward prefetch");
+    for (const auto& f : u.backward_prefetch) index_of(f, "unit '", name, "''s backward prefetch");
   }
-  for (const auto& [fqn, bytes] : options.engine_state_in_hook) {
-    auto& s = sim[static_cast<std::size_t>(index_of(fqn, "engine_state_in_hook"))];
-    if (!s.hook) detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
-    s.hook_engine_state = bytes;
-  }
-  // Forward order, then nesting: each unit's parent is the innermost open unit holding it.
+  for (const auto& [fqn, bytes] : options.engine_state_in_hook)
+    if (!units[static_cast<std::size_t>(index_of(fqn, "engine_state_in_hook"))].post_accumulate_grad_hook)
+      detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
   std::vector<int> forward;
   if (options.forward_order.empty()) {
     for (std::size_t i = 0; i < units.size(); ++i) forward.push_back(static_cast<int>(i));
   } else {
-    for (const auto& name : options.forward_order) {
-      const int found = index_of(name, "forward_order");
-      if (std::find(forward.begin(), forward.end(), found) != forward.end())
-        detail::fail("fsdp::plan: forward_order names '", detail::display(name), "' twice (a unit used twice per pass is not planned)");
-      forward.push_back(found);
+    for (const auto& name : options.forward_order) forward.push_back(index_of(name, "forward_order"));
+    for (std::size_t i = 0; i < units.size(); ++i)
+      if (std::find(forward.begin(), forward.end(), static_cast<int>(i)) == forward.end() && !options.pass)
+        detail::fail("fsdp::plan: forward_order does not name unit '", detail::display(units[i].fqn),
+                     "'; list every unit once per use in forward");
+  }
+  const PlanEntries entries(units, forward);
+
+  PlanRun run;
+  run.ledger.record_timeline = options.timeline;
+  const UnitGroups groups = plan_groups(run, policy, m, rank, options.asynchronous);
+  for (const PlannedUnit& u : units) {  // setup: fsdp::shard's order, every unit built before any takes over
+    auto module = std::make_unique<PlanModule>();
+    // One parameter per flat parameter (two where deferred init binds part of it: the
+    // layout is the same, parameters lie end to end), built without storage where deferred.
+    bool deferred = false;
+    auto add = [&](const std::string& name, std::int64_t numel, DType t, bool without_storage) {
+      const std::size_t bytes = static_cast<std::size_t>(numel) * size_of(t);
+      void* engine = without_storage || bytes == 0 ? nullptr : run.ledger.engine_address(bytes);
+      module->params.push_back({name, {{numel}, t, engine, options.device}, {{numel}, t, nullptr, options.device}});
+    };
+    for (std::size_t k = 0; k < u.flat.size(); ++k) {
+      const auto& f = u.flat[k];
+      if (f.deferred_numel < 0 || f.deferred_numel > f.numel)
+        detail::fail("fsdp::plan: unit '", detail::display(u.fqn), "' has ", f.deferred_numel, " deferred elements in a flat parameter of ",
+                     f.numel);
+      if (f.deferred_numel > 0) add("flat" + std::to_string(k) + ".deferred", f.deferred_numel, f.dtype, true), deferred = true;
+      if (f.deferred_numel == 0 || f.numel > f.deferred_numel) add("flat" + std::to_string(k), f.numel - f.deferred_numel, f.dtype, false);
     }
-    if (forward.size() != units.size()) detail::fail("fsdp::plan: forward_order names ", forward.size(), " of the ", units.size(), " units");
+    for (std::size_t b = 0; b < u.buffers.size(); ++b) {
+      const auto& buf = u.buffers[b];
+      void* engine = run.ledger.engine_address(static_cast<std::size_t>(buf.numel) * size_of(buf.dtype));
+      module->buffers.push_back({"buffer" + std::to_string(b), {{buf.numel}, buf.dtype, engine, options.device}});
+    }
+    UnitOptions o;
+    o.fqn = u.fqn;
+    o.sync_module_states = u.sync_module_states;
+    o.defer_take_over = true;
+    o.persistence_threshold = options.persistence_threshold;
+    if (deferred) o.init = [](const MaterializedTensors&, const SkipSet&) {};
+    run.devices.push_back(std::make_unique<PlanDevice>(run.ledger, detail::display(u.fqn), options.device));
+    run.modules.push_back(std::move(module));  // before the unit that points into it
+    run.model.emplace<PlanUnit>(policy, *run.modules.back(), groups, *run.devices.back(), std::move(o), run.ledger);
   }
-  std::vector<int> tops, open;
-  for (int u : forward) {
-    while (!open.empty() && !detail::nests_in(units[static_cast<std::size_t>(open.back())].fqn, units[static_cast<std::size_t>(u)].fqn))
-      open.pop_back();
-    if (open.empty()) tops.push_back(u);
-    else sim[static_cast<std::size_t>(open.back())].children.push_back(u);
-    open.push_back(u);
-  }
-  detail::MemorySimulation replay(policy, shard, world, std::move(sim), std::move(forward), std::move(tops), options.max_prefetched,
-                                  options.asynchronous, {options.micro_batches, options.defer_all_reduce, m.replicate});
-  replay.setup();
-  for (int s = 0; s < options.steps; ++s) {
-    replay.step();
-    if (s == 0)
-      for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
-        if (options.engine_state[static_cast<std::size_t>(space)])
-          replay.engine_state(options.engine_state[static_cast<std::size_t>(space)], space);
-  }
+  run.model.take_over();
+  run.ledger.check();
   MemoryPlan out;
-  for (MemorySpace space : {MemorySpace::device, MemorySpace::host}) {
-    const auto& p = replay.peak(space);
-    const auto k = static_cast<std::size_t>(space);
-    out.peaks[k] = {p.bytes, p.unit >= 0 ? detail::display(units[static_cast<std::size_t>(p.unit)].fqn) : std::string(), p.phase,
-                    p.step};
-    out.steady[k] = replay.live(space);
+  for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+    out.setup_peak[static_cast<std::size_t>(space)] = run.ledger.peak(space).bytes;
+  ShardedModel& sm = run.model;
+  if (model) {  // each planning unit holds what the model's does, or the policies given are not its own
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      const Unit& real = (*model)[i];
+      const auto mine = sm[i].shards(), theirs = real.shards();
+      auto refuse = [&](const std::string& why) {
+        detail::fail("fsdp::plan: unit '", real.display_name(), "' on rank ", real.rank(), ": ", why);
+      };
+      // On a shard group of one rank a unit kept whole holds shards of the same size as a
+      // sharded one, and allocates otherwise: the threshold is compared by its outcome.
+      if (const bool kept = sm[i].config().kept_unsharded; kept != real.config().kept_unsharded)
+        refuse(std::string(kept ? "is sharded where the plan keeps it whole under" : "is kept whole where the plan shards it under") +
+               " the persistence threshold " + std::to_string(options.persistence_threshold) + ": is it the one given to fsdp::shard?");
+      for (std::size_t k = 0; k < theirs.size() && k < mine.size(); ++k) {
+        const ShardView &v = theirs[k], &p = mine[k];
+        const bool kept = sm[i].config().kept_unsharded;
+        if (v.padded_numel != p.padded_numel)
+          refuse("its " + std::string(name_of(v.dtype)) + " shard holds " + std::to_string(v.padded_numel) + " elements where " +
+                 std::to_string(p.padded_numel) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +
+                 " the persistence threshold " + std::to_string(options.persistence_threshold) +
+                 (kept ? ")" : " the one given to fsdp::shard?)"));
+        if (v.grad_dtype != p.grad_dtype)
+          refuse("its gradient is " + std::string(name_of(v.grad_dtype)) + ", the policies give " + std::string(name_of(p.grad_dtype)) +
+                 ": plan with the policies given to fsdp::shard");
+        if (v.space != p.space)
+          refuse(std::string("its shard is in ") + std::string(fsdp::name_of(v.space)) +
+                 " space, the policies say otherwise (CpuOffload): plan with the policies given to fsdp::shard");
+      }
+      if (mine.size() != theirs.size())
+        refuse("it has " + std::to_string(theirs.size()) + " flat parameters, the plan " + std::to_string(mine.size()));
+    }
   }
+  // The run-time settings of each unit, as the model's are now.
+  sm.set_max_prefetched_units(options.max_prefetched);
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const PlannedUnit& u = units[i];
+    Unit& s = sm[i];
+    if (u.reshard_after_forward) s.set_reshard_after_forward(*u.reshard_after_forward);
+    if (u.post_forward_ranks > 0 && policy.shards_parameters && !s.config().kept_unsharded)
+      s.set_reshard_after_forward(run.comm(groups.shard_rank % u.post_forward_ranks, u.post_forward_ranks, options.asynchronous));
+    s.set_reshard_after_backward(u.reshard_after_backward);
+    s.set_gradient_sync_mode(u.accumulation);
+    if (u.post_accumulate_grad_hook) {
+      std::array<std::size_t, 2> state{};
+      if (auto it = options.engine_state_in_hook.find(u.fqn); it != options.engine_state_in_hook.end()) state = it->second;
+      s.set_post_accumulate_grad_hook(
+          [ledger = &run.ledger, name = detail::display(u.fqn), state, ran = false](Unit&) mutable {
+            if (std::exchange(ran, true)) return;  // an optimizer in backward creates its state in its first hook
+            for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+              if (std::size_t b = state[static_cast<std::size_t>(space)])
+                ledger->allocate(b, space, name, "optimizer state (engine, in backward)");
+          },
+          *u.post_accumulate_grad_hook);
+    }
+    std::vector<Unit*> list;
+    for (const auto& f : u.forward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
+    s.set_forward_prefetch(std::exchange(list, {}));
+    for (const auto& f : u.backward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
+    s.set_backward_prefetch(std::move(list));
+  }
+  for (int step = 1; step <= options.steps; ++step) {
+    run.ledger.step = step;
+    run.ledger.phase = "step";
+    sm.zero_grad();
+    for (int mb = 0; mb < options.micro_batches; ++mb) {
+      const PlanPass pass{step, mb, mb + 1 == options.micro_batches};
+      if (options.defer_all_reduce) sm.set_requires_all_reduce(pass.last);
+      else sm.set_requires_gradient_sync(pass.last);
+      if (options.before_pass) options.before_pass(sm, pass);
+      if (options.pass) options.pass(sm, pass);
+      else entries.run(sm);
+      sm.finish_backward();
+    }
+    if (step == 1)
+      for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+        if (std::size_t b = options.engine_state[static_cast<std::size_t>(space)])
+          run.ledger.allocate(b, space, "", "optimizer state (engine)");
+  }
+  for (MemorySpace space : {MemorySpace::device, MemorySpace::host}) out.steady[static_cast<std::size_t>(space)] = run.ledger.live(space);
+  if (options.summon) {
+    run.ledger.phase = "summon_full_params";
+    auto summoned = sm.summon_full_params(*options.summon);
+  }
+  run.ledger.check();
+  for (MemorySpace space : {MemorySpace::device, MemorySpace::host}) {
+    const auto& p = run.ledger.peak(space);
+    out.peaks[static_cast<std::size_t>(space)] = {p.bytes, p.unit, p.phase, p.step};
+  }
+  out.timeline.reserve(run.ledger.events().size());
+  for (auto& e : run.ledger.events()) out.timeline.push_back({e.live, e.delta, e.space, std::move(e.unit), std::move(e.phase), e.step});
   return out;
 }
 
-// fsdp::planned_units for policies read as values: a ShardedModel's units as the planner
-// needs them, read from the units' public views and checked against the policies, so that
-// a plan made with other policies than the model's is refused rather than wrong.
-inline std::vector<PlannedUnit> planned_units_for(const PolicyConfig& policy, ShardedModel& model, PlanOptions& options) {
+// A ShardedModel's units as the planner needs them, read from the units' public views and
+// configurations; refused while a step is under way.
+inline std::vector<PlannedUnit> planned_units_for(ShardedModel& model, PlanOptions& options) {
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
   options.mesh = fsdp::detail::internals(model[0]).mesh_shape();  // every unit of a model uses the same groups
+  options.device = fsdp::detail::internals(model[0]).device_id();
   options.max_prefetched = model.execution_order().max_prefetched;
-  const int shard = options.mesh.shard;
-  const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? options.mesh.size() : 1;
-  if (shard_size != shard)
-    detail::fail("fsdp::plan: the model uses a ", fsdp::detail::internals(model[0]).groups(), ", which its policies' strategy would not: plan with the "
-                 "policies given to fsdp::shard");
-
   std::vector<PlannedUnit> out;
   for (auto& unit : model) {
     const Unit& u = *unit;
     const UnitConfig config = u.config();
-    const std::string name(u.display_name());
     auto refuse = [&](const std::string& why) {
-      detail::fail("fsdp::plan: unit '", name, "' on rank ", u.rank(), ": ", why);
+      detail::fail("fsdp::plan: unit '", u.display_name(), "' on rank ", u.rank(), ": ", why);
     };
     if (!config.sync.requires_sync)
       refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
@@ -272,7 +499,11 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyConfig& policy, Sh
     const auto shards = u.shards();
     p.flat.resize(shards.size());
     for (std::size_t k = 0; k < shards.size(); ++k) p.flat[k].dtype = shards[k].dtype;
-    for (const ParamView& v : u.parameters()) p.flat.at(v.shard).numel += v.numel;
+    for (const ParamView& v : u.parameters()) {
+      p.flat.at(v.shard).numel += v.numel;
+      if (std::find(config.deferred_parameters.begin(), config.deferred_parameters.end(), v.fqn) != config.deferred_parameters.end())
+        p.flat.at(v.shard).deferred_numel += v.numel;
+    }
     for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
     p.reshard_after_forward = config.reshard.after_forward;
     p.post_forward_ranks = config.reshard.post_forward_ranks;
@@ -281,27 +512,7 @@ inline std::vector<PlannedUnit> planned_units_for(const PolicyConfig& policy, Sh
     if (config.post_accumulate_grad_hook) p.post_accumulate_grad_hook = config.after_hook;
     p.forward_prefetch = config.forward_prefetch;
     p.backward_prefetch = config.backward_prefetch;
-    // What the unit holds must be what these policies (and threshold) would give it.
-    std::int64_t elements = 0;
-    for (const auto& f : p.flat) elements += f.numel;
-    const bool kept = detail::kept_unsharded_by_threshold(policy.shards_parameters, elements, options.persistence_threshold);
-    const int n = policy.shards_parameters && !kept ? shard : 1;
-    for (std::size_t k = 0; k < shards.size(); ++k) {
-      const ShardView& v = shards[k];
-      const std::int64_t want = detail::sim_layout(v.dtype, p.flat[k].numel, n).shard_numel();
-      if (v.padded_numel != want)
-        refuse("its " + std::string(name_of(v.dtype)) + " shard holds " + std::to_string(v.padded_numel) + " elements where " +
-               std::to_string(want) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +
-               " the persistence threshold " + std::to_string(options.persistence_threshold) +
-               (kept ? ")" : " the one given to fsdp::shard?)"));
-      const DType grad = detail::flat_param_dtypes(v.dtype, policy.precision).grad;
-      if (v.grad_dtype != grad)
-        refuse("its gradient is " + std::string(name_of(v.grad_dtype)) + ", the policies give " + std::string(name_of(grad)) +
-               ": plan with the policies given to fsdp::shard");
-      if (v.space != (policy.offload ? MemorySpace::host : MemorySpace::device))
-        refuse(std::string("its shard is in ") + std::string(fsdp::name_of(v.space)) +
-               " space, the policies say otherwise (CpuOffload): plan with the policies given to fsdp::shard");
-    }
+    p.sync_module_states = config.sync_module_states;
     out.push_back(std::move(p));
   }
   return out;
@@ -316,27 +527,39 @@ MemoryPlan plan(const std::vector<PlannedUnit>& units, const PlanOptions& option
   return detail::plan_for(policy_config<Policies<Ps...>>(), units, options);
 }
 
-// The units of a sharded model as the planner needs them, checked against the policies
-// (Ps: those given to fsdp::shard) and options.persistence_threshold; options.mesh and
-// max_prefetched are read from the model.
+// The units of a sharded model as the planner needs them (options.mesh and max_prefetched
+// are read from the model). Ps are not needed to read them; plan<Ps...>(model) checks them.
 template <class... Ps>
 std::vector<PlannedUnit> planned_units(ShardedModel& model, PlanOptions& options) {
-  return detail::planned_units_for(policy_config<Policies<Ps...>>(), model, options);
+  return detail::planned_units_for(model, options);
 }
+
+namespace detail {
+// Plans a model's units under `policy`, checking that its units use the groups the
+// policy's strategy gives (the planning units' shards are compared with theirs in plan_for).
+inline MemoryPlan plan_model(const PolicyConfig& policy, ShardedModel& model, PlanOptions& options) {
+  const auto units = planned_units_for(model, options);
+  const int shard = options.mesh.shard;
+  const int shard_size = policy.hybrid ? shard : policy.shards_parameters ? options.mesh.size() : 1;
+  if (shard_size != shard)
+    fail("fsdp::plan: the model uses a ", internals(model[0]).groups(), ", which its policies' strategy would not: plan with the "
+         "policies given to fsdp::shard");
+  return plan_for(policy, units, options, model[0].rank(), &model);
+}
+}  // namespace detail
 
 // The plan of `model`'s training steps, built before any step (or between steps), checked
 // against the policies Ps given to fsdp::shard. fsdp::plan(model) below needs none.
 template <class... Ps>
 MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
-  const auto units = planned_units<Ps...>(model, options);
-  return plan<Ps...>(units, options);
+  return detail::plan_model(policy_config<Policies<Ps...>>(), model, options);
 }
 
 // The plan of `model`'s training steps, from what the model reports of itself
-// (ShardedModel::config()): its policies, mesh, prefetch limit and persistence threshold
-// are read, not restated; options.mesh, max_prefetched and persistence_threshold are
-// overwritten. Every unit must have the same policies and threshold (units built by hand
-// with different ones are refused: the planner replays one configuration).
+// (ShardedModel::config()): its policies, mesh, prefetch limit, persistence threshold and
+// how each unit was built are read, not restated; options.mesh, max_prefetched and
+// persistence_threshold are overwritten. Every unit must have the same policies and
+// threshold (units built by hand with different ones are refused).
 inline MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
   const ModelConfig config = model.config();
@@ -345,15 +568,14 @@ inline MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
     if (u.policies != first.policies)
       detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' (", to_string(first.policies), ") and '",
                    detail::display(u.fqn), "' (", to_string(u.policies), ") on rank ", model[0].rank(),
-                   " have different policies; the planner replays one configuration");
+                   " have different policies; the planner builds one configuration");
     if (u.persistence_threshold != first.persistence_threshold)
       detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' and '", detail::display(u.fqn), "' on rank ",
                    model[0].rank(), " have different persistence thresholds (", first.persistence_threshold, " and ",
-                   u.persistence_threshold, "); the planner replays one configuration");
+                   u.persistence_threshold, "); the planner builds one configuration");
   }
   options.persistence_threshold = first.persistence_threshold;
-  const auto units = detail::planned_units_for(first.policies, model, options);
-  return detail::plan_for(first.policies, units, options);
+  return detail::plan_model(first.policies, model, options);
 }
 
 }  // namespace fsdp

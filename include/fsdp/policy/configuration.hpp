@@ -107,6 +107,10 @@ struct UnitConfig {
   bool post_accumulate_grad_hook = false;
   GradientAfterHook after_hook = GradientAfterHook::keep;
   std::vector<std::string> forward_prefetch, backward_prefetch;  // explicit lists, by FQN
+  // How it was built: UnitOptions::sync_module_states, and the parameters deferred init gave
+  // their storage (fsdp::deferred_init), by FQN. The planner replays both setups.
+  bool sync_module_states = false;
+  std::vector<std::string> deferred_parameters;
 
   friend bool operator==(const UnitConfig&, const UnitConfig&) = default;
 };
@@ -163,6 +167,8 @@ inline std::string to_string(const UnitConfig& u) {
   };
   list("forward_prefetch_list", u.forward_prefetch);
   list("backward_prefetch_list", u.backward_prefetch);
+  if (u.sync_module_states) os << " sync_module_states";
+  if (!u.deferred_parameters.empty()) os << " deferred_init(" << u.deferred_parameters.size() << " parameters)";
   return os.str();
 }
 

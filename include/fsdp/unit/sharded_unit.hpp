@@ -51,6 +51,8 @@ class ShardedUnit : public Unit {
     c.policies = policies_;
     c.mesh = mesh_shape();
     c.persistence_threshold = persistence_threshold_;
+    c.sync_module_states = sync_module_states_;
+    c.deferred_parameters = deferred_params_;
     c.kept_unsharded = kept_unsharded();
     c.reshard = reshard_;
     c.sync = sync_;
@@ -241,6 +243,8 @@ class ShardedUnit : public Unit {
     reshard_.after_forward = policies.reshard_after_forward;
     agreed_reshard_ = reshard_;
     persistence_threshold_ = options.persistence_threshold;
+    sync_module_states_ = options.sync_module_states;
+    deferred_params_ = std::move(setup.deferred);
     if (!options.defer_take_over) take_over();
   }
 
@@ -357,6 +361,8 @@ class ShardedUnit : public Unit {
 
   const PolicyConfig policies_;
   std::int64_t persistence_threshold_ = 0;  // UnitOptions::persistence_threshold, for config()
+  bool sync_module_states_ = false;         // how it was built, for config()
+  std::vector<std::string> deferred_params_;
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over
   FlatParamGroup group_;

@@ -72,9 +72,15 @@ std::string ranks_with_other_edits(const Group& group, const Unit& unit, bool& i
   if (world.size() == 1) return {};  // one rank: nothing to compare, so no pass over the parameters
   Fingerprint f;
   in_place = group.hash_unsharded(f);
+  // Buffers live where the device computes (GPU memory on CUDA): copied to the host to be
+  // hashed, as the parameters are.
   const auto buffers = unit.buffers();
-  for (std::size_t i = 0; i < buffers.size(); ++i)
-    f.add_bytes(fsdp::detail::internals(unit).buffer_data(i), static_cast<std::size_t>(buffers[i].numel) * size_of(buffers[i].dtype));
+  std::vector<std::byte> host;
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    host.resize(static_cast<std::size_t>(buffers[i].numel) * size_of(buffers[i].dtype));
+    if (!host.empty()) fsdp::detail::internals(unit).copy_bytes(host.data(), fsdp::detail::internals(unit).buffer_data(i), host.size());
+    f.add_bytes(host.data(), host.size());
+  }
   std::uint64_t mine = f.value();
   std::vector<std::uint64_t> all(static_cast<std::size_t>(world.size()));
   world.all_gather(&mine, all.data(), 1, DType::i64).wait();

@@ -70,6 +70,7 @@ inline Settings unit_settings(const Settings& policies, const UnitOptions& optio
 struct UnitSetup {
   std::vector<ParamStorage> storage;       // each parameter's storage, for Unit::param_storage
   std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
+  std::vector<std::string> deferred;       // the parameters deferred init bound storage to, by FQN
 };
 
 // The one step of a unit's construction that depends on the module's type: walking its
@@ -131,9 +132,12 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
     return "unit '" + std::string(unit.display_name()) + "'";
   }, [&] { return group.describe() + " (" + groups + ")"; }, &settings);
   DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
-  if (options.init)
+  if (options.init) {
+    for (const auto& p : params)
+      if (p.lacks_storage()) setup.deferred.push_back(p.info.fqn);
     run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
                       device, unit.display_name(), unit.rank());
+  }
   std::vector<CollectedBuffer> rank0_buffers;  // sync_module_states: the buffers at rank 0's values
   if (options.sync_module_states) {
     rank0_buffers = setup.buffers;

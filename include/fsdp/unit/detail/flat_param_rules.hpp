@@ -1,9 +1,8 @@
 #pragma once
 // The rules that decide how a unit holds its flat parameters and what it does with their
 // gradients, written once: the units follow them (fsdp/unit/unit_setup.hpp,
-// fsdp/unit/flat_param_group.hpp, fsdp/unit/detail/gradient_reduction.hpp) and the memory planner
-// replays them (fsdp/model/detail/memory_simulation.hpp, fsdp/model/memory_plan.hpp), so the
-// two cannot drift apart.
+// fsdp/unit/flat_param_group.hpp, fsdp/unit/detail/gradient_reduction.hpp), and so does the
+// memory planner, which runs the units themselves (fsdp/model/memory_plan.hpp).
 #include <cstdint>
 #include <optional>
 #include <type_traits>
