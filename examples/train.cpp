@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <array>
+#include <sys/wait.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -142,8 +144,7 @@ void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
   };
   const std::string script =
       "set terminal pngcairo size 1200,500\nset output " + quoted(png) + "\n" +
-      "set title " + quoted("fsdp::plan, rank 0: live bytes (peak " + std::to_string(plan.peak_bytes()) + " B at " +
-                            plan.peak().unit + ", " + plan.peak().phase + ", step " + std::to_string(plan.peak().step) + ")") +
+      "set title " + quoted("fsdp::plan, rank 0: " + plan.describe()) +
       " noenhanced\nset xlabel 'allocation or free, in order (setup, then each step)'\nset ylabel 'bytes live'\n"
       "set key right bottom\nset grid\n" + step_marks(plan) +
       "plot " + quoted(data) + " using 1:3 with steps lw 2 title 'device', '' using 1:4 with steps lw 2 title 'host'\n";
@@ -151,9 +152,10 @@ void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
   if (!gnuplot) throw std::runtime_error("--plot: cannot start gnuplot (apt install gnuplot-nox)");
   std::fputs(script.c_str(), gnuplot);
   const int status = pclose(gnuplot);
-  if (status != 0 || !std::filesystem::exists(png))
-    throw std::runtime_error("--plot: gnuplot did not draw '" + png + "' (exit status " + std::to_string(status) +
-                             "; is gnuplot installed? apt install gnuplot-nox)");
+  const int code = status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  if (code != 0 || !std::filesystem::exists(png))
+    throw std::runtime_error("--plot: gnuplot did not draw '" + png + "' (exit status " + std::to_string(code) +
+                             (code == 127 ? ": no gnuplot here; apt install gnuplot-nox)" : ")"));
 }
 
 // One rank's training on any communicator. Figures reach rank 0 through the communicator
@@ -372,12 +374,14 @@ int main(int argc, char** argv) {
   auto* keep = app.add_option("--reshard-after-backward", cfg.reshard_after_backward,
                  "false: between micro-batches of --accumulate, keep the parameters for the next forward");
   app.add_flag("--plan", cfg.plan,
-               "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step");
+               "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step, "
+               "and where rank 0's is reached (plan: rank 0 ...)");
   app.add_flag("--show-config", cfg.show_config,
                "print what the sharded model reports of itself (fsdp::ShardedModel::config()): each unit's policies and "
                "settings, after the settings the other flags make");
   app.add_option("--plot", cfg.plot,
-                 "with --plan: draw rank 0's planned timeline (live bytes per allocation) into this PNG file (gnuplot)");
+                 "with --plan: draw rank 0's planned timeline (live bytes per allocation) into this PNG file (gnuplot; "
+                 "the data beside it in FILE.dat)");
   app.add_option("--trace", cfg.trace_dir,
                  "write a Chrome / Perfetto trace per rank into this directory (rankN.json); with --plan, the planned "
                  "live bytes as a counter track too");

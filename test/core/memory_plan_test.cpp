@@ -411,7 +411,7 @@ struct SetupRun {
   std::optional<fsdp::SummonOptions> summon = std::nullopt;
 };
 struct SetupOutcome {
-  std::size_t setup_peak = 0, peak = 0, host_peak = 0, live = 0;
+  std::size_t setup_peak = 0, setup_host_peak = 0, peak = 0, host_peak = 0, live = 0;
   std::array<std::size_t, 2> summon_peak{};  // from the summon's start (device, host)
   fsdp::MemoryPlan plan;
   fsdp::ModelConfig config;
@@ -433,6 +433,7 @@ SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report =
                            : fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options);
     auto& mine = out[static_cast<std::size_t>(comm.rank())];
     mine.setup_peak = device.stats().peak_bytes;
+    mine.setup_host_peak = device.stats(fsdp::MemorySpace::host).peak_bytes;
     mine.config = sm.config();
     mine.plan = fsdp::plan(sm, {.summon = run.summon});
     engine::Sgd sgd(0.01f);
@@ -463,6 +464,7 @@ void check_setup(fsdp::MeshShape shape, SetupRun run) {
   const SetupOutcome o = run_setup<Ps...>(shape, run);
   CAPTURE(o.plan.describe());
   CHECK(o.plan.setup_peak[0] == o.setup_peak);
+  CHECK(o.plan.setup_peak[1] == o.setup_host_peak);
   CHECK(o.plan.peak_bytes() == o.peak);
   CHECK(o.plan.peak_bytes(fsdp::MemorySpace::host) == o.host_peak);
   CHECK(o.plan.steady[0] == o.live);

@@ -240,7 +240,7 @@ TEST_CASE("a failed zero_grad call leaves every unit failed until abort_step") {
     engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
     device.fail_next = true;
     CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("injected"), fsdp::Error);
-    for (auto& u : sm) CHECK(std::string_view(u->failed_hook() ? u->failed_hook() : "(none)") == "zero_grad");
+    for (auto& u : sm) CHECK(std::string_view(fsdp::detail::internals(*u).failed_hook() ? fsdp::detail::internals(*u).failed_hook() : "(none)") == "zero_grad");
     CHECK_THROWS_WITH_AS(sm[0].pre_forward(), doctest::Contains("zero_grad left by an exception"), fsdp::Error);
     sm.abort_step();
     sm.zero_grad();
@@ -268,7 +268,7 @@ TEST_CASE("a unit that throws in zero_grad, then a failed flush: the units befor
     CHECK_THROWS_WITH_AS(sm.zero_grad(), doctest::Contains("zero_grad"), fsdp::Error);
     CHECK(!device.fail_next);  // the flush ran, and failed
     for (std::size_t i = 0; i + 1 < sm.size(); ++i)
-      CHECK(std::string_view(sm[i].failed_hook() ? sm[i].failed_hook() : "(none)") == "zero_grad");
+      CHECK(std::string_view(fsdp::detail::internals(sm[i]).failed_hook() ? fsdp::detail::internals(sm[i]).failed_hook() : "(none)") == "zero_grad");
     sm.abort_step();
     sm.zero_grad();
     CHECK_NOTHROW(engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1)));

@@ -1,6 +1,6 @@
 #pragma once
-// fsdp::plan: the per-rank peak bytes of training, per memory space, before any step, and
-// the live bytes event by event.
+// fsdp::plan: the per-rank peak bytes per memory space over setup, training steps and a
+// summon, before any step, and the live bytes event by event.
 //
 // The planner runs the library's own code. It builds, for each unit, a real unit
 // (fsdp/model/detail/plan_backend.hpp) over a module of the same flat parameters and

@@ -88,7 +88,7 @@ class ShardedModel {
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", fsdp::detail::internals(*unit).groups(),
                    " but unit '", units_.front()->display_name(), "' a ",
                    fsdp::detail::internals(*units_.front()).groups(), "; every unit of a model must use the same groups");
-    const ModuleKey key{unit->module_address(), unit->module_type()};
+    const ModuleKey key{fsdp::detail::internals(*unit).module_address(), fsdp::detail::internals(*unit).module_type()};
     if (by_module_.count(key))
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
                    by_module_[key]->fqn(), "' already manages");

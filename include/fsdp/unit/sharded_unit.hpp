@@ -150,31 +150,6 @@ class ShardedUnit : public Unit {
     state_ = TrainingState::IDLE;
   }
 
-  // All or nothing for this unit (fsdp/unit/detail/take_over.hpp).
-  void take_over() override {
-    ShardedUnit* self = this;
-    detail::take_over_together(rank_, std::span(&self, 1));
-  }
-  // Buffers first, so that the group counts as taken over only once every tensor is.
-  bool take_over(detail::TakeOverLog& log) override {
-    if (group_.took_over()) return false;
-    log.unit(display_name());
-    buffers_.show_cast(log);
-    group_.take_over(fqn_, views_, params_, log);
-    return true;
-  }
-  // Back to before take_over(log): nothing appended, nothing to unbind at destruction.
-  void forget_take_over() noexcept override {
-    buffers_.forget_shown();
-    group_.forget_take_over();
-    views_.clear();
-    params_.clear();
-  }
-  // Writes once: the values are released once written.
-  void finish_take_over() override {
-    rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
-  }
-
   std::span<const ShardView> shards() const override { return views_; }
   std::span<const ParamView> parameters() const override { return params_; }
   std::span<const BufferView> buffers() const override { return buffer_views_; }
@@ -222,6 +197,32 @@ class ShardedUnit : public Unit {
   }
 
  protected:
+  // Setup's last step (detail::internals, ShardedModel::take_over): not on a typed unit.
+  // All or nothing for this unit (fsdp/unit/detail/take_over.hpp).
+  void take_over() override {
+    ShardedUnit* self = this;
+    detail::take_over_together(rank_, std::span(&self, 1));
+  }
+  // Buffers first, so that the group counts as taken over only once every tensor is.
+  bool take_over(detail::TakeOverLog& log) override {
+    if (group_.took_over()) return false;
+    log.unit(display_name());
+    buffers_.show_cast(log);
+    group_.take_over(fqn_, views_, params_, log);
+    return true;
+  }
+  // Back to before take_over(log): nothing appended, nothing to unbind at destruction.
+  void forget_take_over() noexcept override {
+    buffers_.forget_shown();
+    group_.forget_take_over();
+    views_.clear();
+    params_.clear();
+  }
+  // Writes once: the values are released once written.
+  void finish_take_over() override {
+    rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
+  }
+
   // Built by Sharded<Module, Ps...>, which hands over its policies as values and by name
   // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
   // identity; nothing below depends on the module's type.

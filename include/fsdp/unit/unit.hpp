@@ -104,6 +104,24 @@ class UnitInternals {
   virtual bool take_over(TakeOverLog& log) = 0;
   virtual void forget_take_over() noexcept = 0;
   virtual void finish_take_over() = 0;
+  // Completes setup of one unit alone: points the engine's tensors at the unit's storage
+  // (their own storage is released). The constructor calls it unless
+  // UnitOptions::defer_take_over; units built with it deferred are taken over together by
+  // ShardedModel::take_over (fsdp::shard does), so a failed shard leaves the model as it
+  // was. A rebind that throws: an fsdp::Error, nothing of this unit taken over.
+  virtual void take_over() = 0;
+
+  // The module the unit manages: its address and type together (a module's first member
+  // has the same address as the module itself); ShardedModel finds units by them.
+  virtual const void* module_address() const = 0;
+  virtual std::type_index module_type() const = 0;
+  // Which hook last left by an exception (null: none since the last abort_step).
+  virtual const char* failed_hook() const = 0;
+  // Uses of the unit in the current pass (fsdp/unit/detail/unit_uses.hpp): forward entries
+  // so far, and backward entries still expected before its gradient is reduced (-1: not
+  // known, so at finish_backward).
+  virtual int forward_entries() const = 0;
+  virtual int backward_entries_left() const = 0;
 
   // Issues this unit's all-gather ahead of its own hook, if it is not unsharded yet.
   virtual void prefetch(ZeroBatch* zeros) = 0;  // zeros (may be null): for its cast to do too
@@ -174,12 +192,6 @@ class Unit : private detail::UnitInternals {
   // settings as they are now (fsdp/policy/configuration.hpp; printable with to_string).
   virtual UnitConfig config() const = 0;
 
-  // Completes setup: points the engine's tensors at the unit's storage (their own storage
-  // is released). The constructor calls it unless UnitOptions::defer_take_over; fsdp::shard
-  // defers it until every unit is built, so a failed shard leaves the model as it was. A
-  // rebind that throws: an fsdp::Error, nothing of this unit taken over (detail/take_over.hpp).
-  virtual void take_over() = 0;
-
   // Recovery after an exception inside a step (a failed allocation, an engine error between
   // hooks, a hook that threw): frees what the step held (unsharded parameters, gradients,
   // collectives in flight, which are waited for and whose errors are dropped), discards the
@@ -191,9 +203,6 @@ class Unit : private detail::UnitInternals {
     abandon_step();
     agree_on_abort();
   }
-  // Which hook last left by an exception (null: none since the last abort_step).
-  const char* failed_hook() const { return failed_hook_; }
-
   // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
   // when set, these units are gathered at this unit's pre_forward / pre_backward instead
   // of the next unit in the recorded order.
@@ -239,21 +248,11 @@ class Unit : private detail::UnitInternals {
   virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
 
 
-  // Uses of the unit in the current pass (fsdp/unit/detail/unit_uses.hpp): forward entries so
-  // far, and backward entries still expected before its gradient is reduced (-1: not
-  // known, so at finish_backward).
-  int forward_entries() const { return uses_.forward_entries(); }
-  int backward_entries_left() const { return uses_.backward_left(); }
-
   const std::string& fqn() const { return fqn_; }
   // The FQN as messages and traces show it: "<root>" for the root.
   std::string_view display_name() const { return fqn_.empty() ? std::string_view("<root>") : std::string_view(fqn_); }
   TrainingState state() const { return state_; }
   int rank() const { return rank_; }
-  // The module this unit manages: its address and type together (a module's first member
-  // has the same address as the module itself).
-  const void* module_address() const { return module_; }
-  std::type_index module_type() const { return module_type_; }
 
   // RAII around the engine's forward / backward of this unit. The backward scope skips
   // post_backward when it is left by an exception: a collective during unwinding could
@@ -294,13 +293,19 @@ class Unit : private detail::UnitInternals {
   };
 
  protected:
-  // The internal overloads, not public: named here only so that the public zero_grad() and
-  // take_over() above hide nothing (clang's -Woverloaded-virtual); protected, since a unit
-  // class (detail::ShardedUnit) names both overloads of zero_grad with a using-declaration.
-  using detail::UnitInternals::take_over;
+  // The internal overload, not public: named here only so that the public zero_grad()
+  // above hides nothing (clang's -Woverloaded-virtual); protected, since a unit class
+  // (detail::ShardedUnit) names both overloads of zero_grad with a using-declaration.
   using detail::UnitInternals::zero_grad;
 
  private:
+  // Internals (detail::internals(unit)) that the unit answers itself.
+  const void* module_address() const final { return module_; }
+  std::type_index module_type() const final { return module_type_; }
+  const char* failed_hook() const final { return failed_hook_; }
+  int forward_entries() const final { return uses_.forward_entries(); }
+  int backward_entries_left() const final { return uses_.backward_left(); }
+
   struct BeginForward { void operator()(Unit& u) const { u.pre_forward(); } };
   struct EndForward { void operator()(Unit& u) const { u.post_forward(); } };
   struct BeginBackward { void operator()(Unit& u) const { u.pre_backward(); } };

@@ -16,7 +16,8 @@ struct UnitOptions {
   // Broadcast rank 0's parameters and buffers to every rank at construction, as FSDP's
   // sync_module_states does: ranks that initialised differently then start the same.
   bool sync_module_states = false;
-  // Leave the engine's tensors alone until take_over() (fsdp::shard builds every unit first).
+  // Leave the engine's tensors alone until the model takes them over with its other units
+  // (ShardedModel::take_over(), after add(); fsdp::shard builds every unit first).
   bool defer_take_over = false;
   // Parts of the module's subtree (at any depth) this unit leaves out, with the names
   // ShardOptions and FSDP use: modules that are units of their own (manual nesting: build
