@@ -40,11 +40,6 @@ class ShardedUnit : public Unit {
   // destroyed; the buffer copies are handed back here.
   ~ShardedUnit() override { buffers_.unbind_and_release(); }
 
-  int world_size() const override { return group_.groups().world.size(); }
-  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
-  bool kept_unsharded() const { return group_.kept_unsharded(); }
-  std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
-  MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
   UnitConfig config() const override {
     UnitConfig c;
     c.fqn = fqn_;
@@ -79,10 +74,7 @@ class ShardedUnit : public Unit {
 
   void post_backward() override { post_backward_body(); }
 
-  void prefetch(detail::ZeroBatch* zeros) override { prefetch_body(zeros); }
 
-  // The unit's gradient is final once its reduction completes: the engine's hook runs.
-  void finish_reduction() override { finish_reduction_body(); }
 
   // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
   // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
@@ -101,7 +93,6 @@ class ShardedUnit : public Unit {
 
   void finish_backward() override { finish_backward_body(); }
 
-  void abandon_step() override { abandon_step_body(); }
 
   void reshard() override {
     HookScope scope(*this, "reshard");
@@ -112,12 +103,6 @@ class ShardedUnit : public Unit {
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
   using Unit::zero_grad;
-  void zero_grad(detail::ZeroBatch& batch) override {
-    HookScope scope(*this, "zero_grad");
-    expect({TrainingState::IDLE}, "zero_grad");
-    group_.zero_grad(batch);
-    grad_is_zero_ = true;
-  }
 
   // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
   // summon_full_params and state dicts show, whatever the mixed precision.
@@ -143,16 +128,51 @@ class ShardedUnit : public Unit {
     state_ = TrainingState::IDLE;
   }
 
+
+  std::span<const ShardView> shards() const override { return views_; }
+  std::span<const ParamView> parameters() const override { return params_; }
+  std::span<const BufferView> buffers() const override { return buffer_views_; }
+  void* full_parameter(std::size_t i) const override {
+    if (state_ != TrainingState::SUMMON_FULL_PARAMS)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
+    if (summon_holds_nothing_)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
+                   "'): the summon is rank0_only, so only rank 0 holds full parameters");
+    return group_.full_parameter(i);
+  }
+
+  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
+  std::vector<const FlatParamLayout*> layouts() const {
+    std::vector<const FlatParamLayout*> out;
+    for (auto& fp : group_.flat()) out.push_back(&fp.layout);
+    return out;
+  }
+
+ protected:
+  // The unit's internals (detail::UnitInternals, reached with detail::internals(unit)):
+  // what the root, the execution order, checkpoints and clipping call; not on a typed unit.
+  int world_size() const override { return group_.groups().world.size(); }
+  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
+  bool kept_unsharded() const { return group_.kept_unsharded(); }
+  std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
+  MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
+  void prefetch(detail::ZeroBatch* zeros) override { prefetch_body(zeros); }
+  // The unit's gradient is final once its reduction completes: the engine's hook runs.
+  void finish_reduction() override { finish_reduction_body(); }
+  void abandon_step() override { abandon_step_body(); }
+  void zero_grad(detail::ZeroBatch& batch) override {
+    HookScope scope(*this, "zero_grad");
+    expect({TrainingState::IDLE}, "zero_grad");
+    group_.zero_grad(batch);
+    grad_is_zero_ = true;
+  }
   void discard_summon() {  // a summon's end that writes nothing back
     buffers_.show_master(false);
     group_.release_summoned_gradients();
     release_unsharded();
     state_ = TrainingState::IDLE;
   }
-
-  std::span<const ShardView> shards() const override { return views_; }
-  std::span<const ParamView> parameters() const override { return params_; }
-  std::span<const BufferView> buffers() const override { return buffer_views_; }
   void* buffer_data(std::size_t i) const override {
     const auto& b = all_buffers_.at(i);
     if (state_ != TrainingState::SUMMON_FULL_PARAMS)  // the tensor shows a cast copy under MixedPrecision
@@ -165,15 +185,6 @@ class ShardedUnit : public Unit {
     if (buffers_.load(b.tensor, values)) return;
     const std::size_t n = static_cast<std::size_t>(b.numel) * size_of(b.dtype);
     if (n) group_.device().copy(b.data_of(b.tensor), values, n);
-  }
-  void* full_parameter(std::size_t i) const override {
-    if (state_ != TrainingState::SUMMON_FULL_PARAMS)
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
-                   "') needs the unit summoned (summon_full_params), but it is ", name_of(state_));
-    if (summon_holds_nothing_)
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": full_parameter('", params_.at(i).fqn,
-                   "'): the summon is rank0_only, so only rank 0 holds full parameters");
-    return group_.full_parameter(i);
   }
   DeviceId device_id() const override { return group_.device().id(); }
   void copy_bytes(void* dst, const void* src, std::size_t bytes) const override {
@@ -189,14 +200,6 @@ class ShardedUnit : public Unit {
   bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
   std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }
 
-  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
-  std::vector<const FlatParamLayout*> layouts() const {
-    std::vector<const FlatParamLayout*> out;
-    for (auto& fp : group_.flat()) out.push_back(&fp.layout);
-    return out;
-  }
-
- protected:
   // Setup's last step (detail::internals, ShardedModel::take_over): not on a typed unit.
   // All or nothing for this unit (fsdp/unit/detail/take_over.hpp).
   void take_over() override {
