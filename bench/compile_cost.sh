@@ -23,6 +23,9 @@
 #                                         (a)              (b)             (c)
 #   before (the unit's vtable everywhere)  19.08 s  535 MB   2.92 s  196 MB   9.03 s  386 MB
 #   after (fsdp/unit/sharded_unit.hpp)     18.49 s  535 MB   3.09 s  196 MB   4.26 s  327 MB
+# and later, 3 runs each on a quieter machine (compare within a pair only):
+#   planner runs real units, in fsdp.hpp   13.55 s  571 MB   2.08 s  196 MB   3.30 s  345 MB
+#   planner out of fsdp.hpp                13.51 s  504 MB   2.17 s  196 MB   3.01 s  319 MB
 # (a) - (b) = +15.4 s, +339 MB against the goal's +2.0 s, +150 MB. Of (a), about 4.9 s is the
 # front end (-fsyntax-only: (b) 1.3 s) and the rest code generation, 70% of it (by bytes of
 # code) for fsdp functions that depend on no engine type: a separately compiled mode would

@@ -2,7 +2,9 @@
 // Everything an engine needs on the host, layer by layer (docs/layout.md): the concepts,
 // the policies, the unit, the model and its training-loop features, the communicator
 // adapters and the host backend. Included on their own, each with its Bazel target:
-// checkpoints (fsdp/checkpoint/checkpoint.hpp), the multi-process backends (fsdp/asio/,
+// checkpoints (fsdp/checkpoint/checkpoint.hpp), the memory planner
+// (fsdp/model/memory_plan.hpp: it builds units of its own, which every file including this
+// one would otherwise compile the declarations of), the multi-process backends (fsdp/asio/,
 // fsdp/mpi/), the CUDA adapters (fsdp/cuda/, fsdp/nccl/), traces written as JSON
 // (fsdp/core/trace_json.hpp, with nlohmann::json) and the testing tools (fsdp/testing/).
 
@@ -34,7 +36,6 @@
 #include "fsdp/model/clip_grad_norm.hpp"
 #include "fsdp/model/deferred_init.hpp"
 #include "fsdp/model/grad_scaler.hpp"
-#include "fsdp/model/memory_plan.hpp"
 #include "fsdp/model/shard.hpp"
 #include "fsdp/model/sharded_model.hpp"
 

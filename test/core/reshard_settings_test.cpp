@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/model/memory_plan.hpp>
+
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
