@@ -101,7 +101,7 @@ struct PlanOptions {
   // overlaps the next unit's backward, so its buffers live one unit longer.
   bool asynchronous = false;
   std::int64_t persistence_threshold = 0;  // ShardOptions::persistence_threshold
-  int steps = 2;  // steps replayed; every step after the second repeats the second
+  int steps = 2;  // steps run; every step after the second repeats the second
   // Forward and backward passes per step (gradient accumulation), all but the last under
   // no_sync, each ending with finish_backward.
   int micro_batches = 1;
@@ -146,7 +146,7 @@ struct MemoryPlan {
     int step = 0;       // 1-based; 0: setup
   };
   std::array<Peak, 2> peaks;          // per MemorySpace
-  std::array<std::size_t, 2> steady{};  // live between steps (after the last one replayed)
+  std::array<std::size_t, 2> steady{};  // live between steps (after the last one run)
   std::array<std::size_t, 2> setup_peak{};  // the peak while fsdp::shard builds the units
   // Every allocation and free, in order: the bytes live after it in each space, whose memory
   // it is (a unit's display name, also for the engine's state made in its hook; "" for

@@ -108,7 +108,7 @@ struct UnitConfig {
   GradientAfterHook after_hook = GradientAfterHook::keep;
   std::vector<std::string> forward_prefetch, backward_prefetch;  // explicit lists, by FQN
   // How it was built: UnitOptions::sync_module_states, and the parameters deferred init gave
-  // their storage (fsdp::deferred_init), by FQN. The planner replays both setups.
+  // their storage (fsdp::deferred_init), by FQN. The planner builds its units the same way.
   bool sync_module_states = false;
   std::vector<std::string> deferred_parameters;
 
