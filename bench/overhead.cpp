@@ -282,7 +282,7 @@ Result run_case(int world, int P, std::int64_t steps_opt, int reps, double targe
   comm.world = world;
   fsdp::HostDevice lib_dev, base_dev;
   Model lib_model(P), base_model(P);
-  fsdp::Sharded<Model> unit(lib_model, comm, lib_dev, fsdp::UnitOptions{"block"});
+  fsdp::Sharded<Model> unit(lib_model, comm, lib_dev, "block");
   LibraryCase lib{lib_model, unit, unit};
   BaselineCase base(base_model, base_dev, world);
 

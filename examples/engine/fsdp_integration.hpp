@@ -97,7 +97,7 @@ class OptimizerInBackward {
  private:
   void step(fsdp::Unit& u) {
     const auto at = std::find(index_.begin(), index_.end(), &u);
-    if (at == index_.end()) throw fsdp::Error("OptimizerInBackward: unit '" + std::string(u.display_name()) + "' is not of its model");
+    if (at == index_.end()) throw fsdp::Error("OptimizerInBackward: unit '" + u.fqn() + "' is not of its model");
     std::vector<Slot> s;
     for (const auto& v : u.shards()) {
       detail::check_f32_shard(v);

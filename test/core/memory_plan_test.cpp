@@ -63,10 +63,10 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       sm.set_gradient_sync_mode(run.mode);
       if (run.explicit_prefetch) {
         auto u = [&](const char* fqn) { return &sm.unit(fqn); };
-        u("blocks.0")->set_forward_prefetch({u("blocks.1"), u("blocks.2")});
-        u("blocks.1")->set_forward_prefetch({u("blocks.2"), u("gain")});
-        u("gain")->set_backward_prefetch({u("blocks.2"), u("blocks.1")});
-        u("blocks.2")->set_backward_prefetch({u("blocks.0")});  // blocks.1 is gathered already
+        u("blocks.0")->set_units_to_forward_prefetch({u("blocks.1"), u("blocks.2")});
+        u("blocks.1")->set_units_to_forward_prefetch({u("blocks.2"), u("gain")});
+        u("gain")->set_units_to_backward_prefetch({u("blocks.2"), u("blocks.1")});
+        u("blocks.2")->set_units_to_backward_prefetch({u("blocks.0")});  // blocks.1 is gathered already
       }
       sm.set_reshard_after_backward(run.after_backward);
       constexpr bool offload = fsdp::Policies<Ps...>::cpu_offload::offload;
@@ -340,7 +340,7 @@ TEST_CASE("explicit prefetch lists: gathered from the first pass on, under the l
   std::vector<fsdp::PlannedUnit> by_hand(2);
   by_hand[0].flat = by_hand[1].flat = {{fsdp::DType::f32, 4}};
   by_hand[1].fqn = "a";
-  by_hand[1].forward_prefetch = {"b"};
+  by_hand[1].units_to_forward_prefetch = {"b"};
   CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(by_hand, {.mesh = {1, 2}}); }),
                  "unit 'a''s forward prefetch names 'b', which is no unit"));
 }
@@ -373,7 +373,7 @@ TEST_CASE("what the planner does not model is refused, naming the unit and why")
     CHECK(contains(error_of([&] { fsdp::plan<fsdp::FullShard>(sm, {.engine_state_in_hook = {{"nowhere", {8, 0}}}}); }),
                    "names 'nowhere', which is no unit"));
     sm.set_post_accumulate_grad_hook({});
-    sm.unit("blocks.0").set_backward_prefetch({&sm.unit("gain")});
+    sm.unit("blocks.0").set_units_to_backward_prefetch({&sm.unit("gain")});
     CHECK(fsdp::plan<fsdp::FullShard>(sm).peak_bytes() > 0);
   });
   CHECK(contains(error_of([] { fsdp::plan<fsdp::FullShard>(std::vector<fsdp::PlannedUnit>{{"", {{fsdp::DType::f32, 4}}, {}}}, {.mesh = {0, 0}}); }),

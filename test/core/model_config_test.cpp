@@ -67,7 +67,7 @@ TEST_CASE("a model reports the policies it was built with, its mesh and which un
     CHECK(fsdp::to_string(c.units[1]) ==
           "'blocks.0': SHARD_GRAD_OP BACKWARD_POST forward_prefetch=on offload=on MixedPrecision<bf16, f32, bf16> "
           "mesh=1x2 reshard_after_forward=off reshard_after_backward=on gradient_divide_factor=world "
-          "sync on, all-reduce on, keep_unsharded");
+          "requires_gradient_sync=on requires_all_reduce=on gradient_sync_mode=keep_unsharded");
     CHECK(contains(fsdp::to_string(c.units[0]), "'<root>': SHARD_GRAD_OP"));
     CHECK(contains(fsdp::to_string(c.units[0]), "kept_unsharded(threshold=150)"));
     CHECK(contains(fsdp::to_string(c), "4 units, max_prefetched=2\n  '<root>': "));
@@ -90,7 +90,7 @@ TEST_CASE("a model's report follows its run-time settings") {
     sm.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
     sm.unit("blocks.1").set_reshard_after_forward(false);
     sm.unit("blocks.1").set_gradient_divide_factor(4.0);
-    sm.unit("blocks.0").set_forward_prefetch({&sm.unit("blocks.1"), &sm.unit("gain")});
+    sm.unit("blocks.0").set_units_to_forward_prefetch({&sm.unit("blocks.1"), &sm.unit("gain")});
     sm.set_post_accumulate_grad_hook([](fsdp::Unit&) {}, fsdp::GradientAfterHook::free);
     sm.set_requires_gradient_sync(false);
 
@@ -109,12 +109,13 @@ TEST_CASE("a model's report follows its run-time settings") {
     CHECK_FALSE(after.units[2].reshard.after_forward);
     CHECK(after.units[1].reshard.after_forward);
     CHECK(after.units[2].reshard.gradient_divide_factor == 4.0);
-    CHECK(after.units[1].forward_prefetch == std::vector<std::string>{"blocks.1", "gain"});
+    CHECK(after.units[1].units_to_forward_prefetch == std::vector<std::string>{"blocks.1", "gain"});
     const std::string line = fsdp::to_string(after.units[2]);
     CAPTURE(line);
     CHECK(contains(line, "reshard_after_forward=off reshard_after_backward=off gradient_divide_factor=4"));
-    CHECK(contains(line, "sync off, all-reduce on, reduce_every_microbatch post_accumulate_grad_hook(free)"));
-    CHECK(contains(fsdp::to_string(after.units[1]), "forward_prefetch_list=['blocks.1', 'gain']"));
+    CHECK(contains(line, "requires_gradient_sync=off requires_all_reduce=on gradient_sync_mode=reduce_every_microbatch "
+                             "post_accumulate_grad_hook(free)"));
+    CHECK(contains(fsdp::to_string(after.units[1]), "units_to_forward_prefetch=['blocks.1', 'gain']"));
   });
 }
 
@@ -136,9 +137,9 @@ TEST_CASE("fsdp::plan(model) needs no policies restated, and refuses units whose
     // Units built by hand with different policies: the planner replays one configuration.
     engine::Model other(two_blocks());
     fsdp::ShardedModel mixed;
-    mixed.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard>>(other.blocks[0], comm, device, fsdp::UnitOptions{"blocks.0"});
+    mixed.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard>>(other.blocks[0], comm, device, "blocks.0");
     auto& by_hand = mixed.emplace<fsdp::Sharded<engine::Block, fsdp::ShardGradOp>>(other.blocks[1], comm, device,
-                                                                                   fsdp::UnitOptions{"blocks.1"});
+                                                                                   "blocks.1");
     CHECK(by_hand.config().policies.strategy() == "SHARD_GRAD_OP");  // on the typed unit too, not only through Unit&
     const std::string error = test_support::error_of([&] { fsdp::plan(mixed); });
     CAPTURE(error);

@@ -209,10 +209,10 @@ TEST_CASE("a summon ended with writeback on some ranks only is an error on every
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
     auto& u = sm.unit("blocks.0");
-    u.begin_summon_full_params();
+    fsdp::detail::internals(u).begin_summon_full_params({});  // unscoped: the end's flag differs by rank
     model.blocks[0].fc1.bias.set(0, 9.0f);  // the same edit everywhere; only the decision differs
     errors[static_cast<std::size_t>(comm.rank())] =
-        test_support::error_of([&] { u.end_summon_full_params(/*writeback=*/comm.rank() != 2); });
+        test_support::error_of([&] { fsdp::detail::internals(u).end_summon_full_params(/*writeback=*/comm.rank() != 2); });
     CHECK(all_idle(sm));
     auto s = sm.summon_full_params();
     CHECK(test_support::max_difference(shown(model), expected) == 0.0);  // written back nowhere

@@ -1,4 +1,4 @@
-// The persistence threshold (UnitOptions / ShardOptions::persistence_threshold): units
+// The persistence threshold (ShardOptions::persistence_threshold): units
 // with fewer parameter elements stay unsharded, so the reference model's gain unit (dim
 // elements) is never all-gathered and its gradient is all-reduced. Counted collectives per
 // step, parity with unsharded training, memory, and checkpoints of such a model.

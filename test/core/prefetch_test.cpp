@@ -186,7 +186,7 @@ TEST_CASE("explicit prefetch lists gather the listed units, no more than the lim
       engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));  // records the order
       sm.set_max_prefetched_units(limit);
       auto& root = sm.unit_for(model);
-      root.set_forward_prefetch({&sm.unit("blocks.0"), &sm.unit("blocks.1"), &sm.unit("blocks.2")});
+      root.set_units_to_forward_prefetch({&sm.unit("blocks.0"), &sm.unit("blocks.1"), &sm.unit("blocks.2")});
       const auto steady = device.stats().live_bytes;
       root.pre_forward();
       const std::int64_t block = c.dim * c.hidden + c.hidden + c.hidden * c.dim + c.dim;
@@ -255,12 +255,12 @@ TEST_CASE("reshard() of a unit gathered ahead but never run frees it and its pre
     sm.set_max_prefetched_units(1);
     const auto steady = device.stats().live_bytes;
     auto& root = sm.unit_for(model);
-    root.set_forward_prefetch({&sm.unit("blocks.2")});
+    root.set_units_to_forward_prefetch({&sm.unit("blocks.2")});
     root.pre_forward();  // gathers blocks.2 ahead
     root.post_forward();
     sm.reshard();        // blocks.2 never ran: its buffer and its prefetch slot are released
     CHECK(device.stats().live_bytes == steady);
-    root.set_forward_prefetch({&sm.unit("blocks.1")});
+    root.set_units_to_forward_prefetch({&sm.unit("blocks.1")});
     root.pre_forward();  // the slot is free again: blocks.1 is gathered ahead
     const std::int64_t block = c.dim * c.hidden + c.hidden + c.hidden * c.dim + c.dim;
     const std::int64_t root_numel = c.in * c.dim + c.dim + c.dim * c.out + c.out;

@@ -394,7 +394,7 @@ TEST_CASE("no unsharded copy outlives an optimizer step: kept or prefetched para
     sm.reshard();
 
     // A unit gathered ahead that does not run, then an optimizer step.
-    root.set_forward_prefetch({&b});
+    root.set_units_to_forward_prefetch({&b});
     root.pre_forward();  // prefetches b
     a.pre_forward();
     a.post_forward();
@@ -480,6 +480,85 @@ TEST_CASE("scopes move and start empty: one call for a layer that may or may not
       block.abort_step();
     }
     CHECK(block.state() == fsdp::TrainingState::IDLE);
+  });
+}
+
+
+// The type an engine holds has what engines call and no more (docs/concepts.md, "Units and
+// the sharded model"): summon is a scope, and the unit's rank and display name are internal.
+template <class U> concept begins_summon_by_hand = requires(U& u) { u.begin_summon_full_params(fsdp::SummonOptions{}); };
+template <class U> concept ends_summon_by_hand = requires(U& u) { u.end_summon_full_params(true); };
+template <class U> concept tells_rank = requires(const U& u) { u.rank(); };
+template <class U> concept tells_display_name = requires(const U& u) { u.display_name(); };
+static_assert(!begins_summon_by_hand<fsdp::Unit> && !ends_summon_by_hand<fsdp::Unit>);
+static_assert(!tells_rank<fsdp::Unit> && !tells_display_name<fsdp::Unit>);
+using TypedUnit = fsdp::Sharded<engine::Block, fsdp::FullShard>;
+static_assert(!begins_summon_by_hand<TypedUnit> && !ends_summon_by_hand<TypedUnit>);
+static_assert(!tells_rank<TypedUnit> && !tells_display_name<TypedUnit>);
+// One way to open a scope: the unit's call; an empty scope is default-constructed.
+static_assert(!std::is_constructible_v<fsdp::Unit::ForwardScope, fsdp::Unit&>);
+static_assert(!std::is_constructible_v<fsdp::Unit::BackwardScope, fsdp::Unit&>);
+static_assert(!std::is_constructible_v<fsdp::Unit::SummonScope, fsdp::Unit&, const fsdp::SummonOptions&>);
+static_assert(std::is_default_constructible_v<fsdp::Unit::ForwardScope> &&
+              std::is_default_constructible_v<fsdp::Unit::SummonScope>);
+
+TEST_CASE("the model's setters are the unit's: one call changes every unit, or none while a unit is not IDLE") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto every_unit = [&](auto holds) {
+      bool all = true;
+      for (auto& u : sm) all = all && holds(u->config());
+      return all;
+    };
+    // The same call on a unit and on the model (RunTimeSettings<Self>).
+    auto configure = [](auto& target) {
+      target.set_reshard_after_backward(false);
+      target.set_gradient_divide_factor(4.0);
+      target.set_gradient_sync_mode(fsdp::GradientSyncMode::reduce_every_microbatch);
+    };
+    configure(sm.unit("blocks.1"));
+    CHECK(sm.unit("blocks.0").config().reshard.after_backward);  // untouched
+    CHECK_FALSE(sm.unit("blocks.1").config().reshard.after_backward);
+    configure(sm);
+    CHECK(every_unit([](const fsdp::UnitConfig& c) {
+      return !c.reshard.after_backward && c.reshard.gradient_divide_factor == 4.0 &&
+             c.sync.mode == fsdp::GradientSyncMode::reduce_every_microbatch;
+    }));
+
+    // The last unit is in FORWARD: the model refuses, naming it, and no unit changed (before,
+    // the units ahead of it were changed and the rest were not).
+    auto& gain = sm.unit("gain");
+    gain.pre_forward();
+    const std::string refusal = "fsdp: unit 'gain' on rank " + std::to_string(comm.rank()) +
+                                ": set_requires_gradient_sync called in state FORWARD; expected IDLE";
+    CHECK_THROWS_WITH_AS(sm.set_requires_gradient_sync(false), refusal.c_str(), fsdp::Error);
+    CHECK(every_unit([](const fsdp::UnitConfig& c) { return c.sync.requires_sync; }));
+    gain.post_forward();
+    gain.reshard();
+    // A refused value changes no unit either.
+    CHECK_THROWS_AS(sm.set_gradient_divide_factor(-1.0), fsdp::Error);
+    CHECK(every_unit([](const fsdp::UnitConfig& c) { return c.reshard.gradient_divide_factor == 4.0; }));
+    sm.set_requires_gradient_sync(false);
+    CHECK(every_unit([](const fsdp::UnitConfig& c) { return !c.sync.requires_sync; }));
+  });
+}
+
+TEST_CASE("shard with ShardOptions::defer_take_over builds every unit and leaves take_over() to the caller") {
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    const void* weight = model.blocks[0].fc1.weight.raw();
+    const float first = static_cast<const float*>(weight)[0];
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, fsdp::ShardOptions{.defer_take_over = true});
+    CHECK(sm.size() == 4);  // every unit built, its shard copied
+    CHECK(model.blocks[0].fc1.weight.raw() == weight);  // the engine's tensor untouched
+    CHECK(sm.config().units[1].fqn == "blocks.0");
+    sm.take_over();
+    CHECK(model.blocks[0].fc1.weight.raw() == nullptr);  // FullShard: no storage between passes
+    auto summoned = sm.summon_full_params();
+    CHECK(static_cast<const float*>(model.blocks[0].fc1.weight.raw())[0] == first);
   });
 }
 

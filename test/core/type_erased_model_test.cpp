@@ -17,7 +17,7 @@ TEST_CASE("a unit over a child seen as its base class manages the child's whole 
     fsdp::HostDevice device;
     fsdp::ShardedModel sm;
     auto& unit = sm.emplace<fsdp::Sharded<layers::Layer, fsdp::FullShard>>(block, comm, device,
-                                                                          fsdp::UnitOptions{"layers.3"});
+                                                                          "layers.3");
     std::vector<std::string> fqns;
     for (auto& p : unit.parameters()) fqns.push_back(std::string(p.fqn));
     CHECK(fqns == std::vector<std::string>{"layers.3.body.0.weight", "layers.3.body.0.bias", "layers.3.body.2.weight",

@@ -101,9 +101,9 @@ TEST_CASE("manual nesting with units built directly: the parent lists its wrappe
     fsdp::HostDevice device;
     fsdp::ShardedModel sm;
     using LayerUnit = fsdp::Sharded<layers::Layer, fsdp::FullShard>;
-    sm.emplace<LayerUnit>(*block.body[0], comm, device, fsdp::UnitOptions{"layers.1.body.0"});
+    sm.emplace<LayerUnit>(*block.body[0], comm, device, "layers.1.body.0");
     sm.emplace<LayerUnit>(block, comm, device,
-                     fsdp::UnitOptions{.fqn = "layers.1", .ignored_modules = {fsdp::ModuleId::of(*block.body[0])}});
+                     "layers.1", fsdp::ShardOptions{.ignored_modules = {fsdp::ModuleId::of(*block.body[0])}});
     const auto owner = unit_of_each_parameter(sm);
     CHECK(owner == std::map<std::string, std::string>{{"layers.1.body.0.weight", "layers.1.body.0"},
                                                       {"layers.1.body.0.bias", "layers.1.body.0"},

@@ -132,9 +132,9 @@ TEST_CASE("explicit prefetch lists that differ from iteration 2 on: the prefetch
     engine::Model model(config());
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::NoBackwardPrefetch>(model, comm, device, engine::Wrap{});
-    sm.unit("").set_forward_prefetch({&sm.unit("blocks.0")});
+    sm.unit("").set_units_to_forward_prefetch({&sm.unit("blocks.0")});
     iteration(sm, usual);
-    if (comm.rank() == 1) sm.unit("").set_forward_prefetch({&sm.unit("blocks.1")});
+    if (comm.rank() == 1) sm.unit("").set_units_to_forward_prefetch({&sm.unit("blocks.1")});
     iteration(sm, usual, log);
   });
   check_named(o, "forward");

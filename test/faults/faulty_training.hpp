@@ -70,7 +70,7 @@ struct RecordingHooks {
       const engine::Tensor& t = *by_fqn.find(p.fqn)->second;
       h = fingerprint(t.raw(), static_cast<std::size_t>(t.numel()) * fsdp::size_of(t.dtype()), h);
     }
-    shown.push_back(std::string(hook) + " " + std::string(u.display_name()) + " " + std::to_string(h));
+    shown.push_back(std::string(hook) + " " + std::string(fsdp::detail::display_name(u.fqn())) + " " + std::to_string(h));
   }
 };
 

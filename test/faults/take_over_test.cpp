@@ -535,10 +535,8 @@ TEST_CASE("ShardedModel::take_over after a failed one: it takes over, and units 
     fsdp::HostDevice device;
     {
       fsdp::ShardedModel model;
-      fsdp::UnitOptions a_options{.fqn = "a"};
-      model.emplace<fsdp::Sharded<Layer<true>, fsdp::NoShard>>(net.a, comm, device, a_options);  // takes over now
-      fsdp::UnitOptions b_options{.fqn = "b", .defer_take_over = true};
-      model.emplace<fsdp::Sharded<Layer<true>>>(net.b, comm, device, b_options);
+      model.emplace<fsdp::Sharded<Layer<true>, fsdp::NoShard>>(net.a, comm, device, "a");  // takes over now
+      model.emplace<fsdp::Sharded<Layer<true>>>(net.b, comm, device, "b", fsdp::ShardOptions{.defer_take_over = true});
       const void* a_storage = net.a.w.data;  // NoShard: the unit's replicated storage, for good
       CHECK(a_storage != nullptr);
       CHECK(net.a.w.storage == nullptr);
@@ -554,9 +552,10 @@ TEST_CASE("ShardedModel::take_over after a failed one: it takes over, and units 
       model.take_over();  // nothing left to do
       CHECK(net.b.w.data == nullptr);
       CHECK(net.b.w.storage == nullptr);
-      model[1].begin_summon_full_params();  // b's values made it into its shards
-      for (int i = 0; i < 12; ++i) CHECK(static_cast<const float*>(net.b.w.data)[i] == 200.0f + static_cast<float>(i));
-      model[1].end_summon_full_params(false);
+      {
+        auto summoned = model[1].summon_full_params();  // b's values made it into its shards
+        for (int i = 0; i < 12; ++i) CHECK(static_cast<const float*>(net.b.w.data)[i] == 200.0f + static_cast<float>(i));
+      }
     }
     CHECK(net.a.w.data == nullptr);  // a's unit, destroyed, left no view of its storage
     // The units gave the tensors back empty: only the buffers (never taken) hold storage.

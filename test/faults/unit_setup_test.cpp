@@ -169,13 +169,13 @@ TEST_CASE("deferred init checked on some ranks only (its per-parameter all-gathe
   check_named(msgs, "<root>", "deferred init: rank 0 on, values compared, rank 1 on, not compared");
 }
 
-TEST_CASE("UnitOptions of a unit built by hand") {
+TEST_CASE("ShardOptions of a unit built by hand") {
   const auto msgs = errors_per_rank(2, [](ThreadComm& comm) {
     Layer layer;
     fsdp::HostDevice device;
-    fsdp::UnitOptions o{"blocks.2"};
+    fsdp::ShardOptions o;
     o.persistence_threshold = comm.rank() == 0 ? 0 : 5;
-    fsdp::Sharded<Layer> unit(layer, comm, device, o);
+    fsdp::Sharded<Layer> unit(layer, comm, device, "blocks.2", o);
   });
   check_named(msgs, "blocks.2", "persistence_threshold: rank 0 0, rank 1 5");
 }

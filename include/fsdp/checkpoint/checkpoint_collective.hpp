@@ -71,8 +71,8 @@ void run_agreed(ShardedModel& model, const std::string& what, F&& part, const ch
       break;
     }
   }
-  if (!error.empty()) fail_as(*kind, what, " on rank ", model[0].rank(), ": ", error, outcome);
-  fail_as(agreed, what, " on rank ", model[0].rank(), ": another rank failed (its error says why)", outcome);
+  if (!error.empty()) fail_as(*kind, what, " on rank ", fsdp::detail::internals(model[0]).rank(), ": ", error, outcome);
+  fail_as(agreed, what, " on rank ", fsdp::detail::internals(model[0]).rank(), ": another rank failed (its error says why)", outcome);
 }
 
 }  // namespace fsdp::detail

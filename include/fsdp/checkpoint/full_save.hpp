@@ -42,7 +42,7 @@ class FullSave {
   FullSave(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer,
            std::map<std::string, std::string> metadata, bool snapshot = true)
       : what_("save_full_checkpoint '" + file.string() + "'"), file_(file), metadata_(std::move(metadata)),
-        optimizer_(optimizer), writes_(model.size() > 0 && model[0].rank() == 0),
+        optimizer_(optimizer), writes_(model.size() > 0 && fsdp::detail::internals(model[0]).rank() == 0),
         gathers_(full_gathers(model, optimizer)) {
     if (metadata_.count(std::string(checkpoint::data_checksums_key)))
       fail(what_, ": metadata key '", checkpoint::data_checksums_key, "' is the library's own (the data checksums)");

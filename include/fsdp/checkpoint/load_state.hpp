@@ -74,7 +74,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
                              LoadOptions options = {}) {
   LoadReport report;
   if (model.size() == 0) return report;
-  const int rank = model[0].rank(), ranks = fsdp::detail::internals(model[0]).world_size();
+  const int rank = fsdp::detail::internals(model[0]).rank(), ranks = fsdp::detail::internals(model[0]).world_size();
   // Parameters kept unsharded (after a forward-only pass, or between micro-batches under
   // reshard_after_backward off) would show the old values: freed first (IDLE units only).
   model.reshard();

@@ -156,7 +156,7 @@ class ShardedSave {
     run_agreed(model, what_, [&] {
       check_user_metadata(metadata_, what_);
       staging_dir_ = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), checkpoint_token);
-      rank_ = model[0].rank();
+      rank_ = fsdp::detail::internals(model[0]).rank();
       sources_ = sharded_slice_sources(model, optimizer);  // no collective: inside the agreement
       if (snapshot)  // the same slices, copied: write() then needs nothing of the model
         for (SliceSource& s : sources_) {

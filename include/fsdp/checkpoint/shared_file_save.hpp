@@ -39,7 +39,7 @@ inline void write_my_digests(int fd, const std::filesystem::path& file, std::uin
     if (checkpoint::detail::pread_up_to(fd, dst, n, data_begin + at, file) != n)
       fail_as(ErrorKind::io, "'", file.string(), "' is shorter than the data written into it");
   };
-  checkpoint::hash_owned_chunks(chunks, data_bytes, unit.rank(), fsdp::detail::internals(unit).world_size(), read,
+  checkpoint::hash_owned_chunks(chunks, data_bytes, fsdp::detail::internals(unit).rank(), fsdp::detail::internals(unit).world_size(), read,
                                 [&](std::size_t c, std::uint64_t digest) {
                                   const std::string hex = checkpoint::xxh64_hex(digest);
                                   checkpoint::detail::pwrite_all(fd, hex.data(), hex.size(), digits_at + chunks.digits_at(c), file);
@@ -51,7 +51,7 @@ inline void write_my_digests(int fd, const std::filesystem::path& file, std::uin
 // Throws on every rank when the save fails; the target files are then untouched.
 inline bool save_full_shared(const FullSave& save, ShardedModel& model, OptimizerState* optimizer) {
   if (model.size() == 0) return false;
-  const bool root = model[0].rank() == 0;
+  const bool root = fsdp::detail::internals(model[0]).rank() == 0;
   bool host = true;
   for (auto& u : model) host = host && fsdp::detail::internals(*u).device_id().kind == DeviceKind::cpu;
   if (!fsdp::detail::internals(model[0]).all_ranks_agree(host)) return false;

@@ -100,7 +100,7 @@ inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, Optim
                      base + p.shard_offset * size_of(t)});
     }
   });
-  if (model[0].rank() == 0)
+  if (fsdp::detail::internals(model[0]).rank() == 0)
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) {
         const auto& b = u->buffers()[i];
@@ -118,7 +118,7 @@ inline std::vector<SliceSource> sharded_slice_sources(ShardedModel& model, Optim
 inline ShardedStateDict sharded_state_dict(ShardedModel& model, OptimizerState* optimizer = nullptr) {
   ShardedStateDict out;
   if (model.size() == 0) return out;
-  out.rank = model[0].rank();
+  out.rank = fsdp::detail::internals(model[0]).rank();
   for (auto& s : detail::sharded_slice_sources(model, optimizer))
     out.slices.push_back(s.copy_to_host());
   if (optimizer) out.optim_scalars = optimizer->scalars();
@@ -144,7 +144,7 @@ struct FullGather {
 inline std::vector<FullGather> full_gathers(ShardedModel& model, OptimizerState* optimizer) {
   for (auto& u : model)  // gathers between a unit's hooks would pair with its own collectives
     if (u->state() != TrainingState::IDLE)
-      fail("unit '", u->display_name(), "' on rank ", u->rank(), ": a full state dict or full ",
+      fail("unit '", fsdp::detail::display_name(u->fqn()), "' on rank ", fsdp::detail::internals(*u).rank(), ": a full state dict or full ",
            "checkpoint needs every unit IDLE, but it is ", name_of(u->state()));
   std::vector<FullGather> out;
   const auto names = optimizer ? optimizer->state_names() : std::vector<std::string>{};
@@ -195,7 +195,7 @@ inline FullStateDict full_state_dict(ShardedModel& model, OptimizerState* optimi
                                      FullStateDictOptions options = {}) {
   FullStateDict out;
   if (model.size() == 0) return out;
-  const bool keep = !options.rank0_only || model[0].rank() == 0;
+  const bool keep = !options.rank0_only || fsdp::detail::internals(model[0]).rank() == 0;
   const auto gathers = detail::full_gathers(model, optimizer);
   const checkpoint::HostArena flat(detail::largest_gather(gathers));  // reused, never zero-filled: each gather fills it
   for (const auto& g : gathers) {

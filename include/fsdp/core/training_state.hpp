@@ -25,11 +25,14 @@ constexpr std::string_view name_of(TrainingState s) {
 }
 
 namespace detail {
+// A unit's FQN as messages, traces and plans show it: "<root>" for the root (FQN "").
+constexpr std::string_view display_name(std::string_view fqn) { return fqn.empty() ? std::string_view("<root>") : fqn; }
+
 inline void expect_state(TrainingState actual, std::initializer_list<TrainingState> expected,
                          std::string_view hook, std::string_view unit, int rank) {
   for (auto s : expected) if (s == actual) return;
   std::ostringstream os;
-  os << "unit '" << (unit.empty() ? "<root>" : unit) << "' on rank " << rank << ": " << hook
+  os << "unit '" << display_name(unit) << "' on rank " << rank << ": " << hook
      << " called in state " << name_of(actual) << "; expected ";
   bool first = true;
   for (auto s : expected) { os << (first ? "" : " or ") << name_of(s); first = false; }

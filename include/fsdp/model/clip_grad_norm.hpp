@@ -119,16 +119,16 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
   if (auto bad = check_clip_options(o); !bad.empty()) return invalid(bad);
   for (auto& u : model) {
     const int unit_world = fsdp::detail::internals(*u).world_size();
-    if (u->rank() != world_rank || unit_world != world_size)
-      return invalid("unit '" + std::string(u->display_name()) + "' is on rank " + std::to_string(u->rank()) + " of a world of " +
+    if (fsdp::detail::internals(*u).rank() != world_rank || unit_world != world_size)
+      return invalid("unit '" + std::string(fsdp::detail::display_name(u->fqn())) + "' is on rank " + std::to_string(fsdp::detail::internals(*u).rank()) + " of a world of " +
                      std::to_string(unit_world) + " ranks, but the communicator passed has rank " +
                      std::to_string(world_rank) + " of " + std::to_string(world_size) +
                      "; pass the world communicator the model was sharded over (or its DeviceMesh)");
     if (u->state() != TrainingState::IDLE)
-      return invalid("unit '" + std::string(u->display_name()) + "' is in state " + std::string(name_of(u->state())) +
+      return invalid("unit '" + std::string(fsdp::detail::display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
                      "; clip gradients after ShardedModel::finish_backward() and before the optimizer step");
     if (fsdp::detail::after_hook_of(*u) == GradientAfterHook::free)
-      return invalid("unit '" + std::string(u->display_name()) + "' frees its sharded gradient after its "
+      return invalid("unit '" + std::string(fsdp::detail::display_name(u->fqn())) + "' frees its sharded gradient after its "
                      "post-accumulate-grad hook (the optimizer steps inside backward), so no gradient is left to "
                      "clip; the global norm needs every gradient before any step: clip outside backward, or not at all");
     for (const ParamView& p : u->parameters()) {
@@ -151,7 +151,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
         if (!accumulate_norm(host.data(), n, p.grad_dtype, o.norm_type, rec.partial, &bad)) {
           rec.status = ClipRecord::nonfinite;
           const double v = load_as_double(host.data(), bad, p.grad_dtype);
-          why = prefix() + "parameter '" + std::string(p.fqn) + "' (unit '" + std::string(u->display_name()) + "') has a non-finite gradient (" +
+          why = prefix() + "parameter '" + std::string(p.fqn) + "' (unit '" + std::string(fsdp::detail::display_name(u->fqn())) + "') has a non-finite gradient (" +
                 number_text(v) + " at element " + std::to_string(p.param_begin + std::int64_t(done + bad)) + ")";
           rec.partial = std::fabs(v);  // inf or NaN: what the total becomes
           return rec;

@@ -74,13 +74,13 @@ struct PlannedUnit {
   // Gradient accumulation (PlanOptions::micro_batches > 1): what its backwards with sync
   // off do (set_gradient_sync_mode), and whether its parameters are freed after each
   // backward (set_reshard_after_backward; off: kept until the next forward).
-  GradientSyncMode accumulation = GradientSyncMode::keep_unsharded;
+  GradientSyncMode gradient_sync_mode = GradientSyncMode::keep_unsharded;
   bool reshard_after_backward = true;
   // Its post-accumulate-grad hook (set_post_accumulate_grad_hook), if any: what it does
   // with the sharded gradient after running.
   std::optional<GradientAfterHook> post_accumulate_grad_hook = std::nullopt;
-  // Explicit prefetch lists (set_forward_prefetch / set_backward_prefetch), by unit FQN.
-  std::vector<std::string> forward_prefetch = {}, backward_prefetch = {};
+  // Explicit prefetch lists (set_units_to_forward_prefetch / set_units_to_backward_prefetch), by unit FQN.
+  std::vector<std::string> units_to_forward_prefetch = {}, units_to_backward_prefetch = {};
   // How it was built (UnitConfig reports it): with rank 0's values broadcast
   // (sync_module_states: setup holds a copy of the unit's parameters and buffers). Deferred
   // init: Flat::deferred_numel.
@@ -212,7 +212,6 @@ inline bool nests_in(const std::string& outer, const std::string& inner) {
   return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.');
 }
 
-inline std::string display(const std::string& fqn) { return fqn.empty() ? "<root>" : fqn; }
 
 // The planning model and what its units run on; the model goes first, the ledger last.
 struct PlanRun {
@@ -307,26 +306,26 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
   std::map<std::string_view, int> index;  // by FQN
   for (std::size_t i = 0; i < units.size(); ++i)
     if (!index.emplace(units[i].fqn, static_cast<int>(i)).second)
-      detail::fail("fsdp::plan: two units named '", detail::display(units[i].fqn), "'");
+      detail::fail("fsdp::plan: two units named '", detail::display_name(units[i].fqn), "'");
   auto index_of = [&](const std::string& fqn, auto&&... what) {
     const auto it = index.find(fqn);
-    if (it == index.end()) detail::fail("fsdp::plan: ", what..., " names '", detail::display(fqn), "', which is no unit");
+    if (it == index.end()) detail::fail("fsdp::plan: ", what..., " names '", detail::display_name(fqn), "', which is no unit");
     return it->second;
   };
   for (const PlannedUnit& u : units) {
-    const std::string name = detail::display(u.fqn);
+    const std::string name = std::string(detail::display_name(u.fqn));
     for (const auto& f : u.flat)
       if (f.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements");
     const int k = u.post_forward_ranks;
     if (k != 0 && (k <= 1 || k >= shard || shard % k != 0))
       detail::fail("fsdp::plan: unit '", name, "' reshards after forward to groups of ", k, " ranks, which must divide the ",
                    shard, " ranks of its shard group and lie strictly between 1 and ", shard);
-    for (const auto& f : u.forward_prefetch) index_of(f, "unit '", name, "''s forward prefetch");
-    for (const auto& f : u.backward_prefetch) index_of(f, "unit '", name, "''s backward prefetch");
+    for (const auto& f : u.units_to_forward_prefetch) index_of(f, "unit '", name, "''s forward prefetch");
+    for (const auto& f : u.units_to_backward_prefetch) index_of(f, "unit '", name, "''s backward prefetch");
   }
   for (const auto& [fqn, bytes] : options.engine_state_in_hook)
     if (!units[static_cast<std::size_t>(index_of(fqn, "engine_state_in_hook"))].post_accumulate_grad_hook)
-      detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display(fqn), "', which has no post-accumulate-grad hook");
+      detail::fail("fsdp::plan: engine_state_in_hook names unit '", detail::display_name(fqn), "', which has no post-accumulate-grad hook");
   std::vector<int> forward;
   if (options.forward_order.empty()) {
     for (std::size_t i = 0; i < units.size(); ++i) forward.push_back(static_cast<int>(i));
@@ -334,7 +333,7 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     for (const auto& name : options.forward_order) forward.push_back(index_of(name, "forward_order"));
     for (std::size_t i = 0; i < units.size(); ++i)
       if (std::find(forward.begin(), forward.end(), static_cast<int>(i)) == forward.end() && !options.pass)
-        detail::fail("fsdp::plan: forward_order does not name unit '", detail::display(units[i].fqn),
+        detail::fail("fsdp::plan: forward_order does not name unit '", detail::display_name(units[i].fqn),
                      "'; list every unit once per use in forward");
   }
   const PlanEntries entries(units, forward);
@@ -355,7 +354,7 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     for (std::size_t k = 0; k < u.flat.size(); ++k) {
       const auto& f = u.flat[k];
       if (f.deferred_numel < 0 || f.deferred_numel > f.numel)
-        detail::fail("fsdp::plan: unit '", detail::display(u.fqn), "' has ", f.deferred_numel, " deferred elements in a flat parameter of ",
+        detail::fail("fsdp::plan: unit '", detail::display_name(u.fqn), "' has ", f.deferred_numel, " deferred elements in a flat parameter of ",
                      f.numel);
       if (f.deferred_numel > 0) add("flat" + std::to_string(k) + ".deferred", f.deferred_numel, f.dtype, true), deferred = true;
       if (f.deferred_numel == 0 || f.numel > f.deferred_numel) add("flat" + std::to_string(k), f.numel - f.deferred_numel, f.dtype, false);
@@ -365,15 +364,15 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
       void* engine = run.ledger.engine_address(static_cast<std::size_t>(buf.numel) * size_of(buf.dtype));
       module->buffers.push_back({"buffer" + std::to_string(b), {{buf.numel}, buf.dtype, engine, options.device}});
     }
-    UnitOptions o;
-    o.fqn = u.fqn;
+    ShardOptions o;
     o.sync_module_states = u.sync_module_states;
     o.defer_take_over = true;
     o.persistence_threshold = options.persistence_threshold;
-    if (deferred) o.init = [](const MaterializedTensors&, const SkipSet&) {};
-    run.devices.push_back(std::make_unique<PlanDevice>(run.ledger, detail::display(u.fqn), options.device));
+    UnitInit init;
+    if (deferred) init.init = [](const MaterializedTensors&, const SkipSet&) {};
+    run.devices.push_back(std::make_unique<PlanDevice>(run.ledger, std::string(detail::display_name(u.fqn)), options.device));
     run.modules.push_back(std::move(module));  // before the unit that points into it
-    run.model.emplace<PlanUnit>(policy, *run.modules.back(), groups, *run.devices.back(), std::move(o), run.ledger);
+    run.model.emplace<PlanUnit>(policy, *run.modules.back(), groups, *run.devices.back(), u.fqn, o, init, run.ledger);
   }
   run.model.take_over();
   run.ledger.check();
@@ -386,7 +385,7 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
       const Unit& real = (*model)[i];
       const auto mine = sm[i].shards(), theirs = real.shards();
       auto refuse = [&](const std::string& why) {
-        detail::fail("fsdp::plan: unit '", real.display_name(), "' on rank ", real.rank(), ": ", why);
+        detail::fail("fsdp::plan: unit '", fsdp::detail::display_name(real.fqn()), "' on rank ", fsdp::detail::internals(real).rank(), ": ", why);
       };
       // On a shard group of one rank a unit kept whole holds shards of the same size as a
       // sharded one, and allocates otherwise: the threshold is compared by its outcome.
@@ -421,12 +420,12 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     if (u.post_forward_ranks > 0 && policy.shards_parameters && !s.config().kept_unsharded)
       s.set_reshard_after_forward(run.comm(groups.shard_rank % u.post_forward_ranks, u.post_forward_ranks, options.asynchronous));
     s.set_reshard_after_backward(u.reshard_after_backward);
-    s.set_gradient_sync_mode(u.accumulation);
+    s.set_gradient_sync_mode(u.gradient_sync_mode);
     if (u.post_accumulate_grad_hook) {
       std::array<std::size_t, 2> state{};
       if (auto it = options.engine_state_in_hook.find(u.fqn); it != options.engine_state_in_hook.end()) state = it->second;
       s.set_post_accumulate_grad_hook(
-          [ledger = &run.ledger, name = detail::display(u.fqn), state, ran = false](Unit&) mutable {
+          [ledger = &run.ledger, name = std::string(detail::display_name(u.fqn)), state, ran = false](Unit&) mutable {
             if (std::exchange(ran, true)) return;  // an optimizer in backward creates its state in its first hook
             for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
               if (std::size_t b = state[static_cast<std::size_t>(space)])
@@ -435,10 +434,10 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
           *u.post_accumulate_grad_hook);
     }
     std::vector<Unit*> list;
-    for (const auto& f : u.forward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
-    s.set_forward_prefetch(std::exchange(list, {}));
-    for (const auto& f : u.backward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
-    s.set_backward_prefetch(std::move(list));
+    for (const auto& f : u.units_to_forward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
+    s.set_units_to_forward_prefetch(std::exchange(list, {}));
+    for (const auto& f : u.units_to_backward_prefetch) list.push_back(&sm[static_cast<std::size_t>(index_of(f))]);
+    s.set_units_to_backward_prefetch(std::move(list));
   }
   for (int step = 1; step <= options.steps; ++step) {
     run.ledger.step = step;
@@ -485,7 +484,7 @@ inline std::vector<PlannedUnit> planned_units_for(ShardedModel& model, PlanOptio
     const Unit& u = *unit;
     const UnitConfig config = u.config();
     auto refuse = [&](const std::string& why) {
-      detail::fail("fsdp::plan: unit '", u.display_name(), "' on rank ", u.rank(), ": ", why);
+      detail::fail("fsdp::plan: unit '", fsdp::detail::display_name(u.fqn()), "' on rank ", fsdp::detail::internals(u).rank(), ": ", why);
     };
     if (!config.sync.requires_sync)
       refuse("has gradient sync off; plan between steps, with sync on, and give the micro-batches per step in "
@@ -508,10 +507,10 @@ inline std::vector<PlannedUnit> planned_units_for(ShardedModel& model, PlanOptio
     p.reshard_after_forward = config.reshard.after_forward;
     p.post_forward_ranks = config.reshard.post_forward_ranks;
     p.reshard_after_backward = config.reshard.after_backward;
-    p.accumulation = config.sync.mode;
+    p.gradient_sync_mode = config.sync.mode;
     if (config.post_accumulate_grad_hook) p.post_accumulate_grad_hook = config.after_hook;
-    p.forward_prefetch = config.forward_prefetch;
-    p.backward_prefetch = config.backward_prefetch;
+    p.units_to_forward_prefetch = config.units_to_forward_prefetch;
+    p.units_to_backward_prefetch = config.units_to_backward_prefetch;
     p.sync_module_states = config.sync_module_states;
     out.push_back(std::move(p));
   }
@@ -544,7 +543,7 @@ inline MemoryPlan plan_model(const PolicyConfig& policy, ShardedModel& model, Pl
   if (shard_size != shard)
     fail("fsdp::plan: the model uses a ", internals(model[0]).groups(), ", which its policies' strategy would not: plan with the "
          "policies given to fsdp::shard");
-  return plan_for(policy, units, options, model[0].rank(), &model);
+  return plan_for(policy, units, options, fsdp::detail::internals(model[0]).rank(), &model);
 }
 }  // namespace detail
 
@@ -566,12 +565,12 @@ inline MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
   const UnitConfig& first = config.units.front();
   for (const UnitConfig& u : config.units) {
     if (u.policies != first.policies)
-      detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' (", to_string(first.policies), ") and '",
-                   detail::display(u.fqn), "' (", to_string(u.policies), ") on rank ", model[0].rank(),
+      detail::fail("fsdp::plan: units '", detail::display_name(first.fqn), "' (", to_string(first.policies), ") and '",
+                   detail::display_name(u.fqn), "' (", to_string(u.policies), ") on rank ", fsdp::detail::internals(model[0]).rank(),
                    " have different policies; the planner builds one configuration");
     if (u.persistence_threshold != first.persistence_threshold)
-      detail::fail("fsdp::plan: units '", detail::display(first.fqn), "' and '", detail::display(u.fqn), "' on rank ",
-                   model[0].rank(), " have different persistence thresholds (", first.persistence_threshold, " and ",
+      detail::fail("fsdp::plan: units '", detail::display_name(first.fqn), "' and '", detail::display_name(u.fqn), "' on rank ",
+                   fsdp::detail::internals(model[0]).rank(), " have different persistence thresholds (", first.persistence_threshold, " and ",
                    u.persistence_threshold, "); the planner builds one configuration");
   }
   options.persistence_threshold = first.persistence_threshold;

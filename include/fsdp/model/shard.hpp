@@ -30,19 +30,6 @@
 
 namespace fsdp {
 
-struct ShardOptions {
-  // Broadcast rank 0's parameters and buffers to every rank first (FSDP's sync_module_states).
-  bool sync_module_states = false;
-  // FSDP's ignored_modules / ignored_states: in no unit, so never sharded, gathered, cast
-  // or reduced; the engine's tensors keep their storage and values, their gradients stay
-  // this rank's own, and the engine steps (and, if it wants, all-reduces) them itself.
-  std::vector<ModuleId> ignored_modules = {};          // with their subtrees: ModuleId::of(m)
-  std::vector<const void*> ignored_parameters = {};    // the engine's parameter tensors
-  // DeepSpeed's stage3_param_persistence_threshold, per unit: a unit with fewer parameter
-  // elements than this keeps them whole on every rank (UnitOptions::persistence_threshold).
-  std::int64_t persistence_threshold = 0;
-};
-
 namespace detail {
 template <class T> struct is_shard_options : std::is_same<T, ShardOptions> {};
 
@@ -217,34 +204,33 @@ auto plan_units(M& model, const Options&... options) {
 
 // Builds, in the walk's order, the unit of each module in `units` below m (not m itself),
 // without entering ignored modules or wrap_types units (nothing inside them is a unit).
-// options_for(module, fqn) gives each unit's UnitOptions.
-template <class... Ps, class Types, class M, class Group, class D, class OptionsFor>
+// options_for(module, fqn) gives each unit's deferred init (UnitInit).
+template <class... Ps, class Types, class M, class Group, class D, class InitFor>
 void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
-                 Group& group, D& device, const OptionsFor& options_for, ShardedModel& out) {
+                 Group& group, D& device, const ShardOptions& options, const InitFor& init_for, ShardedModel& out) {
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
     const ModuleId id = ModuleId::of(child);
     if (ignored.count(id)) return;
     std::string cf = join_fqn(fqn, name);
-    if (units.count(id)) out.emplace<Sharded<C, Ps...>>(child, group, device, options_for(child, cf));
+    if (units.count(id)) out.add(UnitFactory::make<Sharded<C, Ps...>>(child, group, device, cf, options, init_for(child, cf)));
     if constexpr (!Types::template contains<C>)
-      build_units<Ps...>(types, child, cf, units, ignored, group, device, options_for, out);
+      build_units<Ps...>(types, child, cf, units, ignored, group, device, options, init_for, out);
   });
 }
 
-// Each unit's options: the shared ones, its FQN, and its part of a deferred init.
+// Each unit's part of a deferred init (none without one).
 template <class Init>
-auto unit_options_for(const UnitOptions& base, const Init& init) {
-  return [&base, &init](auto& module, const std::string& fqn) {
-    UnitOptions o = base;
-    o.fqn = fqn;
+auto unit_init_for(const ShardOptions& options, const Init& init) {
+  return [&options, &init](auto& module, const std::string& fqn) {
+    UnitInit u;
     if constexpr (is_deferred_init<Init>::value) {
-      o.init = unit_init(init, module, fqn);
-      o.check_init_agrees = init.check == InitCheck::ranks_agree && !base.sync_module_states;  // sync makes them agree
+      u.init = unit_init(init, module, fqn);
+      u.check_agrees = init.check == InitCheck::ranks_agree && !options.sync_module_states;  // sync makes them agree
     } else {
-      (void)init;  // used by a deferred init only (clang's -Wunused-lambda-capture otherwise)
+      (void)module, (void)fqn, (void)options, (void)init;  // a deferred init's only (clang's -Wunused-lambda-capture)
     }
-    return o;
+    return u;
   };
 }
 }  // namespace detail
@@ -267,8 +253,8 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
 
   // Agree on the units and the ignored first: a rank with a different model structure
   // would otherwise pair its collectives with the wrong unit's.
-  UnitOptions unit_options{"", opts.sync_module_states, true, opts.ignored_modules, opts.ignored_parameters};
-  unit_options.persistence_threshold = opts.persistence_threshold;
+  ShardOptions unit_options = opts;  // every unit's: each leaves out the units nested in it
+  unit_options.defer_take_over = true;
   detail::Fingerprint f;
   std::set<ModuleId> units;  // besides the root
   for (const auto& n : planner.nodes)
@@ -294,14 +280,14 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   // With deferred_init each unit also materializes, initializes and copies its shard before
   // the next is built, so at most one unit's full parameters exist at a time.
   static const detail::NoDeferredInit no_init;
-  const auto options_for =
-      detail::unit_options_for(unit_options, detail::pick_option<detail::is_deferred_init>(no_init, options...));
+  const auto init_for =
+      detail::unit_init_for(opts, detail::pick_option<detail::is_deferred_init>(no_init, options...));
   ShardedModel out;
-  out.emplace<Sharded<M, Ps...>>(model, group, device, options_for(model, std::string()));
+  out.add(detail::UnitFactory::make<Sharded<M, Ps...>>(model, group, device, "", unit_options, init_for(model, std::string())));
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
   using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
-  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, options_for, out);
-  out.take_over();
+  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, init_for, out);
+  if (!opts.defer_take_over) out.take_over();
   return out;
 }
 

@@ -29,7 +29,7 @@ class ModelSummon {
   ModelSummon(Units& units, const SummonOptions& options) : writeback_(options.writeback) {
     try {
       for (auto& u : units) {  // in unit order: the same gathers on every rank
-        u->begin_summon_full_params(options);
+        detail::internals(*u).begin_summon_full_params(options);
         summoned_.push_back(u.get());
       }
     } catch (...) {
@@ -51,7 +51,7 @@ class ModelSummon {
     std::exception_ptr first;
     for (Unit* u : std::exchange(summoned_, {})) {
       try {
-        u->end_summon_full_params(writeback);
+        detail::internals(*u).end_summon_full_params(writeback);
       } catch (...) {
         if (!first) first = std::current_exception();
       }
@@ -64,7 +64,7 @@ class ModelSummon {
   int exceptions_ = std::uncaught_exceptions();
 };
 
-class ShardedModel {
+class ShardedModel : public RunTimeSettings<ShardedModel> {
  public:
   ShardedModel() : order_(std::make_unique<ExecutionOrder>()) {}
   ShardedModel(ShardedModel&&) noexcept = default;
@@ -100,7 +100,7 @@ class ShardedModel {
     refresh_views();
   }
 
-  // Completes setup of units built with UnitOptions::defer_take_over (fsdp::shard's). All
+  // Completes setup of units built with ShardOptions::defer_take_over (fsdp::shard's). All
   // units or none: a rebind that throws in any unit gives back every unit's tensors (their
   // storage and values too, for tensor types with keep/restore; detail/take_over.hpp).
   void take_over() {
@@ -203,46 +203,13 @@ class ShardedModel {
   // the full parameters live in host memory and the device holds one unit's at a time.
   [[nodiscard]] ModelSummon summon_full_params(const SummonOptions& options = {}) { return ModelSummon(units_, options); }
 
-  // Gradient accumulation (fsdp/policy/gradient_sync.hpp) for every unit: FSDP2's names. IDLE only.
-  void set_requires_gradient_sync(bool on) {
-    for (auto& u : units_) u->set_requires_gradient_sync(on);
-  }
-  void set_requires_all_reduce(bool on) {
-    for (auto& u : units_) u->set_requires_all_reduce(on);
-  }
-  void set_gradient_sync_mode(GradientSyncMode m) {
-    for (auto& u : units_) u->set_gradient_sync_mode(m);
-  }
-
-  // Resharding and the gradient divide factor (fsdp/policy/reshard_settings.hpp) for every unit:
-  // FSDP2's names. IDLE only. A partial reshard (an int in FSDP2) takes the group each
-  // rank keeps the parameters sharded over between forward and backward.
-  void set_reshard_after_forward(bool on) {
-    for (auto& u : units_) u->set_reshard_after_forward(on);
-  }
-  template <Communicator C>
-  void set_reshard_after_forward(C& group) {
-    for (auto& u : units_) u->set_reshard_after_forward(group);
-  }
-  void set_reshard_after_backward(bool on) {
-    for (auto& u : units_) u->set_reshard_after_backward(on);
-  }
-  void set_gradient_divide_factor(double factor) {
-    for (auto& u : units_) u->set_gradient_divide_factor(factor);
-  }
-
-  // Post-accumulate-grad hooks (fsdp/policy/post_accumulate_grad_hook.hpp) for every unit: per
-  // unit, or per parameter (each of the unit's parameters in turn). IDLE only; an empty
-  // hook removes them. With GradientAfterHook::free, shards() and parameters() show
-  // grad == nullptr: the gradient exists only while the hook runs (see the unit's views).
-  void set_post_accumulate_grad_hook(const PostAccumulateGradHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
-    for (auto& u : units_)  // all or none
-      if (u->state() != TrainingState::IDLE)
-        detail::fail("set_post_accumulate_grad_hook: unit '", u->display_name(), "' on rank ", u->rank(), " is ",
-                     name_of(u->state()), "; set hooks between steps (every unit IDLE)");
-    for (auto& u : units_) u->set_post_accumulate_grad_hook(hook, after);
-    refresh_views();
-  }
+  // The run-time settings for every unit (gradient sync, resharding, the divide factor,
+  // the post-accumulate-grad hook) are RunTimeSettings<ShardedModel>'s, the same setters a
+  // unit has (fsdp/unit/run_time_settings.hpp): all units or none, every unit IDLE. With
+  // GradientAfterHook::free, shards() and parameters() show grad == nullptr: the gradient
+  // exists only while the hook runs (see the unit's views).
+  //
+  // A post-accumulate-grad hook per parameter: each of the unit's parameters in turn.
   void set_post_accumulate_param_hook(const PostAccumulateParamHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
     PostAccumulateGradHook per_unit;
     if (hook) per_unit = [hook](Unit& u) {
@@ -308,6 +275,15 @@ class ShardedModel {
   std::span<const ParamView> parameters() const { return params_; }
 
  private:
+  template <class> friend class RunTimeSettings;
+  // RunTimeSettings<ShardedModel>'s: every unit checked first, so a refused call changes none.
+  template <class F>
+  void apply_setting(const char* name, const F& f) {
+    for (auto& u : units_) u->expect({TrainingState::IDLE}, name);
+    for (auto& u : units_) f(*u);
+    refresh_views();
+  }
+
   void refresh_views() {
     views_.clear();
     params_.clear();

@@ -16,6 +16,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/training_state.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/policies.hpp"
 #include "fsdp/policy/post_accumulate_grad_hook.hpp"
@@ -99,15 +100,16 @@ struct UnitConfig {
   std::string fqn;  // "" for the root module
   PolicyConfig policies;
   MeshShape mesh;  // replicate x shard ranks of the groups the unit uses
-  // UnitOptions::persistence_threshold, and whether it kept this unit's parameters whole.
+  // ShardOptions::persistence_threshold, and whether it kept this unit's parameters whole.
   std::int64_t persistence_threshold = 0;
   bool kept_unsharded = false;
   ReshardSettings reshard;
   GradientSync sync;
   bool post_accumulate_grad_hook = false;
   GradientAfterHook after_hook = GradientAfterHook::keep;
-  std::vector<std::string> forward_prefetch, backward_prefetch;  // explicit lists, by FQN
-  // How it was built: UnitOptions::sync_module_states, and the parameters deferred init gave
+  // Unit::set_units_to_forward_prefetch / _backward_prefetch's lists, by FQN.
+  std::vector<std::string> units_to_forward_prefetch, units_to_backward_prefetch;
+  // How it was built: ShardOptions::sync_module_states, and the parameters deferred init gave
   // their storage (fsdp::deferred_init), by FQN. The planner builds its units the same way.
   bool sync_module_states = false;
   std::vector<std::string> deferred_parameters;
@@ -147,7 +149,7 @@ inline std::string to_string(const PolicyConfig& p) {
 // One line: the unit's name, policies, mesh and settings.
 inline std::string to_string(const UnitConfig& u) {
   std::ostringstream os;
-  os << "'" << (u.fqn.empty() ? std::string("<root>") : u.fqn) << "': " << to_string(u.policies) << " mesh=" << u.mesh.str();
+  os << "'" << detail::display_name(u.fqn) << "': " << to_string(u.policies) << " mesh=" << u.mesh.str();
   if (u.kept_unsharded) os << " kept_unsharded(threshold=" << u.persistence_threshold << ")";
   os << " reshard_after_forward=";
   if (!u.reshard.after_forward) os << "off";
@@ -156,7 +158,9 @@ inline std::string to_string(const UnitConfig& u) {
   os << " reshard_after_backward=" << (u.reshard.after_backward ? "on" : "off") << " gradient_divide_factor=";
   if (u.reshard.gradient_divide_factor == 0) os << "world";
   else os << u.reshard.gradient_divide_factor;
-  os << " " << GradientSync::describe(u.sync.code());
+  // The setters' names (set_requires_gradient_sync, ...), as the reshard settings above.
+  os << " requires_gradient_sync=" << (u.sync.requires_sync ? "on" : "off")
+     << " requires_all_reduce=" << (u.sync.requires_all_reduce ? "on" : "off") << " gradient_sync_mode=" << name_of(u.sync.mode);
   if (u.post_accumulate_grad_hook)
     os << " post_accumulate_grad_hook(" << (u.after_hook == GradientAfterHook::free ? "free" : "keep") << ")";
   auto list = [&](const char* what, const std::vector<std::string>& fqns) {
@@ -165,8 +169,8 @@ inline std::string to_string(const UnitConfig& u) {
     for (std::size_t i = 0; i < fqns.size(); ++i) os << (i ? ", " : "") << "'" << fqns[i] << "'";
     os << "]";
   };
-  list("forward_prefetch_list", u.forward_prefetch);
-  list("backward_prefetch_list", u.backward_prefetch);
+  list("units_to_forward_prefetch", u.units_to_forward_prefetch);
+  list("units_to_backward_prefetch", u.units_to_backward_prefetch);
   if (u.sync_module_states) os << " sync_module_states";
   if (!u.deferred_parameters.empty()) os << " deferred_init(" << u.deferred_parameters.size() << " parameters)";
   return os.str();

@@ -13,7 +13,7 @@ namespace fsdp {
 
 inline std::string ExecutionOrder::name_of(int index) const {
   if (index < 0 || index >= static_cast<int>(units_.size())) return "<not a unit of this model>";
-  return std::string(units_[index]->display_name());
+  return std::string(fsdp::detail::display_name(units_[index]->fqn()));
 }
 
 inline void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {

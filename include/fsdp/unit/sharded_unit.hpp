@@ -30,7 +30,7 @@
 #include "fsdp/core/trace.hpp"
 #include "fsdp/unit/unit.hpp"
 #include "fsdp/unit/execution_order_impl.hpp"  // ExecutionOrder's calls into units
-#include "fsdp/unit/unit_options.hpp"
+#include "fsdp/unit/shard_options.hpp"
 
 namespace fsdp::detail {
 
@@ -53,8 +53,8 @@ class ShardedUnit : public Unit {
     c.sync = sync_;
     c.post_accumulate_grad_hook = has_post_accumulate_grad_hook();
     c.after_hook = gradient_after_hook();
-    for (const Unit* u : forward_prefetch()) c.forward_prefetch.push_back(u->fqn());
-    for (const Unit* u : backward_prefetch()) c.backward_prefetch.push_back(u->fqn());
+    for (const Unit* u : forward_prefetch()) c.units_to_forward_prefetch.push_back(u->fqn());
+    for (const Unit* u : backward_prefetch()) c.units_to_backward_prefetch.push_back(u->fqn());
     return c;
   }
 
@@ -76,21 +76,6 @@ class ShardedUnit : public Unit {
 
 
 
-  // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
-  // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
-  // where it was freed.
-  void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
-    expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
-    const bool freed = grad_hook_.frees_gradient();
-    grad_hook_.set(std::move(hook), after);
-    if (grad_hook_.frees_gradient()) {
-      if (!freed) free_shard_grads();
-    } else {
-      group_.ensure_shard_grads();
-      group_.point_views_at_gradients(views_, params_);
-    }
-  }
-
   void finish_backward() override { finish_backward_body(); }
 
 
@@ -103,31 +88,6 @@ class ShardedUnit : public Unit {
 
   // Also frees what gradient accumulation kept (unsharded gradients, deferred sums).
   using Unit::zero_grad;
-
-  // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
-  // summon_full_params and state dicts show, whatever the mixed precision.
-  using Unit::begin_summon_full_params;
-  void begin_summon_full_params(const SummonOptions& options) override {
-    expect({TrainingState::IDLE}, "summon_full_params");
-    detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
-    release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
-    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
-    summon_checks_writeback_ = options.check_writeback;
-    buffers_.show_master(true);
-    state_ = TrainingState::SUMMON_FULL_PARAMS;
-  }
-
-  void end_summon_full_params(bool writeback) override {
-    expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
-    if (writeback) check_storage("the end of summon_full_params(writeback)");
-    if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
-    if (writeback) group_.write_back();
-    group_.release_summoned_gradients();
-    buffers_.show_master(false, writeback);
-    release_unsharded();
-    state_ = TrainingState::IDLE;
-  }
-
 
   std::span<const ShardView> shards() const override { return views_; }
   std::span<const ParamView> parameters() const override { return params_; }
@@ -153,7 +113,45 @@ class ShardedUnit : public Unit {
   // The unit's internals (detail::UnitInternals, reached with detail::internals(unit)):
   // what the root, the execution order, checkpoints and clipping call; not on a typed unit.
   int world_size() const override { return group_.groups().world.size(); }
-  // Whether UnitOptions::persistence_threshold kept this unit's parameters unsharded.
+  // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
+  // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
+  // where it was freed.
+  void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
+    expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
+    const bool freed = grad_hook_.frees_gradient();
+    grad_hook_.set(std::move(hook), after);
+    if (grad_hook_.frees_gradient()) {
+      if (!freed) free_shard_grads();
+    } else {
+      group_.ensure_shard_grads();
+      group_.point_views_at_gradients(views_, params_);
+    }
+  }
+
+  // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
+  // summon_full_params and state dicts show, whatever the mixed precision.
+  void begin_summon_full_params(const SummonOptions& options) override {
+    expect({TrainingState::IDLE}, "summon_full_params");
+    detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
+    release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
+    summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
+    summon_checks_writeback_ = options.check_writeback;
+    buffers_.show_master(true);
+    state_ = TrainingState::SUMMON_FULL_PARAMS;
+  }
+
+  void end_summon_full_params(bool writeback) override {
+    expect({TrainingState::SUMMON_FULL_PARAMS}, "end of summon_full_params");
+    if (writeback) check_storage("the end of summon_full_params(writeback)");
+    if (summon_checks_writeback_) detail::check_summon_end(group_, *this, writeback, rank_, [this] { discard_summon(); });
+    if (writeback) group_.write_back();
+    group_.release_summoned_gradients();
+    buffers_.show_master(false, writeback);
+    release_unsharded();
+    state_ = TrainingState::IDLE;
+  }
+
+  // Whether ShardOptions::persistence_threshold kept this unit's parameters unsharded.
   bool kept_unsharded() const { return group_.kept_unsharded(); }
   std::string groups() const override { return detail::describe_groups(group_.mesh_groups()); }
   MeshShape mesh_shape() const override { return {group_.mesh_groups().replicate_size, group_.mesh_groups().shard_size}; }
@@ -230,8 +228,8 @@ class ShardedUnit : public Unit {
   // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
   // identity; nothing below depends on the module's type.
   ShardedUnit(const PolicyConfig& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
-              UnitGroups unit_groups, DeviceRef device, UnitOptions options)
-      : Unit(std::move(options.fqn), unit_groups.world.rank(), module.address, module.type),
+              UnitGroups unit_groups, DeviceRef device, std::string fqn, const ShardOptions& options, const UnitInit& init)
+      : Unit(std::move(fqn), unit_groups.world.rank(), module.address, module.type),
         policies_(policies),
         buffers_(device),
         rank0_values_(device),
@@ -239,7 +237,7 @@ class ShardedUnit : public Unit {
     // Copy everything first; rebind the engine's tensors (which frees their storage) only
     // once nothing can fail, so a failed construction loses no data and leaks nothing (the
     // members free their copies).
-    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, *this, settings,
+    auto setup = detail::set_up_unit(visit, group_, buffers_, rank0_values_, options, init, *this, settings,
                                      policies.buffer_cast());
     storage_ = std::move(setup.storage);
     all_buffers_ = std::move(setup.buffers);
@@ -364,7 +362,7 @@ class ShardedUnit : public Unit {
   }
 
   const PolicyConfig policies_;
-  std::int64_t persistence_threshold_ = 0;  // UnitOptions::persistence_threshold, for config()
+  std::int64_t persistence_threshold_ = 0;  // ShardOptions::persistence_threshold, for config()
   bool sync_module_states_ = false;         // how it was built, for config()
   std::vector<std::string> deferred_params_;
   detail::BufferCopies buffers_;

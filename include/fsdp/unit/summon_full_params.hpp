@@ -107,7 +107,7 @@ std::string ranks_with_other_edits(const Group& group, const Unit& unit, bool& i
 template <class Group, class Discard>
 void check_summon_end(const Group& group, const Unit& unit, bool writeback, int rank, Discard discard) {
   try {
-    check_writeback_flag_agrees(group.groups().world, writeback, unit.display_name());
+    check_writeback_flag_agrees(group.groups().world, writeback, fsdp::detail::display_name(unit.fqn()));
   } catch (...) {
     discard();
     throw;
@@ -117,7 +117,7 @@ void check_summon_end(const Group& group, const Unit& unit, bool writeback, int 
   const std::string differ = ranks_with_other_edits(group, unit, in_place);
   if (differ.empty()) return;
   discard();
-  fail_edits_differ(unit.display_name(), rank, differ, in_place);
+  fail_edits_differ(fsdp::detail::display_name(unit.fqn()), rank, differ, in_place);
 }
 
 }  // namespace fsdp::detail

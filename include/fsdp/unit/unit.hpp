@@ -26,6 +26,7 @@
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/post_accumulate_grad_hook.hpp"
 #include "fsdp/policy/reshard_settings.hpp"
+#include "fsdp/unit/run_time_settings.hpp"
 #include "fsdp/core/training_state.hpp"
 #include "fsdp/unit/unit_views.hpp"
 
@@ -106,7 +107,7 @@ class UnitInternals {
   virtual void finish_take_over() = 0;
   // Completes setup of one unit alone: points the engine's tensors at the unit's storage
   // (their own storage is released). The constructor calls it unless
-  // UnitOptions::defer_take_over; units built with it deferred are taken over together by
+  // ShardOptions::defer_take_over; units built with it deferred are taken over together by
   // ShardedModel::take_over (fsdp::shard does), so a failed shard leaves the model as it
   // was. A rebind that throws: an fsdp::Error, nothing of this unit taken over.
   virtual void take_over() = 0;
@@ -131,6 +132,14 @@ class UnitInternals {
   virtual void abandon_step() = 0;
   // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
   virtual void set_post_forward_group(std::optional<CommRef> group, bool reshard) = 0;
+  // set_post_accumulate_grad_hook's work (fsdp/unit/run_time_settings.hpp).
+  virtual void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
+  // Summon without a scope (Unit::summon_full_params and ShardedModel's hold one): IDLE ->
+  // SUMMON_FULL_PARAMS, a collective; the end keeps the edits with writeback.
+  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
+  virtual void end_summon_full_params(bool writeback) = 0;
+  // Its rank in its world, for messages.
+  virtual int rank() const = 0;
 
  protected:
   UnitInternals() = default;
@@ -144,10 +153,46 @@ GradientAfterHook after_hook_of(const Unit& unit);
 
 }  // namespace detail
 
-class Unit : private detail::UnitInternals {
+namespace detail {
+// A scope around one of a unit's hook pairs (Unit::ForwardScope, Unit::BackwardScope): Begin
+// runs when it is made, End when it ends, unless it is left by an exception (a collective
+// during unwinding could only make things worse). Moves; a default-constructed or
+// moved-from scope ends nothing.
+template <class Begin, class End>
+class HookPairScope {
+ public:
+  HookPairScope() noexcept : u_(nullptr) {}
+  HookPairScope(HookPairScope&& o) noexcept : u_(std::exchange(o.u_, nullptr)), exceptions_(o.exceptions_) {}
+  HookPairScope& operator=(HookPairScope&& o) noexcept(false) {
+    if (this != &o) {
+      close();
+      u_ = std::exchange(o.u_, nullptr);
+      exceptions_ = o.exceptions_;
+    }
+    return *this;
+  }
+  HookPairScope(const HookPairScope&) = delete;
+  HookPairScope& operator=(const HookPairScope&) = delete;
+  ~HookPairScope() noexcept(false) { close(); }
+
+ protected:
+  template <class U>
+  explicit HookPairScope(U& u) : u_(&u) { Begin{}(u); }
+
+ private:
+  void close() {
+    if (Unit* u = std::exchange(u_, nullptr); u && std::uncaught_exceptions() == exceptions_) End{}(*u);
+  }
+  Unit* u_;
+  int exceptions_ = std::uncaught_exceptions();
+};
+}  // namespace detail
+
+class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
   friend detail::UnitInternals& detail::internals(Unit&);
   friend const detail::UnitInternals& detail::internals(const Unit&);
   friend GradientAfterHook detail::after_hook_of(const Unit&);
+  template <class> friend class RunTimeSettings;
 
  public:
   virtual ~Unit() = default;
@@ -171,13 +216,6 @@ class Unit : private detail::UnitInternals {
   // keeps every unit's; the unit backward starts with keeps its own). After a forward-only
   // pass, such as evaluation, call this to free them (the next forward regathers anyway).
   virtual void reshard() = 0;
-
-  // Parameters unsharded outside training (inspection, init, export): IDLE ->
-  // SUMMON_FULL_PARAMS, a collective. Writeback with rank0_only is an error (the other
-  // ranks would have nothing to write back). With writeback, end_ keeps the edits.
-  virtual void begin_summon_full_params(const SummonOptions& options) = 0;
-  void begin_summon_full_params() { begin_summon_full_params(SummonOptions{}); }
-  virtual void end_summon_full_params(bool writeback) = 0;
 
   virtual std::span<const ShardView> shards() const = 0;
   // Every parameter and buffer of the unit, in visit order (parameters grouped by dtype as
@@ -203,94 +241,19 @@ class Unit : private detail::UnitInternals {
     abandon_step();
     agree_on_abort();
   }
-  // Explicit prefetch lists (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch):
-  // when set, these units are gathered at this unit's pre_forward / pre_backward instead
-  // of the next unit in the recorded order.
-  void set_forward_prefetch(std::vector<Unit*> units) { forward_prefetch_ = std::move(units); }
-  void set_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
+  // Which units to prefetch, explicitly (FSDP2's set_modules_to_forward_prefetch /
+  // _backward_prefetch): when set, these units are gathered at this unit's pre_forward /
+  // pre_backward, instead of the next unit in the recorded order that the ForwardPrefetch
+  // and BackwardPrefetch policies choose (with the list, when is pre_*, whatever the policy).
+  void set_units_to_forward_prefetch(std::vector<Unit*> units) { forward_prefetch_ = std::move(units); }
+  void set_units_to_backward_prefetch(std::vector<Unit*> units) { backward_prefetch_ = std::move(units); }
 
-  // Gradient accumulation (fsdp/policy/gradient_sync.hpp): the settings the unit's next
-  // post_backward reads. IDLE only; every rank must make the same calls (a unit checks
-  // that they did at its first backward after a change).
-  void set_requires_gradient_sync(bool on) { expect({TrainingState::IDLE}, "set_requires_gradient_sync"); sync_.requires_sync = on; }
-  void set_requires_all_reduce(bool on) { expect({TrainingState::IDLE}, "set_requires_all_reduce"); sync_.requires_all_reduce = on; }
-  void set_gradient_sync_mode(GradientSyncMode m) { expect({TrainingState::IDLE}, "set_gradient_sync_mode"); sync_.mode = m; }
-
-  // Resharding and the gradient's divide factor (fsdp/policy/reshard_settings.hpp), read by the
-  // unit's next hooks. IDLE only; every rank must make the same calls (checked with the
-  // gradient sync settings). A partial reshard keeps the parameters sharded over `group`
-  // between forward and backward; the group must outlive the setting. Units whose
-  // parameters are not sharded (NoShard, under the persistence threshold) have nothing to
-  // reshard: the setting is accepted and changes nothing.
-  void set_reshard_after_forward(bool on) {
-    expect({TrainingState::IDLE}, "set_reshard_after_forward");
-    set_post_forward_group(std::nullopt, on);
-  }
-  template <Communicator C>
-  void set_reshard_after_forward(C& group) {
-    expect({TrainingState::IDLE}, "set_reshard_after_forward");
-    set_post_forward_group(detail::CommRef(group), true);
-  }
-  void set_reshard_after_backward(bool on) {
-    expect({TrainingState::IDLE}, "set_reshard_after_backward");
-    reshard_.after_backward = on;
-  }
-  void set_gradient_divide_factor(double factor) {
-    expect({TrainingState::IDLE}, "set_gradient_divide_factor");
-    detail::check_divide_factor(factor, fqn_, rank_);
-    reshard_.gradient_divide_factor = factor;
-  }
-
-  // Post-accumulate-grad hook (fsdp/policy/post_accumulate_grad_hook.hpp): run once this unit's
-  // sharded gradient is final; with GradientAfterHook::free the gradient is freed after it
-  // (switching to free drops the current sharded gradient, as zero_grad would). An empty
-  // hook removes it (and frees nothing). IDLE only. ShardedModel sets it for every unit.
-  virtual void set_post_accumulate_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
-
+  // The run-time settings (gradient sync, resharding, the divide factor, the
+  // post-accumulate-grad hook) are RunTimeSettings<Unit>'s, shared with ShardedModel
+  // (fsdp/unit/run_time_settings.hpp). IDLE only.
 
   const std::string& fqn() const { return fqn_; }
-  // The FQN as messages and traces show it: "<root>" for the root.
-  std::string_view display_name() const { return fqn_.empty() ? std::string_view("<root>") : std::string_view(fqn_); }
   TrainingState state() const { return state_; }
-  int rank() const { return rank_; }
-
-  // RAII around the engine's forward / backward of this unit. The backward scope skips
-  // post_backward when it is left by an exception: a collective during unwinding could
-  // only make things worse. Scopes move (a moved-from scope ends nothing), and a
-  // default-constructed one is empty, for an engine whose layer may or may not be a unit:
-  //   fsdp::Unit::ForwardScope s;
-  //   if (auto* u = sharded.find_unit_for(layer)) s = u->forward_scope();
-  // Assigning to an open scope ends it after the new one has begun (the right side runs
-  // first), so both units are whole for a moment: `s = {}` ends it first where that
-  // matters. Do not keep scopes in a std::optional: its reset() and destructor are
-  // noexcept, so a hook that throws there (a timeout, a lost peer) ends the process.
-  template <class Begin, class End>
-  class Scope {
-   public:
-    Scope() noexcept : u_(nullptr) {}  // empty: ends nothing
-    Scope(Scope&& o) noexcept : u_(std::exchange(o.u_, nullptr)), exceptions_(o.exceptions_) {}
-    Scope& operator=(Scope&& o) noexcept(false) {
-      if (this != &o) {
-        close();
-        u_ = std::exchange(o.u_, nullptr);
-        exceptions_ = o.exceptions_;
-      }
-      return *this;
-    }
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-    ~Scope() noexcept(false) { close(); }
-
-   protected:
-    explicit Scope(Unit& u) : u_(&u) { Begin{}(u); }
-
-   private:
-    void close() {
-      if (Unit* u = std::exchange(u_, nullptr); u && std::uncaught_exceptions() == exceptions_) End{}(*u);
-    }
-    Unit* u_;
-    int exceptions_ = std::uncaught_exceptions();
-  };
 
  protected:
   // The internal overload, not public: named here only so that the public zero_grad()
@@ -303,6 +266,7 @@ class Unit : private detail::UnitInternals {
   const void* module_address() const final { return module_; }
   std::type_index module_type() const final { return module_type_; }
   const char* failed_hook() const final { return failed_hook_; }
+  int rank() const final { return rank_; }
   int forward_entries() const final { return uses_.forward_entries(); }
   int backward_entries_left() const final { return uses_.backward_left(); }
 
@@ -312,22 +276,40 @@ class Unit : private detail::UnitInternals {
   struct EndBackward { void operator()(Unit& u) const { u.post_backward(); } };
 
  public:
-  class ForwardScope : public Scope<BeginForward, EndForward> {
+  // RAII around the engine's forward / backward of this unit (forward_scope(),
+  // backward_scope()). The backward scope skips post_backward when it is left by an
+  // exception: a collective during unwinding could only make things worse. Scopes move (a
+  // moved-from scope ends nothing), and a default-constructed one is empty, for an engine
+  // whose layer may or may not be a unit:
+  //   fsdp::Unit::ForwardScope s;
+  //   if (auto* u = sharded.find_unit_for(layer)) s = u->forward_scope();
+  // Assigning to an open scope ends it after the new one has begun (the right side runs
+  // first), so both units are whole for a moment: `s = {}` ends it first where that
+  // matters. Do not keep scopes in a std::optional: its reset() and destructor are
+  // noexcept, so a hook that throws there (a timeout, a lost peer) ends the process.
+  class ForwardScope : public detail::HookPairScope<BeginForward, EndForward> {
    public:
     ForwardScope() = default;  // empty: ends nothing
-    explicit ForwardScope(Unit& u) : Scope(u) {}
+
+   private:
+    friend class Unit;
+    explicit ForwardScope(Unit& u) : HookPairScope(u) {}
   };
-  class BackwardScope : public Scope<BeginBackward, EndBackward> {
+  class BackwardScope : public detail::HookPairScope<BeginBackward, EndBackward> {
    public:
     BackwardScope() = default;  // empty: ends nothing
-    explicit BackwardScope(Unit& u) : Scope(u) {}
+
+   private:
+    friend class Unit;
+    explicit BackwardScope(Unit& u) : HookPairScope(u) {}
   };
+  // Parameters unsharded outside training (inspection, init, export): IDLE ->
+  // SUMMON_FULL_PARAMS while it lives, a collective (summon_full_params(); SummonOptions).
+  // Writeback with rank0_only is an error (the other ranks would have nothing to write
+  // back). Left by an exception, it ends without writeback.
   class SummonScope {
    public:
     SummonScope() noexcept : u_(nullptr), writeback_(false) {}  // empty: ends nothing
-    SummonScope(Unit& u, const SummonOptions& options) : u_(&u), writeback_(options.writeback) {
-      u.begin_summon_full_params(options);
-    }
     SummonScope(SummonScope&& o) noexcept
         : u_(std::exchange(o.u_, nullptr)), writeback_(o.writeback_), exceptions_(o.exceptions_) {}
     SummonScope& operator=(SummonScope&& o) noexcept(false) {
@@ -344,6 +326,10 @@ class Unit : private detail::UnitInternals {
     ~SummonScope() noexcept(false) { close(); }
 
    private:
+    friend class Unit;
+    SummonScope(Unit& u, const SummonOptions& options) : u_(&u), writeback_(options.writeback) {
+      u.begin_summon_full_params(options);
+    }
     // Leaving by exception: reshard without writeback, so half-edited values are dropped.
     void close() {
       if (Unit* u = std::exchange(u_, nullptr)) u->end_summon_full_params(writeback_ && std::uncaught_exceptions() == exceptions_);
@@ -359,6 +345,8 @@ class Unit : private detail::UnitInternals {
   [[nodiscard]] SummonScope summon_full_params(const SummonOptions& options) { return SummonScope(*this, options); }
 
  protected:
+  // The FQN as messages and traces show it: "<root>" for the root.
+  std::string_view display_name() const { return detail::display_name(fqn_); }
   // The settings as they are now; an engine reads them with config(). ShardedModel (a
   // friend) and the unit's own code use these.
   const std::vector<Unit*>& forward_prefetch() const { return forward_prefetch_; }
@@ -427,6 +415,12 @@ class Unit : private detail::UnitInternals {
 
  private:
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
+  // RunTimeSettings<Unit>'s: one unit, IDLE.
+  template <class F>
+  void apply_setting(const char* name, const F& f) {
+    expect({TrainingState::IDLE}, name);
+    f(*this);
+  }
 };
 
 // The name before issue 34 (CHANGELOG.md): kept one release so that engines compile, with a

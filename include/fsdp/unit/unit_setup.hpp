@@ -18,7 +18,7 @@
 #include "fsdp/unit/detail/rank0_values.hpp"
 #include "fsdp/unit/detail/unit_groups.hpp"
 #include "fsdp/unit/unit.hpp"
-#include "fsdp/unit/unit_options.hpp"
+#include "fsdp/unit/shard_options.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
 
 namespace fsdp::detail {
@@ -57,12 +57,12 @@ const Settings& policy_settings() {
 // What every rank must set alike for a unit besides its parameters: the policies, the
 // options that change its collectives, and its buffers (sync_module_states broadcasts them
 // by element count, so a shape that differs must be caught here).
-inline Settings unit_settings(const Settings& policies, const UnitOptions& options,
+inline Settings unit_settings(const Settings& policies, const ShardOptions& options, const UnitInit& init,
                               const std::vector<CollectedBuffer>& buffers) {
   Settings s = policies;
   s.add("sync_module_states", options.sync_module_states ? "true" : "false");
   s.add("persistence_threshold", std::to_string(options.persistence_threshold));
-  s.add("deferred init", !options.init ? "off" : options.check_init_agrees ? "on, values compared" : "on, not compared");
+  s.add("deferred init", !init.init ? "off" : init.check_agrees ? "on, values compared" : "on, not compared");
   for (const auto& b : buffers) s.add("buffer '" + b.fqn + "'", format_shape(b.shape) + " " + std::string(name_of(b.dtype)));
   return s;
 }
@@ -99,9 +99,11 @@ struct ModuleVisit {
 // `policies`: the unit's policy settings (policy_settings), compared across ranks.
 template <class Group>
 UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buffer_copies, RankZeroValues& rank0,
-                      const UnitOptions& options, const Unit& unit, const Settings& policies,
+                      const ShardOptions& options, const UnitInit& init, const Unit& unit, const Settings& policies,
                       std::optional<DType> buffer_cast) {
   const auto& device = group.device();
+  const std::string_view name = display_name(unit.fqn());
+  const int rank = internals(unit).rank();
   std::vector<CollectedParam> params;
   UnitSetup setup;
   const SkipSet skip{{options.ignored_modules.begin(), options.ignored_modules.end()},
@@ -111,32 +113,32 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
     std::vector<CollectedParam> again;
     std::vector<CollectedBuffer> again_buffers;
     visit(unit.fqn(), again, again_buffers, skip);
-    check_visits_agree(params, setup.buffers, again, again_buffers, unit.display_name(), unit.rank());
+    check_visits_agree(params, setup.buffers, again, again_buffers, name, rank);
   }
-  validate_collected(params, unit.display_name(), unit.rank(), device.id(), static_cast<bool>(options.init));
+  validate_collected(params, name, rank, device.id(), static_cast<bool>(init.init));
   for (auto& p : params) setup.storage.push_back({storage_key(p), p.info.fqn});
-  const auto aliases = take_ties(params, unit.display_name(), unit.rank());
+  const auto aliases = take_ties(params, name, rank);
   std::int64_t elements = 0;  // a tied tensor once
   for (const auto& p : params) elements += p.info.numel;
   if (kept_unsharded_by_threshold(group.groups().shards_parameters, elements, options.persistence_threshold))
     group.keep_unsharded();
   group.build(params, aliases);
   const std::string groups = describe_groups(group.mesh_groups());
-  const Settings settings = unit_settings(policies, options, setup.buffers);
+  const Settings settings = unit_settings(policies, options, init, setup.buffers);
   Fingerprint f;
   f.add(unit.fqn());
   f.add(groups);
   group.add_to(f);
   settings.add_to(f);
   check_same_across_ranks(group.groups().world, f, [&] {  // built only on a mismatch
-    return "unit '" + std::string(unit.display_name()) + "'";
+    return "unit '" + std::string(name) + "'";
   }, [&] { return group.describe() + " (" + groups + ")"; }, &settings);
   DeferredStorage deferred(device);  // what deferred init binds, freed however this ends
-  if (options.init) {
+  if (init.init) {
     for (const auto& p : params)
       if (p.lacks_storage()) setup.deferred.push_back(p.info.fqn);
-    run_deferred_init(options.init, skip, options.check_init_agrees, deferred, params, setup.buffers, group.groups().world,
-                      device, unit.display_name(), unit.rank());
+    run_deferred_init(init.init, skip, init.check_agrees, deferred, params, setup.buffers, group.groups().world,
+                      device, name, rank);
   }
   std::vector<CollectedBuffer> rank0_buffers;  // sync_module_states: the buffers at rank 0's values
   if (options.sync_module_states) {

@@ -27,7 +27,7 @@
 #include "fsdp/core/work.hpp"
 #include "fsdp/unit/sharded_hooks.hpp"
 #include "fsdp/unit/unit_setup.hpp"
-#include "fsdp/unit/unit_options.hpp"
+#include "fsdp/unit/shard_options.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
 
 namespace fsdp::detail {
@@ -237,10 +237,10 @@ namespace fsdp::detail {
 // ledger it runs, so what it allocates is named after it.
 class PlanUnit final : public ShardedUnit {
  public:
-  PlanUnit(const PolicyConfig& policies, PlanModule& module, UnitGroups groups, PlanDevice& device, UnitOptions options,
-           PlanLedger& ledger)
+  PlanUnit(const PolicyConfig& policies, PlanModule& module, UnitGroups groups, PlanDevice& device, std::string fqn,
+           const ShardOptions& options, const UnitInit& init, PlanLedger& ledger)
       : ShardedUnit(policies, Settings{}, ModuleId::of(module), visit(module, policies.precision.mixed), groups,
-                    DeviceRef(device), std::move(options)),
+                    DeviceRef(device), std::move(fqn), options, init),
         ledger_(&ledger),
         name_(display_name()) {}
 
@@ -254,7 +254,7 @@ class PlanUnit final : public ShardedUnit {
   void reshard() override { in("reshard", [&] { ShardedUnit::reshard(); }); }
   using ShardedUnit::zero_grad;
   void zero_grad(ZeroBatch& batch) override { in("zero_grad", [&] { ShardedUnit::zero_grad(batch); }); }
-  using ShardedUnit::begin_summon_full_params;
+ protected:
   void begin_summon_full_params(const SummonOptions& o) override {
     in("summon_full_params", [&] { ShardedUnit::begin_summon_full_params(o); });
   }

@@ -15,7 +15,7 @@
 
 namespace fsdp::detail {
 
-// Whether a unit keeps its parameters whole on every rank (UnitOptions::persistence_threshold):
+// Whether a unit keeps its parameters whole on every rank (ShardOptions::persistence_threshold):
 // only a strategy that shards has something to keep unsharded.
 inline bool kept_unsharded_by_threshold(bool shards_parameters, std::int64_t elements, std::int64_t threshold) {
   return shards_parameters && elements < threshold;

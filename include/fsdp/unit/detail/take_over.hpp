@@ -21,14 +21,7 @@
 
 #include "fsdp/unit/detail/flat_param_storage.hpp"
 #include "fsdp/core/error.hpp"
-
-namespace fsdp {
-class Unit;
-namespace detail {
-class UnitInternals;
-UnitInternals& internals(Unit& unit);  // fsdp/unit/unit.hpp
-}  // namespace detail
-}  // namespace fsdp
+#include "fsdp/unit/detail/unit_internals_fwd.hpp"
 
 namespace fsdp::detail {
 

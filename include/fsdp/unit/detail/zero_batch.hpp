@@ -14,14 +14,7 @@
 #include <vector>
 
 #include "fsdp/core/detail/backend_ref.hpp"
-
-namespace fsdp {
-class Unit;
-namespace detail {
-class UnitInternals;
-UnitInternals& internals(Unit& unit);  // fsdp/unit/unit.hpp
-}  // namespace detail
-}  // namespace fsdp
+#include "fsdp/unit/detail/unit_internals_fwd.hpp"
 
 namespace fsdp::detail {
 

@@ -1,0 +1,51 @@
+#pragma once
+// fsdp::ShardOptions: the options of sharding, one struct for fsdp::shard (which applies
+// them to every unit it builds) and for a unit built by hand (fsdp::Sharded's constructor):
+// what of a module's subtree is left out, and what happens to the parameters taken over
+// (synchronised from rank 0, kept unsharded when tiny, taken over later).
+#include <cstdint>
+#include <vector>
+
+#include "fsdp/unit/detail/deferred_storage.hpp"
+#include "fsdp/core/module.hpp"
+
+namespace fsdp {
+
+struct ShardOptions {
+  // Broadcast rank 0's parameters and buffers to every rank first (FSDP's
+  // sync_module_states): ranks that initialised differently then start the same.
+  bool sync_module_states = false;
+  // FSDP's ignored_modules / ignored_states: left out of the unit (with fsdp::shard: out of
+  // every unit), so never sharded, gathered, cast or reduced; the engine's tensors keep
+  // their storage and values, their gradients stay this rank's own, and the engine steps
+  // (and, if it wants, all-reduces) them itself. Modules with their subtrees, at any depth
+  // (ModuleId::of(m)); parameters by the address of the engine's tensor. Built by hand,
+  // a parent unit lists here the children that are units of their own (manual nesting:
+  // build the child's unit first), so it takes what is left.
+  std::vector<ModuleId> ignored_modules = {};
+  std::vector<const void*> ignored_parameters = {};
+  // DeepSpeed's stage3_param_persistence_threshold: a unit with fewer parameter elements
+  // than this keeps them unsharded: whole on every rank, never all-gathered, their
+  // gradients all-reduced over the world (as NoShard does), so tiny units (norms, biases)
+  // cost no all-gather latency. 0: every unit follows its strategy.
+  std::int64_t persistence_threshold = 0;
+  // Leave the engine's tensors alone until ShardedModel::take_over() takes over every unit
+  // of the model as one (all or none: a failure gives every tensor back). fsdp::shard builds
+  // every unit this way anyway and then takes them over, unless this is set: then the
+  // returned model's take_over() is the engine's to call. A unit built by hand with it set
+  // is taken over by its model's take_over(), after ShardedModel::add.
+  bool defer_take_over = false;
+};
+
+namespace detail {
+// A unit's part of a deferred init (fsdp/model/deferred_init.hpp), which fsdp::shard hands
+// to each unit it builds: parameters without storage are bound to zeroed storage of the
+// unit's, `init` fills them (it gets their tensors' addresses), the unit copies its shard
+// and frees that storage. Empty: such parameters are an error.
+struct UnitInit {
+  InitCallback init = {};
+  bool check_agrees = false;  // then hash every parameter and fail if ranks differ
+};
+}  // namespace detail
+
+}  // namespace fsdp
