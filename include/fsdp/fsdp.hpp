@@ -29,7 +29,10 @@
 #include "fsdp/policy/strategy_name.hpp"
 
 // The unit.
+#include "fsdp/core/config.hpp"
+#if !defined(FSDP_SEPARATE_COMPILATION)  // then fsdp/unit/sharded.hpp comes in where units are built by hand
 #include "fsdp/unit/sharded.hpp"
+#endif
 #include "fsdp/unit/unit.hpp"
 
 // The model: shard(), the root, and the training-loop features.

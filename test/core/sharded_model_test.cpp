@@ -287,7 +287,8 @@ TEST_CASE("padding never leaks into the shards the optimizer sees") {
       engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
       for (auto& v : sm.shards()) total[comm.rank()] += v.numel;
       // The padded tail of each shard (beyond numel) is still zero after a step.
-      auto& gain = static_cast<fsdp::Sharded<engine::Gain, fsdp::FullShard>&>(sm.unit("gain"));
+      // fsdp::shard's units are detail::ShardedUnits (fsdp/unit/make_unit.hpp), layouts() on them.
+      auto& gain = static_cast<fsdp::detail::ShardedUnit&>(sm.unit("gain"));
       const auto* layout = gain.layouts().at(0);
       const auto& view = gain.shards()[0];
       for (std::int64_t i = view.numel; i < layout->shard_numel(); ++i) {

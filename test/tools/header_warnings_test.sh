@@ -12,7 +12,9 @@
 #  - one file including every header, with g++-12: g++'s warnings in every header;
 #  - test/tools/header_warnings_engine.cpp with each compiler: the templates instantiated
 #    the way the reference engine does (shard<FullShard>, training steps, MixedPrecision,
-#    offload, checkpoint save and load), for the warnings inside template bodies;
+#    offload, checkpoint save and load), for the warnings inside template bodies; and once
+#    more with g++ under FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), whose own source,
+#    fsdp/separate_compilation.hpp, is compiled in that mode too;
 #  - a canary: a header of ours with an unused variable must fail, or the flags are wrong.
 # A middle-end warning (those -O2 finds) is not in reach of -fsyntax-only.
 #
@@ -46,11 +48,15 @@ for h in $headers $engine; do
   n=$((n + 1))
   name=$(tr '/.' '__' <<<"$h")
   printf '#include "%s"\n' "$h" >"$tmp/src/$name.cpp"
-  echo "$clang $name $tmp/src/$name.cpp"
+  # The one source of the separately compiled mode is compiled in that mode (fsdp/core/config.hpp).
+  if [[ $h == fsdp/separate_compilation.hpp ]]; then echo "$clang $name $tmp/src/$name.cpp -DFSDP_SEPARATE_COMPILATION"
+  else echo "$clang $name $tmp/src/$name.cpp"; fi
 done >"$tmp/jobs"
-for h in $headers $engine; do printf '#include "%s"\n' "$h"; done >"$tmp/src/all.cpp"
+for h in $headers $engine; do [[ $h == fsdp/separate_compilation.hpp ]] || printf '#include "%s"\n' "$h"; done >"$tmp/src/all.cpp"
 echo "$gxx all $tmp/src/all.cpp" >>"$tmp/jobs"
 for c in $gxx $clang; do echo "$c engine-$c $root/test/tools/header_warnings_engine.cpp"; done >>"$tmp/jobs"
+# The same engine file in the separately compiled mode (what its files see), with g++.
+echo "$gxx engine-separate $root/test/tools/header_warnings_engine.cpp -DFSDP_SEPARATE_COMPILATION" >>"$tmp/jobs"
 # The canary: a warning in a header of ours (under -I) must fail the compile.
 printf '#pragma once\ninline int canary() { int unused = 0; return 1; }\n' >"$tmp/canary/fsdp/canary.hpp"
 printf '#include "fsdp/canary.hpp"\n#include "fsdp/core/dtype.hpp"\n' >"$tmp/src/canary.cpp"

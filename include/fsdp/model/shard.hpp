@@ -24,9 +24,15 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/model/deferred_init.hpp"
 #include "fsdp/model/sharded_model.hpp"
+#include "fsdp/policy/policies.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
+#include "fsdp/unit/make_unit.hpp"
+#if !defined(FSDP_SEPARATE_COMPILATION)
+#include "fsdp/unit/sharded.hpp"  // detail::make_unit's definition, with the unit's implementation
+#endif
 
 namespace fsdp {
 
@@ -213,7 +219,7 @@ void build_units(Types types, M& m, const std::string& fqn, const std::set<Modul
     const ModuleId id = ModuleId::of(child);
     if (ignored.count(id)) return;
     std::string cf = join_fqn(fqn, name);
-    if (units.count(id)) out.add(UnitFactory::make<Sharded<C, Ps...>>(child, group, device, cf, options, init_for(child, cf)));
+    if (units.count(id)) out.add(make_unit_for<Policies<Ps...>>(child, group, device, cf, options, init_for(child, cf)));
     if constexpr (!Types::template contains<C>)
       build_units<Ps...>(types, child, cf, units, ignored, group, device, options, init_for, out);
   });
@@ -283,7 +289,7 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   const auto init_for =
       detail::unit_init_for(opts, detail::pick_option<detail::is_deferred_init>(no_init, options...));
   ShardedModel out;
-  out.add(detail::UnitFactory::make<Sharded<M, Ps...>>(model, group, device, "", unit_options, init_for(model, std::string())));
+  out.add(detail::make_unit_for<Policies<Ps...>>(model, group, device, "", unit_options, init_for(model, std::string())));
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
   using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
   detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, init_for, out);

@@ -14,7 +14,14 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/unit/sharded.hpp"
+#include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/module.hpp"
+#include "fsdp/core/trace.hpp"
+#include "fsdp/unit/detail/take_over.hpp"
+#include "fsdp/unit/detail/zero_batch.hpp"
+#include "fsdp/unit/execution_order_impl.hpp"
+#include "fsdp/unit/run_time_settings.hpp"
+#include "fsdp/unit/unit.hpp"
 
 namespace fsdp {
 

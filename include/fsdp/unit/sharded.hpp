@@ -19,6 +19,7 @@
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/unit/sharded_hooks.hpp"  // the unit class and its hooks' definitions
 #include "fsdp/unit/detail/unit_groups.hpp"
+#include "fsdp/unit/make_unit.hpp"
 #include "fsdp/unit/unit_setup.hpp"
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/device_mesh.hpp"
@@ -30,15 +31,24 @@
 namespace fsdp {
 
 namespace detail {
-// How fsdp::shard builds each unit: with the unit's part of a deferred init, which a unit
-// built by hand does not take (Sharded's constructor that takes it is private).
-struct UnitFactory {
-  template <class U, class Group, class D>
-  static std::unique_ptr<U> make(typename U::module_type& module, Group& group, D& device, std::string fqn,
-                                 const ShardOptions& options, const UnitInit& init) {
-    return std::unique_ptr<U>(new U(module, group, device, std::move(fqn), options, init));
-  }
+// The unit fsdp::shard builds (detail::make_unit, fsdp/unit/make_unit.hpp): a ShardedUnit whose
+// module type only its visit knows. Under FSDP_SEPARATE_COMPILATION only
+// fsdp/separate_compilation.hpp defines make_unit, so the unit's vtable and hooks are
+// compiled there alone.
+class BuiltUnit final : public ShardedUnit {
+ public:
+  template <class... Args>
+  explicit BuiltUnit(Args&&... args) : ShardedUnit(std::forward<Args>(args)...) {}
 };
+
+#if FSDP_DEFINES_IMPLEMENTATION
+FSDP_DECL std::unique_ptr<Unit> make_unit(const PolicyConfig& policies, const Settings& settings, ModuleId module,
+                                          const ModuleVisit& visit, UnitGroups groups, DeviceRef device, std::string fqn,
+                                          const ShardOptions& options, const UnitInit& init) {
+  return std::make_unique<BuiltUnit>(policies, settings, module, visit, std::move(groups), device, std::move(fqn), options,
+                                     init);
+}
+#endif
 }  // namespace detail
 
 template <class Module, class... Ps>
@@ -65,17 +75,6 @@ class Sharded final : public detail::ShardedUnit {
                 {}, exclude) {}
 
  private:
-  friend struct detail::UnitFactory;
-  template <Communicator C, Device D>
-  Sharded(Module& module, C& comm, D& device, std::string fqn, const ShardOptions& options, const detail::UnitInit& init)
-      : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(fqn), options, init,
-                wrap_types<>{}) {}
-  template <SplittableCommunicator C, Device D>
-  Sharded(Module& module, DeviceMesh<C>& mesh, D& device, std::string fqn, const ShardOptions& options,
-          const detail::UnitInit& init)
-      : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(fqn), options,
-                init, wrap_types<>{}) {}
-
   template <class Exclude>
   Sharded(Module& module, detail::UnitGroups groups, detail::DeviceRef device, std::string fqn, const ShardOptions& options,
           const detail::UnitInit& init, Exclude)

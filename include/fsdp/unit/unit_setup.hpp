@@ -14,6 +14,7 @@
 #include "fsdp/unit/detail/deferred_storage.hpp"
 #include "fsdp/core/detail/fingerprint.hpp"
 #include "fsdp/unit/detail/flat_param_rules.hpp"
+#include "fsdp/unit/detail/module_visit.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/unit/detail/rank0_values.hpp"
 #include "fsdp/unit/detail/unit_groups.hpp"
@@ -27,31 +28,6 @@ namespace fsdp::detail {
 inline std::string describe_groups(const UnitGroups& mesh) {
   return "shard group of " + std::to_string(mesh.shard_size) + " ranks, replicate group of " +
          std::to_string(mesh.replicate_size) + " ranks";
-}
-
-// A policy for messages: its type without the namespace ("FullShard",
-// "MixedPrecision<bf16, float, bf16, false>").
-template <class P>
-std::string policy_name() {
-  std::string s = type_name(typeid(P));
-  for (std::size_t at; (at = s.find("fsdp::")) != std::string::npos;) s.erase(at, 6);
-  return s;
-}
-
-// The policies of a configuration, as the settings every rank must choose alike.
-template <class Config>
-const Settings& policy_settings() {
-  static const Settings policies = [] {  // the same for every unit of a configuration
-    Settings p;
-    p.add("sharding strategy", policy_name<typename Config::strategy>());
-    p.add("mixed precision", policy_name<typename Config::mixed_precision>());
-    p.add("communication precision", policy_name<typename Config::comm_precision>());
-    p.add("backward prefetch", policy_name<typename Config::backward_prefetch>());
-    p.add("forward prefetch", policy_name<typename Config::forward_prefetch>());
-    p.add("cpu offload", policy_name<typename Config::cpu_offload>());
-    return p;
-  }();
-  return policies;
 }
 
 // What every rank must set alike for a unit besides its parameters: the policies, the
@@ -71,27 +47,6 @@ struct UnitSetup {
   std::vector<ParamStorage> storage;       // each parameter's storage, for Unit::param_storage
   std::vector<CollectedBuffer> buffers;    // the module's buffers, copied into `buffer_copies`
   std::vector<std::string> deferred;       // the parameters deferred init bound storage to, by FQN
-};
-
-// The one step of a unit's construction that depends on the module's type: walking its
-// subtree for parameters and buffers. Everything after it works on what it collected, so
-// the rest of a unit (its setup, its hooks) compiles once, not once per module type.
-struct ModuleVisit {
-  void* module = nullptr;
-  void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
-                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip) = nullptr;
-
-  template <class Exclude, bool ChangesDtype, class M>
-  static ModuleVisit of(M& module) {
-    return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
-                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
-              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip);
-            }};
-  }
-  void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
-                  const SkipSet& skip) const {
-    collect(module, prefix, params, buffers, skip);
-  }
 };
 
 // Builds `group` for `unit` over the module `visit` walks (buffers: under MixedPrecision,

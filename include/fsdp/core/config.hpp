@@ -1,0 +1,25 @@
+#pragma once
+// Header-only, or compiled once. By default fsdp is header-only: every file that shards a
+// model compiles the unit's implementation (setup, hooks, flat parameters, summon) again,
+// about 10 s of an optimised build per file. Defining FSDP_SEPARATE_COMPILATION in every
+// file of a program (and linking src/fsdp_separate.cpp once: Bazel's //:fsdp_separate)
+// compiles that implementation in one file, and an engine's files see only what they
+// call: fsdp::shard, fsdp::Unit, fsdp::ShardedModel and the training-loop features. Boost.Asio's
+// BOOST_ASIO_SEPARATE_COMPILATION is the model.
+//
+// In that mode <fsdp/fsdp.hpp> leaves out fsdp::Sharded<Module, Policies...>, the unit's
+// class template: a file that builds units by hand includes <fsdp/unit/sharded.hpp>, and
+// compiles the implementation as a header-only file does.
+//
+// FSDP_DECL marks a function that lives in that one file (inline otherwise);
+// FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions.
+#if defined(FSDP_SEPARATE_COMPILATION) && !defined(FSDP_SEPARATE_COMPILATION_SOURCE)
+#define FSDP_DECL
+#define FSDP_DEFINES_IMPLEMENTATION 0
+#elif defined(FSDP_SEPARATE_COMPILATION)
+#define FSDP_DECL
+#define FSDP_DEFINES_IMPLEMENTATION 1
+#else
+#define FSDP_DECL inline
+#define FSDP_DEFINES_IMPLEMENTATION 1
+#endif

@@ -1,0 +1,64 @@
+#pragma once
+// What of a unit depends on the types it was built with, as values a unit built elsewhere
+// can take: the walk of its module's subtree (ModuleVisit, the one step of construction
+// that depends on the module's type) and its policies as the settings every rank must
+// choose alike (policy_settings). fsdp::shard makes both in the engine's file and hands
+// them to the unit (fsdp/unit/make_unit.hpp), so the rest of the unit compiles once.
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "fsdp/core/detail/fingerprint.hpp"
+#include "fsdp/core/module.hpp"
+#include "fsdp/policy/wrap_policy.hpp"
+#include "fsdp/unit/detail/param_collection.hpp"
+
+namespace fsdp::detail {
+
+// A policy for messages: its type without the namespace ("FullShard",
+// "MixedPrecision<bf16, float, bf16, false>").
+template <class P>
+std::string policy_name() {
+  std::string s = type_name(typeid(P));
+  for (std::size_t at; (at = s.find("fsdp::")) != std::string::npos;) s.erase(at, 6);
+  return s;
+}
+
+// The policies of a configuration, as the settings every rank must choose alike.
+template <class Config>
+const Settings& policy_settings() {
+  static const Settings policies = [] {  // the same for every unit of a configuration
+    Settings p;
+    p.add("sharding strategy", policy_name<typename Config::strategy>());
+    p.add("mixed precision", policy_name<typename Config::mixed_precision>());
+    p.add("communication precision", policy_name<typename Config::comm_precision>());
+    p.add("backward prefetch", policy_name<typename Config::backward_prefetch>());
+    p.add("forward prefetch", policy_name<typename Config::forward_prefetch>());
+    p.add("cpu offload", policy_name<typename Config::cpu_offload>());
+    return p;
+  }();
+  return policies;
+}
+
+// The one step of a unit's construction that depends on the module's type: walking its
+// subtree for parameters and buffers. Everything after it works on what it collected, so
+// the rest of a unit (its setup, its hooks) compiles once, not once per module type.
+struct ModuleVisit {
+  void* module = nullptr;
+  void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
+                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip) = nullptr;
+
+  template <class Exclude, bool ChangesDtype, class M>
+  static ModuleVisit of(M& module) {
+    return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
+              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip);
+            }};
+  }
+  void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
+                  const SkipSet& skip) const {
+    collect(module, prefix, params, buffers, skip);
+  }
+};
+
+}  // namespace fsdp::detail
