@@ -11,8 +11,8 @@
 #      unit's implementation is compiled once elsewhere;
 #  (e) that once: src/fsdp_separate.cpp (a program pays it once, not per file);
 # and prints for each the median user+sys CPU seconds and maximum resident set size
-# (/usr/bin/time), then (a) - (b) against the goal. The runs interleave (a b c a b c ...),
-# so a change in the machine's load falls on all three alike. A benchmark, not a test: the
+# (/usr/bin/time), then (a) - (b) and (d) - (b) against the goal. The runs interleave
+# (a b c d e a b c d e ...), so a change in the machine's load falls on all of them alike. A benchmark, not a test: the
 # numbers depend on the machine and its load; compare runs made on one machine.
 #
 # Usage: bench/compile_cost.sh [N]   (N runs each, default 5)
@@ -29,12 +29,17 @@
 # and later, 3 runs each on a quieter machine (compare within a pair only):
 #   planner runs real units, in fsdp.hpp   13.55 s  571 MB   2.08 s  196 MB   3.30 s  345 MB
 #   planner out of fsdp.hpp                13.51 s  504 MB   2.17 s  196 MB   3.01 s  319 MB
-# (a) - (b) = +15.4 s, +339 MB against the goal's +2.0 s, +150 MB (for the separately
-# compiled mode, (d), see the end of this comment). Of (a), about 4.9 s is the
-# front end (-fsyntax-only: (b) 1.3 s) and the rest code generation, 70% of it (by bytes of
-# code) for fsdp functions that depend on no engine type: a separately compiled mode would
-# save most of that, but not the front end's +3.6 s and +210 MB, so it alone would not reach
-# the goal either.
+# (a) - (b) = +15.4 s, +339 MB against the goal's +2.0 s, +150 MB. Of (a), about 4.9 s is
+# the front end (-fsyntax-only: (b) 1.3 s) and the rest code generation, 70% of it (by bytes
+# of code) for fsdp functions that depend on no engine type. The separately compiled mode
+# (fsdp/core/config.hpp) takes that part out of the engine's file; 3 runs each, a busier
+# machine than the pair above:
+#                                         (a)              (b)             (d)              (e)
+#   fsdp::shard through detail::make_unit  18.22 s  485 MB   3.02 s  196 MB  11.35 s  423 MB   9.96 s  381 MB
+# (d) - (b) = +8.33 s (3.76x the engine alone), +227 MB: still over the goal. What is left
+# is the front end (-fsyntax-only: 4.4 s against (b)'s 1.2 s) and the code generated for
+# what the file instantiates (the module walk, the engine's layers with their hooks, the
+# thread-rank backend, ShardedModel's members), about 160 KB of code against (b)'s 52 KB.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 n=${1:-5}

@@ -287,9 +287,8 @@ TEST_CASE("padding never leaks into the shards the optimizer sees") {
       engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
       for (auto& v : sm.shards()) total[comm.rank()] += v.numel;
       // The padded tail of each shard (beyond numel) is still zero after a step.
-      // fsdp::shard's units are detail::ShardedUnits (fsdp/unit/make_unit.hpp), layouts() on them.
-      auto& gain = static_cast<fsdp::detail::ShardedUnit&>(sm.unit("gain"));
-      const auto* layout = gain.layouts().at(0);
+      auto& gain = sm.unit("gain");
+      const auto* layout = fsdp::detail::internals(gain).layouts().at(0);
       const auto& view = gain.shards()[0];
       for (std::int64_t i = view.numel; i < layout->shard_numel(); ++i) {
         CHECK(static_cast<float*>(view.param)[i] == 0.0f);
@@ -502,6 +501,9 @@ static_assert(!std::is_constructible_v<fsdp::Unit::BackwardScope, fsdp::Unit&>);
 static_assert(!std::is_constructible_v<fsdp::Unit::SummonScope, fsdp::Unit&, const fsdp::SummonOptions&>);
 static_assert(std::is_default_constructible_v<fsdp::Unit::ForwardScope> &&
               std::is_default_constructible_v<fsdp::Unit::SummonScope>);
+// The setters' base is no object of its own: a unit or a model does not slice into one.
+static_assert(!std::is_constructible_v<fsdp::RunTimeSettings<fsdp::Unit>, fsdp::Unit&>);
+static_assert(!std::is_constructible_v<fsdp::RunTimeSettings<fsdp::ShardedModel>, fsdp::ShardedModel&&>);
 
 TEST_CASE("the model's setters are the unit's: one call changes every unit, or none while a unit is not IDLE") {
   fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
@@ -546,6 +548,25 @@ TEST_CASE("the model's setters are the unit's: one call changes every unit, or n
   });
 }
 
+TEST_CASE("a partial reshard one unit refuses changes no unit, not even those it does not concern") {
+  fsdp::ThreadGroup(4).run([](fsdp::ThreadComm& comm) {
+    engine::Model model(small());
+    fsdp::HostDevice device;
+    // The root (embed and head: 5 * 13 + 13 + 13 * 3 + 3 = 120 elements) and the gain (13)
+    // are kept whole under the threshold; the blocks (202 each) are sharded over 4 ranks.
+    auto sm = fsdp::shard<fsdp::ShardGradOp>(model, comm, device, engine::Wrap{},
+                                             fsdp::ShardOptions{.persistence_threshold = 150});
+    REQUIRE(sm.config().units[0].kept_unsharded);
+    REQUIRE_FALSE(sm.config().units[1].kept_unsharded);
+    // A group of the shard group's own size is no partial reshard: blocks.0 refuses it. The
+    // root, first in unit order and indifferent to the group, was switched on before.
+    const std::string refusal = "unit 'blocks.0' on rank " + std::to_string(comm.rank()) +
+                                ": set_reshard_after_forward(group of 4 ranks)";
+    CHECK_THROWS_WITH_AS(sm.set_reshard_after_forward(comm), doctest::Contains(refusal.c_str()), fsdp::Error);
+    for (auto& u : sm) CHECK_FALSE(u->config().reshard.after_forward);  // ShardGradOp's default, everywhere
+  });
+}
+
 TEST_CASE("shard with ShardOptions::defer_take_over builds every unit and leaves take_over() to the caller") {
   fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
     engine::Model model(small());
@@ -556,6 +577,15 @@ TEST_CASE("shard with ShardOptions::defer_take_over builds every unit and leaves
     CHECK(sm.size() == 4);  // every unit built, its shard copied
     CHECK(model.blocks[0].fc1.weight.raw() == weight);  // the engine's tensor untouched
     CHECK(sm.config().units[1].fqn == "blocks.0");
+    // No unit computes before the take-over: its tensors are still the engine's own.
+    auto& block = sm.unit("blocks.0");
+    const std::string early = "fsdp: unit 'blocks.0' on rank " + std::to_string(comm.rank()) +
+                              ": pre_forward before the unit took the engine's tensors over (it was built with "
+                              "ShardOptions::defer_take_over); call ShardedModel::take_over() first";
+    CHECK_THROWS_WITH_AS(block.pre_forward(), early.c_str(), fsdp::Error);
+    CHECK_THROWS_WITH_AS((void)block.summon_full_params(), doctest::Contains("summon_full_params before the unit took"),
+                         fsdp::Error);
+    CHECK(block.state() == fsdp::TrainingState::IDLE);  // a misuse: nothing changed, nothing to abort
     sm.take_over();
     CHECK(model.blocks[0].fc1.weight.raw() == nullptr);  // FullShard: no storage between passes
     auto summoned = sm.summon_full_params();

@@ -12,14 +12,22 @@
 // compiles the implementation as a header-only file does.
 //
 // FSDP_DECL marks a function that lives in that one file (inline otherwise);
-// FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions.
+// FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Such a
+// function is declared inside `inline namespace FSDP_MODE_NAMESPACE`, whose name differs
+// between the modes: a program that mixes them (a library compiled header-only linked with
+// files compiled under FSDP_SEPARATE_COMPILATION) then has two functions, each defined by
+// the rules of its mode, and a program compiled in that mode without the one file fails to
+// link (an undefined separately_compiled::... symbol) instead of running an inline copy.
 #if defined(FSDP_SEPARATE_COMPILATION) && !defined(FSDP_SEPARATE_COMPILATION_SOURCE)
 #define FSDP_DECL
 #define FSDP_DEFINES_IMPLEMENTATION 0
+#define FSDP_MODE_NAMESPACE separately_compiled
 #elif defined(FSDP_SEPARATE_COMPILATION)
 #define FSDP_DECL
 #define FSDP_DEFINES_IMPLEMENTATION 1
+#define FSDP_MODE_NAMESPACE separately_compiled
 #else
 #define FSDP_DECL inline
 #define FSDP_DEFINES_IMPLEMENTATION 1
+#define FSDP_MODE_NAMESPACE header_only
 #endif

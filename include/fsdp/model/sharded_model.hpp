@@ -10,6 +10,8 @@
 #include <string>
 #include <string_view>
 #include <map>
+#include <span>
+#include <type_traits>
 #include <typeindex>
 #include <utility>
 #include <vector>
@@ -282,13 +284,15 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   std::span<const ParamView> parameters() const { return params_; }
 
  private:
-  template <class> friend class RunTimeSettings;
-  // RunTimeSettings<ShardedModel>'s: every unit checked first, so a refused call changes none.
-  template <class F>
-  void apply_setting(const char* name, const F& f) {
+  friend class RunTimeSettings<ShardedModel>;
+  // RunTimeSettings<ShardedModel>'s (fsdp/unit/run_time_settings.hpp): every unit checked
+  // first, so a refused call changes none.
+  template <class Check, class Change>
+  void apply_setting(const char* name, const Check& check, const Change& change, bool views_change) {
     for (auto& u : units_) u->expect({TrainingState::IDLE}, name);
-    for (auto& u : units_) f(*u);
-    refresh_views();
+    for (auto& u : units_) check(*u);
+    for (auto& u : units_) change(*u);
+    if (views_change) refresh_views();
   }
 
   void refresh_views() {

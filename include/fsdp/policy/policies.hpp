@@ -196,7 +196,7 @@ constexpr bool comm_no_wider_than_compute() {
 template <class... Ps>
 struct Policies {
   static_assert(detail::all_policies<Ps...>::value,
-                "fsdp: a template argument of fsdp::Sharded after the Module is not an fsdp policy. "
+                "fsdp: a policy argument (of fsdp::shard, or of fsdp::Sharded after the Module) is not an fsdp policy. "
                 "Policies are ShardingStrategy (FullShard, ShardGradOp, NoShard, HybridShard, "
                 "HybridShardZero2), BackwardPrefetch (BackwardPre, BackwardPost, NoBackwardPrefetch), "
                 "ForwardPrefetch (ForwardPrefetch, NoForwardPrefetch), MixedPrecision (FullPrecision, "

@@ -269,6 +269,9 @@ class FlatParamGroup {
   void set_post_forward_group(std::optional<detail::CommRef> group, std::string_view unit) {
     post_forward_.set(groups_.shards_parameters ? group : std::nullopt, groups_, unit);
   }
+  void check_post_forward_group(const detail::CommRef& group, std::string_view unit) const {
+    if (groups_.shards_parameters) detail::PostForwardGroup::check(group, groups_, unit);
+  }
   bool reshards_partially() const { return post_forward_.active(); }
   int post_forward_size() const { return post_forward_.size(); }
 

@@ -17,6 +17,7 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/policy/configuration.hpp"
+#include "fsdp/policy/wrap_policy.hpp"
 #include "fsdp/unit/detail/module_visit.hpp"
 #include "fsdp/unit/detail/unit_groups.hpp"
 #include "fsdp/unit/shard_options.hpp"
@@ -25,9 +26,11 @@
 namespace fsdp::detail {
 
 // A unit over the module `visit` walks: what fsdp::Sharded<Module, Ps...> is, without its type.
+inline namespace FSDP_MODE_NAMESPACE {
 FSDP_DECL std::unique_ptr<Unit> make_unit(const PolicyConfig& policies, const Settings& settings, ModuleId module,
                                           const ModuleVisit& visit, UnitGroups groups, DeviceRef device, std::string fqn,
                                           const ShardOptions& options, const UnitInit& init);
+}  // namespace FSDP_MODE_NAMESPACE
 
 // The unit of `module` under the resolved policies Config (Policies<Ps...>), over a
 // communicator or a mesh, as fsdp::Sharded's constructors take them.

@@ -10,10 +10,13 @@
 // A unit's config() reports them as they are now. Every rank must make the same calls (a
 // unit checks that they did at its first backward after a change).
 //
-// Self provides apply_setting(name, f): it checks the state of every unit it stands for,
-// then calls f(unit) on each; f may throw only before it changes anything.
+// Self provides apply_setting(name, check, change, views): it checks that every unit it
+// stands for is IDLE, runs check(unit) on each (which may refuse, changing nothing), then
+// change(unit) on each (which does not refuse), so one unit's refusal leaves every unit as
+// it was. Running out of memory is the one exception: the hook setter allocates a freed
+// gradient again (before it changes that unit), and a failed allocation there leaves the
+// units before it changed.
 #include <optional>
-#include <utility>
 
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/backend_ref.hpp"
@@ -42,44 +45,59 @@ class RunTimeSettings {
 
   // Between forward and backward: free the unsharded parameters (true: FullShard's
   // default) or keep them (false: ShardGradOp's). Units whose parameters are not sharded
-  // (NoShard, under the persistence threshold) accept it and change nothing.
+  // (NoShard, under the persistence threshold) accept it (config() reports it) and do
+  // nothing different.
   void set_reshard_after_forward(bool on) {
     apply("set_reshard_after_forward", [on](auto& u) { detail::internals(u).set_post_forward_group(std::nullopt, on); });
   }
   // A partial reshard (FSDP2's integer reshard_after_forward, ZeRO++ hpZ): keep the
   // parameters sharded over `group` between forward and backward; the group must outlive
-  // the setting.
+  // the setting. Its size must divide every sharded unit's shard group.
   template <Communicator C>
   void set_reshard_after_forward(C& group) {
-    apply("set_reshard_after_forward",
-          [&group](auto& u) { detail::internals(u).set_post_forward_group(detail::CommRef(group), true); });
+    apply(
+        "set_reshard_after_forward",
+        [&group](auto& u) { detail::internals(u).check_post_forward_group(detail::CommRef(group)); },
+        [&group](auto& u) { detail::internals(u).set_post_forward_group(detail::CommRef(group), true); });
   }
   // After a backward whose gradient is not final: keep the parameters for the next forward (false).
   void set_reshard_after_backward(bool on) {
     apply("set_reshard_after_backward", [on](auto& u) { u.reshard_.after_backward = on; });
   }
-  // What a synchronized reduction divides the summed gradient by (0: the world size).
+  // What a synchronized reduction divides the summed gradient by: > 0 (by default, until
+  // this is called, the world size).
   void set_gradient_divide_factor(double factor) {
-    apply("set_gradient_divide_factor", [factor](auto& u) {
-      detail::check_divide_factor(factor, u.fqn_, u.rank_);
-      u.reshard_.gradient_divide_factor = factor;
-    });
+    apply(
+        "set_gradient_divide_factor", [factor](auto& u) { detail::check_divide_factor(factor, u.fqn_, u.rank_); },
+        [factor](auto& u) { u.reshard_.gradient_divide_factor = factor; });
   }
 
   // Run `hook` once a unit's sharded gradient is final; with GradientAfterHook::free the
   // gradient is freed after it (switching to free drops the current sharded gradient, as
   // zero_grad would). An empty hook removes it (and frees nothing).
   void set_post_accumulate_grad_hook(const PostAccumulateGradHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
-    apply("set_post_accumulate_grad_hook", [&](auto& u) { detail::internals(u).install_grad_hook(hook, after); });
+    apply(
+        "set_post_accumulate_grad_hook", [](auto&) {},
+        [&](auto& u) { detail::internals(u).install_grad_hook(hook, after); }, /*views_change=*/true);
   }
 
  protected:
   RunTimeSettings() = default;
+  // Not copied apart from the unit or model it belongs to (a copy would be no unit).
+  RunTimeSettings(const RunTimeSettings&) = default;
+  RunTimeSettings(RunTimeSettings&&) noexcept = default;
+  RunTimeSettings& operator=(const RunTimeSettings&) = default;
+  RunTimeSettings& operator=(RunTimeSettings&&) noexcept = default;
+  ~RunTimeSettings() = default;
 
  private:
-  template <class F>
-  void apply(const char* name, const F& f) {
-    static_cast<Self&>(*this).apply_setting(name, f);
+  template <class Change>
+  void apply(const char* name, const Change& change) {
+    apply(name, [](auto&) {}, change);
+  }
+  template <class Check, class Change>
+  void apply(const char* name, const Check& check, const Change& change, bool views_change = false) {
+    static_cast<Self&>(*this).apply_setting(name, check, change, views_change);
   }
 };
 

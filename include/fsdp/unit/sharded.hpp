@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "fsdp/core/communicator.hpp"
+#include "fsdp/core/config.hpp"
 #include "fsdp/unit/sharded_hooks.hpp"  // the unit class and its hooks' definitions
 #include "fsdp/unit/detail/unit_groups.hpp"
 #include "fsdp/unit/make_unit.hpp"
@@ -42,12 +43,14 @@ class BuiltUnit final : public ShardedUnit {
 };
 
 #if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
 FSDP_DECL std::unique_ptr<Unit> make_unit(const PolicyConfig& policies, const Settings& settings, ModuleId module,
                                           const ModuleVisit& visit, UnitGroups groups, DeviceRef device, std::string fqn,
                                           const ShardOptions& options, const UnitInit& init) {
   return std::make_unique<BuiltUnit>(policies, settings, module, visit, std::move(groups), device, std::move(fqn), options,
                                      init);
 }
+}  // namespace FSDP_MODE_NAMESPACE
 #endif
 }  // namespace detail
 

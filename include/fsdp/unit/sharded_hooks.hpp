@@ -11,6 +11,7 @@ inline void ShardedUnit::pre_forward_body() {
   expect_not_failed("pre_forward");
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
   expect({TrainingState::IDLE}, "pre_forward");
+  expect_taken_over("pre_forward");
   check_storage("pre_forward");
   if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, policies_.forward_prefetch);
   uses_.enter_forward(order_ ? order_->forward_pass() : 0);
@@ -41,6 +42,7 @@ inline void ShardedUnit::pre_backward_body() {
                    "entry of this pass (it ran forward ", uses_.forward_entries(), " time(s) and backward as often, so its ",
                    "gradient was reduced); a unit runs backward once per forward entry until finish_backward");
     expect({TrainingState::IDLE}, "pre_backward");
+    expect_taken_over("pre_backward");
     if (sync_ != agreed_sync_ || reshard_ != agreed_reshard_) {  // only after a change: plain training runs no extra collective
       detail::agree_unit_settings(group_.groups().world, sync_, reshard_, display_name(), rank_);
       if (reshard_.gradient_divide_factor != agreed_reshard_.gradient_divide_factor)

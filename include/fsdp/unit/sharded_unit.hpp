@@ -102,8 +102,9 @@ class ShardedUnit : public Unit {
     return group_.full_parameter(i);
   }
 
-  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools.
-  std::vector<const FlatParamLayout*> layouts() const {
+  // Layout of each flat parameter (one per dtype), for state dicts, tests and tools
+  // (detail::internals(unit).layouts() on any unit).
+  std::vector<const FlatParamLayout*> layouts() const override {
     std::vector<const FlatParamLayout*> out;
     for (auto& fp : group_.flat()) out.push_back(&fp.layout);
     return out;
@@ -115,23 +116,24 @@ class ShardedUnit : public Unit {
   int world_size() const override { return group_.groups().world.size(); }
   // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
   // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
-  // where it was freed.
+  // where it was freed, first, so that running out of memory there changes nothing.
   void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
     expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
     const bool freed = grad_hook_.frees_gradient();
-    grad_hook_.set(std::move(hook), after);
-    if (grad_hook_.frees_gradient()) {
-      if (!freed) free_shard_grads();
-    } else {
+    const bool frees = hook && after == GradientAfterHook::free;  // as PostGradHookSlot::set decides
+    if (!frees) {
       group_.ensure_shard_grads();
       group_.point_views_at_gradients(views_, params_);
     }
+    grad_hook_.set(std::move(hook), after);
+    if (frees && !freed) free_shard_grads();
   }
 
   // Full parameters in their own (master) dtype, and buffers in theirs: what FSDP's
   // summon_full_params and state dicts show, whatever the mixed precision.
   void begin_summon_full_params(const SummonOptions& options) override {
     expect({TrainingState::IDLE}, "summon_full_params");
+    expect_taken_over("summon_full_params");
     detail::check_summon_options(options, grad_hook_.frees_gradient(), display_name(), rank_);
     release_unsharded();  // a compute-dtype copy kept since forward is not what is asked for
     summon_holds_nothing_ = detail::gather_for_summon(group_, options, rank_, waiter(), tag(TagPhase::summon));
@@ -224,7 +226,8 @@ class ShardedUnit : public Unit {
     rank0_values_.write_engine_buffers([&](const void* tensor) { return buffers_.has_copy(tensor); });
   }
 
-  // Built by Sharded<Module, Ps...>, which hands over its policies as values and by name
+  // Built by Sharded<Module, Ps...> (and fsdp::shard's detail::make_unit, and the planner's
+  // PlanUnit), which hands over its policies as values and by name
   // (`settings`, compared across ranks), how to walk its module (`visit`) and the module's
   // identity; nothing below depends on the module's type.
   ShardedUnit(const PolicyConfig& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
@@ -273,6 +276,16 @@ class ShardedUnit : public Unit {
     if (auto* next = order_ ? order_->next(pass) : nullptr) fsdp::detail::internals(*next).prefetch(zeros);  // null outside a model
   }
 
+  // A unit built with ShardOptions::defer_take_over computes nothing until its model took
+  // the engine's tensors over: they still hold the engine's own storage, and under
+  // sync_module_states its buffers not yet rank 0's values. A misuse: nothing changed.
+  void expect_taken_over(const char* hook) const {
+    if (group_.took_over()) return;
+    misuse_ = true;
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " before the unit took the engine's ",
+                 "tensors over (it was built with ShardOptions::defer_take_over); call ShardedModel::take_over() first");
+  }
+
   // The engine's parameter tensors still view what the unit bound them to; a tensor whose
   // storage the engine replaced would have its values dropped (one call per parameter).
   void check_storage(const char* where) {
@@ -308,6 +321,9 @@ class ShardedUnit : public Unit {
     kept_ = true;
   }
 
+  void check_post_forward_group(detail::CommRef group) const override {
+    group_.check_post_forward_group(group, display_name());
+  }
   void set_post_forward_group(std::optional<detail::CommRef> group, bool reshard) override {
     group_.set_post_forward_group(group, display_name());
     reshard_.after_forward = reshard;

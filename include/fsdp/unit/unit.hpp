@@ -21,6 +21,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/flat_param.hpp"
 #include "fsdp/unit/execution_order.hpp"
 #include "fsdp/policy/configuration.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
@@ -130,8 +131,12 @@ class UnitInternals {
   virtual void finish_reduction() = 0;
   // abort_step's local part: no collective.
   virtual void abandon_step() = 0;
-  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard.
+  // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard. The
+  // check refuses a group this unit cannot use, changing nothing (set calls it again).
+  virtual void check_post_forward_group(CommRef group) const = 0;
   virtual void set_post_forward_group(std::optional<CommRef> group, bool reshard) = 0;
+  // The layout of each flat parameter (one per dtype), for state dicts, tests and tools.
+  virtual std::vector<const FlatParamLayout*> layouts() const = 0;
   // set_post_accumulate_grad_hook's work (fsdp/unit/run_time_settings.hpp).
   virtual void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
   // Summon without a scope (Unit::summon_full_params and ShardedModel's hold one): IDLE ->
@@ -192,7 +197,8 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
   friend detail::UnitInternals& detail::internals(Unit&);
   friend const detail::UnitInternals& detail::internals(const Unit&);
   friend GradientAfterHook detail::after_hook_of(const Unit&);
-  template <class> friend class RunTimeSettings;
+  friend class RunTimeSettings<Unit>;
+  friend class RunTimeSettings<ShardedModel>;
 
  public:
   virtual ~Unit() = default;
@@ -415,11 +421,12 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
 
  private:
   friend class ShardedModel;  // its no_sync scope restores the setting even mid-backward
-  // RunTimeSettings<Unit>'s: one unit, IDLE.
-  template <class F>
-  void apply_setting(const char* name, const F& f) {
+  // RunTimeSettings<Unit>'s: one unit, IDLE (fsdp/unit/run_time_settings.hpp).
+  template <class Check, class Change>
+  void apply_setting(const char* name, const Check& check, const Change& change, bool) {
     expect({TrainingState::IDLE}, name);
-    f(*this);
+    check(*this);
+    change(*this);
   }
 };
 

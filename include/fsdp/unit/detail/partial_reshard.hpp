@@ -22,19 +22,21 @@ class PostForwardGroup {
   // rank: the ranks of one host, typically). nullopt: none. That every rank asked for the
   // same k is checked with the unit's other run-time settings. It must outlive the setting.
   void set(std::optional<CommRef> group, const UnitGroups& groups, std::string_view unit) {
-    if (group) {
-      const int k = group->size(), S = groups.shard_size;
-      if (k <= 1 || k >= S || S % k != 0)
-        fail("unit '", unit, "' on rank ", groups.world.rank(), ": set_reshard_after_forward(group of ", k,
-             " ranks): a partial reshard needs a group whose size divides the shard group's ", S,
-             " ranks and lies strictly between 1 and ", S, " (use true or false for the others)");
-      if (group->rank() != groups.shard_rank % k)
-        fail("unit '", unit, "' on rank ", groups.world.rank(), ": set_reshard_after_forward(group): this rank is ",
-             "rank ", group->rank(), " of the group but rank ", groups.shard_rank, " of its shard group of ", S,
-             "; the group's ranks must be shard ranks modulo ", k, " (split by shard rank / ", k,
-             ", keyed by shard rank, e.g. the ranks of one host)");
-    }
+    if (group) check(*group, groups, unit);
     group_ = group;
+  }
+  // Whether `group` can be this unit's (the checks above), on this rank; changes nothing.
+  static void check(const CommRef& group, const UnitGroups& groups, std::string_view unit) {
+    const int k = group.size(), S = groups.shard_size;
+    if (k <= 1 || k >= S || S % k != 0)
+      fail("unit '", unit, "' on rank ", groups.world.rank(), ": set_reshard_after_forward(group of ", k,
+           " ranks): a partial reshard needs a group whose size divides the shard group's ", S,
+           " ranks and lies strictly between 1 and ", S, " (use true or false for the others)");
+    if (group.rank() != groups.shard_rank % k)
+      fail("unit '", unit, "' on rank ", groups.world.rank(), ": set_reshard_after_forward(group): this rank is ",
+           "rank ", group.rank(), " of the group but rank ", groups.shard_rank, " of its shard group of ", S,
+           "; the group's ranks must be shard ranks modulo ", k, " (split by shard rank / ", k,
+           ", keyed by shard rank, e.g. the ranks of one host)");
   }
   bool active() const { return group_.has_value(); }
   int size() const { return group_ ? group_->size() : 0; }
