@@ -586,6 +586,13 @@ TEST_CASE("shard with ShardOptions::defer_take_over builds every unit and leaves
     CHECK_THROWS_WITH_AS((void)block.summon_full_params(), doctest::Contains("summon_full_params before the unit took"),
                          fsdp::Error);
     CHECK(block.state() == fsdp::TrainingState::IDLE);  // a misuse: nothing changed, nothing to abort
+    // Nor does one free, or switch to a hook, what is not its own yet (before, a reshard
+    // stripped the engine's tensors and the hook setter threw std::out_of_range).
+    CHECK_THROWS_WITH_AS(sm.reshard(), doctest::Contains("reshard before the unit took"), fsdp::Error);
+    CHECK(model.blocks[0].fc1.weight.raw() == weight);
+    CHECK_THROWS_WITH_AS(sm.set_post_accumulate_grad_hook([](fsdp::Unit&) {}, fsdp::GradientAfterHook::free),
+                         doctest::Contains("set_post_accumulate_grad_hook before the unit took"), fsdp::Error);
+    for (auto& u : sm) CHECK_FALSE(u->config().post_accumulate_grad_hook);
     sm.take_over();
     CHECK(model.blocks[0].fc1.weight.raw() == nullptr);  // FullShard: no storage between passes
     auto summoned = sm.summon_full_params();

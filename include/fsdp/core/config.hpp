@@ -14,10 +14,11 @@
 // FSDP_DECL marks a function that lives in that one file (inline otherwise);
 // FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Such a
 // function is declared inside `inline namespace FSDP_MODE_NAMESPACE`, whose name differs
-// between the modes: a program that mixes them (a library compiled header-only linked with
-// files compiled under FSDP_SEPARATE_COMPILATION) then has two functions, each defined by
-// the rules of its mode, and a program compiled in that mode without the one file fails to
-// link (an undefined separately_compiled::... symbol) instead of running an inline copy.
+// between the modes, so that a program compiled in that mode without the one file fails to
+// link (an undefined fsdp::detail::separately_compiled::... symbol). One program is in one
+// mode: mixing them (a library compiled header-only linked with files compiled under
+// FSDP_SEPARATE_COMPILATION) is not supported; the templates both modes instantiate would
+// differ in what they call (an ODR violation a linker need not report).
 #if defined(FSDP_SEPARATE_COMPILATION) && !defined(FSDP_SEPARATE_COMPILATION_SOURCE)
 #define FSDP_DECL
 #define FSDP_DEFINES_IMPLEMENTATION 0

@@ -291,7 +291,12 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   void apply_setting(const char* name, const Check& check, const Change& change, bool views_change) {
     for (auto& u : units_) u->expect({TrainingState::IDLE}, name);
     for (auto& u : units_) check(*u);
-    for (auto& u : units_) change(*u);
+    try {
+      for (auto& u : units_) change(*u);
+    } catch (...) {  // out of memory in the hook setter: the views show what the units hold
+      if (views_change) refresh_views();
+      throw;
+    }
     if (views_change) refresh_views();
   }
 

@@ -68,7 +68,7 @@ class RunTimeSettings {
   // this is called, the world size).
   void set_gradient_divide_factor(double factor) {
     apply(
-        "set_gradient_divide_factor", [factor](auto& u) { detail::check_divide_factor(factor, u.fqn_, u.rank_); },
+        "set_gradient_divide_factor", [factor](auto& u) { detail::check_divide_factor(factor, detail::display_name(u.fqn_), u.rank_); },
         [factor](auto& u) { u.reshard_.gradient_divide_factor = factor; });
   }
 
@@ -77,7 +77,7 @@ class RunTimeSettings {
   // zero_grad would). An empty hook removes it (and frees nothing).
   void set_post_accumulate_grad_hook(const PostAccumulateGradHook& hook, GradientAfterHook after = GradientAfterHook::keep) {
     apply(
-        "set_post_accumulate_grad_hook", [](auto&) {},
+        "set_post_accumulate_grad_hook", [](auto& u) { detail::internals(u).check_grad_hook(); },
         [&](auto& u) { detail::internals(u).install_grad_hook(hook, after); }, /*views_change=*/true);
   }
 

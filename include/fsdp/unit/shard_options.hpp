@@ -33,7 +33,9 @@ struct ShardOptions {
   // of the model as one (all or none: a failure gives every tensor back). fsdp::shard builds
   // every unit this way anyway and then takes them over, unless this is set: then the
   // returned model's take_over() is the engine's to call. A unit built by hand with it set
-  // is taken over by its model's take_over(), after ShardedModel::add.
+  // is taken over by its model's take_over(), after ShardedModel::add. Until then the unit
+  // refuses its hooks (but zero_grad and finish_backward), reshard, summon and a
+  // post-accumulate-grad hook, naming itself: its tensors are still the engine's.
   bool defer_take_over = false;
 };
 

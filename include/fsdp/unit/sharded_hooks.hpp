@@ -9,9 +9,9 @@ namespace fsdp::detail {
 inline void ShardedUnit::pre_forward_body() {
   HookScope scope(*this, "pre_forward");
   expect_not_failed("pre_forward");
+  expect_taken_over("pre_forward");
   if (uses_.is_recompute(state_, order_ && order_->in_backward())) return begin_recompute();
   expect({TrainingState::IDLE}, "pre_forward");
-  expect_taken_over("pre_forward");
   check_storage("pre_forward");
   if (order_) order_->enter(*this, order_index_, Pass::forward, group_.groups().world, policies_.forward_prefetch);
   uses_.enter_forward(order_ ? order_->forward_pass() : 0);
@@ -89,6 +89,7 @@ inline void ShardedUnit::post_backward_body() {
 inline void ShardedUnit::prefetch_body(ZeroBatch* zeros) {
   HookScope scope(*this, "prefetch");
   if (!order_ || (state_ != TrainingState::IDLE && !uses_.awaits_backward(state_))) return;
+  if (!group_.took_over()) return;  // its tensors are still the engine's (defer_take_over)
   if (prefetched_) release_unsharded();  // gathered ahead in an earlier pass: may be stale
   if (!order_->may_prefetch()) return;
   if (group_.start_gathers(tag(TagPhase::forward), zeros)) { prefetched_ = true; order_->prefetch_issued(); }

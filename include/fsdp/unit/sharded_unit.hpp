@@ -82,6 +82,7 @@ class ShardedUnit : public Unit {
   void reshard() override {
     HookScope scope(*this, "reshard");
     expect({TrainingState::IDLE}, "reshard");
+    expect_taken_over("reshard");
     release_unsharded();
     uses_.end_forward_pass();
   }
@@ -117,10 +118,12 @@ class ShardedUnit : public Unit {
   // Switching to GradientAfterHook::free frees the sharded gradient now (a sum no_sync
   // kept in it stays, as the kept unsharded gradient); keep allocates it again (zeroed)
   // where it was freed, first, so that running out of memory there changes nothing.
+  void check_grad_hook() const override { expect_taken_over("set_post_accumulate_grad_hook"); }
   void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) override {
     expect({TrainingState::IDLE}, "set_post_accumulate_grad_hook");
+    check_grad_hook();
     const bool freed = grad_hook_.frees_gradient();
-    const bool frees = hook && after == GradientAfterHook::free;  // as PostGradHookSlot::set decides
+    const bool frees = detail::PostGradHookSlot::after_of(hook, after) == GradientAfterHook::free;
     if (!frees) {
       group_.ensure_shard_grads();
       group_.point_views_at_gradients(views_, params_);
@@ -278,7 +281,9 @@ class ShardedUnit : public Unit {
 
   // A unit built with ShardOptions::defer_take_over computes nothing until its model took
   // the engine's tensors over: they still hold the engine's own storage, and under
-  // sync_module_states its buffers not yet rank 0's values. A misuse: nothing changed.
+  // sync_module_states its buffers not yet rank 0's values. So its hooks (but zero_grad and
+  // finish_backward, which touch only its own gradients), summon and the hook setter are
+  // refused, a misuse that changes nothing, and nothing prefetches it.
   void expect_taken_over(const char* hook) const {
     if (group_.took_over()) return;
     misuse_ = true;

@@ -137,7 +137,9 @@ class UnitInternals {
   virtual void set_post_forward_group(std::optional<CommRef> group, bool reshard) = 0;
   // The layout of each flat parameter (one per dtype), for state dicts, tests and tools.
   virtual std::vector<const FlatParamLayout*> layouts() const = 0;
-  // set_post_accumulate_grad_hook's work (fsdp/unit/run_time_settings.hpp).
+  // set_post_accumulate_grad_hook's work (fsdp/unit/run_time_settings.hpp): whether the
+  // unit takes a hook now (refuses, changing nothing), and the change.
+  virtual void check_grad_hook() const = 0;
   virtual void install_grad_hook(PostAccumulateGradHook hook, GradientAfterHook after) = 0;
   // Summon without a scope (Unit::summon_full_params and ShardedModel's hold one): IDLE ->
   // SUMMON_FULL_PARAMS, a collective; the end keeps the edits with writeback.

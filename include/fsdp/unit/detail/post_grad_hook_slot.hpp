@@ -15,10 +15,14 @@ class PostGradHookSlot {
   GradientAfterHook after() const { return after_; }
   bool frees_gradient() const { return after_ == GradientAfterHook::free; }
 
+  // What set(hook, after) will make of `after`: no hook keeps the gradient.
+  static GradientAfterHook after_of(const PostAccumulateGradHook& hook, GradientAfterHook after) {
+    return hook ? after : GradientAfterHook::keep;
+  }
   // Installs `hook` (none: the gradient is kept). The unit frees or reallocates its
   // sharded gradient to match.
   void set(PostAccumulateGradHook hook, GradientAfterHook after) {
-    after_ = hook ? after : GradientAfterHook::keep;
+    after_ = after_of(hook, after);
     hook_ = std::move(hook);
   }
 
