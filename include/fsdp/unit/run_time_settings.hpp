@@ -20,6 +20,7 @@
 
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/backend_ref.hpp"
+#include "fsdp/core/training_state.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/post_accumulate_grad_hook.hpp"
 #include "fsdp/policy/reshard_settings.hpp"
