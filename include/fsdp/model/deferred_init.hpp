@@ -35,6 +35,7 @@
 #include "fsdp/unit/detail/deferred_storage.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/core/module.hpp"
+#include "fsdp/core/training_state.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
 
 namespace fsdp {
@@ -73,7 +74,7 @@ InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn) {
       if constexpr (std::is_invocable_v<const F&, C&, std::string_view>) std::invoke(d.init, m, std::string_view(at));
       else if constexpr (std::is_invocable_v<const F&, C&>) std::invoke(d.init, m);
       else
-        fail("deferred_init: the init callback cannot be called with module '", at.empty() ? "<root>" : at, "' (",
+        fail("deferred_init: the init callback cannot be called with module '", display_name(at), "' (",
              type_name(typeid(m)), "), whose parameters have no storage yet");
     });
   };

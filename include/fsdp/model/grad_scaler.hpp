@@ -37,6 +37,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/training_state.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/unit/unit.hpp"
 
@@ -213,7 +214,7 @@ class ShardedGradScaler {
 
   std::string check_shard(const ShardView& s, std::size_t index) const {
     const DType t = detail::grad_dtype_of(s);
-    const std::string unit = s.unit.empty() ? std::string("<root>") : std::string(s.unit);
+    const std::string unit(detail::display_name(s.unit));
     const std::string where = "unscale() on rank " + std::to_string(comm_.rank()) + ": shard " +
                               std::to_string(index) + " of unit '" + unit + "' ";
     if (s.numel < 0) return where + "has negative numel " + std::to_string(s.numel);
