@@ -14,7 +14,7 @@
 //              [--steps N] [--warmup N] [--batch N] [--in N] [--dim N] [--hidden N] [--out N]
 //              [--blocks N] [--device N]
 // Exit status: 0 trained (and matched the reference), 1 failed, 77 skipped: no GPU visible
-// (FSDP_REQUIRE_GPU=1 turns that into a failure).
+// (FSDP_REQUIRE_GPU=1, or true/yes/on, turns that into a failure; a value that is no boolean is refused).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include <fsdp/core/parse.hpp>
 #include <fsdp/cuda/cuda_device.hpp>
 #include <fsdp/fsdp.hpp>
 #include <fsdp/nccl/nccl_comm.hpp>
@@ -57,12 +58,15 @@ Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
-    auto number = [&](auto& into) {
+    // A value read whole, in [lo, hi] (fsdp/core/parse.hpp): " 5", "5x" and a number past
+    // the range are refused naming the flag, never read as 5 or wrapped into an int.
+    auto number = [&](auto& into, long long lo = 1, long long hi = 1 << 20) {
       if (i + 1 >= argc) usage_error(std::string(a) + " needs a value");
-      char* end = nullptr;
-      const long v = std::strtol(argv[++i], &end, 10);
-      if (*end || v < 1) usage_error(std::string(a) + " needs a positive integer, got '" + argv[i] + "'");
-      into = static_cast<std::remove_reference_t<decltype(into)>>(v);
+      try {
+        into = static_cast<std::remove_reference_t<decltype(into)>>(fsdp::detail::parse_integer<long long>(argv[++i], a, lo, hi));
+      } catch (const fsdp::Error& e) {
+        usage_error(e.what());
+      }
     };
     if (a == "--precision") {
       if (i + 1 >= argc) usage_error("--precision needs bf16 or f32");
@@ -76,20 +80,16 @@ Options parse(int argc, char** argv) {
       o.model.in = 64, o.model.dim = 2048, o.model.hidden = 8192, o.model.out = 64, o.model.blocks = 8;
       o.batch = 16384, o.steps = 20, o.warmup = 5, o.reference = false;
       o.adamw.lr = 1e-4f;  // 1e-3 made a width-2048 stack jump to 1e15 and back (H200 run)
-    } else if (a == "--steps") number(o.steps);
-    else if (a == "--warmup") {
-      if (i + 1 < argc && std::string_view(argv[i + 1]) == "0") ++i, o.warmup = 0;
-      else number(o.warmup);
-    } else if (a == "--batch") number(o.batch);
+    } else if (a == "--steps") number(o.steps, 1, 1000000);
+    else if (a == "--warmup") number(o.warmup, 0, 1000000);
+    else if (a == "--batch") number(o.batch, 1, 1 << 24);
     else if (a == "--in") number(o.model.in);
     else if (a == "--dim") number(o.model.dim);
     else if (a == "--hidden") number(o.model.hidden);
     else if (a == "--out") number(o.model.out);
-    else if (a == "--blocks") number(o.model.blocks);
-    else if (a == "--device") {
-      if (i + 1 < argc && std::string_view(argv[i + 1]) == "0") ++i, o.device = 0;
-      else number(o.device);
-    } else usage_error("unknown flag '" + std::string(a) + "'");
+    else if (a == "--blocks") number(o.model.blocks, 1, 1000);
+    else if (a == "--device") number(o.device, 0, 1023);
+    else usage_error("unknown flag '" + std::string(a) + "'");
   }
   if (o.offload && !o.fsdp) usage_error("--offload is fsdp's OffloadParams; it needs fsdp (drop --no-fsdp)");
   if (o.warmup >= o.steps) usage_error("--warmup must be below --steps (the timed steps come after it)");
@@ -299,8 +299,13 @@ int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const int gpus = fsdp::cuda_device_count();
   if (gpus == 0) {
-    const char* require = std::getenv("FSDP_REQUIRE_GPU");
-    if (require && std::string_view(require) == "1") {
+    std::optional<bool> require;
+    try {
+      require = fsdp::detail::env_bool("FSDP_REQUIRE_GPU");  // 1/true/yes/on; a value that is no boolean is refused
+    } catch (const fsdp::Error& e) {
+      usage_error(e.what());
+    }
+    if (require.value_or(false)) {
       std::printf("cuda_train: FAILED: FSDP_REQUIRE_GPU=1 but no CUDA GPU is visible\n");
       return 1;
     }

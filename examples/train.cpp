@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -30,6 +31,7 @@
 #include <string>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <fsdp/asio/tcp_process_group.hpp>
@@ -322,6 +324,48 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   return summary;
 }
 
+// Every flag's value is read whole by fsdp's strict parsers (fsdp/core/parse.hpp), never
+// by CLI11's own conversions, which read "010" as 8, " 5" as 5, "nan" as a number (so
+// --clip nan turned clipping off) and "5" or "-3" as a boolean. A refusal names the flag and
+// ends the program with CLI11's usage message and status.
+template <class Parse>
+auto strictly(Parse&& parse) {
+  try {
+    return parse();
+  } catch (const fsdp::Error& e) {
+    throw CLI::ValidationError(e.what());
+  }
+}
+
+template <std::integral T>
+CLI::Option* integer_flag(CLI::App& app, const std::string& flag, T& out, std::type_identity_t<T> lo, std::type_identity_t<T> hi,
+                          const std::string& help) {
+  return app
+      .add_option_function<std::string>(
+          flag, [&out, flag, lo, hi](const std::string& text) {
+            out = strictly([&] { return fsdp::detail::parse_integer<T>(text, flag, lo, hi); });
+          },
+          help + fmt::format(" (an integer in [{}, {}])", lo, hi))
+      ->type_name("INT");
+}
+
+CLI::Option* bool_flag(CLI::App& app, const std::string& flag, bool& out, const std::string& help) {
+  return app
+      .add_option_function<std::string>(
+          flag, [&out, flag](const std::string& text) { out = strictly([&] { return fsdp::detail::parse_bool(text, flag); }); },
+          help + " (true/false, 1/0, yes/no or on/off)")
+      ->type_name("BOOL");
+}
+
+// A flag without a value (--offload): "--offload=0" or "--offload=5" is refused, not read as a boolean.
+CLI::Option* switch_flag(CLI::App& app, const std::string& flag, bool& out, const std::string& help) {
+  return app.add_flag(flag, out, help)->disable_flag_override();
+}
+
+// A path: an empty one (--save "") would silently mean none, so it is refused.
+const CLI::Validator kNonEmptyPath([](std::string& text) { return text.empty() ? std::string("an empty path") : std::string(); },
+                                   "PATH");
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -331,14 +375,14 @@ int main(int argc, char** argv) {
   CLI::App app{"Train the reference model sharded with fsdp on in-process ranks, TCP processes or MPI"};
   app.add_option("--backend", backend, "thread (ranks are threads), tcp (processes; starts --nproc copies of itself) or mpi (under mpirun)")
       ->check(CLI::IsMember({"thread", "tcp", "mpi"}));
-  app.add_option("--ranks", ranks, "number of ranks (threads) for --backend thread")->check(CLI::Range(1, 256));
-  app.add_option("--nproc", nproc, "number of processes for --backend tcp")->check(CLI::Range(1, 256));
-  app.add_option("--steps", cfg.steps, "training steps")->check(CLI::Range(1, 1000000));
-  app.add_option("--batch", cfg.batch_per_rank, "samples per rank per step")->check(CLI::Range(1, 1 << 20));
+  integer_flag(app, "--ranks", ranks, 1, 256, "number of ranks (threads) for --backend thread");
+  integer_flag(app, "--nproc", nproc, 1, 256, "number of processes for --backend tcp");
+  integer_flag(app, "--steps", cfg.steps, 1, 1000000, "training steps");
+  integer_flag(app, "--batch", cfg.batch_per_rank, 1, 1 << 20, "samples per rank per step");
   app.add_option("--optimizer", cfg.optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
-  app.add_option("--blocks", cfg.model.blocks, "residual blocks")->check(CLI::Range(0, 1000));
-  app.add_option("--dim", cfg.model.dim, "model width")->check(CLI::Range(1, 1 << 16));
-  app.add_option("--hidden", cfg.model.hidden, "block hidden width")->check(CLI::Range(1, 1 << 16));
+  integer_flag(app, "--blocks", cfg.model.blocks, 0, 1000, "residual blocks");
+  integer_flag(app, "--dim", cfg.model.dim, 1, 1 << 16, "model width");
+  integer_flag(app, "--hidden", cfg.model.hidden, 1, 1 << 16, "block hidden width");
   app.add_option("--strategy", cfg.strategy, "sharding strategy: " + fsdp::strategy_names() + " (any case)");
   app.add_option("--mesh", mesh_text,
                  "REPLICATExSHARD ranks for the hybrid strategies (default: 2 x ranks/2 when ranks is even and "
@@ -346,67 +390,84 @@ int main(int argc, char** argv) {
   app.add_option("--precision", cfg.precision,
                  "fp32, bf16 (MixedPrecision<bf16>) or fp16 (MixedPrecision<f16> with a ShardedGradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_flag("--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
+  switch_flag(app, "--offload", cfg.offload, "OffloadParams: sharded parameters, gradients and optimizer state in host space");
   auto* comm_precision = app.add_option("--comm-precision", cfg.comm_precision,
                                         "fp32 or bf16 (CommPrecision<bf16>): all-gathers and gradient reductions in bf16 while "
                                         "the model computes in f32 (with --precision fp32 only); prints a step's collectives")
                              ->check(CLI::IsMember({"fp32", "bf16"}));
-  auto* persistence = app.add_option("--persistence-threshold", cfg.persistence_threshold,
-                                     "units with fewer parameter elements stay unsharded: never all-gathered, gradients "
-                                     "all-reduced (0: none); prints a step's collectives")
-                          ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
-  app.add_option("--accumulate", cfg.accumulate,
-                 "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
-                 "keeping unsharded gradients instead of reducing them")
-      ->check(CLI::Range(1, 1 << 16));
-  app.add_flag("--sync-every-microbatch", cfg.sync_every_microbatch,
-               "with --accumulate: reduce-scatter every micro-batch and accumulate sharded (less memory, more communication)");
-  auto* clip = app.add_option("--clip", cfg.clip, "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm)")
-      ->check(CLI::PositiveNumber);
-  app.add_flag("--optimizer-in-backward", cfg.optimizer_in_backward,
+  auto* persistence = integer_flag(app, "--persistence-threshold", cfg.persistence_threshold, std::int64_t{0},
+                                   std::int64_t{1} << 40,
+                                   "units with fewer parameter elements stay unsharded: never all-gathered, gradients "
+                                   "all-reduced (0: none); prints a step's collectives");
+  integer_flag(app, "--accumulate", cfg.accumulate, 1, 1 << 16,
+               "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
+               "keeping unsharded gradients instead of reducing them");
+  switch_flag(app, "--sync-every-microbatch", cfg.sync_every_microbatch,
+              "with --accumulate: reduce-scatter every micro-batch and accumulate sharded (less memory, more communication)");
+  auto* clip = app.add_option_function<std::string>(
+                      "--clip",
+                      [&cfg](const std::string& text) {
+                        cfg.clip = strictly([&] {
+                          const double norm = fsdp::detail::parse_real(text, "--clip");
+                          if (norm <= 0)
+                            fsdp::detail::fail("--clip: ", text, " is not > 0; the max norm must be positive (leave --clip out "
+                                               "for no clipping)");
+                          return norm;
+                        });
+                      },
+                      "clip gradients to this global 2-norm before each optimizer step (fsdp::clip_grad_norm); a finite "
+                      "number > 0")
+                   ->type_name("MAX_NORM");
+  switch_flag(app, "--optimizer-in-backward", cfg.optimizer_in_backward,
                "step each unit's shards in its post-accumulate-grad hook and free its gradient "
                "there (not with --clip, fp16, --save or --resume: they need every gradient, or the "
                "one optimizer's state, after backward)")
       ->excludes(clip);
-  auto* reshard = app.add_option("--reshard-after-forward", cfg.reshard_after_forward,
-                                 "true, false, or N: keep the parameters sharded over groups of N consecutive ranks "
-                                 "between forward and backward (partial resharding, ZeRO++ hpZ)");
-  auto* keep = app.add_option("--reshard-after-backward", cfg.reshard_after_backward,
-                 "false: between micro-batches of --accumulate, keep the parameters for the next forward");
-  app.add_flag("--plan", cfg.plan,
+  auto* reshard = app.add_option_function<std::string>(
+                         "--reshard-after-forward",
+                         [&cfg](const std::string& text) {
+                           strictly([&] {
+                             const bool number = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+                             if (number) {
+                               cfg.post_forward_ranks = fsdp::detail::parse_integer<int>(text, "--reshard-after-forward (a group size)", 2, 1 << 20);
+                               cfg.reshard_after_forward = std::to_string(cfg.post_forward_ranks);
+                             } else if (const auto b = fsdp::detail::as_bool(text)) {
+                               cfg.reshard_after_forward = *b ? "true" : "false";
+                             } else {
+                               fsdp::detail::fail("--reshard-after-forward: '", text, "' is not true, false or a group size N >= 2");
+                             }
+                             return 0;
+                           });
+                         },
+                         "true, false, or N: keep the parameters sharded over groups of N consecutive ranks "
+                         "between forward and backward (partial resharding, ZeRO++ hpZ)")
+                     ->type_name("true|false|N");
+  auto* keep = bool_flag(app, "--reshard-after-backward", cfg.reshard_after_backward,
+                         "false: between micro-batches of --accumulate, keep the parameters for the next forward");
+  switch_flag(app, "--plan", cfg.plan,
                "print the per-rank device peak fsdp::plan predicts (plan: peak_bytes_per_rank=N) before the first step, "
                "and where rank 0's is reached (plan: rank 0 ...)");
-  app.add_flag("--show-config", cfg.show_config,
+  switch_flag(app, "--show-config", cfg.show_config,
                "print what the sharded model reports of itself (fsdp::ShardedModel::config()): each unit's policies and "
                "settings, after the settings the other flags make");
   app.add_option("--plot", cfg.plot,
                  "with --plan: draw rank 0's planned timeline (live bytes per allocation) into this PNG file (gnuplot; "
-                 "the data beside it in FILE.dat)");
+                 "the data beside it in FILE.dat)")
+      ->check(kNonEmptyPath);
   app.add_option("--trace", cfg.trace_dir,
                  "write a Chrome / Perfetto trace per rank into this directory (rankN.json); with --plan, the planned "
-                 "live bytes as a counter track too");
+                 "live bytes as a counter track too")
+      ->check(kNonEmptyPath);
   auto* save = app.add_option("--save", cfg.save_dir,
-                              "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step");
-  app.add_option("--save-every", cfg.save_every, "also save every K steps (needs --save)")
-      ->check(CLI::Range(1, 1000000))
-      ->needs(save);
+                              "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step")
+                   ->check(kNonEmptyPath);
+  integer_flag(app, "--save-every", cfg.save_every, 1, 1000000, "also save every K steps (needs --save)")->needs(save);
   app.add_option("--resume", cfg.resume_dir,
                  "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
-                 "step to --steps");
+                 "step to --steps")
+      ->check(kNonEmptyPath);
   CLI11_PARSE(app, argc, argv);
   cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0 || reshard->count() > 0 || keep->count() > 0;
-  if (!cfg.reshard_after_forward.empty() && cfg.reshard_after_forward != "true" && cfg.reshard_after_forward != "false") {
-    try {
-      cfg.post_forward_ranks = std::stoi(cfg.reshard_after_forward);
-    } catch (const std::exception&) {
-      cfg.post_forward_ranks = 0;
-    }
-    if (cfg.post_forward_ranks < 2) {
-      fmt::print(stderr, "--reshard-after-forward {}: expected true, false or a group size of at least 2\n",
-                 cfg.reshard_after_forward);
-      return 2;
-    }
-  }
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
     fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",
                cfg.comm_precision, cfg.precision, cfg.precision);

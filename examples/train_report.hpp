@@ -36,12 +36,12 @@ struct Reference {
 inline fsdp::MeshShape choose_mesh(const std::string& strategy, const std::string& mesh_text, int world) {
   fsdp::MeshShape mesh{1, world};
   fsdp::with_strategy(strategy, [](auto) {});  // an unknown name fails here, listing the valid ones
-  if (!mesh_text.empty()) mesh = fsdp::parse_mesh_shape(mesh_text);
+  if (!mesh_text.empty()) mesh = fsdp::parse_mesh_shape(mesh_text, "--mesh");  // whole, its product checked
   else if (world >= 4 && world % 2 == 0) fsdp::with_strategy(strategy, [&](auto s) {
     if (decltype(s)::hybrid) mesh = {2, world / 2};
   });
-  if (mesh.size() != world)
-    fsdp::detail::fail("--mesh ", mesh.str(), " needs ", mesh.size(), " ranks, not ", world);
+  if (mesh.ranks() != world)
+    fsdp::detail::fail("--mesh ", mesh.str(), " needs ", mesh.ranks(), " ranks, not ", world);
   return mesh;
 }
 

@@ -6,6 +6,8 @@
 // The token is read from an environment variable, never from the command line, where
 // other users of the machine could see it. Prints "fsdp_store: listening on HOST:PORT"
 // once it listens (--port 0 picks a free port), then serves until SIGINT or SIGTERM.
+// Listening beyond loopback needs a token (--no-token to go without, knowingly). Why each
+// connection it closed was closed goes to stderr (--quiet: nothing).
 #include <pthread.h>
 
 #include <csignal>
@@ -23,13 +25,19 @@ int main(int argc, char** argv) {
   options.port = 29500;
   std::string token_env = "FSDP_STORE_TOKEN";
   long long handshake_ms = options.handshake_timeout.count();
+  long long frame_ms = options.frame_timeout.count();
   app.add_option("--host", options.host, "address to listen on (0.0.0.0: every interface)")->capture_default_str();
   app.add_option("--port", options.port, "port to listen on; 0 picks a free one")->capture_default_str()->check(CLI::Range(0, 65535));
   auto* token_flag = app.add_option("--token-env", token_env, "environment variable holding the token clients must present")->capture_default_str();
   app.add_option("--max-clients", options.max_clients, "connections served at once")->capture_default_str()->check(CLI::Range(1, 1 << 20));
   app.add_option("--max-key-bytes", options.limits.max_key_bytes, "largest key")->capture_default_str();
   app.add_option("--max-value-bytes", options.limits.max_value_bytes, "largest value")->capture_default_str();
-  app.add_option("--handshake-timeout-ms", handshake_ms, "drop a connection that has not said hello by then")->capture_default_str();
+  app.add_option("--handshake-timeout-ms", handshake_ms, "drop a connection that has not said hello by then")->capture_default_str()->check(CLI::Range(1LL, 86400000LL));
+  app.add_option("--frame-timeout-ms", frame_ms, "drop a connection whose frame, once begun, is not complete by then")->capture_default_str()->check(CLI::Range(1LL, 86400000LL));
+  app.add_option("--max-pending", options.max_pending, "connections without a hello kept at once; past it the oldest is closed")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--no-token", options.allow_without_token, "listen beyond loopback without a token (anyone who reaches the port may use the store)");
+  bool quiet = false;
+  app.add_flag("--quiet", quiet, "do not print why connections were closed");
   CLI11_PARSE(app, argc, argv);
 
   // Blocked before the server's thread starts (threads inherit the mask), so that only
@@ -47,6 +55,8 @@ int main(int argc, char** argv) {
   }
   options.token = token ? token : "";
   options.handshake_timeout = std::chrono::milliseconds(handshake_ms);
+  options.frame_timeout = std::chrono::milliseconds(frame_ms);
+  if (!quiet) options.log = [](const std::string& line) { std::fprintf(stderr, "fsdp_store: %s\n", line.c_str()); };
   try {
     fsdp::TcpStoreServer server(options);
     std::printf("fsdp_store: listening on %s:%u%s\n", server.host().c_str(), unsigned(server.port()),

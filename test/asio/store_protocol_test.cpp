@@ -2,6 +2,7 @@
 // kind of malformed frame is an fsdp::Error naming what is wrong.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -202,6 +203,47 @@ TEST_CASE("limits: the handshake bound fits the longest hello; nonsense limits a
   CHECK(contains(error_of([] { wire::Limits{0, 1}.check(); }), "max key size must be in [1, 1 MiB], got 0 bytes"));
   CHECK(contains(error_of([] { wire::Limits{1, (std::size_t{1} << 30) + 1}.check(); }), "max value size must be in [1, 1 GiB]"));
   CHECK(error_of([] { wire::Limits{}.check(); }).empty());
+}
+
+TEST_CASE("FrameReader: a large announced frame costs only what arrived; frames split anywhere come out whole") {
+  namespace wire = fsdp::store_wire;
+  const wire::Limits limits;
+  wire::FrameReader reader(limits.max_frame_bytes());
+  const auto announced = static_cast<std::uint32_t>(limits.max_frame_bytes());
+  const std::string header{char(announced & 0xff), char((announced >> 8) & 0xff), char((announced >> 16) & 0xff),
+                           char(announced >> 24)};
+  auto feed = [&](std::string_view bytes) {
+    bool complete = false;
+    while (!bytes.empty()) {
+      const std::size_t n = std::min(reader.room(), bytes.size());
+      std::copy_n(bytes.data(), n, reader.buffer());
+      complete = reader.received(n);
+      bytes.remove_prefix(n);
+    }
+    return complete;
+  };
+  CHECK_FALSE(feed(header + std::string(100, 'x')));
+  CHECK(reader.announced() == announced);
+  CHECK(reader.held() == std::size_t{64} << 10);  // not 128 MiB
+  CHECK_FALSE(feed(std::string(std::size_t{1} << 20, 'x')));
+  CHECK(reader.held() <= 2 * ((std::size_t{1} << 20) + 100));
+
+  reader.next();
+  CHECK(reader.held() == 0);
+  wire::Request set;
+  set.verb = wire::Verb::set;
+  set.keys = {"k"};
+  set.value = "value";
+  const std::string frame = wire::encode(set);
+  for (std::size_t split = 1; split < frame.size(); ++split) {
+    CAPTURE(split);
+    CHECK_FALSE(feed(frame.substr(0, split)));
+    REQUIRE(feed(frame.substr(split)));
+    CHECK(wire::decode_request(reader.payload(), limits) == set);
+    reader.next();
+  }
+  reader.set_limit(wire::Limits::max_hello_bytes());
+  CHECK(contains(error_of([&] { feed(header); }), "exceeds the limit of " + std::to_string(wire::Limits::max_hello_bytes())));
 }
 
 }  // namespace asio_store_protocol_test

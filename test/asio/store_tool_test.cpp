@@ -162,6 +162,10 @@ TEST_CASE("fsdp_store refuses a missing token variable, a bad flag and a taken p
   StoreProcess second({"--port", std::to_string(taken.port())});
   CHECK(second.exit_code() == 1);
   CHECK(contains(second.rest(), "could not listen on 127.0.0.1:" + std::to_string(taken.port()) + ": Address already in use"));
+
+  StoreProcess open({"--host", "0.0.0.0", "--port", "0"});
+  CHECK(open.exit_code() == 1);
+  CHECK(contains(open.rest(), "reaches beyond loopback, so it needs a token: set FSDP_STORE_TOKEN"));
 }
 
 }  // namespace asio_store_tool_test

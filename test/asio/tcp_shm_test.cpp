@@ -104,7 +104,7 @@ TEST_CASE("a rank with shared memory off: its two links use TCP, the rest of the
   }
 }
 
-TEST_CASE("FSDP_TCP_SHM=0 keeps every link on TCP; other values leave it on") {
+TEST_CASE("FSDP_TCP_SHM=0 (or false, no, off) keeps every link on TCP; 1 or true leave it on; anything else is refused") {
   test_support::ScopedEnv env_vars("FSDP_TCP_SHM", "0");
   std::vector<std::string> off;
   {
@@ -112,15 +112,27 @@ TEST_CASE("FSDP_TCP_SHM=0 keeps every link on TCP; other values leave it on") {
     off = link_flags(world);
     test_support::check_against_reference(world, {{K::all_reduce, 2, 999, DType::f32, ReduceOp::sum}});
   }
-  env_vars.set("FSDP_TCP_SHM", "1");
-  std::vector<std::string> on;
-  {
-    TcpWorld world(2);
-    on = link_flags(world);
-  }
-  env_vars.set("FSDP_TCP_SHM", std::nullopt);
   CHECK(off == std::vector<std::string>(2, "00"));
-  CHECK(on == std::vector<std::string>(2, "11"));
+  for (const char* value : {"false", "no", "OFF"}) {
+    CAPTURE(value);
+    env_vars.set("FSDP_TCP_SHM", value);
+    TcpWorld world(2);
+    CHECK(link_flags(world) == std::vector<std::string>(2, "00"));
+  }
+  for (const char* value : {"1", "true"}) {
+    CAPTURE(value);
+    env_vars.set("FSDP_TCP_SHM", value);
+    TcpWorld world(2);
+    CHECK(link_flags(world) == std::vector<std::string>(2, "11"));
+  }
+  env_vars.set("FSDP_TCP_SHM", "fasle");
+  std::string refused;
+  try {
+    TcpWorld world(2);
+  } catch (const fsdp::Error& e) {
+    refused = e.what();
+  }
+  CHECK(refused.find("environment variable FSDP_TCP_SHM: 'fasle' is not a boolean") != std::string::npos);
 }
 
 TEST_CASE("a stalled rank over shared memory: the others time out naming it") {

@@ -210,6 +210,28 @@ TEST_CASE("the client retries until the server listens") {
   CHECK(store.get("up", 100ms) == "yes");
 }
 
+TEST_CASE("a store rank 0 hosts keeps 2 connections per rank that have not said hello yet") {
+  // A job of 200 ranks connecting at once: 300 connections before their hellos (more than
+  // the server's default max_pending of 256) must all be kept, none evicted.
+  const std::uint16_t port = unused_port();
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  fsdp::DistEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.world_size = 200;
+  auto rank0 = fsdp::connect_store(env, quick());
+  REQUIRE(rank0.server);
+  std::vector<std::unique_ptr<RawClient>> early;
+  for (int i = 0; i < 300; ++i) early.push_back(std::make_unique<RawClient>(port));
+  const auto deadline = Clock::now() + 5000ms;
+  while (rank0.server->stats().pending + rank0.server->stats().evicted < 300 && Clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  CHECK(rank0.server->stats().pending == 300);
+  CHECK(rank0.server->stats().evicted == 0);
+  early.clear();
+}
+
 TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses an external one") {
   const std::uint16_t port = unused_port();
   fsdp::DistEnv env;
@@ -235,8 +257,11 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
     auto external = fsdp::connect_store(env, quick());
     CHECK_FALSE(external.server);
     CHECK(external.store->get("from/1", 500ms) == "hi");
-    env_vars.set("FSDP_STORE_EXTERNAL", "yes");
-    CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) == "fsdp: environment: FSDP_STORE_EXTERNAL='yes' is not 0 or 1");
+    env_vars.set("FSDP_STORE_EXTERNAL", "yes");  // a boolean like every other
+    CHECK_FALSE(fsdp::connect_store(env, quick()).server);
+    env_vars.set("FSDP_STORE_EXTERNAL", "maybe");
+    CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) ==
+          "fsdp: environment variable FSDP_STORE_EXTERNAL: 'maybe' is not a boolean; write 1/0, true/false, yes/no or on/off");
     env_vars.set("FSDP_STORE_EXTERNAL", std::nullopt);
   }
   env_vars.set("MASTER_ADDR", "127.0.0.1").set("MASTER_PORT", std::to_string(port)).set("RANK", "0");
@@ -261,7 +286,15 @@ TEST_CASE("bad options are refused with the value named") {
   fsdp::TcpStoreServerOptions taken;
   taken.port = server.port();
   CHECK(error_of([&] { fsdp::TcpStoreServer second(taken); }) ==
-        "fsdp: store server: could not listen on 127.0.0.1:" + std::to_string(server.port()) + ": Address already in use");
+        "fsdp: store server: could not listen on 127.0.0.1:" + std::to_string(server.port()) +
+            ": Address already in use (another job's store, or another program, holds port " +
+            std::to_string(server.port()) + ": give this job another MASTER_PORT)");
+  fsdp::TcpStoreServerOptions slow;
+  slow.frame_timeout = 0ms;
+  CHECK(contains(error_of([&] { fsdp::TcpStoreServer s(slow); }), "frame timeout must be in (0 ms, 24 h], got 0 ms"));
+  fsdp::TcpStoreServerOptions no_pending;
+  no_pending.max_pending = 0;
+  CHECK(error_of([&] { fsdp::TcpStoreServer s(no_pending); }) == "fsdp: store server: max_pending must be at least 1");
   fsdp::TcpStoreServerOptions idle;
   idle.handshake_timeout = 0ms;
   CHECK(contains(error_of([&] { fsdp::TcpStoreServer s(idle); }), "handshake timeout must be in (0 ms, 24 h], got 0 ms"));
@@ -293,6 +326,92 @@ TEST_CASE("HashStore: a get racing a delete_key returns the value, never another
   churn.join();
   CHECK(unexpected == "");
   CHECK(got > 0);
+}
+
+TEST_CASE("a numeric address that is not one fails at once; a host name that does not resolve is retried") {
+  const std::uint16_t port = unused_port();
+  {
+    auto options = quick();
+    options.connect_timeout = 20000ms;  // not waited for
+    const auto t0 = Clock::now();
+    const std::string e = error_of([&] { fsdp::TcpStore("999.1.1.1", port, options); });
+    CHECK(contains(e, "fsdp: the store's address '999.1.1.1' (port " + std::to_string(port) + ") cannot be resolved: "));
+    CHECK(contains(e, "check MASTER_ADDR"));
+    CHECK(ms_since(t0) < 2000);
+  }
+  {  // it may be a service name that resolves once the master is up: retried until connect_timeout
+    auto options = quick();
+    options.connect_timeout = 600ms;
+    const auto t0 = Clock::now();
+    const std::string e = error_of([&] { fsdp::TcpStore("no.such.host.invalid", port, options); });
+    CHECK(contains(e, "fsdp: the store's address 'no.such.host.invalid' (port " + std::to_string(port) +
+                          ") did not resolve within 600 ms ("));
+    CHECK(contains(e, "check MASTER_ADDR"));
+    CHECK(ms_since(t0) >= 200);  // not at once (the backoff gives up ~300 ms before the deadline)
+    CHECK(ms_since(t0) < 10000);
+  }
+}
+
+TEST_CASE("a second job on a busy port fails at once on every rank, naming the port") {
+  const std::uint16_t port = unused_port();
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  fsdp::DistEnv first;
+  first.master_addr = "127.0.0.1";
+  first.master_port = port;
+  first.world_size = 2;
+  auto first0 = fsdp::connect_store(first, quick());
+  first.rank = 1;
+  auto first1 = fsdp::connect_store(first, quick());
+
+  fsdp::DistEnv second = first;
+  const auto t0 = Clock::now();
+  second.rank = 0;
+  const std::string busy = error_of([&] { fsdp::connect_store(second, quick()); });
+  CHECK(contains(busy, "could not listen on 127.0.0.1:" + std::to_string(port)));
+  CHECK(contains(busy, "holds port " + std::to_string(port) + ": give this job another MASTER_PORT"));
+  second.rank = 1;  // the same size: its rank is taken
+  CHECK(error_of([&] { fsdp::connect_store(second, quick()); }) ==
+        "fsdp: rank 1: the store at 127.0.0.1:" + std::to_string(port) + " already has a rank 1: another job is using port " +
+            std::to_string(port) + " (give each job its own MASTER_PORT), or two processes were started with RANK=1");
+  second.world_size = 4;  // another size
+  second.rank = 3;
+  CHECK(error_of([&] { fsdp::connect_store(second, quick()); }) ==
+        "fsdp: rank 3: the store at 127.0.0.1:" + std::to_string(port) +
+            " serves a job of world size 2, not 4: another job is using port " + std::to_string(port) +
+            " (give each job its own MASTER_PORT)");
+  CHECK(ms_since(t0) < 1000);
+  // The first job is untouched.
+  first1.store->set("still", "mine");
+  CHECK(first0.store->get("still", 500ms) == "mine");
+}
+
+TEST_CASE("a store that listens beyond loopback demands a token unless told not to") {
+  fsdp::TcpStoreServerOptions open;
+  open.host = "0.0.0.0";
+  CHECK(error_of([&] { fsdp::TcpStoreServer s(open); }) ==
+        "fsdp: store server: listening on 0.0.0.0:0 reaches beyond loopback, so it needs a token: set FSDP_STORE_TOKEN "
+        "(the same on every host), or bind to 127.0.0.1");
+  open.token = "s3cret";
+  {
+    fsdp::TcpStoreServer guarded(open);
+    auto options = quick();
+    options.token = "s3cret";
+    fsdp::TcpStore client("127.0.0.1", guarded.port(), options);
+    CHECK(client.num_keys() == 0);
+  }
+  open.token.clear();
+  open.allow_without_token = true;
+  fsdp::TcpStoreServer knowingly(open);
+  CHECK(fsdp::TcpStore("127.0.0.1", knowingly.port(), quick()).num_keys() == 0);
+  // Through connect_store: FSDP_STORE_BIND beyond loopback and no token.
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_BIND", "0.0.0.0");
+  fsdp::DistEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = unused_port();
+  env.world_size = 1;
+  CHECK(contains(error_of([&] { fsdp::connect_store(env, quick()); }), "reaches beyond loopback, so it needs a token: set FSDP_STORE_TOKEN"));
 }
 
 }  // namespace asio_tcp_store_test

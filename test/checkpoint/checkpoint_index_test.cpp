@@ -89,7 +89,9 @@ TEST_CASE("a damaged or inconsistent index is refused with the index path and th
   const std::vector<Case> cases = {
       {"not an object", [](auto& j) { j = nlohmann::json::array(); }, "top level: expected an object"},
       {"foreign format", [](auto& j) { j["format"] = "torch-dcp"; }, "format \"torch-dcp\" is not \"fsdp-sharded-checkpoint\""},
-      {"unknown version", [](auto& j) { j["version"] = 2; }, "unknown version 2 (this build reads version 1)"},
+      {"newer version", [](auto& j) { j["version"] = 3; }, "checkpoint format version 3, but this build reads version 2 (a newer fsdp wrote it)"},
+      {"older version", [](auto& j) { j = {{"format", "fsdp-sharded-checkpoint"}, {"version", 1}}; },
+       "checkpoint format version 1, but this build reads version 2 (an older fsdp wrote it"},
       {"version as text", [](auto& j) { j["version"] = "1"; }, "'version' must be an integer >= 0, got \"1\""},
       {"missing files", [](auto& j) { j.erase("files"); }, "top level: the field 'files' is missing"},
       {"unknown field", [](auto& j) { j["extra"] = 1; }, "top level: unknown field 'extra'"},

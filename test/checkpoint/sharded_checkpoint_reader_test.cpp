@@ -125,6 +125,36 @@ TEST_CASE("mismatches between the index and the files are refused when the check
          });
        },
        "file 'rank-00000.safetensors': tensor 'bn.mean' is in no slice of the index"},
+      // The index rewritten whole (its checksum recomputed): each rank file's own slice
+      // metadata still disagrees. Both slices have 19 F32 elements, so only that sees it.
+      {"keys of two slices swapped",
+       [](const auto& dir) {
+         edit_index(dir, [](CheckpointIndex& ix) {
+           auto& a = ix.slices[0];  // rank 0's fc.weight [0, 19)
+           auto& b = ix.slices[2];  // rank 0's exp_avg [0, 19)
+           REQUIRE((a.key == "fc.weight" && b.key == "fc.weight.exp_avg" && a.count == b.count));
+           std::swap(a.key, b.key);
+         });
+       },
+       "file 'rank-00000.safetensors': the index says tensor 'fc.weight.exp_avg' is elements [0, +19) of 'fc.weight'"},
+      {"world_size wrong", [](const auto& dir) { edit_index(dir, [](CheckpointIndex& ix) { ix.world_size = 3; }); },
+       "index 'index.json': world_size is 3 but it lists 2 files"},
+      {"a rank file the index does not list",
+       [](const auto& dir) { std::filesystem::copy_file(dir / "rank-00001.safetensors", dir / "rank-00002.safetensors"); },
+       "the directory holds 'rank-00002.safetensors', which the index (world_size 2) does not list"},
+      {"files of another save", [](const auto& dir) { edit_index(dir, [](CheckpointIndex& ix) { ix.save_id ^= 1; }); },
+       "file 'rank-00000.safetensors': it is from another save than the index (save id "},
+      // index.json edited in place (a hand edit, a bit flip): its own checksum fails.
+      {"keys swapped in the index's text",
+       [](const auto& dir) {
+         std::string text = test_support::read_bytes(dir / "index.json");
+         const std::string a = "\"key\":\"fc.weight\",\"begin\":0,", b = "\"key\":\"fc.weight.exp_avg\",\"begin\":0,";
+         const auto at_a = text.find(a), at_b = text.find(b);
+         REQUIRE((at_a != std::string::npos && at_b != std::string::npos && at_a < at_b));
+         text = text.substr(0, at_a) + b + text.substr(at_a + a.size(), at_b - at_a - a.size()) + a + text.substr(at_b + b.size());
+         test_support::write_bytes(dir / "index.json", text);
+       },
+       "index.json': top level: its content does not match its checksum"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.what);

@@ -62,10 +62,13 @@ inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int 
   const auto tensors = fixture_tensors();
   CheckpointIndex index;
   index.world_size = n;
+  index.save_id = new_save_id();
   index.metadata = {{"generation", std::to_string(g)}, {"step", std::to_string(10 * g)}};
   for (const auto& t : tensors) index.entries.push_back({t.id, t.dtype, t.shape});
   for (int r = 0; r < n; ++r) {
     SafetensorsWriter writer;
+    writer.mark_fsdp_file(index.save_id);  // as fsdp's rank files are: header checksum, save id
+    nlohmann::json places = nlohmann::json::object();  // fsdp.slices, which the reader checks against the index
     for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
       const FixtureTensor& t = tensors[ti];
       const auto range = fixture_range(fixture_numel(t), n, r);  // not bound: the lambda captures both
@@ -77,7 +80,11 @@ inline void write_fixture(const fsdp::checkpoint::CheckpointDirectory& dir, int 
                      fsdp::store_from_double(out.data(), i, t.dtype, fixture_value(g, ti, begin + i));
                  });
       index.slices.push_back({t.id, rank_file_name(r), fixture_key(t.id), begin, count});
+      places[fixture_key(t.id)] = {{"kind", fsdp::name_of(t.id.kind)}, {"state", t.id.state}, {"fqn", t.id.fqn},
+                                   {"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape},
+                                   {"begin", begin}, {"count", count}};
     }
+    writer.set_metadata(std::string(slices_key), places.dump());
     const WriteResult written = writer.write(dir.file(rank_file_name(r)));
     index.files.push_back({rank_file_name(r), written.bytes, written.xxh64});
   }

@@ -173,9 +173,17 @@ TEST_CASE("the environment picks the directory, or turns the cache off") {
     ScopedEnv c("FSDP_KERNEL_CACHE", "0");
     CHECK_FALSE(KernelCache::from_environment().enabled());
   }
+  for (const char* off : {"false", "NO", "Off"}) {  // every boolean spelling of off, not a directory named so
+    ScopedEnv c("FSDP_KERNEL_CACHE", off);
+    CHECK_FALSE(KernelCache::from_environment().enabled());
+  }
   {
     ScopedEnv c("FSDP_KERNEL_CACHE", "/some/dir");
     CHECK(KernelCache::from_environment().dir() == fs::path("/some/dir"));
+  }
+  {  // on: the default place, not a directory named "on"
+    ScopedEnv c("FSDP_KERNEL_CACHE", "on"), x("XDG_CACHE_HOME", "/xdg");
+    CHECK(KernelCache::from_environment().dir() == fs::path("/xdg/fsdp/kernels"));
   }
   {
     ScopedEnv c("FSDP_KERNEL_CACHE", std::nullopt), x("XDG_CACHE_HOME", "/xdg");

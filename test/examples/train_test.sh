@@ -5,7 +5,8 @@
 # --accumulate and --clip match the unsharded reference; --comm-precision halves the bytes
 # of the all-gathers and reduce-scatters, --persistence-threshold drops the small unit's
 # all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
-# are refused.
+# are refused, and a value that is not read whole (nan, 2abc, an overflowing mesh) is
+# refused naming its flag.
 #
 # Usage: train_test.sh TRAIN_BINARY README
 set -u
@@ -249,5 +250,46 @@ for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--acc
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done
+
+# Every flag's value is read whole and in range (fsdp/core/parse.hpp), never read as
+# something else: the run is refused (non-zero exit, nothing trained) with a message naming
+# the flag. refused FLAGS... -- MESSAGE
+refused() {
+  local args=() message
+  while [[ "$1" != -- ]]; do args+=("$1"); shift; done
+  message="$2"
+  local out rc steps=(--steps 1)  # a short run, should the flag be accepted after all
+  [[ " ${args[*]} " == *" --steps "* ]] && steps=()
+  out=$("$train" "${steps[@]}" "${args[@]}" 2>&1)
+  rc=$?
+  if ((rc != 0)) && [[ "$out" == *"$message"* ]] && ! grep -q '^final: ' <<<"$out"; then
+    echo "PASS: '${args[*]}' is refused: $message"
+  else
+    fail "'${args[*]}': exit $rc, expected a refusal saying '$message'; got: $(head -c 400 <<<"$out")"
+  fi
+}
+refused --clip nan -- "--clip: 'nan' is not a finite number"
+refused --clip inf -- "--clip: 'inf' is not a finite number"
+refused --clip -0.5 -- "--clip: -0.5 is not > 0"
+refused --clip 0 -- "--clip: 0 is not > 0"
+refused --clip 1e999 -- "--clip: 1e999 is out of range"
+refused --reshard-after-forward 2abc -- "--reshard-after-forward: '2abc' is not true, false or a group size N >= 2"
+refused --reshard-after-forward 1 -- "--reshard-after-forward (a group size): 1 is out of range"
+refused --reshard-after-backward 5 -- "--reshard-after-backward: '5' is not a boolean"
+refused --reshard-after-backward enable -- "--reshard-after-backward: 'enable' is not a boolean"
+refused --steps 2abc -- "--steps: '2abc' is not an integer"
+refused --steps 010 --steps 2 -- "--steps: At Most 1"  # given twice: refused, not the last one silently
+refused --batch 0x10 -- "--batch: '0x10' is not an integer"
+refused --ranks " 4" -- "--ranks: ' 4' is not an integer"
+refused --accumulate 99999999999 -- "--accumulate: 99999999999 is out of range"
+refused --persistence-threshold -5 -- "--persistence-threshold: -5 is out of range"
+refused --save-every 1.5 --save /tmp/never-written -- "--save-every: '1.5' is not an integer"
+refused --offload=5 -- "offload"
+refused --save "" -- "--save: an empty path"
+refused --ranks 4 --strategy HYBRID_SHARD --mesh 5002x858650 -- "--mesh '5002x858650': 5002 x 858650 = 4294967300 ranks"
+refused --mesh 2x2abc -- "--mesh '2x2abc' is not of the form REPLICATExSHARD"
+out=$("$train" --steps 1 --ranks 2 --reshard-after-backward no --clip 1e-1 2>&1) || fail "--reshard-after-backward no --clip 1e-1: exited with $?"
+grep -q '^final: ' <<<"$out" && echo "PASS: --reshard-after-backward no and --clip 1e-1 are read" ||
+  fail "--reshard-after-backward no --clip 1e-1: no final line"
 
 [[ $failures -eq 0 ]] && echo "all cases as expected" || { echo "$failures case(s) wrong"; exit 1; }

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -109,6 +110,42 @@ Params train(int failing, Fault fault, int at, bool skip, std::vector<std::size_
   return per_rank[0];
 }
 
+// An engine kernel that throws inside a unit's scope.
+struct KernelFailed : std::runtime_error {
+  KernelFailed() : std::runtime_error("engine kernel failed") {}
+};
+
+// One step driven with RAII scopes, as an engine does (test/support/device_training.hpp):
+// the root's scope (if any) around the whole model, each layer unit's inside it, then the
+// backward in reverse; no computation (the hooks are what is tested). The unit named `fail`
+// (the root: "") throws inside its scope, in forward or in backward (`in_backward`).
+void scoped_step(fsdp::ShardedModel& sm, fsdp::Unit* root, const std::vector<fsdp::Unit*>& layers,
+                 std::optional<std::string> fail = std::nullopt, bool in_backward = false, bool zero = true) {
+  auto maybe_fail = [&](const fsdp::Unit& u, bool backward) {
+    if (fail && *fail == u.fqn() && backward == in_backward) throw KernelFailed();
+  };
+  if (zero) sm.zero_grad();
+  {
+    fsdp::Unit::ForwardScope r;
+    if (root) r = root->forward_scope();
+    for (fsdp::Unit* u : layers) {
+      auto s = u->forward_scope();
+      maybe_fail(*u, false);
+    }
+    if (root) maybe_fail(*root, false);
+  }
+  {
+    fsdp::Unit::BackwardScope r;
+    if (root) r = root->backward_scope();
+    if (root) maybe_fail(*root, true);
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      auto s = (*it)->backward_scope();
+      maybe_fail(**it, true);
+    }
+  }
+  sm.finish_backward();
+}
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("an engine error inside a unit's forward or backward on every rank: abort_step, then training as if "
@@ -150,8 +187,9 @@ TEST_CASE("without abort_step the next call says what to call; a rank aborting a
       device.arm(-1);
       sm.zero_grad();
     });
-    CHECK(contains(msgs[0], "unit '<root>' on rank 0: zero_grad called after pre_forward left by an exception; call "
-                            "abort_step() (ShardedModel::abort_step) on every rank first"));
+    CHECK(contains(msgs[0], "unit '<root>' on rank 0: zero_grad called after pre_forward left by an exception, and "
+                            "abort_step() was not called since; call abort_step() (ShardedModel::abort_step) on every "
+                            "rank after catching it"));
   }
   SUBCASE("an engine error between hooks leaves a unit in FORWARD") {
     const auto msgs = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
@@ -161,7 +199,10 @@ TEST_CASE("without abort_step the next call says what to call; a rank aborting a
       sm[0].pre_forward();
       sm.zero_grad();
     });
-    CHECK(contains(msgs[0], "zero_grad called in state FORWARD; expected IDLE"));  // docs: call abort_step()
+    CHECK(contains(msgs[0], "zero_grad called in state FORWARD; expected IDLE"));
+    // The exception is unseen (no scope): the state message names abort_step as a likely cause.
+    CHECK(contains(msgs[0], "an exception left the last step between hooks and abort_step() was not called: call "
+                            "abort_step() (ShardedModel::abort_step) on every rank after catching it"));
   }
   SUBCASE("one rank aborts while the other computes") {
     const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
@@ -199,6 +240,160 @@ TEST_CASE("a unit outside a model: its own abort_step frees what it held and agr
     unit.post_forward();
   });
   for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
+}
+
+// Issue 35: an exception inside a unit's forward scope (forward prefetch, an asynchronous
+// communicator), then the next step without abort_step, blamed a changed forward order or
+// the state the unit was left in. Every rank's next call now says first that the step was
+// left by an exception and names the scope, for a failure in the first iteration (the
+// order being recorded) or later, in forward or backward, with or without zero_grad.
+TEST_CASE("a scope left by an exception, then the next step without abort_step: the error says so on every rank") {
+  const auto c = config();
+  for (bool in_backward : {false, true})
+    for (int failing : {0, 1})
+      for (const char* fail : {"", "blocks.0", "blocks.1", "gain"})
+        for (bool zero : {true, false}) {
+          CAPTURE(in_backward);
+          CAPTURE(failing);
+          CAPTURE(fail);
+          CAPTURE(zero);
+          bool threw = false;
+          const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+            fsdp::AsyncCommunicator<fsdp::ThreadComm> async(comm);
+            engine::Model model(c);
+            fsdp::HostDevice device;
+            auto sm = fsdp::shard<fsdp::FullShard, fsdp::ForwardPrefetch, fsdp::BackwardPre>(model, async, device, engine::Wrap{});
+            std::vector<fsdp::Unit*> layers;
+            for (const char* name : {"blocks.0", "blocks.1", "blocks.2", "gain"}) layers.push_back(&sm.unit(name));
+            for (int s = 0; s < failing; ++s) scoped_step(sm, &sm.unit(""), layers);
+            try {
+              scoped_step(sm, &sm.unit(""), layers, fail, in_backward);
+            } catch (const KernelFailed&) {
+              if (comm.rank() == 0) threw = true;
+            }
+            scoped_step(sm, &sm.unit(""), layers, std::nullopt, false, zero);  // no abort_step
+          });
+          REQUIRE(threw);
+          const std::string scope = std::string(in_backward ? "backward" : "forward") + " scope";
+          const std::string where = *fail ? "the " + scope + " of unit '" + fail + "'" : "its " + scope;
+          for (int r = 0; r < 2; ++r) {
+            CAPTURE(msgs[r]);
+            CHECK(contains(msgs[r], "unit '<root>' on rank " + std::to_string(r) + ": " + (zero ? "zero_grad" : "pre_forward") +
+                                        " called after " + where + " left by an exception, and abort_step() was not "
+                                        "called since; call abort_step() (ShardedModel::abort_step) on every rank"));
+          }
+        }
+}
+
+// Units driven by hand, with no root unit around them: the units before the one whose scope
+// failed are IDLE, and the first of them, entering the next step, met the forward-order
+// check (it runs where the first iteration ran a later unit) before any state check. Every
+// unit of the model is now failed with the scope, and after abort_step training goes on.
+TEST_CASE("units without a root: a scope left by an exception fails every unit of the model until abort_step") {
+  const auto c = config();
+  for (int failing : {0, 1}) {
+    CAPTURE(failing);
+    const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+      fsdp::AsyncCommunicator<fsdp::ThreadComm> async(comm);
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      fsdp::ShardedModel sm;
+      std::vector<fsdp::Unit*> layers;
+      for (int i = 0; i < 3; ++i)
+        layers.push_back(&sm.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard, fsdp::ForwardPrefetch>>(
+            model.blocks[static_cast<std::size_t>(i)], async, device, "blocks." + std::to_string(i)));
+      for (int s = 0; s < failing; ++s) scoped_step(sm, nullptr, layers);
+      CHECK_THROWS_AS(scoped_step(sm, nullptr, layers, "blocks.1"), KernelFailed);
+      const std::string expected = "unit 'blocks.0' on rank " + std::to_string(comm.rank()) +
+                                   ": pre_forward called after the forward scope of unit 'blocks.1' left by an exception, "
+                                   "and abort_step() was not called since";
+      CHECK(contains(test_support::error_of([&] { scoped_step(sm, nullptr, layers, std::nullopt, false, false); }), expected));
+      CHECK(contains(test_support::error_of([&] { sm.finish_backward(); }), "finish_backward called after the forward scope"));
+      sm.abort_step();
+      for (fsdp::Unit* u : layers) CHECK(u->state() == fsdp::TrainingState::IDLE);
+      for (int s = 0; s < 2; ++s) scoped_step(sm, nullptr, layers);
+    });
+    for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
+  }
+}
+
+// An engine error between plain hook calls (no scope): no library code sees the exception.
+// When the next step starts the forward pass over mid-pass, the forward-order message says
+// that the last pass never ended and what to call if an exception left it.
+TEST_CASE("an engine error between hooks, then the next step without abort_step: the order check names abort_step") {
+  const auto c = config();
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    fsdp::ShardedModel sm;
+    std::vector<fsdp::Unit*> layers;
+    for (int i = 0; i < 3; ++i)
+      layers.push_back(&sm.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard, fsdp::ForwardPrefetch>>(
+          model.blocks[static_cast<std::size_t>(i)], comm, device, "blocks." + std::to_string(i)));
+    scoped_step(sm, nullptr, layers);
+    layers[0]->pre_forward();
+    layers[0]->post_forward();  // then the engine throws, and the exception is caught
+    layers[0]->pre_forward();
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(msgs[r]);
+    CHECK(contains(msgs[r], "unit 'blocks.0' on rank " + std::to_string(r) + " runs at forward step #1 where the first "
+                            "iteration ran 'blocks.1': the forward pass starts over before the last one ended (at step "
+                            "#1); if an exception left that step, call abort_step() (ShardedModel::abort_step) on every "
+                            "rank before the next one"));
+    CHECK(contains(msgs[r], "prefetching follows the first iteration's order"));  // the other cause, still named
+  }
+}
+
+TEST_CASE("a unit outside a model: a scope left by an exception fails its next call until its abort_step") {
+  const auto c = config();
+  const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    fsdp::Sharded<engine::Model> unit(model, comm, device);
+    try {
+      auto s = unit.backward_scope();
+      throw KernelFailed();
+    } catch (const KernelFailed&) {
+    }
+    CHECK(contains(test_support::error_of([&] { unit.zero_grad(); }),
+                   "unit '<root>' on rank " + std::to_string(comm.rank()) + ": zero_grad called after its backward scope "
+                   "left by an exception, and abort_step() was not called since"));
+    unit.abort_step();
+    unit.zero_grad();
+    { auto s = unit.forward_scope(); }
+    { auto s = unit.backward_scope(); }
+    unit.finish_backward();
+  });
+  for (int r = 0; r < 2; ++r) CHECK(msgs[r].empty());
+}
+
+// pre_backward between the backward entries of a unit used twice skips the state check; it
+// still asks for abort_step after another unit's scope failed the step.
+TEST_CASE("a unit between its backward entries: its next pre_backward after a failed step asks for abort_step") {
+  const auto c = config();
+  const auto msgs = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    auto& block = sm.unit("blocks.0");
+    for (int i = 0; i < 2; ++i) block.pre_forward(), block.post_forward();  // used twice
+    block.pre_backward();
+    block.post_backward();  // one of its two backward entries
+    try {
+      auto s = sm.unit("gain").backward_scope();
+      throw KernelFailed();
+    } catch (const KernelFailed&) {
+    }
+    CHECK(contains(test_support::error_of([&] { block.pre_backward(); }),
+                   "unit 'blocks.0' on rank 0: pre_backward called after the backward scope of unit 'gain' left by an "
+                   "exception, and abort_step() was not called since"));
+    sm.abort_step();
+    engine::Sgd sgd(0.05f);
+    const auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+    engine::sharded_step(model, sm, sgd, std::span<const engine::Batch>(&batch, 1));
+  });
+  CHECK(msgs[0].empty());
 }
 
 }  // namespace faults_abort_step_test

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group.hpp"
 #include "test/support/errors.hpp"
@@ -370,6 +371,72 @@ TEST_CASE("with the hook installed but quiet, large collectives still give the r
     CHECK(bad[r] == 0);
     CHECK(points[r] > 4);  // posted and read in both collectives, and reading points between
   }
+}
+
+// The root cause, not an echo: a rank that fails because another failed (a collective a peer
+// aborted, a checkpoint step another rank could not do) throws a detail::EchoedError naming
+// that rank, and run() rethrows a rank's own error even when an echo left its function first.
+TEST_CASE("run() rethrows a rank's own error, not an echo of it that left its function first") {
+  for (int rep = 0; rep < 20; ++rep) {  // bounded: rank 0 is held 10 ms behind rank 1 each time
+    CAPTURE(rep);
+    Signal echoed;
+    std::string rethrown;
+    try {
+      ThreadGroup(2, ThreadGroupOptions{5000ms}).run([&](ThreadComm& c) {
+        if (c.rank() == 1) {
+          echoed.raise();
+          fsdp::detail::fail_echo(fsdp::ErrorKind::io, 0, "rank 1: another rank failed; rank 0 says: disk full");
+        }
+        echoed.wait();
+        std::this_thread::sleep_for(10ms);  // rank 1's echo has left its function by now
+        throw std::runtime_error("rank 0: disk full");
+      });
+    } catch (const std::exception& e) {
+      rethrown = e.what();
+    }
+    CHECK(rethrown == "rank 0: disk full");
+    if (rethrown != "rank 0: disk full") break;
+  }
+}
+
+TEST_CASE("a collective aborted by a peer's failure throws an echo naming that peer, with the failure") {
+  std::vector<int> echo_of(3, -2);
+  std::vector<std::string> errors(3);
+  std::string rethrown;
+  try {
+    ThreadGroup(3, ThreadGroupOptions{5000ms}).run([&](ThreadComm& c) {
+      if (c.rank() == 2) throw std::runtime_error("rank 2 gave up");
+      try {
+        c.barrier().wait();
+      } catch (const fsdp::detail::EchoedError& e) {
+        echo_of[c.rank()] = e.failed_rank();
+        errors[c.rank()] = e.what();
+        CHECK(e.kind() == fsdp::ErrorKind::peer_lost);
+        throw;
+      }
+    });
+  } catch (const std::exception& e) {
+    rethrown = e.what();
+  }
+  CHECK(rethrown == "rank 2 gave up");
+  for (int r : {0, 1}) {
+    CAPTURE(errors[r]);
+    CHECK(echo_of[r] == 2);
+    CHECK(contains(errors[r], "rank 2 failed: rank 2 gave up"));
+  }
+}
+
+TEST_CASE("when every rank's error is an echo, run() rethrows the one that aborted the group") {
+  std::string rethrown;
+  try {
+    ThreadGroup(2, ThreadGroupOptions{5000ms}).run([&](ThreadComm& c) {
+      if (c.rank() == 0) c.barrier().wait();  // aborted by rank 1: an echo of rank 1's echo
+      fsdp::detail::fail_echo(fsdp::ErrorKind::io, 5, "rank 1: another rank failed; rank 5 says: no space");
+    });
+  } catch (const fsdp::Error& e) {
+    rethrown = e.what();
+  }
+  CHECK(rethrown == "fsdp: rank 1: another rank failed; rank 5 says: no space");
 }
 
 }  // namespace faults_thread_group_faults_test

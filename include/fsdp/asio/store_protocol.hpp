@@ -9,6 +9,7 @@
 // before it allocates and rejects unknown verbs or statuses, flags other than 0 and 1 and
 // trailing bytes, so a valid frame has exactly one encoding (the fuzzer checks that
 // encode(decode(frame)) == frame). A malformed frame is an fsdp::Error, never UB.
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -190,6 +191,66 @@ inline std::size_t frame_length(const unsigned char* header, std::size_t max_pay
                           max_payload, " bytes");
   return n;
 }
+
+// Assembles one frame at a time from a byte stream that arrives in pieces of any size,
+// for the server: a stranger that announces a large frame and sends nothing more must
+// not make it allocate. The announced length is checked against the limit as soon as
+// the 4 header bytes are in, and the payload buffer then grows only as the bytes arrive:
+// it starts at `first_chunk` bytes and at most doubles what has arrived, so it never
+// holds more than max(first_chunk, 2 * bytes received) (held()). buffer() never reaches
+// past the current frame, so a reader never takes bytes of the next one.
+class FrameReader {
+ public:
+  explicit FrameReader(std::size_t max_payload, std::size_t first_chunk = std::size_t{64} << 10)
+      : max_payload_(max_payload), first_chunk_(first_chunk < 1 ? 1 : first_chunk) {}
+
+  // The limit for frames whose header has not arrived yet (a hello's, then any verb's).
+  void set_limit(std::size_t max_payload) { max_payload_ = max_payload; }
+
+  // Where the next bytes go, and how many the current frame can still take (never 0
+  // before complete()).
+  char* buffer() {
+    if (header_got_ < 4) return reinterpret_cast<char*>(header_) + header_got_;
+    if (got_ == payload_.size() && got_ < length_)
+      payload_.resize(std::min(length_, std::max(first_chunk_, 2 * got_)));
+    return payload_.data() + got_;
+  }
+  std::size_t room() const {
+    if (header_got_ < 4) return 4 - header_got_;
+    return (got_ == payload_.size() ? std::min(length_, std::max(first_chunk_, 2 * got_)) : payload_.size()) - got_;
+  }
+
+  // `n` bytes (at most room()) were written to buffer(). Returns true once the frame is
+  // complete; throws an fsdp::Error (corrupt) for an empty or oversized announced length.
+  bool received(std::size_t n) {
+    if (header_got_ < 4) {
+      header_got_ += n;
+      if (header_got_ == 4) length_ = frame_length(header_, max_payload_);
+    } else {
+      got_ += n;
+    }
+    return complete();
+  }
+
+  bool started() const { return header_got_ > 0; }  // some bytes of a frame are in
+  bool complete() const { return header_got_ == 4 && got_ == length_; }
+  std::size_t announced() const { return length_; }  // 0 until the header is in
+  std::size_t held() const { return payload_.size(); }
+  std::string_view payload() const { return {payload_.data(), got_}; }
+
+  // Ready for the next frame; a buffer grown past 1 MiB is given back.
+  void next() {
+    header_got_ = got_ = length_ = 0;
+    if (payload_.capacity() > (std::size_t{1} << 20)) payload_ = std::string();
+    payload_.clear();
+  }
+
+ private:
+  std::size_t max_payload_, first_chunk_;
+  unsigned char header_[4] = {};
+  std::size_t header_got_ = 0, got_ = 0, length_ = 0;
+  std::string payload_;
+};
 
 // The whole frame, header included.
 inline std::string encode(const Request& r) {

@@ -24,7 +24,8 @@
 // the socket (shm_link.hpp, shm_handshake.hpp); the TCP connection still carries every
 // header, ABORT and the liveness of the peer, so nothing below changes, results included
 // (the same plan, the same reduction order, bit for bit). Off with shared_memory = false
-// or the environment variable FSDP_TCP_SHM=0.
+// or the environment variable FSDP_TCP_SHM=0 (or false, no, off; a value that is not a
+// boolean is refused).
 //
 // Failures are fsdp::Errors on every rank, never hangs: a collective mismatch names every
 // rank's call (the ranks that find it ask the others through the store, waiting at most
@@ -59,6 +60,7 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/parse.hpp"
 #include "fsdp/core/store.hpp"
 #include "fsdp/core/work.hpp"
 
@@ -124,8 +126,8 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
     const int io_threads = options.io_threads ? options.io_threads : std::thread::hardware_concurrency() >= 4 ? 2 : 1;
     if (options.address.empty()) options.address = "127.0.0.1";
     options_ = options;
-    const char* shm_env = std::getenv("FSDP_TCP_SHM");
-    const bool shm = options.shared_memory && !(shm_env && std::string_view(shm_env) == "0");
+    // FSDP_TCP_SHM: 0/false/no/off turns shared memory off; anything but a boolean is refused.
+    const bool shm = options.shared_memory && detail::env_bool("FSDP_TCP_SHM").value_or(true);
     core_ = std::make_unique<detail::TcpCommCore>(
         std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
                                                options.socket_buffer_bytes, io_threads == 2, shm,
@@ -140,6 +142,9 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
   int size() const { return core().identity().size; }
   const Options& options() const { return options_; }
   TcpCommLinks links() const { return {core().shm_from_left(), core().shm_to_right()}; }
+  // Whether a collective of this communicator has already failed (and so has reported
+  // the failure to whoever waited on it): the communicator is then broken.
+  bool failed() const { return core_ && core_->failed(); }
 
   // MPI_Comm_split: collective over this communicator; ranks passing the same color form
   // a new one, ordered by (key, rank), with prefix <prefix>/split<n>/<color>. The new

@@ -7,6 +7,7 @@
 // a neighbour's ABORT is passed on even while the program computes. Once a collective
 // fails the communicator is broken, as a NCCL communicator is: every queued and later
 // collective fails, quoting the first failure, without touching the network.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -117,6 +118,8 @@ class TcpCommCore {
   const std::shared_ptr<Store>& store() const { return store_; }
   bool shm_from_left() const { return ring_ && ring_->shm_from_left(); }
   bool shm_to_right() const { return ring_ && ring_->shm_to_right(); }
+  // Whether a collective of this communicator has finished with an error (any thread).
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
 
   Work submit(CollectiveCall call) {
     auto job = std::make_shared<TcpJobState>();
@@ -137,7 +140,9 @@ class TcpCommCore {
       while (!queue_.empty()) {
         Job job = std::move(queue_.front());
         queue_.pop_front();
-        completions_->finish(*job.state, execute(job.call));
+        TcpOutcome outcome = execute(job.call);
+        if (!outcome.error.empty()) failed_.store(true, std::memory_order_release);
+        completions_->finish(*job.state, std::move(outcome));
       }
       if (stopping_) return;
       try {
@@ -204,6 +209,7 @@ class TcpCommCore {
 
   std::mutex submit_mu_;
   std::uint64_t next_seq_ = 0;
+  std::atomic<bool> failed_{false};  // set by the I/O thread when a collective fails
 
   // I/O thread only:
   std::deque<Job> queue_;

@@ -13,13 +13,26 @@
 //                     that reaches MASTER_ADDR (127.0.0.1 on one host)
 // Teardown is ordered so no rank loses the store while it still needs it: the ranks meet
 // in a barrier, close their rings, count themselves out in the store, and rank 0 stops
-// the server last.
+// the server last. The teardown barrier is the job's last collective, and it fails when
+// the ranks ran different collectives (one skipped an all_reduce, say): that rank saw no
+// error before, so its exit status must come from here. finish() tears down and throws
+// the barrier's failure as an fsdp::Error, always: call it at the end of a run. Without
+// it, the destructor does the same teardown and throws (it is noexcept(false)) only when
+// the barrier is the first failure this communicator saw and no exception is already
+// leaving the scope. When an earlier collective failed, that error was thrown where it
+// happened and is the cause (the usual `catch (const fsdp::Error& e) { print; return 1; }`
+// then exits 1); an exception leaving the scope is the cause too: the destructor swallows
+// the barrier's failure in both cases. Held where a destructor cannot throw (a
+// std::optional or std::unique_ptr), a failure the destructor would throw ends the process
+// through std::terminate, its message printed; call finish() there instead.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -37,7 +50,8 @@ class TcpProcessGroup {
     return TcpProcessGroup(DistEnv::from_env(), std::move(comm_options));
   }
 
-  TcpProcessGroup(const DistEnv& env, TcpCommOptions comm_options) : env_(env) {
+  TcpProcessGroup(const DistEnv& env, TcpCommOptions comm_options)
+      : env_(env), unwinding_at_start_(std::uncaught_exceptions()) {
     if (auto ms = timeout_from_env()) comm_options.timeout = *ms;
     TcpStoreOptions store_options;
     store_options.timeout = comm_options.timeout;
@@ -52,26 +66,18 @@ class TcpProcessGroup {
   TcpProcessGroup(TcpProcessGroup&&) = delete;
   TcpProcessGroup& operator=(TcpProcessGroup&&) = delete;
 
-  ~TcpProcessGroup() {
-    if (!comm_) return;
-    const auto timeout = comm_->options().timeout;
-    bool healthy = true;
-    try {
-      comm_->barrier().wait();  // nobody tears down while a peer still talks to it
-    } catch (...) {
-      healthy = false;  // a failed job still shuts down; the failure was reported where it happened
-    }
-    comm_.reset();
-    if (!healthy) return;  // some rank may be dead: do not wait for it to count itself out
-    try {
-      connection_.store->add(done_key, 1);
-      if (connection_.server) {  // keep serving until every rank has counted itself out
-        const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, std::chrono::milliseconds(10000));
-        while (connection_.store->add(done_key, 0) < env_.world_size && std::chrono::steady_clock::now() < deadline)
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    } catch (...) {
-    }
+  // Tears down in order (see the top) and throws the teardown barrier's failure, if any
+  // (even when an earlier collective failed): the ranks did not end in agreement. Later
+  // calls, and the destructor, do nothing.
+  void finish() {
+    if (auto failure = tear_down().failure) std::rethrow_exception(failure);
+  }
+
+  // Throws only a failure nobody has reported yet (see the top).
+  ~TcpProcessGroup() noexcept(false) {
+    auto [failure, failed_before] = tear_down();
+    if (failure && !failed_before && std::uncaught_exceptions() <= unwinding_at_start_)
+      std::rethrow_exception(failure);
   }
 
   TcpComm& comm() { return *comm_; }
@@ -81,6 +87,43 @@ class TcpProcessGroup {
  private:
   static constexpr const char* done_key = "fsdp/process_group/done";
 
+  struct Teardown {
+    std::exception_ptr failure;  // the teardown barrier's, or null
+    bool failed_before = false;  // a collective had failed before the barrier
+  };
+  Teardown tear_down() noexcept {
+    if (!comm_) return {};
+    const auto timeout = comm_->options().timeout;
+    const bool failed_before = comm_->failed();
+    std::exception_ptr failure;
+    try {
+      comm_->barrier().wait();  // nobody tears down while a peer still talks to it
+    } catch (const Error& e) {
+      try {
+        std::string_view cause = e.what();
+        if (cause.substr(0, 6) == "fsdp: ") cause.remove_prefix(6);
+        detail::fail_as(e.kind(), "TcpProcessGroup teardown on rank ", env_.rank,
+                        ": the ranks did not end together (its final barrier failed): ", cause);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    comm_.reset();
+    if (failure) return {failure, failed_before};  // some rank may be dead: do not wait for it
+    try {
+      connection_.store->add(done_key, 1);
+      if (connection_.server) {  // keep serving until every rank has counted itself out
+        const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, std::chrono::milliseconds(10000));
+        while (connection_.store->add(done_key, 0) < env_.world_size && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    } catch (...) {
+    }
+    return {};
+  }
+
   static std::optional<std::chrono::milliseconds> timeout_from_env() {
     const auto ms = DistEnv::number("FSDP_TIMEOUT_MS", 1, 24LL * 3600 * 1000, false);
     if (!ms) return std::nullopt;
@@ -88,6 +131,7 @@ class TcpProcessGroup {
   }
 
   DistEnv env_;
+  int unwinding_at_start_ = 0;  // std::uncaught_exceptions() when constructed
   StoreConnection connection_;
   std::optional<TcpComm> comm_;
 };

@@ -9,11 +9,15 @@
 // thread waits for needs a TcpStore of its own. Every verb is bounded: a get or wait by
 // its own timeout (the server answers when it passes) plus options.timeout for the round
 // trip, any other verb by options.timeout. After a lost or timed-out connection the store
-// is unusable and every verb says why.
+// is unusable and every verb says why. Connecting retries, until options.connect_timeout,
+// only what may pass: the server not up yet, a DNS failure, a host name that does not
+// resolve yet (a service name that appears with the master); a numeric address that is
+// not one (999.1.1.1) fails at once.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -29,6 +33,7 @@
 #include "fsdp/asio/tcp_store_server.hpp"
 #include "fsdp/core/dist_env.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/parse.hpp"
 #include "fsdp/core/store.hpp"
 
 namespace fsdp {
@@ -130,6 +135,13 @@ class TcpStore final : public Store {
 
   std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
 
+  // Digits, dots and colons only (or any colon: no host name has one): meant as a numeric
+  // address, so a failure to resolve it is final.
+  static bool looks_numeric(std::string_view host) {
+    if (host.find(':') != std::string_view::npos) return true;
+    return std::all_of(host.begin(), host.end(), [](char ch) { return (ch >= '0' && ch <= '9') || ch == '.'; });
+  }
+
   static store_wire::Request keyed(store_wire::Verb verb, std::string_view key, std::string_view value = {}) {
     store_wire::Request r;
     r.verb = verb;
@@ -144,7 +156,23 @@ class TcpStore final : public Store {
     for (int attempts = 1;; ++attempts) {
       const auto ec = socket_.connect(host_, port_, deadline);
       if (!ec) break;
+      // Resolution failures. A numeric form that is not an address (999.1.1.1) or an
+      // invalid one will never resolve: it fails at once. A host name that does not
+      // resolve yet is retried like a refused connection: a Kubernetes-style service
+      // name (MASTER_ADDR) resolves only once the master's pod is up.
+      const bool resolving = ec.category() == boost::asio::error::get_netdb_category() ||
+                             ec.category() == boost::asio::error::get_addrinfo_category();
+      const bool not_yet = ec == boost::asio::error::host_not_found_try_again ||
+                           ((ec == boost::asio::error::host_not_found || ec == boost::asio::error::no_data) &&
+                            !looks_numeric(host_));
+      if (resolving && !not_yet)
+        detail::fail("the store's address '", host_, "' (port ", port_, ") cannot be resolved: ", ec.message(),
+                     " (check MASTER_ADDR)");
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left <= backoff && retry_connect_ && resolving)
+        detail::fail_as(ErrorKind::timeout, "the store's address '", host_, "' (port ", port_,
+                        ") did not resolve within ", options_.connect_timeout.count(), " ms (", attempts,
+                        " attempts; last error: ", ec.message(), "; check MASTER_ADDR)");
       if (left <= backoff || !retry_connect_)  // a store that refuses a connection it once took is gone
         detail::fail_as(
             retry_connect_ || ec == boost::asio::error::timed_out ? ErrorKind::timeout : ErrorKind::peer_lost,
@@ -281,6 +309,26 @@ class TcpStore final : public Store {
   std::shared_ptr<TcpStore> bounded_;  // bounded_client's
 };
 
+// A store that rank 0 hosts belongs to one job. A second job given the same port (and no
+// token, or the same one) would otherwise have its rank 0 fail to listen while its other
+// ranks joined the first job's store and failed much later, for reasons far from the cause.
+// So every rank records the job's world size (the first to come sets it) and claims its
+// rank, each in one round trip: a rank that finds another world size, or its rank taken,
+// is in another job's store and fails at once, naming the port. (An external store,
+// FSDP_STORE_EXTERNAL=1, may serve one job after another, so it is not claimed.)
+inline void claim_place(TcpStore& store, const DistEnv& env) {
+  const std::string where = "the store at " + store.host() + ":" + std::to_string(store.port());
+  const std::string size = std::to_string(env.world_size);
+  const std::string found = store.compare_set("fsdp/job/world_size", "", size);
+  if (found != size)
+    detail::fail_as(ErrorKind::mismatch, "rank ", env.rank, ": ", where, " serves a job of world size ", found, ", not ",
+                    size, ": another job is using port ", store.port(), " (give each job its own MASTER_PORT)");
+  if (store.add("fsdp/job/rank/" + std::to_string(env.rank), 1) != 1)
+    detail::fail_as(ErrorKind::mismatch, "rank ", env.rank, ": ", where, " already has a rank ", env.rank,
+                    ": another job is using port ", store.port(),
+                    " (give each job its own MASTER_PORT), or two processes were started with RANK=", env.rank);
+}
+
 // What connect_store returns: the client, and on the hosting rank the server. The server
 // is declared first so that it outlives this process's own client.
 struct StoreConnection {
@@ -289,25 +337,32 @@ struct StoreConnection {
 };
 
 // Every rank connects to MASTER_ADDR:MASTER_PORT; rank 0 first starts the server there,
-// listening on $FSDP_STORE_BIND (default 127.0.0.1), unless FSDP_STORE_EXTERNAL=1 says a
-// standalone server (tools/fsdp_store) already runs. The token defaults to env.token.
+// listening on $FSDP_STORE_BIND (default 127.0.0.1; anything else needs a token), unless
+// FSDP_STORE_EXTERNAL=1 says a standalone server (tools/fsdp_store) already runs. The
+// token defaults to env.token. Each rank then claims its place (claim_place above).
 inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
   if (options.token.empty()) options.token = env.token;
-  const char* external = std::getenv("FSDP_STORE_EXTERNAL");
-  const std::string_view ext = external ? external : "";
-  if (!ext.empty() && ext != "0" && ext != "1")
-    detail::fail("environment: FSDP_STORE_EXTERNAL='", ext, "' is not 0 or 1");
+  // A boolean like every other: 1/0, true/false, yes/no, on/off; anything else is refused.
+  const bool external = detail::env_bool("FSDP_STORE_EXTERNAL").value_or(false);
   StoreConnection c;
-  if (env.rank == 0 && ext != "1") {
+  if (env.rank == 0 && !external) {
     TcpStoreServerOptions server;
     const char* bind = std::getenv("FSDP_STORE_BIND");
     if (bind && *bind) server.host = bind;
     server.port = env.master_port;
     server.token = options.token;
-    server.max_clients = std::max<std::size_t>(server.max_clients, 2 * static_cast<std::size_t>(env.world_size));
+    // Room for every rank's connections (2 each: its client, and the bounded one a
+    // TcpComm's join and failure reports use), and as many that have not said hello yet: a large job's ranks all connect at once, and
+    // none of them may be evicted as a silent connection before its hello arrives.
+    const std::size_t per_job = 2 * static_cast<std::size_t>(env.world_size);
+    server.max_clients = std::max(server.max_clients, per_job);
+    server.max_pending = std::max(server.max_pending, per_job);
+    // Why a connection was closed (a stranger's oversized frame, a slow or silent client).
+    server.log = [](const std::string& line) { std::fprintf(stderr, "fsdp: %s\n", line.c_str()); };
     c.server = std::make_unique<TcpStoreServer>(std::move(server));
   }
   c.store = std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
+  if (!external) claim_place(*c.store, env);
   return c;
 }
 

@@ -8,10 +8,18 @@
 // Defensive by default: it listens on loopback unless told otherwise, a connection must
 // open with a hello frame (and the token, if one is set) within the handshake timeout,
 // and a malformed, oversized or unexpected frame closes that connection only. A client
-// with a wrong token gets no reply at all.
+// with a wrong token gets no reply at all. Nobody can starve it: a frame's announced
+// length is checked before anything is allocated and its buffer grows only as its bytes
+// arrive (store_wire::FrameReader); a frame once begun must arrive whole within
+// frame_timeout; connections that have not said hello never take one of the job's
+// max_clients slots, are closed at the handshake timeout, and past max_pending of them
+// the oldest is closed to make room, so a flood of silent connections cannot lock a real
+// client out. Why each connection was closed goes to options.log.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <list>
 #include <memory>
 #include <optional>
 #include <set>
@@ -36,11 +44,19 @@ namespace fsdp {
 struct TcpStoreServerOptions {
   std::string host = "127.0.0.1";  // the address to listen on; "0.0.0.0" for every interface
   std::uint16_t port = 0;          // 0: an ephemeral port, see TcpStoreServer::port()
-  std::string token;               // clients must present it; empty: none needed
+  std::string token;               // clients must present it; empty: none needed (loopback only, see below)
+  // Listening beyond loopback without a token is refused unless this says it is meant.
+  bool allow_without_token = false;
   store_wire::Limits limits;       // key and value sizes
-  std::size_t max_clients = 1024;  // connections past this are refused with a message
+  std::size_t max_clients = 1024;  // clients (past their hello) served at once; more are refused with a message
+  // Connections that have not said hello yet: past this many, the oldest is closed.
+  std::size_t max_pending = 256;
   // A connection that has not completed its hello by then is dropped.
   std::chrono::milliseconds handshake_timeout{10000};
+  // A frame whose first byte arrived must be complete by then, or its connection is dropped.
+  std::chrono::milliseconds frame_timeout{30000};
+  // Told why each connection the server closed was closed (on the server's thread); none: silent.
+  std::function<void(const std::string&)> log;
 };
 
 class TcpStoreServer {
@@ -53,14 +69,21 @@ class TcpStoreServer {
     std::uint64_t idle = 0;           // closed: no hello within the handshake timeout
     std::uint64_t over_capacity = 0;  // refused: max_clients reached
     std::uint64_t parked = 0;         // gets and waits parked now
+    std::uint64_t slow = 0;           // closed: a frame not complete within frame_timeout
+    std::uint64_t evicted = 0;        // closed: without hello, the oldest past max_pending
+    std::uint64_t clients = 0;        // connections past their hello now (counted against max_clients)
+    std::uint64_t pending = 0;        // connections that have not said hello yet, now
+    std::uint64_t buffered_bytes = 0;       // held now for frames still arriving
+    std::uint64_t peak_buffered_bytes = 0;  // the most ever held at once for them
   };
 
   // Listens before it returns, so port() is usable at once; a bind failure throws here.
   explicit TcpStoreServer(TcpStoreServerOptions options = {}) : options_(std::move(options)) {
     options_.limits.check();
     if (options_.max_clients == 0) detail::fail("store server: max_clients must be at least 1");
-    const auto t = options_.handshake_timeout;
-    detail::check_timeout(t, "store server: handshake timeout");
+    if (options_.max_pending == 0) detail::fail("store server: max_pending must be at least 1");
+    detail::check_timeout(options_.handshake_timeout, "store server: handshake timeout");
+    detail::check_timeout(options_.frame_timeout, "store server: frame timeout");
     if (options_.token.size() > store_wire::max_token_bytes)
       detail::fail("store server: token of ", options_.token.size(), " bytes exceeds ", store_wire::max_token_bytes);
     listen();
@@ -78,7 +101,8 @@ class TcpStoreServer {
   std::uint16_t port() const { return port_; }
   Stats stats() const {
     return {counters_.accepted, counters_.wrong_token, counters_.malformed, counters_.idle, counters_.over_capacity,
-            counters_.parked};
+            counters_.parked, counters_.slow, counters_.evicted, counters_.clients, counters_.pending,
+            counters_.buffered, counters_.peak_buffered};
   }
 
  private:
@@ -88,7 +112,15 @@ class TcpStoreServer {
 
   struct Counters {
     std::atomic<std::uint64_t> accepted{0}, wrong_token{0}, malformed{0}, idle{0}, over_capacity{0}, parked{0};
+    std::atomic<std::uint64_t> slow{0}, evicted{0}, clients{0}, pending{0}, buffered{0}, peak_buffered{0};
   };
+
+  // Bytes held for frames in progress, and their peak (only the server's thread writes).
+  void buffered_changed(std::size_t before, std::size_t after) {
+    const auto now = counters_.buffered.load() + after - before;
+    counters_.buffered = now;
+    if (now > counters_.peak_buffered) counters_.peak_buffered = now;
+  }
 
   void listen() {
     const std::string where = options_.host + ":" + std::to_string(options_.port);
@@ -101,10 +133,18 @@ class TcpStoreServer {
         detail::fail_as(ErrorKind::io, "store server: cannot resolve '", options_.host, "': ", ec.message());
       endpoint = found.begin()->endpoint();
     }
+    // Beyond loopback, anyone who can reach the port could read and write the job's keys.
+    if (!endpoint.address().is_loopback() && options_.token.empty() && !options_.allow_without_token)
+      detail::fail("store server: listening on ", where, " reaches beyond loopback, so it needs a token: set "
+                   "FSDP_STORE_TOKEN (the same on every host), or bind to 127.0.0.1");
     acceptor_.open(endpoint.protocol(), ec);
     if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
     if (!ec) acceptor_.bind(endpoint, ec);
     if (!ec) acceptor_.listen(tcp::socket::max_listen_connections, ec);
+    if (ec == boost::asio::error::address_in_use)
+      detail::fail_as(ErrorKind::io, "store server: could not listen on ", where, ": ", ec.message(),
+                      " (another job's store, or another program, holds port ", options_.port,
+                      ": give this job another MASTER_PORT)");
     if (ec) detail::fail_as(ErrorKind::io, "store server: could not listen on ", where, ": ", ec.message());
     port_ = acceptor_.local_endpoint().port();
   }
@@ -148,6 +188,7 @@ class TcpStoreServer {
   store_wire::StoreTable table_;
   std::set<std::shared_ptr<Session>> sessions_;
   std::set<std::shared_ptr<Session>> waiting_;  // sessions parked in a get or wait
+  std::list<std::shared_ptr<Session>> pending_;  // sessions before their hello, oldest first
   Counters counters_;
   std::thread thread_;
 };
@@ -156,16 +197,25 @@ class TcpStoreServer {
 // keys are missing parks here until wake() finds them set or the timer fires.
 class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(TcpStoreServer& server, tcp::socket socket) : server_(server), socket_(std::move(socket)) {}
+  Session(TcpStoreServer& server, tcp::socket socket)
+      : server_(server), socket_(std::move(socket)), frames_(store_wire::Limits::max_hello_bytes()) {
+    error_code ec;
+    const auto peer = socket_.remote_endpoint(ec);
+    peer_ = ec ? std::string("an unknown peer") : peer.address().to_string() + ":" + std::to_string(peer.port());
+  }
 
-  // `refusal`: the reason to answer this client's hello with instead of serving it.
-  void start(std::string refusal = {}) {
-    refusal_ = std::move(refusal);
+  // `pending`: this session's place in the server's list of sessions before their hello.
+  void start(std::list<std::shared_ptr<Session>>::iterator pending) {
+    pending_ = pending;
+    in_pending_ = true;
+    ++server_.counters_.pending;
     timer_.expires_after(server_.options_.handshake_timeout);
     timer_.async_wait([self = shared_from_this()](error_code ec) {
-      if (!ec && !self->authenticated_) self->drop(self->server_.counters_.idle);
+      if (!ec && !self->authenticated_)
+        self->drop(self->server_.counters_.idle,
+                   "no hello within the handshake timeout of " + std::to_string(self->server_.options_.handshake_timeout.count()) + " ms");
     });
-    read_header();
+    read_frame();
   }
 
   // Answers the parked get or wait if its keys are all set now.
@@ -181,47 +231,81 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
     timer_.cancel();
+    frame_timer_.cancel();
+    server_.buffered_changed(frames_.held(), 0);
+    frames_.next();
+    leave_pending();
+    if (authenticated_) --server_.counters_.clients;
     server_.sessions_.erase(shared_from_this());
   }
 
- private:
-  void drop(std::atomic<std::uint64_t>& reason) {
+  // Closes this session, counted under `reason`, and tells the log why.
+  void drop(std::atomic<std::uint64_t>& reason, const std::string& why) {
+    if (closed_) return;
     ++reason;
+    if (server_.options_.log)
+      server_.options_.log("store at " + server_.options_.host + ":" + std::to_string(server_.port_) +
+                           ": closed the connection from " + peer_ + ": " + why);
     close();
   }
 
-  void read_header() {
-    boost::asio::async_read(socket_, boost::asio::buffer(header_), [self = shared_from_this()](error_code ec, std::size_t) {
+ private:
+  void leave_pending() {
+    if (!in_pending_) return;
+    in_pending_ = false;
+    --server_.counters_.pending;
+    server_.pending_.erase(pending_);
+  }
+
+  // Reads the next frame piece by piece (FrameReader); the frame timer starts with its
+  // first byte.
+  void read_frame() {
+    const std::size_t before = frames_.held();
+    char* into = frames_.buffer();
+    server_.buffered_changed(before, frames_.held());
+    socket_.async_read_some(boost::asio::buffer(into, frames_.room()), [self = shared_from_this()](error_code ec, std::size_t n) {
       if (ec) return self->close();
-      self->read_payload();
+      self->received(n);
     });
   }
 
-  void read_payload() {
-    const auto& limits = server_.options_.limits;
-    std::size_t n = 0;
+  void received(std::size_t n) {
+    const bool first = !frames_.started();
+    bool complete = false;
     try {
-      n = store_wire::frame_length(header_, authenticated_ ? limits.max_frame_bytes() : limits.max_hello_bytes());
-    } catch (const Error&) {
-      return drop(server_.counters_.malformed);
+      complete = frames_.received(n);
+    } catch (const Error& e) {
+      return drop(server_.counters_.malformed, e.what());
     }
-    if (payload_.capacity() > (std::size_t{1} << 20)) payload_ = std::string();  // do not hold on to a big value
-    payload_.resize(n);
-    boost::asio::async_read(socket_, boost::asio::buffer(payload_), [self = shared_from_this()](error_code ec, std::size_t) {
-      if (ec) return self->close();
-      self->handle();
-    });
+    if (complete) {
+      frame_timer_.cancel();
+      ++frame_id_;
+      return handle();
+    }
+    if (first && authenticated_) {  // before the hello, the handshake timeout bounds it
+      const std::uint64_t id = ++frame_id_;
+      frame_timer_.expires_after(server_.options_.frame_timeout);
+      frame_timer_.async_wait([self = shared_from_this(), id](error_code ec) {
+        if (ec || self->frame_id_ != id) return;
+        self->drop(self->server_.counters_.slow,
+                   "a frame of " + std::to_string(self->frames_.announced()) + " bytes not complete within the frame timeout of " +
+                       std::to_string(self->server_.options_.frame_timeout.count()) + " ms");
+      });
+    }
+    read_frame();
   }
 
   void handle() {
     store_wire::Request request;
     try {
-      request = store_wire::decode_request(payload_, server_.options_.limits);
-    } catch (const Error&) {
-      return drop(server_.counters_.malformed);
+      request = store_wire::decode_request(frames_.payload(), server_.options_.limits);
+    } catch (const Error& e) {
+      return drop(server_.counters_.malformed, e.what());
     }
+    server_.buffered_changed(frames_.held(), 0);
+    frames_.next();
     if (!authenticated_) return handshake(request);
-    if (request.verb == store_wire::Verb::hello) return drop(server_.counters_.malformed);
+    if (request.verb == store_wire::Verb::hello) return drop(server_.counters_.malformed, "a second hello");
     if (store_wire::detail::waits(request.verb) && !server_.table_.missing(request.keys).empty())
       return park(std::move(request));
     send(request.verb, server_.table_.apply(request));
@@ -229,18 +313,25 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
   }
 
   void handshake(const store_wire::Request& hello) {
-    if (hello.verb != store_wire::Verb::hello) return drop(server_.counters_.malformed);
+    if (hello.verb != store_wire::Verb::hello)
+      return drop(server_.counters_.malformed, std::string("a ") + store_wire::name_of(hello.verb) + " before its hello");
     // The token first: only a client that has it may learn even that the store is full.
-    if (!server_.token_matches(hello.token)) return drop(server_.counters_.wrong_token);
+    if (!server_.token_matches(hello.token)) return drop(server_.counters_.wrong_token, "wrong or missing token");
+    leave_pending();
+    timer_.cancel();
     store_wire::Reply reply;
-    if (!refusal_.empty()) {
+    if (server_.counters_.clients >= server_.options_.max_clients) {
+      ++server_.counters_.over_capacity;
       reply.status = store_wire::Status::error;
-      reply.value = refusal_;
+      reply.value = "the store at " + server_.options_.host + ":" + std::to_string(server_.port_) + " serves at most " +
+                    std::to_string(server_.options_.max_clients) + " clients";
+      if (server_.options_.log) server_.options_.log(reply.value + ": refused " + peer_);
       return send(store_wire::Verb::hello, reply, /*then_close=*/true);
     }
     authenticated_ = true;
+    ++server_.counters_.clients;
     ++server_.counters_.accepted;
-    timer_.cancel();
+    frames_.set_limit(server_.options_.limits.max_frame_bytes());
     reply.limits = server_.options_.limits;
     send(store_wire::Verb::hello, reply);
   }
@@ -260,7 +351,7 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     socket_.async_read_some(boost::asio::buffer(probe_), [self = shared_from_this(), id](error_code ec, std::size_t) {
       if (ec == boost::asio::error::operation_aborted || !self->parked_ || self->parks_ != id) return;
       if (ec) return self->close();
-      self->drop(self->server_.counters_.malformed);
+      self->drop(self->server_.counters_.malformed, "a request while its get or wait was parked");
     });
   }
 
@@ -289,36 +380,37 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     out_ = store_wire::encode(to, reply);
     boost::asio::async_write(socket_, boost::asio::buffer(out_), [self = shared_from_this(), then_close](error_code ec, std::size_t) {
       if (ec || then_close) return self->close();
-      self->read_header();
+      self->read_frame();
     });
   }
 
   TcpStoreServer& server_;
   tcp::socket socket_;
-  boost::asio::steady_timer timer_{socket_.get_executor()};  // handshake, then parked waits
-  unsigned char header_[4] = {};
+  boost::asio::steady_timer timer_{socket_.get_executor()};        // handshake, then parked waits
+  boost::asio::steady_timer frame_timer_{socket_.get_executor()};  // the frame in progress
+  store_wire::FrameReader frames_;
+  std::string peer_;
   char probe_[1] = {};
-  std::string payload_, out_, refusal_;
-  bool authenticated_ = false, closed_ = false;
+  std::string out_;
+  bool authenticated_ = false, closed_ = false, in_pending_ = false;
+  std::list<std::shared_ptr<Session>>::iterator pending_;
   std::optional<store_wire::Request> parked_;
-  std::uint64_t parks_ = 0;
+  std::uint64_t parks_ = 0, frame_id_ = 0;
 };
 
+// Every connection is served; only those before their hello are bounded here, by closing
+// the oldest of them. The slots of max_clients are checked at the hello (see handshake).
 inline void TcpStoreServer::admit(tcp::socket socket) {
   error_code ignored;
   socket.set_option(tcp::no_delay(true), ignored);
-  // Refusing takes a session of its own (to read the hello and answer it), but not
-  // without bound.
-  if (sessions_.size() >= 2 * options_.max_clients) return void(++counters_.over_capacity);
+  if (pending_.size() >= options_.max_pending) {
+    const auto oldest = pending_.front();  // leaves pending_ as it closes
+    oldest->drop(counters_.evicted, "no hello yet, and " + std::to_string(options_.max_pending) +
+                                        " connections without one are the most kept (the oldest goes)");
+  }
   auto session = std::make_shared<Session>(*this, std::move(socket));
   sessions_.insert(session);
-  std::string refusal;
-  if (sessions_.size() > options_.max_clients) {
-    ++counters_.over_capacity;
-    refusal = "the store at " + options_.host + ":" + std::to_string(port_) + " serves at most " +
-              std::to_string(options_.max_clients) + " clients";
-  }
-  session->start(std::move(refusal));
+  session->start(pending_.insert(pending_.end(), session));
 }
 
 inline void TcpStoreServer::wake_waiters() {

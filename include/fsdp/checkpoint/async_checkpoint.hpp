@@ -15,9 +15,10 @@
 //
 // A sharded save that is never waited for is not committed: every rank removes what it
 // wrote, rank 0 the staging directory, and the previous checkpoint at that path stays as it
-// was. A full save is one file that rank 0 writes atomically (optimizer file first): it
-// replaces the older file when rank 0's write ends, and wait() only reports whether it
-// did. The snapshot costs host memory the size of what this rank writes, until wait().
+// was. A full save's files (model, optimizer) are staged by rank 0 and published together
+// in wait(), like a sharded save's directory; one never waited for is removed, and the
+// previous pair stays as it was (docs/checkpoints.md, "How a full checkpoint is committed").
+// last_report() says what a commit found left over by earlier saves. The snapshot costs host memory the size of what this rank writes, until wait().
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -80,9 +81,12 @@ class AsyncCheckpointer {
     const auto t1 = Clock::now();
     timing_.blocked_s = seconds(t1 - t0);
     auto pending = std::exchange(save_, std::monostate{});
+    report_ = {};
     std::visit([&](auto& s) {
       if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, std::monostate>) s->commit(model_, write_failed_);
     }, pending);
+    if (auto* s = std::get_if<std::shared_ptr<detail::ShardedSave>>(&pending)) report_ = (*s)->report();
+    else if (auto* f = std::get_if<std::shared_ptr<detail::FullSave>>(&pending)) report_.recovered = (*f)->recovered();
     timing_.commit_s = seconds(Clock::now() - t1);
   }
 
@@ -91,6 +95,9 @@ class AsyncCheckpointer {
   bool writing() const { return pending() && !written_->load(); }
 
   const AsyncSaveTiming& last_timing() const { return timing_; }
+  // What the last committed sharded save found of interrupted saves at its path (rank 0's;
+  // see SaveReport).
+  const SaveReport& last_report() const { return report_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -132,6 +139,7 @@ class AsyncCheckpointer {
   std::exception_ptr write_failed_;  // set by the writer before `written_`; read after join
   std::shared_ptr<std::atomic<bool>> written_ = std::make_shared<std::atomic<bool>>(true);
   AsyncSaveTiming timing_;
+  SaveReport report_;
 };
 
 }  // namespace fsdp

@@ -22,9 +22,13 @@ namespace fsdp {
 // index, without the optimizer's scalars) or a full checkpoint file's __metadata__. Not a
 // collective; it does not verify checksums.
 inline std::map<std::string, std::string> read_checkpoint_metadata(const std::filesystem::path& path) {
-  if (std::filesystem::is_directory(path))
-    return detail::user_metadata(checkpoint::CheckpointIndex::load(path / std::string(checkpoint::index_file_name)).metadata);
-  return checkpoint::without_data_checksums(checkpoint::SafetensorsFile::open(path).metadata());
+  // What a load would read: the committed copy (a sharded commit interrupted between its
+  // renames leaves it as <dir>.old-fsdp-<hex>; a full commit past its journal, under a temporary name).
+  const auto dir = checkpoint::committed_checkpoint_dir(path);
+  if (std::filesystem::is_directory(dir))
+    return detail::user_metadata(checkpoint::CheckpointIndex::load(dir / std::string(checkpoint::index_file_name)).metadata);
+  const auto files = checkpoint::committed_files(detail::full_checkpoint_targets(path));
+  return checkpoint::without_data_checksums(checkpoint::SafetensorsFile::open(files[0] ? *files[0] : path).metadata());
 }
 
 }  // namespace fsdp

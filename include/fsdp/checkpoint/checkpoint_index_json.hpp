@@ -16,6 +16,7 @@
 #include "fsdp/checkpoint/file_io.hpp"
 #include "fsdp/checkpoint/json_checks.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
+#include "fsdp/checkpoint/save_id.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
@@ -80,11 +81,18 @@ class IndexJsonReader {
 
 }  // namespace detail
 
-inline nlohmann::ordered_json CheckpointIndex::to_json() const {
+namespace detail {
+
+inline nlohmann::ordered_json index_content(const CheckpointIndex& ix) {
   nlohmann::ordered_json j;
-  j["format"] = format_name;
-  j["version"] = format_version;
-  j["world_size"] = world_size;
+  j["format"] = CheckpointIndex::format_name;
+  j["version"] = CheckpointIndex::format_version;
+  j["world_size"] = ix.world_size;
+  j["save_id"] = format_save_id(ix.save_id);
+  const auto& metadata = ix.metadata;
+  const auto& files = ix.files;
+  const auto& entries = ix.entries;
+  const auto& slices = ix.slices;
   j["metadata"] = nlohmann::ordered_json::object();
   for (const auto& [k, v] : metadata) j["metadata"][k] = v;
   j["files"] = nlohmann::ordered_json::array();
@@ -110,6 +118,22 @@ inline nlohmann::ordered_json CheckpointIndex::to_json() const {
   return j;
 }
 
+inline std::uint64_t xxh64_of_text(const std::string& text) {
+  Xxh64 h;
+  h.update(text.data(), text.size());
+  return h.digest();
+}
+
+}  // namespace detail
+
+inline std::uint64_t CheckpointIndex::content_xxh64() const { return detail::xxh64_of_text(detail::index_content(*this).dump()); }
+
+inline nlohmann::ordered_json CheckpointIndex::to_json() const {
+  nlohmann::ordered_json j = detail::index_content(*this);
+  j["xxh64"] = xxh64_hex(detail::xxh64_of_text(j.dump()));
+  return j;
+}
+
 inline std::string CheckpointIndex::dump() const {
   const nlohmann::ordered_json j = to_json();
   std::string text = "{";
@@ -131,14 +155,23 @@ inline CheckpointIndex CheckpointIndex::from_json(const nlohmann::json& j, std::
   ix.source = std::move(source);
   const detail::IndexJsonReader r(ix.source);
   const std::string top = "top level";
-  r.check_fields(j, top, {"format", "version", "world_size", "metadata", "files", "entries", "slices"});
+  if (!j.is_object()) r.fail_at(top, "expected an object, got ", detail::json_text(j));
+  for (const char* f : {"format", "version"})  // first: another version may have other fields
+    if (!j.contains(f)) r.fail_at(top, "the field '", f, "' is missing");
   if (!j["format"].is_string() || j["format"].get<std::string>() != format_name)
     r.fail_at(top, "format ", detail::json_text(j["format"]), " is not \"", format_name, "\" (not an fsdp sharded checkpoint index)");
-  if (r.u64_field(j, "version", top) != format_version)
-    r.fail_at(top, "unknown version ", detail::json_text(j["version"]), " (this build reads version ", format_version, ")");
+  if (const std::uint64_t v = r.u64_field(j, "version", top); v != format_version)
+    r.fail_at(top, "checkpoint format version ", v, ", but this build reads version ", format_version,
+              v > format_version ? " (a newer fsdp wrote it)" : " (an older fsdp wrote it, before indexes were checksummed)");
+  r.check_fields(j, top, {"format", "version", "world_size", "save_id", "metadata", "files", "entries", "slices", "xxh64"});
   const std::uint64_t world = r.u64_field(j, "world_size", top);
   if (world < 1 || world > 1u << 30) r.fail_at(top, "world_size ", world, " is not in [1, 2^30]");
   ix.world_size = static_cast<int>(world);
+  const auto id = parse_save_id(r.string_field(j, "save_id", top));
+  if (!id) r.fail_at(top, "save_id ", detail::json_text(j["save_id"]), " is not 16 hex digits");
+  ix.save_id = *id;
+  const auto stored = parse_xxh64_hex(r.string_field(j, "xxh64", top));
+  if (!stored) r.fail_at(top, "xxh64 ", detail::json_text(j["xxh64"]), " is not 16 hex digits");
   if (!j["metadata"].is_object()) r.fail_at(top, "'metadata' must be an object, got ", detail::json_text(j["metadata"]));
   for (auto& [k, v] : j["metadata"].items()) {
     if (!v.is_string()) r.fail_at("metadata '" + k + "'", "the value must be a string, got ", detail::json_text(v));
@@ -183,6 +216,11 @@ inline CheckpointIndex CheckpointIndex::from_json(const nlohmann::json& j, std::
     ix.slices.push_back(std::move(slice));
   }
   ix.check_complete();
+  // Last, so that the checks above name what is malformed; this one catches the rest (two
+  // slices' keys or begins swapped, a size, a shape, a name: any field changed).
+  if (const std::uint64_t computed = ix.content_xxh64(); computed != *stored)
+    r.fail_at(top, "its content does not match its checksum (xxh64 ", xxh64_hex(*stored), ", computed ",
+              xxh64_hex(computed), "): the index was changed or damaged after the save");
   return ix;
 }
 

@@ -82,11 +82,13 @@ struct DataChecksums {
   }
 };
 
-// A file's "__metadata__" as its writer's user gave it: without the data checksums.
+// A file's "__metadata__" as its writer's user gave it: without the data checksums, nor any
+// other of the library's own "fsdp." keys (fsdp_metadata.hpp).
 template <class Map>
 std::map<std::string, std::string> without_data_checksums(const Map& metadata) {
-  std::map<std::string, std::string> out(metadata.begin(), metadata.end());
-  out.erase(std::string(data_checksums_key));
+  std::map<std::string, std::string> out;
+  for (const auto& [k, v] : metadata)
+    if (std::string_view(k).substr(0, 5) != "fsdp.") out.emplace(k, v);
   return out;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -148,10 +149,18 @@ inline std::uint64_t file_xxh64(const std::filesystem::path& path) {
   return xxh64_of_fd(fd.get(), file_size_of(fd.get(), path), path);
 }
 
-// 16 hex digits that make temporary names unique among processes and threads.
+// 16 hex digits that make temporary names unique among processes and threads: the random
+// source mixed with the clock and the process id (a deterministic random_device, as in some
+// sandboxes, would otherwise give two processes the same names).
 inline std::string random_token() {
   std::random_device rd;
-  return xxh64_hex(static_cast<std::uint64_t>(rd()) << 32 | rd());
+  const std::uint64_t words[4] = {static_cast<std::uint64_t>(rd()) << 32 | rd(),
+                                  static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
+                                  static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()),
+                                  static_cast<std::uint64_t>(::getpid())};
+  Xxh64 h;
+  h.update(words, sizeof words);
+  return xxh64_hex(h.digest());
 }
 
 // A path's parent for creating siblings: "." when it has none.

@@ -2,10 +2,17 @@
 // Full checkpoints: one plain safetensors file with every parameter and buffer whole under
 // its FQN, in master dtypes (what other tools read), user metadata in its __metadata__.
 // The optimizer's state, if saved, goes into the sibling "<stem>.optimizer.safetensors"
-// with keys "<state>/<fqn>" and the optimizer's scalars in its __metadata__. Each file is
-// written atomically: by every rank at once where they share a file system, else by rank 0
-// as it gathers; every rank reads them to load.
+// with keys "<state>/<fqn>" and the optimizer's scalars in its __metadata__. Both files are
+// written under temporary names, by every rank at once where they share a file system, else
+// by rank 0 as it gathers, and published together by one journaled commit
+// (checkpoint::commit_files): a load sees the previous pair or the new one, also after a
+// save killed midway, whose leftovers the next save finishes or removes and reports. Every
+// rank reads them to load. Every byte that decides what is loaded
+// where is checked before it is used: each header against its checksum when the file is
+// opened, the two files against each other (one save id), the data against its chunk
+// checksums (data_checksums.hpp) before anything is written.
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -14,36 +21,48 @@
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "fsdp/checkpoint/data_checksums.hpp"
+#include "fsdp/checkpoint/fsdp_metadata.hpp"
 #include "fsdp/checkpoint/full_save.hpp"
 #include "fsdp/checkpoint/load_state.hpp"
 #include "fsdp/checkpoint/safetensors_file.hpp"
 #include "fsdp/checkpoint/shared_file_save.hpp"
+#include "fsdp/checkpoint/sharded_checkpoint.hpp"
 
 namespace fsdp {
 
 // A collective: every rank calls it. Where every rank can open the files rank 0 creates
 // (one host, or a shared file system) and the shards are in host memory, each rank writes
 // its own slices into them (detail::save_full_shared); otherwise rank 0 writes, one flat
-// parameter at a time as it is gathered. The files are the same either way.
-inline void save_full_checkpoint(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer = nullptr,
-                                 const std::map<std::string, std::string>& metadata = {}) {
+// parameter at a time as it is gathered. The files are the same either way. Rank 0's report
+// says what the commit found of interrupted saves at `file` (see SaveReport).
+inline SaveReport save_full_checkpoint(const std::filesystem::path& file, ShardedModel& model, OptimizerState* optimizer = nullptr,
+                                       const std::map<std::string, std::string>& metadata = {}) {
   detail::FullSave save(file, model, optimizer, metadata, /*snapshot=*/false);
-  if (detail::save_full_shared(save, model, optimizer)) return;
+  SaveReport report;
+  if (detail::save_full_shared(save, model, optimizer, &report.recovered)) return report;
   save.commit(model, detail::captured([&] { save.write_streaming(); }));
+  report.recovered = save.recovered();
+  return report;
 }
 
 // A full checkpoint file (and its optimizer file, where there is one) as a StateSource.
 class FullCheckpointSource final : public StateSource {
  public:
-  explicit FullCheckpointSource(const std::filesystem::path& file) : model_(checkpoint::SafetensorsFile::open(file)) {
-    const auto optimizer_file = optimizer_file_of(file);
-    if (std::filesystem::exists(optimizer_file)) optim_.emplace(checkpoint::SafetensorsFile::open(optimizer_file));
-  }
+  // Opening checks each header against its checksum (an fsdp file's: fsdp_metadata.hpp),
+  // that a file fsdp wrote is a full checkpoint's, and that the model and optimizer files
+  // are from one save. Where a commit is unfinished (its journal is there: a save was
+  // killed midway, or is committing now), the files it names are read in place of the
+  // targets not yet renamed (checkpoint::committed_files); nothing is written.
+  explicit FullCheckpointSource(const std::filesystem::path& file) : model_(open_pair(file)) {}
   std::string name() const override { return "checkpoint '" + model_.path().string() + "'"; }
+  // The save id of the files opened (0: none, a file another tool wrote). open_and_load has
+  // the ranks agree on it: a commit between two ranks' opens must not load two saves.
+  std::uint64_t save_id() const { return checkpoint::save_id_of(model_.metadata()); }
   std::optional<TensorMeta> find(const StateKey& key) const override {
     const checkpoint::TensorInfo* t = lookup(key);
     if (!t) return std::nullopt;
@@ -115,10 +134,54 @@ class FullCheckpointSource final : public StateSource {
   std::map<std::string, std::string> metadata() const { return checkpoint::without_data_checksums(model_.metadata()); }
 
  private:
+  // Opens the model file (returned) and its optimizer file (into optim_) as the last commit
+  // left them. A commit that renames them while they are opened can pair an old file with a
+  // new one, or remove a temporary file just found: opening again then sees it finished.
+  checkpoint::SafetensorsFile open_pair(const std::filesystem::path& file) {
+    constexpr int attempts = 3;
+    for (int attempt = 1;; ++attempt) {
+      const bool last = attempt == attempts;
+      const auto at = checkpoint::committed_files(detail::full_checkpoint_targets(file));
+      if (attempt > 1) std::this_thread::sleep_for(std::chrono::milliseconds(20 * attempt));  // let the commit finish
+      if (!at[0] && !last && std::filesystem::exists(checkpoint::detail::commit_journal_path(file))) continue;
+      std::optional<checkpoint::SafetensorsFile> model, optim;
+      try {
+        model.emplace(checkpoint::SafetensorsFile::open(at[0] ? *at[0] : file));
+        if (at[1]) optim.emplace(checkpoint::SafetensorsFile::open(*at[1]));
+      } catch (const Error& e) {
+        if (last || e.kind() != ErrorKind::io) throw;
+        continue;  // a temporary file renamed meanwhile
+      }
+      check_full_file(*model);
+      if (!optim) return std::move(*model);
+      check_full_file(*optim);
+      const std::uint64_t model_id = checkpoint::save_id_of(model->metadata());
+      const std::uint64_t optim_id = checkpoint::save_id_of(optim->metadata());
+      if (model_id == optim_id) {
+        optim_.emplace(std::move(*optim));
+        return std::move(*model);
+      }
+      if (last)
+        detail::fail_as(ErrorKind::corrupt, "checkpoint '", model->path().string(), "' and its optimizer file '",
+                        optim->path().string(), "' are from different saves (save id ", describe_id(model_id), " and ",
+                        describe_id(optim_id), "): a save was interrupted, or one file was replaced; load neither");
+    }
+  }
   int files() const { return optim_ ? 2 : 1; }
   const checkpoint::SafetensorsFile& file(int i) const { return i == 0 ? model_ : *optim_; }
   static std::uint64_t data_bytes(const checkpoint::SafetensorsFile& f) { return f.file_bytes() - f.data_offset(); }
-  // The file's chunk checksums; nullopt for a file written without them.
+  static std::string describe_id(std::uint64_t id) {
+    return id ? checkpoint::format_save_id(id) : std::string("none: written by another tool");
+  }
+  // A file fsdp wrote must be a full checkpoint's (with data checksums), not a rank file of
+  // a sharded one; its header was checked when it was opened.
+  static void check_full_file(const checkpoint::SafetensorsFile& f) {
+    if (checkpoint::is_fsdp_file(f.metadata()) && !f.metadata().count(checkpoint::data_checksums_key))
+      detail::fail_as(ErrorKind::corrupt, "checkpoint '", f.path().string(), "' is not a full checkpoint file: it has no '",
+                      checkpoint::data_checksums_key, "' (a sharded checkpoint's rank file? load its directory)");
+  }
+  // The file's chunk checksums; nullopt for a file written without them (another tool's:
+  // an fsdp file always has them, check_full_file).
   static std::optional<checkpoint::DataChecksums> checksums_of(const checkpoint::SafetensorsFile& f) {
     const auto entry = f.metadata().find(checkpoint::data_checksums_key);
     if (entry == f.metadata().end()) return std::nullopt;
@@ -161,8 +224,8 @@ class FullCheckpointSource final : public StateSource {
     return file_of(key).find(detail::full_file_key(key));
   }
 
+  std::optional<checkpoint::SafetensorsFile> optim_;  // before model_: open_pair, model_'s initializer, sets it
   checkpoint::SafetensorsFile model_;
-  std::optional<checkpoint::SafetensorsFile> optim_;
   mutable bool verified_ = false;  // by verify(), before read_all
   mutable std::set<std::pair<int, std::size_t>> damaged_;  // (file, chunk) this rank found damaged
 };

@@ -1,6 +1,10 @@
 #pragma once
 // FullSave: the steps of a full checkpoint save that gathers to rank 0 (see the class),
 // and where the optimizer's file goes. full_checkpoint.hpp has the public functions.
+// The model file and the optimizer file are one unit: both are written under temporary
+// names and published together by one commit (publish_full_files, after
+// checkpoint::commit_files), so a save killed at any point leaves the previous pair or the
+// new one, never old parameters next to new optimizer state.
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -12,6 +16,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/checkpoint_collective.hpp"
+#include "fsdp/checkpoint/checkpoint_directory.hpp"
 #include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/safetensors_writer.hpp"
 #include "fsdp/checkpoint/state_dict.hpp"
@@ -25,6 +30,21 @@ inline std::filesystem::path optimizer_file_of(const std::filesystem::path& file
 
 namespace detail {
 
+// A full checkpoint's two names: the model file, then its optimizer file (the commit's targets).
+inline std::vector<std::filesystem::path> full_checkpoint_targets(const std::filesystem::path& file) {
+  return {file, optimizer_file_of(file)};
+}
+
+// Rank 0: publishes a full checkpoint's staged files (the optimizer file's, if any, then the
+// model file's) together; a save without an optimizer removes a stale optimizer file in the
+// same commit. Returns what it found of interrupted saves at `file`.
+inline std::vector<std::string> publish_full_files(const std::filesystem::path& file, std::vector<checkpoint::StagedFile>& staged,
+                                                   bool saves_optimizer, std::uint64_t save_id) {
+  std::vector<std::filesystem::path> removes;
+  if (!saves_optimizer) removes.push_back(optimizer_file_of(file));
+  return checkpoint::commit_files(staged, removes, full_checkpoint_targets(file), checkpoint::format_save_id(save_id));
+}
+
 // A tensor's name in a full checkpoint: its FQN in the model file (parameters and buffers
 // share one namespace), "<state>/<fqn>" in the optimizer file.
 inline std::string full_file_key(std::string_view state, std::string_view fqn) {
@@ -34,7 +54,9 @@ inline std::string full_file_key(const StateKey& key) { return full_file_key(key
 
 // A full save in three steps, like ShardedSave: the constructor, with `snapshot`, gathers
 // every tensor into rank 0's host memory (a collective); write() has rank 0 write the
-// files (no collective, any thread); commit() agrees that it did (a collective). Without
+// files under temporary names (no collective, any thread); commit() agrees that it did and
+// has rank 0 publish both together (a collective). Destroyed uncommitted, it removes what
+// it wrote. Without
 // the snapshot, write_streaming() (every rank, a collective) gathers one flat parameter at
 // a time while rank 0 writes it, so the full state is never held whole.
 class FullSave {
@@ -44,8 +66,10 @@ class FullSave {
       : what_("save_full_checkpoint '" + file.string() + "'"), file_(file), metadata_(std::move(metadata)),
         optimizer_(optimizer), writes_(model.size() > 0 && fsdp::detail::internals(model[0]).rank() == 0),
         gathers_(full_gathers(model, optimizer)) {
-    if (metadata_.count(std::string(checkpoint::data_checksums_key)))
-      fail(what_, ": metadata key '", checkpoint::data_checksums_key, "' is the library's own (the data checksums)");
+    for (const auto& [key, value] : metadata_)
+      if (checkpoint::is_fsdp_key(key))
+        fail(what_, ": metadata key '", key, "' starts with '", checkpoint::fsdp_key_prefix,
+             "', which is reserved for the library's own keys (checksums, format version, save id)");
     for (auto& u : model)
       for (std::size_t i = 0; i < u->buffers().size(); ++i) buffers_.push_back({u.get(), i});
     if (optimizer && writes_) optim_scalars_ = optimizer->scalars();
@@ -71,7 +95,7 @@ class FullSave {
   }
 
   // From the snapshot.
-  void write() const {
+  void write() {
     if (writes_) write_files([&](std::size_t k) { return Source{snapshot_[k].data(), {}}; });
   }
 
@@ -104,11 +128,23 @@ class FullSave {
     if (failed) std::rethrow_exception(failed);
   }
 
+  // Every rank agrees that rank 0 wrote both files, then rank 0 publishes them together.
   void commit(ShardedModel& model, std::exception_ptr write_failed = nullptr) {
-    run_agreed(model, what_, [&] {
-      if (write_failed) std::rethrow_exception(write_failed);
-    });
+    try {
+      run_agreed(model, what_, [&] {
+        if (write_failed) std::rethrow_exception(write_failed);
+      }, "; nothing was saved");
+      run_agreed(model, what_, [&] {
+        if (writes_) recovered_ = publish_full_files(file_, staged_, optimizer_ != nullptr, save_id_);
+      });
+    } catch (...) {
+      staged_.clear();  // before the commit point: removed; after it the journal owns them
+      throw;
+    }
   }
+  // What rank 0's commit found of interrupted saves at the file (empty elsewhere).
+  const std::vector<std::string>& recovered() const { return recovered_; }
+  std::uint64_t save_id() const { return save_id_; }
 
  private:
   // Where gather k's bytes come from: host memory, or a fill that gathers them.
@@ -117,16 +153,20 @@ class FullSave {
     checkpoint::SafetensorsWriter::Fill fill;
   };
 
-  // Rank 0: the optimizer file (first, so a model file is never newer than its optimizer
-  // file), then the model file.
+  // Rank 0: the optimizer file, then the model file, under temporary names (commit()
+  // publishes them; a stale optimizer file is removed there when this save has none).
   template <class SourceOf>
-  void write_files(SourceOf&& source_of) const {
+  void write_files(SourceOf&& source_of) {
     checkpoint::SafetensorsWriter optim, model;
     describe(source_of, optim, model);
-    const auto optimizer_file = optimizer_file_of(file_);
-    if (optimizer_) optim.write(optimizer_file);
-    else std::filesystem::remove(optimizer_file);  // a stale one would load with the new model
-    model.write(file_);
+    staged_.clear();
+    auto stage = [&](const checkpoint::SafetensorsWriter& w, const std::filesystem::path& path) {
+      // Hashing::none: with data checksums (describe) the writer overwrites their placeholder.
+      staged_.push_back(checkpoint::StagedFile::write(path, [&](checkpoint::FileSink& sink) { w.write_to(sink); },
+                                                      checkpoint::Hashing::none));
+    };
+    if (optimizer_) stage(optim, optimizer_file_of(file_));
+    stage(model, file_);
   }
 
  public:
@@ -157,6 +197,8 @@ class FullSave {
     for (; k < gathers_.size(); ++k) add(model, k);
     optim.checksum_data();
     model.checksum_data();
+    optim.mark_fsdp_file(save_id_);  // the same id in both files: a load refuses a mixed pair
+    model.mark_fsdp_file(save_id_);
     for (std::size_t j = 0; j < buffers_.size(); ++j) {
       const auto& [u, i] = buffers_[j];
       const auto& b = u->buffers()[i];
@@ -187,8 +229,11 @@ class FullSave {
   std::vector<FullGather> gathers_;
   std::vector<std::pair<Unit*, std::size_t>> buffers_;  // (unit, buffer index)
   std::map<std::string, std::string> optim_scalars_;
+  std::uint64_t save_id_ = checkpoint::new_save_id();   // rank 0's is written (only its headers are)
   std::vector<checkpoint::HostArena> snapshot_;          // per gather, on rank 0 (empty elsewhere)
   std::vector<std::vector<std::byte>> buffer_copies_;    // per buffer, on rank 0 (empty elsewhere)
+  std::vector<checkpoint::StagedFile> staged_;           // rank 0's written files, until commit()
+  std::vector<std::string> recovered_;                   // what rank 0's commit found
 };
 
 }  // namespace detail

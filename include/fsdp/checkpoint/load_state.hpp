@@ -5,17 +5,21 @@
 // everything is read into host memory); then the ranks agree that all of them succeeded;
 // only then is anything written. A bad checkpoint therefore leaves the model and the
 // optimizer untouched on every rank.
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdp/checkpoint/checkpoint_collective.hpp"
 #include "fsdp/checkpoint/host_arena.hpp"
+#include "fsdp/checkpoint/save_id.hpp"
 #include "fsdp/checkpoint/state_key.hpp"
 #include "fsdp/checkpoint/state_source.hpp"
 
@@ -182,12 +186,35 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
 namespace detail {
 
 // The load of a checkpoint on disk, whatever its layout: every rank opens Source(path),
-// the ranks agree that all could, then load_state verifies every tensor before writing.
+// the ranks agree that all could and that all opened the same save, then load_state
+// verifies every tensor before writing.
+//
+// Why the save ids are compared: each rank opens the checkpoint on its own, so a commit
+// landing between rank 0's open and rank 1's gives them two saves (step N on one, N + 1 on
+// the other), each whole: no check of one rank's files finds that. The ranks agree on the
+// largest and the smallest id (two maxima, the second of ~id); where they differ every rank
+// opens again (the commit has landed by then), a few times, then every rank fails alike.
 template <class Source>
 LoadReport open_and_load(const std::string& what, const std::filesystem::path& path, ShardedModel& model,
                          OptimizerState* optimizer, LoadOptions options) {
   std::optional<Source> source;
-  run_agreed(model, what + " '" + path.string() + "'", [&] { source.emplace(path); });
+  const std::string where = what + " '" + path.string() + "'";
+  constexpr int attempts = 3;
+  for (int attempt = 1;; ++attempt) {
+    source.reset();
+    run_agreed(model, where, [&] { source.emplace(path); });
+    if (model.size() == 0) break;  // load_state loads nothing
+    const auto& in = fsdp::detail::internals(model[0]);
+    const auto id = static_cast<std::int64_t>(source->save_id());  // any 64 bits: ~ reverses the order
+    const std::int64_t most = in.max_over_ranks(id), least = ~in.max_over_ranks(~id);
+    if (most == least) break;
+    if (attempt == attempts)
+      fail_as(ErrorKind::mismatch, where, ": the ranks opened different saves (save id ",
+              checkpoint::format_save_id(static_cast<std::uint64_t>(least)), " and ",
+              checkpoint::format_save_id(static_cast<std::uint64_t>(most)), ", still after ", attempts,
+              " opens): saves keep committing into it, or the ranks were given different paths; nothing was loaded");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 * attempt));
+  }
   return load_state(model, *source, optimizer, options);
 }
 

@@ -5,7 +5,9 @@
 // into the data buffer) plus an optional "__metadata__" object of strings. This header
 // formats one and parses one with every check a reader must make before it trusts the
 // offsets: the tensors must cover the data buffer exactly, each with exactly the bytes its
-// dtype and shape need.
+// dtype and shape need. A header written by fsdp must also match its own checksum
+// (fsdp_metadata.hpp), checked before its offsets are: two tensors' data_offsets swapped
+// (same sizes, so every other check passes) would otherwise load each into the other.
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -17,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fsdp/checkpoint/fsdp_metadata.hpp"
 #include "fsdp/checkpoint/json_checks.hpp"
 #include "fsdp/core/tensor.hpp"
 #include "fsdp/core/dtype.hpp"
@@ -115,6 +118,17 @@ inline std::string format_safetensors_header(const std::vector<TensorInfo>& tens
   return s;
 }
 
+// The canonical checksum of the header of `tensors` with `metadata` (fsdp_metadata.hpp):
+// what a writer puts in fsdp.header_xxh64 (the parser computes it from the JSON it read).
+inline std::uint64_t header_xxh64(const std::vector<TensorInfo>& tensors,
+                                  const std::map<std::string, std::string, std::less<>>& metadata) {
+  nlohmann::json root = nlohmann::json::object();
+  if (!metadata.empty()) root["__metadata__"] = metadata;
+  for (const TensorInfo& t : tensors)
+    root[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  return canonical_header_xxh64(root);
+}
+
 namespace detail {
 
 class HeaderParser {
@@ -131,6 +145,7 @@ class HeaderParser {
       if (key == "__metadata__") h.metadata = parse_metadata(value);
       else h.tensors.push_back(parse_tensor(key, value));
     }
+    check_fsdp_metadata(file_, h.metadata, [&] { return canonical_header_xxh64(root); });  // before the offsets
     check_coverage(h.tensors);
     return h;
   }
@@ -143,6 +158,11 @@ class HeaderParser {
 
   // A first pass over the text without building anything (JsonChecker), then the tree.
   nlohmann::json parse_json(std::string_view text) const {
+    // Valid JSON has none (a string's control characters are escaped), but nlohmann's
+    // parser stops at one as at the end of its input: a NUL in the padding would pass.
+    if (const auto nul = text.find('\0'); nul != std::string_view::npos)
+      fail_as(ErrorKind::corrupt, "safetensors file '", file_, "': the header has a NUL byte at offset ", nul,
+              " (not valid JSON)");
     detail::JsonChecker checker;
     if (!nlohmann::json::sax_parse(text.begin(), text.end(), &checker)) {
       if (checker.too_deep)

@@ -7,7 +7,8 @@
 //
 // The file is deterministic: the same adds and metadata give the same bytes. Tensors are
 // laid out in the order they were added; the header lists them in that order after
-// "__metadata__" (sorted by key).
+// "__metadata__" (sorted by key). A checkpoint file is marked as fsdp's (mark_fsdp_file):
+// its header then carries its own checksum, the format version and the save id.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -25,6 +26,7 @@
 
 #include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/checkpoint/data_checksums.hpp"
+#include "fsdp/checkpoint/fsdp_metadata.hpp"
 #include "fsdp/checkpoint/host_arena.hpp"
 #include "fsdp/checkpoint/safetensors_header.hpp"
 #include "fsdp/core/dtype.hpp"
@@ -87,6 +89,14 @@ class SafetensorsWriter {
     checksum_chunk_ = chunk_bytes;
   }
 
+  // Marks the file as one of fsdp's checkpoint files, of save `save_id` (save_id.hpp):
+  // "__metadata__" then also holds the format version, the save id and the header's
+  // checksum (fsdp_metadata.hpp), and no other "fsdp." key may be set but fsdp.slices.
+  void mark_fsdp_file(std::uint64_t save_id) {
+    if (save_id == 0) detail::fail("safetensors writer: save id 0 (draw one with checkpoint::new_save_id())");
+    save_id_ = save_id;
+  }
+
   std::size_t size() const { return tensors_.size(); }
   // Every tensor added, in file order; begin/end are offsets into the data section.
   std::vector<TensorInfo> layout() const {
@@ -97,10 +107,23 @@ class SafetensorsWriter {
   std::uint64_t data_bytes() const { return data_bytes_; }
   // The header JSON, padded (see format_safetensors_header).
   std::string header() const {
-    if (!checksum_chunk_) return format_safetensors_header(layout(), metadata_);
+    if (!checksum_chunk_ && !save_id_) return format_safetensors_header(layout(), metadata_);
+    if (!save_id_)  // an "fsdp." key without the rest would be refused by every reader
+      detail::fail("safetensors writer: data checksums are for fsdp's checkpoint files: call mark_fsdp_file too");
     auto with = metadata_;
-    with[std::string(data_checksums_key)] = DataChecksums::placeholder(data_bytes_, checksum_chunk_).format();
-    return format_safetensors_header(layout(), with);
+    if (save_id_) {
+      for (const auto& [key, value] : metadata_)
+        if (is_fsdp_key(key) && key != slices_key)
+          detail::fail("safetensors writer: metadata key '", key, "' is reserved: keys starting with '",
+                       fsdp_key_prefix, "' are the library's own");
+      with[std::string(format_version_key)] = std::to_string(checkpoint_format_version);
+      with[std::string(save_id_key)] = format_save_id(save_id_);
+    }
+    if (checksum_chunk_)
+      with[std::string(data_checksums_key)] = DataChecksums::placeholder(data_bytes_, checksum_chunk_).format();
+    const std::vector<TensorInfo> tensors = layout();
+    if (save_id_) with[std::string(header_checksum_key)] = xxh64_hex(header_xxh64(tensors, with));
+    return format_safetensors_header(tensors, with);
   }
 
   // Fills smaller than this are written on the calling thread: for them a thread costs
@@ -229,6 +252,7 @@ class SafetensorsWriter {
   std::map<std::string, std::string, std::less<>> metadata_;
   std::uint64_t data_bytes_ = 0;
   std::uint64_t checksum_chunk_ = 0;  // 0: no data checksums
+  std::uint64_t save_id_ = 0;         // 0: not marked as fsdp's (mark_fsdp_file)
 };
 
 }  // namespace fsdp::checkpoint

@@ -4,11 +4,15 @@
 // one checkpoint directory, rank 0 writes index.json (which slice of which tensor each
 // file holds, a checksum per file, user metadata, the optimizer's scalars) and commits the
 // directory atomically. Any number of ranks loads it back (see ShardedCheckpointSource).
+// The staging directory carries a token rank 0 draws for this save alone, so two saves
+// into one path never share one (checkpoint_directory.hpp says how commits and leftovers
+// of interrupted saves are dealt with).
 //
 //   ckpt/index.json
 //   ckpt/rank-00000.safetensors   tensors "param/<fqn>", "optim/<state>/<fqn>", "buffer/<fqn>";
 //   ckpt/rank-00001.safetensors   __metadata__ "fsdp.slices": JSON of each key's tensor, begin and shape
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -18,6 +22,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +30,7 @@
 #include "fsdp/checkpoint/checkpoint_collective.hpp"
 #include "fsdp/checkpoint/checkpoint_directory.hpp"
 #include "fsdp/checkpoint/load_state.hpp"
+#include "fsdp/checkpoint/save_id.hpp"
 #include "fsdp/checkpoint/safetensors_file.hpp"
 #include "fsdp/checkpoint/safetensors_writer.hpp"
 #include "fsdp/checkpoint/sharded_checkpoint_reader.hpp"
@@ -34,7 +40,6 @@ namespace fsdp {
 
 namespace detail {
 
-inline constexpr const char* checkpoint_token = "fsdp";           // every rank knows the staging path
 inline constexpr const char* slices_metadata_key = "fsdp.slices";  // in each rank file's __metadata__
 inline constexpr const char* optim_scalar_prefix = "optim.";       // optimizer scalars in the index metadata
 
@@ -63,8 +68,10 @@ std::map<std::string, std::string> user_metadata(const Map& index_metadata) {
 // This rank's file: each slice (count 0 included) as a 1-D tensor, and in "fsdp.slices"
 // what its header cannot say: which tensor it is a slice of, the global shape, the begin.
 // A slice with no unit is in host memory; one with a unit is copied from it while writing.
-inline checkpoint::WriteResult write_rank_file(const std::filesystem::path& path, const std::vector<SliceSource>& slices) {
+inline checkpoint::WriteResult write_rank_file(const std::filesystem::path& path, const std::vector<SliceSource>& slices,
+                                               std::uint64_t save_id) {
   checkpoint::SafetensorsWriter writer;
+  writer.mark_fsdp_file(save_id);  // format version, save id, header checksum
   nlohmann::json places = nlohmann::json::object();
   for (const SliceSource& s : slices) {
     const std::string key = slice_key(s.id);
@@ -139,7 +146,26 @@ inline void index_rank_file(checkpoint::CheckpointIndex& index, const std::files
 
 }  // namespace detail
 
+// What a save found at its path of earlier saves that did not finish and what it did with
+// them (checkpoint::recover_leftovers), one line each: rank 0's; empty on the other ranks
+// and when there was nothing.
+struct SaveReport {
+  std::vector<std::string> recovered;
+};
+
 namespace detail {
+
+// A token unique to one save and the same on every rank (rank 0 draws it, the others learn
+// it; a collective): its staging directory "<dir>.partial-fsdp-<hex of the token>".
+inline std::string agreed_save_token(ShardedModel& model) {
+  if (model.size() == 0) return "none";  // run_agreed refuses the model next
+  const bool root = fsdp::detail::internals(model[0]).rank() == 0;
+  // new_save_id: the random source mixed with the clock and the pid (a deterministic
+  // random_device in two jobs would otherwise give both saves one staging directory).
+  const std::uint64_t drawn = root ? checkpoint::new_save_id() : 0;  // in [1, 2^63)
+  const std::int64_t token = fsdp::detail::internals(model[0]).max_over_ranks(static_cast<std::int64_t>(drawn));
+  return checkpoint::xxh64_hex(static_cast<std::uint64_t>(token));
+}
 
 // A sharded save in three steps, so that the middle one can run on a background thread
 // (AsyncCheckpointer): the constructor agrees on the staging directory and, with
@@ -152,10 +178,11 @@ class ShardedSave {
  public:
   ShardedSave(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer,
               std::map<std::string, std::string> metadata, bool snapshot = true)
-      : what_("save_sharded_checkpoint '" + dir.string() + "'"), metadata_(std::move(metadata)) {
+      : what_("save_sharded_checkpoint '" + dir.string() + "'"), metadata_(std::move(metadata)),
+        token_(agreed_save_token(model)), save_id_(checkpoint::save_id_of_token(token_)) {
     run_agreed(model, what_, [&] {
       check_user_metadata(metadata_, what_);
-      staging_dir_ = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), checkpoint_token);
+      staging_dir_ = checkpoint::CheckpointDirectory::staging_path(checkpoint::detail::checkpoint_dir_path(dir), token_);
       rank_ = fsdp::detail::internals(model[0]).rank();
       sources_ = sharded_slice_sources(model, optimizer);  // no collective: inside the agreement
       if (snapshot)  // the same slices, copied: write() then needs nothing of the model
@@ -165,12 +192,15 @@ class ShardedSave {
         }
       if (optimizer) optim_scalars_ = optimizer->scalars();
       if (rank_ != 0) return;
-      std::filesystem::remove_all(staging_dir_);  // left by a save that was killed
-      staging_.emplace(checkpoint::CheckpointDirectory::begin(dir, checkpoint_token));
+      staging_.emplace(checkpoint::CheckpointDirectory::begin(dir, token_));  // recovers leftovers first
+      report_.recovered = staging_->recovered();
     });
   }
 
   const std::string& what() const { return what_; }
+  // This save's token, the same on every rank (its staging directory's name ends with it).
+  const std::string& token() const { return token_; }
+  const SaveReport& report() const { return report_; }
   std::uint64_t bytes() const {
     std::uint64_t n = 0;
     for (const auto& s : sources_) n += s.bytes();
@@ -179,7 +209,7 @@ class ShardedSave {
 
   void write() const {
     const auto file = staging_dir_ / checkpoint::rank_file_name(rank_);
-    note_written(file, write_rank_file(file, sources_));
+    note_written(file, write_rank_file(file, sources_, save_id_));
   }
 
   // A save dropped before its commit (no collective possible): this rank removes what it
@@ -208,6 +238,7 @@ class ShardedSave {
       std::sort(files.begin(), files.end());
       checkpoint::CheckpointIndex index;
       index.world_size = static_cast<int>(files.size());
+      index.save_id = save_id_;
       for (int r = 0; r < index.world_size; ++r)
         if (files[static_cast<std::size_t>(r)].filename() != checkpoint::rank_file_name(r))
           fail_as(ErrorKind::io, "staging directory '", staging_dir_.string(), "' holds '",
@@ -224,6 +255,9 @@ class ShardedSave {
  private:
   std::string what_;
   std::map<std::string, std::string> metadata_;
+  std::string token_;
+  std::uint64_t save_id_;  // in every file of this save and in the index (checkpoint/save_id.hpp)
+  SaveReport report_;
   std::optional<checkpoint::CheckpointDirectory> staging_;  // rank 0's; aborted (removed) unless committed
   std::filesystem::path staging_dir_;
   int rank_ = 0;
@@ -236,10 +270,14 @@ class ShardedSave {
 
 // A collective: every rank calls it. `dir` is complete or absent afterwards (an older
 // checkpoint there is replaced only at the commit). A rank that fails makes every rank fail.
-inline void save_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model, OptimizerState* optimizer = nullptr,
-                                    const std::map<std::string, std::string>& metadata = {}) {
+// Before it writes, rank 0 deals with what interrupted saves left at `dir` and returns
+// what it found (see SaveReport).
+inline SaveReport save_sharded_checkpoint(const std::filesystem::path& dir, ShardedModel& model,
+                                          OptimizerState* optimizer = nullptr,
+                                          const std::map<std::string, std::string>& metadata = {}) {
   detail::ShardedSave save(dir, model, optimizer, metadata, /*snapshot=*/false);
   save.commit(model, detail::captured([&] { save.write(); }));
+  return save.report();
 }
 
 // A sharded checkpoint directory as a StateSource. Opening reads the index and every file's
@@ -250,10 +288,16 @@ inline void save_sharded_checkpoint(const std::filesystem::path& dir, ShardedMod
 // one rank per load, whichever ranks read it.
 class ShardedCheckpointSource final : public StateSource {
  public:
-  explicit ShardedCheckpointSource(const std::filesystem::path& dir) : reader_(dir) {
+  // A `dir` that a commit interrupted between its renames left absent is read from its old
+  // copy (checkpoint::committed_checkpoint_dir).
+  explicit ShardedCheckpointSource(const std::filesystem::path& dir) : reader_(open_reader(dir)) {
     for (const auto& e : reader_.index().entries) metas_[e.id] = {e.dtype, e.shape};
   }
   std::string name() const override { return "checkpoint '" + reader_.dir().string() + "'"; }
+  // The save id of the index opened (its rank files were checked to carry the same one).
+  // open_and_load has the ranks agree on it: a commit between two ranks' opens must not load
+  // two saves.
+  std::uint64_t save_id() const { return reader_.index().save_id; }
   std::optional<TensorMeta> find(const StateKey& key) const override {
     auto it = metas_.find(key);
     if (it == metas_.end()) return std::nullopt;
@@ -301,6 +345,22 @@ class ShardedCheckpointSource final : public StateSource {
   std::map<std::string, std::string> metadata() const { return detail::user_metadata(reader_.index().metadata); }
 
  private:
+  // The index is read from dir/index.json and the rank files by path after it: a commit
+  // renaming another save into `dir` in between gives rank files of another save than the
+  // index, or none (both an error here). Opening again then finds the new save whole, so
+  // such an error (io or corrupt) is retried a few times, with a short pause, before it is
+  // reported; a checkpoint that is really damaged fails the same way each time.
+  static checkpoint::ShardedCheckpointReader open_reader(const std::filesystem::path& dir) {
+    constexpr int attempts = 3;
+    for (int attempt = 1;; ++attempt) {
+      try {
+        return checkpoint::ShardedCheckpointReader(checkpoint::committed_checkpoint_dir(dir));
+      } catch (const Error& e) {
+        if (attempt == attempts || (e.kind() != ErrorKind::io && e.kind() != ErrorKind::corrupt)) throw;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20 * attempt));
+    }
+  }
   // File i is verified by rank i mod ranks.
   static std::function<bool(std::size_t)> verifies(int rank, int ranks) {
     const auto n = static_cast<std::size_t>(std::max(ranks, 1));

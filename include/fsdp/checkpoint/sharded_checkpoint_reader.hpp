@@ -3,7 +3,10 @@
 // lists) opened for reading ranges of its tensors, on any number of ranks. Opening checks
 // everything but the checksums before the caller reads a byte: the index, every file's
 // header and size, and that each slice's tensor is in its file with the entry's dtype and
-// the slice's element count, and that no file holds a tensor the index does not list.
+// the slice's element count, and that no file holds a tensor the index does not list; the
+// index's own checksum and its world size against the rank files present; each rank file's
+// header checksum, its save id against the index's, and its own slice metadata
+// ("fsdp.slices") against the index's slices, slice for slice.
 // Checksums are verified per file the first time read() uses it (so a rank hashes only the
 // files it reads), all at once with verify_checksums(), or by read_all() for the files a
 // caller names, hashing each while it is read (one pass over the file, not two).
@@ -24,6 +27,7 @@
 
 #include "fsdp/checkpoint/checkpoint_index.hpp"
 #include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/checkpoint/fsdp_metadata.hpp"
 #include "fsdp/checkpoint/safetensors_file.hpp"
 #include "fsdp/core/error.hpp"
 
@@ -43,12 +47,14 @@ class ShardedCheckpointReader {
   explicit ShardedCheckpointReader(const std::filesystem::path& dir, Checksums checksums = Checksums::verify)
       : dir_(dir), checksums_(checksums), planner_(CheckpointIndex::load(dir / index_file_name)) {
     const CheckpointIndex& ix = planner_.index();
+    check_rank_files(ix);
     std::map<std::string_view, std::vector<const IndexSlice*>> by_file;
     for (const IndexSlice& s : ix.slices) by_file[s.file].push_back(&s);
     for (const IndexFile& f : ix.files) {
-      Opened o{SafetensorsFile::open(dir_ / f.name), &f, false};
+      Opened o{SafetensorsFile::open(dir_ / f.name), &f, false};  // checks its header's checksum
       if (o.file.file_bytes() != f.bytes)
         fail_file(f.name, "it has ", o.file.file_bytes(), " bytes but the index says ", f.bytes);
+      check_same_save(f.name, o.file);
       for (const IndexSlice* s : by_file[f.name]) {
         const TensorInfo* t = o.file.find(s->key);
         const IndexEntry& e = planner_.entry(s->id);
@@ -64,6 +70,7 @@ class ShardedCheckpointReader {
           for (const IndexSlice* s : by_file[f.name]) listed = listed || s->key == t.name;
           if (!listed) fail_file(f.name, "tensor '", t.name, "' is in no slice of the index");
         }
+      check_slices(f.name, o.file, by_file[f.name]);
       files_.emplace(f.name, std::move(o));
     }
   }
@@ -155,6 +162,82 @@ class ShardedCheckpointReader {
   [[noreturn]] void fail_file(const std::string& name, Parts&&... parts) const {
     detail::fail_as(ErrorKind::corrupt, "checkpoint '", dir_.string(), "': file '", name,
                     "': ", std::forward<Parts>(parts)...);
+  }
+  template <class... Parts>
+  [[noreturn]] void fail_index(Parts&&... parts) const {
+    detail::fail_as(ErrorKind::corrupt, "checkpoint '", dir_.string(), "': index '", index_file_name, "': ",
+                    std::forward<Parts>(parts)...);
+  }
+
+  // The index lists rank-00000 ... rank-<world_size - 1>, in order, and the directory holds
+  // no other rank file: a world_size or a file list that disagrees with the files present
+  // is an error, not a load of part of the checkpoint.
+  void check_rank_files(const CheckpointIndex& ix) const {
+    if (ix.files.size() != static_cast<std::size_t>(ix.world_size))
+      fail_index("world_size is ", ix.world_size, " but it lists ", ix.files.size(), " files");
+    std::set<std::string, std::less<>> listed;
+    for (int r = 0; r < ix.world_size; ++r) {
+      const std::string& name = ix.files[static_cast<std::size_t>(r)].name;
+      if (name != rank_file_name(r))
+        fail_index("file ", r, " is '", name, "' where rank ", r, "'s '", rank_file_name(r), "' was expected");
+      listed.insert(name);
+    }
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir_, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 && e.path().extension() == ".safetensors" && !listed.count(name))
+        fail_index("the directory holds '", name, "', which the index (world_size ", ix.world_size,
+                   ") does not list: the index is from another save, or its world_size is wrong");
+    }
+  }
+
+  // A rank file is fsdp's (its header checked against its checksum when opened) and of the
+  // index's save.
+  void check_same_save(const std::string& name, const SafetensorsFile& f) const {
+    if (!is_fsdp_file(f.metadata()))
+      fail_file(name, "it has none of fsdp's metadata (no '", format_version_key, "', '", save_id_key, "', '",
+                slices_key, "'): not a rank file of an fsdp sharded checkpoint");
+    const std::uint64_t id = save_id_of(f.metadata());
+    if (id != index().save_id)
+      fail_file(name, "it is from another save than the index (save id ", format_save_id(id), ", the index's ",
+                format_save_id(index().save_id), "): a save was interrupted, or files were mixed");
+  }
+
+  // Each rank file says in its own "fsdp.slices" which slice of which tensor each of its
+  // tensors is; the index must say the same, slice for slice (a key or a begin swapped in
+  // the index would otherwise load one slice in another's place).
+  void check_slices(const std::string& name, const SafetensorsFile& f, const std::vector<const IndexSlice*>& listed) const {
+    const auto it = f.metadata().find(slices_key);
+    if (it == f.metadata().end()) fail_file(name, "its metadata has no '", slices_key, "'");
+    nlohmann::json places;
+    try {
+      places = nlohmann::json::parse(it->second);
+    } catch (const nlohmann::json::exception&) {
+      fail_file(name, "its '", slices_key, "' is not JSON");
+    }
+    if (!places.is_object()) fail_file(name, "its '", slices_key, "' is not a JSON object");
+    if (places.size() != listed.size())
+      fail_file(name, "it holds ", places.size(), " slices (its '", slices_key, "') but the index lists ", listed.size());
+    for (const IndexSlice* s : listed) {
+      const auto p = places.find(s->key);
+      if (p == places.end())
+        fail_file(name, "the index puts ", s->id.describe(), " at key '", s->key, "', which its '", slices_key,
+                  "' does not list");
+      const IndexEntry& e = planner_.entry(s->id);
+      bool same = false;
+      try {
+        same = p->at("kind").get<std::string>() == name_of(s->id.kind) && p->at("fqn").get<std::string>() == s->id.fqn &&
+               p->value("state", std::string()) == s->id.state && p->at("begin").get<std::uint64_t>() == s->begin &&
+               p->at("count").get<std::uint64_t>() == s->count &&
+               p->at("dtype").get<std::string>() == safetensors_dtype_name(e.dtype) && p->at("shape").get<Shape>() == e.shape;
+      } catch (const nlohmann::json::exception&) {
+        fail_file(name, "its '", slices_key, "' entry for '", s->key, "' is malformed: ", detail::json_text(*p));
+      }
+      if (!same)
+        fail_file(name, "the index says tensor '", s->key, "' is elements [", s->begin, ", +", s->count, ") of ",
+                  s->id.describe(), " (", safetensors_dtype_name(e.dtype), " ", detail::format_shape(e.shape),
+                  ") but the file says ", detail::json_text(*p));
+    }
   }
 
   // Reads file `name` from its first byte to its last in 1 MiB steps, each into its piece's

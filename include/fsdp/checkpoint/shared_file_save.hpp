@@ -2,8 +2,8 @@
 // A full checkpoint written by every rank at once, where the ranks share a file system (one
 // host, or a cluster file system): rank 0 creates the files at their final size with their
 // headers; every rank writes the slices it saves (the parameters and optimizer states of
-// its shards; rank 0 also the buffers) at their offsets; rank 0 then publishes the files
-// as write_file_atomically does (fsync, rename, fsync of the directory). Nothing is
+// its shards; rank 0 also the buffers) at their offsets; rank 0 then publishes both files
+// together as the gathering save does (publish_full_files: one commit, journaled). Nothing is
 // gathered: each byte is copied once, by the rank that holds it, and the ranks write in
 // parallel. The files are byte for byte those the gathering save writes.
 //
@@ -17,13 +17,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "fsdp/checkpoint/checkpoint_collective.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
 #include "fsdp/checkpoint/full_save.hpp"
+#include "fsdp/checkpoint/save_id.hpp"
 #include "fsdp/checkpoint/state_dict.hpp"
 
 namespace fsdp::detail {
@@ -47,9 +47,11 @@ inline void write_my_digests(int fd, const std::filesystem::path& file, std::uin
 }
 
 // A collective. false: the shards are not in host memory, or some rank cannot open rank 0's
-// files; nothing was written and nothing is left. true: the checkpoint is committed.
+// files; nothing was written and nothing is left. true: the checkpoint is committed, and
+// rank 0's `recovered` (if given) says what its commit found of interrupted saves.
 // Throws on every rank when the save fails; the target files are then untouched.
-inline bool save_full_shared(const FullSave& save, ShardedModel& model, OptimizerState* optimizer) {
+inline bool save_full_shared(const FullSave& save, ShardedModel& model, OptimizerState* optimizer,
+                             std::vector<std::string>* recovered = nullptr) {
   if (model.size() == 0) return false;
   const bool root = fsdp::detail::internals(model[0]).rank() == 0;
   bool host = true;
@@ -71,9 +73,9 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
   files[0].target = save.file();
   if (files.size() == 2) files[1].target = optimizer_file_of(save.file());
 
-  std::random_device rd;
+  // new_save_id: random, mixed with the clock and the pid, in [1, 2^63).
   const std::int64_t token = fsdp::detail::internals(model[0]).max_over_ranks(
-      root ? static_cast<std::int64_t>((std::uint64_t{rd()} << 31 ^ rd()) & 0x3fffffffffffffff) | 1 : 0);
+      root ? static_cast<std::int64_t>(checkpoint::new_save_id()) : 0);
   for (File& f : files) {
     f.temp = checkpoint::detail::temp_path_for(f.target, "shared-" + std::to_string(token));
     if (root) f.header = f.layout.header();
@@ -82,22 +84,14 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
         root ? std::int64_t(checkpoint::data_checksums_offset(f.header, f.layout.data_bytes(), f.temp.string())) : 0));
     for (const auto& t : f.layout.layout()) f.offset[t.name] = 8 + f.header_bytes + t.begin;
   }
-  bool committed = false;
-  struct RemoveTemps {  // rank 0, however this ends short of the commit
-    std::vector<File>& files;
-    const bool& keep;
-    bool root;
-    ~RemoveTemps() {
-      if (root && !keep)
-        for (File& f : files) f.fd.reset(), ::unlink(f.temp.c_str());
-    }
-  } cleanup{files, committed, root};
-
+  std::vector<checkpoint::StagedFile> staged;  // rank 0's temporary files: removed unless committed
   const std::string what = "save_full_checkpoint '" + save.file().string() + "'";
   run_agreed(model, what, [&] {  // rank 0 creates the files at their size, headers in place
     if (!root) return;
     for (File& f : files) {
       f.fd = checkpoint::detail::open_fd(f.temp, O_RDWR | O_CREAT | O_EXCL, "to write a temporary file");
+      staged.emplace_back(f.temp, f.target, checkpoint::detail::hold_file_lock(f.fd.get()));
+      checkpoint::detail::check_still_linked(f.fd.get(), f.temp);  // not removed before it was locked
       const std::uint64_t n = f.header.size();
       checkpoint::detail::pwrite_all(f.fd.get(), &n, sizeof n, 0, f.temp);
       checkpoint::detail::pwrite_all(f.fd.get(), f.header.data(), n, 8, f.temp);
@@ -131,15 +125,12 @@ inline bool save_full_shared(const FullSave& save, ShardedModel& model, Optimize
     }
   }, "; nothing was saved");
 
-  run_agreed(model, what, [&] {  // rank 0 publishes: the optimizer file first, as the gathering save does
+  run_agreed(model, what, [&] {  // rank 0 publishes both together, as the gathering save does
     if (!root) return;
-    if (files.size() == 1) std::filesystem::remove(optimizer_file_of(save.file()));  // a stale one would load
-    for (std::size_t i = files.size(); i-- > 0;)
-      if (::rename(files[i].temp.c_str(), files[i].target.c_str()) != 0)
-        fail_as(ErrorKind::io, "renaming '", files[i].temp.string(), "' to '", files[i].target.string(),
-                "' failed: ", checkpoint::detail::errno_text(errno));
-    committed = true;
-    checkpoint::detail::fsync_directory(checkpoint::detail::parent_or_dot(save.file()));
+    std::vector<checkpoint::StagedFile> in_order;  // the optimizer file first
+    for (std::size_t i = staged.size(); i-- > 0;) in_order.push_back(std::move(staged[i]));
+    auto found = publish_full_files(save.file(), in_order, save.saves_optimizer(), save.save_id());
+    if (recovered) *recovered = std::move(found);
   });
   return true;
 }

@@ -4,8 +4,14 @@
 // where all-gathers are cheap; replicate group j holds the ranks {j, j+shard, ...} that own
 // the same shard. Built from any communicator that can split itself (MPI_Comm_split,
 // ncclCommSplit; ThreadComm::split on the thread backend).
+//
+// A shape is two numbers a user types (--mesh 2x4), so its product is checked: a shape
+// whose ranks do not fit in an int is refused, never wrapped around to a small world that
+// happens to match (5002x858650 is 4294967300 ranks, not 4).
 #include <array>
 #include <cctype>
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -14,6 +20,7 @@
 
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/parse.hpp"
 
 namespace fsdp {
 
@@ -25,26 +32,34 @@ concept SplittableCommunicator = Communicator<C> && requires(C& c, int color, in
 struct MeshShape {
   int replicate = 1;
   int shard = 1;
-  int size() const { return replicate * shard; }
+  // The number of ranks, replicate x shard; an fsdp::Error when that overflows an int.
+  int size() const { return detail::checked_product(replicate, shard, "mesh shape " + str() + ": its number of ranks"); }
+  // The same in 64 bits, which two ints cannot overflow: for messages and comparisons.
+  std::int64_t ranks() const { return std::int64_t{replicate} * shard; }
   friend bool operator==(const MeshShape&, const MeshShape&) = default;
   std::string str() const { return std::to_string(replicate) + "x" + std::to_string(shard); }
 };
 
-// "2x3" (or "2X3", "2*3") -> {replicate 2, shard 3}.
-inline MeshShape parse_mesh_shape(std::string_view text) {
-  MeshShape m{0, 0};
-  std::size_t i = 0;
-  auto number = [&](int& out) {
-    std::size_t start = i;
-    long v = 0;
-    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) && v < 1000000) v = v * 10 + (text[i++] - '0');
-    out = static_cast<int>(v);
-    return i > start && v > 0;
+// "2x3" (or "2X3", "2*3") -> {replicate 2, shard 3}: two positive decimal numbers whose
+// product fits in an int. `what` names the input in an error (a flag, a variable).
+inline MeshShape parse_mesh_shape(std::string_view text, std::string_view what = "mesh shape") {
+  const std::size_t sep = text.find_first_of("xX*");
+  auto digits = [](std::string_view part) {
+    bool positive = false;
+    for (char c : part) {
+      if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+      positive = positive || c != '0';
+    }
+    return positive;
   };
-  const bool ok = number(m.replicate) && i < text.size() && (text[i] == 'x' || text[i] == 'X' || text[i] == '*') &&
-                  (++i, number(m.shard)) && i == text.size();
-  if (!ok)
-    detail::fail("mesh shape '", text, "' is not of the form REPLICATExSHARD with positive numbers, e.g. 2x4");
+  if (sep == std::string_view::npos || !digits(text.substr(0, sep)) || !digits(text.substr(sep + 1)))
+    detail::fail(what, " '", text, "' is not of the form REPLICATExSHARD with positive numbers, e.g. 2x4");
+  const std::string where = std::string(what) + " '" + std::string(text) + "'";
+  const int most = std::numeric_limits<int>::max();
+  MeshShape m{detail::parse_integer<int>(text.substr(0, sep), where + ": REPLICATE", 1, most),
+              detail::parse_integer<int>(text.substr(sep + 1), where + ": SHARD", 1, most)};
+  if (m.ranks() > most)
+    detail::fail(where, ": ", m.replicate, " x ", m.shard, " = ", m.ranks(), " ranks, more than an int counts (", most, ")");
   return m;
 }
 
@@ -64,9 +79,9 @@ class DeviceMesh {
       if (all[2 * r] != mine[0] || all[2 * r + 1] != mine[1])
         detail::fail_as(ErrorKind::mismatch, "device mesh on rank ", rank, ": ranks disagree on the shape: rank ", r,
                         " asked for ", all[2 * r], "x", all[2 * r + 1], ", rank ", rank, " for ", shape.str());
-    if (shape.replicate < 1 || shape.shard < 1 || shape.size() != n)
+    if (shape.replicate < 1 || shape.shard < 1 || shape.ranks() != n)  // in 64 bits: a product that overflows int is no match
       detail::fail("device mesh on rank ", rank, ": shape ", shape.str(), " (replicate x shard) needs ",
-                   shape.size(), " ranks but the communicator has ", n);
+                   shape.ranks(), " ranks but the communicator has ", n);
     shard_ = std::make_unique<group_type>(world.split(rank / shape.shard, rank));
     replicate_ = std::make_unique<group_type>(world.split(rank % shape.shard, rank));
   }

@@ -2,13 +2,13 @@
 // The launch environment, with torchrun's names and meaning: MASTER_ADDR, MASTER_PORT,
 // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. fsdp_run (tools/) sets them; so can a
 // cluster script by hand. FSDP_STORE_TOKEN, if set, is a shared secret the store demands.
-#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
 
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/parse.hpp"
 
 namespace fsdp {
 
@@ -52,12 +52,8 @@ struct DistEnv {
   static std::optional<long long> number(const char* name, long long lo, long long hi, bool required) {
     auto s = text(name, required);
     if (!s) return std::nullopt;
-    errno = 0;
-    char* end = nullptr;
-    const long long v = std::strtoll(s->c_str(), &end, 10);
-    if (errno || end == s->c_str() || *end || v < lo || v > hi)
-      detail::fail("environment: ", name, "='", *s, "' is not an integer in [", lo, ", ", hi, "]");
-    return v;
+    // Read whole (fsdp/core/parse.hpp): " 5", "+5", "5abc" and "0x10" are refused, not read as 5 or 0.
+    return detail::parse_integer<long long>(*s, std::string("environment: ") + name, lo, hi);
   }
 };
 

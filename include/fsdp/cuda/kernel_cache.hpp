@@ -8,8 +8,9 @@
 // is recompiled and overwritten. The cache is an optimization: a directory that cannot be
 // created or written leaves compilation as it was, never an error.
 //
-// Where (first that applies):  FSDP_KERNEL_CACHE=off (or 0): no cache;
+// Where (first that applies):  FSDP_KERNEL_CACHE=off (or 0, false, no): no cache;
 //   FSDP_KERNEL_CACHE=<dir>;  $XDG_CACHE_HOME/fsdp/kernels;  $HOME/.cache/fsdp/kernels.
+// FSDP_KERNEL_CACHE=on (or 1, true, yes) asks for the default place, not a directory "on".
 #include <unistd.h>
 
 #include <atomic>
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "fsdp/core/detail/fingerprint.hpp"
+#include "fsdp/core/parse.hpp"
 
 namespace fsdp::detail {
 
@@ -38,9 +40,9 @@ class KernelCache {
   static KernelCache from_environment() {
     const char* env = std::getenv("FSDP_KERNEL_CACHE");
     if (env && *env) {
-      const std::string_view v(env);
-      if (v == "off" || v == "0") return {};
-      return KernelCache(env);
+      const auto b = as_bool(env);
+      if (b && !*b) return {};
+      if (!b) return KernelCache(env);  // a directory; a true boolean falls through to the default
     }
     if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
       return KernelCache(std::filesystem::path(xdg) / "fsdp" / "kernels");

@@ -8,7 +8,9 @@
 // that throws aborts the group, a rank that returns while others wait for it is reported,
 // and a wait longer than the timeout fails naming the ranks that never arrived. Aborting
 // is safe while peers copy: no rank leaves a collective while a peer still reads its
-// buffers (see thread_group_state.hpp).
+// buffers (see thread_group_state.hpp). The ranks a failure aborts throw echoes of it
+// (detail::EchoedError, naming the failed rank and quoting it), so run() can rethrow the
+// root cause, not whichever echo got out first.
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -23,6 +25,7 @@
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/core/error.hpp"
@@ -122,8 +125,8 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
     if (failure) std::rethrow_exception(failure);
     if (!mismatch.empty()) st.fail_aborted();
     if (!ok)
-      detail::fail_as(st.root->abort_kind, "rank ", st.world_ranks[rank_], ": ", call.describe(),
-                      " aborted: ", st.root->abort_reason);
+      detail::fail_echo(st.root->abort_kind, st.root->abort_origin, "rank ", st.world_ranks[rank_], ": ",
+                        call.describe(), " aborted: ", st.root->abort_reason);
     lk.unlock();
     if (!reduced.empty()) std::memcpy(call.recv, reduced.data(), reduced.size());
     return Work{};
@@ -217,13 +220,17 @@ class ThreadGroup {
   int size() const { return size_; }
 
   // Runs fn(ThreadComm&) on `size` threads, one per rank, and joins them. If any rank
-  // threw, rethrows the first failure (the one that aborted the group, not the echoes it
-  // caused on the other ranks). If a thread cannot be started, the ranks already running
-  // are aborted and joined, and an fsdp::Error says so.
+  // threw, rethrows the root cause: the failure that aborted the group if it was that
+  // rank's own, else the first rank's own failure to leave its function, never an echo
+  // (detail::EchoedError: "another rank failed", a collective aborted by a peer) while
+  // some rank threw an error of its own; an echo only when every rank's error is one. If
+  // a thread cannot be started, the ranks already running are aborted and joined, and an
+  // fsdp::Error says so.
   template <class Fn>
   void run(Fn&& fn) {
     auto state = std::make_shared<detail::ThreadGroupState>(size_, options_);
     std::vector<std::exception_ptr> errors(size_);
+    std::vector<int> failed_in_order;  // ranks, as their errors left fn (under state->mu)
     auto body = [&](int rank) {
       ThreadComm comm(rank, state);
       try {
@@ -231,6 +238,7 @@ class ThreadGroup {
       } catch (...) {
         errors[rank] = std::current_exception();
         std::lock_guard lk(state->mu);
+        failed_in_order.push_back(rank);
         state->abort(rank, "rank " + std::to_string(rank) + " failed: " + ThreadComm::what_of(errors[rank]),
                      ErrorKind::peer_lost);
       }
@@ -259,11 +267,23 @@ class ThreadGroup {
     for (auto& t : threads) t.join();
     state->pending_splits.clear();  // splits some member never picked up (they keep the root alive)
     if (!start_failure.empty()) throw Error(start_kind, start_failure);
-    if (state->abort_origin >= 0 && errors[state->abort_origin]) std::rethrow_exception(errors[state->abort_origin]);
-    for (auto& e : errors) if (e) std::rethrow_exception(e);
+    if (const std::exception_ptr root = root_cause(errors, failed_in_order, state->abort_origin))
+      std::rethrow_exception(root);
   }
 
  private:
+  // Which error run() rethrows (see run): `order` lists the ranks that failed, first first;
+  // `origin` is the rank whose failure aborted the group (-1: none).
+  static std::exception_ptr root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
+                                       int origin) {
+    const bool origin_failed = origin >= 0 && origin < static_cast<int>(errors.size()) && errors[origin];
+    if (origin_failed && !detail::is_echo(errors[origin])) return errors[origin];
+    for (int r : order)
+      if (!detail::is_echo(errors[r])) return errors[r];
+    if (origin_failed) return errors[origin];
+    return order.empty() ? nullptr : errors[order.front()];
+  }
+
   int size_;
   Options options_;
 };

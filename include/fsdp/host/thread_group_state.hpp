@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp {
@@ -129,8 +130,9 @@ struct ThreadGroupState {
   // (having read nothing) if the group aborts, a peer exits, or the timeout passes first.
   void post_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call) {
     const int me = world_ranks[rank];
-    if (root->aborted)
-      fail_as(root->abort_kind, "rank ", me, ": ", call.describe(), " not started: ", root->abort_reason);
+    if (root->aborted)  // another rank's failure: an echo of it
+      fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " not started: ",
+                root->abort_reason);
     posted[rank] = call;
     const std::uint64_t gen = generation;
     arrived_gen[rank] = gen + 1;
@@ -146,7 +148,8 @@ struct ThreadGroupState {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (generation == gen) {
       if (root->aborted)
-        fail_as(root->abort_kind, "rank ", me, ": ", call.describe(), " aborted: ", root->abort_reason);
+        fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " aborted: ",
+                  root->abort_reason);
       for (int r = 0; r < size; ++r) {
         if (root->exited[world_ranks[r]] && arrived_gen[r] <= gen) {
           std::ostringstream os;

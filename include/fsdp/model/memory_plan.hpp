@@ -27,12 +27,14 @@
 //
 // Refused (an fsdp::Error): a model planned with gradient sync or the replicate all-reduce
 // off (plan between steps), and a model whose units the given policies or threshold would
-// not build (plan<Ps...>: a planning unit holding other shards than the model's unit).
+// not build (plan<Ps...>: a planning unit holding other shards than the model's unit), and
+// a PlanOptions number out of range (check_plan_options: each refusal names the field).
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -43,6 +45,7 @@
 #include <vector>
 
 #include "fsdp/core/device_mesh.hpp"
+#include "fsdp/core/parse.hpp"
 #include "fsdp/core/trace.hpp"
 #include "fsdp/model/detail/plan_backend.hpp"
 #include "fsdp/model/sharded_model.hpp"
@@ -290,17 +293,50 @@ struct PlanEntries {
   }
 };
 
+// Every PlanOptions field that holds a number, checked before anything is built: each
+// refusal names the field and its value. The mesh's product is taken in 64 bits (a shape
+// whose ranks overflow an int is refused, not wrapped to a small world); steps after the
+// second repeat it, so more than kMaxPlanSteps is a mistake, not a longer plan; a byte
+// count past int64 (a negative number stored in a size_t) is no byte count.
+inline constexpr int kMaxPlanSteps = 1000;
+inline constexpr int kMaxPlanMicroBatches = 1 << 16;
+inline void check_plan_options(const PlanOptions& options) {
+  const MeshShape m = options.mesh;
+  if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
+  if (m.ranks() > std::numeric_limits<int>::max())
+    detail::fail("fsdp::plan: PlanOptions::mesh ", m.str(), " is ", m.ranks(), " ranks, more than an int counts (",
+                 std::numeric_limits<int>::max(), ")");
+  if (options.max_prefetched < 0)
+    detail::fail("fsdp::plan: the prefetch limit (PlanOptions::max_prefetched) must be >= 0, got ", options.max_prefetched);
+  if (options.persistence_threshold < 0)
+    detail::fail("fsdp::plan: PlanOptions::persistence_threshold must be >= 0 (0: every unit follows its strategy), got ",
+                 options.persistence_threshold);
+  if (options.steps < 1 || options.steps > kMaxPlanSteps)
+    detail::fail("fsdp::plan: PlanOptions::steps must be >= 1 and at most ", kMaxPlanSteps,
+                 " (every step after the second repeats the second), got ", options.steps);
+  if (options.micro_batches < 1 || options.micro_batches > kMaxPlanMicroBatches)
+    detail::fail("fsdp::plan: PlanOptions::micro_batches must be >= 1 and at most ", kMaxPlanMicroBatches, ", got ",
+                 options.micro_batches);
+  constexpr auto most_bytes = static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max());
+  auto check_bytes = [&](const std::array<std::size_t, 2>& state, auto&&... where) {
+    for (MemorySpace space : {MemorySpace::device, MemorySpace::host})
+      if (const std::size_t b = state[static_cast<std::size_t>(space)]; b > most_bytes)
+        detail::fail("fsdp::plan: PlanOptions::", where..., "[", name_of(space), "] is ", b,
+                     " bytes, more than int64 counts (a negative number converted to size_t?)");
+  };
+  check_bytes(options.engine_state, "engine_state");
+  for (const auto& [fqn, state] : options.engine_state_in_hook)
+    check_bytes(state, "engine_state_in_hook['", fqn, "']");
+}
+
 // The plan of `units` under `policy` on `rank`: builds a real unit for each over the
 // planning backend (fsdp/model/detail/plan_backend.hpp) and runs setup, the steps and the
 // summon on them. `model` (may be null): the model planned, whose shards each planning
 // unit must reproduce (else the policies or threshold given are not the model's).
 inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<PlannedUnit>& units, const PlanOptions& options,
                            int rank = 0, ShardedModel* model = nullptr) {
+  check_plan_options(options);
   const MeshShape m = options.mesh;
-  if (m.replicate < 1 || m.shard < 1) detail::fail("fsdp::plan: the mesh ", m.str(), " has no ranks; set PlanOptions::mesh");
-  if (options.max_prefetched < 0) detail::fail("fsdp::plan: the prefetch limit must be >= 0, got ", options.max_prefetched);
-  if (options.steps < 1) detail::fail("fsdp::plan: steps must be >= 1, got ", options.steps);
-  if (options.micro_batches < 1) detail::fail("fsdp::plan: micro_batches must be >= 1, got ", options.micro_batches);
   if (units.empty()) detail::fail("fsdp::plan: no units");
   const int shard = policy.hybrid ? m.shard : policy.shards_parameters ? m.size() : 1;
   std::map<std::string_view, int> index;  // by FQN
@@ -314,8 +350,16 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
   };
   for (const PlannedUnit& u : units) {
     const std::string name = std::string(detail::display_name(u.fqn));
-    for (const auto& f : u.flat)
+    for (const auto& f : u.flat) {
       if (f.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements");
+      checked_product<std::int64_t>(f.numel, static_cast<std::int64_t>(size_of(f.dtype)),
+                                    "fsdp::plan: unit '" + name + "': the bytes of a flat parameter");
+    }
+    for (const auto& b : u.buffers) {
+      if (b.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a buffer of ", b.numel, " elements");
+      checked_product<std::int64_t>(b.numel, static_cast<std::int64_t>(size_of(b.dtype)),
+                                    "fsdp::plan: unit '" + name + "': the bytes of a buffer");
+    }
     const int k = u.post_forward_ranks;
     if (k != 0 && (k <= 1 || k >= shard || shard % k != 0))
       detail::fail("fsdp::plan: unit '", name, "' reshards after forward to groups of ", k, " ranks, which must divide the ",

@@ -4,6 +4,7 @@
 // queued root callback: every pending unit completed, every unit back to IDLE) and lists
 // the flat shards for the optimizer. fsdp::shard (fsdp/model/shard.hpp)
 // builds one from a model and wrap policies.
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <sstream>
@@ -102,10 +103,13 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
       detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
                    by_module_[key]->fqn(), "' already manages");
     check_no_tie_across(*unit);
+    // Room first: once the unit is attached to the execution order (which may write
+    // through its pointer), the push_back below must not throw and free it.
+    if (units_.size() == units_.capacity()) units_.reserve(std::max<std::size_t>(8, 2 * units_.size()));
     by_module_[key] = unit.get();
     for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
     unit->attach(order_.get());
-    units_.push_back(std::move(unit));
+    units_.push_back(std::move(unit));  // within capacity: cannot throw
     refresh_views();
   }
 
@@ -163,8 +167,8 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   // a unit that ran no backward frees what its forward kept; every unit is IDLE again. A
   // unit left in FORWARD is an error.
   void finish_backward() {
-    for (auto& u : units_)  // before any collective: the unit's own check names it and its state
-      if (u->state() == TrainingState::FORWARD) u->finish_backward();
+    for (auto& u : units_)  // before any collective: the unit's own check names it and its state (or failure)
+      if (u->state() == TrainingState::FORWARD || u->failed_hook_) u->finish_backward();
     for (auto it = units_.rbegin(); it != units_.rend(); ++it)
       if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
     order_->finish_reductions();
@@ -172,7 +176,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     try {
       order_->check_pass();
     } catch (...) {  // the gradients are wrong: nothing may use them before abort_step
-      for (auto& u : units_) u->failed_hook_ = "finish_backward";
+      for (auto& u : units_) u->failed_hook_ = "finish_backward", u->failed_by_ = nullptr;
       throw;
     }
     order_->end_iteration();
@@ -272,7 +276,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     for (auto& u : units_) fsdp::detail::internals(*u).abandon_step();
     order_->abort_pass();
     if (units_.empty()) return;
-    for (auto& u : units_) u->failed_hook_ = "abort_step";  // until every rank took part
+    for (auto& u : units_) u->failed_hook_ = "abort_step", u->failed_by_ = nullptr;  // until every rank took part
     fsdp::detail::internals(*units_[0]).all_ranks_agree(true);
     for (auto& u : units_) u->failed_hook_ = nullptr;
   }

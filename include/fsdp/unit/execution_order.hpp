@@ -44,6 +44,8 @@ class ExecutionOrder final : public UnitNames {
     return {static_cast<std::uint32_t>(index), phase, forward_pass_, this};
   }
   std::string unit_name(int index) const override { return name_of(index); }
+  // Every unit, in the root's order: a step left by an exception fails them all (Unit::mark_failed).
+  const std::vector<Unit*>& units() const { return units_; }
 
   // Registers a unit; returns its index, which the unit passes back to enter().
   int add_unit(Unit* u) {

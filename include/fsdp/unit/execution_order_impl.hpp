@@ -50,11 +50,19 @@ inline void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::Com
     if (pass == Pass::forward) ++forward_pass_;
   }
   if (order.empty()) return;  // the first iteration had no such pass: nothing to follow
-  if (order[step] != idx && prefetching)
+  if (order[step] != idx && prefetching) {
+    // The unit that begins the pass, mid-pass: the last pass never ended, most likely left by
+    // an exception the library did not see (an engine error between hooks, outside any scope).
+    std::string restart;
+    if (step > 0 && order[0] == idx)
+      restart = ": the " + std::string(pass_name) + " pass starts over before the last one ended (at step #" +
+                std::to_string(step) + "); if an exception left that step, call abort_step() (ShardedModel::abort_step) "
+                "on every rank before the next one (docs/reliability.md, failed hooks). Otherwise";
     detail::fail("unit '", name_of(idx), "' on rank ", world.rank(), " runs at ", pass_name, " step #", step,
-                 " where the first iteration ran '", name_of(order[step]),
-                 "'; prefetching follows the first iteration's order, so a model whose order changes needs "
+                 " where the first iteration ran '", name_of(order[step]), "'", restart,
+                 "; prefetching follows the first iteration's order, so a model whose order changes needs "
                  "NoBackwardPrefetch and NoForwardPrefetch");
+  }
   ++step;
 }
 

@@ -2,11 +2,15 @@
 // fsdp::ShardOptions: the options of sharding, one struct for fsdp::shard (which applies
 // them to every unit it builds) and for a unit built by hand (fsdp::Sharded's constructor):
 // what of a module's subtree is left out, and what happens to the parameters taken over
-// (synchronised from rank 0, kept unsharded when tiny, taken over later).
+// (synchronised from rank 0, kept unsharded when tiny, taken over later). Its numbers are
+// checked where a unit's construction first reads them (check_shard_options, called by
+// set_up_unit): a negative threshold is refused, naming the option, not read as 0.
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "fsdp/unit/detail/deferred_storage.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/core/module.hpp"
 
 namespace fsdp {
@@ -40,6 +44,13 @@ struct ShardOptions {
 };
 
 namespace detail {
+// Refuses option values that mean nothing, naming the option, the unit and the rank.
+inline void check_shard_options(const ShardOptions& options, std::string_view unit, int rank) {
+  if (options.persistence_threshold < 0)
+    fail("unit '", unit, "' on rank ", rank, ": ShardOptions::persistence_threshold must be >= 0 (0: every unit follows "
+         "its strategy), got ", options.persistence_threshold);
+}
+
 // A unit's part of a deferred init (fsdp/model/deferred_init.hpp), which fsdp::shard hands
 // to each unit it builds: parameters without storage are bound to zeroed storage of the
 // unit's, `init` fills them (it gets their tensors' addresses), the unit copies its shard

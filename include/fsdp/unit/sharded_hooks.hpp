@@ -36,6 +36,7 @@ inline void ShardedUnit::post_forward_body() {
 
 inline void ShardedUnit::pre_backward_body() {
   HookScope scope(*this, "pre_backward");
+  expect_not_failed("pre_backward");  // also between the backward entries of a unit used several times
   if (!uses_.awaits_backward(state_)) {
     if (state_ == TrainingState::BACKWARD_POST)
       detail::fail("unit '", display_name(), "' on rank ", rank_, ": pre_backward called after the unit's last backward ",

@@ -163,8 +163,10 @@ GradientAfterHook after_hook_of(const Unit& unit);
 namespace detail {
 // A scope around one of a unit's hook pairs (Unit::ForwardScope, Unit::BackwardScope): Begin
 // runs when it is made, End when it ends, unless it is left by an exception (a collective
-// during unwinding could only make things worse). Moves; a default-constructed or
-// moved-from scope ends nothing.
+// during unwinding could only make things worse): then End::left_by_exception marks the
+// step failed, so that the next call asks for abort_step instead of reporting the state
+// or order the step was left in. Moves; a default-constructed or moved-from scope ends
+// nothing.
 template <class Begin, class End>
 class HookPairScope {
  public:
@@ -188,7 +190,11 @@ class HookPairScope {
 
  private:
   void close() {
-    if (Unit* u = std::exchange(u_, nullptr); u && std::uncaught_exceptions() == exceptions_) End{}(*u);
+    Unit* u = std::exchange(u_, nullptr);
+    if (!u) return;
+    const int now = std::uncaught_exceptions();
+    if (now == exceptions_) End{}(*u);
+    else if (now > exceptions_) End::left_by_exception(*u);
   }
   Unit* u_;
   int exceptions_ = std::uncaught_exceptions();
@@ -279,14 +285,21 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
   int backward_entries_left() const final { return uses_.backward_left(); }
 
   struct BeginForward { void operator()(Unit& u) const { u.pre_forward(); } };
-  struct EndForward { void operator()(Unit& u) const { u.post_forward(); } };
+  struct EndForward {
+    void operator()(Unit& u) const { u.post_forward(); }
+    static void left_by_exception(Unit& u) noexcept { u.mark_failed("forward scope"); }
+  };
   struct BeginBackward { void operator()(Unit& u) const { u.pre_backward(); } };
-  struct EndBackward { void operator()(Unit& u) const { u.post_backward(); } };
+  struct EndBackward {
+    void operator()(Unit& u) const { u.post_backward(); }
+    static void left_by_exception(Unit& u) noexcept { u.mark_failed("backward scope"); }
+  };
 
  public:
   // RAII around the engine's forward / backward of this unit (forward_scope(),
-  // backward_scope()). The backward scope skips post_backward when it is left by an
-  // exception: a collective during unwinding could only make things worse. Scopes move (a
+  // backward_scope()). A scope left by an exception skips post_forward / post_backward (a
+  // collective during unwinding could only make things worse) and fails the step: the
+  // next call on any unit of the model asks for abort_step(). Scopes move (a
   // moved-from scope ends nothing), and a default-constructed one is empty, for an engine
   // whose layer may or may not be a unit:
   //   fsdp::Unit::ForwardScope s;
@@ -374,13 +387,29 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
     for (auto s : states)
       if (s == state_) return;
     misuse_ = true;
+    if ((hook == "pre_forward" || hook == "zero_grad") && state_ != TrainingState::SUMMON_FULL_PARAMS)
+      // A step begins mid-step: an engine exception between hooks (outside any scope, so
+      // unseen here) is a likely cause, besides a missing hook.
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called in state ", name_of(state_),
+                   "; expected IDLE (a hook call is missing, or an exception left the last step between hooks and "
+                   "abort_step() was not called: call abort_step() (ShardedModel::abort_step) on every rank after "
+                   "catching it; docs/reliability.md, failed hooks)");
     detail::expect_state(state_, states, hook, fqn_, rank_);
   }
   void expect_not_failed(std::string_view hook) const {
     if (!failed_hook_) return;
     misuse_ = true;
-    detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called after ", failed_hook_,
-                 " left by an exception; call abort_step() (ShardedModel::abort_step) on every rank first");
+    // Where the step failed: this unit's hook or scope, another unit's of its model, or the
+    // model's own call (failed_by_ null: finish_backward, abort_step).
+    const std::string_view where = failed_hook_;
+    const bool scope = where.ends_with(" scope");
+    const std::string what = failed_by_ && failed_by_ != this
+                           ? (scope ? "the " : "") + std::string(where) + " of unit '" + std::string(failed_by_->display_name()) + "'"
+                           : (scope ? "its " : "") + std::string(where);
+    detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called after ", what,
+                 " left by an exception, and abort_step() was not called since; call abort_step() "
+                 "(ShardedModel::abort_step) on every rank after catching it, before any other call "
+                 "(docs/reliability.md, failed hooks)");
   }
   // Held by each hook: a hook left by an exception (other than a call in the wrong state,
   // which changes nothing) leaves the unit in a state only abort_step ends; its next hook
@@ -389,7 +418,7 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
    public:
     HookScope(Unit& u, const char* hook) : u_(u), hook_(hook) { u_.misuse_ = false; }
     ~HookScope() {
-      if (std::uncaught_exceptions() > exceptions_ && !u_.misuse_) u_.failed_hook_ = hook_;
+      if (std::uncaught_exceptions() > exceptions_ && !u_.misuse_) u_.mark_failed(hook_);
     }
     HookScope(const HookScope&) = delete;
     HookScope& operator=(const HookScope&) = delete;
@@ -399,13 +428,26 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
     const char* hook_;
     int exceptions_ = std::uncaught_exceptions();
   };
-  static void mark_failed_in_zero_grad(Unit& u) { u.failed_hook_ = "zero_grad"; }
+  static void mark_failed_in_zero_grad(Unit& u) { u.mark_failed("zero_grad"); }
+  // The step failed in `where` (a hook of this unit, or its scope left by an exception):
+  // this unit's next call, and that of every unit of its model (which share the step), asks
+  // for abort_step first. The first failure is the one named. Only on failure paths.
+  void mark_failed(const char* where) noexcept {
+    auto mark = [&](Unit& u) {
+      if (!u.failed_hook_) u.failed_hook_ = where, u.failed_by_ = this;
+    };
+    mark(*this);
+    if (order_)
+      for (Unit* u : order_->units()) mark(*u);
+  }
   void agree_on_abort() {
     failed_hook_ = "abort_step";  // until every rank took part
+    failed_by_ = nullptr;
     all_ranks_agree(true);
     failed_hook_ = nullptr;
   }
   const char* failed_hook_ = nullptr;
+  const Unit* failed_by_ = nullptr;  // whose hook or scope failed (null: the model's call)
   mutable bool misuse_ = false;  // the exception leaving a hook is expect()'s
   std::string fqn_;
   TrainingState state_ = TrainingState::IDLE;

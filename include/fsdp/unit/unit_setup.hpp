@@ -59,6 +59,7 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
   const auto& device = group.device();
   const std::string_view name = display_name(unit.fqn());
   const int rank = internals(unit).rank();
+  check_shard_options(options, name, rank);
   std::vector<CollectedParam> params;
   UnitSetup setup;
   const SkipSet skip{{options.ignored_modules.begin(), options.ignored_modules.end()},

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -66,7 +67,12 @@ class PlanLedger {
   void* allocate(std::size_t bytes, MemorySpace space, const std::string& owner, const char* phase = nullptr) {
     if (bytes == 0) return nullptr;
     const auto k = static_cast<std::size_t>(space);
-    live_[k] += bytes;
+    std::size_t total = 0;
+    if (bytes > static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) ||
+        __builtin_add_overflow(live_[k], bytes, &total))
+      fail("fsdp::plan: '", owner, "' allocates ", bytes, " bytes in ", name_of(space), " space on top of ", live_[k],
+           " live: the total overflows (a size computed from a negative number?)");
+    live_[k] = total;
     const std::string what = phase ? std::string(phase) : describe(owner);
     if (record_timeline) events_.push_back({space, static_cast<std::int64_t>(bytes), live_, owner, what, step});
     if (live_[k] > peaks_[k].bytes) peaks_[k] = {live_[k], owner, what, step};

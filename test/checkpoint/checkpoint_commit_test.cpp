@@ -1,0 +1,160 @@
+// A checkpoint is one save's files or none: two jobs saving into one directory at once
+// never publish a mix (each save stages under its own token, commits take turns), and a
+// sharded commit stopped at any of its steps leaves the old or the new checkpoint
+// loadable, whose leftovers the next save recovers or removes and reports.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fsdp/checkpoint/checkpoint.hpp>
+
+#include "test/checkpoint/checkpoint_test_support.hpp"
+#include "test/checkpoint/resume_training.hpp"
+
+namespace checkpoint_checkpoint_commit_test {
+
+using fsdp::checkpoint::CommitStep;
+using test_support::Params;
+using test_support::train;
+
+namespace {
+
+// The parameters of an untrained model of `seed` (what a job of that seed saves).
+Params params_of(std::uint64_t seed) { return train<fsdp::FullShard>(2, 0, 0, seed, nullptr, nullptr); }
+
+// `saves` sharded saves of an untrained model of `seed` on 2 ranks into `dir`; rank 0's reports.
+std::vector<fsdp::SaveReport> save_seed(std::uint64_t seed, const std::filesystem::path& dir, int saves = 1) {
+  std::vector<fsdp::SaveReport> reports;
+  train<fsdp::FullShard>(2, 0, 0, seed, nullptr, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
+    for (int i = 0; i < saves; ++i) {
+      auto report = fsdp::save_sharded_checkpoint(dir, sm, &st, {{"seed", std::to_string(seed)}});
+      if (rank == 0) reports.push_back(std::move(report));
+    }
+  });
+  return reports;
+}
+
+// The parameters a 2-rank load of `dir` gives.
+Params load(const std::filesystem::path& dir) {
+  return train<fsdp::FullShard>(2, 0, 0, 99, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+    fsdp::load_sharded_checkpoint(dir, sm, &st);
+  }, nullptr);
+}
+
+// Sets the commit hook for its lifetime.
+struct HookFor {
+  explicit HookFor(std::function<void(CommitStep, const std::filesystem::path&)> hook) {
+    fsdp::checkpoint::detail::commit_hook() = std::move(hook);
+  }
+  ~HookFor() { fsdp::checkpoint::detail::commit_hook() = nullptr; }
+};
+
+bool mentions(const std::vector<std::string>& lines, const std::string& what) {
+  for (const auto& l : lines)
+    if (test_support::contains(l, what)) return true;
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("two jobs saving sharded checkpoints into one directory at once never publish a mix") {
+  const Params a = params_of(1), b = params_of(2);
+  REQUIRE(a != b);
+  for (int round = 0; round < 3; ++round) {
+    CAPTURE(round);
+    test_support::TempDir tmp;
+    const auto dir = tmp / "ckpt";
+    std::string error_a, error_b;
+    std::thread job_a([&] { error_a = test_support::error_of([&] { save_seed(1, dir, 4); }); });
+    std::thread job_b([&] { error_b = test_support::error_of([&] { save_seed(2, dir, 4); }); });
+    job_a.join();
+    job_b.join();
+    CHECK(error_a == "");  // commits take turns: both jobs' saves succeed, the last one wins
+    CHECK(error_b == "");
+    REQUIRE(std::filesystem::exists(dir / "index.json"));
+    const Params loaded = load(dir);
+    CHECK((loaded == a || loaded == b));
+    const std::string seed = fsdp::read_checkpoint_metadata(dir).at("seed");
+    CHECK(loaded == (seed == "1" ? a : b));  // the index and the rank files are one save's
+    CHECK(fsdp::checkpoint::checkpoint_leftovers(dir).empty());
+    CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+  }
+}
+
+TEST_CASE("a sharded commit stopped at each step leaves a loadable checkpoint, and the next saves clean up") {
+  const Params old_params = params_of(1), new_params = params_of(2);
+  for (const CommitStep step : {CommitStep::locked, CommitStep::moved_aside, CommitStep::published, CommitStep::done}) {
+    CAPTURE(static_cast<int>(step));
+    test_support::TempDir tmp;
+    const auto dir = tmp / "ckpt";
+    save_seed(1, dir);
+    {
+      HookFor hook([&](CommitStep at, const std::filesystem::path&) {
+        if (at == step) throw std::runtime_error("stopped at this step of the commit");
+      });
+      const std::string err = test_support::error_of([&] { save_seed(2, dir); });
+      CHECK(test_support::contains(err, "stopped at this step of the commit"));
+    }
+    // (a) A load gives the old checkpoint or the new one, whole.
+    const bool published = step == CommitStep::published || step == CommitStep::done;
+    CHECK(load(dir) == (published ? new_params : old_params));
+    // (b) The next two saves succeed and leave nothing else; the first says what it found.
+    const auto first = save_seed(3, dir);
+    REQUIRE(first.size() == 1);
+    if (step == CommitStep::moved_aside) CHECK(mentions(first[0].recovered, "restored '" + dir.string() + "'"));
+    if (step == CommitStep::published) CHECK(mentions(first[0].recovered, "ckpt.old-"));
+    if (step == CommitStep::locked || step == CommitStep::done) CHECK(first[0].recovered.empty());
+    CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+    const auto second = save_seed(2, dir);
+    REQUIRE(second.size() == 1);
+    CHECK(second[0].recovered.empty());
+    CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
+    CHECK(load(dir) == new_params);
+  }
+}
+
+// Two ranks that open different saves (a commit landing between rank 0's open and rank 1's,
+// stood for here by giving the ranks two paths, each a whole checkpoint) must not load: every
+// rank fails naming both save ids, and nothing is written. Fails without the agreement on the
+// opened save id in open_and_load (each rank then loads its own save).
+TEST_CASE("a load whose ranks opened different saves fails on every rank, naming both save ids") {
+  test_support::TempDir tmp;
+  const auto a = tmp / "a", b = tmp / "b";
+  save_seed(1, a);
+  save_seed(2, b);
+  const auto id_of = [](const std::filesystem::path& dir) {
+    return fsdp::checkpoint::format_save_id(fsdp::ShardedCheckpointSource(dir).save_id());
+  };
+  const auto failed = test_support::load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
+    fsdp::load_sharded_checkpoint(rank == 0 ? a : b, sm, &st);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(test_support::contains(failed.errors[r], "the ranks opened different saves"));
+    CHECK(test_support::contains(failed.errors[r], id_of(a)));
+    CHECK(test_support::contains(failed.errors[r], id_of(b)));
+    CHECK(failed.untouched[r]);
+  }
+  // The same for full checkpoints (model file + optimizer file).
+  const auto fa = tmp / "a.safetensors", fb = tmp / "b.safetensors";
+  for (const auto& [file, seed] : {std::pair{fa, 1}, std::pair{fb, 2}})
+    train<fsdp::FullShard>(2, 0, 1, static_cast<std::uint64_t>(seed), nullptr,
+                           [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) { fsdp::save_full_checkpoint(file, sm, &st); });
+  const auto full_failed = test_support::load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
+    fsdp::load_full_checkpoint(rank == 0 ? fa : fb, sm, &st);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(test_support::contains(full_failed.errors[r], "the ranks opened different saves"));
+    CHECK(test_support::contains(full_failed.errors[r], fsdp::checkpoint::format_save_id(fsdp::FullCheckpointSource(fa).save_id())));
+    CHECK(test_support::contains(full_failed.errors[r], fsdp::checkpoint::format_save_id(fsdp::FullCheckpointSource(fb).save_id())));
+    CHECK(full_failed.untouched[r]);
+  }
+}
+
+}  // namespace checkpoint_checkpoint_commit_test
