@@ -142,9 +142,11 @@ TEST_CASE("a load whose ranks opened different saves fails on every rank, naming
   }
   // The same for full checkpoints (model file + optimizer file).
   const auto fa = tmp / "a.safetensors", fb = tmp / "b.safetensors";
-  for (const auto& [file, seed] : {std::pair{fa, 1}, std::pair{fb, 2}})
+  for (const auto& [path, seed] : {std::pair{fa, 1}, std::pair{fb, 2}}) {
+    const std::filesystem::path& file = path;  // a lambda may not capture a structured binding (clang 14)
     train<fsdp::FullShard>(2, 0, 1, static_cast<std::uint64_t>(seed), nullptr,
                            [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) { fsdp::save_full_checkpoint(file, sm, &st); });
+  }
   const auto full_failed = test_support::load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int rank) {
     fsdp::load_full_checkpoint(rank == 0 ? fa : fb, sm, &st);
   });
