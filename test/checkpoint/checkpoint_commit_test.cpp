@@ -46,19 +46,8 @@ Params load(const std::filesystem::path& dir) {
   }, nullptr);
 }
 
-// Sets the commit hook for its lifetime.
-struct HookFor {
-  explicit HookFor(std::function<void(CommitStep, const std::filesystem::path&)> hook) {
-    fsdp::checkpoint::detail::commit_hook() = std::move(hook);
-  }
-  ~HookFor() { fsdp::checkpoint::detail::commit_hook() = nullptr; }
-};
-
-bool mentions(const std::vector<std::string>& lines, const std::string& what) {
-  for (const auto& l : lines)
-    if (test_support::contains(l, what)) return true;
-  return false;
-}
+using HookFor = test_support::CommitHookFor;
+using test_support::mentions;
 
 }  // namespace
 

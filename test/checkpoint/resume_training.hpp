@@ -4,12 +4,15 @@
 // a fresh model, and a load on 2 ranks that is expected to fail.
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "examples/engine/checkpoint_integration.hpp"
 #include "examples/engine/fsdp_integration.hpp"
+#include "fsdp/checkpoint/checkpoint_directory.hpp"
+#include "test/checkpoint/checkpoint_test_support.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/reference_training.hpp"
 
@@ -78,6 +81,35 @@ inline FailedLoad load_expecting_failure(const Hook& load) {
     out.untouched[r] = engine::gather_full_parameters(model, sm) == before && opt.step_count() == 0;
   });
   return out;
+}
+
+// Sets the checkpoint commit hook (a failure injected at a commit step) for its lifetime.
+struct CommitHookFor {
+  explicit CommitHookFor(std::function<void(fsdp::checkpoint::CommitStep, const std::filesystem::path&)> hook) {
+    fsdp::checkpoint::detail::commit_hook() = std::move(hook);
+  }
+  ~CommitHookFor() { fsdp::checkpoint::detail::commit_hook() = nullptr; }
+  CommitHookFor(const CommitHookFor&) = delete;
+  CommitHookFor& operator=(const CommitHookFor&) = delete;
+};
+
+// Whether any of `lines` (a SaveReport's, say) contains `what`.
+inline bool mentions(const std::vector<std::string>& lines, const std::string& what) {
+  for (const auto& l : lines)
+    if (contains(l, what)) return true;
+  return false;
+}
+
+// A checkpoint file's bytes with its save id and header checksum (which covers the id)
+// zeroed: two saves of the same state compare equal.
+inline std::string bytes_without_save_id(const std::filesystem::path& file) {
+  std::string bytes = read_bytes(file);
+  for (const std::string key : {"\"fsdp.save_id\":\"", "\"fsdp.header_xxh64\":\""}) {
+    const auto at = bytes.find(key);
+    REQUIRE(at != std::string::npos);
+    bytes.replace(at + key.size(), 16, std::string(16, '0'));
+  }
+  return bytes;
 }
 
 }  // namespace test_support

@@ -28,14 +28,16 @@ namespace detail {
 // A unit's FQN as messages, traces and plans show it: "<root>" for the root (FQN "").
 constexpr std::string_view display_name(std::string_view fqn) { return fqn.empty() ? std::string_view("<root>") : fqn; }
 
+// `hint`, when given, follows the expected states in parentheses: a likely cause.
 inline void expect_state(TrainingState actual, std::initializer_list<TrainingState> expected,
-                         std::string_view hook, std::string_view unit, int rank) {
+                         std::string_view hook, std::string_view unit, int rank, std::string_view hint = {}) {
   for (auto s : expected) if (s == actual) return;
   std::ostringstream os;
   os << "unit '" << display_name(unit) << "' on rank " << rank << ": " << hook
      << " called in state " << name_of(actual) << "; expected ";
   bool first = true;
   for (auto s : expected) { os << (first ? "" : " or ") << name_of(s); first = false; }
+  if (!hint.empty()) os << " (" << hint << ")";
   throw Error(os.str());
 }
 }  // namespace detail

@@ -387,14 +387,16 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
     for (auto s : states)
       if (s == state_) return;
     misuse_ = true;
-    if ((hook == "pre_forward" || hook == "zero_grad") && state_ != TrainingState::SUMMON_FULL_PARAMS)
-      // A step begins mid-step: an engine exception between hooks (outside any scope, so
-      // unseen here) is a likely cause, besides a missing hook.
-      detail::fail("unit '", display_name(), "' on rank ", rank_, ": ", hook, " called in state ", name_of(state_),
-                   "; expected IDLE (a hook call is missing, or an exception left the last step between hooks and "
-                   "abort_step() was not called: call abort_step() (ShardedModel::abort_step) on every rank after "
-                   "catching it; docs/reliability.md, failed hooks)");
-    detail::expect_state(state_, states, hook, fqn_, rank_);
+    // A step begun mid-step: besides a missing hook, an engine exception between hooks
+    // (outside any scope, so unseen here) is a likely cause.
+    const bool step_begun_mid_step =
+        (hook == "pre_forward" || hook == "zero_grad") && state_ != TrainingState::SUMMON_FULL_PARAMS;
+    detail::expect_state(state_, states, hook, fqn_, rank_,
+                         step_begun_mid_step ? "a hook call is missing, or an exception left the last step between "
+                                               "hooks and abort_step() was not called: call abort_step() "
+                                               "(ShardedModel::abort_step) on every rank after catching it; "
+                                               "docs/reliability.md, failed hooks"
+                                             : "");
   }
   void expect_not_failed(std::string_view hook) const {
     if (!failed_hook_) return;
