@@ -5,6 +5,10 @@
 // Device's device space, as counted by its Device; the last line sums it up:
 //   final: loss=<x> unsharded_loss=<y> peak_bytes_per_rank=<a> unsharded_peak_bytes=<b>
 //
+// --local-gradients sum: the engine's loss, and so its gradients, are sums over its local
+// batch (fsdp sums them over the ranks: ShardOptions::local_gradients), and the reference's
+// over the global batch; sharded and unsharded agree as under the default mean.
+//
 // The ranks are threads of this process (--backend thread, the default), processes talking
 // TCP (--backend tcp: the program starts --nproc copies of itself through fsdp_run's
 // launcher), or MPI processes (--backend mpi, under mpirun / srun).
@@ -75,7 +79,7 @@ Reference train_unsharded(const Config& cfg, int world) {
   engine::AdamW::Options adam;
   adam.lr = 1e-3f;
   engine::AdamW adamw(adam, alloc);
-  engine::Sgd sgd(0.05f);
+  engine::Sgd sgd(cfg.sgd_lr(world));
   engine::BeforeStep clip;
   if (cfg.clip > 0) clip = [&] { engine::clip_grad_norm(model, cfg.clip); };
   auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
@@ -197,7 +201,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         using P = decltype(comm_precision);
         using O = decltype(off);
         built.emplace(fsdp::shard<S, M, P, O>(model, mesh, device, engine::Wrap{},
-                                              fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold}));
+                                              fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold,
+                                                                 .local_gradients = cfg.local_gradients}));
       });
     });
     fsdp::ShardedModel& sharded = *built;
@@ -216,8 +221,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     // Optimizer state next to the shards it steps: host space when they are offloaded.
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, cfg.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
-    engine::Sgd sgd(0.05f);
-    fsdp::ShardedGradScaler scaler(stream, device);  // fp16 only
+    engine::Sgd sgd(cfg.sgd_lr(world));
+    fsdp::ShardedGradScaler scaler(stream, device, cfg.scaler_options(world));  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
     const bool scaled = param_dtype == fsdp::DType::f16;
@@ -250,7 +255,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     if (cfg.optimizer_in_backward && cfg.optimizer == "adamw")
       adamw_inside.emplace(sharded, [&] { return std::make_unique<engine::AdamW>(adam, alloc); });
     else if (cfg.optimizer_in_backward)
-      sgd_inside.emplace(sharded, [] { return std::make_unique<engine::Sgd>(0.05f); });
+      sgd_inside.emplace(sharded, [&] { return std::make_unique<engine::Sgd>(cfg.sgd_lr(world)); });
     if (cfg.plan) {
       const fsdp::MemoryPlan plan = print_plan(sharded, stream, cfg);
       if (tracing) plan_tracks = plan.counter_tracks(r);  // beside the rank's spans in its trace file
@@ -395,6 +400,17 @@ int main(int argc, char** argv) {
                                         "fp32 or bf16 (CommPrecision<bf16>): all-gathers and gradient reductions in bf16 while "
                                         "the model computes in f32 (with --precision fp32 only); prints a step's collectives")
                              ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option_function<std::string>(
+         "--local-gradients",
+         [&cfg](const std::string& text) {
+           cfg.local_gradients = text == "sum" ? fsdp::LocalGradients::sum : fsdp::LocalGradients::mean;
+         },
+         "what the engine's gradients are over its local batch: mean (its loss is the mean over its samples; fsdp "
+         "averages over the ranks) or sum (the sum over its samples; fsdp sums over the ranks: ShardOptions::"
+         "local_gradients). Either way the optimizer sees what the unsharded run on the global batch computes; "
+         "under sum SGD's learning rate and fp16's initial loss scale are divided by the global batch")
+      ->check(CLI::IsMember({"mean", "sum"}))
+      ->type_name("mean|sum");
   auto* persistence = integer_flag(app, "--persistence-threshold", cfg.persistence_threshold, std::int64_t{0},
                                    std::int64_t{1} << 40,
                                    "units with fewer parameter elements stay unsharded: never all-gathered, gradients "
@@ -467,6 +483,7 @@ int main(int argc, char** argv) {
                  "step to --steps")
       ->check(kNonEmptyPath);
   CLI11_PARSE(app, argc, argv);
+  cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
   cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0 || reshard->count() > 0 || keep->count() > 0;
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
     fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",

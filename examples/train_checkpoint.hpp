@@ -38,6 +38,7 @@ inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg,
                                        {"train.global_batch", std::to_string(static_cast<std::int64_t>(world) * cfg.batch_per_rank)},
                                        {"train.optimizer", cfg.optimizer},
                                        {"train.accumulate", std::to_string(cfg.accumulate)},
+                                       {"train.local_gradients", std::string(fsdp::name_of(cfg.local_gradients))},
                                        {"train.model", model_text(cfg)}};
   if (scaler) {
     m["train.loss_scale"] = fmt::format("{}", scaler->scale);  // shortest text that reads back exactly
@@ -83,6 +84,12 @@ inline Resume read_resume(const Config& cfg, int world) {
                        "; resuming would train on other micro-batches");
   if (r.optimizer != cfg.optimizer)
     fsdp::detail::fail(where, ": saved with --optimizer ", r.optimizer, ", this run uses ", cfg.optimizer);
+  // Optimizer moments and the loss scale are sized to the gradients, which sums make larger
+  // by the global batch. Checkpoints saved before --local-gradients existed used means.
+  const std::string saved_gradients = metadata.count("train.local_gradients") ? text("train.local_gradients") : "mean";
+  if (saved_gradients != fsdp::name_of(cfg.local_gradients))
+    fsdp::detail::fail(where, ": saved with --local-gradients ", saved_gradients, ", this run uses ",
+                       fsdp::name_of(cfg.local_gradients), "; the optimizer's state and the loss scale are sized to those gradients");
   if (r.model != model_text(cfg))
     fsdp::detail::fail(where, ": saved for a model of ", r.model, ", this run's has ", model_text(cfg));
   if (precision_dtype(cfg.precision) == fsdp::DType::f16) {

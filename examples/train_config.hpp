@@ -50,7 +50,32 @@ struct Config {
   bool reshard_after_backward = true;  // --reshard-after-backward false: keep parameters between micro-batches
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only
+  // --local-gradients: what the engine's gradients are over its local batch (its loss a mean
+  // or a sum over its samples, model.loss), passed to fsdp as ShardOptions::local_gradients.
+  fsdp::LocalGradients local_gradients = fsdp::LocalGradients::mean;
   engine::ModelConfig model{.in = 16, .dim = 64, .hidden = 256, .out = 4, .blocks = 8, .seed = 1};
+
+  // SGD's learning rate. A micro-batch's gradient summed over the global batch is larger
+  // by its size (ranks x --batch) than the mean's, so under --local-gradients sum the rate is
+  // divided by that size: the same SGD steps as the mean's, to rounding (with --accumulate
+  // too: under mean the micro-batches' gradients add up as well), though not with --clip,
+  // whose threshold the larger norm crosses sooner. AdamW's steps do not depend on the
+  // gradients' scale, so its rate stays.
+  float sgd_lr(int world) const {
+    const float lr = 0.05f;
+    if (local_gradients == fsdp::LocalGradients::mean) return lr;
+    return lr / static_cast<float>(static_cast<std::int64_t>(world) * batch_per_rank);
+  }
+  // fp16's loss scaler starts at 2^16 (PyTorch's default), sized for mean gradients; sums are
+  // larger by the global batch, so under --local-gradients sum it starts that much lower
+  // (to a power of two), or its first steps overflow and are skipped.
+  fsdp::GradScalerOptions scaler_options(int world) const {
+    fsdp::GradScalerOptions o;
+    if (local_gradients == fsdp::LocalGradients::sum)
+      for (std::int64_t n = static_cast<std::int64_t>(world) * batch_per_rank; n > 1 && o.init_scale > 1; n = (n + 1) / 2)
+        o.init_scale /= 2;
+    return o;
+  }
 };
 
 }  // namespace train_example

@@ -61,7 +61,8 @@ inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_sha
                       : "") +
                  (cfg.optimizer_in_backward ? "; optimizer steps in backward" : "") +
                  (cfg.reshard_after_forward.empty() ? "" : "; reshard after forward " + cfg.reshard_after_forward) +
-                 (cfg.reshard_after_backward ? "" : "; parameters kept between micro-batches"),
+                 (cfg.reshard_after_backward ? "" : "; parameters kept between micro-batches") +
+                 (cfg.local_gradients == fsdp::LocalGradients::sum ? "; gradients summed over each rank's batch" : ""),
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);

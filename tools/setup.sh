@@ -6,9 +6,10 @@ set -euo pipefail
 # bazel-bootstrap pulls in the JDK (default-jdk-headless) and build-essential;
 # python3 and g++ are listed because tools/test.sh and the build use them
 # directly; python3-numpy runs the safetensors interop test (an independent reader);
-# lld-14 links the ASan build (.bazelrc).
+# lld-14 links the ASan build (.bazelrc); cmake builds the CMake package's check
+# (tools/cmake_check.sh, //test/cmake:cmake_package_test).
 PACKAGES=(
-  bazel-bootstrap bazel-platforms bazel-rules-java
+  bazel-bootstrap bazel-platforms bazel-rules-java cmake
   doctest-dev libboost-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox libxxhash-dev
   clang-14 libclang-rt-14-dev lld-14

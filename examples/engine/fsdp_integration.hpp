@@ -176,7 +176,7 @@ inline constexpr auto reset_parameters = [](auto& module, std::string_view) {
 inline double sharded_micro_batch(Model& model, fsdp::ShardedModel& sharded, const Batch& local, double loss_scale = 1.0) {
   UnitHooks hooks{sharded};
   Mat dout;
-  const double loss = mse(model.forward(local.x, hooks), local.y, dout);
+  const double loss = mse(model.forward(local.x, hooks), local.y, dout, model.config.loss);
   if (loss_scale != 1.0)
     for (auto& v : dout.v) v = static_cast<float>(v * loss_scale);
   model.backward(dout, hooks);
@@ -274,7 +274,7 @@ double unsharded_step(Model& model, Optimizer& opt, std::span<const Batch> micro
   double sum = 0;
   for (const Batch& batch : micro) {
     Mat dout;
-    sum += mse(model.forward(batch.x), batch.y, dout);
+    sum += mse(model.forward(batch.x), batch.y, dout, model.config.loss);
     model.backward(dout);
   }
   if (before_step) before_step();
@@ -325,7 +325,7 @@ double unsharded_mixed_step(Model& master, Model& compute, Optimizer& opt, std::
   double sum = 0;
   for (const Batch& batch : micro) {
     Mat dout;
-    sum += mse(compute.forward(batch.x), batch.y, dout);
+    sum += mse(compute.forward(batch.x), batch.y, dout, compute.config.loss);
     compute.backward(dout);
   }
   for (std::size_t k = 0; k < mp.size(); ++k) {

@@ -207,10 +207,20 @@ class Block {
   std::vector<std::uint8_t> mask_;
 };
 
-// Mean squared error over all elements; returns the loss and writes d(loss)/d(out).
-inline double mse(const Mat& out, const Mat& target, Mat& dout) {
+// What a loss adds up over the batch's samples (rows), each sample's loss being its mean
+// over the outputs: their mean, or their sum (PyTorch's reduction="sum" over samples, and
+// mlpack's gradients), whose gradient is larger by the batch's size. A sharded engine tells
+// fsdp which one it computes (fsdp::ShardOptions::local_gradients).
+enum class LossReduction { mean, sum };
+
+// Squared error; returns the mean over all elements (the loss reported, whatever
+// `reduction`) and writes d(loss)/d(out) of the loss `reduction` says: the mean over all
+// elements, or the sum over rows of each row's mean. The sum's per-element gradient does
+// not depend on the batch's size, so a sample contributes the same values however the
+// global batch is split.
+inline double mse(const Mat& out, const Mat& target, Mat& dout, LossReduction reduction = LossReduction::mean) {
   dout = Mat(out.rows, out.cols);
-  const float scale = 2.0f / static_cast<float>(out.rows * out.cols);
+  const float scale = 2.0f / static_cast<float>(reduction == LossReduction::sum ? out.cols : out.rows * out.cols);
   double loss = 0;
   for (std::size_t i = 0; i < out.v.size(); ++i) {
     const float d = out.v[i] - target.v[i];

@@ -17,6 +17,9 @@ struct ModelConfig {
   int blocks = 3;
   std::uint64_t seed = 1;
   Init init = Init::now;  // Init::deferred: parameters without storage until fsdp::deferred_init
+  // The loss's gradient: the mean over a batch's samples, or their sum (then shard with
+  // fsdp::ShardOptions::local_gradients = fsdp::LocalGradients::sum).
+  LossReduction loss = LossReduction::mean;
 };
 
 struct NoHooks {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -42,6 +43,18 @@ inline std::string& child_output() {
   return out;
 }
 
+// The DistEnv of rank `rank` of `world` ranks on this host, its store at `port` on the
+// default address: what a launcher would give each forked rank.
+inline fsdp::DistEnv rank_env(std::uint16_t port, int rank, int world) {
+  fsdp::DistEnv env;
+  env.master_port = port;
+  env.rank = rank;
+  env.world_size = world;
+  env.local_rank = rank;
+  env.local_world_size = world;
+  return env;
+}
+
 // Forks one process per rank in `started` of a world of `world`; each runs body(comm, rank)
 // on a TcpProcessGroup with `options` (options_for(rank) if given). Collects every
 // report within `limit`, then kills what is left.
@@ -63,13 +76,7 @@ inline std::vector<RankResult> run_ranks(int world, const std::vector<int>& star
       close(p[0]);
       std::string report;
       try {
-        fsdp::DistEnv env;
-        env.master_port = port;
-        env.rank = r;
-        env.world_size = world;
-        env.local_rank = r;
-        env.local_world_size = world;
-        fsdp::TcpProcessGroup group(env, options_for ? options_for(r) : options);
+        fsdp::TcpProcessGroup group(rank_env(port, r, world), options_for ? options_for(r) : options);
         body(group.comm(), r);
         report = "ok:" + child_output();
       } catch (const fsdp::Error& e) {

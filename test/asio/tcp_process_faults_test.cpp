@@ -24,6 +24,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using test_support::contains;
+using test_support::rank_env;
 using test_support::run_ranks;
 using test_support::seconds_since;
 
@@ -48,15 +49,9 @@ std::vector<Exit> run_to_exit(int world, const std::function<void(fsdp::TcpProce
       close(p[0]);
       std::string error;
       try {
-        fsdp::DistEnv env;
-        env.master_port = port;
-        env.rank = r;
-        env.world_size = world;
-        env.local_rank = r;
-        env.local_world_size = world;
         fsdp::TcpCommOptions options;
         options.timeout = 5s;
-        fsdp::TcpProcessGroup group(env, options);
+        fsdp::TcpProcessGroup group(rank_env(port, r, world), options);
         body(group, r);
       } catch (const fsdp::Error& e) {
         error = e.what();
@@ -89,12 +84,7 @@ std::vector<Exit> run_to_exit(int world, const std::function<void(fsdp::TcpProce
 int forked_main_exit(int world, int rank, std::uint16_t port, bool in_optional,
                      const std::function<int(fsdp::TcpComm&, int)>& body) {
   try {
-    fsdp::DistEnv env;
-    env.master_port = port;
-    env.rank = rank;
-    env.world_size = world;
-    env.local_rank = rank;
-    env.local_world_size = world;
+    const fsdp::DistEnv env = rank_env(port, rank, world);
     fsdp::TcpCommOptions options;
     options.timeout = 5s;
     if (in_optional) {

@@ -10,9 +10,12 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "test/core/layer_engine.hpp"
@@ -263,6 +266,60 @@ TEST_CASE("an init that gives a parameter storage of its own is copied from, and
     const auto bias = std::find_if(full.begin(), full.end(), [](auto& p) { return p.first == "head.bias"; });
     REQUIRE(bias != full.end());
     CHECK(bias->second == std::vector<float>{0.0f, 7.0f, 0.0f});
+  });
+}
+
+namespace {
+// A model on fsdp::HostTensor, built as an engine without a tensor type of its own builds
+// one for deferred init: every parameter and gradient from a shape and a dtype alone.
+struct HostDense {
+  fsdp::HostTensor w = fsdp::HostTensor::without_storage({3, 5}), w_grad = fsdp::HostTensor::without_storage({3, 5});
+  fsdp::HostTensor b = fsdp::HostTensor::without_storage({3}), b_grad = fsdp::HostTensor::without_storage({3});
+  template <class F> void visit_parameters(F&& f) {
+    f("w", w, w_grad);
+    f("b", b, b_grad);
+  }
+};
+struct HostNet {
+  HostDense first, second;
+  template <class F> void visit_parameters(F&&) {}
+  template <class F> void visit_children(F&& f) {
+    f("first", first);
+    f("second", second);
+  }
+};
+// The value of element i of a parameter, from its FQN (the same on every rank).
+float host_value(std::string_view fqn, std::int64_t i) {
+  return static_cast<float>(i) + (fqn.starts_with("second") ? 100.0f : 0.0f) + (fqn.ends_with(".b") ? 50.0f : 0.0f);
+}
+}  // namespace
+
+TEST_CASE("HostTensor::without_storage: a shape and a dtype, no storage; a HostTensor model built so is initialized and sharded") {
+  const auto t = fsdp::HostTensor::without_storage({2, 3}, fsdp::DType::bf16);
+  CHECK(std::vector<std::int64_t>(t.shape().begin(), t.shape().end()) == std::vector<std::int64_t>{2, 3});
+  CHECK(t.dtype() == fsdp::DType::bf16);
+  CHECK(t.numel() == 6);
+  CHECK(t.data() == nullptr);
+  CHECK_FALSE(t.owns_storage());
+  CHECK(fsdp::HostTensor::without_storage({4}).dtype() == fsdp::DType::f32);
+
+  fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
+    HostNet net;
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<HostDense>{},
+                                           fsdp::deferred_init([](HostDense& d, std::string_view fqn) {
+                                             for (auto [p, name] : {std::pair{&d.w, ".w"}, std::pair{&d.b, ".b"}})
+                                               for (std::int64_t i = 0; i < p->numel(); ++i)
+                                                 p->as<float>()[i] = host_value(std::string(fqn) + name, i);
+                                           }));
+    CHECK(sm.size() == 3);
+    CHECK(net.first.w.data() == nullptr);  // sharded: between hooks, no storage
+    CHECK(net.second.b_grad.data() == nullptr);
+    auto summon = sm.summon_full_params();
+    for (auto [d, fqn] : {std::pair{&net.first, "first"}, std::pair{&net.second, "second"}}) {
+      for (std::int64_t i = 0; i < d->w.numel(); ++i) REQUIRE(d->w.as<float>()[i] == host_value(std::string(fqn) + ".w", i));
+      for (std::int64_t i = 0; i < d->b.numel(); ++i) REQUIRE(d->b.as<float>()[i] == host_value(std::string(fqn) + ".b", i));
+    }
   });
 }
 

@@ -66,7 +66,7 @@ TEST_CASE("a model reports the policies it was built with, its mesh and which un
     CHECK(sm.unit("blocks.1").config() == c.units[2]);
     CHECK(fsdp::to_string(c.units[1]) ==
           "'blocks.0': SHARD_GRAD_OP BACKWARD_POST forward_prefetch=on offload=on MixedPrecision<bf16, f32, bf16> "
-          "mesh=1x2 reshard_after_forward=off reshard_after_backward=on gradient_divide_factor=world "
+          "mesh=1x2 local_gradients=mean reshard_after_forward=off reshard_after_backward=on gradient_divide_factor=world "
           "requires_gradient_sync=on requires_all_reduce=on gradient_sync_mode=keep_unsharded");
     CHECK(contains(fsdp::to_string(c.units[0]), "'<root>': SHARD_GRAD_OP"));
     CHECK(contains(fsdp::to_string(c.units[0]), "kept_unsharded(threshold=150)"));

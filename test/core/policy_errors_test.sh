@@ -162,6 +162,26 @@ struct NotAModule {};
 void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, NotAModule& m) { fsdp::shard<fsdp::FullShard>(m, c, d); }
 EOF
 
+# A parameter or gradient the visit passes as const (a const visit_parameters, or a const
+# member): the library rebinds both, so it must say so, not fail deep inside the unit.
+expect_error const_gradient "visit_parameters passed a const gradient" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {
+  fsdp::HostTensor w{{2}}, g{{2}};
+  template <class F> void visit_parameters(F&& f) { const fsdp::HostTensor& cg = g; f("w", w, cg); }
+};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) { auto sm = fsdp::shard<fsdp::FullShard>(m, c, d); }
+EOF
+
+expect_error const_visit "visit_parameters passed a const parameter" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {
+  fsdp::HostTensor w{{2}}, g{{2}};
+  template <class F> void visit_parameters(F&& f) const { f("w", w, g); }
+};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) { auto sm = fsdp::shard<fsdp::FullShard>(m, c, d); }
+EOF
+
 # The same kinds of use, done right: must compile (so the errors above come from the
 # misuse, not from the snippets' scaffolding).
 expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, count, dtype, inv_scale) and found_nonfinite()" <<'EOF'
@@ -208,6 +228,22 @@ static_assert(std::is_same_v<decltype(p)::strategy, fsdp::FullShard>);
 std::int64_t f(const MyTensor& t) { return fsdp::numel(t); }
 std::int64_t g(const fsdp::HostTensor& t) { return fsdp::numel(t); }
 void h() { fsdp::check_communicator<fsdp::ThreadComm>(); }
+EOF
+
+# Gradients the library owns (f(name, param)): a visit with too many arguments, and
+# gradient() handed a pointer instead of the parameter tensor.
+expect_error visit_too_many_arguments "visit_parameters called f with too many arguments" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {
+  fsdp::HostTensor w{{2}}, g{{2}}, h{{2}};
+  template <class F> void visit_parameters(F&& f) { f("w", w, g, h); }
+};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) { fsdp::Sharded<M, fsdp::FullShard> u(m, c, d); }
+EOF
+
+expect_error gradient_of_pointer "gradient(param) takes the parameter tensor the module visited" <<'EOF'
+#include "fsdp/fsdp.hpp"
+void f(fsdp::ShardedModel& sm, fsdp::HostTensor& w) { (void)sm.gradient(&w); }
 EOF
 
 if [[ $failures -ne 0 ]]; then

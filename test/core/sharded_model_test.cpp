@@ -35,6 +35,8 @@ TEST_CASE("shard() makes the root first, then one unit per wrapped module, depth
     CHECK(names == std::vector<std::string>{"", "blocks.0", "blocks.1", "gain"});
     CHECK(&sm.unit_for(model.blocks[1]) == &sm.unit("blocks.1"));
     CHECK(sm.find_unit_for(model.embed) == nullptr);  // part of the root unit, not a unit
+    CHECK_THROWS_WITH_AS(sm.unit_for(model.embed), doctest::Contains("fsdp: ShardedModel: the engine::Linear at "),
+                         fsdp::Error);  // the type's name demangled, not "N6engine6LinearE"
     CHECK_THROWS_WITH_AS(sm.unit("blocks.7"), "fsdp: ShardedModel: no unit named 'blocks.7'; units are: '<root>', 'blocks.0', 'blocks.1', 'gain'", fsdp::Error);
   });
 }

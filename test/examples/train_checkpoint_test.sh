@@ -124,6 +124,7 @@ refuse "nothing left to train" "saved after step 3; --steps 3 leaves nothing to 
 refuse "other optimizer" "saved with --optimizer adamw" --steps 6 --optimizer sgd --resume "$adamw_dir"
 refuse "edited index" "does not match its checksum" --steps 6 --resume "$old_dir"
 refuse "other --accumulate" "saved with --accumulate 1, this run uses 2" --steps 6 --accumulate 2 --resume "$adamw_dir"
+refuse "other --local-gradients" "saved with --local-gradients mean, this run uses sum" --steps 6 --local-gradients sum --resume "$adamw_dir"
 refuse "--save-every without --save" "--save-every requires --save" --steps 6 --save-every 2
 
 # A save that fails on rank 0 only (its parent directory is missing): the reason is shown,

@@ -2,7 +2,7 @@
 # examples/train.cpp, as the README's Quick start runs it: the default run ends with exactly
 # the `final:` line the README shows; --precision and --offload run every precision with
 # and without offload, and offload moves the shards and optimizer state out of device space;
-# --accumulate and --clip match the unsharded reference; --comm-precision halves the bytes
+# --accumulate, --clip and --local-gradients sum match the unsharded reference; --comm-precision halves the bytes
 # of the all-gathers and reduce-scatters, --persistence-threshold drops the small unit's
 # all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
 # are refused, and a value that is not read whole (nan, 2abc, an overflowing mesh) is
@@ -64,6 +64,41 @@ else
 fi
 [[ $(field loss "$clipped") != $(field loss "$plain") ]] && echo "PASS: --clip 0.05 changes training" ||
   fail "--clip 0.05 left the loss at $(field loss "$plain")"
+
+# --local-gradients sum: the engine's loss, and so its gradients, are sums over its local
+# batch; fsdp sums them over the ranks (ShardOptions::local_gradients = sum) and the
+# unsharded reference sums over the global batch, so the final loss equals the reference's
+# as under mean: to the last printed digit on 2 ranks; on 4 within 1e-5 (the ranks' mean
+# losses, averaged, may round one digit away from the global mean, as under mean). Were the
+# sums averaged over the ranks, SGD would step 1/N as far and end elsewhere. SGD's rate is
+# divided by the global batch, so sum trains what mean does, to rounding. Under fp16 the loss
+# scaler starts lower by the global batch, so sums skip no more steps than means do.
+# close A B: |A - B| <= 1e-5 B (and both given).
+close() { [[ -n "$1" && -n "$2" ]] && awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-5 * b) }'; }
+for flags in "--ranks 2" "--ranks 4" "--ranks 4 --strategy HYBRID_SHARD --accumulate 2" "--ranks 4 --strategy NO_SHARD"; do
+  # shellcheck disable=SC2086
+  summed=$("$train" --steps 3 --optimizer sgd --local-gradients sum $flags 2>&1) || fail "--local-gradients sum $flags: exited with $?"
+  # shellcheck disable=SC2086
+  meant=$("$train" --steps 3 --optimizer sgd $flags 2>&1) || fail "$flags: exited with $?"
+  l=$(field loss "$summed") u=$(field unsharded_loss "$summed") m=$(field loss "$meant")
+  if [[ $flags == "--ranks 2" && ( -z "$l" || "$l" != "$u" ) ]]; then
+    fail "--local-gradients sum $flags: loss '$l' vs unsharded '$u' (expected equal)"
+  elif ! close "$l" "$u" || ! close "$l" "$m"; then
+    fail "--local-gradients sum $flags: loss '$l', unsharded '$u', under mean '$m'"
+  elif ! grep -q "; gradients summed over each rank's batch" <<<"$summed"; then
+    fail "--local-gradients sum $flags: not shown in the model line"
+  else
+    echo "PASS: --local-gradients sum $flags: loss $l, unsharded $u, under mean $m"
+  fi
+done
+skips() { sed -n 's/^fp16: the loss scaler skipped \([0-9]*\) .*/\1/p' <<<"$1"; }
+summed=$("$train" --steps 3 --optimizer sgd --precision fp16 --local-gradients sum 2>&1) || fail "fp16 sum: exited with $?"
+meant=$("$train" --steps 3 --optimizer sgd --precision fp16 2>&1) || fail "fp16 mean: exited with $?"
+if [[ -n $(skips "$summed") && $(skips "$summed") == $(skips "$meant") ]]; then
+  echo "PASS: --precision fp16 --local-gradients sum: the loss scaler skipped $(skips "$summed") steps, as under mean"
+else
+  fail "--precision fp16 --local-gradients sum skipped '$(skips "$summed")' steps, under mean '$(skips "$meant")'"
+fi
 
 # --comm-precision bf16: all-gathers and reduce-scatters of half the bytes, the same calls,
 # a loss near the f32 reference's; --persistence-threshold 1000 keeps the 64-element gain
@@ -246,7 +281,8 @@ for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--acc
     "--comm-precision fp8" "--comm-precision bf16 --precision bf16" "--persistence-threshold -1" \
     "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \
     "--plan --precision fp16" "--plan --save /tmp/never-written" "--reshard-after-forward 1" \
-    "--reshard-after-forward maybe" "--reshard-after-forward 3 --ranks 4" "--reshard-after-forward 4 --ranks 4"; do
+    "--reshard-after-forward maybe" "--reshard-after-forward 3 --ranks 4" "--reshard-after-forward 4 --ranks 4" \
+    "--local-gradients avg"; do
   # shellcheck disable=SC2086
   if "$train" $bad >/dev/null 2>&1; then fail "'$bad' was accepted"; else echo "PASS: '$bad' is refused"; fi
 done

@@ -8,11 +8,9 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/checksum.hpp"
+#include "fsdp/checkpoint/save_id.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint::detail {
@@ -149,19 +148,10 @@ inline std::uint64_t file_xxh64(const std::filesystem::path& path) {
   return xxh64_of_fd(fd.get(), file_size_of(fd.get(), path), path);
 }
 
-// 16 hex digits that make temporary names unique among processes and threads: the random
-// source mixed with the clock and the process id (a deterministic random_device, as in some
-// sandboxes, would otherwise give two processes the same names).
-inline std::string random_token() {
-  std::random_device rd;
-  const std::uint64_t words[4] = {static_cast<std::uint64_t>(rd()) << 32 | rd(),
-                                  static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()),
-                                  static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()),
-                                  static_cast<std::uint64_t>(::getpid())};
-  Xxh64 h;
-  h.update(words, sizeof words);
-  return xxh64_hex(h.digest());
-}
+// 16 hex digits that make temporary names unique among processes and threads: a fresh save
+// id (new_save_id: the random source mixed with the clock and the process id), so that the
+// library draws its names and its ids from one source.
+inline std::string random_token() { return format_save_id(new_save_id()); }
 
 // A path's parent for creating siblings: "." when it has none.
 inline std::filesystem::path parent_or_dot(const std::filesystem::path& p) {

@@ -3,12 +3,29 @@
 //
 //   visit_parameters(m, f)  calls f(std::string_view name, T& param, T& grad) for each of
 //                           m's *own* parameters (not its children's); T models fsdp::Tensor.
+//                           Or f(name, param), without a gradient tensor: the library owns
+//                           that parameter's gradient and the engine writes it through
+//                           Unit::gradient(param) / ShardedModel::gradient(param) during the
+//                           unit's backward (for engines whose layers own no gradient
+//                           tensors, as mlpack's). A module may mix both forms.
 //   visit_children(m, f)    calls f(std::string_view name, Child& child) for each direct
 //                           child module. Optional: a module without it is a leaf.
 //   visit_buffers(m, f)     calls f(std::string_view name, T& buffer) for each of m's own
 //                           non-trainable tensors (running statistics and the like).
 //                           Optional: MixedPrecision casts them, sync_module_states
 //                           broadcasts them.
+//   parameters_rebound(m)   called (no arguments besides m) after the library re-pointed any
+//                           of m's visited parameters (take-over, gather, reshard, summon,
+//                           a failed take-over given back, deferred init's storage bound
+//                           and freed), once per module per such pass.
+//                           Optional: for engines that keep other views of a parameter's
+//                           storage (mlpack's `weight` and `bias` inside `weights`) and
+//                           re-point them here from the tensor they visited.
+//
+// While a unit is built, visit_parameters and visit_buffers are called again from inside
+// a running visit of the same module (nested): that tells the module's own tensors from
+// temporaries a visitor builds. A visitor must allow it (no non-recursive lock held while
+// it calls f).
 //
 // Each as a static member of a fsdp::module_traits<M> specialization (for module types the
 // engine does not own: no function has to be added to a third-party namespace), as a member
@@ -33,9 +50,11 @@ namespace fsdp {
 
 // Specialize to adapt a module type without touching it. Any of (all static, optional
 // except visit_parameters):
-//   static void visit_parameters(M&, F&& f);   f(std::string_view, T& param, T& grad)
+//   static void visit_parameters(M&, F&& f);   f(std::string_view, T& param, T& grad), or
+//                                              f(std::string_view, T& param): gradient owned
 //   static void visit_children(M&, F&& f);     f(std::string_view, Child&)
 //   static void visit_buffers(M&, F&& f);      f(std::string_view, T& buffer)
+//   static void parameters_rebound(M&);        its parameters were re-pointed
 // The primary template is empty: a type without a specialization uses members or ADL.
 template <class M>
 struct module_traits {};
@@ -62,6 +81,7 @@ struct ModuleId {
 namespace detail {
 struct param_visitor_archetype {
   template <class T> void operator()(std::string_view, T&, T&) const {}
+  template <class T> void operator()(std::string_view, T&) const {}  // the library owns the gradient
 };
 struct child_visitor_archetype {
   template <class C> void operator()(std::string_view, C&) const {}
@@ -88,21 +108,41 @@ concept Module = detail::traits_param_visit<M, detail::param_visitor_archetype> 
                  detail::member_param_visit<M, detail::param_visitor_archetype> ||
                  detail::adl_param_visit<M, detail::param_visitor_archetype>;
 
-// Own parameters of m: f(name, param, grad).
+// Own parameters of m: f(name, param, grad), `grad` a T* lvalue: the engine's gradient
+// tensor, or nullptr where the visitor passed none (f(name, param): the library owns it).
 template <class M, class F>
 void for_each_own_parameter(M& m, F&& f) {
   static_assert(Module<M>,
                 "fsdp: this type is not an fsdp::Module. Provide visit_parameters(M&, F) (member, "
                 "free function found by ADL, or static member of a fsdp::module_traits<M> "
-                "specialization) that calls f(std::string_view name, T& param, T& grad) for each "
-                "of the module's own parameters. See docs/concepts.md#module.");
-  auto checked = [&](std::string_view name, auto& param, auto& grad) {
+                "specialization) that calls f(std::string_view name, T& param, T& grad) (or "
+                "f(name, param) when the library is to own the gradient) for each of the module's own "
+                "parameters. See docs/concepts.md#module.");
+  auto checked = [&](std::string_view name, auto& param, auto&... grad) {
     using P = std::remove_cvref_t<decltype(param)>;
+    static_assert(sizeof...(grad) <= 1,
+                  "fsdp: visit_parameters called f with too many arguments; write f(name, param, grad), or "
+                  "f(name, param) when the library is to own the gradient");
     static_assert(Tensor<P>, "fsdp: visit_parameters passed a parameter whose type does not "
                              "satisfy fsdp::Tensor (specialize fsdp::tensor_traits for it)");
-    static_assert(std::is_same_v<P, std::remove_cvref_t<decltype(grad)>>,
+    static_assert((std::is_same_v<P, std::remove_cvref_t<decltype(grad)>> && ...),
                   "fsdp: a parameter and its gradient must have the same tensor type");
-    f(name, param, grad);
+    // The library rebinds both tensors (tensor_traits<T>::rebind takes T&), so a const one
+    // could only fail deep inside the unit; say what to change instead.
+    constexpr bool const_param = std::is_const_v<std::remove_reference_t<decltype(param)>>;
+    constexpr bool const_grad = (std::is_const_v<std::remove_reference_t<decltype(grad)>> || ...);
+    static_assert(!const_param,
+                  "fsdp: visit_parameters passed a const parameter; the library rebinds parameters, so "
+                  "pass it as T& (a visit_parameters that is a const member function, or takes const M&, "
+                  "sees the module's tensors as const: make it non-const)");
+    static_assert(!const_grad,
+                  "fsdp: visit_parameters passed a const gradient; the library rebinds gradients too, so "
+                  "pass it as T&, as the parameter (f(name, param, grad) with both non-const)");
+    if constexpr (!const_param && !const_grad) {  // else only the message above
+      P* grad_or_null = nullptr;  // null: a two-argument visit, the library owns the gradient
+      ((grad_or_null = &grad), ...);
+      f(name, param, grad_or_null);
+    }
   };
   if constexpr (detail::traits_param_visit<M, decltype(checked)>) module_traits<M>::visit_parameters(m, checked);
   else if constexpr (detail::member_param_visit<M, decltype(checked)>) m.visit_parameters(checked);
@@ -139,6 +179,28 @@ void for_each_own_buffer(M& m, F&& f) {
   else if constexpr (detail::member_buffer_visit<M, detail::buffer_visitor_archetype>) m.visit_buffers(checked);
   else if constexpr (detail::adl_buffer_visit<M, detail::buffer_visitor_archetype>) visit_buffers(m, checked);
 }
+
+namespace detail {
+template <class M>
+concept traits_rebound_hook = requires(M& m) { module_traits<M>::parameters_rebound(m); };
+template <class M>
+concept member_rebound_hook = requires(M& m) { m.parameters_rebound(); };
+template <class M>
+concept adl_rebound_hook = requires(M& m) { parameters_rebound(m); };
+
+// Whether M has a parameters_rebound hook (static member of module_traits<M>, member, or
+// ADL, looked up in that order as the visitors are).
+template <class M>
+inline constexpr bool has_parameters_rebound = traits_rebound_hook<M> || member_rebound_hook<M> || adl_rebound_hook<M>;
+
+// Calls m's parameters_rebound hook; a no-op for a module without one.
+template <class M>
+void call_parameters_rebound(M& m) {
+  if constexpr (traits_rebound_hook<M>) module_traits<M>::parameters_rebound(m);
+  else if constexpr (member_rebound_hook<M>) m.parameters_rebound();
+  else if constexpr (adl_rebound_hook<M>) parameters_rebound(m);
+}
+}  // namespace detail
 
 inline std::string join_fqn(std::string_view prefix, std::string_view name) {
   if (prefix.empty()) return std::string(name);

@@ -3,7 +3,10 @@
 // reads it through fsdp::tensor_traits<T>, whose fields follow DLPack's DLTensor
 // (data, device, dtype, shape). The one thing beyond DLPack is `rebind`: the library
 // points a parameter (and its gradient) at storage it owns, which is what makes unshard
-// zero-copy — the all-gather output *is* the parameters.
+// zero-copy — the all-gather output *is* the parameters. A tensor type that is a handle
+// (libtorch's torch::Tensor, any refcounted engine: copies share what they point to) says so
+// with tensor_traits<T>::identity, and the library then keeps copies of the handles and
+// tells tensors apart by what they point to, not by the address of the engine's object.
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +46,16 @@ namespace detail { template <class> inline constexpr bool always_false = false; 
 // and, optionally, so that a take-over a throwing rebind stops loses no values:
 //   K               keep(T&)                 // keeps t's storage alive past rebind; t still views it
 //   void            restore(T&, K&&) noexcept  // t owns and views that storage again, its own dtype
+// and, for a tensor type that is a handle (copies share one tensor, as torch::Tensor's share
+// its TensorImpl, so that rebinding any copy is seen through all of them):
+//   const void*     identity(const T&)       // what the handle points to (the TensorImpl);
+//                                            // equal for two handles iff they are one tensor
+// With identity, T must be copyable, and the library keeps its own copy of each visited
+// parameter, gradient and buffer handle (for as long as the unit lives) and rebinds through
+// it, so a visitor may pass copies of the handles (as libtorch's named_parameters() gives);
+// it identifies tensors by identity() wherever it would compare addresses (ties, ignored
+// parameters, gradient(param), the visitor checks). Without it, T& must be the engine's own,
+// lasting tensor object, identified by its address.
 template <class T>
 struct tensor_traits {
   static_assert(detail::always_false<T>,
@@ -71,6 +84,26 @@ concept RebindableAs = Tensor<T> && requires(T& t, void* p, DType d) { tensor_tr
 // the throw are left without storage.
 template <class T>
 concept KeepsStorage = Tensor<T> && requires(T& t) { tensor_traits<T>::restore(t, tensor_traits<T>::keep(t)); };
+
+// Tensor types that are handles (tensor_traits<T>::identity, above).
+template <class T>
+concept TensorHandle = Tensor<T> && requires(const T& ct) {
+  { tensor_traits<T>::identity(ct) } -> std::convertible_to<const void*>;
+};
+
+// What identifies a tensor to the library: identity() for a handle, else the object's
+// address. ShardOptions::ignored_parameters names parameters by it.
+template <Tensor T>
+const void* tensor_identity(const T& t) {
+  if constexpr (TensorHandle<T>) {
+    static_assert(std::is_copy_constructible_v<T>,
+                  "fsdp: tensor_traits<T>::identity declares T a handle, which the library keeps copies of: "
+                  "T must be copy constructible (copies sharing one tensor)");
+    return static_cast<const void*>(tensor_traits<T>::identity(t));
+  } else {
+    return static_cast<const void*>(&t);
+  }
+}
 
 namespace detail {
 

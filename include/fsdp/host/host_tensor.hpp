@@ -1,9 +1,11 @@
 #pragma once
 // HostTensor: a minimal tensor for host-only engines and tests. It owns its storage until
 // the library rebinds it to a view of library-owned storage (keep/restore give it back if
-// that take-over fails).
+// that take-over fails). HostTensor::without_storage(shape, dtype) builds one with a shape
+// and a dtype but no storage, for a model built for fsdp::deferred_init.
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "fsdp/core/tensor.hpp"
@@ -19,6 +21,15 @@ class HostTensor {
     for (auto d : shape_) n *= d;
     owned_.assign(static_cast<std::size_t>(n) * size_of(dtype_), std::byte{0});
     data_ = owned_.empty() ? nullptr : owned_.data();
+  }
+  // A shape and a dtype, no storage (data() null, owns_storage() false): a parameter or
+  // gradient of a model built from shapes and dtypes alone, which fsdp::deferred_init binds
+  // to storage unit by unit (fsdp/model/deferred_init.hpp).
+  static HostTensor without_storage(std::vector<std::int64_t> shape, DType dtype = DType::f32) {
+    HostTensor t;
+    t.shape_ = std::move(shape);
+    t.dtype_ = dtype;
+    return t;
   }
 
   std::span<const std::int64_t> shape() const { return shape_; }

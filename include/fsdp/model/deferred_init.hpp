@@ -7,6 +7,7 @@
 // shape and dtype while ::data gives null: the state the library itself leaves a resharded
 // parameter in, so no new customization point is needed. Its gradient gives the same shape
 // and dtype, and needs no storage either. Buffers stay the engine's and need storage.
+// fsdp::HostTensor::without_storage(shape, dtype) builds such a tensor.
 //
 //   auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, fsdp::wrap_types<Block>{},
 //                                         fsdp::deferred_init([](auto& module, std::string_view fqn) {
@@ -34,6 +35,7 @@
 
 #include "fsdp/unit/detail/deferred_storage.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
+#include "fsdp/core/detail/type_name.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/core/training_state.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
@@ -68,7 +70,9 @@ InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn) {
   return [&d, &module, fqn = std::move(fqn)](const MaterializedTensors& materialized, const SkipSet& skip) {
     for_each_unit_module<wrap_types<>>(module, fqn, skip, [&](auto& m, const std::string& at) {
       bool owns = false;
-      for_each_own_parameter(m, [&](std::string_view, auto& p, auto&) { owns = owns || materialized.count(&p); });
+      for_each_own_parameter(m, [&](std::string_view, auto& p, auto&) {
+        owns = owns || materialized.count(tensor_identity(p));  // a handle: what it points to
+      });
       if (!owns) return;
       using C = std::remove_cvref_t<decltype(m)>;
       if constexpr (std::is_invocable_v<const F&, C&, std::string_view>) std::invoke(d.init, m, std::string_view(at));

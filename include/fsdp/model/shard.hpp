@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fsdp/core/config.hpp"
+#include "fsdp/core/detail/type_name.hpp"
 #include "fsdp/model/deferred_init.hpp"
 #include "fsdp/model/sharded_model.hpp"
 #include "fsdp/policy/policies.hpp"
@@ -91,8 +92,8 @@ class WrapPlanner {
   std::int64_t visit(M& m, const std::string& fqn, int depth, const Closed& closed) {
     std::int64_t unwrapped = 0;
     for_each_own_parameter(m, [&](std::string_view name, auto& param, auto&) {
-      if (ignored_params_.count(&param)) {
-        if (params_found_.insert(&param).second) ignored.push_back(join_fqn(fqn, name));
+      if (ignored_params_.count(tensor_identity(param))) {  // a handle: what it points to
+        if (params_found_.insert(tensor_identity(param)).second) ignored.push_back(join_fqn(fqn, name));
       } else {
         // Checked here, before the units check them: the wrap policies add these up first.
         const std::string pf = join_fqn(fqn, name);
@@ -146,7 +147,8 @@ class WrapPlanner {
     for (const void* p : ignored_params_)
       if (!params_found_.count(p))
         fail("shard: ShardOptions::ignored_parameters names a tensor at ", p,
-             " that is not a parameter of the model (pass the parameter, not its gradient)");
+             " that is not a parameter of the model (pass the parameter, not its gradient); a tensor type that is a "
+             "handle is named by fsdp::tensor_identity(param)");
     for (const auto& id : manual_)
       if (!manual_found_.count(id))
         fail("shard: wrap_modules names a ", type_name(id.type), " at ", id.address, " that is not in the model");

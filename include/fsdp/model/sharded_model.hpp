@@ -14,9 +14,11 @@
 #include <span>
 #include <type_traits>
 #include <typeindex>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/detail/type_name.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/core/trace.hpp"
@@ -108,6 +110,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     if (units_.size() == units_.capacity()) units_.reserve(std::max<std::size_t>(8, 2 * units_.size()));
     by_module_[key] = unit.get();
     for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
+    for (const void* t : fsdp::detail::internals(*unit).parameter_tensors()) unit_of_tensor_.emplace(t, unit.get());
     unit->attach(order_.get());
     units_.push_back(std::move(unit));  // within capacity: cannot throw
     refresh_views();
@@ -139,8 +142,9 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   template <class M>
   Unit& unit_for(const M& module) const {
     if (auto* u = find_unit_for(module)) return *u;
-    detail::fail("ShardedModel: the ", ModuleId::of(module).type.name(), " at ", ModuleId::of(module).address,
-                 " is not a unit; units are: ", unit_names());
+    const ModuleId id = ModuleId::of(module);
+    detail::fail("ShardedModel: the ", detail::type_name(id.type), " at ", id.address, " is not a unit; units are: ",
+                 unit_names());
   }
   // The unit whose module lies at `address` whatever its type (for hooks that only keep a
   // pointer), or nullptr; an error when a module and its first member are both units there.
@@ -155,6 +159,22 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     }
     return found;
   }
+  // The gradient the library owns of `param`, a parameter visited as f(name, param), from
+  // the unit that holds it (Unit::gradient: valid between that unit's pre_backward and
+  // post_backward, and in a summon with_grads). Found by fsdp::tensor_identity: the tensor's
+  // address, or for a handle type what it points to (any copy of the handle).
+  template <class T>
+  GradientView gradient(const T& param) {
+    static_assert(Tensor<T>, "fsdp: gradient(param) takes the parameter tensor the module visited (an fsdp::Tensor), "
+                             "not a pointer to it or another object");
+    auto it = unit_of_tensor_.find(tensor_identity(param));
+    if (it == unit_of_tensor_.end())
+      detail::fail("ShardedModel on rank ", units_.empty() ? 0 : units_.front()->rank(), ": gradient(): the tensor at ",
+                   tensor_identity(param), " is not a parameter of any unit; pass the tensor a module visited "
+                   "(ignored parameters have no unit, and no gradient of the library's)");
+    return it->second->gradient(param);
+  }
+
   Unit& unit(std::string_view fqn) const {
     for (auto& u : units_) if (u->fqn() == fqn) return *u;
     detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
@@ -363,6 +383,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   std::vector<std::unique_ptr<Unit>> units_;
   std::map<ModuleKey, Unit*> by_module_;
   std::map<const void*, std::pair<Unit*, std::string>> storage_owner_;  // every unit's parameters, by storage
+  std::unordered_map<const void*, Unit*> unit_of_tensor_;  // every unit's parameters, by engine tensor
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;
 };

@@ -103,6 +103,9 @@ struct UnitConfig {
   // ShardOptions::persistence_threshold, and whether it kept this unit's parameters whole.
   std::int64_t persistence_threshold = 0;
   bool kept_unsharded = false;
+  // ShardOptions::local_gradients: what the engine's gradients are over its local batch,
+  // and so what no gradient divide factor set (reshard.gradient_divide_factor 0) means.
+  LocalGradients local_gradients = LocalGradients::mean;
   ReshardSettings reshard;
   GradientSync sync;
   bool post_accumulate_grad_hook = false;
@@ -151,13 +154,14 @@ inline std::string to_string(const UnitConfig& u) {
   std::ostringstream os;
   os << "'" << detail::display_name(u.fqn) << "': " << to_string(u.policies) << " mesh=" << u.mesh.str();
   if (u.kept_unsharded) os << " kept_unsharded(threshold=" << u.persistence_threshold << ")";
-  os << " reshard_after_forward=";
+  os << " local_gradients=" << name_of(u.local_gradients) << " reshard_after_forward=";
   if (!u.reshard.after_forward) os << "off";
   else if (u.reshard.post_forward_ranks > 0) os << u.reshard.post_forward_ranks << "-rank groups";
   else os << "on";
+  // What a synchronized reduction divides by: the factor set, else what local_gradients gives.
   os << " reshard_after_backward=" << (u.reshard.after_backward ? "on" : "off") << " gradient_divide_factor=";
-  if (u.reshard.gradient_divide_factor == 0) os << "world";
-  else os << u.reshard.gradient_divide_factor;
+  if (const double f = divide_factor(u.reshard, u.local_gradients); f == 0) os << "world";
+  else os << f;
   // The setters' names (set_requires_gradient_sync, ...), as the reshard settings above.
   os << " requires_gradient_sync=" << (u.sync.requires_sync ? "on" : "off")
      << " requires_all_reduce=" << (u.sync.requires_all_reduce ? "on" : "off") << " gradient_sync_mode=" << name_of(u.sync.mode);

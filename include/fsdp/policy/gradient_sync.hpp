@@ -4,13 +4,12 @@
 // hybrid strategy's all-reduce across replicas runs (FSDP2's set_requires_all_reduce), and
 // which of the two ways to accumulate a unit uses while sync is off.
 //
-// Convention: the engine's loss per micro-batch is a mean over this rank's samples, and a
-// synchronized reduction averages over the world (sums, then divides by the world size).
-// After k backwards (since zero_grad) the sharded gradient equals the gradient of the *sum*
-// of the k micro-batch losses, each a mean over that micro-batch's global samples: what an
-// unsharded engine gets by calling backward k times without zeroing. Whatever the mode, the
-// world-size division applies to each gradient exactly once; nothing divides by k (an
-// engine that wants the mean over micro-batches scales its loss by 1/k).
+// After k backwards (since zero_grad) the sharded gradient is the gradient of the *sum* of
+// the k micro-batch losses, each reduced over the ranks as ShardOptions::local_gradients
+// says (averaged, or summed): what an unsharded engine gets by calling backward k times
+// without zeroing. Whatever the mode, the reduction's division applies to each gradient
+// exactly once; nothing divides by k (an engine that wants the mean over micro-batches
+// scales its loss by 1/k). docs/training_loop.md#what-the-engines-gradients-mean.
 #include <cstdint>
 #include <sstream>
 #include <string>

@@ -5,6 +5,10 @@
 // time. With the gradient sync settings (fsdp/policy/gradient_sync.hpp) they are a unit's run-time
 // settings, which every rank must make alike: a unit checks that they did at its first
 // backward after a change (agree_unit_settings below).
+//
+// What the divide factor is by default follows what the engine's gradients are over its
+// local batch, LocalGradients below (ShardOptions::local_gradients, chosen when the unit is
+// built): docs/training_loop.md#what-the-engines-gradients-mean has the one table.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +22,22 @@
 #include "fsdp/policy/gradient_sync.hpp"
 
 namespace fsdp {
+
+// What the engine's gradients are over its local batch (this rank's samples), and so what a
+// synchronized reduction makes of them across the data-parallel ranks (ShardOptions::
+// local_gradients; a unit's config() reports it).
+enum class LocalGradients : std::uint8_t {
+  // Means over the local batch (the loss is a mean): the reduction averages, dividing the
+  // sum over ranks by the world size (every rank holding a shard or a replica), so with
+  // equal local batches the optimizer sees the gradient of the global batch's mean.
+  mean,
+  // Sums over the local batch (the loss is a sum): the reduction sums over ranks (divides
+  // by 1), so the optimizer sees the gradient of the global batch's sum, what the engine
+  // computes unsharded on the whole global batch.
+  sum,
+};
+
+constexpr std::string_view name_of(LocalGradients g) { return g == LocalGradients::sum ? "sum" : "mean"; }
 
 struct ReshardSettings {
   // Between a unit's forward and its backward: false keeps the unsharded parameters whole
@@ -33,11 +53,20 @@ struct ReshardSettings {
   // accumulation). After a final gradient the unit reshards anyway: the optimizer step
   // that follows would make a kept copy stale (FSDP2 leaves that to the user).
   bool after_backward = true;
-  // What a synchronized reduction divides the summed gradient by; 0: the world size.
+  // What a synchronized reduction divides the summed gradient by (set_gradient_divide_factor);
+  // 0: none set, the unit's LocalGradients decides (divide_factor below).
   double gradient_divide_factor = 0;
 
   friend bool operator==(const ReshardSettings&, const ReshardSettings&) = default;
 };
+
+// What a synchronized reduction divides the gradient summed over ranks by: the factor set
+// (set_gradient_divide_factor), which overrides the rest; else 1 where the engine's
+// gradients are sums (LocalGradients::sum); else 0, which stands for the world size
+// (LocalGradients::mean).
+constexpr double divide_factor(const ReshardSettings& r, LocalGradients local) {
+  return r.gradient_divide_factor > 0 ? r.gradient_divide_factor : local == LocalGradients::sum ? 1.0 : 0.0;
+}
 
 namespace detail {
 
@@ -46,7 +75,8 @@ inline std::vector<std::int64_t> settings_code(const GradientSync& sync, const R
   return {sync.code(), r.after_forward ? 1 : 0, r.post_forward_ranks, r.after_backward ? 1 : 0,
           std::bit_cast<std::int64_t>(r.gradient_divide_factor)};
 }
-inline std::string describe_settings(const std::int64_t* code) {
+// `local`: the unit's LocalGradients (agreed when it was built), which says what no factor set means.
+inline std::string describe_settings(const std::int64_t* code, LocalGradients local) {
   std::ostringstream os;
   os << GradientSync::describe(static_cast<std::int32_t>(code[0])) << ", reshard after forward ";
   if (!code[1]) os << "off";
@@ -54,7 +84,8 @@ inline std::string describe_settings(const std::int64_t* code) {
   else os << "on";
   os << ", reshard after backward " << (code[3] ? "on" : "off") << ", gradient divide factor ";
   const double f = std::bit_cast<double>(code[4]);
-  if (f == 0) os << "the world size";
+  if (f == 0 && local == LocalGradients::sum) os << "1 (local_gradients=sum)";
+  else if (f == 0) os << "the world size";
   else os << f;
   return os.str();
 }
@@ -66,7 +97,7 @@ inline std::string describe_settings(const std::int64_t* code) {
 // collective; either the values differ (named below) or the collectives do (the backend's
 // error, named below too).
 inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, const ReshardSettings& reshard,
-                                std::string_view unit, int rank) {
+                                LocalGradients local, std::string_view unit, int rank) {
   if (world.size() == 1) return;
   const std::vector<std::int64_t> mine = settings_code(sync, reshard);
   const std::size_t n = mine.size();
@@ -76,7 +107,7 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
   } catch (const Error& e) {
     // The other side ran another collective: a mismatch, unless the backend lost a peer or timed out.
     fail_as(e.kind() == ErrorKind::misuse ? ErrorKind::mismatch : e.kind(), "unit '", unit, "' on rank ", rank,
-            ": its run-time settings changed at this backward (now ", describe_settings(mine.data()),
+            ": its run-time settings changed at this backward (now ", describe_settings(mine.data(), local),
             ") but another rank ran a different collective here: the ranks' "
             "set_requires_gradient_sync / set_requires_all_reduce / no_sync / set_reshard_after_forward / "
             "set_reshard_after_backward / set_gradient_divide_factor calls differ (",
@@ -87,7 +118,7 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
     std::ostringstream os;
     os << "unit '" << unit << "': run-time settings differ across ranks (seen on rank " << rank << "):";
     for (std::size_t q = 0; q < static_cast<std::size_t>(world.size()); ++q)
-      os << (q ? ";" : "") << " rank " << q << " " << describe_settings(all.data() + q * n);
+      os << (q ? ";" : "") << " rank " << q << " " << describe_settings(all.data() + q * n, local);
     throw Error(ErrorKind::mismatch, os.str());
   }
 }
@@ -96,7 +127,8 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
 inline void check_divide_factor(double f, std::string_view unit, int rank) {
   if (!(f > 0) || !std::isfinite(f))
     fail("unit '", unit, "' on rank ", rank, ": set_gradient_divide_factor(", f,
-         "): the factor must be a positive finite number (the world size is the default)");
+         "): the factor must be a positive finite number (by default the world size, or 1 under "
+         "ShardOptions::local_gradients = sum)");
 }
 
 }  // namespace detail

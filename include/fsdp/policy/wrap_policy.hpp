@@ -12,18 +12,13 @@
 //   wrap_modules(a, b, ...)   these module instances (manual wrapping; nesting allowed)
 // Units may nest (except inside a wrap_types unit): each parameter belongs to the innermost.
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 #include <string>
 #include <type_traits>
 #include <typeindex>
 #include <utility>
 #include <vector>
 
-#if __has_include(<cxxabi.h>)
-#include <cxxabi.h>
-#endif
-
+#include "fsdp/core/detail/type_name.hpp"  // detail::type_name, for describe_policy
 #include "fsdp/core/module.hpp"
 
 namespace fsdp {
@@ -74,16 +69,6 @@ template <class T> struct is_wrap_if : std::false_type {};
 template <class P> struct is_wrap_if<WrapIf<P>> : std::true_type {};
 template <class T> struct is_min_params : std::is_same<T, WrapMinParams> {};
 template <class T> struct is_wrap_modules : std::is_same<T, WrapModules> {};
-
-// A readable type name for messages ("engine::Block", not "N6engine5BlockE").
-inline std::string type_name(std::type_index t) {
-#if __has_include(<cxxabi.h>)
-  int status = 0;
-  std::unique_ptr<char, void (*)(void*)> s(abi::__cxa_demangle(t.name(), nullptr, nullptr, &status), std::free);
-  if (status == 0 && s) return s.get();
-#endif
-  return t.name();
-}
 
 template <class... Ts>
 std::string describe_policy(wrap_types<Ts...>) {

@@ -5,7 +5,10 @@
 // point into, and reduces the unsharded gradient into the sharded one. It knows nothing
 // of hooks or training states: that is the unit's state machine (fsdp/unit/sharded_unit.hpp). What
 // summons and checkpoints do beyond that is in fsdp/unit/detail/summon_buffers.hpp; how the flat
-// parameters are laid out, in fsdp/unit/detail/flat_param_layouts.hpp.
+// parameters are laid out, in fsdp/unit/detail/flat_param_layouts.hpp. After every pass that
+// re-points the engine's parameters it runs their modules' parameters_rebound hooks, once
+// per module.
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -63,6 +66,12 @@ class FlatParamGroup {
         detail::bind_tensors(fp, nullptr, &detail::ParamBinding::grad, fp.master());
       }
     }
+    if (took_over_) {
+      try {
+        parameters_rebound();  // the engine's other views of the parameters let go too
+      } catch (...) {  // a destructor: a hook's error is not heard
+      }
+    }
   }
 
   // The groups this unit's collectives use; mesh_groups(): those the model was sharded over
@@ -89,6 +98,35 @@ class FlatParamGroup {
   // (fsdp/unit/detail/flat_param_layouts.hpp). Before copy_shards.
   void build(const std::vector<detail::CollectedParam>& params, const std::vector<detail::TiedAlias>& aliases = {}) {
     flat_ = detail::build_flat_params(params, aliases, groups_.shard_size);
+    hooks_.clear();
+    by_tensor_.clear();
+    auto add = [&](const detail::ParamBinding& b, std::size_t k, std::size_t i) {
+      by_tensor_.emplace(b.id, FoundParam{k, i, &b});  // fsdp::tensor_identity, what gradient(param) looks up
+      if (b.rebound.call && std::find(hooks_.begin(), hooks_.end(), b.rebound) == hooks_.end()) hooks_.push_back(b.rebound);
+    };
+    for (std::size_t k = 0; k < flat_.size(); ++k) {
+      for (std::size_t i = 0; i < flat_[k].bindings.size(); ++i) add(flat_[k].bindings[i], k, i);
+      for (const auto& [i, b] : flat_[k].alias_bindings) add(b, k, i);
+    }
+  }
+
+  // The parameter whose engine tensor is `tensor` (fsdp::tensor_identity: its address, or
+  // what a handle points to; its flat parameter, its index there, its binding; tied names
+  // included), or null.
+  struct FoundParam {
+    std::size_t flat = 0, index = 0;
+    const detail::ParamBinding* binding = nullptr;
+  };
+  const FoundParam* find_parameter(const void* tensor) const {
+    auto it = by_tensor_.find(tensor);
+    return it == by_tensor_.end() ? nullptr : &it->second;
+  }
+  // Every engine tensor of the group's parameters (tied names included), by fsdp::tensor_identity.
+  std::vector<const void*> parameter_tensors() const {
+    std::vector<const void*> out;
+    out.reserve(by_tensor_.size());
+    for (const auto& [t, found] : by_tensor_) out.push_back(t);
+    return out;
   }
   void add_to(detail::Fingerprint& f) const { detail::add_flat_params_to(f, flat_); }
   std::string describe() const { return detail::describe_flat_params(flat_); }
@@ -123,11 +161,13 @@ class FlatParamGroup {
   // tensor first: a rebind that throws leaves the group not taken over (`log` hands back).
   void take_over(std::string_view unit, std::vector<ShardView>& views, std::vector<ParamView>& params,
                  detail::TakeOverLog& log) {
+    log.hooks(hooks_);  // a roll back tells the modules too
     for (auto& fp : flat_) {
       if (fp.direct) fp.full = fp.shard, fp.full_dtype = fp.master();  // replicated: the parameters live in the "shard" for good
       detail::take_over_tensors(fp, fp.direct ? fp.full : nullptr, log);
     }
     took_over_ = true;
+    parameters_rebound();
     for (std::size_t k = 0; k < flat_.size(); ++k) {
       const auto& fp = flat_[k];
       const auto& L = fp.layout;
@@ -216,10 +256,12 @@ class FlatParamGroup {
   // issues one and waits. Parameters already valid (replicated in place, or kept since
   // forward) cost nothing: not even a rebind.
   void unshard(const detail::TracedWait& wait, const CollectiveTag* tag) {
+    bool rebound = false;
     for (auto& fp : flat_) {
       if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag);
-      if (fp.unbound) finish_gather(fp, fp.compute, wait);
+      if (fp.unbound) finish_gather(fp, fp.compute, wait), rebound = true;
     }
+    if (rebound) parameters_rebound();
   }
 
   // Full parameters in their own (master) dtype, for summon_full_params.
@@ -228,6 +270,7 @@ class FlatParamGroup {
       start_gather(fp, fp.master(), fp.master(), tag);
       finish_gather(fp, fp.master(), wait);
     }
+    parameters_rebound();
   }
 
   // Parameter i (in take_over's order) inside the unsharded buffer, in the dtype gathered.
@@ -240,7 +283,9 @@ class FlatParamGroup {
 
   // ---- summons and checkpoints (fsdp/unit/detail/summon_buffers.hpp) ----
 
-  void move_unsharded_to_host() { detail::move_unsharded_to_host(flat_, groups_, device_); }
+  void move_unsharded_to_host() {
+    if (detail::move_unsharded_to_host(flat_, groups_, device_)) parameters_rebound();
+  }
   void unshard_gradients() { detail::unshard_gradients(flat_, groups_, device_); }
   void release_summoned_gradients() { detail::release_summoned_gradients(flat_, device_); }
   bool hash_unsharded(detail::Fingerprint& f) const { return detail::hash_unsharded(flat_, device_, f); }
@@ -252,16 +297,37 @@ class FlatParamGroup {
 
   // Frees the unsharded parameters and what a partial reshard kept of them.
   void release_unsharded() {
+    if (release_unsharded_tensors()) parameters_rebound();
+  }
+  // The same on a path that recovers from an error (abort_step, a summon that failed part
+  // way): the modules' hooks still run, but an error of theirs is dropped, so that the
+  // recovery finishes (and ranks that agree on it are not left waiting) and the error that
+  // started it is the one reported.
+  void release_unsharded_after_error() {
+    if (!release_unsharded_tensors()) return;
+    try {
+      parameters_rebound();
+    } catch (...) {
+    }
+  }
+
+ private:
+  // release_unsharded without the hooks; whether the engine's tensors were re-pointed.
+  bool release_unsharded_tensors() {
+    bool rebound = false;
     for (auto& fp : flat_) {
       if (fp.direct) continue;  // replicated parameters stay valid
       detail::settle_before_free(fp.gather_work, device_);  // a prefetched all-gather may still be writing into the buffer
+      rebound = rebound || (fp.full && !fp.unbound);  // the engine's tensors viewed it: re-pointed now
       fp.unbound = false;
       detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
     }
+    return rebound;
   }
 
+ public:
   // ---- partial resharding (fsdp/unit/detail/partial_reshard.hpp) ----
 
   // The group for set_reshard_after_forward(group), or nullopt; checked on this rank.
@@ -277,12 +343,15 @@ class FlatParamGroup {
 
   // After forward: keeps this rank's chunk of each unsharded buffer and frees the rest.
   void reshard_to_post_forward() {
+    bool rebound = false;
     for (auto& fp : flat_) {
       if (fp.direct || !fp.full || fp.unbound || fp.post_forward) continue;
       post_forward_.keep_chunk(fp, groups_.shard_rank, device_);
       detail::bind_tensors(fp, nullptr, &detail::ParamBinding::param, fp.master());
       release_unsharded_params(fp);
+      rebound = true;
     }
+    if (rebound) parameters_rebound();
   }
 
   // A step abandoned (abort_step): collectives in flight finished (their errors dropped:
@@ -297,7 +366,7 @@ class FlatParamGroup {
     }
     reduction_.drop_checks();
     if (!took_over_) return;
-    release_unsharded();
+    release_unsharded_after_error();
     unbind_gradients();
     zero_grad();
   }
@@ -355,6 +424,11 @@ class FlatParamGroup {
 
  private:
   bool offloaded() const { return shard_space_ == MemorySpace::host; }
+
+  // After a pass that re-pointed the engine's parameters: each module's hook, once.
+  void parameters_rebound() const {
+    for (const auto& h : hooks_) h.call(h.module);
+  }
   std::int64_t full_numel(const FlatParam& fp) const { return detail::full_numel(fp, groups_); }
 
   void release_unsharded_params(FlatParam& fp) {
@@ -375,6 +449,8 @@ class FlatParamGroup {
   detail::GradientReduction reduction_;
   std::vector<FlatParam> flat_;
   std::vector<std::pair<std::size_t, std::size_t>> param_index_;  // parameter -> (flat, index in it)
+  std::vector<detail::ReboundHook> hooks_;  // each module's with parameters here, once, in visit order
+  std::unordered_map<const void*, FoundParam> by_tensor_;  // engine tensor -> its parameter
   bool took_over_ = false;
 };
 

@@ -65,8 +65,9 @@ class RunTimeSettings {
   void set_reshard_after_backward(bool on) {
     apply("set_reshard_after_backward", [on](auto& u) { u.reshard_.after_backward = on; });
   }
-  // What a synchronized reduction divides the summed gradient by: > 0 (by default, until
-  // this is called, the world size).
+  // What a synchronized reduction divides the summed gradient by: > 0. It overrides
+  // ShardOptions::local_gradients, which says what is divided by until this is called: the
+  // world size (mean, the default) or 1 (sum).
   void set_gradient_divide_factor(double factor) {
     apply(
         "set_gradient_divide_factor", [factor](auto& u) { detail::check_divide_factor(factor, detail::display_name(u.fqn_), u.rank_); },

@@ -1,10 +1,11 @@
 #pragma once
 // fsdp::ShardOptions: the options of sharding, one struct for fsdp::shard (which applies
 // them to every unit it builds) and for a unit built by hand (fsdp::Sharded's constructor):
-// what of a module's subtree is left out, and what happens to the parameters taken over
-// (synchronised from rank 0, kept unsharded when tiny, taken over later). Its numbers are
-// checked where a unit's construction first reads them (check_shard_options, called by
-// set_up_unit): a negative threshold is refused, naming the option, not read as 0.
+// what of a module's subtree is left out, what happens to the parameters taken over
+// (synchronised from rank 0, kept unsharded when tiny, taken over later), and what the
+// engine's gradients are over its local batch. Its values are checked where a unit's
+// construction first reads them (check_shard_options, called by set_up_unit): a negative
+// threshold is refused, naming the option, not read as 0.
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "fsdp/unit/detail/deferred_storage.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/module.hpp"
+#include "fsdp/policy/reshard_settings.hpp"
 
 namespace fsdp {
 
@@ -41,6 +43,17 @@ struct ShardOptions {
   // refuses its hooks (but zero_grad and finish_backward), reshard, summon and a
   // post-accumulate-grad hook, naming itself: its tensors are still the engine's.
   bool defer_take_over = false;
+  // What the engine's gradients are over this rank's local batch, and so what a synchronized
+  // reduction divides the gradient summed over ranks by (fsdp/policy/reshard_settings.hpp):
+  // mean (the default; the loss is a mean over the local batch): by the world size, every
+  // rank holding a shard or a replica (the hybrid strategies' shard group times replicate
+  // group), so the optimizer sees the gradient of the global batch's mean; sum (the loss is
+  // a sum, as mlpack's gradients are): by 1, so the optimizer sees the gradient of the
+  // global batch's sum, as the engine unsharded would. For every strategy, units kept
+  // unsharded by persistence_threshold, gradient accumulation and every precision. A
+  // unit's set_gradient_divide_factor overrides it. Every rank must choose alike (checked
+  // when the unit is built). docs/training_loop.md#what-the-engines-gradients-mean.
+  LocalGradients local_gradients = LocalGradients::mean;
 };
 
 namespace detail {
@@ -49,6 +62,9 @@ inline void check_shard_options(const ShardOptions& options, std::string_view un
   if (options.persistence_threshold < 0)
     fail("unit '", unit, "' on rank ", rank, ": ShardOptions::persistence_threshold must be >= 0 (0: every unit follows "
          "its strategy), got ", options.persistence_threshold);
+  if (options.local_gradients != LocalGradients::mean && options.local_gradients != LocalGradients::sum)
+    fail("unit '", unit, "' on rank ", rank, ": ShardOptions::local_gradients must be LocalGradients::mean or ",
+         "LocalGradients::sum, got the value ", static_cast<int>(options.local_gradients));
 }
 
 // A unit's part of a deferred init (fsdp/model/deferred_init.hpp), which fsdp::shard hands

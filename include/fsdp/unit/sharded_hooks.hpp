@@ -45,9 +45,9 @@ inline void ShardedUnit::pre_backward_body() {
     expect({TrainingState::IDLE}, "pre_backward");
     expect_taken_over("pre_backward");
     if (sync_ != agreed_sync_ || reshard_ != agreed_reshard_) {  // only after a change: plain training runs no extra collective
-      detail::agree_unit_settings(group_.groups().world, sync_, reshard_, display_name(), rank_);
+      detail::agree_unit_settings(group_.groups().world, sync_, reshard_, local_gradients_, display_name(), rank_);
       if (reshard_.gradient_divide_factor != agreed_reshard_.gradient_divide_factor)
-        group_.set_gradient_divide_factor(reshard_.gradient_divide_factor);
+        group_.set_gradient_divide_factor(divide_factor(reshard_, local_gradients_));
       agreed_sync_ = sync_;
       agreed_reshard_ = reshard_;
     }

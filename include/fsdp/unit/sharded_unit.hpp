@@ -46,6 +46,7 @@ class ShardedUnit : public Unit {
     c.policies = policies_;
     c.mesh = mesh_shape();
     c.persistence_threshold = persistence_threshold_;
+    c.local_gradients = local_gradients_;
     c.sync_module_states = sync_module_states_;
     c.deferred_parameters = deferred_params_;
     c.kept_unsharded = kept_unsharded();
@@ -202,6 +203,31 @@ class ShardedUnit : public Unit {
   }
   bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
   std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }
+  // Unit::gradient: where the gradient the library owns of that parameter is shown now.
+  GradientView gradient_of(const void* tensor) override {
+    const auto* found = group_.find_parameter(tensor);
+    if (!found)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": gradient(): the tensor at ", tensor,
+                   " is not a parameter of this unit; pass the tensor its module visited (ShardedModel::gradient "
+                   "finds the unit)");
+    const FlatParam& fp = group_.flat()[found->flat];
+    const ParamInfo& info = fp.layout.params()[found->index];
+    if (found->binding->owns_grad())
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": gradient('", info.fqn, "'): the parameter was ",
+                   "visited with a gradient tensor of its own (f(name, param, grad)), which the engine writes; ",
+                   "gradient() is for parameters visited as f(name, param), whose gradient the library owns");
+    if (!fp.grad_shown)
+      detail::fail("unit '", display_name(), "' on rank ", rank_, ": gradient('", info.fqn, "') outside its backward ",
+                   "(the unit is ", name_of(state_),
+                   state_ == TrainingState::SUMMON_FULL_PARAMS
+                       ? (summon_holds_nothing_ ? ", in a rank0_only summon: only rank 0 holds the gradients"
+                                                : ", summoned without with_grads")
+                       : "",
+                   "): call it between the unit's pre_backward and post_backward, or inside summon_full_params "
+                   "with with_grads");
+    return {detail::shown_gradient(fp, found->index), fp.grad_shown_dtype, info.shape, info.numel, info.fqn, fqn_, rank_};
+  }
+  std::vector<const void*> parameter_tensors() const override { return group_.parameter_tensors(); }
 
   // Setup's last step (detail::internals, ShardedModel::take_over): not on a typed unit.
   // All or nothing for this unit (fsdp/unit/detail/take_over.hpp).
@@ -251,6 +277,8 @@ class ShardedUnit : public Unit {
     reshard_.after_forward = policies.reshard_after_forward;
     agreed_reshard_ = reshard_;
     persistence_threshold_ = options.persistence_threshold;
+    local_gradients_ = options.local_gradients;
+    group_.set_gradient_divide_factor(divide_factor(reshard_, local_gradients_));  // 1 under LocalGradients::sum
     sync_module_states_ = options.sync_module_states;
     deferred_params_ = std::move(setup.deferred);
     if (!options.defer_take_over) take_over();
@@ -385,6 +413,7 @@ class ShardedUnit : public Unit {
   const PolicyConfig policies_;
   std::int64_t persistence_threshold_ = 0;  // ShardOptions::persistence_threshold, for config()
   bool sync_module_states_ = false;         // how it was built, for config()
+  LocalGradients local_gradients_ = LocalGradients::mean;  // ShardOptions::local_gradients
   std::vector<std::string> deferred_params_;
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over

@@ -34,16 +34,21 @@ inline void check_summon_options(const SummonOptions& options, bool hook_frees_g
 template <class Group>
 bool gather_for_summon(Group& group, const SummonOptions& options, int rank, const TracedWait& wait,
                        const CollectiveTag* tag) {
-  group.unshard_master(wait, tag);
   const bool holds_nothing = options.rank0_only && rank != 0;
-  if (holds_nothing) group.release_unsharded();
-  else if (options.offload_to_host) group.move_unsharded_to_host();
+  try {  // a gather, or a module's parameters_rebound hook, that fails leaves nothing bound
+    group.unshard_master(wait, tag);
+    if (holds_nothing) group.release_unsharded();
+    else if (options.offload_to_host) group.move_unsharded_to_host();
+  } catch (...) {
+    group.release_unsharded_after_error();
+    throw;
+  }
   if (options.with_grads) {
     try {
       group.unshard_gradients();
     } catch (...) {
       group.release_summoned_gradients();
-      group.release_unsharded();
+      group.release_unsharded_after_error();
       throw;
     }
     if (holds_nothing) group.release_summoned_gradients();

@@ -22,7 +22,9 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/flat_param.hpp"
+#include "fsdp/core/tensor.hpp"
 #include "fsdp/unit/execution_order.hpp"
+#include "fsdp/unit/gradient_view.hpp"
 #include "fsdp/policy/configuration.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/post_accumulate_grad_hook.hpp"
@@ -147,6 +149,13 @@ class UnitInternals {
   virtual void end_summon_full_params(bool writeback) = 0;
   // Its rank in its world, for messages.
   virtual int rank() const = 0;
+  // Unit::gradient's work: the gradient the library owns of the parameter whose engine
+  // tensor is at `tensor` (an error outside the unit's backward, for a parameter visited
+  // with its own gradient tensor, and for a tensor that is none of the unit's parameters).
+  virtual GradientView gradient_of(const void* tensor) = 0;
+  // The engine tensors of its parameters (tied names included): how ShardedModel finds
+  // the unit of a parameter.
+  virtual std::vector<const void*> parameter_tensors() const = 0;
 
  protected:
   UnitInternals() = default;
@@ -268,6 +277,22 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
 
   const std::string& fqn() const { return fqn_; }
   TrainingState state() const { return state_; }
+
+  // The gradient of `param`, a parameter of this unit that the module visited as
+  // f(name, param) (without a gradient tensor: the library owns its gradient), for engines
+  // whose layers own no gradient tensors. Between this unit's pre_backward and
+  // post_backward the engine writes into it as into a gradient tensor of its own: add (+=),
+  // since it holds zeros or what gradient accumulation kept (docs/training_loop.md). Also
+  // inside summon_full_params with with_grads (the reduced gradient, read only). An
+  // fsdp::Error anywhere else, for a parameter visited with its own gradient tensor, and
+  // for a tensor that is not a parameter of the unit. Found by fsdp::tensor_identity: the
+  // tensor's address, or for a handle type what it points to (any copy of the handle).
+  template <class T>
+  GradientView gradient(const T& param) {
+    static_assert(Tensor<T>, "fsdp: gradient(param) takes the parameter tensor the module visited (an fsdp::Tensor), "
+                             "not a pointer to it or another object");
+    return gradient_of(tensor_identity(param));
+  }
 
  protected:
   // The internal overload, not public: named here only so that the public zero_grad()

@@ -38,6 +38,7 @@ inline Settings unit_settings(const Settings& policies, const ShardOptions& opti
   Settings s = policies;
   s.add("sync_module_states", options.sync_module_states ? "true" : "false");
   s.add("persistence_threshold", std::to_string(options.persistence_threshold));
+  s.add("local_gradients", std::string(name_of(options.local_gradients)));
   s.add("deferred init", !init.init ? "off" : init.check_agrees ? "on, values compared" : "on, not compared");
   for (const auto& b : buffers) s.add("buffer '" + b.fqn + "'", format_shape(b.shape) + " " + std::string(name_of(b.dtype)));
   return s;
@@ -65,10 +66,11 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
   const SkipSet skip{{options.ignored_modules.begin(), options.ignored_modules.end()},
                      {options.ignored_parameters.begin(), options.ignored_parameters.end()}};
   visit(unit.fqn(), params, setup.buffers, skip);
-  {  // a visitor of temporaries, found before anything is copied
+  {  // a visitor of temporaries, found before anything is copied (a handle type's copies in
+     // `params` keep the first visit's tensors alive: a new tensor cannot take one's address)
     std::vector<CollectedParam> again;
     std::vector<CollectedBuffer> again_buffers;
-    visit(unit.fqn(), again, again_buffers, skip);
+    visit(unit.fqn(), again, again_buffers, skip, /*check_temporaries=*/false);
     check_visits_agree(params, setup.buffers, again, again_buffers, name, rank);
   }
   validate_collected(params, name, rank, device.id(), static_cast<bool>(init.init));

@@ -4,6 +4,7 @@
 // computation) and points the engine's tensor at the one in use. Other buffers stay the
 // engine's and are not copied.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,7 +29,7 @@ class BufferCopies {
     cast_dtype_ = *cast_to;
     for (auto& b : buffers) {
       if (b.dtype == cast_dtype_ || !is_floating(b.dtype)) continue;
-      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind, b.keep});  // freed by release on failure
+      auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind, b.keep, b.handle});  // freed by release on failure
       c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
       c.cast = device_.allocate(bytes(b.numel, cast_dtype_), MemorySpace::device);
       if (b.numel) device_.copy(c.master, b.data, bytes(b.numel, b.dtype));
@@ -106,6 +107,7 @@ class BufferCopies {
     void* tensor;
     RebindFn rebind;
     KeepFn keep;
+    std::shared_ptr<void> handle;  // a handle type's copy, which `tensor` points to
     void* master = nullptr;
     void* cast = nullptr;
   };

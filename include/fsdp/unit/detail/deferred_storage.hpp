@@ -5,9 +5,11 @@
 // are checked; the unit copies its shard from them; then the storage is freed and the
 // tensors have none again. So a rank holds at most one unit's full parameters beyond its
 // shards while a model is sharded (see fsdp/model/deferred_init.hpp).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <sstream>
 #include <string_view>
 #include <unordered_set>
@@ -20,7 +22,8 @@
 
 namespace fsdp::detail {
 
-// The addresses of the parameter tensors a unit bound to fresh storage for its init callback.
+// The parameter tensors a unit bound to fresh storage for its init callback, by
+// fsdp::tensor_identity (their addresses, or what handles point to).
 using MaterializedTensors = std::unordered_set<const void*>;
 // The init of one unit: given those tensors and what the unit leaves out of its subtree
 // (the SkipSet it collected its parameters with, so the init walks the same modules).
@@ -40,11 +43,16 @@ class DeferredStorage {
       if (!p.lacks_storage()) continue;
       const std::size_t bytes = static_cast<std::size_t>(p.info.numel) * size_of(p.dtype);
       void* data = device_.allocate(bytes, MemorySpace::device);
-      bound_.push_back({p.binding.param, p.binding.rebind, p.dtype, data, bytes});
+      bound_.push_back({p.binding.param, p.binding.rebind, p.dtype, data, bytes, p.binding.handles});
       device_.fill_zero(data, bytes);
       p.binding.rebind(p.binding.param, data, p.dtype);
-      tensors_.insert(p.binding.param);
+      tensors_.insert(p.binding.id);
+      if (p.binding.rebound.call && std::find(hooks_.begin(), hooks_.end(), p.binding.rebound) == hooks_.end())
+        hooks_.push_back(p.binding.rebound);
     }
+    // The modules' other views of those parameters (parameters_rebound) follow before the
+    // init callback writes through them.
+    for (const auto& h : hooks_) h.call(h.module);
     return !bound_.empty();
   }
   const MaterializedTensors& tensors() const { return tensors_; }
@@ -76,11 +84,18 @@ class DeferredStorage {
 
   // The tensors bound here back to no storage, and the storage freed. Idempotent.
   void release() noexcept {
-    for (auto& b : bound_) {
-      b.rebind(b.tensor, nullptr, b.dtype);
-      device_.deallocate(b.data, b.bytes, MemorySpace::device);
+    if (bound_.empty()) return;
+    for (auto& b : bound_) b.rebind(b.tensor, nullptr, b.dtype);
+    // No view of the engine's may keep pointing at storage freed below.
+    for (const auto& h : hooks_) {
+      try {
+        h.call(h.module);
+      } catch (...) {  // called from a destructor: a hook's error is not heard
+      }
     }
+    for (auto& b : bound_) device_.deallocate(b.data, b.bytes, MemorySpace::device);
     bound_.clear();
+    hooks_.clear();
   }
 
  private:
@@ -90,9 +105,11 @@ class DeferredStorage {
     DType dtype;
     void* data;
     std::size_t bytes;
+    std::shared_ptr<void> handles;  // a handle type's copies, which `tensor` points into
   };
   DeviceRef device_;
   std::vector<Bound> bound_;
+  std::vector<ReboundHook> hooks_;  // the bound parameters' modules' hooks, each once
   MaterializedTensors tensors_;
 };
 

@@ -44,6 +44,11 @@ struct FlatParam {
   std::int64_t post_forward_numel = 0;
   void* summoned_grad = nullptr;  // the reduced gradient gathered whole (a summon's with_grads)
   void* full_grad = nullptr;   // padded_numel compute-dtype elements during backward
+  // What the gradients are shown in now (bind_tensors of ParamBinding::grad): the engine's
+  // gradient tensors view it, and Unit::gradient hands out views of it for the gradients
+  // the library owns. Null while no gradient is shown.
+  void* grad_shown = nullptr;
+  DType grad_shown_dtype = DType::f32;
   Work gather_work;            // the all-gather into `full`, until its first use
   bool unbound = false;        // `full` gathered (or gathering) but not yet shown to the engine
   Work reduce_work;            // the reduction, until finished
@@ -72,12 +77,25 @@ struct FlatParam {
 namespace detail {
 
 // Points every parameter's param (or grad) tensor into `base`, shown in `dtype`, or at nothing.
+// Gradients the library owns (no engine tensor) are only recorded as shown there. This
+// is the one place the engine's tensors are rebound during training: the caller then runs
+// the modules' parameters_rebound hooks (FlatParamGroup::parameters_rebound).
 inline void bind_tensors(FlatParam& fp, void* base, void* detail::ParamBinding::*which, DType dtype) {
   const std::size_t esize = size_of(dtype);
   const auto& infos = fp.layout.params();
   auto at = [&](std::size_t i) -> void* { return base ? static_cast<std::byte*>(base) + infos[i].offset * esize : nullptr; };
-  for (std::size_t i = 0; i < fp.bindings.size(); ++i) fp.bindings[i].rebind(fp.bindings[i].*which, at(i), dtype);
-  for (auto& [i, b] : fp.alias_bindings) b.rebind(b.*which, at(i), dtype);
+  if (which == &ParamBinding::grad) fp.grad_shown = base, fp.grad_shown_dtype = dtype;
+  for (std::size_t i = 0; i < fp.bindings.size(); ++i)
+    if (void* t = fp.bindings[i].*which) fp.bindings[i].rebind(t, at(i), dtype);
+  for (auto& [i, b] : fp.alias_bindings)
+    if (void* t = b.*which) b.rebind(t, at(i), dtype);
+}
+
+// Where the gradient of parameter i of `fp` is shown now (in fp.grad_shown_dtype), or
+// null while none is.
+inline void* shown_gradient(const FlatParam& fp, std::size_t i) {
+  if (!fp.grad_shown) return nullptr;
+  return static_cast<std::byte*>(fp.grad_shown) + fp.layout.params()[i].offset * size_of(fp.grad_shown_dtype);
 }
 
 // The first parameter (FQN) whose engine tensor no longer views what the library bound it

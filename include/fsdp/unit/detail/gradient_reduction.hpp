@@ -18,7 +18,9 @@ namespace fsdp {
 
 // FSDP's split of the 1/N average into a factor before and one after the reduction,
 // so low-precision gradients neither overflow in the sum nor underflow before it. N is
-// the world size, or a unit's gradient divide factor.
+// what the unit divides by (fsdp::divide_factor, fsdp/policy/reshard_settings.hpp): the
+// world size (ShardOptions::local_gradients = mean), 1 (sum: nothing is scaled), or its
+// gradient divide factor.
 inline double gradient_predivide_factor(double divide_by) {
   double factor = 1;
   while (std::fmod(divide_by, factor) == 0 && divide_by / factor > factor) factor *= 2;
@@ -47,8 +49,8 @@ class GradientReduction {
   GradientReduction(const GradientReduction&) = delete;
   GradientReduction& operator=(const GradientReduction&) = delete;
 
-  // What a synchronized reduction divides the sum by (FSDP2's set_gradient_divide_factor);
-  // 0: the world size.
+  // What a synchronized reduction divides the sum by (fsdp::divide_factor: the unit's
+  // gradient divide factor, or 1 under LocalGradients::sum); 0: the world size.
   void set_divide_factor(double f) {
     const double total = f > 0 ? f : groups_.world_size();
     pre_divide_ = gradient_predivide_factor(total);

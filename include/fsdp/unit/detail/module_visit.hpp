@@ -46,18 +46,21 @@ const Settings& policy_settings() {
 struct ModuleVisit {
   void* module = nullptr;
   void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
-                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip) = nullptr;
+                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) = nullptr;
 
   template <class Exclude, bool ChangesDtype, class M>
   static ModuleVisit of(M& module) {
     return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
-                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
-              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip);
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) {
+              collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip,
+                                                        check_temporaries);
             }};
   }
+  // check_temporaries: the nested visit of collect_parameters' TemporaryCheck (the first
+  // collection of a unit; the second is compared with it instead).
   void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
-                  const SkipSet& skip) const {
-    collect(module, prefix, params, buffers, skip);
+                  const SkipSet& skip, bool check_temporaries = true) const {
+    collect(module, prefix, params, buffers, skip, check_temporaries);
   }
 };
 

@@ -1,10 +1,18 @@
 #pragma once
 // What a unit finds when it walks its module: each parameter (FQN, shape, dtype, data, and
-// how to rebind the engine's tensor and gradient) and each buffer, type-erased so that the
-// rest of the unit does not depend on the engine's tensor type. Plus the local checks on
-// them that need no other rank.
+// how to rebind the engine's tensor and gradient, or that the library owns its gradient;
+// the module's parameters_rebound hook) and each buffer, type-erased so that the rest of
+// the unit does not depend on the engine's tensor or module types. Plus the local checks
+// on them that need no other rank.
+//
+// Handle tensor types (fsdp::TensorHandle: tensor_traits<T>::identity, as torch::Tensor's
+// TensorImpl) are held through copies of their handles that the collection makes and the
+// unit keeps (ParamBinding::handles, CollectedBuffer::handle): the void* of a binding is
+// then the library's own copy, never the engine's object (the visitor may pass copies that
+// die with the visit), and tensors are told apart by identity() (ParamBinding::id).
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -72,14 +80,62 @@ DataFn data_fn() {
   return [](void* t) -> void* { return tensor_traits<T>::data(*static_cast<T*>(t)); };
 }
 
+// A module's parameters_rebound hook (fsdp/core/module.hpp), type-erased: call(module).
+// Null `call`: the module has none.
+struct ReboundHook {
+  void* module = nullptr;
+  void (*call)(void* module) = nullptr;
+  friend bool operator==(const ReboundHook&, const ReboundHook&) = default;
+};
+
+template <class M>
+ReboundHook rebound_hook(M& m) {
+  if constexpr (has_parameters_rebound<M>) return {&m, [](void* p) { call_parameters_rebound(*static_cast<M*>(p)); }};
+  else return {};
+}
+
 // One parameter as the unit holds it: where to rebind the engine's tensors.
 struct ParamBinding {
   void* param = nullptr;
-  void* grad = nullptr;
+  void* grad = nullptr;  // null: the library owns the gradient (visited as f(name, param))
   RebindFn rebind = nullptr;
   DataFn data = nullptr;  // what the engine's param tensor views now
   KeepFn keep = nullptr;
+  ReboundHook rebound;    // the hook of the module that visited it
+  // Which tensors they are (fsdp::tensor_identity): the addresses of param and grad, or
+  // for a handle type what the handles point to. grad_id is null when grad is.
+  const void* id = nullptr;
+  const void* grad_id = nullptr;
+  // Handle types only: the library's copies of the handles, which `param` and `grad` point
+  // into (null otherwise: `param` and `grad` are the engine's objects).
+  std::shared_ptr<void> handles;
+  bool owns_grad() const { return grad != nullptr; }  // the engine's own gradient tensor
 };
+
+// The library's copies of one parameter's handles (a handle type's ParamBinding::handles).
+template <class T>
+struct HandleCopies {
+  T param;
+  std::optional<T> grad;
+};
+
+// Where to rebind `param` (and `grad`, null: owned by the library) and who they are: the
+// engine's objects, or for a handle type fresh copies of the handles, owned by the binding.
+template <class T>
+void hold_tensors(ParamBinding& b, T& param, T* grad) {
+  b.id = tensor_identity(param);
+  b.grad_id = grad ? tensor_identity(*grad) : nullptr;
+  if constexpr (TensorHandle<T>) {
+    auto copies = std::make_shared<HandleCopies<T>>(HandleCopies<T>{param, std::nullopt});
+    if (grad) copies->grad.emplace(*grad);
+    b.param = &copies->param;
+    b.grad = grad ? &*copies->grad : nullptr;
+    b.handles = std::move(copies);
+  } else {
+    b.param = &param;
+    b.grad = grad;
+  }
+}
 
 // A buffer (non-trainable tensor) as the unit found it.
 struct CollectedBuffer {
@@ -92,6 +148,47 @@ struct CollectedBuffer {
   std::vector<std::int64_t> shape;
   DataFn data_of = nullptr;
   KeepFn keep = nullptr;
+  const void* id = nullptr;      // fsdp::tensor_identity of the engine's tensor
+  std::shared_ptr<void> handle;  // a handle type's copy, which `tensor` points to (else null)
+  bool temporary = false;        // as CollectedParam::temporary
+};
+
+// Whether a module's visitor hands over tensor objects that die with the visit, for tensor
+// types identified by address (not handles). Two visits one after the other cannot tell:
+// the second visit's temporaries may reuse the first's addresses (same stack slots, or a
+// freed list reallocated in place). So at the module's first such tensor, while the visit
+// that passed it is still running (its temporaries alive), the module is visited again,
+// nested: a lasting tensor comes back as the same object, a temporary as another one (two
+// live objects have two addresses). Tensor j of the visit is compared with tensor j of the
+// nested one. Handle types need none of this: the library's copies keep their tensors
+// alive across the two visits that check_visits_agree compares.
+class TemporaryCheck {
+ public:
+  // Off: no nested visit (a second collection, compared with the first by check_visits_agree).
+  explicit TemporaryCheck(bool enabled) : enabled_(enabled) {}
+  // Whether (tensor, grad), the next the visit passes (grad null for a buffer or a gradient
+  // the library owns), is a temporary; `visit_again(record)` visits the module again,
+  // nested, calling record(tensor, grad) for each.
+  template <class T, class VisitAgain>
+  bool temporary(const T& tensor, const T* grad, VisitAgain&& visit_again) {
+    const std::size_t i = index_++;
+    if constexpr (TensorHandle<T>) {
+      return false;
+    } else {
+      if (!enabled_) return false;
+      if (!visited_again_) {
+        visited_again_ = true;
+        visit_again([&](const void* t, const void* g) { again_.emplace_back(t, g); });
+      }
+      return i >= again_.size() || again_[i] != std::pair<const void*, const void*>(&tensor, grad);
+    }
+  }
+
+ private:
+  bool enabled_;
+  std::size_t index_ = 0;
+  bool visited_again_ = false;
+  std::vector<std::pair<const void*, const void*>> again_;
 };
 
 // A tensor's shape, dtype and storage as they are now (read again after deferred init).
@@ -120,12 +217,16 @@ struct CollectedParam {
   const void* data;
   ParamBinding binding;
   ReadFn read = nullptr;
+  // A visit nested in the one that found it, made while its tensor objects were alive,
+  // found another object in its place: a temporary (TemporaryCheck).
+  bool temporary = false;
 
   bool lacks_storage() const { return info.numel > 0 && data == nullptr; }
 };
 
 // What a unit leaves out of its subtree, known at run time: modules (with their subtrees)
-// that are units of their own or ignored, and ignored parameters (by tensor address).
+// that are units of their own or ignored, and ignored parameters (by fsdp::tensor_identity:
+// the tensor's address, or what a handle points to).
 struct SkipSet {
   std::set<ModuleId> modules;
   std::unordered_set<const void*> parameters;
@@ -148,11 +249,15 @@ void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, 
 // which needs the 3-argument tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M>
 void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
-                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip) {
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true) {
   for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
-    for_each_own_parameter(m, [&](std::string_view name, auto& param, auto& grad) {
+    TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
+    for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
       using T = std::remove_cvref_t<decltype(param)>;
-      if (skip.parameters.count(static_cast<const void*>(&param))) return;
+      const bool temporary = params_check.temporary(param, static_cast<const T*>(grad), [&](auto&& record) {
+        for_each_own_parameter(m, [&](std::string_view, auto& p, auto* g) { record(&p, g); });
+      });
+      if (skip.parameters.count(tensor_identity(param))) return;
       using Tr = tensor_traits<T>;
       static_assert(!ChangesDtype || RebindableAs<T>,
                     "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
@@ -162,25 +267,44 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
       c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
       c.dtype = Tr::dtype(param);
-      c.grad_dtype = Tr::dtype(grad);
-      for (auto d : Tr::shape(grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
+      if (grad) {
+        c.grad_dtype = Tr::dtype(*grad);
+        for (auto d : Tr::shape(*grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
+      } else {  // the library owns it: the parameter's shape and dtype by construction
+        c.grad_dtype = c.dtype;
+        c.grad_shape = c.info.shape;
+      }
       c.device = Tr::device(param);
       c.data = Tr::data(param);
-      c.binding = {&param, &grad, rebind_fn<T>(), data_fn<T>(), keep_fn<T>()};
+      c.binding.rebind = rebind_fn<T>();
+      c.binding.data = data_fn<T>();
+      c.binding.keep = keep_fn<T>();
+      c.binding.rebound = rebound_hook(m);
+      hold_tensors(c.binding, param, grad);
       c.read = read_fn<T>();
+      c.temporary = temporary;
       out.push_back(std::move(c));
     });
     for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
       using T = std::remove_cvref_t<decltype(buffer)>;
+      const bool temporary = buffers_check.temporary(buffer, static_cast<const T*>(nullptr), [&](auto&& record) {
+        for_each_own_buffer(m, [&](std::string_view, auto& b) { record(&b, nullptr); });
+      });
       static_assert(!ChangesDtype || RebindableAs<T>,
                     "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
       std::vector<std::int64_t> shape;
       for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
       std::string fqn = join_fqn(prefix, name);
       const std::int64_t n = checked_numel(shape, fqn);
-      buffers.push_back({std::move(fqn), tensor_traits<T>::dtype(buffer), n,
-                         tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(), std::move(shape), data_fn<T>(),
-                         keep_fn<T>()});
+      CollectedBuffer& b = buffers.emplace_back(CollectedBuffer{std::move(fqn), tensor_traits<T>::dtype(buffer), n,
+                                                                tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(),
+                                                                std::move(shape), data_fn<T>(), keep_fn<T>(),
+                                                                tensor_identity(buffer), nullptr, temporary});
+      if constexpr (TensorHandle<T>) {  // the library's copy of the handle, not the visitor's object
+        auto copy = std::make_shared<T>(buffer);
+        b.tensor = copy.get();
+        b.handle = std::move(copy);
+      }
     });
   });
 }
@@ -189,30 +313,43 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
 // so they must be the engine's own, lasting objects. A visitor that builds temporary tensor
 // objects for each call would have them rebound in vain while the engine computes with
 // its real tensors. `again` is a second visit of the same subtree: the same names must come
-// with the same tensor objects; and within one visit, one tensor object may appear under
-// two names only as a tie (with the same storage), never as two parameters.
+// with the same tensors (ParamBinding::id: the same objects, or for a handle type handles
+// to the same tensors: copies of the handles pass, new tensors such as detach() each visit
+// do not; the first visit's copies are alive, so a new tensor cannot reuse an old one's
+// address); and within one visit, one tensor may appear under two names only as a tie (with
+// the same storage), never as two parameters. What TemporaryCheck found is refused first.
 inline void check_visits_agree(const std::vector<CollectedParam>& first, const std::vector<CollectedBuffer>& first_buffers,
                                const std::vector<CollectedParam>& again, const std::vector<CollectedBuffer>& again_buffers,
                                std::string_view unit, int rank) {
   auto temporaries = [&](std::string_view what, const std::string& fqn, const std::string& detail) {
     fail("unit '", unit, "' on rank ", rank, ": the module's visitor handed over ", what, " '", fqn, "' ", detail,
          ": visit_parameters / visit_buffers must pass references to tensors the module owns (they are rebound at "
-         "every gather and must outlive the visit), not temporaries");
+         "every gather and must outlive the visit), not temporaries; a tensor type that is a handle (torch::Tensor) "
+         "declares tensor_traits<T>::identity and may pass copies of its handles, but not new tensors (detach(), "
+         "clone()) at each visit (docs/concepts.md#tensor)");
   };
   if (again.size() != first.size() || again_buffers.size() != first_buffers.size())
     fail("unit '", unit, "' on rank ", rank, ": two visits of the module found ", first.size(), " then ", again.size(),
          " parameters and ", first_buffers.size(), " then ", again_buffers.size(), " buffers; the visitor must be "
          "deterministic");
+  for (const auto& p : first)
+    if (p.temporary)
+      temporaries("parameter", p.info.fqn, "as another tensor object on a second visit made while the first one ran (a "
+                  "temporary of the visit)");
+  for (const auto& b : first_buffers)
+    if (b.temporary)
+      temporaries("buffer", b.fqn, "as another tensor object on a second visit made while the first one ran (a "
+                  "temporary of the visit)");
   for (std::size_t i = 0; i < first.size(); ++i)
-    if (again[i].info.fqn != first[i].info.fqn || again[i].binding.param != first[i].binding.param ||
-        again[i].binding.grad != first[i].binding.grad)
+    if (again[i].info.fqn != first[i].info.fqn || again[i].binding.id != first[i].binding.id ||
+        again[i].binding.grad_id != first[i].binding.grad_id)
       temporaries("parameter", first[i].info.fqn, "as another tensor object on a second visit (or in another order)");
   for (std::size_t i = 0; i < first_buffers.size(); ++i)
-    if (again_buffers[i].fqn != first_buffers[i].fqn || again_buffers[i].tensor != first_buffers[i].tensor)
+    if (again_buffers[i].fqn != first_buffers[i].fqn || again_buffers[i].id != first_buffers[i].id)
       temporaries("buffer", first_buffers[i].fqn, "as another tensor object on a second visit (or in another order)");
   std::unordered_map<const void*, const CollectedParam*> by_tensor;
   for (const auto& p : first) {
-    auto [it, fresh] = by_tensor.emplace(p.binding.param, &p);
+    auto [it, fresh] = by_tensor.emplace(p.binding.id, &p);
     if (!fresh && it->second->data != p.data)
       temporaries("parameter", p.info.fqn, "in the same tensor object as '" + it->second->info.fqn + "' but with other storage");
   }
@@ -238,21 +375,23 @@ inline void validate_collected(const std::vector<CollectedParam>& params, std::s
            "' does not have the parameter's shape and dtype (parameter ", format_shape(p.info.shape), " ",
            name_of(p.dtype), ", gradient ", format_shape(p.grad_shape), " ", name_of(p.grad_dtype),
            "); gradients created lazily by the first backward are not supported: give the gradient tensor "
-           "its parameter's shape and dtype when the model is built (it needs no storage)");
+           "its parameter's shape and dtype when the model is built (it needs no storage), or visit the "
+           "parameter as f(name, param) and let the library own its gradient (Unit::gradient, "
+           "docs/fitting_your_engine.md)");
     if (p.lacks_storage() && !deferred_init)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
            "' has no storage; is it already managed by another unit? (A model built from shapes and dtypes "
            "alone needs fsdp::deferred_init.)");
-    if (p.binding.param == p.binding.grad)
+    if (p.binding.grad && p.binding.id == p.binding.grad_id)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn,
            "' was visited with the same tensor as parameter and gradient");
   }
 }
 
 // What identifies a parameter's tensor: its storage (engines may hand out several tensor
-// objects, one per name, viewing one storage), or the tensor object itself when it has no
-// storage (no elements).
-inline const void* storage_key(const CollectedParam& p) { return p.data ? p.data : p.binding.param; }
+// objects, one per name, viewing one storage), or the tensor itself (its identity) when it
+// has no storage (no elements).
+inline const void* storage_key(const CollectedParam& p) { return p.data ? p.data : p.binding.id; }
 
 // A second name of a tied parameter: the engine's tensors under that name are shown
 // whatever the canonical parameter (its first name in visit order) is shown.

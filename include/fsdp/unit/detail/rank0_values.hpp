@@ -35,7 +35,7 @@ class RankZeroValues {
     for (auto& p : params) {
       if (p.info.numel <= 0) continue;
       const auto n = static_cast<std::size_t>(p.info.numel);
-      void* data = materialized.count(p.binding.param) ? const_cast<void*>(p.data)
+      void* data = materialized.count(p.binding.id) ? const_cast<void*>(p.data)
                                                        : copy_of(params_, p.data, n * size_of(p.dtype), nullptr, nullptr);
       world.broadcast(data, data, n, p.dtype, 0).wait();
       p.data = data;

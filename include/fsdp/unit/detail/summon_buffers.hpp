@@ -52,8 +52,10 @@ inline void gather_array(const FlatParamLayout& L, const UnitGroups& groups, con
 }
 
 // Moves the unsharded parameters into host memory and shows them there (a summon's
-// offload_to_host). Parameters that are their own shard stay where they are.
-inline void move_unsharded_to_host(std::vector<FlatParam>& flat, const UnitGroups& groups, const DeviceRef& device) {
+// offload_to_host). Parameters that are their own shard stay where they are. Returns
+// whether it rebound any (the modules' parameters_rebound hooks are then due).
+inline bool move_unsharded_to_host(std::vector<FlatParam>& flat, const UnitGroups& groups, const DeviceRef& device) {
+  bool moved = false;
   for (auto& fp : flat) {
     if (!fp.full || fp.full == fp.shard || fp.full_space == MemorySpace::host) continue;
     const std::size_t n = FlatParam::bytes(full_numel(fp, groups), fp.full_dtype);
@@ -63,7 +65,9 @@ inline void move_unsharded_to_host(std::vector<FlatParam>& flat, const UnitGroup
     fp.full = host;
     fp.full_space = MemorySpace::host;
     bind_tensors(fp, host, &ParamBinding::param, fp.full_dtype);
+    moved = true;
   }
+  return moved;
 }
 
 // The reduced gradients whole, in the engine's gradient tensors, in the gradient dtype (a

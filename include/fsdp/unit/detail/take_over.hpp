@@ -8,6 +8,8 @@
 // gives every tensor its storage and values back; a type without them can only be handed
 // back empty (its rebind released the storage, as the Tensor contract asks). Either way
 // nothing views the units' memory afterwards, and an fsdp::Error names the unit and tensor.
+// The modules' parameters_rebound hooks run after a unit took over and again after a roll
+// back, so that an engine's other views of its parameters follow them both ways.
 #include <algorithm>
 #include <cstddef>
 #include <exception>
@@ -38,7 +40,10 @@ class TakeOverLog {
 
   // Points `tensor` at `data` shown in `dtype`; `own` is the tensor's own dtype, `what`
   // names it for the message ("parameter 'a.w'"). `keep` (may be null) keeps its storage.
-  void rebind(void* tensor, RebindFn fn, KeepFn keep, void* data, DType dtype, DType own, const std::string& what) {
+  // `id`: which tensor it is (ParamBinding::id; null: `tensor` itself), so that a tensor
+  // tied under two names, through two handles, counts once among the lost.
+  void rebind(void* tensor, RebindFn fn, KeepFn keep, void* data, DType dtype, DType own, const std::string& what,
+              const void* id = nullptr) {
     // Room first: once the tensor has changed, recording it must not fail. A failure here
     // has changed nothing of it (the destructor rolls back the others).
     room_for_one(shown_);
@@ -55,22 +60,34 @@ class TakeOverLog {
       failed(call, what, "an exception that is not a std::exception", ErrorKind::misuse);
     }
     if (data || dtype != own) shown_.push_back({tensor, fn, own});
-    if (!keep) lost_.push_back(tensor);
+    if (!keep) lost_.push_back(id ? id : tensor);
   }
+
+  // The parameters_rebound hooks of the modules whose tensors a unit rebinds next: run
+  // again after a roll back. Before that unit's first rebind.
+  void hooks(const std::vector<ReboundHook>& hooks) { hooks_.insert(hooks_.end(), hooks.begin(), hooks.end()); }
 
   // Every unit took over: the engine's old storage goes.
   void commit() noexcept {
     shown_.clear();
     kept_.clear();
     lost_.clear();
+    hooks_.clear();
   }
 
   // Hands back what was pointed at a unit's storage (no storage, own dtype), then gives the
-  // kept storage back, newest first. Noexcept: a second throw here would leave a tensor
-  // viewing memory the units free next.
+  // kept storage back, newest first, then tells the modules. Noexcept: a second throw here
+  // would leave a tensor viewing memory the units free next; a hook that throws here is
+  // not heard (the take-over's own error is what the caller gets).
   void roll_back() noexcept {
     for (auto it = shown_.rbegin(); it != shown_.rend(); ++it) it->fn(it->tensor, nullptr, it->own);
     for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) (*it)->restore();
+    for (const auto& h : hooks_) {
+      try {
+        h.call(h.module);
+      } catch (...) {
+      }
+    }
     commit();
   }
 
@@ -104,7 +121,8 @@ class TakeOverLog {
   int rank_;
   std::vector<Shown> shown_;
   std::vector<std::unique_ptr<KeptStorage>> kept_;
-  std::vector<void*> lost_;  // tensors rebound without kept storage
+  std::vector<const void*> lost_;  // tensors rebound without kept storage, by identity
+  std::vector<ReboundHook> hooks_;  // run after a roll back
 };
 
 // Takes over `units` (pointers to fsdp::Unit) as one: each rebinds into one log, and
@@ -144,10 +162,14 @@ inline void take_over_tensors(FlatParam& fp, void* params_at, TakeOverLog& log) 
     return "parameter '" + (alias ? infos[i].aliases.at(next_alias[i]++) : infos[i].fqn) + "'";
   };
   auto grad = [&](const ParamBinding& b, std::size_t i, bool alias) {
-    log.rebind(b.grad, b.rebind, b.keep, nullptr, own, own, "the gradient of " + name(i, alias));
+    if (!b.grad) {  // the library owns it: no engine tensor
+      if (alias) ++next_alias[i];
+      return;
+    }
+    log.rebind(b.grad, b.rebind, b.keep, nullptr, own, own, "the gradient of " + name(i, alias), b.grad_id);
   };
   auto param = [&](const ParamBinding& b, std::size_t i, bool alias) {
-    log.rebind(b.param, b.rebind, b.keep, at(i), own, own, name(i, alias));
+    log.rebind(b.param, b.rebind, b.keep, at(i), own, own, name(i, alias), b.id);
   };
   for (std::size_t i = 0; i < fp.bindings.size(); ++i) grad(fp.bindings[i], i, false);
   for (auto& [i, b] : fp.alias_bindings) grad(b, i, true);
