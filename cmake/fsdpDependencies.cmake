@@ -6,18 +6,21 @@
 #
 # Finds what <part> needs (quietly) and sets <missing-var> to the list of what was not found,
 # each entry naming the CMake package and the Debian package that provides it; empty when
-# everything was found. Parts: core, checkpoint, asio, mpi, cuda, nccl, separate. The imported
-# targets the parts link (Threads::Threads, nlohmann_json::nlohmann_json, xxHash::xxhash,
-# Boost::headers, MPI::MPI_CXX, CUDA::cudart, CUDA::nvrtc, NCCL::nccl) exist after a call
-# that leaves <missing-var> empty.
+# everything was found. Parts: core, checkpoint, asio, mpi, cuda, nccl, torch, separate. The
+# imported targets the parts link (Threads::Threads, nlohmann_json::nlohmann_json,
+# xxHash::xxhash, Boost::headers, MPI::MPI_CXX, CUDA::cudart, CUDA::nvrtc, NCCL::nccl,
+# Torch::Torch) exist after a call that leaves <missing-var> empty.
 #
 # xxHash and NCCL ship no CMake package on Debian or with the CUDA toolkit: xxHash is taken
 # from its own CMake package when there is one (an xxHash built with CMake) and otherwise
 # from its header, NCCL from its header and library next to the CUDA toolkit's (NCCL_ROOT or
 # CUDAToolkit_ROOT or /usr/local/cuda point there); both become imported targets here.
-# Parts whose dependencies are found here, in the order they are built and loaded.
-# torch: the libtorch adapter (fsdp::torch, find_package(Torch)) goes here once it exists.
-set(FSDP_KNOWN_COMPONENTS checkpoint asio mpi cuda nccl separate)
+# libtorch's CMake package (TorchConfig.cmake) defines variables (TORCH_LIBRARIES,
+# TORCH_INCLUDE_DIRS, TORCH_CXX_FLAGS) and unnamespaced targets (torch, c10, ...) rather than
+# one target to link; Torch::Torch, made here, carries all three (see _fsdp_find_torch).
+# Parts whose dependencies are found here, in the order they are built and loaded (a part
+# comes after the part it needs: nccl after cuda, torch after checkpoint).
+set(FSDP_KNOWN_COMPONENTS checkpoint asio mpi cuda nccl torch separate)
 
 function(fsdp_find_dependencies part out)
   set(missing "")
@@ -70,6 +73,11 @@ function(fsdp_find_dependencies part out)
       if(NOT TARGET NCCL::nccl)
         list(APPEND missing "NCCL (nccl.h and libnccl next to the CUDA toolkit, or set NCCL_ROOT)")
       endif()
+    endif()
+  elseif(part STREQUAL "torch")
+    _fsdp_find_torch()
+    if(NOT TARGET Torch::Torch)
+      list(APPEND missing "Torch (libtorch's CMake package TorchConfig.cmake, Debian: libtorch-dev, or set Torch_DIR)")
     endif()
   else()
     list(JOIN FSDP_KNOWN_COMPONENTS ", " known)
@@ -124,4 +132,43 @@ function(_fsdp_find_nccl)
       INTERFACE_INCLUDE_DIRECTORIES "${FSDP_NCCL_INCLUDE_DIR}"
       INTERFACE_LINK_LIBRARIES CUDA::cudart)
   endif()
+endfunction()
+
+# Torch::Torch: libtorch as one imported target, from its CMake package (find_package(Torch):
+# TorchConfig.cmake, Debian's in /usr/lib/<arch>/cmake/Torch; a pip or downloaded libtorch's
+# through Torch_DIR or CMAKE_PREFIX_PATH). The package sets TORCH_LIBRARIES (its own
+# targets torch and torch_library, and libc10), TORCH_INCLUDE_DIRS (the include root and
+# torch/csrc/api/include, the C++ frontend's <torch/torch.h>) and TORCH_CXX_FLAGS (the
+# -D_GLIBCXX_USE_CXX11_ABI=0|1 that libtorch was built with, which every file that includes
+# its headers must agree with); Torch::Torch links, includes (as system headers: libtorch's
+# warnings are not ours) and compiles with all three. Its targets bring the compile
+# definitions libtorch's types depend on (USE_DISTRIBUTED, ...), as Bazel's @torch does.
+function(_fsdp_find_torch)
+  if(TARGET Torch::Torch)
+    return()
+  endif()
+  find_package(Torch QUIET)
+  if(NOT Torch_FOUND OR NOT TORCH_LIBRARIES)
+    return()
+  endif()
+  # libtorch's targets name each other in generator expressions
+  # ($<TARGET_PROPERTY:torch_cpu,...> in torch_cpu_library, $<TARGET_FILE:torch> in
+  # torch_library), which are evaluated where a program links them: from another directory
+  # (fsdp as a subproject: add_subdirectory, FetchContent) they would not be found, as
+  # imported targets are visible only in their own directory and below. Those created here
+  # become global (a target created in a parent directory is visible to it already).
+  foreach(target IN ITEMS c10 torch_cpu torch_cpu_library torch torch_library)
+    if(TARGET ${target})
+      get_target_property(global ${target} IMPORTED_GLOBAL)
+      get_target_property(dir ${target} SOURCE_DIR)
+      if(NOT global AND dir STREQUAL CMAKE_CURRENT_SOURCE_DIR)
+        set_property(TARGET ${target} PROPERTY IMPORTED_GLOBAL TRUE)
+      endif()
+    endif()
+  endforeach()
+  add_library(Torch::Torch INTERFACE IMPORTED)
+  target_include_directories(Torch::Torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+  separate_arguments(flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+  target_compile_options(Torch::Torch INTERFACE ${flags})
+  target_link_libraries(Torch::Torch INTERFACE ${TORCH_LIBRARIES})
 endfunction()

@@ -14,7 +14,9 @@ import sys
 
 # folder -> the folders its headers may include (besides itself). Bottom to top:
 # concepts; backends and communicator adapters (concepts only); policies; the unit;
-# the model (root and training loop); checkpoints; testing tools; fsdp.hpp on top.
+# the model (root and training loop); checkpoints; the libtorch adapter (an engine's
+# integration: its tensors, modules, hooks and optimizers, with the host backend's thread
+# ranks and checkpoints of its optimizer state); testing tools; fsdp.hpp on top.
 ALLOWED = {
     "core": set(),
     "comm": {"core"},
@@ -27,6 +29,7 @@ ALLOWED = {
     "unit": {"core", "policy"},
     "model": {"core", "policy", "unit", "host"},
     "checkpoint": {"core", "policy", "unit", "model"},
+    "torch": {"core", "policy", "unit", "model", "host", "checkpoint"},
     "testing": {"core", "comm", "host", "policy", "unit", "model"},
     "": {"core", "comm", "host", "policy", "unit", "model"},  # fsdp/fsdp.hpp
 }

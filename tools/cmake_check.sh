@@ -9,22 +9,38 @@
 #  2. configure test/cmake/consumer with CMAKE_PREFIX_PATH naming that prefix only (no
 #     package registry; its sources in a tree without include/, so fsdp's headers can come
 #     from the install only): find_package(fsdp CONFIG REQUIRED COMPONENTS checkpoint asio
-#     mpi); build examples/train, test/checkpoint/safetensors_test.cpp (doctest) and
-#     parts_check.cpp (every part that loaded: cuda and nccl too where the CUDA toolkit is);
+#     mpi); build examples/train, test/checkpoint/safetensors_test.cpp and
+#     test/core/separate_compilation_test.cpp (doctest; the latter on the prefix's
+#     libfsdp_separate.a), parts_check.cpp (every part that loaded: cuda and nccl too where
+#     the CUDA toolkit is) and, where libtorch's CMake package is (libtorch-dev),
+#     torch_check.cpp on fsdp::torch;
 #  3. run them: the example trains 2 thread ranks for 3 steps with a checkpoint and prints
-#     its `final:` line, the doctest binary passes, parts_check prints ok;
+#     its `final:` line, the doctest binaries pass, parts_check and torch_check print ok;
 #  4. the same consumer through FetchContent from the fsdp source tree, its tiny set:
-#     test/core/separate_compilation_test.cpp on fsdp::separate, and parts_check; run both
-#     (built on one core while step 2's build compiles examples/train.cpp on the other);
+#     parts_check, run; torch_check generated but not built (fsdp::torch's usage
+#     requirements resolve from the consumer's directory); the subproject compiles nothing
+#     of fsdp (fsdp::separate's library is built only for a program that links it).
+#     Configured and built on one core while step 2's build compiles examples/train.cpp on
+#     the other;
 #  5. clear failures: a component fsdp does not have, a component whose dependency is not
-#     found (CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json), a version the package refuses.
+#     found (CMAKE_DISABLE_FIND_PACKAGE_nlohmann_json; and _Torch where fsdp::torch is
+#     checked), a version the package refuses.
+#
+# fsdp::torch is checked where libtorch's CMake package is installed (Debian's libtorch-dev:
+# /usr/lib/<arch>/cmake/Torch/TorchConfig.cmake; tools/setup.sh installs it): fsdp is then
+# configured with FSDP_WITH_TORCH=ON, so a libtorch that is there but not found fails the
+# check. Without it, FSDP_WITH_TORCH=OFF and the script says so.
 #
 # Usage: tools/cmake_check.sh [ROOT]   ROOT is the repository (default: the one holding this
 # script; under `bazel test`, the runfiles tree: //test/cmake:cmake_package_test).
 # JOBS sets the build parallelism (default 2). KEEP=1 keeps the scratch tree. Builds at -O0
-# without debug information. Cost: 120 to 140 s of CPU, half of it compiling examples/train.cpp
-# (one translation unit); 136 to 151 s on the 2-core development machine shared with other
-# builds (load 3 to 5), 346 s at load 6 to 9.
+# without debug information. Cost: 125 to 160 s of CPU (120 to 150 s before fsdp::torch was
+# checked, in the same runs interleaved, on the 2-core development machine at load 2 to 5),
+# half of it compiling examples/train.cpp (one translation unit), about 16 s torch_check.cpp
+# (fsdp/torch/tensor_traits.hpp includes all of <torch/torch.h>; ATen's tensor alone would
+# be 2 s). Every other file is compiled once: fsdp_separate.cpp only for the install, not
+# again for the FetchContent build, and one doctest main for both doctest binaries. Wall
+# time is examples/train.cpp's compile and the machine's load: 100 to 215 s with 2 jobs.
 # Last line: "tests: N passed, M failed" (each numbered check above is one or more tests);
 # exits non-zero when one failed.
 set -uo pipefail
@@ -103,10 +119,19 @@ common=(-DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS=-O0 -DCMAKE_FIND_USE_PACKAGE_REGIS
 prefix=$tmp/prefix
 headers=$(cd "$tmp/fsdp/include" && find fsdp -name '*.hpp' | wc -l)
 
+# fsdp::torch where libtorch's CMake package is installed (see above).
+torch=OFF
+if compgen -G '/usr/lib/*/cmake/Torch/TorchConfig.cmake' >/dev/null; then
+  torch=ON
+else
+  echo "cmake_check: no libtorch CMake package (/usr/lib/<arch>/cmake/Torch, Debian: libtorch-dev): fsdp::torch is not checked"
+fi
+
 # ---- 1. install into an empty prefix ----------------------------------------------------------
 if step fsdp-configure cmake -S "$tmp/fsdp" -B "$tmp/build/fsdp" "${common[@]}" \
   -DCMAKE_INSTALL_PREFIX="$prefix" -DFSDP_BUILD_EXAMPLES=OFF \
-  -DFSDP_WITH_CHECKPOINT=ON -DFSDP_WITH_ASIO=ON -DFSDP_WITH_MPI=ON -DFSDP_WITH_SEPARATE=ON; then
+  -DFSDP_WITH_CHECKPOINT=ON -DFSDP_WITH_ASIO=ON -DFSDP_WITH_MPI=ON -DFSDP_WITH_SEPARATE=ON \
+  -DFSDP_WITH_TORCH=$torch; then
   pass "fsdp configures ($(grep -o 'fsdp: fsdp::[a-z]*$' "$tmp/log/fsdp-configure.log" | sed 's/fsdp: //' | tr '\n' ' '))"
 else
   fail "fsdp configures"
@@ -119,8 +144,10 @@ else
 fi
 cmakedir=$(dirname "$(find "$prefix" -name fsdpConfig.cmake 2>/dev/null | head -n 1)")
 problems=""
-for f in fsdpConfig.cmake fsdpConfigVersion.cmake fsdpDependencies.cmake fsdp-core-targets.cmake \
-  fsdp-checkpoint-targets.cmake fsdp-asio-targets.cmake fsdp-mpi-targets.cmake fsdp-separate-targets.cmake; do
+wanted=(fsdpConfig.cmake fsdpConfigVersion.cmake fsdpDependencies.cmake fsdp-core-targets.cmake
+  fsdp-checkpoint-targets.cmake fsdp-asio-targets.cmake fsdp-mpi-targets.cmake fsdp-separate-targets.cmake)
+[[ $torch == ON ]] && wanted+=(fsdp-torch-targets.cmake)
+for f in "${wanted[@]}"; do
   [[ -f $cmakedir/$f ]] || problems+=" no $f;"
 done
 installed=$(find "$prefix/include/fsdp" -name '*.hpp' 2>/dev/null | wc -l)
@@ -148,18 +175,21 @@ else
   fail "the consumer configures against the installed package"
 fi
 # The FetchContent build (step 4) runs meanwhile, one job: examples/train.cpp is one
-# translation unit, so the consumer's build leaves a core idle for most of its time.
+# translation unit, so the consumer's build leaves a core idle for much of its time.
 fetch=$tmp/build/fetch
 (
   cmake -S "$tmp/src/test/cmake/consumer" -B "$fetch" "${common[@]}" -DFSDP_FETCH_SOURCE_DIR="$tmp/fsdp" \
-    -DFSDP_CONSUMER_PROGRAMS=tiny -DFSDP_CONSUMER_SOURCE_ROOT="$tmp/src" >"$tmp/log/fetch-configure.log" 2>&1 ||
+    -DFSDP_CONSUMER_PROGRAMS=tiny -DFSDP_CONSUMER_SOURCE_ROOT="$tmp/src" -DFSDP_WITH_TORCH=$torch \
+    >"$tmp/log/fetch-configure.log" 2>&1 ||
     exit 1
   cmake --build "$fetch" --parallel 1 >"$tmp/log/fetch-build.log" 2>&1 || exit 2
 ) &
 fetch_pid=$!
 fetch_t0=$SECONDS
+built="examples/train, safetensors_test, separate_compilation_test, parts_check"
+[[ $torch == ON ]] && built+=", torch_check"
 if step consumer-build cmake --build "$consumer" --parallel "$jobs"; then
-  pass "the consumer builds examples/train, safetensors_test and parts_check against the installed package"
+  pass "the consumer builds $built against the installed package"
 else
   fail "the consumer builds against the installed package"
 fi
@@ -177,18 +207,24 @@ if [[ -x $consumer/fsdp_train ]]; then
 else
   fail "examples/train was not built"
 fi
-if [[ -x $consumer/fsdp_safetensors_test ]]; then
-  out=$(cd "$tmp" && "$consumer/fsdp_safetensors_test" 2>&1)
-  rc=$?
-  summary=$(grep '\[doctest\] test cases:' <<<"$out" | sed 's/\x1b\[[0-9;]*m//g')
-  if ((rc == 0)) && [[ $summary =~ [1-9][0-9]*\ passed.*\ 0\ failed ]]; then
-    pass "safetensors_test (installed package): $summary"
+# doctest_binary NAME WHAT: runs the consumer's fsdp_NAME; passes when its cases all pass.
+doctest_binary() {
+  local name=$1 what=$2 out rc summary
+  if [[ -x $consumer/fsdp_$name ]]; then
+    out=$(cd "$tmp" && "$consumer/fsdp_$name" 2>&1)
+    rc=$?
+    summary=$(grep '\[doctest\] test cases:' <<<"$out" | sed 's/\x1b\[[0-9;]*m//g')
+    if ((rc == 0)) && [[ $summary =~ [1-9][0-9]*\ passed.*\ 0\ failed ]]; then
+      pass "$what (installed package): $summary"
+    else
+      fail "$what (installed package) exited with $rc: $summary $(tail -n 20 <<<"$out")"
+    fi
   else
-    fail "safetensors_test (installed package) exited with $rc: $summary $(tail -n 20 <<<"$out")"
+    fail "$what was not built"
   fi
-else
-  fail "safetensors_test was not built"
-fi
+}
+doctest_binary safetensors_test safetensors_test
+doctest_binary separate_test "fsdp::separate's test (separate_compilation_test on libfsdp_separate.a)"
 if [[ -x $consumer/fsdp_parts_check ]]; then
   out=$("$consumer/fsdp_parts_check" 2>&1)
   rc=$?
@@ -200,31 +236,46 @@ if [[ -x $consumer/fsdp_parts_check ]]; then
 else
   fail "parts_check was not built"
 fi
+if [[ $torch == ON ]]; then
+  if [[ -x $consumer/fsdp_torch_check ]]; then
+    out=$("$consumer/fsdp_torch_check" 2>&1)
+    rc=$?
+    if ((rc == 0)) && grep -q '^torch_check: ok$' <<<"$out"; then
+      pass "torch_check (installed package): $(grep -m1 '^fsdp::torch' <<<"$out")"
+    else
+      fail "torch_check (installed package) exited with $rc: $out"
+    fi
+  else
+    fail "torch_check was not built (fsdp::torch did not load in the consumer?)"
+  fi
+fi
 
 # ---- 4. FetchContent (add_subdirectory) from the source tree ----------------------------------
 wait "$fetch_pid"
 fetch_rc=$?
 echo $((SECONDS - fetch_t0)) >"$tmp/log/fetch-build.s"
 if ((fetch_rc == 0)); then
-  pass "FetchContent: the consumer configures and builds separate_compilation_test and parts_check"
+  pass "FetchContent: the consumer configures and builds parts_check"
 else
   if ((fetch_rc == 1)); then show_log fetch-configure 1; else show_log fetch-build 1; fi
   fail "FetchContent: the consumer configures and builds"
 fi
-if [[ -x $fetch/fsdp_separate_test && -x $fetch/fsdp_parts_check ]]; then
-  out=$(cd "$tmp" && "$fetch/fsdp_separate_test" 2>&1)
-  rc=$?
-  summary=$(grep '\[doctest\] test cases:' <<<"$out" | sed 's/\x1b\[[0-9;]*m//g')
+if [[ -x $fetch/fsdp_parts_check ]]; then
   parts=$("$fetch/fsdp_parts_check" 2>&1)
   prc=$?
-  if ((rc == 0 && prc == 0)) && [[ $summary =~ [1-9][0-9]*\ passed.*\ 0\ failed ]] &&
-    grep -q '^parts_check: ok$' <<<"$parts"; then
-    pass "FetchContent: fsdp::separate's test ($summary) and parts_check ($(grep -o '^fsdp::[a-z]*' <<<"$parts" | tr '\n' ' ')) pass"
+  compiled=$(find "$fetch" -name '*.a' -o -name '*.so' | sed "s|^$fetch/||")
+  torch_ok=1 torch_said=""
+  if [[ $torch == ON ]]; then
+    torch_said="; fsdp::torch's targets resolve from the consumer (torch_check generated)"
+    [[ -d $fetch/CMakeFiles/fsdp_torch_check.dir ]] || torch_ok=0
+  fi
+  if ((prc == 0 && torch_ok)) && grep -q '^parts_check: ok$' <<<"$parts" && [[ -z $compiled ]]; then
+    pass "FetchContent: parts_check ($(grep -o '^fsdp::[a-z]*' <<<"$parts" | tr '\n' ' ')) passes$torch_said; the subproject compiled no library of fsdp"
   else
-    fail "FetchContent: separate_compilation_test exited with $rc ($summary), parts_check with $prc: $(tail -n 20 <<<"$out") $parts"
+    fail "FetchContent: parts_check exited with $prc: $parts; torch_check generated: $torch_ok; libraries the subproject built (none expected): ${compiled:-none}"
   fi
 else
-  fail "FetchContent: the programs were not built"
+  fail "FetchContent: parts_check was not built"
 fi
 
 # ---- 5. what a wrong request gets --------------------------------------------------------------
@@ -250,6 +301,9 @@ refused() {
 refused unknown_component "fsdp has no component 'nosuchpart'" "CONFIG REQUIRED COMPONENTS checkpoint nosuchpart"
 refused missing_dependency "fsdp::checkpoint needs nlohmann_json" "CONFIG REQUIRED COMPONENTS checkpoint" \
   -DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON
+if [[ $torch == ON ]]; then
+  refused missing_torch "fsdp::torch needs Torch" "CONFIG REQUIRED COMPONENTS torch" -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON
+fi
 refused wrong_version "fsdpConfig.cmake, version: 0.1.0" "1.0 CONFIG REQUIRED"
 
 finish

@@ -7,11 +7,14 @@ set -euo pipefail
 # python3 and g++ are listed because tools/test.sh and the build use them
 # directly; python3-numpy runs the safetensors interop test (an independent reader);
 # lld-14 links the ASan build (.bazelrc); cmake builds the CMake package's check
-# (tools/cmake_check.sh, //test/cmake:cmake_package_test).
+# (tools/cmake_check.sh, //test/cmake:cmake_package_test); libtorch-dev (libtorch 1.13, CPU)
+# is what the torch adapter (include/fsdp/torch, //:fsdp_torch, fsdp::torch), its tests
+# (test/torch) and its example (//examples:torch_train) build and link against.
 PACKAGES=(
   bazel-bootstrap bazel-platforms bazel-rules-java cmake
   doctest-dev libboost-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenmpi-dev openmpi-bin libgloo-dev gnuplot-nox libxxhash-dev
+  libtorch-dev
   clang-14 libclang-rt-14-dev lld-14
   g++ python3 python3-numpy
 )

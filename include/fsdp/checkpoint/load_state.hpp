@@ -161,6 +161,7 @@ inline LoadReport load_state(ShardedModel& model, const StateSource& src, Optimi
   // is named on all.
   const std::exception_ptr checked = detail::captured([&] {
     check();
+    if (optimizer) optimizer->check_scalars(src.optim_scalars());
     if (in_place) src.verify(rank, ranks);
     src.read_all(staged_requests, rank, ranks);  // in place: only the buffers
   });

@@ -25,6 +25,10 @@ class OptimizerState {
   virtual void* state(std::string_view name, std::size_t shard, std::int64_t numel) = 0;
   virtual std::map<std::string, std::string> scalars() const = 0;
   virtual void load_scalars(const std::map<std::string, std::string>& scalars) = 0;
+  // Called before a load writes anything, with the scalars load_scalars will get: throw to
+  // refuse state that is not this optimizer's (another kind of optimizer), so that nothing
+  // is loaded. The default accepts everything.
+  virtual void check_scalars(const std::map<std::string, std::string>& /*scalars*/) const {}
 };
 
 }  // namespace fsdp

@@ -56,7 +56,10 @@ namespace fsdp {
 //   static void visit_buffers(M&, F&& f);      f(std::string_view, T& buffer)
 //   static void parameters_rebound(M&);        its parameters were re-pointed
 // The primary template is empty: a type without a specialization uses members or ADL.
-template <class M>
+// `Enable` lets one partial specialization adapt a family of types, e.g. every type
+// derived from a framework's module base (fsdp/torch/module_traits.hpp:
+// module_traits<M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>).
+template <class M, class Enable = void>
 struct module_traits {};
 
 // Which module an object is: its address and type together (a module's first member has
