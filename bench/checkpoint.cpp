@@ -232,13 +232,16 @@ class Bench {
     {
       std::optional<fsdp::ShardedCheckpointSource> src;
       phase(sl, "open: index and headers (each file's XXH64 is checked by one rank, in load_state)", [&] { src.emplace(sharded()); });
-      phase(sl, "load_state: check, hash own files, agree, read own slices into the shards", [&] { fsdp::load_state(sm, *src, &state); });
+      phase(sl, "hash own files (1 MiB preads, each piece hashed from L2; what load_state's verify step does first)",
+            [&] { src->verify(comm.rank(), o_.ranks); });
+      phase(sl, "load_state: check, agree, read own slices into the shards from the page cache (files already hashed)",
+            [&] { fsdp::load_state(sm, *src, &state); });
     }
     evict(comm, {full(), fsdp::optimizer_file_of(full())});
     {
       std::optional<fsdp::FullCheckpointSource> src;
       phase(fl, "open: headers", [&] { src.emplace(full()); });
-      phase(fl, "load_state: check, agree, read own slices into the shards (each rank first reads its contiguous part of each file, warming the page cache)", [&] { fsdp::load_state(sm, *src, &state); });
+      phase(fl, "load_state: check, agree, read own slices into the shards (each rank first reads and hashes its run of both files' chunks, an equal share of the bytes, warming the page cache)", [&] { fsdp::load_state(sm, *src, &state); });
     }
     if (root(comm)) {
       r_.phases = {{"save_sharded_checkpoint", ss}, {"save_full_checkpoint", fsv},

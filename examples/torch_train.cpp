@@ -9,8 +9,12 @@
 // (D: the largest difference of any parameter element between the two runs). With
 // --strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2),
 // --precision bf16 (MixedPrecision<bf16, float>), --offload (OffloadParams), --optimizer
-// (adamw, sgd), --accumulate N (micro-batches under no_sync). CPU (Debian's libtorch); the
-// same code runs on CUDA tensors with fsdp::CudaDevice.
+// (adamw, sgd), --accumulate N (micro-batches under no_sync). CPU (Debian's libtorch), or
+// --device cuda where built with -DFSDP_TORCH_CUDA against a CUDA libtorch (tools/gpu_proof.sh
+// does, with PyTorch's): one rank on GPU 0, with fsdp::CudaDevice on a stream of torch's pool
+// and a one-rank fsdp::NcclComm. One rank, because libtorch runs the backward of every graph
+// on a GPU on one thread per device: thread ranks sharing it would wait on each other's
+// collectives inside that thread (more ranks: one process per GPU).
 //
 // Everything fsdp asks of this engine is marked "fsdp" below: 1 line in the model, 9
 // around the loop (of which the mesh, no_sync and the summon for the comparison are
@@ -24,6 +28,14 @@
 
 #include <fsdp/fsdp.hpp>
 #include "fsdp/torch/sharded_module.hpp"
+#if defined(FSDP_TORCH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "fsdp/cuda/cuda_device.hpp"
+#include "fsdp/nccl/nccl_comm.hpp"
+#endif
 
 namespace {
 
@@ -63,8 +75,9 @@ struct Config {
   int ranks = 2, steps = 8, accumulate = 1;
   std::int64_t vocab = 64, dim = 32, batch = 8, length = 16;
   int depth = 3;
-  std::string strategy = "FULL_SHARD", precision = "fp32", optimizer = "adamw";
+  std::string strategy = "FULL_SHARD", precision = "fp32", optimizer = "adamw", device = "cpu";
   bool offload = false;
+  torch::Device where() const { return device == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU); }
 };
 
 // Tokens of rank `rank`'s micro-batch `m` at `step`: sequences that follow a fixed rule
@@ -74,13 +87,15 @@ std::pair<torch::Tensor, torch::Tensor> batch(const Config& c, int step, int ran
   auto start = torch::randint(c.vocab, {c.batch, 1}, g, torch::kLong);
   std::vector<torch::Tensor> seq{start};
   for (std::int64_t i = 0; i < c.length; ++i) seq.push_back((seq.back() * 5 + 3) % c.vocab);
-  auto all = torch::cat(seq, 1);
+  auto all = torch::cat(seq, 1).to(c.where());
   return {all.slice(1, 0, c.length), all.slice(1, 1, c.length + 1)};
 }
 
 TokenModel make_model(const Config& c) {
   torch::manual_seed(42);
-  return TokenModel(c.vocab, c.dim, c.depth);
+  TokenModel model(c.vocab, c.dim, c.depth);
+  model->to(c.where());
+  return model;
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Config& c, std::vector<torch::Tensor> params) {
@@ -114,8 +129,38 @@ std::pair<std::vector<double>, std::vector<torch::Tensor>> unsharded(const Confi
     losses.push_back(total);
   }
   std::vector<torch::Tensor> params;
-  for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+  for (const auto& p : model->parameters()) params.push_back(p.detach().to(torch::kCPU, torch::kFloat, false, true));
   return {losses, params};
+}
+
+// Runs train(rank, mesh, device) on each of c.ranks thread ranks (CPU), or on one rank on
+// GPU 0 (CUDA), with the fsdp device and communicator of c.device.
+template <class Train>
+void on_ranks(const Config& c, const Train& train) {
+  const fsdp::MeshShape shape{c.ranks % 2 == 0 ? 2 : 1, c.ranks % 2 == 0 ? c.ranks / 2 : c.ranks};  // 2 replicas for HYBRID_*
+  if (c.device == "cpu") {
+    fsdp::ThreadGroup(c.ranks).run([&](fsdp::ThreadComm& comm) {
+      torch::set_num_threads(1);
+      fsdp::HostDevice device;                                                        // fsdp
+      fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, shape);                           // fsdp
+      train(comm.rank(), mesh, device);
+    });
+    return;
+  }
+#if defined(FSDP_TORCH_CUDA)
+  auto stream = c10::cuda::getStreamFromPool(false, 0);  // torch's kernels and fsdp's compute
+  c10::cuda::CUDAStreamGuard on_stream(stream);
+  fsdp::CudaDevice device(0, stream.stream());
+  fsdp::NcclCommOptions nccl;
+  nccl.after = stream.stream();  // collectives wait for what torch queued
+  nccl.name = "torch_train";
+  std::vector<fsdp::NcclComm> comms = fsdp::NcclComm::create({0}, nccl);
+  fsdp::DeviceMesh<fsdp::NcclComm> mesh(comms[0], shape);
+  train(0, mesh, device);
+  device.synchronize();  // the parameters it returns are read on the default stream
+#else
+  (void)train, (void)shape;
+#endif
 }
 
 // Sharded on c.ranks thread ranks with strategy S and policies Ps.
@@ -125,12 +170,8 @@ std::pair<std::vector<double>, std::vector<torch::Tensor>> sharded(const Config&
   for (int r = 0; r < c.ranks; ++r) models.push_back(make_model(c));
   std::vector<std::vector<double>> losses(c.ranks);
   std::vector<torch::Tensor> params;
-  fsdp::ThreadGroup(c.ranks).run([&](fsdp::ThreadComm& comm) {
-    torch::set_num_threads(1);
-    TokenModel& model = models[comm.rank()];
-    fsdp::HostDevice device;                                                          // fsdp
-    fsdp::DeviceMesh<fsdp::ThreadComm> mesh(comm, {c.ranks % 2 == 0 ? 2 : 1,         // fsdp: 2 replicas
-                                                   c.ranks % 2 == 0 ? c.ranks / 2 : c.ranks});  //   for HYBRID_*
+  on_ranks(c, [&](int rank, auto& mesh, auto& device) {
+    TokenModel& model = models[rank];
     auto sharded = fsdp::torch::shard<Ps...>(model, mesh, device, fsdp::torch::wrap_type<BlockImpl>());  // fsdp
     auto opt = make_optimizer(c, sharded.parameters());                               // fsdp: the shards
     for (int step = 0; step < c.steps; ++step) {
@@ -138,17 +179,17 @@ std::pair<std::vector<double>, std::vector<torch::Tensor>> sharded(const Config&
       double total = 0;
       for (int m = 0; m < c.accumulate; ++m) {
         sharded.sharded().set_requires_gradient_sync(m + 1 == c.accumulate);        // fsdp: no_sync
-        auto [x, y] = batch(c, step, comm.rank(), m);
+        auto [x, y] = batch(c, step, rank, m);
         torch::Tensor loss = loss_of(sharded.forward(x), y) / c.accumulate;          // fsdp: sharded.forward
         loss.backward();
         total += loss.item<double>();
       }
       opt->step();
-      losses[comm.rank()].push_back(total);
+      losses[rank].push_back(total);
     }
     auto full = sharded.sharded().summon_full_params();                               // fsdp: to compare
-    if (comm.rank() == 0)
-      for (const auto& p : model->parameters()) params.push_back(p.detach().clone().to(torch::kFloat));
+    if (rank == 0)
+      for (const auto& p : model->parameters()) params.push_back(p.detach().to(torch::kCPU, torch::kFloat, false, true));
   });
   std::vector<double> mean(c.steps, 0.0);
   for (int s = 0; s < c.steps; ++s)
@@ -180,8 +221,28 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--offload", c.offload, "keep the shards and the optimizer's state in host memory (OffloadParams)");
   app.add_option("--optimizer", c.optimizer, "adamw or sgd (momentum 0.9)")->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--device", c.device, "cpu, or cuda: one rank on GPU 0 (a build with -DFSDP_TORCH_CUDA)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
+  if (c.device == "cuda") {
+    if (app.count("--ranks") && c.ranks != 1) {
+      std::fprintf(stderr, "torch_train: --device cuda runs one rank (libtorch runs every backward on a GPU on one "
+                           "thread, so thread ranks sharing it would wait on each other): --ranks 1, or one process "
+                           "per GPU\n");
+      return 2;
+    }
+    c.ranks = 1;
+  }
+#if !defined(FSDP_TORCH_CUDA)
+  if (c.device == "cuda") {
+    std::fprintf(stderr, "torch_train: --device cuda: this build has no CUDA (build it with -DFSDP_TORCH_CUDA against a "
+                         "CUDA libtorch, as tools/gpu_proof.sh does)\n");
+    return 2;
+  }
+#endif
   try {
+    if (c.device == "cuda" && !torch::cuda::is_available())
+      throw std::runtime_error("--device cuda: libtorch sees no CUDA device");
     torch::set_num_threads(1);
     const auto [want_losses, want_params] = unsharded(c);
     std::pair<std::vector<double>, std::vector<torch::Tensor>> got;

@@ -11,7 +11,8 @@
 # over sizes), then the example (its loss against the host reference engine, its step time
 # with fsdp against without at world size 1, the library's host time per unit per step),
 # then splits the library's host time per unit and step by CUDA and NCCL function (the
-# example under tools/gpu_proof/api_timer.so, an LD_PRELOAD timer), and ends with
+# example under tools/gpu_proof/api_timer.so, an LD_PRELOAD timer), then the libtorch
+# adapter's example on CUDA tensors where a CUDA libtorch is found (below), and ends with
 #   gpu proof: N passed, M failed
 # counting doctest test cases (a binary that does not build counts as one failure).
 # Exit status 0 only when nothing failed.
@@ -23,6 +24,13 @@
 #            (a directory holding doctest/doctest.h)
 #   Boost:   /usr/include or /usr/local/include; without it the NCCL test's two-process
 #            case (which needs two GPUs anyway) is compiled out.
+#   libtorch: $TORCH_HOME (a libtorch with include/ and lib/), or the one inside Python's
+#            torch package (pip install torch: its headers and libraries are in the wheel),
+#            if that one was built with CUDA; with CLI11 (CLI/CLI.hpp in /usr/include or
+#            /usr/local/include) it builds examples/torch_train with -DFSDP_TORCH_CUDA and
+#            runs it with --device cuda (the libtorch adapter on CUDA tensors, one rank,
+#            against unsharded libtorch on the same GPU). Without either, those runs are skipped,
+#            and said so.
 # Output: build logs and binaries in ${GPU_PROOF_OUT:-/tmp/fsdp_gpu_proof}. Each test binary
 # may run ${GPU_PROOF_TEST_TIMEOUT:-600} seconds.
 set -u
@@ -112,7 +120,40 @@ build gpu_bench tools/gpu_proof/gpu_bench.cpp &
      >"$OUT/api_timer.build.log" 2>&1; then echo ok; else echo failed; fi >"$OUT/api_timer.build" ) &
 build cuda_kernel_compile bench/cuda_kernel_compile.cpp &
 build cuda_train examples/cuda_train.cpp &
+
+# The libtorch adapter on CUDA: examples/torch_train against a CUDA libtorch.
+TORCH=""; TORCH_WHY=""
+if [ -n "${TORCH_HOME:-}" ]; then TORCH=$TORCH_HOME
+else TORCH=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) if torch.version.cuda else "")' 2>/dev/null || true)
+fi
+# The C++11 ABI libtorch was built with (its CMake config says; else Python's torch), and
+# the CUDA it was built for, against the toolkit found above (two CUDA runtimes in one
+# process are a warning, not a stop).
+TORCH_ABI=$(sed -n 's/.*-D_GLIBCXX_USE_CXX11_ABI=\([01]\).*/\1/p' "$TORCH/share/cmake/Torch/TorchConfig.cmake" 2>/dev/null | head -1)
+[ -n "$TORCH_ABI" ] || TORCH_ABI=$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))' 2>/dev/null || echo 1)
+TORCH_CUDA=$(python3 -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null || true)
+CLI11=""
+for c in /usr/include /usr/local/include; do [ -f "$c/CLI/CLI.hpp" ] && { CLI11=$c; break; }; done
+if [ -z "$TORCH" ] || [ ! -f "$TORCH/include/torch/csrc/api/include/torch/torch.h" ]; then
+  TORCH_WHY="no libtorch built with CUDA (set TORCH_HOME, or pip install torch with CUDA)"
+elif ! compgen -G "$TORCH/lib/libtorch_cuda.so*" >/dev/null; then
+  TORCH_WHY="the libtorch at $TORCH has no libtorch_cuda (a CPU-only build)"
+elif [ -z "$CLI11" ]; then
+  TORCH_WHY="no CLI11 (CLI/CLI.hpp: apt install libcli11-dev), which examples/torch_train parses its flags with"
+else
+  echo "gpu proof: libtorch $TORCH (C++11 ABI $TORCH_ABI, CUDA ${TORCH_CUDA:-unknown}): building examples/torch_train with -DFSDP_TORCH_CUDA"
+  toolkit_cuda=$(sed -n 's/^#define CUDART_VERSION  *\([0-9][0-9]*\).*/\1/p' "$CUDA/include/cuda_runtime_api.h" | head -1)
+  if [ -n "$TORCH_CUDA" ] && [ -n "$toolkit_cuda" ] && [ "${TORCH_CUDA%%.*}" != "$((toolkit_cuda / 1000))" ]; then
+    echo "gpu proof: WARNING: libtorch is built for CUDA $TORCH_CUDA, the toolkit at $CUDA is CUDA $((toolkit_cuda / 1000)): two CUDA runtimes in one process (set CUDA_HOME to a CUDA $TORCH_CUDA toolkit if the runs fail)"
+  fi
+  ( if "$CXX" -std=c++20 -O2 -DFSDP_TORCH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$TORCH_ABI" -Iinclude -I. -I"$CLI11" \
+       -isystem "$TORCH/include" -isystem "$TORCH/include/torch/csrc/api/include" -I"$CUDA/include" -I"$NCCL/include" \
+       examples/torch_train.cpp -o "$OUT/torch_train" -L"$TORCH/lib" -Wl,-rpath,"$TORCH/lib" \
+       -Wl,--no-as-needed -ltorch_cuda -ltorch -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10 "${LIBS[@]}" \
+       >"$OUT/torch_train.build.log" 2>&1; then echo ok; else echo failed; fi >"$OUT/torch_train.build" ) &
+fi
 wait
+[ -n "$TORCH_WHY" ] && echo "gpu proof: the libtorch adapter's CUDA runs are skipped: $TORCH_WHY"
 
 passed=0; failed=0; skipped=0
 for t in "${TESTS[@]}" gpu_bench cuda_kernel_compile cuda_train; do
@@ -124,6 +165,12 @@ for t in "${TESTS[@]}" gpu_bench cuda_kernel_compile cuda_train; do
     echo "built: $OUT/$name"
   fi
 done
+if [ -f "$OUT/torch_train.build" ]; then
+  if [ "$(cat "$OUT/torch_train.build")" = ok ]; then echo "built: $OUT/torch_train"; else
+    echo "BUILD FAILED: torch_train (log: $OUT/torch_train.build.log)"; tail -20 "$OUT/torch_train.build.log" | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+fi
 if [ "$BUILD_ONLY" = 1 ]; then echo "gpu proof: built only; $failed build failures"; exit $((failed > 0)); fi
 
 # ---- tests ------------------------------------------------------------------------------
@@ -226,8 +273,41 @@ if [ "$example_ran" = 1 ] && [ "$(cat "$OUT/api_timer.build" 2>/dev/null)" = ok 
   done
 fi
 
+# ---- the libtorch adapter on CUDA tensors -----------------------------------------------
+# examples/torch_train --device cuda: one rank on GPU 0 (a one-rank NcclComm, fsdp's work on
+# a stream of torch's pool), against unsharded libtorch on the same GPU. fp32 runs:
+# the losses within 1e-4 and the parameters within 1e-4; bf16: the loss within 1% (as the
+# CPU test, test/torch/torch_train_test.sh, asks on CPU at 2e-6 and 1e-5).
+echo
+echo "== libtorch adapter on CUDA (examples/torch_train --device cuda) =="
+torch_field() { grep '^final: ' "$1" | tail -n 1 | tr ' ' '\n' | sed -n "s/^$2=//p"; }
+if [ -n "$TORCH_WHY" ]; then
+  echo "not run: $TORCH_WHY"; skipped=$((skipped + 1))
+elif [ "$(cat "$OUT/torch_train.build" 2>/dev/null)" != ok ]; then
+  echo "not run: the build failed (counted above)"
+else
+  for run in "full_shard:" "shard_grad_op:--strategy SHARD_GRAD_OP" "no_shard:--strategy NO_SHARD" \
+             "offload:--offload" "sgd_accumulate:--optimizer sgd --accumulate 3" "bf16:--precision bf16" \
+             "bf16_offload:--precision bf16 --offload"; do
+    name=${run%%:*}; flags=${run#*:}
+    # shellcheck disable=SC2086  # flags is a list
+    timeout 600 "$OUT/torch_train" --device cuda $flags >"$OUT/torch_train.$name.log" 2>&1
+    rc=$?
+    l=$(torch_field "$OUT/torch_train.$name.log" loss); u=$(torch_field "$OUT/torch_train.$name.log" unsharded_loss)
+    d=$(torch_field "$OUT/torch_train.$name.log" max_param_diff)
+    case $name in bf16*) tol="l - u <= 0.01 * u && u - l <= 0.01 * u" ;; *) tol="l - u <= 1e-4 && u - l <= 1e-4 && d < 1e-4" ;; esac
+    if [ "$rc" -eq 0 ] && [ -n "$l" ] && [ -n "$u" ] && awk -v l="$l" -v u="$u" -v d="${d:-1}" "BEGIN { exit !($tol) }"; then
+      passed=$((passed + 1)); verdict=ok
+    else
+      failed=$((failed + 1)); verdict=FAILED
+    fi
+    printf '%-15s rc=%-3s %-6s %s\n' "$name" "$rc" "$verdict" "$(grep '^final: ' "$OUT/torch_train.$name.log" | tail -n 1)"
+    [ "$verdict" = ok ] || { tail -n 5 "$OUT/torch_train.$name.log" | sed 's/^/    /'; echo "    full log: $OUT/torch_train.$name.log"; }
+  done
+fi
+
 # Skipped cases never count as passed. The NCCL tests' child-process entry points are always
 # among them; the others are GPU cases the machine could not run (two-GPU ones on one GPU).
-[ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL tests' child-process entry points, two-GPU cases on a one-GPU machine, or no GPU)"
+[ "$skipped" -gt 0 ] && echo "gpu proof: $skipped test cases skipped (the NCCL tests' child-process entry points, two-GPU cases on a one-GPU machine, no GPU, or no CUDA libtorch for the adapter's runs)"
 echo "gpu proof: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

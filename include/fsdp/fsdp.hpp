@@ -39,6 +39,7 @@
 #include "fsdp/model/clip_grad_norm.hpp"
 #include "fsdp/model/deferred_init.hpp"
 #include "fsdp/model/grad_scaler.hpp"
+#include "fsdp/model/module_adapter.hpp"
 #include "fsdp/model/shard.hpp"
 #include "fsdp/model/sharded_model.hpp"
 

@@ -4,10 +4,12 @@
 // before anything is loaded; files from other tools (no checksums) still load.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/checkpoint/checkpoint.hpp>
@@ -192,6 +194,59 @@ TEST_CASE("each rank checks its own run of chunks, and only the owner of a damag
     if (rank < 2) CHECK(damage.empty());
     else CHECK(contains(damage, "is damaged: bytes [640, 768) of its data (tensors c) do not match"));
   }
+}
+
+TEST_CASE("a load's ranks split the model and optimizer files' chunks as one run each: every chunk read and hashed once") {
+  // A model file of 5 chunks of 128 bytes and its optimizer file of 10, every chunk damaged
+  // (the last byte of the last one too), one save id.
+  test_support::TempDir tmp;
+  const auto file = tmp / "model.safetensors";
+  std::vector<float> w(160, 1.0f), m(160, 2.0f), v(160, 3.0f);
+  const auto write = [](const std::filesystem::path& path, const std::vector<std::pair<std::string, const float*>>& tensors) {
+    SafetensorsWriter out;
+    for (const auto& [key, data] : tensors) out.add(key, fsdp::DType::f32, {160}, data);
+    out.checksum_data(128);
+    out.mark_fsdp_file(7);
+    out.write(path);
+  };
+  write(file, {{"w", w.data()}});
+  write(fsdp::optimizer_file_of(file), {{"exp_avg/w", m.data()}, {"exp_avg_sq/w", v.data()}});
+  for (const auto& [path, chunks] : {std::pair{file, 5}, std::pair{fsdp::optimizer_file_of(file), 10}}) {
+    std::string bytes = test_support::read_bytes(path);
+    const std::uint64_t data_at = SafetensorsFile::open(path).data_offset();
+    for (int c = 0; c < chunks; ++c) bytes[data_at + 128 * static_cast<std::uint64_t>(c) + 127] ^= 0x40;
+    test_support::write_bytes(path, bytes);
+  }
+  // 4 ranks, one process standing for all: the chunks each rank found damaged (agree_damage
+  // asks about each chunk in turn, model file first, while the others answer "fine").
+  constexpr int ranks = 4;
+  std::vector<std::vector<int>> found(ranks);  // chunk numbers over both files, 0-14
+  for (int rank = 0; rank < ranks; ++rank) {
+    const fsdp::FullCheckpointSource source(file);
+    source.verify(rank, ranks);
+    int asked = -1;
+    source.agree_damage([&](bool ok) {
+      if (asked >= 0 && !ok) found[static_cast<std::size_t>(rank)].push_back(asked);
+      ++asked;
+      return asked > 0;  // the first question (any damage here?): no, so every chunk is asked
+    });
+  }
+  std::vector<int> all;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const auto& mine = found[static_cast<std::size_t>(rank)];
+    CAPTURE(rank);
+    REQUIRE_FALSE(mine.empty());
+    CHECK(mine.back() - mine.front() + 1 == static_cast<int>(mine.size()));  // one contiguous run
+    CHECK(mine.size() <= 4);  // 15 chunks over 4 ranks: per file (5 = 2+1+1+1, 10 = 3+2+3+2), rank 0 had 5
+    all.insert(all.end(), mine.begin(), mine.end());
+  }
+  std::sort(all.begin(), all.end());
+  std::vector<int> each(15);
+  for (int c = 0; c < 15; ++c) each[static_cast<std::size_t>(c)] = c;
+  CHECK(all == each);  // every chunk, the optimizer file's last one included, by exactly one rank
+  CHECK(fsdp::checkpoint::share_owner(0, 10, 100, 1) == 0);
+  CHECK(fsdp::checkpoint::share_owner(90, 100, 100, 4) == 3);
+  CHECK(fsdp::checkpoint::share_owner(0, 100, 100, 4) == 2);  // one chunk: the share of its middle byte
 }
 
 TEST_CASE("a full checkpoint without checksums (another tool's file) still loads") {

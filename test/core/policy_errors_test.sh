@@ -246,6 +246,48 @@ expect_error gradient_of_pointer "gradient(param) takes the parameter tensor the
 void f(fsdp::ShardedModel& sm, fsdp::HostTensor& w) { (void)sm.gradient(&w); }
 EOF
 
+# Module adapters (fsdp::module_adapter): a named adapter is shared or moved, never copied
+# out of the engine's reach; one adapter per model.
+expect_error adapter_lvalue "pass the adapter as a std::shared_ptr" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct A {};
+void f(A& a) { (void)fsdp::module_adapter(a); }
+EOF
+
+expect_error adapter_pointer "not a raw pointer, std::ref or std::unique_ptr" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct A {};
+void f(A& a) { (void)fsdp::module_adapter(&a); }
+EOF
+
+expect_error adapter_unique_ptr "not a raw pointer, std::ref or std::unique_ptr" <<'EOF'
+#include "fsdp/fsdp.hpp"
+#include <memory>
+struct A {};
+void f() { (void)fsdp::module_adapter(std::make_unique<A>()); }
+EOF
+
+expect_error adapter_twice "fsdp::shard takes at most one module_adapter" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M {
+  fsdp::HostTensor w{{2}};
+  template <class F> void visit_parameters(F&& f) { f("w", w); }
+};
+struct A {};
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) {
+  (void)fsdp::shard<fsdp::FullShard>(m, c, d, fsdp::module_adapter(A{}), fsdp::module_adapter(A{}));
+}
+EOF
+
+expect_error adapter_visits_nothing "the model passed to fsdp::shard is not an fsdp::Module" <<'EOF'
+#include "fsdp/fsdp.hpp"
+struct M { fsdp::HostTensor w{{2}}; };
+struct A { template <class F> void visit_parameters(int&, F&&) {} };
+void f(fsdp::ThreadComm& c, fsdp::HostDevice& d, M& m) {
+  (void)fsdp::shard<fsdp::FullShard>(m, c, d, fsdp::module_adapter(A{}));
+}
+EOF
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures case(s) wrong"
   exit 1

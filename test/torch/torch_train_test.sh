@@ -6,7 +6,8 @@
 # with a `final:` line whose sharded loss equals its unsharded loss to float rounding; so
 # does a run with each --strategy it lists, with --offload, SGD with --accumulate, 3 ranks
 # and HYBRID_SHARD on 4 (parameters within 1e-5 too); MixedPrecision<bf16, float> stays
-# within 1% of float libtorch's loss; a bad --strategy is refused naming it.
+# within 1% of float libtorch's loss; a bad --strategy is refused naming it, and --device
+# cuda in a build without CUDA (this one: tools/gpu_proof.sh runs it on a GPU).
 #
 # Usage: torch_train_test.sh TORCH_TRAIN_BINARY   (//test/torch:torch_train_test)
 set -u
@@ -99,6 +100,16 @@ if ((rc != 0)) && grep -q "unknown sharding strategy 'bogus'" <<<"$out"; then
   echo "PASS: --strategy bogus is refused naming it"
 else
   fail "--strategy bogus: exit $rc, output: $(tail -n 3 <<<"$out")"
+fi
+
+# --device cuda in a build without CUDA (Debian's libtorch is CPU-only): refused at once,
+# saying how to build it; tools/gpu_proof.sh runs it on a GPU.
+out=$("$train" --device cuda 2>&1)
+rc=$?
+if ((rc == 2)) && grep -q -- "--device cuda: this build has no CUDA" <<<"$out"; then
+  echo "PASS: --device cuda without a CUDA build is refused, saying how to build one"
+else
+  fail "--device cuda: exit $rc, output: $(tail -n 3 <<<"$out")"
 fi
 
 [[ $failures -eq 0 ]] && echo "all cases as expected" || { echo "$failures case(s) wrong"; exit 1; }

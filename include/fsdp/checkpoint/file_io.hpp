@@ -132,9 +132,10 @@ inline void fsync_directory(const std::filesystem::path& dir) {
   fsync_fd(fd.get(), dir);
 }
 
-// XXH64 of the first `size` bytes; a file shorter than that is an error.
+// XXH64 of the first `size` bytes, read and hashed piece by piece (the kernel's readahead
+// keeps the disk reading while a piece is hashed); a file shorter than that is an error.
 inline std::uint64_t xxh64_of_fd(int fd, std::uint64_t size, const std::filesystem::path& path) {
-  std::vector<std::byte> scratch(std::min<std::uint64_t>(size, std::uint64_t{4} << 20));
+  std::vector<std::byte> scratch(std::min<std::uint64_t>(size, checkpoint::hash_piece_bytes));
   const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) {
     if (pread_up_to(fd, dst, n, at, path) != n)
       fail_as(ErrorKind::io, "'", path.string(), "' ended before byte ", size,

@@ -86,15 +86,22 @@ class FullCheckpointSource final : public StateSource {
   // The files were checked against their headers when opened; their data against the
   // chunk checksums the save wrote (checkpoint/data_checksums.hpp) in verify().
   bool reads_in_place() const override { return true; }
-  // Each rank checks a contiguous run of each file's chunks (DataChecksums::owner), so the
-  // disk sees `ranks` sequential streams and the ranks' own reads later find their bytes
-  // in the page cache (on one host). A file written without checksums (by another tool)
-  // is read ahead the same way, unchecked. A damaged chunk is remembered; agree_damage()
-  // names it on every rank.
+  // Each rank checks one contiguous run of the files' chunks, the model file's and then the
+  // optimizer file's taken as one sequence split into equal shares of bytes
+  // (checkpoint::share_owner), so the disk sees `ranks` sequential streams that end
+  // together, every chunk is read from disk and hashed by one rank only, and the ranks' own
+  // reads later find their bytes in the page cache (on one host). A file written without
+  // checksums (by another tool) is read ahead the same way, unchecked. A damaged chunk is
+  // remembered; agree_damage() names it on every rank.
   void verify(int rank, int ranks) const override {
     verified_ = true;
     if (ranks < 1) return;
-    for (int i = 0; i < files(); ++i) verify_part(i, rank, ranks);
+    std::uint64_t total = 0, before = 0;
+    for (int i = 0; i < files(); ++i) total += data_bytes(file(i));
+    for (int i = 0; i < files(); ++i) {
+      verify_part(i, before, total, rank, ranks);
+      before += data_bytes(file(i));
+    }
   }
   std::string agree_damage(const std::function<bool(bool)>& agree) const override {
     if (agree(damaged_.empty())) return "";
@@ -193,14 +200,19 @@ class FullCheckpointSource final : public StateSource {
     return sums;
   }
 
-  // Reads this rank's run of file i's chunks (DataChecksums::owner), checking them where the
+  // Reads this rank's run of file i's chunks (checkpoint::share_owner; the file's data is
+  // bytes [before, before + its size) of the `total` of all files), checking them where the
   // file has checksums.
-  void verify_part(int i, int rank, int ranks) const {
+  void verify_part(int i, std::uint64_t before, std::uint64_t total, int rank, int ranks) const {
     const checkpoint::SafetensorsFile& f = file(i);
+    const std::uint64_t bytes = data_bytes(f);
     const auto sums = checksums_of(f);
-    const checkpoint::DataChecksums layout = sums ? *sums : checkpoint::DataChecksums::placeholder(data_bytes(f));
+    const checkpoint::DataChecksums layout = sums ? *sums : checkpoint::DataChecksums::placeholder(bytes);
+    const auto mine = [&](std::size_t c) {
+      return checkpoint::share_owner(before + layout.begin(c), before + layout.end(c, bytes), total, ranks) == rank;
+    };
     const auto read = [&](std::byte* dst, std::uint64_t n, std::uint64_t at) { f.read_file_bytes(dst, n, f.data_offset() + at); };
-    checkpoint::hash_owned_chunks(layout, data_bytes(f), rank, ranks, read, [&](std::size_t c, std::uint64_t got) {
+    checkpoint::hash_chunks(layout, bytes, mine, read, [&](std::size_t c, std::uint64_t got) {
       if (sums && got != sums->digests[c]) damaged_.insert({i, c});
     });
   }

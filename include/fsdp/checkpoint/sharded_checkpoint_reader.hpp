@@ -125,7 +125,8 @@ class ShardedCheckpointReader {
       auto& mine = pieces[ix.files[i].name];
       if (checksums_ == Checksums::verify && verify(i) && !o.checked) {
         stream_verified(ix.files[i].name, o, mine);
-      } else {
+      } else {  // in file order: one forward pass over the file (or its pages in the cache)
+        std::sort(mine.begin(), mine.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
         for (const Piece& p : mine) o.file.read_file_bytes(p.dst, p.bytes, p.offset);
       }
     }
@@ -245,7 +246,7 @@ class ShardedCheckpointReader {
   template <class Pieces>
   void stream_verified(const std::string& name, const Opened& o, Pieces& pieces) const {
     std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
-    constexpr std::uint64_t step = std::uint64_t{1} << 20;
+    constexpr std::uint64_t step = hash_piece_bytes;
     const auto scratch = std::make_unique_for_overwrite<std::byte[]>(step);
     Xxh64 h;
     std::uint64_t pos = 0;

@@ -27,8 +27,11 @@
 // temporaries a visitor builds. A visitor must allow it (no non-recursive lock held while
 // it calls f).
 //
-// Each as a static member of a fsdp::module_traits<M> specialization (for module types the
-// engine does not own: no function has to be added to a third-party namespace), as a member
+// Each as a member of the model's module adapter (fsdp::module_adapter, in
+// fsdp/model/module_adapter.hpp, and ModuleUnder below: an object
+// fsdp::shard keeps with the model, for adapters that need per-model state), as a static
+// member of a fsdp::module_traits<M> specialization (for module types the engine does not
+// own: no function has to be added to a third-party namespace), as a member
 // (m.visit_parameters(f)), or as a free function found by ADL, looked up in that order. The
 // library joins names with '.' into fully qualified names (FQNs) such as "blocks.3.weight",
 // the keys of state dicts and checkpoints.
@@ -111,16 +114,46 @@ concept Module = detail::traits_param_visit<M, detail::param_visitor_archetype> 
                  detail::member_param_visit<M, detail::param_visitor_archetype> ||
                  detail::adl_param_visit<M, detail::param_visitor_archetype>;
 
+// A module adapter with per-model state: an object whose members are looked up before
+// module_traits<M>, for the modules they accept (any of, as for module_traits):
+//   void visit_parameters(M&, F&& f);   void visit_children(M&, F&& f);
+//   void visit_buffers(M&, F&& f);      void parameters_rebound(M&);
+// Non-static members (usually templates over M or F), so one adapter holds what a
+// static module_traits<M> would keep in a process-wide table: per-layer views, a map from
+// layer to its block, counters. fsdp::shard(model, group, device, fsdp::module_adapter(a))
+// walks the model through it, and every unit keeps it alive for as long as the unit lives
+// (tensors the adapter owns and hands to the library stay valid; parameters_rebound is
+// called until the last unit goes); see docs/engines/owned_gradients.md.
+// NoModuleAdapter: none (every lookup falls through to module_traits, members and ADL).
+struct NoModuleAdapter {};
+
+namespace detail {
+template <class A, class M, class F>
+concept adapter_param_visit = requires(A& a, M& m, F f) { a.visit_parameters(m, f); };
+template <class A, class M, class F>
+concept adapter_child_visit = requires(A& a, M& m, F f) { a.visit_children(m, f); };
+template <class A, class M, class F>
+concept adapter_buffer_visit = requires(A& a, M& m, F f) { a.visit_buffers(m, f); };
+template <class A, class M>
+concept adapter_rebound_hook = requires(A& a, M& m) { a.parameters_rebound(m); };
+}  // namespace detail
+
+// M is a module as adapter A sees it: A visits its parameters, or M is a Module by itself.
+template <class M, class A>
+concept ModuleUnder = detail::adapter_param_visit<A, M, detail::param_visitor_archetype> || Module<M>;
+
 // Own parameters of m: f(name, param, grad), `grad` a T* lvalue: the engine's gradient
 // tensor, or nullptr where the visitor passed none (f(name, param): the library owns it).
-template <class M, class F>
-void for_each_own_parameter(M& m, F&& f) {
-  static_assert(Module<M>,
+// `adapter`: the model's module adapter, asked first (null with A = NoModuleAdapter).
+template <class M, class F, class A = NoModuleAdapter>
+void for_each_own_parameter(M& m, F&& f, A* adapter = nullptr) {
+  static_assert(ModuleUnder<M, A>,
                 "fsdp: this type is not an fsdp::Module. Provide visit_parameters(M&, F) (member, "
-                "free function found by ADL, or static member of a fsdp::module_traits<M> "
-                "specialization) that calls f(std::string_view name, T& param, T& grad) (or "
-                "f(name, param) when the library is to own the gradient) for each of the module's own "
-                "parameters. See docs/concepts.md#module.");
+                "free function found by ADL, static member of a fsdp::module_traits<M> "
+                "specialization, or member of the fsdp::module_adapter given to fsdp::shard) that calls "
+                "f(std::string_view name, T& param, T& grad) (or f(name, param) when the library is to own "
+                "the gradient) for each of the module's own parameters. See docs/concepts.md#module.");
+  (void)adapter;  // null, and unused, unless A visits M
   auto checked = [&](std::string_view name, auto& param, auto&... grad) {
     using P = std::remove_cvref_t<decltype(param)>;
     static_assert(sizeof...(grad) <= 1,
@@ -147,15 +180,18 @@ void for_each_own_parameter(M& m, F&& f) {
       f(name, param, grad_or_null);
     }
   };
-  if constexpr (detail::traits_param_visit<M, decltype(checked)>) module_traits<M>::visit_parameters(m, checked);
+  if constexpr (detail::adapter_param_visit<A, M, decltype(checked)>) adapter->visit_parameters(m, checked);
+  else if constexpr (detail::traits_param_visit<M, decltype(checked)>) module_traits<M>::visit_parameters(m, checked);
   else if constexpr (detail::member_param_visit<M, decltype(checked)>) m.visit_parameters(checked);
-  else visit_parameters(m, checked);
+  else if constexpr (ModuleUnder<M, A>) visit_parameters(m, checked);  // else only the message above
 }
 
 // Direct children of m: f(name, child). Leaves have none.
-template <class M, class F>
-void for_each_child(M& m, F&& f) {
-  if constexpr (detail::traits_child_visit<M, detail::child_visitor_archetype>) module_traits<M>::visit_children(m, f);
+template <class M, class F, class A = NoModuleAdapter>
+void for_each_child(M& m, F&& f, A* adapter = nullptr) {
+  (void)adapter;
+  if constexpr (detail::adapter_child_visit<A, M, detail::child_visitor_archetype>) adapter->visit_children(m, f);
+  else if constexpr (detail::traits_child_visit<M, detail::child_visitor_archetype>) module_traits<M>::visit_children(m, f);
   else if constexpr (detail::member_child_visit<M, detail::child_visitor_archetype>) m.visit_children(f);
   else if constexpr (detail::adl_child_visit<M, detail::child_visitor_archetype>) visit_children(m, f);
 }
@@ -171,14 +207,16 @@ concept adl_buffer_visit = requires(M& m, F f) { visit_buffers(m, f); };
 }  // namespace detail
 
 // Own buffers of m: f(name, buffer). Modules without visit_buffers have none.
-template <class M, class F>
-void for_each_own_buffer(M& m, F&& f) {
+template <class M, class F, class A = NoModuleAdapter>
+void for_each_own_buffer(M& m, F&& f, A* adapter = nullptr) {
+  (void)adapter;
   auto checked = [&](std::string_view name, auto& buffer) {
     static_assert(Tensor<std::remove_cvref_t<decltype(buffer)>>,
                   "fsdp: visit_buffers passed a buffer whose type does not satisfy fsdp::Tensor");
     f(name, buffer);
   };
-  if constexpr (detail::traits_buffer_visit<M, detail::buffer_visitor_archetype>) module_traits<M>::visit_buffers(m, checked);
+  if constexpr (detail::adapter_buffer_visit<A, M, detail::buffer_visitor_archetype>) adapter->visit_buffers(m, checked);
+  else if constexpr (detail::traits_buffer_visit<M, detail::buffer_visitor_archetype>) module_traits<M>::visit_buffers(m, checked);
   else if constexpr (detail::member_buffer_visit<M, detail::buffer_visitor_archetype>) m.visit_buffers(checked);
   else if constexpr (detail::adl_buffer_visit<M, detail::buffer_visitor_archetype>) visit_buffers(m, checked);
 }
@@ -191,15 +229,18 @@ concept member_rebound_hook = requires(M& m) { m.parameters_rebound(); };
 template <class M>
 concept adl_rebound_hook = requires(M& m) { parameters_rebound(m); };
 
-// Whether M has a parameters_rebound hook (static member of module_traits<M>, member, or
-// ADL, looked up in that order as the visitors are).
-template <class M>
-inline constexpr bool has_parameters_rebound = traits_rebound_hook<M> || member_rebound_hook<M> || adl_rebound_hook<M>;
+// Whether M has a parameters_rebound hook (member of adapter A, static member of
+// module_traits<M>, member, or ADL, looked up in that order as the visitors are).
+template <class M, class A = NoModuleAdapter>
+inline constexpr bool has_parameters_rebound =
+    adapter_rebound_hook<A, M> || traits_rebound_hook<M> || member_rebound_hook<M> || adl_rebound_hook<M>;
 
 // Calls m's parameters_rebound hook; a no-op for a module without one.
-template <class M>
-void call_parameters_rebound(M& m) {
-  if constexpr (traits_rebound_hook<M>) module_traits<M>::parameters_rebound(m);
+template <class M, class A = NoModuleAdapter>
+void call_parameters_rebound(M& m, A* adapter = nullptr) {
+  (void)adapter;
+  if constexpr (adapter_rebound_hook<A, M>) adapter->parameters_rebound(m);
+  else if constexpr (traits_rebound_hook<M>) module_traits<M>::parameters_rebound(m);
   else if constexpr (member_rebound_hook<M>) m.parameters_rebound();
   else if constexpr (adl_rebound_hook<M>) parameters_rebound(m);
 }

@@ -27,6 +27,7 @@
 // parameter that differs; with ShardOptions::sync_module_states, rank 0's values are
 // broadcast after the init instead (and nothing is compared). InitCheck::none skips it.
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -65,14 +66,15 @@ struct NoDeferredInit {};
 // the unit collects its parameters, its SkipSet leaving out other units and ignored modules)
 // that owns a parameter the unit materialized. A module the callback cannot be called with
 // is an error only if it owns such a parameter.
-template <class F, class M>
-InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn) {
-  return [&d, &module, fqn = std::move(fqn)](const MaterializedTensors& materialized, const SkipSet& skip) {
+template <class F, class M, class A = NoModuleAdapter>
+InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn, std::shared_ptr<A> shared_adapter = {}) {
+  return [&d, &module, fqn = std::move(fqn), shared_adapter](const MaterializedTensors& materialized, const SkipSet& skip) {
+    A* adapter = shared_adapter.get();
     for_each_unit_module<wrap_types<>>(module, fqn, skip, [&](auto& m, const std::string& at) {
       bool owns = false;
       for_each_own_parameter(m, [&](std::string_view, auto& p, auto&) {
         owns = owns || materialized.count(tensor_identity(p));  // a handle: what it points to
-      });
+      }, adapter);
       if (!owns) return;
       using C = std::remove_cvref_t<decltype(m)>;
       if constexpr (std::is_invocable_v<const F&, C&, std::string_view>) std::invoke(d.init, m, std::string_view(at));
@@ -80,7 +82,7 @@ InitCallback unit_init(const DeferredInit<F>& d, M& module, std::string fqn) {
       else
         fail("deferred_init: the init callback cannot be called with module '", display_name(at), "' (",
              type_name(typeid(m)), "), whose parameters have no storage yet");
-    });
+    }, adapter);
   };
 }
 }  // namespace detail

@@ -16,6 +16,8 @@
 //
 // fsdp::deferred_init(f) (fsdp/model/deferred_init.hpp), among the options, builds a model whose
 // parameters have no storage yet: each unit is initialized and sharded before the next.
+// fsdp::module_adapter(a) (fsdp/model/module_adapter.hpp) walks the model through an
+// adapter object with per-model state, asked before module_traits, members and ADL.
 #include <functional>
 #include <set>
 #include <sstream>
@@ -27,6 +29,7 @@
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/type_name.hpp"
 #include "fsdp/model/deferred_init.hpp"
+#include "fsdp/model/module_adapter.hpp"
 #include "fsdp/model/sharded_model.hpp"
 #include "fsdp/policy/policies.hpp"
 #include "fsdp/policy/wrap_policy.hpp"
@@ -54,6 +57,15 @@ const auto& pick_option(const Fallback& fallback, const O& o, const Os&... os) {
 
 struct NoPredicate {};
 
+// The adapter among the options (an empty pointer to NoModuleAdapter without one).
+template <class... Options>
+auto adapter_option(const Options&... options) {
+  static const ModuleAdapter<NoModuleAdapter> none;
+  return pick_option<is_module_adapter>(none, options...).adapter;
+}
+template <class... Options>
+using AdapterOf = typename decltype(adapter_option(std::declval<const Options&>()...))::element_type;
+
 // Adds n elements to a subtree's count; a model beyond int64 elements is refused.
 inline void add_elements(std::int64_t& total, std::int64_t n, const std::string& fqn) {
   if (__builtin_add_overflow(total, n, &total))
@@ -61,13 +73,14 @@ inline void add_elements(std::int64_t& total, std::int64_t n, const std::string&
 }
 
 // Runs the walk described at the top of this file; see plan().
-template <class Types, class Pred>
+template <class Types, class Pred, class A = NoModuleAdapter>
 class WrapPlanner {
  public:
   struct Node { ModuleId id; std::string fqn; bool unit = false; };
 
-  WrapPlanner(const Pred* pred, const WrapMinParams* min, const WrapModules& manual, const ShardOptions& o)
-      : pred_(pred), min_(min), manual_(manual.modules.begin(), manual.modules.end()),
+  WrapPlanner(const Pred* pred, const WrapMinParams* min, const WrapModules& manual, const ShardOptions& o,
+              A* adapter = nullptr)
+      : pred_(pred), min_(min), adapter_(adapter), manual_(manual.modules.begin(), manual.modules.end()),
         ignored_modules_(o.ignored_modules.begin(), o.ignored_modules.end()),
         ignored_params_(o.ignored_parameters.begin(), o.ignored_parameters.end()) {}
 
@@ -84,12 +97,16 @@ class WrapPlanner {
   std::vector<std::string> ignored;     // FQNs of what is ignored, in visit order
   std::string children;                 // the root's children, for messages
   int type_matches = 0, min_matches = 0, pred_matches = 0;
+  bool adapter_used = false;            // a member of the module adapter serves some module
 
  private:
   struct Closed { std::string by, why; };  // inside a subtree nothing may become a unit
 
   template <class M>
   std::int64_t visit(M& m, const std::string& fqn, int depth, const Closed& closed) {
+    if constexpr (adapter_param_visit<A, M, param_visitor_archetype> || adapter_child_visit<A, M, child_visitor_archetype> ||
+                  adapter_buffer_visit<A, M, buffer_visitor_archetype> || adapter_rebound_hook<A, M>)
+      adapter_used = true;
     std::int64_t unwrapped = 0;
     for_each_own_parameter(m, [&](std::string_view name, auto& param, auto&) {
       if (ignored_params_.count(tensor_identity(param))) {  // a handle: what it points to
@@ -99,7 +116,7 @@ class WrapPlanner {
         const std::string pf = join_fqn(fqn, name);
         add_elements(unwrapped, checked_numel(tensor_traits<std::remove_cvref_t<decltype(param)>>::shape(param), pf), pf);
       }
-    });
+    }, adapter_);
     for_each_child(m, [&](std::string_view name, auto& child) {
       using C = std::remove_cvref_t<decltype(child)>;
       const ModuleId id = ModuleId::of(child);
@@ -135,7 +152,7 @@ class WrapPlanner {
         if (pred_ && std::invoke(*pred_, child, std::string_view(cf), depth + 1, n)) unit = true, ++pred_matches;
       if (unit) nodes[at].unit = true;
       else add_elements(unwrapped, n, cf);
-    });
+    }, adapter_);
     return unwrapped;
   }
 
@@ -156,6 +173,7 @@ class WrapPlanner {
 
   const Pred* pred_;
   const WrapMinParams* min_;
+  A* adapter_;
   std::set<ModuleId> manual_, manual_found_, ignored_modules_, modules_found_;
   std::set<const void*> ignored_params_, params_found_;
 };
@@ -167,16 +185,17 @@ template <class M, class... Options>
 auto plan_units(M& model, const Options&... options) {
   static_assert((... && (is_wrap_types<Options>::value || is_wrap_if<Options>::value || is_min_params<Options>::value ||
                          is_wrap_modules<Options>::value || is_shard_options<Options>::value ||
-                         is_deferred_init<Options>::value)),
+                         is_deferred_init<Options>::value || is_module_adapter<Options>::value)),
                 "fsdp: an argument of fsdp::shard after the device is not a wrap option. Options are "
-                "wrap_types<Ts...>{}, wrap_min_params(n), wrap_if(pred), wrap_modules(m...), ShardOptions and "
-                "deferred_init(f), in any order, at most one of each");
+                "wrap_types<Ts...>{}, wrap_min_params(n), wrap_if(pred), wrap_modules(m...), ShardOptions, "
+                "deferred_init(f) and module_adapter(a), in any order, at most one of each");
   static_assert(count_options<is_wrap_types, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_types");
   static_assert(count_options<is_wrap_if, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_if");
   static_assert(count_options<is_min_params, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_min_params");
   static_assert(count_options<is_wrap_modules, Options...> <= 1, "fsdp: fsdp::shard takes at most one wrap_modules");
   static_assert(count_options<is_shard_options, Options...> <= 1, "fsdp: fsdp::shard takes at most one ShardOptions");
   static_assert(count_options<is_deferred_init, Options...> <= 1, "fsdp: fsdp::shard takes at most one deferred_init");
+  static_assert(count_options<is_module_adapter, Options...> <= 1, "fsdp: fsdp::shard takes at most one module_adapter");
   static const wrap_types<> no_types;
   static const NoPredicate no_pred;
   static const WrapMinParams no_min;
@@ -196,8 +215,18 @@ auto plan_units(M& model, const Options&... options) {
     else return static_cast<const NoPredicate*>(nullptr);
   }();
   using Pred = std::remove_cvref_t<decltype(*call)>;
-  WrapPlanner<Types, Pred> planner(call, has_min ? &min : nullptr, manual, opts);
+  using A = AdapterOf<Options...>;
+  const auto adapter = adapter_option(options...);
+  if constexpr (!std::is_same_v<A, NoModuleAdapter>)
+    if (!adapter) fail("shard: fsdp::module_adapter was given a null std::shared_ptr<", type_name(typeid(A)), ">");
+  WrapPlanner<Types, Pred, A> planner(call, has_min ? &min : nullptr, manual, opts, adapter.get());
   planner.run(model);
+  if constexpr (!std::is_same_v<A, NoModuleAdapter>)
+    if (!planner.adapter_used)
+      fail("shard: the fsdp::module_adapter given (", type_name(typeid(A)), ") has no visit_parameters, visit_children, ",
+           "visit_buffers or parameters_rebound for any module of the model (its root is a ", type_name(typeid(M)),
+           "); each takes a module type by non-const reference, e.g. template <class F> void "
+           "visit_parameters(Layer&, F&& f)");
   auto none = [&](const std::string& policy, const std::string& extra) {
     fail("shard: wrap policy ", policy, " selected no module", extra, "; the model's children are: ",
          planner.children.empty() ? std::string("none") : planner.children);
@@ -212,31 +241,34 @@ auto plan_units(M& model, const Options&... options) {
 
 // Builds, in the walk's order, the unit of each module in `units` below m (not m itself),
 // without entering ignored modules or wrap_types units (nothing inside them is a unit).
-// options_for(module, fqn) gives each unit's deferred init (UnitInit).
-template <class... Ps, class Types, class M, class Group, class D, class InitFor>
+// options_for(module, fqn) gives each unit's deferred init (UnitInit); `adapter` is the
+// model's module adapter (empty: none).
+template <class... Ps, class Types, class M, class Group, class D, class InitFor, class A>
 void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
-                 Group& group, D& device, const ShardOptions& options, const InitFor& init_for, ShardedModel& out) {
+                 Group& group, D& device, const ShardOptions& options, const InitFor& init_for,
+                 const std::shared_ptr<A>& adapter, ShardedModel& out) {
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
     const ModuleId id = ModuleId::of(child);
     if (ignored.count(id)) return;
     std::string cf = join_fqn(fqn, name);
-    if (units.count(id)) out.add(make_unit_for<Policies<Ps...>>(child, group, device, cf, options, init_for(child, cf)));
+    if (units.count(id))
+      out.add(make_unit_for<Policies<Ps...>>(child, group, device, cf, options, init_for(child, cf), adapter));
     if constexpr (!Types::template contains<C>)
-      build_units<Ps...>(types, child, cf, units, ignored, group, device, options, init_for, out);
-  });
+      build_units<Ps...>(types, child, cf, units, ignored, group, device, options, init_for, adapter, out);
+  }, adapter.get());
 }
 
 // Each unit's part of a deferred init (none without one).
-template <class Init>
-auto unit_init_for(const ShardOptions& options, const Init& init) {
-  return [&options, &init](auto& module, const std::string& fqn) {
+template <class Init, class A>
+auto unit_init_for(const ShardOptions& options, const Init& init, const std::shared_ptr<A>& adapter) {
+  return [&options, &init, &adapter](auto& module, const std::string& fqn) {
     UnitInit u;
     if constexpr (is_deferred_init<Init>::value) {
-      u.init = unit_init(init, module, fqn);
+      u.init = unit_init(init, module, fqn, adapter);
       u.check_agrees = init.check == InitCheck::ranks_agree && !options.sync_module_states;  // sync makes them agree
     } else {
-      (void)module, (void)fqn, (void)options, (void)init;  // a deferred init's only (clang's -Wunused-lambda-capture)
+      (void)module, (void)fqn, (void)options, (void)init, (void)adapter;  // a deferred init's only (clang's -Wunused-lambda-capture)
     }
     return u;
   };
@@ -248,10 +280,10 @@ auto unit_init_for(const ShardOptions& options, const Init& init) {
 // Every rank must make the same call.
 template <class... Ps, class M, class Group, class D, class... Options>
 ShardedModel shard(M& model, Group& group, D& device, const Options&... options) {
-  static_assert(Module<M>,
+  static_assert(ModuleUnder<M, detail::AdapterOf<Options...>>,
                 "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
-                "(member, ADL or fsdp::module_traits<M>; it may visit nothing) and visit_children for its "
-                "submodules. See docs/concepts.md#module.");
+                "(member, ADL, fsdp::module_traits<M>, or a member of the fsdp::module_adapter passed; it may visit "
+                "nothing) and visit_children for its submodules. See docs/concepts.md#module.");
   auto& comm = detail::world_of(group);
   check_communicator<std::remove_cvref_t<decltype(comm)>>();
   check_device<D>();
@@ -288,13 +320,15 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   // With deferred_init each unit also materializes, initializes and copies its shard before
   // the next is built, so at most one unit's full parameters exist at a time.
   static const detail::NoDeferredInit no_init;
+  const auto adapter = detail::adapter_option(options...);
   const auto init_for =
-      detail::unit_init_for(opts, detail::pick_option<detail::is_deferred_init>(no_init, options...));
+      detail::unit_init_for(opts, detail::pick_option<detail::is_deferred_init>(no_init, options...), adapter);
   ShardedModel out;
-  out.add(detail::make_unit_for<Policies<Ps...>>(model, group, device, "", unit_options, init_for(model, std::string())));
+  out.add(detail::make_unit_for<Policies<Ps...>>(model, group, device, "", unit_options, init_for(model, std::string()),
+                                                 adapter));
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
   using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
-  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, init_for, out);
+  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, init_for, adapter, out);
   if (!opts.defer_take_over) out.take_over();
   return out;
 }

@@ -5,11 +5,11 @@
 // torch::save see, so FQNs are libtorch's ("blocks.0.fc1.weight").
 //
 // Parameters are visited without a gradient tensor: the library owns each gradient
-// (docs/fitting_your_engine.md, "Engines that own no gradient tensors"). Autograd's gradient
-// for a parameter is created by autograd itself, lazily, as a new tensor; the adapter adds
-// it into the library's gradient at the unit's post_backward and drops it
-// (fsdp/torch/unit_hooks.hpp), so the unsharded parameters never keep a .grad() between
-// backwards and the model's zero_grad() has nothing of the library's to touch.
+// (docs/engines/owned_gradients.md). During a unit's backward each parameter's .grad() is a
+// view of the library's gradient, so autograd's AccumulateGrad adds into it in place; the
+// view is dropped at the unit's post_backward (fsdp/torch/unit_hooks.hpp), so the unsharded
+// parameters keep no .grad() between backwards and the model's zero_grad() has nothing of
+// the library's to touch.
 //
 // Children are visited as torch::nn::Module& (libtorch's modules are polymorphic): the
 // library identifies them by their dynamic type and address, and wrap policies choose them

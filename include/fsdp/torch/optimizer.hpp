@@ -27,8 +27,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -245,7 +247,21 @@ class OptimizerState final : public fsdp::OptimizerState {
     return m.size() ? fsdp::detail::internals(const_cast<ShardedModel&>(m)[0]).rank() : 0;
   }
 
-  static std::string key(const ParameterViews::Entry& e) { return c10::guts::to_string(e.tensor.unsafeGetTensorImpl()); }
+  // The key of a parameter's state in the optimizer's state(): the TensorImpl's address,
+  // as a string in libtorch 1.x ("0x..." as c10::guts::to_string wrote it), as a void* from
+  // 2.2 on (a template, so the branch not taken is never compiled).
+  using StateKey = std::remove_cvref_t<decltype(std::declval<::torch::optim::Optimizer&>().state().begin()->first)>;
+  template <class Key = StateKey>
+  static Key key(const ParameterViews::Entry& e) {
+    void* impl = e.tensor.unsafeGetTensorImpl();
+    if constexpr (std::is_same_v<Key, std::string>) {
+      std::ostringstream os;
+      os << impl;
+      return os.str();
+    } else {
+      return impl;
+    }
+  }
 
   // Every parameter the optimizer steps is one of the views: the state of any other would
   // not be in the checkpoint.
@@ -271,7 +287,7 @@ class OptimizerState final : public fsdp::OptimizerState {
   // (state it made itself, or replaced).
   void point_state(const ParameterViews::Entry& e) {
     auto& states = optimizer_->state();
-    const std::string k = key(e);
+    const StateKey k = key(e);
     auto adopt = [&](const at::Tensor& current, std::string_view name) {
       at::Tensor s = slice(name, e);
       if (current.defined() && current.data_ptr() != s.data_ptr()) {

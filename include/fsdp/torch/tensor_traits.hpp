@@ -78,6 +78,16 @@ inline c10::Device device_of(DeviceId d) {
 }
 
 namespace detail {
+// A storage's memory as writable bytes: libtorch 1.x's Storage::data() gives void*; 2.x's
+// gives const void* (copy-on-write storages) and mutable_data() the writable pointer, which
+// is what the library re-points and writes (a template, so the branch not taken is never
+// compiled).
+template <class S>
+void* storage_data(const S& st) {
+  if constexpr (requires { st.mutable_data(); }) return st.mutable_data();
+  else return const_cast<void*>(static_cast<const void*>(st.data()));
+}
+
 inline std::string shape_text(const at::Tensor& t) {
   std::string s = "[";
   for (std::size_t i = 0; i < t.sizes().size(); ++i) s += (i ? ", " : "") + std::to_string(t.sizes()[i]);
@@ -128,7 +138,7 @@ struct fsdp::tensor_traits<at::Tensor> {
   // Null while the unit is sharded (the storage has no memory), and for no elements.
   static void* data(at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) return nullptr;
-    auto* base = static_cast<char*>(t.storage().data());
+    auto* base = static_cast<char*>(fsdp::torch::detail::storage_data(t.storage()));
     return base ? base + t.storage_offset() * static_cast<std::int64_t>(t.itemsize()) : nullptr;
   }
   static fsdp::DeviceId device(const at::Tensor& t) { return fsdp::torch::device_id_of(t.device()); }
@@ -147,7 +157,7 @@ struct fsdp::tensor_traits<at::Tensor> {
     const at::Storage& st = t.storage();
     k.nbytes = st.nbytes();
     k.dtype = t.dtype();
-    k.owned = st.set_data_ptr(at::DataPtr(st.data(), t.device()));
+    k.owned = st.set_data_ptr(at::DataPtr(fsdp::torch::detail::storage_data(st), t.device()));
     return k;
   }
   static void restore(at::Tensor& t, fsdp::torch::KeptStorage&& k) noexcept {

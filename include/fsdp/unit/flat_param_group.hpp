@@ -427,7 +427,7 @@ class FlatParamGroup {
 
   // After a pass that re-pointed the engine's parameters: each module's hook, once.
   void parameters_rebound() const {
-    for (const auto& h : hooks_) h.call(h.module);
+    for (const auto& h : hooks_) h();
   }
   std::int64_t full_numel(const FlatParam& fp) const { return detail::full_numel(fp, groups_); }
 

@@ -42,12 +42,13 @@ template <class Config, SplittableCommunicator C>
 UnitGroups groups_for(DeviceMesh<C>& mesh) {
   return UnitGroups::from_mesh<typename Config::strategy>(mesh);
 }
-template <class Config, class M, class Group, Device D>
+// `adapter`: the model's module adapter (fsdp::module_adapter; empty: none).
+template <class Config, class M, class Group, Device D, class A = NoModuleAdapter>
 std::unique_ptr<Unit> make_unit_for(M& module, Group& group, D& device, std::string fqn, const ShardOptions& options,
-                                    const UnitInit& init) {
+                                    const UnitInit& init, const std::shared_ptr<A>& adapter = {}) {
   return make_unit(policy_config<Config>(), policy_settings<Config>(), ModuleId::of(module),
-                   ModuleVisit::of<wrap_types<>, Config::mixed_precision::enabled>(module), groups_for<Config>(group),
-                   DeviceRef(device), std::move(fqn), options, init);
+                   ModuleVisit::of<wrap_types<>, Config::mixed_precision::enabled>(module, adapter),
+                   groups_for<Config>(group), DeviceRef(device), std::move(fqn), options, init);
 }
 
 }  // namespace fsdp::detail

@@ -10,6 +10,7 @@
 // post-accumulate-grad hook in fsdp/unit/detail/post_grad_hook_slot.hpp, the hooks' bodies in
 // fsdp/unit/sharded_hooks.hpp, which includes this header (include that one: it is the whole unit).
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -262,6 +263,7 @@ class ShardedUnit : public Unit {
   ShardedUnit(const PolicyConfig& policies, const Settings& settings, ModuleId module, const ModuleVisit& visit,
               UnitGroups unit_groups, DeviceRef device, std::string fqn, const ShardOptions& options, const UnitInit& init)
       : Unit(std::move(fqn), unit_groups.world.rank(), module.address, module.type),
+        adapter_(visit.adapter),
         policies_(policies),
         buffers_(device),
         rank0_values_(device),
@@ -410,6 +412,9 @@ class ShardedUnit : public Unit {
       t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
+  // The model's module adapter (fsdp::module_adapter; empty without one). First, so it goes
+  // last: the members below rebind and hand back tensors it may own, and call its hooks.
+  std::shared_ptr<void> adapter_;
   const PolicyConfig policies_;
   std::int64_t persistence_threshold_ = 0;  // ShardOptions::persistence_threshold, for config()
   bool sync_module_states_ = false;         // how it was built, for config()

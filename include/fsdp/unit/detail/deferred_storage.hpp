@@ -52,7 +52,7 @@ class DeferredStorage {
     }
     // The modules' other views of those parameters (parameters_rebound) follow before the
     // init callback writes through them.
-    for (const auto& h : hooks_) h.call(h.module);
+    for (const auto& h : hooks_) h();
     return !bound_.empty();
   }
   const MaterializedTensors& tensors() const { return tensors_; }
@@ -89,7 +89,7 @@ class DeferredStorage {
     // No view of the engine's may keep pointing at storage freed below.
     for (const auto& h : hooks_) {
       try {
-        h.call(h.module);
+        h();
       } catch (...) {  // called from a destructor: a hook's error is not heard
       }
     }

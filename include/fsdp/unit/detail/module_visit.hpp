@@ -4,6 +4,7 @@
 // that depends on the module's type) and its policies as the settings every rank must
 // choose alike (policy_settings). fsdp::shard makes both in the engine's file and hands
 // them to the unit (fsdp/unit/make_unit.hpp), so the rest of the unit compiles once.
+#include <memory>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -43,24 +44,29 @@ const Settings& policy_settings() {
 // The one step of a unit's construction that depends on the module's type: walking its
 // subtree for parameters and buffers. Everything after it works on what it collected, so
 // the rest of a unit (its setup, its hooks) compiles once, not once per module type.
+// `adapter`: the model's module adapter (fsdp::module_adapter; empty without one), shared
+// with the parameters_rebound hooks the walk finds.
 struct ModuleVisit {
   void* module = nullptr;
-  void (*collect)(void* module, const std::string& prefix, std::vector<CollectedParam>& params,
-                  std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) = nullptr;
+  std::shared_ptr<void> adapter;
+  void (*collect)(void* module, const std::shared_ptr<void>& adapter, const std::string& prefix,
+                  std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers, const SkipSet& skip,
+                  bool check_temporaries) = nullptr;
 
-  template <class Exclude, bool ChangesDtype, class M>
-  static ModuleVisit of(M& module) {
-    return {&module, [](void* m, const std::string& prefix, std::vector<CollectedParam>& params,
-                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) {
+  template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
+  static ModuleVisit of(M& module, const std::shared_ptr<A>& adapter = {}) {
+    return {&module, adapter,
+            [](void* m, const std::shared_ptr<void>& a, const std::string& prefix, std::vector<CollectedParam>& params,
+               std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) {
               collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip,
-                                                        check_temporaries);
+                                                        check_temporaries, std::static_pointer_cast<A>(a));
             }};
   }
   // check_temporaries: the nested visit of collect_parameters' TemporaryCheck (the first
   // collection of a unit; the second is compared with it instead).
   void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
                   const SkipSet& skip, bool check_temporaries = true) const {
-    collect(module, prefix, params, buffers, skip, check_temporaries);
+    collect(module, adapter, prefix, params, buffers, skip, check_temporaries);
   }
 };
 

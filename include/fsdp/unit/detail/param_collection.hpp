@@ -80,17 +80,22 @@ DataFn data_fn() {
   return [](void* t) -> void* { return tensor_traits<T>::data(*static_cast<T*>(t)); };
 }
 
-// A module's parameters_rebound hook (fsdp/core/module.hpp), type-erased: call(module).
+// A module's parameters_rebound hook (fsdp/core/module.hpp), type-erased: hook() calls it,
+// through the model's module adapter where that has it (`adapter` empty without one). The
+// hook shares the adapter: it lives as long as a unit that may call it through it.
 // Null `call`: the module has none.
 struct ReboundHook {
   void* module = nullptr;
-  void (*call)(void* module) = nullptr;
+  std::shared_ptr<void> adapter;
+  void (*call)(void* module, void* adapter) = nullptr;
+  void operator()() const { call(module, adapter.get()); }
   friend bool operator==(const ReboundHook&, const ReboundHook&) = default;
 };
 
-template <class M>
-ReboundHook rebound_hook(M& m) {
-  if constexpr (has_parameters_rebound<M>) return {&m, [](void* p) { call_parameters_rebound(*static_cast<M*>(p)); }};
+template <class M, class A = NoModuleAdapter>
+ReboundHook rebound_hook(M& m, const std::shared_ptr<A>& adapter = {}) {
+  if constexpr (has_parameters_rebound<M, A>)
+    return {&m, adapter, [](void* p, void* a) { call_parameters_rebound(*static_cast<M*>(p), static_cast<A*>(a)); }};
   else return {};
 }
 
@@ -233,29 +238,33 @@ struct SkipSet {
 };
 
 // f(module, fqn) for m and each module of its subtree that belongs to the same unit
-// (minus children whose type is in Exclude, and the modules `skip` names), in pre-order.
-template <class Exclude, class M, class F>
-void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, F&& f) {
+// (minus children whose type is in Exclude, and the modules `skip` names), in pre-order,
+// walked through the model's module adapter (null: none).
+template <class Exclude, class M, class F, class A = NoModuleAdapter>
+void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, F&& f, A* adapter = nullptr) {
   f(m, prefix);
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
     if constexpr (!Exclude::template contains<C>)
-      if (!skip.modules.count(ModuleId::of(child))) for_each_unit_module<Exclude>(child, join_fqn(prefix, name), skip, f);
-  });
+      if (!skip.modules.count(ModuleId::of(child)))
+        for_each_unit_module<Exclude>(child, join_fqn(prefix, name), skip, f, adapter);
+  }, adapter);
 }
 
 // Walks m's subtree (minus children whose type is in Exclude, and what `skip` names) for
-// parameters and buffers. ChangesDtype: MixedPrecision will show them in another dtype,
+// parameters and buffers, through the model's module adapter (empty: none). ChangesDtype: MixedPrecision will show them in another dtype,
 // which needs the 3-argument tensor_traits::rebind.
-template <class Exclude, bool ChangesDtype, class M>
+template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
 void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
-                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true) {
+                        std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true,
+                        const std::shared_ptr<A>& shared_adapter = {}) {
+  A* adapter = shared_adapter.get();
   for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
     TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
     for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
       using T = std::remove_cvref_t<decltype(param)>;
       const bool temporary = params_check.temporary(param, static_cast<const T*>(grad), [&](auto&& record) {
-        for_each_own_parameter(m, [&](std::string_view, auto& p, auto* g) { record(&p, g); });
+        for_each_own_parameter(m, [&](std::string_view, auto& p, auto* g) { record(&p, g); }, adapter);
       });
       if (skip.parameters.count(tensor_identity(param))) return;
       using Tr = tensor_traits<T>;
@@ -279,16 +288,16 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       c.binding.rebind = rebind_fn<T>();
       c.binding.data = data_fn<T>();
       c.binding.keep = keep_fn<T>();
-      c.binding.rebound = rebound_hook(m);
+      c.binding.rebound = rebound_hook(m, shared_adapter);
       hold_tensors(c.binding, param, grad);
       c.read = read_fn<T>();
       c.temporary = temporary;
       out.push_back(std::move(c));
-    });
+    }, adapter);
     for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
       using T = std::remove_cvref_t<decltype(buffer)>;
       const bool temporary = buffers_check.temporary(buffer, static_cast<const T*>(nullptr), [&](auto&& record) {
-        for_each_own_buffer(m, [&](std::string_view, auto& b) { record(&b, nullptr); });
+        for_each_own_buffer(m, [&](std::string_view, auto& b) { record(&b, nullptr); }, adapter);
       });
       static_assert(!ChangesDtype || RebindableAs<T>,
                     "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
@@ -305,8 +314,8 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
         b.tensor = copy.get();
         b.handle = std::move(copy);
       }
-    });
-  });
+    }, adapter);
+  }, adapter);
 }
 
 // The library keeps the addresses of the engine's tensors and rebinds them at every gather,

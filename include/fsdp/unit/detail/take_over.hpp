@@ -84,7 +84,7 @@ class TakeOverLog {
     for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) (*it)->restore();
     for (const auto& h : hooks_) {
       try {
-        h.call(h.module);
+        h();
       } catch (...) {
       }
     }
