@@ -412,8 +412,9 @@ class ShardedUnit : public Unit {
       t->add(std::string(pass).append(" ").append(display_name()), pass, Trace::Lane::compute, compute_begin_, Trace::Clock::now());
   }
 
-  // The model's module adapter (fsdp::module_adapter; empty without one). First, so it goes
-  // last: the members below rebind and hand back tensors it may own, and call its hooks.
+  // The model's module adapter (fsdp::module_adapter; empty without one), its only owner
+  // besides the engine. First, so it goes last: the members below rebind and hand back
+  // tensors it may own, and call its hooks (ReboundHook holds it by pointer).
   std::shared_ptr<void> adapter_;
   const PolicyConfig policies_;
   std::int64_t persistence_threshold_ = 0;  // ShardOptions::persistence_threshold, for config()

@@ -44,29 +44,29 @@ const Settings& policy_settings() {
 // The one step of a unit's construction that depends on the module's type: walking its
 // subtree for parameters and buffers. Everything after it works on what it collected, so
 // the rest of a unit (its setup, its hooks) compiles once, not once per module type.
-// `adapter`: the model's module adapter (fsdp::module_adapter; empty without one), shared
-// with the parameters_rebound hooks the walk finds.
+// `adapter`: the model's module adapter (fsdp::module_adapter; empty without one), which the
+// unit built from this visit keeps (its rebound hooks point into it).
 struct ModuleVisit {
   void* module = nullptr;
   std::shared_ptr<void> adapter;
-  void (*collect)(void* module, const std::shared_ptr<void>& adapter, const std::string& prefix,
+  void (*collect)(void* module, void* adapter, const std::string& prefix,
                   std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers, const SkipSet& skip,
                   bool check_temporaries) = nullptr;
 
   template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
   static ModuleVisit of(M& module, const std::shared_ptr<A>& adapter = {}) {
     return {&module, adapter,
-            [](void* m, const std::shared_ptr<void>& a, const std::string& prefix, std::vector<CollectedParam>& params,
+            [](void* m, void* a, const std::string& prefix, std::vector<CollectedParam>& params,
                std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries) {
               collect_parameters<Exclude, ChangesDtype>(*static_cast<M*>(m), prefix, params, buffers, skip,
-                                                        check_temporaries, std::static_pointer_cast<A>(a));
+                                                        check_temporaries, static_cast<A*>(a));
             }};
   }
   // check_temporaries: the nested visit of collect_parameters' TemporaryCheck (the first
   // collection of a unit; the second is compared with it instead).
   void operator()(const std::string& prefix, std::vector<CollectedParam>& params, std::vector<CollectedBuffer>& buffers,
                   const SkipSet& skip, bool check_temporaries = true) const {
-    collect(module, adapter, prefix, params, buffers, skip, check_temporaries);
+    collect(module, adapter.get(), prefix, params, buffers, skip, check_temporaries);
   }
 };
 

@@ -81,19 +81,19 @@ DataFn data_fn() {
 }
 
 // A module's parameters_rebound hook (fsdp/core/module.hpp), type-erased: hook() calls it,
-// through the model's module adapter where that has it (`adapter` empty without one). The
-// hook shares the adapter: it lives as long as a unit that may call it through it.
+// through the model's module adapter where that has it (`adapter` null without one; the
+// unit that holds the hook owns the adapter, ShardedUnit::adapter_).
 // Null `call`: the module has none.
 struct ReboundHook {
   void* module = nullptr;
-  std::shared_ptr<void> adapter;
+  void* adapter = nullptr;
   void (*call)(void* module, void* adapter) = nullptr;
-  void operator()() const { call(module, adapter.get()); }
+  void operator()() const { call(module, adapter); }
   friend bool operator==(const ReboundHook&, const ReboundHook&) = default;
 };
 
 template <class M, class A = NoModuleAdapter>
-ReboundHook rebound_hook(M& m, const std::shared_ptr<A>& adapter = {}) {
+ReboundHook rebound_hook(M& m, A* adapter = nullptr) {
   if constexpr (has_parameters_rebound<M, A>)
     return {&m, adapter, [](void* p, void* a) { call_parameters_rebound(*static_cast<M*>(p), static_cast<A*>(a)); }};
   else return {};
@@ -252,13 +252,12 @@ void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, 
 }
 
 // Walks m's subtree (minus children whose type is in Exclude, and what `skip` names) for
-// parameters and buffers, through the model's module adapter (empty: none). ChangesDtype: MixedPrecision will show them in another dtype,
+// parameters and buffers, through the model's module adapter (null: none). ChangesDtype: MixedPrecision will show them in another dtype,
 // which needs the 3-argument tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
 void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
                         std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true,
-                        const std::shared_ptr<A>& shared_adapter = {}) {
-  A* adapter = shared_adapter.get();
+                        A* adapter = nullptr) {
   for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
     TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
     for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
@@ -288,7 +287,7 @@ void collect_parameters(M& root, const std::string& root_prefix, std::vector<Col
       c.binding.rebind = rebind_fn<T>();
       c.binding.data = data_fn<T>();
       c.binding.keep = keep_fn<T>();
-      c.binding.rebound = rebound_hook(m, shared_adapter);
+      c.binding.rebound = rebound_hook(m, adapter);
       hold_tensors(c.binding, param, grad);
       c.read = read_fn<T>();
       c.temporary = temporary;
