@@ -28,6 +28,7 @@
 #include <concepts>
 #include <sys/wait.h>
 
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -227,16 +228,24 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
     const bool scaled = param_dtype == fsdp::DType::f16;
     // Saves are written in the background while training goes on, and committed (a
-    // collective) before the next save and at the end.
+    // collective) after the first step that finds every rank's files written (try_commit),
+    // else before the next save, and at the end: a job restarted after a failure
+    // (--max-restarts) then loses at most the steps since the last save, plus the write.
     fsdp::AsyncCheckpointer checkpointer(sharded, optimizer_state);
     int saving_step = 0;
-    auto commit_save = [&] {
+    auto commit_save = [&](bool if_written) {
       if (!checkpointer.pending()) return;
-      checkpointer.wait();
+      if (if_written) {
+        if (!checkpointer.try_commit()) return;
+      } else {
+        checkpointer.wait();
+      }
       const auto& t = checkpointer.last_timing();
-      if (r == 0)
+      if (r == 0) {
         fmt::print("checkpoint: saved step {} to {} ({} B on rank 0, {:.0f}% of the write hidden behind training)\n",
                    saving_step, cfg.save_dir, t.bytes, 100 * t.hidden_fraction());
+        std::fflush(stdout);  // before a later failure (or --kill) ends the process with the line unwritten
+      }
     };
     int first_step = 0;
     if (resume) {
@@ -270,6 +279,10 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       return result.loss;
     };
     for (int s = first_step; s < cfg.steps; ++s) {
+      if (r == cfg.kill_rank && s + 1 == cfg.kill_step) {  // --kill: a lost rank, as the OOM killer or a node would
+        std::fflush(nullptr);
+        std::raise(SIGKILL);
+      }
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
       engine::reset_counts(mesh);
       if (post_forward) post_forward->reset();
@@ -302,14 +315,19 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         summary.loss = global;
       }
       const int done = s + 1;
+      commit_save(true);
       if (!cfg.save_dir.empty() && (done == cfg.steps || (cfg.save_every > 0 && done % cfg.save_every == 0))) {
-        commit_save();
+        commit_save(false);
         const auto scaler_state = scaled ? std::optional(scaler.state()) : std::nullopt;
         checkpointer.save_sharded(cfg.save_dir, checkpoint_metadata(cfg, world, done, scaler_state, summary.skipped_steps));
         saving_step = done;
       }
     }
-    commit_save();
+    commit_save(false);
+    if (r == cfg.kill_rank && cfg.kill_step == 0) {  // --kill RANK@end: a failure after training was done
+      std::fflush(nullptr);
+      std::raise(SIGKILL);
+    }
     // The trained parameters, gathered (a collective), fingerprinted: two runs trained the
     // same model bit for bit exactly when their fingerprints agree.
     XXH64_state_t* h = XXH64_createState();
@@ -482,7 +500,50 @@ int main(int argc, char** argv) {
                  "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
                  "step to --steps")
       ->check(kNonEmptyPath);
+  int max_restarts = 0;
+  auto* restarts = integer_flag(app, "--max-restarts", max_restarts, 0, fsdp::launch::kMaxRestarts,
+                                "with --backend tcp: when a rank fails, restart every rank, up to this many times "
+                                "(fsdp_run --max-restarts); with --save, a restarted job resumes from the last "
+                                "checkpoint saved there");
+  auto* kill = app.add_option_function<std::string>(
+                      "--kill",
+                      [&cfg](const std::string& text) {
+                        strictly([&] {
+                          const auto at = text.find('@');
+                          if (at == std::string::npos) fsdp::detail::fail("--kill: '", text, "' is not RANK@STEP");
+                          cfg.kill_rank = fsdp::detail::parse_integer<int>(text.substr(0, at), "--kill (the rank)", 0, 255);
+                          cfg.kill_step = text.substr(at + 1) == "end"
+                                              ? 0
+                                              : fsdp::detail::parse_integer<int>(text.substr(at + 1), "--kill (the step)", 1, 1000000);
+                          return 0;
+                        });
+                      },
+                      "with --backend tcp: fault injection; rank RANK kills itself (SIGKILL) as step STEP begins "
+                      "(RANK@end: after the last step and its checkpoint), on the job's first start only (see "
+                      "--max-restarts)")
+                   ->type_name("RANK@STEP");
   CLI11_PARSE(app, argc, argv);
+  if ((restarts->count() > 0 || kill->count() > 0) && backend != "tcp") {
+    fmt::print(stderr, "{} needs --backend tcp (processes the launcher can restart)\n",
+               restarts->count() > 0 ? "--max-restarts" : "--kill");
+    return 2;
+  }
+  // Under a launcher, --max-restarts is the launcher's: train's own (relaunch_self below)
+  // passes it on, so its ranks see the same limit; another launcher's limit differs.
+  const char* launcher_limit = std::getenv("TORCHELASTIC_MAX_RESTARTS");
+  if (restarts->count() > 0 && fsdp::DistEnv::launched() &&
+      (!launcher_limit || std::string(launcher_limit) != std::to_string(max_restarts))) {
+    fmt::print(stderr, "--max-restarts: this process is already one rank of a launched job (RANK and WORLD_SIZE are "
+                       "set); give --max-restarts to its launcher (fsdp_run --max-restarts) instead\n");
+    return 2;
+  }
+  const bool no_such_rank = !fsdp::DistEnv::launched() && cfg.kill_rank >= nproc;  // launched: checked against WORLD_SIZE below
+  if (kill->count() > 0 && (no_such_rank || cfg.kill_step > cfg.steps)) {
+    fmt::print(stderr, "--kill {}@{}: {}\n", cfg.kill_rank, cfg.kill_step,
+               no_such_rank ? fmt::format("there is no rank {} among --nproc {}", cfg.kill_rank, nproc)
+                                      : fmt::format("there is no step {} in --steps {}", cfg.kill_step, cfg.steps));
+    return 2;
+  }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
   cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0 || reshard->count() > 0 || keep->count() > 0;
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
@@ -525,7 +586,37 @@ int main(int argc, char** argv) {
       resume_point(cfg, nproc);
       fsdp::launch::Options launch;
       launch.nproc = nproc;
+      launch.max_restarts = max_restarts;
       return fsdp::launch::relaunch_self(launch, argc, argv);  // each copy runs the branch below
+    }
+    // A restarted job (--max-restarts) resumes from the last checkpoint it committed to
+    // --save, if any; a job killed before its first save starts again from scratch, the
+    // same way; one whose last checkpoint is its final one had finished training.
+    if (backend == "tcp") {
+      const fsdp::DistEnv env = fsdp::DistEnv::from_env();
+      cfg.run_id = env.run_id;
+      if (cfg.kill_rank >= env.world_size) {
+        fmt::print(stderr, "--kill {}@{}: there is no rank {} among {} ranks\n", cfg.kill_rank, cfg.kill_step,
+                   cfg.kill_rank, env.world_size);
+        return 2;
+      }
+      if (env.restart_count > 0) {
+        cfg.kill_rank = -1;  // the fault is injected into the first start only
+        if (const auto step = restart_step(cfg); step && *step >= cfg.steps) {
+          if (env.rank == 0)
+            fmt::print("restart {}: the last checkpoint in {} is after step {}, the last: the job had finished "
+                       "training before it failed\n",
+                       env.restart_count, cfg.save_dir, *step);
+          return 0;
+        } else if (step) {
+          cfg.resume_dir = cfg.save_dir;
+          if (env.rank == 0)
+            fmt::print("restart {}: resuming from the last checkpoint in {}\n", env.restart_count, cfg.save_dir);
+        } else if (env.rank == 0) {
+          fmt::print("restart {}: no checkpoint of this job in {}; starting from scratch\n", env.restart_count,
+                     cfg.save_dir.empty() ? std::string("(no --save)") : cfg.save_dir);
+        }
+      }
     }
     // One rank of a multi-process job.
     auto run_rank = [&](auto& comm) {
@@ -547,7 +638,7 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const fsdp::Error& e) {
     fmt::print(stderr, "{}\n", e.what());
-    return 2;
+    return fsdp::exit_status(e, 2);  // an echo of another rank's failure: fsdp_run reports that rank first
   } catch (const std::exception& e) {
     fmt::print(stderr, "train: {}\n", e.what());
     return 1;

@@ -5,6 +5,7 @@
 
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <string>
@@ -40,6 +41,7 @@ inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg,
                                        {"train.accumulate", std::to_string(cfg.accumulate)},
                                        {"train.local_gradients", std::string(fsdp::name_of(cfg.local_gradients))},
                                        {"train.model", model_text(cfg)}};
+  if (!cfg.run_id.empty()) m["train.run_id"] = cfg.run_id;
   if (scaler) {
     m["train.loss_scale"] = fmt::format("{}", scaler->scale);  // shortest text that reads back exactly
     m["train.loss_scale_good_steps"] = std::to_string(scaler->good_steps);
@@ -99,6 +101,24 @@ inline Resume read_resume(const Config& cfg, int world) {
     r.skipped_steps = number("train.skipped_steps", 0);
   }
   return r;
+}
+
+// After a restart (TORCHELASTIC_RESTART_COUNT > 0, --max-restarts): the step of the last
+// checkpoint this job committed to --save, or none (no --save, nothing committed yet, or
+// only another job's checkpoint there: start from scratch, as the first start did). Not a
+// collective: every rank reads the same directory, which no rank of the failed start
+// writes any more (the launcher reaped them all), so they agree.
+inline std::optional<int> restart_step(const Config& cfg) {
+  if (cfg.save_dir.empty() || !std::filesystem::exists(fsdp::checkpoint::committed_checkpoint_dir(cfg.save_dir)))
+    return std::nullopt;
+  const auto metadata = fsdp::ShardedCheckpointSource(cfg.save_dir).metadata();
+  const auto id = metadata.find("train.run_id"), step = metadata.find("train.step");
+  if (cfg.run_id.empty() || id == metadata.end() || id->second != cfg.run_id || step == metadata.end()) return std::nullopt;
+  int s = 0;
+  const auto [end, ec] = std::from_chars(step->second.data(), step->second.data() + step->second.size(), s);
+  if (ec != std::errc{} || end != step->second.data() + step->second.size())
+    fsdp::detail::fail("--save '", cfg.save_dir, "': metadata 'train.step' is not a number: '", step->second, "'");
+  return s;
 }
 
 // The checkpoint to resume from, checked; none without --resume.

@@ -50,6 +50,15 @@ struct Config {
   bool reshard_after_backward = true;  // --reshard-after-backward false: keep parameters between micro-batches
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only
+  // --kill RANK@STEP: that rank kills itself (SIGKILL) as step STEP (1-based) begins (0,
+  // RANK@end: after the last step and its checkpoint), on the job's first start only
+  // (TORCHELASTIC_RESTART_COUNT 0); rank -1: never. Fault injection for --max-restarts: the
+  // restarted job resumes from the last checkpoint --save wrote.
+  int kill_rank = -1, kill_step = 0;
+  // The job's id (TORCHELASTIC_RUN_ID, under a launcher), saved with every checkpoint: a
+  // restarted job resumes only from its own checkpoints, not from another job's left in
+  // the same --save directory. Empty: not saved.
+  std::string run_id;
   // --local-gradients: what the engine's gradients are over its local batch (its loss a mean
   // or a sum over its samples, model.loss), passed to fsdp as ShardOptions::local_gradients.
   fsdp::LocalGradients local_gradients = fsdp::LocalGradients::mean;

@@ -16,6 +16,7 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/exit_status.hpp"
 #include "fsdp/core/flat_param.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/core/tensor.hpp"

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "forked_ranks.hpp"
+#include "fsdp/core/exit_status.hpp"
 #include "test/support/errors.hpp"
 
 namespace asio_tcp_process_faults_test {
@@ -30,7 +31,8 @@ using test_support::seconds_since;
 
 // Like a program's main: each rank runs body(group, rank) in the scope of a
 // TcpProcessGroup and exits 3 with the fsdp::Error's text on the pipe if one leaves that
-// scope (the destructor's included), else 0. Returns each rank's exit status and text.
+// scope (the destructor's included; 86, fsdp::kEchoExitStatus, for an echo of another
+// rank's failure), else 0. Returns each rank's exit status and text.
 struct Exit {
   int status = -1;
   std::string error;
@@ -48,6 +50,7 @@ std::vector<Exit> run_to_exit(int world, const std::function<void(fsdp::TcpProce
     if (pid == 0) {
       close(p[0]);
       std::string error;
+      int status = 0;
       try {
         fsdp::TcpCommOptions options;
         options.timeout = 5s;
@@ -55,9 +58,10 @@ std::vector<Exit> run_to_exit(int world, const std::function<void(fsdp::TcpProce
         body(group, r);
       } catch (const fsdp::Error& e) {
         error = e.what();
+        status = fsdp::exit_status(e, 3);  // kEchoExitStatus for an echo of another rank's failure
       }
       (void)!write(p[1], error.data(), error.size());
-      _exit(error.empty() ? 0 : 3);
+      _exit(status);
     }
     close(p[1]);
     pids.push_back(pid);
@@ -172,6 +176,30 @@ TEST_CASE("a rank whose only failure is the teardown barrier exits non-zero, wit
   CHECK(exits[0].status == 0);
   CHECK(exits[1].status == 0);
   CHECK(exits[0].error == "");
+}
+
+TEST_CASE("a rank that leaves with its own exception between collectives: its peers echo it, none blames another") {
+  // Rank 1 fails outside any collective while ranks 0 and 2 wait in the next all_reduce.
+  // Its group's teardown must not run a barrier (which rank 2 would find mismatched with
+  // its all_reduce, failing "on its own account"): it closes its links, and the others'
+  // errors are echoes naming rank 1, so fsdp_run would report rank 1 first.
+  const auto t0 = Clock::now();
+  const auto exits = run_to_exit(3, [](fsdp::TcpProcessGroup& group, int r) {
+    double x = 1, y = 0;
+    group.comm().all_reduce(&x, &y, 1, fsdp::DType::f64, fsdp::ReduceOp::sum).wait();
+    if (r == 1) throw fsdp::Error("rank 1's own failure, outside any collective");
+    group.comm().all_reduce(&x, &y, 1, fsdp::DType::f64, fsdp::ReduceOp::sum).wait();
+  });
+  CHECK(seconds_since(t0) < 10.0);
+  CAPTURE(exits[0].error);
+  CAPTURE(exits[2].error);
+  CHECK(exits[1].status == 3);
+  CHECK(exits[1].error == "fsdp: rank 1's own failure, outside any collective");
+  for (int r : {0, 2}) {
+    CHECK(exits[static_cast<std::size_t>(r)].status == fsdp::kEchoExitStatus);
+    CHECK(contains(exits[static_cast<std::size_t>(r)].error, "rank 1"));
+    CHECK_FALSE(contains(exits[static_cast<std::size_t>(r)].error, "mismatch"));
+  }
 }
 
 TEST_CASE("a rank killed with SIGKILL mid-collective: every survivor fails naming it, without waiting for the timeout") {

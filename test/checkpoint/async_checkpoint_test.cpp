@@ -1,12 +1,15 @@
 // Asynchronous saves: the checkpoint holds the state at the save call although training
 // goes on while it is written, it appears only at wait() (the commit), the next save waits
-// for the previous one, a failed background write fails every rank at wait(), and a save
-// never waited for leaves nothing behind and the older checkpoint intact.
+// for the previous one, try_commit() commits once every rank's files are written, a failed
+// background write fails every rank at wait(), and a save never waited for leaves nothing
+// behind and the older checkpoint intact.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fsdp/checkpoint/async_checkpoint.hpp>
@@ -111,6 +114,41 @@ TEST_CASE("the next save waits for the one in flight: both are committed, each w
   const fsdp::ShardedCheckpointSource a(tmp / "a"), b(tmp / "b");
   CHECK(a.optim_scalars().at("step") == "1");
   CHECK(b.optim_scalars().at("step") == "2");
+}
+
+TEST_CASE("try_commit commits once every rank's files are written, the same call on every rank, and never waits") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt";
+  std::vector<std::vector<int>> answers(2);  // each rank's try_commit results, call by call
+  std::vector<int> absent_while_false(2, 1), present_after(2, 0), no_save_answer(2, 1), pending_after(2, 1);
+  train_with_checkpointer(2, 3, [&](int s, fsdp::AsyncCheckpointer& ckpt, fsdp::ShardedModel&, int r) {
+    const auto i = static_cast<std::size_t>(r);
+    if (s == 0 && r == 0) no_save_answer[i] = ckpt.try_commit();  // nothing pending: no collective (rank 1 does not call)
+    if (s != 1) return;
+    ckpt.save_sharded(dir, {{"step", "1"}});
+    // Bounded: a small model's files are written in milliseconds; the ranks leave together,
+    // as every call returns the same on every rank.
+    for (int call = 0; call < 5000; ++call) {
+      const bool committed = ckpt.try_commit();
+      answers[i].push_back(committed);
+      if (committed) break;
+      if (std::filesystem::exists(dir)) absent_while_false[i] = 0;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    present_after[i] = std::filesystem::exists(dir);
+    pending_after[i] = ckpt.pending();
+  });
+  CHECK(no_save_answer[0] == 0);
+  CHECK(answers[0] == answers[1]);  // the ranks agreed at every call
+  REQUIRE_FALSE(answers[0].empty());
+  CHECK(answers[0].back() == 1);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(absent_while_false[r]);
+    CHECK(present_after[r]);
+    CHECK_FALSE(pending_after[r]);
+  }
+  CHECK(fsdp::read_checkpoint_metadata(dir) == std::map<std::string, std::string>{{"step", "1"}});
+  CHECK(test_support::names_in(tmp.path()) == std::vector<std::string>{"ckpt"});
 }
 
 TEST_CASE("a save never waited for is discarded: no staging left, the older checkpoint intact") {

@@ -1,10 +1,15 @@
 // A checkpoint is one save's files or none: two jobs saving into one directory at once
 // never publish a mix (each save stages under its own token, commits take turns), and a
 // sharded commit stopped at any of its steps leaves the old or the new checkpoint
-// loadable, whose leftovers the next save recovers or removes and reports.
+// loadable, whose leftovers the next save recovers or removes and reports. A load that
+// meets a commit mid-open retries and loads the new save; a damaged one fails after its
+// retries.
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -48,6 +53,24 @@ Params load(const std::filesystem::path& dir) {
 
 using HookFor = test_support::CommitHookFor;
 using test_support::mentions;
+
+// Sets the hook before each open of a ShardedCheckpointSource for its lifetime.
+struct OpenHookFor {
+  explicit OpenHookFor(std::function<void(const std::filesystem::path&, int)> hook) {
+    fsdp::detail::sharded_open_hook() = std::move(hook);
+  }
+  ~OpenHookFor() { fsdp::detail::sharded_open_hook() = nullptr; }
+  OpenHookFor(const OpenHookFor&) = delete;
+  OpenHookFor& operator=(const OpenHookFor&) = delete;
+};
+
+// Copies `names` from directory `from` over those in `to`.
+void copy_over(const std::filesystem::path& from, const std::filesystem::path& to, const std::vector<std::string>& names) {
+  for (const auto& n : names)
+    std::filesystem::copy_file(from / n, to / n, std::filesystem::copy_options::overwrite_existing);
+}
+
+const std::vector<std::string> kRankFiles{"rank-00000.safetensors", "rank-00001.safetensors"};
 
 }  // namespace
 
@@ -145,6 +168,78 @@ TEST_CASE("a load whose ranks opened different saves fails on every rank, naming
     CHECK(test_support::contains(full_failed.errors[r], fsdp::checkpoint::format_save_id(fsdp::FullCheckpointSource(fa).save_id())));
     CHECK(test_support::contains(full_failed.errors[r], fsdp::checkpoint::format_save_id(fsdp::FullCheckpointSource(fb).save_id())));
     CHECK(full_failed.untouched[r]);
+  }
+}
+
+// A commit that lands inside a load's open (after it read index.json, before it opened the
+// rank files) shows the open one save's index with another save's rank files. That moment
+// cannot be timed from outside, so the open hook sets it up: at the first attempt `dir` holds
+// save 1's index with save 2's rank files (the commit of save 2 landed mid-open), from the
+// second on save 2 whole (the commit is done). The open is retried and loads save 2, whole.
+// Fails without open_reader's retry (the mix is reported as a rank file of another save).
+TEST_CASE("a sharded load that meets a commit mid-open is retried and loads the new save whole") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt", next = tmp / "next";
+  save_seed(1, dir);
+  save_seed(2, next);
+  const Params two = params_of(2);
+  REQUIRE(params_of(1) != two);
+  const std::uint64_t next_id = fsdp::ShardedCheckpointSource(next).save_id();
+  std::vector<int> attempts;
+  Params loaded;
+  {
+    OpenHookFor hook([&](const std::filesystem::path& at, int attempt) {
+      if (at != dir) return;
+      attempts.push_back(attempt);
+      if (attempt == 1) copy_over(next, dir, kRankFiles);  // save 1's index, save 2's rank files
+      if (attempt == 2) copy_over(next, dir, {"index.json"});  // save 2 whole
+    });
+    // One rank: the hook runs on one thread, once per attempt.
+    loaded = train<fsdp::FullShard>(1, 0, 0, 99, [&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+      fsdp::load_sharded_checkpoint(dir, sm, &st);
+    }, nullptr);
+  }
+  CHECK(attempts == std::vector<int>{1, 2});
+  CHECK(loaded == two);
+  const fsdp::ShardedCheckpointSource source(dir);
+  CHECK(source.save_id() == next_id);
+  CHECK(source.metadata().at("seed") == "2");
+}
+
+// A checkpoint that stays damaged (here a rank file of another save, a mix no commit ever
+// finishes) fails the same way at every attempt: the open gives up after its 3 attempts
+// (pauses of 20 and 40 ms), with an error naming the checkpoint, the file and why, and a load
+// on every rank fails saying so and writes nothing. Fails if the open does not retry (1
+// attempt) or never stops retrying (the hook stops it at the 10th with another error).
+TEST_CASE("a sharded checkpoint that stays damaged fails after the retries, naming the file, in bounded time") {
+  test_support::TempDir tmp;
+  const auto dir = tmp / "ckpt", other = tmp / "other";
+  save_seed(1, dir);
+  save_seed(2, other);
+  copy_over(other, dir, {"rank-00001.safetensors"});
+  int attempts = 0;
+  test_support::Thrown thrown;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    OpenHookFor hook([&](const std::filesystem::path&, int) {
+      if (++attempts == 10) throw std::runtime_error("the open is still retrying after 10 attempts");
+    });
+    thrown = test_support::thrown_by([&] { fsdp::ShardedCheckpointSource source(dir); });
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(attempts == 3);
+  CHECK(took < std::chrono::seconds(5));
+  CHECK(thrown.kind == fsdp::ErrorKind::corrupt);
+  CHECK(test_support::contains(thrown.message, "checkpoint '" + dir.string() + "': file 'rank-00001.safetensors'"));
+  CHECK(test_support::contains(thrown.message, "it is from another save than the index"));
+  const auto failed = test_support::load_expecting_failure([&](fsdp::ShardedModel& sm, engine::AdamWState& st, int) {
+    fsdp::load_sharded_checkpoint(dir, sm, &st);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(test_support::contains(failed.errors[r], "file 'rank-00001.safetensors'"));
+    CHECK(test_support::contains(failed.errors[r], "from another save than the index"));
+    CHECK(failed.untouched[r]);
   }
 }
 

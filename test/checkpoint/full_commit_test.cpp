@@ -184,6 +184,52 @@ TEST_CASE("a process killed at each step of a full commit leaves a whole pair; t
   }
 }
 
+// The directory fsync right after the journal's rename comes after the commit point: it
+// cannot undo the commit, so its failure fails the save with an fsdp::Error (io) naming the
+// checkpoint, the directory and the journal, which stays with the new files it names (not
+// removed as a failed save's); a load reads the new pair, writing nothing, and the next save
+// rolls the journal forward and says so. CommitStep::journal_renamed's hook throws what a
+// failed fsync_directory throws. Fails without commit_files' handling of that fsync (the
+// error names no checkpoint or journal), or with the staged files released after the fsync
+// instead of before (their owner removes them: the load and the roll-forward find save 1).
+TEST_CASE("a directory fsync failing right after the journal's rename fails the save naming it; the journal rolls forward") {
+  test_support::TempDir refs;
+  save(refs / "two.safetensors", 2, 2);
+  const Params two = resumed(refs / "two.safetensors");
+  for (const bool shared : {true, false}) {
+    CAPTURE(shared);
+    test_support::TempDir tmp;
+    const auto file = tmp / "model.safetensors";
+    const auto journal = fsdp::checkpoint::detail::commit_journal_path(file);
+    save(file, 1, 1);
+    int fsyncs_failed = 0;
+    test_support::Thrown thrown;
+    {
+      HookFor hook([&](CommitStep at, const std::filesystem::path& target) {
+        if (at != CommitStep::journal_renamed || target != file) return;
+        ++fsyncs_failed;
+        fsdp::detail::fail_as(fsdp::ErrorKind::io, "cannot fsync '", tmp.path().string(), "': Input/output error");
+      });
+      thrown = test_support::thrown_by([&] { save(file, 2, 2, shared); });
+    }
+    REQUIRE(fsyncs_failed == 1);
+    CHECK(thrown.kind == fsdp::ErrorKind::io);
+    CHECK(test_support::contains(thrown.message, "cannot commit checkpoint '" + file.string() + "'"));
+    CHECK(test_support::contains(thrown.message, "syncing the directory '" + tmp.path().string() +
+                                                     "' after writing the journal failed: cannot fsync"));
+    CHECK(test_support::contains(thrown.message, "Input/output error"));
+    CHECK(test_support::contains(thrown.message, "its commit journal '" + journal.string() + "' stays"));
+    // Past the commit point: the journal and the new pair under its temporary names stay.
+    const auto before = test_support::names_in(tmp.path());
+    CHECK(before.size() == 5);  // the old pair, the new pair's temporary files, the journal
+    CHECK(mentions(before, journal.filename().string()));
+    CHECK(loaded_seed(file) == "2");
+    CHECK(resumed(file) == two);
+    CHECK(test_support::names_in(tmp.path()) == before);
+    next_two_saves_clean_up(tmp, file, /*journal=*/true, two);
+  }
+}
+
 TEST_CASE("a live save's temporary file is left alone and reported; a dead save's is removed") {
   test_support::TempDir tmp;
   const auto file = tmp / "model.safetensors";

@@ -5,6 +5,8 @@
 # a checkpoint without the train.accumulate key (saved before it existed) resumes as
 # --accumulate 1; a missing or damaged checkpoint, another global batch, nothing left to
 # train, another optimizer and --save-every without --save are refused before anything trains.
+# With --backend tcp: a failed save names rank 0's reason first, and a rank killed mid-run
+# (--kill) is survived by restarting the job from its last checkpoint (--max-restarts).
 #
 # Usage: train_checkpoint_test.sh TRAIN_BINARY
 set -u
@@ -142,10 +144,78 @@ for backend in "--ranks 2" "--backend tcp --nproc 2"; do
     elif ! grep -q "rank 0.*parent directory '$tmp/nonexistent/dir' does not exist" <<<"$out"; then
       fail "save into a missing directory ($backend, attempt $attempt): rank 0's reason is not shown: $out"
       break
+    elif [[ $backend == *tcp* ]] && { ((rc != 2)) || ! grep -q "^fsdp_run: rank 0 exited with status 2[;]" <<<"$out"; }; then
+      # Rank 1 only echoes rank 0 (exit status 86, fsdp::kEchoExitStatus): fsdp_run names
+      # rank 0 first and exits with its status, whichever exited first (rank 1 too, as
+      # "an echo of that failure", when it exited before fsdp_run stopped it).
+      fail "save into a missing directory ($backend, attempt $attempt): exit $rc, the launcher does not name rank 0 first: $out"
+      break
     fi
     shown=$((shown + 1))
   done
   ((shown == 3)) && echo "PASS: save into a missing directory ($backend): $(grep -m1 "does not exist" <<<"$out" | cut -c1-200)"
 done
+
+# A lost rank survived by restarting the job (fsdp_run --max-restarts, through train's own
+# launcher): --kill 1@5 SIGKILLs rank 1 as step 5 begins (first start only); the restarted
+# job resumes from the last checkpoint --save committed (step 2 or 4) and trains the same
+# model, bit for bit, as the run that never failed. Killed before the first save, the
+# restart starts from scratch, the same way.
+tcp=(--backend tcp --nproc 2 --steps 6)
+run whole "tcp: 6 steps" "${tcp[@]}"
+for kill in 1@5 0@1; do
+  name="--kill $kill --max-restarts 2"
+  dir="$tmp/restart_${kill/@/_}"
+  run restarted "$name" "${tcp[@]}" --save "$dir" --save-every 2 --max-restarts 2 --kill "$kill"
+  if ! grep -q "^fsdp_run: rank ${kill%@*} exited with status 137 (signal SIGKILL)" <<<"$restarted"; then
+    fail "$name: the kill is not reported: $restarted"
+  elif ! grep -qx "fsdp_run: restarting every rank (restart 1 of 2)" <<<"$restarted"; then
+    fail "$name: no restart: $restarted"
+  elif [[ $kill == 1@5 ]] && ! grep -q "^checkpoint: resumed step [24] from $dir" <<<"$restarted"; then
+    fail "$name: the restart did not resume from $dir: $restarted"
+  elif [[ $kill == 0@1 ]] && grep -q "resum" <<<"$restarted"; then
+    fail "$name: resumed from a checkpoint that was never saved: $restarted"
+  elif [[ -z "$(fingerprint "$whole")" || "$(fingerprint "$restarted")" != "$(fingerprint "$whole")" ]]; then
+    fail "$name: parameters differ from the run that never failed: $(fingerprint "$whole") vs $(fingerprint "$restarted")"
+  elif [[ "$(steps_from 5 "$restarted" | tail -2)" != "$(steps_from 5 "$whole")" ]]; then
+    fail "$name: the losses of steps 5..6 differ"
+  else
+    echo "PASS: $name: restarted, parameters xxh64=$(fingerprint "$restarted") as without the kill"
+  fi
+done
+# A --save directory holding an earlier run's checkpoint: never resumed by a restart (the
+# job's id differs), which starts from scratch; a failure after the final save: the restart
+# finds the job's final checkpoint and ends at once, successfully.
+dir="$tmp/restart_reused"
+run earlier "restart: an earlier run" "${tcp[@]}" --save "$dir"
+run restarted "restart over an earlier run's checkpoint" "${tcp[@]}" --save "$dir" --save-every 2 --max-restarts 1 --kill 0@1
+if ! grep -qx "restart 1: no checkpoint of this job in $dir; starting from scratch" <<<"$restarted"; then
+  fail "restart over an earlier run's checkpoint: did not start from scratch: $restarted"
+elif [[ "$(fingerprint "$restarted")" != "$(fingerprint "$whole")" ]]; then
+  fail "restart over an earlier run's checkpoint: parameters differ: $(fingerprint "$restarted") vs $(fingerprint "$whole")"
+else
+  echo "PASS: restart over an earlier run's checkpoint: started from scratch, same parameters"
+fi
+run restarted "a failure after the final save" "${tcp[@]}" --save "$tmp/restart_end" --max-restarts 1 --kill 1@end
+if ! grep -qx "restart 1: the last checkpoint in $tmp/restart_end is after step 6, the last: the job had finished training before it failed" <<<"$restarted"; then
+  fail "a failure after the final save: the restart did not see training was done: $restarted"
+elif grep -q "^step " <<<"$(sed -n '/restarting every rank/,$p' <<<"$restarted")"; then
+  fail "a failure after the final save: the restart trained again: $restarted"
+else
+  echo "PASS: a failure after the final save: the restart ends at once"
+fi
+# No restarts: the job ends with the killed rank's status, naming it.
+out=$("$train" "${small[@]}" "${tcp[@]}" --kill 1@3 2>&1)
+rc=$?
+if ((rc != 137)) || ! grep -q "^fsdp_run: rank 1 exited with status 137 (signal SIGKILL)" <<<"$out"; then
+  fail "--kill 1@3 without restarts: exit $rc: $out"
+else
+  echo "PASS: --kill 1@3 without restarts: exit 137, rank 1 named"
+fi
+refuse "--kill on thread ranks" "--kill needs --backend tcp" --steps 2 --kill 1@1
+refuse "--max-restarts on thread ranks" "--max-restarts needs --backend tcp" --steps 2 --max-restarts 1
+refuse "--kill of a rank that does not exist" "there is no rank 2 among --nproc 2" "${tcp[@]}" --kill 2@1
+refuse "--kill of a step that does not exist" "there is no step 7 in --steps 6" "${tcp[@]}" --kill 1@7
+refuse "--kill without @" "'3' is not RANK@STEP" "${tcp[@]}" --kill 3
 
 [[ $failures -eq 0 ]] && echo "all cases as expected" || { echo "$failures case(s) wrong"; exit 1; }

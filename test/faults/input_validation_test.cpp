@@ -121,6 +121,19 @@ TEST_CASE("the launch environment's numbers are read whole") {
                  "environment: WORLD_SIZE: 9 is out of range; it must be in [1, 8]"));
 }
 
+TEST_CASE("TORCHELASTIC_RESTART_COUNT: 0 when unset, read whole when set") {
+  ScopedEnv env("RANK", "1");
+  env.set("WORLD_SIZE", "2");
+  env.set("MASTER_ADDR", "127.0.0.1");
+  env.set("MASTER_PORT", "29500");
+  env.set("TORCHELASTIC_RESTART_COUNT", std::nullopt);
+  CHECK(fsdp::DistEnv::from_env().restart_count == 0);
+  env.set("TORCHELASTIC_RESTART_COUNT", "3");
+  CHECK(fsdp::DistEnv::from_env().restart_count == 3);
+  env.set("TORCHELASTIC_RESTART_COUNT", "-1");
+  CHECK(contains(error_of([] { fsdp::DistEnv::from_env(); }), "environment: TORCHELASTIC_RESTART_COUNT: -1 is out of range"));
+}
+
 TEST_CASE("checked_product refuses a product that overflows, naming what it counts") {
   CHECK(d::checked_product(46340, 46340, "n") == 2147395600);
   CHECK(error_of([&] { d::checked_product(5002, 858650, "ranks"); }) ==

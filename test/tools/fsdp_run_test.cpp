@@ -2,6 +2,7 @@
 // sees, how their output comes out, and how a failure, a signal or a timeout ends the job.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -221,6 +222,80 @@ TEST_CASE("failures fsdp_run sees at once: the rank killed by a signal is named 
   CHECK(f.err ==
         "fsdp_run: rank 2 exited with status 137 (signal SIGKILL); rank 1 exited with status 1 too; stopping the other "
         "ranks\n");
+}
+
+TEST_CASE("an echo (status 86) exits first: fsdp_run waits for the rank that failed on its own and names it first") {
+  // Rank 2 fails because rank 0 did (it exits fsdp::kEchoExitStatus at once); rank 0 is
+  // still writing its message and exits 0.3 s after rank 2 is on its way out. Without the
+  // wait fsdp_run would name rank 2, stop rank 0 before its message, and exit 86.
+  TempDir dir;
+  const std::string echoed = dir.file("rank2_exits");
+  const Finished f = fsdp_run({"--nproc", "3"},
+                              "[ $RANK = 2 ] && { touch " + echoed + "; exit 86; }; [ $RANK = 0 ] && { i=0; while [ ! -e " +
+                                  echoed + " ] && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; sleep 0.3; "
+                                  "echo 'the real reason' >&2; exit 2; }; exec sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s");
+  CHECK(f.status == 2);
+  CHECK(f.seconds < 2.0);  // stopped as soon as the cause came, not after --echo-wait-ms
+  CHECK(f.err ==
+        "[rank 0] the real reason\n"
+        "fsdp_run: rank 0 exited with status 2; rank 2 exited with status 86 (an echo of that failure) too; stopping "
+        "the other ranks\n");
+}
+
+TEST_CASE("only echoes: after --echo-wait-ms fsdp_run stops the job with the echo's status, saying no cause came") {
+  const Finished f = fsdp_run({"--nproc", "3", "--echo-wait-ms", "300"}, "[ $RANK = 1 ] && exit 86; exec sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s with --echo-wait-ms 300");
+  CHECK(f.status == 86);
+  CHECK(f.seconds >= 0.3);
+  CHECK(f.seconds < 2.5);
+  CHECK(f.err ==
+        "fsdp_run: rank 1 exited with status 86 (an echo of another rank's failure; no rank reported a failure of its "
+        "own within 300 ms); stopping the other ranks\n");
+  // Every rank an echo: nothing left to wait for.
+  const Finished all = fsdp_run({"--nproc", "2"}, "exit 86");
+  CHECK(all.status == 86);
+  CHECK(all.seconds < 1.5);
+  CHECK(all.err.find("fsdp_run: rank ") == 0);
+  CHECK(all.err.find("(an echo of another rank's failure; every rank has exited, none with a failure of its own)") !=
+        std::string::npos);
+}
+
+TEST_CASE("--max-restarts: a failed job is started again, every rank, with its restart count; then it succeeds") {
+  // The first start fails on rank 1 (rank 0 waits for it, as a rank waits for a lost peer);
+  // the second succeeds. Each start says which it is and what limit it was given.
+  TempDir dir;
+  const std::string ready = dir.file("rank0_started");
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "2"},
+                              "echo \"start $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; "
+                              "[ $TORCHELASTIC_RESTART_COUNT = 0 ] || exit 0; [ $RANK = 0 ] && { touch " + ready +
+                                  "; exec sleep 30; }; i=0; while [ ! -e " + ready +
+                                  " ] && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; exit 3");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s");
+  CHECK(f.status == 0);
+  CHECK(f.seconds < 3.0);
+  CHECK(f.err ==
+        "fsdp_run: rank 1 exited with status 3; stopping the other ranks\n"
+        "fsdp_run: restarting every rank (restart 1 of 2)\n");
+  std::vector<std::string> lines = lines_of(f.out);
+  std::sort(lines.begin(), lines.end());
+  CHECK(lines == std::vector<std::string>{"[rank 0] start 0 of 2", "[rank 0] start 1 of 2", "[rank 1] start 0 of 2",
+                                          "[rank 1] start 1 of 2"});
+}
+
+TEST_CASE("--max-restarts: when the restarts run out, the last start's failure is the job's status") {
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "1"}, "[ $RANK = 0 ] && exit 4; exec sleep 30");
+  CHECK(f.status == 4);
+  CHECK(f.err ==
+        "fsdp_run: rank 0 exited with status 4; stopping the other ranks\n"
+        "fsdp_run: restarting every rank (restart 1 of 1)\n"
+        "fsdp_run: rank 0 exited with status 4; stopping the other ranks\n"
+        "fsdp_run: no restart left (--max-restarts 1); the job failed with status 4\n");
+  // Without --max-restarts nothing restarts, and each rank sees a count of 0.
+  const Finished once = fsdp_run({"--nproc", "2"}, "[ $RANK = 0 ] && { echo $TORCHELASTIC_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS; exit 5; }; exec sleep 30");
+  CHECK(once.status == 5);
+  CHECK(once.err.find("restarting") == std::string::npos);
+  CHECK(once.out.find("[rank 0] 0/0") != std::string::npos);
 }
 
 TEST_CASE("SIGINT to fsdp_run reaches every rank; fsdp_run exits 130") {

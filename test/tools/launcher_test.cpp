@@ -55,6 +55,8 @@ TEST_CASE("parse: options first, then the program with arguments that stay the p
   CHECK(o.master_port == 29500);
   CHECK(o.grace.count() == 500);
   CHECK(o.timeout.count() == 9000);
+  CHECK(o.echo_wait.count() == 2000);
+  CHECK(parse({"--echo-wait-ms", "0", "p"}).options.echo_wait.count() == 0);
   CHECK_FALSE(o.prefix_output);
   CHECK(o.env == std::vector<std::pair<std::string, std::string>>{{"A", "1"}, {"B", "x=y"}});
   CHECK(c.argv == Strings{"./train", "--nproc", "3", "--", "z"});
@@ -80,6 +82,16 @@ TEST_CASE("parse and validate refuse bad values, naming flag and value") {
         "fsdp: launch: --master-port must be in [1, 65535] (or 0: pick a free one), got -1");
   CHECK(parse_error({"--master-addr", "", "p"}) == "fsdp: launch: --master-addr is empty");
   CHECK(parse_error({"--grace-ms", "90000000", "p"}) == "fsdp: launch: --grace-ms must be in (0 ms, 24 h], got 90000000 ms");
+  CHECK(parse({"--max-restarts", "3", "p"}).options.max_restarts == 3);
+  CHECK(parse_error({"--max-restarts", "-1", "p"}) == "fsdp: launch: --max-restarts must be in [0, 1000], got -1");
+  CHECK(parse_error({"--max-restarts", "1", "--nnodes", "2", "--master-port", "9", "p"}) ==
+        "fsdp: launch: --max-restarts 1 with --nnodes 2: a restart starts this node's ranks only, and the other "
+        "nodes' would not follow (restarts are for one node)");
+  CHECK(parse_error({"--env", "TORCHELASTIC_RESTART_COUNT=2", "p"}) ==
+        "fsdp: launch: --env TORCHELASTIC_RESTART_COUNT: fsdp_run sets TORCHELASTIC_RESTART_COUNT itself (see "
+        "--max-restarts; a TORCHELASTIC_RUN_ID in fsdp_run's own environment is passed on)");
+  CHECK(parse_error({"--echo-wait-ms", "-1", "p"}) ==
+        "fsdp: launch: --echo-wait-ms must be in (0 ms, 24 h] or 0 (none), got -1 ms");
   CHECK(parse_error({"--env", "=v", "p"}) == "fsdp: launch: --env '=v' is not KEY=VALUE");
   CHECK(parse_error({"--env", "WORLD_SIZE=9", "p"}) ==
         "fsdp: launch: --env WORLD_SIZE: fsdp_run sets WORLD_SIZE itself, for each rank");

@@ -23,7 +23,7 @@ struct Command {
 inline Command parse(int argc, const char* const* argv) {
   Command c;
   Options& o = c.options;
-  long long grace_ms = o.grace.count(), timeout_ms = o.timeout.count();
+  long long grace_ms = o.grace.count(), timeout_ms = o.timeout.count(), echo_wait_ms = o.echo_wait.count();
   std::vector<std::string> env;
   CLI::App app{"Starts --nproc ranks of PROGRAM on this node with torchrun's environment (MASTER_ADDR, "
                "MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), prefixes their output with "
@@ -38,7 +38,14 @@ inline Command parse(int argc, const char* const* argv) {
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "write the ranks' output as it is, without [rank R]");
   app.add_option("--grace-ms", grace_ms, "after a failure: SIGTERM, then SIGKILL this much later (default 3000)");
-  app.add_option("--timeout-ms", timeout_ms, "stop the job and fail after this long (default 0: no limit)");
+  app.add_option("--echo-wait-ms", echo_wait_ms,
+                 "after a rank exits with status " + std::to_string(fsdp::kEchoExitStatus) +
+                     " (its error echoes another rank's failure): wait this long for a rank that fails on its own "
+                     "account, to report it first (default 2000; 0: stop at once)");
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts,
+                 "when a rank fails, stop every rank and start the whole job again, up to this many times; each start "
+                 "sees its number in TORCHELASTIC_RESTART_COUNT (default 0)");
+  app.add_option("--timeout-ms", timeout_ms, "stop the job and fail after this long, each start of it with --max-restarts (default 0: no limit)");
   app.add_option("--env", env, "KEY=VALUE for every rank (repeatable)")->allow_extra_args(false);
   app.footer("Then PROGRAM [ARGS...]: everything from the first word that is not an option above (or after "
              "'--') is the program's.");
@@ -67,6 +74,7 @@ inline Command parse(int argc, const char* const* argv) {
   o.prefix_output = !no_prefix;
   o.grace = std::chrono::milliseconds(grace_ms);
   o.timeout = std::chrono::milliseconds(timeout_ms);
+  o.echo_wait = std::chrono::milliseconds(echo_wait_ms);
   validate(o);
   c.argv = std::move(rest);
   return c;

@@ -17,10 +17,19 @@
 // prints "fsdp_run: rank R exited with status S (signal NAME); stopping the other ranks",
 // sends SIGTERM to the others, SIGKILL after `grace`, and returns that rank's status (exit
 // code, or 128 + signal); ranks it finds failed at once are all named, one killed by a
-// signal first (the likelier cause). SIGINT, SIGTERM and SIGHUP sent to the launcher go
-// to every rank (a second one kills them); run() then returns 128 + that signal. All ranks
-// exiting 0 returns 0. Errors before the ranks run (bad options, a program that cannot start) and a
-// reached `timeout` throw fsdp::Error.
+// signal first (the likelier cause). A rank that exits with fsdp::kEchoExitStatus (86:
+// its error only echoes another rank's failure; fsdp/core/exit_status.hpp) does not stop
+// the job at once: for up to `echo_wait` the launcher waits for a rank that fails on its
+// own account, which it then names first and whose status it returns. SIGINT, SIGTERM and
+// SIGHUP sent to the launcher go to every rank (a second one kills them); run() then
+// returns 128 + that signal. All ranks exiting 0 returns 0. Errors before the ranks run
+// (bad options, a program that cannot start) and a reached `timeout` (of one start) throw
+// fsdp::Error.
+//
+// Restarts (`max_restarts`, torchrun's --max-restarts): after a failure every rank is
+// stopped as above and the whole job started again, with its restart count in
+// TORCHELASTIC_RESTART_COUNT, until it succeeds or the restarts run out (the status is the
+// last start's). A signal to the launcher ends the job without a restart.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -43,6 +52,7 @@
 
 #include "fsdp/core/dist_env.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/exit_status.hpp"
 #include "tools/launcher/options.hpp"
 #include "tools/launcher/rank_process.hpp"
 #include "tools/launcher/signals.hpp"
@@ -107,12 +117,16 @@ class Job {
   // Upper bound on one poll, should a wake-up ever be lost.
   static constexpr std::chrono::milliseconds kMaxPoll{250};
 
-  Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv) : options_(o) {
+  Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv, int restart = 0,
+      std::string run_id = {})
+      : options_(o) {
     validate(o);
     LaunchSpec spec;
     spec.program = std::move(program);
     spec.search_path = search_path;
     spec.argv = std::move(argv);
+    spec.restart = restart;
+    spec.run_id = std::move(run_id);
     spec.port = o.master_port ? o.master_port : find_free_port();
     spec.token = token_to_add(o);
     spec.reset_sigpipe = !signals_.sigpipe_was_ignored();
@@ -121,6 +135,9 @@ class Job {
       ranks_.back()->start(o, spec);
     }
   }
+
+  // Whether the launcher itself was told to stop (SIGINT, SIGTERM, SIGHUP): no restart then.
+  bool interrupted() const { return interrupted_; }
 
   // Runs until every rank has exited; returns the job's status (see the top of the file).
   int supervise() {
@@ -136,6 +153,11 @@ class Job {
       }
       // Once every rank has exited (draining their pipes), the timeout has nothing to stop.
       const bool timing = !stopping_ && !drain_until && options_.timeout.count() > 0;
+      if (timing && now >= started + options_.timeout && !failed_.empty()) {  // echoes waiting for their cause: report them now
+        echo_deadline_ = now;
+        reap();
+        continue;
+      }
       if (timing && now >= started + options_.timeout) {
         timed_out_ = still_running();
         say("fsdp_run: timeout of " + std::to_string(options_.timeout.count()) + " ms reached with ranks " +
@@ -147,6 +169,7 @@ class Job {
       if (drain_until) next = std::min(next, *drain_until);
       if (stopping_ && !killed_) next = std::min(next, kill_at_);
       if (timing && !stopping_) next = std::min(next, started + options_.timeout);
+      if (echo_deadline_ && !stopping_) next = std::min(next, *echo_deadline_);
       wait_for_events(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
     }
     for (auto& r : ranks_) {
@@ -160,25 +183,40 @@ class Job {
   }
 
  private:
+  static bool echoed(const RankProcess* r) { return !r->killed_by_signal() && r->status() == fsdp::kEchoExitStatus; }
+
   void reap() {
-    std::vector<RankProcess*> failed;  // newly exited non-zero, before the job was stopped
+    const std::size_t before = failed_.size();  // exited non-zero before the job was stopped
     for (auto& r : ranks_)
-      if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed.push_back(r.get());
-    if (failed.empty()) return;
-    // Several failures seen at once (the launcher was slow to wake) have lost their order.
-    // A rank killed by a signal is the likelier cause: its peers fail because it vanished.
-    std::stable_partition(failed.begin(), failed.end(), [](auto* r) { return r->killed_by_signal(); });
+      if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed_.push_back(r.get());
+    if (stopping_ || failed_.empty()) return;
+    const bool own = std::any_of(failed_.begin(), failed_.end(), [](auto* r) { return !echoed(r); });
+    if (!own) {  // only echoes so far: the rank they echo may still be on its way out
+      if (failed_.size() > before && !echo_deadline_) echo_deadline_ = Clock::now() + options_.echo_wait;
+      if (Clock::now() < *echo_deadline_ && !still_running().empty()) return;
+    }
+    // Several failures seen at once (the launcher was slow to wake, or waited for the
+    // cause of an echo) have lost their order. A rank killed by a signal is the likelier
+    // cause (its peers fail because it vanished), then one that failed on its own account.
+    std::stable_partition(failed_.begin(), failed_.end(), [](auto* r) { return !echoed(r); });
+    std::stable_partition(failed_.begin(), failed_.end(), [](auto* r) { return r->killed_by_signal(); });
     // The failure: its last output first, then the line saying what happened.
     std::string line;
-    for (auto* r : failed) {
+    for (auto* r : failed_) {
       drain_stream(r->out());
       drain_stream(r->err());
       line += (line.empty() ? "fsdp_run: rank " : "; rank ") + std::to_string(r->rank()) + " exited with status " +
               std::to_string(r->status());
       if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
-      if (r != failed.front()) line += " too";
+      if (echoed(r))
+        line += own                      ? " (an echo of that failure)"
+                : still_running().empty() ? " (an echo of another rank's failure; every rank has exited, none with a "
+                                            "failure of its own)"
+                                          : " (an echo of another rank's failure; no rank reported a failure of its own "
+                                            "within " + std::to_string(options_.echo_wait.count()) + " ms)";
+      if (r != failed_.front()) line += " too";
     }
-    result_ = failed.front()->status();
+    result_ = failed_.front()->status();
     if (!still_running().empty()) line += "; stopping the other ranks";
     say(line);
     stop(SIGTERM);
@@ -198,6 +236,7 @@ class Job {
 
   void on_signal(int sig) {
     if (sig == SIGCHLD) return;  // reap() runs next
+    interrupted_ = true;
     if (!stopping_) {
       say("fsdp_run: received " + signal_name(sig) + "; forwarding it to the ranks");
       result_ = 128 + sig;
@@ -270,19 +309,43 @@ class Job {
   SignalGuard signals_;  // before ranks_: installed before the first start, restored after the last reap
   std::vector<std::unique_ptr<RankProcess>> ranks_;
   std::optional<int> result_;
-  bool stopping_ = false, killed_ = false;
+  std::vector<RankProcess*> failed_;  // the ranks that failed before the job was stopped, in the order seen
+  std::optional<Clock::time_point> echo_deadline_;  // only echoes failed so far: when to stop waiting for their cause
+  bool stopping_ = false, killed_ = false, interrupted_ = false;
   Clock::time_point kill_at_{};
   std::string timed_out_;  // the ranks a reached timeout stopped
 };
+
+// The job, started again after a failure up to options.max_restarts times. Each Job has
+// reaped every rank (and killed what they left) before it returns, so a restart never
+// meets a rank of the attempt before; its fresh port and token keep anything else out.
+inline int run_with_restarts(const Options& options, const std::string& program, bool search_path,
+                             const std::vector<std::string>& argv) {
+  const char* given = std::getenv(kRunIdVariable);
+  const std::string run_id = given && *given ? given : random_token();  // one for every start
+  for (int restart = 0;; ++restart) {
+    Job job(options, program, search_path, argv, restart, run_id);
+    const int status = job.supervise();
+    if (status == 0 || job.interrupted() || restart == options.max_restarts) {
+      if (status != 0 && options.max_restarts > 0 && !job.interrupted())
+        write_all(2, "fsdp_run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
+                         "); the job failed with status " + std::to_string(status) + "\n");
+      return status;
+    }
+    write_all(2, "fsdp_run: restarting every rank (restart " + std::to_string(restart + 1) + " of " +
+                     std::to_string(options.max_restarts) + ")\n");
+  }
+}
 
 }  // namespace detail
 
 // Starts options.nproc ranks of argv (argv[0] is looked up in PATH) on this node and
 // supervises them until all have exited. Returns 0, or the status of the first rank that
-// failed, or 128 + a signal the launcher received. Not for two threads at once.
+// failed (of the last start, with restarts), or 128 + a signal the launcher received. Not
+// for two threads at once.
 inline int run(const Options& options, const std::vector<std::string>& argv) {
   if (argv.empty() || argv[0].empty()) fsdp::detail::fail("launch: missing the program to run");
-  return detail::Job(options, argv[0], true, argv).supervise();
+  return detail::run_with_restarts(options, argv[0], true, argv);
 }
 
 // Runs this very program (/proc/self/exe) as the job's ranks, with the same arguments:
@@ -294,7 +357,7 @@ inline int relaunch_self(const Options& options, int argc, const char* const* ar
                        " of a launched job (RANK and WORLD_SIZE are set); run as that rank instead");
   if (argc < 1 || !argv || !argv[0]) fsdp::detail::fail("launch: relaunch_self needs argv[0]");
   std::vector<std::string> args(argv, argv + argc);
-  return detail::Job(options, "/proc/self/exe", false, std::move(args)).supervise();
+  return detail::run_with_restarts(options, "/proc/self/exe", false, args);
 }
 
 }  // namespace fsdp::launch

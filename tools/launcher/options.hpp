@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/exit_status.hpp"
 
 namespace fsdp::launch {
 
@@ -22,7 +23,17 @@ struct Options {
   bool prefix_output = true;
   // After the first failure, the other ranks get SIGTERM, then SIGKILL this much later.
   std::chrono::milliseconds grace{3000};
-  // 0: none; else the whole job is stopped (as for a failure) and run() throws after it.
+  // A rank that exits with fsdp::kEchoExitStatus failed only because another rank did
+  // (fsdp/core/exit_status.hpp): the job is stopped once a rank fails on its own account,
+  // reported first, or this much after the first echo, whichever comes first. 0: at once.
+  std::chrono::milliseconds echo_wait{2000};
+  // When a rank fails, every rank is stopped and the whole job started again, up to this
+  // many times (torchrun's --max-restarts): each start gets a fresh port (unless
+  // master_port is given), a fresh token (unless the user set one), and the restart count
+  // in TORCHELASTIC_RESTART_COUNT, so a program can resume from its last checkpoint.
+  int max_restarts = 0;
+  // 0: none; else the whole job is stopped (as for a failure) and run() throws after it,
+  // without a restart. With max_restarts it bounds each start, not all of them.
   std::chrono::milliseconds timeout{0};
   // Extra variables for every rank (KEY, VALUE); they may not name a per-rank variable.
   std::vector<std::pair<std::string, std::string>> env;
@@ -34,6 +45,13 @@ inline constexpr std::string_view kRankVariables[] = {"MASTER_ADDR", "MASTER_POR
 // The store's shared secret, and (several nodes) the address rank 0's store binds to.
 inline constexpr const char* kTokenVariable = "FSDP_STORE_TOKEN";
 inline constexpr const char* kBindVariable = "FSDP_STORE_BIND";
+// torchrun's names: how many times the job was restarted before this start, the limit, and
+// the job's id (the same for every start: what a program uses to tell its own checkpoints
+// from another job's; fsdp_run's own TORCHELASTIC_RUN_ID if set, else a random one).
+inline constexpr const char* kRestartCountVariable = "TORCHELASTIC_RESTART_COUNT";
+inline constexpr const char* kMaxRestartsVariable = "TORCHELASTIC_MAX_RESTARTS";
+inline constexpr const char* kRunIdVariable = "TORCHELASTIC_RUN_ID";
+inline constexpr int kMaxRestarts = 1000;
 
 // DistEnv reads WORLD_SIZE up to 2^20; past a few thousand processes per node the machine
 // runs out of processes or descriptors long before, so a bigger --nproc is a typo.
@@ -65,13 +83,22 @@ inline void validate(const Options& o) {
   if (o.master_port == 0 && o.nnodes > 1)
     fail("launch: --master-port is required with --nnodes ", o.nnodes,
          " (every node must name the same port; 0 picks a free one on a single node only)");
+  if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
+    fail("launch: --max-restarts must be in [0, ", kMaxRestarts, "], got ", o.max_restarts);
+  if (o.max_restarts > 0 && o.nnodes > 1)
+    fail("launch: --max-restarts ", o.max_restarts, " with --nnodes ", o.nnodes,
+         ": a restart starts this node's ranks only, and the other nodes' would not follow (restarts are for one node)");
   detail::check_ms("--grace-ms", o.grace, false);
   detail::check_ms("--timeout-ms", o.timeout, true);
+  detail::check_ms("--echo-wait-ms", o.echo_wait, true);
   for (const auto& [key, value] : o.env) {
     if (key.empty() || key.find('=') != std::string::npos || key.find('\0') != std::string::npos)
       fail("launch: --env '", key, "=", value, "': the name must be non-empty and contain no '='");
     for (auto reserved : kRankVariables)
       if (key == reserved) fail("launch: --env ", key, ": fsdp_run sets ", key, " itself, for each rank");
+    if (key == kRestartCountVariable || key == kMaxRestartsVariable || key == kRunIdVariable)
+      fail("launch: --env ", key, ": fsdp_run sets ", key, " itself (see --max-restarts; a ", kRunIdVariable,
+           " in fsdp_run's own environment is passed on)");
   }
 }
 

@@ -35,6 +35,8 @@ struct LaunchSpec {
   int port = 0;
   std::string token;  // FSDP_STORE_TOKEN to add; empty when the environment has one
   bool reset_sigpipe = true;
+  int restart = 0;  // how many times the job was restarted before this start (--max-restarts)
+  std::string run_id;  // the job's id, the same for every start
 };
 
 // This process's environment with the job's variables for local rank `local_rank` on top.
@@ -45,6 +47,9 @@ inline std::vector<std::string> rank_environment(const Options& o, const LaunchS
   set["RANK"] = std::to_string(o.node_rank * o.nproc + local_rank);
   set["WORLD_SIZE"] = std::to_string(o.nnodes * o.nproc);
   set["LOCAL_RANK"] = std::to_string(local_rank);
+  set[kRestartCountVariable] = std::to_string(spec.restart);
+  set[kMaxRestartsVariable] = std::to_string(o.max_restarts);
+  if (!spec.run_id.empty()) set[kRunIdVariable] = spec.run_id;
   set["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc);
   // Several nodes, or a master address that is not loopback: rank 0's store must listen
   // where the ranks connect (its default is 127.0.0.1).

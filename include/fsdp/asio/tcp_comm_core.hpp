@@ -29,6 +29,7 @@
 #include "fsdp/asio/tcp_rendezvous.hpp"
 #include "fsdp/asio/tcp_ring.hpp"
 #include "fsdp/asio/tcp_rank_report.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/store.hpp"
 #include "fsdp/core/work.hpp"
@@ -40,12 +41,14 @@ struct TcpJobState {
   bool done = false;        // guarded by TcpCompletions::mu
   std::string error;        // set before done: the collective failed
   ErrorKind kind = ErrorKind::misuse;  // and its kind
+  bool echo = false;                   // and whether it came from another rank (RingFailure::echo)
 };
 
 // A collective's outcome on the I/O thread: no error, or its message and kind.
 struct TcpOutcome {
   std::string error;
   ErrorKind kind = ErrorKind::misuse;
+  bool echo = false;  // another rank's failure (RingFailure::echo)
 };
 
 struct TcpCompletions {
@@ -57,6 +60,7 @@ struct TcpCompletions {
       std::lock_guard lk(mu);
       job.error = std::move(outcome.error);
       job.kind = outcome.kind;
+      job.echo = outcome.echo;
       job.done = true;
     }
     cv.notify_all();
@@ -70,7 +74,10 @@ class TcpPending final : public Work::Pending {
   void wait() override {
     std::unique_lock lk(c_->mu);
     c_->cv.wait(lk, [&] { return job_->done; });
-    if (!job_->error.empty()) throw Error(job_->kind, job_->error);
+    if (!job_->error.empty()) {
+      if (job_->echo) throw EchoedError(job_->kind, -1, job_->error);  // the message names the failed rank
+      throw Error(job_->kind, job_->error);
+    }
   }
   bool ready() override {
     std::lock_guard lk(c_->mu);
@@ -147,11 +154,12 @@ class TcpCommCore {
       if (stopping_) return;
       try {
         io_.run_one();  // a new collective, or a neighbour's ABORT / EOF
-        if (ring_ && !broken_) broken_ = ring_->idle_failure(broken_kind_);
+        if (ring_ && !broken_) broken_ = ring_->idle_failure(broken_kind_, broken_echo_);
       } catch (const std::exception& e) {  // out of memory in a handler: the ring is out of step
         if (!broken_) {
           broken_ = id_.where() + "communicator failed between collectives: " + e.what();
           broken_kind_ = kind_of(e);
+          broken_echo_ = false;
         }
         if (ring_) ring_->abort_and_close(*broken_, ErrorKind::peer_lost);  // the others lost this rank
       }
@@ -161,7 +169,7 @@ class TcpCommCore {
   // Runs one collective; returns its error message (empty on success) and kind.
   TcpOutcome execute(const CollectiveCall& call) {
     const std::string where = id_.where();
-    if (broken_) return {where + call.describe() + " aborted: " + *broken_, broken_kind_};
+    if (broken_) return {where + call.describe() + " aborted: " + *broken_, broken_kind_, broken_echo_};
     try {
       const RingPlan& plan = planner_.plan(call);
       if (!ring_) {
@@ -171,7 +179,8 @@ class TcpCommCore {
       if (auto failure = ring_->run(call, plan, reports_)) {
         broken_ = failure->cause;
         broken_kind_ = failure->kind;
-        return {failure->message, failure->kind};
+        broken_echo_ = failure->echo;
+        return {failure->message, failure->kind, failure->echo};
       }
       return {};
     } catch (const std::exception& e) {  // a local failure: the ring cannot go on in step
@@ -179,6 +188,7 @@ class TcpCommCore {
       if (what.rfind("fsdp: ", 0) == 0) what.erase(0, 6);
       broken_ = what;
       broken_kind_ = kind_of(e);
+      broken_echo_ = false;
       if (ring_) ring_->abort_and_close(what, ErrorKind::peer_lost);  // the others lost this rank
       return {what, broken_kind_};
     }
@@ -216,6 +226,7 @@ class TcpCommCore {
   bool stopping_ = false;
   std::optional<std::string> broken_;  // the first failure's cause
   ErrorKind broken_kind_ = ErrorKind::misuse;  // and its kind
+  bool broken_echo_ = false;                    // and whether it was another rank's failure
   std::thread thread_;
 };
 

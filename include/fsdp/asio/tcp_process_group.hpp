@@ -22,7 +22,10 @@
 // leaving the scope. When an earlier collective failed, that error was thrown where it
 // happened and is the cause (the usual `catch (const fsdp::Error& e) { print; return 1; }`
 // then exits 1); an exception leaving the scope is the cause too: the destructor swallows
-// the barrier's failure in both cases. Held where a destructor cannot throw (a
+// the barrier's failure in both cases. While an exception is leaving the scope the
+// barrier is not run at all: the rank closes its links, so peers still inside a collective
+// fail with an echo of its going ("peer rank R closed the connection"), not with a
+// mismatch against a barrier it never meant to run. Held where a destructor cannot throw (a
 // std::optional or std::unique_ptr), a failure the destructor would throw ends the process
 // through std::terminate, its message printed; call finish() there instead.
 #include <algorithm>
@@ -38,6 +41,7 @@
 
 #include "fsdp/asio/tcp_comm.hpp"
 #include "fsdp/asio/tcp_store.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/dist_env.hpp"
 
 namespace fsdp {
@@ -95,6 +99,14 @@ class TcpProcessGroup {
     if (!comm_) return {};
     const auto timeout = comm_->options().timeout;
     const bool failed_before = comm_->failed();
+    // Left by an exception of this rank's own: its peers may still be inside a collective,
+    // which a teardown barrier would pair with (a "collective mismatch" on a peer, blaming
+    // it). Closing the links instead tells them this rank is gone, and their errors echo
+    // its failure (fsdp::exit_status), so a launcher reports this rank first.
+    if (std::uncaught_exceptions() > unwinding_at_start_) {
+      comm_.reset();
+      return {nullptr, failed_before};
+    }
     std::exception_ptr failure;
     try {
       comm_->barrier().wait();  // nobody tears down while a peer still talks to it
@@ -102,6 +114,9 @@ class TcpProcessGroup {
       try {
         std::string_view cause = e.what();
         if (cause.substr(0, 6) == "fsdp: ") cause.remove_prefix(6);
+        if (const auto* echo = dynamic_cast<const detail::EchoedError*>(&e))  // a peer's failure, still not this rank's
+          detail::fail_echo(e.kind(), echo->failed_rank(), "TcpProcessGroup teardown on rank ", env_.rank,
+                            ": the ranks did not end together (its final barrier failed): ", cause);
         detail::fail_as(e.kind(), "TcpProcessGroup teardown on rank ", env_.rank,
                         ": the ranks did not end together (its final barrier failed): ", cause);
       } catch (...) {

@@ -194,12 +194,10 @@ class RingJoiner {
       // The store went away (its host, rank 0 under a launcher, gave up or died) while this
       // rank waited for its right neighbour: name the neighbour, not just the store. Whether
       // the neighbour would have joined later, nobody can tell any more.
-      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " had not joined communicator " + id_.prefix +
-                 " when the store failed, after " + waited_so_far() + " of waiting for its address";
-      if (!target_text_.empty()) *failure_ += " (the one it had published, " + target_text_ + ", was stale: " + last_connect_error_ + ")";
-      *failure_ += ": " + std::string(e.what());
-      failure_kind_ = e.kind();
-      return;
+      std::string why = id_.where() + "rank " + std::to_string(id_.right()) + " had not joined communicator " + id_.prefix +
+                        " when the store failed, after " + waited_so_far() + " of waiting for its address";
+      if (!target_text_.empty()) why += " (the one it had published, " + target_text_ + ", was stale: " + last_connect_error_ + ")";
+      return record_failure(why + ": " + e.what(), e.kind());
     }
     if (text) {
       target_text_ = *text;
@@ -214,10 +212,9 @@ class RingJoiner {
   void connect() {
     const auto target = parse_endpoint(target_text_);
     if (!target) {
-      failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " published an unusable address '" + target_text_ +
-                 "' for communicator " + id_.prefix;
-      failure_kind_ = ErrorKind::corrupt;
-      return;
+      return record_failure(id_.where() + "rank " + std::to_string(id_.right()) + " published an unusable address '" +
+                                target_text_ + "' for communicator " + id_.prefix,
+                            ErrorKind::corrupt);
     }
     right_ = tcp::socket(io_);
     right_.async_connect(*target, [this](error_code ec) {
@@ -245,8 +242,18 @@ class RingJoiner {
   }
   // `kind`: mismatch for a refusal (the ranks' sizes or settings differ), peer_lost for a close.
   void refused(const std::string& why, ErrorKind kind) {
-    failure_ = id_.where() + "rank " + std::to_string(id_.right()) + " at " + target_text_ + " refused to join communicator " +
-               id_.prefix + ": " + why;
+    record_failure(id_.where() + "rank " + std::to_string(id_.right()) + " at " + target_text_ + " refused to join communicator " +
+                       id_.prefix + ": " + why,
+                   kind);
+  }
+  // The first failure is the one reported, with one exception: a neighbour that closed
+  // the connection (peer_lost) is usually the consequence of a refusal this rank is
+  // writing or has just written (the neighbour read it and gave up), so a refusal found
+  // later replaces it. Handlers still queued when join() stops (its final poll) land here
+  // too and must not overwrite the cause.
+  void record_failure(std::string why, ErrorKind kind) {
+    if (failure_ && !(failure_kind_ == ErrorKind::peer_lost && kind == ErrorKind::mismatch)) return;
+    failure_ = std::move(why);
     failure_kind_ = kind;
   }
   // The address may be stale (an earlier communicator of this prefix): read it again.
@@ -294,10 +301,7 @@ class RingJoiner {
           if (problem.empty() && left_) problem = id_.where() + "a second rank " + std::to_string(h.from_rank) + " connected";
           answer(in, problem, [this, in, problem] {
             if (!problem.empty()) {
-              if (!failure_) {  // the first failure is the one reported
-                failure_ = problem;
-                failure_kind_ = ErrorKind::mismatch;
-              }
+              record_failure(problem, ErrorKind::mismatch);
             } else {
               left_ = std::move(in->socket);
             }

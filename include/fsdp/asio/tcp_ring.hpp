@@ -66,6 +66,9 @@ struct RingFailure {
   std::string cause;       // the original reason, sent on in ABORT frames
   bool link_lost = false;  // a neighbour closed: a moment is left for its ABORT to arrive
   ErrorKind kind = ErrorKind::misuse;  // of the error, on this rank and (in ABORT frames) on the others
+  // Another rank's failure reached this one (its ABORT, or its link closed): this rank's
+  // error is an echo (detail::EchoedError; fsdp::exit_status).
+  bool echo = false;
 };
 
 class TcpRing {
@@ -128,7 +131,7 @@ class TcpRing {
         last_progress_at = now;
       } else if (now >= deadline) {
         const std::string msg = observer.timed_out(call, state());
-        failure = RingFailure{msg, msg, false, ErrorKind::timeout};
+        failure = RingFailure{msg, msg, false, ErrorKind::timeout, false};
         break;
       }
       if (now >= next_poll && !(progressed && woken)) {
@@ -148,15 +151,17 @@ class TcpRing {
   }
 
   // Between collectives: a neighbour's ABORT or a malformed frame that arrived meanwhile,
-  // passed on and turned into this ring's end (`kind` set to its kind). Empty if the ring
-  // is fine.
-  std::optional<std::string> idle_failure(ErrorKind& kind) {
+  // passed on and turned into this ring's end (`kind` set to its kind, `echo` to whether it
+  // was an ABORT). Empty if the ring is fine.
+  std::optional<std::string> idle_failure(ErrorKind& kind, bool& echo) {
     std::optional<std::string> cause = peer_abort_ ? peer_abort_ : protocol_;
     kind = peer_abort_ ? peer_abort_kind_ : ErrorKind::corrupt;
+    echo = peer_abort_.has_value();
     if (!cause && sender_.has_events()) {
       const RightLinkEvents e = sender_.events();
       cause = e.abort ? e.abort : e.protocol;
       kind = e.abort ? e.abort_kind : ErrorKind::corrupt;
+      echo = e.abort.has_value();
     }
     if (cause) abort_and_close(*cause, kind);
     return cause;
@@ -355,7 +360,7 @@ class TcpRing {
 
   // ---- what went wrong, if anything, for the current call ----
   std::optional<RingFailure> check() const {
-    if (local_failure_) return RingFailure{*local_failure_, *local_failure_, false, local_failure_kind_};
+    if (local_failure_) return RingFailure{*local_failure_, *local_failure_, false, local_failure_kind_, false};
     std::optional<std::string> abort = peer_abort_, protocol = protocol_;
     ErrorKind abort_kind = peer_abort_kind_;
     RightLinkEvents right;
@@ -367,8 +372,8 @@ class TcpRing {
       }
       if (!protocol) protocol = right.protocol;
     }
-    if (abort) return RingFailure{where() + call_->describe() + " aborted: " + *abort, *abort, false, abort_kind};
-    if (protocol) return RingFailure{*protocol + " during " + call_->describe(), *protocol, false, ErrorKind::corrupt};
+    if (abort) return RingFailure{where() + call_->describe() + " aborted: " + *abort, *abort, false, abort_kind, true};
+    if (protocol) return RingFailure{*protocol + " during " + call_->describe(), *protocol, false, ErrorKind::corrupt, false};
     if (left_state_ == Left::closed && recvs_done_ < plan_->recvs.size()) return lost(left_rank_, left_error_);
     if ((right.closed || right.shut) && sends_done() < plan_->sends.size()) return lost(right_rank_, right.error);
     return std::nullopt;
@@ -378,7 +383,7 @@ class TcpRing {
                         ec == boost::asio::error::broken_pipe || !ec;
     const std::string what = closed ? " closed the connection" : " is unreachable (" + ec.message() + ")";
     std::string msg = where() + "peer " + who(peer) + what + " during " + call_->describe() + " (did its process exit?)";
-    return {msg, msg, true, ErrorKind::peer_lost};
+    return {msg, msg, true, ErrorKind::peer_lost, true};
   }
 
   std::string state() const {

@@ -4,11 +4,13 @@
 // the gathers), then a background thread writes the files while training goes on. The
 // commit — every rank agreeing that its file is written, rank 0 publishing the directory —
 // is a collective, so it runs on the training thread: in wait(), which the next save calls
-// first and the end of training calls explicitly.
+// first and the end of training calls explicitly, or in try_commit(), which commits as soon
+// as every rank's files are written and otherwise returns at once.
 //
 //   fsdp::AsyncCheckpointer ckpt(sharded, &adamw_state);
 //   for (step...) {
 //     train_step();
+//     ckpt.try_commit();  // a collective: the save in flight is committed once written
 //     if (step % k == 0) ckpt.save_sharded(dir / ("step-" + std::to_string(step)), {{"step", ...}});
 //   }
 //   ckpt.wait();  // the last save is committed here (a collective)
@@ -88,6 +90,22 @@ class AsyncCheckpointer {
     if (auto* s = std::get_if<std::shared_ptr<detail::ShardedSave>>(&pending)) report_ = (*s)->report();
     else if (auto* f = std::get_if<std::shared_ptr<detail::FullSave>>(&pending)) report_.recovered = (*f)->recovered();
     timing_.commit_s = seconds(Clock::now() - t1);
+  }
+
+  // A collective, for a training loop to call at every step while a save is pending: the
+  // ranks agree (one small all-reduce) whether every rank has finished writing, and if so
+  // commit as wait() does and return true; else nothing changes and it returns false (no
+  // rank waits for a write). Committing as soon as the files are written, instead of at the
+  // next save, keeps the last committed checkpoint one save interval old, not two: what a
+  // job restarted after a failure resumes from. With no save pending: false, no collective
+  // (every rank has the same saves pending).
+  bool try_commit() {
+    if (!pending()) return false;
+    const bool written = !writing();
+    if (model_.size() > 0 && !fsdp::detail::internals(model_[0]).all_ranks_agree(written)) return false;
+    if (model_.size() == 0 && !written) return false;
+    wait();
+    return true;
   }
 
   // Whether a save awaits wait(), and whether this rank is still writing it (no collective).

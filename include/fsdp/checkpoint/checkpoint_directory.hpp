@@ -74,7 +74,10 @@ namespace fsdp::checkpoint {
 // The points of a commit, for tests that stop it there (detail::commit_hook).
 enum class CommitStep {
   locked,       // the parent's lock held, nothing renamed yet
-  journaled,    // commit_files: the journal written (the commit point), no file renamed yet
+  journal_renamed,  // commit_files: the journal renamed into place (the commit point), its directory not yet
+                    // fsynced. An fsdp::Error thrown here is handled as that fsync's failure: a test cannot
+                    // make a real directory fsync fail, and this is the one after the commit point
+  journaled,    // commit_files: the journal written and fsynced (the commit point), no file renamed yet
   renamed_first,  // commit_files: the first of its changes done (a full checkpoint's optimizer file renamed
                   // or removed), not the others (the model file's rename)
   moved_aside,  // the old checkpoint renamed to "<dir>.old-fsdp-<hex>"; no `dir`
@@ -679,6 +682,7 @@ inline std::vector<std::string> commit_files(std::vector<StagedFile>& files, con
   };
   auto after_commit_point = [&](const std::string& what, int err) { after_commit_point_because(what, detail::errno_text(err)); };
   try {
+    detail::at_commit_step(CommitStep::journal_renamed, file);
     detail::fsync_directory(parent);  // the journal's rename made durable
   } catch (const Error& e) {
     after_commit_point_because("syncing the directory '" + parent.string() + "' after writing the journal",

@@ -280,6 +280,17 @@ inline SaveReport save_sharded_checkpoint(const std::filesystem::path& dir, Shar
   return save.report();
 }
 
+namespace detail {
+// Called, when set, before each of ShardedCheckpointSource's attempts to open `dir` (attempt
+// 1, 2, ...). Tests only: a commit that lands inside an open (after it read index.json,
+// before it opened the rank files) cannot be timed from outside, so a test puts `dir` here
+// into the state such an open sees. Null by default.
+inline std::function<void(const std::filesystem::path& dir, int attempt)>& sharded_open_hook() {
+  static std::function<void(const std::filesystem::path&, int)> hook;
+  return hook;
+}
+}  // namespace detail
+
 // A sharded checkpoint directory as a StateSource. Opening reads the index and every file's
 // header. Checksums: read() verifies a file the first time it uses it; a load (read_all)
 // splits the files among the loading ranks (file i to rank i mod ranks), each hashing its
@@ -354,6 +365,7 @@ class ShardedCheckpointSource final : public StateSource {
     constexpr int attempts = 3;
     for (int attempt = 1;; ++attempt) {
       try {
+        if (const auto& hook = detail::sharded_open_hook()) hook(dir, attempt);
         return checkpoint::ShardedCheckpointReader(checkpoint::committed_checkpoint_dir(dir));
       } catch (const Error& e) {
         if (attempt == attempts || (e.kind() != ErrorKind::io && e.kind() != ErrorKind::corrupt)) throw;

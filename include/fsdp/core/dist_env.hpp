@@ -1,7 +1,8 @@
 #pragma once
 // The launch environment, with torchrun's names and meaning: MASTER_ADDR, MASTER_PORT,
-// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. fsdp_run (tools/) sets them; so can a
-// cluster script by hand. FSDP_STORE_TOKEN, if set, is a shared secret the store demands.
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
+// TORCHELASTIC_RUN_ID. fsdp_run (tools/) sets them; so can a cluster script by hand.
+// FSDP_STORE_TOKEN, if set, is a shared secret the store demands.
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -20,6 +21,13 @@ struct DistEnv {
   int local_rank = 0;
   int local_world_size = 1;
   std::string token;  // FSDP_STORE_TOKEN; empty = none
+  // TORCHELASTIC_RESTART_COUNT: how many times the launcher restarted the job before this
+  // start (fsdp_run --max-restarts, torchrun); 0 for the first start or when unset. A
+  // program that saves checkpoints resumes from its last one when this is > 0.
+  int restart_count = 0;
+  // TORCHELASTIC_RUN_ID: the job's id, the same for every start of it (empty when unset):
+  // a restarted job resumes only from checkpoints that carry it, not another job's.
+  std::string run_id;
 
   // True when RANK and WORLD_SIZE are both set (the program was launched as one rank of
   // a job); a lone process then runs as world size 1.
@@ -36,6 +44,8 @@ struct DistEnv {
     e.local_world_size = static_cast<int>(number("LOCAL_WORLD_SIZE", 1, e.world_size, false).value_or(e.world_size));
     e.local_rank = static_cast<int>(number("LOCAL_RANK", 0, e.local_world_size - 1, false).value_or(e.rank % e.local_world_size));
     e.token = text("FSDP_STORE_TOKEN", false).value_or("");
+    e.restart_count = static_cast<int>(number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
+    e.run_id = text("TORCHELASTIC_RUN_ID", false).value_or("");
     return e;
   }
 
