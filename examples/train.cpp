@@ -34,6 +34,7 @@
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -255,8 +256,22 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       first_step = resume->step;
       if (r == 0) fmt::print("checkpoint: resumed step {} from {} ({} ranks -> {} ranks)\n", first_step, cfg.resume_dir, resume->ranks, world);
     }
+    // --kill RANK@STEP:PHASE: a lost rank, as the OOM killer or a node would lose it.
+    int step_now = 0;  // 1-based, the step being trained
+    auto kill_here = [&](std::string_view phase) {
+      if (r != cfg.kill_rank || step_now != cfg.kill_step || phase != cfg.kill_phase) return;
+      std::fflush(nullptr);
+      std::raise(SIGKILL);
+    };
+    if (cfg.kill_phase == "backward")  // on every rank alike; it computes nothing and keeps the gradient
+      sharded.set_post_accumulate_grad_hook([&](fsdp::Unit&) { kill_here("backward"); });
     engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
     if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
+    if (cfg.kill_phase == "optimizer")
+      clip = [&, clip_norm = clip] {
+        kill_here("optimizer");
+        if (clip_norm) clip_norm();
+      };
     // --optimizer-in-backward: one optimizer per unit steps its shards as soon as their
     // gradient is final, and the gradient is freed right after.
     std::optional<engine::OptimizerInBackward<engine::AdamW>> adamw_inside;
@@ -279,10 +294,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       return result.loss;
     };
     for (int s = first_step; s < cfg.steps; ++s) {
-      if (r == cfg.kill_rank && s + 1 == cfg.kill_step) {  // --kill: a lost rank, as the OOM killer or a node would
-        std::fflush(nullptr);
-        std::raise(SIGKILL);
-      }
+      step_now = s + 1;
+      kill_here("begin");
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
       engine::reset_counts(mesh);
       if (post_forward) post_forward->reset();
@@ -321,6 +334,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         const auto scaler_state = scaled ? std::optional(scaler.state()) : std::nullopt;
         checkpointer.save_sharded(cfg.save_dir, checkpoint_metadata(cfg, world, done, scaler_state, summary.skipped_steps));
         saving_step = done;
+        kill_here("save");  // while the files are written in the background
       }
     }
     commit_save(false);
@@ -512,16 +526,26 @@ int main(int argc, char** argv) {
                           const auto at = text.find('@');
                           if (at == std::string::npos) fsdp::detail::fail("--kill: '", text, "' is not RANK@STEP");
                           cfg.kill_rank = fsdp::detail::parse_integer<int>(text.substr(0, at), "--kill (the rank)", 0, 255);
-                          cfg.kill_step = text.substr(at + 1) == "end"
-                                              ? 0
-                                              : fsdp::detail::parse_integer<int>(text.substr(at + 1), "--kill (the step)", 1, 1000000);
+                          std::string when = text.substr(at + 1);
+                          if (const auto colon = when.find(':'); colon != std::string::npos) {
+                            cfg.kill_phase = when.substr(colon + 1);
+                            when.resize(colon);
+                            if (cfg.kill_phase != "begin" && cfg.kill_phase != "backward" && cfg.kill_phase != "optimizer" &&
+                                cfg.kill_phase != "save")
+                              fsdp::detail::fail("--kill: phase '", cfg.kill_phase,
+                                                 "' is not begin, backward, optimizer or save");
+                          }
+                          if (when == "end" && cfg.kill_phase != "begin")
+                            fsdp::detail::fail("--kill: RANK@end takes no phase");
+                          cfg.kill_step = when == "end" ? 0 : fsdp::detail::parse_integer<int>(when, "--kill (the step)", 1, 1000000);
                           return 0;
                         });
                       },
-                      "with --backend tcp: fault injection; rank RANK kills itself (SIGKILL) as step STEP begins "
-                      "(RANK@end: after the last step and its checkpoint), on the job's first start only (see "
-                      "--max-restarts)")
-                   ->type_name("RANK@STEP");
+                      "with --backend tcp: fault injection; rank RANK kills itself (SIGKILL) in step STEP: as it "
+                      "begins (PHASE begin, the default), once a unit's gradient is final (backward), before the "
+                      "optimizer (optimizer) or while its checkpoint is written (save); RANK@end: after the last "
+                      "step and its checkpoint. On the job's first start only (see --max-restarts)")
+                   ->type_name("RANK@STEP[:PHASE]");
   CLI11_PARSE(app, argc, argv);
   if ((restarts->count() > 0 || kill->count() > 0) && backend != "tcp") {
     fmt::print(stderr, "{} needs --backend tcp (processes the launcher can restart)\n",
@@ -542,6 +566,17 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "--kill {}@{}: {}\n", cfg.kill_rank, cfg.kill_step,
                no_such_rank ? fmt::format("there is no rank {} among --nproc {}", cfg.kill_rank, nproc)
                                       : fmt::format("there is no step {} in --steps {}", cfg.kill_step, cfg.steps));
+    return 2;
+  }
+  const bool saves_then = !cfg.save_dir.empty() && (cfg.kill_step == cfg.steps ||
+                                                     (cfg.save_every > 0 && cfg.kill_step % cfg.save_every == 0));
+  if (kill->count() > 0 && cfg.kill_phase == "save" && !saves_then) {
+    fmt::print(stderr, "--kill {}@{}:save: step {} saves no checkpoint (--save and --save-every decide which do)\n",
+               cfg.kill_rank, cfg.kill_step, cfg.kill_step);
+    return 2;
+  }
+  if (kill->count() > 0 && cfg.kill_phase == "backward" && cfg.optimizer_in_backward) {
+    fmt::print(stderr, "--kill ...:backward uses the post-accumulate-grad hook that --optimizer-in-backward needs\n");
     return 2;
   }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;

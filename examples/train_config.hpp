@@ -55,6 +55,11 @@ struct Config {
   // (TORCHELASTIC_RESTART_COUNT 0); rank -1: never. Fault injection for --max-restarts: the
   // restarted job resumes from the last checkpoint --save wrote.
   int kill_rank = -1, kill_step = 0;
+  // Where in step kill_step: "begin" (before its forward), "backward" (once the first
+  // unit's gradient is final: some reductions done, others not), "optimizer" (after the
+  // gradients are final, before the optimizer), "save" (the step's checkpoint being
+  // written in the background).
+  std::string kill_phase = "begin";
   // The job's id (TORCHELASTIC_RUN_ID, under a launcher), saved with every checkpoint: a
   // restarted job resumes only from its own checkpoints, not from another job's left in
   // the same --save directory. Empty: not saved.
