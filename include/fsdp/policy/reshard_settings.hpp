@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fsdp/core/detail/backend_ref.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 
@@ -104,6 +105,8 @@ inline void agree_unit_settings(const CommRef& world, const GradientSync& sync, 
   std::vector<std::int64_t> all(n * static_cast<std::size_t>(world.size()));
   try {
     world.all_gather(mine.data(), all.data(), n, DType::i64).wait();
+  } catch (const EchoedError&) {
+    throw;  // a peer failed (lost, or failed first): its error, not a settings mismatch, is the cause
   } catch (const Error& e) {
     // The other side ran another collective: a mismatch, unless the backend lost a peer or timed out.
     fail_as(e.kind() == ErrorKind::misuse ? ErrorKind::mismatch : e.kind(), "unit '", unit, "' on rank ", rank,
