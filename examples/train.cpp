@@ -535,7 +535,7 @@ int main(int argc, char** argv) {
                               fsdp::detail::fail("--kill: phase '", cfg.kill_phase,
                                                  "' is not begin, backward, optimizer or save");
                           }
-                          if (when == "end" && cfg.kill_phase != "begin")
+                          if (when == "end" && text.find(':') != std::string::npos)
                             fsdp::detail::fail("--kill: RANK@end takes no phase");
                           cfg.kill_step = when == "end" ? 0 : fsdp::detail::parse_integer<int>(when, "--kill (the step)", 1, 1000000);
                           return 0;
@@ -543,8 +543,9 @@ int main(int argc, char** argv) {
                       },
                       "with --backend tcp: fault injection; rank RANK kills itself (SIGKILL) in step STEP: as it "
                       "begins (PHASE begin, the default), once a unit's gradient is final (backward), before the "
-                      "optimizer (optimizer) or while its checkpoint is written (save); RANK@end: after the last "
-                      "step and its checkpoint. On the job's first start only (see --max-restarts)")
+                      "optimizer (optimizer; not on a step the fp16 loss scaler skips) or while its checkpoint is "
+                      "written (save); RANK@end: after the last step and its checkpoint. On the job's first start "
+                      "only (see --max-restarts)")
                    ->type_name("RANK@STEP[:PHASE]");
   CLI11_PARSE(app, argc, argv);
   if ((restarts->count() > 0 || kill->count() > 0) && backend != "tcp") {
@@ -575,8 +576,10 @@ int main(int argc, char** argv) {
                cfg.kill_rank, cfg.kill_step, cfg.kill_step);
     return 2;
   }
-  if (kill->count() > 0 && cfg.kill_phase == "backward" && cfg.optimizer_in_backward) {
-    fmt::print(stderr, "--kill ...:backward uses the post-accumulate-grad hook that --optimizer-in-backward needs\n");
+  if (kill->count() > 0 && (cfg.kill_phase == "backward" || cfg.kill_phase == "optimizer") && cfg.optimizer_in_backward) {
+    fmt::print(stderr, "--kill ...:{} cannot be combined with --optimizer-in-backward: {}\n", cfg.kill_phase,
+               cfg.kill_phase == "backward" ? "it uses the post-accumulate-grad hook that --optimizer-in-backward needs"
+                                            : "there is no optimizer step after backward to kill before");
     return 2;
   }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
@@ -637,7 +640,7 @@ int main(int argc, char** argv) {
       }
       if (env.restart_count > 0) {
         cfg.kill_rank = -1;  // the fault is injected into the first start only
-        if (const auto step = restart_step(cfg); step && *step >= cfg.steps) {
+        if (const auto step = restart_step(cfg, env.world_size); step && *step >= cfg.steps) {
           if (env.rank == 0)
             fmt::print("restart {}: the last checkpoint in {} is after step {}, the last: the job had finished "
                        "training before it failed\n",
@@ -648,8 +651,9 @@ int main(int argc, char** argv) {
           if (env.rank == 0)
             fmt::print("restart {}: resuming from the last checkpoint in {}\n", env.restart_count, cfg.save_dir);
         } else if (env.rank == 0) {
-          fmt::print("restart {}: no checkpoint of this job in {}; starting from scratch\n", env.restart_count,
-                     cfg.save_dir.empty() ? std::string("(no --save)") : cfg.save_dir);
+          fmt::print("restart {}: no checkpoint of this job in {}; {}\n", env.restart_count,
+                     cfg.save_dir.empty() ? std::string("(no --save)") : cfg.save_dir,
+                     cfg.resume_dir.empty() ? "starting from scratch" : "resuming from --resume " + cfg.resume_dir);
         }
       }
     }

@@ -3,6 +3,7 @@
 // model and the optimizer state, and the checks --resume makes before anything trains.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <filesystem>
@@ -108,8 +109,11 @@ inline Resume read_resume(const Config& cfg, int world) {
 // only another job's checkpoint there: start from scratch, as the first start did). Not a
 // collective: every rank reads the same directory, which no rank of the failed start
 // writes any more (the launcher reaped them all), so they agree.
-inline std::optional<int> restart_step(const Config& cfg) {
-  if (cfg.save_dir.empty() || !std::filesystem::exists(fsdp::checkpoint::committed_checkpoint_dir(cfg.save_dir)))
+inline std::optional<int> restart_step(const Config& cfg, int world) {
+  // An index.json, not just the directory: --save into an existing empty directory works,
+  // and a job killed before its first save then finds it empty.
+  if (cfg.save_dir.empty() ||
+      !std::filesystem::exists(fsdp::checkpoint::committed_checkpoint_dir(cfg.save_dir) / "index.json"))
     return std::nullopt;
   const auto metadata = fsdp::ShardedCheckpointSource(cfg.save_dir).metadata();
   const auto id = metadata.find("train.run_id"), step = metadata.find("train.step");
@@ -118,6 +122,12 @@ inline std::optional<int> restart_step(const Config& cfg) {
   const auto [end, ec] = std::from_chars(step->second.data(), step->second.data() + step->second.size(), s);
   if (ec != std::errc{} || end != step->second.data() + step->second.size())
     fsdp::detail::fail("--save '", cfg.save_dir, "': metadata 'train.step' is not a number: '", step->second, "'");
+  // The same checks as --resume (global batch, optimizer, model, ...), but for the step:
+  // a run id shared by two jobs (one set by hand) must not resume, or end, the wrong job.
+  Config probe = cfg;
+  probe.resume_dir = cfg.save_dir;
+  probe.steps = std::max(cfg.steps, s + 1);
+  read_resume(probe, world);
   return s;
 }
 

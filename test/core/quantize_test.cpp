@@ -30,6 +30,14 @@ namespace {
 using test_support::contains;
 using test_support::error_of;
 
+// The smallest float >= v: a block's scale, amax / qmax rounded up, so that no code is
+// clamped.
+float float_at_least(double v) {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
 // ---- reference OFP8 formats -------------------------------------------------------------
 
 struct Ref8 {
@@ -292,7 +300,7 @@ TEST_CASE("int8 blocks: scale amax/127, each value back within half its block's 
     CAPTURE(b);
     const auto xs = std::span<const float>(x).subspan(b * block, std::min(block, n - b * block));
     const double amax = amax_of(xs);
-    CHECK(scales[b] == static_cast<float>(amax) / 127.0f);
+    CHECK(scales[b] == float_at_least(amax / 127.0));
     for (std::size_t i = b * block; i < b * block + xs.size(); ++i) {
       CAPTURE(i);
       const double err = std::fabs(static_cast<double>(x[i]) - back[i]);
@@ -317,6 +325,32 @@ TEST_CASE("int8 blocks: ties go to even, the short last block has its own scale,
   CHECK(back[9] == 0.0f);
   CHECK(back[12] == 0.0f);
   CHECK_FALSE(std::signbit(back[12]));
+}
+
+TEST_CASE("int8 and e4m3 blocks at the ends of the float range: FLT_MAX decodes finite, a subnormal amax is not clamped") {
+  constexpr float top = std::numeric_limits<float>::max(), tiny = std::numeric_limits<float>::denorm_min();
+  // amax FLT_MAX: 127 * scale (the scale rounded up) is past FLT_MAX; it decodes to FLT_MAX.
+  const std::vector<float> big = {top, -top};
+  std::vector<std::int8_t> q8(2);
+  std::vector<std::uint8_t> qf(2);
+  std::vector<float> scale(1), back(2);
+  fsdp::quantize_int8_blocks(big, q8, scale, 2);
+  fsdp::dequantize_int8_blocks(q8, scale, back, 2);
+  CHECK(back == big);
+  fsdp::quantize_f8e4m3_blocks(big, qf, scale, 2);
+  fsdp::dequantize_f8e4m3_blocks(qf, scale, back, 2);
+  CHECK(back == big);
+  // amax 190 subnormal steps: its quotient by 127 is not a float; rounded down it clamped
+  // the amax to 127 steps (a third off), rounded up it decodes within one scale.
+  const std::vector<float> small = {190 * tiny, -95 * tiny};
+  fsdp::quantize_int8_blocks(small, q8, scale, 2);
+  CHECK(int{q8[0]} <= 127);
+  fsdp::dequantize_int8_blocks(q8, scale, back, 2);
+  for (std::size_t i = 0; i < 2; ++i) CHECK(std::fabs(static_cast<double>(back[i]) - small[i]) <= scale[0]);
+  const std::vector<float> small8 = {1000 * tiny, 3 * tiny};
+  fsdp::quantize_f8e4m3_blocks(small8, qf, scale, 2);
+  fsdp::dequantize_f8e4m3_blocks(qf, scale, back, 2);
+  CHECK(std::fabs(static_cast<double>(back[0]) - small8[0]) <= 0.0625 * small8[0] + scale[0]);
 }
 
 TEST_CASE("int8 blocks: wrong sizes, a zero block size and non-finite values are refused") {
@@ -370,7 +404,7 @@ TEST_CASE("e4m3 blocks: scale amax/448, relative error within 2^-4, the amax exa
     CAPTURE(b);
     const std::size_t first = b * block, count = std::min(block, n - first);
     const double amax = amax_of(std::span<const float>(x).subspan(first, count));
-    CHECK(scales[b] == static_cast<float>(amax) / 448.0f);
+    CHECK(scales[b] == float_at_least(amax / 448.0));
     check_e4m3_error(x, back, scales[b], first, count);
     for (std::size_t i = first; i < first + count; ++i)
       if (std::fabs(x[i]) == amax) CHECK((q[i] & 0x7f) == 0x7e);  // 448
@@ -395,7 +429,7 @@ TEST_CASE("e4m3 tensor: one scale amax/448 over all the elements") {
   std::vector<float> back(x.size());
   float scale = -1;
   fsdp::quantize_f8e4m3_tensor(x, q, scale);
-  CHECK(scale == static_cast<float>(amax_of(x)) / 448.0f);
+  CHECK(scale == float_at_least(amax_of(x) / 448.0));
   fsdp::dequantize_f8e4m3_tensor(q, scale, back);
   check_e4m3_error(x, back, scale, 0, x.size());
   CHECK(contains(error_of([&] { fsdp::quantize_f8e4m3_tensor(x, std::span(q).first(5), scale); }), "q has 5"));

@@ -204,6 +204,26 @@ elif grep -q "^step " <<<"$(sed -n '/restarting every rank/,$p' <<<"$restarted")
 else
   echo "PASS: a failure after the final save: the restart ends at once"
 fi
+# An existing, empty --save directory (the first save works into it): a job killed before
+# its first save restarts from scratch. Two jobs that share a run id (TORCHELASTIC_RUN_ID set
+# by hand, the same for both): the second's restart checks the first's checkpoint as
+# --resume does and refuses it (another optimizer) instead of resuming or ending it.
+mkdir -p "$tmp/restart_empty"
+run restarted "restart with an empty --save directory" "${tcp[@]}" --save "$tmp/restart_empty" --save-every 2 --max-restarts 1 --kill 1@1
+grep -qx "restart 1: no checkpoint of this job in $tmp/restart_empty; starting from scratch" <<<"$restarted" &&
+  [[ "$(fingerprint "$restarted")" == "$(fingerprint "$whole")" ]] &&
+  echo "PASS: restart with an empty --save directory: from scratch, same parameters" ||
+  fail "restart with an empty --save directory: $restarted"
+out=$(TORCHELASTIC_RUN_ID=shared "$train" "${small[@]}" "${tcp[@]}" --save "$tmp/restart_shared" 2>&1) ||
+  fail "a job with a shared run id: the first job failed: $out"
+out=$(TORCHELASTIC_RUN_ID=shared "$train" "${small[@]}" "${tcp[@]}" --save "$tmp/restart_shared" --optimizer sgd \
+  --max-restarts 1 --kill 1@1 2>&1)
+rc=$?
+if ((rc == 0)) || ! grep -q "saved with --optimizer adamw, this run uses sgd" <<<"$out"; then
+  fail "another job's checkpoint under a shared run id: exit $rc: $out"
+else
+  echo "PASS: another job's checkpoint under a shared run id: refused as --resume refuses it (exit $rc)"
+fi
 # No restarts: the job ends with the killed rank's status, naming it.
 out=$("$train" "${small[@]}" "${tcp[@]}" --kill 1@3 2>&1)
 rc=$?

@@ -35,7 +35,7 @@ phases=(begin backward optimizer save end)
 for ((i = 1; i <= cases; i++)); do
   kind=$([[ $((i % 2)) == 1 ]] && echo full || echo hybrid)
   rank=$((RANDOM % nproc[$kind]))
-  phase=${phases[$((RANDOM % ${#phases[@]}))]}
+  phase=${phases[$(((i - 1) / 2 % ${#phases[@]}))]}  # every phase under both strategies; rank and step drawn
   step=$((RANDOM % steps + 1))
   case $phase in
     save) step=$(((RANDOM % (steps / every) + 1) * every)) kill="$rank@$step:save" ;;  # a step that saves
@@ -59,10 +59,19 @@ for ((i = 1; i <= cases; i++)); do
     fail "$name: parameters $(fingerprint "$out"), without the failure ${whole[$kind]}"
   elif [[ $phase == end ]] && ! grep -q "the job had finished training before it failed" <<<"$out"; then
     fail "$name: the restart did not find the finished job's checkpoint: $out"
+  elif [[ $phase != end ]] && { ((step >= every + 3)) || [[ $step == $((2 * every)) && $phase == save ]]; } &&
+    ! grep -q "^\[rank 0\] checkpoint: resumed step [0-9]* from $dir" <<<"$out"; then
+    # By then the step-2 save is committed (at the latest by the next save's call, which
+    # waits for it): a restart that starts from scratch would train the same parameters,
+    # so the fingerprint alone would not show that resuming broke.
+    fail "$name: did not resume from a committed checkpoint: $out"
   else
     from=$(sed -n 's/^\[rank 0\] checkpoint: resumed step \([0-9]*\) from .*/resumed from step \1/p' <<<"$out")
-    [[ $phase == end ]] && from="nothing to redo"
-    echo "PASS: $name: ${from:-started again from scratch}, same parameters ($((SECONDS - start)) s)"
+    if [[ $phase == end ]]; then
+      echo "PASS: $name: the restart found training done ($((SECONDS - start)) s)"
+    else
+      echo "PASS: $name: ${from:-started again from scratch}, same parameters ($((SECONDS - start)) s)"
+    fi
   fi
 done
 

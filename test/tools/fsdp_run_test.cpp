@@ -283,6 +283,23 @@ TEST_CASE("--max-restarts: a failed job is started again, every rank, with its r
                                           "[rank 1] start 1 of 2"});
 }
 
+TEST_CASE("TORCHELASTIC_RUN_ID: one id for every start; fsdp_run's own is passed on, torchrun's default 'none' is not") {
+  const std::string script =
+      "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_RUN_ID\"; [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exit 3; exit 0";
+  const Finished given = fsdp_run({"--max-restarts", "1"}, script, {"TORCHELASTIC_RUN_ID=job-17"});
+  CHECK(given.status == 0);
+  CHECK(lines_of(given.out) == std::vector<std::string>{"[rank 0] 0 job-17", "[rank 0] 1 job-17"});
+  for (const std::string inherited : {"TORCHELASTIC_RUN_ID=none", "TORCHELASTIC_RUN_ID"}) {
+    CAPTURE(inherited);
+    const Finished drawn = fsdp_run({"--max-restarts", "1"}, script, {inherited});
+    const std::vector<std::string> lines = lines_of(drawn.out);
+    REQUIRE(lines.size() == 2);
+    const std::string first = lines[0].substr(std::string("[rank 0] 0 ").size());
+    CHECK(first.size() == 32);  // a random 128-bit id, not "none"
+    CHECK(lines[1] == "[rank 0] 1 " + first);  // the same for the restart
+  }
+}
+
 TEST_CASE("--max-restarts: when the restarts run out, the last start's failure is the job's status") {
   const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "1"}, "[ $RANK = 0 ] && exit 4; exec sleep 30");
   CHECK(f.status == 4);

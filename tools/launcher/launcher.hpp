@@ -47,6 +47,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -321,8 +322,10 @@ class Job {
 // meets a rank of the attempt before; its fresh port and token keep anything else out.
 inline int run_with_restarts(const Options& options, const std::string& program, bool search_path,
                              const std::vector<std::string>& argv) {
+  // One for every start. An inherited id is kept (a cluster's job id), but not torchrun's
+  // default "none", which every job shares.
   const char* given = std::getenv(kRunIdVariable);
-  const std::string run_id = given && *given ? given : random_token();  // one for every start
+  const std::string run_id = given && *given && std::string_view(given) != "none" ? given : random_token();
   for (int restart = 0;; ++restart) {
     Job job(options, program, search_path, argv, restart, run_id);
     const int status = job.supervise();

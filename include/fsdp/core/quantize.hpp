@@ -143,12 +143,23 @@ inline float block_amax(std::string_view fn, std::span<const float> x, std::size
   return amax;
 }
 
-// amax / qmax as a float scale. 0 for an all-zero block (its codes are then 0 and decode
-// to exact zeros); never 0 for a nonzero block (a tiny amax whose quotient underflows
-// gets the smallest float, so x / scale stays finite).
+// amax / qmax as a float scale, rounded up (computed in double): amax / scale then never
+// exceeds qmax, so no code is clamped (a quotient rounded down, in the subnormal range,
+// clamped the largest values by up to a third). 0 for an all-zero block (its codes are
+// then 0 and decode to exact zeros); never 0 for a nonzero block.
 inline float scale_for(float amax, float qmax) {
   if (amax == 0) return 0;
-  return std::max(amax / qmax, std::numeric_limits<float>::denorm_min());
+  const double exact = static_cast<double>(amax) / qmax;
+  float scale = static_cast<float>(exact);
+  if (static_cast<double>(scale) < exact) scale = std::nextafter(scale, std::numeric_limits<float>::infinity());
+  return std::max(scale, std::numeric_limits<float>::denorm_min());
+}
+
+// code * scale, in double and clamped to the finite floats: a block whose amax is near
+// FLT_MAX has 127 * scale just past it, which must decode to FLT_MAX, not inf.
+inline float decode_scaled(float code, float scale) {
+  constexpr double top = std::numeric_limits<float>::max();
+  return static_cast<float>(std::clamp(static_cast<double>(code) * scale, -top, top));
 }
 
 // Round to nearest, ties to even, independent of the floating-point environment's mode.
@@ -184,7 +195,7 @@ inline void quantize_int8_blocks(std::span<const float> x, std::span<std::int8_t
 inline void dequantize_int8_blocks(std::span<const std::int8_t> q, std::span<const float> scales, std::span<float> x,
                                    std::size_t block = 128) {
   detail::check_block_sizes("dequantize_int8_blocks", q.size(), "q", x.size(), "x", scales.size(), block);
-  for (std::size_t i = 0; i < q.size(); ++i) x[i] = static_cast<float>(q[i]) * scales[i / block];
+  for (std::size_t i = 0; i < q.size(); ++i) x[i] = detail::decode_scaled(static_cast<float>(q[i]), scales[i / block]);
 }
 
 // ---- E4M3 with one f32 scale per block, or per tensor ----------------------------------
@@ -205,7 +216,7 @@ inline void quantize_f8e4m3_blocks(std::span<const float> x, std::span<std::uint
 inline void dequantize_f8e4m3_blocks(std::span<const std::uint8_t> q, std::span<const float> scales,
                                      std::span<float> x, std::size_t block = 128) {
   detail::check_block_sizes("dequantize_f8e4m3_blocks", q.size(), "q", x.size(), "x", scales.size(), block);
-  for (std::size_t i = 0; i < q.size(); ++i) x[i] = f8e4m3_bits_to_float(q[i]) * scales[i / block];
+  for (std::size_t i = 0; i < q.size(); ++i) x[i] = detail::decode_scaled(f8e4m3_bits_to_float(q[i]), scales[i / block]);
 }
 
 // Per tensor: one block spanning all of x, its scale in `scale`.
