@@ -3,10 +3,10 @@
 // model and the optimizer state, and the checks --resume makes before anything trains.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -116,19 +116,16 @@ inline std::optional<int> restart_step(const Config& cfg, int world) {
       !std::filesystem::exists(fsdp::checkpoint::committed_checkpoint_dir(cfg.save_dir) / "index.json"))
     return std::nullopt;
   const auto metadata = fsdp::ShardedCheckpointSource(cfg.save_dir).metadata();
-  const auto id = metadata.find("train.run_id"), step = metadata.find("train.step");
-  if (cfg.run_id.empty() || id == metadata.end() || id->second != cfg.run_id || step == metadata.end()) return std::nullopt;
-  int s = 0;
-  const auto [end, ec] = std::from_chars(step->second.data(), step->second.data() + step->second.size(), s);
-  if (ec != std::errc{} || end != step->second.data() + step->second.size())
-    fsdp::detail::fail("--save '", cfg.save_dir, "': metadata 'train.step' is not a number: '", step->second, "'");
-  // The same checks as --resume (global batch, optimizer, model, ...), but for the step:
-  // a run id shared by two jobs (one set by hand) must not resume, or end, the wrong job.
+  const auto id = metadata.find("train.run_id");
+  if (cfg.run_id.empty() || id == metadata.end() || id->second != cfg.run_id || !metadata.count("train.step"))
+    return std::nullopt;
+  // The same checks as --resume (global batch, optimizer, model, ...), but for the step
+  // (--steps at its largest: any saved step leaves something to train): a run id shared by
+  // two jobs (one set by hand) must not resume, or end, the wrong job.
   Config probe = cfg;
   probe.resume_dir = cfg.save_dir;
-  probe.steps = std::max(cfg.steps, s + 1);
-  read_resume(probe, world);
-  return s;
+  probe.steps = std::numeric_limits<int>::max();
+  return read_resume(probe, world).step;
 }
 
 // The checkpoint to resume from, checked; none without --resume.

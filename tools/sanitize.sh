@@ -2,7 +2,8 @@
 # Runs the host tests under a sanitizer (the asan / tsan configs of .bazelrc).
 #   tools/sanitize.sh asan|tsan [TARGET_PATTERN...] [BAZEL_TEST_FLAG...]
 # Without target patterns: every host test (test/core, test/host, test/faults,
-# test/checkpoint, test/asio, test/tools, test/streams). Tests tagged no_asan / no_tsan
+# test/checkpoint, test/asio, test/tools, test/streams, test/nccl's emulated ones). Tests
+# tagged no_asan / no_tsan
 # are neither built nor run. Last line, as tools/test.sh: "tests: N passed, M failed[, K skipped]".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,7 +24,7 @@ for arg in "$@"; do
   esac
 done
 if ((${#targets[@]} == 0)); then
-  targets=(//test:all //test/faults/... //test/checkpoint/... //test/asio/... //test/tools/... //test/streams/...)
+  targets=(//test:all //test/faults/... //test/checkpoint/... //test/asio/... //test/tools/... //test/streams/... //test/nccl/...)
 fi
 
 tools/setup.sh || exit 1

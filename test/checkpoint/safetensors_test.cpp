@@ -467,6 +467,12 @@ TEST_CASE("files that cannot be opened are errors naming the path and the reason
 TEST_CASE("safetensors dtype names map both ways") {
   for (DType t : all_dtypes) CHECK(fsdp::checkpoint::dtype_from_safetensors(fsdp::checkpoint::safetensors_dtype_name(t)) == t);
   CHECK(fsdp::checkpoint::safetensors_dtype_name(DType::bf16) == "BF16");
+  // The 8-bit floats under safetensors' names, and back.
+  CHECK(fsdp::checkpoint::safetensors_dtype_name(DType::f8e4m3) == "F8_E4M3");
+  CHECK(fsdp::checkpoint::safetensors_dtype_name(DType::f8e5m2) == "F8_E5M2");
+  CHECK(fsdp::checkpoint::safetensors_dtype_name(DType::e8m0) == "F8_E8M0");
+  for (DType t : {DType::f8e4m3, DType::f8e5m2, DType::e8m0})
+    CHECK(fsdp::checkpoint::dtype_from_safetensors(fsdp::checkpoint::safetensors_dtype_name(t)) == t);
   CHECK(!fsdp::checkpoint::dtype_from_safetensors("f32"));
   CHECK(!fsdp::checkpoint::dtype_from_safetensors("BOOL"));
 }

@@ -1,4 +1,5 @@
-// fsdp/core/dtype.hpp: dtype metadata and the float / double <-> f16 / bf16 host conversions;
+// fsdp/core/dtype.hpp: dtype metadata and the float / double <-> f16 / bf16 host conversions,
+// and the 8-bit floats (f8e4m3, f8e5m2, e8m0) as dtypes;
 // fsdp/core/cast.hpp: bulk conversion between any two dtypes.
 //
 // The conversions are checked against reference implementations written here in a
@@ -7,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -15,9 +17,11 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "fsdp/core/cast.hpp"
+#include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "test/support/errors.hpp"
@@ -804,6 +808,182 @@ TEST_CASE("fsdp::cast: n == 0, null pointers, overlap and in-place conversion") 
   // A count whose byte size overflows is refused before any memory is touched.
   CHECK(contains(cast_error(out, DType::f32, wide, DType::f64, std::numeric_limits<std::size_t>::max() / 4),
                  "are more bytes than size_t holds"));
+}
+
+}  // namespace core_dtype_test
+
+// ---- the 8-bit floats: DType::f8e4m3, f8e5m2, e8m0 (fsdp/core/f8.hpp) ----------------------
+// The reference here enumerates the format's 256 patterns, decodes each with std::ldexp from
+// its fields, and encodes a double by taking the nearest finite value (ties to the even
+// mantissa), with no shortcut through float.
+
+namespace core_dtype_test {
+
+namespace {
+
+struct F8Ref {
+  int exp_bits, mant_bits, bias;
+  bool ieee;  // E5M2: exponent all ones is inf / NaN; E4M3: only S.1111.111 is NaN
+  bool is_nan(unsigned b) const {
+    const unsigned e = (b & 0x7fu) >> mant_bits, m = b & ((1u << mant_bits) - 1u);
+    return ieee ? (e == (1u << exp_bits) - 1u && m != 0) : (b & 0x7fu) == 0x7fu;
+  }
+  bool is_inf(unsigned b) const { return ieee && (b & 0x7fu) == ((1u << exp_bits) - 1u) << mant_bits; }
+  double decode(unsigned b) const {
+    const unsigned e = (b & 0x7fu) >> mant_bits, m = b & ((1u << mant_bits) - 1u);
+    const double mag = e == 0 ? std::ldexp(m, 1 - bias - mant_bits) : std::ldexp((1u << mant_bits) | m, static_cast<int>(e) - bias - mant_bits);
+    return (b & 0x80u) ? -mag : mag;
+  }
+  // The nearest finite value to v >= 0 (ties: even pattern), or -1 when v rounds past the
+  // largest finite value (IEEE's rule: at or beyond max + half an ulp of max).
+  int encode_magnitude(double v) const {
+    int best = -1;
+    double best_d = 0;
+    double max = 0;
+    int max_b = 0;
+    for (unsigned b = 0; b < 0x80u; ++b) {
+      if (is_nan(b) || is_inf(b)) continue;
+      const double x = decode(b), d = std::fabs(x - v);
+      if (x > max) max = x, max_b = static_cast<int>(b);
+      if (best < 0 || d < best_d || (d == best_d && (b & 1u) == 0)) best = static_cast<int>(b), best_d = d;
+    }
+    const double ulp_at_max = max - decode(static_cast<unsigned>(max_b - 1));
+    if (v >= max + ulp_at_max / 2 && !(v == max + ulp_at_max / 2 && (max_b & 1) == 0)) return -1;
+    return best;
+  }
+};
+
+const F8Ref kE4M3Ref{4, 3, 7, false}, kE5M2Ref{5, 2, 15, true};
+
+}  // namespace
+
+TEST_CASE("8-bit floats: sizes, names, floating, tags; codes after the older dtypes'") {
+  for (DType t : {DType::f8e4m3, DType::f8e5m2, DType::e8m0}) {
+    CHECK(fsdp::size_of(t) == 1);
+    CHECK(fsdp::is_floating(t));
+  }
+  CHECK(fsdp::name_of(DType::f8e4m3) == "f8e4m3");
+  CHECK(fsdp::name_of(DType::f8e5m2) == "f8e5m2");
+  CHECK(fsdp::name_of(DType::e8m0) == "e8m0");
+  static_assert(fsdp::dtype_v<fsdp::f8e4m3> == DType::f8e4m3);
+  static_assert(fsdp::dtype_v<fsdp::f8e5m2> == DType::f8e5m2);
+  static_assert(fsdp::dtype_v<fsdp::e8m0> == DType::e8m0);
+  static_assert(static_cast<int>(DType::i64) == 7 && static_cast<int>(DType::f8e4m3) == 8 &&
+                static_cast<int>(DType::f8e5m2) == 9 && static_cast<int>(DType::e8m0) == 10);
+}
+
+TEST_CASE("8-bit floats: every pattern loads as its value and stores back to itself") {
+  alignas(8) unsigned char buf[1];
+  for (const auto& [t_, ref] : {std::pair{DType::f8e4m3, kE4M3Ref}, std::pair{DType::f8e5m2, kE5M2Ref}}) {
+    const DType t = t_;  // clang 14 cannot capture a binding (CAPTURE's lambda)
+    CAPTURE(fsdp::name_of(t));
+    for (unsigned b = 0; b < 256; ++b) {
+      buf[0] = static_cast<unsigned char>(b);
+      const double v = fsdp::load_as_double(buf, 0, t);
+      if (ref.is_nan(b)) {
+        CHECK(std::isnan(v));
+        continue;
+      }
+      if (ref.is_inf(b)) {
+        CHECK(v == ((b & 0x80u) ? -HUGE_VAL : HUGE_VAL));
+      } else if (v != ref.decode(b) || std::signbit(v) != ((b & 0x80u) != 0)) {
+        INFO("b = 0x" << std::hex << b);
+        CHECK(v == ref.decode(b));
+      }
+      fsdp::store_from_double(buf, 0, t, v);
+      if (buf[0] != b) {
+        INFO("b = 0x" << std::hex << b);
+        CHECK(static_cast<unsigned>(buf[0]) == b);
+      }
+    }
+  }
+  for (unsigned b = 0; b < 255; ++b) {  // e8m0: 2^(b - 127); 0xff is NaN
+    buf[0] = static_cast<unsigned char>(b);
+    CHECK(fsdp::load_as_double(buf, 0, DType::e8m0) == std::ldexp(1.0, static_cast<int>(b) - 127));
+    fsdp::store_from_double(buf, 0, DType::e8m0, std::ldexp(1.0, static_cast<int>(b) - 127));
+    CHECK(static_cast<unsigned>(buf[0]) == b);
+  }
+  buf[0] = 0xff;
+  CHECK(std::isnan(fsdp::load_as_double(buf, 0, DType::e8m0)));
+}
+
+TEST_CASE("8-bit floats from double: one rounding to nearest even, at every midpoint and one ulp either side") {
+  alignas(8) unsigned char buf[1];
+  for (const auto& [t_, ref] : {std::pair{DType::f8e4m3, kE4M3Ref}, std::pair{DType::f8e5m2, kE5M2Ref}}) {
+    const DType t = t_;  // clang 14 cannot capture a binding (CAPTURE's lambda)
+    CAPTURE(fsdp::name_of(t));
+    std::vector<double> values;  // the finite positive values, ascending
+    for (unsigned b = 0; b < 0x80u; ++b)
+      if (!ref.is_nan(b) && !ref.is_inf(b)) values.push_back(ref.decode(b));
+    std::mt19937_64 rng(38);
+    int checked = 0;
+    for (std::size_t i = 0; i + 1 < values.size(); ++i) {
+      const double mid = (values[i] + values[i + 1]) / 2;  // exact in double
+      // The midpoint, one double ulp either side, and a nudge below float's precision: going
+      // through float rounded to nearest would land on the midpoint and round twice.
+      const double tiny = std::ldexp(mid, -40);
+      for (double v : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e300), mid + tiny, mid - tiny,
+                       values[i] + (values[i + 1] - values[i]) * std::uniform_real_distribution<double>(0, 1)(rng)}) {
+        for (double s : {1.0, -1.0}) {
+          const int want = ref.encode_magnitude(v);
+          fsdp::store_from_double(buf, 0, t, s * v);
+          const unsigned want_bits = (s < 0 ? 0x80u : 0u) | static_cast<unsigned>(want);
+          if (buf[0] != want_bits) {
+            INFO("v = " << s * v);
+            CHECK(static_cast<unsigned>(buf[0]) == want_bits);
+          }
+          ++checked;
+        }
+      }
+    }
+    CHECK(checked > 1000);
+  }
+}
+
+TEST_CASE("8-bit floats from double: no saturation (E4M3 overflows to NaN, E5M2 to inf), signed zero, NaN") {
+  alignas(8) unsigned char buf[1];
+  auto store = [&](DType t, double v) {
+    fsdp::store_from_double(buf, 0, t, v);
+    return static_cast<unsigned>(buf[0]);
+  };
+  CHECK(store(DType::f8e4m3, 448) == 0x7eu);
+  CHECK(store(DType::f8e4m3, 463.99) == 0x7eu);  // below the midpoint to the missing 480
+  CHECK(store(DType::f8e4m3, 464) == 0x7eu);     // the midpoint: 448's pattern is even
+  CHECK(store(DType::f8e4m3, 464.01) == 0x7fu);  // NaN: E4M3 has no inf
+  CHECK(store(DType::f8e4m3, -1e30) == 0xffu);
+  CHECK(store(DType::f8e4m3, HUGE_VAL) == 0x7fu);
+  CHECK(store(DType::f8e5m2, 57344) == 0x7bu);
+  CHECK(store(DType::f8e5m2, 61440) == 0x7cu);  // the midpoint to 65536: 57344's pattern is odd, so inf
+  CHECK(store(DType::f8e5m2, -HUGE_VAL) == 0xfcu);
+  CHECK(store(DType::f8e5m2, -0.0) == 0x80u);
+  CHECK(store(DType::f8e4m3, -0.0) == 0x80u);
+  CHECK(store(DType::f8e5m2, std::nan("")) == 0x7eu);
+  CHECK(store(DType::e8m0, 3.0) == 128u);                             // 2^1 <= 3 < 2^2
+  CHECK(store(DType::e8m0, -3.0) == 128u);                            // the sign is dropped
+  CHECK(store(DType::e8m0, 4.0 * (1 - std::ldexp(1.0, -40))) == 128u);  // just below 4: still 2^1
+  CHECK(store(DType::e8m0, 0.0) == 0u);
+  CHECK(store(DType::e8m0, std::nan("")) == 0xffu);
+}
+
+TEST_CASE("8-bit floats: casts round once; reductions in float; e8m0 has max and min only") {
+  const float xs[] = {1.0f, 0.3f, -2.5f, 300.0f, 1e-3f};
+  unsigned char q[5];
+  float back[5];
+  fsdp::cast(q, DType::f8e4m3, xs, DType::f32, 5);
+  fsdp::cast(back, DType::f32, q, DType::f8e4m3, 5);
+  const float want[] = {1.0f, 0.3125f, -2.5f, 288.0f, 0.001953125f};  // nearest E4M3 values (the last: 2^-9, the smallest)
+  for (int i = 0; i < 5; ++i) CHECK(back[i] == want[i]);
+  unsigned char a[2], b[2];
+  fsdp::cast(a, DType::f8e5m2, std::array<float, 2>{1.5f, 3.0f}.data(), DType::f32, 2);
+  fsdp::cast(b, DType::f8e5m2, std::array<float, 2>{0.5f, 3.0f}.data(), DType::f32, 2);
+  fsdp::detail::host_combine(a, b, 2, DType::f8e5m2, fsdp::ReduceOp::sum);
+  CHECK(fsdp::load_as_double(a, 0, DType::f8e5m2) == 2.0);
+  CHECK(fsdp::load_as_double(a, 1, DType::f8e5m2) == 6.0);
+  unsigned char s[2] = {126, 130}, t2[2] = {129, 127};
+  fsdp::detail::host_combine(s, t2, 2, DType::e8m0, fsdp::ReduceOp::max);
+  CHECK((s[0] == 129 && s[1] == 130));
+  CHECK(test_support::contains(test_support::error_of([&] { fsdp::detail::host_combine(s, t2, 2, DType::e8m0, fsdp::ReduceOp::sum); }),
+                               "sum on e8m0 (power-of-two scales): only moves and max / min are defined for it"));
 }
 
 }  // namespace core_dtype_test

@@ -6,6 +6,7 @@
 // processes, tags that differ fail on both ranks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -45,6 +46,12 @@ constexpr DType kAll[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
                           DType::i8,  DType::u8,  DType::i32, DType::i64};
 
 const bool fewer_than_two_gpus = fsdp::cuda_device_count() < 2;
+
+// The multi-process case's world sizes: test_support::test_worlds(); a child learns its
+// own from FSDP_NCCL_TEST_WORLD.
+using test_support::test_worlds;
+int test_world() { return std::atoi(std::getenv("FSDP_NCCL_TEST_WORLD")); }
+const bool too_few_gpus = test_support::too_few_gpus_for_test_worlds();
 
 std::string role() {
   const char* r = std::getenv("FSDP_NCCL_TEST_ROLE");
@@ -417,33 +424,40 @@ void watchdog_child() {
 }
 
 #ifdef FSDP_NCCL_TEST_TCP
-// One of two processes on GPUs 0 and 1, meeting through the parent's TcpStore.
+// One of test_world() processes, rank r on GPU r, meeting through the parent's TcpStore.
 void rank_child() {
   const int rank = std::atoi(std::getenv("FSDP_NCCL_TEST_RANK"));
+  const int world = test_world();
   const auto port = static_cast<std::uint16_t>(std::atoi(std::getenv("FSDP_NCCL_TEST_PORT")));
   fsdp::TcpStore store("127.0.0.1", port);
   fsdp::NcclCommOptions o;
   o.timeout = std::chrono::seconds(30);
-  NcclComm comm = NcclComm::from_store(store, rank, 2, rank, o);
-  std::string failures = check_collectives(comm, 2);
-  NcclComm alone = comm.split(rank, 0);  // two groups of one
-  if (alone.size() != 1 || alone.rank() != 0) failures += "  split sizes\n";
-  failures += check_collectives(alone, 1);
+  NcclComm comm = NcclComm::from_store(store, rank, world, rank, o);
+  std::string failures = check_collectives(comm, world);
+  // Even and odd ranks apart, each group ordered by descending rank (the key): of 2 ranks,
+  // two groups of one; of 4, ranks 2, 0 and 3, 1.
+  NcclComm half = comm.split(rank % 2, -rank);
+  if (half.size() != world / 2 || half.rank() != world / 2 - 1 - rank / 2)
+    failures += "  split: rank " + std::to_string(half.rank()) + " of " + std::to_string(half.size()) + "\n";
+  failures += check_collectives(half, world / 2);
   std::printf("%s%s\n", failures.c_str(), failures.empty() ? "COLLECTIVES-OK" : "COLLECTIVES-FAILED");
   {  // Collective tags: equal ones pass; rank 1 gathering another unit fails on both ranks.
     const Names names;
     REQUIRE(cudaSetDevice(rank) == cudaSuccess);
-    GpuBuffer send(DType::f32, 4), recv(DType::f32, 8);
+    GpuBuffer send(DType::f32, 4), recv(DType::f32, 4 * static_cast<std::size_t>(world));
     fsdp::NcclCommOptions o2 = o;
     o2.store_key = "tags";
-    NcclComm tagged = NcclComm::from_store(store, rank, 2, rank, o2);
+    NcclComm tagged = NcclComm::from_store(store, rank, world, rank, o2);
     tagged.all_gather(send.p, recv.p, 4, DType::f32, {2, fsdp::TagPhase::forward, 1, &names}).wait();
     std::printf("TAGS-EQUAL: %s\n", tagged.broken() ? "broken" : "ok");
     const fsdp::CollectiveTag mine{rank == 1 ? 3u : 2u, fsdp::TagPhase::forward, 1, &names};
     // Waited for on a stream only, as the library's all-gathers are: the watchdog finds it.
     cudaStream_t s = nullptr;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    tagged.all_gather(send.p, recv.p, 4, DType::f32, mine).wait_on({fsdp::DeviceId{fsdp::DeviceKind::cuda, rank}, s});
+    // The watchdog may find the mismatch before wait_on is called: wait_on then throws it.
+    (void)error_of([&] {
+      tagged.all_gather(send.p, recv.p, 4, DType::f32, mine).wait_on({fsdp::DeviceId{fsdp::DeviceKind::cuda, rank}, s});
+    });
     cudaStreamSynchronize(s);
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!tagged.broken() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -454,7 +468,7 @@ void rank_child() {
   fsdp::NcclCommOptions quick;
   quick.timeout = std::chrono::milliseconds(1500);
   quick.store_key = "stall";
-  NcclComm stall = NcclComm::from_store(store, rank, 2, rank, quick);
+  NcclComm stall = NcclComm::from_store(store, rank, world, rank, quick);
   if (rank == 0) {
     GpuBuffer buf(DType::f32, 4);
     std::printf("STALL_ERROR: %s\n", error_of([&] { stall.all_reduce(buf.p, buf.p, 4, DType::f32, ReduceOp::sum).wait(); }).c_str());
@@ -493,31 +507,37 @@ TEST_CASE("the watchdog turns a collective that cannot complete into an Error" *
 }
 
 #ifdef FSDP_NCCL_TEST_TCP
-TEST_CASE("two processes through a TcpStore: collectives, split, collective tags, a stalled peer" * doctest::skip(fewer_than_two_gpus)) {
+TEST_CASE("processes through a TcpStore: collectives, split, collective tags, a stalled peer" * doctest::skip(too_few_gpus)) {
+  for (const int world : test_worlds()) {
+  CAPTURE(world);
   fsdp::TcpStoreServer server;
   std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < world; ++r)
     children.push_back(spawn_child({"FSDP_NCCL_TEST_ROLE=rank", "FSDP_NCCL_TEST_RANK=" + std::to_string(r),
+                                    "FSDP_NCCL_TEST_WORLD=" + std::to_string(world),
                                     "FSDP_NCCL_TEST_PORT=" + std::to_string(server.port())}));
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < world; ++r) {
     const auto result = children[r]->wait(std::chrono::seconds(120));
     INFO("rank ", r, " stdout:\n", result.out, "\nstderr:\n", result.err);
     CHECK(result.status == 0);
     CHECK(contains(result.out, "COLLECTIVES-OK"));
     CHECK(contains(result.out, "RANK-DONE"));
     CHECK(contains(result.out, "TAGS-EQUAL: ok"));
-    CHECK(contains(result.out, "TAG_ERROR: watchdog: NcclComm 'world' rank " + std::to_string(r) + " of 2 (cuda:" +
-                                   std::to_string(r) + "): collective mismatch: "
-                                   "rank 0 called all_gather(count=4, dtype=f32) of unit 'block2' (forward, pass 1) as collective #1, "
-                                   "rank 1 called all_gather(count=4, dtype=f32) of unit 'block3' (forward, pass 1) as collective #1 "
-                                   "(seen on rank " + std::to_string(r) + ")"));
+    std::string calls;  // every rank's call, rank 1's the odd one
+    for (int q = 0; q < world; ++q)
+      calls += (q ? ", rank " : "rank ") + std::to_string(q) + " called all_gather(count=4, dtype=f32) of unit 'block" +
+               (q == 1 ? "3" : "2") + "' (forward, pass 1) as collective #1";
+    CHECK(contains(result.out, "TAG_ERROR: watchdog: NcclComm 'world' rank " + std::to_string(r) + " of " +
+                                   std::to_string(world) + " (cuda:" + std::to_string(r) + "): collective mismatch: " +
+                                   calls + " (seen on rank " + std::to_string(r) + ")"));
     CHECK(contains(result.out, "TAG_NEXT: fsdp: "));
     CHECK(contains(result.out, "barrier as collective #2 not started: the communicator broke earlier"));
     if (r == 0) {
-      CHECK(contains(result.out, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of 2 (cuda:0): all_reduce("));
+      CHECK(contains(result.out, "STALL_ERROR: fsdp: NcclComm 'world' rank 0 of " + std::to_string(world) + " (cuda:0): all_reduce("));
       CHECK(contains(result.out, "as collective #0"));
       CHECK(contains(result.out, "ncclCommAbort"));
     }
+  }
   }
 }
 #endif

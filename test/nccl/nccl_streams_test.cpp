@@ -1,17 +1,18 @@
-// Sharded training on the engine's own CUDA stream over NcclComm (one rank): what runs on
-// which stream (docs/cuda.md). The engine's stream is held by a host function (a gate), so
-// the library's collectives, which wait for it, cannot run; the hooks must still return
-// (the compute stream waits for the collectives, not the host), and once the gate opens
-// the step must give the same parameters as the same step on the host (every all-gather
-// and reduction of a unit tagged; one rank gathers no tags). A collective that
-// cannot complete becomes an fsdp::Error at finish_backward's host check, within the
-// communicator's timeout (in a child process: it aborts the communicator). Every case
-// needs a GPU and reports itself skipped without one; test/streams/queued_waits_test.cpp
-// checks the same dispatch on the host with fakes.
+// Sharded training on the engine's own CUDA stream over NcclComm: what runs on which
+// stream (docs/cuda.md). On one rank, every combination trains as on the host, bit for bit,
+// and the hooks return while a host function (a gate) holds the engine's stream: nothing
+// in them waits on the host, and once the gate opens the step gives the host's parameters.
+// On two ranks (two GPUs, or the emulated runtime), a peer whose stream is held keeps
+// every collective of the step from completing, and finish_backward's host check turns
+// that into an fsdp::Error within the communicator's timeout (child processes: it aborts
+// the communicator). One rank cannot show that: it issues no collective in a step (its
+// shard is the whole parameter). Cases report skipped without the GPUs they need;
+// test/streams/queued_waits_test.cpp checks the same dispatch on the host with fakes.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +22,12 @@
 #include <thread>
 #include <vector>
 
+// The two-process case needs Boost.Asio (the TcpStore); tools/gpu_proof.sh builds this
+// file with g++ where Boost may be missing, and then compiles that case out.
+#if __has_include(<boost/asio.hpp>)
+#define FSDP_NCCL_STREAMS_TCP 1
+#include "fsdp/asio/tcp_store.hpp"
+#endif
 #include "fsdp/fsdp.hpp"
 #include "fsdp/nccl/nccl_comm.hpp"
 #include "test/support/device_training.hpp"
@@ -37,6 +44,8 @@ using test_support::contains;
 using test_support::error_of;
 using test_support::no_gpu;
 using Clock = std::chrono::steady_clock;
+
+const bool fewer_than_two_gpus = fsdp::cuda_device_count() < 2;
 
 std::string role() {
   const char* r = std::getenv("FSDP_NCCL_STREAMS_ROLE");
@@ -186,6 +195,8 @@ TEST_CASE("hooks return while the engine's stream is held; the step completes on
     CHECK_FALSE(gate.passed);  // the hooks returned before the stream moved at all
     CHECK(took < std::chrono::seconds(5));
     gate.open();  // finish_backward's host check (after this) waits for the stream
+    // The host function reads the gate until it sees it open: the gate must outlive that.
+    while (!gate.passed) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     ++held_steps;
   });
   CHECK(held_steps == kConfig.steps);
@@ -193,27 +204,108 @@ TEST_CASE("hooks return while the engine's stream is held; the step completes on
   CHECK(!comm.broken());
 }
 
+#ifdef FSDP_NCCL_STREAMS_TCP
+// Two ranks, since one issues no collective in a step (its shard is the whole parameter:
+// nothing to gather or reduce), so only a peer can hold one.
 TEST_CASE("a collective that cannot complete is an fsdp::Error at finish_backward, within the timeout" *
-          doctest::skip(no_gpu)) {
-  test_tools::ChildProcess child({"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
-                                 {"FSDP_NCCL_STREAMS_ROLE=stall"});
-  const auto r = child.wait(std::chrono::seconds(60));
-  INFO("child stdout:\n", r.out, "\nstderr:\n", r.err);
-  CHECK(r.status == 0);
-  CHECK(contains(r.out, "HOOKS-RETURNED"));
-  CHECK(contains(r.out, "STALL_ERROR: fsdp: "));
-  CHECK(contains(r.out, "did not complete within 2000 ms"));
-  CHECK(contains(r.out, "ncclCommAbort"));
-  CHECK(contains(r.out, "STALL-DONE"));
+          doctest::skip(fewer_than_two_gpus)) {
+  fsdp::TcpStoreServer server;
+  std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
+  for (int r = 0; r < 2; ++r)
+    children.push_back(std::make_unique<test_tools::ChildProcess>(
+        std::vector<std::string>{"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
+        std::vector<std::string>{"FSDP_NCCL_STREAMS_ROLE=stall", "FSDP_NCCL_STREAMS_RANK=" + std::to_string(r),
+                                 "FSDP_NCCL_STREAMS_PORT=" + std::to_string(server.port())}));
+  for (int r = 0; r < 2; ++r) {
+    const auto result = children[static_cast<std::size_t>(r)]->wait(std::chrono::seconds(60));
+    INFO("rank ", r, " stdout:\n", result.out, "\nstderr:\n", result.err);
+    CHECK(result.status == 0);
+    CHECK(contains(result.out, "HOOKS-RETURNED"));
+    CHECK(contains(result.out, "STALL_ERROR: fsdp: NcclComm 'world' rank " + std::to_string(r) + " of 2"));
+    CHECK(contains(result.out, "did not complete within 2000 ms"));
+    CHECK(contains(result.out, "ncclCommAbort"));
+    CHECK(contains(result.out, "STALL-DONE"));
+  }
 }
 
-// The child: the engine's stream is held for longer than the communicator's timeout; the
-// hooks return, finish_backward throws once the watchdog aborts the communicator. Exits
-// with _Exit so that nothing waits on an aborted communicator's work.
-TEST_CASE("nccl streams child" * doctest::skip(role().empty())) {
+// The multi-process training case's world sizes: test_support::test_worlds(); a child
+// learns its own from FSDP_NCCL_TEST_WORLD.
+int train_world() { return std::atoi(std::getenv("FSDP_NCCL_TEST_WORLD")); }
+
+const bool too_few_gpus_to_train = test_support::too_few_gpus_for_test_worlds();
+
+TEST_CASE("processes: every combination trains like the host on as many ranks, bit for bit" *
+          doctest::skip(too_few_gpus_to_train)) {
+  for (const int world : test_support::test_worlds()) {
+    CAPTURE(world);
+    fsdp::TcpStoreServer server;
+    std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
+    for (int r = 0; r < world; ++r)
+      children.push_back(std::make_unique<test_tools::ChildProcess>(
+          std::vector<std::string>{"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
+          std::vector<std::string>{"FSDP_NCCL_STREAMS_ROLE=train", "FSDP_NCCL_STREAMS_RANK=" + std::to_string(r),
+                                   "FSDP_NCCL_TEST_WORLD=" + std::to_string(world),
+                                   "FSDP_NCCL_STREAMS_PORT=" + std::to_string(server.port())}));
+    for (int r = 0; r < world; ++r) {
+      const auto result = children[static_cast<std::size_t>(r)]->wait(std::chrono::seconds(240));
+      INFO("rank ", r, " of ", world, " stdout:\n", result.out, "\nstderr:\n", result.err);
+      CHECK(result.status == 0);
+      CHECK(contains(result.out, "COMBINATIONS: 18 trained, 0 differ"));
+    }
+  }
+}
+
+// A training child: rank FSDP_NCCL_STREAMS_RANK of train_world() on its GPU trains every
+// combination over one NcclComm, and compares with the host reference engine's run of the
+// same world in threads (every rank ends with the same parameters; rank 0's losses too).
+void train_child(int rank, fsdp::Store& store) {
+  const int world = train_world();
+  REQUIRE(cudaSetDevice(rank) == cudaSuccess);
   EngineStream engine;
-  CudaDevice dev(0, engine.s);
-  NcclComm comm = one_rank_comm(engine.s, std::chrono::milliseconds(2000));
+  CudaDevice dev(rank, engine.s);
+  fsdp::NcclCommOptions o;
+  o.after = engine.s;
+  o.timeout = std::chrono::seconds(60);
+  NcclComm comm = NcclComm::from_store(store, rank, world, rank, o);
+  int trained = 0, differ = 0;
+  test_support::for_each_combination([&]<class S, class P, class O>() {
+    const std::string combination = test_support::combination_name<S, P, O>();
+    std::vector<HostDevice> hosts(static_cast<std::size_t>(world));
+    std::vector<HostDevice*> host_ptrs;
+    for (auto& h : hosts) host_ptrs.push_back(&h);
+    const auto expected = test_support::train_on_devices<S, P, O>(
+        host_ptrs, kConfig, [](fsdp::ThreadComm& c, HostDevice&, auto&& body) { body(c); });
+    const auto got = test_support::train_on_devices<S, P, O>(
+        std::vector<CudaDevice*>{&dev}, kConfig, [&](fsdp::ThreadComm&, CudaDevice&, auto&& body) { body(comm); });
+    ++trained;
+    if (!test_support::bitwise_equal(expected.params, got.params) || (rank == 0 && expected.losses != got.losses)) {
+      ++differ;
+      std::printf("DIFFERS: %s\n", combination.c_str());
+    }
+  });
+  std::printf("COMBINATIONS: %d trained, %d differ\nBROKEN: %d\n", trained, differ, comm.broken() ? 1 : 0);
+  std::fflush(stdout);
+  std::_Exit(0);
+}
+
+// A child, rank FSDP_NCCL_STREAMS_RANK of two on its GPU: after an ordinary step, rank 1
+// holds its engine's stream for longer than the communicator's timeout, so its part of
+// every collective of the next step waits, and rank 0's cannot complete either. On both,
+// the hooks return and finish_backward throws once the watchdog aborts the communicator.
+// Exits with _Exit so that nothing waits on an aborted communicator's work.
+TEST_CASE("nccl streams child" * doctest::skip(role().empty())) {
+  const int rank = std::atoi(std::getenv("FSDP_NCCL_STREAMS_RANK"));
+  const auto port = static_cast<std::uint16_t>(std::atoi(std::getenv("FSDP_NCCL_STREAMS_PORT")));
+  fsdp::TcpStore store("127.0.0.1", port);
+  if (role() == "train") train_child(rank, store);
+  REQUIRE(cudaSetDevice(rank) == cudaSuccess);
+  EngineStream engine;
+  CudaDevice dev(rank, engine.s);
+  fsdp::NcclCommOptions o;
+  o.after = engine.s;
+  o.timeout = std::chrono::milliseconds(2000);
+  o.watchdog_interval = std::chrono::milliseconds(5);
+  NcclComm comm = NcclComm::from_store(store, rank, 2, rank, o);
   test_support::Net<CudaDevice> net(dev, kConfig);
   auto sm = fsdp::shard<fsdp::FullShard>(net, comm, dev, fsdp::wrap_types<test_support::Layer>{});
   sm.zero_grad();
@@ -222,7 +314,7 @@ TEST_CASE("nccl streams child" * doctest::skip(role().empty())) {
   QueuedStep<CudaDevice> queued(dev, 1);
   sm.zero_grad();
   static Gate gate;  // outlives the process's last use of the stream
-  gate.hold(engine.s, std::chrono::seconds(20));
+  if (rank == 1) gate.hold(engine.s, std::chrono::seconds(20));
   const std::string hooks = error_of([&] { queued.run(net, sm); });
   std::printf("HOOKS-%s%s\n", hooks.empty() ? "RETURNED" : "THREW: ", hooks.c_str());
   const auto begin = Clock::now();
@@ -234,3 +326,4 @@ TEST_CASE("nccl streams child" * doctest::skip(role().empty())) {
   gate.open();
   std::_Exit(0);
 }
+#endif

@@ -279,7 +279,7 @@ DeviceTrainingResult train_on_devices(const std::vector<D*>& devices, const Devi
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& tc) {
     D& dev = *devices[static_cast<std::size_t>(tc.rank())];
     with_comm(tc, dev, [&](auto& comm) {
-      auto& out = per_rank[static_cast<std::size_t>(comm.rank())];
+      auto& out = per_rank[static_cast<std::size_t>(tc.rank())];  // comm may be one rank of a larger world
       Net<D> net(dev, c);
       auto sm = fsdp::shard<Strategy, Precision, Offload>(net, comm, dev, fsdp::wrap_types<Layer>{});
       dev.synchronize();

@@ -9,8 +9,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "fsdp/cuda/cuda_device.hpp"
 
@@ -23,12 +26,46 @@ inline bool gpu_required() {
 
 inline const bool no_gpu = fsdp::cuda_device_count() == 0;
 
+// Built with ThreadSanitizer (slow enough that some multi-process cases run smaller).
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool under_tsan = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+inline constexpr bool under_tsan = true;
+#else
+inline constexpr bool under_tsan = false;
+#endif
+#else
+inline constexpr bool under_tsan = false;
+#endif
+
 // The emulated runtime names its device so (tools/cuda_emulator/state.hpp, kDeviceName).
 inline const bool emulated_runtime = [] {
   cudaDeviceProp p{};
   return !no_gpu && cudaGetDeviceProperties(&p, 0) == cudaSuccess &&
          std::string_view(p.name).starts_with("fsdp CUDA runtime emulator");
 }();
+
+// The world sizes a multi-process GPU case runs: FSDP_NCCL_TEST_WORLDS ("2,4"; the
+// emulated targets set it), else 2. Under TSan only those up to 2: four emulated ranks on
+// CI's two cores take minutes there (the plain build and tools/nccl_emulated.sh run four).
+inline std::vector<int> test_worlds() {
+  const char* w = std::getenv("FSDP_NCCL_TEST_WORLDS");
+  std::vector<int> out;
+  for (std::string rest = w ? w : "2"; !rest.empty();) {
+    const auto comma = rest.find(',');
+    const int world = std::atoi(rest.substr(0, comma).c_str());
+    if (!under_tsan || world <= 2) out.push_back(world);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+  }
+  return out;
+}
+
+// Whether fewer GPUs are visible than the largest of test_worlds() needs.
+inline bool too_few_gpus_for_test_worlds() {
+  const std::vector<int> worlds = test_worlds();
+  return fsdp::cuda_device_count() < *std::max_element(worlds.begin(), worlds.end());
+}
 
 }  // namespace test_support
 

@@ -1,12 +1,21 @@
 // The emulated CUDA runtime (tools/cuda_emulator) itself: that it finds the stream-order
 // races and invalid memory uses it promises to find, and nothing where the order is right;
 // that its kernels compute what a GPU would for the grid they are given; that injected
-// failures reach the library as errors; that calls are counted per thread.
+// failures reach the library as errors; that calls are counted per thread; that a host
+// function or an NCCL collective holds its stream (queries say not ready, work behind it is
+// deferred and runs in order, synchronizations wait); that the emulated NCCL moves the
+// right bytes between communicators, hangs on mismatched calls as NCCL may, and drains
+// on abort.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -209,4 +218,159 @@ TEST_CASE("calls are counted for the thread that makes them") {
   CHECK(here.of(cuda_emulator::Call::cudaGetDevice) == 0);
   CHECK(here.total() == 1);
   CHECK(here.summary() == "cudaGetDeviceCount=1");
+}
+
+TEST_CASE("a host function holds its stream: queries are not ready, work behind it runs after it, in order") {
+  Streams st;
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, 8) == cudaSuccess);
+  REQUIRE(cudaMemset(p, 0, 8) == cudaSuccess);
+  static std::atomic<bool> release{false};
+  release = false;
+  REQUIRE(cudaLaunchHostFunc(st.a, [](void*) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!release && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }, nullptr) == cudaSuccess);
+  const unsigned char ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  REQUIRE(cudaMemcpyAsync(p, ones, 8, cudaMemcpyHostToDevice, st.a) == cudaSuccess);  // staged now, written later
+  REQUIRE(cudaMemsetAsync(p, 7, 4, st.a) == cudaSuccess);                            // after the copy
+  REQUIRE(cudaEventRecord(st.e, st.a) == cudaSuccess);
+  CHECK(static_cast<const unsigned char*>(p)[0] == 0);  // nothing ran yet
+  CHECK(cudaStreamQuery(st.a) == cudaErrorNotReady);
+  CHECK(cudaEventQuery(st.e) == cudaErrorNotReady);
+  REQUIRE(cudaStreamWaitEvent(st.b, st.e, 0) == cudaSuccess);
+  CHECK(cudaStreamQuery(st.b) == cudaErrorNotReady);  // ordered behind it too
+  release = true;
+  REQUIRE(cudaStreamSynchronize(st.b) == cudaSuccess);  // waits for the function, then the deferred work
+  CHECK(cudaEventQuery(st.e) == cudaSuccess);
+  unsigned char got[8];
+  std::memcpy(got, p, 8);
+  const unsigned char want[8] = {7, 7, 7, 7, 1, 1, 1, 1};
+  CHECK(std::memcmp(got, want, 8) == 0);
+  REQUIRE(cudaFree(p) == cudaSuccess);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+namespace {
+
+// Two ranks in this process, one per emulated GPU, through ncclCommInitRankConfig in a group.
+struct TwoRanks {
+  ncclComm_t comm[2] = {nullptr, nullptr};
+  cudaStream_t stream[2] = {nullptr, nullptr};
+  std::string dir;  // where the ranks meet (the unique id names it)
+  TwoRanks() {
+    cuda_emulator::set_device_count(2);
+    ncclUniqueId id;
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    const std::string text(id.internal);
+    REQUIRE(text.rfind("fsdp-nccl-emulator:", 0) == 0);
+    dir = text.substr(text.find(':') + 1);
+    REQUIRE(ncclGroupStart() == ncclSuccess);
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(cudaSetDevice(r) == cudaSuccess);
+      REQUIRE(ncclCommInitRankConfig(&comm[r], 2, id, r, nullptr) == ncclSuccess);
+    }
+    REQUIRE(ncclGroupEnd() == ncclSuccess);
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(cudaSetDevice(r) == cudaSuccess);
+      REQUIRE(cudaStreamCreateWithFlags(&stream[r], cudaStreamNonBlocking) == cudaSuccess);
+    }
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  }
+  ~TwoRanks() {
+    for (int r = 0; r < 2; ++r) {
+      cudaSetDevice(r);
+      ncclCommDestroy(comm[r]);
+      cudaStreamDestroy(stream[r]);
+    }
+    cudaSetDevice(0);
+    cuda_emulator::set_device_count(1);
+  }
+  float* buffer(int r, std::initializer_list<float> v) {
+    void* p = nullptr;
+    cudaSetDevice(r);
+    REQUIRE(cudaMalloc(&p, 64) == cudaSuccess);
+    std::vector<float> host(16, 0.0f);
+    std::copy(v.begin(), v.end(), host.begin());
+    REQUIRE(cudaMemcpy(p, host.data(), 64, cudaMemcpyHostToDevice) == cudaSuccess);
+    return static_cast<float*>(p);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("emulated NCCL: a collective completes once every rank has queued it, and moves the right bytes") {
+  TwoRanks two;
+  float* in[2] = {two.buffer(0, {1, 2, 3, 4}), two.buffer(1, {10, 20, 30, 40})};
+  float* out[2] = {two.buffer(0, {}), two.buffer(1, {})};
+  cudaSetDevice(0);
+  REQUIRE(ncclAllReduce(in[0], out[0], 4, ncclFloat32, ncclSum, two.comm[0], two.stream[0]) == ncclSuccess);
+  CHECK(cudaStreamQuery(two.stream[0]) == cudaErrorNotReady);  // rank 1 has not called yet
+  cudaSetDevice(1);
+  REQUIRE(ncclAllReduce(in[1], out[1], 4, ncclFloat32, ncclSum, two.comm[1], two.stream[1]) == ncclSuccess);
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaStreamSynchronize(two.stream[r]) == cudaSuccess);
+    CHECK(std::vector<float>(out[r], out[r] + 4) == std::vector<float>{11, 22, 33, 44});
+  }
+  // reduce-scatter: rank r gets elements [2r, 2r + 2) of the sum; all-gather: both halves.
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(ncclReduceScatter(in[r], out[r], 2, ncclFloat32, ncclMax, two.comm[r], two.stream[r]) == ncclSuccess);
+    REQUIRE(ncclAllGather(out[r], in[r], 2, ncclFloat32, two.comm[r], two.stream[r]) == ncclSuccess);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaStreamSynchronize(two.stream[r]) == cudaSuccess);
+    CHECK(std::vector<float>(in[r], in[r] + 4) == std::vector<float>{10, 20, 30, 40});
+  }
+  // A long run keeps only what is in flight on disk: each rank's part goes once both ranks
+  // have read it.
+  for (int i = 0; i < 50; ++i) {
+    for (int r = 0; r < 2; ++r) {
+      cudaSetDevice(r);
+      REQUIRE(ncclAllReduce(in[r], in[r], 4, ncclFloat32, ncclMax, two.comm[r], two.stream[r]) == ncclSuccess);
+    }
+    for (int r = 0; r < 2; ++r) {
+      cudaSetDevice(r);
+      REQUIRE(cudaStreamSynchronize(two.stream[r]) == cudaSuccess);
+    }
+  }
+  int parts = 0;
+  for (const auto& f : std::filesystem::directory_iterator(two.dir)) parts += f.path().filename().string()[0] == 'c';
+  CHECK(parts <= 4);
+  for (int r = 0; r < 2; ++r) cudaSetDevice(r), cudaFree(in[r]), cudaFree(out[r]);
+  cudaSetDevice(0);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("emulated NCCL: calls that differ between ranks never complete (as on NCCL); an abort drains the stream") {
+  TwoRanks two;
+  float* a = two.buffer(0, {1});
+  float* b = two.buffer(1, {2});
+  cudaSetDevice(0);
+  REQUIRE(ncclAllReduce(a, a, 1, ncclFloat32, ncclSum, two.comm[0], two.stream[0]) == ncclSuccess);
+  cudaSetDevice(1);
+  REQUIRE(ncclAllReduce(b, b, 2, ncclFloat32, ncclSum, two.comm[1], two.stream[1]) == ncclSuccess);  // other count
+  cudaSetDevice(0);
+  for (int i = 0; i < 20; ++i) CHECK(cudaStreamQuery(two.stream[0]) == cudaErrorNotReady);
+  ncclResult_t state = ncclInProgress;
+  REQUIRE(ncclCommGetAsyncError(two.comm[0], &state) == ncclSuccess);
+  CHECK(state == ncclSuccess);  // NCCL itself reports nothing: the library's watchdog must notice
+  cuda_emulator::nccl_fail_async(ncclRemoteError, "peer went away");
+  REQUIRE(ncclCommGetAsyncError(two.comm[0], &state) == ncclSuccess);
+  CHECK(state == ncclRemoteError);
+  CHECK(contains(ncclGetLastError(two.comm[0]), "peer went away"));
+  REQUIRE(ncclCommAbort(two.comm[0]) == ncclSuccess);
+  two.comm[0] = nullptr;
+  CHECK(cudaStreamQuery(two.stream[0]) == cudaSuccess);  // the aborted collective ended
+  CHECK(a[0] == 1.0f);                                   // without writing its result
+  cudaSetDevice(1);
+  REQUIRE(ncclCommAbort(two.comm[1]) == ncclSuccess);
+  two.comm[1] = nullptr;
+  CHECK(cudaStreamSynchronize(two.stream[1]) == cudaSuccess);
+  cudaSetDevice(0), cudaFree(a);
+  cudaSetDevice(1), cudaFree(b);
+  cudaSetDevice(0);
+  CHECK(cuda_emulator::take_violations().empty());
 }

@@ -50,7 +50,8 @@ const Kernel kKernels[] = {
      [](const KernelArgs& a, std::vector<Range>& r) { r.push_back({a.get<void*>(0), bytes_of(a.get<u64>(1), a.get<int>(2)), true}); },
      [](const KernelArgs& a) {
        fsdp::detail::host_scale(a.get<void*>(0), a.get<u64>(1), static_cast<DType>(a.get<int>(2)), a.get<double>(3));
-     }},
+     },
+     {8, 8, 4, 8}},
     {"fsdp_accumulate",
      [](const KernelArgs& a, std::vector<Range>& r) {
        const std::size_t b = bytes_of(a.get<u64>(2), a.get<int>(3));
@@ -60,7 +61,8 @@ const Kernel kKernels[] = {
      [](const KernelArgs& a) {
        fsdp::detail::host_combine(a.get<void*>(0), a.get<const void*>(1), a.get<u64>(2), static_cast<DType>(a.get<int>(3)),
                                   fsdp::ReduceOp::sum);
-     }},
+     },
+     {8, 8, 8, 4}},
     {"fsdp_cast",
      [](const KernelArgs& a, std::vector<Range>& r) {
        r.push_back({a.get<const void*>(2), bytes_of(a.get<u64>(4), a.get<int>(3)), false});
@@ -68,7 +70,8 @@ const Kernel kKernels[] = {
      },
      [](const KernelArgs& a) {
        cast_part(a.get<void*>(0), a.get<int>(1), a.get<const void*>(2), a.get<int>(3), a.get<u64>(4), a.block, a.grid, a.grid);
-     }},
+     },
+     {8, 4, 8, 4, 8}},
     {"fsdp_unscale",
      [](const KernelArgs& a, std::vector<Range>& r) {
        r.push_back({a.get<void*>(0), bytes_of(a.get<u64>(1), a.get<int>(2)), true});
@@ -77,10 +80,12 @@ const Kernel kKernels[] = {
      [](const KernelArgs& a) {
        if (fsdp::detail::host_unscale(a.get<void*>(0), a.get<u64>(1), static_cast<DType>(a.get<int>(2)), a.get<double>(3)))
          *a.get<unsigned*>(4) = 1u;
-     }},
+     },
+     {8, 8, 4, 8, 8}},
     {"fsdp_zero_spans",
      [](const KernelArgs& a, std::vector<Range>& r) { span_ranges(*static_cast<const ZeroSpans*>(a.args[0]), r); },
-     [](const KernelArgs& a) { zero_part(*static_cast<const ZeroSpans*>(a.args[0]), a.grid, a.block); }},
+     [](const KernelArgs& a) { zero_part(*static_cast<const ZeroSpans*>(a.args[0]), a.grid, a.block); },
+     {sizeof(ZeroSpans)}},
     {"fsdp_cast_zero",
      [](const KernelArgs& a, std::vector<Range>& r) {
        r.push_back({a.get<const void*>(2), bytes_of(a.get<u64>(4), a.get<int>(3)), false});
@@ -93,7 +98,8 @@ const Kernel kKernels[] = {
          cast_part(a.get<void*>(0), a.get<int>(1), a.get<const void*>(2), a.get<int>(3), a.get<u64>(4), a.block, cast_grid,
                    std::min<u64>(cast_grid, a.grid));
        if (a.grid > cast_grid) zero_part(*static_cast<const ZeroSpans*>(a.args[6]), a.grid - cast_grid, a.block);
-     }},
+     },
+     {8, 4, 8, 4, 8, 4, sizeof(ZeroSpans)}},
 };
 
 }  // namespace

@@ -31,6 +31,7 @@ struct Kernel {
   const char* name;
   void (*ranges)(const KernelArgs&, std::vector<Range>&);
   void (*run)(const KernelArgs&);
+  std::vector<std::size_t> arg_bytes;  // each argument's size, to keep a copy of a deferred launch's
 };
 
 const Kernel* kernel_named(std::string_view name);

@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,23 +20,36 @@ namespace {
 cudaError_t copy_on(Entry& entry, Stream& s, void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind,
                     const char* what) {
   if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault) return entry.fail(cudaErrorInvalidMemcpyDirection);
-  const std::uint64_t t = rt().begin_op(s);
+  // Pageable host memory is staged when the call is made, as a GPU's driver does: a copy
+  // from it takes its bytes now (and may be deferred), a copy into it waits for what it is
+  // ordered after. Copies between device and pinned memory may be deferred.
+  const bool from_pageable = bytes && !rt().find(src), into_pageable = bytes && !rt().find(dst);
+  bool hung = false;
+  const std::uint64_t t = into_pageable ? rt().begin_op(s, &hung) : rt().queue_op(s);
+  if (hung) return entry.fail(cudaErrorLaunchTimeout, std::string(what) + ": a hang (see the violations)");
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   std::string error;
   if (!rt().check_access(s, t, src, bytes, false, src_device, what, error) ||
       !rt().check_access(s, t, dst, bytes, true, dst_device, what, error))
     return entry.fail(cudaErrorInvalidValue, error);
-  if (bytes) std::memmove(dst, src, bytes);
+  if (!bytes) return cudaSuccess;
+  if (from_pageable && !into_pageable && rt().incomplete(s.clock)) {
+    auto staged = std::make_shared<std::vector<std::byte>>(static_cast<const std::byte*>(src),
+                                                           static_cast<const std::byte*>(src) + bytes);
+    rt().run_in_order(s, t, what, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+    return cudaSuccess;
+  }
+  rt().run_in_order(s, t, what, [dst, src, bytes] { std::memmove(dst, src, bytes); });
   return cudaSuccess;
 }
 
 cudaError_t memset_on(Entry& entry, Stream& s, void* p, int value, std::size_t bytes, const char* what) {
   if (cudaError_t e = entry.require_current(s, what); e != cudaSuccess) return e;
-  const std::uint64_t t = rt().begin_op(s);
+  const std::uint64_t t = rt().queue_op(s);
   std::string error;
   if (!rt().check_access(s, t, p, bytes, true, true, what, error)) return entry.fail(cudaErrorInvalidValue, error);
-  if (bytes) std::memset(p, value, bytes);
+  if (bytes) rt().run_in_order(s, t, what, [p, value, bytes] { std::memset(p, value, bytes); });
   return cudaSuccess;
 }
 
@@ -143,7 +157,9 @@ cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpy
   FSDP_EMULATOR_ENTER(cudaMemcpy);
   Stream& s = *rt().resolve(nullptr, current_device);
   const cudaError_t e = copy_on(entry, s, dst, src, bytes, kind, "cudaMemcpy");
-  rt().host.join(s.clock);  // synchronous
+  if (!rt().wait_for(Clock(s.clock), "cudaMemcpy"))  // synchronous
+    return entry.fail(cudaErrorLaunchTimeout, "cudaMemcpy: a hang (see the violations)");
+  rt().host.join(s.clock);
   return e;
 }
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t stream) {
@@ -156,6 +172,8 @@ cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
   FSDP_EMULATOR_ENTER(cudaMemset);
   Stream& s = *rt().resolve(nullptr, current_device);
   const cudaError_t e = memset_on(entry, s, p, value, bytes, "cudaMemset");
+  if (!rt().wait_for(Clock(s.clock), "cudaMemset"))
+    return entry.fail(cudaErrorLaunchTimeout, "cudaMemset: a hang (see the violations)");
   rt().host.join(s.clock);
   return e;
 }
@@ -199,12 +217,26 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
   const KernelArgs a{args, grid.x, block.x};
   std::vector<Range> ranges;
   k->ranges(a, ranges);
-  const std::uint64_t t = rt().begin_op(*s);
+  const std::uint64_t t = rt().queue_op(*s);
   std::string error;
   for (const Range& r : ranges)
     if (!rt().check_access(*s, t, r.p, r.bytes, r.write, true, k->name, error))
       return entry.fail(cudaErrorIllegalAddress, error);
-  k->run(a);
+  if (!rt().incomplete(s->clock)) {
+    k->run(a);
+    return cudaSuccess;
+  }
+  // Deferred: the arguments are the caller's only during the call, so a copy of each is kept.
+  auto saved = std::make_shared<std::vector<std::vector<std::byte>>>();
+  for (std::size_t i = 0; i < k->arg_bytes.size(); ++i) {
+    const auto* p = static_cast<const std::byte*>(args[i]);
+    saved->emplace_back(p, p + k->arg_bytes[i]);
+  }
+  rt().run_in_order(*s, t, k->name, [k, saved, grid = a.grid, block = a.block] {
+    std::vector<void*> ptrs;
+    for (auto& v : *saved) ptrs.push_back(v.data());
+    k->run(KernelArgs{ptrs.data(), grid, block});
+  });
   return cudaSuccess;
 }
 

@@ -3,8 +3,11 @@
 // library instead of libcudart runs them here.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <string>
 #include <string_view>
 
@@ -150,7 +153,9 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceSynchronize() {
   FSDP_EMULATOR_ENTER(cudaDeviceSynchronize);
-  rt().host.join(rt().device_work(current_device));
+  const Clock work = rt().device_work(current_device);  // a copy: the wait releases the lock
+  if (!rt().wait_for(work, "cudaDeviceSynchronize")) return entry.fail(cudaErrorLaunchTimeout, "a hang (see the violations)");
+  rt().host.join(work);
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
@@ -182,14 +187,21 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamSynchronize);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
-  rt().host.join(s->clock);
+  rt().order(*s);
+  const Clock c = s->clock;  // a copy: the wait releases the lock, and s may go meanwhile
+  if (!rt().wait_for(c, "cudaStreamSynchronize on " + rt().describe(*s)))
+    return entry.fail(cudaErrorLaunchTimeout, "a hang (see the violations)");
+  rt().host.join(c);
   return cudaSuccess;
 }
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamQuery);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
-  rt().host.join(s->clock);  // eager: always complete
+  rt().progress();
+  rt().order(*s);  // a blocking stream waits for the legacy one, and the other way round
+  if (rt().incomplete(s->clock)) return cudaErrorNotReady;  // not an error: not recorded as the last one
+  rt().host.join(s->clock);  // eager: complete unless a pending operation holds it
   return cudaSuccess;
 }
 cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
@@ -233,7 +245,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (!s || !rt().known(e)) return entry.unknown(s ? "event" : "stream");
   if (s->device != e->device)
     return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: the event and the stream are on different devices");
-  s->clock.join(rt().host);
+  rt().order(*s);
   e->clock = s->clock;
   e->recorded = true;
   return cudaSuccess;
@@ -242,14 +254,42 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventQuery);
   auto* e = reinterpret_cast<Event*>(event);
   if (!rt().known(e)) return entry.unknown("event");
-  rt().host.join(e->clock);  // eager: the recorded work is done
+  rt().progress();
+  if (rt().incomplete(e->clock)) return cudaErrorNotReady;
+  rt().host.join(e->clock);  // eager: the recorded work is done unless a pending operation holds it
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventSynchronize);
   auto* e = reinterpret_cast<Event*>(event);
   if (!rt().known(e)) return entry.unknown("event");
-  rt().host.join(e->clock);
+  const Clock c = e->clock;  // a copy: the wait releases the lock
+  if (!rt().wait_for(c, "cudaEventSynchronize")) return entry.fail(cudaErrorLaunchTimeout, "a hang (see the violations)");
+  rt().host.join(c);
+  return cudaSuccess;
+}
+
+
+// ---- host functions ----
+// Runs `fn` on a thread of its own once everything before it on the stream has completed;
+// the stream is held until it returns (work queued after it waits for it, and a query
+// reports cudaErrorNotReady meanwhile).
+cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* user_data) {
+  FSDP_EMULATOR_ENTER(cudaLaunchHostFunc);
+  Stream* s = rt().resolve(stream, current_device);
+  if (!s) return entry.unknown("stream");
+  if (!fn) return entry.fail(cudaErrorInvalidValue, "cudaLaunchHostFunc with a null function");
+  auto returned = std::make_shared<std::atomic<bool>>(false);
+  rt().add_pending(*s, rt().queue_op(*s), "a host function (cudaLaunchHostFunc)", [fn, user_data, returned, started = false](Pending& p) mutable {
+    if (!started) {
+      started = true;
+      std::thread([fn, user_data, returned] {
+        fn(user_data);
+        returned->store(true);
+      }).detach();
+    }
+    p.done = returned->load();
+  });
   return cudaSuccess;
 }
 

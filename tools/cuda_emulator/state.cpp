@@ -2,9 +2,12 @@
 #include "tools/cuda_emulator/state.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <new>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace cuda_emulator::detail {
@@ -25,10 +28,43 @@ std::string hex(const void* p) {
 
 const char* space_name(Space s) { return s == Space::device ? "device" : "pinned host"; }
 
+// FSDP_CUDA_EMULATOR_DEVICES: how many GPUs the runtime shows at start (1 unset), so that
+// each process of a multi-process test can take its rank's.
+int devices_at_start() {
+  const char* v = std::getenv("FSDP_CUDA_EMULATOR_DEVICES");
+  if (!v || !*v) return 1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 0 || n > 64) {
+    std::fprintf(stderr, "cuda_emulator: FSDP_CUDA_EMULATOR_DEVICES='%s' is not a count of GPUs in [0, 64]\n", v);
+    std::abort();
+  }
+  return static_cast<int>(n);
+}
+
 }  // namespace
 
+std::chrono::seconds hang_bound() {
+  static const std::chrono::seconds bound = [] {
+    const char* v = std::getenv("FSDP_CUDA_EMULATOR_HANG_S");
+    if (!v || !*v) return std::chrono::seconds(60);
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n <= 0) {
+      std::fprintf(stderr, "cuda_emulator: FSDP_CUDA_EMULATOR_HANG_S='%s' is not a positive number of seconds\n", v);
+      std::abort();
+    }
+    return std::chrono::seconds(n);
+  }();
+  return bound;
+}
+
 Runtime& Runtime::get() {
-  static Runtime* runtime = new Runtime;  // never destroyed: CUDA objects may outlive statics
+  static Runtime* runtime = [] {  // never destroyed: CUDA objects may outlive statics
+    auto* r = new Runtime;
+    r->device_count = devices_at_start();
+    return r;
+  }();
   return *runtime;
 }
 
@@ -82,7 +118,21 @@ Event* Runtime::make_event(int device) {
 
 bool Runtime::destroy_event(Event* e) { return events_.erase(e) != 0; }
 
-std::uint64_t Runtime::begin_op(Stream& s) {
+std::uint64_t Runtime::begin_op(Stream& s, bool* hung) {
+  // Ordered and checked under the lock it then ticks under: a pending operation queued by
+  // another thread while this one waited is waited for too.
+  for (;;) {
+    order(s);
+    if (!incomplete(s.clock)) break;
+    if (!wait_for(Clock(s.clock), "an operation on " + describe(s))) {
+      if (hung) *hung = true;
+      break;
+    }
+  }
+  return s.clock.tick(s.id);
+}
+
+void Runtime::order(Stream& s) {
   s.clock.join(host);
   if (s.blocking) {
     if (auto it = legacy_.find(s.device); it != legacy_.end()) s.clock.join(it->second->clock);
@@ -90,6 +140,10 @@ std::uint64_t Runtime::begin_op(Stream& s) {
     for (auto& [raw, owned] : streams_)
       if (raw->device == s.device && raw->blocking) s.clock.join(raw->clock);
   }
+}
+
+std::uint64_t Runtime::queue_op(Stream& s) {
+  order(s);
   return s.clock.tick(s.id);
 }
 
@@ -104,11 +158,86 @@ std::byte* Runtime::allocate(std::size_t bytes, Space space, int device, const c
   a.how = how;
   if (on) {
     a.made_on = on->id;
-    a.made_at = begin_op(*on);
+    a.made_at = queue_op(*on);  // touches no bytes: nothing to wait for
   }
   live_.emplace(reinterpret_cast<std::uintptr_t>(p), std::move(a));
   live_bytes_[static_cast<int>(space)] += bytes;
   return p;
+}
+
+std::shared_ptr<Pending> Runtime::add_pending(Stream& s, std::uint64_t time, std::string what,
+                                              std::function<void(Pending&)> step) {
+  auto p = std::make_shared<Pending>();
+  p->what = std::move(what);
+  p->step = std::move(step);
+  p->time = time;
+  p->stream = s.id;
+  p->after = s.clock;
+  p->after.t[s.id] = p->time - 1;  // before itself
+  pending_.push_back(p);
+  start_progress_thread();
+  progress();
+  return p;
+}
+
+// A GPU moves on by itself: a thread steps the pending operations every millisecond, so a
+// collective whose turn comes while its process is busy elsewhere (a store barrier, a
+// socket) still posts its part for the other ranks.
+void Runtime::start_progress_thread() {
+  if (progress_thread_started_) return;
+  progress_thread_started_ = true;
+  std::thread([this] {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::lock_guard lock(mutex);
+      if (!pending_.empty()) progress();
+    }
+  }).detach();  // the runtime is never destroyed
+}
+
+void Runtime::run_in_order(Stream& s, std::uint64_t time, std::string what, std::function<void()> body) {
+  if (!incomplete(s.clock)) return body();  // nothing pending is ordered before it
+  add_pending(s, time, std::move(what), [body = std::move(body)](Pending& p) {
+    body();
+    p.done = true;
+  });
+}
+
+void Runtime::progress() {
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      const std::shared_ptr<Pending> p = pending_[i];  // a step may queue more
+      if (p->done || incomplete(p->after)) continue;
+      p->step(*p);
+      if (p->done) moved = true;
+    }
+    std::erase_if(pending_, [](const std::shared_ptr<Pending>& p) { return p->done; });
+  }
+}
+
+const Pending* Runtime::incomplete(const Clock& c) const {
+  for (const auto& p : pending_)
+    if (!p->done && c.at(p->stream) >= p->time) return p.get();
+  return nullptr;
+}
+
+bool Runtime::wait_for(const Clock& c, const std::string& waiter) {
+  const std::chrono::seconds bound = hang_bound();
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  for (int spins = 0;; ++spins) {
+    progress();
+    const Pending* p = incomplete(c);
+    if (!p) return true;
+    if (std::chrono::steady_clock::now() > deadline) {
+      violation("hang: " + waiter + " waited " + std::to_string(bound.count()) + " s (FSDP_CUDA_EMULATOR_HANG_S) for " +
+                p->what + " on stream #" + std::to_string(p->stream) + ", which has not completed: on a GPU it would wait forever");
+      return false;
+    }
+    mutex.unlock();  // the caller's Entry keeps its lock object; it is ours again on return
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
+    mutex.lock();
+  }
 }
 
 bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
@@ -118,8 +247,8 @@ bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
   // Every access must be ordered before the free: on its stream (stream-ordered free) or,
   // for a synchronous free, seen complete by the host.
   const Clock* at = &host;
-  if (on) {
-    begin_op(*on);
+  if (on) {  // its bytes are released late (below): nothing to wait for
+    queue_op(*on);
     at = &on->clock;
   }
   const std::string freer = on ? std::string(how) + " on " + describe(*on) : std::string(how) + " (from the host)";
@@ -135,7 +264,8 @@ bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
   freed_bytes_ += a.bytes;
   live_bytes_[static_cast<int>(space)] -= a.bytes;
   live_.erase(it);
-  while (!freed_.empty() && (freed_bytes_ > kQuarantineBytes || freed_.size() > kQuarantineBlocks)) {
+  // Kept while an operation is pending: a deferred one queued before the free may still use it.
+  while (pending_.empty() && !freed_.empty() && (freed_bytes_ > kQuarantineBytes || freed_.size() > kQuarantineBlocks)) {
     freed_bytes_ -= freed_.front().bytes;
     ::operator delete(freed_.front().base, std::align_val_t{kAlignment});
     freed_.pop_front();

@@ -4,9 +4,11 @@
 // One mutex guards it all; every entry point of runtime.cpp holds it.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -81,6 +83,31 @@ struct Freed {
   std::string how;  // "cudaFreeAsync", "cudaFree", "cudaFreeHost"
 };
 
+// An operation that does not complete when it is queued: an NCCL collective (until every
+// rank has queued its part, nccl.cpp), a host function (until it returns), and a kernel,
+// copy or fill queued behind one of those (until it has run). The clocks say what is
+// ordered after an incomplete one: such a kernel, copy or fill is deferred (its arguments
+// kept) and runs once its predecessors have completed; a query of a stream or event
+// ordered after one reports cudaErrorNotReady; a synchronization waits. What cannot be
+// deferred waits on the host instead: a copy into pageable host memory, which a GPU also
+// makes synchronously (a copy from pageable memory takes its bytes at the call, as a GPU's
+// driver stages them, and may be deferred). Stream-ordered allocations and frees
+// touch no bytes and are not held (freed memory is kept while anything is pending).
+struct Pending {
+  std::size_t stream = 0;
+  std::uint64_t time = 0;  // its point on its stream
+  Clock after;             // what is ordered before it: its stream's clock when it was queued
+  bool done = false;
+  std::string what;
+  // Moves it on once everything before it has completed; called under the runtime's mutex,
+  // repeatedly, until it sets `done`. May start work elsewhere (a thread, a peer).
+  std::function<void(Pending&)> step;
+};
+
+// How long a host wait on a pending operation may last before the emulator calls it a hang
+// (FSDP_CUDA_EMULATOR_HANG_S, default 60 s).
+std::chrono::seconds hang_bound();
+
 class Runtime {
  public:
   static Runtime& get();
@@ -107,8 +134,27 @@ class Runtime {
   bool known(Event* e) const { return events_.count(e) != 0; }
 
   // An operation starts on s: it is ordered after what the host has seen and, for a
-  // blocking stream, after the legacy stream's work; returns its time on s.
-  std::uint64_t begin_op(Stream& s);
+  // blocking stream, after the legacy stream's work; returns its time on s. An eager
+  // operation (begin_op) first waits on the host for the pending operations it is ordered
+  // after; a pending one (queue_op) does not.
+  std::uint64_t begin_op(Stream& s, bool* hung = nullptr);  // *hung: the wait reached the hang bound
+  std::uint64_t queue_op(Stream& s);
+  void order(Stream& s);  // the ordering part of both, without starting an operation
+
+  // Pending operations. `add_pending` makes the operation queued on s at `time` (queue_op's)
+  // pending (its step runs at once if it can).
+  // `progress` steps every one whose predecessors have completed, until none moves.
+  // `incomplete` is the first pending operation that `c` is ordered after and that has not
+  // completed, or null. `wait_for` waits (the runtime's mutex released meanwhile, the
+  // caller's lock kept) until none is; past the hang bound (FSDP_CUDA_EMULATOR_HANG_S,
+  // default 60 s: a GPU would wait forever) it records a violation and returns false.
+  std::shared_ptr<Pending> add_pending(Stream& s, std::uint64_t time, std::string what, std::function<void(Pending&)> step);
+  void progress();
+  // Runs `body` (an eager operation queued on s at `time`) now or, when s is held behind a
+  // pending operation, once that has completed (then as a pending operation itself).
+  void run_in_order(Stream& s, std::uint64_t time, std::string what, std::function<void()> body);
+  const Pending* incomplete(const Clock& c) const;
+  bool wait_for(const Clock& c, const std::string& waiter);
 
   // Memory.
   std::byte* allocate(std::size_t bytes, Space space, int device, const char* how, Stream* on);
@@ -141,6 +187,9 @@ class Runtime {
   std::map<Event*, std::unique_ptr<Event>> events_;
   std::map<std::uintptr_t, Allocation> live_;  // by base address
   std::size_t live_bytes_[2] = {0, 0};          // per Space
+  void start_progress_thread();
+  std::vector<std::shared_ptr<Pending>> pending_;  // not yet done, in the order queued
+  bool progress_thread_started_ = false;
   std::deque<Freed> freed_;
   std::size_t freed_bytes_ = 0;
   std::vector<std::string> violations_;

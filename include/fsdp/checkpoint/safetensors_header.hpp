@@ -50,12 +50,16 @@ inline constexpr std::string_view safetensors_dtype_name(DType t) {
     case DType::u8: return "U8";
     case DType::i32: return "I32";
     case DType::i64: return "I64";
+    case DType::f8e4m3: return "F8_E4M3";
+    case DType::f8e5m2: return "F8_E5M2";
+    case DType::e8m0: return "F8_E8M0";  // safetensors' name for the MX scale
   }
   return "?";
 }
 
 inline std::optional<DType> dtype_from_safetensors(std::string_view s) {
-  for (DType t : {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i8, DType::u8, DType::i32, DType::i64})
+  for (DType t : {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i8, DType::u8, DType::i32, DType::i64,
+                  DType::f8e4m3, DType::f8e5m2, DType::e8m0})
     if (safetensors_dtype_name(t) == s) return t;
   return std::nullopt;
 }

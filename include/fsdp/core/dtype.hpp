@@ -1,5 +1,9 @@
 #pragma once
-// Element types the library moves and reduces, with host conversions for the 16-bit ones.
+// Element types the library moves and reduces, with host conversions for the 16-bit ones
+// (the 8-bit floats' are fsdp/core/f8.hpp's).
+//   f8e4m3, f8e5m2: OCP OFP8 (E4M3FN: max 448, no inf; E5M2: max 57344, IEEE-like)
+//   e8m0: the OCP MX block scale, 2^(bits - 127), unsigned, 0xff NaN: it moves and takes
+//         max / min, but has no sum (an error says so)
 #include <algorithm>
 #include <bit>
 #include <cstddef>
@@ -8,17 +12,19 @@
 #include <string_view>
 
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/f8.hpp"
 
 namespace fsdp {
 
-enum class DType : std::uint8_t { f32, f64, f16, bf16, i8, u8, i32, i64 };
+// The codes are stable (checkpoints and wire messages carry them): new ones go last.
+enum class DType : std::uint8_t { f32, f64, f16, bf16, i8, u8, i32, i64, f8e4m3, f8e5m2, e8m0 };
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
     case DType::f64: case DType::i64: return 8;
     case DType::f32: case DType::i32: return 4;
     case DType::f16: case DType::bf16: return 2;
-    case DType::i8: case DType::u8: return 1;
+    case DType::i8: case DType::u8: case DType::f8e4m3: case DType::f8e5m2: case DType::e8m0: return 1;
   }
   return 0;
 }
@@ -33,22 +39,32 @@ constexpr std::string_view name_of(DType t) {
     case DType::u8: return "u8";
     case DType::i32: return "i32";
     case DType::i64: return "i64";
+    case DType::f8e4m3: return "f8e4m3";
+    case DType::f8e5m2: return "f8e5m2";
+    case DType::e8m0: return "e8m0";
   }
   return "?";
 }
 
 constexpr bool is_floating(DType t) {
-  return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16;
+  return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16 || t == DType::f8e4m3 ||
+         t == DType::f8e5m2 || t == DType::e8m0;
 }
 
 // Tag types so policies can name dtypes at compile time: MixedPrecision<bf16, float>.
 struct f16 { static constexpr DType value = DType::f16; };
 struct bf16 { static constexpr DType value = DType::bf16; };
+struct f8e4m3 { static constexpr DType value = DType::f8e4m3; };
+struct f8e5m2 { static constexpr DType value = DType::f8e5m2; };
+struct e8m0 { static constexpr DType value = DType::e8m0; };
 template <class T> struct dtype_of;  // C++ type -> DType
 template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
 template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
 template <> struct dtype_of<f16> { static constexpr DType value = DType::f16; };
 template <> struct dtype_of<bf16> { static constexpr DType value = DType::bf16; };
+template <> struct dtype_of<f8e4m3> { static constexpr DType value = DType::f8e4m3; };
+template <> struct dtype_of<f8e5m2> { static constexpr DType value = DType::f8e5m2; };
+template <> struct dtype_of<e8m0> { static constexpr DType value = DType::e8m0; };
 template <> struct dtype_of<std::int8_t> { static constexpr DType value = DType::i8; };
 template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::u8; };
 template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::i32; };
@@ -146,11 +162,17 @@ inline double load_as_double(const void* p, std::size_t i, DType t) {
     case DType::u8: return static_cast<const std::uint8_t*>(p)[i];
     case DType::i32: return static_cast<const std::int32_t*>(p)[i];
     case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(p)[i]);
+    case DType::f8e4m3: return f8e4m3_bits_to_float(static_cast<const std::uint8_t*>(p)[i]);
+    case DType::f8e5m2: return f8e5m2_bits_to_float(static_cast<const std::uint8_t*>(p)[i]);
+    case DType::e8m0: return e8m0_bits_to_float(static_cast<const std::uint8_t*>(p)[i]);
   }
   return 0;
 }
 
 // Integer dtypes truncate toward zero and need v in their range (fsdp::cast checks it).
+// The 8-bit floats round once to nearest even and, like the 16-bit ones, do not saturate:
+// beyond their largest finite value E5M2 gives inf and E4M3 (which has none) NaN. e8m0
+// takes the largest power of two <= |v|.
 inline void store_from_double(void* p, std::size_t i, DType t, double v) {
   switch (t) {
     case DType::f32: static_cast<float*>(p)[i] = static_cast<float>(v); return;
@@ -161,6 +183,9 @@ inline void store_from_double(void* p, std::size_t i, DType t, double v) {
     case DType::u8: static_cast<std::uint8_t*>(p)[i] = static_cast<std::uint8_t>(v); return;
     case DType::i32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); return;
     case DType::i64: static_cast<std::int64_t*>(p)[i] = static_cast<std::int64_t>(v); return;
+    case DType::f8e4m3: static_cast<std::uint8_t*>(p)[i] = double_to_f8e4m3_bits(v, false); return;
+    case DType::f8e5m2: static_cast<std::uint8_t*>(p)[i] = double_to_f8e5m2_bits(v, false); return;
+    case DType::e8m0: static_cast<std::uint8_t*>(p)[i] = double_to_e8m0_bits(v); return;
   }
 }
 

@@ -31,6 +31,9 @@ class Work {
     // returns true; false when this backend cannot wait on that queue. Throws fsdp::Error
     // when the collective is already known to have failed.
     virtual bool enqueue_wait(const DeviceQueue&) { return false; }
+    // After wait() threw: true when the collective is still in flight and a later wait()
+    // can wait for it (a wait refused before it was launched); false when it failed.
+    virtual bool still_waitable() { return false; }
   };
 
   Work() = default;
@@ -49,11 +52,19 @@ class Work {
   // queue is ordered behind the collective then, and so is every free queued on it.
   ~Work() { finish_quietly(); }
 
+  // A wait that throws ends the Work (the backend reports the failure), unless the backend
+  // says the collective can still be waited for (a wait refused inside an nccl_group): then
+  // the Work stays pending and a later wait() waits.
   void wait() {
     if (!pending_) return;
     auto p = std::move(pending_);
     on_device_ = false;
-    p->wait();
+    try {
+      p->wait();
+    } catch (...) {
+      if (p->still_waitable()) pending_ = std::move(p);
+      throw;
+    }
   }
   bool ready() const { return !pending_ || pending_->ready(); }
   // True when the backend finished the collective inside the call (a synchronous backend

@@ -69,6 +69,7 @@ class MpiTypes {
       case DType::u8: return MPI_UINT8_T;
       case DType::i32: return MPI_INT32_T;
       case DType::i64: return MPI_INT64_T;
+      case DType::f8e4m3: case DType::f8e5m2: case DType::e8m0: return MPI_UINT8_T;  // moved as bytes
     }
     fail("MPI adapter: unknown dtype ", static_cast<int>(t));
   }
@@ -78,6 +79,9 @@ class MpiTypes {
     const int slot = op == ReduceOp::sum ? 0 : op == ReduceOp::max ? 1 : op == ReduceOp::min ? 2 : -1;
     if (slot < 0) fail("MPI adapter: reduce op ", name_of(op), " has no MPI_Op (MpiComm sums, then divides)");
     if (is_half(t)) return ops_[t == DType::f16 ? 0 : 1][slot];
+    if (t == DType::f8e4m3 || t == DType::f8e5m2)
+      fail("MPI adapter: ", name_of(op), " of ", name_of(t), ": MpiComm has no 8-bit float arithmetic (it moves them; "
+           "TcpComm, ThreadComm and NcclComm reduce them)");
     return slot == 0 ? MPI_SUM : slot == 1 ? MPI_MAX : MPI_MIN;
   }
 

@@ -19,6 +19,8 @@ class NcclPending final : public Work::Pending {
     for (int spins = 0; !state_->poll(*f_); ++spins) cuda_poll_backoff(spins);  // poll throws past the timeout
   }
   bool ready() override { return state_->poll(*f_); }
+  // A wait inside the nccl_group that issued it is refused; after the group it can wait.
+  bool still_waitable() override { return state_->unlaunched(*f_); }
   // Any CUDA stream (of any device) can wait for the event; other queues cannot.
   bool enqueue_wait(const DeviceQueue& q) override {
     if (q.device.kind != DeviceKind::cuda) return false;

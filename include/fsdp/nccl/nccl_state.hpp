@@ -190,6 +190,12 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return true;
   }
 
+  // True while `f` waits for its nccl_group to end (and the communicator is healthy).
+  bool unlaunched(const NcclInFlight& f) const {
+    std::lock_guard lk(mu_);
+    return broken_.empty() && !f.recorded && grouped_ > 0;
+  }
+
   // Makes `stream` wait (on the GPU) for `f`, unless it has completed; throws like poll()
   // when the communicator broke or `f` is inside an nccl_group that has not ended. The
   // wait takes the event's record of this moment: reusing the event later cannot move it.

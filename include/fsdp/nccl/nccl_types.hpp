@@ -74,6 +74,9 @@ inline ncclDataType_t nccl_dtype(DType t) {
     case DType::u8: return ncclUint8;
     case DType::i32: return ncclInt32;
     case DType::i64: return ncclInt64;
+    case DType::f8e4m3: return ncclFloat8e4m3;  // NCCL 2.24+ (reductions need sm_90 or newer)
+    case DType::f8e5m2: return ncclFloat8e5m2;
+    case DType::e8m0: return ncclUint8;  // max and min only (CollectiveCalls refuses the rest): ordered as the values
   }
   fail("NcclComm: dtype code ", static_cast<int>(t), " is not an fsdp::DType NCCL can move");
 }

@@ -62,8 +62,9 @@ inline c10::ScalarType scalar_type_of(DType d) {
     case DType::u8: return c10::ScalarType::Byte;
     case DType::i32: return c10::ScalarType::Int;
     case DType::i64: return c10::ScalarType::Long;
+    case DType::f8e4m3: case DType::f8e5m2: case DType::e8m0: break;
   }
-  return c10::ScalarType::Undefined;
+  fsdp::detail::fail("fsdp::torch: dtype ", name_of(d), " has no libtorch 1.13 scalar type (it has no 8-bit floats)");
 }
 
 inline DeviceId device_id_of(const c10::Device& d) {

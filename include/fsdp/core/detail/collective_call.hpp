@@ -104,9 +104,11 @@ class CollectiveCalls {
     return self().issue({CollectiveKind::all_gather, send, recv, count, t});
   }
   Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    check_reduction("reduce_scatter", t, op);
     return self().issue({CollectiveKind::reduce_scatter, send, recv, count, t, op});
   }
   Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op) {
+    check_reduction("all_reduce", t, op);
     return self().issue({CollectiveKind::all_reduce, send, recv, count, t, op});
   }
   Work broadcast(const void* send, void* recv, std::size_t count, DType t, int root) {
@@ -128,15 +130,25 @@ class CollectiveCalls {
   template <class Self = Backend>
     requires backend_checks_tags<Self>
   Work reduce_scatter(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
+    check_reduction("reduce_scatter", t, op);
     return self().issue(tagged({CollectiveKind::reduce_scatter, send, recv, count, t, op}, tag));
   }
   template <class Self = Backend>
     requires backend_checks_tags<Self>
   Work all_reduce(const void* send, void* recv, std::size_t count, DType t, ReduceOp op, const CollectiveTag& tag) {
+    check_reduction("all_reduce", t, op);
     return self().issue(tagged({CollectiveKind::all_reduce, send, recv, count, t, op}, tag));
   }
 
  private:
+  // e8m0 holds power-of-two scales: a sum of them means nothing (and a backend that sums
+  // bytes would silently sum their bit patterns); max and min order as the values do.
+  void check_reduction(const char* call, DType t, ReduceOp op) {
+    if (t == DType::e8m0 && op != ReduceOp::max && op != ReduceOp::min)
+      fail("rank ", self().rank(), ": ", call, "(op=", name_of(op),
+           ") of e8m0 (power-of-two scales): only max and min reduce it");
+  }
+
   static CollectiveCall tagged(CollectiveCall c, const CollectiveTag& tag) {
     c.tag = tag.packed();
     c.names = tag.names;

@@ -29,10 +29,24 @@ void for_each_typed(DType t, F&& f) {  // f(tag) with tag a pointer-type of the 
     case DType::i32: f(static_cast<std::int32_t*>(nullptr)); return;
     case DType::i64: f(static_cast<std::int64_t*>(nullptr)); return;
     case DType::f16: case DType::bf16: f(static_cast<std::uint16_t*>(nullptr)); return;
+    case DType::f8e4m3: case DType::f8e5m2: case DType::e8m0: break;  // no C++ type: callers take them first
   }
+  fail("internal: dtype ", name_of(t), " reached arithmetic on its bit patterns");
 }
 
 inline bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
+inline bool is_f8(DType t) { return t == DType::f8e4m3 || t == DType::f8e5m2; }  // OFP8: arithmetic in float
+
+inline float f8_load(std::uint8_t v, DType t) {
+  return t == DType::f8e4m3 ? f8e4m3_bits_to_float(v) : f8e5m2_bits_to_float(v);
+}
+inline std::uint8_t f8_store(double v, DType t) {  // rounded once, not saturating (store_from_double's rule)
+  return t == DType::f8e4m3 ? double_to_f8e4m3_bits(v, false) : double_to_f8e5m2_bits(v, false);
+}
+// e8m0 holds scales: it moves and takes max / min; anything else is refused.
+[[noreturn]] inline void no_e8m0_arithmetic(const char* what) {
+  fail(what, " on e8m0 (power-of-two scales): only moves and max / min are defined for it");
+}
 
 inline float half_load(std::uint16_t v, DType t) {
   return t == DType::f16 ? f16_bits_to_float(v) : bf16_bits_to_float(v);
@@ -54,6 +68,12 @@ T combine(T a, T b, ReduceOp op) {
 }
 
 inline void host_scale(void* p, std::size_t n, DType t, double factor) {
+  if (t == DType::e8m0) no_e8m0_arithmetic("scaling");
+  if (is_f8(t)) {
+    auto* q = static_cast<std::uint8_t*>(p);
+    for (std::size_t i = 0; i < n; ++i) q[i] = f8_store(static_cast<double>(f8_load(q[i], t) * static_cast<float>(factor)), t);
+    return;
+  }
   if (is_half(t)) {
     auto* q = static_cast<std::uint16_t*>(p);
     for (std::size_t i = 0; i < n; ++i) q[i] = half_store(half_load(q[i], t) * static_cast<float>(factor), t);
@@ -73,6 +93,20 @@ inline void host_scale(void* p, std::size_t n, DType t, double factor) {
 
 // dst[i] = dst[i] (op) src[i]
 inline void host_combine(void* dst, const void* src, std::size_t n, DType t, ReduceOp op) {
+  if (t == DType::e8m0) {  // the patterns order as the values do (0xff, NaN, is largest)
+    if (op != ReduceOp::max && op != ReduceOp::min) no_e8m0_arithmetic(name_of(op).data());
+    auto* d = static_cast<std::uint8_t*>(dst);
+    auto* s = static_cast<const std::uint8_t*>(src);
+    for (std::size_t i = 0; i < n; ++i) d[i] = combine(d[i], s[i], op);
+    return;
+  }
+  if (is_f8(t)) {  // in float, each result rounded to the format, as a kernel computing in it
+    auto* d = static_cast<std::uint8_t*>(dst);
+    auto* s = static_cast<const std::uint8_t*>(src);
+    for (std::size_t i = 0; i < n; ++i)
+      d[i] = f8_store(static_cast<double>(combine(f8_load(d[i], t), f8_load(s[i], t), op)), t);
+    return;
+  }
   if (is_half(t)) {
     auto* d = static_cast<std::uint16_t*>(dst);
     auto* s = static_cast<const std::uint16_t*>(src);
@@ -189,6 +223,16 @@ inline void host_cast(void* dst, DType to, const void* src, DType from, std::siz
 // (checked after rounding: a finite product can round to a 16-bit type's inf).
 inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
   bool bad = false;
+  if (t == DType::e8m0) no_e8m0_arithmetic("unscaling");
+  if (is_f8(t)) {
+    auto* q = static_cast<std::uint8_t*>(p);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint8_t bits = f8_store(static_cast<double>(f8_load(q[i], t)) * inv_scale, t);
+      bad |= !std::isfinite(f8_load(bits, t));
+      q[i] = bits;
+    }
+    return bad;
+  }
   if (is_half(t)) {
     auto* q = static_cast<std::uint16_t*>(p);
     for (std::size_t i = 0; i < n; ++i) {
