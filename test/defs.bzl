@@ -105,3 +105,69 @@ def fsdp_emulated_cuda_test(name, srcs, deps = [], **kwargs):
         ],
         **kwargs
     )
+
+def fsdp_cuda_tests(name, emulated_name, srcs, deps = [], gpu_deps = ["//:fsdp_cuda"], emulated_env = {}, **kwargs):
+    """Declares a CUDA test twice from one compile: on the CUDA runtime and on the emulated one.
+
+    The sources are compiled once (<name>_objects: the test files see only the CUDA and NCCL
+    headers, which both runtimes share) and linked into two cc_tests:
+      - `name`: with gpu_deps (//:fsdp_cuda, or //:fsdp_nccl: the NVIDIA libraries) and the
+        plain doctest main; not under the sanitizer configs (the NVIDIA libraries are not
+        instrumented, see NO_SANITIZERS in test/BUILD.bazel); its GPU cases report as
+        skipped without a GPU;
+      - `emulated_name`: with //tools/cuda_emulator and its doctest main, which fails the run
+        when the emulator found a stream-order race or an invalid memory use (as
+        fsdp_emulated_cuda_test); also under the sanitizers.
+
+    Args:
+      name: the GPU test's name, e.g. "cuda_sharded_test".
+      emulated_name: the emulated test's name, e.g. "cuda_sharded_emulated_test".
+      srcs: test files, relative to this package.
+      deps: what the files include besides //:fsdp and //:fsdp_cuda_api (headers only:
+        e.g. //:fsdp_nccl_api, not //:fsdp_nccl).
+      gpu_deps: the NVIDIA libraries the GPU test links.
+      emulated_env: environment of the emulated test only (e.g. its device count).
+      **kwargs: forwarded to both cc_tests (size, timeout, tags, ...); the GPU test's tags
+        gain no_asan and no_tsan; copts, defines and local_defines go to the compile.
+    """
+    if "env" in kwargs:
+        fail("fsdp_cuda_tests %s: pass the emulated test's environment as emulated_env" % name)
+    tags = kwargs.pop("tags", [])
+    compile_args = {k: kwargs.pop(k) for k in ["copts", "defines", "local_defines"] if k in kwargs}
+    native.cc_library(
+        name = name + "_objects",
+        testonly = True,
+        srcs = srcs,
+        deps = deps + [
+            "//:fsdp",
+            "//:fsdp_cuda_api",
+            "@doctest",
+        ],
+        alwayslink = True,
+        tags = tags,
+        **compile_args
+    )
+    cc_test(
+        name = name,
+        deps = [":" + name + "_objects"] + gpu_deps + [
+            "//test:doctest_main",
+            "@doctest",
+        ],
+        tags = tags + [
+            "no_asan",
+            "no_tsan",
+        ],
+        **kwargs
+    )
+    cc_test(
+        name = emulated_name,
+        env = emulated_env,
+        deps = [
+            ":" + name + "_objects",
+            "//tools/cuda_emulator",
+            "//tools/cuda_emulator:emulated_doctest_main",
+            "@doctest",
+        ],
+        tags = tags,
+        **kwargs
+    )

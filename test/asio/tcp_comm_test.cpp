@@ -72,6 +72,26 @@ TEST_CASE("every dtype and op, f16 and bf16 sums included") {
   }
 }
 
+TEST_CASE("the 8-bit floats: f8 in every op, e8m0 in max and min, all three gathered and broadcast") {
+  const DType f8[] = {DType::f8e4m3, DType::f8e5m2}, all8[] = {DType::f8e4m3, DType::f8e5m2, DType::e8m0};
+  std::vector<Case> cases;
+  for (DType t : f8)
+    for (ReduceOp op : kOps) {
+      cases.push_back({K::reduce_scatter, 3, 37, t, op});
+      cases.push_back({K::all_reduce, 3, 101, t, op, 0, true});
+    }
+  for (ReduceOp op : {ReduceOp::max, ReduceOp::min}) {
+    cases.push_back({K::reduce_scatter, 3, 37, DType::e8m0, op});
+    cases.push_back({K::all_reduce, 3, 101, DType::e8m0, op, 0, true});
+  }
+  for (DType t : all8) {
+    cases.push_back({K::all_gather, 3, 13, t});
+    cases.push_back({K::broadcast, 3, 29, t, ReduceOp::sum, 2});
+  }
+  TcpWorld world(3, test_support::ok_options(24, 1));  // small segments: several frames per step
+  check_against_reference(world, cases);
+}
+
 TEST_CASE("large messages (a few MiB per rank) with the default segment size") {
   for (int n : {2, 3, 4}) {
     TcpWorld world(n, test_support::ok_options(1 << 20, n == 3 ? 1 : 2));

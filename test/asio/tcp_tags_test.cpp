@@ -87,6 +87,26 @@ TEST_CASE("the frame header carries the tag") {
   CHECK_FALSE(back->matches(other));
 }
 
+TEST_CASE("the frame header carries every dtype, the 8-bit floats included, and refuses a code past them") {
+  std::array<std::byte, fsdp::detail::FrameHeader::kSize> bytes{};
+  std::string problem;
+  for (int code = 0; code <= static_cast<int>(fsdp::DType::e8m0); ++code) {
+    fsdp::detail::CollectiveCall c;
+    c.kind = fsdp::detail::CollectiveKind::all_gather;
+    c.count = 5;
+    c.dtype = static_cast<fsdp::DType>(code);
+    fsdp::detail::FrameHeader::data_for(c, 0, 5).encode(bytes.data());
+    const auto back = fsdp::detail::FrameHeader::decode(bytes.data(), problem);
+    CAPTURE(problem);
+    REQUIRE(back);
+    CHECK(back->dtype == c.dtype);
+    CHECK(back->matches(c));
+  }
+  bytes[6] = std::byte{static_cast<unsigned char>(static_cast<int>(fsdp::DType::e8m0) + 1)};  // the dtype's byte
+  CHECK_FALSE(fsdp::detail::FrameHeader::decode(bytes.data(), problem));
+  CHECK(problem == "frame names an unknown collective, dtype or op");
+}
+
 TEST_CASE("all-gathers of the same size with different tags fail on every rank, naming both units") {
   const Names names;
   TcpWorld world(2);

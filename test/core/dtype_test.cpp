@@ -857,6 +857,19 @@ const F8Ref kE4M3Ref{4, 3, 7, false}, kE5M2Ref{5, 2, 15, true};
 
 }  // namespace
 
+TEST_CASE("16-bit scale and combine round from float: a quiet NaN keeps its payload bits") {
+  // bf16 0x7fd7 is a quiet NaN with payload; float arithmetic on x86 passes it through, and
+  // float -> bf16 keeps the top bits (double -> bf16 would give the one NaN 0x7fc0).
+  std::uint16_t p[2] = {0x7fd7, 0x3f80};  // NaN, 1.0
+  fsdp::detail::host_scale(p, 2, DType::bf16, 2.0);
+  CHECK(p[0] == 0x7fd7);
+  CHECK(p[1] == 0x4000);  // 2.0
+  const std::uint16_t one[2] = {0x3f80, 0x3f80};
+  fsdp::detail::host_combine(p, one, 2, DType::bf16, fsdp::ReduceOp::sum);
+  CHECK(p[0] == 0x7fd7);
+  CHECK(p[1] == 0x4040);  // 3.0
+}
+
 TEST_CASE("8-bit floats: sizes, names, floating, tags; codes after the older dtypes'") {
   for (DType t : {DType::f8e4m3, DType::f8e5m2, DType::e8m0}) {
     CHECK(fsdp::size_of(t) == 1);

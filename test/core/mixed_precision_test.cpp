@@ -13,6 +13,27 @@
 #include "test/support/reference_training.hpp"
 
 namespace core_mixed_precision_test {
+// A host tensor that MixedPrecision can show in another dtype (tensor_traits' rebind with a
+// dtype), so that a module may hold an 8-bit float buffer.
+struct ShownTensor {
+  fsdp::HostTensor t;
+  fsdp::DType shown;
+  ShownTensor(std::vector<std::int64_t> shape, fsdp::DType d = fsdp::DType::f32) : t(std::move(shape), d), shown(d) {}
+};
+}  // namespace core_mixed_precision_test
+
+template <>
+struct fsdp::tensor_traits<core_mixed_precision_test::ShownTensor> {
+  using T = core_mixed_precision_test::ShownTensor;
+  static DType dtype(const T& x) { return x.shown; }
+  static std::span<const std::int64_t> shape(const T& x) { return x.t.shape(); }
+  static void* data(T& x) { return x.t.data(); }
+  static DeviceId device(const T&) { return {DeviceKind::cpu, 0}; }
+  static void rebind(T& x, void* p) { x.t.rebind(p); }
+  static void rebind(T& x, void* p, DType d) { x.t.rebind(p), x.shown = d; }
+};
+
+namespace core_mixed_precision_test {
 
 namespace {
 
@@ -238,6 +259,33 @@ TEST_CASE("buffers: computed with in Buffer, shown in their own dtype when summo
     }
     CHECK(model.gain.scale.dtype() == fsdp::DType::f16);
     CHECK(model.gain.scale.get(0) == 3.0f);
+  });
+}
+
+// A module with an e8m0 buffer (power-of-two scales) beside an f32 one.
+struct ScaledLayer {
+  ShownTensor w{{4}}, gw{{4}}, gain{{2}}, scales{{3}, fsdp::DType::e8m0};
+  template <class F> void visit_parameters(F&& f) { f("w", w, gw); }
+  template <class F> void visit_buffers(F&& f) {
+    f("gain", gain);
+    f("scales", scales);
+  }
+};
+
+TEST_CASE("buffers of an 8-bit float dtype stay the engine's, uncast, under a Buffer dtype") {
+  // 2^-30, 1 and 2^16 (e8m0 exponents 97, 127, 143): f16 would flush the first to zero and
+  // overflow the last.
+  const std::uint8_t scales[3] = {97, 127, 143};
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    ScaledLayer m;
+    static_cast<float*>(m.gain.t.data())[0] = 1.5f;
+    std::memcpy(m.scales.t.data(), scales, 3);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16, float, fsdp::f16>>(m, comm, device);
+    CHECK(m.gain.shown == fsdp::DType::f16);  // a compute dtype: cast to Buffer
+    CHECK(fsdp::f16_bits_to_float(static_cast<const std::uint16_t*>(m.gain.t.data())[0]) == 1.5f);
+    CHECK(m.scales.shown == fsdp::DType::e8m0);
+    CHECK(std::memcmp(m.scales.t.data(), scales, 3) == 0);
   });
 }
 

@@ -88,6 +88,16 @@ expect_error comm_precision_integer "CommPrecision dtypes must be floating point
 fsdp::Policies<fsdp::CommPrecision<std::int32_t>> p;
 EOF
 
+expect_error comm_precision_8bit "the 8-bit floats need per-block scales" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::f8e4m3>> p;
+EOF
+
+expect_error mixed_precision_8bit "MixedPrecision dtypes must be floating point" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::MixedPrecision<float, fsdp::e8m0>> p;
+EOF
+
 expect_error comm_and_mixed_reduce "both choose the gradient reduction dtype" <<'EOF'
 #include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<float, fsdp::bf16>, fsdp::CommPrecision<fsdp::bf16>> p;

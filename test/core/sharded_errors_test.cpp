@@ -160,6 +160,25 @@ TEST_CASE("an integer parameter is refused on every rank, naming it") {
   }
 }
 
+TEST_CASE("an 8-bit float parameter is refused on every rank, naming it and why") {
+  for (const fsdp::DType t : {fsdp::DType::f8e4m3, fsdp::DType::f8e5m2, fsdp::DType::e8m0}) {
+    CAPTURE(name_of(t));
+    auto msgs = errors_per_rank(2, [t](fsdp::ThreadComm& comm) {
+      Net net;
+      net.a.add("weight", {4, 2});
+      net.a.add("scale", {2}, t);
+      fsdp::HostDevice device;
+      fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer>{});
+    });
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "unit 'a' on rank " + std::to_string(r)));
+      CHECK(contains(msgs[r], "parameter 'a.scale' has dtype " + std::string(name_of(t))));
+      CHECK(contains(msgs[r], "only with per-block scales"));
+    }
+  }
+}
+
 TEST_CASE("ranks whose units disagree fail on every rank, naming the unit and both ranks' parameters") {
   SUBCASE("different parameter count") {
     auto msgs = errors_per_rank(4, [](fsdp::ThreadComm& comm) {

@@ -18,6 +18,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
+#include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
 
 namespace {
@@ -598,4 +599,34 @@ TEST_CASE("errors are fsdp::Error naming the device and leave the counts alone" 
   // No such device. Braces: in parentheses, clang reads the macro's statement as a declaration.
   CHECK_THROWS_AS(CudaDevice{fsdp::cuda_device_count()}, fsdp::Error);
   CHECK_THROWS_AS(CudaDevice(-1), fsdp::Error);
+}
+
+TEST_CASE("the 8-bit floats: copies move them; kernel arithmetic on them is refused, naming the op" *
+          doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  void* a = dev.allocate(16, kDev);
+  void* b = dev.allocate(16, kDev);
+  const std::uint8_t bits[4] = {0x38, 0x40, 0x44, 0xc0};
+  std::uint8_t back[4] = {};
+  dev.copy(a, bits, 4);
+  dev.copy(b, a, 4);
+  dev.copy(back, b, 4);
+  dev.synchronize();
+  CHECK(std::memcmp(back, bits, 4) == 0);
+  for (const DType t : {DType::f8e4m3, DType::f8e5m2, DType::e8m0}) {
+    CAPTURE(fsdp::name_of(t));
+    const std::string name(fsdp::name_of(t));
+    auto refused = [&](const char* op, auto&& call) {
+      CHECK(test_support::contains(test_support::error_of(call),
+                                   std::string("CudaDevice(cuda:0): ") + op + " of " + name + ": the CUDA kernels have no"));
+    };
+    refused("scale", [&] { dev.scale(a, 4, t, 0.5); });
+    refused("accumulate", [&] { dev.accumulate(a, b, 4, t); });
+    refused("cast", [&] { dev.cast(a, DType::f32, b, t, 4); });
+    refused("cast", [&] { dev.cast(a, t, b, DType::f32, 4); });
+    refused("unscale", [&] { dev.unscale(a, 4, t, 0.5); });
+  }
+  dev.synchronize();
+  dev.deallocate(a, 16, kDev);
+  dev.deallocate(b, 16, kDev);
 }

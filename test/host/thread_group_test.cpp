@@ -741,6 +741,42 @@ TEST_CASE("broadcast with a root outside the group fails on every rank") {
   }
 }
 
+TEST_CASE("8-bit floats: f8 sums in float rounded to the format; e8m0 takes max and min, and refuses a sum on every rank") {
+  // E5M2 patterns of 3.0 (0x42) and 0.75 (0x3a), summed in rank order, rounded after each
+  // step: 3.0 + 0.75 = 3.75, a tie between 3.5 and 4.0 -> 4.0 (even); 4.0 + 0.75 = 4.75 -> 5.0
+  // (0x45). Rounded once at the end, 4.5 would tie to 4.0 (0x44).
+  std::vector<std::uint8_t> sums(3);
+  ThreadGroup(3, kOk).run([&](ThreadComm& c) {
+    const std::uint8_t v[] = {0x42, 0x3a, 0x3a};
+    std::uint8_t r = 0;
+    c.all_reduce(&v[c.rank()], &r, 1, DType::f8e5m2, ReduceOp::sum).wait();
+    sums[static_cast<std::size_t>(c.rank())] = r;
+  });
+  for (auto x : sums) CHECK(int(x) == 0x45);
+  // e8m0: 2^(e - 127); the patterns order as the values do.
+  std::vector<std::uint8_t> maxes(3), mins(3);
+  ThreadGroup(3, kOk).run([&](ThreadComm& c) {
+    const std::uint8_t v[] = {126, 131, 127};
+    std::uint8_t hi = 0, lo = 0;
+    c.all_reduce(&v[c.rank()], &hi, 1, DType::e8m0, ReduceOp::max).wait();
+    c.all_reduce(&v[c.rank()], &lo, 1, DType::e8m0, ReduceOp::min).wait();
+    maxes[static_cast<std::size_t>(c.rank())] = hi, mins[static_cast<std::size_t>(c.rank())] = lo;
+  });
+  for (int r = 0; r < 3; ++r) CHECK((maxes[r] == 131 && mins[r] == 126));
+  for (const ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
+    const auto msgs = errors_per_rank(2, kShort, [op](ThreadComm& c) {
+      std::uint8_t x[2] = {127, 127}, y[1] = {};
+      if (c.rank() == 0) c.reduce_scatter(x, y, 1, DType::e8m0, op).wait();
+      else c.all_reduce(x, x, 2, DType::e8m0, op).wait();
+    });
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "rank " + std::to_string(r) + ": " + (r == 0 ? "reduce_scatter" : "all_reduce")));
+      CHECK(contains(msgs[r], "of e8m0 (power-of-two scales): only max and min reduce it"));
+    }
+  }
+}
+
 TEST_CASE("ThreadGroup refuses a timeout of 0, below 0 or over a day, naming it in ms") {
   for (const auto t : {0ms, -5ms, std::chrono::milliseconds(std::chrono::hours(24) + 1ms),
                        std::chrono::milliseconds(std::chrono::hours(24 * 365))}) {

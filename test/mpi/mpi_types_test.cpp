@@ -37,6 +37,21 @@ TEST_CASE("datatypes: one MPI datatype per dtype, of the dtype's size; f16 and b
   CHECK(test_mpi::contains(test_mpi::error_of([&] { s.op(DType::f32, ReduceOp::avg); }), "avg has no MPI_Op"));
 }
 
+TEST_CASE("the 8-bit floats move as bytes; their reductions are refused, e8m0's max and min are byte-wise") {
+  auto& s = test_mpi::session();
+  for (DType t : {DType::f8e4m3, DType::f8e5m2, DType::e8m0}) CHECK(s.datatype(t) == MPI_UINT8_T);
+  for (DType t : {DType::f8e4m3, DType::f8e5m2})
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::max, ReduceOp::min}) {
+      CAPTURE(fsdp::name_of(t));
+      CAPTURE(fsdp::name_of(op));
+      CHECK(test_mpi::contains(test_mpi::error_of([&] { s.op(t, op); }),
+                               "MPI adapter: " + std::string(fsdp::name_of(op)) + " of " + std::string(fsdp::name_of(t)) +
+                                   ": MpiComm has no 8-bit float arithmetic"));
+    }
+  CHECK(s.op(DType::e8m0, ReduceOp::max) == MPI_MAX);  // the patterns order as the values do
+  CHECK(s.op(DType::e8m0, ReduceOp::min) == MPI_MIN);
+}
+
 TEST_CASE("mpi_error_text: MPI's own words for an error code") {
   CHECK(fsdp::detail::mpi_error_text(MPI_ERR_TRUNCATE) == "MPI_ERR_TRUNCATE: message truncated");
   CHECK(test_mpi::contains(fsdp::detail::mpi_error_text(MPI_ERR_COUNT), "MPI_ERR_COUNT"));

@@ -205,17 +205,26 @@ TEST_CASE("hooks return while the engine's stream is held; the step completes on
 }
 
 #ifdef FSDP_NCCL_STREAMS_TCP
+// Starts `world` children of this binary as the ranks of one job in `role` ("stall" or
+// "train"; "nccl streams child" below), meeting through `server`'s store.
+std::vector<std::unique_ptr<test_tools::ChildProcess>> spawn_ranks(const std::string& role, int world,
+                                                                   const fsdp::TcpStoreServer& server) {
+  std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
+  for (int r = 0; r < world; ++r)
+    children.push_back(std::make_unique<test_tools::ChildProcess>(
+        std::vector<std::string>{"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
+        std::vector<std::string>{"FSDP_NCCL_STREAMS_ROLE=" + role, "FSDP_NCCL_STREAMS_RANK=" + std::to_string(r),
+                                 "FSDP_NCCL_TEST_WORLD=" + std::to_string(world),
+                                 "FSDP_NCCL_STREAMS_PORT=" + std::to_string(server.port())}));
+  return children;
+}
+
 // Two ranks, since one issues no collective in a step (its shard is the whole parameter:
 // nothing to gather or reduce), so only a peer can hold one.
 TEST_CASE("a collective that cannot complete is an fsdp::Error at finish_backward, within the timeout" *
           doctest::skip(fewer_than_two_gpus)) {
   fsdp::TcpStoreServer server;
-  std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
-  for (int r = 0; r < 2; ++r)
-    children.push_back(std::make_unique<test_tools::ChildProcess>(
-        std::vector<std::string>{"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
-        std::vector<std::string>{"FSDP_NCCL_STREAMS_ROLE=stall", "FSDP_NCCL_STREAMS_RANK=" + std::to_string(r),
-                                 "FSDP_NCCL_STREAMS_PORT=" + std::to_string(server.port())}));
+  const auto children = spawn_ranks("stall", 2, server);
   for (int r = 0; r < 2; ++r) {
     const auto result = children[static_cast<std::size_t>(r)]->wait(std::chrono::seconds(60));
     INFO("rank ", r, " stdout:\n", result.out, "\nstderr:\n", result.err);
@@ -239,13 +248,7 @@ TEST_CASE("processes: every combination trains like the host on as many ranks, b
   for (const int world : test_support::test_worlds()) {
     CAPTURE(world);
     fsdp::TcpStoreServer server;
-    std::vector<std::unique_ptr<test_tools::ChildProcess>> children;
-    for (int r = 0; r < world; ++r)
-      children.push_back(std::make_unique<test_tools::ChildProcess>(
-          std::vector<std::string>{"/proc/self/exe", "--test-case=nccl streams child", "--no-version"},
-          std::vector<std::string>{"FSDP_NCCL_STREAMS_ROLE=train", "FSDP_NCCL_STREAMS_RANK=" + std::to_string(r),
-                                   "FSDP_NCCL_TEST_WORLD=" + std::to_string(world),
-                                   "FSDP_NCCL_STREAMS_PORT=" + std::to_string(server.port())}));
+    const auto children = spawn_ranks("train", world, server);
     for (int r = 0; r < world; ++r) {
       const auto result = children[static_cast<std::size_t>(r)]->wait(std::chrono::seconds(240));
       INFO("rank ", r, " of ", world, " stdout:\n", result.out, "\nstderr:\n", result.err);

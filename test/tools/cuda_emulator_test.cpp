@@ -344,6 +344,34 @@ TEST_CASE("emulated NCCL: a collective completes once every rank has queued it, 
   CHECK(cuda_emulator::take_violations().empty());
 }
 
+TEST_CASE("emulated NCCL: fail_next fails the named call once, as ncclSystemError in the emulator's words") {
+  TwoRanks two;
+  float* in[2] = {two.buffer(0, {1, 2}), two.buffer(1, {3, 4})};
+  cuda_emulator::fail_next("ncclAllReduce", cudaErrorUnknown);
+  cudaSetDevice(0);
+  CHECK(ncclAllReduce(in[0], in[0], 2, ncclFloat32, ncclSum, two.comm[0], two.stream[0]) == ncclSystemError);
+  CHECK(contains(ncclGetLastError(two.comm[0]), "(NCCL emulator) ncclAllReduce: injected by cuda_emulator::fail_next"));
+  CHECK(cudaStreamQuery(two.stream[0]) == cudaSuccess);  // nothing was queued
+  for (int r = 0; r < 2; ++r) {  // once only: the collective both ranks now call completes
+    cudaSetDevice(r);
+    REQUIRE(ncclAllReduce(in[r], in[r], 2, ncclFloat32, ncclSum, two.comm[r], two.stream[r]) == ncclSuccess);
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    REQUIRE(cudaStreamSynchronize(two.stream[r]) == cudaSuccess);
+    CHECK((in[r][0] == 4.0f && in[r][1] == 6.0f));
+  }
+  cuda_emulator::fail_next("ncclCommSplit", cudaErrorUnknown);
+  ncclComm_t part = nullptr;
+  cudaSetDevice(0);
+  CHECK(ncclCommSplit(two.comm[0], 0, 0, &part, nullptr) == ncclSystemError);
+  CHECK(part == nullptr);
+  CHECK(contains(ncclGetLastError(two.comm[0]), "ncclCommSplit: injected by cuda_emulator::fail_next"));
+  for (int r = 0; r < 2; ++r) cudaSetDevice(r), cudaFree(in[r]);
+  cudaSetDevice(0);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
 TEST_CASE("emulated NCCL: calls that differ between ranks never complete (as on NCCL); an abort drains the stream") {
   TwoRanks two;
   float* a = two.buffer(0, {1});

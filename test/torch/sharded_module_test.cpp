@@ -249,4 +249,13 @@ TEST_CASE("errors: the model called around the ShardedModule, a parameter that v
   CHECK(viewing->w.sum().item<float>() == 12.0f);
 }
 
+TEST_CASE("the 8-bit float dtypes have no libtorch 1.13 scalar type: an fsdp::Error naming the dtype") {
+  for (const fsdp::DType t : {fsdp::DType::f8e4m3, fsdp::DType::f8e5m2, fsdp::DType::e8m0}) {
+    CAPTURE(fsdp::name_of(t));
+    CHECK(test_support::contains(test_support::error_of([&] { (void)fsdp::torch::scalar_type_of(t); }),
+                                 "fsdp::torch: dtype " + std::string(fsdp::name_of(t)) + " has no libtorch 1.13 scalar type"));
+  }
+  CHECK((fsdp::torch::scalar_type_of(fsdp::DType::bf16) == c10::ScalarType::BFloat16));
+}
+
 }  // namespace torch_sharded_module_test

@@ -79,7 +79,8 @@ std::vector<std::string> take_violations();
 void set_device_count(int n);
 
 // The next call named `call` (any thread), after `skip` more of them, returns `error`
-// without doing anything, as a failing runtime would.
+// without doing anything, as a failing runtime would. An NCCL call returns ncclSystemError
+// instead, with "<call>: injected by cuda_emulator::fail_next" from ncclGetLastError.
 void fail_next(std::string_view call, cudaError_t error, int skip = 0);
 
 // Every NCCL communicator of this process reports `result` (an ncclResult_t, e.g.

@@ -356,7 +356,7 @@ ncclResult_t collective(Call call, Kind kind, const void* send, void* recv, std:
   Entry entry(call);
   const char* name = kind_name(kind);
   if (entry.injected() != cudaSuccess)
-    return nccl_fail(ncclUnhandledCudaError, std::string(name) + ": injected by cuda_emulator::fail_next");
+    return nccl_fail(ncclSystemError, std::string(name) + ": injected by cuda_emulator::fail_next");
   if (ncclResult_t r = check_comm(comm, name); r != ncclSuccess) return r;
   const std::shared_ptr<CommState> c = comm->s;
   const std::size_t es = type_size(type);
@@ -392,7 +392,7 @@ ncclResult_t collective(Call call, Kind kind, const void* send, void* recv, std:
   h.bytes = sends ? in_bytes : 0;
   const std::string what = std::string(name) + " #" + std::to_string(seq) + " of rank " + std::to_string(c->rank) +
                            " of " + std::to_string(c->size);
-  rt().add_pending(*s, t, what, [c, h, send, recv, seq, out_bytes, posted = false](Pending& p) mutable {
+  rt().add_pending(*s, t, what, [c, h, send, recv, seq, posted = false](Pending& p) mutable {
     auto finish = [&] {
       p.done = true;
       --c->in_flight;
@@ -432,10 +432,9 @@ ncclResult_t collective(Call call, Kind kind, const void* send, void* recv, std:
       case Kind::reduce_scatter:
         reduce(h.dtype, h.op, in, static_cast<std::size_t>(c->rank) * cnt, cnt, out);
         break;
-      case Kind::split:
+      case Kind::split:  // not queued here: ncclCommSplit writes its header itself
         break;
     }
-    (void)out_bytes;
     finish();
   });
   return ncclSuccess;
@@ -450,21 +449,34 @@ ncclResult_t comm_field(Call call, const char* name, ncclComm_t comm, int* out, 
   return ncclSuccess;
 }
 
-}  // namespace
+// The end of ncclCommInitRankConfig and ncclCommSplit once the communicator is made: ready,
+// in progress (nonblocking), left to ncclGroupEnd, or waited for here.
+ncclResult_t finish_creation(const std::shared_ptr<CommState>& c, const char* call, const char* others) {
+  advance(*c);
+  if (c->phase == CommState::Phase::ready) return ncclSuccess;
+  if (!c->blocking) return ncclInProgress;
+  if (group_depth > 0) {  // ncclGroupEnd waits
+    group_made().push_back(c);
+    return ncclSuccess;
+  }
+  if (!wait_until([&] { return advance(*c), c->phase == CommState::Phase::ready; }))
+    return nccl_fail(ncclSystemError, std::string(call) + ": the other ranks did not " + others +
+                                          " within FSDP_CUDA_EMULATOR_HANG_S");
+  return ncclSuccess;
+}
 
+}  // namespace
+}  // namespace cuda_emulator::detail
+
+namespace cuda_emulator {
 void nccl_fail_async(int result, std::string_view text) {
-  std::lock_guard lock(rt().mutex);
-  for (auto& w : live_comms())
+  std::lock_guard lock(detail::rt().mutex);
+  for (auto& w : detail::live_comms())
     if (auto c = w.lock()) {
       c->async_error = static_cast<ncclResult_t>(result);
       c->async_text = std::string(text);
     }
 }
-
-}  // namespace cuda_emulator::detail
-
-namespace cuda_emulator {
-void nccl_fail_async(int result, std::string_view text) { detail::nccl_fail_async(result, text); }
 }  // namespace cuda_emulator
 
 using namespace cuda_emulator;          // NOLINT: the entry points below are the C API
@@ -541,16 +553,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
   join(*c);
   track(c);
   *comm = new ncclComm{c};
-  advance(*c);
-  if (c->phase == CommState::Phase::ready) return ncclSuccess;
-  if (!c->blocking) return ncclInProgress;
-  if (group_depth > 0) {  // ncclGroupEnd waits
-    group_made().push_back(c);
-    return ncclSuccess;
-  }
-  if (!wait_until([&] { return advance(*c), c->phase == CommState::Phase::ready; }))
-    return nccl_fail(ncclSystemError, "ncclCommInitRankConfig: the other ranks did not join within FSDP_CUDA_EMULATOR_HANG_S");
-  return ncclSuccess;
+  return finish_creation(c, "ncclCommInitRankConfig", "join");
 }
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
@@ -582,16 +585,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   c->blocking = config && config->blocking != NCCL_CONFIG_UNDEF_INT ? config->blocking != 0 : parent.blocking;
   track(c);
   *newcomm = new ncclComm{c};
-  advance(*c);
-  if (c->phase == CommState::Phase::ready) return ncclSuccess;
-  if (!c->blocking) return ncclInProgress;
-  if (group_depth > 0) {  // ncclGroupEnd waits
-    group_made().push_back(c);
-    return ncclSuccess;
-  }
-  if (!wait_until([&] { return advance(*c), c->phase == CommState::Phase::ready; }))
-    return nccl_fail(ncclSystemError, "ncclCommSplit: the other ranks did not split within FSDP_CUDA_EMULATOR_HANG_S");
-  return ncclSuccess;
+  return finish_creation(c, "ncclCommSplit", "split");
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {

@@ -19,6 +19,9 @@ namespace fsdp {
 // The codes are stable (checkpoints and wire messages carry them): new ones go last.
 enum class DType : std::uint8_t { f32, f64, f16, bf16, i8, u8, i32, i64, f8e4m3, f8e5m2, e8m0 };
 
+// Whether a byte read from a wire or a file names a DType (the last one is e8m0).
+constexpr bool is_dtype_code(std::uint8_t code) { return code <= static_cast<std::uint8_t>(DType::e8m0); }
+
 constexpr std::size_t size_of(DType t) {
   switch (t) {
     case DType::f64: case DType::i64: return 8;
@@ -49,6 +52,13 @@ constexpr std::string_view name_of(DType t) {
 constexpr bool is_floating(DType t) {
   return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16 || t == DType::f8e4m3 ||
          t == DType::f8e5m2 || t == DType::e8m0;
+}
+
+// The dtypes a parameter, its gradient and a precision policy's casts can be in. The 8-bit
+// floats are floating but not among them: they hold a tensor's values only with per-block
+// scales (fsdp/core/quantize.hpp), which no unit keeps yet (issue 38).
+constexpr bool is_compute_dtype(DType t) {
+  return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16;
 }
 
 // Tag types so policies can name dtypes at compile time: MixedPrecision<bf16, float>.

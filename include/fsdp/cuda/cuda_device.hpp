@@ -342,15 +342,15 @@ class CudaDevice {
   unsigned grid_for(std::size_t n) const { return capped((n + threads_per_block - 1) / threads_per_block); }  // n elements
   unsigned grid_for(const detail::ZeroSpans& t) const { return capped(t.first_block[t.count]); }  // a zero table
 
-  // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
-  // The kernels compute in the dtypes of before issue 38; the 8-bit floats (moved by copies
-  // and collectives) have none yet: refused here rather than left undone on the GPU.
+  // A dtype the kernels do not compute in (detail::has_kernels) is refused here rather than
+  // left undone on the GPU.
   void kernel_dtype(const char* op, DType t) const {
-    if (static_cast<int>(t) > static_cast<int>(DType::i64))
+    if (!detail::has_kernels(t))
       detail::fail("CudaDevice(cuda:", index_, "): ", op, " of ", name_of(t),
                    ": the CUDA kernels have no 8-bit float arithmetic yet (copies and collectives move it)");
   }
 
+  // cudaKernel_t is launched through the runtime's const void* entry point (CUDA 12+).
   template <class... What>
   void launch(cudaKernel_t kernel, unsigned grid, void** args, cudaStream_t stream, const What&... what) {
     check(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(threads_per_block), args, 0, stream),

@@ -25,6 +25,17 @@ static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f64) 
               static_cast<int>(DType::i8) == 4 && static_cast<int>(DType::u8) == 5 &&
               static_cast<int>(DType::i32) == 6 && static_cast<int>(DType::i64) == 7);
 
+// Whether the kernels below compute in `t`: the eight dtypes above. The 8-bit floats
+// (issue 38) are moved by copies and collectives but have no kernel arithmetic yet.
+constexpr bool has_kernels(DType t) {
+  switch (t) {
+    case DType::f32: case DType::f64: case DType::f16: case DType::bf16:
+    case DType::i8: case DType::u8: case DType::i32: case DType::i64: return true;
+    case DType::f8e4m3: case DType::f8e5m2: case DType::e8m0: return false;
+  }
+  return false;
+}
+
 // NVRTC source of the element-wise kernels (after zero_spans_source, see
 // cuda_kernel_program). Self-contained: no #include, so it compiles the same wherever
 // NVRTC is installed. The 16-bit conversions are fsdp/core/dtype.hpp's,

@@ -133,7 +133,7 @@ inline ClipRecord local_clip_record(ShardedModel& model, int world_rank, int wor
                      "clip; the global norm needs every gradient before any step: clip outside backward, or not at all");
     for (const ParamView& p : u->parameters()) {
       if (p.count == 0) continue;
-      if (!is_floating(p.grad_dtype))
+      if (!is_compute_dtype(p.grad_dtype))
         return invalid("parameter '" + std::string(p.fqn) + "' has a " + std::string(name_of(p.grad_dtype)) +
                        " gradient; only f32, f64, f16 and bf16 gradients can be clipped");
       if (!p.grad) return invalid("parameter '" + std::string(p.fqn) + "' has no gradient buffer (grad is null)");

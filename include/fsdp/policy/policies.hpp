@@ -88,8 +88,9 @@ struct MixedPrecision {
   static constexpr bool enabled = true;
   static constexpr DType param = dtype_v<Param>, reduce = dtype_v<Reduce>, buffer = dtype_v<Buffer>;
   static constexpr bool keep_low_precision_grads = KeepLowPrecisionGrads;
-  static_assert(is_floating(param) && is_floating(reduce) && is_floating(buffer),
-                "fsdp: MixedPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16)");
+  static_assert(is_compute_dtype(param) && is_compute_dtype(reduce) && is_compute_dtype(buffer),
+                "fsdp: MixedPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16); "
+                "the 8-bit floats need per-block scales and are not one");
 };
 struct FullPrecision {
   using fsdp_policy_slot = mixed_precision_slot;
@@ -116,8 +117,9 @@ struct CommPrecision {
   using fsdp_policy_slot = comm_precision_slot;
   static constexpr bool enabled = true;
   static constexpr DType gather = dtype_v<Gather>, reduce = dtype_v<Reduce>;
-  static_assert(is_floating(gather) && is_floating(reduce),
-                "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16)");
+  static_assert(is_compute_dtype(gather) && is_compute_dtype(reduce),
+                "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16); "
+                "the 8-bit floats need per-block scales and are not one");
 };
 struct FullCommPrecision {  // collectives in the compute dtype (MixedPrecision's Param, else the parameters')
   using fsdp_policy_slot = comm_precision_slot;

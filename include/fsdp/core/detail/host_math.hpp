@@ -58,6 +58,29 @@ inline std::uint16_t half_store(double v, DType t) {  // one rounding, not two t
   return t == DType::f16 ? double_to_f16_bits(v) : double_to_bf16_bits(v);
 }
 
+// The 8- and 16-bit floats are bit patterns computed on in float, each result rounded once
+// to the dtype, as a kernel working in that dtype would: f(tag, load, store) with tag a
+// pointer-type of the patterns, load(bits) -> float and store(x) -> bits for a float or a
+// double x. A float goes to half_store's float overload, which keeps a NaN's payload bits
+// as the CUDA kernels do (the double one makes every NaN the same quiet NaN). host_unscale
+// rounds its double product once; the CUDA kernel rounds it to float first, so at a rare
+// tie the two can differ by one unit in the last place. Returns false, calling nothing, for
+// the other dtypes.
+template <class F>
+bool with_narrow_float(DType t, F&& f) {
+  if (is_f8(t)) {
+    f(static_cast<std::uint8_t*>(nullptr), [t](std::uint8_t v) { return f8_load(v, t); },
+      [t](auto v) { return f8_store(static_cast<double>(v), t); });
+    return true;
+  }
+  if (is_half(t)) {
+    f(static_cast<std::uint16_t*>(nullptr), [t](std::uint16_t v) { return half_load(v, t); },
+      [t](auto v) { return half_store(v, t); });
+    return true;
+  }
+  return false;
+}
+
 template <class T>
 T combine(T a, T b, ReduceOp op) {
   switch (op) {
@@ -69,16 +92,11 @@ T combine(T a, T b, ReduceOp op) {
 
 inline void host_scale(void* p, std::size_t n, DType t, double factor) {
   if (t == DType::e8m0) no_e8m0_arithmetic("scaling");
-  if (is_f8(t)) {
-    auto* q = static_cast<std::uint8_t*>(p);
-    for (std::size_t i = 0; i < n; ++i) q[i] = f8_store(static_cast<double>(f8_load(q[i], t) * static_cast<float>(factor)), t);
-    return;
-  }
-  if (is_half(t)) {
-    auto* q = static_cast<std::uint16_t*>(p);
-    for (std::size_t i = 0; i < n; ++i) q[i] = half_store(half_load(q[i], t) * static_cast<float>(factor), t);
-    return;
-  }
+  const bool narrow = with_narrow_float(t, [&](auto* tag, auto load, auto store) {
+    auto* q = static_cast<decltype(tag)>(p);
+    for (std::size_t i = 0; i < n; ++i) q[i] = store(load(q[i]) * static_cast<float>(factor));
+  });
+  if (narrow) return;
   for_each_typed(t, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* q = static_cast<T*>(p);
@@ -100,20 +118,12 @@ inline void host_combine(void* dst, const void* src, std::size_t n, DType t, Red
     for (std::size_t i = 0; i < n; ++i) d[i] = combine(d[i], s[i], op);
     return;
   }
-  if (is_f8(t)) {  // in float, each result rounded to the format, as a kernel computing in it
-    auto* d = static_cast<std::uint8_t*>(dst);
-    auto* s = static_cast<const std::uint8_t*>(src);
-    for (std::size_t i = 0; i < n; ++i)
-      d[i] = f8_store(static_cast<double>(combine(f8_load(d[i], t), f8_load(s[i], t), op)), t);
-    return;
-  }
-  if (is_half(t)) {
-    auto* d = static_cast<std::uint16_t*>(dst);
-    auto* s = static_cast<const std::uint16_t*>(src);
-    for (std::size_t i = 0; i < n; ++i)
-      d[i] = half_store(combine(half_load(d[i], t), half_load(s[i], t), op), t);
-    return;
-  }
+  const bool narrow = with_narrow_float(t, [&](auto* tag, auto load, auto store) {
+    auto* d = static_cast<decltype(tag)>(dst);
+    auto* s = static_cast<const std::remove_pointer_t<decltype(tag)>*>(src);
+    for (std::size_t i = 0; i < n; ++i) d[i] = store(combine(load(d[i]), load(s[i]), op));
+  });
+  if (narrow) return;
   for_each_typed(t, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     auto* d = static_cast<T*>(dst);
@@ -224,24 +234,15 @@ inline void host_cast(void* dst, DType to, const void* src, DType from, std::siz
 inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
   bool bad = false;
   if (t == DType::e8m0) no_e8m0_arithmetic("unscaling");
-  if (is_f8(t)) {
-    auto* q = static_cast<std::uint8_t*>(p);
+  const bool narrow = with_narrow_float(t, [&](auto* tag, auto load, auto store) {
+    auto* q = static_cast<decltype(tag)>(p);
     for (std::size_t i = 0; i < n; ++i) {
-      const std::uint8_t bits = f8_store(static_cast<double>(f8_load(q[i], t)) * inv_scale, t);
-      bad |= !std::isfinite(f8_load(bits, t));
+      const auto bits = store(static_cast<double>(load(q[i])) * inv_scale);
+      bad |= !std::isfinite(load(bits));
       q[i] = bits;
     }
-    return bad;
-  }
-  if (is_half(t)) {
-    auto* q = static_cast<std::uint16_t*>(p);
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::uint16_t bits = half_store(static_cast<double>(half_load(q[i], t)) * inv_scale, t);
-      bad |= !std::isfinite(half_load(bits, t));
-      q[i] = bits;
-    }
-    return bad;
-  }
+  });
+  if (narrow) return bad;
   auto typed = [&](auto* q) {
     using T = std::remove_pointer_t<decltype(q)>;
     for (std::size_t i = 0; i < n; ++i) {

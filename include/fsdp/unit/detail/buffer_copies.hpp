@@ -22,13 +22,15 @@ class BufferCopies {
   BufferCopies& operator=(const BufferCopies&) = delete;
   ~BufferCopies() { release(); }
 
-  // Copies every floating-point buffer whose dtype is not `cast_to` (nothing when it is
-  // empty). The engine's tensors are not touched until show_cast.
+  // Copies every buffer of a compute dtype (f32, f64, f16, bf16) other than `cast_to`
+  // (nothing when it is empty). Integer and 8-bit float buffers (steps, e8m0 scales) stay the
+  // engine's, as they are: a cast would lose their values. The engine's tensors are not
+  // touched until show_cast.
   void copy(const std::vector<CollectedBuffer>& buffers, std::optional<DType> cast_to) {
     if (!cast_to) return;
     cast_dtype_ = *cast_to;
     for (auto& b : buffers) {
-      if (b.dtype == cast_dtype_ || !is_floating(b.dtype)) continue;
+      if (b.dtype == cast_dtype_ || !is_compute_dtype(b.dtype)) continue;
       auto& c = copies_.emplace_back(Copy{b.fqn, b.dtype, b.numel, b.tensor, b.rebind, b.keep, b.handle});  // freed by release on failure
       c.master = device_.allocate(bytes(b.numel, b.dtype), MemorySpace::device);
       c.cast = device_.allocate(bytes(b.numel, cast_dtype_), MemorySpace::device);

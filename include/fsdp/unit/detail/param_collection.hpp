@@ -372,9 +372,10 @@ inline std::string describe(DeviceId d) {
 inline void validate_collected(const std::vector<CollectedParam>& params, std::string_view unit, int rank,
                                DeviceId device, bool deferred_init = false) {
   for (auto& p : params) {
-    if (!is_floating(p.dtype))
+    if (!is_compute_dtype(p.dtype))
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn, "' has dtype ", name_of(p.dtype),
-           "; only floating-point parameters (f32, f64, f16, bf16) can be sharded");
+           "; only floating-point parameters (f32, f64, f16, bf16) can be sharded",
+           is_floating(p.dtype) ? " (an 8-bit float holds values only with per-block scales)" : "");
     if (p.device != device)
       fail("unit '", unit, "' on rank ", rank, ": parameter '", p.info.fqn, "' is on device ", describe(p.device),
            " but the unit's Device is ", describe(device));
