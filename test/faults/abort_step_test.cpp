@@ -220,7 +220,16 @@ TEST_CASE("without abort_step the next call says what to call; a rank aborting a
         sm.abort_step();
       }
     });
-    for (int r = 0; r < 2; ++r) CHECK(!msgs[r].empty());
+    // Rank 0's agreement meets rank 1's next collective: each error names rank 0's call as
+    // abort_step's (its tag), and quotes the exception its rank called abort_step after
+    // (rank 1 catches the mismatch, and aborts too).
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "collective mismatch: rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step "
+                              "(the step was left by an exception) as collective #"));
+    }
+    CHECK(contains(msgs[0], "; this rank called abort_step after: engine kernel failed"));
+    CHECK(contains(msgs[1], "; this rank called abort_step after: collective mismatch: rank 0 called"));
   }
 }
 

@@ -4,8 +4,10 @@
 // allocated; the engine's storage is freed once at most and none leaks. For a tensor type
 // with keep/restore, every tensor of every unit keeps its storage, dtype and values (ties
 // and a keep that throws included); for one without, every tensor the library had not
-// rebound yet (the thrower included) does. A ShardedModel's take-over retried after a
-// failure completes, and leaves the units taken over before it alone.
+// rebound yet (the thrower included) does. A rebind that throws on one rank undoes the
+// take-over on every rank, and the others' errors name that rank and quote it. A
+// ShardedModel's take-over retried after a failure completes, and leaves the units taken
+// over before it alone.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "examples/engine/tensor.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "fsdp/host/host_tensor.hpp"
 #include "fsdp/host/thread_group.hpp"
@@ -316,7 +319,7 @@ TEST_CASE("a rebind throwing something that is not a std::exception is an fsdp::
   });
 }
 
-TEST_CASE_TEMPLATE("only one rank's rebind throws: that rank fails, the other's model works and is freed", Keeps,
+TEST_CASE_TEMPLATE("only one rank's rebind throws: no rank takes over, and the other's error quotes that rank", Keeps,
                    std::true_type, std::false_type) {
   fsdp::ThreadGroup(2).run([](fsdp::ThreadComm& comm) {
     RebindFaults f;
@@ -324,14 +327,52 @@ TEST_CASE_TEMPLATE("only one rank's rebind throws: that rank fails, the other's 
     Net<Keeps::value> net(f);
     const std::int64_t built_bytes = f.live_bytes;
     fsdp::HostDevice device;
+    std::string echo_kind;
+    const std::string msg = test_support::error_of([&] {
+      try {
+        fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<Keeps::value>>{});
+      } catch (const fsdp::Error& e) {
+        echo_kind = fsdp::detail::is_echo(std::current_exception()) ? "echo" : "own";
+        throw;
+      }
+    });
+    CAPTURE(msg);
     if (comm.rank() == 1) {
-      CHECK(contains(shard_error<fsdp::FullShard>(net, comm, device), "tensor_traits<T>::rebind threw"));
+      CHECK(echo_kind == "own");
+      CHECK(contains(msg, "fsdp: unit '" + unit_of(f.thrower) + "' on rank 1: tensor_traits<T>::rebind threw while the "
+                          "unit took over " + named(f.thrower)));
       check_model_after_failure(net, f, built_bytes);
-      CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
     } else {
-      auto model = fsdp::shard<fsdp::FullShard>(net, comm, device, fsdp::wrap_types<Layer<Keeps::value>>{});
-      CHECK(model.size() == 3);
+      // Rank 0 took over every tensor, then gave each back when the ranks agreed that one failed.
+      CHECK(echo_kind == "echo");
+      CHECK(contains(msg, "fsdp: setup on rank 0: the take-over of the engine's tensors failed on rank 1, so no rank "
+                          "takes over; rank 1 says: unit '"));
+      CHECK(contains(msg, "' on rank 1: tensor_traits<T>::rebind threw while the unit took over "));
+      std::int64_t kept = 0;
+      int lost = 0;
+      for (Owned<Keeps::value>* t : net.tensors()) {
+        CAPTURE(t->label);
+        if (Keeps::value || t->rebinds == 0) {  // buffers are not rebound without MixedPrecision
+          check_as_built(*t);
+          kept += static_cast<std::int64_t>(t->storage->size() * 4);
+        } else {
+          CHECK(t->storage == nullptr);
+          CHECK(t->data == nullptr);
+          ++lost;
+        }
+      }
+      CHECK(f.live_bytes == kept);
+      CHECK(f.calls >= 10);  // rank 0 took over every parameter and gradient before the agreement
+      if (Keeps::value) {
+        CHECK(kept == built_bytes);
+        CHECK(contains(msg, "; nothing was taken over here either, and every tensor keeps its storage and values"));
+      } else {
+        CHECK(contains(msg, "; nothing was taken over here either, but " + std::to_string(lost) +
+                                " tensors rebound here are left without storage"));
+      }
     }
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+    CHECK(device.stats(fsdp::MemorySpace::host).live_bytes == 0);
   });
 }
 

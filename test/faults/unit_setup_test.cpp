@@ -232,7 +232,8 @@ TEST_CASE("a parameter difference still shows both ranks' parameters") {
   }
 }
 
-TEST_CASE("ranks that agree: one 8-byte all-gather per unit and one for the set of units, nothing else") {
+TEST_CASE("ranks that agree: one 8-byte all-gather per unit and one for the set of units, one 4-byte all-reduce "
+          "for the take-over (all ranks or none), nothing else") {
   fsdp::ThreadGroup(2).run([](ThreadComm& comm) {
     fsdp::CountingCommunicator<ThreadComm> counted(comm);
     Net net;
@@ -245,7 +246,8 @@ TEST_CASE("ranks that agree: one 8-byte all-gather per unit and one for the set 
     CHECK(model.size() == 3);
     CHECK(c[fsdp::Collective::all_gather].calls == 4);
     CHECK(c[fsdp::Collective::all_gather].bytes == 4 * 2 * 8);
-    CHECK(c[fsdp::Collective::all_reduce].calls == 0);
+    CHECK(c[fsdp::Collective::all_reduce].calls == 1);
+    CHECK(c[fsdp::Collective::all_reduce].bytes == 4);
     CHECK(c[fsdp::Collective::broadcast].calls == 0);
   });
 }

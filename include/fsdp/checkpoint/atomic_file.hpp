@@ -30,6 +30,7 @@
 
 #include "fsdp/checkpoint/checksum.hpp"
 #include "fsdp/checkpoint/file_io.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::checkpoint {
@@ -120,12 +121,7 @@ class FileSink {
 };
 
 namespace detail {
-// An exception's message without fsdp::Error's "fsdp: " prefix, for wrapping it.
-inline std::string_view message_of(const std::exception& e) {
-  std::string_view m = e.what();
-  if (m.substr(0, 6) == "fsdp: ") m.remove_prefix(6);
-  return m;
-}
+using fsdp::detail::message_of;  // an exception's message without "fsdp: " (core/detail/root_cause.hpp)
 
 // An exclusive flock on the open file `fd` (one just created), held by the returned
 // descriptor (a dup: the lock lives while either is open). Empty where the file system has

@@ -7,15 +7,14 @@
 // rank 7's console, not as "some rank failed"). Those are echoes (detail::EchoedError), so
 // ThreadGroup::run reports the failed rank's own error, whichever rank threw first.
 #include <cstdint>
-#include <cstring>
 #include <exception>
-#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include "fsdp/checkpoint/atomic_file.hpp"
 #include "fsdp/core/detail/echoed_error.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/model/sharded_model.hpp"
 
@@ -32,51 +31,12 @@ std::exception_ptr captured(F&& f) noexcept {
   }
 }
 
-// What the lowest rank that failed says, once ranks agreed that some failed: every rank
-// calls it, a failed one with its message and kind, the others with nullopt. One all-reduce
-// finds that rank, its kind and its message's length; then one per 8 bytes of the message
-// (at most kMaxQuoted bytes: 64 more, on the failure path only) brings the text to all.
-struct RootCause {
-  int rank = -1;
-  ErrorKind kind = ErrorKind::misuse;
-  std::string message;
-};
-inline constexpr std::size_t kMaxQuoted = 512;
-
+// What the lowest rank that failed says (fsdp/core/detail/root_cause.hpp), agreed through
+// the model's first unit.
 inline RootCause agreed_root_cause(const Unit& unit, const std::string& message, std::optional<ErrorKind> kind) {
   const auto& in = fsdp::detail::internals(unit);
-  const std::int64_t world = in.world_size(), rank = in.rank();
-  const std::size_t len = std::min(message.size(), kMaxQuoted);
-  const bool cut = message.size() > kMaxQuoted;
-  // The max over ranks of (world - rank, kind, cut, length): the lowest failed rank's. Ranks
-  // that did not fail offer 0, below any failed rank's key (world - rank >= 1). Bits: 15 for
-  // the length (kMaxQuoted < 2^15), 1 for cut, 8 for the kind, and above them world - rank,
-  // at most 2^31 (an int): 55 bits, no overflow for any world size.
-  static_assert(kMaxQuoted < (std::size_t{1} << 15));
-  const std::int64_t key = kind ? ((world - rank) << 24) | (std::int64_t{static_cast<std::uint8_t>(*kind)} << 16) |
-                                      (std::int64_t{cut} << 15) | static_cast<std::int64_t>(len)
-                                : 0;
-  const std::int64_t most = in.max_over_ranks(key);
-  RootCause root;
-  if (most <= 0) return root;  // no rank failed: cannot happen after a failed agreement
-  root.rank = static_cast<int>(world - (most >> 24));
-  const int kind_code = static_cast<int>((most >> 16) & 0xff);
-  root.kind = kind_code <= static_cast<int>(ErrorKind::out_of_memory) ? static_cast<ErrorKind>(kind_code) : ErrorKind::misuse;
-  const bool root_cut = (most >> 15) & 1;
-  const std::size_t quoted = static_cast<std::size_t>(most & 0x7fff);
-  root.message.resize(quoted);
-  for (std::size_t at = 0; at < quoted; at += 8) {  // quoted <= kMaxQuoted: kMaxQuoted / 8 rounds at most
-    std::int64_t word = std::numeric_limits<std::int64_t>::min();      // below anything the root rank offers
-    if (rank == root.rank) {
-      std::uint64_t bits = 0;
-      std::memcpy(&bits, message.data() + at, std::min<std::size_t>(8, quoted - at));
-      std::memcpy(&word, &bits, sizeof word);
-    }
-    const std::int64_t got = in.max_over_ranks(word);
-    std::memcpy(root.message.data() + at, &got, std::min<std::size_t>(8, quoted - at));
-  }
-  if (root_cut) root.message += " [...]";  // the rest of a longer message was left out
-  return root;
+  return agreed_root_cause(in.world_size(), in.rank(), [&](std::int64_t v) { return in.max_over_ranks(v); }, message,
+                           kind);
 }
 
 // Runs `part` on this rank, then agrees with every rank; throws on every rank if any failed.
@@ -96,7 +56,7 @@ void run_agreed(ShardedModel& model, const std::string& what, F&& part, const ch
   try {
     part();
   } catch (const std::exception& e) {
-    error = checkpoint::detail::message_of(e);  // quoted below under this rank's own "fsdp: "
+    error = message_of(e);  // quoted below under this rank's own "fsdp: "
     if (error.empty()) error = "unknown error";
     kind = kind_of(e);
   } catch (...) {

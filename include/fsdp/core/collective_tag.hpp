@@ -20,7 +20,10 @@
 
 namespace fsdp {
 
-enum class TagPhase : std::uint8_t { forward = 1, backward = 2, reduce = 3, summon = 4 };
+// take_over and abort_step: the model's own agreements (unit and pass 0), at the end of
+// setup and after a step left by an exception, so that a rank still elsewhere reads which
+// step its peer is in.
+enum class TagPhase : std::uint8_t { forward = 1, backward = 2, reduce = 3, summon = 4, abort_step = 5, take_over = 6 };
 
 constexpr const char* name_of(TagPhase p) {
   switch (p) {
@@ -28,6 +31,8 @@ constexpr const char* name_of(TagPhase p) {
     case TagPhase::backward: return "backward";
     case TagPhase::reduce: return "gradient reduction";
     case TagPhase::summon: return "summon";
+    case TagPhase::abort_step: return "abort_step";
+    case TagPhase::take_over: return "take-over";
   }
   return "?";
 }
@@ -66,8 +71,11 @@ struct CollectiveTag {
     return t;
   }
 
-  // "unit 'blocks.2' (forward, pass 3)"; "unit #5" where no names are known.
+  // "unit 'blocks.2' (forward, pass 3)"; "unit #5" where no names are known; the model's
+  // own steps by their names.
   std::string describe() const {
+    if (phase == TagPhase::abort_step) return "abort_step (the step was left by an exception)";
+    if (phase == TagPhase::take_over) return "the take-over of the engine's tensors (setup)";
     std::string unit_text = names ? "'" + names->unit_name(static_cast<int>(unit)) + "'" : "#" + std::to_string(unit);
     return "unit " + unit_text + " (" + name_of(phase) + ", pass " + std::to_string(step) + ")";
   }

@@ -12,10 +12,16 @@
 // compiles the implementation as a header-only file does.
 //
 // FSDP_DECL marks a function that lives in that one file (inline otherwise);
-// FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Such a
-// function is declared inside `inline namespace FSDP_MODE_NAMESPACE`, whose name differs
-// between the modes, so that a program compiled in that mode without the one file fails to
-// link (an undefined fsdp::detail::separately_compiled::... symbol). One program is in one
+// FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Besides
+// detail::make_unit (the unit's implementation), they are the functions that depend on no
+// template argument of what every engine file uses: ShardedModel's and ExecutionOrder's
+// members, the thread-rank backend's collectives, the host arithmetic; each header
+// declares them and defines them under `#if FSDP_DEFINES_IMPLEMENTATION`. A free function
+// of them (make_unit, the host arithmetic) is declared inside `inline namespace
+// FSDP_MODE_NAMESPACE`, whose name differs between the modes, so that a program compiled in
+// that mode without the one file fails to link (an undefined
+// fsdp::detail::separately_compiled::... symbol; the members are simply undefined there,
+// fsdp::ShardedModel::add and the like). One program is in one
 // mode: mixing them (a library compiled header-only linked with files compiled under
 // FSDP_SEPARATE_COMPILATION) is not supported; the templates both modes instantiate would
 // differ in what they call (an ODR violation a linker need not report).

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/detail/collective_mismatch.hpp"
@@ -87,125 +88,136 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
 
   static constexpr std::size_t kChunkBytes = std::size_t{1} << 20;  // reads check for an abort this often
 
-  Work issue(detail::CollectiveCall call) {
-    auto& st = *state_;
-    call.seq = seq_++;
-    std::unique_lock lk(st.mu);
-    st.post_and_wait(lk, rank_, call);  // phase 1: every rank has posted its buffers
-    lk.unlock();
-    // Phase 2: read peers' send buffers, write only our own recv buffer. Reductions land
-    // in `reduced` and are copied out only at the end: an in-place all_reduce's recv is
-    // its send, which the other ranks may read until every rank has finished reading.
-    // Whatever happens here, this rank reports to finish_reading before it leaves.
-    std::vector<std::byte> reduced;
-    std::string mismatch, failed;  // why this rank aborts the group, if it does
-    bool complete = false;
-    std::exception_ptr failure;
-    try {
-      const std::vector<detail::CollectiveCall> peers = st.posted;  // fixed until every rank has finished reading
-      // Every rank's call, with its tag's unit, when they differ.
-      mismatch = detail::collective_mismatch(peers, static_cast<std::size_t>(rank_), state_->world_ranks);
-      if (mismatch.empty()) {
-        st.run_hook(rank_, call.seq, CollectiveStage::posted, 0);
-        std::size_t bytes_read = 0;
-        complete = execute(call, peers, reduced, bytes_read);
-        if (complete) st.run_hook(rank_, call.seq, CollectiveStage::read, bytes_read);
-      }
-    } catch (...) {
-      failure = std::current_exception();
-      complete = false;
-      try {
-        failed = "rank " + std::to_string(st.world_ranks[rank_]) + " failed in " + call.describe() + ": " + what_of(failure);
-      } catch (...) {}  // out of memory even for the message: abort without one
-    }
-    lk.lock();
-    if (!mismatch.empty()) st.abort(st.world_ranks[rank_], mismatch, ErrorKind::mismatch);
-    if (failure) st.abort(st.world_ranks[rank_], std::move(failed), ErrorKind::peer_lost);  // the others lost this rank
-    const bool ok = st.finish_reading(lk, rank_, call, complete);  // nobody reads our buffers after this
-    if (failure) std::rethrow_exception(failure);
-    if (!mismatch.empty()) st.fail_aborted();
-    if (!ok)
-      detail::fail_echo(st.root->abort_kind, st.root->abort_origin, "rank ", st.world_ranks[rank_], ": ",
-                        call.describe(), " aborted: ", st.root->abort_reason);
-    lk.unlock();
-    if (!reduced.empty()) std::memcpy(call.recv, reduced.data(), reduced.size());
-    return Work{};
-  }
+  Work issue(detail::CollectiveCall call);
 
 
   // Reads the peers' buffers chunk by chunk; returns false, having stopped, as soon as
   // the group is aborted (a peer may be about to free what we read).
   bool execute(const detail::CollectiveCall& c, const std::vector<detail::CollectiveCall>& peers,
-               std::vector<std::byte>& reduced, std::size_t& done) const {
-    const std::size_t esize = size_of(c.dtype);
-    const std::size_t bytes = c.count * esize;
-    const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / std::max<std::size_t>(esize, 1));
-    const int n = static_cast<int>(peers.size());
-    auto* out = static_cast<std::byte*>(c.recv);
-    auto in = [&](int r, std::size_t elem_offset) {
-      return static_cast<const std::byte*>(peers[r].send) + elem_offset * esize;
-    };
-    auto may_read = [&] {
-      state_->run_hook(rank_, c.seq, CollectiveStage::reading, done);
-      return !state_->root->aborted.load();
-    };
-    // Copies `count` elements from rank r's buffer at `from` to `to`, a chunk at a time.
-    auto copy = [&](std::byte* to, int r, std::size_t from) {
-      if (in(r, from) == to) return true;  // in place: already there
-      for (std::size_t i = 0; i < c.count; i += chunk) {
-        if (!may_read()) return false;
-        const std::size_t len = std::min(chunk, c.count - i) * esize;
-        std::memcpy(to + i * esize, in(r, from + i), len);
-        done += len;
-      }
-      return true;
-    };
-    switch (c.kind) {
-      case detail::CollectiveKind::all_gather:
-        for (int r = 0; r < n; ++r)
-          if (!copy(out + r * bytes, r, 0)) return false;
-        return true;
-      case detail::CollectiveKind::broadcast:
-        return copy(out, c.root, 0);
-      case detail::CollectiveKind::reduce_scatter:
-      case detail::CollectiveKind::all_reduce: {
-        const std::size_t off = c.kind == detail::CollectiveKind::reduce_scatter ? rank_ * c.count : 0;
-        const ReduceOp op = c.op == ReduceOp::avg ? ReduceOp::sum : c.op;
-        reduced.resize(bytes);  // scratch, so in-place calls never read a half-written output
-        for (std::size_t i = 0; i < c.count; i += chunk) {
-          if (!may_read()) return false;
-          const std::size_t len = std::min(chunk, c.count - i);
-          std::byte* acc = reduced.data() + i * esize;
-          std::memcpy(acc, in(0, off + i), len * esize);
-          for (int r = 1; r < n; ++r) detail::host_combine(acc, in(r, off + i), len, c.dtype, op);
-          done += n * len * esize;
-        }
-        if (c.op == ReduceOp::avg) detail::finish_avg(reduced.data(), c.count, c.dtype, n);
-        return true;
-      }
-      case detail::CollectiveKind::barrier:
-        return true;
-    }
-    return true;
-  }
+               std::vector<std::byte>& reduced, std::size_t& done) const;
 
-  static std::string what_of(const std::exception_ptr& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      std::string what = x.what();
-      if (what.rfind("fsdp: ", 0) == 0) what.erase(0, 6);  // the abort message adds its own
-      return what;
-    } catch (...) {
-      return "a non-standard exception";
-    }
-  }
+  static std::string what_of(const std::exception_ptr& e);
 
   int rank_;
   std::shared_ptr<detail::ThreadGroupState> state_;
   std::uint64_t seq_ = 0;
   std::uint64_t splits_ = 0;  // split() calls so far: the same on every member
 };
+
+#if FSDP_DEFINES_IMPLEMENTATION
+// ThreadComm's members that do not depend on a template argument: compiled once under
+// FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), in every file that uses them otherwise.
+FSDP_DECL Work ThreadComm::issue(detail::CollectiveCall call) {
+  auto& st = *state_;
+  call.seq = seq_++;
+  std::unique_lock lk(st.mu);
+  st.post_and_wait(lk, rank_, call);  // phase 1: every rank has posted its buffers
+  lk.unlock();
+  // Phase 2: read peers' send buffers, write only our own recv buffer. Reductions land
+  // in `reduced` and are copied out only at the end: an in-place all_reduce's recv is
+  // its send, which the other ranks may read until every rank has finished reading.
+  // Whatever happens here, this rank reports to finish_reading before it leaves.
+  std::vector<std::byte> reduced;
+  std::string mismatch, failed;  // why this rank aborts the group, if it does
+  bool complete = false;
+  std::exception_ptr failure;
+  try {
+    const std::vector<detail::CollectiveCall> peers = st.posted;  // fixed until every rank has finished reading
+    // Every rank's call, with its tag's unit, when they differ.
+    mismatch = detail::collective_mismatch(peers, static_cast<std::size_t>(rank_), state_->world_ranks);
+    if (mismatch.empty()) {
+      st.run_hook(rank_, call.seq, CollectiveStage::posted, 0);
+      std::size_t bytes_read = 0;
+      complete = execute(call, peers, reduced, bytes_read);
+      if (complete) st.run_hook(rank_, call.seq, CollectiveStage::read, bytes_read);
+    }
+  } catch (...) {
+    failure = std::current_exception();
+    complete = false;
+    try {
+      failed = "rank " + std::to_string(st.world_ranks[rank_]) + " failed in " + call.describe() + ": " + what_of(failure);
+    } catch (...) {}  // out of memory even for the message: abort without one
+  }
+  lk.lock();
+  if (!mismatch.empty()) st.abort(st.world_ranks[rank_], mismatch, ErrorKind::mismatch);
+  if (failure) st.abort(st.world_ranks[rank_], std::move(failed), ErrorKind::peer_lost);  // the others lost this rank
+  const bool ok = st.finish_reading(lk, rank_, call, complete);  // nobody reads our buffers after this
+  if (failure) std::rethrow_exception(failure);
+  if (!mismatch.empty()) st.fail_aborted();
+  if (!ok)
+    detail::fail_echo(st.root->abort_kind, st.root->abort_origin, "rank ", st.world_ranks[rank_], ": ",
+                      call.describe(), " aborted: ", st.root->abort_reason);
+  lk.unlock();
+  if (!reduced.empty()) std::memcpy(call.recv, reduced.data(), reduced.size());
+  return Work{};
+}
+
+FSDP_DECL bool ThreadComm::execute(const detail::CollectiveCall& c, const std::vector<detail::CollectiveCall>& peers,
+                                   std::vector<std::byte>& reduced, std::size_t& done) const {
+  const std::size_t esize = size_of(c.dtype);
+  const std::size_t bytes = c.count * esize;
+  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / std::max<std::size_t>(esize, 1));
+  const int n = static_cast<int>(peers.size());
+  auto* out = static_cast<std::byte*>(c.recv);
+  auto in = [&](int r, std::size_t elem_offset) {
+    return static_cast<const std::byte*>(peers[r].send) + elem_offset * esize;
+  };
+  auto may_read = [&] {
+    state_->run_hook(rank_, c.seq, CollectiveStage::reading, done);
+    return !state_->root->aborted.load();
+  };
+  // Copies `count` elements from rank r's buffer at `from` to `to`, a chunk at a time.
+  auto copy = [&](std::byte* to, int r, std::size_t from) {
+    if (in(r, from) == to) return true;  // in place: already there
+    for (std::size_t i = 0; i < c.count; i += chunk) {
+      if (!may_read()) return false;
+      const std::size_t len = std::min(chunk, c.count - i) * esize;
+      std::memcpy(to + i * esize, in(r, from + i), len);
+      done += len;
+    }
+    return true;
+  };
+  switch (c.kind) {
+    case detail::CollectiveKind::all_gather:
+      for (int r = 0; r < n; ++r)
+        if (!copy(out + r * bytes, r, 0)) return false;
+      return true;
+    case detail::CollectiveKind::broadcast:
+      return copy(out, c.root, 0);
+    case detail::CollectiveKind::reduce_scatter:
+    case detail::CollectiveKind::all_reduce: {
+      const std::size_t off = c.kind == detail::CollectiveKind::reduce_scatter ? rank_ * c.count : 0;
+      const ReduceOp op = c.op == ReduceOp::avg ? ReduceOp::sum : c.op;
+      reduced.resize(bytes);  // scratch, so in-place calls never read a half-written output
+      for (std::size_t i = 0; i < c.count; i += chunk) {
+        if (!may_read()) return false;
+        const std::size_t len = std::min(chunk, c.count - i);
+        std::byte* acc = reduced.data() + i * esize;
+        std::memcpy(acc, in(0, off + i), len * esize);
+        for (int r = 1; r < n; ++r) detail::host_combine(acc, in(r, off + i), len, c.dtype, op);
+        done += n * len * esize;
+      }
+      if (c.op == ReduceOp::avg) detail::finish_avg(reduced.data(), c.count, c.dtype, n);
+      return true;
+    }
+    case detail::CollectiveKind::barrier:
+      return true;
+  }
+  return true;
+}
+
+FSDP_DECL std::string ThreadComm::what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    std::string what = x.what();
+    if (what.rfind("fsdp: ", 0) == 0) what.erase(0, 6);  // the abort message adds its own
+    return what;
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 static_assert(Communicator<ThreadComm>);
 

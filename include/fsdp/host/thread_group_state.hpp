@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
@@ -128,89 +129,100 @@ struct ThreadGroupState {
 
   // Phase 1: posts this rank's call and waits until every rank of the group has. Throws
   // (having read nothing) if the group aborts, a peer exits, or the timeout passes first.
-  void post_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call) {
-    const int me = world_ranks[rank];
-    if (root->aborted)  // another rank's failure: an echo of it
-      fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " not started: ",
-                root->abort_reason);
-    posted[rank] = call;
-    const std::uint64_t gen = generation;
-    arrived_gen[rank] = gen + 1;
-    if (++arrived == size) {  // the last to arrive opens phase 2
-      arrived = 0;
-      readers = size;
-      reading.assign(size, true);
-      incomplete = false;
-      ++generation;
-      cv.notify_all();
-      return;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (generation == gen) {
-      if (root->aborted)
-        fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " aborted: ",
-                  root->abort_reason);
-      for (int r = 0; r < size; ++r) {
-        if (root->exited[world_ranks[r]] && arrived_gen[r] <= gen) {
-          std::ostringstream os;
-          os << "rank " << world_ranks[r] << " finished without joining " << call.describe() << " that rank " << me
-             << " is waiting in (ranks ran different numbers of collectives)";
-          abort(me, os.str(), ErrorKind::mismatch);
-          fail_aborted();
-        }
-      }
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && generation == gen && !root->aborted) {
-        std::ostringstream os;
-        os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
-           << " ms; ranks that never arrived:";
-        for (int r = 0; r < size; ++r) if (arrived_gen[r] <= gen) os << ' ' << world_ranks[r];
-        abort(me, os.str(), ErrorKind::timeout);
-        fail_aborted();
-      }
-    }
-  }
+  void post_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call);
 
   // Phase 2's end: this rank has stopped reading (`complete`: it read everything). Waits
   // until every rank has, so that no peer still reads this rank's buffers when it
   // leaves. A wait past the timeout aborts the group, which stops the readers at their
   // next chunk; that wait is bounded by the timeout again. Returns whether the
   // collective succeeded on every rank.
-  bool finish_reading(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call, bool complete) {
-    const int me = world_ranks[rank];
-    incomplete |= !complete;
-    reading[rank] = false;
-    if (--readers == 0) cv.notify_all();
-    auto deadline = std::chrono::steady_clock::now() + timeout;
-    bool extended = false;
-    while (readers > 0) {
-      if (cv.wait_until(lk, deadline) == std::cv_status::no_timeout || readers == 0) continue;
-      if (extended) {
-        // A reader ran no chunk for a whole timeout after the abort (a thread not
-        // scheduled at all): leave rather than hang, and say so.
-        std::ostringstream os;
-        os << "rank " << me << ": " << call.describe() << " aborted: " << root->abort_reason << " (left after "
-           << 2 * timeout.count() << " ms with ranks still reading:" << still_reading() << ")";
-        fail_as(ErrorKind::timeout, os.str());
-      }
-      if (!root->aborted) {
-        std::ostringstream os;
-        os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
-           << " ms; ranks still reading their peers' buffers:" << still_reading();
-        abort(me, os.str(), ErrorKind::timeout);
-      }
-      incomplete = true;
-      deadline = std::chrono::steady_clock::now() + timeout;
-      extended = true;
-    }
-    return !incomplete;
-  }
+  bool finish_reading(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call, bool complete);
 
-  std::string still_reading() const {
-    std::string s;
-    for (int r = 0; r < size; ++r) if (reading[r]) s += ' ' + std::to_string(world_ranks[r]);
-    return s;
-  }
+  std::string still_reading() const;
 };
+
+#if FSDP_DEFINES_IMPLEMENTATION
+// ThreadGroupState's members that do not depend on a template argument: compiled once under
+// FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), in every file that uses them otherwise.
+FSDP_DECL void ThreadGroupState::post_and_wait(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call) {
+  const int me = world_ranks[rank];
+  if (root->aborted)  // another rank's failure: an echo of it
+    fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " not started: ",
+              root->abort_reason);
+  posted[rank] = call;
+  const std::uint64_t gen = generation;
+  arrived_gen[rank] = gen + 1;
+  if (++arrived == size) {  // the last to arrive opens phase 2
+    arrived = 0;
+    readers = size;
+    reading.assign(size, true);
+    incomplete = false;
+    ++generation;
+    cv.notify_all();
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (generation == gen) {
+    if (root->aborted)
+      fail_echo(root->abort_kind, root->abort_origin, "rank ", me, ": ", call.describe(), " aborted: ",
+                root->abort_reason);
+    for (int r = 0; r < size; ++r) {
+      if (root->exited[world_ranks[r]] && arrived_gen[r] <= gen) {
+        std::ostringstream os;
+        os << "rank " << world_ranks[r] << " finished without joining " << call.describe() << " that rank " << me
+           << " is waiting in (ranks ran different numbers of collectives)";
+        abort(me, os.str(), ErrorKind::mismatch);
+        fail_aborted();
+      }
+    }
+    if (cv.wait_until(lk, deadline) == std::cv_status::timeout && generation == gen && !root->aborted) {
+      std::ostringstream os;
+      os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
+         << " ms; ranks that never arrived:";
+      for (int r = 0; r < size; ++r) if (arrived_gen[r] <= gen) os << ' ' << world_ranks[r];
+      abort(me, os.str(), ErrorKind::timeout);
+      fail_aborted();
+    }
+  }
+}
+
+FSDP_DECL bool ThreadGroupState::finish_reading(std::unique_lock<std::mutex>& lk, int rank, const CollectiveCall& call,
+                                               bool complete) {
+  const int me = world_ranks[rank];
+  incomplete |= !complete;
+  reading[rank] = false;
+  if (--readers == 0) cv.notify_all();
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool extended = false;
+  while (readers > 0) {
+    if (cv.wait_until(lk, deadline) == std::cv_status::no_timeout || readers == 0) continue;
+    if (extended) {
+      // A reader ran no chunk for a whole timeout after the abort (a thread not
+      // scheduled at all): leave rather than hang, and say so.
+      std::ostringstream os;
+      os << "rank " << me << ": " << call.describe() << " aborted: " << root->abort_reason << " (left after "
+         << 2 * timeout.count() << " ms with ranks still reading:" << still_reading() << ")";
+      fail_as(ErrorKind::timeout, os.str());
+    }
+    if (!root->aborted) {
+      std::ostringstream os;
+      os << "rank " << me << ": " << call.describe() << " timed out after " << timeout.count()
+         << " ms; ranks still reading their peers' buffers:" << still_reading();
+      abort(me, os.str(), ErrorKind::timeout);
+    }
+    incomplete = true;
+    deadline = std::chrono::steady_clock::now() + timeout;
+    extended = true;
+  }
+  return !incomplete;
+}
+
+FSDP_DECL std::string ThreadGroupState::still_reading() const {
+  std::string s;
+  for (int r = 0; r < size; ++r) if (reading[r]) s += ' ' + std::to_string(world_ranks[r]);
+  return s;
+}
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 }  // namespace detail
 }  // namespace fsdp

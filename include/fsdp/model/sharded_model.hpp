@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/type_name.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/module.hpp"
@@ -91,39 +92,14 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     return ref;
   }
 
-  void add(std::unique_ptr<Unit> unit) {
-    for (auto& u : units_)
-      if (u->fqn() == unit->fqn())
-        detail::fail("ShardedModel: two units named '", unit->display_name(), "' on rank ",
-                     unit->rank());
-    if (!units_.empty() && fsdp::detail::internals(*unit).groups() != fsdp::detail::internals(*units_.front()).groups())
-      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ", fsdp::detail::internals(*unit).groups(),
-                   " but unit '", units_.front()->display_name(), "' a ",
-                   fsdp::detail::internals(*units_.front()).groups(), "; every unit of a model must use the same groups");
-    const ModuleKey key{fsdp::detail::internals(*unit).module_address(), fsdp::detail::internals(*unit).module_type()};
-    if (by_module_.count(key))
-      detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
-                   by_module_[key]->fqn(), "' already manages");
-    check_no_tie_across(*unit);
-    // Room first: once the unit is attached to the execution order (which may write
-    // through its pointer), the push_back below must not throw and free it.
-    if (units_.size() == units_.capacity()) units_.reserve(std::max<std::size_t>(8, 2 * units_.size()));
-    by_module_[key] = unit.get();
-    for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
-    for (const void* t : fsdp::detail::internals(*unit).parameter_tensors()) unit_of_tensor_.emplace(t, unit.get());
-    unit->attach(order_.get());
-    units_.push_back(std::move(unit));  // within capacity: cannot throw
-    refresh_views();
-  }
+  void add(std::unique_ptr<Unit> unit);
 
-  // Completes setup of units built with ShardOptions::defer_take_over (fsdp::shard's). All
-  // units or none: a rebind that throws in any unit gives back every unit's tensors (their
-  // storage and values too, for tensor types with keep/restore; detail/take_over.hpp).
-  void take_over() {
-    if (units_.empty()) return;
-    detail::take_over_together(units_.front()->rank(), units_);
-    refresh_views();
-  }
+  // Completes setup of units built with ShardOptions::defer_take_over (fsdp::shard's). A
+  // collective: every rank calls it. All units on all ranks or none: a rebind that throws
+  // in any unit on any rank gives back every unit's tensors on every rank (their storage and
+  // values too, for tensor types with keep/restore; detail/take_over.hpp), and every rank's
+  // error names the rank that failed and quotes it.
+  void take_over();
 
   std::size_t size() const { return units_.size(); }
   Unit& operator[](std::size_t i) { return *units_.at(i); }
@@ -148,17 +124,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   }
   // The unit whose module lies at `address` whatever its type (for hooks that only keep a
   // pointer), or nullptr; an error when a module and its first member are both units there.
-  Unit* find_unit_at(const void* address) const {
-    Unit* found = nullptr;
-    for (const auto& [key, unit] : by_module_) {
-      if (key.first != address) continue;
-      if (found)
-        detail::fail("ShardedModel: units '", found->fqn(), "' and '", unit->fqn(), "' both manage a module at ",
-                     address, "; look the unit up by module (find_unit_for) instead");
-      found = unit;
-    }
-    return found;
-  }
+  Unit* find_unit_at(const void* address) const;
   // The gradient the library owns of `param`, a parameter visited as f(name, param), from
   // the unit that holds it (Unit::gradient: valid between that unit's pre_backward and
   // post_backward, and in a summon with_grads). Found by fsdp::tensor_identity: the tensor's
@@ -175,10 +141,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     return it->second->gradient(param);
   }
 
-  Unit& unit(std::string_view fqn) const {
-    for (auto& u : units_) if (u->fqn() == fqn) return *u;
-    detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
-  }
+  Unit& unit(std::string_view fqn) const;
 
   // Ends a backward pass (the job of FSDP's queued final callback), so that an engine need
   // not track which units' hooks fired: a unit whose pre_backward ran but post_backward did
@@ -186,21 +149,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   // them; the same on every rank, as the reductions must be); every reduction is finished;
   // a unit that ran no backward frees what its forward kept; every unit is IDLE again. A
   // unit left in FORWARD is an error.
-  void finish_backward() {
-    for (auto& u : units_)  // before any collective: the unit's own check names it and its state (or failure)
-      if (u->state() == TrainingState::FORWARD || u->failed_hook_) u->finish_backward();
-    for (auto it = units_.rbegin(); it != units_.rend(); ++it)
-      if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
-    order_->finish_reductions();
-    for (auto& u : units_) u->finish_backward();
-    try {
-      order_->check_pass();
-    } catch (...) {  // the gradients are wrong: nothing may use them before abort_step
-      for (auto& u : units_) u->failed_hook_ = "finish_backward", u->failed_by_ = nullptr;
-      throw;
-    }
-    order_->end_iteration();
-  }
+  void finish_backward();
 
   // Records every unit's forward, backward and waits (and, with an AsyncCommunicator
   // given the same Trace, its collectives) into `trace`; nullptr stops. Off by default.
@@ -208,19 +157,11 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
 
   // At most `n` units gathered ahead of the one computing (FSDP's limit_all_gathers);
   // a prefetch beyond it is skipped and that unit gathers when its hook runs. Default 2.
-  void set_max_prefetched_units(int n) {
-    if (n < 0) detail::fail("ShardedModel: the prefetch limit must be >= 0, got ", n);
-    order_->max_prefetched = n;
-  }
+  void set_max_prefetched_units(int n);
 
   // The whole configuration: each unit's policies and run-time settings as they are now,
   // and the prefetch limit (fsdp/policy/configuration.hpp; to_string prints it).
-  ModelConfig config() const {
-    ModelConfig c;
-    c.max_prefetched = order_->max_prefetched;
-    for (const auto& u : units_) c.units.push_back(u->config());
-    return c;
-  }
+  ModelConfig config() const;
 
   // The recorded execution order (after the first iteration), for tests and tools.
   const ExecutionOrder& execution_order() const { return *order_; }
@@ -279,11 +220,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
 
   // Frees unsharded parameters kept after forward for a backward that is not coming
   // (ShardGradOp's, and the first backward unit's); call it after a forward-only pass.
-  void reshard() {
-    for (auto& u : units_) u->reshard();
-    if (!order_->in_backward()) order_->check_pass();  // a forward-only pass ends here
-    order_->end_forward_pass();
-  }
+  void reshard();
 
   // Recovery after an exception inside a step (a failed allocation, an engine error, a hook
   // that threw; Unit::abort_step): every unit frees what the step held, discards the
@@ -292,14 +229,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   // the world: every rank must call it; a rank still inside another collective makes it
   // an error on every rank instead, and the units then stay failed. The next step computes
   // with the parameters as they were before the aborted one.
-  void abort_step() {
-    for (auto& u : units_) fsdp::detail::internals(*u).abandon_step();
-    order_->abort_pass();
-    if (units_.empty()) return;
-    for (auto& u : units_) u->failed_hook_ = "abort_step", u->failed_by_ = nullptr;  // until every rank took part
-    fsdp::detail::internals(*units_[0]).all_ranks_agree(true);
-    for (auto& u : units_) u->failed_hook_ = nullptr;
-  }
+  void abort_step();
 
   // This rank's flat shards of every unit, for the optimizer.
   std::span<const ShardView> shards() const { return views_; }
@@ -324,57 +254,16 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
     if (views_change) refresh_views();
   }
 
-  void refresh_views() {
-    views_.clear();
-    params_.clear();
-    for (auto& u : units_) {
-      const std::size_t first = views_.size();
-      views_.insert(views_.end(), u->shards().begin(), u->shards().end());
-      for (ParamView p : u->parameters()) {
-        p.model_shard = first + p.shard;
-        params_.push_back(p);
-      }
-    }
-  }
+  void refresh_views();
 
   // A tensor reachable under several FQNs (tied) is sharded once, by the one unit that
   // holds all its uses; found in two units it would be two copies that drift apart.
-  void check_no_tie_across(const Unit& unit) const {
-    for (const auto& st : unit.param_storage()) {
-      auto it = storage_owner_.find(st.key);
-      if (it == storage_owner_.end()) continue;
-      const auto& [other, other_fqn] = it->second;
-      detail::fail("ShardedModel on rank ", unit.rank(), ": parameters '", other_fqn, "' (unit '", other->display_name(),
-                   "') and '", st.fqn, "' (unit '", unit.display_name(), "') are the same tensor (tied) but lie in ",
-                   "different units; a tied parameter must lie in one unit that holds all its uses: ",
-                   owner_of(other_fqn, st.fqn, unit), " (do not make the modules in between units of their own)");
-    }
-  }
+  void check_no_tie_across(const Unit& unit) const;
 
   // The innermost unit whose module holds both FQNs, in words.
-  std::string owner_of(const std::string& a, const std::string& b, const Unit& adding) const {
-    auto holds = [](const std::string& unit, const std::string& fqn) {
-      return unit.empty() || (fqn.size() > unit.size() && fqn.compare(0, unit.size(), unit) == 0 && fqn[unit.size()] == '.');
-    };
-    const Unit* best = nullptr;
-    auto consider = [&](const Unit& u) {
-      if (holds(u.fqn(), a) && holds(u.fqn(), b) && (!best || u.fqn().size() > best->fqn().size())) best = &u;
-    };
-    for (const auto& u : units_) consider(*u);
-    consider(adding);
-    if (best) return "unit '" + std::string(best->display_name()) + "'";
-    std::size_t common = 0;  // their common module, for a model built without a unit around it
-    for (std::size_t i = 0; i < a.size() && i < b.size() && a[i] == b[i]; ++i)
-      if (a[i] == '.') common = i;
-    return "a unit wrapping module '" + (common ? a.substr(0, common) : std::string("<root>")) + "'";
-  }
+  std::string owner_of(const std::string& a, const std::string& b, const Unit& adding) const;
 
-  std::string unit_names() const {
-    std::ostringstream os;
-    for (std::size_t i = 0; i < units_.size(); ++i)
-      os << (i ? ", " : "") << "'" << units_[i]->display_name() << "'";
-    return os.str();
-  }
+  std::string unit_names() const;
 
   using ModuleKey = std::pair<const void*, std::type_index>;
   // Declared before the units, so destroyed after them: a unit's destructor waits for its
@@ -387,6 +276,152 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
   std::vector<ShardView> views_;
   std::vector<ParamView> params_;
 };
+
+#if FSDP_DEFINES_IMPLEMENTATION
+// ShardedModel's members that do not depend on a template argument: compiled once under
+// FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), in every file that uses them otherwise.
+FSDP_DECL void ShardedModel::add(std::unique_ptr<Unit> unit) {
+  for (auto& u : units_)
+    if (u->fqn() == unit->fqn())
+      detail::fail("ShardedModel: two units named '", unit->display_name(), "' on rank ",
+                   unit->rank());
+  if (!units_.empty() && fsdp::detail::internals(*unit).groups() != fsdp::detail::internals(*units_.front()).groups())
+    detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' uses a ",
+                 fsdp::detail::internals(*unit).groups(),
+                 " but unit '", units_.front()->display_name(), "' a ",
+                 fsdp::detail::internals(*units_.front()).groups(), "; every unit of a model must use the same groups");
+  const ModuleKey key{fsdp::detail::internals(*unit).module_address(), fsdp::detail::internals(*unit).module_type()};
+  if (by_module_.count(key))
+    detail::fail("ShardedModel on rank ", unit->rank(), ": unit '", unit->fqn(), "' manages a module that unit '",
+                 by_module_[key]->fqn(), "' already manages");
+  check_no_tie_across(*unit);
+  // Room first: once the unit is attached to the execution order (which may write
+  // through its pointer), the push_back below must not throw and free it.
+  if (units_.size() == units_.capacity()) units_.reserve(std::max<std::size_t>(8, 2 * units_.size()));
+  by_module_[key] = unit.get();
+  for (const auto& st : unit->param_storage()) storage_owner_.emplace(st.key, std::make_pair(unit.get(), st.fqn));
+  for (const void* t : fsdp::detail::internals(*unit).parameter_tensors()) unit_of_tensor_.emplace(t, unit.get());
+  unit->attach(order_.get());
+  units_.push_back(std::move(unit));  // within capacity: cannot throw
+  refresh_views();
+}
+
+FSDP_DECL void ShardedModel::take_over() {
+  if (units_.empty()) return;
+  detail::take_over_together(units_.front()->rank(), units_);
+  refresh_views();
+}
+
+FSDP_DECL Unit* ShardedModel::find_unit_at(const void* address) const {
+  Unit* found = nullptr;
+  for (const auto& [key, unit] : by_module_) {
+    if (key.first != address) continue;
+    if (found)
+      detail::fail("ShardedModel: units '", found->fqn(), "' and '", unit->fqn(), "' both manage a module at ",
+                   address, "; look the unit up by module (find_unit_for) instead");
+    found = unit;
+  }
+  return found;
+}
+
+FSDP_DECL Unit& ShardedModel::unit(std::string_view fqn) const {
+  for (auto& u : units_) if (u->fqn() == fqn) return *u;
+  detail::fail("ShardedModel: no unit named '", fqn, "'; units are: ", unit_names());
+}
+
+FSDP_DECL void ShardedModel::finish_backward() {
+  for (auto& u : units_)  // before any collective: the unit's own check names it and its state (or failure)
+    if (u->state() == TrainingState::FORWARD || u->failed_hook_) u->finish_backward();
+  for (auto it = units_.rbegin(); it != units_.rend(); ++it)
+    if ((*it)->state() == TrainingState::BACKWARD_PRE) (*it)->post_backward();
+  order_->finish_reductions();
+  for (auto& u : units_) u->finish_backward();
+  try {
+    order_->check_pass();
+  } catch (...) {  // the gradients are wrong: nothing may use them before abort_step
+    for (auto& u : units_) u->failed_hook_ = "finish_backward", u->failed_by_ = nullptr;
+    throw;
+  }
+  order_->end_iteration();
+}
+
+FSDP_DECL void ShardedModel::set_max_prefetched_units(int n) {
+  if (n < 0) detail::fail("ShardedModel: the prefetch limit must be >= 0, got ", n);
+  order_->max_prefetched = n;
+}
+
+FSDP_DECL ModelConfig ShardedModel::config() const {
+  ModelConfig c;
+  c.max_prefetched = order_->max_prefetched;
+  for (const auto& u : units_) c.units.push_back(u->config());
+  return c;
+}
+
+FSDP_DECL void ShardedModel::reshard() {
+  for (auto& u : units_) u->reshard();
+  if (!order_->in_backward()) order_->check_pass();  // a forward-only pass ends here
+  order_->end_forward_pass();
+}
+
+FSDP_DECL void ShardedModel::abort_step() {
+  for (auto& u : units_) fsdp::detail::internals(*u).abandon_step();
+  order_->abort_pass();
+  if (units_.empty()) return;
+  for (auto& u : units_) u->failed_hook_ = "abort_step", u->failed_by_ = nullptr;  // until every rank took part
+  detail::naming_what_left_the_step(
+      [&] { fsdp::detail::internals(*units_[0]).all_ranks_agree(true, TagPhase::abort_step); });
+  for (auto& u : units_) u->failed_hook_ = nullptr;
+}
+
+FSDP_DECL void ShardedModel::refresh_views() {
+  views_.clear();
+  params_.clear();
+  for (auto& u : units_) {
+    const std::size_t first = views_.size();
+    views_.insert(views_.end(), u->shards().begin(), u->shards().end());
+    for (ParamView p : u->parameters()) {
+      p.model_shard = first + p.shard;
+      params_.push_back(p);
+    }
+  }
+}
+
+FSDP_DECL void ShardedModel::check_no_tie_across(const Unit& unit) const {
+  for (const auto& st : unit.param_storage()) {
+    auto it = storage_owner_.find(st.key);
+    if (it == storage_owner_.end()) continue;
+    const auto& [other, other_fqn] = it->second;
+    detail::fail("ShardedModel on rank ", unit.rank(), ": parameters '", other_fqn, "' (unit '", other->display_name(),
+                 "') and '", st.fqn, "' (unit '", unit.display_name(), "') are the same tensor (tied) but lie in ",
+                 "different units; a tied parameter must lie in one unit that holds all its uses: ",
+                 owner_of(other_fqn, st.fqn, unit), " (do not make the modules in between units of their own)");
+  }
+}
+
+FSDP_DECL std::string ShardedModel::owner_of(const std::string& a, const std::string& b, const Unit& adding) const {
+  auto holds = [](const std::string& unit, const std::string& fqn) {
+    return unit.empty() || (fqn.size() > unit.size() && fqn.compare(0, unit.size(), unit) == 0 && fqn[unit.size()] == '.');
+  };
+  const Unit* best = nullptr;
+  auto consider = [&](const Unit& u) {
+    if (holds(u.fqn(), a) && holds(u.fqn(), b) && (!best || u.fqn().size() > best->fqn().size())) best = &u;
+  };
+  for (const auto& u : units_) consider(*u);
+  consider(adding);
+  if (best) return "unit '" + std::string(best->display_name()) + "'";
+  std::size_t common = 0;  // their common module, for a model built without a unit around it
+  for (std::size_t i = 0; i < a.size() && i < b.size() && a[i] == b[i]; ++i)
+    if (a[i] == '.') common = i;
+  return "a unit wrapping module '" + (common ? a.substr(0, common) : std::string("<root>")) + "'";
+}
+
+FSDP_DECL std::string ShardedModel::unit_names() const {
+  std::ostringstream os;
+  for (std::size_t i = 0; i < units_.size(); ++i)
+    os << (i ? ", " : "") << "'" << units_[i]->display_name() << "'";
+  return os.str();
+}
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 namespace detail {
 template <class G> struct is_mesh : std::false_type {};

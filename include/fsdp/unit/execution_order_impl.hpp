@@ -7,16 +7,18 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/unit/unit.hpp"
 
+#if FSDP_DEFINES_IMPLEMENTATION  // compiled once under FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp)
 namespace fsdp {
 
-inline std::string ExecutionOrder::name_of(int index) const {
+FSDP_DECL std::string ExecutionOrder::name_of(int index) const {
   if (index < 0 || index >= static_cast<int>(units_.size())) return "<not a unit of this model>";
   return std::string(fsdp::detail::display_name(units_[index]->fqn()));
 }
 
-inline void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {
+FSDP_DECL void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::CommRef& world, bool prefetching) {
   auto& order = pass == Pass::forward ? forward_ : backward_;
   auto& step = pass == Pass::forward ? forward_step_ : backward_step_;
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
@@ -66,12 +68,13 @@ inline void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::Com
   ++step;
 }
 
-inline void ExecutionOrder::reduction_issued(Unit& u) {
+FSDP_DECL void ExecutionOrder::reduction_issued(Unit& u) {
   if (Unit* before = std::exchange(reducing_, &u)) fsdp::detail::internals(*before).finish_reduction();
 }
 
-inline void ExecutionOrder::finish_reductions() {
+FSDP_DECL void ExecutionOrder::finish_reductions() {
   if (Unit* last = std::exchange(reducing_, nullptr)) fsdp::detail::internals(*last).finish_reduction();
 }
 
 }  // namespace fsdp
+#endif  // FSDP_DEFINES_IMPLEMENTATION

@@ -36,9 +36,10 @@ struct ShardOptions {
   // cost no all-gather latency. 0: every unit follows its strategy.
   std::int64_t persistence_threshold = 0;
   // Leave the engine's tensors alone until ShardedModel::take_over() takes over every unit
-  // of the model as one (all or none: a failure gives every tensor back). fsdp::shard builds
-  // every unit this way anyway and then takes them over, unless this is set: then the
-  // returned model's take_over() is the engine's to call. A unit built by hand with it set
+  // of the model as one, on every rank together (all or none: a failure on any rank gives
+  // every tensor back on every rank). fsdp::shard builds every unit this way anyway and then
+  // takes them over, unless this is set: then the returned model's take_over() is the
+  // engine's to call, on every rank. A unit built by hand with it set
   // is taken over by its model's take_over(), after ShardedModel::add. Until then the unit
   // refuses its hooks (but zero_grad and finish_backward), reshard, summon and a
   // post-accumulate-grad hook, naming itself: its tensors are still the engine's.

@@ -15,6 +15,7 @@
 
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/backend_ref.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/unit/detail/post_grad_hook_slot.hpp"
 #include "fsdp/unit/detail/unit_uses.hpp"
 #include "fsdp/unit/detail/zero_batch.hpp"
@@ -87,6 +88,10 @@ class UnitInternals {
   // Whether `ok` holds on every rank of the world (a collective): so that no rank goes on
   // to change state, or to commit a file, that another rank has found wrong.
   virtual bool all_ranks_agree(bool ok) const = 0;
+  // The same for one of the model's own steps (`step`: TagPhase::take_over, abort_step),
+  // tagged with it (unit and pass 0), so that a rank that meets it in another collective
+  // reads which step its peer was in.
+  virtual bool all_ranks_agree(bool ok, TagPhase step) const = 0;
   // The largest `v` of any rank of the world (a collective): how one rank's value (a
   // random token, a size) reaches every rank.
   virtual std::int64_t max_over_ranks(std::int64_t v) const = 0;
@@ -470,7 +475,7 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
   void agree_on_abort() {
     failed_hook_ = "abort_step";  // until every rank took part
     failed_by_ = nullptr;
-    all_ranks_agree(true);
+    detail::naming_what_left_the_step([&] { all_ranks_agree(true, TagPhase::abort_step); });
     failed_hook_ = nullptr;
   }
   const char* failed_hook_ = nullptr;

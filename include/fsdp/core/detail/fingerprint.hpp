@@ -126,10 +126,10 @@ inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, 
           "; rank ", other, " has ", other_text);
 }
 
-inline bool all_ranks_agree(const CommRef& comm, bool ok) {
+inline bool all_ranks_agree(const CommRef& comm, bool ok, const CollectiveTag* tag = nullptr) {
   if (comm.size() == 1) return ok;
   std::int32_t mine = ok ? 1 : 0, all = 0;
-  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min).wait();
+  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag).wait();
   return all == 1;
 }
 

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
@@ -90,7 +91,12 @@ T combine(T a, T b, ReduceOp op) {
   }
 }
 
-inline void host_scale(void* p, std::size_t n, DType t, double factor) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_scale(void* p, std::size_t n, DType t, double factor);
+}
+#if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_scale(void* p, std::size_t n, DType t, double factor) {
   if (t == DType::e8m0) no_e8m0_arithmetic("scaling");
   const bool narrow = with_narrow_float(t, [&](auto* tag, auto load, auto store) {
     auto* q = static_cast<decltype(tag)>(p);
@@ -108,9 +114,16 @@ inline void host_scale(void* p, std::size_t n, DType t, double factor) {
     }
   });
 }
+}
+#endif
 
 // dst[i] = dst[i] (op) src[i]
-inline void host_combine(void* dst, const void* src, std::size_t n, DType t, ReduceOp op) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_combine(void* dst, const void* src, std::size_t n, DType t, ReduceOp op);
+}
+#if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_combine(void* dst, const void* src, std::size_t n, DType t, ReduceOp op) {
   if (t == DType::e8m0) {  // the patterns order as the values do (0xff, NaN, is largest)
     if (op != ReduceOp::max && op != ReduceOp::min) no_e8m0_arithmetic(name_of(op).data());
     auto* d = static_cast<std::uint8_t*>(dst);
@@ -131,6 +144,8 @@ inline void host_combine(void* dst, const void* src, std::size_t n, DType t, Red
     for (std::size_t i = 0; i < n; ++i) d[i] = combine(d[i], s[i], op);
   });
 }
+}
+#endif
 
 // ---- casts ----------------------------------------------------------------------------
 // Floating targets round to nearest even, once: f32 and the 16-bit types go through float
@@ -169,7 +184,12 @@ inline std::pair<std::int64_t, std::int64_t> integer_range(DType t) {
 
 // Throws unless every element of src (dtype `from`) truncates to a value of the integer
 // dtype `to`.
-inline void check_fits_integer(const void* src, DType from, std::size_t n, DType to) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void check_fits_integer(const void* src, DType from, std::size_t n, DType to);
+}
+#if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void check_fits_integer(const void* src, DType from, std::size_t n, DType to) {
   const auto range = integer_range(to);  // not bound: clang 14 cannot capture a binding
   const std::int64_t lo = range.first, hi = range.second;
   auto refuse = [&](std::size_t i, const auto& value) {
@@ -199,10 +219,17 @@ inline void check_fits_integer(const void* src, DType from, std::size_t n, DType
     }
   });
 }
+}
+#endif
 
 // dst[i] = src[i] converted from `from` to `to` (see above). dst == src is fine when the
 // two dtypes have the same size; other overlaps are the caller's to avoid.
-inline void host_cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_cast(void* dst, DType to, const void* src, DType from, std::size_t n);
+}
+#if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void host_cast(void* dst, DType to, const void* src, DType from, std::size_t n) {
   if (to == from) {
     if (n && dst != src) std::memmove(dst, src, n * size_of(to));
     return;
@@ -227,11 +254,18 @@ inline void host_cast(void* dst, DType to, const void* src, DType from, std::siz
   // double is exact for every pair left.
   for (std::size_t i = 0; i < n; ++i) store_from_double(dst, i, to, load_as_double(src, i, from));
 }
+}
+#endif
 
 // ShardedGradScaler's unscale: p[i] *= inv_scale for a floating dtype `t`, the product
 // taken in double and rounded once to the dtype; returns whether any result is inf or NaN
 // (checked after rounding: a finite product can round to a 16-bit type's inf).
-inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL bool host_unscale(void* p, std::size_t n, DType t, double inv_scale);
+}
+#if FSDP_DEFINES_IMPLEMENTATION
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
   bool bad = false;
   if (t == DType::e8m0) no_e8m0_arithmetic("unscaling");
   const bool narrow = with_narrow_float(t, [&](auto* tag, auto load, auto store) {
@@ -255,5 +289,7 @@ inline bool host_unscale(void* p, std::size_t n, DType t, double inv_scale) {
   else typed(static_cast<float*>(p));
   return bad;
 }
+}
+#endif
 
 }  // namespace fsdp::detail

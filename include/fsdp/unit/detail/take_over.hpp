@@ -21,8 +21,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "fsdp/unit/detail/flat_param_storage.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/unit/detail/flat_param_storage.hpp"
 #include "fsdp/unit/detail/unit_internals_fwd.hpp"
 
 namespace fsdp::detail {
@@ -104,18 +106,29 @@ class TakeOverLog {
   }
 
   [[noreturn]] void failed(const char* call, const std::string& what, std::string_view why, ErrorKind kind) {
-    std::sort(lost_.begin(), lost_.end(), std::less<>());  // a tensor tied under two names counts once
-    const auto lost = static_cast<std::size_t>(std::unique(lost_.begin(), lost_.end()) - lost_.begin());
+    const std::string outcome = roll_back_outcome("rebound before it");
     roll_back();
-    std::string outcome = "; nothing was taken over, and every tensor keeps its storage and values";
-    if (lost)
-      outcome = "; nothing was taken over, but " + std::to_string(lost) +
-                (lost == 1 ? " tensor rebound before it is" : " tensors rebound before it are") +
-                " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
-                "docs/concepts.md#tensor); the others keep theirs";
     fail_as(kind, "unit '", unit_, "' on rank ", rank_, ": tensor_traits<T>::", call,
             " threw while the unit took over ", what, ": ", why, outcome);
   }
+
+ public:
+  // What roll_back leaves, for an error's end: "; nothing was taken over, ...". `rebound`
+  // says when the tensors left without storage were rebound ("rebound before it"), `where`
+  // where nothing was taken over ("" or " here either").
+  std::string roll_back_outcome(std::string_view rebound, std::string_view where = "") {
+    std::sort(lost_.begin(), lost_.end(), std::less<>());  // a tensor tied under two names counts once
+    const auto lost = static_cast<std::size_t>(std::unique(lost_.begin(), lost_.end()) - lost_.begin());
+    lost_.resize(lost);
+    const std::string nothing = "; nothing was taken over" + std::string(where);
+    if (!lost) return nothing + ", and every tensor keeps its storage and values";
+    return nothing + ", but " + std::to_string(lost) + (lost == 1 ? " tensor " : " tensors ") +
+           std::string(rebound) + (lost == 1 ? " is" : " are") +
+           " left without storage (their tensor_traits<T> has no keep/restore to give it back, "
+           "docs/concepts.md#tensor); the others keep theirs";
+  }
+
+ private:
 
   std::string unit_;
   int rank_;
@@ -125,28 +138,66 @@ class TakeOverLog {
   std::vector<ReboundHook> hooks_;  // run after a roll back
 };
 
-// Takes over `units` (pointers to fsdp::Unit) as one: each rebinds into one log, and
-// a rebind that throws in any unit gives back every unit's tensors, each of those units
-// (the failing one included) forgetting what it did. Units taken over by an earlier call
-// are left alone. After the commit every unit finishes (writes rank 0's buffer values;
-// a no-op where done before).
+// Takes over `units` (pointers to fsdp::Unit, sharing one world) as one, on every rank of
+// that world together: each rebinds into one log, then the ranks agree; a rebind that
+// throws in any unit on any rank gives back every unit's tensors on every rank, each of
+// those units forgetting what it did. The rank that failed throws its own error; every
+// other rank an echo naming that rank and quoting it (fsdp/core/detail/root_cause.hpp),
+// with what its own roll back left. Units taken over by an earlier call are left alone.
+// After the commit every unit finishes (writes rank 0's buffer values; a no-op where done
+// before). A collective: every rank of the world calls it (fsdp::shard and
+// ShardedModel::take_over do; a unit built alone, in its constructor).
 template <class UnitPtrs>
 void take_over_together(int rank, const UnitPtrs& units) {
   using U = std::remove_reference_t<decltype(**std::begin(units))>;
+  if (std::empty(units)) return;
   TakeOverLog log(rank);
   std::vector<U*> taking;
   taking.reserve(std::size(units));  // push_back below cannot throw
+  auto forget = [&]() noexcept {
+    for (U* u : taking) internals(*u).forget_take_over();  // the log gives the tensors back after
+  };
+  std::exception_ptr failure;
   try {
     for (auto& u : units) {
       taking.push_back(&*u);  // before its take_over: a unit that throws midway forgets too
       if (!internals(*u).take_over(log)) taking.pop_back();
     }
   } catch (...) {
-    for (U* u : taking) internals(*u).forget_take_over();  // the log gives the tensors back as it unwinds
+    failure = std::current_exception();
+  }
+  const auto& first = internals(**std::begin(units));
+  bool agreed = false;
+  try {
+    agreed = first.all_ranks_agree(!failure, TagPhase::take_over);
+  } catch (...) {  // the agreement itself failed (a peer lost): nothing taken over here either
+    forget();
+    if (failure) std::rethrow_exception(failure);  // this rank's own error first
     throw;
   }
-  log.commit();
-  for (auto& u : units) internals(*u).finish_take_over();
+  if (agreed) {
+    log.commit();
+    for (auto& u : units) internals(*u).finish_take_over();
+    return;
+  }
+  forget();  // first: nothing below may leave a unit that believes it took over
+  const std::string outcome = log.roll_back_outcome("rebound here", " here either");
+  log.roll_back();
+  const OwnFailure own = own_failure(failure);
+  auto root_cause = [&] {
+    return agreed_root_cause(first.world_size(), rank, [&](std::int64_t v) { return first.max_over_ranks(v); },
+                             own.message, own.kind);
+  };
+  if (failure) {  // names the unit, the tensor and what its roll back left; the others need its message first
+    try {
+      root_cause();
+    } catch (...) {
+    }
+    std::rethrow_exception(failure);
+  }
+  const RootCause root = root_cause();
+  fail_echo(root.kind, root.rank, "setup on rank ", rank, ": the take-over of the engine's tensors failed on rank ",
+            root.rank, ", so no rank takes over; rank ", root.rank, " says: ", root.message, outcome);
 }
 
 // Take-over of one flat parameter: gradients to nothing, parameters to `params_at` (the
