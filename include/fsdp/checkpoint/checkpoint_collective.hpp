@@ -50,21 +50,10 @@ inline RootCause agreed_root_cause(const Unit& unit, const std::string& message,
 template <class F>
 void run_agreed(ShardedModel& model, const std::string& what, F&& part, const char* outcome = "") {
   if (model.size() == 0) fail(what, ": the model has no units (no communicator to agree through)");
-  std::string error;
-  std::optional<ErrorKind> kind;  // of this rank's failure
-  std::exception_ptr foreign;  // not a std::exception: no message to quote
-  try {
-    part();
-  } catch (const std::exception& e) {
-    error = message_of(e);  // quoted below under this rank's own "fsdp: "
-    if (error.empty()) error = "unknown error";
-    kind = kind_of(e);
-  } catch (...) {
-    foreign = std::current_exception();
-    error = "an exception that is not a std::exception";
-    kind = ErrorKind::misuse;
-  }
-  if (fsdp::detail::internals(model[0]).all_ranks_agree(error.empty())) return;
+  const std::exception_ptr failure = captured(std::forward<F>(part));
+  OwnFailure own = own_failure(failure);  // its message is quoted below under this rank's own "fsdp: "
+  std::string& error = own.message;
+  if (fsdp::detail::internals(model[0]).all_ranks_agree(!failure)) return;
   // The part's error often starts with what `what` ends with (the checkpoint it names): say it once.
   for (std::size_t space = what.find(' '); space != std::string::npos; space = what.find(' ', space + 1)) {
     const std::string_view subject = std::string_view(what).substr(space + 1);
@@ -74,10 +63,10 @@ void run_agreed(ShardedModel& model, const std::string& what, F&& part, const ch
       break;
     }
   }
-  const RootCause root = agreed_root_cause(model[0], error, kind);
-  if (foreign) std::rethrow_exception(foreign);
+  const RootCause root = agreed_root_cause(model[0], error, own.kind);
+  if (own.foreign) std::rethrow_exception(failure);
   const int rank = fsdp::detail::internals(model[0]).rank();
-  if (!error.empty()) fail_as(*kind, what, " on rank ", rank, ": ", error, outcome);
+  if (failure) fail_as(*own.kind, what, " on rank ", rank, ": ", error, outcome);
   fail_echo(root.kind, root.rank, what, " on rank ", rank, ": another rank failed; rank ", root.rank, " says: ",
             root.message, outcome);
 }

@@ -28,6 +28,7 @@
 #include "fsdp/core/detail/collective_mismatch.hpp"
 #include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/host/thread_group_state.hpp"
@@ -210,9 +211,7 @@ FSDP_DECL std::string ThreadComm::what_of(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {
-    std::string what = x.what();
-    if (what.rfind("fsdp: ", 0) == 0) what.erase(0, 6);  // the abort message adds its own
-    return what;
+    return std::string(detail::message_of(x));  // the abort message adds its own "fsdp: "
   } catch (...) {
     return "a non-standard exception";
   }

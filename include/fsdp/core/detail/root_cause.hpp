@@ -35,6 +35,7 @@ inline std::string_view message_of(const std::exception& e) {
 struct OwnFailure {
   std::string message;
   std::optional<ErrorKind> kind;
+  bool foreign = false;  // no std::exception: a caller rethrows it as it is
 };
 inline OwnFailure own_failure(const std::exception_ptr& failure) {
   OwnFailure out;
@@ -48,6 +49,7 @@ inline OwnFailure own_failure(const std::exception_ptr& failure) {
   } catch (...) {
     out.message = "an exception that is not a std::exception";
     out.kind = ErrorKind::misuse;
+    out.foreign = true;
   }
   return out;
 }
