@@ -43,12 +43,51 @@ struct Outcome {
   std::vector<fsdp::MemoryPlan> plan;
 };
 
+using SyncMesh = fsdp::DeviceMesh<fsdp::ThreadComm>;
+using AsyncMesh = fsdp::DeviceMesh<fsdp::AsyncCommunicator<fsdp::ThreadComm>>;
+
+// One set of policies as the runs below use it: fsdp::shard and fsdp::plan with them, as
+// function pointers. The runs take it as a value, so each compiles once, and a set of
+// policies adds only these few calls (not a whole training run) to the test's build.
+struct PolicySet {
+  fsdp::ShardedModel (*shard)(engine::Model&, SyncMesh&, fsdp::HostDevice&, const fsdp::ShardOptions&);
+  fsdp::ShardedModel (*shard_async)(engine::Model&, AsyncMesh&, fsdp::HostDevice&, const fsdp::ShardOptions&);
+  fsdp::ShardedModel (*shard_deferred)(engine::Model&, SyncMesh&, fsdp::HostDevice&, const fsdp::ShardOptions&);
+  fsdp::MemoryPlan (*plan)(fsdp::ShardedModel&, const fsdp::PlanOptions&);
+  bool offload;
+};
+
+template <class... Ps>
+PolicySet policies() {
+  return {[](engine::Model& m, SyncMesh& mesh, fsdp::HostDevice& d, const fsdp::ShardOptions& o) {
+            return fsdp::shard<Ps...>(m, mesh, d, engine::Wrap{}, o);
+          },
+          [](engine::Model& m, AsyncMesh& mesh, fsdp::HostDevice& d, const fsdp::ShardOptions& o) {
+            return fsdp::shard<Ps...>(m, mesh, d, engine::Wrap{}, o);
+          },
+          [](engine::Model& m, SyncMesh& mesh, fsdp::HostDevice& d, const fsdp::ShardOptions& o) {
+            return fsdp::shard<Ps...>(m, mesh, d, engine::Wrap{}, o, fsdp::deferred_init(engine::reset_parameters));
+          },
+          [](fsdp::ShardedModel& sm, const fsdp::PlanOptions& o) { return fsdp::plan<Ps...>(sm, o); },
+          fsdp::Policies<Ps...>::cpu_offload::offload};
+}
+
+// The model sharded over `mesh` with the set's policies.
+fsdp::ShardedModel shard_with(const PolicySet& p, engine::Model& m, SyncMesh& mesh, fsdp::HostDevice& d,
+                              const fsdp::ShardOptions& o) {
+  return p.shard(m, mesh, d, o);
+}
+fsdp::ShardedModel shard_with(const PolicySet& p, engine::Model& m, AsyncMesh& mesh, fsdp::HostDevice& d,
+                              const fsdp::ShardOptions& o) {
+  return p.shard_async(m, mesh, d, o);
+}
+
 // Plans, then trains `run.steps` steps (AdamW state through the same Device, counted in
 // the plan as the engine's), on every rank of a `shape` mesh; through an
 // AsyncCommunicator if Async (a template argument, not a flag: each policy set compiles
 // for the one communicator it runs on).
-template <bool Async, class... Ps>
-Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
+template <bool Async>
+Outcome train_and_plan_with(const PolicySet& policy, fsdp::MeshShape shape, Run run) {
   const auto c = config();
   const int world = shape.size();
   Outcome out{std::vector<fsdp::MemoryStats>(world), std::vector<fsdp::MemoryStats>(world), std::vector<fsdp::MemoryPlan>(world)};
@@ -58,7 +97,7 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       fsdp::DeviceMesh mesh(communicator, shape);
       engine::Model model(c);
       fsdp::HostDevice device;
-      auto sm = fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, fsdp::ShardOptions{.persistence_threshold = run.threshold});
+      auto sm = shard_with(policy, model, mesh, device, fsdp::ShardOptions{.persistence_threshold = run.threshold});
       sm.set_max_prefetched_units(run.limit);
       sm.set_gradient_sync_mode(run.mode);
       if (run.explicit_prefetch) {
@@ -69,8 +108,7 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
         u("blocks.2")->set_units_to_backward_prefetch({u("blocks.0")});  // blocks.1 is gathered already
       }
       sm.set_reshard_after_backward(run.after_backward);
-      constexpr bool offload = fsdp::Policies<Ps...>::cpu_offload::offload;
-      const auto space = offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
+      const auto space = policy.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device;
       fsdp::PlanOptions options;
       options.asynchronous = Async;
       options.persistence_threshold = run.threshold;
@@ -91,7 +129,7 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
       std::optional<engine::OptimizerInBackward<engine::AdamW>> inside;
       if (in_backward) inside.emplace(sm, [&] { return std::make_unique<engine::AdamW>(engine::AdamW::Options{}, alloc); });
       if (run.hook == fsdp::GradientAfterHook::keep) sm.set_post_accumulate_grad_hook([&](fsdp::Unit&) { ++hooks_run; }, *run.hook);
-      out.plan[comm.rank()] = fsdp::plan<Ps...>(sm, options);
+      out.plan[comm.rank()] = policy.plan(sm, options);
       {  // the model's own report (ShardedModel::config()) plans the same, with nothing restated
         const fsdp::MemoryPlan from_config = fsdp::plan(sm, options);
         CHECK(from_config.peaks[0].bytes == out.plan[comm.rank()].peaks[0].bytes);
@@ -123,11 +161,15 @@ Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
   return out;
 }
 
-// The plan equals what the run measured, on every rank; returns the run.
 template <bool Async, class... Ps>
-Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
+Outcome train_and_plan(fsdp::MeshShape shape, Run run) {
+  return train_and_plan_with<Async>(policies<Ps...>(), shape, run);
+}
+
+// The plan equals what the run measured, on every rank; returns the run.
+Outcome check_plan_with(bool async, const PolicySet& policy, fsdp::MeshShape shape, Run run) {
   CAPTURE(shape.str());
-  CAPTURE(Async);
+  CAPTURE(async);
   CAPTURE(run.limit);
   CAPTURE(run.threshold);
   CAPTURE(run.micro);
@@ -136,7 +178,7 @@ Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
   CAPTURE(run.defer_all_reduce);
   CAPTURE(run.hook ? std::string(fsdp::name_of(*run.hook)) : std::string("none"));
   CAPTURE(run.explicit_prefetch);
-  const Outcome o = train_and_plan<Async, Ps...>(shape, run);
+  const Outcome o = async ? train_and_plan_with<true>(policy, shape, run) : train_and_plan_with<false>(policy, shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
     CAPTURE(o.plan[r].describe());
@@ -146,6 +188,11 @@ Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
     CHECK(o.plan[r].steady[1] == o.host[r].live_bytes);
   }
   return o;
+}
+
+template <bool Async, class... Ps>
+Outcome check_plan_on(fsdp::MeshShape shape, Run run) {
+  return check_plan_with(Async, policies<Ps...>(), shape, run);
 }
 
 template <class... Ps>
@@ -417,8 +464,7 @@ struct SetupOutcome {
   fsdp::ModelConfig config;
 };
 
-template <class... Ps>
-SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report = 1) {
+SetupOutcome run_setup_with(const PolicySet& policy, fsdp::MeshShape shape, SetupRun run, int rank_to_report) {
   engine::ModelConfig c = config();
   if (run.deferred) c.init = engine::Init::deferred;
   std::vector<SetupOutcome> out(static_cast<std::size_t>(shape.size()));
@@ -429,8 +475,7 @@ SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report =
       for (auto& b : model.blocks) b.fc1.weight = engine::Tensor({c.hidden, c.dim}, engine::heap(), fsdp::DType::f32);
     fsdp::HostDevice device;
     const fsdp::ShardOptions options{.sync_module_states = run.sync_module_states};
-    auto sm = run.deferred ? fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options, fsdp::deferred_init(engine::reset_parameters))
-                           : fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, options);
+    auto sm = run.deferred ? policy.shard_deferred(model, mesh, device, options) : policy.shard(model, mesh, device, options);
     auto& mine = out[static_cast<std::size_t>(comm.rank())];
     mine.setup_peak = device.stats().peak_bytes;
     mine.setup_host_peak = device.stats(fsdp::MemorySpace::host).peak_bytes;
@@ -457,11 +502,15 @@ SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report =
 }
 
 template <class... Ps>
-void check_setup(fsdp::MeshShape shape, SetupRun run) {
+SetupOutcome run_setup(fsdp::MeshShape shape, SetupRun run, int rank_to_report = 1) {
+  return run_setup_with(policies<Ps...>(), shape, run, rank_to_report);
+}
+
+void check_setup_with(const PolicySet& policy, fsdp::MeshShape shape, SetupRun run) {
   CAPTURE(shape.str());
   CAPTURE(run.sync_module_states);
   CAPTURE(run.deferred);
-  const SetupOutcome o = run_setup<Ps...>(shape, run);
+  const SetupOutcome o = run_setup_with(policy, shape, run, 1);
   CAPTURE(o.plan.describe());
   CHECK(o.plan.setup_peak[0] == o.setup_peak);
   CHECK(o.plan.setup_peak[1] == o.setup_host_peak);
@@ -478,11 +527,12 @@ void check_setup(fsdp::MeshShape shape, SetupRun run) {
 
 template <class... Ps>
 void check_setups(fsdp::MeshShape shape) {
-  check_setup<Ps...>(shape, {});
-  check_setup<Ps...>(shape, {.sync_module_states = true});
-  check_setup<Ps...>(shape, {.deferred = true});
-  check_setup<Ps...>(shape, {.sync_module_states = true, .deferred = true});
-  check_setup<Ps...>(shape, {.deferred = true, .partly = true});  // the root and gain deferred whole, each block in part
+  const PolicySet policy = policies<Ps...>();
+  check_setup_with(policy, shape, {});
+  check_setup_with(policy, shape, {.sync_module_states = true});
+  check_setup_with(policy, shape, {.deferred = true});
+  check_setup_with(policy, shape, {.sync_module_states = true, .deferred = true});
+  check_setup_with(policy, shape, {.deferred = true, .partly = true});  // the root and gain deferred whole, each block in part
 }
 
 }  // namespace

@@ -280,6 +280,21 @@ TEST_CASE("every rank runs once with its own rank and the group size") {
   }
 }
 
+std::atomic<int> ranks_run_by_function{0};
+void count_rank(ThreadComm&) { ranks_run_by_function.fetch_add(1); }
+
+TEST_CASE("run takes a function, a const function object and a temporary as well as a lambda") {
+  ThreadGroup group(3, kOk);
+  group.run(count_rank);
+  group.run(&count_rank);
+  CHECK(ranks_run_by_function.load() == 6);
+  std::atomic<int> calls{0};
+  const auto counted = [&](ThreadComm&) { calls.fetch_add(1); };
+  group.run(counted);
+  group.run(std::function<void(ThreadComm&)>(counted));
+  CHECK(calls.load() == 6);
+}
+
 template <class T>
 void check_all_gather(DType t, std::size_t count, bool in_place) {
   for (int n : kSizes) {

@@ -4,6 +4,7 @@
 // Its kind() says what sort of failure it is, so that a caller can tell a lost peer (which
 // a fault-tolerant loop may survive) from a bug in its own code (which it must not retry):
 // see docs/reliability.md, "Error kinds".
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <new>
@@ -75,17 +76,31 @@ inline ErrorKind kind_of(const std::exception_ptr& e, ErrorKind otherwise = Erro
 
 namespace detail {
 // Builds a message from streamable parts: fail("unit '", fqn, "' on rank ", r, ...).
+// fail_as only decays string literals to const char* (each length is a type of its own),
+// so the body, throw_built, compiles once per list of part types, not once per call.
+template <class T>
+const T& message_part(const T& part) {
+  return part;
+}
+template <std::size_t N>
+const char* message_part(const char (&part)[N]) {
+  return part;
+}
 template <class... Parts>
-[[noreturn]] void fail_as(ErrorKind kind, Parts&&... parts) {
+[[noreturn]] void throw_built(ErrorKind kind, const Parts&... parts) {
   std::ostringstream os;
-  (os << ... << std::forward<Parts>(parts));
+  (os << ... << parts);
   throw Error(kind, os.str());
+}
+template <class... Parts>
+[[noreturn]] void fail_as(ErrorKind kind, const Parts&... parts) {
+  throw_built(kind, message_part(parts)...);
 }
 
 // fail_as(ErrorKind::misuse, ...): the caller's bug.
 template <class... Parts>
-[[noreturn]] void fail(Parts&&... parts) {
-  fail_as(ErrorKind::misuse, std::forward<Parts>(parts)...);
+[[noreturn]] void fail(const Parts&... parts) {
+  throw_built(ErrorKind::misuse, message_part(parts)...);
 }
 }  // namespace detail
 

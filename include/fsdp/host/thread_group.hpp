@@ -20,6 +20,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "fsdp/core/config.hpp"
@@ -239,50 +240,21 @@ class ThreadGroup {
   // fsdp::Error says so.
   template <class Fn>
   void run(Fn&& fn) {
-    auto state = std::make_shared<detail::ThreadGroupState>(size_, options_);
-    std::vector<std::exception_ptr> errors(size_);
-    std::vector<int> failed_in_order;  // ranks, as their errors left fn (under state->mu)
-    auto body = [&](int rank) {
-      ThreadComm comm(rank, state);
-      try {
-        fn(comm);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-        std::lock_guard lk(state->mu);
-        failed_in_order.push_back(rank);
-        state->abort(rank, "rank " + std::to_string(rank) + " failed: " + ThreadComm::what_of(errors[rank]),
-                     ErrorKind::peer_lost);
-      }
-      std::lock_guard lk(state->mu);
-      state->exited[rank] = true;
-      state->cv.notify_all();
-    };
-    std::vector<std::thread> threads;
-    threads.reserve(size_);
-    std::string start_failure;
-    ErrorKind start_kind = ErrorKind::misuse;
-    for (int r = 1; r < size_ && start_failure.empty(); ++r) {
-      try {
-        threads.emplace_back(body, r);
-      } catch (const std::exception& e) {  // e.g. a thread limit: stop the ranks already running
-        std::ostringstream os;
-        os << "ThreadGroup: could not start the thread of rank " << r << " of " << size_ << " (" << e.what()
-           << "); the " << r - 1 << " rank(s) already started were aborted and joined";
-        start_failure = os.str();
-        std::lock_guard lk(state->mu);
-        start_kind = kind_of(e);  // a thread limit: a std::system_error (io)
-        state->abort(r, start_failure, start_kind);
-      }
+    // Only this thunk depends on fn's type; the threads, the abort and the choice of the
+    // error to rethrow compile once (run_ranks), not once per lambda a program passes.
+    using F = std::remove_reference_t<Fn>;
+    if constexpr (std::is_function_v<F>) {  // a function, not an object: called through a lambda
+      run([&fn](ThreadComm& comm) { fn(comm); });
+    } else {
+      run_ranks(const_cast<void*>(static_cast<const void*>(std::addressof(fn))),
+                [](void* f, ThreadComm& comm) { (*static_cast<F*>(f))(comm); });
     }
-    if (start_failure.empty()) body(0);  // rank 0 on the calling thread: one fewer thread, and debuggers stop there
-    for (auto& t : threads) t.join();
-    state->pending_splits.clear();  // splits some member never picked up (they keep the root alive)
-    if (!start_failure.empty()) throw Error(start_kind, start_failure);
-    if (const std::exception_ptr root = root_cause(errors, failed_in_order, state->abort_origin))
-      std::rethrow_exception(root);
   }
 
  private:
+  // run(fn) with fn as an address and a function that calls it.
+  FSDP_DECL void run_ranks(void* fn, void (*call)(void* fn, ThreadComm& comm));
+
   // Which error run() rethrows (see run): `order` lists the ranks that failed, first first;
   // `origin` is the rank whose failure aborted the group (-1: none).
   static std::exception_ptr root_cause(const std::vector<std::exception_ptr>& errors, const std::vector<int>& order,
@@ -298,5 +270,51 @@ class ThreadGroup {
   int size_;
   Options options_;
 };
+
+#if FSDP_DEFINES_IMPLEMENTATION
+FSDP_DECL void ThreadGroup::run_ranks(void* fn, void (*call)(void* fn, ThreadComm& comm)) {
+  auto state = std::make_shared<detail::ThreadGroupState>(size_, options_);
+  std::vector<std::exception_ptr> errors(size_);
+  std::vector<int> failed_in_order;  // ranks, as their errors left fn (under state->mu)
+  auto body = [&](int rank) {
+    ThreadComm comm(rank, state);
+    try {
+      call(fn, comm);
+    } catch (...) {
+      errors[rank] = std::current_exception();
+      std::lock_guard lk(state->mu);
+      failed_in_order.push_back(rank);
+      state->abort(rank, "rank " + std::to_string(rank) + " failed: " + ThreadComm::what_of(errors[rank]),
+                   ErrorKind::peer_lost);
+    }
+    std::lock_guard lk(state->mu);
+    state->exited[rank] = true;
+    state->cv.notify_all();
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(size_);
+  std::string start_failure;
+  ErrorKind start_kind = ErrorKind::misuse;
+  for (int r = 1; r < size_ && start_failure.empty(); ++r) {
+    try {
+      threads.emplace_back(body, r);
+    } catch (const std::exception& e) {  // e.g. a thread limit: stop the ranks already running
+      std::ostringstream os;
+      os << "ThreadGroup: could not start the thread of rank " << r << " of " << size_ << " (" << e.what()
+         << "); the " << r - 1 << " rank(s) already started were aborted and joined";
+      start_failure = os.str();
+      std::lock_guard lk(state->mu);
+      start_kind = kind_of(e);  // a thread limit: a std::system_error (io)
+      state->abort(r, start_failure, start_kind);
+    }
+  }
+  if (start_failure.empty()) body(0);  // rank 0 on the calling thread: one fewer thread, and debuggers stop there
+  for (auto& t : threads) t.join();
+  state->pending_splits.clear();  // splits some member never picked up (they keep the root alive)
+  if (!start_failure.empty()) throw Error(start_kind, start_failure);
+  if (const std::exception_ptr root = root_cause(errors, failed_in_order, state->abort_origin))
+    std::rethrow_exception(root);
+}
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 }  // namespace fsdp

@@ -243,9 +243,9 @@ auto plan_units(M& model, const Options&... options) {
 // without entering ignored modules or wrap_types units (nothing inside them is a unit).
 // options_for(module, fqn) gives each unit's deferred init (UnitInit); `adapter` is the
 // model's module adapter (empty: none).
-template <class... Ps, class Types, class M, class Group, class D, class InitFor, class A>
+template <bool ChangesDtype, class Types, class M, class D, class InitFor, class A>
 void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
-                 Group& group, D& device, const ShardOptions& options, const InitFor& init_for,
+                 const UnitRecipe& recipe, D& device, const ShardOptions& options, const InitFor& init_for,
                  const std::shared_ptr<A>& adapter, ShardedModel& out) {
   for_each_child(m, [&](std::string_view name, auto& child) {
     using C = std::remove_cvref_t<decltype(child)>;
@@ -253,9 +253,9 @@ void build_units(Types types, M& m, const std::string& fqn, const std::set<Modul
     if (ignored.count(id)) return;
     std::string cf = join_fqn(fqn, name);
     if (units.count(id))
-      out.add(make_unit_for<Policies<Ps...>>(child, group, device, cf, options, init_for(child, cf), adapter));
+      out.add(make_unit_from<ChangesDtype>(recipe, child, device, cf, options, init_for(child, cf), adapter));
     if constexpr (!Types::template contains<C>)
-      build_units<Ps...>(types, child, cf, units, ignored, group, device, options, init_for, adapter, out);
+      build_units<ChangesDtype>(types, child, cf, units, ignored, recipe, device, options, init_for, adapter, out);
   }, adapter.get());
 }
 
@@ -273,29 +273,22 @@ auto unit_init_for(const ShardOptions& options, const Init& init, const std::sha
     return u;
   };
 }
-}  // namespace detail
 
-// Shards `model` over `group` (a communicator, or a DeviceMesh for the hybrid strategies)
-// with the units the wrap options choose (see the walk above); with none, one root unit.
-// Every rank must make the same call.
-template <class... Ps, class M, class Group, class D, class... Options>
-ShardedModel shard(M& model, Group& group, D& device, const Options&... options) {
-  static_assert(ModuleUnder<M, detail::AdapterOf<Options...>>,
-                "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
-                "(member, ADL, fsdp::module_traits<M>, or a member of the fsdp::module_adapter passed; it may visit "
-                "nothing) and visit_children for its submodules. See docs/concepts.md#module.");
-  auto& comm = detail::world_of(group);
-  check_communicator<std::remove_cvref_t<decltype(comm)>>();
+// fsdp::shard below, past its policies: they come in as values (`recipe`), so this compiles
+// once per model type and options, not once per set of policies. `comm`: the whole world.
+template <bool ChangesDtype, class M, class Comm, class D, class... Options>
+ShardedModel shard_with(const UnitRecipe& recipe, M& model, Comm& comm, D& device, const Options&... options) {
+  check_communicator<Comm>();
   check_device<D>();
   static const ShardOptions defaults;
-  const ShardOptions& opts = detail::pick_option<detail::is_shard_options>(defaults, options...);
-  const auto planner = detail::plan_units(model, options...);
+  const ShardOptions& opts = pick_option<is_shard_options>(defaults, options...);
+  const auto planner = plan_units(model, options...);
 
   // Agree on the units and the ignored first: a rank with a different model structure
   // would otherwise pair its collectives with the wrong unit's.
   ShardOptions unit_options = opts;  // every unit's: each leaves out the units nested in it
   unit_options.defer_take_over = true;
-  detail::Fingerprint f;
+  Fingerprint f;
   std::set<ModuleId> units;  // besides the root
   for (const auto& n : planner.nodes)
     if (n.unit) {
@@ -306,7 +299,7 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   const std::size_t count = units.size() + 1;
   f.add_count(count);
   for (const auto& fqn : planner.ignored) f.add("ignored " + fqn);
-  detail::check_same_across_ranks(detail::CommRef(comm), f, [] { return "the set of units"; }, [&] {
+  check_same_across_ranks(CommRef(comm), f, [] { return "the set of units"; }, [&] {
     std::ostringstream os;  // built only on a mismatch
     os << count << " units (root" << (count > 1 ? " + wrapped" : "");
     const char* sep = ": ";
@@ -319,18 +312,31 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   // engine's tensors: a failure anywhere leaves the engine's model exactly as it was.
   // With deferred_init each unit also materializes, initializes and copies its shard before
   // the next is built, so at most one unit's full parameters exist at a time.
-  static const detail::NoDeferredInit no_init;
-  const auto adapter = detail::adapter_option(options...);
-  const auto init_for =
-      detail::unit_init_for(opts, detail::pick_option<detail::is_deferred_init>(no_init, options...), adapter);
+  static const NoDeferredInit no_init;
+  const auto adapter = adapter_option(options...);
+  const auto init_for = unit_init_for(opts, pick_option<is_deferred_init>(no_init, options...), adapter);
   ShardedModel out;
-  out.add(detail::make_unit_for<Policies<Ps...>>(model, group, device, "", unit_options, init_for(model, std::string()),
-                                                 adapter));
+  out.add(make_unit_from<ChangesDtype>(recipe, model, device, "", unit_options, init_for(model, std::string()), adapter));
   const std::set<ModuleId> ignored(opts.ignored_modules.begin(), opts.ignored_modules.end());
-  using Types = std::remove_cvref_t<decltype(detail::pick_option<detail::is_wrap_types>(wrap_types<>{}, options...))>;
-  detail::build_units<Ps...>(Types{}, model, "", units, ignored, group, device, unit_options, init_for, adapter, out);
+  using Types = std::remove_cvref_t<decltype(pick_option<is_wrap_types>(wrap_types<>{}, options...))>;
+  build_units<ChangesDtype>(Types{}, model, "", units, ignored, recipe, device, unit_options, init_for, adapter, out);
   if (!opts.defer_take_over) out.take_over();
   return out;
+}
+}  // namespace detail
+
+// Shards `model` over `group` (a communicator, or a DeviceMesh for the hybrid strategies)
+// with the units the wrap options choose (see the walk above); with none, one root unit.
+// Every rank must make the same call.
+template <class... Ps, class M, class Group, class D, class... Options>
+ShardedModel shard(M& model, Group& group, D& device, const Options&... options) {
+  static_assert(ModuleUnder<M, detail::AdapterOf<Options...>>,
+                "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
+                "(member, ADL, fsdp::module_traits<M>, or a member of the fsdp::module_adapter passed; it may visit "
+                "nothing) and visit_children for its submodules. See docs/concepts.md#module.");
+  using Config = Policies<Ps...>;
+  return detail::shard_with<Config::mixed_precision::enabled>(detail::UnitRecipe::of<Config>(group), model,
+                                                             detail::world_of(group), device, options...);
 }
 
 }  // namespace fsdp

@@ -32,7 +32,7 @@ FSDP_DECL std::unique_ptr<Unit> make_unit(const PolicyConfig& policies, const Se
                                           const ShardOptions& options, const UnitInit& init);
 }  // namespace FSDP_MODE_NAMESPACE
 
-// The unit of `module` under the resolved policies Config (Policies<Ps...>), over a
+// The groups of a unit under the resolved policies Config (Policies<Ps...>), over a
 // communicator or a mesh, as fsdp::Sharded's constructors take them.
 template <class Config, Communicator C>
 UnitGroups groups_for(C& comm) {
@@ -42,13 +42,30 @@ template <class Config, SplittableCommunicator C>
 UnitGroups groups_for(DeviceMesh<C>& mesh) {
   return UnitGroups::from_mesh<typename Config::strategy>(mesh);
 }
+
+// What building a unit under the resolved policies Config (Policies<Ps...>) needs of them,
+// as values: fsdp::shard makes it once, so that its walk over the model (build_units) and
+// the unit's construction compile once per module type, not once per set of policies.
+struct UnitRecipe {
+  PolicyConfig policies;
+  const Settings* settings = nullptr;  // policy_settings<Config>()
+  UnitGroups groups;
+
+  template <class Config, class Group>
+  static UnitRecipe of(Group& group) {
+    return {policy_config<Config>(), &policy_settings<Config>(), groups_for<Config>(group)};
+  }
+};
+
+// The unit of `module`. ChangesDtype: Config::mixed_precision::enabled (the walk's checks depend on it).
 // `adapter`: the model's module adapter (fsdp::module_adapter; empty: none).
-template <class Config, class M, class Group, Device D, class A = NoModuleAdapter>
-std::unique_ptr<Unit> make_unit_for(M& module, Group& group, D& device, std::string fqn, const ShardOptions& options,
-                                    const UnitInit& init, const std::shared_ptr<A>& adapter = {}) {
-  return make_unit(policy_config<Config>(), policy_settings<Config>(), ModuleId::of(module),
-                   ModuleVisit::of<wrap_types<>, Config::mixed_precision::enabled>(module, adapter),
-                   groups_for<Config>(group), DeviceRef(device), std::move(fqn), options, init);
+template <bool ChangesDtype, class M, Device D, class A = NoModuleAdapter>
+std::unique_ptr<Unit> make_unit_from(const UnitRecipe& recipe, M& module, D& device, std::string fqn,
+                                     const ShardOptions& options, const UnitInit& init,
+                                     const std::shared_ptr<A>& adapter = {}) {
+  return make_unit(recipe.policies, *recipe.settings, ModuleId::of(module),
+                   ModuleVisit::of<wrap_types<>, ChangesDtype>(module, adapter), recipe.groups, DeviceRef(device),
+                   std::move(fqn), options, init);
 }
 
 }  // namespace fsdp::detail

@@ -18,26 +18,28 @@ namespace fsdp::detail {
 
 // A policy for messages: its type without the namespace ("FullShard",
 // "MixedPrecision<bf16, float, bf16, false>").
-template <class P>
-std::string policy_name() {
-  std::string s = type_name(typeid(P));
+inline std::string policy_name(const std::type_info& policy) {
+  std::string s = type_name(policy);
   for (std::size_t at; (at = s.find("fsdp::")) != std::string::npos;) s.erase(at, 6);
   return s;
 }
 
-// The policies of a configuration, as the settings every rank must choose alike.
+// The policies of a configuration, as the settings every rank must choose alike, from the
+// policies' types in the order of Policies<Ps...>: strategy, mixed precision,
+// communication precision, backward prefetch, forward prefetch, CPU offload.
+inline Settings policy_settings_of(const std::type_info* const (&policies)[6]) {
+  static constexpr const char* kNames[6] = {"sharding strategy", "mixed precision", "communication precision",
+                                            "backward prefetch", "forward prefetch", "cpu offload"};
+  Settings p;
+  for (int i = 0; i < 6; ++i) p.add(kNames[i], policy_name(*policies[i]));
+  return p;
+}
 template <class Config>
 const Settings& policy_settings() {
-  static const Settings policies = [] {  // the same for every unit of a configuration
-    Settings p;
-    p.add("sharding strategy", policy_name<typename Config::strategy>());
-    p.add("mixed precision", policy_name<typename Config::mixed_precision>());
-    p.add("communication precision", policy_name<typename Config::comm_precision>());
-    p.add("backward prefetch", policy_name<typename Config::backward_prefetch>());
-    p.add("forward prefetch", policy_name<typename Config::forward_prefetch>());
-    p.add("cpu offload", policy_name<typename Config::cpu_offload>());
-    return p;
-  }();
+  static const Settings policies = policy_settings_of(  // the same for every unit of a configuration
+      {&typeid(typename Config::strategy), &typeid(typename Config::mixed_precision),
+       &typeid(typename Config::comm_precision), &typeid(typename Config::backward_prefetch),
+       &typeid(typename Config::forward_prefetch), &typeid(typename Config::cpu_offload)});
   return policies;
 }
 
