@@ -84,8 +84,8 @@ fsdp::ShardedModel shard_with(const PolicySet& p, engine::Model& m, AsyncMesh& m
 
 // Plans, then trains `run.steps` steps (AdamW state through the same Device, counted in
 // the plan as the engine's), on every rank of a `shape` mesh; through an
-// AsyncCommunicator if Async (a template argument, not a flag: each policy set compiles
-// for the one communicator it runs on).
+// AsyncCommunicator if Async (a template argument: the communicator is a type, so the run
+// compiles once for each; every policy set's shard compiles for both, a few calls each).
 template <bool Async>
 Outcome train_and_plan_with(const PolicySet& policy, fsdp::MeshShape shape, Run run) {
   const auto c = config();

@@ -280,8 +280,10 @@ TEST_CASE("every rank runs once with its own rank and the group size") {
   }
 }
 
+namespace {
 std::atomic<int> ranks_run_by_function{0};
 void count_rank(ThreadComm&) { ranks_run_by_function.fetch_add(1); }
+}  // namespace
 
 TEST_CASE("run takes a function, a const function object and a temporary as well as a lambda") {
   ThreadGroup group(3, kOk);

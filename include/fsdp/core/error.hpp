@@ -76,8 +76,9 @@ inline ErrorKind kind_of(const std::exception_ptr& e, ErrorKind otherwise = Erro
 
 namespace detail {
 // Builds a message from streamable parts: fail("unit '", fqn, "' on rank ", r, ...).
-// fail_as only decays string literals to const char* (each length is a type of its own),
-// so the body, throw_built, compiles once per list of part types, not once per call.
+// fail_as only decays char arrays (string literals: each length is a type of its own) to
+// const char*, so the body, throw_built, compiles once per list of part types, not once
+// per call.
 template <class T>
 const T& message_part(const T& part) {
   return part;

@@ -275,11 +275,10 @@ auto unit_init_for(const ShardOptions& options, const Init& init, const std::sha
 }
 
 // fsdp::shard below, past its policies: they come in as values (`recipe`), so this compiles
-// once per model type and options, not once per set of policies. `comm`: the whole world.
+// once per model type and options, not once per set of policies. `comm`: the whole world
+// (fsdp::shard checked it and the device).
 template <bool ChangesDtype, class M, class Comm, class D, class... Options>
 ShardedModel shard_with(const UnitRecipe& recipe, M& model, Comm& comm, D& device, const Options&... options) {
-  check_communicator<Comm>();
-  check_device<D>();
   static const ShardOptions defaults;
   const ShardOptions& opts = pick_option<is_shard_options>(defaults, options...);
   const auto planner = plan_units(model, options...);
@@ -334,6 +333,10 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
                 "fsdp: the model passed to fsdp::shard is not an fsdp::Module. Provide visit_parameters(M&, F) "
                 "(member, ADL, fsdp::module_traits<M>, or a member of the fsdp::module_adapter passed; it may visit "
                 "nothing) and visit_children for its submodules. See docs/concepts.md#module.");
+  // The communicator's and device's checks first: their static_asserts say what to write,
+  // before any error of the policies' groups over a type that is no communicator.
+  check_communicator<std::remove_cvref_t<decltype(detail::world_of(group))>>();
+  check_device<D>();
   using Config = Policies<Ps...>;
   return detail::shard_with<Config::mixed_precision::enabled>(detail::UnitRecipe::of<Config>(group), model,
                                                              detail::world_of(group), device, options...);
