@@ -73,12 +73,12 @@ PolicySet policies() {
 }
 
 // The model sharded over `mesh` with the set's policies.
-fsdp::ShardedModel shard_with(const PolicySet& p, engine::Model& m, SyncMesh& mesh, fsdp::HostDevice& d,
-                              const fsdp::ShardOptions& o) {
+fsdp::ShardedModel shard_on(const PolicySet& p, engine::Model& m, SyncMesh& mesh, fsdp::HostDevice& d,
+                            const fsdp::ShardOptions& o) {
   return p.shard(m, mesh, d, o);
 }
-fsdp::ShardedModel shard_with(const PolicySet& p, engine::Model& m, AsyncMesh& mesh, fsdp::HostDevice& d,
-                              const fsdp::ShardOptions& o) {
+fsdp::ShardedModel shard_on(const PolicySet& p, engine::Model& m, AsyncMesh& mesh, fsdp::HostDevice& d,
+                            const fsdp::ShardOptions& o) {
   return p.shard_async(m, mesh, d, o);
 }
 
@@ -97,7 +97,7 @@ Outcome train_and_plan_with(const PolicySet& policy, fsdp::MeshShape shape, Run 
       fsdp::DeviceMesh mesh(communicator, shape);
       engine::Model model(c);
       fsdp::HostDevice device;
-      auto sm = shard_with(policy, model, mesh, device, fsdp::ShardOptions{.persistence_threshold = run.threshold});
+      auto sm = shard_on(policy, model, mesh, device, fsdp::ShardOptions{.persistence_threshold = run.threshold});
       sm.set_max_prefetched_units(run.limit);
       sm.set_gradient_sync_mode(run.mode);
       if (run.explicit_prefetch) {
