@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
+#include "fsdp/testing/counting_communicator.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 
@@ -144,6 +145,17 @@ void scoped_step(fsdp::ShardedModel& sm, fsdp::Unit* root, const std::vector<fsd
     }
   }
   sm.finish_backward();
+}
+
+// The model's 3 blocks as units of `sm` with policies Ps, driven by hand (no root unit).
+template <class... Ps, class Comm>
+std::vector<fsdp::Unit*> block_units(fsdp::ShardedModel& sm, engine::Model& model, Comm& comm,
+                                     fsdp::HostDevice& device) {
+  std::vector<fsdp::Unit*> units;
+  for (std::size_t i = 0; i < 3; ++i)
+    units.push_back(&sm.emplace<fsdp::Sharded<engine::Block, Ps...>>(model.blocks[i], comm, device,
+                                                                      "blocks." + std::to_string(i)));
+  return units;
 }
 
 }  // namespace
@@ -307,10 +319,7 @@ TEST_CASE("units without a root: a scope left by an exception fails every unit o
       engine::Model model(c);
       fsdp::HostDevice device;
       fsdp::ShardedModel sm;
-      std::vector<fsdp::Unit*> layers;
-      for (int i = 0; i < 3; ++i)
-        layers.push_back(&sm.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard, fsdp::ForwardPrefetch>>(
-            model.blocks[static_cast<std::size_t>(i)], async, device, "blocks." + std::to_string(i)));
+      const auto layers = block_units<fsdp::FullShard, fsdp::ForwardPrefetch>(sm, model, async, device);
       for (int s = 0; s < failing; ++s) scoped_step(sm, nullptr, layers);
       CHECK_THROWS_AS(scoped_step(sm, nullptr, layers, "blocks.1"), KernelFailed);
       const std::string expected = "unit 'blocks.0' on rank " + std::to_string(comm.rank()) +
@@ -335,10 +344,7 @@ TEST_CASE("an engine error between hooks, then the next step without abort_step:
     engine::Model model(c);
     fsdp::HostDevice device;
     fsdp::ShardedModel sm;
-    std::vector<fsdp::Unit*> layers;
-    for (int i = 0; i < 3; ++i)
-      layers.push_back(&sm.emplace<fsdp::Sharded<engine::Block, fsdp::FullShard, fsdp::ForwardPrefetch>>(
-          model.blocks[static_cast<std::size_t>(i)], comm, device, "blocks." + std::to_string(i)));
+    const auto layers = block_units<fsdp::FullShard, fsdp::ForwardPrefetch>(sm, model, comm, device);
     scoped_step(sm, nullptr, layers);
     layers[0]->pre_forward();
     layers[0]->post_forward();  // then the engine throws, and the exception is caught
@@ -352,6 +358,96 @@ TEST_CASE("an engine error between hooks, then the next step without abort_step:
                             "rank before the next one"));
     CHECK(contains(msgs[r], "prefetching follows the first iteration's order"));  // the other cause, still named
   }
+}
+
+// The same in the very first step, while the order is recorded: the units that ran before
+// the error are recorded twice, and the retried step trains as usual. The second step runs
+// the pass alone and parts from the record where the retried pass began (or, when the error
+// came after the whole forward, ends its forward there), so the record drops the abandoned
+// start: no order error, and from the third step on each step's all-gathers are those of a
+// run without the error. A model whose first step records the same on purpose (a forward
+// through blocks.0 that reaches no loss, before the pass, every step) keeps its record.
+TEST_CASE("an engine error between hooks in the first step, retried without abort_step: the steps after it follow the "
+          "pass, not its abandoned start") {
+  const auto c = config();
+  // Per rank, the all-gathers of each of 4 steps; `done` units ran forward before the error
+  // in the first step (-1: no error); `extra_use`: every step starts with blocks.0's forward.
+  auto gathers = [&](int done, bool extra_use) {
+    std::vector<std::vector<std::uint64_t>> out(2);
+    const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+      fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      fsdp::ShardedModel sm;
+      const auto layers = block_units<fsdp::FullShard, fsdp::ForwardPrefetch>(sm, model, counted, device);
+      for (int i = 0; i < done; ++i) {
+        layers[static_cast<std::size_t>(i)]->pre_forward();
+        layers[static_cast<std::size_t>(i)]->post_forward();
+      }  // then the engine throws, and the exception is caught
+      for (int s = 0; s < 4; ++s) {
+        counted.reset();
+        sm.zero_grad();
+        if (extra_use) layers[0]->pre_forward(), layers[0]->post_forward();
+        scoped_step(sm, nullptr, layers, std::nullopt, false, false);
+        out[static_cast<std::size_t>(comm.rank())].push_back(counted.counts()[fsdp::Collective::all_gather].calls);
+      }
+    });
+    for (int r = 0; r < 2; ++r) {
+      CHECK(msgs[static_cast<std::size_t>(r)].empty());
+      REQUIRE(out[static_cast<std::size_t>(r)].size() == 4);
+    }
+    return out;
+  };
+  const auto clean = gathers(-1, false);
+  for (int done : {1, 2, 3}) {
+    CAPTURE(done);
+    const auto got = gathers(done, false);
+    for (std::size_t r = 0; r < 2; ++r)
+      for (std::size_t s : {2u, 3u}) CHECK(got[r][s] == clean[r][s]);
+  }
+  const auto legal = gathers(-1, true);  // 4 units' forwards per step, and prefetching along them
+  for (int r = 0; r < 2; ++r) {
+    CHECK(legal[static_cast<std::size_t>(r)][2] == clean[static_cast<std::size_t>(r)][2] + 1);
+    CHECK(legal[static_cast<std::size_t>(r)][3] == legal[static_cast<std::size_t>(r)][2]);
+  }
+}
+
+// Models whose first step records what an abandoned start would (a forward that reaches no
+// loss, before the pass) and whose second step leaves it out, on purpose: the steps after
+// go on, the longer shape included. `extra` runs forward only, before the pass, in the steps
+// `with_extra` marks; `fwd` and `bwd` are the pass (blocks.0 used twice in the first shape).
+template <class... Ps>
+std::vector<std::string> varying_steps(std::vector<std::size_t> extra, std::vector<std::size_t> fwd,
+                                       std::vector<std::size_t> bwd, std::vector<bool> with_extra) {
+  return test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    fsdp::HostDevice device;
+    fsdp::ShardedModel sm;
+    const auto u = block_units<Ps...>(sm, model, comm, device);
+    for (const bool with : with_extra) {
+      sm.zero_grad();
+      if (with)
+        for (std::size_t i : extra) u[i]->pre_forward(), u[i]->post_forward();
+      for (std::size_t i : fwd) u[i]->pre_forward(), u[i]->post_forward();
+      for (std::size_t i : bwd) u[i]->pre_backward(), u[i]->post_backward();
+      sm.finish_backward();
+    }
+  });
+}
+
+TEST_CASE("a model whose second step leaves out a forward of its first that reaches no loss keeps training") {
+  const std::vector<bool> steps{true, false, true, true};
+  // blocks.0 tied (used twice per pass), one more forward of it first: its record is kept
+  // (a record cut to the second step's shape would end a pass inside the longer one, and
+  // count the tied unit's uses wrong), with and without prefetching.
+  for (const auto& msgs : {varying_steps<>({0}, {0, 1, 2, 0}, {0, 2, 1, 0}, steps),
+                           varying_steps<fsdp::NoBackwardPrefetch, fsdp::NoForwardPrefetch>({0}, {0, 1, 2, 0},
+                                                                                             {0, 2, 1, 0}, steps)})
+    for (int r = 0; r < 2; ++r) CHECK(msgs[static_cast<std::size_t>(r)] == "");
+  // A whole forward first, under forward prefetching: the record drops it at the second
+  // step, and the longer steps after it run as two passes.
+  const auto whole = varying_steps<fsdp::ForwardPrefetch>({0, 1, 2}, {0, 1, 2}, {2, 1, 0}, steps);
+  for (int r = 0; r < 2; ++r) CHECK(whole[static_cast<std::size_t>(r)] == "");
 }
 
 TEST_CASE("a unit outside a model: a scope left by an exception fails its next call until its abort_step") {

@@ -7,10 +7,16 @@
 // the recorded order, and a prefetching unit that runs out of that order is reported (a
 // unit gathered ahead that does not run is dropped at finish_backward). A unit used several
 // times per pass appears once per use; a forward-only pass before the first backward ends
-// with reshard(), or the next pass is recorded as more of the same one. In every iteration
-// each all-gather and reduction of a unit carries its tag (tag(): unit, phase, pass), which
-// a TaggedCommunicator compares across ranks; over a communicator without tags every pass
-// is checked as it ends instead (fsdp/unit/detail/pass_check.hpp): one 8-byte all-gather.
+// with reshard(), or the next pass is recorded as more of the same one. A first iteration
+// whose forward was started over (an engine error between plain hooks, caught, and the step
+// run again without abort_step) records the abandoned start too; the second iteration runs
+// the pass alone, and where it first parts from the record the record drops that start
+// (aborted_start(), below): where a forward-prefetching unit would otherwise fail the
+// order check, or where backward begins after one whole pass of a record of two. In every
+// iteration each all-gather and reduction of a unit carries its tag (tag(): unit, phase,
+// pass), which a TaggedCommunicator compares across ranks; over a communicator without tags
+// every pass is checked as it ends instead (fsdp/unit/detail/pass_check.hpp): one 8-byte
+// all-gather.
 
 #include <cstddef>
 #include <cstdint>
@@ -93,7 +99,9 @@ class ExecutionOrder final : public UnitNames {
 
   // End of an iteration (the root's finish_backward).
   void end_iteration() {
+    const bool recording = !backward_recorded_;
     if (!backward_.empty()) forward_recorded_ = backward_recorded_ = true;  // recording ends
+    aborted_start_ = recording && backward_recorded_ ? aborted_start() : 0;  // decided by the next iteration
     forward_step_ = backward_step_ = 0;
     in_backward_ = false;
     ++forward_pass_;
@@ -109,12 +117,14 @@ class ExecutionOrder final : public UnitNames {
     prefetched_ = 0;
     reducing_ = nullptr;
     passes_.clear();
+    aborted_start_ = 0;
   }
 
   // End of a forward-only pass (the root's reshard()): the next forward is a new pass.
   void end_forward_pass() {
     if (in_backward_) return;
     if (!forward_.empty()) forward_recorded_ = true;
+    if (forward_step_ == forward_.size()) aborted_start_ = 0;  // the record ran whole: it stands
     forward_step_ = 0;
     ++forward_pass_;
   }
@@ -129,6 +139,26 @@ class ExecutionOrder final : public UnitNames {
 
  private:
   std::string name_of(int index) const;
+  // The length of the first iteration's recorded forward that reads as started and
+  // abandoned, or 0. Such a start ran forward without backward: its entries are exactly
+  // the units' surplus of forward over backward entries, it lies before the pass's last
+  // start (where the order returns to its first unit), and each piece of it that begins with
+  // that unit begins the pass that follows. A legal model can record the same (a use of a
+  // unit that does not reach the loss, a no_grad forward through the first units): the
+  // second iteration tells them apart, since it repeats a legal record (the candidate is
+  // then forgotten: at a pass that runs the record whole) and parts from a restarted one.
+  // Only where the old record would fail the order check (a forward-prefetching unit off
+  // the record), or where the abandoned start is one whole pass (backward begins at the
+  // middle of the record), is the start dropped: a model whose steps differ in shape keeps
+  // its record otherwise, so a later step of the longer shape still counts each unit's uses
+  // per pass as before (a shorter record would end a pass inside it).
+  std::size_t aborted_start() const;
+  // Called once in the second iteration, where its forward first parts from the record: at
+  // forward step `step`, entering unit `idx`, or (idx < 0) ending the forward there as the
+  // backward begins. Drops the aborted start when the rest of the record is what this
+  // iteration ran and runs now (idx < 0: and the start is as long as the rest); returns
+  // whether it did. Forgets the candidate either way.
+  bool drop_aborted_start(std::size_t step, int idx);
 
   std::vector<Unit*> units_;  // in the root's order
   const Unit* first_backward_ = nullptr;
@@ -142,6 +172,7 @@ class ExecutionOrder final : public UnitNames {
   int prefetched_ = 0;
   Unit* reducing_ = nullptr;  // the unit whose reduction is in flight
   detail::PassRecord passes_;  // this pass's entries, checked across ranks as it ends
+  std::size_t aborted_start_ = 0;  // in the second iteration, until its forward parts from the record
 };
 
 }  // namespace fsdp

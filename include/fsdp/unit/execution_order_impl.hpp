@@ -1,6 +1,8 @@
 #pragma once
 // ExecutionOrder's members that call into units (fsdp/unit/execution_order.hpp), defined once
-// Unit is complete: fsdp/unit/sharded_unit.hpp includes it, the one unit that calls them.
+// Unit is complete, and those that read the recorded order whole: fsdp/unit/sharded_unit.hpp
+// includes it, the one unit that calls them.
+#include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -25,6 +27,10 @@ FSDP_DECL void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::
   const char* pass_name = pass == Pass::forward ? "forward" : "backward";
   passes_.enter(idx, pass == Pass::backward, world);
   if (pass == Pass::backward) {  // backward ends the first forward (if there was one)
+    if (!in_backward_ && aborted_start_ > 0) {  // the second iteration's forward ends here
+      if (forward_step_ < forward_.size()) drop_aborted_start(forward_step_, -1);
+      aborted_start_ = 0;
+    }
     in_backward_ = true;
     if (!forward_.empty()) forward_recorded_ = true;
   }
@@ -49,9 +55,16 @@ FSDP_DECL void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::
   }
   if (step == order.size()) {  // a new pass
     step = 0;
-    if (pass == Pass::forward) ++forward_pass_;
+    if (pass == Pass::forward) ++forward_pass_, aborted_start_ = 0;  // the record ran whole: it stands
   }
   if (order.empty()) return;  // the first iteration had no such pass: nothing to follow
+  if (order[step] != idx && pass == Pass::forward && aborted_start_ > 0) {  // the first departure
+    if (prefetching && drop_aborted_start(step, idx)) {
+      ++step;
+      return;
+    }
+    aborted_start_ = 0;
+  }
   if (order[step] != idx && prefetching) {
     // The unit that begins the pass, mid-pass: the last pass never ended, most likely left by
     // an exception the library did not see (an engine error between hooks, outside any scope).
@@ -66,6 +79,39 @@ FSDP_DECL void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::
                  "NoBackwardPrefetch and NoForwardPrefetch");
   }
   ++step;
+}
+
+FSDP_DECL std::size_t ExecutionOrder::aborted_start() const {
+  if (forward_.empty()) return 0;
+  std::vector<int> surplus(units_.size(), 0);  // forward entries less backward ones, per unit
+  for (int i : forward_) ++surplus[static_cast<std::size_t>(i)];
+  for (int i : backward_) --surplus[static_cast<std::size_t>(i)];
+  std::size_t start = 0;
+  for (int n : surplus) start += n > 0 ? static_cast<std::size_t>(n) : 0;
+  if (start == 0 || start >= forward_.size() || forward_[start] != forward_[0]) return 0;
+  for (std::size_t i = 0; i < start; ++i)
+    if (--surplus[static_cast<std::size_t>(forward_[i])] < 0) return 0;  // not the surplus entries
+  for (std::size_t begin = 0; begin < start;) {  // each piece: a beginning of the pass after the start
+    std::size_t end = begin + 1;
+    while (end < start && forward_[end] != forward_[0]) ++end;
+    if (start + (end - begin) > forward_.size()) return 0;
+    for (std::size_t i = begin; i < end; ++i)
+      if (forward_[i] != forward_[start + i - begin]) return 0;
+    begin = end;
+  }
+  return start;
+}
+
+FSDP_DECL bool ExecutionOrder::drop_aborted_start(std::size_t step, int idx) {
+  const std::size_t start = std::exchange(aborted_start_, 0);  // decided here, either way
+  const std::size_t rest = forward_.size() - start;
+  // This iteration ran forward_[0, step) (everything before matched); the rest of the record
+  // must begin with that and go on with `idx`, or end there when the forward does.
+  if (idx < 0 ? step != rest || start != rest : step >= rest || forward_[start + step] != idx) return false;
+  for (std::size_t i = 0; i < step; ++i)
+    if (forward_[start + i] != forward_[i]) return false;
+  forward_.erase(forward_.begin(), forward_.begin() + static_cast<std::ptrdiff_t>(start));
+  return true;
 }
 
 FSDP_DECL void ExecutionOrder::reduction_issued(Unit& u) {
