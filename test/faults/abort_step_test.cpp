@@ -413,41 +413,65 @@ TEST_CASE("an engine error between hooks in the first step, retried without abor
 }
 
 // Models whose first step records what an abandoned start would (a forward that reaches no
-// loss, before the pass) and whose second step leaves it out, on purpose: the steps after
-// go on, the longer shape included. `extra` runs forward only, before the pass, in the steps
-// `with_extra` marks; `fwd` and `bwd` are the pass (blocks.0 used twice in the first shape).
+// loss, before the pass) and whose later steps leave it out or shorten it, on purpose.
+// Step s runs forward only through extra[s], then the pass (`fwd`, then `bwd`). Per rank: its
+// error (empty if none) and each step's all-gathers.
+struct Varying {
+  std::vector<std::string> errors;
+  std::vector<std::vector<std::uint64_t>> gathers;
+};
 template <class... Ps>
-std::vector<std::string> varying_steps(std::vector<std::size_t> extra, std::vector<std::size_t> fwd,
-                                       std::vector<std::size_t> bwd, std::vector<bool> with_extra) {
-  return test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+Varying varying_steps(const std::vector<std::vector<std::size_t>>& extra, const std::vector<std::size_t>& fwd,
+                      const std::vector<std::size_t>& bwd) {
+  Varying out;
+  out.gathers.resize(2);
+  out.errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
     engine::Model model(config());
     fsdp::HostDevice device;
     fsdp::ShardedModel sm;
-    const auto u = block_units<Ps...>(sm, model, comm, device);
-    for (const bool with : with_extra) {
+    const auto u = block_units<Ps...>(sm, model, counted, device);
+    for (const auto& first : extra) {
+      counted.reset();
       sm.zero_grad();
-      if (with)
-        for (std::size_t i : extra) u[i]->pre_forward(), u[i]->post_forward();
+      for (std::size_t i : first) u[i]->pre_forward(), u[i]->post_forward();
       for (std::size_t i : fwd) u[i]->pre_forward(), u[i]->post_forward();
       for (std::size_t i : bwd) u[i]->pre_backward(), u[i]->post_backward();
       sm.finish_backward();
+      const auto gathers = counted.counts()[fsdp::Collective::all_gather].calls;
+      out.gathers[static_cast<std::size_t>(comm.rank())].push_back(gathers);
     }
   });
+  return out;
 }
 
-TEST_CASE("a model whose second step leaves out a forward of its first that reaches no loss keeps training") {
-  const std::vector<bool> steps{true, false, true, true};
-  // blocks.0 tied (used twice per pass), one more forward of it first: its record is kept
-  // (a record cut to the second step's shape would end a pass inside the longer one, and
-  // count the tied unit's uses wrong), with and without prefetching.
-  for (const auto& msgs : {varying_steps<>({0}, {0, 1, 2, 0}, {0, 2, 1, 0}, steps),
-                           varying_steps<fsdp::NoBackwardPrefetch, fsdp::NoForwardPrefetch>({0}, {0, 1, 2, 0},
-                                                                                             {0, 2, 1, 0}, steps)})
-    for (int r = 0; r < 2; ++r) CHECK(msgs[static_cast<std::size_t>(r)] == "");
-  // A whole forward first, under forward prefetching: the record drops it at the second
-  // step, and the longer steps after it run as two passes.
-  const auto whole = varying_steps<fsdp::ForwardPrefetch>({0, 1, 2}, {0, 1, 2}, {2, 1, 0}, steps);
-  for (int r = 0; r < 2; ++r) CHECK(whole[static_cast<std::size_t>(r)] == "");
+TEST_CASE("a model whose later steps leave out or shorten a forward of its first that reaches no loss keeps training") {
+  // blocks.0 tied (used twice per pass). Without forward prefetching the record is kept as
+  // the first step made it: a record cut to the pass would end a pass inside the longer
+  // steps, where the tied unit's uses would be counted wrong (it would be reduced after its
+  // first backward entry and fail at its second).
+  const std::vector<std::size_t> tied_fwd{0, 1, 2, 0}, tied_bwd{0, 2, 1, 0};
+  for (const auto& extra : std::vector<std::vector<std::vector<std::size_t>>>{
+           {{0}, {}, {0}, {0}},                         // one unit's forward first
+           {{0, 1, 2, 0}, {}, {0, 1}, {0, 1, 2, 0}}}) {  // a whole forward first
+    for (const auto& run :
+         {varying_steps<>(extra, tied_fwd, tied_bwd),
+          varying_steps<fsdp::NoBackwardPrefetch, fsdp::NoForwardPrefetch>(extra, tied_fwd, tied_bwd)})
+      for (std::size_t r = 0; r < 2; ++r) CHECK(run.errors[r] == "");
+  }
+  // Under forward prefetching, a whole forward first and then steps without it: the second
+  // step drops it from the record (its forward ends at the middle), so the third gathers
+  // what a model that never ran the extra forward gathers (a record of two passes would have
+  // the last unit prefetch the first again in vain); the longer fourth step runs as two passes.
+  const std::vector<std::size_t> fwd{0, 1, 2}, bwd{2, 1, 0};
+  const auto whole = varying_steps<fsdp::ForwardPrefetch>({{0, 1, 2}, {}, {}, {0, 1, 2}}, fwd, bwd);
+  const auto plain = varying_steps<fsdp::ForwardPrefetch>({{}, {}, {}, {}}, fwd, bwd);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(whole.errors[r] == "");
+    REQUIRE(whole.gathers[r].size() == 4);
+    REQUIRE(plain.gathers[r].size() == 4);
+    CHECK(whole.gathers[r][2] == plain.gathers[r][2]);
+  }
 }
 
 TEST_CASE("a unit outside a model: a scope left by an exception fails its next call until its abort_step") {

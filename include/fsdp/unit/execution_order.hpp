@@ -11,12 +11,12 @@
 // whose forward was started over (an engine error between plain hooks, caught, and the step
 // run again without abort_step) records the abandoned start too; the second iteration runs
 // the pass alone, and where it first parts from the record the record drops that start
-// (aborted_start(), below): where a forward-prefetching unit would otherwise fail the
-// order check, or where backward begins after one whole pass of a record of two. In every
-// iteration each all-gather and reduction of a unit carries its tag (tag(): unit, phase,
-// pass), which a TaggedCommunicator compares across ranks; over a communicator without tags
-// every pass is checked as it ends instead (fsdp/unit/detail/pass_check.hpp): one 8-byte
-// all-gather.
+// (aborted_start(), below), under forward prefetching only: where a prefetching unit would
+// otherwise fail the order check, or where backward begins after one whole pass of a record
+// of two (the last unit gathered the record's next one in vain). In every iteration each
+// all-gather and reduction of a unit carries its tag (tag(): unit, phase, pass), which a
+// TaggedCommunicator compares across ranks; over a communicator without tags every pass is
+// checked as it ends instead (fsdp/unit/detail/pass_check.hpp): one 8-byte all-gather.
 
 #include <cstddef>
 #include <cstdint>
@@ -147,11 +147,14 @@ class ExecutionOrder final : public UnitNames {
   // unit that does not reach the loss, a no_grad forward through the first units): the
   // second iteration tells them apart, since it repeats a legal record (the candidate is
   // then forgotten: at a pass that runs the record whole) and parts from a restarted one.
-  // Only where the old record would fail the order check (a forward-prefetching unit off
-  // the record), or where the abandoned start is one whole pass (backward begins at the
-  // middle of the record), is the start dropped: a model whose steps differ in shape keeps
-  // its record otherwise, so a later step of the longer shape still counts each unit's uses
-  // per pass as before (a shorter record would end a pass inside it).
+  // Only under forward prefetching is the start dropped: where the old record would fail
+  // the order check (a prefetching unit off the record), or where the abandoned start is one
+  // whole pass (backward begins at the middle of the record, after the last forward unit
+  // prefetched the record's next one in vain). Otherwise the record is kept, so a model
+  // whose steps differ in shape on purpose (which forward prefetching does not support)
+  // counts each unit's uses per pass as before: a shorter record would end a pass inside a
+  // later step of the longer shape, and a unit used on both sides of that end would count
+  // its uses wrong.
   std::size_t aborted_start() const;
   // Called once in the second iteration, where its forward first parts from the record: at
   // forward step `step`, entering unit `idx`, or (idx < 0) ending the forward there as the
@@ -173,6 +176,7 @@ class ExecutionOrder final : public UnitNames {
   Unit* reducing_ = nullptr;  // the unit whose reduction is in flight
   detail::PassRecord passes_;  // this pass's entries, checked across ranks as it ends
   std::size_t aborted_start_ = 0;  // in the second iteration, until its forward parts from the record
+  bool last_forward_prefetching_ = false;  // whether the unit that entered forward last prefetches
 };
 
 }  // namespace fsdp

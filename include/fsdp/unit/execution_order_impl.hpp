@@ -26,9 +26,11 @@ FSDP_DECL void ExecutionOrder::enter(Unit& u, int idx, Pass pass, const detail::
   auto& recorded = pass == Pass::forward ? forward_recorded_ : backward_recorded_;
   const char* pass_name = pass == Pass::forward ? "forward" : "backward";
   passes_.enter(idx, pass == Pass::backward, world);
+  if (pass == Pass::forward) last_forward_prefetching_ = prefetching;
   if (pass == Pass::backward) {  // backward ends the first forward (if there was one)
     if (!in_backward_ && aborted_start_ > 0) {  // the second iteration's forward ends here
-      if (forward_step_ < forward_.size()) drop_aborted_start(forward_step_, -1);
+      // Only under forward prefetching, which gathered the record's next unit in vain.
+      if (forward_step_ < forward_.size() && last_forward_prefetching_) drop_aborted_start(forward_step_, -1);
       aborted_start_ = 0;
     }
     in_backward_ = true;
