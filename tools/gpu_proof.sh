@@ -26,8 +26,8 @@
 #            case (which needs two GPUs anyway) is compiled out.
 #   libtorch: $TORCH_HOME (a libtorch with include/ and lib/), or the one inside Python's
 #            torch package (pip install torch: its headers and libraries are in the wheel),
-#            if that one was built with CUDA; with CLI11 (CLI/CLI.hpp in /usr/include or
-#            /usr/local/include) it builds examples/torch_train with -DFSDP_TORCH_CUDA and
+#            if that one was built with CUDA; with CLI11 (CLI/CLI.hpp in /usr/include,
+#            /usr/local/include or tools/gpu_proof/include) it builds examples/torch_train with -DFSDP_TORCH_CUDA and
 #            runs it with --device cuda (the libtorch adapter on CUDA tensors, one rank,
 #            against unsharded libtorch on the same GPU). Without either, those runs are skipped,
 #            and said so.
@@ -133,13 +133,13 @@ TORCH_ABI=$(sed -n 's/.*-D_GLIBCXX_USE_CXX11_ABI=\([01]\).*/\1/p' "$TORCH/share/
 [ -n "$TORCH_ABI" ] || TORCH_ABI=$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))' 2>/dev/null || echo 1)
 TORCH_CUDA=$(python3 -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null || true)
 CLI11=""
-for c in /usr/include /usr/local/include; do [ -f "$c/CLI/CLI.hpp" ] && { CLI11=$c; break; }; done
+for c in /usr/include /usr/local/include tools/gpu_proof/include; do [ -f "$c/CLI/CLI.hpp" ] && { CLI11=$c; break; }; done
 if [ -z "$TORCH" ] || [ ! -f "$TORCH/include/torch/csrc/api/include/torch/torch.h" ]; then
   TORCH_WHY="no libtorch built with CUDA (set TORCH_HOME, or pip install torch with CUDA)"
 elif ! compgen -G "$TORCH/lib/libtorch_cuda.so*" >/dev/null; then
   TORCH_WHY="the libtorch at $TORCH has no libtorch_cuda (a CPU-only build)"
 elif [ -z "$CLI11" ]; then
-  TORCH_WHY="no CLI11 (CLI/CLI.hpp: apt install libcli11-dev), which examples/torch_train parses its flags with"
+  TORCH_WHY="no CLI11 (CLI/CLI.hpp: apt install libcli11-dev, or copy /usr/include/CLI to tools/gpu_proof/include/CLI), which examples/torch_train parses its flags with"
 else
   echo "gpu proof: libtorch $TORCH (C++11 ABI $TORCH_ABI, CUDA ${TORCH_CUDA:-unknown}): building examples/torch_train with -DFSDP_TORCH_CUDA"
   toolkit_cuda=$(sed -n 's/^#define CUDART_VERSION  *\([0-9][0-9]*\).*/\1/p' "$CUDA/include/cuda_runtime_api.h" | head -1)

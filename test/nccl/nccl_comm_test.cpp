@@ -230,7 +230,7 @@ TEST_CASE("a GPU that is not there is an fsdp::Error naming it, not a crash") {
   CHECK(contains(error_of([&] { NcclComm::create({count}); }), "cuda:" + std::to_string(count)));
 }
 
-TEST_CASE("one rank: every collective and dtype against the host" * doctest::skip(no_gpu)) {
+TEST_CASE("one rank: every collective and dtype against the host, also split and in a one-rank mesh" * doctest::skip(no_gpu)) {
   auto comms = NcclComm::create({0});
   REQUIRE(comms.size() == 1);
   NcclComm& comm = comms[0];
@@ -239,6 +239,19 @@ TEST_CASE("one rank: every collective and dtype against the host" * doctest::ski
   CHECK(comm.device() == 0);
   const std::string failures = check_collectives(comm, 1);
   CHECK_MESSAGE(failures.empty(), failures);
+  CHECK(!comm.broken());
+  // A split of one rank, and the two of a one-rank mesh (what a one-GPU run of a sharded
+  // model makes): NCCL writes a split's communicator only once the split is complete.
+  NcclComm alone = comm.split(0, 0);
+  CHECK(alone.rank() == 0);
+  CHECK(alone.size() == 1);
+  const std::string split_failures = check_collectives(alone, 1);
+  CHECK_MESSAGE(split_failures.empty(), split_failures);
+  fsdp::DeviceMesh<NcclComm> mesh(comm, fsdp::MeshShape{1, 1});
+  CHECK(mesh.shard_group().size() == 1);
+  CHECK(mesh.replicate_group().size() == 1);
+  const std::string mesh_failures = check_collectives(mesh.shard_group(), 1) + check_collectives(mesh.replicate_group(), 1);
+  CHECK_MESSAGE(mesh_failures.empty(), mesh_failures);
   CHECK(!comm.broken());
 }
 

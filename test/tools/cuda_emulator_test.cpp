@@ -372,6 +372,62 @@ TEST_CASE("emulated NCCL: fail_next fails the named call once, as ncclSystemErro
   CHECK(cuda_emulator::take_violations().empty());
 }
 
+TEST_CASE("emulated NCCL: a nonblocking split writes its communicator once complete, as NCCL 2.28 does") {
+  cuda_emulator::set_device_count(1);
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t init = ncclCommInitRankConfig(&comm, 1, id, 0, &config);
+  CHECK((init == ncclSuccess || init == ncclInProgress));
+  REQUIRE(comm != nullptr);  // a created communicator is there at once, to be polled
+  ncclResult_t state = ncclInProgress;
+  for (int i = 0; i < 1000 && state == ncclInProgress; ++i) REQUIRE(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
+  REQUIRE(state == ncclSuccess);
+  ncclComm_t part = reinterpret_cast<ncclComm_t>(&state);  // NCCL clears it first
+  CHECK(ncclCommSplit(comm, 0, 0, &part, &config) == ncclInProgress);
+  CHECK(part == nullptr);  // even for one rank: the parent says when the split is done
+  REQUIRE(ncclCommGetAsyncError(comm, &state) == ncclSuccess);
+  CHECK(state == ncclSuccess);
+  REQUIRE(part != nullptr);
+  int size = 0;
+  CHECK(ncclCommCount(part, &size) == ncclSuccess);
+  CHECK(size == 1);
+  CHECK(ncclCommDestroy(part) == ncclSuccess);
+  CHECK(ncclCommDestroy(comm) == ncclSuccess);
+  // Two ranks: rank 0's split stays pending while rank 1 has not split, and one still
+  // pending when its parent is aborted is never written.
+  cuda_emulator::set_device_count(2);
+  ncclUniqueId id2;
+  REQUIRE(ncclGetUniqueId(&id2) == ncclSuccess);
+  ncclComm_t two[2] = {nullptr, nullptr};
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    const ncclResult_t made = ncclCommInitRankConfig(&two[r], 2, id2, r, &config);
+    CHECK((made == ncclSuccess || made == ncclInProgress));
+  }
+  for (int r = 0; r < 2; ++r) {
+    state = ncclInProgress;
+    for (int i = 0; i < 1000 && state == ncclInProgress; ++i) REQUIRE(ncclCommGetAsyncError(two[r], &state) == ncclSuccess);
+    REQUIRE(state == ncclSuccess);
+  }
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  ncclComm_t late = nullptr;
+  CHECK(ncclCommSplit(two[0], 0, 0, &late, &config) == ncclInProgress);
+  REQUIRE(ncclCommGetAsyncError(two[0], &state) == ncclSuccess);
+  CHECK(state == ncclInProgress);  // rank 1 has not said its color
+  CHECK(late == nullptr);
+  REQUIRE(ncclCommAbort(two[0]) == ncclSuccess);
+  CHECK(late == nullptr);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  CHECK(ncclCommAbort(two[1]) == ncclSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  cuda_emulator::set_device_count(1);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
 TEST_CASE("emulated NCCL: calls that differ between ranks never complete (as on NCCL); an abort drains the stream") {
   TwoRanks two;
   float* a = two.buffer(0, {1});

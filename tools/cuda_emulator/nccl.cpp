@@ -18,7 +18,10 @@
 //     its streams drain;
 //   - nonblocking communicators (ncclConfig_t::blocking = 0) return ncclInProgress from
 //     their creation and split until every rank has joined, and ncclCommGetAsyncError says
-//     when; cuda_emulator::nccl_fail_async makes it report an asynchronous error.
+//     when; cuda_emulator::nccl_fail_async makes it report an asynchronous error. A split
+//     of a nonblocking communicator writes the new communicator only once it is complete,
+//     and the parent's ncclCommGetAsyncError says when (NCCL 2.28 leaves *newcomm null
+//     until then: its own thread writes it).
 // The directory (in /dev/shm, else /tmp) is removed when its last rank has destroyed or
 // aborted its communicator.
 #include <cuda_runtime_api.h>
@@ -37,6 +40,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -226,6 +230,13 @@ struct CommState {
   int parent_size = 0, parent_rank = 0;
   std::uint64_t split_seq = 0;
   int color = 0;
+  // Splits of this nonblocking communicator not complete yet: the new communicator's state
+  // and where ncclCommSplit's caller wants it written once it is.
+  struct PendingSplit {
+    std::shared_ptr<CommState> child;
+    ncclComm_t* out = nullptr;
+  };
+  std::vector<PendingSplit> pending_splits;
 };
 
 std::vector<std::weak_ptr<CommState>>& live_comms() {
@@ -331,6 +342,7 @@ bool wait_until(Done done) {
 // removes the directory.
 void leave(CommState& c) {
   if (c.phase == CommState::Phase::gone) return;
+  for (auto& p : std::exchange(c.pending_splits, {})) leave(*p.child);  // never written: NCCL's abort ends them
   c.phase = CommState::Phase::aborted;
   rt().progress();
   c.phase = CommState::Phase::gone;
@@ -584,6 +596,11 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   // Unset (NCCL_CONFIG_UNDEF_INT), the parent's blocking mode, as NCCL does.
   c->blocking = config && config->blocking != NCCL_CONFIG_UNDEF_INT ? config->blocking != 0 : parent.blocking;
   track(c);
+  if (!parent.blocking) {  // written when complete; the parent's ncclCommGetAsyncError says when
+    advance(*c);
+    parent.pending_splits.push_back({c, newcomm});
+    return ncclInProgress;
+  }
   *newcomm = new ncclComm{c};
   return finish_creation(c, "ncclCommSplit", "split");
 }
@@ -596,11 +613,17 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
   CommState& c = *comm->s;
   rt().progress();
   advance(c);
+  std::erase_if(c.pending_splits, [](CommState::PendingSplit& p) {
+    advance(*p.child);
+    if (p.child->phase != CommState::Phase::ready) return false;
+    *p.out = new ncclComm{p.child};
+    return true;
+  });
   if (c.async_error != ncclSuccess) {
     nccl_last_error = "(NCCL emulator) " + c.async_text;
     *state = c.async_error;
   } else if (c.phase == CommState::Phase::splitting || c.phase == CommState::Phase::joining ||
-             (c.finalizing && c.in_flight > 0)) {
+             !c.pending_splits.empty() || (c.finalizing && c.in_flight > 0)) {
     *state = ncclInProgress;
   } else {
     *state = ncclSuccess;

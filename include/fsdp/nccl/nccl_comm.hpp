@@ -169,12 +169,20 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
         detail::fail_as(state_->broken_kind_locked(), at,
                         ": the communicator broke earlier: ", state_->broken_locked());
       detail::CurrentDevice current(device(), at);
-      const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, &comm, &config);
+      // A nonblocking split is a job of the parent's: NCCL writes the new communicator from
+      // a thread of its own once the split is complete (null until then, even when one rank
+      // splits alone), and the parent's ncclCommGetAsyncError says when. So the parent
+      // settles first, and the new communicator is read after; its slot is on the heap, and
+      // is left to NCCL when the parent does not settle in time (its thread may still write it).
+      auto slot = std::make_unique<ncclComm_t>(nullptr);
+      const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, slot.get(), &config);
       const auto deadline = detail::NcclClock::now() + child.setup_timeout;
       ErrorKind kind = ErrorKind::misuse;
-      std::string error = settled(r, comm, deadline, child, "ncclCommSplit", kind);
-      if (error.empty())
-        error = settled(ncclSuccess, state_->comm_locked(), deadline, child, "ncclCommSplit (parent)", kind);
+      std::string error = settled(r, state_->comm_locked(), deadline, child, "ncclCommSplit", kind);
+      if (kind == ErrorKind::timeout) (void)slot.release();  // one pointer, leaked: NCCL's late write lands there
+      else comm = *slot;
+      if (error.empty() && !comm) error = "ncclCommSplit completed without a communicator";
+      if (error.empty()) error = settled(ncclSuccess, comm, deadline, child, "ncclCommSplit (new communicator)", kind);
       if (!error.empty()) {
         if (comm) ncclCommAbort(comm);
         state_->fail_locked(at + ": " + error, ~std::uint64_t{0}, kind);  // the ranks are out of step now
