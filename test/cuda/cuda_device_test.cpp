@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/quantize.hpp"
 #include "fsdp/host/host_device.hpp"
 #include "test/support/device_accounting.hpp"
 #include "test/support/errors.hpp"
@@ -629,4 +631,157 @@ TEST_CASE("the 8-bit floats: copies move them; kernel arithmetic on them is refu
   dev.synchronize();
   dev.deallocate(a, 16, kDev);
   dev.deallocate(b, 16, kDev);
+}
+
+namespace {
+
+using fsdp::QuantFormat;
+
+// The host's block quantization of x (fsdp/core/quantize.hpp), one block at a time: a
+// block holding an inf or NaN is skipped (its codes and scale stay as they were), as the
+// device's kernel leaves it; returns the first such element's index, if any.
+std::optional<std::size_t> host_quantize(QuantFormat f, std::span<const float> x, Bytes& q, Bytes& scales,
+                                         std::size_t block) {
+  std::optional<std::size_t> bad;
+  for (std::size_t first = 0, b = 0; first < x.size(); first += block, ++b) {
+    const std::size_t len = std::min(block, x.size() - first);
+    const auto xs = x.subspan(first, len);
+    for (std::size_t i = 0; i < len; ++i)
+      if (!std::isfinite(xs[i])) bad = bad ? std::min(*bad, first + i) : first + i;
+    if (std::any_of(xs.begin(), xs.end(), [](float v) { return !std::isfinite(v); })) continue;
+    std::span<std::uint8_t> codes(q.data() + first, len);
+    if (f == QuantFormat::int8_blocks)
+      fsdp::quantize_int8_blocks(xs, {reinterpret_cast<std::int8_t*>(codes.data()), len},
+                                 {reinterpret_cast<float*>(scales.data()) + b, 1}, len);
+    else if (f == QuantFormat::f8e4m3_blocks)
+      fsdp::quantize_f8e4m3_blocks(xs, codes, {reinterpret_cast<float*>(scales.data()) + b, 1}, len);
+    else
+      fsdp::quantize_mxfp8(xs, codes, {scales.data() + b, 1});
+  }
+  return bad;
+}
+
+// x from codes and scales by the host's functions (whole, every block finite or not).
+std::vector<float> host_dequantize(QuantFormat f, const Bytes& q, const Bytes& scales, std::size_t block) {
+  std::vector<float> x(q.size());
+  if (f == QuantFormat::int8_blocks)
+    fsdp::dequantize_int8_blocks({reinterpret_cast<const std::int8_t*>(q.data()), q.size()},
+                                 {reinterpret_cast<const float*>(scales.data()), scales.size() / 4}, x, block);
+  else if (f == QuantFormat::f8e4m3_blocks)
+    fsdp::dequantize_f8e4m3_blocks(q, {reinterpret_cast<const float*>(scales.data()), scales.size() / 4}, x, block);
+  else
+    fsdp::dequantize_mxfp8(q, scales, x);
+  return x;
+}
+
+Bytes bytes_of_floats(const std::vector<float>& v) {
+  Bytes b(v.size() * 4);
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// Values that reach every branch of the encoders: per block of 32 a magnitude from float's
+// subnormals to near its largest, zeros and an all-zero block, and blocks whose amax makes
+// the scale exactly 1 for int8 (127) and E4M3 (448), holding halfway cases (2.5, -3.5;
+// E4M3's 1.0625 lies between 1 and 1.125) that must round to even.
+std::vector<float> quantize_inputs(std::size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-140, 120);
+  std::vector<float> x(n);
+  for (std::size_t first = 0; first < n; first += 32) {
+    const std::size_t kind = (first / 32) % 8;
+    const float mag = std::ldexp(1.0f, exponent(rng));
+    for (std::size_t i = first; i < std::min(n, first + 32); ++i) {
+      if (kind == 0) x[i] = 0.0f;
+      else if (kind == 1) x[i] = (i == first) ? 127.0f : (i % 2 ? 2.5f : -3.5f) + static_cast<float>(i % 5);
+      else if (kind == 2) x[i] = (i == first) ? 448.0f : (i % 2 ? 1.0625f : -1.1875f);
+      else if (kind == 3) x[i] = unit(rng) * 3.0e38f;  // near FLT_MAX
+      else x[i] = normal(rng) * mag;
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in every format" * doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  std::mt19937_64 rng(38);
+  const std::size_t n = 10000 + 37;  // no format's block divides it
+  const std::vector<float> x = quantize_inputs(n, rng);
+  const DeviceBuffer dx(dev, bytes_of_floats(x));
+  struct Case {
+    QuantFormat f;
+    std::size_t block;
+  };
+  for (const Case c : {Case{QuantFormat::int8_blocks, 128}, Case{QuantFormat::int8_blocks, 50},
+                       Case{QuantFormat::f8e4m3_blocks, 128}, Case{QuantFormat::f8e4m3_blocks, 7},
+                       Case{QuantFormat::mxfp8, 32}}) {
+    const std::string what = std::string(fsdp::name_of(c.f)) + ", block " + std::to_string(c.block);
+    CAPTURE(what);
+    const std::size_t blocks = (n + c.block - 1) / c.block;
+    Bytes q(n), scales(blocks * fsdp::scale_bytes(c.f));
+    REQUIRE_FALSE(host_quantize(c.f, x, q, scales, c.block).has_value());
+    DeviceBuffer dq(dev, n), ds(dev, scales.size());
+    dev.quantize(c.f, static_cast<const float*>(dx.p), n, dq.p, ds.p, c.block);
+    CHECK_FALSE(dev.quantize_nonfinite().has_value());
+    check_same(q, dq.read(), DType::u8, what + ": codes");
+    check_same(scales, ds.read(), c.f == QuantFormat::mxfp8 ? DType::u8 : DType::f32, what + ": scales");
+    // Dequantize the host's codes and scales on the device.
+    const DeviceBuffer hq(dev, q), hs(dev, scales);
+    DeviceBuffer out(dev, n * 4);
+    dev.dequantize(c.f, hq.p, hs.p, n, static_cast<float*>(out.p), c.block);
+    check_same(bytes_of_floats(host_dequantize(c.f, q, scales, c.block)), out.read(), DType::f32, what + ": dequantized");
+  }
+  // Every code, under scales that reach the clamp to the finite floats, zero, subnormal and
+  // (MXFP8) NaN scales: each scale a block of 256 codes.
+  Bytes codes(256 * 6);
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<unsigned char>(i % 256);
+  const std::vector<float> f32_scales{1.0f, 0.0f, 3.0e38f, 1e-45f, 0.1f, 7.5e35f};
+  const Bytes e8m0_scales{127, 0, 254, 0xff, 1, 200};
+  const DeviceBuffer dcodes(dev, codes);
+  for (QuantFormat f : {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {
+    const bool mx = f == QuantFormat::mxfp8;
+    const std::size_t block = mx ? 32 : 256;
+    Bytes scales;
+    if (mx)  // 8 blocks of 32 per group of 256 codes, all with the group's scale
+      for (unsigned char s : e8m0_scales) scales.insert(scales.end(), 8, s);
+    else
+      scales = bytes_of_floats(f32_scales);
+    const DeviceBuffer ds(dev, scales);
+    DeviceBuffer out(dev, codes.size() * 4);
+    dev.dequantize(f, dcodes.p, ds.p, codes.size(), static_cast<float*>(out.p), block);
+    check_same(bytes_of_floats(host_dequantize(f, codes, scales, block)), out.read(), DType::f32,
+               std::string(fsdp::name_of(f)) + ": every code");
+  }
+}
+
+TEST_CASE("quantize leaves a block holding an inf or NaN unwritten and names its first such element" *
+          doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  CHECK_FALSE(dev.quantize_nonfinite().has_value());  // no quantize yet
+  std::mt19937_64 rng(7);
+  std::vector<float> x = quantize_inputs(1000, rng);
+  x[700] = std::numeric_limits<float>::infinity();
+  x[300] = std::numeric_limits<float>::quiet_NaN();
+  x[301] = -std::numeric_limits<float>::infinity();
+  const DeviceBuffer dx(dev, bytes_of_floats(x));
+  for (QuantFormat f : {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {
+    CAPTURE(fsdp::name_of(f));
+    const std::size_t block = f == QuantFormat::mxfp8 ? 32 : 128;
+    const std::size_t blocks = (x.size() + block - 1) / block;
+    Bytes q(x.size(), 0xaa), scales(blocks * fsdp::scale_bytes(f), 0xaa);  // 0xaa: not written
+    CHECK(host_quantize(f, x, q, scales, block) == std::optional<std::size_t>(300));
+    const DeviceBuffer dq(dev, Bytes(x.size(), 0xaa)), ds(dev, Bytes(scales.size(), 0xaa));
+    dev.quantize(f, static_cast<const float*>(dx.p), x.size(), dq.p, ds.p, block);
+    CHECK(dev.quantize_nonfinite() == std::optional<std::size_t>(300));
+    CHECK_FALSE(dev.quantize_nonfinite().has_value());  // read and cleared
+    check_same(q, dq.read(), DType::u8, "codes");  // the bad blocks still 0xaa, the others written
+    check_same(scales, ds.read(), DType::u8, "scales");
+  }
+  CHECK(test_support::contains(test_support::error_of([&] { dev.quantize(QuantFormat::mxfp8, nullptr, 1, nullptr, nullptr, 128); }),
+                               "CudaDevice(cuda:0)::quantize: mxfp8 needs block = 32 (the MX block), got block = 128"));
+  CHECK(test_support::contains(test_support::error_of([&] { dev.dequantize(QuantFormat::int8_blocks, nullptr, nullptr, 1, nullptr, 0); }),
+                               "CudaDevice(cuda:0)::dequantize: int8_blocks needs a positive block, got block = 0"));
 }

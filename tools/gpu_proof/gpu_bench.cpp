@@ -1,13 +1,16 @@
-// GPU figures for tools/gpu_proof.sh: CudaDevice copy and cast throughput, and NcclComm
-// all_gather / reduce_scatter bandwidth over sizes, on every visible GPU (one rank each,
-// in one process, issued in an nccl_group). Prints one line per measurement:
+// GPU figures for tools/gpu_proof.sh: CudaDevice copy, cast and block-quantization
+// throughput, and NcclComm all_gather / reduce_scatter bandwidth over sizes, on every
+// visible GPU (one rank each, in one process, issued in an nccl_group). Prints one line
+// per measurement:
 //   bench cuda copy bytes=... GB/s=...
+//   bench cuda quantize FORMAT block=... elements=... GB/s=... dequantize_GB/s=...
 //   bench nccl all_gather ranks=N bytes=... us=... algbw_GB/s=... busbw_GB/s=...
 // busbw = algbw * (N-1)/N, NCCL's bus bandwidth; with one rank NCCL only copies locally.
 // Exits 2 when no GPU is visible.
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "fsdp/cuda/cuda_device.hpp"
@@ -91,6 +94,43 @@ void bench_nccl(int gpus) {
 
 }  // namespace
 
+// Block quantization (CudaDevice::quantize / dequantize) of 64 Mi f32 values in each format:
+// bytes read and written per second (4 + 1 per element, plus the scales).
+void bench_quantize(fsdp::CudaDevice& dev) {
+  constexpr std::size_t n = std::size_t{64} << 20;
+  std::vector<float> host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = static_cast<float>((i * 2654435761u) % 20011) * 1e-3f - 10.0f;
+  float* x = static_cast<float*>(dev.allocate(n * 4));
+  float* back = static_cast<float*>(dev.allocate(n * 4));
+  void* q = dev.allocate(n);
+  void* scales = dev.allocate(n / 32 * 4);
+  dev.copy(x, host.data(), n * 4);
+  for (const fsdp::QuantFormat f : {fsdp::QuantFormat::int8_blocks, fsdp::QuantFormat::f8e4m3_blocks,
+                                    fsdp::QuantFormat::mxfp8}) {
+    const std::size_t block = f == fsdp::QuantFormat::mxfp8 ? 32 : 128;
+    const double scale_bytes = static_cast<double>(n / block * fsdp::scale_bytes(f));
+    dev.quantize(f, x, n, q, scales, block);  // warm-up
+    dev.synchronize();
+    constexpr int iters = 10;
+    auto t = Clock::now();
+    for (int i = 0; i < iters; ++i) dev.quantize(f, x, n, q, scales, block);
+    dev.synchronize();
+    const double quantize = (5.0 * n + scale_bytes) * iters / seconds_since(t) / 1e9;
+    t = Clock::now();
+    for (int i = 0; i < iters; ++i) dev.dequantize(f, q, scales, n, back, block);
+    dev.synchronize();
+    const double dequantize = (5.0 * n + scale_bytes) * iters / seconds_since(t) / 1e9;
+    if (dev.quantize_nonfinite()) throw fsdp::Error("bench: quantize met a non-finite value");
+    std::printf("bench cuda quantize %s block=%zu elements=%zu GB/s=%.1f dequantize_GB/s=%.1f\n",
+                std::string(fsdp::name_of(f)).c_str(), block, n, quantize, dequantize);
+  }
+  dev.deallocate(x, n * 4);
+  dev.deallocate(back, n * 4);
+  dev.deallocate(q, n);
+  dev.deallocate(scales, n / 32 * 4);
+  dev.synchronize();
+}
+
 int main() {
   const int gpus = fsdp::cuda_device_count();
   if (gpus == 0) {
@@ -101,6 +141,7 @@ int main() {
     fsdp::CudaDevice dev(0);
     std::printf("bench: %d GPU(s) visible\n", gpus);
     bench_device(dev);
+    bench_quantize(dev);
     std::printf("bench: CudaDevice kernels loaded as %s\n", dev.kernel_arch().c_str());
     bench_nccl(gpus < 8 ? gpus : 8);
   } catch (const std::exception& e) {

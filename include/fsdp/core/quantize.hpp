@@ -181,4 +181,31 @@ inline void dequantize_mxfp8(std::span<const std::uint8_t> q, std::span<const st
   }
 }
 
+// ---- the formats as one value (what a device's quantize kernel takes) -----------------
+enum class QuantFormat : int {
+  int8_blocks = 0,    // quantize_int8_blocks: int8 codes, one f32 scale per block (default 128)
+  f8e4m3_blocks = 1,  // quantize_f8e4m3_blocks: E4M3 codes, one f32 scale per block (default 128)
+  mxfp8 = 2,          // quantize_mxfp8: E4M3 codes, one e8m0 scale per block of 32 (fixed)
+};
+
+inline constexpr std::string_view name_of(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::int8_blocks: return "int8_blocks";
+    case QuantFormat::f8e4m3_blocks: return "f8e4m3_blocks";
+    case QuantFormat::mxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+// Bytes of one scale: 4 (f32) or 1 (e8m0). Codes are one byte each in every format.
+inline constexpr std::size_t scale_bytes(QuantFormat f) { return f == QuantFormat::mxfp8 ? 1 : 4; }
+
+// Checks a format's block size (MXFP8's is 32, the others' any positive number); `who`
+// names the caller in the message.
+inline void check_quant_block(QuantFormat f, std::size_t block, std::string_view who) {
+  if (f == QuantFormat::mxfp8 ? block != kMxBlock : block == 0)
+    detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f), " needs ",
+            f == QuantFormat::mxfp8 ? "block = 32 (the MX block)" : "a positive block", ", got block = ", block);
+}
+
 }  // namespace fsdp

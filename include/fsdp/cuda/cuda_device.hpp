@@ -9,7 +9,7 @@
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
 //   - fill_zero: cudaMemsetAsync; fill_zero_batch: one kernel launch per 128 buffers;
 //     cast_zeroing: one kernel, a cast and up to 128 buffers zeroed;
-//   - scale / accumulate / cast / unscale: kernels compiled at run time with NVRTC for this GPU's
+//   - scale / accumulate / cast / unscale / quantize / dequantize: kernels compiled at run time with NVRTC for this GPU's
 //     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
 //     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -38,6 +39,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/quantize.hpp"
 #include "fsdp/cuda/cuda_check.hpp"
 #include "fsdp/cuda/cuda_kernels.hpp"
 
@@ -100,6 +102,7 @@ class CudaDevice {
       if (owns_stream_) cudaStreamDestroy(stream_);
     }
     if (flag_) cudaFree(flag_);
+    if (first_bad_) cudaFree(first_bad_);
     if (library_) cudaLibraryUnload(library_);
     if (have_prev && prev != index_) cudaSetDevice(prev);
     (void)cudaGetLastError();
@@ -250,6 +253,52 @@ class CudaDevice {
     return found != 0;
   }
 
+  // Block quantization of n f32 values on the device, bit for bit what fsdp/core/quantize.hpp
+  // computes on the host (QuantFormat names the host function): q gets n one-byte codes,
+  // scales one scale per block (f32, or e8m0 for MXFP8, whose block is 32). A block
+  // holding an inf or NaN is not written; quantize_nonfinite() says which element. Sizes
+  // are the caller's: n codes, ceil(n / block) scales. One launch, no wait.
+  void quantize(QuantFormat format, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
+    check_quant_block(format, block, "CudaDevice(cuda:" + std::to_string(index_) + ")::quantize");
+    if (n == 0) return;
+    Guard g(*this);
+    if (!first_bad_) {
+      check(cudaMalloc(reinterpret_cast<void**>(&first_bad_), sizeof(unsigned long long)), "cudaMalloc(quantize flag)");
+      check(cudaMemsetAsync(first_bad_, 0xff, sizeof(unsigned long long), stream_), "cudaMemsetAsync(quantize flag)");
+    }
+    unsigned long long count = n, blk = block;
+    int f = static_cast<int>(format);
+    void* args[] = {&q, &scales, const_cast<float**>(&x), &count, &f, &blk, &first_bad_};
+    const std::size_t blocks = n / block + (n % block != 0);
+    launch(kernels().quantize, grid_for(blocks * 32), args, stream_, "fsdp_quantize ", name_of(format), ", ", n,
+           " elements");
+  }
+
+  // Its inverse, as the host's dequantize functions: x[i] = code i times its block's scale.
+  void dequantize(QuantFormat format, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+    check_quant_block(format, block, "CudaDevice(cuda:" + std::to_string(index_) + ")::dequantize");
+    if (n == 0) return;
+    Guard g(*this);
+    unsigned long long count = n, blk = block;
+    int f = static_cast<int>(format);
+    void* args[] = {&x, const_cast<void**>(&q), const_cast<void**>(&scales), &count, &f, &blk};
+    launch(kernels().dequantize, grid_for(n), args, stream_, "fsdp_dequantize ", name_of(format), ", ", n, " elements");
+  }
+
+  // The lowest index, within its call's x, of an inf or NaN that a quantize since the last
+  // call met (its block's codes and scale were not written), or nullopt; clears it. Waits
+  // for the stream, as found_nonfinite does.
+  std::optional<std::size_t> quantize_nonfinite() {
+    if (!first_bad_) return std::nullopt;  // no quantize yet
+    Guard g(*this);
+    unsigned long long found = 0;
+    check(cudaMemcpyAsync(&found, first_bad_, sizeof found, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync(quantize flag)");
+    check(cudaMemsetAsync(first_bad_, 0xff, sizeof found, stream_), "cudaMemsetAsync(quantize flag)");
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    if (found == ~0ull) return std::nullopt;
+    return static_cast<std::size_t>(found);
+  }
+
   void synchronize() {
     Guard g(*this);
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -266,7 +315,7 @@ class CudaDevice {
  private:
   struct Kernels {
     cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr, unscale = nullptr, zero_spans = nullptr,
-                 cast_zero = nullptr;
+                 cast_zero = nullptr, quantize = nullptr, dequantize = nullptr;
   };
 
   // Makes this device current for the calling thread, restoring the previous one after:
@@ -313,7 +362,7 @@ class CudaDevice {
       const std::pair<cudaKernel_t*, const char*> names[] = {
           {&k.scale, "fsdp_scale"}, {&k.accumulate, "fsdp_accumulate"}, {&k.cast, "fsdp_cast"},
           {&k.unscale, "fsdp_unscale"}, {&k.zero_spans, "fsdp_zero_spans"},
-          {&k.cast_zero, "fsdp_cast_zero"}};
+          {&k.cast_zero, "fsdp_cast_zero"}, {&k.quantize, "fsdp_quantize"}, {&k.dequantize, "fsdp_dequantize"}};
       for (auto [slot, name] : names) {
         const cudaError_t e = cudaLibraryGetKernel(slot, lib, name);
         if (e != cudaSuccess) {
@@ -362,6 +411,7 @@ class CudaDevice {
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
   unsigned* flag_ = nullptr;  // unscale's inf/NaN flag: 4 device bytes of its own, not counted
+  unsigned long long* first_bad_ = nullptr;  // quantize's first inf/NaN (all ones: none); 8 bytes, not counted
   detail::MemoryCounter counter_;
   std::once_flag loaded_;
   cudaLibrary_t library_ = nullptr;

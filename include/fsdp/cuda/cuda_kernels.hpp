@@ -1,6 +1,6 @@
 #pragma once
-// The element-wise kernels of fsdp::CudaDevice (scale, accumulate, cast, unscale) as NVRTC
-// source, and their compilation for one GPU architecture, through the on-disk cache of
+// The element-wise kernels of fsdp::CudaDevice (scale, accumulate, cast, unscale, block
+// quantization) as NVRTC source, and their compilation for one GPU architecture, through the on-disk cache of
 // fsdp/cuda/kernel_cache.hpp. Compiling needs NVRTC only, no GPU, so CI checks that the
 // source builds (and the cache works) everywhere the toolkit is installed.
 #include <nvrtc.h>
@@ -278,6 +278,112 @@ extern "C" __global__ void fsdp_cast_zero(void* dst, int to, const void* src, in
                                           ZeroSpans z) {
   if (blockIdx.x < cast_grid) return cast_blocks(dst, to, src, from, n, blockIdx.x, cast_grid);
   zero_spans_blocks(z, blockIdx.x - cast_grid, gridDim.x - cast_grid, threadIdx.x, blockDim.x);
+}
+
+// ---- block quantization: fsdp/core/quantize.hpp's formats, line for line ----------------
+enum { Q_INT8 = 0, Q_E4M3 = 1, Q_MXFP8 = 2 };  // fsdp::QuantFormat
+
+// float -> E4M3 (E4M3FN), to nearest with ties to even, saturating: fsdp::detail::float_to_f8
+// with kE4M3 (bias 7, 3 mantissa bits, largest 0x7e = 448, NaN 0x7f).
+__device__ unsigned char float_to_e4m3_sat(float f) {
+  const u32 u = __float_as_uint(f);
+  const u32 sign = (u >> 24) & 0x80u;
+  const u32 abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return (unsigned char)(sign | 0x7fu);
+  if (abs == 0x7f800000u) return (unsigned char)(sign | 0x7eu);
+  const int e = (int)(abs >> 23) - 127;
+  if (e < -7 - 3) return (unsigned char)sign;
+  const u32 m = (abs & 0x7fffffu) | 0x800000u;
+  const int sub = 1 - 7 - e;
+  const int drop = 23 - 3 + (sub > 0 ? sub : 0);
+  u32 r = m >> drop;
+  const u32 rest = m & ((1u << drop) - 1u), half = 1u << (drop - 1);
+  if (rest > half || (rest == half && (r & 1u))) ++r;
+  const int biased = e + 7 > 1 ? e + 7 : 1;
+  const u32 bits = ((u32)(biased - 1) << 3) + r;
+  return (unsigned char)(sign | (bits > 0x7eu ? 0x7eu : bits));
+}
+
+// E4M3 -> float, exact: fsdp::f8e4m3_bits_to_float.
+__device__ float e4m3_to_float(unsigned char b) {
+  const u32 sign = (u32)(b & 0x80u) << 24;
+  const u32 e = (b & 0x7fu) >> 3, m = b & 7u;
+  if ((b & 0x7fu) == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
+  if (e == 0) return __uint_as_float(sign | __float_as_uint((float)m * __uint_as_float((u32)(128 - 7 - 3) << 23)));
+  return __uint_as_float(sign | (e - 7u + 127u) << 23 | m << 20);
+}
+
+// fsdp::detail::scale_for: amax / qmax in double, rounded up to a float, at least the
+// smallest subnormal; 0 for an all-zero block.
+__device__ float quant_scale_for(float amax, float qmax) {
+  if (amax == 0.0f) return 0.0f;
+  const double exact = (double)amax / (double)qmax;
+  float s = (float)exact;
+  if ((double)s < exact) s = nextafterf(s, __uint_as_float(0x7f800000u));
+  return s > __uint_as_float(1u) ? s : __uint_as_float(1u);
+}
+
+// One warp per block of `block` values (a grid-stride loop over the blocks): the lanes find
+// the block's amax together, then each encodes its share. A block holding an inf or NaN is
+// left unwritten, and the lowest such element's index goes to *first_bad (atomicMin).
+extern "C" __global__ void fsdp_quantize(void* q, void* scales, const float* x, u64 n, int format, u64 block,
+                                         u64* first_bad) {
+  const u32 lane = threadIdx.x & 31u;
+  const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+  const u64 blocks = n / block + (n % block != 0);
+  for (u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < blocks; b += warps) {
+    const u64 first = b * block, end = first + block < n ? first + block : n;
+    float amax = 0.0f;
+    u64 bad = ~0ull;
+    for (u64 i = first + lane; i < end; i += 32) {
+      const float v = x[i];
+      if (!finite_f32(v)) bad = i < bad ? i : bad;
+      else amax = fmaxf(amax, fabsf(v));
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const u64 other = __shfl_xor_sync(0xffffffffu, bad, o);
+      bad = other < bad ? other : bad;
+    }
+    if (bad != ~0ull) {
+      if (lane == 0) atomicMin(first_bad, bad);
+      continue;
+    }
+    if (format == Q_MXFP8) {  // fsdp::quantize_mxfp8: x / 2^(floor(log2 amax) - 8), exact
+      int shared = amax == 0.0f ? -127 : ilogbf(amax) - 8;
+      shared = shared > -127 ? shared : -127;
+      if (lane == 0) ((unsigned char*)scales)[b] = (unsigned char)(shared + 127);
+      for (u64 i = first + lane; i < end; i += 32) ((unsigned char*)q)[i] = float_to_e4m3_sat(ldexpf(x[i], -shared));
+      continue;
+    }
+    const float scale = quant_scale_for(amax, format == Q_INT8 ? 127.0f : 448.0f);
+    if (lane == 0) ((float*)scales)[b] = scale;
+    for (u64 i = first + lane; i < end; i += 32) {
+      if (format == Q_INT8) {
+        const float r = scale == 0.0f ? 0.0f : rintf(x[i] / scale);  // ties to even
+        ((signed char*)q)[i] = (signed char)(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
+      } else {
+        ((unsigned char*)q)[i] = scale == 0.0f ? (unsigned char)0 : float_to_e4m3_sat(x[i] / scale);
+      }
+    }
+  }
+}
+
+// x[i] = code i * the scale of its block: in double, clamped to the finite floats as
+// std::clamp does (a NaN stays NaN), then rounded once (fsdp::detail::decode_scaled); MXFP8
+// by a power of two (an e8m0 scale 0xff is NaN).
+extern "C" __global__ void fsdp_dequantize(float* x, const void* q, const void* scales, u64 n, int format, u64 block) {
+  const double top = 3.4028234663852886e38;  // FLT_MAX
+  FSDP_FOR_EACH(i, n) {
+    if (format == Q_MXFP8) {
+      const unsigned char s = ((const unsigned char*)scales)[i / 32];
+      x[i] = s == 0xffu ? __uint_as_float(0x7fc00000u) : ldexpf(e4m3_to_float(((const unsigned char*)q)[i]), (int)s - 127);
+      continue;
+    }
+    const float code = format == Q_INT8 ? (float)((const signed char*)q)[i] : e4m3_to_float(((const unsigned char*)q)[i]);
+    const double d = (double)code * (double)((const float*)scales)[i / block];
+    x[i] = (float)(d < -top ? -top : (top < d ? top : d));
+  }
 }
 )cuda";
 
