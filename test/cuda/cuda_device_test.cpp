@@ -709,7 +709,8 @@ TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in e
   CudaDevice dev;
   std::mt19937_64 rng(38);
   const std::size_t n = 10000 + 37;  // no format's block divides it
-  const std::vector<float> x = quantize_inputs(n, rng);
+  std::vector<float> x = quantize_inputs(n, rng);
+  std::fill(x.begin(), x.begin() + 256, 0.0f);  // an all-zero block in every format
   const DeviceBuffer dx(dev, bytes_of_floats(x));
   struct Case {
     QuantFormat f;
@@ -734,12 +735,14 @@ TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in e
     dev.dequantize(c.f, hq.p, hs.p, n, static_cast<float*>(out.p), c.block);
     check_same(bytes_of_floats(host_dequantize(c.f, q, scales, c.block)), out.read(), DType::f32, what + ": dequantized");
   }
-  // Every code, under scales that reach the clamp to the finite floats, zero, subnormal and
-  // (MXFP8) NaN scales: each scale a block of 256 codes.
-  Bytes codes(256 * 6);
+  // Every code, under scales that reach the clamp to the finite floats, zero, subnormal,
+  // infinite and NaN scales: each scale a block of 256 codes. (NaN results are compared
+  // as NaN only: check_same.)
+  Bytes codes(256 * 8);
   for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<unsigned char>(i % 256);
-  const std::vector<float> f32_scales{1.0f, 0.0f, 3.0e38f, 1e-45f, 0.1f, 7.5e35f};
-  const Bytes e8m0_scales{127, 0, 254, 0xff, 1, 200};
+  const std::vector<float> f32_scales{1.0f, 0.0f, 3.0e38f, 1e-45f, 0.1f, 7.5e35f,
+                                      std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  const Bytes e8m0_scales{127, 0, 254, 0xff, 1, 200, 128, 126};
   const DeviceBuffer dcodes(dev, codes);
   for (QuantFormat f : {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {
     const bool mx = f == QuantFormat::mxfp8;

@@ -412,6 +412,71 @@ TEST_CASE("an engine error between hooks in the first step, retried without abor
   }
 }
 
+TEST_CASE("an engine error in the first step's backward, retried without abort_step: the next call names abort_step; "
+          "after abort_step, training as usual") {
+  const auto c = config();
+  // Per rank: the error of the retry (empty: none), and the all-gathers of 3 steps after
+  // abort_step. `bwd_done` units finished their backward before the engine threw (-1: a
+  // clean run, no error and no abort_step); `zero`: the retry starts with zero_grad.
+  struct Run {
+    std::vector<std::string> errors;
+    std::vector<std::vector<std::uint64_t>> gathers{2};
+  };
+  auto run = [&](int bwd_done, bool zero) {
+    Run out;
+    out.errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+      fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      fsdp::ShardedModel sm;
+      const auto layers = block_units<fsdp::FullShard, fsdp::ForwardPrefetch>(sm, model, counted, device);
+      std::string error;
+      if (bwd_done >= 0) {
+        for (fsdp::Unit* u : layers) u->pre_forward(), u->post_forward();
+        for (int i = 0; i < bwd_done; ++i) {
+          fsdp::Unit& u = *layers[static_cast<std::size_t>(2 - i)];
+          u.pre_backward(), u.post_backward();
+        }  // then the engine throws, and the exception is caught
+        try {
+          scoped_step(sm, nullptr, layers, std::nullopt, false, zero);  // no abort_step
+        } catch (const fsdp::Error& e) {
+          error = e.what();
+        }
+        sm.abort_step();
+      }
+      for (int s = 0; s < 3; ++s) {
+        counted.reset();
+        scoped_step(sm, nullptr, layers);
+        out.gathers[static_cast<std::size_t>(comm.rank())].push_back(counted.counts()[fsdp::Collective::all_gather].calls);
+      }
+      if (!error.empty()) throw fsdp::Error(error);  // the retry's error, reported after the steps
+    });
+    return out;
+  };
+  const Run clean = run(-1, true);
+  for (int r = 0; r < 2; ++r) REQUIRE(clean.errors[static_cast<std::size_t>(r)].empty());
+  for (int bwd_done : {1, 2, 3}) {
+    for (bool zero : {true, false}) {
+      CAPTURE(bwd_done);
+      CAPTURE(zero);
+      const Run got = run(bwd_done, zero);
+      // The last unit whose backward ran is left in BACKWARD_POST: the retry's first call on
+      // it (zero_grad, or its pre_forward: the forward reaches it last) says what to call.
+      const std::string unit = "blocks." + std::to_string(3 - bwd_done);
+      for (int r = 0; r < 2; ++r) {
+        const std::string& e = got.errors[static_cast<std::size_t>(r)];
+        CAPTURE(e);
+        CHECK(contains(e, "unit '" + unit + "' on rank " + std::to_string(r) + ": " +
+                              (zero ? "zero_grad" : "pre_forward") + " called in state BACKWARD_POST"));
+        CHECK(contains(e, "abort_step() was not called: call abort_step() (ShardedModel::abort_step) on every rank"));
+      }
+      // The error came before any collective of the retry on either rank (no rank is left
+      // waiting), and after abort_step the steps gather what a clean run gathers.
+      CHECK(got.gathers == clean.gathers);
+    }
+  }
+}
+
 // Models whose first step records what an abandoned start would (a forward that reaches no
 // loss, before the pass) and whose later steps leave it out or shorten it, on purpose.
 // Step s runs forward only through extra[s], then the pass (`fwd`, then `bwd`). Per rank: its

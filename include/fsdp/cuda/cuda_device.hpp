@@ -257,7 +257,8 @@ class CudaDevice {
   // computes on the host (QuantFormat names the host function): q gets n one-byte codes,
   // scales one scale per block (f32, or e8m0 for MXFP8, whose block is 32). A block
   // holding an inf or NaN is not written; quantize_nonfinite() says which element. Sizes
-  // are the caller's: n codes, ceil(n / block) scales. One launch, no wait.
+  // are the caller's: n codes, ceil(n / block) scales. One launch, no wait; one warp per
+  // block, so a block of a whole large tensor is slow.
   void quantize(QuantFormat format, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
     check_quant_block(format, block, "CudaDevice(cuda:" + std::to_string(index_) + ")::quantize");
     if (n == 0) return;
@@ -287,7 +288,8 @@ class CudaDevice {
 
   // The lowest index, within its call's x, of an inf or NaN that a quantize since the last
   // call met (its block's codes and scale were not written), or nullopt; clears it. Waits
-  // for the stream, as found_nonfinite does.
+  // for the stream, as found_nonfinite does. Over several quantizes it is the lowest of
+  // their indices: check after each one whose failure must be told apart.
   std::optional<std::size_t> quantize_nonfinite() {
     if (!first_bad_) return std::nullopt;  // no quantize yet
     Guard g(*this);

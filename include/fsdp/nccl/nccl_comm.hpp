@@ -172,15 +172,17 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       // A nonblocking split is a job of the parent's: NCCL writes the new communicator from
       // a thread of its own once the split is complete (null until then, even when one rank
       // splits alone), and the parent's ncclCommGetAsyncError says when. So the parent
-      // settles first, and the new communicator is read after; its slot is on the heap, and
-      // is left to NCCL when the parent does not settle in time (its thread may still write it).
+      // settles first, and the new communicator is read after. Its slot is on the heap: when
+      // the parent does not settle (a timeout, or an error while the job may still run), the
+      // slot is left to NCCL, whose thread may still write it, and what is there is aborted.
       auto slot = std::make_unique<ncclComm_t>(nullptr);
       const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, slot.get(), &config);
       const auto deadline = detail::NcclClock::now() + child.setup_timeout;
       ErrorKind kind = ErrorKind::misuse;
       std::string error = settled(r, state_->comm_locked(), deadline, child, "ncclCommSplit", kind);
-      if (kind == ErrorKind::timeout) (void)slot.release();  // one pointer, leaked: NCCL's late write lands there
-      else comm = *slot;
+      comm = __atomic_load_n(slot.get(), __ATOMIC_ACQUIRE);  // NCCL's thread stores it
+      if (!error.empty() && (r == ncclSuccess || r == ncclInProgress))
+        (void)slot.release();  // one pointer, leaked: a late write from NCCL's job lands there
       if (error.empty() && !comm) error = "ncclCommSplit completed without a communicator";
       if (error.empty()) error = settled(ncclSuccess, comm, deadline, child, "ncclCommSplit (new communicator)", kind);
       if (!error.empty()) {
