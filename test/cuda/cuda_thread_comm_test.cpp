@@ -13,12 +13,16 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "fsdp/comm/quantized_all_gather.hpp"
+#include "fsdp/core/quantize.hpp"
 #include "fsdp/cuda/cuda_thread_comm.hpp"
 #include "fsdp/fsdp.hpp"
 #include "fsdp/testing/counting_communicator.hpp"
@@ -27,6 +31,7 @@
 #include "test/faults/unit_order_driver.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/gpu.hpp"
+#include "test/support/quantize_reference.hpp"
 #include "test/support/queued_host.hpp"
 #include "test/support/rank_errors.hpp"
 
@@ -315,4 +320,45 @@ TEST_CASE("four ranks on one GPU train every combination like the host, bit for 
     CHECK(on_gpu.device_space.allocations == on_host.device_space.allocations);
   });
   for (auto* d : ranks.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
+}
+
+TEST_CASE("a quantized all-gather between ranks sharing a GPU: every rank gets what the host functions give" *
+          doctest::skip(no_gpu)) {
+  constexpr int world = 2;
+  constexpr std::size_t n = 1000;
+  auto shard_of = [](int rank) {
+    std::vector<float> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = std::ldexp(static_cast<float>((i * 7919 + 31 * rank) % 301) - 150.0f, -rank);
+    return x;
+  };
+  for (const fsdp::QuantFormat f : {fsdp::QuantFormat::int8_blocks, fsdp::QuantFormat::mxfp8}) {
+    CAPTURE(fsdp::name_of(f));
+    const std::size_t block = f == fsdp::QuantFormat::mxfp8 ? 32 : 128;
+    std::vector<float> want;
+    for (int r = 0; r < world; ++r) {  // the host functions, shard by shard
+      const std::vector<float> y = test_support::quantize_round_trip(f, shard_of(r), block);
+      want.insert(want.end(), y.begin(), y.end());
+    }
+    Ranks ranks(world);
+    std::vector<std::vector<float>> got(world, std::vector<float>(n * world));
+    fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& tc) {
+      CudaDevice& dev = *ranks.ptrs[tc.rank()];
+      CudaThreadComm comm(tc, dev);
+      const std::vector<float> x = shard_of(tc.rank());
+      auto* shard = static_cast<float*>(dev.allocate(n * 4));
+      auto* full = static_cast<float*>(dev.allocate(n * world * 4));
+      dev.copy(shard, x.data(), n * 4);
+      fsdp::quantized_all_gather(comm, dev, f, block, shard, n, full);
+      dev.copy(got[static_cast<std::size_t>(tc.rank())].data(), full, n * world * 4);
+      dev.synchronize();
+      dev.deallocate(shard, n * 4);
+      dev.deallocate(full, n * world * 4);
+      dev.synchronize();
+    });
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      CHECK(std::memcmp(got[static_cast<std::size_t>(r)].data(), want.data(), want.size() * 4) == 0);
+    }
+    for (auto* d : ranks.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
+  }
 }

@@ -4,10 +4,7 @@
 #include "tools/cuda_emulator/kernels.hpp"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <iterator>
-#include <span>
 
 #include "fsdp/cuda/zero_spans.hpp"
 #include "fsdp/core/detail/host_math.hpp"
@@ -49,61 +46,22 @@ void span_ranges(const ZeroSpans& z, std::vector<Range>& out) {
   for (u64 i = 0; i < z.count && i < fsdp::detail::zero_spans_capacity; ++i) out.push_back({z.data[i], z.bytes[i], true});
 }
 
-// fsdp_quantize and fsdp_dequantize: the host's block quantization (fsdp/core/quantize.hpp),
-// one block at a time; a block holding an inf or NaN is left unwritten and the lowest such
+// fsdp_quantize and fsdp_dequantize: the host's block quantization (fsdp/core/quantize.hpp)
+// as a device does it: a block holding an inf or NaN is left unwritten and the lowest such
 // index goes to *first_bad, as the GPU kernel does.
 std::size_t quant_blocks(u64 n, u64 block) { return static_cast<std::size_t>(n / block + (n % block != 0)); }
 
 void quantize_run(const KernelArgs& a) {
-  auto* q = static_cast<std::uint8_t*>(a.get<void*>(0));
-  auto* scales = static_cast<std::uint8_t*>(a.get<void*>(1));
-  const auto* x = a.get<const float*>(2);
-  const u64 n = a.get<u64>(3), block = a.get<u64>(5);
   const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
+  const auto bad = fsdp::detail::quantize_skipping_nonfinite(format, a.get<const float*>(2), a.get<u64>(3),
+                                                             a.get<void*>(0), a.get<void*>(1), a.get<u64>(5));
   auto* first_bad = a.get<u64*>(6);
-  for (u64 first = 0, b = 0; first < n; first += block, ++b) {
-    const std::size_t len = static_cast<std::size_t>(std::min(block, n - first));
-    const std::span<const float> xs(x + first, len);
-    const auto bad = std::find_if(xs.begin(), xs.end(), [](float v) { return !std::isfinite(v); });
-    if (bad != xs.end()) {
-      *first_bad = std::min<u64>(*first_bad, first + static_cast<u64>(bad - xs.begin()));
-      continue;
-    }
-    const std::span<std::uint8_t> codes(q + first, len);
-    switch (format) {
-      case fsdp::QuantFormat::int8_blocks:
-        fsdp::quantize_int8_blocks(xs, {reinterpret_cast<std::int8_t*>(codes.data()), len},
-                                   {reinterpret_cast<float*>(scales) + b, 1}, len);
-        break;
-      case fsdp::QuantFormat::f8e4m3_blocks:
-        fsdp::quantize_f8e4m3_blocks(xs, codes, {reinterpret_cast<float*>(scales) + b, 1}, len);
-        break;
-      case fsdp::QuantFormat::mxfp8: fsdp::quantize_mxfp8(xs, codes, {scales + b, 1}); break;
-    }
-  }
+  if (bad) *first_bad = std::min<u64>(*first_bad, *bad);
 }
 
 void dequantize_run(const KernelArgs& a) {
-  auto* x = a.get<float*>(0);
-  const auto* q = static_cast<const std::uint8_t*>(a.get<const void*>(1));
-  const auto* scales = static_cast<const std::uint8_t*>(a.get<const void*>(2));
-  const u64 n = a.get<u64>(3), block = a.get<u64>(5);
-  const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
-  for (u64 first = 0, b = 0; first < n; first += block, ++b) {
-    const std::size_t len = static_cast<std::size_t>(std::min(block, n - first));
-    const std::span<const std::uint8_t> codes(q + first, len);
-    const std::span<float> out(x + first, len);
-    switch (format) {
-      case fsdp::QuantFormat::int8_blocks:
-        fsdp::dequantize_int8_blocks({reinterpret_cast<const std::int8_t*>(codes.data()), len},
-                                     {reinterpret_cast<const float*>(scales) + b, 1}, out, len);
-        break;
-      case fsdp::QuantFormat::f8e4m3_blocks:
-        fsdp::dequantize_f8e4m3_blocks(codes, {reinterpret_cast<const float*>(scales) + b, 1}, out, len);
-        break;
-      case fsdp::QuantFormat::mxfp8: fsdp::dequantize_mxfp8(codes, {scales + b, 1}, out); break;
-    }
-  }
+  fsdp::detail::dequantize_any(static_cast<fsdp::QuantFormat>(a.get<int>(4)), a.get<const void*>(1),
+                               a.get<const void*>(2), a.get<u64>(3), a.get<float*>(0), a.get<u64>(5));
 }
 
 const Kernel kKernels[] = {

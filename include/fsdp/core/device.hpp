@@ -4,6 +4,7 @@
 // runs on its own buffers (zeroing, scaling by the divide factors, accumulating gradients).
 #include <concepts>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -63,6 +64,24 @@ template <class D>
 concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DType t, double f) {
   d.unscale(p, n, t, f);
   { d.found_nonfinite() } -> std::convertible_to<bool>;
+};
+
+// A Device that block-quantizes f32 values (fsdp/core/quantize.hpp's formats, QuantFormat):
+//   d.quantize(f, x, n, q, scales, block)    n values of x into n one-byte codes and one
+//                                            scale per block (scale_bytes(f) each), queued;
+//                                            a block holding an inf or NaN is not written
+//   d.dequantize(f, q, scales, n, y, block)  n codes back into f32 values, queued
+//   d.quantize_nonfinite()                   waits for the queued quantizes; the lowest
+//                                            index of an inf or NaN one of them met since
+//                                            the last call, or nullopt; forgets it
+// HostDevice and CudaDevice compute the same codes and scales, bit for bit.
+enum class QuantFormat : int;  // fsdp/core/quantize.hpp
+template <class D>
+concept QuantizingDevice = Device<D> && requires(D& d, QuantFormat f, const float* x, std::size_t n, void* q,
+                                                 void* s, float* y) {
+  d.quantize(f, x, n, q, s, n);
+  d.dequantize(f, q, s, n, y, n);
+  { d.quantize_nonfinite() } -> std::same_as<std::optional<std::size_t>>;
 };
 
 // One buffer to zero: fill_zero's arguments.

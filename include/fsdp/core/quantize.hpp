@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -207,5 +208,54 @@ inline void check_quant_block(QuantFormat f, std::size_t block, std::string_view
     detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f), " needs ",
             f == QuantFormat::mxfp8 ? "block = 32 (the MX block)" : "a positive block", ", got block = ", block);
 }
+
+namespace detail {
+
+// What a device's quantize does (HostDevice's, and the emulated GPU kernel's): n values
+// of x into q (n codes) and scales (one per block, scale_bytes(f) each), block by block;
+// a block holding an inf or NaN is left unwritten instead of throwing. Returns the lowest
+// such element's index, if any. The block is checked by the caller (check_quant_block).
+inline std::optional<std::size_t> quantize_skipping_nonfinite(QuantFormat f, const float* x, std::size_t n, void* q,
+                                                              void* scales, std::size_t block) {
+  std::optional<std::size_t> bad;
+  auto* codes = static_cast<std::uint8_t*>(q);
+  auto* s8 = static_cast<std::uint8_t*>(scales);
+  auto* s32 = static_cast<float*>(scales);
+  for (std::size_t first = 0, b = 0; first < n; first += block, ++b) {
+    const std::span<const float> xs(x + first, std::min(block, n - first));
+    const auto it = std::find_if(xs.begin(), xs.end(), [](float v) { return !std::isfinite(v); });
+    if (it != xs.end()) {
+      if (!bad) bad = first + static_cast<std::size_t>(it - xs.begin());
+      continue;
+    }
+    const std::span<std::uint8_t> cs(codes + first, xs.size());
+    switch (f) {
+      case QuantFormat::int8_blocks:
+        quantize_int8_blocks(xs, {reinterpret_cast<std::int8_t*>(cs.data()), cs.size()}, {s32 + b, 1}, xs.size());
+        break;
+      case QuantFormat::f8e4m3_blocks: quantize_f8e4m3_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
+      case QuantFormat::mxfp8: quantize_mxfp8(xs, cs, {s8 + b, 1}); break;
+    }
+  }
+  return bad;
+}
+
+// Its inverse for n codes (dequantize_int8_blocks, dequantize_f8e4m3_blocks, dequantize_mxfp8).
+inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+  const auto* codes = static_cast<const std::uint8_t*>(q);
+  const std::size_t blocks = block_count(n, block);
+  switch (f) {
+    case QuantFormat::int8_blocks:
+      dequantize_int8_blocks({reinterpret_cast<const std::int8_t*>(codes), n}, {static_cast<const float*>(scales), blocks},
+                             {x, n}, block);
+      break;
+    case QuantFormat::f8e4m3_blocks:
+      dequantize_f8e4m3_blocks({codes, n}, {static_cast<const float*>(scales), blocks}, {x, n}, block);
+      break;
+    case QuantFormat::mxfp8: dequantize_mxfp8({codes, n}, {static_cast<const std::uint8_t*>(scales), blocks}, {x, n}); break;
+  }
+}
+
+}  // namespace detail
 
 }  // namespace fsdp

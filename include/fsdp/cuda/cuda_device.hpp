@@ -426,5 +426,6 @@ static_assert(UnscalingDevice<CudaDevice>);
 static_assert(BatchZeroingDevice<CudaDevice>);
 static_assert(CastZeroingDevice<CudaDevice>);
 static_assert(QueuedDevice<CudaDevice>);
+static_assert(QuantizingDevice<CudaDevice>);
 
 }  // namespace fsdp

@@ -2,16 +2,19 @@
 // HostDevice: plain host memory with exact byte accounting per memory space. Both spaces
 // are host RAM here; keeping them apart lets host-only tests measure what offloading to
 // "host" saves on "device", as it would on a GPU.
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <utility>
 
 #include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/detail/memory_counter.hpp"
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/quantize.hpp"
 
 namespace fsdp {
 
@@ -59,14 +62,29 @@ class HostDevice {
   }
   bool found_nonfinite() { return std::exchange(nonfinite_, false); }
 
+  // Block quantization (see QuantizingDevice): fsdp/core/quantize.hpp's functions, with a
+  // block holding an inf or NaN left unwritten and remembered, as CudaDevice's kernel does.
+  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
+    check_quant_block(f, block, "HostDevice::quantize");
+    if (const auto bad = detail::quantize_skipping_nonfinite(f, x, n, q, scales, block))
+      first_bad_ = first_bad_ ? std::min(*first_bad_, *bad) : *bad;
+  }
+  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+    check_quant_block(f, block, "HostDevice::dequantize");
+    detail::dequantize_any(f, q, scales, n, x, block);
+  }
+  std::optional<std::size_t> quantize_nonfinite() { return std::exchange(first_bad_, std::nullopt); }
+
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
   void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
 
  private:
   detail::MemoryCounter counter_;
   bool nonfinite_ = false;  // an unscale since the last found_nonfinite() saw inf/NaN
+  std::optional<std::size_t> first_bad_;  // a quantize's lowest inf/NaN since the last quantize_nonfinite()
 };
 
 static_assert(UnscalingDevice<HostDevice>);
+static_assert(QuantizingDevice<HostDevice>);
 
 }  // namespace fsdp

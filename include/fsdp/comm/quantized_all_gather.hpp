@@ -1,0 +1,84 @@
+#pragma once
+// A quantized all-gather (issue 38): each rank's shard of f32 values crosses the wire as
+// one-byte codes and one scale per block (fsdp/core/quantize.hpp's formats: int8 or E4M3
+// blocks with f32 scales, MXFP8 with e8m0 scales), about a quarter of the f32 bytes, and
+// every rank turns the gathered codes back into f32. Each rank quantizes its own shard,
+// its blocks cut from its own first value, so no block spans two ranks and the ranks need
+// not agree on any scale first (DeepSpeed ZeRO++ gathers int8 weights this way, qwZ).
+//
+// One all-gather moves, per rank, a slot: a status word (the rank's first inf or NaN, if
+// any), its scales, its codes. A quantized all-gather must never turn an inf or NaN into a
+// number, and a rank that found one cannot simply stop (its peers would wait in the
+// gather): so every rank reads every rank's status, and if any found one, every rank
+// throws the same fsdp::Error naming the lowest such rank and element. Nothing is
+// dequantized then. A building block for a quantized-gather policy; no unit uses it yet.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "fsdp/core/communicator.hpp"
+#include "fsdp/core/device.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/quantize.hpp"
+
+namespace fsdp {
+
+// Bytes of one rank's slot in the gather: an 8-byte status, its scales, its n codes,
+// rounded up to 8 bytes (so every slot's status and f32 scales stay aligned).
+inline std::size_t quantized_slot_bytes(QuantFormat f, std::size_t n, std::size_t block) {
+  const std::size_t bytes = 8 + detail::block_count(n, block) * scale_bytes(f) + n;
+  return (bytes + 7) / 8 * 8;
+}
+
+// full[r * n + i] = rank r's shard[i] after quantization and back, for every rank r; n
+// values per rank, the same on every rank. `shard` and `full` are in the device's device
+// space. Scratch: one slot to send and one per rank to receive (quantized_slot_bytes
+// each), allocated from `device` and freed before returning, so the call returns with
+// everything done (it waits for the quantization, the gather and the dequantization).
+// The communicator must see the device's queued work before it reads the send buffer, as
+// the library's own collectives need: HostDevice with any host communicator,
+// StagedCommunicator, NcclComm with NcclCommOptions::after set to the device's stream.
+template <Communicator C, QuantizingDevice D>
+void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, const float* shard, std::size_t n,
+                          float* full) {
+  check_quant_block(f, block, "quantized_all_gather");
+  const std::size_t world = static_cast<std::size_t>(comm.size());
+  const std::size_t blocks = detail::block_count(n, block), scales_at = 8, codes_at = 8 + blocks * scale_bytes(f);
+  const std::size_t slot = quantized_slot_bytes(f, n, block);
+  auto* send = static_cast<std::byte*>(device.allocate(slot, MemorySpace::device));
+  std::byte* recv = nullptr;
+  auto release = [&] {
+    device.synchronize();  // nothing queued may still use them
+    if (recv) device.deallocate(recv, slot * world, MemorySpace::device);
+    device.deallocate(send, slot, MemorySpace::device);
+  };
+  try {
+    recv = static_cast<std::byte*>(device.allocate(slot * world, MemorySpace::device));
+    (void)device.quantize_nonfinite();  // forget what earlier quantizes found
+    device.quantize(f, shard, n, send + codes_at, send + scales_at, block);
+    // Status: 0, or 1 + the index of this rank's first inf or NaN.
+    const auto bad = device.quantize_nonfinite();  // waits for the quantize
+    const std::uint64_t status = bad ? 1 + static_cast<std::uint64_t>(*bad) : 0;
+    device.copy(send, &status, sizeof status);
+    device.synchronize();
+    comm.all_gather(send, recv, slot, DType::u8).wait();
+    std::vector<std::uint64_t> statuses(world);
+    for (std::size_t r = 0; r < world; ++r) device.copy(&statuses[r], recv + r * slot, sizeof(std::uint64_t));
+    device.synchronize();
+    const auto first = std::find_if(statuses.begin(), statuses.end(), [](std::uint64_t s) { return s != 0; });
+    if (first != statuses.end())
+      detail::fail("quantized_all_gather (", name_of(f), ", ", n, " values per rank) on rank ", comm.rank(), ": rank ",
+                   first - statuses.begin(), "'s shard holds an inf or NaN at element ", *first - 1,
+                   "; a quantized all-gather never turns one into a number, so no rank dequantized anything");
+    for (std::size_t r = 0; r < world; ++r)
+      device.dequantize(f, recv + r * slot + codes_at, recv + r * slot + scales_at, n, full + r * n, block);
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+}
+
+}  // namespace fsdp

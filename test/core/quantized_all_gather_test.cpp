@@ -1,0 +1,184 @@
+// fsdp/comm/quantized_all_gather.hpp, and the QuantizingDevice HostDevice is: every rank
+// gets every rank's shard as the host functions of fsdp/core/quantize.hpp quantize and
+// dequantize it, in one all-gather of about a quarter of the f32 bytes; an inf or NaN in
+// any rank's shard is the same error on every rank, and nothing is dequantized.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.hpp>
+#include <fsdp/comm/quantized_all_gather.hpp>
+#include <fsdp/core/quantize.hpp>
+#include <fsdp/testing/counting_communicator.hpp>
+
+#include "test/support/errors.hpp"
+#include "test/support/quantize_reference.hpp"
+#include "test/support/rank_errors.hpp"
+
+namespace core_quantized_all_gather_test {
+
+namespace {
+
+using fsdp::HostDevice;
+using fsdp::QuantFormat;
+using test_support::contains;
+
+static_assert(fsdp::QuantizingDevice<HostDevice>);
+
+// Rank r's shard: magnitudes that differ between ranks and blocks, never a whole block of
+// zeros but some zeros.
+std::vector<float> shard_of(int rank, std::size_t n) {
+  std::vector<float> x(n);
+  for (std::size_t i = 0; i < n; ++i)
+    x[i] = (i % 11 == 0) ? 0.0f : std::ldexp(static_cast<float>((i * 7919 + 13 * rank) % 201) - 100.0f, rank - 3);
+  return x;
+}
+
+// The expected result, from the host functions alone: each rank's shard quantized and
+// dequantized on its own.
+std::vector<float> expected_full(QuantFormat f, std::size_t block, int world, std::size_t n) {
+  std::vector<float> full;
+  for (int r = 0; r < world; ++r) {
+    const std::vector<float> y = test_support::quantize_round_trip(f, shard_of(r, n), block);
+    full.insert(full.end(), y.begin(), y.end());
+  }
+  return full;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct Case {
+  QuantFormat f;
+  std::size_t block;
+};
+constexpr Case kCases[] = {{QuantFormat::int8_blocks, 128}, {QuantFormat::f8e4m3_blocks, 50}, {QuantFormat::mxfp8, 32}};
+
+}  // namespace
+
+TEST_CASE("quantized_all_gather: every rank gets every shard as the host functions round-trip it, in one gather of "
+          "codes and scales") {
+  constexpr int world = 3;
+  constexpr std::size_t n = 1000;  // no format's block divides it: every shard ends in a short block
+  for (const Case c : kCases) {
+    CAPTURE(fsdp::name_of(c.f));
+    const std::vector<float> want = expected_full(c.f, c.block, world, n);
+    std::vector<std::vector<float>> got(world);
+    std::vector<fsdp::CollectiveCounts> counts(world);
+    std::vector<std::size_t> live_after(world, 1);
+    const auto errors = test_support::errors_per_rank(world, [&](fsdp::ThreadComm& comm) {
+      fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+      HostDevice device;
+      const std::vector<float> shard = shard_of(comm.rank(), n);
+      std::vector<float> full(n * world, -1.0f);
+      fsdp::quantized_all_gather(counted, device, c.f, c.block, shard.data(), n, full.data());
+      got[static_cast<std::size_t>(comm.rank())] = full;
+      counts[static_cast<std::size_t>(comm.rank())] = counted.counts();
+      live_after[static_cast<std::size_t>(comm.rank())] = device.stats(fsdp::MemorySpace::device).live_bytes;
+    });
+    // A slot per rank: an 8-byte status, the scales, the codes, rounded up to 8 bytes.
+    const std::size_t blocks = (n + c.block - 1) / c.block;
+    const std::size_t slot = (8 + blocks * (c.f == QuantFormat::mxfp8 ? 1 : 4) + n + 7) / 8 * 8;
+    CHECK(fsdp::quantized_slot_bytes(c.f, n, c.block) == slot);
+    for (int r = 0; r < world; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      CAPTURE(r);
+      CHECK(errors[i].empty());
+      CHECK(same_bits(got[i], want));
+      CHECK(counts[i][fsdp::Collective::all_gather].calls == 1);  // one collective, nothing else
+      CHECK(counts[i][fsdp::Collective::all_gather].bytes == slot * world);
+      CHECK(counts[i][fsdp::Collective::all_reduce].calls == 0);
+      CHECK(live_after[i] == 0);  // the scratch is freed
+    }
+    // Against an f32 all-gather of the same shards (4n bytes per rank).
+    const double ratio = static_cast<double>(slot) / static_cast<double>(4 * n);
+    CHECK(ratio < (c.f == QuantFormat::f8e4m3_blocks ? 0.28 : 0.27));
+  }
+}
+
+TEST_CASE("quantized_all_gather: an inf or NaN in any rank's shard is the same error on every rank, and nothing is "
+          "dequantized") {
+  constexpr int world = 3;
+  constexpr std::size_t n = 300;
+  for (const Case c : kCases) {
+    CAPTURE(fsdp::name_of(c.f));
+    std::vector<char> untouched(world, 0);
+    std::vector<std::size_t> live_after(world, 1);
+    const auto errors = test_support::errors_per_rank(world, [&](fsdp::ThreadComm& comm) {
+      HostDevice device;
+      std::vector<float> shard = shard_of(comm.rank(), n);
+      if (comm.rank() == 1) shard[217] = std::numeric_limits<float>::quiet_NaN(), shard[250] = -INFINITY;
+      if (comm.rank() == 2) shard[5] = INFINITY;  // a higher rank: rank 1 is named
+      std::vector<float> full(n * world, -1.0f);
+      try {
+        fsdp::quantized_all_gather(comm, device, c.f, c.block, shard.data(), n, full.data());
+      } catch (...) {  // as the error leaves the rank: nothing written, the scratch freed
+        const auto i = static_cast<std::size_t>(comm.rank());
+        untouched[i] = std::all_of(full.begin(), full.end(), [](float v) { return v == -1.0f; });
+        live_after[i] = device.stats(fsdp::MemorySpace::device).live_bytes;
+        throw;
+      }
+    });
+    for (int r = 0; r < world; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      CAPTURE(errors[i]);
+      CHECK(contains(errors[i], "quantized_all_gather (" + std::string(fsdp::name_of(c.f)) + ", 300 values per rank) on rank " +
+                                    std::to_string(r) + ": rank 1's shard holds an inf or NaN at element 217"));
+      CHECK(untouched[i]);
+      CHECK(live_after[i] == 0);
+    }
+  }
+}
+
+TEST_CASE("quantized_all_gather: a block size the format does not take is refused on every rank before any collective") {
+  const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+    HostDevice device;
+    std::vector<float> shard(64, 1.0f), full(128);
+    try {
+      fsdp::quantized_all_gather(counted, device, QuantFormat::mxfp8, 128, shard.data(), 64, full.data());
+    } catch (...) {
+      CHECK(counted.counts()[fsdp::Collective::all_gather].calls == 0);
+      CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+      throw;
+    }
+  });
+  for (const std::string& e : errors) CHECK(contains(e, "quantized_all_gather: mxfp8 needs block = 32 (the MX block), got block = 128"));
+}
+
+TEST_CASE("HostDevice quantizes as the host functions do, leaving a block with an inf or NaN unwritten and naming it") {
+  HostDevice device;
+  CHECK_FALSE(device.quantize_nonfinite().has_value());
+  std::vector<float> x = shard_of(0, 200);
+  x[130] = std::numeric_limits<float>::quiet_NaN();
+  x[190] = INFINITY;
+  std::vector<std::int8_t> q(200, 0x55), want(200, 0x55);
+  std::vector<float> scales(2, -1.0f), want_scales(2, -1.0f);
+  fsdp::quantize_int8_blocks(std::span<const float>(x).first(128), std::span<std::int8_t>(want).first(128),
+                             std::span<float>(want_scales).first(1), 128);
+  device.quantize(QuantFormat::int8_blocks, x.data(), 200, q.data(), scales.data(), 128);
+  device.quantize(QuantFormat::int8_blocks, x.data() + 150, 50, q.data(), scales.data(), 128);  // element 40 is inf
+  CHECK(device.quantize_nonfinite() == std::optional<std::size_t>(40));  // the lowest since the last check
+  CHECK_FALSE(device.quantize_nonfinite().has_value());                   // forgotten
+  CHECK(q == want);  // block 0 written (the second call's only block was not), block 1 not
+  CHECK(scales == want_scales);
+  std::vector<float> back(128);
+  device.dequantize(QuantFormat::int8_blocks, q.data(), scales.data(), 128, back.data(), 128);
+  std::vector<float> host_back(128);
+  fsdp::dequantize_int8_blocks(std::span<const std::int8_t>(want).first(128), std::span<const float>(want_scales).first(1),
+                               host_back, 128);
+  CHECK(same_bits(back, host_back));
+  CHECK(contains(test_support::error_of([&] { device.quantize(QuantFormat::int8_blocks, x.data(), 1, q.data(), scales.data(), 0); }),
+                 "HostDevice::quantize: int8_blocks needs a positive block, got block = 0"));
+}
+
+}  // namespace core_quantized_all_gather_test
