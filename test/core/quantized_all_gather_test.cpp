@@ -139,6 +139,64 @@ TEST_CASE("quantized_all_gather: an inf or NaN in any rank's shard is the same e
   }
 }
 
+TEST_CASE("quantized_all_gather: one rank, a block longer than the shard, and an empty shard") {
+  const auto errors = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
+    HostDevice device;
+    const std::vector<float> shard = shard_of(0, 5);
+    std::vector<float> full(5, -1.0f);
+    fsdp::quantized_all_gather(comm, device, QuantFormat::int8_blocks, 128, shard.data(), 5, full.data());
+    CHECK(same_bits(full, test_support::quantize_round_trip(QuantFormat::int8_blocks, shard, 128)));
+    fsdp::quantized_all_gather(comm, device, QuantFormat::mxfp8, 32, shard.data(), 0, full.data());  // nothing to move
+    CHECK(same_bits(full, test_support::quantize_round_trip(QuantFormat::int8_blocks, shard, 128)));
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);
+  });
+  CHECK(errors[0].empty());
+}
+
+// HostDevice whose synchronize() throws at its `fail_at`-th call: each wait of the gather
+// in turn, the cleanup's included.
+struct FailingWait : HostDevice {
+  int fail_at = -1, waits = 0;
+  void synchronize() {
+    if (waits++ == fail_at) throw fsdp::Error("injected wait failure");
+    HostDevice::synchronize();
+  }
+};
+static_assert(fsdp::QuantizingDevice<FailingWait>);
+
+TEST_CASE("quantized_all_gather: a device that fails at any of its waits: the error leaves, the scratch is freed") {
+  int waits = 0;
+  {  // how many waits a gather makes
+    const auto errors = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
+      FailingWait device;
+      const std::vector<float> shard = shard_of(0, 100);
+      std::vector<float> full(100);
+      fsdp::quantized_all_gather(comm, device, QuantFormat::int8_blocks, 32, shard.data(), 100, full.data());
+      waits = device.waits;
+    });
+    REQUIRE(errors[0].empty());
+  }
+  REQUIRE(waits >= 3);
+  for (int at = 0; at < waits; ++at) {
+    CAPTURE(at);
+    std::size_t live = 1;
+    const auto errors = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
+      FailingWait device;
+      device.fail_at = at;
+      const std::vector<float> shard = shard_of(0, 100);
+      std::vector<float> full(100);
+      try {
+        fsdp::quantized_all_gather(comm, device, QuantFormat::int8_blocks, 32, shard.data(), 100, full.data());
+      } catch (...) {
+        live = device.stats(fsdp::MemorySpace::device).live_bytes;
+        throw;
+      }
+    });
+    CHECK(contains(errors[0], "injected wait failure"));
+    CHECK(live == 0);
+  }
+}
+
 TEST_CASE("quantized_all_gather: a block size the format does not take is refused on every rank before any collective") {
   const auto errors = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
     fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -358,6 +359,34 @@ TEST_CASE("a quantized all-gather between ranks sharing a GPU: every rank gets w
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
       CHECK(std::memcmp(got[static_cast<std::size_t>(r)].data(), want.data(), want.size() * 4) == 0);
+    }
+    for (auto* d : ranks.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
+    // A NaN in rank 1's shard: the status word travels through device memory both ways, and
+    // every rank's error names rank 1 and the element; nothing is dequantized.
+    std::vector<std::string> errors(world);
+    std::vector<char> untouched(world, 0);
+    fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& tc) {
+      CudaDevice& dev = *ranks.ptrs[tc.rank()];
+      CudaThreadComm comm(tc, dev);
+      std::vector<float> x = shard_of(tc.rank());
+      if (tc.rank() == 1) x[417] = std::numeric_limits<float>::quiet_NaN();
+      auto* shard = static_cast<float*>(dev.allocate(n * 4));
+      auto* full = static_cast<float*>(dev.allocate(n * world * 4));
+      dev.copy(shard, x.data(), n * 4);
+      dev.fill_zero(full, n * world * 4);
+      errors[static_cast<std::size_t>(tc.rank())] = error_of([&] { fsdp::quantized_all_gather(comm, dev, f, block, shard, n, full); });
+      std::vector<float> back(n * world, 1.0f);
+      dev.copy(back.data(), full, n * world * 4);
+      dev.synchronize();
+      untouched[static_cast<std::size_t>(tc.rank())] = std::all_of(back.begin(), back.end(), [](float v) { return v == 0.0f; });
+      dev.deallocate(shard, n * 4);
+      dev.deallocate(full, n * world * 4);
+      dev.synchronize();
+    });
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(errors[static_cast<std::size_t>(r)]);
+      CHECK(contains(errors[static_cast<std::size_t>(r)], "rank 1's shard holds an inf or NaN at element 417"));
+      CHECK(untouched[static_cast<std::size_t>(r)]);
     }
     for (auto* d : ranks.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
   }

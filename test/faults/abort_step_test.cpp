@@ -421,6 +421,7 @@ TEST_CASE("an engine error in the first step's backward, retried without abort_s
   struct Run {
     std::vector<std::string> errors;
     std::vector<std::vector<std::uint64_t>> gathers{2};
+    std::vector<std::uint64_t> retry_gathers = std::vector<std::uint64_t>(2, 99);  // the retry's all-gathers
   };
   auto run = [&](int bwd_done, bool zero) {
     Run out;
@@ -437,11 +438,14 @@ TEST_CASE("an engine error in the first step's backward, retried without abort_s
           fsdp::Unit& u = *layers[static_cast<std::size_t>(2 - i)];
           u.pre_backward(), u.post_backward();
         }  // then the engine throws, and the exception is caught
+        const std::uint64_t before = counted.counts()[fsdp::Collective::all_gather].calls;
         try {
           scoped_step(sm, nullptr, layers, std::nullopt, false, zero);  // no abort_step
         } catch (const fsdp::Error& e) {
           error = e.what();
         }
+        out.retry_gathers[static_cast<std::size_t>(comm.rank())] =
+            counted.counts()[fsdp::Collective::all_gather].calls - before;
         sm.abort_step();
       }
       for (int s = 0; s < 3; ++s) {
@@ -470,8 +474,13 @@ TEST_CASE("an engine error in the first step's backward, retried without abort_s
                               (zero ? "zero_grad" : "pre_forward") + " called in state BACKWARD_POST"));
         CHECK(contains(e, "abort_step() was not called: call abort_step() (ShardedModel::abort_step) on every rank"));
       }
-      // The error came before any collective of the retry on either rank (no rank is left
-      // waiting), and after abort_step the steps gather what a clean run gathers.
+      // No rank is left waiting: both ranks issued the same collectives before the error
+      // (none when zero_grad found it; the forwards of the units before the one left in
+      // BACKWARD_POST otherwise), and after abort_step the steps gather what a clean run
+      // gathers.
+      CHECK(got.retry_gathers[0] == got.retry_gathers[1]);
+      if (zero || bwd_done == 3) CHECK(got.retry_gathers[0] == 0);  // the first call found it
+      else CHECK(got.retry_gathers[0] > 0);
       CHECK(got.gathers == clean.gathers);
     }
   }

@@ -10,11 +10,14 @@
 // any), its scales, its codes. A quantized all-gather must never turn an inf or NaN into a
 // number, and a rank that found one cannot simply stop (its peers would wait in the
 // gather): so every rank reads every rank's status, and if any found one, every rank
-// throws the same fsdp::Error naming the lowest such rank and element. Nothing is
-// dequantized then. A building block for a quantized-gather policy; no unit uses it yet.
+// throws an fsdp::Error naming the lowest such rank and its element. Nothing is
+// dequantized then. Other failures (an allocation, the device, the communicator) take
+// the communicator's own failure path, as any collective's do: the peers' gather fails
+// naming the rank. A building block for a quantized-gather policy; no unit uses it yet.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 #include "fsdp/core/communicator.hpp"
@@ -35,11 +38,11 @@ inline std::size_t quantized_slot_bytes(QuantFormat f, std::size_t n, std::size_
 // full[r * n + i] = rank r's shard[i] after quantization and back, for every rank r; n
 // values per rank, the same on every rank. `shard` and `full` are in the device's device
 // space. Scratch: one slot to send and one per rank to receive (quantized_slot_bytes
-// each), allocated from `device` and freed before returning, so the call returns with
-// everything done (it waits for the quantization, the gather and the dequantization).
-// The communicator must see the device's queued work before it reads the send buffer, as
-// the library's own collectives need: HostDevice with any host communicator,
-// StagedCommunicator, NcclComm with NcclCommOptions::after set to the device's stream.
+// each), allocated from `device` and freed on every path, so the call returns with
+// everything done (it waits for the quantization, the gather and the dequantization; the
+// device is synchronized before the gather, so any communicator of its memory will do).
+// It starts by reading the device's quantize_nonfinite(): an earlier quantize of the
+// caller's whose inf or NaN was not checked yet is forgotten, so check those first.
 template <Communicator C, QuantizingDevice D>
 void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, const float* shard, std::size_t n,
                           float* full) {
@@ -49,13 +52,25 @@ void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, 
   const std::size_t slot = quantized_slot_bytes(f, n, block);
   auto* send = static_cast<std::byte*>(device.allocate(slot, MemorySpace::device));
   std::byte* recv = nullptr;
-  auto release = [&] {
-    device.synchronize();  // nothing queued may still use them
-    if (recv) device.deallocate(recv, slot * world, MemorySpace::device);
-    device.deallocate(send, slot, MemorySpace::device);
+  // Frees the scratch after a wait for what may still use it. Each step runs even if one
+  // before it threw; the first failure is rethrown unless an error is already leaving.
+  auto release = [&](bool unwinding) {
+    std::exception_ptr failed;
+    auto step = [&](auto&& fn) {
+      try {
+        fn();
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    };
+    step([&] { device.synchronize(); });
+    step([&] { if (recv) device.deallocate(recv, slot * world, MemorySpace::device); });
+    step([&] { device.deallocate(send, slot, MemorySpace::device); });
+    if (failed && !unwinding) std::rethrow_exception(failed);
   };
   try {
     recv = static_cast<std::byte*>(device.allocate(slot * world, MemorySpace::device));
+    device.fill_zero(send, slot);  // padding and the blocks a non-finite value leaves unwritten
     (void)device.quantize_nonfinite();  // forget what earlier quantizes found
     device.quantize(f, shard, n, send + codes_at, send + scales_at, block);
     // Status: 0, or 1 + the index of this rank's first inf or NaN.
@@ -75,10 +90,10 @@ void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, 
     for (std::size_t r = 0; r < world; ++r)
       device.dequantize(f, recv + r * slot + codes_at, recv + r * slot + scales_at, n, full + r * n, block);
   } catch (...) {
-    release();
+    release(true);
     throw;
   }
-  release();
+  release(false);
 }
 
 }  // namespace fsdp

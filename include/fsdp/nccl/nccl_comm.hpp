@@ -174,7 +174,8 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       // splits alone), and the parent's ncclCommGetAsyncError says when. So the parent
       // settles first, and the new communicator is read after. Its slot is on the heap: when
       // the parent does not settle (a timeout, or an error while the job may still run), the
-      // slot is left to NCCL, whose thread may still write it, and what is there is aborted.
+      // slot is left to NCCL, whose thread may still write it; a communicator already there
+      // is aborted (one written later is not: the parent's abort ends the job).
       auto slot = std::make_unique<ncclComm_t>(nullptr);
       const ncclResult_t r = ncclCommSplit(state_->comm_locked(), color, key, slot.get(), &config);
       const auto deadline = detail::NcclClock::now() + child.setup_timeout;
