@@ -637,40 +637,17 @@ namespace {
 
 using fsdp::QuantFormat;
 
-// The host's block quantization of x (fsdp/core/quantize.hpp), one block at a time: a
-// block holding an inf or NaN is skipped (its codes and scale stay as they were), as the
-// device's kernel leaves it; returns the first such element's index, if any.
-std::optional<std::size_t> host_quantize(QuantFormat f, std::span<const float> x, Bytes& q, Bytes& scales,
+// What HostDevice computes (fsdp/core/quantize.hpp's functions, a block holding an inf or
+// NaN left unwritten), into byte vectors: the expected codes and scales, and the first
+// non-finite element's index.
+std::optional<std::size_t> host_quantize(QuantFormat f, const std::vector<float>& x, Bytes& q, Bytes& scales,
                                          std::size_t block) {
-  std::optional<std::size_t> bad;
-  for (std::size_t first = 0, b = 0; first < x.size(); first += block, ++b) {
-    const std::size_t len = std::min(block, x.size() - first);
-    const auto xs = x.subspan(first, len);
-    for (std::size_t i = 0; i < len; ++i)
-      if (!std::isfinite(xs[i])) bad = bad ? std::min(*bad, first + i) : first + i;
-    if (std::any_of(xs.begin(), xs.end(), [](float v) { return !std::isfinite(v); })) continue;
-    std::span<std::uint8_t> codes(q.data() + first, len);
-    if (f == QuantFormat::int8_blocks)
-      fsdp::quantize_int8_blocks(xs, {reinterpret_cast<std::int8_t*>(codes.data()), len},
-                                 {reinterpret_cast<float*>(scales.data()) + b, 1}, len);
-    else if (f == QuantFormat::f8e4m3_blocks)
-      fsdp::quantize_f8e4m3_blocks(xs, codes, {reinterpret_cast<float*>(scales.data()) + b, 1}, len);
-    else
-      fsdp::quantize_mxfp8(xs, codes, {scales.data() + b, 1});
-  }
-  return bad;
+  return fsdp::detail::quantize_skipping_nonfinite(f, x.data(), x.size(), q.data(), scales.data(), block);
 }
 
-// x from codes and scales by the host's functions (whole, every block finite or not).
 std::vector<float> host_dequantize(QuantFormat f, const Bytes& q, const Bytes& scales, std::size_t block) {
   std::vector<float> x(q.size());
-  if (f == QuantFormat::int8_blocks)
-    fsdp::dequantize_int8_blocks({reinterpret_cast<const std::int8_t*>(q.data()), q.size()},
-                                 {reinterpret_cast<const float*>(scales.data()), scales.size() / 4}, x, block);
-  else if (f == QuantFormat::f8e4m3_blocks)
-    fsdp::dequantize_f8e4m3_blocks(q, {reinterpret_cast<const float*>(scales.data()), scales.size() / 4}, x, block);
-  else
-    fsdp::dequantize_mxfp8(q, scales, x);
+  fsdp::detail::dequantize_any(f, q.data(), scales.data(), q.size(), x.data(), block);
   return x;
 }
 

@@ -49,8 +49,6 @@ void span_ranges(const ZeroSpans& z, std::vector<Range>& out) {
 // fsdp_quantize and fsdp_dequantize: the host's block quantization (fsdp/core/quantize.hpp)
 // as a device does it: a block holding an inf or NaN is left unwritten and the lowest such
 // index goes to *first_bad, as the GPU kernel does.
-std::size_t quant_blocks(u64 n, u64 block) { return static_cast<std::size_t>(n / block + (n % block != 0)); }
-
 void quantize_run(const KernelArgs& a) {
   const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
   const auto bad = fsdp::detail::quantize_skipping_nonfinite(format, a.get<const float*>(2), a.get<u64>(3),
@@ -125,7 +123,7 @@ const Kernel kKernels[] = {
        const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
        r.push_back({a.get<const void*>(2), static_cast<std::size_t>(n) * sizeof(float), false});
        r.push_back({a.get<void*>(0), static_cast<std::size_t>(n), true});
-       r.push_back({a.get<void*>(1), quant_blocks(n, a.get<u64>(5)) * fsdp::scale_bytes(format), true});
+       r.push_back({a.get<void*>(1), fsdp::detail::block_count(n, a.get<u64>(5)) * fsdp::scale_bytes(format), true});
        r.push_back({a.get<void*>(6), sizeof(u64), true});
      },
      quantize_run, {8, 8, 8, 8, 4, 8, 8}},
@@ -134,7 +132,7 @@ const Kernel kKernels[] = {
        const u64 n = a.get<u64>(3);
        const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
        r.push_back({a.get<const void*>(1), static_cast<std::size_t>(n), false});
-       r.push_back({a.get<const void*>(2), quant_blocks(n, a.get<u64>(5)) * fsdp::scale_bytes(format), false});
+       r.push_back({a.get<const void*>(2), fsdp::detail::block_count(n, a.get<u64>(5)) * fsdp::scale_bytes(format), false});
        r.push_back({a.get<void*>(0), static_cast<std::size_t>(n) * sizeof(float), true});
      },
      dequantize_run, {8, 8, 8, 8, 4, 8}},

@@ -270,9 +270,8 @@ class CudaDevice {
     unsigned long long count = n, blk = block;
     int f = static_cast<int>(format);
     void* args[] = {&q, &scales, const_cast<float**>(&x), &count, &f, &blk, &first_bad_};
-    const std::size_t blocks = n / block + (n % block != 0);
-    launch(kernels().quantize, grid_for(blocks * 32), args, stream_, "fsdp_quantize ", name_of(format), ", ", n,
-           " elements");
+    launch(kernels().quantize, grid_for(detail::block_count(n, block) * 32), args, stream_, "fsdp_quantize ",
+           name_of(format), ", ", n, " elements");  // a warp per block
   }
 
   // Its inverse, as the host's dequantize functions: x[i] = code i times its block's scale.
