@@ -197,7 +197,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     // precisions x offload: 40).
     std::optional<fsdp::ShardedModel> built;
     fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
-      with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
+      with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.gather_dtype, cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
         using S = decltype(chosen);
         using M = decltype(mixed);
         using P = decltype(comm_precision);
@@ -432,6 +432,12 @@ int main(int argc, char** argv) {
                                         "fp32 or bf16 (CommPrecision<bf16>): all-gathers and gradient reductions in bf16 while "
                                         "the model computes in f32 (with --precision fp32 only); prints a step's collectives")
                              ->check(CLI::IsMember({"fp32", "bf16"}));
+  auto* gather_dtype = app.add_option("--gather-dtype", cfg.gather_dtype,
+                                      "what all-gathers move: f32, bf16, or a block format (CommPrecision's Gather): fp8 "
+                                      "(E4M3 blocks of 128), mxfp8 (MXFP8, blocks of 32) or int8 (int8 blocks of 128), "
+                                      "dequantized into the compute dtype; default: --comm-precision's, or --precision's; "
+                                      "prints a step's collectives")
+                           ->check(CLI::IsMember({"f32", "bf16", "fp8", "mxfp8", "int8"}));
   app.add_option_function<std::string>(
          "--local-gradients",
          [&cfg](const std::string& text) {
@@ -583,7 +589,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
-  cfg.report_comm = comm_precision->count() > 0 || persistence->count() > 0 || reshard->count() > 0 || keep->count() > 0;
+  cfg.report_comm = comm_precision->count() > 0 || gather_dtype->count() > 0 || persistence->count() > 0 ||
+                    reshard->count() > 0 || keep->count() > 0;
+  if (cfg.precision != "fp32" && !cfg.gather_dtype.empty() && !train_example::is_block_gather(cfg.gather_dtype) &&
+      cfg.gather_dtype != cfg.precision) {
+    fmt::print(stderr, "--gather-dtype {} with --precision {}: all-gathers move the compute dtype ({}) or a block format "
+               "(fp8, mxfp8, int8)\n", cfg.gather_dtype, cfg.precision, cfg.precision);
+    return 2;
+  }
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {
     fmt::print(stderr, "--comm-precision {} needs --precision fp32: under --precision {} collectives already move {}\n",
                cfg.comm_precision, cfg.precision, cfg.precision);

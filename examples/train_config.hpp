@@ -2,6 +2,7 @@
 // examples/train.cpp's configuration: its flags, and how the runtime --precision,
 // --comm-precision and --offload become compile-time policies.
 #include <string>
+#include <type_traits>
 
 #include <fsdp/fsdp.hpp>
 
@@ -14,19 +15,43 @@ inline fsdp::DType precision_dtype(const std::string& name) {
   return name == "bf16" ? fsdp::DType::bf16 : name == "fp16" ? fsdp::DType::f16 : fsdp::DType::f32;
 }
 
-// Runtime --precision, --comm-precision and --offload -> the compile-time policies:
-// f(Precision{}, CommPrecision{}, Offload{}). Collectives in bf16 apply to f32 computation
-// only (main() refuses them with --precision bf16 or fp16).
+// --gather-dtype names a block format: its CommPrecision Gather, with Reduce (the gradient
+// reduction's dtype) as given; f(CommPrecision{}). `name` is checked by the flag.
+template <class Reduce, class F>
+void with_block_gather(const std::string& name, F&& f) {
+  if (name == "int8") f(fsdp::CommPrecision<fsdp::Int8Blocks<>, Reduce>{});
+  else if (name == "fp8") f(fsdp::CommPrecision<fsdp::F8E4M3Blocks<>, Reduce>{});
+  else f(fsdp::CommPrecision<fsdp::MXFP8, Reduce>{});
+}
+inline bool is_block_gather(const std::string& name) { return name == "int8" || name == "fp8" || name == "mxfp8"; }
+
+// Runtime --precision, --comm-precision, --gather-dtype and --offload -> the compile-time
+// policies: f(Precision{}, CommPrecision{}, Offload{}). `comm_bf16`: --comm-precision bf16
+// (both collectives in bf16, under f32 computation only; main() refuses it otherwise);
+// `gather`: --gather-dtype (f32, bf16, fp8, mxfp8 or int8; "" for --comm-precision's).
+// Under bf16 or fp16 computation, gathers move that dtype unless --gather-dtype names a
+// block format (main() refuses f32 and the other 16-bit dtype there).
 template <class F>
-void with_precision_and_offload(fsdp::DType param, bool comm_bf16, bool offload, F&& f) {
+void with_precision_and_offload(fsdp::DType param, bool comm_bf16, const std::string& gather, bool offload, F&& f) {
   auto with_offload = [&](auto precision, auto comm) {
     if (offload) f(precision, comm, fsdp::OffloadParams{});
     else f(precision, comm, fsdp::NoOffload{});
   };
-  if (param == fsdp::DType::bf16) with_offload(fsdp::MixedPrecision<fsdp::bf16>{}, fsdp::FullCommPrecision{});
-  else if (param == fsdp::DType::f16) with_offload(fsdp::MixedPrecision<fsdp::f16>{}, fsdp::FullCommPrecision{});
-  else if (comm_bf16) with_offload(fsdp::FullPrecision{}, fsdp::CommPrecision<fsdp::bf16>{});
-  else with_offload(fsdp::FullPrecision{}, fsdp::FullCommPrecision{});
+  auto mixed = [&]<class T>(fsdp::MixedPrecision<T> precision) {
+    if (is_block_gather(gather)) with_block_gather<T>(gather, [&](auto comm) { with_offload(precision, comm); });
+    else with_offload(precision, fsdp::FullCommPrecision{});
+  };
+  if (param == fsdp::DType::bf16) return mixed(fsdp::MixedPrecision<fsdp::bf16>{});
+  if (param == fsdp::DType::f16) return mixed(fsdp::MixedPrecision<fsdp::f16>{});
+  const std::string g = gather.empty() ? (comm_bf16 ? "bf16" : "f32") : gather;
+  auto with_reduce = [&]<class Reduce>(Reduce*) {
+    if (is_block_gather(g)) with_block_gather<Reduce>(g, [&](auto comm) { with_offload(fsdp::FullPrecision{}, comm); });
+    else if (g == "bf16") with_offload(fsdp::FullPrecision{}, fsdp::CommPrecision<fsdp::bf16, Reduce>{});
+    else if constexpr (std::is_same_v<Reduce, float>) with_offload(fsdp::FullPrecision{}, fsdp::FullCommPrecision{});
+    else with_offload(fsdp::FullPrecision{}, fsdp::CommPrecision<float, Reduce>{});
+  };
+  if (comm_bf16) with_reduce(static_cast<fsdp::bf16*>(nullptr));
+  else with_reduce(static_cast<float*>(nullptr));
 }
 
 struct Config {
@@ -34,6 +59,7 @@ struct Config {
   std::string optimizer = "adamw", strategy = "FULL_SHARD", precision = "fp32", trace_dir;
   bool offload = false;
   std::string comm_precision = "fp32";  // --comm-precision: what collectives move under fp32 computation
+  std::string gather_dtype;  // --gather-dtype: what all-gathers move ("": --comm-precision's or the compute dtype)
   std::int64_t persistence_threshold = 0;  // --persistence-threshold: units below it stay unsharded
   bool report_comm = false;  // either flag given: print the collectives of a step
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping

@@ -56,6 +56,7 @@ inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_sha
                                                     : "",
                          cfg.clip > 0 ? fmt::format("; gradients clipped to norm {}", cfg.clip) : "") +
                  (cfg.comm_precision != "fp32" ? fmt::format("; collectives in {}", cfg.comm_precision) : "") +
+                 (cfg.gather_dtype.empty() ? "" : fmt::format("; all-gathers in {}", cfg.gather_dtype)) +
                  (cfg.persistence_threshold > 0
                       ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
                       : "") +

@@ -20,7 +20,6 @@ namespace {
 using test_support::bitwise_equal;
 using test_support::max_difference;
 using test_support::Params;
-using Counting = fsdp::CountingCommunicator<fsdp::ThreadComm>;
 using fsdp::Collective;
 
 engine::ModelConfig config() {
@@ -29,32 +28,11 @@ engine::ModelConfig config() {
   return c;
 }
 
-struct Run {
-  Params params;
-  std::vector<double> losses;  // the global (mean over ranks) loss of each step
-};
+using Run = test_support::SgdRun;
 
-// SGD: its update is proportional to the gradient, so a reduction that rounds shows.
 template <class... Ps>
 Run train(int world, int steps) {
-  const auto c = config();
-  std::vector<Params> per_rank(world);
-  Run run;
-  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
-    engine::Model model(c);
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<Ps...>(model, comm, device, engine::Wrap{});
-    engine::Sgd sgd(0.05f);
-    for (int s = 0; s < steps; ++s) {
-      double local = engine::sharded_step(model, sm, sgd, engine::make_batch(c, s, comm.rank(), 1)), global = 0;
-      comm.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
-      if (comm.rank() == 0) run.losses.push_back(global);
-    }
-    per_rank[comm.rank()] = engine::gather_full_parameters(model, sm);
-  });
-  for (int r = 1; r < world; ++r) REQUIRE(per_rank[r] == per_rank[0]);
-  run.params = per_rank[0];
-  return run;
+  return test_support::sgd_run<Ps...>(config(), world, steps);
 }
 
 double max_loss_deviation(const Run& a, const Run& b) {
@@ -64,24 +42,9 @@ double max_loss_deviation(const Run& a, const Run& b) {
   return worst;
 }
 
-// One step's collectives on rank 0, after a first step (so the execution order is known):
-// parameters and gradients only (ThreadComm checks the order with tags, no collective).
 template <class... Ps>
 fsdp::CollectiveCounts step_counts(int world) {
-  const auto c = config();
-  fsdp::CollectiveCounts counts;
-  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
-    Counting counted(comm);
-    engine::Model model(c);
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<Ps...>(model, counted, device, engine::Wrap{});
-    engine::Sgd sgd(0.01f);
-    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
-    counted.reset();
-    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1));
-    if (comm.rank() == 0) counts = counted.counts();
-  });
-  return counts;
+  return test_support::step_collectives<Ps...>(config(), world);
 }
 
 float bf16_rounded(float v) { return fsdp::bf16_bits_to_float(fsdp::float_to_bf16_bits(v)); }

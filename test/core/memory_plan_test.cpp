@@ -273,6 +273,14 @@ TEST_CASE("a group of one: plan == measured where the reduction is a cast into t
   check_async_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 1});
 }
 
+TEST_CASE("a block format's all-gather: plan == measured peak, its slots, the f32 buffer under bf16, the staged offloaded shard") {
+  using Int8 = fsdp::CommPrecision<fsdp::Int8Blocks<16>, float>;
+  check_common_prefetch<fsdp::FullShard, Int8>({1, 3});
+  check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>>({1, 3});
+  check_common_prefetch<fsdp::FullShard, Int8, fsdp::OffloadParams>({1, 2});
+  check_plan<fsdp::HybridShard, fsdp::CommPrecision<fsdp::F8E4M3Blocks<16>, float>>({2, 2});
+}
+
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {
   check_precisions_and_offload<fsdp::ShardGradOp>({1, 3});
   check_precisions_and_offload<fsdp::NoShard>({1, 2});

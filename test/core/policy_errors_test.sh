@@ -98,6 +98,22 @@ expect_error mixed_precision_8bit "MixedPrecision dtypes must be floating point"
 fsdp::Policies<fsdp::MixedPrecision<float, fsdp::e8m0>> p;
 EOF
 
+expect_error block_gather_without_reduce "block formats quantize all-gathers only; write CommPrecision<fsdp::Int8Blocks<128>, float>" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::Int8Blocks<>>> p;
+EOF
+
+expect_error block_gather_empty_block "Int8Blocks<Block> needs a positive Block" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::Int8Blocks<0>, float>> p;
+EOF
+
+expect_ok block_gather_under_mixed_precision <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>> p;
+static_assert(decltype(p)::comm_precision::quantized);
+EOF
+
 expect_error comm_and_mixed_reduce "both choose the gradient reduction dtype" <<'EOF'
 #include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<float, fsdp::bf16>, fsdp::CommPrecision<fsdp::bf16>> p;
@@ -200,6 +216,14 @@ expect_error scaler_device_without_unscale "needs a Device with unscale(ptr, cou
 #include "fsdp/host/thread_group.hpp"
 struct PlainDevice : fsdp::HostDevice { void unscale() = delete; };  // a Device without unscale
 void f(fsdp::ThreadComm& comm, PlainDevice& d) { fsdp::ShardedGradScaler scaler(comm, d); }
+EOF
+
+expect_error block_gather_device_without_quantize "needs a device that quantizes" <<EOF
+$shard_prelude
+struct PlainDevice : fsdp::HostDevice { void quantize() = delete; };  // a Device without quantize
+void f(Net& n, fsdp::ThreadComm& c, PlainDevice& d) {
+  auto m = fsdp::shard<fsdp::FullShard, fsdp::CommPrecision<fsdp::Int8Blocks<>, float>>(n, c, d);
+}
 EOF
 
 expect_ok scaler_on_a_device <<'EOF'

@@ -213,7 +213,7 @@ TEST_CASE("quantized_all_gather: a block size the format does not take is refuse
   for (const std::string& e : errors) CHECK(contains(e, "quantized_all_gather: mxfp8 needs block = 32 (the MX block), got block = 128"));
 }
 
-TEST_CASE("HostDevice quantizes as the host functions do, leaving a block with an inf or NaN unwritten and naming it") {
+TEST_CASE("HostDevice quantizes as the host functions do, writing a block with an inf or NaN as NaNs and naming it") {
   HostDevice device;
   CHECK_FALSE(device.quantize_nonfinite().has_value());
   std::vector<float> x = shard_of(0, 200);
@@ -224,17 +224,38 @@ TEST_CASE("HostDevice quantizes as the host functions do, leaving a block with a
   fsdp::quantize_int8_blocks(std::span<const float>(x).first(128), std::span<std::int8_t>(want).first(128),
                              std::span<float>(want_scales).first(1), 128);
   device.quantize(QuantFormat::int8_blocks, x.data(), 200, q.data(), scales.data(), 128);
-  device.quantize(QuantFormat::int8_blocks, x.data() + 150, 50, q.data(), scales.data(), 128);  // element 40 is inf
+  std::vector<std::int8_t> q2(50, 0x55);
+  float scale2 = -1.0f;
+  device.quantize(QuantFormat::int8_blocks, x.data() + 150, 50, q2.data(), &scale2, 128);  // element 40 is inf
   CHECK(device.quantize_nonfinite() == std::optional<std::size_t>(40));  // the lowest since the last check
   CHECK_FALSE(device.quantize_nonfinite().has_value());                   // forgotten
-  CHECK(q == want);  // block 0 written (the second call's only block was not), block 1 not
-  CHECK(scales == want_scales);
-  std::vector<float> back(128);
-  device.dequantize(QuantFormat::int8_blocks, q.data(), scales.data(), 128, back.data(), 128);
+  // Block 0 as the host function writes it; block 1 (and the second call's only block) a
+  // NaN block: zero codes and a NaN scale.
+  CHECK(std::equal(q.begin(), q.begin() + 128, want.begin()));
+  CHECK(std::all_of(q.begin() + 128, q.end(), [](std::int8_t c) { return c == 0; }));
+  CHECK(std::all_of(q2.begin(), q2.end(), [](std::int8_t c) { return c == 0; }));
+  CHECK(scales[0] == want_scales[0]);
+  CHECK(std::isnan(scales[1]));
+  CHECK(std::isnan(scale2));
+  std::vector<float> back(200);
+  device.dequantize(QuantFormat::int8_blocks, q.data(), scales.data(), 200, back.data(), 128);
   std::vector<float> host_back(128);
   fsdp::dequantize_int8_blocks(std::span<const std::int8_t>(want).first(128), std::span<const float>(want_scales).first(1),
                                host_back, 128);
-  CHECK(same_bits(back, host_back));
+  CHECK(same_bits(std::vector<float>(back.begin(), back.begin() + 128), host_back));
+  CHECK(std::all_of(back.begin() + 128, back.end(), [](float v) { return std::isnan(v); }));  // never a number
+  for (QuantFormat f : {QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {  // the other formats' NaN blocks
+    CAPTURE(fsdp::name_of(f));
+    std::vector<std::uint8_t> codes(200, 0x55), sc(7 * 4, 0x55);
+    device.quantize(f, x.data(), 200, codes.data(), sc.data(), 32);
+    CHECK(device.quantize_nonfinite() == std::optional<std::size_t>(130));
+    std::vector<float> y(200);
+    device.dequantize(f, codes.data(), sc.data(), 200, y.data(), 32);
+    for (std::size_t i = 0; i < 200; ++i) {
+      const bool bad_block = i / 32 == 130 / 32 || i / 32 == 190 / 32;
+      if (bad_block != std::isnan(y[i])) FAIL_CHECK("element " << i << " is " << y[i]);
+    }
+  }
   CHECK(contains(test_support::error_of([&] { device.quantize(QuantFormat::int8_blocks, x.data(), 1, q.data(), scales.data(), 0); }),
                  "HostDevice::quantize: int8_blocks needs a positive block, got block = 0"));
 }

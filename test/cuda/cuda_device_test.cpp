@@ -638,11 +638,11 @@ namespace {
 using fsdp::QuantFormat;
 
 // What HostDevice computes (fsdp/core/quantize.hpp's functions, a block holding an inf or
-// NaN left unwritten), into byte vectors: the expected codes and scales, and the first
+// NaN written as a NaN block), into byte vectors: the expected codes and scales, and the first
 // non-finite element's index.
 std::optional<std::size_t> host_quantize(QuantFormat f, const std::vector<float>& x, Bytes& q, Bytes& scales,
                                          std::size_t block) {
-  return fsdp::detail::quantize_skipping_nonfinite(f, x.data(), x.size(), q.data(), scales.data(), block);
+  return fsdp::detail::quantize_poisoning_nonfinite(f, x.data(), x.size(), q.data(), scales.data(), block);
 }
 
 std::vector<float> host_dequantize(QuantFormat f, const Bytes& q, const Bytes& scales, std::size_t block) {
@@ -737,7 +737,7 @@ TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in e
   }
 }
 
-TEST_CASE("quantize leaves a block holding an inf or NaN unwritten and names its first such element" *
+TEST_CASE("quantize writes a block holding an inf or NaN as a NaN block and names its first such element" *
           doctest::skip(no_gpu)) {
   CudaDevice dev;
   CHECK_FALSE(dev.quantize_nonfinite().has_value());  // no quantize yet
@@ -751,14 +751,23 @@ TEST_CASE("quantize leaves a block holding an inf or NaN unwritten and names its
     CAPTURE(fsdp::name_of(f));
     const std::size_t block = f == QuantFormat::mxfp8 ? 32 : 128;
     const std::size_t blocks = (x.size() + block - 1) / block;
-    Bytes q(x.size(), 0xaa), scales(blocks * fsdp::scale_bytes(f), 0xaa);  // 0xaa: not written
+    Bytes q(x.size(), 0xaa), scales(blocks * fsdp::scale_bytes(f), 0xaa);  // 0xaa: overwritten everywhere
     CHECK(host_quantize(f, x, q, scales, block) == std::optional<std::size_t>(300));
     const DeviceBuffer dq(dev, Bytes(x.size(), 0xaa)), ds(dev, Bytes(scales.size(), 0xaa));
     dev.quantize(f, static_cast<const float*>(dx.p), x.size(), dq.p, ds.p, block);
     CHECK(dev.quantize_nonfinite() == std::optional<std::size_t>(300));
     CHECK_FALSE(dev.quantize_nonfinite().has_value());  // read and cleared
-    check_same(q, dq.read(), DType::u8, "codes");  // the bad blocks still 0xaa, the others written
-    check_same(scales, ds.read(), DType::u8, "scales");
+    check_same(q, dq.read(), DType::u8, "codes");  // the bad blocks' zero codes too
+    check_same(scales, ds.read(), DType::u8, "scales");  // and their NaN scales (0x7fc00000, 0xff)
+    const DeviceBuffer dy(dev, Bytes(x.size() * sizeof(float), 0));
+    dev.dequantize(f, dq.p, ds.p, x.size(), static_cast<float*>(dy.p), block);
+    const Bytes y = dy.read();
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      float v;
+      std::memcpy(&v, y.data() + i * sizeof v, sizeof v);
+      const bool bad_block = i / block == 300 / block || i / block == 700 / block;
+      if (bad_block != std::isnan(v)) FAIL_CHECK("element " << i << " dequantizes to " << v);
+    }
   }
   CHECK(test_support::contains(test_support::error_of([&] { dev.quantize(QuantFormat::mxfp8, nullptr, 1, nullptr, nullptr, 128); }),
                                "CudaDevice(cuda:0)::quantize: mxfp8 needs block = 32 (the MX block), got block = 128"));

@@ -3,7 +3,8 @@
 # the `final:` line the README shows; --precision and --offload run every precision with
 # and without offload, and offload moves the shards and optimizer state out of device space;
 # --accumulate, --clip and --local-gradients sum match the unsharded reference; --comm-precision halves the bytes
-# of the all-gathers and reduce-scatters, --persistence-threshold drops the small unit's
+# of the all-gathers and reduce-scatters, --gather-dtype int8 / mxfp8 moves a quarter of
+# the all-gathers' bytes, --persistence-threshold drops the small unit's
 # all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
 # are refused, and a value that is not read whole (nan, 2abc, an overflowing mesh) is
 # refused naming its flag.
@@ -136,6 +137,28 @@ if [[ -n "${kar_calls:-}" ]] && ((kag_calls + 2 == ag_calls && krs_calls + 1 == 
 else
   fail "--persistence-threshold: all_gather ${kag_calls:-} (fp32 ${ag_calls:-}), reduce_scatter ${krs_calls:-}, all_reduce ${kar_calls:-}, losses $(field loss "$persistent") vs $(field unsharded_loss "$persistent")"
 fi
+# --gather-dtype int8 and mxfp8: the same all-gathers, each moving every rank's codes and
+# scales (one scale per 128 values, or one byte per 32: 33 bytes per 32 values, padded to 8
+# per rank), so between a quarter and 0.27 of f32's bytes; reduce-scatters unchanged; the
+# loss near the f32 reference's but not equal. With --precision bf16 a block format is
+# accepted, f32 refused (below).
+for g in int8 mxfp8; do
+  q=$("$train" --steps 3 --gather-dtype $g 2>&1) || fail "--gather-dtype $g: exited with $?"
+  read -r qag_calls qag_bytes < <(comm_field all_gather "$q")
+  read -r qrs_calls qrs_bytes < <(comm_field reduce_scatter "$q")
+  if [[ -n "${qag_bytes:-}" && -n "${ag_bytes:-}" ]] && ((qag_calls == ag_calls && 4 * qag_bytes > ag_bytes &&
+      100 * qag_bytes <= 27 * ag_bytes && qrs_calls == rs_calls && qrs_bytes == rs_bytes)); then
+    echo "PASS: --gather-dtype $g: all-gathers $ag_bytes -> $qag_bytes B per step, reduce-scatters unchanged"
+  else
+    fail "--gather-dtype $g: all_gather '${qag_calls:-} ${qag_bytes:-}' vs f32 '${ag_calls:-} ${ag_bytes:-}', reduce_scatter '${qrs_calls:-} ${qrs_bytes:-}'"
+  fi
+  l=$(field loss "$q") u=$(field unsharded_loss "$q")
+  if [[ -n "$l" && -n "$u" ]] && awk -v l="$l" -v u="$u" 'BEGIN { d = l - u; if (d < 0) d = -d; exit !(d > 0 && d < 0.02 * u) }'; then
+    echo "PASS: --gather-dtype $g: loss $l within 2% of the f32 reference's $u"
+  else
+    fail "--gather-dtype $g: loss '$l' vs unsharded '$u' (expected close, not equal)"
+  fi
+done
 
 # --optimizer-in-backward: each unit steps its shards in its post-accumulate-grad hook, so
 # the same model bit for bit (same fingerprint, same loss); every sharded gradient but the
@@ -202,7 +225,8 @@ for flags in "" "--strategy SHARD_GRAD_OP" "--strategy NO_SHARD" "--strategy HYB
     "--offload" "--precision bf16 --offload --optimizer sgd" "--comm-precision bf16" "--persistence-threshold 1000" \
     "--clip 0.5 --ranks 3" "--reshard-after-forward 2 --ranks 4" "--reshard-after-forward false" "--accumulate 3" \
     "--accumulate 2 --sync-every-microbatch --precision bf16" "--accumulate 3 --reshard-after-backward false" \
-    "--optimizer-in-backward" "--optimizer-in-backward --optimizer sgd --offload" "--optimizer-in-backward --accumulate 2"; do
+    "--optimizer-in-backward" "--optimizer-in-backward --optimizer sgd --offload" "--optimizer-in-backward --accumulate 2" \
+    "--gather-dtype int8" "--gather-dtype fp8 --precision bf16 --offload"; do
   # shellcheck disable=SC2086
   planned=$("$train" --steps 3 --plan $flags 2>&1) || fail "--plan $flags: exited with $?"
   # The run without --plan, for the first three flag sets: the planner builds units of its
@@ -282,7 +306,7 @@ for bad in "--precision fp8" "--strategy sharded_everything" "--mesh 3x3" "--acc
     "--optimizer-in-backward --clip 1" "--optimizer-in-backward --precision fp16" "--optimizer-in-backward --save /tmp/never-written" \
     "--plan --precision fp16" "--plan --save /tmp/never-written" "--reshard-after-forward 1" \
     "--reshard-after-forward maybe" "--reshard-after-forward 3 --ranks 4" "--reshard-after-forward 4 --ranks 4" \
-    "--local-gradients avg"; do
+    "--local-gradients avg" "--gather-dtype fp4" "--gather-dtype f32 --precision bf16" "--gather-dtype bf16 --precision fp16"; do
   # --steps 1: a short run, should the flag be accepted after all (and some are refused only
   # after the unsharded reference has run).
   # shellcheck disable=SC2086

@@ -14,7 +14,7 @@ namespace test_support {
 inline std::vector<float> quantize_round_trip(fsdp::QuantFormat format, const std::vector<float>& x, std::size_t block) {
   const std::size_t n = x.size();
   std::vector<std::uint8_t> q(n), scales(fsdp::detail::block_count(n, block) * fsdp::scale_bytes(format));
-  if (fsdp::detail::quantize_skipping_nonfinite(format, x.data(), n, q.data(), scales.data(), block))
+  if (fsdp::detail::quantize_poisoning_nonfinite(format, x.data(), n, q.data(), scales.data(), block))
     fsdp::detail::fail("quantize_round_trip: the test's input holds an inf or NaN");
   std::vector<float> y(n);
   fsdp::detail::dequantize_any(format, q.data(), scales.data(), n, y.data(), block);

@@ -46,6 +46,56 @@ inline std::vector<std::int64_t> unit_numels(const engine::ModelConfig& c) {
   return u;
 }
 
+// Trains the reference model sharded with Ps on `world` thread ranks, `steps` SGD steps
+// (SGD: its update is proportional to the gradient, so a collective that rounds shows):
+// the global (mean over the ranks) loss of each step, and the full parameters after
+// (every rank must gather the same).
+struct SgdRun {
+  Params params;
+  std::vector<double> losses;
+};
+template <class... Ps>
+SgdRun sgd_run(const engine::ModelConfig& c, int world, int steps) {
+  std::vector<Params> per_rank(world);
+  SgdRun run;
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<Ps...>(model, comm, device, engine::Wrap{});
+    engine::Sgd sgd(0.05f);
+    for (int s = 0; s < steps; ++s) {
+      double local = engine::sharded_step(model, sm, sgd, engine::make_batch(c, s, comm.rank(), 1)), global = 0;
+      comm.all_reduce(&local, &global, 1, fsdp::DType::f64, fsdp::ReduceOp::avg).wait();
+      if (comm.rank() == 0) run.losses.push_back(global);
+    }
+    per_rank[comm.rank()] = engine::gather_full_parameters(model, sm);
+  });
+  for (int r = 1; r < world; ++r)
+    if (per_rank[r] != per_rank[0]) fsdp::detail::fail("sgd_run: rank ", r, " gathered other parameters than rank 0");
+  run.params = per_rank[0];
+  return run;
+}
+
+// One step's collectives on rank 0 of `world` thread ranks, after a first step (so the
+// execution order is known), the reference model sharded with Ps and `wrap`: parameters
+// and gradients only (ThreadComm checks the order with tags, no collective).
+template <class... Ps, class WrapPolicy = engine::Wrap>
+fsdp::CollectiveCounts step_collectives(const engine::ModelConfig& c, int world, WrapPolicy wrap = {}) {
+  fsdp::CollectiveCounts counts;
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<Ps...>(model, counted, device, wrap);
+    engine::Sgd sgd(0.01f);
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 0, comm.rank(), 1));
+    counted.reset();
+    engine::sharded_step(model, sm, sgd, engine::make_batch(c, 1, comm.rank(), 1));
+    if (comm.rank() == 0) counts = counted.counts();
+  });
+  return counts;
+}
+
 // The reference engine sharded over `comm` with the policies Ps: over a mesh of `shape`
 // built into `mesh` when the strategy (the first policy) is hybrid, else over `comm` itself.
 template <class Strategy, class... Ps, class C>

@@ -47,11 +47,11 @@ void span_ranges(const ZeroSpans& z, std::vector<Range>& out) {
 }
 
 // fsdp_quantize and fsdp_dequantize: the host's block quantization (fsdp/core/quantize.hpp)
-// as a device does it: a block holding an inf or NaN is left unwritten and the lowest such
-// index goes to *first_bad, as the GPU kernel does.
+// as a device does it: a block holding an inf or NaN is written as a NaN block and the
+// lowest such index goes to *first_bad, as the GPU kernel does.
 void quantize_run(const KernelArgs& a) {
   const auto format = static_cast<fsdp::QuantFormat>(a.get<int>(4));
-  const auto bad = fsdp::detail::quantize_skipping_nonfinite(format, a.get<const float*>(2), a.get<u64>(3),
+  const auto bad = fsdp::detail::quantize_poisoning_nonfinite(format, a.get<const float*>(2), a.get<u64>(3),
                                                              a.get<void*>(0), a.get<void*>(1), a.get<u64>(5));
   auto* first_bad = a.get<u64*>(6);
   if (bad) *first_bad = std::min<u64>(*first_bad, *bad);

@@ -70,7 +70,7 @@ void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, 
   };
   try {
     recv = static_cast<std::byte*>(device.allocate(slot * world, MemorySpace::device));
-    device.fill_zero(send, slot);  // padding and the blocks a non-finite value leaves unwritten
+    device.fill_zero(send, slot);  // the padding: every byte on the wire is written
     (void)device.quantize_nonfinite();  // forget what earlier quantizes found
     device.quantize(f, shard, n, send + codes_at, send + scales_at, block);
     // Status: 0, or 1 + the index of this rank's first inf or NaN.

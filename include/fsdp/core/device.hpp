@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/quant_format.hpp"
 #include "fsdp/core/tensor.hpp"
 #include "fsdp/core/work.hpp"
 
@@ -69,13 +70,14 @@ concept UnscalingDevice = Device<D> && requires(D& d, void* p, std::size_t n, DT
 // A Device that block-quantizes f32 values (fsdp/core/quantize.hpp's formats, QuantFormat):
 //   d.quantize(f, x, n, q, scales, block)    n values of x into n one-byte codes and one
 //                                            scale per block (scale_bytes(f) each), queued;
-//                                            a block holding an inf or NaN is not written
+//                                            a block holding an inf or NaN is written as a
+//                                            NaN block: zero codes, a NaN scale (0xff in
+//                                            e8m0), so it dequantizes to NaNs, never numbers
 //   d.dequantize(f, q, scales, n, y, block)  n codes back into f32 values, queued
 //   d.quantize_nonfinite()                   waits for the queued quantizes; the lowest
 //                                            index of an inf or NaN one of them met since
 //                                            the last call, or nullopt; forgets it
 // HostDevice and CudaDevice compute the same codes and scales, bit for bit.
-enum class QuantFormat : int;  // fsdp/core/quantize.hpp
 template <class D>
 concept QuantizingDevice = Device<D> && requires(D& d, QuantFormat f, const float* x, std::size_t n, void* q,
                                                  void* s, float* y) {

@@ -16,6 +16,7 @@
 
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/f8.hpp"
+#include "fsdp/core/quant_format.hpp"
 
 namespace fsdp {
 
@@ -149,7 +150,6 @@ inline void dequantize_f8e4m3_tensor(std::span<const std::uint8_t> q, float scal
 }
 
 // ---- MXFP8 (OCP Microscaling, E4M3 elements): blocks of 32, one e8m0 scale each --------
-inline constexpr std::size_t kMxBlock = 32;
 
 // scales[b] = 2^(floor(log2 amax_b) - 8) as e8m0 (8 = the exponent of E4M3's largest
 // power of two, 256), as the MX spec chooses it; q = e4m3(x / scale), saturating. So
@@ -182,25 +182,6 @@ inline void dequantize_mxfp8(std::span<const std::uint8_t> q, std::span<const st
   }
 }
 
-// ---- the formats as one value (what a device's quantize kernel takes) -----------------
-enum class QuantFormat : int {
-  int8_blocks = 0,    // quantize_int8_blocks: int8 codes, one f32 scale per block (default 128)
-  f8e4m3_blocks = 1,  // quantize_f8e4m3_blocks: E4M3 codes, one f32 scale per block (default 128)
-  mxfp8 = 2,          // quantize_mxfp8: E4M3 codes, one e8m0 scale per block of 32 (fixed)
-};
-
-inline constexpr std::string_view name_of(QuantFormat f) {
-  switch (f) {
-    case QuantFormat::int8_blocks: return "int8_blocks";
-    case QuantFormat::f8e4m3_blocks: return "f8e4m3_blocks";
-    case QuantFormat::mxfp8: return "mxfp8";
-  }
-  return "?";
-}
-
-// Bytes of one scale: 4 (f32) or 1 (e8m0). Codes are one byte each in every format.
-inline constexpr std::size_t scale_bytes(QuantFormat f) { return f == QuantFormat::mxfp8 ? 1 : 4; }
-
 // Checks a format's block size (MXFP8's is 32, the others' any positive number); `who`
 // names the caller in the message.
 inline void check_quant_block(QuantFormat f, std::size_t block, std::string_view who) {
@@ -213,10 +194,12 @@ namespace detail {
 
 // What a device's quantize does (HostDevice's, and the emulated GPU kernel's): n values
 // of x into q (n codes) and scales (one per block, scale_bytes(f) each), block by block;
-// a block holding an inf or NaN is left unwritten instead of throwing. Returns the lowest
-// such element's index, if any. The block is checked by the caller (check_quant_block).
-inline std::optional<std::size_t> quantize_skipping_nonfinite(QuantFormat f, const float* x, std::size_t n, void* q,
-                                                              void* scales, std::size_t block) {
+// a block holding an inf or NaN does not throw but is written as a NaN block (zero codes,
+// scale NaN, or 0xff in e8m0), which every format's dequantization turns into NaNs, so
+// no inf or NaN ever comes back a number. Returns the lowest such element's index, if
+// any. The block is checked by the caller (check_quant_block).
+inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, const float* x, std::size_t n, void* q,
+                                                               void* scales, std::size_t block) {
   std::optional<std::size_t> bad;
   auto* codes = static_cast<std::uint8_t*>(q);
   auto* s8 = static_cast<std::uint8_t*>(scales);
@@ -226,6 +209,9 @@ inline std::optional<std::size_t> quantize_skipping_nonfinite(QuantFormat f, con
     const auto it = std::find_if(xs.begin(), xs.end(), [](float v) { return !std::isfinite(v); });
     if (it != xs.end()) {
       if (!bad) bad = first + static_cast<std::size_t>(it - xs.begin());
+      std::fill_n(codes + first, xs.size(), std::uint8_t{0});
+      if (f == QuantFormat::mxfp8) s8[b] = 0xff;
+      else s32[b] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
     const std::span<std::uint8_t> cs(codes + first, xs.size());

@@ -256,7 +256,8 @@ class CudaDevice {
   // Block quantization of n f32 values on the device, bit for bit what fsdp/core/quantize.hpp
   // computes on the host (QuantFormat names the host function): q gets n one-byte codes,
   // scales one scale per block (f32, or e8m0 for MXFP8, whose block is 32). A block
-  // holding an inf or NaN is not written; quantize_nonfinite() says which element. Sizes
+  // holding an inf or NaN is written as a NaN block (zero codes, a NaN scale, 0xff in
+  // e8m0: it dequantizes to NaNs); quantize_nonfinite() says which element. Sizes
   // are the caller's: n codes, ceil(n / block) scales. One launch, no wait; one warp per
   // block, so a block of a whole large tensor is slow.
   void quantize(QuantFormat format, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
@@ -286,7 +287,7 @@ class CudaDevice {
   }
 
   // The lowest index, within its call's x, of an inf or NaN that a quantize since the last
-  // call met (its block's codes and scale were not written), or nullopt; clears it. Waits
+  // call met (its block was written as a NaN block), or nullopt; clears it. Waits
   // for the stream, as found_nonfinite does. Over several quantizes it is the lowest of
   // their indices: check after each one whose failure must be told apart.
   std::optional<std::size_t> quantize_nonfinite() {

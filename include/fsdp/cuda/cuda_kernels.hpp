@@ -325,7 +325,8 @@ __device__ float quant_scale_for(float amax, float qmax) {
 
 // One warp per block of `block` values (a grid-stride loop over the blocks): the lanes find
 // the block's amax together, then each encodes its share. A block holding an inf or NaN is
-// left unwritten, and the lowest such element's index goes to *first_bad (atomicMin).
+// written as a NaN block (zero codes, a NaN scale: 0xff in e8m0), so it dequantizes to
+// NaNs, and the lowest such element's index goes to *first_bad (atomicMin).
 extern "C" __global__ void fsdp_quantize(void* q, void* scales, const float* x, u64 n, int format, u64 block,
                                          u64* first_bad) {
   const u32 lane = threadIdx.x & 31u;
@@ -346,7 +347,12 @@ extern "C" __global__ void fsdp_quantize(void* q, void* scales, const float* x, 
       bad = other < bad ? other : bad;
     }
     if (bad != ~0ull) {
-      if (lane == 0) atomicMin(first_bad, bad);
+      if (lane == 0) {
+        atomicMin(first_bad, bad);
+        if (format == Q_MXFP8) ((unsigned char*)scales)[b] = (unsigned char)0xffu;
+        else ((float*)scales)[b] = __uint_as_float(0x7fc00000u);
+      }
+      for (u64 i = first + lane; i < end; i += 32) ((unsigned char*)q)[i] = (unsigned char)0;
       continue;
     }
     if (format == Q_MXFP8) {  // fsdp::quantize_mxfp8: x / 2^(floor(log2 amax) - 8), exact

@@ -63,10 +63,11 @@ class HostDevice {
   bool found_nonfinite() { return std::exchange(nonfinite_, false); }
 
   // Block quantization (see QuantizingDevice): fsdp/core/quantize.hpp's functions, with a
-  // block holding an inf or NaN left unwritten and remembered, as CudaDevice's kernel does.
+  // block holding an inf or NaN written as a NaN block and remembered, as CudaDevice's
+  // kernel does.
   void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
     check_quant_block(f, block, "HostDevice::quantize");
-    if (const auto bad = detail::quantize_skipping_nonfinite(f, x, n, q, scales, block))
+    if (const auto bad = detail::quantize_poisoning_nonfinite(f, x, n, q, scales, block))
       first_bad_ = first_bad_ ? std::min(*first_bad_, *bad) : *bad;
   }
   void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {

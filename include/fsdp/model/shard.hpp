@@ -338,6 +338,7 @@ ShardedModel shard(M& model, Group& group, D& device, const Options&... options)
   check_communicator<std::remove_cvref_t<decltype(detail::world_of(group))>>();
   check_device<D>();
   using Config = Policies<Ps...>;
+  detail::check_device_quantizes<Config, D>();
   return detail::shard_with<Config::mixed_precision::enabled>(detail::UnitRecipe::of<Config>(group), model,
                                                              detail::world_of(group), device, options...);
 }

@@ -31,6 +31,10 @@ struct PrecisionConfig {
   bool keep_low_precision_grads = false;
   bool comm = false;  // CommPrecision<Gather, Reduce>
   DType comm_gather = DType::f32, comm_reduce = DType::f32;
+  // Gather is a block format (Int8Blocks, F8E4M3Blocks, MXFP8): comm_gather is then u8.
+  bool comm_quantized = false;
+  QuantFormat comm_gather_format = QuantFormat::int8_blocks;
+  std::size_t comm_gather_block = 0;
 
   friend bool operator==(const PrecisionConfig&, const PrecisionConfig&) = default;
 };
@@ -65,6 +69,19 @@ struct PolicyConfig {
   std::optional<DType> buffer_cast() const { return precision.mixed ? std::optional<DType>(precision.buffer) : std::nullopt; }
 };
 
+namespace detail {
+// A block format's all-gather (CommPrecision<Int8Blocks<...>, ...>) quantizes on the
+// device: checked where the policies meet the device (fsdp::shard, fsdp::Sharded).
+template <class Config, class D>
+constexpr void check_device_quantizes() {
+  if constexpr (gathers_quantized<typename Config::comm_precision>())
+    static_assert(QuantizingDevice<D>,
+                  "fsdp: CommPrecision with a block format (Int8Blocks, F8E4M3Blocks, MXFP8) needs a device that "
+                  "quantizes: quantize(format, x, n, q, scales, block), dequantize(format, q, scales, n, x, block) and "
+                  "quantize_nonfinite() (fsdp::QuantizingDevice; fsdp::HostDevice and fsdp::CudaDevice have them)");
+}
+}  // namespace detail
+
 template <class MP, class CP>
 PrecisionConfig precision_config() {
   PrecisionConfig p;
@@ -73,6 +90,8 @@ PrecisionConfig precision_config() {
   if constexpr (MP::enabled) p.param = MP::param, p.reduce = MP::reduce, p.buffer = MP::buffer;
   p.comm = CP::enabled;
   if constexpr (CP::enabled) p.comm_gather = CP::gather, p.comm_reduce = CP::reduce;
+  if constexpr (CP::enabled && detail::gathers_quantized<CP>())
+    p.comm_quantized = true, p.comm_gather_format = CP::gather_format, p.comm_gather_block = CP::gather_block;
   return p;
 }
 
@@ -136,7 +155,13 @@ inline void print_precision(std::ostream& os, const PrecisionConfig& p) {
   } else {
     os << "FullPrecision";
   }
-  if (p.comm) os << " CommPrecision<" << name_of(p.comm_gather) << ", " << name_of(p.comm_reduce) << ">";
+  if (!p.comm) return;
+  os << " CommPrecision<";
+  if (!p.comm_quantized) os << name_of(p.comm_gather);
+  else if (p.comm_gather_format == QuantFormat::int8_blocks) os << "Int8Blocks<" << p.comm_gather_block << ">";
+  else if (p.comm_gather_format == QuantFormat::f8e4m3_blocks) os << "F8E4M3Blocks<" << p.comm_gather_block << ">";
+  else os << "MXFP8";
+  os << ", " << name_of(p.comm_reduce) << ">";
 }
 }  // namespace detail
 

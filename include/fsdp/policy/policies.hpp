@@ -2,9 +2,11 @@
 // Policies: small tag types, each belonging to one slot. fsdp::Sharded<Module, P...> takes
 // them in any order; a slot left out gets its default; a type that is no policy, or two
 // policies for the same slot, stop compilation with a message naming the slot.
+#include <cstddef>
 #include <type_traits>
 
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/quant_format.hpp"
 
 namespace fsdp {
 
@@ -112,13 +114,76 @@ struct FullPrecision {
 // persistence threshold) are never gathered: only Reduce applies to them. Summons and state
 // dicts gather in the master dtype, unrounded. With MixedPrecision, Reduce comes from here:
 // MixedPrecision may then set only Param (and Buffer).
+//
+// Gather may also be a block format (Int8Blocks, F8E4M3Blocks, MXFP8 below): each rank
+// quantizes its own f32 shard into one-byte codes and one scale per block (its blocks
+// cut from its own first element, so no block spans two ranks and no scale is agreed),
+// the all-gather moves those, and every rank dequantizes them into the compute-dtype
+// buffer the engine sees (through an f32 buffer when the compute dtype is not f32). About
+// a quarter of f32's bytes (int8 blocks of 128: 1.03 bytes per value). It applies to f32
+// flat parameters; others gather as without it. A block holding an inf or NaN arrives
+// as NaNs, never as numbers. The all-gather of a partial reshard's group
+// (set_reshard_after_forward(group)) moves the compute dtype. Reduce must be named then
+// (the compute dtype leaves reductions as they are): CommPrecision<Int8Blocks<>, float>.
+template <std::size_t Block = 128>
+struct Int8Blocks {  // int8 codes, one f32 scale (amax / 127) per Block elements
+  static_assert(Block > 0, "fsdp: Int8Blocks<Block> needs a positive Block (128 is the default)");
+  static constexpr QuantFormat format = QuantFormat::int8_blocks;
+  static constexpr std::size_t block = Block;
+};
+template <std::size_t Block = 128>
+struct F8E4M3Blocks {  // E4M3 codes, one f32 scale (amax / 448) per Block elements
+  static_assert(Block > 0, "fsdp: F8E4M3Blocks<Block> needs a positive Block (128 is the default)");
+  static constexpr QuantFormat format = QuantFormat::f8e4m3_blocks;
+  static constexpr std::size_t block = Block;
+};
+struct MXFP8 {  // OCP MXFP8: E4M3 codes, one e8m0 (power-of-two) scale per 32 elements
+  static constexpr QuantFormat format = QuantFormat::mxfp8;
+  static constexpr std::size_t block = kMxBlock;
+};
+
+namespace detail {
+template <class T>
+concept QuantizedGather = requires {
+  { T::format } -> std::convertible_to<QuantFormat>;
+  { T::block } -> std::convertible_to<std::size_t>;
+};
+// Whether a CommPrecision-slot policy gathers in a block format (a policy of the user's
+// own need not say).
+template <class CP>
+constexpr bool gathers_quantized() {
+  if constexpr (requires { CP::quantized; }) return CP::quantized;
+  else return false;
+}
+template <class T>
+constexpr DType comm_dtype() {
+  if constexpr (QuantizedGather<T>) return DType::u8;  // one-byte codes (and their scales)
+  else return dtype_v<T>;
+}
+}  // namespace detail
+
 template <class Gather, class Reduce = Gather>
 struct CommPrecision {
   using fsdp_policy_slot = comm_precision_slot;
   static constexpr bool enabled = true;
-  static constexpr DType gather = dtype_v<Gather>, reduce = dtype_v<Reduce>;
-  static_assert(is_compute_dtype(gather) && is_compute_dtype(reduce),
-                "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16); "
+  static constexpr bool quantized = detail::QuantizedGather<Gather>;
+  static_assert(!detail::QuantizedGather<Reduce>,
+                "fsdp: CommPrecision's Reduce is a dtype (float, fsdp::bf16, fsdp::f16): block formats quantize "
+                "all-gathers only; write CommPrecision<fsdp::Int8Blocks<128>, float> (float, or your compute dtype, "
+                "leaves reductions as they are)");
+  // Under a block format, the codes' dtype (u8); gather_format and gather_block say which.
+  static constexpr DType gather = detail::comm_dtype<Gather>(), reduce = detail::comm_dtype<Reduce>();
+  static constexpr QuantFormat gather_format = [] {
+    if constexpr (quantized) return Gather::format;
+    else return QuantFormat::int8_blocks;
+  }();
+  static constexpr std::size_t gather_block = [] {
+    if constexpr (quantized) return std::size_t{Gather::block};
+    else return std::size_t{0};
+  }();
+  static_assert((quantized || is_compute_dtype(gather)) && is_compute_dtype(reduce),
+                "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16), or for "
+                "Gather a block format (fsdp::Int8Blocks<128>, fsdp::F8E4M3Blocks<128>, fsdp::MXFP8); "
                 "the 8-bit floats need per-block scales and are not one");
 };
 struct FullCommPrecision {  // collectives in the compute dtype (MixedPrecision's Param, else the parameters')
@@ -186,7 +251,8 @@ inline constexpr bool same_or_narrower(DType comm, DType compute) {
 template <class MP, class CP>
 constexpr bool comm_no_wider_than_compute() {
   if constexpr (CP::enabled) {
-    if constexpr (MP::enabled) return same_or_narrower(CP::gather, MP::param) && same_or_narrower(CP::reduce, MP::param);
+    if constexpr (MP::enabled)
+      return (gathers_quantized<CP>() || same_or_narrower(CP::gather, MP::param)) && same_or_narrower(CP::reduce, MP::param);
   }
   return true;
 }

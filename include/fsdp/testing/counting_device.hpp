@@ -3,10 +3,11 @@
 // kind. On a GPU every operation is one runtime call (an allocation, a copy, a memset, a
 // kernel launch), each a few microseconds of host time, so the counts per unit and step
 // are the library's device-call budget: tests pin them and benchmarks print them on a
-// machine without a GPU. Whatever else D offers (a queue, unscale) is passed through.
+// machine without a GPU. Whatever else D offers (a queue, unscale, quantize) is passed through.
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "fsdp/core/device.hpp"
@@ -14,14 +15,15 @@
 namespace fsdp {
 
 enum class DeviceOp : std::uint8_t {
-  allocate, deallocate, copy, fill_zero, fill_zero_batch, scale, accumulate, cast, cast_zeroing, unscale
+  allocate, deallocate, copy, fill_zero, fill_zero_batch, scale, accumulate, cast, cast_zeroing, unscale, quantize,
+  dequantize
 };
-inline constexpr std::size_t device_op_kinds = 10;
+inline constexpr std::size_t device_op_kinds = 12;
 
 constexpr std::string_view name_of(DeviceOp op) {
   constexpr std::array<std::string_view, device_op_kinds> names{
       "allocate", "deallocate", "copy", "fill_zero", "fill_zero_batch", "scale", "accumulate", "cast", "cast_zeroing",
-      "unscale"};
+      "unscale", "quantize", "dequantize"};
   return names[static_cast<std::size_t>(op)];
 }
 
@@ -88,6 +90,21 @@ class CountingDevice {
     requires UnscalingDevice<D>
   {
     return inner_->found_nonfinite();
+  }
+  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block)
+    requires QuantizingDevice<D>
+  {
+    note(DeviceOp::quantize, n), inner_->quantize(f, x, n, q, scales, block);
+  }
+  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block)
+    requires QuantizingDevice<D>
+  {
+    note(DeviceOp::dequantize, n), inner_->dequantize(f, q, scales, n, x, block);
+  }
+  std::optional<std::size_t> quantize_nonfinite()
+    requires QuantizingDevice<D>
+  {
+    return inner_->quantize_nonfinite();
   }
   DeviceQueue queue() const
     requires QueuedDevice<D>

@@ -140,6 +140,8 @@ class FlatParamGroup {
       const std::size_t esize = size_of(L.dtype());
       const auto t = detail::flat_param_dtypes(fp.master(), precision_);
       fp.compute = t.compute, fp.gather = t.gather, fp.accumulate = t.accumulate, fp.reduce = t.reduce, fp.grad = t.grad;
+      fp.quantized = detail::gathers_quantized(fp.master(), groups_.shards_parameters, precision_);
+      fp.quant_format = precision_.comm_gather_format, fp.quant_block = precision_.comm_gather_block;
       fp.direct = detail::flat_param_is_direct(groups_.shards_parameters, offloaded(), fp.master(), t);
       fp.grad_in_shard = detail::grad_accumulates_in_shard(fp.direct, groups_.world_size() == 1, offloaded(), t);
       fp.shard = device_.allocate(fp.shard_bytes(), shard_space_);
@@ -194,7 +196,10 @@ class FlatParamGroup {
   // staging copy is ever alive. A narrower `wire` dtype (CommPrecision) gathers into a
   // `wire` buffer instead, widened into the `as` buffer once it arrives (finish_gather).
   // Replicated parameters need no collective. `tag` (may be null) goes with the all-gather.
-  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag, detail::ZeroBatch* zeros = nullptr) {
+  // `quantize`: a block format's all-gather where the flat parameter has one
+  // (FlatParam::quantized; not for summons, which gather the master dtype).
+  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag, bool quantize,
+                    detail::ZeroBatch* zeros = nullptr) {
     auto cast = [&](void* dst, DType to, const void* src, DType from, std::size_t n) {
       if (zeros) zeros->cast(device_, dst, to, src, from, n);
       else device_.cast(dst, to, src, from, n);
@@ -208,6 +213,7 @@ class FlatParamGroup {
       if (as == fp.compute) return post_forward_.start_gather(fp, as, device_, tag);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
     }
+    if (quantize && fp.quantized) return start_quantized_gather(fp, S, tag);
     if (wire != as && groups_.shards_parameters) {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
@@ -223,8 +229,31 @@ class FlatParamGroup {
       fp.gather_work = groups_.all_gather(device_, staged ? mine : fp.shard, fp.full, S, as, tag);
   }
 
+  // The all-gather of a block format (CommPrecision<Int8Blocks<...>, ...>): this rank
+  // quantizes its f32 shard into its own slot of the wire buffer (its scales, then its
+  // codes; the padding zeroed, so every byte sent is written) and gathers the slots in
+  // place. An offloaded shard is copied to the device first. finish_gather dequantizes.
+  void start_quantized_gather(FlatParam& fp, std::size_t S, const CollectiveTag* tag) {
+    const std::size_t slot = fp.quant_slot_bytes(), scales = fp.quant_scales_bytes(), used = scales + S;
+    fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
+    auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot;
+    if (slot > used) device_.fill_zero(mine + used, slot - used);
+    const void* x = fp.shard;
+    void* staged = nullptr;
+    if (offloaded()) {
+      staged = device_.allocate(fp.shard_bytes(), MemorySpace::device);
+      device_.copy(staged, fp.shard, fp.shard_bytes());
+      x = staged;
+    }
+    device_.quantize(fp.quant_format, static_cast<const float*>(x), S, mine + scales, mine, fp.quant_block);
+    release(staged, fp.shard_bytes(), MemorySpace::device);
+    fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot, DType::u8, tag);
+  }
+
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
-  // gather into the compute-dtype buffer (freeing the narrow one), binds the parameters.
+  // gather into the compute-dtype buffer (freeing the narrow one), or dequantizes each
+  // shard rank's slot of a block format's (through an f32 buffer when the compute dtype
+  // is another), binds the parameters.
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
     // On a queued device the compute queue waits, not the host (no empty spans if inline).
     if (!fp.gather_work.completed_inline()) detail::wait_for_use(fp.gather_work, device_, wait, "wait all_gather");
@@ -232,7 +261,21 @@ class FlatParamGroup {
     if (fp.wire) {
       const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
       fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
-      device_.cast(fp.full, as, fp.wire, fp.gather, padded);
+      if (fp.quantized) {  // only a block format's all-gather fills the wire of such a flat parameter
+        const auto S = static_cast<std::size_t>(fp.layout.shard_numel());
+        const std::size_t slot = fp.quant_slot_bytes(), scales = fp.quant_scales_bytes();
+        void* f32 = as == DType::f32 ? fp.full : device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), DType::f32), MemorySpace::device);
+        for (std::size_t r = 0; S != 0 && r < padded / S; ++r) {
+          const auto* at = static_cast<const std::byte*>(fp.wire) + r * slot;
+          device_.dequantize(fp.quant_format, at + scales, at, S, static_cast<float*>(f32) + r * S, fp.quant_block);
+        }
+        if (f32 != fp.full) {
+          device_.cast(fp.full, as, f32, DType::f32, padded);
+          release(f32, FlatParam::bytes(fp.layout.padded_numel(), DType::f32), MemorySpace::device);
+        }
+      } else {
+        device_.cast(fp.full, as, fp.wire, fp.gather, padded);
+      }
       release(fp.wire, fp.wire_bytes(), MemorySpace::device);
     }
     detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, as);
@@ -246,7 +289,7 @@ class FlatParamGroup {
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.gather_issued()) continue;
-      start_gather(fp, fp.compute, fp.gather, tag, zeros);
+      start_gather(fp, fp.compute, fp.gather, tag, true, zeros);
       issued = true;
     }
     return issued;
@@ -258,7 +301,7 @@ class FlatParamGroup {
   void unshard(const detail::TracedWait& wait, const CollectiveTag* tag) {
     bool rebound = false;
     for (auto& fp : flat_) {
-      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag);
+      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag, true);
       if (fp.unbound) finish_gather(fp, fp.compute, wait), rebound = true;
     }
     if (rebound) parameters_rebound();
@@ -267,7 +310,7 @@ class FlatParamGroup {
   // Full parameters in their own (master) dtype, for summon_full_params.
   void unshard_master(const detail::TracedWait& wait, const CollectiveTag* tag) {
     for (auto& fp : flat_) {
-      start_gather(fp, fp.master(), fp.master(), tag);
+      start_gather(fp, fp.master(), fp.master(), tag, false);
       finish_gather(fp, fp.master(), wait);
     }
     parameters_rebound();

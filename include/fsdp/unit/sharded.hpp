@@ -67,7 +67,9 @@ class Sharded final : public detail::ShardedUnit {
   template <Communicator C, Device D, class Exclude = wrap_types<>>
   Sharded(Module& module, C& comm, D& device, std::string fqn = {}, const ShardOptions& options = {}, Exclude exclude = {})
       : Sharded(module, detail::UnitGroups::flat<strategy>(comm), detail::DeviceRef(device), std::move(fqn), options, {},
-                exclude) {}
+                exclude) {
+    detail::check_device_quantizes<policies, D>();
+  }
 
   // Over a mesh: the hybrid strategies shard inside its shard groups and replicate across
   // its replicate groups; the others use its whole world as above.
@@ -75,7 +77,9 @@ class Sharded final : public detail::ShardedUnit {
   Sharded(Module& module, DeviceMesh<C>& mesh, D& device, std::string fqn = {}, const ShardOptions& options = {},
           Exclude exclude = {})
       : Sharded(module, detail::UnitGroups::from_mesh<strategy>(mesh), detail::DeviceRef(device), std::move(fqn), options,
-                {}, exclude) {}
+                {}, exclude) {
+    detail::check_device_quantizes<policies, D>();
+  }
 
  private:
   template <class Exclude>

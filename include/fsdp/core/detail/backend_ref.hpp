@@ -3,10 +3,15 @@
 // its module and policies, not the backend (as in the design's Sharded<Block, FullShard>);
 // the backend is picked at construction and reached through one indirect call per
 // collective or allocation, which is noise next to the work behind it.
+#include <typeinfo>
+
 #include "fsdp/core/collective_tag.hpp"
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/tagged_calls.hpp"
+#include "fsdp/core/detail/type_name.hpp"
+#include "fsdp/core/error.hpp"
 #include "fsdp/core/device.hpp"
+#include "fsdp/core/quant_format.hpp"
 
 namespace fsdp::detail {
 
@@ -87,6 +92,14 @@ class DeviceRef {
   void cast_zeroing(void* d, DType to, const void* s, DType from, std::size_t n, std::span<const ZeroSpan> spans) const {
     vt_->cast_zeroing(obj_, d, to, s, from, n, spans);
   }
+  // Block quantization (QuantizingDevice). A device that does not model it refuses; a
+  // policy that quantizes is refused at compile time before that (fsdp::shard).
+  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) const {
+    vt_->quantize(obj_, f, x, n, q, scales, block);
+  }
+  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) const {
+    vt_->dequantize(obj_, f, q, scales, n, x, block);
+  }
   void synchronize() const { vt_->synchronize(obj_); }
   MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
   // The device's queue (QueuedDevice), or a null handle: collectives are waited on the host.
@@ -105,6 +118,8 @@ class DeviceRef {
     void (*accumulate)(void*, void*, const void*, std::size_t, DType);
     void (*cast)(void*, void*, DType, const void*, DType, std::size_t);
     void (*cast_zeroing)(void*, void*, DType, const void*, DType, std::size_t, std::span<const ZeroSpan>);
+    void (*quantize)(void*, QuantFormat, const float*, std::size_t, void*, void*, std::size_t);
+    void (*dequantize)(void*, QuantFormat, const void*, const void*, std::size_t, float*, std::size_t);
     void (*synchronize)(void*);
     MemoryStats (*stats)(void*, MemorySpace);
     DeviceQueue (*queue)(void*);
@@ -124,6 +139,14 @@ class DeviceRef {
         D& dev = *static_cast<D*>(o);
         if constexpr (CastZeroingDevice<D>) dev.cast_zeroing(d, to, s, from, n, spans);
         else zero_then_cast(dev, d, to, s, from, n, spans);
+      },
+      [](void* o, QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
+        if constexpr (QuantizingDevice<D>) static_cast<D*>(o)->quantize(f, x, n, q, scales, block);
+        else fail_as(ErrorKind::misuse, "this device (", type_name(typeid(D)), ") does not quantize (no QuantizingDevice)");
+      },
+      [](void* o, QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+        if constexpr (QuantizingDevice<D>) static_cast<D*>(o)->dequantize(f, q, scales, n, x, block);
+        else fail_as(ErrorKind::misuse, "this device (", type_name(typeid(D)), ") does not dequantize (no QuantizingDevice)");
       },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },

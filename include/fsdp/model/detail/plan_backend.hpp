@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -144,6 +145,9 @@ class PlanDevice {
   void scale(void*, std::size_t, DType, double) {}
   void accumulate(void*, const void*, std::size_t, DType) {}
   void cast(void*, DType, const void*, DType, std::size_t) {}
+  void quantize(QuantFormat, const float*, std::size_t, void*, void*, std::size_t) {}
+  void dequantize(QuantFormat, const void*, const void*, std::size_t, float*, std::size_t) {}
+  std::optional<std::size_t> quantize_nonfinite() { return std::nullopt; }
   void synchronize() {}
   MemoryStats stats(MemorySpace s) const { return {ledger_->live(s), ledger_->peak(s).bytes, 0}; }
   void reset_peak(MemorySpace) {}

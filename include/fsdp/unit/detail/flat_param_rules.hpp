@@ -42,10 +42,18 @@ inline FlatParamDTypes flat_param_dtypes(DType master, const PrecisionConfig& p)
   }
   t.gather = t.compute;
   if (p.comm) {
-    if (size_of(p.comm_gather) < size_of(t.compute)) t.gather = p.comm_gather;
+    if (!p.comm_quantized && size_of(p.comm_gather) < size_of(t.compute)) t.gather = p.comm_gather;
     if (size_of(p.comm_reduce) < size_of(t.compute)) t.reduce = p.comm_reduce;
   }
   return t;
+}
+
+// Whether the all-gathers of a flat parameter whose master dtype is `master` move block
+// codes and scales (CommPrecision's Gather a block format): only where there is an
+// all-gather, and only from f32 (what the quantizers read). Its `gather` dtype stays the
+// compute dtype, which a partial reshard's all-gather moves.
+inline bool gathers_quantized(DType master, bool shards_parameters, const PrecisionConfig& p) {
+  return p.comm_quantized && shards_parameters && master == DType::f32;
 }
 
 // Replicated, in its own dtype and device-resident: the shard *is* the parameters, and the

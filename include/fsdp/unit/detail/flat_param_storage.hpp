@@ -37,7 +37,13 @@ struct FlatParam {
   void* full = nullptr;        // padded_numel elements while unsharded, in the dtype asked for
   DType full_dtype = DType::f32;
   MemorySpace full_space = MemorySpace::device;  // host only while a summon offloads it
-  void* wire = nullptr;        // padded_numel `gather`-dtype elements while a narrower all-gather runs
+  void* wire = nullptr;        // padded_numel `gather`-dtype elements while a narrower all-gather runs,
+                               // or one quantized slot per shard rank (quantized_slot_bytes each)
+  // CommPrecision's Gather is a block format (detail::gathers_quantized): the all-gather
+  // moves, per shard rank, a slot of its block scales then its codes (rounded up to 8 bytes).
+  bool quantized = false;
+  QuantFormat quant_format = QuantFormat::int8_blocks;
+  std::size_t quant_block = 0;
   // Partial resharding: this rank's 1/k of the unsharded parameters (`gather` dtype),
   // kept from forward for the backward all-gather inside the post-forward group.
   void* post_forward = nullptr;
@@ -68,7 +74,19 @@ struct FlatParam {
   std::size_t shard_bytes() const { return bytes(layout.shard_numel(), master()); }
   std::size_t shard_grad_bytes() const { return bytes(layout.shard_numel(), grad); }
   std::size_t full_bytes() const { return bytes(layout.padded_numel(), compute); }
-  std::size_t wire_bytes() const { return bytes(layout.padded_numel(), gather); }
+  std::size_t wire_bytes() const {
+    if (!quantized) return bytes(layout.padded_numel(), gather);
+    const auto S = layout.shard_numel();
+    return S == 0 ? 0 : quant_slot_bytes() * static_cast<std::size_t>(layout.padded_numel() / S);
+  }
+  // One shard rank's slot of a quantized all-gather: its scales, then its codes, padded to 8.
+  std::size_t quant_scales_bytes() const {
+    const auto S = static_cast<std::size_t>(layout.shard_numel());
+    return (S / quant_block + (S % quant_block != 0)) * scale_bytes(quant_format);
+  }
+  std::size_t quant_slot_bytes() const {
+    return (quant_scales_bytes() + static_cast<std::size_t>(layout.shard_numel()) + 7) / 8 * 8;
+  }
   std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
   std::size_t partial_bytes() const { return bytes(layout.shard_numel(), accumulate); }
   bool gather_issued() const { return full || wire; }

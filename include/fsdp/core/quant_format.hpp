@@ -1,0 +1,32 @@
+#pragma once
+// The block-quantized wire formats as one value, apart from the quantization itself
+// (fsdp/core/quantize.hpp): what a device's quantize kernel takes, and what a policy
+// (CommPrecision's quantized Gather, fsdp/policy/policies.hpp) names, without either
+// including the host arithmetic.
+#include <cstddef>
+#include <string_view>
+
+namespace fsdp {
+
+enum class QuantFormat : int {
+  int8_blocks = 0,    // quantize_int8_blocks: int8 codes, one f32 scale per block (default 128)
+  f8e4m3_blocks = 1,  // quantize_f8e4m3_blocks: E4M3 codes, one f32 scale per block (default 128)
+  mxfp8 = 2,          // quantize_mxfp8: E4M3 codes, one e8m0 scale per block of 32 (fixed)
+};
+
+inline constexpr std::string_view name_of(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::int8_blocks: return "int8_blocks";
+    case QuantFormat::f8e4m3_blocks: return "f8e4m3_blocks";
+    case QuantFormat::mxfp8: return "mxfp8";
+  }
+  return "?";
+}
+
+// Bytes of one scale: 4 (f32) or 1 (e8m0). Codes are one byte each in every format.
+inline constexpr std::size_t scale_bytes(QuantFormat f) { return f == QuantFormat::mxfp8 ? 1 : 4; }
+
+// MXFP8's block: 32 elements share one e8m0 scale (OCP Microscaling).
+inline constexpr std::size_t kMxBlock = 32;
+
+}  // namespace fsdp
