@@ -25,6 +25,7 @@
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "test/support/errors.hpp"
+#include "test/support/sanitized.hpp"
 
 namespace core_dtype_test {
 
@@ -437,8 +438,8 @@ void compare_random_doubles(const RefEncoder& ref, Format f, Encode encode, std:
 }
 
 TEST_CASE("from double: random doubles round like the reference encoder") {
-  compare_random_doubles(ref_half(), kHalf, [](double x) { return fsdp::double_to_f16_bits(x); }, 11u, 1'500'000);
-  compare_random_doubles(ref_bf16(), kBF16, [](double x) { return fsdp::double_to_bf16_bits(x); }, 12u, 1'500'000);
+  compare_random_doubles(ref_half(), kHalf, [](double x) { return fsdp::double_to_f16_bits(x); }, 11u, test_support::sweep_count(1'500'000));
+  compare_random_doubles(ref_bf16(), kBF16, [](double x) { return fsdp::double_to_bf16_bits(x); }, 12u, test_support::sweep_count(1'500'000));
 }
 
 TEST_CASE("f16: overflow to infinity") {
@@ -534,11 +535,11 @@ TEST_CASE("a few well-known values") {
 }
 
 TEST_CASE("f16: random floats round like the reference encoder") {
-  compare_random(ref_half(), kHalf, [](float x) { return fsdp::float_to_f16_bits(x); }, 12345u, 3'000'000);
+  compare_random(ref_half(), kHalf, [](float x) { return fsdp::float_to_f16_bits(x); }, 12345u, test_support::sweep_count(3'000'000));
 }
 
 TEST_CASE("bf16: random floats round like the reference encoder") {
-  compare_random(ref_bf16(), kBF16, [](float x) { return fsdp::float_to_bf16_bits(x); }, 67890u, 3'000'000);
+  compare_random(ref_bf16(), kBF16, [](float x) { return fsdp::float_to_bf16_bits(x); }, 67890u, test_support::sweep_count(3'000'000));
 }
 
 TEST_CASE("load_as_double / store_from_double round-trip each dtype") {

@@ -21,6 +21,7 @@
 #include <fsdp/fsdp.hpp>
 
 #include "test/support/errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_handle_tensors_test {
 

@@ -25,6 +25,7 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 #include "test/support/reference_training.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_local_gradients_test {
 

@@ -12,6 +12,7 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_model_config_test {
 

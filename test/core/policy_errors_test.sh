@@ -108,6 +108,15 @@ expect_error block_gather_empty_block "Int8Blocks<Block> needs a positive Block"
 fsdp::Policies<fsdp::CommPrecision<fsdp::Int8Blocks<0>, float>> p;
 EOF
 
+expect_error block_gather_wrong_mx_block "block format has a block its format cannot have" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+struct MyMx {  // a user's own block format: MXFP8 with blocks of 64
+  static constexpr fsdp::QuantFormat format = fsdp::QuantFormat::mxfp8;
+  static constexpr std::size_t block = 64;
+};
+fsdp::Policies<fsdp::CommPrecision<MyMx, float>> p;
+EOF
+
 expect_ok block_gather_under_mixed_precision <<'EOF'
 #include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>> p;

@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
-#include "test/support/quantize_reference.hpp"
+#include "fsdp/core/quantize.hpp"
+#include "test/support/errors.hpp"
 #include "test/support/reference_training.hpp"
 
 namespace core_quantized_gather_test {
@@ -37,34 +38,73 @@ float* tensor_of(engine::Model& model, std::string_view fqn) {
   return nullptr;
 }
 
-// Under unit `unit`'s forward, each of this rank's parameter slices must hold its shard's
-// values quantized in `format` blocks of `block` (cut from the shard's first element) and
-// dequantized: the host functions' round trip of the shard, computed here from the shard
-// itself. Each rank checks its own slices, so together the ranks check every element.
-void check_gathered_as_round_trip(engine::Model& model, fsdp::ShardedModel& sm, const std::string& unit,
-                                  QuantFormat format, std::size_t block, bool& some_value_rounded) {
-  std::map<std::size_t, std::vector<float>> expected;  // by model shard index
+// The host functions' round trip of one shard (fsdp/core/quantize.hpp): quantized in
+// `format` blocks of `block` cut from its first element, then dequantized; a block holding
+// an inf or NaN comes back as NaNs, as a device's quantize writes it.
+std::vector<float> round_trip(QuantFormat format, const float* x, std::size_t n, std::size_t block) {
+  std::vector<std::uint8_t> q(n), scales(fsdp::detail::block_count(n, block) * fsdp::scale_bytes(format));
+  fsdp::detail::quantize_poisoning_nonfinite(format, x, n, q.data(), scales.data(), block);
+  std::vector<float> y(n);
+  fsdp::detail::dequantize_any(format, q.data(), scales.data(), n, y.data(), block);
+  return y;
+}
+
+struct GatherCheck {
+  std::int64_t checked = 0, rounded = 0, nans = 0;  // elements: all, unequal to the master, NaN
+};
+
+// Under unit `unit`'s forward, every element of every parameter the engine sees must be,
+// bit for bit, the round trip of the shard it came from. Each rank computes its own shards'
+// round trips; the ranks all-gather them, and where each rank's slices sit (ParamView's
+// param_begin, count and shard_offset, in the same parameter order on every rank); then
+// every rank checks the whole tensors, so an all-gather that delivered any rank's slot
+// wrongly fails on every rank.
+GatherCheck check_gathered_as_round_trip(fsdp::ThreadComm& comm, engine::Model& model, fsdp::ShardedModel& sm,
+                                         const std::string& unit, QuantFormat format, std::size_t block) {
+  const auto world = static_cast<std::size_t>(comm.size());
+  std::map<std::size_t, std::vector<float>> every_round_trip, every_master;  // by model shard: rank-major
   for (std::size_t k = 0; k < sm.shards().size(); ++k) {
     const auto& v = sm.shards()[k];
     if (v.unit != unit) continue;
     REQUIRE(v.dtype == fsdp::DType::f32);
-    const auto* p = static_cast<const float*>(v.param);
-    expected[k] = test_support::quantize_round_trip(format, std::vector<float>(p, p + v.padded_numel), block);
+    const auto S = static_cast<std::size_t>(v.padded_numel);
+    const auto* master = static_cast<const float*>(v.param);
+    const std::vector<float> mine = round_trip(format, master, S, block);
+    every_round_trip[k].resize(S * world);
+    every_master[k].resize(S * world);
+    comm.all_gather(mine.data(), every_round_trip[k].data(), S, fsdp::DType::f32).wait();
+    comm.all_gather(master, every_master[k].data(), S, fsdp::DType::f32).wait();
   }
-  REQUIRE_FALSE(expected.empty());
+  REQUIRE_FALSE(every_round_trip.empty());
+  std::vector<const fsdp::ParamView*> views;
+  for (const auto& pv : sm.parameters())
+    if (pv.unit == unit) views.push_back(&pv);
+  std::vector<std::int64_t> mine, all(3 * views.size() * world);
+  for (const auto* pv : views) mine.insert(mine.end(), {pv->param_begin, pv->count, pv->shard_offset});
+  comm.all_gather(mine.data(), all.data(), mine.size(), fsdp::DType::i64).wait();
+
+  GatherCheck out;
   auto scope = sm.unit(unit).forward_scope();
-  for (const auto& pv : sm.parameters()) {
-    if (pv.unit != unit || pv.count == 0) continue;
-    const float* engine_values = tensor_of(model, pv.fqn);
-    const auto& want = expected.at(pv.model_shard);
-    const auto* master = static_cast<const float*>(pv.param);
-    for (std::int64_t j = 0; j < pv.count; ++j) {
-      const float got = engine_values[pv.param_begin + j], w = want[static_cast<std::size_t>(pv.shard_offset + j)];
-      if (std::memcmp(&got, &w, sizeof got) != 0)
-        FAIL_CHECK(pv.fqn << "[" << pv.param_begin + j << "] = " << got << ", the round trip gives " << w);
-      some_value_rounded = some_value_rounded || got != master[j];
+  for (std::size_t r = 0; r < world; ++r) {
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      const std::int64_t* at = all.data() + (r * views.size() + i) * 3;  // param_begin, count, shard_offset
+      const auto& want = every_round_trip.at(views[i]->model_shard);
+      const auto& master = every_master.at(views[i]->model_shard);
+      const std::size_t S = want.size() / world;
+      const float* engine_values = tensor_of(model, views[i]->fqn);
+      for (std::int64_t j = 0; j < at[1]; ++j) {
+        const std::size_t w = r * S + static_cast<std::size_t>(at[2] + j);
+        const float got = engine_values[at[0] + j];
+        if (std::memcmp(&got, &want[w], sizeof got) != 0)
+          FAIL_CHECK(views[i]->fqn << "[" << at[0] + j << "] (rank " << r << "'s slice) = " << got
+                                   << ", the round trip gives " << want[w]);
+        ++out.checked;
+        out.rounded += got != master[w];
+        out.nans += std::isnan(got);
+      }
     }
   }
+  return out;
 }
 
 template <class Gather>
@@ -76,15 +116,17 @@ void check_engine_sees_round_trip(QuantFormat format, std::size_t block) {
     engine::Model fresh(c);
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::CommPrecision<Gather, float>>(model, comm, device, engine::Wrap{});
-    bool some = false;
-    for (const char* unit : {"blocks.0", "blocks.2"}) check_gathered_as_round_trip(model, sm, unit, format, block, some);
-    rounded[comm.rank()] = some;
+    for (const char* unit : {"blocks.0", "blocks.2"}) {
+      const auto checked = check_gathered_as_round_trip(comm, model, sm, unit, format, block);
+      CHECK(checked.checked == 202);  // the unit's every element (13 x 7 + 7 + 7 x 13 + 13), on each rank
+      rounded[comm.rank()] += checked.rounded > 0;
+    }
     // A summon gathers the master dtype, unrounded.
     auto s = sm.unit("blocks.0").summon_full_params();
     const auto& w = model.blocks[0].fc1.weight;
     CHECK(std::memcmp(w.data(), fresh.blocks[0].fc1.weight.data(), 4 * static_cast<std::size_t>(w.numel())) == 0);
   });
-  CHECK((rounded[0] && rounded[1]));  // else the bitwise checks prove nothing about quantizing
+  CHECK((rounded[0] == 2 && rounded[1] == 2));  // else the bitwise checks prove nothing about quantizing
 }
 
 // blocks.1's fc2.weight as the engine sees it during that unit's forward (in `want`).
@@ -169,39 +211,52 @@ TEST_CASE("an inf or NaN in a shard arrives as NaNs over its whole block, never 
     fsdp::HostDevice device;
     auto sm = fsdp::shard<fsdp::FullShard, fsdp::CommPrecision<fsdp::Int8Blocks<16>, float>>(model, comm, device, engine::Wrap{});
     // Where the two values sit: fc1.weight's first 16 elements start rank 0's shard, so
-    // they are its block 0; fc2.weight[3] is at some shard offset o: the block
-    // [o / 16 * 16, o / 16 * 16 + 16) of its rank's shard is NaN, nothing else.
+    // they are its block 0; fc2.weight[3] lies in another block (of rank 1's shard, or a
+    // later one of rank 0's). Each whole block arrives as NaNs, nothing else does.
     for (const auto& pv : sm.parameters())
       if (pv.fqn == "blocks.0.fc1.weight" && pv.param_begin == 0 && pv.count > 0) REQUIRE(pv.shard_offset == 0);
-    // Each rank marks the elements of its own slices whose shard block holds a bad value.
-    std::vector<std::int64_t> bad_blocks;
-    for (const auto& pv : sm.parameters()) {
-      if (pv.unit != "blocks.0") continue;
-      const auto* master = static_cast<const float*>(pv.param);
-      for (std::int64_t j = 0; j < pv.count; ++j)
-        if (!std::isfinite(master[j])) bad_blocks.push_back((pv.shard_offset + j) / 16);
-    }
+    const auto checked = check_gathered_as_round_trip(comm, model, sm, "blocks.0", QuantFormat::int8_blocks, 16);
+    CHECK(checked.checked == 202);
+    CHECK(checked.nans == 32);  // on every rank: two whole blocks of 16, one per bad value
     auto s = sm.unit("blocks.0").forward_scope();
-    std::int64_t nans = 0;
-    for (const auto& pv : sm.parameters()) {
-      if (pv.unit != "blocks.0") continue;
-      const float* values = tensor_of(model, pv.fqn);
-      for (std::int64_t j = 0; j < pv.count; ++j) {
-        const bool bad = std::find(bad_blocks.begin(), bad_blocks.end(), (pv.shard_offset + j) / 16) != bad_blocks.end();
-        const float v = values[pv.param_begin + j];
-        nans += std::isnan(v);
-        if (bad != std::isnan(v)) FAIL_CHECK(pv.fqn << "[" << pv.param_begin + j << "] = " << v);
-      }
-    }
-    if (comm.rank() == 0) {
-      CHECK(std::isnan(model.blocks[0].fc1.weight[0]));
-      CHECK(std::isnan(model.blocks[0].fc1.weight[15]));
-      CHECK_FALSE(std::isnan(model.blocks[0].fc1.weight[16]));
-    }
-    std::int64_t all = 0;
-    comm.all_reduce(&nans, &all, 1, fsdp::DType::i64, fsdp::ReduceOp::sum).wait();
-    CHECK(all == 32);  // two whole blocks of 16, one per bad value (they lie in different blocks)
+    CHECK(std::isnan(model.blocks[0].fc1.weight[0]));
+    CHECK(std::isnan(model.blocks[0].fc1.weight[15]));
+    CHECK_FALSE(std::isnan(model.blocks[0].fc1.weight[16]));
+    CHECK(std::isnan(model.blocks[0].fc2.weight[3]));
   });
+}
+
+// A HostDevice whose quantize or dequantize throws, as a failed kernel launch would.
+struct FailingQuantizeDevice : fsdp::HostDevice {
+  bool fail_quantize = false, fail_dequantize = false;
+  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
+    if (fail_quantize) fsdp::detail::fail("quantize failed (injected)");
+    HostDevice::quantize(f, x, n, q, scales, block);
+  }
+  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+    if (fail_dequantize) fsdp::detail::fail("dequantize failed (injected)");
+    HostDevice::dequantize(f, q, scales, n, x, block);
+  }
+};
+
+template <class... Ps>
+void check_failure_frees_scratch(bool in_dequantize) {
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(config());
+    FailingQuantizeDevice device;
+    {
+      auto sm = fsdp::shard<fsdp::FullShard, Ps...>(model, comm, device, engine::Wrap{});
+      (in_dequantize ? device.fail_dequantize : device.fail_quantize) = true;
+      const std::string e = test_support::error_of([&] { auto s = sm.unit("blocks.0").forward_scope(); });
+      CHECK(e.find("failed (injected)") != std::string::npos);
+    }
+    CHECK(device.stats(fsdp::MemorySpace::device).live_bytes == 0);  // the model's buffers and the call's scratch
+  });
+}
+
+TEST_CASE("a quantize or dequantize that throws leaves nothing allocated: the staged offloaded shard, the f32 slot") {
+  check_failure_frees_scratch<fsdp::CommPrecision<fsdp::Int8Blocks<16>, float>, fsdp::OffloadParams>(false);
+  check_failure_frees_scratch<fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::Int8Blocks<16>, fsdp::bf16>>(true);
 }
 
 TEST_CASE("bytes moved per step: each all-gather moves every rank's scales and codes, the reductions are unchanged") {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_sharded_errors_test {
 

@@ -4,6 +4,7 @@
 
 #include "test/core/layer_engine.hpp"
 #include "test/support/errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_type_erased_model_test {
 

@@ -6,6 +6,7 @@
 
 #include "test/core/layer_engine.hpp"
 #include "test/support/errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_wrap_policy_test {
 

@@ -81,6 +81,38 @@ TEST_CASE("training on CudaDevice equals training on HostDevice bit for bit, for
   }
 }
 
+// All-gathers in a block format (CommPrecision<Int8Blocks<32>, ...>, MXFP8): the CUDA
+// kernels quantize and dequantize as the host functions do, so CUDA training still equals
+// host training bit for bit, with the same allocations (the slots, the f32 buffer under
+// bf16, the staged offloaded shard).
+TEST_CASE("all-gathers in a block format: training on CudaDevice equals HostDevice bit for bit" * doctest::skip(no_gpu)) {
+  const test_support::DeviceTrainingConfig config;
+  CudaRanks cuda;
+  auto check = [&]<class P, class O, class Q>(const char* name) {
+    CAPTURE(name);
+    std::vector<HostDevice> hosts(kWorld);
+    std::vector<HostDevice*> host_ptrs;
+    for (auto& h : hosts) host_ptrs.push_back(&h);
+    const auto on_host = test_support::train_on_devices<fsdp::FullShard, P, O, Q>(
+        host_ptrs, config, [](ThreadComm& c, HostDevice&, auto&& body) { body(c); });
+    const auto on_gpu = test_support::train_on_devices<fsdp::FullShard, P, O, Q>(cuda.ptrs, config, staged_on_cuda);
+    const auto plain = test_support::train_on_devices<fsdp::FullShard, P, O>(
+        host_ptrs, config, [](ThreadComm& c, HostDevice&, auto&& body) { body(c); });
+    CHECK(test_support::bitwise_equal(on_host.params, on_gpu.params));
+    CHECK(on_host.losses == on_gpu.losses);
+    CHECK(on_host.losses != plain.losses);  // the gathers did quantize
+    CHECK(on_gpu.device_space.peak_bytes == on_host.device_space.peak_bytes);
+    CHECK(on_gpu.host_space.peak_bytes == on_host.host_space.peak_bytes);
+    CHECK(on_gpu.device_space.allocations == on_host.device_space.allocations);
+  };
+  check.template operator()<fsdp::FullPrecision, fsdp::NoOffload, fsdp::CommPrecision<fsdp::Int8Blocks<32>, float>>("int8");
+  check.template operator()<fsdp::FullPrecision, fsdp::OffloadParams, fsdp::CommPrecision<fsdp::F8E4M3Blocks<32>, float>>(
+      "e4m3, offload");
+  check.template operator()<fsdp::MixedPrecision<fsdp::bf16>, fsdp::NoOffload, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>>(
+      "mxfp8, bf16");
+  for (auto* d : cuda.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
+}
+
 TEST_CASE("offloaded shards are pinned host memory; parameters the engine sees are device memory" *
           doctest::skip(no_gpu)) {
   const test_support::DeviceTrainingConfig config;

@@ -15,6 +15,7 @@
 #include "fsdp/testing/counting_communicator.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_abort_step_test {
 

@@ -27,6 +27,7 @@
 #include "fsdp/host/thread_group.hpp"
 #include "fsdp/model/shard.hpp"
 #include "test/support/errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_take_over_test {
 

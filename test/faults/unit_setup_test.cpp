@@ -15,6 +15,7 @@
 #include "fsdp/host/thread_group.hpp"
 #include "fsdp/model/shard.hpp"
 #include "test/support/rank_errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_unit_setup_test {
 

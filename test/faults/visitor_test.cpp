@@ -12,6 +12,7 @@
 
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
+#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_visitor_test {
 

@@ -270,8 +270,10 @@ Params full_parameters(D& dev, Net<D>& net, fsdp::ShardedModel& sm) {
 
 // Trains on `devices.size()` thread ranks, rank r on *devices[r]. `with_comm(comm,
 // device, body)` calls body with the communicator to shard over (ThreadComm itself, or a
-// wrapper around it). Every rank must end with the same parameters.
-template <class Strategy, class Precision, class Offload, fsdp::Device D, class WithComm>
+// wrapper around it). Every rank must end with the same parameters. `CommP`: the
+// CommPrecision policy (a block format's all-gathers, say).
+template <class Strategy, class Precision, class Offload, class CommP = fsdp::FullCommPrecision, fsdp::Device D,
+          class WithComm>
 DeviceTrainingResult train_on_devices(const std::vector<D*>& devices, const DeviceTrainingConfig& c, WithComm with_comm) {
   const int world = static_cast<int>(devices.size());
   constexpr bool fp16 = std::is_same_v<Precision, fsdp::MixedPrecision<fsdp::f16>>;  // needs the loss scaler
@@ -281,7 +283,7 @@ DeviceTrainingResult train_on_devices(const std::vector<D*>& devices, const Devi
     with_comm(tc, dev, [&](auto& comm) {
       auto& out = per_rank[static_cast<std::size_t>(tc.rank())];  // comm may be one rank of a larger world
       Net<D> net(dev, c);
-      auto sm = fsdp::shard<Strategy, Precision, Offload>(net, comm, dev, fsdp::wrap_types<Layer>{});
+      auto sm = fsdp::shard<Strategy, Precision, Offload, CommP>(net, comm, dev, fsdp::wrap_types<Layer>{});
       dev.synchronize();
       dev.reset_peak(fsdp::MemorySpace::device);
       dev.reset_peak(fsdp::MemorySpace::host);

@@ -181,6 +181,9 @@ struct CommPrecision {
     if constexpr (quantized) return std::size_t{Gather::block};
     else return std::size_t{0};
   }();
+  static_assert(!quantized || (gather_format == QuantFormat::mxfp8 ? gather_block == kMxBlock : gather_block > 0),
+                "fsdp: CommPrecision's block format has a block its format cannot have: MXFP8's is 32 elements, "
+                "int8 and E4M3 blocks need a positive one");
   static_assert((quantized || is_compute_dtype(gather)) && is_compute_dtype(reduce),
                 "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16), or for "
                 "Gather a block format (fsdp::Int8Blocks<128>, fsdp::F8E4M3Blocks<128>, fsdp::MXFP8); "

@@ -238,15 +238,11 @@ class FlatParamGroup {
     fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
     auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot;
     if (slot > used) device_.fill_zero(mine + used, slot - used);
-    const void* x = fp.shard;
-    void* staged = nullptr;
-    if (offloaded()) {
-      staged = device_.allocate(fp.shard_bytes(), MemorySpace::device);
-      device_.copy(staged, fp.shard, fp.shard_bytes());
-      x = staged;
-    }
+    detail::DeviceScratch staged(device_, offloaded() ? fp.shard_bytes() : 0);
+    if (staged.data) device_.copy(staged.data, fp.shard, fp.shard_bytes());
+    const void* x = staged.data ? staged.data : fp.shard;
     device_.quantize(fp.quant_format, static_cast<const float*>(x), S, mine + scales, mine, fp.quant_block);
-    release(staged, fp.shard_bytes(), MemorySpace::device);
+    staged.release();
     fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot, DType::u8, tag);
   }
 
@@ -264,15 +260,17 @@ class FlatParamGroup {
       if (fp.quantized) {  // only a block format's all-gather fills the wire of such a flat parameter
         const auto S = static_cast<std::size_t>(fp.layout.shard_numel());
         const std::size_t slot = fp.quant_slot_bytes(), scales = fp.quant_scales_bytes();
-        void* f32 = as == DType::f32 ? fp.full : device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), DType::f32), MemorySpace::device);
+        // One launch per shard rank (the slots are apart); under another compute dtype each
+        // slot goes through one shard of f32, then is cast into place.
+        detail::DeviceScratch f32(device_, as == DType::f32 ? 0 : FlatParam::bytes(fp.layout.shard_numel(), DType::f32));
         for (std::size_t r = 0; S != 0 && r < padded / S; ++r) {
           const auto* at = static_cast<const std::byte*>(fp.wire) + r * slot;
-          device_.dequantize(fp.quant_format, at + scales, at, S, static_cast<float*>(f32) + r * S, fp.quant_block);
+          auto* place = static_cast<std::byte*>(fp.full) + r * S * size_of(as);
+          auto* out = f32.data ? static_cast<float*>(f32.data) : reinterpret_cast<float*>(place);
+          device_.dequantize(fp.quant_format, at + scales, at, S, out, fp.quant_block);
+          if (f32.data) device_.cast(place, as, f32.data, DType::f32, S);
         }
-        if (f32 != fp.full) {
-          device_.cast(fp.full, as, f32, DType::f32, padded);
-          release(f32, FlatParam::bytes(fp.layout.padded_numel(), DType::f32), MemorySpace::device);
-        }
+        f32.release();
       } else {
         device_.cast(fp.full, as, fp.wire, fp.gather, padded);
       }

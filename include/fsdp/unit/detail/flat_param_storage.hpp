@@ -139,6 +139,28 @@ inline void release_buffer(const DeviceRef& device, void*& p, std::size_t n, Mem
   p = nullptr;
 }
 
+// A device-space buffer for the length of one call (`bytes` 0: none): release() frees it
+// (and reports a failure); when an exception leaves first, the destructor frees it, its own
+// failure unheard, so a throwing device call leaks nothing.
+struct DeviceScratch {
+  DeviceScratch(const DeviceRef& d, std::size_t n) : device(d), bytes(n) {
+    if (bytes) data = device.allocate(bytes, MemorySpace::device);
+  }
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() {
+    try {
+      release();
+    } catch (...) {  // an error is already leaving
+    }
+  }
+  void release() { release_buffer(device, data, bytes, MemorySpace::device); }
+
+  const DeviceRef& device;
+  std::size_t bytes;
+  void* data = nullptr;
+};
+
 // Waits for a collective, as a span on the trace's compute lane when the model traces.
 struct TracedWait {
   Trace* trace = nullptr;
