@@ -142,7 +142,7 @@ def fsdp_cuda_tests(name, emulated_name, srcs, deps = [], gpu_deps = ["//:fsdp_c
       name: the GPU test's name, e.g. "cuda_sharded_test".
       emulated_name: the emulated test's name, e.g. "cuda_sharded_emulated_test".
       srcs: test files, relative to this package.
-      deps: what the files include besides //:fsdp and //:fsdp_cuda_api (headers only:
+      deps: what the files include besides //:fsdp_separate and //:fsdp_cuda_api (headers only:
         e.g. //:fsdp_nccl_api, not //:fsdp_nccl).
       gpu_deps: the NVIDIA libraries the GPU test links.
       emulated_env: environment of the emulated test only (e.g. its device count).

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
-#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_sharded_errors_test {
 

@@ -14,7 +14,6 @@
 #include <fsdp/testing/counting_device.hpp>
 
 #include "examples/engine/fsdp_integration.hpp"
-#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_sharded_model_test {
 

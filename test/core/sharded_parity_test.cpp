@@ -13,6 +13,12 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 
+// core_sharding_test is the header-only mode's run (test/BUILD.bazel, test/defs.bzl): a
+// dependency that brought in //:fsdp_separate would make it a separately compiled one.
+#if defined(FSDP_SEPARATE_COMPILATION)
+#error "core_sharding_test runs the header-only mode: it must not depend on //:fsdp_separate"
+#endif
+
 namespace core_sharded_parity_test {
 
 namespace {

@@ -8,7 +8,6 @@
 
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/reference_training.hpp"
-#include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace core_strategies_test {
 

@@ -17,6 +17,7 @@
 
 #include "fsdp/core/collective_tag.hpp"
 #include "fsdp/core/communicator.hpp"
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/work.hpp"
@@ -76,7 +77,10 @@ struct CallAt {
 
 // The last step of ReduceOp::avg on the sum of `ranks` contributions: floats are
 // multiplied by 1/ranks (rounded in the dtype, as a kernel would); integers are divided by
-// ranks, truncating, as NCCL's ncclAvg does (a factor 1/ranks would truncate to 0).
+// ranks, truncating, as NCCL's ncclAvg does (a factor 1/ranks would truncate to 0). In the
+// mode's namespace (fsdp/core/config.hpp), as host_scale, which it calls: a header-only
+// file and a separately compiled one must not share one name for two definitions.
+inline namespace FSDP_MODE_NAMESPACE {
 inline void finish_avg(void* sum, std::size_t n, DType t, int ranks) {
   if (is_floating(t)) {
     host_scale(sum, n, t, 1.0 / ranks);
@@ -88,6 +92,7 @@ inline void finish_avg(void* sum, std::size_t n, DType t, int ranks) {
     for (std::size_t i = 0; i < n; ++i) a[i] = static_cast<T>(a[i] / ranks);
   });
 }
+}  // inline namespace FSDP_MODE_NAMESPACE
 
 template <class Backend>
 concept backend_checks_tags = requires { requires Backend::checks_tags; };

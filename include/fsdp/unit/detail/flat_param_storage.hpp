@@ -143,7 +143,7 @@ inline void release_buffer(const DeviceRef& device, void*& p, std::size_t n, Mem
 // (and reports a failure); when an exception leaves first, the destructor frees it, its own
 // failure unheard, so a throwing device call leaks nothing.
 struct DeviceScratch {
-  DeviceScratch(const DeviceRef& d, std::size_t n) : device(d), bytes(n) {
+  DeviceScratch(DeviceRef d, std::size_t n) : device(d), bytes(n) {
     if (bytes) data = device.allocate(bytes, MemorySpace::device);
   }
   DeviceScratch(const DeviceScratch&) = delete;
@@ -156,7 +156,7 @@ struct DeviceScratch {
   }
   void release() { release_buffer(device, data, bytes, MemorySpace::device); }
 
-  const DeviceRef& device;
+  DeviceRef device;  // two pointers, by value: nothing to dangle
   std::size_t bytes;
   void* data = nullptr;
 };
