@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
-#include "fsdp/core/quantize.hpp"
 #include "test/support/errors.hpp"
+#include "test/support/quantize_reference.hpp"
 #include "test/support/reference_training.hpp"
 
 namespace core_quantized_gather_test {
@@ -38,17 +38,6 @@ float* tensor_of(engine::Model& model, std::string_view fqn) {
   return nullptr;
 }
 
-// The host functions' round trip of one shard (fsdp/core/quantize.hpp): quantized in
-// `format` blocks of `block` cut from its first element, then dequantized; a block holding
-// an inf or NaN comes back as NaNs, as a device's quantize writes it.
-std::vector<float> round_trip(QuantFormat format, const float* x, std::size_t n, std::size_t block) {
-  std::vector<std::uint8_t> q(n), scales(fsdp::detail::block_count(n, block) * fsdp::scale_bytes(format));
-  fsdp::detail::quantize_poisoning_nonfinite(format, x, n, q.data(), scales.data(), block);
-  std::vector<float> y(n);
-  fsdp::detail::dequantize_any(format, q.data(), scales.data(), n, y.data(), block);
-  return y;
-}
-
 struct GatherCheck {
   std::int64_t checked = 0, rounded = 0, nans = 0;  // elements: all, unequal to the master, NaN
 };
@@ -69,7 +58,7 @@ GatherCheck check_gathered_as_round_trip(fsdp::ThreadComm& comm, engine::Model& 
     REQUIRE(v.dtype == fsdp::DType::f32);
     const auto S = static_cast<std::size_t>(v.padded_numel);
     const auto* master = static_cast<const float*>(v.param);
-    const std::vector<float> mine = round_trip(format, master, S, block);
+    const std::vector<float> mine = test_support::quantize_round_trip(format, std::vector<float>(master, master + S), block, true);
     every_round_trip[k].resize(S * world);
     every_master[k].resize(S * world);
     comm.all_gather(mine.data(), every_round_trip[k].data(), S, fsdp::DType::f32).wait();

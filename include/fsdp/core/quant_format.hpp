@@ -29,4 +29,9 @@ inline constexpr std::size_t scale_bytes(QuantFormat f) { return f == QuantForma
 // MXFP8's block: 32 elements share one e8m0 scale (OCP Microscaling).
 inline constexpr std::size_t kMxBlock = 32;
 
+namespace detail {
+// Number of blocks of `block` elements covering n (the last one may be shorter).
+inline constexpr std::size_t block_count(std::size_t n, std::size_t block) { return n / block + (n % block != 0); }
+}  // namespace detail
+
 }  // namespace fsdp

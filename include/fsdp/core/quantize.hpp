@@ -22,8 +22,6 @@ namespace fsdp {
 
 namespace detail {
 
-// Number of blocks of `block` elements covering n (the last one may be shorter).
-inline std::size_t block_count(std::size_t n, std::size_t block) { return n / block + (n % block != 0); }
 
 // Checks the spans of a block (de)quantization: block > 0, as many codes as values, one
 // scale per block. `fn` names the call in the message, the other names the arguments.

@@ -13,6 +13,7 @@
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/flat_param.hpp"
+#include "fsdp/core/quant_format.hpp"
 #include "fsdp/core/trace.hpp"
 #include "fsdp/core/work.hpp"
 
@@ -81,8 +82,7 @@ struct FlatParam {
   }
   // One shard rank's slot of a quantized all-gather: its scales, then its codes, padded to 8.
   std::size_t quant_scales_bytes() const {
-    const auto S = static_cast<std::size_t>(layout.shard_numel());
-    return (S / quant_block + (S % quant_block != 0)) * scale_bytes(quant_format);
+    return detail::block_count(static_cast<std::size_t>(layout.shard_numel()), quant_block) * scale_bytes(quant_format);
   }
   std::size_t quant_slot_bytes() const {
     return (quant_scales_bytes() + static_cast<std::size_t>(layout.shard_numel()) + 7) / 8 * 8;
