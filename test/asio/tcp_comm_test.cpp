@@ -14,6 +14,7 @@
 #include "fsdp/host/thread_group.hpp"
 #include "tcp_cases.hpp"
 #include "test/asio/tcp_world.hpp"
+#include "test/support/sanitized.hpp"
 
 namespace asio_tcp_comm_test {
 
@@ -36,9 +37,12 @@ constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, Reduce
 
 }  // namespace
 
+// Under a sanitizer on 1 to 4 and 8 ranks (test/support/sanitized.hpp): 5 to 7 threads of
+// ranks take most of the time and reach no code that 4 and 8 do not.
 TEST_CASE("every collective on 1..8 ranks equals the ring-order reference, bit for bit") {
   for (int n = 1; n <= 8; ++n)
     for (int io : test_support::kIoThreads) {
+      if (test_support::sanitized && n > 4 && n < 8) continue;
       CAPTURE(n);
       CAPTURE(io);
       // Small segments: the larger counts take several frames per step.
@@ -92,8 +96,11 @@ TEST_CASE("the 8-bit floats: f8 in every op, e8m0 in max and min, all three gath
   check_against_reference(world, cases);
 }
 
+// Under a sanitizer on 2 and 3 ranks (test/support/sanitized.hpp): both ways of sending,
+// without the 4 ranks that took 40% of its 18 s under TSan.
 TEST_CASE("large messages (a few MiB per rank) with the default segment size") {
   for (int n : {2, 3, 4}) {
+    if (test_support::sanitized && n == 4) continue;
     TcpWorld world(n, test_support::ok_options(1 << 20, n == 3 ? 1 : 2));
     const std::size_t count = (3u << 20) / 4 + 5;  // ~3 MiB of f32: several 1 MiB segments, a ragged end
     check_against_reference(world, {{K::all_gather, n, count},

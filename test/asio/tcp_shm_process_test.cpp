@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstddef>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "forked_ranks.hpp"
 #include "tcp_cases.hpp"
 #include "test/support/errors.hpp"
+#include "test/support/sanitized.hpp"
 
 namespace asio_tcp_shm_process_test {
 
@@ -52,12 +54,17 @@ void run_and_check(fsdp::TcpComm& comm, int r, const std::vector<Case>& cases) {
   }
 }
 
-std::vector<Case> cases_for(int n) { return test_support::every_kind_cases(n, {0, 5, 1001, 300007}); }
+// Under a sanitizer the largest input and the segments are a quarter the size
+// (test/support/sanitized.hpp): as many frames, and a ring that fills as often.
+constexpr std::size_t kLargest = test_support::sanitized ? 75001 : 300007;
+constexpr std::size_t kSegmentBytes = test_support::sanitized ? 16 * 1024 : 64 * 1024;
+
+std::vector<Case> cases_for(int n) { return test_support::every_kind_cases(n, {0, 5, 1001, kLargest}); }
 
 fsdp::TcpCommOptions small_segments(std::chrono::milliseconds timeout) {
   fsdp::TcpCommOptions o;
   o.timeout = timeout;
-  o.segment_bytes = 64 * 1024;  // ~1.2 MiB inputs: many frames, and a ring that fills
+  o.segment_bytes = kSegmentBytes;  // ~1.2 MiB inputs (0.3 MiB sanitized): many frames, and a ring that fills
   o.shared_memory_bytes = 4 * o.segment_bytes;
   return o;
 }

@@ -1,6 +1,7 @@
 // fsdp/cuda/cuda_device.hpp: CudaDevice against fsdp::HostDevice. Every case that needs a
 // GPU is skipped (reported as skipped by doctest, never as passed) when
 // fsdp::cuda_device_count() is 0, e.g. on a build machine with the toolkit but no driver.
+#include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -399,12 +400,18 @@ TEST_CASE("cast_zeroing casts like cast and zeroes like fill_zero_batch, in one 
   }
 }
 
-// Past the grid cap (32 blocks per SM) the kernels loop over their blocks: a 320 MiB
-// buffer (10,240 blocks of 32 KiB; an H200's cap is 4,224) zeroed alone and beside a cast
-// of 8M elements (cap: 4,224 blocks of 256 threads, 1.08M elements).
+// Past the grid cap (32 blocks per SM) the kernels loop over their blocks: a buffer of 2.5
+// caps of 32 KiB blocks zeroed alone and beside a cast of 8 caps of elements (256 threads a
+// block). On an H200 (132 SMs: a cap of 4,224 blocks) that is 330 MiB and 8.7M elements;
+// the emulated test shows 4 SMs (FSDP_CUDA_EMULATOR_SMS, test/BUILD.bazel): 10 MiB and 262K,
+// the same loops at a 32nd of the bytes (54 s of 62 under ASan at 320 MiB).
 TEST_CASE("fill_zero_batch and cast_zeroing loop past the grid cap" * doctest::skip(no_gpu)) {
   CudaDevice dev;
-  constexpr std::size_t big = std::size_t{320} << 20, small = 4096, n = std::size_t{8} << 20;
+  int sms = 0;
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index()) == cudaSuccess);
+  REQUIRE(sms > 0);
+  const std::size_t cap = static_cast<std::size_t>(sms) * 32;
+  const std::size_t big = (cap * 5 / 2 + 3) * (std::size_t{32} << 10), small = 4096, n = cap * 256 * 8 + 5;
   auto* z = static_cast<unsigned char*>(dev.allocate(big + small, kDev));
   Bytes pattern(big + small, 0x5A), back(big + small);
   auto count_zero = [&] {

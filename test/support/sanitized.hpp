@@ -4,7 +4,9 @@
 // Such a sweep (every float of a stride, millions of random values, a matrix of policy
 // combinations each trained alike) checks values, and the plain build runs it whole; under a
 // sanitizer the same code is 5 to 10 times slower, and a sample of it reaches the same
-// instructions, which is what a sanitizer checks. So sanitized runs take every 16th.
+// instructions, which is what a sanitizer checks. So sanitized runs take every 16th (or 17th).
+// So do the long sweeps of the TCP backend's collectives (sizes, world sizes, segment sizes):
+// there a sanitizer checks the threads and buffers a sample reaches as well.
 #include <cstdint>
 
 namespace test_support {
@@ -25,5 +27,9 @@ inline constexpr bool sanitized = false;
 inline constexpr std::uint64_t sweep_stride(std::uint64_t step) { return sanitized ? 16 * step : step; }
 // A sweep's count: `n`, or a 16th of it (at least 1) under a sanitizer.
 inline constexpr int sweep_count(int n) { return sanitized ? (n / 16 > 0 ? n / 16 : 1) : n; }
+// Whether case `i` of a nested sweep (numbered across all its loops) runs: every case, or every
+// 17th under a sanitizer. 17 is prime, so no loop of fewer than 17 values is stuck on one of
+// them: over a long enough sweep every value of every loop still comes up.
+inline constexpr bool sweep_takes(std::uint64_t i) { return !sanitized || i % 17 == 0; }
 
 }  // namespace test_support

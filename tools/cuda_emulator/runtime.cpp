@@ -131,7 +131,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   FSDP_EMULATOR_ENTER(cudaDeviceGetAttribute);
   if (!valid_device(device)) return entry.fail(cudaErrorInvalidDevice);
   switch (attr) {
-    case cudaDevAttrMultiProcessorCount: *value = kSmCount; break;
+    case cudaDevAttrMultiProcessorCount: *value = sm_count(); break;
     case cudaDevAttrComputeCapabilityMajor: *value = kComputeMajor; break;
     case cudaDevAttrComputeCapabilityMinor: *value = kComputeMinor; break;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
@@ -146,7 +146,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   std::strncpy(prop->name, kDeviceName, sizeof prop->name - 1);
   prop->major = kComputeMajor;
   prop->minor = kComputeMinor;
-  prop->multiProcessorCount = kSmCount;
+  prop->multiProcessorCount = sm_count();
   prop->totalGlobalMem = kMemoryBytes;
   prop->maxThreadsPerBlock = 1024;
   return cudaSuccess;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <new>
 #include <string>
 #include <thread>
@@ -28,35 +29,38 @@ std::string hex(const void* p) {
 
 const char* space_name(Space s) { return s == Space::device ? "device" : "pinned host"; }
 
+// The value of environment variable `name`, a whole number in [lo, hi]; `fallback` where it is
+// unset or empty. Anything else stops the program, saying what the variable must be (`what`).
+long env_number(const char* name, long fallback, long lo, long hi, const char* what) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < lo || n > hi) {
+    std::fprintf(stderr, "cuda_emulator: %s='%s' is not %s\n", name, v, what);
+    std::abort();
+  }
+  return n;
+}
+
 // FSDP_CUDA_EMULATOR_DEVICES: how many GPUs the runtime shows at start (1 unset), so that
 // each process of a multi-process test can take its rank's.
 int devices_at_start() {
-  const char* v = std::getenv("FSDP_CUDA_EMULATOR_DEVICES");
-  if (!v || !*v) return 1;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 0 || n > 64) {
-    std::fprintf(stderr, "cuda_emulator: FSDP_CUDA_EMULATOR_DEVICES='%s' is not a count of GPUs in [0, 64]\n", v);
-    std::abort();
-  }
-  return static_cast<int>(n);
+  return static_cast<int>(env_number("FSDP_CUDA_EMULATOR_DEVICES", 1, 0, 64, "a count of GPUs in [0, 64]"));
 }
 
 }  // namespace
 
 std::chrono::seconds hang_bound() {
-  static const std::chrono::seconds bound = [] {
-    const char* v = std::getenv("FSDP_CUDA_EMULATOR_HANG_S");
-    if (!v || !*v) return std::chrono::seconds(60);
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    if (*end != '\0' || n <= 0) {
-      std::fprintf(stderr, "cuda_emulator: FSDP_CUDA_EMULATOR_HANG_S='%s' is not a positive number of seconds\n", v);
-      std::abort();
-    }
-    return std::chrono::seconds(n);
-  }();
+  static const std::chrono::seconds bound(env_number("FSDP_CUDA_EMULATOR_HANG_S", 60, 1, std::numeric_limits<long>::max(),
+                                                     "a positive number of seconds"));
   return bound;
+}
+
+int sm_count() {
+  static const int count =
+      static_cast<int>(env_number("FSDP_CUDA_EMULATOR_SMS", kSmCount, 1, 1024, "a count of SMs in [1, 1024]"));
+  return count;
 }
 
 Runtime& Runtime::get() {

@@ -19,7 +19,7 @@ namespace cuda_emulator::detail {
 
 // The GPU the emulator shows: an H200's figures (NVRTC compiles for its architecture).
 inline constexpr char kDeviceName[] = "fsdp CUDA runtime emulator";  // test/support/gpu.hpp tells it by this
-inline constexpr int kSmCount = 132;
+inline constexpr int kSmCount = 132;  // FSDP_CUDA_EMULATOR_SMS shows another count (sm_count())
 inline constexpr int kComputeMajor = 9, kComputeMinor = 0;
 inline constexpr std::size_t kMemoryBytes = std::size_t{141} << 30;  // per space
 
@@ -107,6 +107,10 @@ struct Pending {
 // How long a host wait on a pending operation may last before the emulator calls it a hang
 // (FSDP_CUDA_EMULATOR_HANG_S, default 60 s).
 std::chrono::seconds hang_bound();
+// The SM count the runtime shows: kSmCount, or FSDP_CUDA_EMULATOR_SMS (1 to 1024), so that a
+// test of the kernels' loops past their grid cap (32 blocks per SM) needs buffers a few
+// times that cap, not an H200's (cuda_device_emulated_test sets 4).
+int sm_count();
 
 class Runtime {
  public:
