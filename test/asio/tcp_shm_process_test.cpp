@@ -126,7 +126,10 @@ TEST_CASE("a process killed with SIGKILL mid-collective over shared memory: surv
 
 TEST_CASE("a process that stalls with shared-memory links: the others time out naming it") {
   const auto t0 = Clock::now();
-  const auto results = run_ranks(3, {0, 1, 2}, small_segments(1500ms), [](fsdp::TcpComm& comm, int r) {
+  auto options = small_segments(1500ms);
+  options.segment_bytes = 64 * 1024;  // sanitized too: 16 frames of its 1 MiB before the stall
+  options.shared_memory_bytes = 4 * options.segment_bytes;
+  const auto results = run_ranks(3, {0, 1, 2}, options, [](fsdp::TcpComm& comm, int r) {
     if (test_support::link_text(comm) != "11") throw fsdp::Error("links are not shared: " + test_support::link_text(comm));
     std::vector<float> x(1 << 18, 1.0f), y(x.size());
     comm.all_reduce(x.data(), y.data(), x.size(), DType::f32, ReduceOp::sum).wait();

@@ -44,7 +44,7 @@ compile() {
   first=$(head -n 1 "$tmp/$1.cpp")
   local -a pch_args=()
   [[ $first == '#include "fsdp/fsdp.hpp"' ]] && pch_args=(-include "$pch")
-  g++ -std=c++20 -fsyntax-only -I"$inc" "${pch_args[@]}" "$tmp/$1.cpp" >"$tmp/$1.log" 2>&1
+  g++ -std=c++20 -fsyntax-only -I"$inc" ${pch_args[@]+"${pch_args[@]}"} "$tmp/$1.cpp" >"$tmp/$1.log" 2>&1
 }
 
 # expect_error NAME MESSAGE < SOURCE: the snippet must fail to compile, and the

@@ -404,7 +404,7 @@ TEST_CASE("cast_zeroing casts like cast and zeroes like fill_zero_batch, in one 
 // caps of 32 KiB blocks zeroed alone and beside a cast of 8 caps of elements (256 threads a
 // block). On an H200 (132 SMs: a cap of 4,224 blocks) that is 330 MiB and 8.7M elements;
 // the emulated test shows 4 SMs (FSDP_CUDA_EMULATOR_SMS, test/BUILD.bazel): 10 MiB and 262K,
-// the same loops at a 32nd of the bytes (54 s of 62 under ASan at 320 MiB).
+// the same loops at a 33rd of an H200's bytes (54 s of 62 under ASan at 320 MiB).
 TEST_CASE("fill_zero_batch and cast_zeroing loop past the grid cap" * doctest::skip(no_gpu)) {
   CudaDevice dev;
   int sms = 0;

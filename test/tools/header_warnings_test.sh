@@ -39,9 +39,8 @@
 # libtorch's headers that include <torch/torch.h> under no #if compile after a PCH of that
 # header alone (third-party, but one each of them includes anyway), not after a hub of ours.
 # PCHs are not chained (clang 14 crashes on a PCH built on another, or loses its macros).
-# Building a PCH is no check (clang skips its end-of-file checks there, g++ its
-# instantiations): every header, hub or not, has its own compile; a g++ hub's (libtorch's)
-# after its own PCH, which leaves it only the end-of-file work.
+# Building a PCH is no check (clang skips its end-of-file checks there): every header, hub or
+# not, has its own compile. Hubs are clang's: g++ compiles only libtorch's headers, never hubs.
 #
 # Usage: header_warnings_test.sh [ROOT]   ROOT holds include/, examples/engine/ and this
 # test's engine file (default: the current directory, as under `bazel test`). JOBS sets the
@@ -165,7 +164,7 @@ def est(h):
     heavy = {k for t in tp for k in HEAVY if t.startswith(k)}
     return 0.2 + sum(lines[d] for d in close(h)) / 4000 + sum(HEAVY[k] for k in heavy) + 0.015 * len(tp)
 cost = {h: est(h) for h in headers}
-LOAD = {clang: 0.1, gxx: 5.0}  # loading a PCH (g++'s of libtorch: 600 MB)
+LOAD = {clang: 0.1}  # loading a PCH
 # A header's possible hubs: what it includes under no #if, compiled by the same compiler. Not
 # for libtorch's headers: those that include <torch/torch.h> under no #if compile after a PCH
 # of it instead (below), which is what they spend their time on.
@@ -180,8 +179,6 @@ while True:  # greedy: add the hub that saves the most, while one saves more tha
         if b in hubs or b in extra or b in torch:
             continue
         g = -(1.3 * cost[b] + 0.2)  # its PCH: a compile more, a third slower than a check
-        if compiler[b] == gxx:  # and g++ checks it after its own PCH (below)
-            g += now(b) - LOAD[gxx]
         for h, cands in eligible.items():
             if b in cands:
                 g += max(0.0, now(h) - (LOAD[compiler[h]] + cost[h] - cost[b]))
@@ -193,14 +190,12 @@ while True:  # greedy: add the hub that saves the most, while one saves more tha
     for h, cands in eligible.items():
         if best in cands and (h not in base or cost[best] > cost[base[h]]):
             base[h] = best
-for h in hubs:
-    if compiler[h] == gxx:
-        base[h] = h
 # libtorch's headers: <torch/torch.h> alone takes 20 s of g++'s CPU of the 21 to 30 each of
 # them took, and 36 s into a PCH, after which each takes 6 to 10 s (December 2026). A header
 # that includes it under no #if compiles after that PCH: it sees nothing it does not include
 # itself, as after a hub's. (A hub of ours that includes libtorch, chosen by the estimates,
-# took 46 s to build, and the header that does not include it 30 s alone.)
+# took 46 s to build, and fsdp/torch/optimizer.hpp, which does not include it, 30 s alone.
+# fsdp/torch/tensor_traits.hpp includes only ATen's tensor: it compiles alone, in 5 s.)
 TORCH_HUB = "torch/torch.h"
 torch_users = sorted(h for h in torch if h in headers and TORCH_HUB in theirs_unconditional[h] and not define_first[h])
 compiler[TORCH_HUB] = gxx
@@ -214,12 +209,9 @@ def add(job, c, argv, hub=None, prio=0, report=True):
 
 # Each header on its own (-fsyntax-only), and each hub into its PCH, from its own "#include"
 # (a PCH takes the same flags as the files that use it). Building a PCH is no check: clang
-# skips its end-of-file checks there, g++ its end-of-file work (the instantiations; the files
-# that use the PCH do it). So a hub is checked as every header is; with g++, after its own
-# PCH (the end-of-file work is then all that is left: libtorch's hub checks in 5 s, not 17;
-# should its PCH fail, as on any warning while it parses, the check reads the header).
-# g++ finds a PCH as X.gch beside the X it is told to -include (and reads X, the "#include",
-# should the PCH not fit).
+# skips its end-of-file checks there. So a hub is checked as every header is.
+# g++ finds a PCH (libtorch's) as X.gch beside the X it is told to -include (and reads X, the
+# "#include", should the PCH not fit).
 pch_job = {}  # hub -> the job that writes its PCH
 if torch_users:
     src = os.path.join(tmp, "pch", name(TORCH_HUB) + ".hpp")

@@ -76,9 +76,11 @@ void reset_this_thread_calls();
 std::vector<std::string> take_violations();
 
 // How many GPUs the emulated runtime shows (1 at start, or FSDP_CUDA_EMULATOR_DEVICES).
-// Each shows an H200's 132 SMs, or FSDP_CUDA_EMULATOR_SMS of them (1 to 1024: a grid cap
-// of 32 blocks per SM that a test can pass with small buffers).
 void set_device_count(int n);
+
+// Each emulated GPU shows an H200's 132 SMs, or FSDP_CUDA_EMULATOR_SMS of them (1 to 1024,
+// read at the first query): CudaDevice caps its grids at 32 blocks per SM, and with few SMs
+// a test passes that cap with small buffers.
 
 // The next call named `call` (any thread), after `skip` more of them, returns `error`
 // without doing anything, as a failing runtime would. An NCCL call returns ncclSystemError

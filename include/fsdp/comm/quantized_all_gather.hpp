@@ -14,7 +14,7 @@
 // dequantized then. Other failures (an allocation, the device, the communicator) take
 // the communicator's own failure path, as any collective's do: the peers' gather fails
 // naming the rank. For an engine's own gathers: a unit under a block-format CommPrecision
-// (fsdp/policy/policies.hpp) does not call it. Its slots carry no status word, and a block
+// (fsdp/policy/policies.hpp) does not call it. The unit's slots carry no status word, and a block
 // holding an inf or NaN arrives as a block of NaNs, since a unit does not wait for the
 // device to read a status on its hot path (docs/precision_and_offload.md).
 #include <algorithm>
