@@ -1,7 +1,7 @@
 // fsdp/asio/tcp_comm.hpp: results. Every collective on 1..8 ranks (1..4 and 8 under a
-// sanitizer; threads with their own TcpComm over loopback sockets) against the ring-order reference bit for bit, equality
-// with ThreadComm on 2 ranks, run-to-run reproducibility, asynchrony, split and a 2x2
-// DeviceMesh. Failures are in tcp_comm_failure_test.cpp.
+// sanitizer; threads with their own TcpComm over loopback sockets) against the ring-order
+// reference bit for bit, equality with ThreadComm on 2 ranks, run-to-run reproducibility,
+// asynchrony, split and a 2x2 DeviceMesh. Failures are in tcp_comm_failure_test.cpp.
 #include <doctest/doctest.h>
 
 #include <atomic>

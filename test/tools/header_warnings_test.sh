@@ -212,26 +212,22 @@ def add(job, c, argv, hub=None, prio=0, report=True):
 # skips its end-of-file checks there. So a hub is checked as every header is.
 # g++ finds a PCH (libtorch's) as X.gch beside the X it is told to -include (and reads X, the
 # "#include", should the PCH not fit).
-pch_job = {}  # hub -> the job that writes its PCH
 if torch_users:
-    src = os.path.join(tmp, "pch", name(TORCH_HUB) + ".hpp")
-    with open(src, "w") as fh:
-        fh.write(f"#include <{TORCH_HUB}>\n")
-    pch_job[TORCH_HUB] = "pch-" + name(TORCH_HUB)
-    add(pch_job[TORCH_HUB], gxx, [gxx, *flags, "-x", "c++-header", src, "-o", src + ".gch"], prio=2, report=False)
     hubs.add(TORCH_HUB)
     for h in torch_users:
         base[h] = TORCH_HUB
+pch_job = {}  # hub -> the job that writes its PCH
+for h in sorted(hubs):
+    c, n = compiler[h], name(h)
+    src = os.path.join(tmp, "pch", n + ".hpp")
+    with open(src, "w") as fh:
+        fh.write(f'#include <{h}>\n' if h == TORCH_HUB else f'#include "{h}"\n')
+    pch_job[h] = "pch-" + n
+    out = ["-x", "c++-header"] + (["-fpch-instantiate-templates"] if c == clang else []) + [
+        src, "-o", src + (".gch" if c == gxx else ".pch")]
+    add(pch_job[h], c, [c, *flags, *out], prio=2, report=False)
 for h in headers:
     c, n = compiler[h], name(h)
-    if h in hubs:
-        src = os.path.join(tmp, "pch", n + ".hpp")
-        with open(src, "w") as fh:
-            fh.write(f'#include "{h}"\n')
-        pch_job[h] = "pch-" + n
-        out = ["-x", "c++-header"] + (["-fpch-instantiate-templates"] if c == clang else []) + [
-            src, "-o", src + (".gch" if c == gxx else ".pch")]
-        add(pch_job[h], c, [c, *flags, *out], prio=2, report=False)
     src = os.path.join(tmp, "src", n + ".cpp")
     with open(src, "w") as fh:
         fh.write(f'#include "{h}"\n')

@@ -15,6 +15,9 @@
 //     rank has queued its part (nccl.cpp); work ordered after either is deferred until
 //     then, queries report cudaErrorNotReady, synchronizations wait (a wait past
 //     FSDP_CUDA_EMULATOR_HANG_S, default 60 s, is reported as a hang).
+//   - Each emulated GPU shows an H200's 132 SMs, or FSDP_CUDA_EMULATOR_SMS of them (1 to
+//     1024): CudaDevice caps its grids at 32 blocks per SM, and with few SMs a test passes
+//     that cap with small buffers.
 //   - It counts every call per thread, and the time spent inside them, so a test can pin a
 //     step's CUDA calls and a bench can time the library's own code around them.
 //   - It checks what a GPU would not report: a kernel or copy on memory that is not live
@@ -77,10 +80,6 @@ std::vector<std::string> take_violations();
 
 // How many GPUs the emulated runtime shows (1 at start, or FSDP_CUDA_EMULATOR_DEVICES).
 void set_device_count(int n);
-
-// Each emulated GPU shows an H200's 132 SMs, or FSDP_CUDA_EMULATOR_SMS of them (1 to 1024,
-// read at the first query): CudaDevice caps its grids at 32 blocks per SM, and with few SMs
-// a test passes that cap with small buffers.
 
 // The next call named `call` (any thread), after `skip` more of them, returns `error`
 // without doing anything, as a failing runtime would. An NCCL call returns ncclSystemError
