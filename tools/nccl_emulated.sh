@@ -5,7 +5,10 @@
 # (bootstrap, split, collective tags, the watchdog, stream order, sharded training against
 # the host reference bit for bit), not NCCL or a GPU: tools/gpu_proof.sh does that.
 #
-#   tools/nccl_emulated.sh
+#   tools/nccl_emulated.sh [BAZEL_BUILD_FLAG...]
+#
+# Flags go to its `bazel build` (.ci/run passes its plain stage's, so that the binaries that
+# stage built are used as they are, not compiled again).
 #
 # Each case runs on its own (doctest --test-case), so a case that reports itself skipped
 # (its GPUs not visible) is counted as skipped; there must be none. Last line:
@@ -15,11 +18,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 tools/setup.sh || exit 1
-bazel build //test/nccl:nccl_comm_emulated_test //test/nccl:nccl_streams_emulated_test || {
+bazel build "$@" //test/nccl:nccl_comm_emulated_test //test/nccl:nccl_streams_emulated_test || {
   echo "nccl emulated: ranks=2,4 passed=0 failed=1 skipped=0 (the tests did not build)"
   exit 1
 }
-bin=$(bazel info bazel-bin 2>/dev/null)/test/nccl
+bin=$(bazel info "$@" bazel-bin 2>/dev/null)/test/nccl
 
 passed=0 failed=0 skipped=0
 # run <ranks> <binary> <case name pattern>

@@ -21,6 +21,8 @@
 #include "test/faults/faulty_training.hpp"
 #include "test/faults/unit_order_checks.hpp"
 
+namespace faults_tcp_faults_test {
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -167,3 +169,5 @@ TEST_CASE("TcpComm: a rank that skips a unit fails at the next all-gather, namin
     CHECK(std::find(o.logs[r].begin(), o.logs[r].end(), "pre_forward gain") == o.logs[r].end());
   }
 }
+
+}  // namespace faults_tcp_faults_test
