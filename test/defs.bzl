@@ -3,9 +3,9 @@
 Test programs are compiled in the separately compiled mode (//:fsdp_separate, which defines
 FSDP_SEPARATE_COMPILATION for every file of the program: fsdp/core/config.hpp): the unit's
 implementation compiles once, in src/fsdp_separate.cpp, instead of in every test file, which
-took 62% of a test file's compile (the precision tests', then core_precision_test: 41.7 s header-only, 15.9 s
-separate, g++ -O0, December 2026), and that for each of CI's three builds (g++, and clang
-under ASan and under TSan). The header-only mode runs too: core_sharding_test
+took 62% of a test file's compile (the precision tests, then core_precision_test: 41.7 s
+header-only, 15.9 s separate, g++ -O0, December 2026), and that for each of CI's three
+builds (g++, and clang under ASan and under TSan). The header-only mode runs too: core_sharding_test
 (header_only = True), the examples' tests (examples/ builds header-only) and the benches;
 test/tools:header_warnings_test compiles every header in both modes.
 """
