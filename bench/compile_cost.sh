@@ -47,6 +47,18 @@
 #   root, backend, host math compiled once 18.15 s  556 MB   3.01 s  196 MB   8.76 s  399 MB  13.23 s  422 MB
 # (d) - (b) = +5.75 s, +203 MB (the same day before the move, interleaved the same way:
 # +8.02 s, +225 MB); (d)'s object file: 127 KB of code, from 185 KB.
+# Then (2026-12-01, a slower machine: (b) 4.4 s) the headers kept out of an engine's file
+# what only the separately compiled functions use (ShardedModel's take-over, ThreadComm's
+# shared state and its mismatch messages, the quantization loops), HostDevice's
+# quantize/dequantize and the setup's cross-rank check (detail::check_same_across_ranks)
+# moved into the one file, and the module walk compiles one copy of its per-module step
+# per module type (detail::collect_module, WrapPlanner::meet/decide), not one per root and
+# module type. (b) and (d) of both commits, interleaved, 3 runs each:
+#                                         (b)              (d)
+#   before                                 4.37 s  195 MB  12.75 s  397 MB
+#   after                                  4.37 s  195 MB  10.59 s  366 MB
+# (d) - (b) = +6.22 s (2.42x), +171 MB, from +8.38 s (2.92x), +202 MB; (d)'s object file:
+# 103 KB of code, from 123 KB; -fsyntax-only 4.6 s from 5.7 s ((b): 2.1 s).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 n=${1:-5}

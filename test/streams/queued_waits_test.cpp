@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fsdp/fsdp.hpp"
+#include "fsdp/unit/detail/flat_param_storage.hpp"  // detail::TracedWait, wait_for_use, settle_before_free
 #include "test/support/device_training.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/queued_host.hpp"

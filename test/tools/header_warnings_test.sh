@@ -19,7 +19,8 @@
 #    training steps, MixedPrecision, offload, checkpoint save and load), for the warnings
 #    inside template bodies; the engine file alone with clang++-14; and once more with g++
 #    under FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), whose own source,
-#    fsdp/separate_compilation.hpp, is compiled in that mode too;
+#    fsdp/separate_compilation.hpp, is compiled in that mode too, as is, on its own, every
+#    header with definitions for that source (#if FSDP_DEFINES_IMPLEMENTATION);
 #  - canaries: a header of ours with an unused variable must fail with each compiler, or the
 #    flags are wrong; a header that uses std::priority_queue without <queue> must fail after
 #    a precompiled header (below), or the PCHs hide missing includes.
@@ -153,6 +154,11 @@ if torch and not torch_include:
     headers = [h for h in headers if h not in torch]
 # The one source of the separately compiled mode is compiled in that mode (fsdp/core/config.hpp).
 extra = {h: ["-DFSDP_SEPARATE_COMPILATION"] for h in headers if h == "fsdp/separate_compilation.hpp"}
+# The headers that keep definitions for that one source (#if FSDP_DEFINES_IMPLEMENTATION)
+# and include there what only those use: each compiles on its own in that mode too, so that
+# the rest of it uses nothing it includes only there.
+separate = sorted(h for h in headers if h not in extra and h != "fsdp/core/config.hpp" and h not in torch and
+                  "FSDP_DEFINES_IMPLEMENTATION" in open(path[h], encoding="utf-8").read())
 compiler = {h: gxx if h in torch else clang for h in headers}
 
 # Estimated CPU seconds of a header's compile, only used to pick the hubs: a least-squares
@@ -232,6 +238,9 @@ for h in headers:
     with open(src, "w") as fh:
         fh.write(f'#include "{h}"\n')
     add(n, c, [c, *flags, *extra.get(h, []), "-fsyntax-only", src], base.get(h))
+for h in separate:  # the same one-line file, in the separately compiled mode, after no PCH
+    add(name(h) + "-separate", compiler[h], [compiler[h], *flags, "-DFSDP_SEPARATE_COMPILATION", "-fsyntax-only",
+                                            os.path.join(tmp, "src", name(h) + ".cpp")])
 
 # Every header in one file (not the separate compilation's source, nor libtorch's, which
 # compile with g++ on their own already), then the engine file, with g++: g++'s warnings in
@@ -313,6 +322,7 @@ with open(os.path.join(tmp, "jobs"), "w") as fh:
     fh.writelines(o + "\n" for o in order)
 with open(os.path.join(tmp, "summary"), "w") as fh:
     fh.write(f"{len(headers)} headers on their own ({len(headers) - len(torch & set(headers))} with {clang}, "
+             f"{len(separate)} of them also under FSDP_SEPARATE_COMPILATION, "
              f"{len(torch & set(headers))} that include libtorch with {gxx}, {len(torch_users)} of them after a PCH of "
              f"<{TORCH_HUB}>; {len(hubs & set(headers))} of ours also into PCHs, used by "
              f"{sum(1 for h in base if base[h] != TORCH_HUB)})")

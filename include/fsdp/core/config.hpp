@@ -15,14 +15,15 @@
 // FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Besides
 // detail::make_unit (the unit's implementation), they are the functions that depend on no
 // template argument of what every engine file uses: ShardedModel's and ExecutionOrder's
-// members, the thread-rank backend's collectives, the host arithmetic; each header
-// declares them and defines them under `#if FSDP_DEFINES_IMPLEMENTATION`. A free function
-// of them (make_unit, the host arithmetic) is declared inside `inline namespace
-// FSDP_MODE_NAMESPACE`, whose name differs between the modes, so that a program compiled in
-// that mode without the one file fails to link (an undefined
-// fsdp::detail::separately_compiled::... symbol; the members are simply undefined there,
-// fsdp::ShardedModel::add and the like). One program is in one
-// mode: mixing them (a library compiled header-only linked with files compiled under
+// members, the thread-rank backend's collectives, HostDevice's block quantization, the
+// setup's cross-rank check, the host arithmetic; each header declares them and defines
+// them under `#if FSDP_DEFINES_IMPLEMENTATION`, and includes there, not at its top, what
+// only those definitions use. A free function of them (make_unit, the host arithmetic,
+// check_same_across_ranks) is declared inside `inline namespace FSDP_MODE_NAMESPACE`, whose
+// name differs between the modes, so that a program compiled in that mode without the one
+// file fails to link (an undefined fsdp::detail::separately_compiled::... symbol; the
+// members are simply undefined there, fsdp::ShardedModel::add and the like). One program is
+// in one mode: mixing them (a library compiled header-only linked with files compiled under
 // FSDP_SEPARATE_COMPILATION) is not supported; the templates both modes instantiate would
 // differ in what they call (an ODR violation a linker need not report).
 #if defined(FSDP_SEPARATE_COMPILATION) && !defined(FSDP_SEPARATE_COMPILATION_SOURCE)

@@ -10,11 +10,14 @@
 #include <optional>
 #include <utility>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/detail/memory_counter.hpp"
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/error.hpp"
+#if FSDP_DEFINES_IMPLEMENTATION  // only the quantize members, compiled once under FSDP_SEPARATE_COMPILATION
 #include "fsdp/core/quantize.hpp"
+#endif
 
 namespace fsdp {
 
@@ -65,15 +68,8 @@ class HostDevice {
   // Block quantization (see QuantizingDevice): fsdp/core/quantize.hpp's functions, with a
   // block holding an inf or NaN written as a NaN block and remembered, as CudaDevice's
   // kernel does.
-  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block) {
-    check_quant_block(f, block, "HostDevice::quantize");
-    if (const auto bad = detail::quantize_poisoning_nonfinite(f, x, n, q, scales, block))
-      first_bad_ = first_bad_ ? std::min(*first_bad_, *bad) : *bad;
-  }
-  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
-    check_quant_block(f, block, "HostDevice::dequantize");
-    detail::dequantize_any(f, q, scales, n, x, block);
-  }
+  void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block);
+  void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block);
   std::optional<std::size_t> quantize_nonfinite() { return std::exchange(first_bad_, std::nullopt); }
 
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
@@ -87,5 +83,20 @@ class HostDevice {
 
 static_assert(UnscalingDevice<HostDevice>);
 static_assert(QuantizingDevice<HostDevice>);
+
+#if FSDP_DEFINES_IMPLEMENTATION
+FSDP_DECL void HostDevice::quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales,
+                                    std::size_t block) {
+  check_quant_block(f, block, "HostDevice::quantize");
+  if (const auto bad = detail::quantize_poisoning_nonfinite(f, x, n, q, scales, block))
+    first_bad_ = first_bad_ ? std::min(*first_bad_, *bad) : *bad;
+}
+
+FSDP_DECL void HostDevice::dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x,
+                                      std::size_t block) {
+  check_quant_block(f, block, "HostDevice::dequantize");
+  detail::dequantize_any(f, q, scales, n, x, block);
+}
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 }  // namespace fsdp

@@ -11,32 +11,39 @@
 // buffers (see thread_group_state.hpp). The ranks a failure aborts throw echoes of it
 // (detail::EchoedError, naming the failed rank and quoting it), so run() can rethrow the
 // root cause, not whichever echo got out first.
-#include <array>
 #include <chrono>
-#include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
-#include <sstream>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/core/detail/collective_call.hpp"
-#include "fsdp/core/detail/collective_mismatch.hpp"
 #include "fsdp/core/detail/echoed_error.hpp"
-#include "fsdp/core/detail/host_math.hpp"
-#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/host/thread_group_options.hpp"
+#if FSDP_DEFINES_IMPLEMENTATION  // what only ThreadComm's and ThreadGroup's compiled members use
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/host_math.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/host/thread_group_state.hpp"
+#endif
 
 namespace fsdp {
 
 class ThreadGroup;
+namespace detail {
+struct ThreadGroupState;  // fsdp/host/thread_group_state.hpp
+}
 
 // One rank's handle. Collectives complete before they return, so the returned Work is
 // already done.
@@ -45,43 +52,16 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
   static constexpr bool checks_tags = true;  // compared at the rendezvous, with the calls
 
   int rank() const { return rank_; }
-  int size() const { return state_->size; }
+  int size() const;
 
   // MPI_Comm_split: collective over this group; ranks passing the same color form a new
   // group, ordered by (key, rank). The new group lives as long as a communicator of it.
-  ThreadComm split(int color, int key) {
-    if (color < 0) detail::fail("rank ", state_->world_ranks[rank_], ": ThreadComm::split color must be >= 0, got ", color);
-    std::array<std::int32_t, 2> mine{color, key};
-    std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size()));
-    all_gather(mine.data(), all.data(), 2, DType::i32).wait();
-    const std::vector<int> members = detail::split_members(all, color);
-    const std::uint64_t split_number = splits_++;
-    std::vector<int> world;
-    int new_rank = 0;
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      if (members[i] == rank_) new_rank = static_cast<int>(i);
-      world.push_back(state_->world_ranks[members[i]]);
-    }
-    std::shared_ptr<detail::ThreadGroupState> group;
-    {
-      std::lock_guard lk(state_->mu);  // the first member to get here creates the group
-      auto& root = *state_->root;
-      const auto pending = root.pending_splits.try_emplace({state_->id, split_number, color}).first;
-      if (!pending->second.group) {
-        auto root_ptr = state_->root_owner ? state_->root_owner : state_;
-        pending->second.group =
-            std::make_shared<detail::ThreadGroupState>(std::move(root_ptr), root.next_group_id++, std::move(world));
-      }
-      group = pending->second.group;
-      if (++pending->second.picked_up == members.size()) root.pending_splits.erase(pending);  // the last member
-    }
-    return ThreadComm(new_rank, std::move(group));
-  }
+  ThreadComm split(int color, int key);
 
   // Groups split (directly or not) from this communicator's ThreadGroup that are alive,
   // i.e. used by some communicator: the count returns to where it was once the
   // communicators of the splits made since are gone.
-  std::size_t live_split_groups() const { return state_->root->live_splits.load(); }
+  std::size_t live_split_groups() const;
 
  private:
   friend class ThreadGroup;
@@ -109,6 +89,39 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
 #if FSDP_DEFINES_IMPLEMENTATION
 // ThreadComm's members that do not depend on a template argument: compiled once under
 // FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp), in every file that uses them otherwise.
+FSDP_DECL int ThreadComm::size() const { return state_->size; }
+
+FSDP_DECL std::size_t ThreadComm::live_split_groups() const { return state_->root->live_splits.load(); }
+
+FSDP_DECL ThreadComm ThreadComm::split(int color, int key) {
+  if (color < 0) detail::fail("rank ", state_->world_ranks[rank_], ": ThreadComm::split color must be >= 0, got ", color);
+  std::array<std::int32_t, 2> mine{color, key};
+  std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size()));
+  all_gather(mine.data(), all.data(), 2, DType::i32).wait();
+  const std::vector<int> members = detail::split_members(all, color);
+  const std::uint64_t split_number = splits_++;
+  std::vector<int> world;
+  int new_rank = 0;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (members[i] == rank_) new_rank = static_cast<int>(i);
+    world.push_back(state_->world_ranks[members[i]]);
+  }
+  std::shared_ptr<detail::ThreadGroupState> group;
+  {
+    std::lock_guard lk(state_->mu);  // the first member to get here creates the group
+    auto& root = *state_->root;
+    const auto pending = root.pending_splits.try_emplace({state_->id, split_number, color}).first;
+    if (!pending->second.group) {
+      auto root_ptr = state_->root_owner ? state_->root_owner : state_;
+      pending->second.group =
+          std::make_shared<detail::ThreadGroupState>(std::move(root_ptr), root.next_group_id++, std::move(world));
+    }
+    group = pending->second.group;
+    if (++pending->second.picked_up == members.size()) root.pending_splits.erase(pending);  // the last member
+  }
+  return ThreadComm(new_rank, std::move(group));
+}
+
 FSDP_DECL Work ThreadComm::issue(detail::CollectiveCall call) {
   auto& st = *state_;
   call.seq = seq_++;

@@ -119,41 +119,61 @@ class WrapPlanner {
     }, adapter_);
     for_each_child(m, [&](std::string_view name, auto& child) {
       using C = std::remove_cvref_t<decltype(child)>;
-      const ModuleId id = ModuleId::of(child);
-      std::string cf = join_fqn(fqn, name);
-      if (depth == 0) children += (children.empty() ? "'" : ", '") + cf + "' (" + type_name(id.type) + ")";
-      const bool listed = manual_.count(id) > 0;
-      if (listed) manual_found_.insert(id);
-      if (ignored_modules_.count(id)) {
-        if (listed) fail("shard: module '", cf, "' is both in wrap_modules and in ShardOptions::ignored_modules");
-        modules_found_.insert(id);
-        ignored.push_back(cf);
+      const std::string cf = join_fqn(fqn, name);
+      const Met met = meet(ModuleId::of(child), cf, depth, closed);
+      if (met.ignored) {
         visit(child, cf, depth + 1, Closed{cf, "an ignored module"});
         return;
       }
-      if (listed && !closed.by.empty())
-        fail("shard: wrap_modules lists '", cf, "', but it lies inside '", closed.by, "', ", closed.why,
-             ", whose subtree is left whole");
-      const std::size_t at = nodes.size();
-      nodes.push_back({id, cf});
       if constexpr (Types::template contains<C>) {
         if (closed.by.empty()) {
           ++type_matches;
-          nodes[at].unit = true;
+          nodes[met.at].unit = true;
           visit(child, cf, depth + 1, Closed{cf, "a unit chosen by " + describe_policy(Types{})});
           return;
         }
       }
       const std::int64_t n = visit(child, cf, depth + 1, closed);
       if (!closed.by.empty()) return;
-      bool unit = listed;
-      if (min_ && n >= min_->min_numel) unit = true, ++min_matches;
+      bool picked = false;
       if constexpr (std::is_invocable_r_v<bool, const Pred&, C&, std::string_view, int, std::int64_t>)
-        if (pred_ && std::invoke(*pred_, child, std::string_view(cf), depth + 1, n)) unit = true, ++pred_matches;
-      if (unit) nodes[at].unit = true;
-      else add_elements(unwrapped, n, cf);
+        picked = pred_ && std::invoke(*pred_, child, std::string_view(cf), depth + 1, n);
+      decide(met, n, picked, cf, unwrapped);
     }, adapter_);
     return unwrapped;
+  }
+
+  // What visit does with a child that depends on no module type, in two steps, so that it
+  // is compiled once per walk and not once per module type: meeting the child (recorded,
+  // checked against wrap_modules and the ignored modules), then, once its subtree has
+  // been visited, deciding whether it becomes a unit (`picked`: the wrap_if predicate chose
+  // it) or adds its `n` elements to its parent's.
+  struct Met { std::size_t at = 0; bool listed = false, ignored = false; };
+  Met meet(const ModuleId& id, const std::string& cf, int depth, const Closed& closed) {
+    if (depth == 0) children += (children.empty() ? "'" : ", '") + cf + "' (" + type_name(id.type) + ")";
+    Met met;
+    met.listed = manual_.count(id) > 0;
+    if (met.listed) manual_found_.insert(id);
+    if (ignored_modules_.count(id)) {
+      if (met.listed) fail("shard: module '", cf, "' is both in wrap_modules and in ShardOptions::ignored_modules");
+      modules_found_.insert(id);
+      ignored.push_back(cf);
+      met.ignored = true;
+      return met;
+    }
+    if (met.listed && !closed.by.empty())
+      fail("shard: wrap_modules lists '", cf, "', but it lies inside '", closed.by, "', ", closed.why,
+           ", whose subtree is left whole");
+    met.at = nodes.size();
+    nodes.push_back({id, cf});
+    return met;
+  }
+  void decide(const Met& met, std::int64_t n, bool picked, const std::string& cf, std::int64_t& unwrapped) {
+    bool unit = met.listed;
+    if (min_ && n >= min_->min_numel) unit = true, ++min_matches;
+    if (picked) unit = true, ++pred_matches;
+    if (unit) nodes[met.at].unit = true;
+    else add_elements(unwrapped, n, cf);
   }
 
   void check_found() const {

@@ -23,11 +23,13 @@
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/core/trace.hpp"
-#include "fsdp/unit/detail/take_over.hpp"
 #include "fsdp/unit/detail/zero_batch.hpp"
-#include "fsdp/unit/execution_order_impl.hpp"
 #include "fsdp/unit/run_time_settings.hpp"
 #include "fsdp/unit/unit.hpp"
+#if FSDP_DEFINES_IMPLEMENTATION  // what only the members defined below use
+#include "fsdp/unit/detail/take_over.hpp"
+#include "fsdp/unit/execution_order_impl.hpp"
+#endif
 
 namespace fsdp {
 

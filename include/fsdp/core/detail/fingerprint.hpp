@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/backend_ref.hpp"
 #include "fsdp/core/error.hpp"
 
@@ -61,33 +62,12 @@ class Settings {
   }
   // "the <setting>: rank a <value>, rank b <value>" for the first setting whose name or value
   // differs between two encoded descriptions, or "" when they list the same settings.
-  static std::string first_difference(std::string_view a, int rank_a, std::string_view b, int rank_b) {
-    const auto xs = decode(a), ys = decode(b);
-    const std::string ra = "rank " + std::to_string(rank_a), rb = "rank " + std::to_string(rank_b);
-    for (std::size_t i = 0; i < std::max(xs.size(), ys.size()); ++i) {
-      if (i >= xs.size()) return "the " + ys[i].name + ": " + rb + " has it (" + ys[i].value + "), " + ra + " not";
-      if (i >= ys.size()) return "the " + xs[i].name + ": " + ra + " has it (" + xs[i].value + "), " + rb + " not";
-      if (xs[i].name != ys[i].name)
-        return "the settings they list: " + ra + " has the " + xs[i].name + " (" + xs[i].value + ") where " + rb +
-               " has the " + ys[i].name + " (" + ys[i].value + ")";
-      if (xs[i].value != ys[i].value) return "the " + xs[i].name + ": " + ra + " " + xs[i].value + ", " + rb + " " + ys[i].value;
-    }
-    return "";
-  }
+  static std::string first_difference(std::string_view a, int rank_a, std::string_view b, int rank_b);
 
  private:
   struct Item { std::string name, value; };
   static constexpr char kValue = '\x1f', kEnd = '\x1e', kDone = '\x1d';
-  static std::vector<Item> decode(std::string_view s) {  // a cut-off last setting is left out
-    std::vector<Item> out;
-    s = s.substr(0, std::min(s.find(kDone), s.size()));
-    for (std::size_t end; (end = s.find(kEnd)) != std::string_view::npos; s.remove_prefix(end + 1)) {
-      const std::string_view item = s.substr(0, end);
-      const auto v = std::min(item.find(kValue), item.size());
-      out.push_back({std::string(item.substr(0, v)), std::string(item.substr(std::min(v + 1, item.size())))});
-    }
-    return out;
-  }
+  static std::vector<Item> decode(std::string_view s);  // a cut-off last setting is left out
   std::vector<Item> items_;
 };
 
@@ -96,8 +76,54 @@ class Settings {
 // be in `fp` already: a difference among them is named first. Not a template (it runs at
 // setup and at the end of a summon, where a std::function costs nothing): one copy serves
 // every caller.
-inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::function<std::string()>& what,
-                                    const std::function<std::string()>& describe, const Settings* settings = nullptr) {
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::function<std::string()>& what,
+                                       const std::function<std::string()>& describe, const Settings* settings = nullptr);
+}
+
+inline bool all_ranks_agree(const CommRef& comm, bool ok, const CollectiveTag* tag = nullptr) {
+  if (comm.size() == 1) return ok;
+  std::int32_t mine = ok ? 1 : 0, all = 0;
+  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag).wait();
+  return all == 1;
+}
+
+inline std::int64_t max_over_ranks(const CommRef& comm, std::int64_t v) {
+  if (comm.size() == 1) return v;
+  std::int64_t all = 0;
+  comm.all_reduce(&v, &all, 1, DType::i64, ReduceOp::max).wait();
+  return all;
+}
+
+#if FSDP_DEFINES_IMPLEMENTATION  // compiled once under FSDP_SEPARATE_COMPILATION (fsdp/core/config.hpp)
+FSDP_DECL std::string Settings::first_difference(std::string_view a, int rank_a, std::string_view b, int rank_b) {
+  const auto xs = decode(a), ys = decode(b);
+  const std::string ra = "rank " + std::to_string(rank_a), rb = "rank " + std::to_string(rank_b);
+  for (std::size_t i = 0; i < std::max(xs.size(), ys.size()); ++i) {
+    if (i >= xs.size()) return "the " + ys[i].name + ": " + rb + " has it (" + ys[i].value + "), " + ra + " not";
+    if (i >= ys.size()) return "the " + xs[i].name + ": " + ra + " has it (" + xs[i].value + "), " + rb + " not";
+    if (xs[i].name != ys[i].name)
+      return "the settings they list: " + ra + " has the " + xs[i].name + " (" + xs[i].value + ") where " + rb +
+             " has the " + ys[i].name + " (" + ys[i].value + ")";
+    if (xs[i].value != ys[i].value) return "the " + xs[i].name + ": " + ra + " " + xs[i].value + ", " + rb + " " + ys[i].value;
+  }
+  return "";
+}
+
+FSDP_DECL std::vector<Settings::Item> Settings::decode(std::string_view s) {  // a cut-off last setting is left out
+  std::vector<Item> out;
+  s = s.substr(0, std::min(s.find(kDone), s.size()));
+  for (std::size_t end; (end = s.find(kEnd)) != std::string_view::npos; s.remove_prefix(end + 1)) {
+    const std::string_view item = s.substr(0, end);
+    const auto v = std::min(item.find(kValue), item.size());
+    out.push_back({std::string(item.substr(0, v)), std::string(item.substr(std::min(v + 1, item.size())))});
+  }
+  return out;
+}
+
+inline namespace FSDP_MODE_NAMESPACE {
+FSDP_DECL void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, const std::function<std::string()>& what,
+                                       const std::function<std::string()>& describe, const Settings* settings) {
   const int n = comm.size();
   const int rank = comm.rank();
   if (n == 1) return;
@@ -125,19 +151,7 @@ inline void check_same_across_ranks(const CommRef& comm, const Fingerprint& fp, 
   fail_as(ErrorKind::mismatch, what(), " differs across ranks (seen on rank ", rank, "): rank 0 has ", mine_text,
           "; rank ", other, " has ", other_text);
 }
-
-inline bool all_ranks_agree(const CommRef& comm, bool ok, const CollectiveTag* tag = nullptr) {
-  if (comm.size() == 1) return ok;
-  std::int32_t mine = ok ? 1 : 0, all = 0;
-  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag).wait();
-  return all == 1;
-}
-
-inline std::int64_t max_over_ranks(const CommRef& comm, std::int64_t v) {
-  if (comm.size() == 1) return v;
-  std::int64_t all = 0;
-  comm.all_reduce(&v, &all, 1, DType::i64, ReduceOp::max).wait();
-  return all;
-}
+}  // inline namespace FSDP_MODE_NAMESPACE
+#endif  // FSDP_DEFINES_IMPLEMENTATION
 
 }  // namespace fsdp::detail

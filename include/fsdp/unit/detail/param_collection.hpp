@@ -251,69 +251,79 @@ void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, 
   }, adapter);
 }
 
+// One module's own parameters and buffers (collect_parameters' step): a template of the
+// module's type (and the walk's options), not of the root the walk started from, so that
+// the walks from every root share one copy per module type.
+template <bool ChangesDtype, class M, class A>
+void collect_module(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
+                    std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries, A* adapter) {
+  TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
+  for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
+    using T = std::remove_cvref_t<decltype(param)>;
+    const bool temporary = params_check.temporary(param, static_cast<const T*>(grad), [&](auto&& record) {
+      for_each_own_parameter(m, [&](std::string_view, auto& p, auto* g) { record(&p, g); }, adapter);
+    });
+    if (skip.parameters.count(tensor_identity(param))) return;
+    using Tr = tensor_traits<T>;
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
+                  "static void rebind(T&, void* data, fsdp::DType)");
+    CollectedParam c;
+    c.info.fqn = join_fqn(prefix, name);
+    for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
+    c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
+    c.dtype = Tr::dtype(param);
+    if (grad) {
+      c.grad_dtype = Tr::dtype(*grad);
+      for (auto d : Tr::shape(*grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
+    } else {  // the library owns it: the parameter's shape and dtype by construction
+      c.grad_dtype = c.dtype;
+      c.grad_shape = c.info.shape;
+    }
+    c.device = Tr::device(param);
+    c.data = Tr::data(param);
+    c.binding.rebind = rebind_fn<T>();
+    c.binding.data = data_fn<T>();
+    c.binding.keep = keep_fn<T>();
+    c.binding.rebound = rebound_hook(m, adapter);
+    hold_tensors(c.binding, param, grad);
+    c.read = read_fn<T>();
+    c.temporary = temporary;
+    out.push_back(std::move(c));
+  }, adapter);
+  for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
+    using T = std::remove_cvref_t<decltype(buffer)>;
+    const bool temporary = buffers_check.temporary(buffer, static_cast<const T*>(nullptr), [&](auto&& record) {
+      for_each_own_buffer(m, [&](std::string_view, auto& b) { record(&b, nullptr); }, adapter);
+    });
+    static_assert(!ChangesDtype || RebindableAs<T>,
+                  "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
+    std::vector<std::int64_t> shape;
+    for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
+    std::string fqn = join_fqn(prefix, name);
+    const std::int64_t n = checked_numel(shape, fqn);
+    CollectedBuffer& b = buffers.emplace_back(CollectedBuffer{std::move(fqn), tensor_traits<T>::dtype(buffer), n,
+                                                              tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(),
+                                                              std::move(shape), data_fn<T>(), keep_fn<T>(),
+                                                              tensor_identity(buffer), nullptr, temporary});
+    if constexpr (TensorHandle<T>) {  // the library's copy of the handle, not the visitor's object
+      auto copy = std::make_shared<T>(buffer);
+      b.tensor = copy.get();
+      b.handle = std::move(copy);
+    }
+  }, adapter);
+}
+
 // Walks m's subtree (minus children whose type is in Exclude, and what `skip` names) for
-// parameters and buffers, through the model's module adapter (null: none). ChangesDtype: MixedPrecision will show them in another dtype,
-// which needs the 3-argument tensor_traits::rebind.
+// parameters and buffers, through the model's module adapter (null: none). ChangesDtype:
+// MixedPrecision will show them in another dtype, which needs the 3-argument
+// tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
 void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
                         std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true,
                         A* adapter = nullptr) {
   for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
-    TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
-    for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
-      using T = std::remove_cvref_t<decltype(param)>;
-      const bool temporary = params_check.temporary(param, static_cast<const T*>(grad), [&](auto&& record) {
-        for_each_own_parameter(m, [&](std::string_view, auto& p, auto* g) { record(&p, g); }, adapter);
-      });
-      if (skip.parameters.count(tensor_identity(param))) return;
-      using Tr = tensor_traits<T>;
-      static_assert(!ChangesDtype || RebindableAs<T>,
-                    "fsdp: MixedPrecision shows parameters in another dtype: tensor_traits<T> needs "
-                    "static void rebind(T&, void* data, fsdp::DType)");
-      CollectedParam c;
-      c.info.fqn = join_fqn(prefix, name);
-      for (auto d : Tr::shape(param)) c.info.shape.push_back(static_cast<std::int64_t>(d));
-      c.info.numel = checked_numel(c.info.shape, c.info.fqn);  // negative or overflowing shapes name the parameter
-      c.dtype = Tr::dtype(param);
-      if (grad) {
-        c.grad_dtype = Tr::dtype(*grad);
-        for (auto d : Tr::shape(*grad)) c.grad_shape.push_back(static_cast<std::int64_t>(d));
-      } else {  // the library owns it: the parameter's shape and dtype by construction
-        c.grad_dtype = c.dtype;
-        c.grad_shape = c.info.shape;
-      }
-      c.device = Tr::device(param);
-      c.data = Tr::data(param);
-      c.binding.rebind = rebind_fn<T>();
-      c.binding.data = data_fn<T>();
-      c.binding.keep = keep_fn<T>();
-      c.binding.rebound = rebound_hook(m, adapter);
-      hold_tensors(c.binding, param, grad);
-      c.read = read_fn<T>();
-      c.temporary = temporary;
-      out.push_back(std::move(c));
-    }, adapter);
-    for_each_own_buffer(m, [&](std::string_view name, auto& buffer) {
-      using T = std::remove_cvref_t<decltype(buffer)>;
-      const bool temporary = buffers_check.temporary(buffer, static_cast<const T*>(nullptr), [&](auto&& record) {
-        for_each_own_buffer(m, [&](std::string_view, auto& b) { record(&b, nullptr); }, adapter);
-      });
-      static_assert(!ChangesDtype || RebindableAs<T>,
-                    "fsdp: MixedPrecision casts buffers: tensor_traits<T> needs static void rebind(T&, void*, fsdp::DType)");
-      std::vector<std::int64_t> shape;
-      for (auto d : tensor_traits<T>::shape(buffer)) shape.push_back(static_cast<std::int64_t>(d));
-      std::string fqn = join_fqn(prefix, name);
-      const std::int64_t n = checked_numel(shape, fqn);
-      CollectedBuffer& b = buffers.emplace_back(CollectedBuffer{std::move(fqn), tensor_traits<T>::dtype(buffer), n,
-                                                                tensor_traits<T>::data(buffer), &buffer, rebind_fn<T>(),
-                                                                std::move(shape), data_fn<T>(), keep_fn<T>(),
-                                                                tensor_identity(buffer), nullptr, temporary});
-      if constexpr (TensorHandle<T>) {  // the library's copy of the handle, not the visitor's object
-        auto copy = std::make_shared<T>(buffer);
-        b.tensor = copy.get();
-        b.handle = std::move(copy);
-      }
-    }, adapter);
+    collect_module<ChangesDtype>(m, prefix, out, buffers, skip, check_temporaries, adapter);
   }, adapter);
 }
 
