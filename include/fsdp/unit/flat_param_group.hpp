@@ -22,6 +22,7 @@
 #include "fsdp/unit/detail/flat_param_layouts.hpp"
 #include "fsdp/unit/detail/flat_param_rules.hpp"
 #include "fsdp/unit/detail/flat_param_storage.hpp"
+#include "fsdp/unit/detail/param_checks.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/unit/detail/partial_reshard.hpp"
 #include "fsdp/unit/detail/summon_buffers.hpp"

@@ -15,6 +15,7 @@
 #include "fsdp/core/detail/fingerprint.hpp"
 #include "fsdp/unit/detail/flat_param_rules.hpp"
 #include "fsdp/unit/detail/module_visit.hpp"
+#include "fsdp/unit/detail/param_checks.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/unit/detail/rank0_values.hpp"
 #include "fsdp/unit/detail/unit_groups.hpp"

@@ -14,6 +14,7 @@
 
 #include "fsdp/core/detail/fingerprint.hpp"
 #include "fsdp/unit/detail/flat_param_storage.hpp"
+#include "fsdp/unit/detail/param_checks.hpp"
 #include "fsdp/unit/detail/param_collection.hpp"
 #include "fsdp/core/flat_param.hpp"
 #include "fsdp/core/tensor.hpp"
