@@ -103,7 +103,7 @@ class WrapPlanner {
   struct Closed { std::string by, why; };  // inside a subtree nothing may become a unit
 
   template <class M>
-  std::int64_t visit(M& m, const std::string& fqn, int depth, const Closed& closed) {
+  [[gnu::cold]] std::int64_t visit(M& m, const std::string& fqn, int depth, const Closed& closed) {
     if constexpr (adapter_param_visit<A, M, param_visitor_archetype> || adapter_child_visit<A, M, child_visitor_archetype> ||
                   adapter_buffer_visit<A, M, buffer_visitor_archetype> || adapter_rebound_hook<A, M>)
       adapter_used = true;
@@ -264,7 +264,7 @@ auto plan_units(M& model, const Options&... options) {
 // options_for(module, fqn) gives each unit's deferred init (UnitInit); `adapter` is the
 // model's module adapter (empty: none).
 template <bool ChangesDtype, class Types, class M, class D, class InitFor, class A>
-void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
+[[gnu::cold]] void build_units(Types types, M& m, const std::string& fqn, const std::set<ModuleId>& units, const std::set<ModuleId>& ignored,
                  const UnitRecipe& recipe, D& device, const ShardOptions& options, const InitFor& init_for,
                  const std::shared_ptr<A>& adapter, ShardedModel& out) {
   for_each_child(m, [&](std::string_view name, auto& child) {
@@ -297,8 +297,11 @@ auto unit_init_for(const ShardOptions& options, const Init& init, const std::sha
 // fsdp::shard below, past its policies: they come in as values (`recipe`), so this compiles
 // once per model type and options, not once per set of policies. `comm`: the whole world
 // (fsdp::shard checked it and the device).
+// [[gnu::cold]], here and on the walk (build_units, WrapPlanner::visit, collect_parameters,
+// collect_module): they run once, at setup, so the compiler optimises them for size, not
+// speed, and every file that calls fsdp::shard compiles faster (bench/compile_cost.sh).
 template <bool ChangesDtype, class M, class Comm, class D, class... Options>
-ShardedModel shard_with(const UnitRecipe& recipe, M& model, Comm& comm, D& device, const Options&... options) {
+[[gnu::cold]] ShardedModel shard_with(const UnitRecipe& recipe, M& model, Comm& comm, D& device, const Options&... options) {
   static const ShardOptions defaults;
   const ShardOptions& opts = pick_option<is_shard_options>(defaults, options...);
   const auto planner = plan_units(model, options...);

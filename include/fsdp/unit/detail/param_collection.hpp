@@ -252,9 +252,10 @@ void for_each_unit_module(M& m, const std::string& prefix, const SkipSet& skip, 
 
 // One module's own parameters and buffers (collect_parameters' step): a template of the
 // module's type (and the walk's options), not of the root the walk started from, so that
-// the walks from every root share one copy per module type.
+// the walks from every root share one copy per module type. Cold: it runs at setup only
+// (fsdp/model/shard.hpp).
 template <bool ChangesDtype, class M, class A>
-void collect_module(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
+[[gnu::cold]] void collect_module(M& m, const std::string& prefix, std::vector<CollectedParam>& out,
                     std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries, A* adapter) {
   TemporaryCheck params_check(check_temporaries), buffers_check(check_temporaries);
   for_each_own_parameter(m, [&](std::string_view name, auto& param, auto* grad) {
@@ -318,7 +319,7 @@ void collect_module(M& m, const std::string& prefix, std::vector<CollectedParam>
 // MixedPrecision will show them in another dtype, which needs the 3-argument
 // tensor_traits::rebind.
 template <class Exclude, bool ChangesDtype, class M, class A = NoModuleAdapter>
-void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
+[[gnu::cold]] void collect_parameters(M& root, const std::string& root_prefix, std::vector<CollectedParam>& out,
                         std::vector<CollectedBuffer>& buffers, const SkipSet& skip, bool check_temporaries = true,
                         A* adapter = nullptr) {
   for_each_unit_module<Exclude>(root, root_prefix, skip, [&](auto& m, const std::string& prefix) {
