@@ -7,7 +7,8 @@ took 62% of a test file's compile (the precision tests, then core_precision_test
 header-only, 15.9 s separate, g++ -O0, December 2026), and that for each of CI's three
 builds (g++, and clang under ASan and under TSan). The header-only mode runs too: core_sharding_test
 (header_only = True), the examples' tests (examples/ builds header-only) and the benches;
-test/tools:header_warnings_test compiles every header in both modes.
+test/tools:header_warnings_test compiles every header header-only, and in the separately
+compiled mode the engine file, that mode's source and each header with code for it.
 """
 
 load("@rules_cc//cc:defs.bzl", "cc_test")
