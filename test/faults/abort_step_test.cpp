@@ -5,6 +5,7 @@
 // a rank that aborts alone ends in an error on every rank, not a hang.
 #include <doctest/doctest.h>
 
+#include <memory>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -12,9 +13,12 @@
 #include <vector>
 
 #include "examples/engine/fsdp_integration.hpp"
+#include "fsdp/asio/tcp_comm.hpp"
+#include "fsdp/comm/async_communicator.hpp"
 #include "fsdp/testing/counting_communicator.hpp"
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
+#include "test/asio/tcp_world.hpp"
 #include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_abort_step_test {
@@ -188,7 +192,7 @@ TEST_CASE("a failed allocation inside a hook on every rank: abort_step, then tra
   }
 }
 
-TEST_CASE("without abort_step the next call says what to call; a rank aborting alone is an error on every rank") {
+TEST_CASE("without abort_step the next call says what to call") {
   const auto c = config();
   SUBCASE("a hook left by an exception") {
     const auto msgs = test_support::errors_per_rank(1, [&](fsdp::ThreadComm& comm) {
@@ -217,32 +221,80 @@ TEST_CASE("without abort_step the next call says what to call; a rank aborting a
     CHECK(contains(msgs[0], "an exception left the last step between hooks and abort_step() was not called: call "
                             "abort_step() (ShardedModel::abort_step) on every rank after catching it"));
   }
-  SUBCASE("one rank aborts while the other computes") {
-    const auto msgs = test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
-      engine::Model model(c);
-      fsdp::HostDevice device;
-      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
-      const auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+}
+
+// One step on 2 ranks over `comm`, in which rank `aborting`'s engine fails at its 3rd hook
+// (inside a forward) and aborts, while the other rank computes on: the aborting rank's
+// agreement meets its peer's next collective.
+template <class Comm>
+void abort_while_peer_computes(Comm& comm, int rank, int aborting = 0) {
+  const auto c = config();
+  engine::Model model(c);
+  fsdp::HostDevice device;
+  auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+  const auto batch = engine::make_batch(c, 0, rank, 1);
+  try {
+    FailingHooks hooks{{sm}, rank == aborting ? 3 : -1};
+    engine::Mat dout;
+    engine::mse(model.forward(batch.x, hooks), batch.y, dout);
+    model.backward(dout, hooks);
+    sm.finish_backward();
+  } catch (const std::runtime_error&) {
+    sm.abort_step();
+  }
+}
+
+// Issue 35: rank 1 used to read only that rank 0 "called ... abort_step (the step was left
+// by an exception)"; the reason was in rank 0's output alone. The agreement's tag carries
+// rank 0's message now, on the backends that compare calls in this process (ThreadComm, and
+// through an AsyncCommunicator) and on TcpComm (each rank's report through the store).
+void check_abort_named_and_quoted(const std::vector<std::string>& msgs) {
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CAPTURE(msgs[r]);
+    // Each error names rank 0's call as abort_step's, with the exception that left its
+    // step ...
+    CHECK(contains(msgs[r], "collective mismatch: rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step "
+                            "(the step was left by an exception: \"engine kernel failed\") as collective #"));
+    // ... and quotes the exception its own rank called abort_step after (rank 1 catches
+    // the mismatch, and aborts too).
+    CHECK(contains(msgs[r], r == 0 ? "; this rank called abort_step after: engine kernel failed"
+                                   : "; this rank called abort_step after: collective mismatch: rank 0 called"));
+  }
+}
+
+TEST_CASE("a rank that aborts while its peer computes: every rank's error names it and quotes why") {
+  SUBCASE("ThreadComm") {
+    check_abort_named_and_quoted(
+        test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) { abort_while_peer_computes(comm, comm.rank()); }));
+  }
+  SUBCASE("ThreadGroup::run rethrows the aborting rank's error, which says why it aborted") {
+    for (int aborting : {0, 1}) {
+      CAPTURE(aborting);
+      std::string what;
       try {
-        FailingHooks hooks{{sm}, comm.rank() == 0 ? 3 : -1};
-        engine::Mat dout;
-        engine::mse(model.forward(batch.x, hooks), batch.y, dout);
-        model.backward(dout, hooks);
-        sm.finish_backward();
-      } catch (const std::runtime_error&) {
-        sm.abort_step();
+        fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) { abort_while_peer_computes(comm, comm.rank(), aborting); });
+      } catch (const fsdp::Error& e) {
+        what = e.what();
       }
-    });
-    // Rank 0's agreement meets rank 1's next collective: each error names rank 0's call as
-    // abort_step's (its tag), and quotes the exception its rank called abort_step after
-    // (rank 1 catches the mismatch, and aborts too).
-    for (int r = 0; r < 2; ++r) {
-      CAPTURE(msgs[r]);
-      CHECK(contains(msgs[r], "collective mismatch: rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step "
-                              "(the step was left by an exception) as collective #"));
+      CAPTURE(what);
+      CHECK(contains(what, "rank " + std::to_string(aborting) + " called all_reduce(count=1, dtype=i32, op=min) of "
+                           "abort_step (the step was left by an exception: \"engine kernel failed\")"));
+      CHECK(contains(what, "; this rank called abort_step after: engine kernel failed"));
     }
-    CHECK(contains(msgs[0], "; this rank called abort_step after: engine kernel failed"));
-    CHECK(contains(msgs[1], "; this rank called abort_step after: collective mismatch: rank 0 called"));
+  }
+  SUBCASE("an AsyncCommunicator over ThreadComm") {
+    check_abort_named_and_quoted(test_support::errors_per_rank(2, [&](fsdp::ThreadComm& comm) {
+      fsdp::AsyncCommunicator<fsdp::ThreadComm> async(comm);
+      abort_while_peer_computes(async, comm.rank());
+    }));
+  }
+  SUBCASE("TcpComm") {
+    const auto store = std::make_shared<fsdp::HashStore>();
+    check_abort_named_and_quoted(test_support::on_threads(2, [&](int r) {
+      fsdp::TcpComm comm(store, r, 2, test_support::ok_options());
+      abort_while_peer_computes(comm, r);
+    }));
   }
 }
 

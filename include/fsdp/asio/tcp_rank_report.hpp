@@ -139,8 +139,12 @@ class StoreRankReport final : public RingObserver {
     s.set(flag_key(), std::to_string(rank_));
   }
 
+  // Its call's words carry what it quotes (abort_step's note: an engine's message, which
+  // may hold tabs), so tabs become spaces there: the report's fields are tab-separated.
   void publish(Store& s, const CollectiveCall& call, const std::string& state) {
-    s.set(last_key(rank_), std::to_string(call.seq) + "\t" + call.describe() + "\t" + state);
+    std::string words = call.describe();
+    std::replace(words.begin(), words.end(), '\t', ' ');
+    s.set(last_key(rank_), std::to_string(call.seq) + "\t" + words + "\t" + state);
     published_ = call.seq;
   }
 

@@ -53,6 +53,13 @@ struct CollectiveTag {
   // In-process only (never sent, never compared): how messages name the unit. Must outlive
   // the collective; the model's ExecutionOrder does.
   const UnitNames* names = nullptr;
+  // In-process only, and only on abort_step's agreement: the exception that left the step
+  // on this rank (its message, at most detail::kMaxQuoted bytes), which messages quote
+  // after the call. Must outlive the collective. A backend that lays every rank's call
+  // side by side in this process (ThreadComm, CudaThreadComm's host path) or publishes its
+  // own call's words (TcpComm's reports through the store) brings it to every rank's
+  // mismatch message; MpiComm and NcclComm compare descriptors without it (reliability.md).
+  const std::string* note = nullptr;
 
   static constexpr int kUnitBits = 20, kStepBits = 40;
 
@@ -62,19 +69,23 @@ struct CollectiveTag {
     return std::uint64_t(phase) << (kUnitBits + kStepBits) | (std::uint64_t(unit) & ((1u << kUnitBits) - 1)) << kStepBits |
            (step & ((std::uint64_t(1) << kStepBits) - 1));
   }
-  static CollectiveTag unpack(std::uint64_t bits, const UnitNames* names = nullptr) {
+  static CollectiveTag unpack(std::uint64_t bits, const UnitNames* names = nullptr, const std::string* note = nullptr) {
     CollectiveTag t;
     t.phase = static_cast<TagPhase>(bits >> (kUnitBits + kStepBits));
     t.unit = static_cast<std::uint32_t>(bits >> kStepBits) & ((1u << kUnitBits) - 1);
     t.step = bits & ((std::uint64_t(1) << kStepBits) - 1);
     t.names = names;
+    t.note = note;
     return t;
   }
 
   // "unit 'blocks.2' (forward, pass 3)"; "unit #5" where no names are known; the model's
-  // own steps by their names.
+  // own steps by their names, abort_step's with its note: `abort_step (the step was left by
+  // an exception: "<note>")`.
   std::string describe() const {
-    if (phase == TagPhase::abort_step) return "abort_step (the step was left by an exception)";
+    if (phase == TagPhase::abort_step)
+      return note ? "abort_step (the step was left by an exception: \"" + *note + "\")"
+                  : "abort_step (the step was left by an exception)";
     if (phase == TagPhase::take_over) return "the take-over of the engine's tensors (setup)";
     std::string unit_text = names ? "'" + names->unit_name(static_cast<int>(unit)) + "'" : "#" + std::to_string(unit);
     return "unit " + unit_text + " (" + name_of(phase) + ", pass " + std::to_string(step) + ")";

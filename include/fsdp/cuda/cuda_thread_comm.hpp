@@ -163,7 +163,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
 
   Work on_host(const detail::CollectiveCall& c) {
     using K = detail::CollectiveKind;
-    const CollectiveTag tag = CollectiveTag::unpack(c.tag, c.names);
+    const CollectiveTag tag = CollectiveTag::unpack(c.tag, c.names, c.note);
     const CollectiveTag* tagged = c.tag ? &tag : nullptr;
     switch (c.kind) {
       case K::all_gather: return detail::all_gather(*inner_, c.send, c.recv, c.count, c.dtype, tagged);
@@ -269,6 +269,7 @@ class CudaThreadComm : public detail::CollectiveCalls<CudaThreadComm> {
       calls[r].root = static_cast<int>(p[7]);
       calls[r].tag = static_cast<std::uint64_t>(p[8]);
       calls[r].seq = static_cast<std::uint64_t>(p[9]);
+      if (r != static_cast<std::size_t>(rank())) calls[r].note = nullptr;  // a peer's note is its own
     }
     const std::string mismatch = detail::collective_mismatch(calls, static_cast<std::size_t>(rank()));
     if (!mismatch.empty()) detail::fail_as(ErrorKind::mismatch, where(), ": ", mismatch);

@@ -93,7 +93,8 @@ class MpiCallCheck {
     for (int r = 0; r < size_ && same; ++r)
       same = std::equal(own, own + words_, buffer_.data() + static_cast<std::size_t>(r) * words_);
     if (same) return {};
-    const auto all = calls(self);
+    auto all = calls(self);
+    all[static_cast<std::size_t>(rank)].note = self.note;  // only this rank's own: notes are not gathered
     all_same_but_tag_ = std::all_of(all.begin(), all.end(), [&](CollectiveCall c) {
       c.tag = self.tag;
       return c.same_shape(self);

@@ -48,6 +48,7 @@ struct CollectiveCall {
   std::uint64_t seq = 0;  // per-rank call number, for messages
   std::uint64_t tag = 0;  // CollectiveTag::packed(), or 0: untagged
   const UnitNames* names = nullptr;  // names the tag's unit in messages (never sent)
+  const std::string* note = nullptr;  // CollectiveTag::note: this rank's own, never another's (never sent)
 
   // The tag too: two ranks gathering different units of the same size are a mismatch.
   bool same_shape(const CollectiveCall& o) const {
@@ -60,7 +61,7 @@ struct CollectiveCall {
     if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) os << ", op=" << fsdp::name_of(op);
     if (kind == CollectiveKind::broadcast) os << ", root=" << root;
     if (kind != CollectiveKind::barrier) os << ")";
-    if (tag) os << " of " << CollectiveTag::unpack(tag, names).describe();
+    if (tag) os << " of " << CollectiveTag::unpack(tag, names, note).describe();
     os << " as collective #" << seq;
     return os.str();
   }
@@ -157,6 +158,7 @@ class CollectiveCalls {
   static CollectiveCall tagged(CollectiveCall c, const CollectiveTag& tag) {
     c.tag = tag.packed();
     c.names = tag.names;
+    c.note = tag.note;
     return c;
   }
   Backend& self() {

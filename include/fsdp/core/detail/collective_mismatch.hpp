@@ -74,7 +74,10 @@ inline std::string collective_mismatch(std::span<const CollectiveCall> calls, st
 inline std::string tag_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags, std::size_t self) {
   if (std::all_of(tags.begin(), tags.end(), [&](std::uint64_t t) { return t == mine.tag; })) return {};  // every collective
   std::vector<CollectiveCall> calls(tags.size(), mine);
-  for (std::size_t r = 0; r < tags.size(); ++r) calls[r].tag = tags[r];
+  for (std::size_t r = 0; r < tags.size(); ++r) {
+    calls[r].tag = tags[r];
+    if (r != self) calls[r].note = nullptr;  // a peer's note is its own, and not gathered
+  }
   return collective_mismatch(calls, self);
 }
 

@@ -61,21 +61,22 @@ struct RootCause {
 };
 inline constexpr std::size_t kMaxQuoted = 512;
 
-// Runs `agree`, a recovery's agreement (abort_step's). Called inside a catch (the engine's,
-// for the exception that left the step), an fsdp::Error it throws also quotes the
-// exception being handled (its first kMaxQuoted bytes), so the rank's first error is not
-// lost behind the recovery's: "...; this rank called abort_step after: <its message>". An
-// echo stays an echo of the same rank, a kind the same kind; other exceptions (bad_alloc)
-// pass unchanged.
+// Runs `agree(why)`, a recovery's agreement (abort_step's). Called inside a catch (the
+// engine's, for the exception that left the step), `why` is that exception's message (its
+// first kMaxQuoted bytes; else null), for the agreement's tag to carry to a peer still in
+// the step (CollectiveTag::note: its mismatch message quotes it), and an fsdp::Error that
+// `agree` throws quotes it too, so the rank's first error is not lost behind the
+// recovery's: "...; this rank called abort_step after: <its message>". An echo stays an
+// echo of the same rank, a kind the same kind; other exceptions (bad_alloc) pass unchanged.
 template <class F>
 void naming_what_left_the_step(F&& agree) {
   const std::exception_ptr left_by = std::current_exception();
-  if (!left_by) return agree();
+  if (!left_by) return agree(nullptr);
+  std::string quoted = own_failure(left_by).message;
+  if (quoted.size() > kMaxQuoted) quoted = quoted.substr(0, kMaxQuoted) + " [...]";
   try {
-    agree();
+    agree(&quoted);
   } catch (const Error& e) {
-    std::string quoted = own_failure(left_by).message;
-    if (quoted.size() > kMaxQuoted) quoted = quoted.substr(0, kMaxQuoted) + " [...]";
     const std::string after = "; this rank called abort_step after: " + quoted;
     if (const auto* echo = dynamic_cast<const EchoedError*>(&e)) fail_echo(e.kind(), echo->failed_rank(), message_of(e), after);
     fail_as(e.kind(), message_of(e), after);

@@ -169,7 +169,7 @@ void take_over_together(int rank, const UnitPtrs& units) {
   const auto& first = internals(**std::begin(units));
   bool agreed = false;
   try {
-    agreed = first.all_ranks_agree(!failure, TagPhase::take_over);
+    agreed = first.all_ranks_agree(!failure, TagPhase::take_over, nullptr);
   } catch (...) {  // the agreement itself failed (a peer lost): nothing taken over here either
     forget();
     if (failure) std::rethrow_exception(failure);  // this rank's own error first
