@@ -57,7 +57,6 @@ inline std::vector<std::string> on_threads(int n, const std::function<void(int)>
   return errors;
 }
 
-
 class TcpWorld {
  public:
   explicit TcpWorld(int n, fsdp::TcpCommOptions o = ok_options()) : TcpWorld(n, [o](int) { return o; }) {}

@@ -569,7 +569,6 @@ TEST_CASE("groups of one rank: parity in every accumulation mode, bf16 with f32 
   }
 }
 
-
 // What the engine finds in its gradient tensors when a unit's backward starts (the table
 // in docs/training_loop.md#what-the-gradient-holds-when-backward-starts): zeros, or the
 // gradient the engine wrote in the previous micro-batch (the kept unsharded sum, handed back

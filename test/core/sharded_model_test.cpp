@@ -485,7 +485,6 @@ TEST_CASE("scopes move and start empty: one call for a layer that may or may not
   });
 }
 
-
 // The type an engine holds has what engines call and no more (docs/concepts.md, "Units and
 // the sharded model"): summon is a scope, and the unit's rank and display name are internal.
 template <class U> concept begins_summon_by_hand = requires(U& u) { u.begin_summon_full_params(fsdp::SummonOptions{}); };

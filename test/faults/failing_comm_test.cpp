@@ -30,7 +30,6 @@ using test_support::Fault;
 using test_support::FaultMode;
 using test_support::Outcome;
 
-
 // Two training steps on 2 ranks (4 as a 2x2 mesh for the hybrid strategies); rank `faulty`
 // has collective `at` fail or stall.
 template <class... Ps>

@@ -30,7 +30,6 @@ using test_support::contains;
 using test_support::FaultMode;
 using test_support::Outcome;
 
-
 // Two training steps on 2 TcpComm ranks; rank 1 has collective `at` fail, or stall for
 // three times the timeout.
 template <class... Ps>

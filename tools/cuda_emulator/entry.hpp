@@ -18,7 +18,6 @@ extern thread_local cudaError_t last_error;
 extern thread_local std::string last_detail;  // what the emulator adds to the text of
 extern thread_local cudaError_t detail_code;   // the last error it returned
 
-
 // One entry point's bookkeeping: counted, timed, serialized, and the injected failure.
 class Entry {
  public:

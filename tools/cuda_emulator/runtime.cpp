@@ -165,7 +165,6 @@ cudaError_t cudaMemGetInfo(std::size_t* free, std::size_t* total) {
   return cudaSuccess;
 }
 
-
 // ---- streams ----
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   FSDP_EMULATOR_ENTER(cudaStreamCreateWithFlags);
@@ -268,7 +267,6 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   rt().host.join(c);
   return cudaSuccess;
 }
-
 
 // ---- host functions ----
 // Runs `fn` on a thread of its own once everything before it on the stream has completed;

@@ -22,7 +22,6 @@ namespace fsdp {
 
 namespace detail {
 
-
 // Checks the spans of a block (de)quantization: block > 0, as many codes as values, one
 // scale per block. `fn` names the call in the message, the other names the arguments.
 inline void check_block_sizes(std::string_view fn, std::size_t values, std::string_view values_name,

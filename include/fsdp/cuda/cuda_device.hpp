@@ -339,7 +339,6 @@ class CudaDevice {
     int prev = -1;
   };
 
-
   template <class... Parts>
   void check(cudaError_t e, const char* call, Parts&&... parts) const {
     if (e == cudaSuccess) return;

@@ -72,7 +72,6 @@ class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
 
   Work issue(detail::CollectiveCall call);
 
-
   // Reads the peers' buffers chunk by chunk; returns false, having stopped, as soon as
   // the group is aborted (a peer may be about to free what we read).
   bool execute(const detail::CollectiveCall& c, const std::vector<detail::CollectiveCall>& peers,

@@ -215,7 +215,6 @@ inline bool nests_in(const std::string& outer, const std::string& inner) {
   return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.');
 }
 
-
 // The planning model and what its units run on; the model goes first, the ledger last.
 struct PlanRun {
   PlanLedger ledger;

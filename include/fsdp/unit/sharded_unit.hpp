@@ -76,10 +76,7 @@ class ShardedUnit : public Unit {
 
   void post_backward() override { post_backward_body(); }
 
-
-
   void finish_backward() override { finish_backward_body(); }
-
 
   void reshard() override {
     HookScope scope(*this, "reshard");
