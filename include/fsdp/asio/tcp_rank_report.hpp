@@ -139,10 +139,10 @@ class StoreRankReport final : public RingObserver {
     s.set(flag_key(), std::to_string(rank_));
   }
 
-  // Its call's words carry what it quotes (abort_step's note: an engine's message, which
-  // may hold tabs), so tabs become spaces there: the report's fields are tab-separated.
+  // Its call's words, with abort_step's note (an engine's message, which may hold tabs:
+  // they become spaces, as the report's fields are tab-separated).
   void publish(Store& s, const CollectiveCall& call, const std::string& state) {
-    std::string words = call.describe();
+    std::string words = call.describe(true);  // for the mismatch's list
     std::replace(words.begin(), words.end(), '\t', ' ');
     s.set(last_key(rank_), std::to_string(call.seq) + "\t" + words + "\t" + state);
     published_ = call.seq;

@@ -14,7 +14,9 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "fsdp/core/communicator.hpp"
 
@@ -53,13 +55,15 @@ struct CollectiveTag {
   // In-process only (never sent, never compared): how messages name the unit. Must outlive
   // the collective; the model's ExecutionOrder does.
   const UnitNames* names = nullptr;
-  // In-process only, and only on abort_step's agreement: the exception that left the step
-  // on this rank (its message, at most detail::kMaxQuoted bytes), which messages quote
-  // after the call. Must outlive the collective. A backend that lays every rank's call
+  // In-process only (never sent, never compared), and only on abort_step's agreement: the
+  // exception that left the step on this rank (its message, at most detail::kMaxQuoted
+  // bytes). Shared, so that a backend thread that describes the call late (a watchdog, a
+  // slow peer formatting a mismatch) never reads a freed text. The list of every rank's
+  // call in a mismatch quotes it (describe(true)): a backend that lays every rank's call
   // side by side in this process (ThreadComm, CudaThreadComm's host path) or publishes its
-  // own call's words (TcpComm's reports through the store) brings it to every rank's
-  // mismatch message; MpiComm and NcclComm compare descriptors without it (reliability.md).
-  const std::string* note = nullptr;
+  // own call's words (TcpComm's reports through the store) brings it to every rank;
+  // MpiComm and NcclComm compare descriptors without it (reliability.md).
+  std::shared_ptr<const std::string> note{};
 
   static constexpr int kUnitBits = 20, kStepBits = 40;
 
@@ -69,23 +73,25 @@ struct CollectiveTag {
     return std::uint64_t(phase) << (kUnitBits + kStepBits) | (std::uint64_t(unit) & ((1u << kUnitBits) - 1)) << kStepBits |
            (step & ((std::uint64_t(1) << kStepBits) - 1));
   }
-  static CollectiveTag unpack(std::uint64_t bits, const UnitNames* names = nullptr, const std::string* note = nullptr) {
+  static CollectiveTag unpack(std::uint64_t bits, const UnitNames* names = nullptr,
+                              std::shared_ptr<const std::string> note = nullptr) {
     CollectiveTag t;
     t.phase = static_cast<TagPhase>(bits >> (kUnitBits + kStepBits));
     t.unit = static_cast<std::uint32_t>(bits >> kStepBits) & ((1u << kUnitBits) - 1);
     t.step = bits & ((std::uint64_t(1) << kStepBits) - 1);
     t.names = names;
-    t.note = note;
+    t.note = std::move(note);
     return t;
   }
 
   // "unit 'blocks.2' (forward, pass 3)"; "unit #5" where no names are known; the model's
-  // own steps by their names, abort_step's with its note: `abort_step (the step was left by
-  // an exception: "<note>")`.
-  std::string describe() const {
+  // own steps by their names. `with_note`: abort_step's with its note, `abort_step (the
+  // step was left by an exception: "<note>")`, for a mismatch's list of every rank's call
+  // (elsewhere a rank's message about its own call would repeat what its own error says).
+  std::string describe(bool with_note = false) const {
     if (phase == TagPhase::abort_step)
-      return note ? "abort_step (the step was left by an exception: \"" + *note + "\")"
-                  : "abort_step (the step was left by an exception)";
+      return with_note && note ? "abort_step (the step was left by an exception: \"" + *note + "\")"
+                               : "abort_step (the step was left by an exception)";
     if (phase == TagPhase::take_over) return "the take-over of the engine's tensors (setup)";
     std::string unit_text = names ? "'" + names->unit_name(static_cast<int>(unit)) + "'" : "#" + std::to_string(unit);
     return "unit " + unit_text + " (" + name_of(phase) + ", pass " + std::to_string(step) + ")";

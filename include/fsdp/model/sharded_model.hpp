@@ -370,8 +370,8 @@ FSDP_DECL void ShardedModel::abort_step() {
   order_->abort_pass();
   if (units_.empty()) return;
   for (auto& u : units_) u->failed_hook_ = "abort_step", u->failed_by_ = nullptr;  // until every rank took part
-  detail::naming_what_left_the_step([&](const std::string* why) {
-    fsdp::detail::internals(*units_[0]).all_ranks_agree(true, TagPhase::abort_step, why);
+  detail::naming_what_left_the_step([&](std::shared_ptr<const std::string> why) {
+    fsdp::detail::internals(*units_[0]).all_ranks_agree(true, TagPhase::abort_step, std::move(why));
   });
   for (auto& u : units_) u->failed_hook_ = nullptr;
 }

@@ -200,11 +200,11 @@ class ShardedUnit : public Unit {
     return g.replicate_size == 1 || g.replicate.rank() == 0;
   }
   bool all_ranks_agree(bool ok) const override { return detail::all_ranks_agree(group_.groups().world, ok); }
-  bool all_ranks_agree(bool ok, TagPhase step, const std::string* note) const override {
+  bool all_ranks_agree(bool ok, TagPhase step, std::shared_ptr<const std::string> note) const override {
     CollectiveTag tag;  // unit 0, pass 0: ranks may count passes differently after a failure
     tag.phase = step;
     tag.names = order_;  // how a backend names a peer's unit in a mismatch (null outside a model)
-    tag.note = note;     // why, quoted in a peer's mismatch message
+    tag.note = std::move(note);  // why, quoted in a peer's mismatch message
     return detail::all_ranks_agree(group_.groups().world, ok, &tag);
   }
   std::int64_t max_over_ranks(std::int64_t v) const override { return detail::max_over_ranks(group_.groups().world, v); }

@@ -4,6 +4,7 @@
 // optimizer steps on.
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -91,7 +92,7 @@ class UnitInternals {
   // The same for one of the model's own steps (`step`: TagPhase::take_over, abort_step),
   // tagged with it (unit and pass 0), so that a rank that meets it in another collective
   // reads which step its peer was in, and (`note`, may be null; CollectiveTag::note) why.
-  virtual bool all_ranks_agree(bool ok, TagPhase step, const std::string* note) const = 0;
+  virtual bool all_ranks_agree(bool ok, TagPhase step, std::shared_ptr<const std::string> note) const = 0;
   // The largest `v` of any rank of the world (a collective): how one rank's value (a
   // random token, a size) reaches every rank.
   virtual std::int64_t max_over_ranks(std::int64_t v) const = 0;
@@ -475,7 +476,8 @@ class Unit : private detail::UnitInternals, public RunTimeSettings<Unit> {
   void agree_on_abort() {
     failed_hook_ = "abort_step";  // until every rank took part
     failed_by_ = nullptr;
-    detail::naming_what_left_the_step([&](const std::string* why) { all_ranks_agree(true, TagPhase::abort_step, why); });
+    detail::naming_what_left_the_step(
+        [&](std::shared_ptr<const std::string> why) { all_ranks_agree(true, TagPhase::abort_step, std::move(why)); });
     failed_hook_ = nullptr;
   }
   const char* failed_hook_ = nullptr;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -48,20 +49,21 @@ struct CollectiveCall {
   std::uint64_t seq = 0;  // per-rank call number, for messages
   std::uint64_t tag = 0;  // CollectiveTag::packed(), or 0: untagged
   const UnitNames* names = nullptr;  // names the tag's unit in messages (never sent)
-  const std::string* note = nullptr;  // CollectiveTag::note: this rank's own, never another's (never sent)
+  std::shared_ptr<const std::string> note{};  // CollectiveTag::note: this rank's own, never another's (never sent)
 
   // The tag too: two ranks gathering different units of the same size are a mismatch.
   bool same_shape(const CollectiveCall& o) const {
     return kind == o.kind && count == o.count && dtype == o.dtype && op == o.op && root == o.root && tag == o.tag;
   }
-  std::string describe() const {
+  // `with_note`: abort_step's note too (CollectiveTag::describe), in a mismatch's list.
+  std::string describe(bool with_note = false) const {
     std::ostringstream os;
     os << name_of(kind);
     if (kind != CollectiveKind::barrier) os << "(count=" << count << ", dtype=" << fsdp::name_of(dtype);
     if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) os << ", op=" << fsdp::name_of(op);
     if (kind == CollectiveKind::broadcast) os << ", root=" << root;
     if (kind != CollectiveKind::barrier) os << ")";
-    if (tag) os << " of " << CollectiveTag::unpack(tag, names, note).describe();
+    if (tag) os << " of " << CollectiveTag::unpack(tag, names, note).describe(with_note);
     os << " as collective #" << seq;
     return os.str();
   }

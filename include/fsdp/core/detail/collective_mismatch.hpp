@@ -64,7 +64,7 @@ inline std::string collective_mismatch(std::span<const CollectiveCall> calls, st
   for (const auto& c : calls) differ = differ || !c.same_shape(calls[self]);
   if (!differ) return {};
   std::vector<std::string> each_rank;
-  for (const auto& c : calls) each_rank.push_back("called " + c.describe());
+  for (const auto& c : calls) each_rank.push_back("called " + c.describe(true));  // with an abort's note
   return mismatch_message(each_rank, self, world_ranks);
 }
 

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -64,20 +65,30 @@ inline constexpr std::size_t kMaxQuoted = 512;
 // Runs `agree(why)`, a recovery's agreement (abort_step's). Called inside a catch (the
 // engine's, for the exception that left the step), `why` is that exception's message (its
 // first kMaxQuoted bytes; else null), for the agreement's tag to carry to a peer still in
-// the step (CollectiveTag::note: its mismatch message quotes it), and an fsdp::Error that
-// `agree` throws quotes it too, so the rank's first error is not lost behind the
-// recovery's: "...; this rank called abort_step after: <its message>". An echo stays an
-// echo of the same rank, a kind the same kind; other exceptions (bad_alloc) pass unchanged.
+// the step (CollectiveTag::note: its mismatch message quotes it). An fsdp::Error that
+// `agree` throws quotes it too, unless it does already (a mismatch's list of calls), so
+// the rank's first error is not lost behind the recovery's: "...; this rank called
+// abort_step after: <its message>". An echo stays an echo of the same rank, a kind the
+// same kind; other exceptions pass unchanged. Building the note cannot keep the rank from
+// the agreement (its peers would wait for it): without memory for it, `why` is null.
 template <class F>
 void naming_what_left_the_step(F&& agree) {
   const std::exception_ptr left_by = std::current_exception();
   if (!left_by) return agree(nullptr);
-  std::string quoted = own_failure(left_by).message;
-  if (quoted.size() > kMaxQuoted) quoted = quoted.substr(0, kMaxQuoted) + " [...]";
+  std::shared_ptr<const std::string> why;
+  std::string whole;  // the message uncut
   try {
-    agree(&quoted);
+    whole = own_failure(left_by).message;
+    why = std::make_shared<const std::string>(whole.size() > kMaxQuoted ? whole.substr(0, kMaxQuoted) + " [...]" : whole);
+  } catch (...) {  // no memory for it: the agreement goes on without a note
+    why = nullptr;
+  }
+  try {
+    agree(why);
   } catch (const Error& e) {
-    const std::string after = "; this rank called abort_step after: " + quoted;
+    const std::string_view m = message_of(e);
+    if (!why || m.find(*why) != std::string_view::npos || m.find(whole) != std::string_view::npos) throw;
+    const std::string after = "; this rank called abort_step after: " + *why;
     if (const auto* echo = dynamic_cast<const EchoedError*>(&e)) fail_echo(e.kind(), echo->failed_rank(), message_of(e), after);
     fail_as(e.kind(), message_of(e), after);
   }
