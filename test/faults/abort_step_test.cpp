@@ -19,6 +19,7 @@
 #include "test/support/errors.hpp"
 #include "test/support/rank_errors.hpp"
 #include "test/asio/tcp_world.hpp"
+#include "test/faults/failing_hooks.hpp"
 #include <fsdp/unit/sharded.hpp>  // fsdp::Sharded: units built by hand
 
 namespace faults_abort_step_test {
@@ -55,20 +56,7 @@ struct FailingDevice {
   void reset_peak(fsdp::MemorySpace s) { host.reset_peak(s); }
 };
 
-// The engine's hooks, failing like an engine whose kernel throws: right after the n-th
-// unit hook of the step (counting before/after forward and backward), inside that unit's
-// scope. n < 0: never.
-struct FailingHooks {
-  engine::UnitHooks inner;
-  int fail_after = -1, calls = 0;
-  void maybe_fail() {
-    if (++calls == fail_after) throw std::runtime_error("engine kernel failed");
-  }
-  template <class M> void before_forward(const M* m) { inner.before_forward(m), maybe_fail(); }
-  template <class M> void after_forward(const M* m) { inner.after_forward(m), maybe_fail(); }
-  template <class M> void before_backward(const M* m) { inner.before_backward(m), maybe_fail(); }
-  template <class M> void after_backward(const M* m) { inner.after_backward(m), maybe_fail(); }
-};
+using test_support::FailingHooks;
 
 enum class Fault { none, engine, allocation };
 

@@ -8,13 +8,17 @@
 //    ends in an fsdp::Error, none was shown a value a clean run did not show it or applied
 //    the step the fault fell in, nothing leaked. A timed-out collective ends the MPI job
 //    (MpiSession aborts it), so the script runs each of these cases in a job of its own.
+//  - "own job": rank 0 aborts its step while the others compute: every rank's error quotes
+//    why (abort_step's note), in a job of its own, which may or may not end.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "test/faults/failing_hooks.hpp"
 #include "test/faults/faulty_training.hpp"
 #include "test/faults/unit_order_checks.hpp"
 #include "test/mpi/mpi_test_support.hpp"
@@ -24,6 +28,7 @@ namespace {
 using namespace std::chrono_literals;
 using test_mpi::contains;
 using test_mpi::error_of;
+using test_support::FailingHooks;
 using test_support::FaultMode;
 using test_support::RankRun;
 
@@ -126,4 +131,34 @@ TEST_CASE("job-ending: rank 1's last collective fails") {
 
 TEST_CASE("job-ending: rank 1 stalls in a collective of the second step") {
   fault_ends_the_job<fsdp::FullShard, fsdp::BackwardPre>([](long total) { return total * 3 / 4; }, FaultMode::stall);
+}
+
+// Issue 35: rank 0's engine fails inside a forward and rank 0 aborts the step while the
+// other ranks compute on. Its agreement meets their next collective: every rank's error
+// names rank 0's call as abort_step's and quotes the exception that left its step (the
+// descriptors have no room for it: rank 0 sends it once the mismatch is known). MPI paired
+// different collectives: on 2 ranks they completed (the communicator breaks, the job goes
+// on), on 4 one timed out or failed (the job ends), so the case runs in a job of its own.
+TEST_CASE("own job: rank 0 aborts its step while the others compute: every rank's error quotes why") {
+  const auto timeout = 1000ms;
+  auto comm = test_mpi::world(timeout);
+  engine::ModelConfig c = config();
+  const std::string error = error_of([&] {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    const auto batch = engine::make_batch(c, 0, comm.rank(), 1);
+    try {
+      FailingHooks hooks{{sm}, comm.rank() == 0 ? 3 : -1};
+      engine::Mat dout;
+      engine::mse(model.forward(batch.x, hooks), batch.y, dout);
+      model.backward(dout, hooks);
+      sm.finish_backward();
+    } catch (const std::runtime_error&) {  // the engine's error, or the mismatch (fsdp::Error)
+      sm.abort_step();
+    }
+  });
+  CAPTURE(error);
+  CHECK(contains(error, "rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
+                        "exception: \"engine kernel failed\")"));
 }

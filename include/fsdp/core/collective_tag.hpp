@@ -61,8 +61,8 @@ struct CollectiveTag {
   // slow peer formatting a mismatch) never reads a freed text. The list of every rank's
   // call in a mismatch quotes it (describe(true)): a backend that lays every rank's call
   // side by side in this process (ThreadComm, CudaThreadComm's host path) or publishes its
-  // own call's words (TcpComm's reports through the store) brings it to every rank;
-  // MpiComm and NcclComm compare descriptors without it (reliability.md).
+  // own call's words (TcpComm's reports through the store) brings it to every rank, as
+  // does MpiComm, sending it after a mismatch; NcclComm gathers tags only (reliability.md).
   std::shared_ptr<const std::string> note{};
 
   static constexpr int kUnitBits = 20, kStepBits = 40;

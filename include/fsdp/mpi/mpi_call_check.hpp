@@ -18,8 +18,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/core/detail/collective_call.hpp"
@@ -87,14 +89,18 @@ class MpiCallCheck {
 
   // "" when every rank's call is `self`'s; else collective_mismatch's message. Matching
   // descriptors (every call that goes well) are compared as words, with nothing allocated.
-  std::string mismatch(const CollectiveCall& self, int rank, std::span<const int> world_ranks) {
+  // `note` (may be null): rank `note_rank`'s abort_step note, which MpiPending brought
+  // from it (notes are not in the descriptors); this rank's own is self.note.
+  std::string mismatch(const CollectiveCall& self, int rank, std::span<const int> world_ranks, int note_rank = -1,
+                       std::shared_ptr<const std::string> note = nullptr) {
     const std::uint64_t* own = mine();
     bool same = true;
     for (int r = 0; r < size_ && same; ++r)
       same = std::equal(own, own + words_, buffer_.data() + static_cast<std::size_t>(r) * words_);
     if (same) return {};
     auto all = calls(self);
-    all[static_cast<std::size_t>(rank)].note = self.note;  // only this rank's own: notes are not gathered
+    all[static_cast<std::size_t>(rank)].note = self.note;  // this rank's own; a peer's only as brought
+    if (note_rank >= 0 && note_rank < size_ && note_rank != rank) all[static_cast<std::size_t>(note_rank)].note = std::move(note);
     all_same_but_tag_ = std::all_of(all.begin(), all.end(), [&](CollectiveCall c) {
       c.tag = self.tag;
       return c.same_shape(self);
@@ -104,6 +110,15 @@ class MpiCallCheck {
   // After a mismatch: the ranks differed in their tags only, so MPI ran one collective
   // alike on every rank and the communicator is still in step.
   bool tags_only() const { return all_same_but_tag_; }
+  // After a mismatch: the lowest rank whose call is abort_step's agreement (the rank whose
+  // note every rank quotes), or -1. The same on every rank: every rank holds every descriptor.
+  int abort_root() const {
+    for (int r = 0; r < size_; ++r)
+      if (CollectiveTag::unpack(buffer_[static_cast<std::size_t>(r) * static_cast<std::size_t>(words_)]).phase ==
+          TagPhase::abort_step)
+        return r;
+    return -1;
+  }
 
   MPI_Request req = MPI_REQUEST_NULL;
 

@@ -34,6 +34,10 @@
 //     completed, the mismatch breaks this communicator only; where MPI reports an error
 //     (MPI_ERR_TRUNCATE) or the wait times out, the message is still the mismatch, and the
 //     job must end as after any failed collective.
+//   Where one rank's call was abort_step's agreement, that rank then sends the others its
+//   note, the exception that left its step (CollectiveTag::note), for their messages to
+//   quote: point-to-point messages on this communicator, waited for at most 2 s
+//   (MpiPending::share_note).
 // Comparing before the collective starts would take a blocking round trip per call (and
 // serialize issue with the slowest rank); OpenMPI never lets a mismatched collective write
 // out of bounds, so the check rides beside the collective instead. It costs one small

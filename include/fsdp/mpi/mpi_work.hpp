@@ -10,6 +10,7 @@
 // With its call descriptors (mpi_call_check.hpp), wait() first completes their exchange,
 // then the collective, and compares the ranks' calls before the result is used.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/mpi/mpi_call_check.hpp"
 #include "fsdp/mpi/mpi_session.hpp"
@@ -107,6 +109,7 @@ struct MpiCommState {
   int rank = 0;
   int size = 1;
   std::uint64_t seq = 0;     // collectives issued so far, for messages
+  std::atomic<std::uint64_t> notes_shared{0};  // abort_step notes exchanged (MpiPending::share_note)
   std::uint64_t splits = 0;  // split() calls so far, for names
   std::vector<int> world_ranks;  // world rank of each rank; empty for the world's own order
   mutable std::mutex broken_mutex;  // a Work may be waited on by another thread
@@ -176,7 +179,11 @@ class MpiPending final : public Work::Pending {
     const auto deadline = blocking ? now + comm_->timeout : now;
     const int calls_rc = check_ ? mpi_test_until(*comm_->rt, check_->req, deadline) : MPI_SUCCESS;
     // Known once the descriptors met, even when the collective itself does not complete.
-    const std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
+    std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
+    if (!mismatch.empty())  // a rank's abort_step: its note, to every rank's message
+      if (const int root = check_->abort_root(); root >= 0)
+        if (auto note = share_note(root); note && root != comm_->rank)
+          mismatch = check_->mismatch(call_, comm_->rank, comm_->world_ranks, root, std::move(note));
     // Collectives that differ in more than their tags often never complete: waiting the
     // whole timeout for them only delays an error already known (known now, not when
     // wait() began: the descriptors may have taken most of the timeout to meet).
@@ -206,6 +213,72 @@ class MpiPending final : public Work::Pending {
     }
     epilogue_.run();
     return true;
+  }
+
+  // abort_step's note (CollectiveTag::note) from `root`, the lowest rank whose call is that
+  // agreement, to every other rank, once every rank's descriptor shows the mismatch: the
+  // descriptors have no room for a text, and the communicator's collectives are out of step
+  // now, so point-to-point messages on it (which MPI never matches with a collective):
+  // [the count of notes shared on this communicator so far (8 bytes), the note]. Every rank
+  // counts the same mismatches (each holds every descriptor), so a message left unreceived
+  // by a rank that gave up is never taken for a later one's. Each rank waits at most
+  // kMismatchGrace (or the timeout, if shorter), then cancels what did not complete: the
+  // note is only left out. Returns the note (the root's own too); null if none arrived.
+  std::shared_ptr<const std::string> share_note(int root) {
+    auto& s = *comm_;
+    const std::uint64_t number = s.notes_shared++;
+    const auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(s.timeout, kMismatchGrace);
+    constexpr int kNoteTag = 8235;  // within the 32767 every MPI allows
+    // Tests `req` until it completes or `deadline`; cancels it then (MPI_Wait returns on a
+    // cancelled request whatever the peers do). True if it completed.
+    auto finish_or_cancel = [&](MPI_Request& req, MPI_Status* status) {
+      for (;;) {
+        int done = 0;
+        {
+          auto lk = s.rt->lock();
+          if (MPI_Test(&req, &done, status) != MPI_SUCCESS) done = -1;
+          if (done == 0 && std::chrono::steady_clock::now() >= deadline) {
+            MPI_Cancel(&req);
+            MPI_Wait(&req, MPI_STATUS_IGNORE);
+            return false;
+          }
+        }
+        if (done) return done == 1;
+        std::this_thread::yield();
+      }
+    };
+    if (s.rank == root) {
+      std::string message(sizeof number, '\0');
+      std::memcpy(message.data(), &number, sizeof number);
+      if (call_.note) message += *call_.note;
+      std::vector<MPI_Request> sends(static_cast<std::size_t>(s.size), MPI_REQUEST_NULL);
+      {
+        auto lk = s.rt->lock();
+        for (int r = 0; r < s.size; ++r)
+          if (r != root)
+            MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, r, kNoteTag, s.comm,
+                      &sends[static_cast<std::size_t>(r)]);
+      }
+      for (auto& req : sends)
+        if (req != MPI_REQUEST_NULL) finish_or_cancel(req, MPI_STATUS_IGNORE);
+      return call_.note;
+    }
+    std::vector<char> in(sizeof number + kMaxQuoted + 16);  // a note is at most kMaxQuoted bytes and " [...]"
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_Status status{};
+    {
+      auto lk = s.rt->lock();
+      if (MPI_Irecv(in.data(), static_cast<int>(in.size()), MPI_BYTE, root, kNoteTag, s.comm, &req) != MPI_SUCCESS)
+        return nullptr;
+    }
+    if (!finish_or_cancel(req, &status)) return nullptr;
+    int got = 0;
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    std::uint64_t theirs = 0;
+    if (got <= static_cast<int>(sizeof number)) return nullptr;  // no note, or too short to be one
+    std::memcpy(&theirs, in.data(), sizeof number);
+    if (theirs != number) return nullptr;
+    return std::make_shared<const std::string>(in.data() + sizeof number, static_cast<std::size_t>(got) - sizeof number);
   }
 
   std::string timed_out(int calls_rc, const std::string& mismatch) const {
