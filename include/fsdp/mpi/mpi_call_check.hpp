@@ -73,10 +73,14 @@ class MpiCallCheck {
     MpiCallDescriptor::pack(call, mine(), words_);
   }
 
-  // Starts the exchange (under the caller's MPI lock).
-  int start(MPI_Comm comm) {
+  // Starts the exchange (under the caller's MPI lock), the communicator's `number`-th:
+  // MPI pairs a communicator's collectives in issue order, so the ranks' exchanges of one
+  // number are the same collective (MpiPending::share_note numbers its messages by it).
+  int start(MPI_Comm comm, std::uint64_t number) {
+    number_ = number;
     return MPI_Iallgather(mine(), words_, MPI_UINT64_T, buffer_.data(), words_, MPI_UINT64_T, comm, &req);
   }
+  std::uint64_t number() const { return number_; }
 
   // Every rank's call (valid once `req` completed).
   std::vector<CollectiveCall> calls(const CollectiveCall& self) const {
@@ -111,7 +115,8 @@ class MpiCallCheck {
   // alike on every rank and the communicator is still in step.
   bool tags_only() const { return all_same_but_tag_; }
   // After a mismatch: the lowest rank whose call is abort_step's agreement (the rank whose
-  // note every rank quotes), or -1. The same on every rank: every rank holds every descriptor.
+  // note every rank quotes), or -1. The same on every rank, which holds every descriptor
+  // (unless check_calls = false paired a descriptor with another collective).
   int abort_root() const {
     for (int r = 0; r < size_; ++r)
       if (CollectiveTag::unpack(buffer_[static_cast<std::size_t>(r) * static_cast<std::size_t>(words_)]).phase ==
@@ -127,6 +132,7 @@ class MpiCallCheck {
 
   int words_;
   int size_;
+  std::uint64_t number_ = 0;
   std::vector<std::uint64_t> buffer_;
   bool all_same_but_tag_ = true;
 };

@@ -36,8 +36,8 @@
 //     job must end as after any failed collective.
 //   Where one rank's call was abort_step's agreement, that rank then sends the others its
 //   note, the exception that left its step (CollectiveTag::note), for their messages to
-//   quote: point-to-point messages on this communicator, waited for at most 2 s
-//   (MpiPending::share_note).
+//   quote: point-to-point messages on this communicator with MPI tag 8235, waited for at
+//   most 2 s and within the wait's timeout (MpiPending::share_note; best effort).
 // Comparing before the collective starts would take a blocking round trip per call (and
 // serialize issue with the slowest rank); OpenMPI never lets a mismatched collective write
 // out of bounds, so the check rides beside the collective instead. It costs one small
@@ -332,7 +332,7 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     int rc = MPI_SUCCESS;
     {
       auto lk = state_->rt->lock_for_call([&] { return where() + ": " + call.describe(); });
-      if (check) rc = check->start(state_->comm);  // first, on every rank alike
+      if (check) rc = check->start(state_->comm, state_->descriptor_exchanges++);  // first, on every rank alike
       if (rc == MPI_SUCCESS)
         rc = issue(&req);
       else

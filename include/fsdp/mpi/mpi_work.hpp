@@ -10,7 +10,6 @@
 // With its call descriptors (mpi_call_check.hpp), wait() first completes their exchange,
 // then the collective, and compares the ranks' calls before the result is used.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -109,7 +108,10 @@ struct MpiCommState {
   int rank = 0;
   int size = 1;
   std::uint64_t seq = 0;     // collectives issued so far, for messages
-  std::atomic<std::uint64_t> notes_shared{0};  // abort_step notes exchanged (MpiPending::share_note)
+  std::uint64_t descriptor_exchanges = 0;  // started so far (under the MPI lock): each one's number
+  // A note whose send had not completed when its exchange gave up (MpiPending::share_note):
+  // MPI may still read it, so it lives as long as the communicator.
+  std::vector<std::unique_ptr<std::string>> unsent_notes;
   std::uint64_t splits = 0;  // split() calls so far, for names
   std::vector<int> world_ranks;  // world rank of each rank; empty for the world's own order
   mutable std::mutex broken_mutex;  // a Work may be waited on by another thread
@@ -182,7 +184,7 @@ class MpiPending final : public Work::Pending {
     std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
     if (!mismatch.empty())  // a rank's abort_step: its note, to every rank's message
       if (const int root = check_->abort_root(); root >= 0)
-        if (auto note = share_note(root); note && root != comm_->rank)
+        if (auto note = share_note(root, deadline); note && root != comm_->rank)
           mismatch = check_->mismatch(call_, comm_->rank, comm_->world_ranks, root, std::move(note));
     // Collectives that differ in more than their tags often never complete: waiting the
     // whole timeout for them only delays an error already known (known now, not when
@@ -219,66 +221,91 @@ class MpiPending final : public Work::Pending {
   // agreement, to every other rank, once every rank's descriptor shows the mismatch: the
   // descriptors have no room for a text, and the communicator's collectives are out of step
   // now, so point-to-point messages on it (which MPI never matches with a collective):
-  // [the count of notes shared on this communicator so far (8 bytes), the note]. Every rank
-  // counts the same mismatches (each holds every descriptor), so a message left unreceived
-  // by a rank that gave up is never taken for a later one's. Each rank waits at most
-  // kMismatchGrace (or the timeout, if shorter), then cancels what did not complete: the
-  // note is only left out. Returns the note (the root's own too); null if none arrived.
-  std::shared_ptr<const std::string> share_note(int root) {
+  // [the descriptor exchange's number (8 bytes), the note]. The root sends once per Work;
+  // a rank that is sent one may try again at every poll of the Work until it has it,
+  // discarding older messages (left by an exchange it gave up on), so no rank ever quotes
+  // another mismatch's note. Best effort, bounded: a receiver waits at most until
+  // `deadline`, and at most kMismatchGrace (or the timeout, if shorter), then cancels its
+  // receive (which MPI completes at once); the root waits for its sends as long, then
+  // leaves any still in flight to MPI, keeping its text with the communicator. Returns the
+  // note (the root's own too); null if none arrived, or after a failure of the job.
+  std::shared_ptr<const std::string> share_note(int root, std::chrono::steady_clock::time_point deadline) {
     auto& s = *comm_;
-    const std::uint64_t number = s.notes_shared++;
-    const auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(s.timeout, kMismatchGrace);
+    if (s.rt->has_failed()) return nullptr;  // no MPI call after a failure (mpi_session.hpp)
+    const std::uint64_t number = check_->number();
+    deadline = std::min(deadline, std::chrono::steady_clock::now() +
+                                      std::min<std::chrono::milliseconds>(s.timeout, kMismatchGrace));
     constexpr int kNoteTag = 8235;  // within the 32767 every MPI allows
-    // Tests `req` until it completes or `deadline`; cancels it then (MPI_Wait returns on a
-    // cancelled request whatever the peers do). True if it completed.
-    auto finish_or_cancel = [&](MPI_Request& req, MPI_Status* status) {
+    // MPI_Test on `req` (under the lock, released between tests) until it completes (true),
+    // fails or `deadline` passes (false).
+    auto test_until = [&](MPI_Request& req, MPI_Status* status) {
       for (;;) {
         int done = 0;
         {
           auto lk = s.rt->lock();
-          if (MPI_Test(&req, &done, status) != MPI_SUCCESS) done = -1;
-          if (done == 0 && std::chrono::steady_clock::now() >= deadline) {
-            MPI_Cancel(&req);
-            MPI_Wait(&req, MPI_STATUS_IGNORE);
-            return false;
-          }
+          if (MPI_Test(&req, &done, status) != MPI_SUCCESS) return false;
         }
-        if (done) return done == 1;
+        if (done) return true;
+        if (std::chrono::steady_clock::now() >= deadline) return false;
         std::this_thread::yield();
       }
     };
     if (s.rank == root) {
-      std::string message(sizeof number, '\0');
-      std::memcpy(message.data(), &number, sizeof number);
-      if (call_.note) message += *call_.note;
-      std::vector<MPI_Request> sends(static_cast<std::size_t>(s.size), MPI_REQUEST_NULL);
+      if (note_sent_) return call_.note;
+      note_sent_ = true;
+      auto message = std::make_unique<std::string>(sizeof number, '\0');
+      std::memcpy(message->data(), &number, sizeof number);
+      if (call_.note) *message += *call_.note;
+      std::vector<MPI_Request> sends;
       {
         auto lk = s.rt->lock();
         for (int r = 0; r < s.size; ++r)
-          if (r != root)
-            MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, r, kNoteTag, s.comm,
-                      &sends[static_cast<std::size_t>(r)]);
+          if (r != root) {
+            MPI_Request req = MPI_REQUEST_NULL;
+            if (MPI_Isend(message->data(), static_cast<int>(message->size()), MPI_BYTE, r, kNoteTag, s.comm, &req) ==
+                MPI_SUCCESS)
+              sends.push_back(req);
+          }
       }
+      bool in_flight = false;
       for (auto& req : sends)
-        if (req != MPI_REQUEST_NULL) finish_or_cancel(req, MPI_STATUS_IGNORE);
+        if (!test_until(req, MPI_STATUS_IGNORE)) {
+          auto lk = s.rt->lock();
+          if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);  // MPI completes it later, reading `message`
+          in_flight = true;
+        }
+      if (in_flight) {
+        auto lk = s.rt->lock();
+        s.unsent_notes.push_back(std::move(message));
+      }
       return call_.note;
     }
     std::vector<char> in(sizeof number + kMaxQuoted + 16);  // a note is at most kMaxQuoted bytes and " [...]"
-    MPI_Request req = MPI_REQUEST_NULL;
-    MPI_Status status{};
-    {
-      auto lk = s.rt->lock();
-      if (MPI_Irecv(in.data(), static_cast<int>(in.size()), MPI_BYTE, root, kNoteTag, s.comm, &req) != MPI_SUCCESS)
+    for (;;) {  // until this exchange's message, or the deadline
+      MPI_Request req = MPI_REQUEST_NULL;
+      MPI_Status status{};
+      {
+        auto lk = s.rt->lock();
+        if (MPI_Irecv(in.data(), static_cast<int>(in.size()), MPI_BYTE, root, kNoteTag, s.comm, &req) != MPI_SUCCESS)
+          return nullptr;
+      }
+      if (!test_until(req, &status)) {
+        auto lk = s.rt->lock();
+        if (req != MPI_REQUEST_NULL) {
+          MPI_Cancel(&req);                    // a receive's cancel completes at once
+          MPI_Wait(&req, MPI_STATUS_IGNORE);
+        }
         return nullptr;
+      }
+      int got = 0;
+      MPI_Get_count(&status, MPI_BYTE, &got);
+      std::uint64_t theirs = 0;
+      if (got < static_cast<int>(sizeof number)) return nullptr;
+      std::memcpy(&theirs, in.data(), sizeof number);
+      if (theirs < number) continue;  // left by an earlier exchange this rank gave up on
+      if (theirs > number || got == static_cast<int>(sizeof number)) return nullptr;  // a later one's, or no note
+      return std::make_shared<const std::string>(in.data() + sizeof number, static_cast<std::size_t>(got) - sizeof number);
     }
-    if (!finish_or_cancel(req, &status)) return nullptr;
-    int got = 0;
-    MPI_Get_count(&status, MPI_BYTE, &got);
-    std::uint64_t theirs = 0;
-    if (got <= static_cast<int>(sizeof number)) return nullptr;  // no note, or too short to be one
-    std::memcpy(&theirs, in.data(), sizeof number);
-    if (theirs != number) return nullptr;
-    return std::make_shared<const std::string>(in.data() + sizeof number, static_cast<std::size_t>(got) - sizeof number);
   }
 
   std::string timed_out(int calls_rc, const std::string& mismatch) const {
@@ -307,6 +334,7 @@ class MpiPending final : public Work::Pending {
   MpiEpilogue epilogue_;
   std::optional<MpiCallCheck> check_;  // empty: the ranks' calls are not compared
   bool done_ = false;
+  bool note_sent_ = false;  // share_note: this rank, the root, sent its note for this Work
   std::string mismatch_;  // the ranks' calls differed: the result is not used
 };
 
