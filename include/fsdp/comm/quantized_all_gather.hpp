@@ -32,10 +32,10 @@
 namespace fsdp {
 
 // Bytes of one rank's slot in the gather: an 8-byte status, its scales, its n codes,
-// rounded up to 8 bytes (so every slot's status and f32 scales stay aligned).
+// rounded up to 8 bytes (so every slot's status and f32 scales stay aligned; the layout
+// is detail::quant_slot's, which a unit's slots share without the status).
 inline std::size_t quantized_slot_bytes(QuantFormat f, std::size_t n, std::size_t block) {
-  const std::size_t bytes = 8 + detail::block_count(n, block) * scale_bytes(f) + n;
-  return (bytes + 7) / 8 * 8;
+  return detail::quant_slot(f, n, block, true).bytes;
 }
 
 // full[r * n + i] = rank r's shard[i] after quantization and back, for every rank r; n
@@ -51,8 +51,8 @@ void quantized_all_gather(C& comm, D& device, QuantFormat f, std::size_t block, 
                           float* full) {
   check_quant_block(f, block, "quantized_all_gather");
   const std::size_t world = static_cast<std::size_t>(comm.size());
-  const std::size_t blocks = detail::block_count(n, block), scales_at = 8, codes_at = 8 + blocks * scale_bytes(f);
-  const std::size_t slot = quantized_slot_bytes(f, n, block);
+  const auto layout = detail::quant_slot(f, n, block, true);
+  const std::size_t scales_at = layout.scales_at, codes_at = layout.codes_at, slot = layout.bytes;
   auto* send = static_cast<std::byte*>(device.allocate(slot, MemorySpace::device));
   std::byte* recv = nullptr;
   // Frees the scratch after a wait for what may still use it. Each step runs even if one

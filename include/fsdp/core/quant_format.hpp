@@ -32,6 +32,25 @@ inline constexpr std::size_t kMxBlock = 32;
 namespace detail {
 // Number of blocks of `block` elements covering n (the last one may be shorter).
 inline constexpr std::size_t block_count(std::size_t n, std::size_t block) { return n / block + (n % block != 0); }
+
+// One rank's slot in a quantized all-gather of n values: an 8-byte status word if
+// `status` (fsdp::quantized_all_gather's; a unit's slots have none), the block scales, the
+// n codes, then padding to a multiple of 8 bytes, so that in a buffer of slots every
+// status and f32 scale stays aligned. Offsets in bytes from the slot's start.
+struct QuantSlot {
+  std::size_t scales_at = 0;
+  std::size_t codes_at = 0;
+  std::size_t used = 0;   // codes_at + n: the bytes written; the rest is padding
+  std::size_t bytes = 0;  // the slot's size
+};
+inline constexpr QuantSlot quant_slot(QuantFormat f, std::size_t n, std::size_t block, bool status) {
+  QuantSlot s;
+  s.scales_at = status ? 8 : 0;
+  s.codes_at = s.scales_at + block_count(n, block) * scale_bytes(f);
+  s.used = s.codes_at + n;
+  s.bytes = (s.used + 7) / 8 * 8;
+  return s;
+}
 }  // namespace detail
 
 }  // namespace fsdp

@@ -197,9 +197,11 @@ class FlatParamGroup {
   // staging copy is ever alive. A narrower `wire` dtype (CommPrecision) gathers into a
   // `wire` buffer instead, widened into the `as` buffer once it arrives (finish_gather).
   // Replicated parameters need no collective. `tag` (may be null) goes with the all-gather.
-  // `quantize`: a block format's all-gather where the flat parameter has one
-  // (FlatParam::quantized; not for summons, which gather the master dtype).
-  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag, bool quantize,
+  // `purpose`: a step's gather moves a block format where the flat parameter has one
+  // (FlatParam::quantized); a summon's gathers the master dtype, even when it is the
+  // compute dtype, so the purpose cannot be read from the dtypes.
+  enum class GatherFor : std::uint8_t { step, summon };
+  void start_gather(FlatParam& fp, DType as, DType wire, const CollectiveTag* tag, GatherFor purpose,
                     detail::ZeroBatch* zeros = nullptr) {
     auto cast = [&](void* dst, DType to, const void* src, DType from, std::size_t n) {
       if (zeros) zeros->cast(device_, dst, to, src, from, n);
@@ -214,7 +216,7 @@ class FlatParamGroup {
       if (as == fp.compute) return post_forward_.start_gather(fp, as, device_, tag);
       release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);
     }
-    if (quantize && fp.quantized) return start_quantized_gather(fp, S, tag);
+    if (purpose == GatherFor::step && fp.quantized) return start_quantized_gather(fp, S, tag);
     if (wire != as && groups_.shards_parameters) {
       fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
       void* mine = static_cast<std::byte*>(fp.wire) + groups_.shard_rank * FlatParam::bytes(L.shard_numel(), wire);
@@ -235,16 +237,17 @@ class FlatParamGroup {
   // codes; the padding zeroed, so every byte sent is written) and gathers the slots in
   // place. An offloaded shard is copied to the device first. finish_gather dequantizes.
   void start_quantized_gather(FlatParam& fp, std::size_t S, const CollectiveTag* tag) {
-    const std::size_t slot = fp.quant_slot_bytes(), scales = fp.quant_scales_bytes(), used = scales + S;
+    const auto slot = fp.quant_slot();
     fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
-    auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot;
-    if (slot > used) device_.fill_zero(mine + used, slot - used);
+    auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot.bytes;
+    if (slot.bytes > slot.used) device_.fill_zero(mine + slot.used, slot.bytes - slot.used);
     detail::DeviceScratch staged(device_, offloaded() ? fp.shard_bytes() : 0);
     if (staged.data) device_.copy(staged.data, fp.shard, fp.shard_bytes());
     const void* x = staged.data ? staged.data : fp.shard;
-    device_.quantize(fp.quant_format, static_cast<const float*>(x), S, mine + scales, mine, fp.quant_block);
+    device_.quantize(fp.quant_format, static_cast<const float*>(x), S, mine + slot.codes_at, mine + slot.scales_at,
+                     fp.quant_block);
     staged.release();
-    fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot, DType::u8, tag);
+    fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot.bytes, DType::u8, tag);
   }
 
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
@@ -260,15 +263,15 @@ class FlatParamGroup {
       fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
       if (fp.quantized) {  // only a block format's all-gather fills the wire of such a flat parameter
         const auto S = static_cast<std::size_t>(fp.layout.shard_numel());
-        const std::size_t slot = fp.quant_slot_bytes(), scales = fp.quant_scales_bytes();
+        const auto slot = fp.quant_slot();
         // One launch per shard rank (the slots are apart); under another compute dtype each
         // slot goes through one shard of f32, then is cast into place.
         detail::DeviceScratch f32(device_, as == DType::f32 ? 0 : FlatParam::bytes(fp.layout.shard_numel(), DType::f32));
         for (std::size_t r = 0; S != 0 && r < padded / S; ++r) {
-          const auto* at = static_cast<const std::byte*>(fp.wire) + r * slot;
+          const auto* at = static_cast<const std::byte*>(fp.wire) + r * slot.bytes;
           auto* place = static_cast<std::byte*>(fp.full) + r * S * size_of(as);
           auto* out = f32.data ? static_cast<float*>(f32.data) : reinterpret_cast<float*>(place);
-          device_.dequantize(fp.quant_format, at + scales, at, S, out, fp.quant_block);
+          device_.dequantize(fp.quant_format, at + slot.codes_at, at + slot.scales_at, S, out, fp.quant_block);
           if (f32.data) device_.cast(place, as, f32.data, DType::f32, S);
         }
         f32.release();
@@ -288,7 +291,7 @@ class FlatParamGroup {
     bool issued = false;
     for (auto& fp : flat_) {
       if (fp.gather_issued()) continue;
-      start_gather(fp, fp.compute, fp.gather, tag, true, zeros);
+      start_gather(fp, fp.compute, fp.gather, tag, GatherFor::step, zeros);
       issued = true;
     }
     return issued;
@@ -300,7 +303,7 @@ class FlatParamGroup {
   void unshard(const detail::TracedWait& wait, const CollectiveTag* tag) {
     bool rebound = false;
     for (auto& fp : flat_) {
-      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag, true);
+      if (!fp.gather_issued()) start_gather(fp, fp.compute, fp.gather, tag, GatherFor::step);
       if (fp.unbound) finish_gather(fp, fp.compute, wait), rebound = true;
     }
     if (rebound) parameters_rebound();
@@ -309,7 +312,7 @@ class FlatParamGroup {
   // Full parameters in their own (master) dtype, for summon_full_params.
   void unshard_master(const detail::TracedWait& wait, const CollectiveTag* tag) {
     for (auto& fp : flat_) {
-      start_gather(fp, fp.master(), fp.master(), tag, false);
+      start_gather(fp, fp.master(), fp.master(), tag, GatherFor::summon);
       finish_gather(fp, fp.master(), wait);
     }
     parameters_rebound();

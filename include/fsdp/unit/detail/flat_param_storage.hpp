@@ -80,13 +80,12 @@ struct FlatParam {
     const auto S = layout.shard_numel();
     return S == 0 ? 0 : quant_slot_bytes() * static_cast<std::size_t>(layout.padded_numel() / S);
   }
-  // One shard rank's slot of a quantized all-gather: its scales, then its codes, padded to 8.
-  std::size_t quant_scales_bytes() const {
-    return detail::block_count(static_cast<std::size_t>(layout.shard_numel()), quant_block) * scale_bytes(quant_format);
+  // One shard rank's slot of a quantized all-gather: its scales, then its codes, padded to
+  // 8 (detail::quant_slot, with no status word).
+  detail::QuantSlot quant_slot() const {
+    return detail::quant_slot(quant_format, static_cast<std::size_t>(layout.shard_numel()), quant_block, false);
   }
-  std::size_t quant_slot_bytes() const {
-    return (quant_scales_bytes() + static_cast<std::size_t>(layout.shard_numel()) + 7) / 8 * 8;
-  }
+  std::size_t quant_slot_bytes() const { return quant_slot().bytes; }
   std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
   std::size_t partial_bytes() const { return bytes(layout.shard_numel(), accumulate); }
   bool gather_issued() const { return full || wire; }
