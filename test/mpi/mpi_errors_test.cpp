@@ -10,6 +10,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,39 @@ TEST_CASE("collective tags: equal ones gather; different ones fail on every rank
     CHECK(contains(error_of([&] { w.wait(); }), "collective mismatch"));
   }
   // Both calls completed on every rank: still in step, nothing broken.
+  CHECK_FALSE(comm.broken());
+  std::int32_t one = 1, total = 0;
+  comm.all_reduce(&one, &total, 1, DType::i32, ReduceOp::sum).wait();
+  CHECK(total == comm.size());
+}
+
+// Issue 35: abort_step's agreement carries the exception that left the step
+// (CollectiveTag::note), which MPI's descriptors cannot: rank 0 sends it once the ranks see
+// the mismatch. Here the calls differ in their tags only (rank 0's is abort_step's), so MPI
+// runs one collective alike and the communicator stays in step for the next round. A Work
+// polled with ready() must say what a waited one says: a poll that finds the mismatch
+// before the note arrived is not the end (the first version of the exchange gave up there).
+TEST_CASE("abort_step's note: every rank quotes the aborting rank's exception, waited or polled") {
+  auto comm = test_mpi::world();
+  if (comm.size() < 2) return;
+  const auto note = std::make_shared<const std::string>("engine kernel failed");
+  for (bool poll : {false, true, true}) {
+    CAPTURE(poll);
+    fsdp::CollectiveTag tag{2, fsdp::TagPhase::forward, 1};
+    if (comm.rank() == 0) tag = fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note};
+    std::int32_t mine = 1, all = 0;
+    fsdp::Work w = comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag);
+    const std::string e = error_of([&] {
+      if (poll)
+        while (!w.ready()) {
+        }
+      w.wait();
+    });
+    CAPTURE(e);
+    CHECK(contains(e, "rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
+                      "exception: \"engine kernel failed\")"));
+    CHECK(contains(e, "rank 1 called all_reduce(count=1, dtype=i32, op=min) of unit #2 (forward, pass 1)"));
+  }
   CHECK_FALSE(comm.broken());
   std::int32_t one = 1, total = 0;
   comm.all_reduce(&one, &total, 1, DType::i32, ReduceOp::sum).wait();

@@ -183,9 +183,18 @@ class MpiPending final : public Work::Pending {
     // Known once the descriptors met, even when the collective itself does not complete.
     std::string mismatch = check_ && calls_rc == MPI_SUCCESS ? check_->mismatch(call_, comm_->rank, comm_->world_ranks) : "";
     if (!mismatch.empty())  // a rank's abort_step: its note, to every rank's message
-      if (const int root = check_->abort_root(); root >= 0)
-        if (auto note = share_note(root, deadline); note && root != comm_->rank)
+      if (const int root = check_->abort_root(); root >= 0) {
+        if (!note_deadline_)  // the note's wait begins when this rank first sees the mismatch
+          note_deadline_ = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(comm_->timeout, kMismatchGrace);
+        auto note = share_note(root, std::min(deadline, *note_deadline_));
+        // A poll (ready()) that found no note yet is not the end: the next poll looks again,
+        // until the note's wait is over, so a polled Work says what a waited one says.
+        if (!blocking && root != comm_->rank && !note_received_ && !comm_->rt->has_failed() &&
+            std::chrono::steady_clock::now() < *note_deadline_)
+          return false;
+        if (note && root != comm_->rank)
           mismatch = check_->mismatch(call_, comm_->rank, comm_->world_ranks, root, std::move(note));
+      }
     // Collectives that differ in more than their tags often never complete: waiting the
     // whole timeout for them only delays an error already known (known now, not when
     // wait() began: the descriptors may have taken most of the timeout to meet).
@@ -222,19 +231,19 @@ class MpiPending final : public Work::Pending {
   // descriptors have no room for a text, and the communicator's collectives are out of step
   // now, so point-to-point messages on it (which MPI never matches with a collective):
   // [the descriptor exchange's number (8 bytes), the note]. The root sends once per Work;
-  // a rank that is sent one may try again at every poll of the Work until it has it,
+  // a rank that is sent one may try again at every poll of the Work until it has it (then
+  // keeps it for the Work's later polls),
   // discarding older messages (left by an exchange it gave up on), so no rank ever quotes
   // another mismatch's note. Best effort, bounded: a receiver waits at most until
-  // `deadline`, and at most kMismatchGrace (or the timeout, if shorter), then cancels its
-  // receive (which MPI completes at once); the root waits for its sends as long, then
-  // leaves any still in flight to MPI, keeping its text with the communicator. Returns the
-  // note (the root's own too); null if none arrived, or after a failure of the job.
+  // `deadline` (finish(): the Work's own, and kMismatchGrace, or the timeout if shorter,
+  // from the first poll that saw the mismatch), then cancels its receive (which MPI
+  // completes at once); the root waits for its sends as long, then leaves any still in
+  // flight to MPI, keeping its text with the communicator. Returns the note (the root's own
+  // too); null if none arrived, or after a failure of the job.
   std::shared_ptr<const std::string> share_note(int root, std::chrono::steady_clock::time_point deadline) {
     auto& s = *comm_;
     if (s.rt->has_failed()) return nullptr;  // no MPI call after a failure (mpi_session.hpp)
     const std::uint64_t number = check_->number();
-    deadline = std::min(deadline, std::chrono::steady_clock::now() +
-                                      std::min<std::chrono::milliseconds>(s.timeout, kMismatchGrace));
     constexpr int kNoteTag = 8235;  // within the 32767 every MPI allows
     // MPI_Test on `req` (under the lock, released between tests) until it completes (true),
     // fails or `deadline` passes (false).
@@ -280,6 +289,7 @@ class MpiPending final : public Work::Pending {
       }
       return call_.note;
     }
+    if (note_received_) return received_note_;  // an earlier poll of this Work received it
     std::vector<char> in(sizeof number + kMaxQuoted + 16);  // a note is at most kMaxQuoted bytes and " [...]"
     for (;;) {  // until this exchange's message, or the deadline
       MPI_Request req = MPI_REQUEST_NULL;
@@ -303,8 +313,12 @@ class MpiPending final : public Work::Pending {
       if (got < static_cast<int>(sizeof number)) return nullptr;
       std::memcpy(&theirs, in.data(), sizeof number);
       if (theirs < number) continue;  // left by an earlier exchange this rank gave up on
-      if (theirs > number || got == static_cast<int>(sizeof number)) return nullptr;  // a later one's, or no note
-      return std::make_shared<const std::string>(in.data() + sizeof number, static_cast<std::size_t>(got) - sizeof number);
+      if (theirs > number) return nullptr;  // a later one's (its Work waited first): this one's never comes
+      note_received_ = true;
+      if (got > static_cast<int>(sizeof number))  // else the root had no note
+        received_note_ = std::make_shared<const std::string>(in.data() + sizeof number,
+                                                             static_cast<std::size_t>(got) - sizeof number);
+      return received_note_;
     }
   }
 
@@ -335,6 +349,9 @@ class MpiPending final : public Work::Pending {
   std::optional<MpiCallCheck> check_;  // empty: the ranks' calls are not compared
   bool done_ = false;
   bool note_sent_ = false;  // share_note: this rank, the root, sent its note for this Work
+  bool note_received_ = false;  // share_note: the root's message for this Work arrived here
+  std::shared_ptr<const std::string> received_note_;  // its note (null: it had none)
+  std::optional<std::chrono::steady_clock::time_point> note_deadline_;  // set when the mismatch is first seen
   std::string mismatch_;  // the ranks' calls differed: the result is not used
 };
 
