@@ -122,14 +122,16 @@ struct MpiCommState {
 inline constexpr int kMpiTimedOut = -1;  // not an MPI error code (those are >= 0)
 
 // MPI_Test on `req` until it completes (MPI_SUCCESS), fails (its MPI error code) or
-// `deadline` passes (kMpiTimedOut). A deadline in the past tests exactly once.
-inline int mpi_test_until(MpiRuntime& rt, MPI_Request& req, std::chrono::steady_clock::time_point deadline) {
+// `deadline` passes (kMpiTimedOut). A deadline in the past tests exactly once. `status`:
+// where the completed request's status goes (a receive's count), or MPI_STATUS_IGNORE.
+inline int mpi_test_until(MpiRuntime& rt, MPI_Request& req, std::chrono::steady_clock::time_point deadline,
+                          MPI_Status* status = MPI_STATUS_IGNORE) {
   for (;;) {
     int done = 0;
     int rc;
     {
       auto lk = rt.lock();
-      rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      rc = MPI_Test(&req, &done, status);
     }
     if (rc != MPI_SUCCESS) return rc;
     if (done) return MPI_SUCCESS;
@@ -245,19 +247,8 @@ class MpiPending final : public Work::Pending {
     if (s.rt->has_failed()) return nullptr;  // no MPI call after a failure (mpi_session.hpp)
     const std::uint64_t number = check_->number();
     constexpr int kNoteTag = 8235;  // within the 32767 every MPI allows
-    // MPI_Test on `req` (under the lock, released between tests) until it completes (true),
-    // fails or `deadline` passes (false).
-    auto test_until = [&](MPI_Request& req, MPI_Status* status) {
-      for (;;) {
-        int done = 0;
-        {
-          auto lk = s.rt->lock();
-          if (MPI_Test(&req, &done, status) != MPI_SUCCESS) return false;
-        }
-        if (done) return true;
-        if (std::chrono::steady_clock::now() >= deadline) return false;
-        std::this_thread::yield();
-      }
+    auto test_until = [&](MPI_Request& req, MPI_Status* status) {  // true: completed
+      return mpi_test_until(*s.rt, req, deadline, status) == MPI_SUCCESS;
     };
     if (s.rank == root) {
       if (note_sent_) return call_.note;
