@@ -1,5 +1,7 @@
 // fsdp_store: the rendezvous store's server as a process of its own, for jobs whose store
-// should not live inside rank 0 (ranks then run with FSDP_STORE_EXTERNAL=1).
+// should live in neither rank 0 nor the launcher (ranks then run with FSDP_STORE_EXTERNAL=1;
+// fsdp_run --store external). A restarted job's ranks begin a new generation of it at
+// their hello (TcpStoreServer, "Generations"), so it may serve one start after another.
 //
 //   fsdp_store [--host 127.0.0.1] [--port 29500] [--token-env FSDP_STORE_TOKEN] ...
 //

@@ -1,7 +1,7 @@
 #pragma once
 // One rank of a multi-process backend: joins its group, measures every row, and (rank 0)
 // writes them to <run dir>/rows.jsonl for the driver.
-//   tcp   fsdp::TcpComm over the TcpStore rank 0 hosts (torchrun's env from the launcher)
+//   tcp   fsdp::TcpComm over the job's TcpStore (torchrun's env from the launcher, which hosts the store)
 //   tcp-socket  the same with shared_memory = false
 //   gloo  Gloo's TCP transport, rendezvous in <run dir>/gloo_store (rank from the same env)
 //   mpi   fsdp::MpiComm over MPI_COMM_WORLD (started by mpirun)

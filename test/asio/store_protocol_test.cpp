@@ -129,7 +129,7 @@ TEST_CASE("malformed requests name what is wrong") {
   CHECK(contains(request_error(p), "not an fsdp store client (bad magic)"));
   p = payload_of(wire::encode(hello));
   p[5] = 7;
-  CHECK(contains(request_error(p), "protocol version 7, this store speaks 1"));
+  CHECK(contains(request_error(p), "protocol version 7, this store speaks 2"));
   try {  // a client of another version is a mismatch between builds, not damaged data
     wire::decode_request(p, limits);
     FAIL("expected fsdp::Error");

@@ -126,7 +126,7 @@ TEST_CASE("a wrong or missing token is refused and gets nothing") {
   good.set("secret/key", "the value");
   const std::string refused =
       "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) + " refused this client: wrong or missing FSDP_STORE_TOKEN "
-      "(or the server is full, or is not an fsdp store)";
+      "(or the server is full, or is not an fsdp store of this protocol version)";
 
   const auto t0 = Clock::now();
   CHECK(error_of([&] { fsdp::TcpStore("127.0.0.1", server.port(), with_token("wrong")); }) == refused);

@@ -66,6 +66,15 @@ std::vector<std::string> scenario(fsdp::Store& s) {
   return log;
 }
 
+// The launch environment of rank 0 of a job of `world_size` on loopback at `port`.
+fsdp::DistEnv loopback_env(std::uint16_t port, int world_size) {
+  fsdp::DistEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.world_size = world_size;
+  return env;
+}
+
 }  // namespace
 
 TEST_CASE("every verb, and the same answers as HashStore") {
@@ -193,6 +202,144 @@ TEST_CASE("a server going away ends a parked wait at once, and later verbs say s
   CHECK(contains(error_of([&] { store.set("k", "v"); }), "set 'k' on a connection lost earlier: wait for 1 keys failed"));
 }
 
+TEST_CASE("generations, led by clients (fsdp_store): a later hello drops every key and closes earlier clients; earlier ones are refused") {
+  fsdp::TcpStoreServer server;
+  auto generation = [](std::uint64_t g) {
+    fsdp::TcpStoreOptions o = quick();
+    o.generation = g;
+    return o;
+  };
+  fsdp::TcpStore idle("127.0.0.1", server.port(), quick());  // generation 0, as every client by default
+  fsdp::TcpStore parked("127.0.0.1", server.port(), quick());
+  idle.set("from/0", "stale");
+  std::string parked_error;
+  std::thread t([&] { parked_error = error_of([&] { parked.get("never", 5000ms); }); });
+  for (auto until = Clock::now() + 2000ms; server.stats().parked == 0 && Clock::now() < until;)
+    std::this_thread::sleep_for(5ms);
+  REQUIRE(server.stats().parked == 1);
+
+  const auto t0 = Clock::now();
+  fsdp::TcpStore next("127.0.0.1", server.port(), generation(1));  // a restarted rank
+  t.join();
+  CHECK(ms_since(t0) < 2000);  // the parked get ended at once, not at its timeout
+  CHECK(contains(parked_error, "get 'never': generation 1 began (a client of it (127.0.0.1:"));
+  CHECK(contains(parked_error, "said hello), which ends generation 0 and its clients"));
+  CHECK_FALSE(next.try_get("from/0"));  // the failed start's keys are gone
+  CHECK(next.num_keys() == 0);
+  CHECK(contains(error_of([&] { idle.set("from/0", "again"); }), "set 'from/0' failed"));
+  CHECK_FALSE(next.try_get("from/0"));  // and its clients cannot write any more
+  CHECK(error_of([&] { fsdp::TcpStore late("127.0.0.1", server.port(), quick()); }) ==
+        "fsdp: the store at 127.0.0.1:" + std::to_string(server.port()) +
+            " refused this client: this client belongs to generation 0 of the job, and the store at 127.0.0.1:" +
+            std::to_string(server.port()) +
+            " serves generation 1: it is left from an earlier start of the job, which was restarted since "
+            "(TORCHELASTIC_RESTART_COUNT counts the starts)");
+  auto stats = server.stats();
+  CHECK(stats.generation == 1);
+  CHECK(stats.superseded == 2);
+  CHECK(stats.stale == 1);
+  CHECK(stats.clients == 1);
+
+  // Its host begins one too (fsdp_run, before a restart's ranks start); generations only grow.
+  next.set("from/1", "x");
+  server.begin_generation(1);  // the one served: nothing happens
+  CHECK(next.get("from/1", 100ms) == "x");
+  server.begin_generation(3);
+  CHECK(contains(error_of([&] { next.get("from/1", 100ms); }), "get 'from/1' failed"));
+  CHECK(error_of([&] { server.begin_generation(2); }) ==
+        "fsdp: store server: cannot begin generation 2: it serves generation 3 already (generations only grow)");
+  {
+    fsdp::TcpStore current("127.0.0.1", server.port(), generation(3));
+    CHECK(current.num_keys() == 0);
+    current.set("from/3", "x");
+    stats = server.stats();
+    CHECK(stats.generation == 3);
+    CHECK(stats.superseded == 3);
+    CHECK(contains(error_of([&] { fsdp::TcpStore late("127.0.0.1", server.port(), generation(2)); }),
+                   "belongs to generation 2 of the job"));
+  }
+  // Once no client is connected, an earlier generation begins anew: the next job on a
+  // store that outlived a job with restarts.
+  for (auto until = Clock::now() + 2000ms; server.stats().clients > 0 && Clock::now() < until;)
+    std::this_thread::sleep_for(5ms);
+  REQUIRE(server.stats().clients == 0);
+  fsdp::TcpStore next_job("127.0.0.1", server.port(), quick());
+  CHECK(server.stats().generation == 0);
+  CHECK_FALSE(next_job.try_get("from/3"));
+}
+
+TEST_CASE("generations, led by the host (fsdp_run's and rank 0's stores): clients of any other are refused") {
+  fsdp::TcpStoreServerOptions at5;
+  at5.generation = 5;
+  at5.host_begins_generations = true;
+  fsdp::TcpStoreServer server(at5);
+  const std::string here = "the store at 127.0.0.1:" + std::to_string(server.port());
+  auto generation = [](std::uint64_t g) {
+    fsdp::TcpStoreOptions o = quick();
+    o.generation = g;
+    return o;
+  };
+  // Refused even with no client connected, and a later one too: only the host moves on.
+  CHECK(contains(error_of([&] { fsdp::TcpStore s("127.0.0.1", server.port(), generation(4)); }),
+                 "belongs to generation 4 of the job, and " + here + " serves generation 5: it is left from an earlier start"));
+  CHECK(contains(error_of([&] { fsdp::TcpStore s("127.0.0.1", server.port(), generation(6)); }),
+                 "belongs to generation 6 of the job, and " + here +
+                     " serves generation 5, which only its host (fsdp_run, or rank 0) moves on"));
+  fsdp::TcpStore fifth("127.0.0.1", server.port(), generation(5));
+  fifth.set("k", "v");
+  server.begin_generation(6);
+  fsdp::TcpStore sixth("127.0.0.1", server.port(), generation(6));
+  CHECK_FALSE(sixth.try_get("k"));
+  CHECK(contains(error_of([&] { fifth.get("k", 100ms); }), "get 'k' failed"));
+  const auto stats = server.stats();
+  CHECK(stats.stale == 2);
+  CHECK(stats.superseded == 1);
+  CHECK(stats.generation == 6);
+}
+
+TEST_CASE("connect_store: a client's generation is TORCHELASTIC_RESTART_COUNT's, and a restarted rank 0 hosts that one") {
+  const std::uint16_t port = unused_port();
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  fsdp::DistEnv env = loopback_env(port, 2);
+  env.restart_count = 2;
+  auto rank0 = fsdp::connect_store(env, quick());
+  REQUIRE(rank0.server);
+  CHECK(rank0.server->stats().generation == 2);
+  env.rank = 1;
+  env.restart_count = 1;  // a rank of the start before
+  CHECK(contains(error_of([&] { fsdp::connect_store(env, quick()); }), "belongs to generation 1 of the job"));
+  env_vars.set("MASTER_ADDR", "127.0.0.1").set("MASTER_PORT", std::to_string(port));
+  env_vars.set("RANK", "1").set("WORLD_SIZE", "2").set("TORCHELASTIC_RESTART_COUNT", "2");
+  auto store = fsdp::TcpStore::from_env(quick());
+  CHECK(store->get("fsdp/job/world_size", 100ms) == "2");  // rank 0's claim, of this generation
+  fsdp::TcpStoreOptions given = quick();
+  given.generation = 0;  // given, not read from TORCHELASTIC_RESTART_COUNT
+  CHECK(contains(error_of([&] { fsdp::TcpStore::from_env(given); }), "belongs to generation 0 of the job"));
+}
+
+TEST_CASE("connect_store: FSDP_STORE_HOST says who serves; a launcher's store is claimed, one run apart is not") {
+  fsdp::TcpStoreServer launcher;  // as fsdp_run hosts it
+  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", "launcher");
+  fsdp::DistEnv env = loopback_env(launcher.port(), 2);
+  auto rank0 = fsdp::connect_store(env, quick());
+  CHECK_FALSE(rank0.server);
+  CHECK(rank0.store->get("fsdp/job/world_size", 100ms) == "2");
+  CHECK(contains(error_of([&] { fsdp::connect_store(env, quick()); }),
+                 "already has a rank 0: another job is using port " + std::to_string(launcher.port())));
+  env_vars.set("FSDP_STORE_HOST", "external");  // fsdp_store: not claimed
+  CHECK_FALSE(fsdp::connect_store(env, quick()).server);
+  CHECK(rank0.store->add("fsdp/job/rank/0", 0) == 2);  // the claim above and the refused one, not a third
+  env_vars.set("FSDP_STORE_HOST", "rank1");
+  CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) ==
+        "fsdp: environment: FSDP_STORE_HOST is 'rank1'; write launcher, rank0 or external");
+  env_vars.set("FSDP_STORE_HOST", "rank0").set("FSDP_STORE_EXTERNAL", "1");
+  CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) ==
+        "fsdp: environment: FSDP_STORE_HOST=rank0 and FSDP_STORE_EXTERNAL=1 disagree (a store run apart); set one of "
+        "them");
+}
+
 TEST_CASE("the client retries until the server listens") {
   const std::uint16_t port = unused_port();
   std::unique_ptr<fsdp::TcpStoreServer> server;
@@ -216,10 +363,7 @@ TEST_CASE("a store rank 0 hosts keeps 2 connections per rank that have not said 
   const std::uint16_t port = unused_port();
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);
-  fsdp::DistEnv env;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  env.world_size = 200;
+  fsdp::DistEnv env = loopback_env(port, 200);
   auto rank0 = fsdp::connect_store(env, quick());
   REQUIRE(rank0.server);
   std::vector<std::unique_ptr<RawClient>> early;
@@ -234,10 +378,7 @@ TEST_CASE("a store rank 0 hosts keeps 2 connections per rank that have not said 
 
 TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses an external one") {
   const std::uint16_t port = unused_port();
-  fsdp::DistEnv env;
-  env.master_addr = "127.0.0.1";
-  env.master_port = port;
-  env.world_size = 2;
+  fsdp::DistEnv env = loopback_env(port, 2);
   env.token = "t0ken";
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);

@@ -42,7 +42,8 @@ Finished fsdp_run(std::vector<std::string> flags, const std::string& script,
 
 const char* const kPrintEnv =
     "echo \"RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE "
-    "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TOKEN=$FSDP_STORE_TOKEN BIND=${FSDP_STORE_BIND-unset}\"";
+    "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TOKEN=$FSDP_STORE_TOKEN BIND=${FSDP_STORE_BIND-unset} "
+    "HOST=${FSDP_STORE_HOST-unset}\"";
 
 // rank -> the rest of its one line "[rank R] ..."; fails on a line without a prefix.
 std::map<int, std::string> by_rank(const std::string& out) {
@@ -85,32 +86,54 @@ TEST_CASE("every rank sees torchrun's six variables, one port and one random tok
     for (int r = 0; r < n; ++r)
       CHECK(lines.at(r) == "RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(n) +
                                " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(n) +
-                               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " TOKEN=" + token + " BIND=unset");
+                               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " TOKEN=" + token + " BIND=unset HOST=launcher");
   }
   CHECK(tokens.size() == 4);  // drawn afresh for every job
+  // Who hosts the store is --store's to say: an FSDP_STORE_EXTERNAL of fsdp_run's own
+  // environment does not reach the ranks, where it would contradict FSDP_STORE_HOST.
+  const Finished f = fsdp_run({"--nproc", "1"}, "echo \"${FSDP_STORE_EXTERNAL-unset} $FSDP_STORE_HOST\"",
+                              {"FSDP_STORE_EXTERNAL=1"});
+  REQUIRE(f.status == 0);
+  CHECK(by_rank(f.out) == std::map<int, std::string>{{0, "unset launcher"}});
 }
 
-TEST_CASE("one node with a master address that is not loopback: rank 0's store binds to it") {
+TEST_CASE("one node with a master address that is not loopback: the store listens there") {
+  // 10.1.2.3 is no address of this machine, so a store cannot listen there: fsdp_run, which
+  // hosts it by default, fails before any rank starts, naming the address.
   const Finished f = fsdp_run({"--nproc", "1", "--master-addr", "10.1.2.3", "--master-port", "29556"}, kPrintEnv);
-  REQUIRE(f.status == 0);
-  const auto lines = by_rank(f.out);
+  CHECK(f.status == 1);
+  CHECK(f.out.empty());
+  CHECK(f.err.find("launch: cannot host the job's store (--store launcher): store server: could not listen on "
+                   "10.1.2.3:29556") != std::string::npos);
+  // Left to rank 0, the store is told where to listen.
+  const Finished g =
+      fsdp_run({"--nproc", "1", "--master-addr", "10.1.2.3", "--master-port", "29556", "--store", "rank0"}, kPrintEnv);
+  REQUIRE(g.status == 0);
+  const auto lines = by_rank(g.out);
   REQUIRE(lines.size() == 1);
   CHECK(lines.at(0).find("MASTER_ADDR=10.1.2.3 ") != std::string::npos);
-  CHECK(lines.at(0).find(" BIND=10.1.2.3") != std::string::npos);
+  CHECK(lines.at(0).find(" BIND=10.1.2.3 HOST=rank0") != std::string::npos);
 }
 
-TEST_CASE("node 1 of 2: global ranks, the bind address and the user's token") {
+TEST_CASE("node 1 of 2: global ranks, the store's place and the user's token") {
   const std::vector<std::string> flags{"--nnodes",      "2",        "--node-rank",     "1",    "--nproc", "2",
                                        "--master-addr", "10.1.2.3", "--master-port", "29555"};
-  const Finished f = fsdp_run(flags, kPrintEnv, {"FSDP_STORE_TOKEN=s3cret"});
-  REQUIRE(f.status == 0);
-  const auto lines = by_rank(f.out);
-  REQUIRE(lines.size() == 2);
-  for (int local = 0; local < 2; ++local)
-    CHECK(lines.at(2 + local) == "RANK=" + std::to_string(2 + local) + " WORLD_SIZE=4 LOCAL_RANK=" +
-                                     std::to_string(local) +
-                                     " LOCAL_WORLD_SIZE=2 MASTER_ADDR=10.1.2.3 MASTER_PORT=29555 TOKEN=s3cret "
-                                     "BIND=10.1.2.3");
+  // Node 0's fsdp_run hosts the store (this one hosts none: nothing listens here, and the
+  // ranks start), or rank 0 does, told to listen on the master address.
+  for (const std::string store : {"launcher", "rank0"}) {
+    CAPTURE(store);
+    auto with_store = flags;
+    with_store.insert(with_store.end(), {"--store", store});
+    const Finished f = fsdp_run(with_store, kPrintEnv, {"FSDP_STORE_TOKEN=s3cret"});
+    REQUIRE(f.status == 0);
+    const auto lines = by_rank(f.out);
+    REQUIRE(lines.size() == 2);
+    for (int local = 0; local < 2; ++local)
+      CHECK(lines.at(2 + local) == "RANK=" + std::to_string(2 + local) + " WORLD_SIZE=4 LOCAL_RANK=" +
+                                       std::to_string(local) +
+                                       " LOCAL_WORLD_SIZE=2 MASTER_ADDR=10.1.2.3 MASTER_PORT=29555 TOKEN=s3cret " +
+                                       (store == "rank0" ? "BIND=10.1.2.3 HOST=rank0" : "BIND=unset HOST=launcher"));
+  }
 
   SUBCASE("--env carries the token too, and other variables") {
     auto with_env = flags;
@@ -363,6 +386,10 @@ TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {
       {{"--env", "RANK=3"}, "--env RANK: fsdp_run sets RANK itself"},
       {{"--env", "NOEQUALS"}, "--env 'NOEQUALS' is not KEY=VALUE"},
       {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--store", "rank1"}, "--store: rank1 not in {launcher,rank0,external}"},
+      {{"--store", "external"}, "--store external needs --master-port"},
+      {{"--env", "FSDP_STORE_EXTERNAL=1"}, "--env FSDP_STORE_EXTERNAL: fsdp_run says who hosts the store itself"},
+      {{"--env", "FSDP_STORE_HOST=rank0"}, "--env FSDP_STORE_HOST: fsdp_run says who hosts the store itself"},
   };
   for (const auto& c : cases) {
     const auto& flags = c.first;

@@ -1,19 +1,27 @@
 // fsdp::launch as a library: fsdp_run's command-line parsing, find_free_port, run() in
-// this process (status, restored signal handling) and relaunch_self.
+// this process (status, restored signal handling), relaunch_self, and the store it hosts
+// (outliving rank 0, one port and a new generation per restart).
 #include <doctest/doctest.h>
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
+
+#include <fsdp/asio/tcp_store.hpp>
 
 #include "test/support/scoped_env.hpp"
 #include "tools/launcher/cli.hpp"
@@ -191,4 +199,140 @@ TEST_CASE("relaunch_self runs this program as the ranks, and refuses inside a la
                        "fsdp: launch: relaunch_self: this process already is rank 1 of a launched job (RANK and "
                        "WORLD_SIZE are set); run as that rank instead",
                        fsdp::Error);
+}
+
+// The children of the store cases below: ranks that talk to the job's store, each exiting
+// with a status that says what it found (0: as the case expects).
+//  outlive: rank 0 holds a lock on $DIR/rank0 (flock) and exits once rank 1 has seen it
+//    held; rank 1 waits until it can take the lock (rank 0's process has exited: its files
+//    and sockets are closed), then uses the store. 7: the store went with rank 0; 8: rank 0
+//    never let go (within 10 s).
+//  restart: start 0: rank 0 writes its MASTER_PORT to $DIR/port0, sets a key and exits 0;
+//    rank 1 waits for the key and exits 9, a failure that restarts the job. Start 1: rank 0
+//    finds no key of start 0 (5 if it does) and writes $DIR/port1; rank 1 tries clients of
+//    generations 0 and 2, which must be refused naming the generations (6 if not): only
+//    fsdp_run begins one, before the ranks of a start (a client of generation 1 could
+//    not have begun it).
+const bool store_rank_exits = [] {
+  const char* mode = std::getenv("FSDP_LAUNCHER_TEST_STORE");
+  if (!mode || !fsdp::DistEnv::launched()) return false;
+  using namespace std::chrono_literals;
+  const auto env = fsdp::DistEnv::from_env();
+  const std::string dir = std::getenv("FSDP_LAUNCHER_TEST_DIR");
+  fsdp::TcpStoreOptions quick;
+  quick.timeout = 10000ms;
+  quick.connect_timeout = 10000ms;
+  try {
+    auto c = fsdp::connect_store(env, quick);
+    auto& store = *c.store;
+    if (std::string(mode) == "outlive") {
+      const int lock = ::open((dir + "/rank0").c_str(), O_RDWR | O_CREAT, 0600);
+      if (lock < 0) std::_Exit(3);
+      if (env.rank == 0) {
+        if (::flock(lock, LOCK_EX) != 0) std::_Exit(3);
+        store.set("rank0/locked", "1");
+        store.wait({"rank1/saw_lock"}, 10000ms);
+        std::_Exit(0);
+      }
+      store.get("rank0/locked", 10000ms);
+      if (::flock(lock, LOCK_EX | LOCK_NB) == 0) std::_Exit(3);  // rank 0 holds it
+      store.set("rank1/saw_lock", "1");
+      bool gone = false;
+      for (int i = 0; i < 1000 && !gone; ++i) {
+        gone = ::flock(lock, LOCK_EX | LOCK_NB) == 0;
+        if (!gone) std::this_thread::sleep_for(10ms);
+      }
+      if (!gone) std::_Exit(8);
+      try {
+        store.set("after", "rank 0 exited");
+        std::_Exit(store.get("after", 1000ms) == "rank 0 exited" ? 0 : 7);
+      } catch (const fsdp::Error&) {
+        std::_Exit(7);
+      }
+    }
+    if (env.restart_count == 0) {
+      if (env.rank == 0) {
+        std::ofstream(dir + "/port0") << env.master_port;  // first: rank 1 fails, and this rank is stopped, once the key is set
+        store.set("start0", "x");
+        std::_Exit(0);
+      }
+      store.get("start0", 10000ms);
+      std::_Exit(9);
+    }
+    if (env.rank == 0) {
+      std::ofstream(dir + "/port1") << env.master_port;
+      std::_Exit(store.try_get("start0") ? 5 : 0);
+    }
+    auto refused = [&](std::uint64_t generation, const std::string& why) {
+      fsdp::TcpStoreOptions other = quick;
+      other.token = env.token;
+      other.generation = generation;
+      try {
+        fsdp::TcpStore client(env.master_addr, env.master_port, other);
+      } catch (const fsdp::Error& e) {
+        return std::string(e.what()).find(why) != std::string::npos;
+      }
+      return false;
+    };
+    std::_Exit(refused(0, "belongs to generation 0 of the job, and the store at 127.0.0.1:" +
+                              std::to_string(env.master_port) + " serves generation 1: it is left from an earlier start") &&
+                       refused(2, "serves generation 1, which only its host (fsdp_run, or rank 0) moves on")
+                   ? 0
+                   : 6);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "store child, rank %d: %s\n", env.rank, e.what());
+    std::_Exit(3);
+  }
+}();
+
+namespace {
+// A directory of its own for one case's children, removed with what they wrote.
+struct ChildDir {
+  ChildDir() {
+    char name[] = "/tmp/launcher_test.XXXXXX";
+    REQUIRE(::mkdtemp(name));
+    path = name;
+  }
+  ~ChildDir() {
+    for (const char* f : {"rank0", "port0", "port1"}) ::unlink((path + "/" + f).c_str());
+    ::rmdir(path.c_str());
+  }
+  std::string read(const std::string& name) const {
+    std::ifstream in(path + "/" + name);
+    std::string text;
+    std::getline(in, text);
+    return text;
+  }
+  std::string path;
+};
+
+// A job of two relaunched store children (store_rank_exits above) in `mode`, writing to `dir`.
+launch::Options store_children(const ChildDir& dir, const char* mode) {
+  launch::Options o;
+  o.nproc = 2;
+  o.prefix_output = false;
+  o.grace = std::chrono::milliseconds(200);
+  o.env = {{"FSDP_LAUNCHER_TEST_STORE", mode}, {"FSDP_LAUNCHER_TEST_DIR", dir.path}};
+  return o;
+}
+}  // namespace
+
+TEST_CASE("the store fsdp_run hosts outlives rank 0; the one rank 0 hosts goes with it") {
+  const ChildDir dir;
+  launch::Options o = store_children(dir, "outlive");
+  const char* argv[] = {"launcher_test"};
+  CHECK(o.store == launch::StoreHost::launcher);  // the default
+  CHECK(launch::relaunch_self(o, 1, argv) == 0);
+  o.store = launch::StoreHost::rank0;
+  CHECK(launch::relaunch_self(o, 1, argv) == 7);
+}
+
+TEST_CASE("a restart under fsdp_run's store: the same port, a new generation without the failed start's keys") {
+  const ChildDir dir;
+  launch::Options o = store_children(dir, "restart");
+  o.max_restarts = 1;
+  const char* argv[] = {"launcher_test"};
+  CHECK(launch::relaunch_self(o, 1, argv) == 0);
+  CHECK_FALSE(dir.read("port0").empty());
+  CHECK(dir.read("port0") == dir.read("port1"));
 }

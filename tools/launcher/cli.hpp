@@ -32,9 +32,15 @@ inline Command parse(int argc, const char* const* argv) {
   app.add_option("--nproc,--nproc-per-node,--nproc_per_node", o.nproc, "ranks on this node (default 1)");
   app.add_option("--nnodes", o.nnodes, "nodes in the job (default 1)");
   app.add_option("--node-rank,--node_rank", o.node_rank, "this node's index in [0, nnodes) (default 0)");
-  app.add_option("--master-addr,--master_addr", o.master_addr, "address of rank 0's store (default 127.0.0.1)");
+  app.add_option("--master-addr,--master_addr", o.master_addr, "address of the job's store (default 127.0.0.1)");
   app.add_option("--master-port,--master_port", o.master_port,
-                 "port of rank 0's store (default: a free one; required with --nnodes > 1)");
+                 "port of the job's store (default: a free one; required with --nnodes > 1 or --store external)");
+  std::string store = name_of(o.store);
+  app.add_option("--store", store,
+                 "who serves the job's rendezvous store: launcher (fsdp_run itself, node 0's: it outlives every "
+                 "rank and restart), rank0 (rank 0's process), or external (a tools/fsdp_store at --master-addr and "
+                 "--master-port) (default launcher)")
+      ->check(CLI::IsMember({"launcher", "rank0", "external"}));
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "write the ranks' output as it is, without [rank R]");
   app.add_option("--grace-ms", grace_ms, "after a failure: SIGTERM, then SIGKILL this much later (default 3000)");
@@ -71,6 +77,7 @@ inline Command parse(int argc, const char* const* argv) {
     if (eq == std::string::npos || eq == 0) fsdp::detail::fail("launch: --env '", entry, "' is not KEY=VALUE");
     o.env.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
   }
+  o.store = store == "rank0" ? StoreHost::rank0 : store == "external" ? StoreHost::external : StoreHost::launcher;
   o.prefix_output = !no_prefix;
   o.grace = std::chrono::milliseconds(grace_ms);
   o.timeout = std::chrono::milliseconds(timeout_ms);

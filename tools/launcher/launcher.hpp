@@ -5,10 +5,15 @@
 //   MASTER_ADDR, MASTER_PORT, RANK (node_rank * nproc + i), WORLD_SIZE (nnodes * nproc),
 //   LOCAL_RANK (i) and LOCAL_WORLD_SIZE (nproc) set, as fsdp/core/dist_env.hpp reads them.
 //
-// Store variables: with several nodes FSDP_STORE_BIND=<master_addr>, so rank 0's store
-// listens where the other nodes connect (a single node keeps it on loopback). Every job has
-// an FSDP_STORE_TOKEN, the secret the store demands: the one in the environment if set,
-// else (single node) a random one that only this job's processes learn, through their
+// The store (options.store, fsdp_run --store; FSDP_STORE_HOST tells the ranks): by default
+// fsdp_run hosts the job's rendezvous store itself (node 0's fsdp_run, with several nodes),
+// listening before any rank starts and until the job ends, so it outlives every rank and
+// restart. It listens on loopback, or on master_addr with several nodes or a master
+// address that is not loopback (FSDP_STORE_BIND, if set, overrides). `--store rank0`
+// leaves it to rank 0 as before (with FSDP_STORE_BIND=<master_addr> where it must listen
+// beyond loopback); `--store external` to a tools/fsdp_store the user runs. Every job has an
+// FSDP_STORE_TOKEN, the secret the store demands: the one in the environment if set, else
+// (single node) a random one that only this job's processes learn, through their
 // environment. With several nodes each node would draw a different one, so the user must
 // export the same FSDP_STORE_TOKEN on every node; run() refuses to start without it.
 //
@@ -29,7 +34,10 @@
 // Restarts (`max_restarts`, torchrun's --max-restarts): after a failure every rank is
 // stopped as above and the whole job started again, with its restart count in
 // TORCHELASTIC_RESTART_COUNT, until it succeeds or the restarts run out (the status is the
-// last start's). A signal to the launcher ends the job without a restart.
+// last start's). Each start is a new generation of the store: fsdp_run's own store begins
+// it before the ranks start (every key of the failed start is dropped, and a process left
+// from it is refused; TcpStoreServer, "Generations"). A signal to the launcher ends the job
+// without a restart.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -51,6 +59,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/asio/tcp_store_server.hpp"
 #include "fsdp/core/dist_env.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/exit_status.hpp"
@@ -108,6 +117,49 @@ inline std::string token_to_add(const Options& o) {
   return random_token();
 }
 
+// The token the ranks will present: the one fsdp_run's environment or --env gives, else
+// `drawn`.
+inline std::string job_token(const Options& o, const std::string& drawn) {
+  for (const auto& [key, value] : o.env)
+    if (key == kTokenVariable) return value;
+  const char* set = std::getenv(kTokenVariable);
+  return set && *set ? std::string(set) : drawn;
+}
+
+// How one start's ranks reach the store.
+struct StoreAccess {
+  int port = 0;
+  std::string token;  // FSDP_STORE_TOKEN to add (empty: the environment's, if any)
+};
+
+// The job's store, hosted by fsdp_run (StoreHost::launcher, on node 0): listening before
+// any rank starts, for the whole job. A port already taken fails here, before any rank
+// runs, naming it. What the server closes and why goes to fsdp_run's stderr.
+inline std::unique_ptr<fsdp::TcpStoreServer> host_store(const Options& o, const std::string& token) {
+  fsdp::TcpStoreServerOptions server;
+  if (auto bind = store_bind_address(o)) server.host = *bind;
+  if (const char* bind = std::getenv(kBindVariable); bind && *bind) server.host = bind;
+  for (const auto& [key, value] : o.env)
+    if (key == kBindVariable && !value.empty()) server.host = value;
+  server.port = static_cast<std::uint16_t>(o.master_port);
+  server.token = job_token(o, token);
+  // Room for every rank's two connections (its client, and the bounded one a TcpComm's join
+  // and failure reports use), and as many before their hello: the ranks connect at once.
+  const std::size_t per_job = 2 * static_cast<std::size_t>(o.nnodes) * static_cast<std::size_t>(o.nproc);
+  server.max_clients = std::max(server.max_clients, per_job);
+  server.max_pending = std::max(server.max_pending, per_job);
+  // One job's: only fsdp_run begins its generations (one per start), and any other is refused.
+  server.host_begins_generations = true;
+  server.log = [](const std::string& line) { write_all(2, "fsdp_run: " + line + "\n"); };
+  try {
+    return std::make_unique<fsdp::TcpStoreServer>(std::move(server));
+  } catch (const fsdp::Error& e) {
+    std::string_view why = e.what();
+    if (why.substr(0, 6) == "fsdp: ") why.remove_prefix(6);
+    fsdp::detail::fail_as(e.kind(), "launch: cannot host the job's store (--store launcher): ", why);
+  }
+}
+
 // One node's ranks, from start to the last one reaped.
 class Job {
  public:
@@ -118,8 +170,9 @@ class Job {
   // Upper bound on one poll, should a wake-up ever be lost.
   static constexpr std::chrono::milliseconds kMaxPoll{250};
 
-  Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv, int restart = 0,
-      std::string run_id = {})
+  // `store`: where the ranks find the store (port, token to add, whether it is external).
+  Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv, const StoreAccess& store,
+      int restart = 0, std::string run_id = {})
       : options_(o) {
     validate(o);
     LaunchSpec spec;
@@ -128,8 +181,9 @@ class Job {
     spec.argv = std::move(argv);
     spec.restart = restart;
     spec.run_id = std::move(run_id);
-    spec.port = o.master_port ? o.master_port : find_free_port();
-    spec.token = token_to_add(o);
+    spec.port = store.port;
+    spec.token = store.token;
+    spec.store = o.store;
     spec.reset_sigpipe = !signals_.sigpipe_was_ignored();
     for (int i = 0; i < o.nproc; ++i) {
       ranks_.push_back(std::make_unique<RankProcess>(o.node_rank * o.nproc + i, i));
@@ -319,15 +373,35 @@ class Job {
 
 // The job, started again after a failure up to options.max_restarts times. Each Job has
 // reaped every rank (and killed what they left) before it returns, so a restart never
-// meets a rank of the attempt before; its fresh port and token keep anything else out.
+// meets a rank of the attempt before. What else could meet it, a process the ranks
+// started, is kept out of the store by its generation (the restart count; fsdp_run's own
+// store begins each one before the ranks start), or, when rank 0 hosts the store, by the
+// fresh port and token of each start.
 inline int run_with_restarts(const Options& options, const std::string& program, bool search_path,
                              const std::vector<std::string>& argv) {
+  validate(options);
   // One for every start. An inherited id is kept (a cluster's job id), but not torchrun's
   // default "none", which every job shares.
   const char* given = std::getenv(kRunIdVariable);
   const std::string run_id = given && *given && std::string_view(given) != "none" ? given : random_token();
+  // A store that outlives the ranks serves every start, under one port and token.
+  StoreAccess store;
+  std::unique_ptr<fsdp::TcpStoreServer> hosted;
+  if (options.store != StoreHost::rank0) {
+    store.port = options.master_port;
+    if (options.store == StoreHost::launcher) {
+      store.token = token_to_add(options);
+      if (options.node_rank == 0) {
+        hosted = host_store(options, store.token);
+        store.port = hosted->port();
+      }
+    }
+  }
   for (int restart = 0;; ++restart) {
-    Job job(options, program, search_path, argv, restart, run_id);
+    if (hosted) hosted->begin_generation(static_cast<std::uint64_t>(restart));
+    if (options.store == StoreHost::rank0)
+      store = {options.master_port ? options.master_port : find_free_port(), token_to_add(options)};
+    Job job(options, program, search_path, argv, store, restart, run_id);
     const int status = job.supervise();
     if (status == 0 || job.interrupted() || restart == options.max_restarts) {
       if (status != 0 && options.max_restarts > 0 && !job.interrupted())

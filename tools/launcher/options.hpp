@@ -7,17 +7,33 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/dist_env.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/exit_status.hpp"
 
 namespace fsdp::launch {
 
+// Who serves the job's rendezvous store (fsdp_run --store; fsdp/core/dist_env.hpp):
+//  launcher (the default): fsdp_run (node 0's, with several nodes) hosts it for the whole
+//    job. It outlives every rank and restart, keeps one port (no port is picked and then
+//    freed for a rank to take), and begins a new generation before each restart
+//    (TcpStoreServer), so a process left from an earlier start is refused.
+//  rank0: rank 0's process hosts it; it ends with rank 0, and each restart gets a fresh
+//    port (unless master_port is given) and token.
+//  external: a store runs elsewhere (tools/fsdp_store at master_addr:master_port, which
+//    must be given); fsdp_run hosts none and draws no token (FSDP_STORE_TOKEN of its
+//    environment, if any, is passed on).
+// The ranks get FSDP_STORE_HOST with its name (an FSDP_STORE_EXTERNAL in fsdp_run's
+// environment is not passed on).
+using fsdp::StoreHost;
+
 struct Options {
   int nproc = 1;      // ranks on this node (torchrun's --nproc-per-node)
   int nnodes = 1;     // nodes in the job, each running fsdp_run with the same nproc
   int node_rank = 0;  // this node's index: its ranks are node_rank * nproc + 0 .. nproc - 1
-  std::string master_addr = "127.0.0.1";  // where rank 0's store listens
+  std::string master_addr = "127.0.0.1";  // where the job's store listens (see StoreHost)
   int master_port = 0;  // 0: a free loopback port, picked at launch (single node only)
+  StoreHost store = StoreHost::launcher;  // who serves the store (see StoreHost)
   // "[rank R] " before every line a rank writes; false: the ranks write straight to
   // fsdp_run's stdout and stderr (which keeps a terminal a terminal).
   bool prefix_output = true;
@@ -28,9 +44,9 @@ struct Options {
   // reported first, or this much after the first echo, whichever comes first. 0: at once.
   std::chrono::milliseconds echo_wait{2000};
   // When a rank fails, every rank is stopped and the whole job started again, up to this
-  // many times (torchrun's --max-restarts): each start gets a fresh port (unless
-  // master_port is given), a fresh token (unless the user set one), and the restart count
-  // in TORCHELASTIC_RESTART_COUNT, so a program can resume from its last checkpoint.
+  // many times (torchrun's --max-restarts): each start gets the restart count in
+  // TORCHELASTIC_RESTART_COUNT, so a program can resume from its last checkpoint, and is
+  // the store's next generation (see StoreHost for the store's port and token).
   int max_restarts = 0;
   // 0: none; else the whole job is stopped (as for a failure) and run() throws after it,
   // without a restart. With max_restarts it bounds each start, not all of them.
@@ -42,9 +58,13 @@ struct Options {
 // The variables every rank gets, with torchrun's names and meaning (see fsdp/core/dist_env.hpp).
 inline constexpr std::string_view kRankVariables[] = {"MASTER_ADDR", "MASTER_PORT", "RANK",
                                                       "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
-// The store's shared secret, and (several nodes) the address rank 0's store binds to.
+// The store's shared secret, the address it binds to where that is not loopback, who hosts
+// it (fsdp_run sets it from --store), and the by-hand spelling of the last, which
+// fsdp_run does not pass on.
 inline constexpr const char* kTokenVariable = "FSDP_STORE_TOKEN";
 inline constexpr const char* kBindVariable = "FSDP_STORE_BIND";
+inline constexpr const char* kStoreHostVariable = "FSDP_STORE_HOST";
+inline constexpr const char* kExternalStoreVariable = "FSDP_STORE_EXTERNAL";
 // torchrun's names: how many times the job was restarted before this start, the limit, and
 // the job's id (the same for every start: what a program uses to tell its own checkpoints
 // from another job's; fsdp_run's own TORCHELASTIC_RUN_ID if set, else a random one).
@@ -83,6 +103,8 @@ inline void validate(const Options& o) {
   if (o.master_port == 0 && o.nnodes > 1)
     fail("launch: --master-port is required with --nnodes ", o.nnodes,
          " (every node must name the same port; 0 picks a free one on a single node only)");
+  if (o.master_port == 0 && o.store == StoreHost::external)
+    fail("launch: --store external needs --master-port: the port the store (tools/fsdp_store) listens on");
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     fail("launch: --max-restarts must be in [0, ", kMaxRestarts, "], got ", o.max_restarts);
   if (o.max_restarts > 0 && o.nnodes > 1)
@@ -96,6 +118,9 @@ inline void validate(const Options& o) {
       fail("launch: --env '", key, "=", value, "': the name must be non-empty and contain no '='");
     for (auto reserved : kRankVariables)
       if (key == reserved) fail("launch: --env ", key, ": fsdp_run sets ", key, " itself, for each rank");
+    if (key == kStoreHostVariable || key == kExternalStoreVariable)
+      fail("launch: --env ", key, ": fsdp_run says who hosts the store itself (FSDP_STORE_HOST), from --store "
+           "(launcher, rank0 or external)");
     if (key == kRestartCountVariable || key == kMaxRestartsVariable || key == kRunIdVariable)
       fail("launch: --env ", key, ": fsdp_run sets ", key, " itself (see --max-restarts; a ", kRunIdVariable,
            " in fsdp_run's own environment is passed on)");

@@ -33,11 +33,21 @@ struct LaunchSpec {
   bool search_path = true;
   std::vector<std::string> argv;
   int port = 0;
-  std::string token;  // FSDP_STORE_TOKEN to add; empty when the environment has one
+  std::string token;  // FSDP_STORE_TOKEN to add; empty when the environment has one (or --store external)
+  StoreHost store = StoreHost::launcher;  // FSDP_STORE_HOST
   bool reset_sigpipe = true;
   int restart = 0;  // how many times the job was restarted before this start (--max-restarts)
   std::string run_id;  // the job's id, the same for every start
 };
+
+// Where the store must listen for the job's ranks to reach it, when that is not its
+// default, loopback: with several nodes, or a master address that is not loopback,
+// --master-addr.
+inline std::optional<std::string> store_bind_address(const Options& o) {
+  const bool loopback = o.master_addr == "localhost" || o.master_addr == "::1" || o.master_addr.rfind("127.", 0) == 0;
+  if (o.nnodes > 1 || !loopback) return o.master_addr;
+  return std::nullopt;
+}
 
 // This process's environment with the job's variables for local rank `local_rank` on top.
 inline std::vector<std::string> rank_environment(const Options& o, const LaunchSpec& spec, int local_rank) {
@@ -51,16 +61,15 @@ inline std::vector<std::string> rank_environment(const Options& o, const LaunchS
   set[kMaxRestartsVariable] = std::to_string(o.max_restarts);
   if (!spec.run_id.empty()) set[kRunIdVariable] = spec.run_id;
   set["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc);
-  // Several nodes, or a master address that is not loopback: rank 0's store must listen
-  // where the ranks connect (its default is 127.0.0.1).
-  const bool loopback = o.master_addr == "localhost" || o.master_addr == "::1" || o.master_addr.rfind("127.", 0) == 0;
-  if ((o.nnodes > 1 || !loopback) && !std::getenv(kBindVariable) && !set.count(kBindVariable))
-    set[kBindVariable] = o.master_addr;
+  set[kStoreHostVariable] = name_of(spec.store);
+  // Where rank 0's store must listen, when rank 0 hosts it and that is not its default.
+  if (spec.store == StoreHost::rank0 && !std::getenv(kBindVariable) && !set.count(kBindVariable))
+    if (auto bind = store_bind_address(o)) set[kBindVariable] = *bind;
   if (!spec.token.empty()) set[kTokenVariable] = spec.token;
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
-    const std::string entry(*e);
-    if (!set.count(entry.substr(0, entry.find('=')))) env.push_back(entry);
+    const std::string entry(*e), key = entry.substr(0, entry.find('='));
+    if (!set.count(key) && key != kExternalStoreVariable) env.push_back(entry);  // --store says it
   }
   for (const auto& [key, value] : set) env.push_back(key + "=" + value);
   return env;

@@ -24,7 +24,8 @@ namespace fsdp::store_wire {
 // Opens every connection's first frame, so a stray client of another protocol is told
 // apart from a store client with a bad token.
 inline constexpr std::uint32_t magic = 0x53445346;  // "FSDS" on the wire
-inline constexpr std::uint8_t version = 1;
+// 2: the hello carries the client's generation (Request::generation).
+inline constexpr std::uint8_t version = 2;
 inline constexpr std::size_t max_token_bytes = 1024;
 inline constexpr std::uint32_t max_timeout_ms = 24u * 60 * 60 * 1000;
 
@@ -55,7 +56,7 @@ struct Limits {
   std::size_t max_frame_bytes() const { return 1 + (4 + max_key_bytes) + 2 * (4 + max_value_bytes); }
   // Before the handshake a client may send only a hello, so a stranger can make the
   // server allocate no more than this.
-  static constexpr std::size_t max_hello_bytes() { return 1 + 4 + 1 + 4 + max_token_bytes; }
+  static constexpr std::size_t max_hello_bytes() { return 1 + 4 + 1 + 8 + 4 + max_token_bytes; }
 
   // Frames carry u32 lengths, and a value past 1 GiB is not rendezvous data.
   void check() const {
@@ -76,6 +77,10 @@ struct Request {
   std::int64_t delta = 0;         // add
   std::uint32_t timeout_ms = 0;   // get, wait: in (0, 24 h]
   std::string token;              // hello
+  // hello: the start of the job the client belongs to (TORCHELASTIC_RESTART_COUNT): the
+  // server refuses an earlier one, and a later one begins a new generation there
+  // (TcpStoreServer, "Generations").
+  std::uint64_t generation = 0;
   bool operator==(const Request&) const = default;
 };
 
@@ -259,6 +264,7 @@ inline std::string encode(const Request& r) {
   if (r.verb == Verb::hello) {
     w.u32(magic);
     w.u8(version);
+    w.u64(r.generation);
     w.str(r.token);
   } else if (r.verb == Verb::wait) {
     w.strs(r.keys);
@@ -290,6 +296,7 @@ inline Request decode_request(std::string_view payload, const Limits& limits) {
     if (v != version)
       fsdp::detail::fail_as(ErrorKind::mismatch, "store frame: protocol version ", int(v), ", this store speaks ",
                             int(version));
+    r.generation = in.u64();
     r.token = in.str(max_token_bytes, "token");
   } else if (r.verb == Verb::wait) {
     r.keys = in.strs(limits.max_key_bytes, "key");

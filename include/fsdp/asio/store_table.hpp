@@ -45,6 +45,9 @@ class StoreTable {
     return out;
   }
 
+  // Drops every key (a new generation begins: TcpStoreServer).
+  void clear() { map_.clear(); }
+
   // True when the verb may have set a key that someone waits for.
   static bool may_set_keys(Verb v) { return v == Verb::set || v == Verb::add || v == Verb::compare_set; }
 

@@ -5,8 +5,9 @@
 //   auto group = fsdp::TcpProcessGroup::from_env();   // RANK, WORLD_SIZE, MASTER_ADDR, ...
 //   train(group.comm());                              // an fsdp::TcpComm
 //
-// Rank 0 hosts the rendezvous store (unless FSDP_STORE_EXTERNAL=1); every rank connects to
-// it, then the ring. Environment knobs beyond torchrun's:
+// Rank 0 hosts the rendezvous store, unless FSDP_STORE_EXTERNAL=1 says it runs elsewhere
+// (fsdp_run hosts it by default, or a tools/fsdp_store); every rank connects to it, then
+// the ring. Environment knobs beyond torchrun's:
 //   FSDP_TIMEOUT_MS   longest wait in the store and in one collective (default 300000)
 //   FSDP_COMM_ADDR    the IP this rank listens on for its ring neighbours; default: the
 //                     local address of its connection to the store, i.e. the interface

@@ -42,6 +42,9 @@ struct TcpStoreOptions {
   std::chrono::milliseconds timeout{300000};  // a verb's round trip (on top of a wait's own timeout)
   std::string token;                          // what the server demands (FSDP_STORE_TOKEN); empty: none
   std::chrono::milliseconds connect_timeout{60000};  // connecting retries until the server is up
+  // The start of the job this client belongs to (TcpStoreServer, "Generations"); unset:
+  // TORCHELASTIC_RESTART_COUNT's for from_env and connect_store, else 0.
+  std::optional<std::uint64_t> generation;
 };
 
 class TcpStore final : public Store {
@@ -55,6 +58,7 @@ class TcpStore final : public Store {
   static std::shared_ptr<TcpStore> from_env(TcpStoreOptions options = {}) {
     const DistEnv env = DistEnv::from_env();
     if (options.token.empty()) options.token = env.token;
+    if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
     return std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
   }
 
@@ -195,13 +199,14 @@ class TcpStore final : public Store {
     store_wire::Request hello;
     hello.verb = store_wire::Verb::hello;
     hello.token = options_.token;
+    hello.generation = options_.generation.value_or(0);
     store_wire::Reply reply;
     try {
       reply = exchange(hello, Clock::now() + options_.timeout);
     } catch (const Error&) {
       if (broken_code_ == boost::asio::error::eof || broken_code_ == boost::asio::error::connection_reset)
         detail::fail("the store at ", host_, ":", port_, " refused this client: wrong or missing FSDP_STORE_TOKEN "
-                     "(or the server is full, or is not an fsdp store)");
+                     "(or the server is full, or is not an fsdp store of this protocol version)");
       throw;
     }
     if (reply.status != store_wire::Status::ok)
@@ -309,13 +314,15 @@ class TcpStore final : public Store {
   std::shared_ptr<TcpStore> bounded_;  // bounded_client's
 };
 
-// A store that rank 0 hosts belongs to one job. A second job given the same port (and no
-// token, or the same one) would otherwise have its rank 0 fail to listen while its other
-// ranks joined the first job's store and failed much later, for reasons far from the cause.
-// So every rank records the job's world size (the first to come sets it) and claims its
-// rank, each in one round trip: a rank that finds another world size, or its rank taken,
-// is in another job's store and fails at once, naming the port. (An external store,
-// FSDP_STORE_EXTERNAL=1, may serve one job after another, so it is not claimed.)
+// A store that rank 0 or fsdp_run hosts belongs to one job. A second job given the same
+// port (and no token, or the same one) would otherwise have its store fail to listen while
+// its ranks on other hosts joined the first job's store and failed much later, for reasons
+// far from the cause. So every rank records the job's world size (the first to come sets
+// it) and claims its rank, each in one round trip: a rank that finds another world size,
+// or its rank taken, is in another job's store and fails at once, naming the port. Each
+// generation (restart) of the store starts without keys, so its ranks claim afresh. (A
+// store run apart, tools/fsdp_store, may serve one job after another, so it is not
+// claimed.)
 inline void claim_place(TcpStore& store, const DistEnv& env) {
   const std::string where = "the store at " + store.host() + ":" + std::to_string(store.port());
   const std::string size = std::to_string(env.world_size);
@@ -336,21 +343,27 @@ struct StoreConnection {
   std::shared_ptr<TcpStore> store;
 };
 
-// Every rank connects to MASTER_ADDR:MASTER_PORT; rank 0 first starts the server there,
-// listening on $FSDP_STORE_BIND (default 127.0.0.1; anything else needs a token), unless
-// FSDP_STORE_EXTERNAL=1 says a standalone server (tools/fsdp_store) already runs. The
-// token defaults to env.token. Each rank then claims its place (claim_place above).
+// Every rank connects to MASTER_ADDR:MASTER_PORT. Who serves there is
+// DistEnv::store_host() (FSDP_STORE_HOST, or FSDP_STORE_EXTERNAL): rank0 (the default)
+// makes rank 0 first start the server there, listening on $FSDP_STORE_BIND (default
+// 127.0.0.1; anything else needs a token); launcher (fsdp_run) and external
+// (tools/fsdp_store) say one already runs. The token defaults to env.token, the generation
+// to env.restart_count. Each rank then claims its place (claim_place above), except in a
+// store run apart.
 inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
   if (options.token.empty()) options.token = env.token;
-  // A boolean like every other: 1/0, true/false, yes/no, on/off; anything else is refused.
-  const bool external = detail::env_bool("FSDP_STORE_EXTERNAL").value_or(false);
+  if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
+  const StoreHost host = DistEnv::store_host();
   StoreConnection c;
-  if (env.rank == 0 && !external) {
+  if (env.rank == 0 && host == StoreHost::rank0) {
     TcpStoreServerOptions server;
     const char* bind = std::getenv("FSDP_STORE_BIND");
     if (bind && *bind) server.host = bind;
     server.port = env.master_port;
     server.token = options.token;
+    // One start's store: its generation is this start's, and no client moves it on.
+    server.generation = *options.generation;
+    server.host_begins_generations = true;
     // Room for every rank's connections (2 each: its client, and the bounded one a
     // TcpComm's join and failure reports use), and as many that have not said hello yet: a large job's ranks all connect at once, and
     // none of them may be evicted as a silent connection before its hello arrives.
@@ -362,7 +375,7 @@ inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options
     c.server = std::make_unique<TcpStoreServer>(std::move(server));
   }
   c.store = std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
-  if (!external) claim_place(*c.store, env);
+  if (host != StoreHost::external) claim_place(*c.store, env);
   return c;
 }
 

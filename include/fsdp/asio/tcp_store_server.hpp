@@ -1,7 +1,7 @@
 #pragma once
 // TcpStoreServer: the rendezvous store's server (the role of torchrun's TCPStore master).
-// Rank 0's process hosts it (see connect_store in fsdp/asio/tcp_store.hpp), or it runs on
-// its own (tools/fsdp_store). It serves on one thread of its own with its own io_context,
+// fsdp_run hosts it (tools/launcher/launcher.hpp), or rank 0's process (see connect_store
+// in fsdp/asio/tcp_store.hpp), or it runs on its own (tools/fsdp_store). It serves on one thread of its own with its own io_context,
 // so the table needs no lock; a get or wait whose keys are missing parks that connection
 // (not the thread) until the keys appear or its timeout passes.
 //
@@ -15,10 +15,29 @@
 // max_clients slots, are closed at the handshake timeout, and past max_pending of them
 // the oldest is closed to make room, so a flood of silent connections cannot lock a real
 // client out. Why each connection was closed goes to options.log.
+//
+// Generations. A store that outlives the ranks serves one start of a job after another.
+// Each client says in its hello which start it belongs to (TcpStoreOptions::generation:
+// TORCHELASTIC_RESTART_COUNT under a launcher). Beginning a generation drops every key and
+// closes every client of an earlier one (a rank of the failed start that still runs, or
+// waits in a get, learns at once that it is out; a parked get or wait is answered with the
+// reason). From then on a hello of an earlier generation is refused with a message saying
+// so, so a stale rank can never read or write the new start's keys. Who begins one:
+//  - host_begins_generations (a store that serves one job: fsdp_run's, which calls
+//    begin_generation before it starts a restart's ranks, and rank 0's, which starts at
+//    its own generation): the host alone; a hello of a later generation is refused too.
+//  - otherwise (tools/fsdp_store, which may serve one job after another): the clients. The
+//    first hello of a later generation begins it; a hello of an earlier one begins it anew
+//    when no client is connected (the next job, after a job that had restarts), and is
+//    refused while one is.
+// The server's sockets are close-on-exec, so no process the host starts inherits them.
+#include <fcntl.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <list>
 #include <memory>
 #include <optional>
@@ -55,6 +74,9 @@ struct TcpStoreServerOptions {
   std::chrono::milliseconds handshake_timeout{10000};
   // A frame whose first byte arrived must be complete by then, or its connection is dropped.
   std::chrono::milliseconds frame_timeout{30000};
+  // The generation served at first, and who begins later ones (see "Generations" above).
+  std::uint64_t generation = 0;
+  bool host_begins_generations = false;
   // Told why each connection the server closed was closed (on the server's thread); none: silent.
   std::function<void(const std::string&)> log;
 };
@@ -71,6 +93,9 @@ class TcpStoreServer {
     std::uint64_t parked = 0;         // gets and waits parked now
     std::uint64_t slow = 0;           // closed: a frame not complete within frame_timeout
     std::uint64_t evicted = 0;        // closed: without hello, the oldest past max_pending
+    std::uint64_t stale = 0;          // refused: a hello of an earlier generation than the server's
+    std::uint64_t superseded = 0;     // closed: clients of a generation that a later one ended
+    std::uint64_t generation = 0;     // the generation served now
     std::uint64_t clients = 0;        // connections past their hello now (counted against max_clients)
     std::uint64_t pending = 0;        // connections that have not said hello yet, now
     std::uint64_t buffered_bytes = 0;       // held now for frames still arriving
@@ -86,6 +111,7 @@ class TcpStoreServer {
     detail::check_timeout(options_.frame_timeout, "store server: frame timeout");
     if (options_.token.size() > store_wire::max_token_bytes)
       detail::fail("store server: token of ", options_.token.size(), " bytes exceeds ", store_wire::max_token_bytes);
+    generation_ = counters_.generation = options_.generation;
     listen();
     accept();
     thread_ = std::thread([this] { serve(); });
@@ -101,8 +127,37 @@ class TcpStoreServer {
   std::uint16_t port() const { return port_; }
   Stats stats() const {
     return {counters_.accepted, counters_.wrong_token, counters_.malformed, counters_.idle, counters_.over_capacity,
-            counters_.parked, counters_.slow, counters_.evicted, counters_.clients, counters_.pending,
-            counters_.buffered, counters_.peak_buffered};
+            counters_.parked, counters_.slow, counters_.evicted, counters_.stale, counters_.superseded,
+            counters_.generation, counters_.clients, counters_.pending, counters_.buffered, counters_.peak_buffered};
+  }
+
+  // Begins generation `g` (see "Generations" above) and returns once it has: every key is
+  // dropped and every client of an earlier generation closed. `g` equal to the generation
+  // served does nothing; an earlier one is refused (fsdp::Error), as the host's generations
+  // only grow. Not from the server's own thread (options.log's): that is refused too.
+  void begin_generation(std::uint64_t g) {
+    if (std::this_thread::get_id() == thread_.get_id())
+      detail::fail("store server: begin_generation called from the server's own thread (its log), which would wait "
+                   "for itself");
+    auto done = std::make_shared<std::promise<void>>();
+    auto finished = done->get_future();
+    boost::asio::post(io_, [this, g, done] {
+      try {
+        if (g < generation_)
+          detail::fail("store server: cannot begin generation ", g, ": it serves generation ", generation_,
+                       " already (generations only grow)");
+        if (g > generation_) begin(g, "its host began it");
+        done->set_value();
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    });
+    // The server's thread answers at once unless it has stopped, which it does only when
+    // the server is destroyed or its io_context ran out of work.
+    if (finished.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
+      detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_,
+                      ": begin_generation(", g, ") got no answer from the server's thread within 10 s (it has stopped)");
+    finished.get();
   }
 
  private:
@@ -112,7 +167,8 @@ class TcpStoreServer {
 
   struct Counters {
     std::atomic<std::uint64_t> accepted{0}, wrong_token{0}, malformed{0}, idle{0}, over_capacity{0}, parked{0};
-    std::atomic<std::uint64_t> slow{0}, evicted{0}, clients{0}, pending{0}, buffered{0}, peak_buffered{0};
+    std::atomic<std::uint64_t> slow{0}, evicted{0}, stale{0}, superseded{0}, generation{0};
+    std::atomic<std::uint64_t> clients{0}, pending{0}, buffered{0}, peak_buffered{0};
   };
 
   // Bytes held for frames in progress, and their peak (only the server's thread writes).
@@ -138,6 +194,7 @@ class TcpStoreServer {
       detail::fail("store server: listening on ", where, " reaches beyond loopback, so it needs a token: set "
                    "FSDP_STORE_TOKEN (the same on every host), or bind to 127.0.0.1");
     acceptor_.open(endpoint.protocol(), ec);
+    if (!ec) close_on_exec(acceptor_.native_handle());
     if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
     if (!ec) acceptor_.bind(endpoint, ec);
     if (!ec) acceptor_.listen(tcp::socket::max_listen_connections, ec);
@@ -149,10 +206,24 @@ class TcpStoreServer {
     port_ = acceptor_.local_endpoint().port();
   }
 
+  // Asio opens sockets without SOCK_CLOEXEC: set it, so that processes the host starts
+  // (fsdp_run's ranks) do not hold the port or its connections.
+  static void close_on_exec(int fd) {
+    const int flags = ::fcntl(fd, F_GETFD);
+    if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+  }
+
   void accept() {
     acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
       if (stopping_) return;
-      if (!ec) return admit(std::move(socket)), accept();
+      if (!ec) {
+        try {
+          admit(std::move(socket));
+        } catch (const std::exception&) {
+          // No memory for the session, say: that connection is lost, the next is accepted.
+        }
+        return accept();
+      }
       // Out of descriptors, say: try again shortly rather than spin.
       retry_timer_.expires_after(std::chrono::milliseconds(50));
       retry_timer_.async_wait([this](error_code e) { if (!e && !stopping_) accept(); });
@@ -172,6 +243,7 @@ class TcpStoreServer {
   }
   void stop_serving();
   void wake_waiters();
+  void begin(std::uint64_t g, const std::string& why);
   bool token_matches(const std::string& presented) const {
     const std::string& want = options_.token;
     unsigned diff = presented.size() != want.size();
@@ -185,6 +257,7 @@ class TcpStoreServer {
   boost::asio::steady_timer retry_timer_{io_};
   std::uint16_t port_ = 0;
   bool stopping_ = false;
+  std::uint64_t generation_ = 0;  // the generation served (the server's thread only; counters_ shows it)
   store_wire::StoreTable table_;
   std::set<std::shared_ptr<Session>> sessions_;
   std::set<std::shared_ptr<Session>> waiting_;  // sessions parked in a get or wait
@@ -221,6 +294,27 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
   // Answers the parked get or wait if its keys are all set now.
   void wake() {
     if (parked_ && server_.table_.missing(parked_->keys).empty()) answer_parked();
+  }
+
+  // Whether this client said hello for another generation than `g`.
+  bool of_another(std::uint64_t g) const { return authenticated_ && !closed_ && !superseded_ && generation_ != g; }
+
+  // Closes a client whose generation ended, counted as superseded. One parked in a get or
+  // wait is answered first with `why` as an error, which its caller sees; any other learns
+  // it from the closed connection at its next request.
+  void supersede(const std::string& why) {
+    superseded_ = true;
+    if (!parked_) return drop(server_.counters_.superseded, why);
+    ++server_.counters_.superseded;
+    if (server_.options_.log)
+      server_.options_.log("store at " + server_.options_.host + ":" + std::to_string(server_.port_) +
+                           ": answered and closed the connection from " + peer_ + ": " + why);
+    const store_wire::Verb verb = parked_->verb;
+    unpark();
+    store_wire::Reply reply;
+    reply.status = store_wire::Status::error;
+    reply.value = why;
+    send(verb, reply, /*then_close=*/true);
   }
 
   void close() {
@@ -319,21 +413,41 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     if (!server_.token_matches(hello.token)) return drop(server_.counters_.wrong_token, "wrong or missing token");
     leave_pending();
     timer_.cancel();
-    store_wire::Reply reply;
-    if (server_.counters_.clients >= server_.options_.max_clients) {
-      ++server_.counters_.over_capacity;
-      reply.status = store_wire::Status::error;
-      reply.value = "the store at " + server_.options_.host + ":" + std::to_string(server_.port_) + " serves at most " +
-                    std::to_string(server_.options_.max_clients) + " clients";
-      if (server_.options_.log) server_.options_.log(reply.value + ": refused " + peer_);
-      return send(store_wire::Verb::hello, reply, /*then_close=*/true);
-    }
+    const std::uint64_t served = server_.generation_;
+    const bool host_begins = server_.options_.host_begins_generations;
+    const std::string here = "the store at " + server_.options_.host + ":" + std::to_string(server_.port_);
+    const std::string theirs = "this client belongs to generation " + std::to_string(hello.generation) + " of the job, and " +
+                               here + " serves generation " + std::to_string(served);
+    if (hello.generation < served && (host_begins || server_.counters_.clients > 0))
+      return refuse(server_.counters_.stale, theirs + ": it is left from an earlier start of the job, which was "
+                                                      "restarted since (TORCHELASTIC_RESTART_COUNT counts the starts)");
+    if (hello.generation > served && host_begins)
+      return refuse(server_.counters_.stale, theirs + ", which only its host (fsdp_run, or rank 0) moves on: is "
+                                                      "TORCHELASTIC_RESTART_COUNT this job's?");
+    if (hello.generation != served)
+      server_.begin(hello.generation, "a client of it (" + peer_ + ") said hello" +
+                                          (hello.generation < served ? " with no client connected" : ""));
+    if (server_.counters_.clients >= server_.options_.max_clients)
+      return refuse(server_.counters_.over_capacity,
+                    here + " serves at most " + std::to_string(server_.options_.max_clients) + " clients");
     authenticated_ = true;
+    generation_ = hello.generation;
     ++server_.counters_.clients;
     ++server_.counters_.accepted;
     frames_.set_limit(server_.options_.limits.max_frame_bytes());
+    store_wire::Reply reply;
     reply.limits = server_.options_.limits;
     send(store_wire::Verb::hello, reply);
+  }
+
+  // Answers the hello with `why` as an error, counted under `reason`, and closes.
+  void refuse(std::atomic<std::uint64_t>& reason, const std::string& why) {
+    ++reason;
+    store_wire::Reply reply;
+    reply.status = store_wire::Status::error;
+    reply.value = why;
+    if (server_.options_.log) server_.options_.log(why + ": refused " + peer_);
+    send(store_wire::Verb::hello, reply, /*then_close=*/true);
   }
 
   void park(store_wire::Request request) {
@@ -392,10 +506,11 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
   std::string peer_;
   char probe_[1] = {};
   std::string out_;
-  bool authenticated_ = false, closed_ = false, in_pending_ = false;
+  bool authenticated_ = false, closed_ = false, in_pending_ = false, superseded_ = false;
   std::list<std::shared_ptr<Session>>::iterator pending_;
   std::optional<store_wire::Request> parked_;
   std::uint64_t parks_ = 0, frame_id_ = 0;
+  std::uint64_t generation_ = 0;  // the hello's
 };
 
 // Every connection is served; only those before their hello are bounded here, by closing
@@ -408,6 +523,7 @@ inline void TcpStoreServer::admit(tcp::socket socket) {
     oldest->drop(counters_.evicted, "no hello yet, and " + std::to_string(options_.max_pending) +
                                         " connections without one are the most kept (the oldest goes)");
   }
+  close_on_exec(socket.native_handle());
   auto session = std::make_shared<Session>(*this, std::move(socket));
   sessions_.insert(session);
   session->start(pending_.insert(pending_.end(), session));
@@ -416,6 +532,19 @@ inline void TcpStoreServer::admit(tcp::socket socket) {
 inline void TcpStoreServer::wake_waiters() {
   const std::vector<std::shared_ptr<Session>> parked(waiting_.begin(), waiting_.end());
   for (const auto& s : parked) s->wake();
+}
+
+// Drops every key and closes the clients of other generations (their parked gets and
+// waits with them); connections that have not said hello are left to their handshake.
+inline void TcpStoreServer::begin(std::uint64_t g, const std::string& why) {
+  const std::uint64_t was = generation_;
+  generation_ = counters_.generation = g;
+  table_.clear();
+  const std::vector<std::shared_ptr<Session>> all(sessions_.begin(), sessions_.end());
+  for (const auto& s : all)
+    if (s->of_another(g))
+      s->supersede("generation " + std::to_string(g) + " began (" + why + "), which ends generation " +
+                   std::to_string(was) + " and its clients");
 }
 
 inline void TcpStoreServer::stop_serving() {

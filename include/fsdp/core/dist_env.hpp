@@ -2,16 +2,39 @@
 // The launch environment, with torchrun's names and meaning: MASTER_ADDR, MASTER_PORT,
 // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
 // TORCHELASTIC_RUN_ID. fsdp_run (tools/) sets them; so can a cluster script by hand.
-// FSDP_STORE_TOKEN, if set, is a shared secret the store demands.
+// FSDP_STORE_TOKEN, if set, is a shared secret the store demands; FSDP_STORE_HOST (or
+// FSDP_STORE_EXTERNAL) says who serves the store.
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/parse.hpp"
 
 namespace fsdp {
+
+// Who serves a job's rendezvous store: fsdp_run --store, the ranks' FSDP_STORE_HOST.
+enum class StoreHost {
+  // The launcher (fsdp_run; node 0's with several nodes), for the whole job: it outlives
+  // every rank and restart, and begins each restart's generation itself.
+  launcher,
+  // Rank 0's process: the store ends with it (fsdp::connect_store starts it there).
+  rank0,
+  // A store run apart, tools/fsdp_store: it may serve one job after another.
+  external,
+};
+
+// "launcher", "rank0", "external".
+constexpr const char* name_of(StoreHost h) {
+  switch (h) {
+    case StoreHost::launcher: return "launcher";
+    case StoreHost::rank0: return "rank0";
+    case StoreHost::external: return "external";
+  }
+  return "?";
+}
 
 struct DistEnv {
   std::string master_addr = "127.0.0.1";
@@ -47,6 +70,25 @@ struct DistEnv {
     e.restart_count = static_cast<int>(number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
     e.run_id = text("TORCHELASTIC_RUN_ID", false).value_or("");
     return e;
+  }
+
+  // Who serves the store: FSDP_STORE_HOST (launcher, rank0 or external; what fsdp_run
+  // sets), else FSDP_STORE_EXTERNAL (a boolean: true is external, false rank0; what a user
+  // sets by hand), else rank0. Anything else, or the two set and disagreeing, is an error
+  // naming them.
+  static StoreHost store_host() {
+    const std::optional<bool> external = detail::env_bool("FSDP_STORE_EXTERNAL");
+    const auto host = text("FSDP_STORE_HOST", false);
+    if (!host) return external.value_or(false) ? StoreHost::external : StoreHost::rank0;
+    std::optional<StoreHost> found;
+    for (StoreHost h : {StoreHost::launcher, StoreHost::rank0, StoreHost::external})
+      if (*host == name_of(h)) found = h;
+    if (!found)
+      detail::fail("environment: FSDP_STORE_HOST is '", *host, "'; write launcher, rank0 or external");
+    if (external && *external != (*found != StoreHost::rank0))
+      detail::fail("environment: FSDP_STORE_HOST=", *host, " and FSDP_STORE_EXTERNAL=", std::getenv("FSDP_STORE_EXTERNAL"),
+                   " disagree (", *external ? "a store run apart" : "rank 0 hosting it", "); set one of them");
+    return *found;
   }
 
   // An environment variable's value (nullopt when unset or empty; an error when required).
