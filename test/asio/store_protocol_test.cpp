@@ -191,7 +191,11 @@ TEST_CASE("limits: the handshake bound fits the longest hello; nonsense limits a
   wire::Request hello;
   hello.verb = Verb::hello;
   hello.token = std::string(wire::max_token_bytes, 't');
+  hello.job = std::string(wire::max_job_bytes, 'j');
   CHECK(wire::encode(hello).size() - 4 == wire::Limits::max_hello_bytes());
+  hello.job.push_back('j');  // one byte past the longest job id: refused
+  CHECK(contains(error_of([&] { wire::decode_request(payload_of(wire::encode(hello)), wire::Limits{}); }),
+                 "store frame: job id of 257 bytes exceeds the limit of 256"));
 
   wire::Request cas;
   cas.verb = Verb::compare_set;

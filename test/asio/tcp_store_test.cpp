@@ -203,6 +203,8 @@ TEST_CASE("a server going away ends a parked wait at once, and later verbs say s
 }
 
 TEST_CASE("generations, led by clients (fsdp_store): a later hello drops every key and closes earlier clients; earlier ones are refused") {
+  test_support::ScopedEnv env_vars("TORCHELASTIC_RESTART_COUNT", std::nullopt);  // the clients' defaults: 0 and ""
+  env_vars.set("TORCHELASTIC_RUN_ID", std::nullopt);
   fsdp::TcpStoreServer server;
   auto generation = [](std::uint64_t g) {
     fsdp::TcpStoreOptions o = quick();
@@ -248,24 +250,24 @@ TEST_CASE("generations, led by clients (fsdp_store): a later hello drops every k
   CHECK(contains(error_of([&] { next.get("from/1", 100ms); }), "get 'from/1' failed"));
   CHECK(error_of([&] { server.begin_generation(2); }) ==
         "fsdp: store server: cannot begin generation 2: it serves generation 3 already (generations only grow)");
-  {
-    fsdp::TcpStore current("127.0.0.1", server.port(), generation(3));
-    CHECK(current.num_keys() == 0);
-    current.set("from/3", "x");
-    stats = server.stats();
-    CHECK(stats.generation == 3);
-    CHECK(stats.superseded == 3);
-    CHECK(contains(error_of([&] { fsdp::TcpStore late("127.0.0.1", server.port(), generation(2)); }),
-                   "belongs to generation 2 of the job"));
-  }
-  // Once no client is connected, an earlier generation begins anew: the next job on a
-  // store that outlived a job with restarts.
-  for (auto until = Clock::now() + 2000ms; server.stats().clients > 0 && Clock::now() < until;)
-    std::this_thread::sleep_for(5ms);
-  REQUIRE(server.stats().clients == 0);
-  fsdp::TcpStore next_job("127.0.0.1", server.port(), quick());
+  fsdp::TcpStore current("127.0.0.1", server.port(), generation(3));
+  CHECK(current.num_keys() == 0);
+  current.set("from/3", "x");
+  stats = server.stats();
+  CHECK(stats.generation == 3);
+  CHECK(stats.superseded == 3);
+  CHECK(contains(error_of([&] { fsdp::TcpStore late("127.0.0.1", server.port(), generation(2)); }),
+                 "belongs to generation 2 of the job"));
+
+  // Another job (its TORCHELASTIC_RUN_ID) begins there at its own generation: the next job
+  // on a store that outlived one that restarted.
+  fsdp::TcpStoreOptions next_job_options = generation(0);
+  next_job_options.job = "next-job";
+  fsdp::TcpStore next_job("127.0.0.1", server.port(), next_job_options);
   CHECK(server.stats().generation == 0);
   CHECK_FALSE(next_job.try_get("from/3"));
+  CHECK(contains(error_of([&] { current.get("from/3", 100ms); }), "get 'from/3' failed"));
+  CHECK(server.stats().clients == 1);
 }
 
 TEST_CASE("generations, led by the host (fsdp_run's and rank 0's stores): clients of any other are refused") {
@@ -300,6 +302,7 @@ TEST_CASE("generations, led by the host (fsdp_run's and rank 0's stores): client
 TEST_CASE("connect_store: a client's generation is TORCHELASTIC_RESTART_COUNT's, and a restarted rank 0 hosts that one") {
   const std::uint16_t port = unused_port();
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);
   fsdp::DistEnv env = loopback_env(port, 2);
   env.restart_count = 2;
@@ -329,8 +332,11 @@ TEST_CASE("connect_store: FSDP_STORE_HOST says who serves; a launcher's store is
   CHECK(contains(error_of([&] { fsdp::connect_store(env, quick()); }),
                  "already has a rank 0: another job is using port " + std::to_string(launcher.port())));
   env_vars.set("FSDP_STORE_HOST", "external");  // fsdp_store: not claimed
-  CHECK_FALSE(fsdp::connect_store(env, quick()).server);
+  CHECK_FALSE(fsdp::connect_store(env, quick()).claimed);
   CHECK(rank0.store->add("fsdp/job/rank/0", 0) == 2);  // the claim above and the refused one, not a third
+  rank0.release_place(0);  // as a TcpProcessGroup's teardown does: the rank may connect again
+  env_vars.set("FSDP_STORE_HOST", "launcher");
+  CHECK(fsdp::connect_store(env, quick()).claimed);
   env_vars.set("FSDP_STORE_HOST", "rank1");
   CHECK(error_of([&] { fsdp::connect_store(env, quick()); }) ==
         "fsdp: environment: FSDP_STORE_HOST is 'rank1'; write launcher, rank0 or external");
@@ -362,6 +368,7 @@ TEST_CASE("a store rank 0 hosts keeps 2 connections per rank that have not said 
   // the server's default max_pending of 256) must all be kept, none evicted.
   const std::uint16_t port = unused_port();
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);
   fsdp::DistEnv env = loopback_env(port, 200);
   auto rank0 = fsdp::connect_store(env, quick());
@@ -381,6 +388,7 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
   fsdp::DistEnv env = loopback_env(port, 2);
   env.token = "t0ken";
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);
   {
     auto rank0 = fsdp::connect_store(env, quick());
@@ -496,6 +504,7 @@ TEST_CASE("a numeric address that is not one fails at once; a host name that doe
 TEST_CASE("a second job on a busy port fails at once on every rank, naming the port") {
   const std::uint16_t port = unused_port();
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", std::nullopt);
   fsdp::DistEnv first;
   first.master_addr = "127.0.0.1";
@@ -547,6 +556,7 @@ TEST_CASE("a store that listens beyond loopback demands a token unless told not 
   CHECK(fsdp::TcpStore("127.0.0.1", knowingly.port(), quick()).num_keys() == 0);
   // Through connect_store: FSDP_STORE_BIND beyond loopback and no token.
   test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
+  env_vars.set("FSDP_STORE_HOST", std::nullopt);
   env_vars.set("FSDP_STORE_BIND", "0.0.0.0");
   fsdp::DistEnv env;
   env.master_addr = "127.0.0.1";

@@ -388,6 +388,8 @@ TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {
       {{"--bogus"}, "unknown option '--bogus'"},
       {{"--store", "rank1"}, "--store: rank1 not in {launcher,rank0,external}"},
       {{"--store", "external"}, "--store external needs --master-port"},
+      {{"--store", "external", "--nnodes", "2", "--master-port", "29500"},
+       "--store external with --nnodes 2 needs TORCHELASTIC_RUN_ID set to the same id on every node"},
       {{"--env", "FSDP_STORE_EXTERNAL=1"}, "--env FSDP_STORE_EXTERNAL: fsdp_run says who hosts the store itself"},
       {{"--env", "FSDP_STORE_HOST=rank0"}, "--env FSDP_STORE_HOST: fsdp_run says who hosts the store itself"},
   };

@@ -2,6 +2,7 @@
 // fsdp::launch::Options: how many ranks fsdp_run starts on this node, where they meet, and
 // how it supervises them; validate() refuses a bad value before any process starts.
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -105,6 +106,10 @@ inline void validate(const Options& o) {
          " (every node must name the same port; 0 picks a free one on a single node only)");
   if (o.master_port == 0 && o.store == StoreHost::external)
     fail("launch: --store external needs --master-port: the port the store (tools/fsdp_store) listens on");
+  // fsdp_store tells jobs apart by their id; each node would draw its own.
+  if (o.store == StoreHost::external && o.nnodes > 1 && !std::getenv(kRunIdVariable))
+    fail("launch: --store external with --nnodes ", o.nnodes, " needs ", kRunIdVariable,
+         " set to the same id on every node (the store tells jobs apart by it; one drawn per node would differ)");
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     fail("launch: --max-restarts must be in [0, ", kMaxRestarts, "], got ", o.max_restarts);
   if (o.max_restarts > 0 && o.nnodes > 1)

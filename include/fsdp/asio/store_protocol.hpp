@@ -24,9 +24,10 @@ namespace fsdp::store_wire {
 // Opens every connection's first frame, so a stray client of another protocol is told
 // apart from a store client with a bad token.
 inline constexpr std::uint32_t magic = 0x53445346;  // "FSDS" on the wire
-// 2: the hello carries the client's generation (Request::generation).
+// 2: the hello carries the client's job and generation (Request::job, ::generation).
 inline constexpr std::uint8_t version = 2;
 inline constexpr std::size_t max_token_bytes = 1024;
+inline constexpr std::size_t max_job_bytes = 256;
 inline constexpr std::uint32_t max_timeout_ms = 24u * 60 * 60 * 1000;
 
 enum class Verb : std::uint8_t { hello = 1, set, get, try_get, wait, add, compare_set, delete_key, num_keys };
@@ -56,7 +57,7 @@ struct Limits {
   std::size_t max_frame_bytes() const { return 1 + (4 + max_key_bytes) + 2 * (4 + max_value_bytes); }
   // Before the handshake a client may send only a hello, so a stranger can make the
   // server allocate no more than this.
-  static constexpr std::size_t max_hello_bytes() { return 1 + 4 + 1 + 8 + 4 + max_token_bytes; }
+  static constexpr std::size_t max_hello_bytes() { return 1 + 4 + 1 + 8 + 4 + max_job_bytes + 4 + max_token_bytes; }
 
   // Frames carry u32 lengths, and a value past 1 GiB is not rendezvous data.
   void check() const {
@@ -77,10 +78,10 @@ struct Request {
   std::int64_t delta = 0;         // add
   std::uint32_t timeout_ms = 0;   // get, wait: in (0, 24 h]
   std::string token;              // hello
-  // hello: the start of the job the client belongs to (TORCHELASTIC_RESTART_COUNT): the
-  // server refuses an earlier one, and a later one begins a new generation there
-  // (TcpStoreServer, "Generations").
+  // hello: the start of the job the client belongs to (TORCHELASTIC_RESTART_COUNT), and
+  // the job (TORCHELASTIC_RUN_ID; empty when unset) (TcpStoreServer, "Generations").
   std::uint64_t generation = 0;
+  std::string job;
   bool operator==(const Request&) const = default;
 };
 
@@ -265,6 +266,7 @@ inline std::string encode(const Request& r) {
     w.u32(magic);
     w.u8(version);
     w.u64(r.generation);
+    w.str(r.job);
     w.str(r.token);
   } else if (r.verb == Verb::wait) {
     w.strs(r.keys);
@@ -297,6 +299,7 @@ inline Request decode_request(std::string_view payload, const Limits& limits) {
       fsdp::detail::fail_as(ErrorKind::mismatch, "store frame: protocol version ", int(v), ", this store speaks ",
                             int(version));
     r.generation = in.u64();
+    r.job = in.str(max_job_bytes, "job id");
     r.token = in.str(max_token_bytes, "token");
   } else if (r.verb == Verb::wait) {
     r.keys = in.strs(limits.max_key_bytes, "key");

@@ -5,16 +5,16 @@
 //   auto group = fsdp::TcpProcessGroup::from_env();   // RANK, WORLD_SIZE, MASTER_ADDR, ...
 //   train(group.comm());                              // an fsdp::TcpComm
 //
-// Rank 0 hosts the rendezvous store, unless FSDP_STORE_EXTERNAL=1 says it runs elsewhere
-// (fsdp_run hosts it by default, or a tools/fsdp_store); every rank connects to it, then
-// the ring. Environment knobs beyond torchrun's:
+// Rank 0 hosts the rendezvous store, unless FSDP_STORE_HOST (or FSDP_STORE_EXTERNAL=1)
+// says it runs elsewhere (fsdp_run hosts it by default, or a tools/fsdp_store); every rank
+// connects to it, then the ring. Environment knobs beyond torchrun's:
 //   FSDP_TIMEOUT_MS   longest wait in the store and in one collective (default 300000)
 //   FSDP_COMM_ADDR    the IP this rank listens on for its ring neighbours; default: the
 //                     local address of its connection to the store, i.e. the interface
 //                     that reaches MASTER_ADDR (127.0.0.1 on one host)
 // Teardown is ordered so no rank loses the store while it still needs it: the ranks meet
-// in a barrier, close their rings, count themselves out in the store, and rank 0 stops
-// the server last. The teardown barrier is the job's last collective, and it fails when
+// in a barrier, close their rings, give their claims back and count themselves out in the
+// store, and rank 0 stops the server last. The teardown barrier is the job's last collective, and it fails when
 // the ranks ran different collectives (one skipped an all_reduce, say): that rank saw no
 // error before, so its exit status must come from here. finish() tears down and throws
 // the barrier's failure as an fsdp::Error, always: call it at the end of a run. Without
@@ -129,6 +129,7 @@ class TcpProcessGroup {
     comm_.reset();
     if (failure) return {failure, failed_before};  // some rank may be dead: do not wait for it
     try {
+      connection_.release_place(env_.rank);
       connection_.store->add(done_key, 1);
       if (connection_.server) {  // keep serving until every rank has counted itself out
         const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, std::chrono::milliseconds(10000));

@@ -42,9 +42,11 @@ struct TcpStoreOptions {
   std::chrono::milliseconds timeout{300000};  // a verb's round trip (on top of a wait's own timeout)
   std::string token;                          // what the server demands (FSDP_STORE_TOKEN); empty: none
   std::chrono::milliseconds connect_timeout{60000};  // connecting retries until the server is up
-  // The start of the job this client belongs to (TcpStoreServer, "Generations"); unset:
-  // TORCHELASTIC_RESTART_COUNT's for from_env and connect_store, else 0.
+  // The start of the job this client belongs to, and the job (TcpStoreServer,
+  // "Generations"). Unset: TORCHELASTIC_RESTART_COUNT's (0 when that is unset) and
+  // TORCHELASTIC_RUN_ID's (empty when unset), as a rank of a launched job has them.
   std::optional<std::uint64_t> generation;
+  std::optional<std::string> job;
 };
 
 class TcpStore final : public Store {
@@ -59,6 +61,7 @@ class TcpStore final : public Store {
     const DistEnv env = DistEnv::from_env();
     if (options.token.empty()) options.token = env.token;
     if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
+    if (!options.job) options.job = env.run_id;
     return std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
   }
 
@@ -130,7 +133,7 @@ class TcpStore final : public Store {
   using Clock = std::chrono::steady_clock;
 
   TcpStore(std::string host, std::uint16_t port, TcpStoreOptions options, bool retry_connect)
-      : host_(std::move(host)), port_(port), options_(std::move(options)), retry_connect_(retry_connect) {
+      : host_(std::move(host)), port_(port), options_(with_launch_defaults(std::move(options))), retry_connect_(retry_connect) {
     HashStore::check_timeout(options_.timeout);
     HashStore::check_timeout(options_.connect_timeout);
     connect();
@@ -138,6 +141,16 @@ class TcpStore final : public Store {
   }
 
   std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
+
+  static TcpStoreOptions with_launch_defaults(TcpStoreOptions o) {
+    if (!o.generation)
+      o.generation = static_cast<std::uint64_t>(DistEnv::number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
+    if (!o.job) o.job = DistEnv::text("TORCHELASTIC_RUN_ID", false).value_or("");
+    if (o.job->size() > store_wire::max_job_bytes)
+      detail::fail("store client: job id (TORCHELASTIC_RUN_ID) of ", o.job->size(), " bytes exceeds ",
+                   store_wire::max_job_bytes);
+    return o;
+  }
 
   // Digits, dots and colons only (or any colon: no host name has one): meant as a numeric
   // address, so a failure to resolve it is final.
@@ -199,7 +212,8 @@ class TcpStore final : public Store {
     store_wire::Request hello;
     hello.verb = store_wire::Verb::hello;
     hello.token = options_.token;
-    hello.generation = options_.generation.value_or(0);
+    hello.generation = *options_.generation;
+    hello.job = *options_.job;
     store_wire::Reply reply;
     try {
       reply = exchange(hello, Clock::now() + options_.timeout);
@@ -323,6 +337,7 @@ class TcpStore final : public Store {
 // generation (restart) of the store starts without keys, so its ranks claim afresh. (A
 // store run apart, tools/fsdp_store, may serve one job after another, so it is not
 // claimed.)
+inline std::string claim_key(int rank) { return "fsdp/job/rank/" + std::to_string(rank); }
 inline void claim_place(TcpStore& store, const DistEnv& env) {
   const std::string where = "the store at " + store.host() + ":" + std::to_string(store.port());
   const std::string size = std::to_string(env.world_size);
@@ -330,7 +345,7 @@ inline void claim_place(TcpStore& store, const DistEnv& env) {
   if (found != size)
     detail::fail_as(ErrorKind::mismatch, "rank ", env.rank, ": ", where, " serves a job of world size ", found, ", not ",
                     size, ": another job is using port ", store.port(), " (give each job its own MASTER_PORT)");
-  if (store.add("fsdp/job/rank/" + std::to_string(env.rank), 1) != 1)
+  if (store.add(claim_key(env.rank), 1) != 1)
     detail::fail_as(ErrorKind::mismatch, "rank ", env.rank, ": ", where, " already has a rank ", env.rank,
                     ": another job is using port ", store.port(),
                     " (give each job its own MASTER_PORT), or two processes were started with RANK=", env.rank);
@@ -341,6 +356,14 @@ inline void claim_place(TcpStore& store, const DistEnv& env) {
 struct StoreConnection {
   std::unique_ptr<TcpStoreServer> server;
   std::shared_ptr<TcpStore> store;
+  bool claimed = false;  // claim_place ran: release_place gives the rank back at the end
+
+  // Gives this rank's claim back (a store that outlives the connection, fsdp_run's, may
+  // see this rank connect again in the same start: a second TcpProcessGroup, say).
+  void release_place(int rank) {
+    if (claimed && store) store->delete_key(claim_key(rank));
+    claimed = false;
+  }
 };
 
 // Every rank connects to MASTER_ADDR:MASTER_PORT. Who serves there is
@@ -348,11 +371,12 @@ struct StoreConnection {
 // makes rank 0 first start the server there, listening on $FSDP_STORE_BIND (default
 // 127.0.0.1; anything else needs a token); launcher (fsdp_run) and external
 // (tools/fsdp_store) say one already runs. The token defaults to env.token, the generation
-// to env.restart_count. Each rank then claims its place (claim_place above), except in a
-// store run apart.
+// to env.restart_count, the job to env.run_id. Each rank then claims its place
+// (claim_place above), except in a store run apart.
 inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
   if (options.token.empty()) options.token = env.token;
   if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
+  if (!options.job) options.job = env.run_id;
   const StoreHost host = DistEnv::store_host();
   StoreConnection c;
   if (env.rank == 0 && host == StoreHost::rank0) {
@@ -375,7 +399,10 @@ inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options
     c.server = std::make_unique<TcpStoreServer>(std::move(server));
   }
   c.store = std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
-  if (host != StoreHost::external) claim_place(*c.store, env);
+  if (host != StoreHost::external) {
+    claim_place(*c.store, env);
+    c.claimed = true;
+  }
   return c;
 }
 

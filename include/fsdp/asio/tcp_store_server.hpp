@@ -18,18 +18,20 @@
 //
 // Generations. A store that outlives the ranks serves one start of a job after another.
 // Each client says in its hello which start it belongs to (TcpStoreOptions::generation:
-// TORCHELASTIC_RESTART_COUNT under a launcher). Beginning a generation drops every key and
-// closes every client of an earlier one (a rank of the failed start that still runs, or
-// waits in a get, learns at once that it is out; a parked get or wait is answered with the
-// reason). From then on a hello of an earlier generation is refused with a message saying
-// so, so a stale rank can never read or write the new start's keys. Who begins one:
+// TORCHELASTIC_RESTART_COUNT under a launcher) and of which job (TcpStoreOptions::job:
+// TORCHELASTIC_RUN_ID). Beginning a generation drops every key and closes every client of
+// another one (a rank of the failed start that still runs, or waits in a get, learns at
+// once that it is out; a parked get or wait is answered with the reason). From then on a
+// hello of an earlier generation is refused with a message saying so, so a stale rank can
+// never read or write the new start's keys. Who begins one:
 //  - host_begins_generations (a store that serves one job: fsdp_run's, which calls
 //    begin_generation before it starts a restart's ranks, and rank 0's, which starts at
-//    its own generation): the host alone; a hello of a later generation is refused too.
+//    its own generation): the host alone; a hello of a later generation is refused too,
+//    and the job is not looked at (one job by construction).
 //  - otherwise (tools/fsdp_store, which may serve one job after another): the clients. The
-//    first hello of a later generation begins it; a hello of an earlier one begins it anew
-//    when no client is connected (the next job, after a job that had restarts), and is
-//    refused while one is.
+//    first hello of a later generation of the job served begins it; the first hello of
+//    another job begins that job at its generation (the next job; a job still running
+//    there loses its keys and clients, and says so, rather than sharing them).
 // The server's sockets are close-on-exec, so no process the host starts inherits them.
 #include <fcntl.h>
 
@@ -93,7 +95,7 @@ class TcpStoreServer {
     std::uint64_t parked = 0;         // gets and waits parked now
     std::uint64_t slow = 0;           // closed: a frame not complete within frame_timeout
     std::uint64_t evicted = 0;        // closed: without hello, the oldest past max_pending
-    std::uint64_t stale = 0;          // refused: a hello of an earlier generation than the server's
+    std::uint64_t stale = 0;          // refused: a hello of a generation the server does not serve
     std::uint64_t superseded = 0;     // closed: clients of a generation that a later one ended
     std::uint64_t generation = 0;     // the generation served now
     std::uint64_t clients = 0;        // connections past their hello now (counted against max_clients)
@@ -146,7 +148,7 @@ class TcpStoreServer {
         if (g < generation_)
           detail::fail("store server: cannot begin generation ", g, ": it serves generation ", generation_,
                        " already (generations only grow)");
-        if (g > generation_) begin(g, "its host began it");
+        if (g > generation_) begin(job_, g, "its host began it");
         done->set_value();
       } catch (...) {
         done->set_exception(std::current_exception());
@@ -243,7 +245,7 @@ class TcpStoreServer {
   }
   void stop_serving();
   void wake_waiters();
-  void begin(std::uint64_t g, const std::string& why);
+  void begin(const std::string& job, std::uint64_t g, const std::string& why);
   bool token_matches(const std::string& presented) const {
     const std::string& want = options_.token;
     unsigned diff = presented.size() != want.size();
@@ -258,6 +260,7 @@ class TcpStoreServer {
   std::uint16_t port_ = 0;
   bool stopping_ = false;
   std::uint64_t generation_ = 0;  // the generation served (the server's thread only; counters_ shows it)
+  std::string job_;               // and its job's id (looked at unless host_begins_generations)
   store_wire::StoreTable table_;
   std::set<std::shared_ptr<Session>> sessions_;
   std::set<std::shared_ptr<Session>> waiting_;  // sessions parked in a get or wait
@@ -296,14 +299,18 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     if (parked_ && server_.table_.missing(parked_->keys).empty()) answer_parked();
   }
 
-  // Whether this client said hello for another generation than `g`.
-  bool of_another(std::uint64_t g) const { return authenticated_ && !closed_ && !superseded_ && generation_ != g; }
+  // Whether this client said hello for another job or generation than `job`'s `g`.
+  bool of_another(const std::string& job, std::uint64_t g) const {
+    return authenticated_ && !closed_ && !superseded_ && (generation_ != g || job_ != job);
+  }
 
   // Closes a client whose generation ended, counted as superseded. One parked in a get or
   // wait is answered first with `why` as an error, which its caller sees; any other learns
   // it from the closed connection at its next request.
   void supersede(const std::string& why) {
     superseded_ = true;
+    authenticated_ = false;  // no longer a client: its slot is free now, not once it closes
+    --server_.counters_.clients;
     if (!parked_) return drop(server_.counters_.superseded, why);
     ++server_.counters_.superseded;
     if (server_.options_.log)
@@ -415,23 +422,26 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
     timer_.cancel();
     const std::uint64_t served = server_.generation_;
     const bool host_begins = server_.options_.host_begins_generations;
+    const bool new_job = !host_begins && hello.job != server_.job_;
     const std::string here = "the store at " + server_.options_.host + ":" + std::to_string(server_.port_);
     const std::string theirs = "this client belongs to generation " + std::to_string(hello.generation) + " of the job, and " +
                                here + " serves generation " + std::to_string(served);
-    if (hello.generation < served && (host_begins || server_.counters_.clients > 0))
+    if (!new_job && hello.generation < served)
       return refuse(server_.counters_.stale, theirs + ": it is left from an earlier start of the job, which was "
                                                       "restarted since (TORCHELASTIC_RESTART_COUNT counts the starts)");
     if (hello.generation > served && host_begins)
       return refuse(server_.counters_.stale, theirs + ", which only its host (fsdp_run, or rank 0) moves on: is "
                                                       "TORCHELASTIC_RESTART_COUNT this job's?");
-    if (hello.generation != served)
-      server_.begin(hello.generation, "a client of it (" + peer_ + ") said hello" +
-                                          (hello.generation < served ? " with no client connected" : ""));
     if (server_.counters_.clients >= server_.options_.max_clients)
       return refuse(server_.counters_.over_capacity,
                     here + " serves at most " + std::to_string(server_.options_.max_clients) + " clients");
+    if (new_job)
+      server_.begin(hello.job, hello.generation, "a client of job '" + hello.job + "' (" + peer_ + ") said hello");
+    else if (hello.generation > served)
+      server_.begin(server_.job_, hello.generation, "a client of it (" + peer_ + ") said hello");
     authenticated_ = true;
     generation_ = hello.generation;
+    job_ = hello.job;
     ++server_.counters_.clients;
     ++server_.counters_.accepted;
     frames_.set_limit(server_.options_.limits.max_frame_bytes());
@@ -511,6 +521,7 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
   std::optional<store_wire::Request> parked_;
   std::uint64_t parks_ = 0, frame_id_ = 0;
   std::uint64_t generation_ = 0;  // the hello's
+  std::string job_;               // the hello's
 };
 
 // Every connection is served; only those before their hello are bounded here, by closing
@@ -536,15 +547,16 @@ inline void TcpStoreServer::wake_waiters() {
 
 // Drops every key and closes the clients of other generations (their parked gets and
 // waits with them); connections that have not said hello are left to their handshake.
-inline void TcpStoreServer::begin(std::uint64_t g, const std::string& why) {
-  const std::uint64_t was = generation_;
+inline void TcpStoreServer::begin(const std::string& job, std::uint64_t g, const std::string& why) {
+  const std::string ended = job == job_ ? "generation " + std::to_string(generation_)
+                                        : "job '" + job_ + "' (generation " + std::to_string(generation_) + ")";
+  const std::string began = job == job_ ? "generation " + std::to_string(g) : "job '" + job + "' (generation " + std::to_string(g) + ")";
+  job_ = job;
   generation_ = counters_.generation = g;
   table_.clear();
   const std::vector<std::shared_ptr<Session>> all(sessions_.begin(), sessions_.end());
   for (const auto& s : all)
-    if (s->of_another(g))
-      s->supersede("generation " + std::to_string(g) + " began (" + why + "), which ends generation " +
-                   std::to_string(was) + " and its clients");
+    if (s->of_another(job, g)) s->supersede(began + " began (" + why + "), which ends " + ended + " and its clients");
 }
 
 inline void TcpStoreServer::stop_serving() {

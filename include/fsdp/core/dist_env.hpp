@@ -73,9 +73,10 @@ struct DistEnv {
   }
 
   // Who serves the store: FSDP_STORE_HOST (launcher, rank0 or external; what fsdp_run
-  // sets), else FSDP_STORE_EXTERNAL (a boolean: true is external, false rank0; what a user
-  // sets by hand), else rank0. Anything else, or the two set and disagreeing, is an error
-  // naming them.
+  // sets), else FSDP_STORE_EXTERNAL (what a user sets by hand, a boolean: true, the store
+  // runs apart from the ranks, external; false, rank0), else rank0. Anything else, or the
+  // two set and disagreeing (true with rank0, false with launcher or external), is an
+  // error naming them.
   static StoreHost store_host() {
     const std::optional<bool> external = detail::env_bool("FSDP_STORE_EXTERNAL");
     const auto host = text("FSDP_STORE_HOST", false);
