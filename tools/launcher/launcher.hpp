@@ -41,12 +41,14 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -151,6 +153,18 @@ inline std::unique_ptr<fsdp::TcpStoreServer> host_store(const Options& o, const 
   // One job's: only fsdp_run begins its generations (one per start), and any other is refused.
   server.host_begins_generations = true;
   server.log = [](const std::string& line) { write_all(2, "fsdp_run: " + line + "\n"); };
+  // The store's thread never takes the signals the launcher handles (a rank's SIGCHLD, the
+  // ones it forwards): their handler writes to a pipe that each start's SignalGuard makes
+  // and closes on the supervising thread, so it must run there, not race with it. The
+  // thread inherits the mask it is created with.
+  sigset_t launcher_signals, before;
+  sigemptyset(&launcher_signals);
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&launcher_signals, sig);
+  ::pthread_sigmask(SIG_BLOCK, &launcher_signals, &before);
+  struct RestoreMask {
+    const sigset_t& mask;
+    ~RestoreMask() { ::pthread_sigmask(SIG_SETMASK, &mask, nullptr); }
+  } restore{before};
   try {
     return std::make_unique<fsdp::TcpStoreServer>(std::move(server));
   } catch (const fsdp::Error& e) {
