@@ -75,6 +75,11 @@ fsdp::DistEnv loopback_env(std::uint16_t port, int world_size) {
   return env;
 }
 
+// Unsets, for the scope of `env`, what says who hosts the store and where rank 0's listens.
+void no_store_settings(test_support::ScopedEnv& env) {
+  env.set("FSDP_STORE_EXTERNAL", std::nullopt).set("FSDP_STORE_HOST", std::nullopt).set("FSDP_STORE_BIND", std::nullopt);
+}
+
 }  // namespace
 
 TEST_CASE("every verb, and the same answers as HashStore") {
@@ -301,9 +306,8 @@ TEST_CASE("generations, led by the host (fsdp_run's and rank 0's stores): client
 
 TEST_CASE("connect_store: a client's generation is TORCHELASTIC_RESTART_COUNT's, and a restarted rank 0 hosts that one") {
   const std::uint16_t port = unused_port();
-  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
-  env_vars.set("FSDP_STORE_HOST", std::nullopt);
-  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  test_support::ScopedEnv env_vars;
+  no_store_settings(env_vars);
   fsdp::DistEnv env = loopback_env(port, 2);
   env.restart_count = 2;
   auto rank0 = fsdp::connect_store(env, quick());
@@ -367,9 +371,8 @@ TEST_CASE("a store rank 0 hosts keeps 2 connections per rank that have not said 
   // A job of 200 ranks connecting at once: 300 connections before their hellos (more than
   // the server's default max_pending of 256) must all be kept, none evicted.
   const std::uint16_t port = unused_port();
-  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
-  env_vars.set("FSDP_STORE_HOST", std::nullopt);
-  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  test_support::ScopedEnv env_vars;
+  no_store_settings(env_vars);
   fsdp::DistEnv env = loopback_env(port, 200);
   auto rank0 = fsdp::connect_store(env, quick());
   REQUIRE(rank0.server);
@@ -387,9 +390,8 @@ TEST_CASE("connect_store: rank 0 hosts the server from the environment, or uses 
   const std::uint16_t port = unused_port();
   fsdp::DistEnv env = loopback_env(port, 2);
   env.token = "t0ken";
-  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
-  env_vars.set("FSDP_STORE_HOST", std::nullopt);
-  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  test_support::ScopedEnv env_vars;
+  no_store_settings(env_vars);
   {
     auto rank0 = fsdp::connect_store(env, quick());
     REQUIRE(rank0.server);
@@ -503,9 +505,8 @@ TEST_CASE("a numeric address that is not one fails at once; a host name that doe
 
 TEST_CASE("a second job on a busy port fails at once on every rank, naming the port") {
   const std::uint16_t port = unused_port();
-  test_support::ScopedEnv env_vars("FSDP_STORE_EXTERNAL", std::nullopt);
-  env_vars.set("FSDP_STORE_HOST", std::nullopt);
-  env_vars.set("FSDP_STORE_BIND", std::nullopt);
+  test_support::ScopedEnv env_vars;
+  no_store_settings(env_vars);
   fsdp::DistEnv first;
   first.master_addr = "127.0.0.1";
   first.master_port = port;

@@ -60,8 +60,6 @@ class TcpStore final : public Store {
   static std::shared_ptr<TcpStore> from_env(TcpStoreOptions options = {}) {
     const DistEnv env = DistEnv::from_env();
     if (options.token.empty()) options.token = env.token;
-    if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
-    if (!options.job) options.job = env.run_id;
     return std::make_shared<TcpStore>(env.master_addr, env.master_port, std::move(options));
   }
 

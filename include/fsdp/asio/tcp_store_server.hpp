@@ -96,7 +96,7 @@ class TcpStoreServer {
     std::uint64_t slow = 0;           // closed: a frame not complete within frame_timeout
     std::uint64_t evicted = 0;        // closed: without hello, the oldest past max_pending
     std::uint64_t stale = 0;          // refused: a hello of a generation the server does not serve
-    std::uint64_t superseded = 0;     // closed: clients of a generation that a later one ended
+    std::uint64_t superseded = 0;     // closed: clients of a generation (or job) that another one ended
     std::uint64_t generation = 0;     // the generation served now
     std::uint64_t clients = 0;        // connections past their hello now (counted against max_clients)
     std::uint64_t pending = 0;        // connections that have not said hello yet, now
@@ -301,15 +301,14 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
 
   // Whether this client said hello for another job or generation than `job`'s `g`.
   bool of_another(const std::string& job, std::uint64_t g) const {
-    return authenticated_ && !closed_ && !superseded_ && (generation_ != g || job_ != job);
+    return authenticated_ && !closed_ && (generation_ != g || job_ != job);
   }
 
   // Closes a client whose generation ended, counted as superseded. One parked in a get or
   // wait is answered first with `why` as an error, which its caller sees; any other learns
   // it from the closed connection at its next request.
   void supersede(const std::string& why) {
-    superseded_ = true;
-    authenticated_ = false;  // no longer a client: its slot is free now, not once it closes
+    authenticated_ = false;  // no longer a client (of_another skips it): its slot is free now, not once it closes
     --server_.counters_.clients;
     if (!parked_) return drop(server_.counters_.superseded, why);
     ++server_.counters_.superseded;
@@ -516,7 +515,7 @@ class TcpStoreServer::Session : public std::enable_shared_from_this<Session> {
   std::string peer_;
   char probe_[1] = {};
   std::string out_;
-  bool authenticated_ = false, closed_ = false, in_pending_ = false, superseded_ = false;
+  bool authenticated_ = false, closed_ = false, in_pending_ = false;
   std::list<std::shared_ptr<Session>>::iterator pending_;
   std::optional<store_wire::Request> parked_;
   std::uint64_t parks_ = 0, frame_id_ = 0;
