@@ -204,7 +204,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         using O = decltype(off);
         built.emplace(fsdp::shard<S, M, P, O>(model, mesh, device, engine::Wrap{},
                                               fsdp::ShardOptions{.persistence_threshold = cfg.persistence_threshold,
-                                                                 .local_gradients = cfg.local_gradients}));
+                                                                 .local_gradients = cfg.local_gradients,
+                                                                 .shard_layout = cfg.shard_layout}));
       });
     });
     fsdp::ShardedModel& sharded = *built;
@@ -453,6 +454,16 @@ int main(int argc, char** argv) {
                                    std::int64_t{1} << 40,
                                    "units with fewer parameter elements stay unsharded: never all-gathered, gradients "
                                    "all-reduced (0: none); prints a step's collectives");
+  auto* layout = app.add_option_function<std::string>(
+                        "--shard-layout",
+                        [&cfg](const std::string& text) {
+                          cfg.shard_layout = strictly([&] { return fsdp::parse_shard_layout(text, "--shard-layout"); });
+                        },
+                        "how shards are cut (ShardOptions::shard_layout): flat (parameters back to back) or block:K "
+                        "(every parameter starts on a multiple of K elements and every shard holds a multiple of K, "
+                        "so no K-element block is split between ranks: with --gather-dtype int8 or fp8, block:128, with "
+                        "mxfp8 block:32, puts every scale block inside one parameter); prints a step's collectives")
+                    ->type_name("flat|block:K");
   integer_flag(app, "--accumulate", cfg.accumulate, 1, 1 << 16,
                "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
                "keeping unsharded gradients instead of reducing them");
@@ -589,7 +600,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
-  cfg.report_comm = comm_precision->count() > 0 || gather_dtype->count() > 0 || persistence->count() > 0 ||
+  cfg.report_comm = comm_precision->count() > 0 || gather_dtype->count() > 0 || persistence->count() > 0 || layout->count() > 0 ||
                     reshard->count() > 0 || keep->count() > 0;
   if (cfg.precision != "fp32" && !cfg.gather_dtype.empty() && !train_example::is_block_gather(cfg.gather_dtype) &&
       cfg.gather_dtype != cfg.precision) {

@@ -61,6 +61,7 @@ struct Config {
   std::string comm_precision = "fp32";  // --comm-precision: what collectives move under fp32 computation
   std::string gather_dtype;  // --gather-dtype: what all-gathers move ("": --comm-precision's or the compute dtype)
   std::int64_t persistence_threshold = 0;  // --persistence-threshold: units below it stay unsharded
+  fsdp::ShardLayout shard_layout = {};     // --shard-layout: flat or block:K
   bool report_comm = false;  // either flag given: print the collectives of a step
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping
   int accumulate = 1;                  // --accumulate: micro-batches per step

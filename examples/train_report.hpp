@@ -60,6 +60,7 @@ inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_sha
                  (cfg.persistence_threshold > 0
                       ? fmt::format("; units under {} elements unsharded", cfg.persistence_threshold)
                       : "") +
+                 (cfg.shard_layout == fsdp::ShardLayout::element_flat() ? "" : "; shard layout " + fsdp::name_of(cfg.shard_layout)) +
                  (cfg.optimizer_in_backward ? "; optimizer steps in backward" : "") +
                  (cfg.reshard_after_forward.empty() ? "" : "; reshard after forward " + cfg.reshard_after_forward) +
                  (cfg.reshard_after_backward ? "" : "; parameters kept between micro-batches") +

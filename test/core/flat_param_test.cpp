@@ -1,5 +1,6 @@
 // fsdp/core/flat_param.hpp: how a unit's parameters are laid out back to back and split
-// into equal per-rank shards, padded at the end only.
+// into equal per-rank shards, padded at the end only (ShardLayout::element_flat, the default;
+// block_aligned: test/core/shard_layout_test.cpp).
 #include <doctest/doctest.h>
 
 #include <cstdint>

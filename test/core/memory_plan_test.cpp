@@ -37,6 +37,7 @@ struct Run {
   // state created in each unit's first hook); keep, a hook that only counts, AdamW after.
   std::optional<fsdp::GradientAfterHook> hook = std::nullopt;
   bool explicit_prefetch = false;  // FSDP2-style lists: two units ahead in forward, two behind in backward
+  fsdp::ShardLayout layout = {};   // ShardOptions::shard_layout
 };
 
 struct Outcome {
@@ -98,7 +99,8 @@ Outcome train_and_plan_with(const PolicySet& policy, fsdp::MeshShape shape, Run 
       fsdp::DeviceMesh mesh(communicator, shape);
       engine::Model model(c);
       fsdp::HostDevice device;
-      auto sm = shard_on(policy, model, mesh, device, fsdp::ShardOptions{.persistence_threshold = run.threshold});
+      auto sm = shard_on(policy, model, mesh, device,
+                         fsdp::ShardOptions{.persistence_threshold = run.threshold, .shard_layout = run.layout});
       sm.set_max_prefetched_units(run.limit);
       sm.set_gradient_sync_mode(run.mode);
       if (run.explicit_prefetch) {
@@ -179,6 +181,7 @@ Outcome check_plan_with(bool async, const PolicySet& policy, fsdp::MeshShape sha
   CAPTURE(run.defer_all_reduce);
   CAPTURE(run.hook ? std::string(fsdp::name_of(*run.hook)) : std::string("none"));
   CAPTURE(run.explicit_prefetch);
+  CAPTURE(fsdp::name_of(run.layout));
   const Outcome o = async ? train_and_plan_with<true>(policy, shape, run) : train_and_plan_with<false>(policy, shape, run);
   for (int r = 0; r < shape.size(); ++r) {
     CAPTURE(r);
@@ -299,6 +302,43 @@ TEST_CASE("an asynchronous communicator: one reduction in flight, planned to the
   check_async_plan<fsdp::HybridShard, fsdp::BackwardPre, fsdp::OffloadParams>({2, 2});
   // Planned synchronously, the async run peaks higher: the option is not a no-op.
   CHECK(o.device[0].peak_bytes > train_and_plan<false, fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {}).plan[0].peak_bytes());
+}
+
+TEST_CASE("a block-aligned shard layout: the padding between parameters planned to the byte") {
+  const auto block = fsdp::ShardLayout::block_aligned(8);
+  check_prefetch_modes<fsdp::FullShard>({1, 3}, {.layout = block});
+  check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2}, {.layout = block});
+  check_common_prefetch<fsdp::FullShard, fsdp::CommPrecision<fsdp::Int8Blocks<8>, float>>({1, 3}, {.layout = block});
+  check_plan<fsdp::ShardGradOp, fsdp::BackwardPre>({1, 4}, {.layout = fsdp::ShardLayout::block_aligned(32)});
+  check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.layout = block});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.threshold = 150, .layout = block});  // kept units are not cut
+  check_async_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.layout = block});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 2, .layout = block});
+  // The layout costs memory: the same run under element_flat peaks lower.
+  const Outcome flat = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {});
+  const Outcome aligned = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.layout = fsdp::ShardLayout::block_aligned(32)});
+  CHECK(aligned.device[0].peak_bytes > flat.device[0].peak_bytes);
+  CHECK(aligned.plan[0].peak_bytes() == aligned.device[0].peak_bytes);
+}
+
+TEST_CASE("planning by hand under a block-aligned layout needs the parameters one by one") {
+  fsdp::PlannedUnit u;
+  u.flat.push_back({});
+  u.flat[0].numel = 20;
+  fsdp::PlanOptions o;
+  o.mesh = {1, 2};
+  o.shard_layout = fsdp::ShardLayout::block_aligned(8);
+  CHECK_THROWS_WITH_AS(fsdp::plan<fsdp::FullShard>({u}, o), doctest::Contains("list them in PlannedUnit::Flat::params"), fsdp::Error);
+  // Two parameters of 10: under block:8 they start at 0 and 16 (26 elements), shards of 16.
+  u.flat[0].params = {{.numel = 10}, {.numel = 10}};
+  const auto aligned = fsdp::plan<fsdp::FullShard>({u}, o);
+  o.shard_layout = {};
+  const auto flat = fsdp::plan<fsdp::FullShard>({u}, o);  // shards of 10
+  // Steady: shard + sharded gradient, 2 x 16 x 4 bytes against 2 x 10 x 4.
+  CHECK(aligned.steady[0] == 2 * 16 * 4);
+  CHECK(flat.steady[0] == 2 * 10 * 4);
+  u.flat[0].numel = 21;  // the totals, where given, must be the parameters'
+  CHECK_THROWS_WITH_AS(fsdp::plan<fsdp::FullShard>({u}, o), doctest::Contains("give one or the other"), fsdp::Error);
 }
 
 TEST_CASE("persistence threshold: units kept whole are planned as replicated") {
@@ -467,6 +507,7 @@ struct SetupRun {
   bool deferred = false;
   bool partly = false;  // deferred, but each block's first weight built with storage
   std::optional<fsdp::SummonOptions> summon = std::nullopt;
+  fsdp::ShardLayout layout = {};  // ShardOptions::shard_layout
 };
 struct SetupOutcome {
   std::size_t setup_peak = 0, setup_host_peak = 0, peak = 0, host_peak = 0, live = 0;
@@ -485,7 +526,7 @@ SetupOutcome run_setup_with(const PolicySet& policy, fsdp::MeshShape shape, Setu
     if (run.partly)
       for (auto& b : model.blocks) b.fc1.weight = engine::Tensor({c.hidden, c.dim}, engine::heap(), fsdp::DType::f32);
     fsdp::HostDevice device;
-    const fsdp::ShardOptions options{.sync_module_states = run.sync_module_states};
+    const fsdp::ShardOptions options{.sync_module_states = run.sync_module_states, .shard_layout = run.layout};
     auto sm = run.deferred ? policy.shard_deferred(model, mesh, device, options) : policy.shard(model, mesh, device, options);
     auto& mine = out[static_cast<std::size_t>(comm.rank())];
     mine.setup_peak = device.stats().peak_bytes;
@@ -557,6 +598,15 @@ TEST_CASE("setup is planned by running it: sync_module_states and deferred init,
   check_setups<fsdp::NoShard, fsdp::MixedPrecision<fsdp::bf16>>({1, 3});
   check_setups<fsdp::HybridShard>({2, 2});
   check_setups<fsdp::HybridShardZero2>({2, 2});
+}
+
+TEST_CASE("a block-aligned shard layout: setup, deferred init (a block's parameters in part) and a summon, to the byte") {
+  const auto block = fsdp::ShardLayout::block_aligned(8);
+  for (bool deferred : {false, true})
+    check_setup_with(policies<fsdp::FullShard>(), {1, 3}, {.deferred = deferred, .partly = deferred, .layout = block});
+  check_setup_with(policies<fsdp::FullShard>(), {1, 3}, {.sync_module_states = true, .layout = block});
+  check_setup_with(policies<fsdp::FullShard>(), {1, 3},
+                   {.summon = fsdp::SummonOptions{.writeback = true, .with_grads = true}, .layout = block});
 }
 
 TEST_CASE("NoShard with sync_module_states: setup holds rank 0's copy of one unit's parameters, and the plan says so") {

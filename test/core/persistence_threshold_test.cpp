@@ -37,28 +37,14 @@ constexpr int kGlobalBatch = 12;  // divisible by 1, 2, 3, 4
 
 // AdamW steps [first, last) on `world` ranks with `options`, after `before` (a load); then
 // `after` (a save). Returns rank 0's full parameters.
-using Hook = std::function<void(fsdp::ShardedModel&, engine::AdamWState&)>;
+using Hook = test_support::AdamwHook;
 template <class... Ps>
 Params train(int world, int first, int last, const fsdp::ShardOptions& options, std::uint64_t seed = 1,
              const Hook& before = {}, const Hook& after = {}) {
   auto c = config();
   c.seed = seed;
-  std::vector<Params> out(static_cast<std::size_t>(world));
-  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
-    engine::Model model(c);
-    fsdp::HostDevice device;
-    auto sm = fsdp::shard<Ps...>(model, comm, device, engine::Wrap{}, options);
-    engine::DeviceAllocator<fsdp::HostDevice> alloc(device);
-    engine::AdamW opt({}, alloc);
-    engine::AdamWState state(opt, sm);
-    if (before) before(sm, state);
-    const int local = kGlobalBatch / world;
-    for (int s = first; s < last; ++s) engine::sharded_step(model, sm, opt, engine::make_batch(c, s, comm.rank() * local, local));
-    if (after) after(sm, state);
-    out[static_cast<std::size_t>(comm.rank())] = engine::gather_full_parameters(model, sm);
-  });
-  for (int r = 1; r < world; ++r) REQUIRE(out[static_cast<std::size_t>(r)] == out[0]);
-  return out[0];
+  return test_support::adamw_run<Ps...>(c, {.world = world, .first = first, .last = last, .global_batch = kGlobalBatch,
+                                            .options = options, .before = before, .after = after});
 }
 
 // One step's collectives on rank 0 (world and sub-groups together), after a first step.

@@ -4,7 +4,8 @@
 # and without offload, and offload moves the shards and optimizer state out of device space;
 # --accumulate, --clip and --local-gradients sum match the unsharded reference; --comm-precision halves the bytes
 # of the all-gathers and reduce-scatters, --gather-dtype int8 / mxfp8 moves a quarter of
-# the all-gathers' bytes, --persistence-threshold drops the small unit's
+# the all-gathers' bytes, --shard-layout block:128 trains the same parameters over padded
+# shards, --persistence-threshold drops the small unit's
 # all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
 # are refused, and a value that is not read whole (nan, 2abc, an overflowing mesh) is
 # refused naming its flag.
@@ -159,6 +160,24 @@ for g in int8 mxfp8; do
     fail "--gather-dtype $g: loss '$l' vs unsharded '$u' (expected close, not equal)"
   fi
 done
+
+# --shard-layout block:128: every parameter starts on a multiple of 128 elements and every
+# shard holds a multiple of 128, so the same parameters bit for bit as the flat layout (the
+# same fingerprint), the same collective calls, and collectives of the padded bytes, from
+# the default model's parameters (in 16, dim 64, hidden 256, out 4, 8 blocks) on 4 ranks:
+# the root's embed weight 1024, bias 64, head weight 256 (at 1152), bias 4 end at 1412,
+# shards of 384; a block's 16384, 256, 16384, 64 end at 33088, shards of 8320; the gain's
+# 64, a shard of 128. The root is gathered once per step, the others twice.
+aligned=$("$train" --steps 3 --shard-layout block:128 2>&1) || fail "--shard-layout block:128: exited with $?"
+read -r lag_calls lag_bytes < <(comm_field all_gather "$aligned")
+read -r lrs_calls lrs_bytes < <(comm_field reduce_scatter "$aligned")
+want_rs=$((4 * 4 * (384 + 8 * 8320 + 128))) want_ag=$((2 * want_rs - 4 * 4 * 384))
+if [[ -n "${lag_bytes:-}" ]] && ((lag_calls == ag_calls && lrs_calls == rs_calls && lag_bytes == want_ag &&
+    lrs_bytes == want_rs)) && [[ $(grep '^parameters: ' <<<"$aligned") == $(grep '^parameters: ' <<<"$f32") ]]; then
+  echo "PASS: --shard-layout block:128: the flat layout's parameters bit for bit; all-gathers $ag_bytes -> $lag_bytes B per step"
+else
+  fail "--shard-layout block:128: all_gather '${lag_calls:-} ${lag_bytes:-}' (want $want_ag), reduce_scatter '${lrs_calls:-} ${lrs_bytes:-}' (want $want_rs), $(grep '^parameters: ' <<<"$aligned") vs flat $(grep '^parameters: ' <<<"$f32")"
+fi
 
 # --optimizer-in-backward: each unit steps its shards in its post-accumulate-grad hook, so
 # the same model bit for bit (same fingerprint, same loss); every sharded gradient but the
@@ -345,6 +364,9 @@ refused --batch 0x10 -- "--batch: '0x10' is not an integer"
 refused --ranks " 4" -- "--ranks: ' 4' is not an integer"
 refused --accumulate 99999999999 -- "--accumulate: 99999999999 is out of range"
 refused --persistence-threshold -5 -- "--persistence-threshold: -5 is out of range"
+refused --shard-layout block:0 -- "--shard-layout: 0 is out of range"
+refused --shard-layout Block:8 -- "--shard-layout: 'Block:8' is not a layout"
+refused --shard-layout block:8x -- "--shard-layout: '8x' is not an integer"
 refused --save-every 1.5 --save /tmp/never-written -- "--save-every: '1.5' is not an integer"
 refused --offload=5 -- "offload"
 refused --save "" -- "--save: an empty path"

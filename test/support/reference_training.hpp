@@ -1,9 +1,11 @@
 #pragma once
 // Helpers shared by the tests that train the reference engine: the unsharded reference
-// run, comparisons of full parameters, and the engine model's unit sizes.
+// run, sharded SGD and AdamW runs, comparisons of full parameters, and the engine model's
+// unit sizes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -74,6 +76,41 @@ SgdRun sgd_run(const engine::ModelConfig& c, int world, int steps) {
     if (per_rank[r] != per_rank[0]) fsdp::detail::fail("sgd_run: rank ", r, " gathered other parameters than rank 0");
   run.params = per_rank[0];
   return run;
+}
+
+// AdamW steps [first, last) of the reference model (`c`, its seed among them) sharded with
+// Ps and `options` on `world` thread ranks, over a `mesh` mesh ({1, world} when left
+// empty), on global batches of `global_batch` samples; `before` runs first (a load),
+// `after` last (a save). Returns the full parameters, which every rank must gather alike.
+using AdamwHook = std::function<void(fsdp::ShardedModel&, engine::AdamWState&)>;
+struct AdamwRun {
+  int world = 1, first = 0, last = 0, global_batch = 12;
+  fsdp::ShardOptions options = {};
+  AdamwHook before = {}, after = {};
+  fsdp::MeshShape mesh = {};
+};
+template <class... Ps>
+Params adamw_run(const engine::ModelConfig& c, const AdamwRun& run) {
+  std::vector<Params> out(static_cast<std::size_t>(run.world));
+  fsdp::ThreadGroup(run.world).run([&](fsdp::ThreadComm& comm) {
+    fsdp::DeviceMesh mesh(comm, run.mesh.size() == run.world ? run.mesh : fsdp::MeshShape{1, run.world});
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<Ps...>(model, mesh, device, engine::Wrap{}, run.options);
+    constexpr bool offloaded = fsdp::Policies<Ps...>::cpu_offload::offload;
+    engine::DeviceAllocator<fsdp::HostDevice> alloc(device, offloaded ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
+    engine::AdamW opt({}, alloc);
+    engine::AdamWState state(opt, sm);
+    if (run.before) run.before(sm, state);
+    const int local = run.global_batch / run.world;
+    for (int s = run.first; s < run.last; ++s)
+      engine::sharded_step(model, sm, opt, engine::make_batch(c, s, comm.rank() * local, local));
+    if (run.after) run.after(sm, state);
+    out[static_cast<std::size_t>(comm.rank())] = engine::gather_full_parameters(model, sm);
+  });
+  for (int r = 1; r < run.world; ++r)
+    if (out[static_cast<std::size_t>(r)] != out[0]) fsdp::detail::fail("adamw_run: rank ", r, " gathered other parameters than rank 0");
+  return out[0];
 }
 
 // One step's collectives on rank 0 of `world` thread ranks, after a first step (so the

@@ -1,17 +1,74 @@
 #pragma once
-// Flat parameters (one per dtype in a unit): the unit's parameters back to back in one
-// buffer, padded to a multiple of the group size N. Rank r owns elements [r*S, (r+1)*S)
-// with S = padded / N. Padding sits only at the end, so the elements a rank owns that are
-// real parameters form a prefix of its shard (`valid_shard_numel`).
+// Flat parameters (one per dtype in a unit): the unit's parameters in one buffer, padded
+// to a multiple of the group size N. Rank r owns elements [r*S, (r+1)*S) with S = padded / N.
+// How the buffer is cut is the ShardLayout: ElementFlat (the default) lays the parameters
+// back to back and pads only at the end; BlockAligned(K) starts every parameter on a
+// multiple of K elements and makes S one too, so every shard boundary falls on a multiple of
+// K of every parameter (a K-element scale block of a parameter is never split between
+// ranks). Either way a rank's elements after its last real one are padding
+// (`valid_shard_numel` counts up to it); under BlockAligned the gaps between parameters
+// are padding too, held at zero.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/parse.hpp"
 
 namespace fsdp {
+
+// The part of one parameter that one rank's shard holds.
+struct ShardSlice {
+  std::int64_t param_begin = 0;   // first element within the parameter
+  std::int64_t count = 0;         // elements (0: this rank holds none of it)
+  std::int64_t shard_offset = 0;  // where they start within the rank's shard
+};
+
+// How a unit's flat parameters are cut into shards (ShardOptions::shard_layout).
+struct ShardLayout {
+  enum class Kind : std::uint8_t { element_flat, block_aligned };
+  Kind kind = Kind::element_flat;
+  std::int64_t block = 1;  // BlockAligned's K (1 under ElementFlat)
+
+  static constexpr ShardLayout element_flat() { return {}; }
+  static constexpr ShardLayout block_aligned(std::int64_t k) { return {Kind::block_aligned, k}; }
+  // The alignment in elements that the layout asks of parameters and shards.
+  constexpr std::int64_t alignment() const { return kind == Kind::block_aligned ? block : 1; }
+  friend bool operator==(const ShardLayout&, const ShardLayout&) = default;
+
+  // The largest K: padding stays below K elements per parameter, and offsets far from overflow.
+  static constexpr std::int64_t max_block = std::int64_t{1} << 24;
+};
+
+// "flat" or "block:K", as --shard-layout takes it.
+inline std::string name_of(const ShardLayout& l) {
+  return l.kind == ShardLayout::Kind::block_aligned ? "block:" + std::to_string(l.block) : "flat";
+}
+
+namespace detail {
+// Refuses a layout that means nothing, naming `what` (the option or flag).
+inline void check_shard_layout(const ShardLayout& l, std::string_view what) {
+  if (l.kind != ShardLayout::Kind::element_flat && l.kind != ShardLayout::Kind::block_aligned)
+    fail(what, " is not a layout (the value ", static_cast<int>(l.kind), "): use ShardLayout::element_flat() or ",
+         "ShardLayout::block_aligned(K)");
+  if (l.kind == ShardLayout::Kind::element_flat && l.block != 1)
+    fail(what, ": an element-flat layout has no block (got ", l.block, "): use ShardLayout::block_aligned(", l.block, ")");
+  if (l.block < 1 || l.block > ShardLayout::max_block)
+    fail(what, ": the block must be in [1, ", ShardLayout::max_block, "] elements, got ", l.block);
+}
+}  // namespace detail
+
+// "flat" or "block:K" (K a whole number in [1, 2^24]), strictly: what --shard-layout reads.
+inline ShardLayout parse_shard_layout(std::string_view text, std::string_view what = "shard layout") {
+  if (text == "flat") return ShardLayout::element_flat();
+  if (text.starts_with("block:"))
+    return ShardLayout::block_aligned(detail::parse_integer<std::int64_t>(text.substr(6), what, 1, ShardLayout::max_block));
+  detail::fail(what, ": '", text, "' is not a layout; write flat or block:K (K elements, e.g. block:128)");
+}
 
 struct ParamInfo {
   std::string fqn;
@@ -21,36 +78,50 @@ struct ParamInfo {
   std::vector<std::string> aliases;  // its other FQNs when tied (one tensor under several names)
 };
 
-// The part of one parameter that one rank's shard holds.
-struct ShardSlice {
-  std::int64_t param_begin = 0;   // first element within the parameter
-  std::int64_t count = 0;         // elements (0: this rank holds none of it)
-  std::int64_t shard_offset = 0;  // where they start within the rank's shard
-};
 
 class FlatParamLayout {
  public:
-  FlatParamLayout(DType dtype, std::vector<ParamInfo> params, int world) : dtype_(dtype), params_(std::move(params)), world_(world) {
+  FlatParamLayout(DType dtype, std::vector<ParamInfo> params, int world, ShardLayout layout = {})
+      : dtype_(dtype), params_(std::move(params)), world_(world), layout_(layout) {
     if (world < 1) detail::fail("flat parameter: group size must be at least 1, got ", world);
+    detail::check_shard_layout(layout, "flat parameter: shard layout");
+    const std::int64_t k = layout.alignment();
+    constexpr std::int64_t limit = std::numeric_limits<std::int64_t>::max() / 4;  // room for the roundings below
+    auto round_up = [k](std::int64_t n) { return (n + k - 1) / k * k; };
     std::int64_t off = 0;
-    for (auto& p : params_) { p.offset = off; off += p.numel; }
+    for (auto& p : params_) {
+      if (p.numel < 0 || p.numel > limit - off - k) detail::fail("flat parameter: '", p.fqn, "' has ", p.numel, " elements, too many");
+      p.offset = round_up(off);
+      off = p.offset + p.numel;
+    }
     numel_ = off;
-    shard_numel_ = (numel_ + world - 1) / world;
+    shard_numel_ = round_up((numel_ + world - 1) / world);
     padded_numel_ = shard_numel_ * world;
+    for (auto& p : params_) real_numel_ += p.numel;
   }
 
   DType dtype() const { return dtype_; }
   int world() const { return world_; }
   const std::vector<ParamInfo>& params() const { return params_; }
+  const ShardLayout& layout() const { return layout_; }
+  // Elements from the first parameter's start to the last one's end: the parameters', and
+  // under BlockAligned the gaps between them.
   std::int64_t numel() const { return numel_; }
+  // The parameters' own elements (numel() without the gaps).
+  std::int64_t param_numel() const { return real_numel_; }
   std::int64_t padded_numel() const { return padded_numel_; }
   std::int64_t shard_numel() const { return shard_numel_; }
   std::size_t shard_bytes() const { return static_cast<std::size_t>(shard_numel_) * size_of(dtype_); }
   std::size_t padded_bytes() const { return static_cast<std::size_t>(padded_numel_) * size_of(dtype_); }
 
-  // Real (non-padding) elements of rank r's shard; they are its first ones.
+  // Rank r's elements up to its last real (non-padding) one; after them its shard holds
+  // only padding.
   std::int64_t valid_shard_numel(int rank) const {
-    return std::clamp<std::int64_t>(numel_ - rank * shard_numel_, 0, shard_numel_);
+    if (layout_.alignment() == 1) return std::clamp<std::int64_t>(numel_ - rank * shard_numel_, 0, shard_numel_);
+    std::int64_t end = 0;  // a shard may end inside a gap between parameters
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (const ShardSlice s = slice(i, rank); s.count > 0) end = std::max(end, s.shard_offset + s.count);
+    return end;
   }
 
   ShardSlice slice(std::size_t param, int rank) const {
@@ -65,7 +136,8 @@ class FlatParamLayout {
   DType dtype_;
   std::vector<ParamInfo> params_;
   int world_;
-  std::int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0;
+  ShardLayout layout_;
+  std::int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, real_numel_ = 0;
 };
 
 }  // namespace fsdp

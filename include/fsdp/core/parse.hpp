@@ -91,4 +91,13 @@ T checked_product(T a, T b, std::string_view what) {
   return out;
 }
 
+// a + b for sizes a user gave, refused (naming `what`) when the sum overflows T.
+template <std::integral T>
+T checked_sum(T a, T b, std::string_view what) {
+  T out{};
+  if (__builtin_add_overflow(a, b, &out))
+    fail(what, ": ", +a, " + ", +b, " overflows (the most is ", +std::numeric_limits<T>::max(), ")");
+  return out;
+}
+
 }  // namespace fsdp::detail

@@ -62,6 +62,15 @@ struct PlannedUnit {
     // Of those, the elements of parameters built without storage (fsdp::deferred_init):
     // setup holds them whole while the init fills them.
     std::int64_t deferred_numel = 0;
+    // Its parameters one by one, in order, where the layout pads between them
+    // (PlanOptions::shard_layout block_aligned); numel and deferred_numel are then their
+    // sums, or 0. Empty: one parameter of numel elements (exact under element_flat).
+    // fsdp::plan(model) fills it.
+    struct Param {
+      std::int64_t numel = 0;
+      bool deferred = false;  // built without storage (fsdp::deferred_init)
+    };
+    std::vector<Param> params = {};
   };
   std::vector<Flat> flat;
   struct Buffer {
@@ -104,6 +113,7 @@ struct PlanOptions {
   // overlaps the next unit's backward, so its buffers live one unit longer.
   bool asynchronous = false;
   std::int64_t persistence_threshold = 0;  // ShardOptions::persistence_threshold
+  ShardLayout shard_layout = ShardLayout::element_flat();  // ShardOptions::shard_layout
   int steps = 2;  // steps run; every step after the second repeats the second
   // Forward and backward passes per step (gradient accumulation), all but the last under
   // no_sync, each ending with finish_backward.
@@ -310,6 +320,7 @@ inline void check_plan_options(const PlanOptions& options) {
   if (options.persistence_threshold < 0)
     detail::fail("fsdp::plan: PlanOptions::persistence_threshold must be >= 0 (0: every unit follows its strategy), got ",
                  options.persistence_threshold);
+  check_shard_layout(options.shard_layout, "fsdp::plan: PlanOptions::shard_layout");
   if (options.steps < 1 || options.steps > kMaxPlanSteps)
     detail::fail("fsdp::plan: PlanOptions::steps must be >= 1 and at most ", kMaxPlanSteps,
                  " (every step after the second repeats the second), got ", options.steps);
@@ -351,6 +362,20 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     const std::string name = std::string(detail::display_name(u.fqn));
     for (const auto& f : u.flat) {
       if (f.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements");
+      if (!f.params.empty()) {  // given one by one: the totals, where given too, must be theirs
+        std::int64_t all = 0, deferred = 0;
+        for (const auto& p : f.params) {
+          if (p.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a parameter of ", p.numel, " elements");
+          all = checked_sum(all, p.numel, "fsdp::plan: unit '" + name + "': the elements of a flat parameter");
+          if (p.deferred) deferred += p.numel;
+        }
+        if ((f.numel != 0 && f.numel != all) || (f.deferred_numel != 0 && f.deferred_numel != deferred))
+          detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements (", f.deferred_numel,
+                       " deferred) whose parameters hold ", all, " (", deferred, " deferred); give one or the other");
+      } else if (options.shard_layout.alignment() > 1 && f.numel > 0) {
+        detail::fail("fsdp::plan: unit '", name, "': under the shard layout ", name_of(options.shard_layout),
+                     " the padding between parameters depends on each one's size; list them in PlannedUnit::Flat::params");
+      }
       checked_product<std::int64_t>(f.numel, static_cast<std::int64_t>(size_of(f.dtype)),
                                     "fsdp::plan: unit '" + name + "': the bytes of a flat parameter");
     }
@@ -396,6 +421,13 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     };
     for (std::size_t k = 0; k < u.flat.size(); ++k) {
       const auto& f = u.flat[k];
+      if (!f.params.empty()) {  // one by one, as the unit holds them
+        for (std::size_t i = 0; i < f.params.size(); ++i) {
+          add("flat" + std::to_string(k) + "." + std::to_string(i), f.params[i].numel, f.dtype, f.params[i].deferred);
+          deferred = deferred || f.params[i].deferred;
+        }
+        continue;
+      }
       if (f.deferred_numel < 0 || f.deferred_numel > f.numel)
         detail::fail("fsdp::plan: unit '", detail::display_name(u.fqn), "' has ", f.deferred_numel, " deferred elements in a flat parameter of ",
                      f.numel);
@@ -411,6 +443,7 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
     o.sync_module_states = u.sync_module_states;
     o.defer_take_over = true;
     o.persistence_threshold = options.persistence_threshold;
+    o.shard_layout = options.shard_layout;
     UnitInit init;
     if (deferred) init.init = [](const MaterializedTensors&, const SkipSet&) {};
     run.devices.push_back(std::make_unique<PlanDevice>(run.ledger, std::string(detail::display_name(u.fqn)), options.device));
@@ -440,9 +473,9 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
         const bool kept = sm[i].config().kept_unsharded;
         if (v.padded_numel != p.padded_numel)
           refuse("its " + std::string(name_of(v.dtype)) + " shard holds " + std::to_string(v.padded_numel) + " elements where " +
-                 std::to_string(p.padded_numel) + " are planned (" + (kept ? "kept whole under" : "sharded; is") +
+                 std::to_string(p.padded_numel) + " are planned (" + (kept ? "kept whole under" : "sharded; are") +
                  " the persistence threshold " + std::to_string(options.persistence_threshold) +
-                 (kept ? ")" : " the one given to fsdp::shard?)"));
+                 (kept ? ")" : " and the shard layout " + name_of(options.shard_layout) + " the ones given to fsdp::shard?)"));
         if (v.grad_dtype != p.grad_dtype)
           refuse("its gradient is " + std::string(name_of(v.grad_dtype)) + ", the policies give " + std::string(name_of(p.grad_dtype)) +
                  ": plan with the policies given to fsdp::shard");
@@ -516,12 +549,14 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
 }
 
 // A ShardedModel's units as the planner needs them, read from the units' public views and
-// configurations; refused while a step is under way.
+// configurations (options.mesh, device, max_prefetched and shard_layout from the model's
+// first unit); refused while a step is under way.
 inline std::vector<PlannedUnit> planned_units_for(ShardedModel& model, PlanOptions& options) {
   if (model.size() == 0) detail::fail("fsdp::plan: the model has no units");
   options.mesh = fsdp::detail::internals(model[0]).mesh_shape();  // every unit of a model uses the same groups
   options.device = fsdp::detail::internals(model[0]).device_id();
   options.max_prefetched = model.execution_order().max_prefetched;
+  options.shard_layout = model[0].config().shard_layout;
   std::vector<PlannedUnit> out;
   for (auto& unit : model) {
     const Unit& u = *unit;
@@ -542,9 +577,12 @@ inline std::vector<PlannedUnit> planned_units_for(ShardedModel& model, PlanOptio
     p.flat.resize(shards.size());
     for (std::size_t k = 0; k < shards.size(); ++k) p.flat[k].dtype = shards[k].dtype;
     for (const ParamView& v : u.parameters()) {
-      p.flat.at(v.shard).numel += v.numel;
-      if (std::find(config.deferred_parameters.begin(), config.deferred_parameters.end(), v.fqn) != config.deferred_parameters.end())
-        p.flat.at(v.shard).deferred_numel += v.numel;
+      const bool deferred =
+          std::find(config.deferred_parameters.begin(), config.deferred_parameters.end(), v.fqn) != config.deferred_parameters.end();
+      auto& f = p.flat.at(v.shard);
+      f.numel += v.numel;
+      if (deferred) f.deferred_numel += v.numel;
+      f.params.push_back({v.numel, deferred});
     }
     for (const BufferView& b : u.buffers()) p.buffers.push_back({b.dtype, b.numel});
     p.reshard_after_forward = config.reshard.after_forward;
@@ -615,8 +653,13 @@ inline MemoryPlan plan(ShardedModel& model, PlanOptions options = {}) {
       detail::fail("fsdp::plan: units '", detail::display_name(first.fqn), "' and '", detail::display_name(u.fqn), "' on rank ",
                    fsdp::detail::internals(model[0]).rank(), " have different persistence thresholds (", first.persistence_threshold, " and ",
                    u.persistence_threshold, "); the planner builds one configuration");
+    if (u.shard_layout != first.shard_layout)
+      detail::fail("fsdp::plan: units '", detail::display_name(first.fqn), "' and '", detail::display_name(u.fqn), "' on rank ",
+                   fsdp::detail::internals(model[0]).rank(), " have different shard layouts (", name_of(first.shard_layout), " and ",
+                   name_of(u.shard_layout), "); the planner builds one configuration");
   }
   options.persistence_threshold = first.persistence_threshold;
+  options.shard_layout = first.shard_layout;
   return detail::plan_model(first.policies, model, options);
 }
 

@@ -16,6 +16,7 @@
 #include "fsdp/core/device.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/flat_param.hpp"
 #include "fsdp/core/training_state.hpp"
 #include "fsdp/policy/gradient_sync.hpp"
 #include "fsdp/policy/policies.hpp"
@@ -125,6 +126,8 @@ struct UnitConfig {
   // ShardOptions::local_gradients: what the engine's gradients are over its local batch,
   // and so what no gradient divide factor set (reshard.gradient_divide_factor 0) means.
   LocalGradients local_gradients = LocalGradients::mean;
+  // ShardOptions::shard_layout: how its flat parameters are cut into shards.
+  ShardLayout shard_layout = ShardLayout::element_flat();
   ReshardSettings reshard;
   GradientSync sync;
   bool post_accumulate_grad_hook = false;
@@ -179,6 +182,7 @@ inline std::string to_string(const UnitConfig& u) {
   std::ostringstream os;
   os << "'" << detail::display_name(u.fqn) << "': " << to_string(u.policies) << " mesh=" << u.mesh.str();
   if (u.kept_unsharded) os << " kept_unsharded(threshold=" << u.persistence_threshold << ")";
+  if (u.shard_layout != ShardLayout::element_flat()) os << " shard_layout=" << name_of(u.shard_layout);
   os << " local_gradients=" << name_of(u.local_gradients) << " reshard_after_forward=";
   if (!u.reshard.after_forward) os << "off";
   else if (u.reshard.post_forward_ranks > 0) os << u.reshard.post_forward_ranks << "-rank groups";

@@ -96,9 +96,12 @@ class FlatParamGroup {
   const std::vector<FlatParam>& flat() const { return flat_; }
 
   // The flat parameters, what ranks compare of them and how messages show them
-  // (fsdp/unit/detail/flat_param_layouts.hpp). Before copy_shards.
-  void build(const std::vector<detail::CollectedParam>& params, const std::vector<detail::TiedAlias>& aliases = {}) {
-    flat_ = detail::build_flat_params(params, aliases, groups_.shard_size);
+  // (fsdp/unit/detail/flat_param_layouts.hpp), cut as `layout` says where they are sharded
+  // (replicated parameters are one shard: nothing to align). Before copy_shards.
+  void build(const std::vector<detail::CollectedParam>& params, const std::vector<detail::TiedAlias>& aliases = {},
+             ShardLayout layout = {}) {
+    flat_ = detail::build_flat_params(params, aliases, groups_.shard_size,
+                                      groups_.shards_parameters ? layout : ShardLayout::element_flat());
     hooks_.clear();
     by_tensor_.clear();
     auto add = [&](const detail::ParamBinding& b, std::size_t k, std::size_t i) {

@@ -7,11 +7,13 @@
 // construction first reads them (check_shard_options, called by set_up_unit): a negative
 // threshold is refused, naming the option, not read as 0.
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "fsdp/unit/detail/deferred_storage.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/flat_param.hpp"
 #include "fsdp/core/module.hpp"
 #include "fsdp/policy/reshard_settings.hpp"
 
@@ -55,6 +57,15 @@ struct ShardOptions {
   // unit's set_gradient_divide_factor overrides it. Every rank must choose alike (checked
   // when the unit is built). docs/training_loop.md#what-the-engines-gradients-mean.
   LocalGradients local_gradients = LocalGradients::mean;
+  // How each flat parameter is cut into shards (fsdp/core/flat_param.hpp): element_flat()
+  // (the default: parameters back to back, any element a boundary) or block_aligned(K):
+  // every parameter starts on a multiple of K elements and every shard holds a multiple of
+  // K, so no K-element block of a parameter is split between ranks (a block format's
+  // scales, CommPrecision<Int8Blocks<K>>, then each cover one parameter's elements). It
+  // costs fewer than K padding elements per parameter, plus the rounding of the shard.
+  // Units whose parameters are replicated (NoShard, persistence_threshold) are not cut.
+  // Every rank must choose alike (checked when the unit is built).
+  ShardLayout shard_layout = ShardLayout::element_flat();
 };
 
 namespace detail {
@@ -63,6 +74,8 @@ inline void check_shard_options(const ShardOptions& options, std::string_view un
   if (options.persistence_threshold < 0)
     fail("unit '", unit, "' on rank ", rank, ": ShardOptions::persistence_threshold must be >= 0 (0: every unit follows "
          "its strategy), got ", options.persistence_threshold);
+  check_shard_layout(options.shard_layout, "unit '" + std::string(unit) + "' on rank " + std::to_string(rank) +
+                                               ": ShardOptions::shard_layout");
   if (options.local_gradients != LocalGradients::mean && options.local_gradients != LocalGradients::sum)
     fail("unit '", unit, "' on rank ", rank, ": ShardOptions::local_gradients must be LocalGradients::mean or ",
          "LocalGradients::sum, got the value ", static_cast<int>(options.local_gradients));

@@ -48,6 +48,7 @@ class ShardedUnit : public Unit {
     c.mesh = mesh_shape();
     c.persistence_threshold = persistence_threshold_;
     c.local_gradients = local_gradients_;
+    c.shard_layout = shard_layout_;
     c.sync_module_states = sync_module_states_;
     c.deferred_parameters = deferred_params_;
     c.kept_unsharded = kept_unsharded();
@@ -284,6 +285,7 @@ class ShardedUnit : public Unit {
     agreed_reshard_ = reshard_;
     persistence_threshold_ = options.persistence_threshold;
     local_gradients_ = options.local_gradients;
+    shard_layout_ = options.shard_layout;
     group_.set_gradient_divide_factor(divide_factor(reshard_, local_gradients_));  // 1 under LocalGradients::sum
     sync_module_states_ = options.sync_module_states;
     deferred_params_ = std::move(setup.deferred);
@@ -424,6 +426,7 @@ class ShardedUnit : public Unit {
   std::int64_t persistence_threshold_ = 0;  // ShardOptions::persistence_threshold, for config()
   bool sync_module_states_ = false;         // how it was built, for config()
   LocalGradients local_gradients_ = LocalGradients::mean;  // ShardOptions::local_gradients
+  ShardLayout shard_layout_;  // ShardOptions::shard_layout, for config()
   std::vector<std::string> deferred_params_;
   detail::BufferCopies buffers_;
   detail::RankZeroValues rank0_values_;  // sync_module_states: buffer values until the take-over

@@ -40,6 +40,7 @@ inline Settings unit_settings(const Settings& policies, const ShardOptions& opti
   s.add("sync_module_states", options.sync_module_states ? "true" : "false");
   s.add("persistence_threshold", std::to_string(options.persistence_threshold));
   s.add("local_gradients", std::string(name_of(options.local_gradients)));
+  s.add("shard_layout", name_of(options.shard_layout));
   s.add("deferred init", !init.init ? "off" : init.check_agrees ? "on, values compared" : "on, not compared");
   for (const auto& b : buffers) s.add("buffer '" + b.fqn + "'", format_shape(b.shape) + " " + std::string(name_of(b.dtype)));
   return s;
@@ -81,7 +82,7 @@ UnitSetup set_up_unit(const ModuleVisit& visit, Group& group, BufferCopies& buff
   for (const auto& p : params) elements += p.info.numel;
   if (kept_unsharded_by_threshold(group.groups().shards_parameters, elements, options.persistence_threshold))
     group.keep_unsharded();
-  group.build(params, aliases);
+  group.build(params, aliases, options.shard_layout);
   const std::string groups = describe_groups(group.mesh_groups());
   const Settings settings = unit_settings(policies, options, init, setup.buffers);
   Fingerprint f;

@@ -22,10 +22,11 @@
 namespace fsdp::detail {
 
 // One flat parameter per dtype, in order of first appearance, parameters in visit order,
-// laid out for `shard_size` ranks; a tied parameter's other names follow it (shown
-// wherever it is, never stored twice).
+// laid out for `shard_size` ranks as `layout` cuts them; a tied parameter's other names
+// follow it (shown wherever it is, never stored twice).
 inline std::vector<FlatParam> build_flat_params(const std::vector<CollectedParam>& params,
-                                                const std::vector<TiedAlias>& aliases, int shard_size) {
+                                                const std::vector<TiedAlias>& aliases, int shard_size,
+                                                ShardLayout layout = {}) {
   std::vector<DType> order;
   for (auto& p : params)
     if (std::find(order.begin(), order.end(), p.dtype) == order.end()) order.push_back(p.dtype);
@@ -42,18 +43,19 @@ inline std::vector<FlatParam> build_flat_params(const std::vector<CollectedParam
       for (auto& a : aliases)
         if (a.canonical == j) { infos.back().aliases.push_back(a.fqn); alias_bindings.emplace_back(infos.size() - 1, a.binding); }
     }
-    auto& fp = flat.emplace_back(FlatParamLayout(t, std::move(infos), shard_size));
+    auto& fp = flat.emplace_back(FlatParamLayout(t, std::move(infos), shard_size, layout));
     fp.bindings = std::move(bindings);
     fp.alias_bindings = std::move(alias_bindings);
   }
   return flat;
 }
 
-// What every rank must agree on: dtypes, FQNs and shapes, in order.
+// What every rank must agree on: dtypes, FQNs and shapes, in order, and how they are cut.
 inline void add_flat_params_to(Fingerprint& f, const std::vector<FlatParam>& flat) {
   f.add_count(flat.size());
   for (auto& fp : flat) {
     f.add_count(static_cast<std::uint64_t>(fp.layout.dtype()));
+    f.add(name_of(fp.layout.layout()));
     for (auto& p : fp.layout.params()) {
       f.add(p.fqn);
       f.add_count(p.aliases.size());
@@ -69,7 +71,7 @@ inline std::string describe_flat_params(const std::vector<FlatParam>& flat) {
   std::ostringstream os;
   std::size_t n = 0;
   std::int64_t elems = 0;
-  for (auto& fp : flat) { n += fp.layout.params().size(); elems += fp.layout.numel(); }
+  for (auto& fp : flat) { n += fp.layout.params().size(); elems += fp.layout.param_numel(); }
   os << n << " parameters, " << elems << " elements";
   const char* sep = ": ";
   for (auto& fp : flat)
