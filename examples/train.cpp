@@ -82,6 +82,7 @@ Reference train_unsharded(const Config& cfg, int world) {
   adam.lr = 1e-3f;
   engine::AdamW adamw(adam, alloc);
   engine::Sgd sgd(cfg.sgd_lr(world));
+  engine::Muon muon(cfg.muon_options(adam), alloc);
   engine::BeforeStep clip;
   if (cfg.clip > 0) clip = [&] { engine::clip_grad_norm(model, cfg.clip); };
   auto step = [&](auto& opt, std::span<const engine::Batch> micro) {
@@ -91,7 +92,7 @@ Reference train_unsharded(const Config& cfg, int world) {
   Reference ref;
   for (int s = 0; s < cfg.steps; ++s) {
     const auto micro = micro_batches(cfg, s, 0, static_cast<std::int64_t>(world) * cfg.batch_per_rank);
-    ref.loss.push_back(cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro));
+    ref.loss.push_back(cfg.optimizer == "sgd" ? step(sgd, micro) : cfg.optimizer == "muon" ? step(muon, micro) : step(adamw, micro));
   }
   ref.peak = device.stats().peak_bytes;
   return ref;
@@ -115,6 +116,9 @@ fsdp::MemoryPlan print_plan(fsdp::ShardedModel& sharded, C& comm, const Config& 
       for (const auto& v : u->shards()) moments += 2 * sizeof(float) * static_cast<std::size_t>(v.numel);
       (cfg.optimizer_in_backward ? options.engine_state_in_hook[u->fqn()][k] : options.engine_state[k]) += moments;
     }
+  if (cfg.optimizer == "muon")  // one f32 momentum per element of a weight matrix this rank owns, AdamW's two for the rest
+    for (const engine::Slot& s : engine::parameter_slots(sharded))
+      options.engine_state[k] += (s.rows > 0 ? 1 : 2) * sizeof(float) * static_cast<std::size_t>(s.numel);
   fsdp::MemoryPlan plan = fsdp::plan(sharded, options);
   const auto mine = static_cast<std::int64_t>(plan.peak_bytes());
   std::int64_t most = 0;
@@ -225,6 +229,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     engine::DeviceAllocator<fsdp::HostDevice> alloc(device, cfg.offload ? fsdp::MemorySpace::host : fsdp::MemorySpace::device);
     engine::AdamW adamw(adam, alloc);
     engine::Sgd sgd(cfg.sgd_lr(world));
+    engine::Muon muon(cfg.muon_options(adam), alloc);
     fsdp::ShardedGradScaler scaler(stream, device, cfg.scaler_options(world));  // fp16 only
     engine::AdamWState adamw_state(adamw, sharded);
     fsdp::OptimizerState* optimizer_state = cfg.optimizer == "adamw" ? &adamw_state : nullptr;  // SGD has none
@@ -300,7 +305,9 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       const auto micro = micro_batches(cfg, s, static_cast<std::int64_t>(r) * cfg.batch_per_rank, cfg.batch_per_rank);
       engine::reset_counts(mesh);
       if (post_forward) post_forward->reset();
-      double local = cfg.optimizer == "sgd" ? step(sgd, micro) : step(adamw, micro);
+      double local = cfg.optimizer == "sgd"    ? step(sgd, micro)
+                     : cfg.optimizer == "muon" ? step(muon, micro)
+                                               : step(adamw, micro);
       summary.last_step = engine::total_counts(mesh);
       if (post_forward) summary.last_step_post_forward = post_forward->counts();
       if (post_forward)
@@ -417,7 +424,10 @@ int main(int argc, char** argv) {
   integer_flag(app, "--nproc", nproc, 1, 256, "number of processes for --backend tcp");
   integer_flag(app, "--steps", cfg.steps, 1, 1000000, "training steps");
   integer_flag(app, "--batch", cfg.batch_per_rank, 1, 1 << 20, "samples per rank per step");
-  app.add_option("--optimizer", cfg.optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
+  app.add_option("--optimizer", cfg.optimizer,
+                 "sgd, adamw or muon (Muon for every weight matrix, each orthogonalized whole on the rank that holds it, "
+                 "AdamW for the rest; shards with --shard-layout param unless given)")
+      ->check(CLI::IsMember({"sgd", "adamw", "muon"}));
   integer_flag(app, "--blocks", cfg.model.blocks, 0, 1000, "residual blocks");
   integer_flag(app, "--dim", cfg.model.dim, 1, 1 << 16, "model width");
   integer_flag(app, "--hidden", cfg.model.hidden, 1, 1 << 16, "block hidden width");
@@ -619,6 +629,22 @@ int main(int argc, char** argv) {
                cfg.precision == "fp16" ? "the loss scaler checks every gradient for inf/NaN before any step"
                                        : "checkpoints hold the one optimizer's state that stepping after backward keeps");
     return 2;
+  }
+  if (cfg.optimizer == "muon") {
+    if (layout->count() == 0) cfg.shard_layout = fsdp::ShardLayout::param_atomic();
+    const char* with = cfg.shard_layout.kind != fsdp::ShardLayout::Kind::param_atomic ? "--shard-layout other than param"
+                       : cfg.optimizer_in_backward                                    ? "--optimizer-in-backward"
+                       : cfg.precision == "fp16"                                      ? "--precision fp16"
+                       : !cfg.save_dir.empty()                                        ? "--save"
+                       : !cfg.resume_dir.empty()                                      ? "--resume"
+                                                                                      : nullptr;
+    if (with) {
+      fmt::print(stderr, "--optimizer muon cannot be combined with {}: {}\n", with,
+                 cfg.shard_layout.kind != fsdp::ShardLayout::Kind::param_atomic
+                     ? "it orthogonalizes each weight matrix whole, so each must lie on one rank (param or param:K)"
+                     : "the example steps Muon after backward, on f32 or bf16 gradients, and checkpoints AdamW's state only");
+      return 2;
+    }
   }
   if (!cfg.plot.empty() && !cfg.plan) {
     fmt::print(stderr, "--plot draws the plan: give --plan too\n");

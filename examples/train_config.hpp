@@ -7,6 +7,7 @@
 #include <fsdp/fsdp.hpp>
 
 #include "examples/engine/model.hpp"
+#include "examples/engine/optim.hpp"
 
 namespace train_example {
 
@@ -102,6 +103,12 @@ struct Config {
   // too: under mean the micro-batches' gradients add up as well), though not with --clip,
   // whose threshold the larger norm crosses sooner. AdamW's steps do not depend on the
   // gradients' scale, so its rate stays.
+  // --optimizer muon: Muon's defaults, AdamW's options (the example's) for what is no matrix.
+  engine::Muon::Options muon_options(const engine::AdamW::Options& adamw) const {
+    engine::Muon::Options o;
+    o.adamw = adamw;
+    return o;
+  }
   float sgd_lr(int world) const {
     const float lr = 0.05f;
     if (local_gradients == fsdp::LocalGradients::mean) return lr;

@@ -64,9 +64,38 @@ inline std::vector<Slot> slots(Model& m) {  // unsharded: the model's own tensor
       throw fsdp::Error("reference engine optimizers step on f32 only; parameter '" + p.fqn + "' has " +
                         std::string(fsdp::name_of(p.param->dtype())) + " (gradient " +
                         std::string(fsdp::name_of(p.grad->dtype())) + ")");
-    out.push_back({p.param->data(), p.grad->data(), p.param->numel()});
+    Slot s{p.param->data(), p.grad->data(), p.param->numel()};
+    if (p.param->shape().size() == 2) s.rows = p.param->shape()[0], s.cols = p.param->shape()[1];
+    out.push_back(s);
   }
   return out;
+}
+
+// One slot per parameter this rank holds (ParamView: its slice of the parameter and of the
+// gradient), for optimizers that are not element-wise (Muon): a 2-D parameter held whole
+// is a matrix slot. One held in part is refused, naming it: such an optimizer needs each
+// parameter whole on one rank (ShardOptions::shard_layout = param_atomic()).
+inline std::vector<Slot> parameter_slots(const fsdp::ShardedModel& m) {
+  std::vector<Slot> out;
+  for (const auto& v : m.parameters()) {
+    detail::check_f32_shard(v);
+    if (v.count == 0) continue;
+    if (v.count != v.numel)
+      throw fsdp::Error("an optimizer that steps whole parameters got " + std::to_string(v.count) + " of the " +
+                        std::to_string(v.numel) + " elements of '" + std::string(v.fqn) +
+                        "' on this rank: shard with ShardOptions::shard_layout = ShardLayout::param_atomic()");
+    Slot s{static_cast<float*>(v.param), static_cast<const float*>(v.grad), v.count};
+    if (v.shape.size() == 2) s.rows = v.shape[0], s.cols = v.shape[1];
+    out.push_back(s);
+  }
+  return out;
+}
+
+// The slots `Optimizer` steps on: one per parameter where it says so (Muon), else the flat shards.
+template <class Optimizer>
+std::vector<Slot> slots_for(const fsdp::ShardedModel& m) {
+  if constexpr (requires { Optimizer::per_parameter; }) return parameter_slots(m);
+  else return slots(m);
 }
 
 // Optimizer in backward: each unit's post-accumulate-grad hook steps that unit's shards as
@@ -230,7 +259,7 @@ double sharded_step(Model& model, fsdp::ShardedModel& sharded, Optimizer& opt, s
                     const BeforeStep& before_step = {}) {
   const double loss = sharded_forward_backward(model, sharded, micro);
   if (before_step) before_step();
-  const auto s = slots(sharded);
+  const auto s = slots_for<Optimizer>(sharded);
   opt.step(s);
   return loss;
 }
@@ -254,7 +283,7 @@ ScaledStep sharded_scaled_step(Model& model, fsdp::ShardedModel& sharded, Optimi
   const double loss = sharded_forward_backward(model, sharded, micro, scaler.scale());
   const bool stepped = scaler.step(sharded.shards(), [&] {  // on unscaled, finite gradients
     if (before_step) before_step();
-    const auto s = slots(sharded);
+    const auto s = slots_for<Optimizer>(sharded);
     opt.step(s);
   });
   scaler.update();

@@ -1,11 +1,15 @@
 #pragma once
 // Optimizers that step on flat slots (a parameter array and its gradient). Sharded
 // training hands them each rank's flat shards; unsharded training hands them the model's
-// own tensors. Both are element-wise, so a shard steps exactly as its elements would
-// inside the full tensor.
+// own tensors. SGD and AdamW are element-wise, so a shard steps exactly as its elements
+// would inside the full tensor. Muon is not: it orthogonalizes each weight matrix's
+// momentum as a whole, so it steps on one slot per parameter, each 2-D one whole (sharded:
+// ShardOptions::shard_layout = param_atomic(), each parameter whole on one rank).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "examples/engine/tensor.hpp"
@@ -17,6 +21,8 @@ struct Slot {
   const float* grad;
   std::int64_t numel;
   const std::uint8_t* decay = nullptr;  // per element: 1 = apply weight decay (nullptr: everywhere)
+  // A whole 2-D weight matrix of rows x cols (row-major, rows * cols == numel); 0: not one.
+  std::int64_t rows = 0, cols = 0;
 };
 
 class Sgd {
@@ -81,6 +87,105 @@ class AdamW {
   Allocator* alloc_;
   std::vector<Moments> state_;
   long t_ = 0;
+};
+
+// Muon: SGD with Nesterov momentum whose update, for each whole 2-D weight matrix, is the
+// momentum orthogonalized (its singular values pushed towards 1) by five iterations of a
+// quintic Newton-Schulz map, scaled by sqrt(max(1, rows / cols)). Every other slot (biases,
+// gains, and matrices not whole in the slot) steps with AdamW. One slot per parameter,
+// the same slots at every step (the state is kept by position). Computed in f32, the matrix
+// products accumulated in double, so that a rank that owns a matrix computes bit for bit what the
+// unsharded engine computes for it.
+class Muon {
+ public:
+  static constexpr bool per_parameter = true;  // step on parameter slots (fsdp_integration.hpp: slots_for)
+  struct Options {
+    float lr = 0.02f, momentum = 0.95f;
+    int newton_schulz_steps = 5;
+    AdamW::Options adamw = {};  // for the slots that are no matrix
+  };
+  explicit Muon(Options o, Allocator& alloc = heap()) : o_(o), alloc_(&alloc), adamw_(o.adamw, alloc) {}
+
+  void step(std::span<const Slot> slots) {
+    std::vector<Slot> others;
+    std::size_t matrices = 0;
+    for (const auto& s : slots) {
+      if (s.rows == 0) {
+        others.push_back(s);
+        continue;
+      }
+      if (s.rows * s.cols != s.numel)
+        throw fsdp::Error("Muon: a matrix slot of " + std::to_string(s.rows) + " x " + std::to_string(s.cols) + " holds " +
+                          std::to_string(s.numel) + " elements");
+      if (matrices == momentum_.size()) momentum_.emplace_back(std::vector<std::int64_t>{s.numel}, *alloc_);
+      if (momentum_[matrices].numel() != s.numel)
+        throw fsdp::Error("Muon: matrix slot " + std::to_string(matrices) + " changed size between steps");
+      step_matrix(s, momentum_[matrices].data());
+      ++matrices;
+    }
+    if (!others.empty()) adamw_.step(others);
+  }
+
+  // The orthogonalization alone, in place on a rows x cols matrix: what the tests check.
+  static void orthogonalize(float* x, std::int64_t rows, std::int64_t cols, int steps) {
+    // Work on the wide orientation (m <= n): X X^T is then the smaller product.
+    const bool tall = rows > cols;
+    const std::int64_t m = tall ? cols : rows, n = tall ? rows : cols;
+    std::vector<double> X(static_cast<std::size_t>(m * n)), A(static_cast<std::size_t>(m * m)), B(A.size()), next(X.size());
+    double norm = 0;
+    for (std::int64_t i = 0; i < rows * cols; ++i) norm += double(x[i]) * x[i];
+    const double scale = 1.0 / (std::sqrt(norm) + 1e-7);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        X[static_cast<std::size_t>(tall ? c * n + r : r * n + c)] = x[r * cols + c] * scale;
+    // Coefficients of the quintic p(s) = a s + b s^3 + c s^5 applied to the singular values:
+    // steep at 0, so small singular values grow fast, and settling in about [0.7, 1.2].
+    constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
+    for (int it = 0; it < steps; ++it) {
+      for (std::int64_t i = 0; i < m; ++i)  // A = X X^T
+        for (std::int64_t j = 0; j < m; ++j) {
+          double sum = 0;
+          for (std::int64_t k = 0; k < n; ++k) sum += X[static_cast<std::size_t>(i * n + k)] * X[static_cast<std::size_t>(j * n + k)];
+          A[static_cast<std::size_t>(i * m + j)] = sum;
+        }
+      for (std::int64_t i = 0; i < m; ++i)  // B = b A + c A A
+        for (std::int64_t j = 0; j < m; ++j) {
+          double sum = 0;
+          for (std::int64_t k = 0; k < m; ++k) sum += A[static_cast<std::size_t>(i * m + k)] * A[static_cast<std::size_t>(k * m + j)];
+          B[static_cast<std::size_t>(i * m + j)] = b * A[static_cast<std::size_t>(i * m + j)] + c * sum;
+        }
+      for (std::int64_t i = 0; i < m; ++i)  // X = a X + B X
+        for (std::int64_t j = 0; j < n; ++j) {
+          double sum = 0;
+          for (std::int64_t k = 0; k < m; ++k) sum += B[static_cast<std::size_t>(i * m + k)] * X[static_cast<std::size_t>(k * n + j)];
+          next[static_cast<std::size_t>(i * n + j)] = a * X[static_cast<std::size_t>(i * n + j)] + sum;
+        }
+      X.swap(next);
+    }
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        x[r * cols + c] = static_cast<float>(X[static_cast<std::size_t>(tall ? c * n + r : r * n + c)]);
+  }
+
+  // The momentum buffers of the matrix slots so far, in slot order (for tests and memory plans).
+  std::size_t matrices() const { return momentum_.size(); }
+
+ private:
+  void step_matrix(const Slot& s, float* buf) {
+    std::vector<float> update(static_cast<std::size_t>(s.numel));
+    for (std::int64_t i = 0; i < s.numel; ++i) {  // Nesterov: the gradient's step past the new momentum
+      buf[i] = o_.momentum * buf[i] + s.grad[i];
+      update[static_cast<std::size_t>(i)] = s.grad[i] + o_.momentum * buf[i];
+    }
+    orthogonalize(update.data(), s.rows, s.cols, o_.newton_schulz_steps);
+    const float scale = o_.lr * std::sqrt(std::max(1.0f, static_cast<float>(s.rows) / static_cast<float>(s.cols)));
+    for (std::int64_t i = 0; i < s.numel; ++i) s.param[i] -= scale * update[static_cast<std::size_t>(i)];
+  }
+
+  Options o_;
+  Allocator* alloc_;
+  AdamW adamw_;
+  std::vector<Tensor> momentum_;
 };
 
 }  // namespace engine

@@ -304,7 +304,7 @@ TEST_CASE("an asynchronous communicator: one reduction in flight, planned to the
   CHECK(o.device[0].peak_bytes > train_and_plan<false, fsdp::FullShard, fsdp::NoBackwardPrefetch>({1, 3}, {}).plan[0].peak_bytes());
 }
 
-TEST_CASE("a block-aligned shard layout: the padding between parameters planned to the byte") {
+TEST_CASE("block-aligned and parameter-atomic shard layouts: the padding planned to the byte") {
   const auto block = fsdp::ShardLayout::block_aligned(8);
   check_prefetch_modes<fsdp::FullShard>({1, 3}, {.layout = block});
   check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2}, {.layout = block});
@@ -314,6 +314,13 @@ TEST_CASE("a block-aligned shard layout: the padding between parameters planned 
   check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.threshold = 150, .layout = block});  // kept units are not cut
   check_async_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.layout = block});
   check_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.micro = 2, .layout = block});
+  const auto atomic = fsdp::ShardLayout::param_atomic();
+  check_common_prefetch<fsdp::FullShard>({1, 3}, {.layout = atomic});
+  check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams>({1, 2}, {.layout = atomic});
+  check_plan<fsdp::FullShard, fsdp::BackwardPre, fsdp::CommPrecision<fsdp::Int8Blocks<8>, float>>({1, 3},
+                                                                                                 {.layout = fsdp::ShardLayout::param_atomic(8)});
+  check_plan<fsdp::HybridShard, fsdp::BackwardPre>({2, 2}, {.layout = atomic});
+  check_async_plan<fsdp::FullShard, fsdp::BackwardPre>({1, 4}, {.layout = atomic});
   // The layout costs memory: the same run under element_flat peaks lower.
   const Outcome flat = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {});
   const Outcome aligned = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.layout = fsdp::ShardLayout::block_aligned(32)});
@@ -337,6 +344,10 @@ TEST_CASE("planning by hand under a block-aligned layout needs the parameters on
   // Steady: shard + sharded gradient, 2 x 16 x 4 bytes against 2 x 10 x 4.
   CHECK(aligned.steady[0] == 2 * 16 * 4);
   CHECK(flat.steady[0] == 2 * 10 * 4);
+  o.shard_layout = fsdp::ShardLayout::param_atomic();  // 10 on each rank
+  CHECK(fsdp::plan<fsdp::FullShard>({u}, o).steady[0] == 2 * 10 * 4);
+  u.flat[0].params = {{.numel = 12}, {.numel = 8}};  // 12 on one rank, 8 on the other: shards of 12
+  CHECK(fsdp::plan<fsdp::FullShard>({u}, o).steady[0] == 2 * 12 * 4);
   u.flat[0].numel = 21;  // the totals, where given, must be the parameters'
   CHECK_THROWS_WITH_AS(fsdp::plan<fsdp::FullShard>({u}, o), doctest::Contains("give one or the other"), fsdp::Error);
 }
@@ -600,11 +611,14 @@ TEST_CASE("setup is planned by running it: sync_module_states and deferred init,
   check_setups<fsdp::HybridShardZero2>({2, 2});
 }
 
-TEST_CASE("a block-aligned shard layout: setup, deferred init (a block's parameters in part) and a summon, to the byte") {
+TEST_CASE("block-aligned and parameter-atomic layouts: setup, deferred init (a block's parameters in part) and a summon, to the byte") {
   const auto block = fsdp::ShardLayout::block_aligned(8);
   for (bool deferred : {false, true})
     check_setup_with(policies<fsdp::FullShard>(), {1, 3}, {.deferred = deferred, .partly = deferred, .layout = block});
   check_setup_with(policies<fsdp::FullShard>(), {1, 3}, {.sync_module_states = true, .layout = block});
+  for (bool deferred : {false, true})
+    check_setup_with(policies<fsdp::FullShard>(), {1, 3},
+                     {.deferred = deferred, .partly = deferred, .layout = fsdp::ShardLayout::param_atomic()});
   check_setup_with(policies<fsdp::FullShard>(), {1, 3},
                    {.summon = fsdp::SummonOptions{.writeback = true, .with_grads = true}, .layout = block});
 }

@@ -6,6 +6,7 @@
 // configuration reporting it; and what is refused.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -96,6 +97,60 @@ void check_block_layout(const std::vector<std::int64_t>& numels, int world, std:
   }
 }
 
+// Every promise of param_atomic(K): each parameter lies whole on one rank, starting on a
+// multiple of K of that rank's shard; no two overlap; S is the largest rank's load of
+// K-rounded sizes, which a greedy largest-first placement keeps within one parameter of
+// the mean and at least the largest parameter and the mean.
+void check_atomic_layout(const std::vector<std::int64_t>& numels, int world, std::int64_t k) {
+  CAPTURE(world);
+  CAPTURE(k);
+  CAPTURE(numels.size());
+  const FlatParamLayout L(DType::f32, make_params(numels), world, ShardLayout::param_atomic(k));
+  const std::int64_t S = L.shard_numel();
+  CHECK(L.padded_numel() == S * world);
+  std::vector<int> owner(static_cast<std::size_t>(L.padded_numel()), -1);
+  std::vector<std::int64_t> load(static_cast<std::size_t>(world), 0);
+  std::int64_t total = 0, largest = 0, end = 0;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    CAPTURE(i);
+    const std::int64_t rounded = (numels[i] + k - 1) / k * k;
+    total += rounded;
+    largest = std::max(largest, rounded);
+    int holders = 0;
+    for (int r = 0; r < world; ++r) {
+      const fsdp::ShardSlice s = L.slice(i, r);
+      if (s.count == 0) continue;
+      ++holders;
+      CHECK(s.param_begin == 0);
+      CHECK(s.count == numels[i]);
+      CHECK(s.shard_offset % k == 0);
+      CHECK(L.params()[i].offset == r * S + s.shard_offset);
+      load[static_cast<std::size_t>(r)] += rounded;
+    }
+    CHECK(holders == (numels[i] > 0 ? 1 : 0));
+    for (std::int64_t e = 0; e < numels[i]; ++e) {
+      auto& o = owner.at(static_cast<std::size_t>(L.params()[i].offset + e));
+      if (o != -1) {
+        FAIL_CHECK("parameters " << o << " and " << i << " overlap");
+        break;
+      }
+      o = static_cast<int>(i);
+    }
+    end = std::max(end, L.params()[i].offset + numels[i]);
+  }
+  CHECK(L.numel() == end);
+  CHECK(S == *std::max_element(load.begin(), load.end()));
+  CHECK(S >= largest);
+  CHECK(S * world >= total);
+  CHECK(S * world <= total + (world - 1) * largest + world);  // at most the mean plus the largest
+  for (int r = 0; r < world; ++r) {
+    std::int64_t last = -1;
+    for (std::int64_t e = 0; e < S; ++e)
+      if (owner[static_cast<std::size_t>(r * S + e)] >= 0) last = e;
+    CHECK(L.valid_shard_numel(r) == last + 1);
+  }
+}
+
 constexpr int kGlobalBatch = 12;
 
 engine::ModelConfig config() {
@@ -117,6 +172,7 @@ Params train(int world, int first, int last, const fsdp::ShardOptions& options, 
 }
 
 fsdp::ShardOptions aligned(std::int64_t k) { return {.shard_layout = ShardLayout::block_aligned(k)}; }
+fsdp::ShardOptions atomic(std::int64_t k = 1) { return {.shard_layout = ShardLayout::param_atomic(k)}; }
 
 }  // namespace
 
@@ -160,12 +216,55 @@ TEST_CASE("block-aligned layouts keep every promise over world sizes, blocks and
   for (std::size_t i = 0; i < 3; ++i) CHECK(one.params()[i].offset == flat.params()[i].offset);
 }
 
+TEST_CASE("a parameter-atomic layout worked out by hand") {
+  // 10, 3, 20 and 7 elements on 2 ranks, largest first onto the least loaded rank: 20 to
+  // rank 0; 10, 7 and 3 to rank 1 (10, 17, 20). Both hold 20; rank 1 keeps its parameters
+  // in their order: the first at 20, the second at 30, the fourth at 33.
+  const FlatParamLayout L(DType::f32, make_params({10, 3, 20, 7}), 2, ShardLayout::param_atomic());
+  CHECK(L.shard_numel() == 20);
+  CHECK(L.params()[2].offset == 0);
+  CHECK(L.params()[0].offset == 20);
+  CHECK(L.params()[1].offset == 30);
+  CHECK(L.params()[3].offset == 33);
+  CHECK(L.numel() == 40);
+  CHECK(L.valid_shard_numel(0) == 20);
+  CHECK(L.valid_shard_numel(1) == 20);
+  CHECK(L.slice(2, 1).count == 0);
+  const fsdp::ShardSlice second = L.slice(1, 1);
+  CHECK((second.param_begin == 0 && second.count == 3 && second.shard_offset == 10));
+  // param_atomic(8): sizes rounded to 16, 8, 24 and 8: the 24 to rank 0, the 16 and the
+  // first 8 to rank 1 (24 each then), the last 8 to rank 0 on the tie (32): shards of 32.
+  const FlatParamLayout B(DType::f32, make_params({10, 3, 20, 7}), 2, ShardLayout::param_atomic(8));
+  CHECK(B.shard_numel() == 32);
+  CHECK(B.params()[2].offset == 0);
+  CHECK(B.params()[0].offset == 32);
+  CHECK(B.params()[1].offset == 48);
+  CHECK(B.params()[3].offset == 24);
+}
+
+TEST_CASE("parameter-atomic layouts keep every promise over world sizes, blocks and parameter lists") {
+  std::mt19937_64 rng(20261202);
+  std::uniform_int_distribution<int> count(0, 12);
+  std::uniform_int_distribution<std::int64_t> size(0, 400);
+  for (int trial = 0; trial < 60; ++trial) {
+    std::vector<std::int64_t> numels(static_cast<std::size_t>(count(rng)));
+    for (auto& n : numels) n = size(rng);
+    for (int world : {1, 2, 3, 4, 7})
+      for (std::int64_t k : {1, 8, 32}) check_atomic_layout(numels, world, k);
+  }
+}
+
 TEST_CASE("--shard-layout's spelling: flat or block:K, strictly; a layout that means nothing is refused") {
   CHECK(fsdp::parse_shard_layout("flat") == ShardLayout::element_flat());
   CHECK(fsdp::parse_shard_layout("block:128") == ShardLayout::block_aligned(128));
+  CHECK(fsdp::parse_shard_layout("param") == ShardLayout::param_atomic());
+  CHECK(fsdp::parse_shard_layout("param:32") == ShardLayout::param_atomic(32));
+  CHECK(fsdp::name_of(ShardLayout::param_atomic()) == "param");
+  CHECK(fsdp::name_of(ShardLayout::param_atomic(32)) == "param:32");
   CHECK(fsdp::name_of(fsdp::parse_shard_layout("block:32")) == "block:32");
   CHECK(fsdp::name_of(ShardLayout::element_flat()) == "flat");
-  for (const char* bad : {"", "Flat", "block", "block:", "block:0", "block:-8", "block:2abc", "block: 8", "block:16777217"})
+  for (const char* bad : {"", "Flat", "block", "block:", "block:0", "block:-8", "block:2abc", "block: 8", "block:16777217", "param:", "param:0",
+                          "params", "param:8x"})
     CHECK_THROWS_WITH_AS(fsdp::parse_shard_layout(bad, "--shard-layout"), doctest::Contains("--shard-layout"), fsdp::Error);
   CHECK(fsdp::parse_shard_layout("block:16777216").block == ShardLayout::max_block);
   CHECK_THROWS_WITH_AS(FlatParamLayout(DType::f32, make_params({4}), 2, ShardLayout{ShardLayout::Kind::block_aligned, 0}),
@@ -237,22 +336,30 @@ TEST_CASE("training is bit for bit the same as element-flat, whatever the strate
   using M = fsdp::MixedPrecision<fsdp::bf16>;
   CHECK(train<fsdp::FullShard, M>(4, 0, 4, aligned(8)) == train<fsdp::FullShard, M>(4, 0, 4, {}));
   CHECK(train<fsdp::HybridShard>(4, 0, 4, aligned(8), 1, {}, {}, {2, 2}) == train<fsdp::HybridShard>(4, 0, 4, {}, 1, {}, {}, {2, 2}));
+  // Each parameter whole on one rank: the same sums, so the same parameters too.
+  CHECK(train<fsdp::FullShard>(4, 0, 4, atomic()) == flat);
+  CHECK(train<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch>(3, 0, 4, atomic(16)) ==
+        train<fsdp::FullShard, fsdp::BackwardPre, fsdp::ForwardPrefetch>(3, 0, 4, {}));
+  CHECK(train<fsdp::ShardGradOp, fsdp::OffloadParams>(2, 0, 4, atomic()) == train<fsdp::ShardGradOp, fsdp::OffloadParams>(2, 0, 4, {}));
+  CHECK(train<fsdp::FullShard, M>(4, 0, 4, atomic()) == train<fsdp::FullShard, M>(4, 0, 4, {}));
+  CHECK(train<fsdp::HybridShard>(4, 0, 4, atomic(), 1, {}, {}, {2, 2}) == train<fsdp::HybridShard>(4, 0, 4, {}, 1, {}, {}, {2, 2}));
 }
 
-TEST_CASE("a block format's all-gather under block_aligned(K): every scale block covers one parameter") {
+TEST_CASE("a block format's all-gather under block_aligned(K) or param_atomic(K): every scale block covers one parameter") {
   // The engine sees each parameter quantized on its own, in blocks of 16 from its first
   // element, and back: what an engine holding codes and scales per parameter would compute.
   // Element-flat, blocks are cut from each shard's first element, and some straddle two
   // parameters or start inside one.
   const auto c = config();
-  std::vector<int> per_parameter(2, -1), flat_per_parameter(2, -1);
+  const std::vector<fsdp::ShardOptions> layouts{aligned(16), atomic(16), {}};
+  std::vector<int> per_parameter(layouts.size(), -1);  // rank 0's count of parameters seen as quantized alone
   using Int8 = fsdp::CommPrecision<fsdp::Int8Blocks<16>, float>;
   fsdp::ThreadGroup(3).run([&](fsdp::ThreadComm& comm) {
-    for (bool block_aligned : {true, false}) {
+    for (std::size_t l = 0; l < layouts.size(); ++l) {
       engine::Model model(c);
       const engine::Model fresh(c);
       fsdp::HostDevice device;
-      auto sm = fsdp::shard<fsdp::FullShard, Int8>(model, comm, device, engine::Wrap{}, block_aligned ? aligned(16) : fsdp::ShardOptions{});
+      auto sm = fsdp::shard<fsdp::FullShard, Int8>(model, comm, device, engine::Wrap{}, layouts[l]);
       auto scope = sm.unit("blocks.1").forward_scope();
       int equal = 0;
       const auto& mine = model.blocks[1];
@@ -264,11 +371,199 @@ TEST_CASE("a block format's all-gather under block_aligned(K): every scale block
         const auto want = test_support::quantize_round_trip(fsdp::QuantFormat::int8_blocks, x, 16);
         equal += std::memcmp(seen->data(), want.data(), want.size() * sizeof(float)) == 0;
       }
-      if (comm.rank() < 2) (block_aligned ? per_parameter : flat_per_parameter)[static_cast<std::size_t>(comm.rank())] = equal;
+      if (comm.rank() == 0) per_parameter[l] = equal;
     }
   });
-  CHECK(per_parameter == std::vector<int>{4, 4});
-  CHECK(flat_per_parameter[0] < 4);  // else this test proves nothing about the layout
+  CHECK(per_parameter[0] == 4);
+  CHECK(per_parameter[1] == 4);
+  CHECK(per_parameter[2] < 4);  // else this test proves nothing about the layouts
+}
+
+TEST_CASE("full state dicts, the optimizer's state included, are the same under every layout") {
+  // A state dict gathers each flat parameter and reads its parameters back to back: under
+  // a layout with gaps, or with parameters moved to other ranks, the gather picks them out.
+  using Dict = fsdp::FullStateDict;
+  auto dict_after_two_steps = [](const fsdp::ShardOptions& options) {
+    Dict out;
+    train<fsdp::FullShard>(3, 0, 2, options, 1, {}, [&](fsdp::ShardedModel& sm, engine::AdamWState& st) {
+      auto d = fsdp::full_state_dict(sm, &st);
+      if (fsdp::detail::internals(sm[0]).rank() == 0) out = std::move(d);
+    });
+    return out;
+  };
+  auto same = [](const std::map<std::string, fsdp::StateTensor>& a, const std::map<std::string, fsdp::StateTensor>& b) {
+    if (a.size() != b.size()) return false;
+    for (const auto& [name, t] : a) {
+      const auto it = b.find(name);
+      if (it == b.end() || it->second.dtype != t.dtype || it->second.shape != t.shape || it->second.data != t.data) {
+        INFO("tensor " << name);
+        return false;
+      }
+    }
+    return true;
+  };
+  const Dict flat = dict_after_two_steps({});
+  REQUIRE(flat.tensors.size() > 10);
+  REQUIRE_FALSE(flat.optim.empty());
+  for (const auto& options : {aligned(8), aligned(128), atomic(), atomic(16)}) {
+    CAPTURE(fsdp::name_of(options.shard_layout));
+    const Dict d = dict_after_two_steps(options);
+    CHECK(same(d.tensors, flat.tensors));
+    REQUIRE(d.optim.size() == flat.optim.size());
+    for (const auto& [state, tensors] : flat.optim) CHECK(same(d.optim.at(state), tensors));
+  }
+}
+
+TEST_CASE("a full checkpoint written while training goes on (AsyncCheckpointer: it gathers) loads across layouts") {
+  const auto tmp = std::filesystem::temp_directory_path() / ("fsdp-shard-layout-async-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(tmp);
+  std::filesystem::create_directories(tmp);
+  const Params uninterrupted = test_support::reference_params(config(), 6, kGlobalBatch);
+  auto save_async = [&](fsdp::ShardedModel& sm, engine::AdamWState& st) {
+    fsdp::AsyncCheckpointer saver(sm, &st);
+    saver.save_full(tmp / "full.safetensors");
+    saver.wait();
+  };
+  auto load_full = [&](fsdp::ShardedModel& sm, engine::AdamWState& st) { fsdp::load_full_checkpoint(tmp / "full.safetensors", sm, &st); };
+  for (const auto& saved : {aligned(8), atomic()}) {
+    CAPTURE(fsdp::name_of(saved.shard_layout));
+    train<fsdp::FullShard>(3, 0, 3, saved, 1, {}, save_async);
+    CHECK(max_difference(train<fsdp::FullShard>(2, 3, 6, {}, 7, load_full), uninterrupted) < 2e-5);
+    CHECK(max_difference(train<fsdp::FullShard>(4, 3, 6, atomic(8), 7, load_full), uninterrupted) < 2e-5);
+  }
+  std::filesystem::remove_all(tmp);
+}
+
+TEST_CASE("replicated units are not cut: NoShard, and units the persistence threshold keeps whole") {
+  fsdp::ThreadGroup(3).run([&](fsdp::ThreadComm& comm) {
+    fsdp::HostDevice device;
+    for (const auto& layout : {ShardLayout::block_aligned(8), ShardLayout::param_atomic()}) {
+      engine::Model model(config());
+      auto replicated = fsdp::shard<fsdp::NoShard>(model, comm, device, engine::Wrap{}, fsdp::ShardOptions{.shard_layout = layout});
+      CHECK(replicated.unit("blocks.0").shards()[0].padded_numel == 202);  // the block whole, no gaps
+      engine::Model other(config());
+      auto kept = fsdp::shard<fsdp::FullShard>(other, comm, device, engine::Wrap{},
+                                               fsdp::ShardOptions{.persistence_threshold = 14, .shard_layout = layout});
+      CHECK(kept.unit("gain").shards()[0].padded_numel == 13);
+      CHECK(kept.unit("gain").config().kept_unsharded);
+    }
+  });
+}
+
+TEST_CASE("bit for bit as element-flat on one rank, with accumulation, clipping and low-precision gradients") {
+  // One rank: the gradient accumulates in the shard (no reduction buffer). Accumulation
+  // under no_sync keeps unsharded gradients, gaps included; clipping reads every gradient;
+  // KeepLowPrecisionGrads keeps the sharded gradient in bf16.
+  auto run = [](int world, const fsdp::ShardOptions& options, bool keep_low) {
+    std::vector<Params> out(static_cast<std::size_t>(world));
+    const auto c = config();
+    fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      auto sm = keep_low ? fsdp::shard<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16, fsdp::bf16, fsdp::bf16, true>>(
+                               model, comm, device, engine::Wrap{}, options)
+                         : fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, options);
+      engine::Sgd sgd(0.05f);
+      for (int s = 0; s < 3; ++s) {
+        std::vector<engine::Batch> micro{engine::make_batch(c, 2 * s, comm.rank(), 1), engine::make_batch(c, 2 * s + 1, comm.rank(), 1)};
+        sm.zero_grad();
+        for (std::size_t m = 0; m < micro.size(); ++m) {
+          sm.set_requires_gradient_sync(m + 1 == micro.size());
+          engine::sharded_micro_batch(model, sm, micro[m]);
+        }
+        if (keep_low) continue;  // the sharded gradient is bf16: the engine's f32 optimizers refuse it
+        fsdp::clip_grad_norm(sm, comm, device, {.max_norm = 0.05});
+        sgd.step(engine::slots(sm));
+      }
+      if (keep_low) {  // the bf16 gradients themselves, gathered
+        auto summoned = sm.summon_full_params({.with_grads = true});
+        Params grads;
+        for (auto& p : engine::named_parameters(model))
+          grads.emplace_back(p.fqn, std::vector<float>(p.grad->numel()));
+        out[static_cast<std::size_t>(comm.rank())] = grads;
+        std::size_t i = 0;
+        for (auto& p : engine::named_parameters(model)) {
+          for (std::int64_t e = 0; e < p.grad->numel(); ++e) out[static_cast<std::size_t>(comm.rank())][i].second[static_cast<std::size_t>(e)] = p.grad->get(e);
+          ++i;
+        }
+        return;
+      }
+      out[static_cast<std::size_t>(comm.rank())] = engine::gather_full_parameters(model, sm);
+    });
+    return out[0];
+  };
+  for (int world : {1, 3}) {
+    CAPTURE(world);
+    CHECK(run(world, aligned(8), false) == run(world, {}, false));
+    CHECK(run(world, atomic(), false) == run(world, {}, false));
+    CHECK(run(world, aligned(8), true) == run(world, {}, true));
+    CHECK(run(world, atomic(), true) == run(world, {}, true));
+  }
+}
+
+TEST_CASE("Muon's orthogonalization on a matrix whose singular vectors are known") {
+  // M has one non-zero per row and column, so its singular values are those entries'
+  // magnitudes and its singular vectors unit vectors: the map acts on each entry alone, as
+  // the scalar quintic p(s) = a s + b s^3 + c s^5 iterated five times on s / ||M||_F.
+  const double a = 3.4445, b = -4.7750, c = 2.0315;
+  auto p5 = [&](double s) {
+    for (int i = 0; i < 5; ++i) s = a * s + b * s * s * s + c * s * s * s * s * s;
+    return s;
+  };
+  const double norm = std::sqrt(9.0 + 1.0 + 0.25);
+  for (bool tall : {false, true}) {
+    CAPTURE(tall);
+    const std::int64_t rows = tall ? 5 : 3, cols = tall ? 3 : 5;
+    std::vector<float> m(15, 0.0f);
+    auto at = [&](std::int64_t r, std::int64_t col) -> float& { return tall ? m[static_cast<std::size_t>(col * cols + r)] : m[static_cast<std::size_t>(r * cols + col)]; };
+    at(0, 2) = 3.0f, at(1, 0) = -1.0f, at(2, 4) = 0.5f;  // (row, column) of the wide form; the tall one is its transpose
+    engine::Muon::orthogonalize(m.data(), rows, cols, 5);
+    const double want0 = p5(3.0 / norm), want1 = -p5(1.0 / norm), want2 = p5(0.5 / norm);
+    for (double w : {want0, -want1, want2}) CHECK((w > 0.6 && w < 1.3));  // pushed towards 1, from 0.94, 0.31 and 0.16
+    CHECK(at(0, 2) == doctest::Approx(want0).epsilon(1e-5));
+    CHECK(at(1, 0) == doctest::Approx(want1).epsilon(1e-5));
+    CHECK(at(2, 4) == doctest::Approx(want2).epsilon(1e-5));
+    int zeros = 0;
+    for (float v : m) zeros += v == 0.0f;
+    CHECK(zeros == 12);
+  }
+}
+
+TEST_CASE("Muon on parameter-atomic shards: each weight matrix stepped whole where it lies, as unsharded Muon") {
+  const auto c = config();
+  engine::Model reference(c);
+  engine::Muon ref_opt({});
+  for (int s = 0; s < 4; ++s) engine::unsharded_step(reference, ref_opt, engine::make_batch(c, s, 0, kGlobalBatch));
+  Params want;
+  for (auto& np : engine::named_parameters(reference))
+    want.emplace_back(np.fqn, std::vector<float>(np.param->data(), np.param->data() + np.param->numel()));
+  CHECK(ref_opt.matrices() == 2 + 2 * 3);  // embed and head, two per block
+  for (int world : {1, 3, 4}) {
+    CAPTURE(world);
+    std::vector<Params> got(static_cast<std::size_t>(world));
+    std::vector<std::size_t> matrices(static_cast<std::size_t>(world));
+    fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+      engine::Model model(c);
+      fsdp::HostDevice device;
+      auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{}, atomic());
+      engine::Muon opt({});
+      const int local = kGlobalBatch / world;
+      for (int s = 0; s < 4; ++s) engine::sharded_step(model, sm, opt, engine::make_batch(c, s, comm.rank() * local, local));
+      matrices[static_cast<std::size_t>(comm.rank())] = opt.matrices();
+      got[static_cast<std::size_t>(comm.rank())] = engine::gather_full_parameters(model, sm);
+    });
+    std::size_t all = 0;
+    for (auto n : matrices) all += n;
+    CHECK(all == ref_opt.matrices());  // each matrix stepped by exactly one rank
+    CHECK(max_difference(got[0], want) < 2e-5);
+  }
+  // Element-flat shards cut matrices: an optimizer that steps whole parameters refuses them.
+  fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
+    engine::Model model(c);
+    fsdp::HostDevice device;
+    auto sm = fsdp::shard<fsdp::FullShard>(model, comm, device, engine::Wrap{});
+    CHECK_THROWS_WITH_AS(engine::parameter_slots(sm), doctest::Contains("param_atomic"), fsdp::Error);
+  });
 }
 
 TEST_CASE("checkpoints load across layouts and world sizes, sharded and full") {
@@ -289,6 +584,10 @@ TEST_CASE("checkpoints load across layouts and world sizes, sharded and full") {
   train<fsdp::FullShard>(2, 0, 3, aligned(16), 1, {}, save_full);
   CHECK(max_difference(train<fsdp::FullShard>(4, 3, 6, {}, 7, load_full), uninterrupted) < 2e-5);
   CHECK(max_difference(train<fsdp::FullShard>(3, 3, 6, aligned(128), 7, load_full), uninterrupted) < 2e-5);
+  CHECK(max_difference(train<fsdp::FullShard>(4, 3, 6, atomic(), 7, load_full), uninterrupted) < 2e-5);
+  train<fsdp::FullShard>(4, 0, 3, atomic(), 1, {}, save_sharded);
+  CHECK(max_difference(train<fsdp::FullShard>(3, 3, 6, {}, 7, load_sharded), uninterrupted) < 2e-5);
+  CHECK(max_difference(train<fsdp::FullShard>(2, 3, 6, atomic(8), 7, load_sharded), uninterrupted) < 2e-5);
   std::filesystem::remove_all(tmp);
 }
 

@@ -5,7 +5,7 @@
 # --accumulate, --clip and --local-gradients sum match the unsharded reference; --comm-precision halves the bytes
 # of the all-gathers and reduce-scatters, --gather-dtype int8 / mxfp8 moves a quarter of
 # the all-gathers' bytes, --shard-layout block:128 trains the same parameters over padded
-# shards, --persistence-threshold drops the small unit's
+# shards, --optimizer muon trains as unsharded Muon, --persistence-threshold drops the small unit's
 # all-gathers; --optimizer-in-backward trains the same model with a lower peak; bad flags
 # are refused, and a value that is not read whole (nan, 2abc, an overflowing mesh) is
 # refused naming its flag.
@@ -177,6 +177,16 @@ if [[ -n "${lag_bytes:-}" ]] && ((lag_calls == ag_calls && lrs_calls == rs_calls
   echo "PASS: --shard-layout block:128: the flat layout's parameters bit for bit; all-gathers $ag_bytes -> $lag_bytes B per step"
 else
   fail "--shard-layout block:128: all_gather '${lag_calls:-} ${lag_bytes:-}' (want $want_ag), reduce_scatter '${lrs_calls:-} ${lrs_bytes:-}' (want $want_rs), $(grep '^parameters: ' <<<"$aligned") vs flat $(grep '^parameters: ' <<<"$f32")"
+fi
+
+# --optimizer muon: each weight matrix orthogonalized whole on the rank that holds it
+# (--shard-layout param unless given): the unsharded Muon reference's loss, not AdamW's.
+muon=$("$train" --steps 3 --optimizer muon 2>&1) || fail "--optimizer muon: exited with $?"
+if close "$(field loss "$muon")" "$(field unsharded_loss "$muon")" && [[ "$(field loss "$muon")" != "$(field loss "$f32")" ]] &&
+    grep -q 'shard layout param' <<<"$muon"; then
+  echo "PASS: --optimizer muon: loss $(field loss "$muon") as the unsharded Muon's $(field unsharded_loss "$muon") (AdamW: $(field loss "$f32"))"
+else
+  fail "--optimizer muon: loss '$(field loss "$muon")' vs unsharded '$(field unsharded_loss "$muon")', AdamW '$(field loss "$f32")': $(head -c 300 <<<"$muon")"
 fi
 
 # --optimizer-in-backward: each unit steps its shards in its post-accumulate-grad hook, so
@@ -367,6 +377,8 @@ refused --persistence-threshold -5 -- "--persistence-threshold: -5 is out of ran
 refused --shard-layout block:0 -- "--shard-layout: 0 is out of range"
 refused --shard-layout Block:8 -- "--shard-layout: 'Block:8' is not a layout"
 refused --shard-layout block:8x -- "--shard-layout: '8x' is not an integer"
+refused --optimizer muon --shard-layout flat -- "--optimizer muon cannot be combined with --shard-layout other than param"
+refused --optimizer muon --save /tmp/never-written -- "--optimizer muon cannot be combined with --save"
 refused --save-every 1.5 --save /tmp/never-written -- "--save-every: '1.5' is not an integer"
 refused --offload=5 -- "offload"
 refused --save "" -- "--save: an empty path"

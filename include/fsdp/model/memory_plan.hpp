@@ -367,14 +367,16 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
         for (const auto& p : f.params) {
           if (p.numel < 0) detail::fail("fsdp::plan: unit '", name, "' has a parameter of ", p.numel, " elements");
           all = checked_sum(all, p.numel, "fsdp::plan: unit '" + name + "': the elements of a flat parameter");
+          checked_product<std::int64_t>(all, static_cast<std::int64_t>(size_of(f.dtype)),
+                                        "fsdp::plan: unit '" + name + "': the bytes of a flat parameter");
           if (p.deferred) deferred += p.numel;
         }
         if ((f.numel != 0 && f.numel != all) || (f.deferred_numel != 0 && f.deferred_numel != deferred))
           detail::fail("fsdp::plan: unit '", name, "' has a flat parameter of ", f.numel, " elements (", f.deferred_numel,
                        " deferred) whose parameters hold ", all, " (", deferred, " deferred); give one or the other");
-      } else if (options.shard_layout.alignment() > 1 && f.numel > 0) {
+      } else if (options.shard_layout.depends_on_each_size() && policy.shards_parameters && f.numel > 0) {
         detail::fail("fsdp::plan: unit '", name, "': under the shard layout ", name_of(options.shard_layout),
-                     " the padding between parameters depends on each one's size; list them in PlannedUnit::Flat::params");
+                     " where each parameter lies depends on each one's size; list them in PlannedUnit::Flat::params");
       }
       checked_product<std::int64_t>(f.numel, static_cast<std::int64_t>(size_of(f.dtype)),
                                     "fsdp::plan: unit '" + name + "': the bytes of a flat parameter");

@@ -126,7 +126,8 @@ struct UnitConfig {
   // ShardOptions::local_gradients: what the engine's gradients are over its local batch,
   // and so what no gradient divide factor set (reshard.gradient_divide_factor 0) means.
   LocalGradients local_gradients = LocalGradients::mean;
-  // ShardOptions::shard_layout: how its flat parameters are cut into shards.
+  // ShardOptions::shard_layout as given: how its flat parameters are cut into shards (a unit
+  // whose parameters are replicated, kept_unsharded or under NoShard, is not cut).
   ShardLayout shard_layout = ShardLayout::element_flat();
   ReshardSettings reshard;
   GradientSync sync;

@@ -338,9 +338,10 @@ class FlatParamGroup {
   void release_summoned_gradients() { detail::release_summoned_gradients(flat_, device_); }
   bool hash_unsharded(detail::Fingerprint& f) const { return detail::hash_unsharded(flat_, device_, f); }
   void write_back() { detail::write_back(flat_, groups_, device_); }
-  // An array laid out like flat parameter k's shard, gathered into host memory.
+  // An array laid out like flat parameter k's shard, gathered into host memory, its
+  // parameters back to back in their order (the layout's gaps left out).
   void gather_array(std::size_t k, const void* mine, void* full_host, DType dtype) const {
-    detail::gather_array(flat_.at(k).layout, groups_, device_, mine, full_host, dtype);
+    detail::gather_array(flat_.at(k).layout, groups_, device_, mine, full_host, dtype, /*packed=*/true);
   }
 
   // Frees the unsharded parameters and what a partial reshard kept of them.

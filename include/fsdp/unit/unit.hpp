@@ -83,8 +83,9 @@ class UnitInternals {
   virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) const = 0;
   // All-gathers an array laid out like shards()[shard] (its numel valid elements of
   // `dtype`, in the shard's memory space; for example an optimizer moment) into
-  // `full_host`, host memory for the flat parameter's unpadded elements. A collective over
-  // the shard group.
+  // `full_host`, host memory for the flat parameter's parameters back to back, in the order
+  // parameters() lists them (padding and a layout's gaps left out). A collective over the
+  // shard group.
   virtual void gather_like_shard(std::size_t shard, const void* mine, void* full_host, DType dtype) const = 0;
   // Whether `ok` holds on every rank of the world (a collective): so that no rank goes on
   // to change state, or to commit a file, that another rank has found wrong.

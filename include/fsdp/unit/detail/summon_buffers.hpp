@@ -22,17 +22,21 @@ inline std::int64_t full_numel(const FlatParam& fp, const UnitGroups& groups) {
 }
 
 // All-gathers an array laid out like a flat parameter's shard (its valid elements, in the
-// shard's space) into host memory for the unpadded flat parameter. Where device memory is
-// host memory and no rank's shard is padded, straight from `mine` into `full_host` (no
-// buffer: a full save gathers every flat parameter three times); else through device
-// buffers (a collective backend may need device memory).
+// shard's space) into host memory: `packed`, the parameters' elements back to back in
+// parameter order (param_numel() elements: what state dicts read); else the flat
+// parameter's first numel() elements, the gaps of a block-aligned or parameter-atomic
+// layout included (what a summon's gradient views point into). Where device memory is
+// host memory and the gathered buffer is already that, straight from `mine` into
+// `full_host` (no buffer: a full save gathers every flat parameter three times); else
+// through device buffers (a collective backend may need device memory).
 inline void gather_array(const FlatParamLayout& L, const UnitGroups& groups, const DeviceRef& device, const void* mine,
-                         void* full_host, DType dtype) {
+                         void* full_host, DType dtype, bool packed) {
   const std::size_t valid = FlatParam::bytes(L.valid_shard_numel(groups.shard_rank), dtype);
   const std::size_t S = FlatParam::bytes(L.shard_numel(), dtype);
   const std::size_t total = groups.shards_parameters ? FlatParam::bytes(L.padded_numel(), dtype) : S;
   const bool host_memory = device.id().kind == DeviceKind::cpu;
-  if (host_memory && L.padded_numel() == L.numel() && valid == S) {
+  const bool moved_apart = packed && !L.back_to_back();  // parameters to pick out of the gathered buffer
+  if (host_memory && !moved_apart && L.padded_numel() == L.numel() && valid == S) {
     if (groups.shards_parameters)
       groups.shard.all_gather(mine, full_host, S / size_of(dtype), dtype).wait();
     else if (S)
@@ -48,7 +52,16 @@ inline void gather_array(const FlatParamLayout& L, const UnitGroups& groups, con
   if (valid) device.copy(in.get(), mine, valid);
   if (groups.shards_parameters) groups.shard.all_gather(in.get(), out.get(), S / size_of(dtype), dtype).wait();
   else device.copy(out.get(), in.get(), S);
-  if (L.numel()) device.copy(full_host, out.get(), FlatParam::bytes(L.numel(), dtype));
+  if (!moved_apart) {
+    if (L.numel()) device.copy(full_host, out.get(), FlatParam::bytes(L.numel(), dtype));
+    return;
+  }
+  std::size_t at = 0;
+  for (const auto& p : L.params()) {
+    const std::size_t n = FlatParam::bytes(p.numel, dtype);
+    if (n) device.copy(static_cast<std::byte*>(full_host) + at, static_cast<const std::byte*>(out.get()) + FlatParam::bytes(p.offset, dtype), n);
+    at += n;
+  }
 }
 
 // Moves the unsharded parameters into host memory and shows them there (a summon's
@@ -77,7 +90,7 @@ inline void unshard_gradients(std::vector<FlatParam>& flat, const UnitGroups& gr
     void* whole = fp.shard_grad;
     if (!fp.direct) {
       fp.summoned_grad = device.allocate(FlatParam::bytes(fp.layout.numel(), fp.grad), MemorySpace::device);
-      gather_array(fp.layout, groups, device, fp.shard_grad, fp.summoned_grad, fp.grad);
+      gather_array(fp.layout, groups, device, fp.shard_grad, fp.summoned_grad, fp.grad, /*packed=*/false);
       whole = fp.summoned_grad;
     }
     bind_tensors(fp, whole, &ParamBinding::grad, fp.grad);
