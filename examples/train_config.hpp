@@ -103,16 +103,16 @@ struct Config {
   // too: under mean the micro-batches' gradients add up as well), though not with --clip,
   // whose threshold the larger norm crosses sooner. AdamW's steps do not depend on the
   // gradients' scale, so its rate stays.
+  float sgd_lr(int world) const {
+    const float lr = 0.05f;
+    if (local_gradients == fsdp::LocalGradients::mean) return lr;
+    return lr / static_cast<float>(static_cast<std::int64_t>(world) * batch_per_rank);
+  }
   // --optimizer muon: Muon's defaults, AdamW's options (the example's) for what is no matrix.
   engine::Muon::Options muon_options(const engine::AdamW::Options& adamw) const {
     engine::Muon::Options o;
     o.adamw = adamw;
     return o;
-  }
-  float sgd_lr(int world) const {
-    const float lr = 0.05f;
-    if (local_gradients == fsdp::LocalGradients::mean) return lr;
-    return lr / static_cast<float>(static_cast<std::int64_t>(world) * batch_per_rank);
   }
   // fp16's loss scaler starts at 2^16 (PyTorch's default), sized for mean gradients; sums are
   // larger by the global batch, so under --local-gradients sum it starts that much lower

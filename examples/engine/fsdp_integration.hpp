@@ -105,6 +105,11 @@ std::vector<Slot> slots_for(const fsdp::ShardedModel& m) {
 // over all shards after backward. The hooks are removed when this goes (before the model).
 template <class Optimizer>
 class OptimizerInBackward {
+  static_assert(!requires { Optimizer::per_parameter; },
+                "OptimizerInBackward hands each unit's flat shards to an element-wise optimizer (SGD, AdamW); an "
+                "optimizer that steps whole parameters (engine::Muon) would see no matrix in them: step it after "
+                "backward on engine::parameter_slots(model)");
+
  public:
   template <class Make>
   OptimizerInBackward(fsdp::ShardedModel& model, Make make) : model_(model) {

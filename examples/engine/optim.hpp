@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "examples/engine/tensor.hpp"
@@ -91,11 +92,12 @@ class AdamW {
 
 // Muon: SGD with Nesterov momentum whose update, for each whole 2-D weight matrix, is the
 // momentum orthogonalized (its singular values pushed towards 1) by five iterations of a
-// quintic Newton-Schulz map, scaled by sqrt(max(1, rows / cols)). Every other slot (biases,
-// gains, and matrices not whole in the slot) steps with AdamW. One slot per parameter,
-// the same slots at every step (the state is kept by position). Computed in f32, the matrix
-// products accumulated in double, so that a rank that owns a matrix computes bit for bit what the
-// unsharded engine computes for it.
+// quintic Newton-Schulz map, scaled by sqrt(max(1, rows / cols)). Every slot without rows
+// and cols (biases, gains, and a flat shard's slots, which hold no whole matrix: hand it
+// parameter_slots or slots(Model&)) steps with AdamW. The same slots at every step: the
+// state is kept by position, and a slot list that changes is refused. Momentum in f32,
+// the Newton-Schulz iteration in double, so that a rank that owns a matrix computes bit
+// for bit what the unsharded engine computes for it.
 class Muon {
  public:
   static constexpr bool per_parameter = true;  // step on parameter slots (fsdp_integration.hpp: slots_for)
@@ -117,13 +119,25 @@ class Muon {
       if (s.rows * s.cols != s.numel)
         throw fsdp::Error("Muon: a matrix slot of " + std::to_string(s.rows) + " x " + std::to_string(s.cols) + " holds " +
                           std::to_string(s.numel) + " elements");
-      if (matrices == momentum_.size()) momentum_.emplace_back(std::vector<std::int64_t>{s.numel}, *alloc_);
-      if (momentum_[matrices].numel() != s.numel)
-        throw fsdp::Error("Muon: matrix slot " + std::to_string(matrices) + " changed size between steps");
+      if (stepped_ == 0 && matrices == momentum_.size()) {
+        momentum_.emplace_back(std::vector<std::int64_t>{s.numel}, *alloc_);
+        shapes_.emplace_back(s.rows, s.cols);
+      }
+      if (matrices >= shapes_.size() || shapes_[matrices] != std::pair{s.rows, s.cols})
+        throw fsdp::Error("Muon: matrix slot " + std::to_string(matrices) + " is " + std::to_string(s.rows) + " x " +
+                          std::to_string(s.cols) + ", but its state is for " +
+                          (matrices < shapes_.size() ? std::to_string(shapes_[matrices].first) + " x " +
+                                                           std::to_string(shapes_[matrices].second)
+                                                     : std::string("no matrix")) +
+                          ": step on the same slots every step");
       step_matrix(s, momentum_[matrices].data());
       ++matrices;
     }
+    if (matrices != shapes_.size())
+      throw fsdp::Error("Muon: stepped on " + std::to_string(matrices) + " matrix slots, but its state is for " +
+                        std::to_string(shapes_.size()));
     if (!others.empty()) adamw_.step(others);
+    ++stepped_;
   }
 
   // The orthogonalization alone, in place on a rows x cols matrix: what the tests check.
@@ -186,6 +200,8 @@ class Muon {
   Allocator* alloc_;
   AdamW adamw_;
   std::vector<Tensor> momentum_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes_;  // each matrix slot's rows and cols
+  long stepped_ = 0;
 };
 
 }  // namespace engine

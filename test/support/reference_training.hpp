@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "examples/engine/checkpoint_integration.hpp"
 #include "examples/engine/fsdp_integration.hpp"
 #include "test/support/full_params.hpp"
 

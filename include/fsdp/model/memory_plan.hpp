@@ -62,8 +62,8 @@ struct PlannedUnit {
     // Of those, the elements of parameters built without storage (fsdp::deferred_init):
     // setup holds them whole while the init fills them.
     std::int64_t deferred_numel = 0;
-    // Its parameters one by one, in order, where the layout pads between them
-    // (PlanOptions::shard_layout block_aligned); numel and deferred_numel are then their
+    // Its parameters one by one, in order, where each one's place depends on the others'
+    // sizes (PlanOptions::shard_layout block_aligned or param_atomic); numel and deferred_numel are then their
     // sums, or 0. Empty: one parameter of numel elements (exact under element_flat).
     // fsdp::plan(model) fills it.
     struct Param {

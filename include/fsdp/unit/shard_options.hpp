@@ -58,11 +58,13 @@ struct ShardOptions {
   // when the unit is built). docs/training_loop.md#what-the-engines-gradients-mean.
   LocalGradients local_gradients = LocalGradients::mean;
   // How each flat parameter is cut into shards (fsdp/core/flat_param.hpp): element_flat()
-  // (the default: parameters back to back, any element a boundary) or block_aligned(K):
+  // (the default: parameters back to back, any element a boundary); block_aligned(K):
   // every parameter starts on a multiple of K elements and every shard holds a multiple of
   // K, so no K-element block of a parameter is split between ranks (a block format's
-  // scales, CommPrecision<Int8Blocks<K>>, then each cover one parameter's elements). It
-  // costs fewer than K padding elements per parameter, plus the rounding of the shard.
+  // scales, CommPrecision<Int8Blocks<K>>, then each cover one parameter's elements), for
+  // fewer than K padding elements per parameter plus the rounding of the shard; or
+  // param_atomic(K): each parameter whole on one rank (matrix optimizers such as Muon),
+  // the ranks balanced greedily, the shard the largest rank's load.
   // Units whose parameters are replicated (NoShard, persistence_threshold) are not cut.
   // Every rank must choose alike (checked when the unit is built).
   ShardLayout shard_layout = ShardLayout::element_flat();

@@ -15,7 +15,7 @@ namespace fsdp {
 // One flat shard of a unit as the optimizer sees it: this rank's slice of the unit's
 // parameters of one dtype and the matching slice of the reduced gradient. numel counts up
 // to this rank's last real parameter element; the padding after it is left out. Under
-// ShardOptions::shard_layout block_aligned the gaps between parameters lie inside numel:
+// ShardOptions::shard_layout block_aligned or param_atomic the gaps between parameters lie inside numel:
 // they hold zeros and their gradients are zeros, so an optimizer that maps a zero
 // parameter with a zero gradient to zero (SGD, momentum, Adam, AdamW) keeps them so; one
 // that does not steps on ParamViews instead. The gradient has the parameters' dtype unless
