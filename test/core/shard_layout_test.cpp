@@ -395,7 +395,9 @@ TEST_CASE("full state dicts, the optimizer's state included, are the same under 
   };
   auto same = [](const std::map<std::string, fsdp::StateTensor>& a, const std::map<std::string, fsdp::StateTensor>& b) {
     if (a.size() != b.size()) return false;
-    for (const auto& [name, t] : a) {
+    for (const auto& entry : a) {
+      const std::string& name = entry.first;
+      const fsdp::StateTensor& t = entry.second;
       const auto it = b.find(name);
       if (it == b.end() || it->second.dtype != t.dtype || it->second.shape != t.shape || it->second.data != t.data) {
         INFO("tensor " << name);
