@@ -14,6 +14,10 @@
 //   - an estimate for the H200 of docs/cuda.md: the calls priced at that run's measured
 //     host time per call, plus the own code measured here. An estimate, not a measurement:
 //     only tools/gpu_proof.sh on a GPU measures it (goal: at most 20 us per unit).
+// Then the same step captured into a CUDA graph (fsdp::CapturedStep, over a one-rank
+// NcclComm on the emulated NCCL) and replayed: the CUDA calls per step, and the library's
+// own code per unit per step around the launch (replay, then wait); the launch itself is
+// priced only on a GPU (tools/gpu_proof.sh; goal: at most 5 us per unit with replay).
 //   cuda_host_overhead [--layers N] [--steps S] [--precision bf16|f32|both]
 // test/support/device_training.hpp's model is reused; its doctest checks are compiled out.
 #define DOCTEST_CONFIG_DISABLE
@@ -27,6 +31,8 @@
 
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/fsdp.hpp"
+#include "fsdp/graph/captured_step.hpp"
+#include "fsdp/nccl/nccl_comm.hpp"
 #include "test/support/device_training.hpp"
 #include "tools/cuda_emulator/emulator.hpp"
 
@@ -163,6 +169,28 @@ int run(int layers, int steps) {
     // world 1 then, and its call timer's own cost, about 1.6 us, counted in: docs/cuda.md):
     // the estimate with that figure instead of this machine's, a pessimistic one.
     std::printf("  with that run's own-code time (5.37 us) instead of this machine's: %.1f us per unit\n\n", gpu_us + 5.37);
+    // Captured: the same model and step over NcclComm (the graph records its collectives;
+    // one rank has none), after 3 eager steps, then one replay and its wait per step.
+    {
+      fsdp::NcclCommOptions o;
+      o.after = dev.stream();
+      auto comms = fsdp::NcclComm::create({0}, o);
+      test_support::Net<fsdp::CudaDevice> cnet(dev, c);
+      auto csm = fsdp::shard<fsdp::FullShard, fsdp::BackwardPre, Precision>(cnet, comms[0], dev,
+                                                                            fsdp::wrap_types<test_support::Layer>{});
+      for (int i = 0; i < 3; ++i) test_support::hooks_only_step(cnet, csm);
+      fsdp::CapturedStep step(csm, dev.stream(), {&comms[0]}, [&] { test_support::hooks_only_step(cnet, csm); });
+      cuda_emulator::ThreadCalls replay_calls;
+      const double replay_ns = time_steps([&] {
+        step.replay();
+        step.wait();
+      }, replay_calls);
+      std::printf("captured step (fsdp::CapturedStep), per step: %s\n", replay_calls.summary().c_str());
+      std::printf("  %.2f CUDA calls per unit, the launch's replayed work inside them; own code %.0f ns per unit per step\n",
+                  static_cast<double>(replay_calls.total()) / per, replay_ns);
+      std::printf("  against the eager step's %.2f calls and %.0f ns own code per unit: the launch is priced on a GPU only\n\n",
+                  total_calls, own_ns);
+    }
     if (base_calls.calls != calls.calls) {  // the ratio compares like with like, or nothing
       std::fprintf(stderr, "the baseline's CUDA calls differ from the library's:\n  %s\n  %s\n", base_calls.summary().c_str(),
                    calls.summary().c_str());

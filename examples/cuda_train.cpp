@@ -4,13 +4,17 @@
 //     precision), optionally OffloadParams (AdamW then steps on the host, on the pinned
 //     shards), over a one-rank NcclComm, fsdp::CudaDevice on the engine's stream;
 //   - or without fsdp (--no-fsdp): the same engine on plain buffers (under bf16, f32 master
-//     weights cast for each step, gradients cast back: what MixedPrecision does).
+//     weights cast for each step, gradients cast back: what MixedPrecision does);
+//   - with fsdp and --cuda-graph: from the second step on, the forward and backward with
+//     their hooks and finish_backward are one CUDA graph (fsdp::CapturedStep), captured
+//     at that step and replayed at every one after, each batch copied first into the
+//     buffers the graph reads; zero_grad and AdamW stay outside it.
 // The same model and data run on the host reference engine (examples/engine) in this
 // process; per-step losses are compared within a stated tolerance. Prints per-step loss,
 // step time, device peak bytes and the library's host time per unit per step, and one
 // `summary:` line for tools/gpu_proof.sh.
 //
-//   cuda_train [--precision bf16|f32] [--offload] [--no-fsdp] [--bench] [--no-reference]
+//   cuda_train [--precision bf16|f32] [--offload] [--no-fsdp] [--cuda-graph] [--bench] [--no-reference]
 //              [--steps N] [--warmup N] [--batch N] [--in N] [--dim N] [--hidden N] [--out N]
 //              [--blocks N] [--device N]
 // Exit status: 0 trained (and matched the reference), 1 failed, 77 skipped: no GPU visible
@@ -30,6 +34,7 @@
 #include <fsdp/core/parse.hpp>
 #include <fsdp/cuda/cuda_device.hpp>
 #include <fsdp/fsdp.hpp>
+#include <fsdp/graph/captured_step.hpp>
 #include <fsdp/nccl/nccl_comm.hpp>
 
 #include "examples/cuda_engine/training.hpp"
@@ -44,7 +49,7 @@ constexpr int kSkipped = 77;
 struct Options {
   engine::ModelConfig model{.in = 16, .dim = 128, .hidden = 256, .out = 8, .blocks = 4};
   int batch = 64, steps = 8, warmup = 2, device = 0;
-  bool bf16 = true, fsdp = true, offload = false, reference = true;
+  bool bf16 = true, fsdp = true, offload = false, reference = true, graph = false;
   engine::AdamW::Options adamw{};
   int distinct_batches() const { return std::min(steps, 8); }  // step s trains on batch s % 8
 };
@@ -76,6 +81,7 @@ Options parse(int argc, char** argv) {
     } else if (a == "--offload") o.offload = true;
     else if (a == "--no-fsdp") o.fsdp = false;
     else if (a == "--no-reference") o.reference = false;
+    else if (a == "--cuda-graph") o.graph = true;
     else if (a == "--bench") {  // big enough that GEMMs dominate; too big for the host reference
       o.model.in = 64, o.model.dim = 2048, o.model.hidden = 8192, o.model.out = 64, o.model.blocks = 8;
       o.batch = 16384, o.steps = 20, o.warmup = 5, o.reference = false;
@@ -92,6 +98,13 @@ Options parse(int argc, char** argv) {
     else usage_error("unknown flag '" + std::string(a) + "'");
   }
   if (o.offload && !o.fsdp) usage_error("--offload is fsdp's OffloadParams; it needs fsdp (drop --no-fsdp)");
+  if (o.graph && !o.fsdp) usage_error("--cuda-graph captures fsdp's step (fsdp::CapturedStep); it needs fsdp (drop --no-fsdp)");
+  if (o.graph && o.offload)
+    usage_error("--cuda-graph with --offload: an offloaded step waits for the GPU on the host (the CPU optimizer), "
+                "which a CUDA graph cannot");
+  if (o.graph && o.warmup < 2)
+    usage_error("--cuda-graph needs --warmup 2 or more: the first step runs eagerly and the second is captured, and "
+                "neither is a replay to time");
   if (o.warmup >= o.steps) usage_error("--warmup must be below --steps (the timed steps come after it)");
   return o;
 }
@@ -102,6 +115,7 @@ struct RunResult {
   std::size_t units = 0;
   fsdp::MemoryStats library_device, library_host;  // fsdp::CudaDevice's own allocations
   std::size_t pool_peak = 0, gpu_used = 0;
+  std::size_t graph_peak = 0;  // --cuda-graph: CUDA's graph memory pool, apart from the stream-ordered one
 };
 
 // One step's bookkeeping around `body` (zeroing the loss sum, reading it back, the clock).
@@ -131,16 +145,35 @@ RunResult run_sharded(Gpu& gpu, engine::Model& reference, const std::vector<Devi
   DeviceAdamW on_device(o.adamw);
   engine::AdamW on_host(o.adamw);  // OffloadParams: the shards are pinned host memory
   Buffer sum(gpu.alloc(), sizeof(double));
+  // --cuda-graph: the batch the graph reads, refilled before each replay, and cuBLAS's
+  // workspace fixed before the capture.
+  std::optional<DeviceBatch> staged;
+  std::optional<fsdp::CapturedStep> graph;
+  if (o.graph) {
+    staged.emplace(copy_of(gpu, data[0]));
+    gpu.fixed_blas_workspace(std::size_t{32} << 20);
+  }
   gpu.synchronize();
   gpu.reset_pool_peak();
   device.reset_peak(fsdp::MemorySpace::device), device.reset_peak(fsdp::MemorySpace::host);
   for (int step = 0; step < o.steps; ++step) {
     r.clock.on = step >= o.warmup;
+    const DeviceBatch& batch = data[static_cast<std::size_t>(step % o.distinct_batches())];
     timed_step(gpu, o, sum, r, [&] {
       r.clock.time(r.clock.zero_grad, [&] { sharded.zero_grad(); });
-      forward_backward(gpu, model, data[static_cast<std::size_t>(step % o.distinct_batches())], static_cast<double*>(sum.get()),
-                       TimedUnitHooks{sharded, r.clock});
-      r.clock.time(r.clock.finish_backward, [&] { sharded.finish_backward(); });
+      if (o.graph && step > 0) {  // the first step is eager: it records the units' order
+        copy_into(gpu, batch, *staged);
+        if (!graph)
+          graph.emplace(sharded, gpu.stream(), std::vector<fsdp::NcclComm*>{&comms[0]}, [&] {
+            forward_backward(gpu, model, *staged, static_cast<double*>(sum.get()), TimedUnitHooks{sharded, r.clock});
+            sharded.finish_backward();
+          });
+        r.clock.time(r.clock.hooks, [&] { graph->replay(); });  // the library's host time: the launch
+        r.clock.time(r.clock.finish_backward, [&] { graph->wait(); });
+      } else {
+        forward_backward(gpu, model, batch, static_cast<double*>(sum.get()), TimedUnitHooks{sharded, r.clock});
+        r.clock.time(r.clock.finish_backward, [&] { sharded.finish_backward(); });
+      }
       const auto slots = engine::slots(sharded);  // f32 master shards and gradients
       if (o.offload) {
         device.synchronize();  // the host optimizer reads what the device wrote
@@ -151,6 +184,12 @@ RunResult run_sharded(Gpu& gpu, engine::Model& reference, const std::vector<Devi
     });
   }
   r.pool_peak = gpu.pool_peak_bytes();
+  if (o.graph) {  // the captured step's buffers live in the graph memory pool
+    unsigned long long high = 0;
+    check(cudaDeviceGetGraphMemAttribute(gpu.device(), cudaGraphMemAttrUsedMemHigh, &high),
+          "cudaDeviceGetGraphMemAttribute(UsedMemHigh)");
+    r.graph_peak = static_cast<std::size_t>(high);
+  }
   r.library_device = device.stats(fsdp::MemorySpace::device);
   r.library_host = device.stats(fsdp::MemorySpace::host);
   r.gpu_used = gpu.used_bytes();
@@ -220,7 +259,7 @@ double mean_after(const std::vector<double>& v, int skip) {
 
 int run(const Options& o) {
   const double tolerance = o.bf16 ? 5e-2 : 1e-3;  // relative, per step (see docs/cuda.md)
-  const std::string mode = o.fsdp ? (o.offload ? "fsdp+offload" : "fsdp") : "no-fsdp";
+  const std::string mode = o.fsdp ? (o.offload ? "fsdp+offload" : o.graph ? "fsdp+cuda-graph" : "fsdp") : "no-fsdp";
   const fsdp::DType act = o.bf16 ? fsdp::DType::bf16 : fsdp::DType::f32;
   Gpu gpu(o.device, act);
   cudaDeviceProp prop{};
@@ -282,6 +321,9 @@ int run(const Options& o) {
     std::printf("device peak: %zu bytes in the stream-ordered pool (engine + library); fsdp::CudaDevice peak %zu bytes "
                 "device, %zu bytes pinned host; GPU in use now %zu bytes (cudaMemGetInfo)\n",
                 r.pool_peak, r.library_device.peak_bytes, r.library_host.peak_bytes, r.gpu_used);
+    if (o.graph)
+      std::printf("graph memory peak: %zu bytes (cudaGraphMemAttrUsedMemHigh: the captured step's buffers, engine and "
+                  "library, apart from the stream-ordered pool above)\n", r.graph_peak);
   } else {
     std::printf("device peak: %zu bytes in the stream-ordered pool; GPU in use now %zu bytes (cudaMemGetInfo)\n", r.pool_peak,
                 r.gpu_used);

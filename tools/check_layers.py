@@ -16,7 +16,8 @@ import sys
 # concepts; backends and communicator adapters (concepts only); policies; the unit;
 # the model (root and training loop); checkpoints; the libtorch adapter (an engine's
 # integration: its tensors, modules, hooks and optimizers, with the host backend's thread
-# ranks and checkpoints of its optimizer state); testing tools; fsdp.hpp on top.
+# ranks and checkpoints of its optimizer state); CUDA graphs of a training step (the model
+# with the CUDA and NCCL backends); testing tools; fsdp.hpp on top.
 ALLOWED = {
     "core": set(),
     "comm": {"core"},
@@ -30,6 +31,7 @@ ALLOWED = {
     "model": {"core", "policy", "unit", "host"},
     "checkpoint": {"core", "policy", "unit", "model"},
     "torch": {"core", "policy", "unit", "model", "host", "checkpoint"},
+    "graph": {"core", "policy", "unit", "model", "host", "cuda", "nccl"},
     "testing": {"core", "comm", "host", "policy", "unit", "model"},
     "": {"core", "comm", "host", "policy", "unit", "model"},  # fsdp/fsdp.hpp
 }

@@ -9,7 +9,8 @@
 # FSDP_REQUIRE_GPU=1 (so a machine without a visible GPU fails instead of skipping), then
 # the benches (CudaDevice copy/cast throughput, NcclComm all_gather/reduce_scatter bandwidth
 # over sizes), then the example (its loss against the host reference engine, its step time
-# with fsdp against without at world size 1, the library's host time per unit per step),
+# with fsdp against without at world size 1, the library's host time per unit per step, and
+# the same with the step captured into a CUDA graph: cuda_train --cuda-graph),
 # then splits the library's host time per unit and step by CUDA and NCCL function (the
 # example under tools/gpu_proof/api_timer.so, an LD_PRELOAD timer), then the libtorch
 # adapter's example on CUDA tensors where a CUDA libtorch is found (below), and ends with
@@ -225,7 +226,8 @@ example_ran=0
 if [ -x "$OUT/cuda_train" ] && [ "$(cat "$OUT/cuda_train.build")" = ok ]; then
   example_ran=1
   for run in "fsdp_bf16:" "fsdp_f32:--precision f32" "fsdp_offload:--offload" "no_fsdp_bf16:--no-fsdp" \
-             "bench_fsdp:--bench" "bench_no_fsdp:--bench --no-fsdp"; do
+             "graph_bf16:--cuda-graph" "graph_f32:--cuda-graph --precision f32" \
+             "bench_fsdp:--bench" "bench_no_fsdp:--bench --no-fsdp" "bench_graph:--bench --cuda-graph"; do
     name=${run%%:*}; flags=${run#*:}
     # shellcheck disable=SC2086  # flags is a list
     FSDP_REQUIRE_GPU=1 timeout 600 "$OUT/cuda_train" $flags >"$OUT/cuda_train.$name.log" 2>&1
@@ -241,7 +243,7 @@ fi
 
 echo
 if [ "$example_ran" = 1 ]; then
-  for name in fsdp_bf16 fsdp_f32 fsdp_offload no_fsdp_bf16; do
+  for name in fsdp_bf16 fsdp_f32 fsdp_offload no_fsdp_bf16 graph_bf16 graph_f32; do
     log="$OUT/cuda_train.$name.log"
     echo "gpu proof: example loss vs host reference ($name): parity $(summary_field "$log" parity), largest relative difference $(summary_field "$log" max_rel_diff) (tolerance $(summary_field "$log" tolerance)), final loss $(summary_field "$log" final_loss)"
   done
@@ -254,6 +256,15 @@ if [ "$example_ran" = 1 ]; then
     us=$(summary_field "$OUT/cuda_train.$name.log" host_us_per_unit_step)
     [ -n "$us" ] && echo "gpu proof: library host time per unit per step ($name): $us us (goal <= 20 us; hooks and zero_grad, CUDA and NCCL calls included)"
   done
+  # A captured step (fsdp::CapturedStep): the host time is zero_grad and the replay's launch.
+  for name in bench_graph graph_bf16 graph_f32; do
+    us=$(summary_field "$OUT/cuda_train.$name.log" host_us_per_unit_step)
+    [ -n "$us" ] && echo "gpu proof: library host time per unit per step with a CUDA graph ($name): $us us (goal <= 5 us; zero_grad and cudaGraphLaunch included)"
+  done
+  graph_ms=$(summary_field "$OUT/cuda_train.bench_graph.log" step_ms)
+  if [ -n "$graph_ms" ] && [ -n "$plain_ms" ]; then
+    echo "gpu proof: example step time with a CUDA graph (bf16, --bench --cuda-graph): $graph_ms ms / no fsdp $plain_ms ms = $(awk -v a="$graph_ms" -v b="$plain_ms" 'BEGIN { printf "%.3f", a / b }')x"
+  fi
 fi
 # Where the library's host time goes: the example (small model, then --bench) under
 # tools/gpu_proof/api_timer.so, which counts the CUDA and NCCL calls made inside the

@@ -3,7 +3,8 @@
 # (tools/cuda_emulator): every rank a process with its own emulated GPU, meeting through a
 # TcpStore on loopback, with 2 ranks and then 4. They test the library's host code
 # (bootstrap, split, collective tags, the watchdog, stream order, sharded training against
-# the host reference bit for bit), not NCCL or a GPU: tools/gpu_proof.sh does that.
+# the host reference bit for bit, eager and captured into a CUDA graph), not NCCL or a GPU:
+# tools/gpu_proof.sh does that.
 #
 #   tools/nccl_emulated.sh [BAZEL_BUILD_FLAG...]
 #
@@ -47,6 +48,7 @@ run() {
 for ranks in 2 4; do
   run "$ranks" nccl_comm_emulated_test "processes through a TcpStore*"
   run "$ranks" nccl_streams_emulated_test "processes: every combination*"
+  run "$ranks" nccl_streams_emulated_test "processes: a step captured into a CUDA graph*"
 done
 # Two ranks only: two communicators driven by one process, and a peer that holds its stream.
 run 2 nccl_comm_emulated_test "several ranks in one process*"
@@ -55,6 +57,8 @@ run 2 nccl_streams_emulated_test "a collective that cannot complete*"
 # and dtype against the host.
 run 1 nccl_comm_emulated_test "the watchdog turns a collective*"
 run 1 nccl_comm_emulated_test "one rank: every collective*"
+run 1 nccl_streams_emulated_test "a step captured into a CUDA graph and replayed*"
+run 1 nccl_streams_emulated_test "a step that cannot be captured*"
 
 echo "nccl emulated: ranks=2,4 passed=$passed failed=$failed skipped=$skipped"
 ((failed == 0 && skipped == 0))

@@ -46,6 +46,7 @@ class Gpu {
   Gpu& operator=(const Gpu&) = delete;
   ~Gpu() {  // the context's buffers are freed on the stream before it goes
     context_.reset();
+    workspace_.reset();
     cudaStreamSynchronize(stream_);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
@@ -59,6 +60,12 @@ class Gpu {
   StreamAllocator& alloc() { return *alloc_; }
   const Kernels& kernels() const { return *kernels_; }
   void synchronize() { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+  // cuBLAS works in this buffer from now on instead of memory of its own choosing: a GEMM
+  // captured into a CUDA graph must not allocate (cuda_train --cuda-graph).
+  void fixed_blas_workspace(std::size_t bytes) {
+    if (!workspace_) workspace_.emplace(*alloc_, bytes);
+    check(cublasSetWorkspace(blas_, workspace_->get(), workspace_->bytes()), "cublasSetWorkspace");
+  }
 
   // The pool's high-water mark of bytes in use (engine and library together), since reset.
   std::size_t pool_peak_bytes() const {
@@ -84,6 +91,7 @@ class Gpu {
   std::optional<Kernels> kernels_;
   std::optional<StreamAllocator> alloc_;
   std::optional<Context> context_;
+  std::optional<Buffer> workspace_;  // fixed_blas_workspace's
 };
 
 // One step's input on the device: x in the compute dtype, the target in f32.
@@ -91,6 +99,20 @@ struct DeviceBatch {
   Act x;
   Buffer y;
 };
+
+// A batch's bytes into another of the same shape, on the engine's stream.
+inline void copy_into(Gpu& gpu, const DeviceBatch& from, DeviceBatch& to) {
+  check(cudaMemcpyAsync(to.x->data(), from.x->data(), from.x->bytes(), cudaMemcpyDeviceToDevice, gpu.stream()),
+        "cudaMemcpyAsync(batch x)");
+  check(cudaMemcpyAsync(to.y.get(), from.y.get(), from.y.bytes(), cudaMemcpyDeviceToDevice, gpu.stream()),
+        "cudaMemcpyAsync(batch y)");
+}
+inline DeviceBatch copy_of(Gpu& gpu, const DeviceBatch& b) {
+  Context& c = gpu.context();
+  DeviceBatch d{c.make(b.x->rows, b.x->cols, b.x->dtype), Buffer(gpu.alloc(), b.y.bytes())};
+  copy_into(gpu, b, d);
+  return d;
+}
 
 inline DeviceBatch upload(Gpu& gpu, const engine::Batch& b) {
   Context& c = gpu.context();

@@ -11,7 +11,8 @@ bin=$1
 passed=0 failed=0 skipped=0
 fail() { echo "FAILED: $*"; failed=$((failed + 1)); }
 
-modes=("" "--precision f32" "--offload" "--precision f32 --offload" "--no-fsdp" "--precision f32 --no-fsdp")
+modes=("" "--precision f32" "--offload" "--precision f32 --offload" "--no-fsdp" "--precision f32 --no-fsdp"
+       "--cuda-graph" "--precision f32 --cuda-graph")
 out=$(env -u FSDP_REQUIRE_GPU "$bin" 2>&1); rc=$?
 echo "$out"
 if [ "$rc" -eq 77 ]; then
@@ -45,5 +46,15 @@ else
 fi
 # Unknown flags are refused before anything runs, GPU or not.
 if "$bin" --no-such-flag >/dev/null 2>&1; then fail "an unknown flag was accepted"; else passed=$((passed + 1)); fi
+# A CUDA graph of a step that cannot be captured is refused before anything runs, naming why.
+refused() {  # refused <message> <flags...>
+  local want=$1 out rc
+  shift
+  out=$("$bin" "$@" 2>&1); rc=$?
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ] && grep -qF -- "$want" <<<"$out"; then passed=$((passed + 1)); else fail "cuda_train $* (rc=$rc): $out"; fi
+}
+refused "--cuda-graph captures fsdp's step (fsdp::CapturedStep); it needs fsdp" --cuda-graph --no-fsdp
+refused "--cuda-graph with --offload: an offloaded step waits for the GPU on the host" --cuda-graph --offload
+refused "--cuda-graph needs --warmup 2 or more" --cuda-graph --warmup 1
 echo "[doctest] test cases: $((passed + failed + skipped)) | $passed passed | $failed failed | $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "fsdp/asio/tcp_store.hpp"
 #endif
 #include "fsdp/fsdp.hpp"
+#include "fsdp/graph/captured_step.hpp"
 #include "fsdp/nccl/nccl_comm.hpp"
 #include "test/support/device_training.hpp"
 #include "test/support/errors.hpp"
@@ -94,14 +96,18 @@ struct QueuedStep {
   std::vector<void*> grads;  // one per parameter, in visit order: gain, then w, b per layer
   std::size_t bytes;
   QueuedStep(D& d, int step) : dev(d), bytes(static_cast<std::size_t>(kConfig.width) * 4) {
-    for (int k = 0; k < 1 + 2 * kConfig.layers; ++k) {
+    for (int k = 0; k < 1 + 2 * kConfig.layers; ++k) grads.push_back(dev.allocate(bytes, fsdp::MemorySpace::device));
+    fill(step);
+  }
+  // Step `step`'s gradients, into the same buffers (a captured step reads them there).
+  void fill(int step) {
+    for (std::size_t k = 0; k < grads.size(); ++k) {
       std::vector<float> g(static_cast<std::size_t>(kConfig.width));
       for (std::size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>((k + 1) * (i + 1)) - 0.3f * static_cast<float>(step);
-      grads.push_back(dev.allocate(bytes, fsdp::MemorySpace::device));
-      dev.copy(grads.back(), g.data(), bytes);
+      dev.copy(grads[k], g.data(), bytes);
       // Exact, and loads CudaDevice's kernels now: a module load may synchronize, so it
-      // must not first happen while the stream is held.
-      dev.scale(grads.back(), g.size(), fsdp::DType::f32, 1.0);
+      // must not first happen while the stream is held (or captured).
+      dev.scale(grads[k], g.size(), fsdp::DType::f32, 1.0);
     }
     dev.synchronize();
   }
@@ -142,6 +148,45 @@ test_support::Params queued_training(D& dev, C& comm, Around around) {
     sm.finish_backward();  // the host-side check: the optimizer needs the gradients now
     test_support::sgd_step(dev, sm.shards(), kConfig.lr);
   }
+  return test_support::full_parameters(dev, net, sm);
+}
+
+// queued_training's steps captured into one CUDA graph at the first queued step and
+// replayed at every one (fsdp::CapturedStep), zero_grad and the optimizer around each.
+// First a capture that fails halfway (a host wait in the body, after the step's first
+// all-gathers were captured): it must leave the model between steps, its buffers gone
+// with the capture, and change nothing.
+test_support::Params captured_training(CudaDevice& dev, NcclComm& comm, cudaStream_t stream, std::uint64_t* replays,
+                                       std::string* failed_capture) {
+  test_support::Net<CudaDevice> net(dev, kConfig);
+  auto sm = fsdp::shard<fsdp::FullShard>(net, comm, dev, fsdp::wrap_types<test_support::Layer>{});
+  sm.zero_grad();
+  test_support::forward_backward(dev, net, sm, kConfig, 0, 0, 1.0);
+  sm.finish_backward();
+  test_support::sgd_step(dev, sm.shards(), kConfig.lr);
+  QueuedStep<CudaDevice> queued(dev, 1);
+  std::optional<fsdp::CapturedStep> step;
+  for (int s = 1; s <= kConfig.steps; ++s) {
+    queued.fill(s);
+    sm.zero_grad();
+    if (!step)
+      *failed_capture = error_of([&] {
+        fsdp::CapturedStep failing(sm, stream, std::vector<NcclComm*>{&comm}, [&] {
+          fsdp::Unit& root = *sm.find_unit_for(net);
+          auto r = root.forward_scope();
+          auto first = sm.find_unit_for(net.layers[0])->forward_scope();
+          dev.synchronize();
+        });
+      });
+    if (!step) step.emplace(sm, stream, std::vector<NcclComm*>{&comm}, [&] {
+      queued.run(net, sm);
+      sm.finish_backward();
+    });
+    step->replay();
+    step->wait();
+    test_support::sgd_step(dev, sm.shards(), kConfig.lr);
+  }
+  *replays = step->replays();
   return test_support::full_parameters(dev, net, sm);
 }
 
@@ -204,6 +249,94 @@ TEST_CASE("hooks return while the engine's stream is held; the step completes on
   CHECK(!comm.broken());
 }
 
+TEST_CASE("a step captured into a CUDA graph and replayed trains like the host, bit for bit" * doctest::skip(no_gpu)) {
+  EngineStream engine;
+  CudaDevice dev(0, engine.s);
+  NcclComm comm = one_rank_comm(engine.s);
+  std::uint64_t replays = 0;
+  std::string failed;
+  const auto got = captured_training(dev, comm, engine.s, &replays, &failed);
+  CHECK(contains(failed, "cudaStreamSynchronize failed: cudaErrorStreamCaptureUnsupported"));
+  CHECK(replays == static_cast<std::uint64_t>(kConfig.steps));
+  CHECK(test_support::bitwise_equal(got, on_host()));
+  CHECK(!comm.broken());
+  dev.synchronize();
+  CHECK(dev.stats(fsdp::MemorySpace::device).live_bytes == 0);
+}
+
+TEST_CASE("a step that cannot be captured is refused, naming why" * doctest::skip(no_gpu)) {
+  EngineStream engine;
+  CudaDevice dev(0, engine.s);
+  NcclComm comm = one_rank_comm(engine.s);
+  test_support::Net<CudaDevice> net(dev, kConfig);
+  auto sm = fsdp::shard<fsdp::FullShard>(net, comm, dev, fsdp::wrap_types<test_support::Layer>{});
+  QueuedStep<CudaDevice> queued(dev, 1);
+  auto capture = [&](cudaStream_t stream, std::vector<NcclComm*> comms, auto&& body) {
+    return error_of([&] { fsdp::CapturedStep step(sm, stream, std::move(comms), body); });
+  };
+  auto whole_step = [&] {
+    queued.run(net, sm);
+    sm.finish_backward();
+  };
+  CHECK(contains(capture(engine.s, {&comm}, whole_step), "no step has ended yet: run one eagerly first"));
+  sm.zero_grad();
+  test_support::forward_backward(dev, net, sm, kConfig, 0, 0, 1.0);
+  sm.finish_backward();
+  CHECK(contains(capture(nullptr, {&comm}, whole_step), "not the legacy default stream"));
+  CHECK(contains(capture(engine.s, {}, whole_step), "no communicator given"));
+  EngineStream other;
+  CHECK(contains(capture(other.s, {&comm}, whole_step), "set NcclCommOptions::after (or ::stream) to the stream"));
+  // A host wait inside the body: CUDA refuses it and invalidates the capture.
+  const std::string waited = capture(engine.s, {&comm}, [&] {
+    queued.run(net, sm);
+    dev.synchronize();
+  });
+  CHECK(contains(waited, "cudaStreamSynchronize"));
+  CHECK(contains(waited, "cudaErrorStreamCaptureUnsupported"));
+  CHECK(!comm.broken());
+  // The model goes on eagerly after a refused capture, and captures once it can.
+  dev.synchronize();
+  sm.zero_grad();
+  test_support::forward_backward(dev, net, sm, kConfig, 0, 0, 1.0);
+  sm.finish_backward();
+  sm.zero_grad();
+  fsdp::CapturedStep step(sm, engine.s, {&comm}, whole_step);
+  sm.zero_grad();
+  step.replay();
+  CHECK(contains(error_of([&] { step.replay(); }), "replay() before wait() of replay 1 returned"));
+  step.wait();
+  CHECK(step.replays() == 1);
+  // What a replay cannot see is checked before it launches: the gradients it reduces into
+  // (zeroed before the capture, so before every replay), and the run-time settings.
+  CHECK(contains(error_of([&] { step.replay(); }),
+                 "replay 2 refused: unit '<root>' has gradients 'reduced -s' where the capture began with 'zero -s'"));
+  sm.zero_grad();
+  sm.set_reshard_after_forward(false);
+  CHECK(contains(error_of([&] { step.replay(); }),
+                 "replay 2 refused: unit '<root>''s run-time settings changed since the last step"));
+  sm.set_reshard_after_forward(true);
+  step.replay();
+  step.wait();
+  CHECK(step.replays() == 2);
+  // A communicator the step uses but the capture was not told of: its watchdog cannot wait
+  // for a collective recorded into a graph, and says why.
+  fsdp::NcclComm untold_comm = one_rank_comm(engine.s);
+  fsdp::CudaDevice scratch_dev(0, engine.s);
+  void* scratch = scratch_dev.allocate(64);
+  sm.zero_grad();
+  (void)error_of([&] {
+    fsdp::CapturedStep untold(sm, engine.s, {&comm}, [&] {
+      whole_step();
+      untold_comm.all_reduce(scratch, scratch, 16, fsdp::DType::f32, fsdp::ReduceOp::sum);
+    });
+  });
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  while (!untold_comm.broken() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(contains(untold_comm.broken_by(), "was not told (pass it to fsdp::CapturedStep)"));
+  dev.synchronize();
+  scratch_dev.deallocate(scratch, 64);
+}
+
 #ifdef FSDP_NCCL_STREAMS_TCP
 // Starts `world` children of this binary as the ranks of one job in `role` ("stall" or
 // "train"; "nccl streams child" below), meeting through `server`'s store.
@@ -247,19 +380,67 @@ int train_world() { return std::atoi(std::getenv("FSDP_NCCL_TEST_WORLD")); }
 
 const bool too_few_gpus_to_train = test_support::too_few_gpus_for_test_worlds();
 
-TEST_CASE("processes: every combination trains like the host on as many ranks, bit for bit" *
-          doctest::skip(too_few_gpus_to_train)) {
+// Runs `role` as the ranks of each of test_support::test_worlds(), children of this binary
+// meeting through a store, and checks each rank's exit status and `check(rank, stdout)`.
+template <class Check>
+void on_each_rank(const std::string& role, std::chrono::seconds limit, Check&& check) {
   for (const int world : test_support::test_worlds()) {
     CAPTURE(world);
     fsdp::TcpStoreServer server;
-    const auto children = spawn_ranks("train", world, server);
+    const auto children = spawn_ranks(role, world, server);
     for (int r = 0; r < world; ++r) {
-      const auto result = children[static_cast<std::size_t>(r)]->wait(std::chrono::seconds(240));
+      const auto result = children[static_cast<std::size_t>(r)]->wait(limit);
       INFO("rank ", r, " of ", world, " stdout:\n", result.out, "\nstderr:\n", result.err);
       CHECK(result.status == 0);
-      CHECK(contains(result.out, "COMBINATIONS: 18 trained, 0 differ"));
+      check(r, result.out);
     }
   }
+}
+
+TEST_CASE("processes: every combination trains like the host on as many ranks, bit for bit" *
+          doctest::skip(too_few_gpus_to_train)) {
+  on_each_rank("train", std::chrono::seconds(240),
+               [](int, const std::string& out) { CHECK(contains(out, "COMBINATIONS: 18 trained, 0 differ")); });
+}
+
+TEST_CASE("processes: a step captured into a CUDA graph trains like the host on as many ranks, bit for bit" *
+          doctest::skip(too_few_gpus_to_train)) {
+  on_each_rank("capture", std::chrono::seconds(120), [](int r, const std::string& out) {
+    CHECK(contains(out, "CAPTURED: equal 1, replays " + std::to_string(kConfig.steps) + ", broken 0"));
+    CHECK(contains(out, "FAILED-CAPTURE: fsdp: CudaDevice(cuda:" + std::to_string(r) +
+                            "): cudaStreamSynchronize failed: cudaErrorStreamCaptureUnsupported"));
+  });
+}
+
+// A capturing child: rank FSDP_NCCL_STREAMS_RANK of train_world() trains as
+// captured_training does over NcclComm, and compares with queued_training on the host
+// reference engine over as many thread ranks.
+void capture_child(int rank, fsdp::Store& store) {
+  const int world = train_world();
+  REQUIRE(cudaSetDevice(rank) == cudaSuccess);
+  test_support::Params expected;
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& c) {
+    HostDevice host;
+    auto p = queued_training(host, c, [](int, auto&& run) { run(); });
+    if (c.rank() == 0) expected = std::move(p);
+  });
+  EngineStream engine;
+  CudaDevice dev(rank, engine.s);
+  fsdp::NcclCommOptions o;
+  o.after = engine.s;
+  o.timeout = std::chrono::seconds(60);
+  NcclComm comm = NcclComm::from_store(store, rank, world, rank, o);
+  std::uint64_t replays = 0;
+  std::string failed;
+  const std::string error = error_of([&] {
+    const auto got = captured_training(dev, comm, engine.s, &replays, &failed);
+    std::printf("CAPTURED: equal %d, replays %llu, broken %d\nFAILED-CAPTURE: %s\n",
+                test_support::bitwise_equal(expected, got) ? 1 : 0, static_cast<unsigned long long>(replays),
+                comm.broken() ? 1 : 0, failed.c_str());
+  });
+  if (!error.empty()) std::printf("CAPTURE-ERROR: %s\n", error.c_str());
+  std::fflush(stdout);
+  std::_Exit(0);
 }
 
 // A training child: rank FSDP_NCCL_STREAMS_RANK of train_world() on its GPU trains every
@@ -305,6 +486,7 @@ TEST_CASE("nccl streams child" * doctest::skip(role().empty())) {
   const auto port = static_cast<std::uint16_t>(std::atoi(std::getenv("FSDP_NCCL_STREAMS_PORT")));
   fsdp::TcpStore store("127.0.0.1", port);
   if (role() == "train") train_child(rank, store);
+  if (role() == "capture") capture_child(rank, store);
   REQUIRE(cudaSetDevice(rank) == cudaSuccess);
   EngineStream engine;
   CudaDevice dev(rank, engine.s);

@@ -457,3 +457,330 @@ TEST_CASE("emulated NCCL: calls that differ between ranks never complete (as on 
   cudaSetDevice(0);
   CHECK(cuda_emulator::take_violations().empty());
 }
+
+// ---- stream capture and graphs (tools/cuda_emulator/capture.hpp) ----
+
+namespace {
+
+std::vector<unsigned char> bytes_at(const void* p, std::size_t n) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  return {b, b + n};
+}
+
+// Two streams, the event `e` to fork from a to b, `back` to join b back into a, and two
+// 16-byte device buffers.
+struct ForkJoin : Streams {
+  cudaEvent_t back = nullptr;
+  void *x = nullptr, *y = nullptr;
+  ForkJoin() {
+    (void)cuda_emulator::take_violations();
+    REQUIRE(cudaEventCreateWithFlags(&back, cudaEventDisableTiming) == cudaSuccess);
+    REQUIRE(cudaMalloc(&x, 16) == cudaSuccess);
+    REQUIRE(cudaMalloc(&y, 16) == cudaSuccess);
+  }
+  ~ForkJoin() {
+    cudaStreamSynchronize(a), cudaStreamSynchronize(b);
+    cudaFree(x), cudaFree(y), cudaEventDestroy(back);
+    (void)cudaGetLastError();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("stream capture: queued work is recorded, not run; each launch of the graph replays it in stream order") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void *src = nullptr, *dst = nullptr;
+  REQUIRE(cudaMalloc(&src, 16) == cudaSuccess);
+  REQUIRE(cudaMalloc(&dst, 16) == cudaSuccess);
+  REQUIRE(cudaMemset(src, 1, 16) == cudaSuccess);
+  REQUIRE(cudaMemset(dst, 0, 16) == cudaSuccess);
+  static std::atomic<int> ran{0};
+  ran = 0;
+  REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  REQUIRE(cudaStreamIsCapturing(s.a, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusActive);
+  REQUIRE(cudaMemcpyAsync(dst, src, 16, cudaMemcpyDeviceToDevice, s.a) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(dst, 9, 4, s.a) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(s.a, [](void*) { ++ran; }, nullptr) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s.a, &graph) == cudaSuccess);
+  REQUIRE(graph != nullptr);
+  REQUIRE(cudaStreamIsCapturing(s.a, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusNone);
+  CHECK(bytes_at(dst, 16) == std::vector<unsigned char>(16, 0));  // nothing ran
+  CHECK(ran == 0);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  for (int launch = 1; launch <= 2; ++launch) {
+    CAPTURE(launch);
+    REQUIRE(cudaMemsetAsync(src, launch + 1, 16, s.a) == cudaSuccess);  // queued before the launch: the replay reads it
+    cuda_emulator::reset_this_thread_calls();
+    REQUIRE(cudaGraphLaunch(exec, s.a) == cudaSuccess);
+    CHECK(cuda_emulator::this_thread_calls().summary() == "cudaGraphLaunch=1");  // the replay's calls are not the caller's
+    REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+    std::vector<unsigned char> want(16, static_cast<unsigned char>(launch + 1));
+    std::fill_n(want.begin(), 4, 9);
+    CHECK(bytes_at(dst, 16) == want);
+    CHECK(ran == launch);
+  }
+  REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  CHECK(cudaGraphLaunch(exec, s.a) == cudaErrorInvalidResourceHandle);
+  REQUIRE(cudaFree(src) == cudaSuccess);
+  REQUIRE(cudaFree(dst) == cudaSuccess);
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("stream capture: a call the capture prohibits fails and invalidates it, as on a GPU") {
+  Streams s;
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, 16) == cudaSuccess);
+  // Runs `prohibited` during a capture of s.a begun in `mode`; returns what it returned and
+  // checks that the capture is invalidated from then on.
+  auto during_capture = [&](cudaStreamCaptureMode mode, auto&& prohibited, bool invalidates = true) {
+    REQUIRE(cudaStreamBeginCapture(s.a, mode) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(p, 1, 16, s.a) == cudaSuccess);
+    const cudaError_t got = prohibited();
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REQUIRE(cudaStreamIsCapturing(s.a, &status) == cudaSuccess);
+    CHECK(status == (invalidates ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive));
+    CHECK(cudaMemsetAsync(p, 2, 16, s.a) == (invalidates ? cudaErrorStreamCaptureInvalidated : cudaSuccess));
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s.a, &graph);
+    CHECK(ended == (invalidates ? cudaErrorStreamCaptureInvalidated : cudaSuccess));
+    CHECK((graph == nullptr) == invalidates);
+    if (graph) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return got;
+  };
+  SUBCASE("synchronizing or querying the capturing stream") {
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] {
+            const cudaError_t e = cudaStreamSynchronize(s.a);
+            CHECK(contains(cudaGetErrorString(e), "cudaErrorStreamCaptureUnsupported (CUDA runtime emulator): "
+                                                  "cudaStreamSynchronize of stream #"));
+            return e;
+          }) == cudaErrorStreamCaptureUnsupported);
+    CHECK(during_capture(cudaStreamCaptureModeRelaxed, [&] { return cudaStreamQuery(s.a); }) ==
+          cudaErrorStreamCaptureUnsupported);  // relaxed or not
+  }
+  SUBCASE("cudaMalloc on the capturing thread: refused unless the capture is relaxed") {
+    void* q = nullptr;
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] { return cudaMalloc(&q, 8); }) == cudaErrorStreamCaptureUnsupported);
+    CHECK(during_capture(cudaStreamCaptureModeThreadLocal, [&] { return cudaMalloc(&q, 8); }) ==
+          cudaErrorStreamCaptureUnsupported);
+    CHECK(during_capture(cudaStreamCaptureModeRelaxed, [&] { return cudaMalloc(&q, 8); }, false) == cudaSuccess);
+    CHECK(cudaFree(q) == cudaSuccess);
+  }
+  SUBCASE("an event query on another thread (a watchdog's) during a global capture, unless that thread is relaxed") {
+    REQUIRE(cudaEventRecord(s.e, s.b) == cudaSuccess);  // an eager event of another stream
+    auto query_from_thread = [&](cudaStreamCaptureMode thread_mode) {
+      cudaError_t got = cudaSuccess;
+      std::thread([&] {
+        cudaStreamCaptureMode m = thread_mode;
+        REQUIRE(cudaThreadExchangeStreamCaptureMode(&m) == cudaSuccess);
+        CHECK(m == cudaStreamCaptureModeGlobal);  // every thread starts in the global mode
+        got = cudaEventQuery(s.e);
+      }).join();
+      return got;
+    };
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] { return query_from_thread(cudaStreamCaptureModeGlobal); }) ==
+          cudaErrorStreamCaptureUnsupported);
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] { return query_from_thread(cudaStreamCaptureModeRelaxed); },
+                         false) == cudaSuccess);
+    CHECK(during_capture(cudaStreamCaptureModeThreadLocal, [&] { return query_from_thread(cudaStreamCaptureModeGlobal); },
+                         false) == cudaSuccess);  // a thread-local capture ignores other threads
+  }
+  SUBCASE("a query of an event recorded in the capture") {
+    CHECK(during_capture(cudaStreamCaptureModeRelaxed, [&] {
+            REQUIRE(cudaEventRecord(s.e, s.a) == cudaSuccess);
+            return cudaEventQuery(s.e);
+          }) == cudaErrorCapturedEvent);
+    REQUIRE(cudaEventRecord(s.e, s.b) == cudaSuccess);  // an eager record makes it a stream's point again
+    CHECK(cudaEventQuery(s.e) == cudaSuccess);
+  }
+  SUBCASE("a copy of pageable host memory") {
+    std::vector<char> pageable(16);
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] {
+            return cudaMemcpyAsync(p, pageable.data(), 16, cudaMemcpyHostToDevice, s.a);
+          }) == cudaErrorStreamCaptureUnsupported);
+  }
+  SUBCASE("a wait on an event recorded outside the capture") {
+    REQUIRE(cudaEventRecord(s.e, s.b) == cudaSuccess);
+    CHECK(during_capture(cudaStreamCaptureModeGlobal, [&] { return cudaStreamWaitEvent(s.a, s.e, 0); }) ==
+          cudaErrorStreamCaptureIsolation);
+  }
+  REQUIRE(cudaFree(p) == cudaSuccess);
+  (void)cuda_emulator::take_violations();
+}
+
+TEST_CASE("stream capture: a stream joins through an event it waits on, and must be joined back before the end") {
+  ForkJoin s;
+  void *x = s.x, *y = s.y;
+  cudaEvent_t back = s.back;
+  REQUIRE(cudaMemset(x, 0, 16) == cudaSuccess);
+  for (bool joined : {false, true}) {
+    CAPTURE(joined);
+    REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(x, 3, 16, s.a) == cudaSuccess);
+    REQUIRE(cudaEventRecord(s.e, s.a) == cudaSuccess);
+    REQUIRE(cudaStreamWaitEvent(s.b, s.e, 0) == cudaSuccess);  // b joins the capture
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    REQUIRE(cudaStreamIsCapturing(s.b, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusActive);
+    REQUIRE(cudaMemcpyAsync(y, x, 16, cudaMemcpyDeviceToDevice, s.b) == cudaSuccess);  // after a's memset
+    if (joined) {
+      REQUIRE(cudaEventRecord(back, s.b) == cudaSuccess);
+      REQUIRE(cudaStreamWaitEvent(s.a, back, 0) == cudaSuccess);
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s.a, &graph);
+    REQUIRE(cudaStreamIsCapturing(s.b, &status) == cudaSuccess);
+    CHECK(status == cudaStreamCaptureStatusNone);  // the end ends it for every stream in it
+    if (!joined) {
+      CHECK(ended == cudaErrorStreamCaptureUnjoined);
+      CHECK(contains(cudaGetErrorString(ended), "not joined back"));
+      CHECK(graph == nullptr);
+      continue;
+    }
+    REQUIRE(ended == cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, s.a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);  // the launch stream waits for the whole graph
+    CHECK(bytes_at(y, 16) == std::vector<unsigned char>(16, 3));
+    CHECK(cudaEventQuery(back) == cudaErrorCapturedEvent);  // still the graph's point, not a stream's
+    REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+    REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  }
+  (void)cudaGetLastError();
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("stream capture: memory allocated in a capture has one address in every replay and is live only during it") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void* out = nullptr;
+  REQUIRE(cudaMalloc(&out, 16) == cudaSuccess);
+  const std::size_t live_before = cuda_emulator::live_device_bytes();
+  REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  void* scratch = nullptr;
+  REQUIRE(cudaMallocAsync(&scratch, 16, s.a) == cudaSuccess);
+  REQUIRE(scratch != nullptr);
+  REQUIRE(cudaMemsetAsync(scratch, 5, 16, s.a) == cudaSuccess);
+  REQUIRE(cudaMemcpyAsync(out, scratch, 16, cudaMemcpyDeviceToDevice, s.a) == cudaSuccess);
+  REQUIRE(cudaFreeAsync(scratch, s.a) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s.a, &graph) == cudaSuccess);
+  CHECK(cuda_emulator::live_device_bytes() == live_before);
+  CHECK(cudaMemsetAsync(scratch, 0, 16, s.b) == cudaErrorInvalidValue);  // outside a replay it is no memory
+  CHECK(!cuda_emulator::take_violations().empty());
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  for (int launch = 0; launch < 2; ++launch) {
+    REQUIRE(cudaMemsetAsync(out, 0, 16, s.a) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, s.a) == cudaSuccess);
+    REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+    CHECK(bytes_at(out, 16) == std::vector<unsigned char>(16, 5));
+    CHECK(cuda_emulator::live_device_bytes() == live_before);
+  }
+  cudaGraphExec_t second = nullptr;  // CUDA: one executable graph at a time when it has memory nodes
+  CHECK(cudaGraphInstantiate(&second, graph, 0) == cudaErrorNotSupported);
+  REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+  REQUIRE(cudaGraphInstantiate(&second, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphExecDestroy(second) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  // Memory a capture allocates and does not free is not emulated: refused at the end.
+  REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaMallocAsync(&scratch, 16, s.a) == cudaSuccess);
+  const cudaError_t ended = cudaStreamEndCapture(s.a, &graph);
+  CHECK(ended == cudaErrorNotSupported);
+  CHECK(contains(cudaGetErrorString(ended), "not freed in it"));
+  REQUIRE(cudaFree(out) == cudaSuccess);
+  (void)cudaGetLastError();
+  CHECK(cuda_emulator::take_violations().empty());
+}
+
+TEST_CASE("stream capture: launches of one executable graph are ordered, whatever their streams") {
+  (void)cuda_emulator::take_violations();
+  Streams s;
+  void *x = nullptr, *y = nullptr;
+  REQUIRE(cudaMalloc(&x, 16) == cudaSuccess);
+  REQUIRE(cudaMalloc(&y, 16) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(x, 4, 16, s.a) == cudaSuccess);
+  REQUIRE(cudaMemcpyAsync(y, x, 16, cudaMemcpyDeviceToDevice, s.a) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s.a, &graph) == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, s.a) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, s.b) == cudaSuccess);  // writes x and y again: after the first launch, as in CUDA
+  REQUIRE(cudaStreamSynchronize(s.b) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+  CHECK(bytes_at(y, 16) == std::vector<unsigned char>(16, 4));
+  CHECK(cuda_emulator::take_violations().empty());
+  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph), cudaFree(x), cudaFree(y);
+}
+
+TEST_CASE("stream capture: a replay is checked for stream-order races like eager work") {
+  ForkJoin s;
+  void *x = s.x, *y = s.y;
+  cudaEvent_t back = s.back;
+  REQUIRE(cudaStreamBeginCapture(s.a, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(cudaEventRecord(s.e, s.a) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s.b, s.e, 0) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(x, 1, 16, s.a) == cudaSuccess);                            // after the fork on a
+  REQUIRE(cudaMemcpyAsync(y, x, 16, cudaMemcpyDeviceToDevice, s.b) == cudaSuccess);  // nothing orders it after
+  REQUIRE(cudaEventRecord(back, s.b) == cudaSuccess);
+  REQUIRE(cudaStreamWaitEvent(s.a, back, 0) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(s.a, &graph) == cudaSuccess);
+  CHECK(cuda_emulator::take_violations().empty());  // nothing ran yet
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, s.a) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s.a) == cudaSuccess);
+  const auto found = cuda_emulator::take_violations();
+  CHECK(any_contains(found, "stream-order race: cudaMemcpyAsync"));
+  CHECK(any_contains(found, "which cudaMemsetAsync on stream #"));
+  REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+}
+
+TEST_CASE("emulated NCCL: a collective captured on each rank's stream runs at every launch, with the launch's inputs") {
+  TwoRanks two;
+  float* in[2] = {two.buffer(0, {1, 2}), two.buffer(1, {10, 20})};
+  float* out[2] = {two.buffer(0, {}), two.buffer(1, {})};
+  cudaGraph_t graph[2] = {nullptr, nullptr};
+  cudaGraphExec_t exec[2] = {nullptr, nullptr};
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(cudaSetDevice(r) == cudaSuccess);
+    REQUIRE(cudaStreamBeginCapture(two.stream[r], cudaStreamCaptureModeGlobal) == cudaSuccess);
+    REQUIRE(ncclAllReduce(in[r], out[r], 2, ncclFloat32, ncclSum, two.comm[r], two.stream[r]) == ncclSuccess);
+    REQUIRE(cudaStreamEndCapture(two.stream[r], &graph[r]) == cudaSuccess);
+    REQUIRE(cudaGraphInstantiate(&exec[r], graph[r], 0) == cudaSuccess);
+  }
+  CHECK(out[0][0] == 0.0f);  // recorded, not run: no rank waits for the other yet
+  for (float scale : {1.0f, 3.0f}) {
+    CAPTURE(scale);
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(cudaSetDevice(r) == cudaSuccess);
+      const float v[2] = {scale * (r ? 10.0f : 1.0f), scale * (r ? 20.0f : 2.0f)};
+      REQUIRE(cudaMemcpy(in[r], v, sizeof v, cudaMemcpyHostToDevice) == cudaSuccess);
+      REQUIRE(cudaGraphLaunch(exec[r], two.stream[r]) == cudaSuccess);
+    }
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(cudaSetDevice(r) == cudaSuccess);
+      REQUIRE(cudaStreamSynchronize(two.stream[r]) == cudaSuccess);
+      CHECK(std::vector<float>(out[r], out[r] + 2) == std::vector<float>{scale * 11, scale * 22});
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(r);
+    cudaGraphExecDestroy(exec[r]), cudaGraphDestroy(graph[r]), cudaFree(in[r]), cudaFree(out[r]);
+  }
+  cudaSetDevice(0);
+  CHECK(cuda_emulator::take_violations().empty());
+}

@@ -53,7 +53,9 @@ namespace cuda_emulator {
   X(cudaLibraryGetKernel) X(cudaLibraryUnload) X(cudaGetLastError) X(cudaPeekAtLastError) X(cudaLaunchHostFunc) \
   X(ncclGetUniqueId) X(ncclCommInitRankConfig) X(ncclCommSplit) X(ncclCommFinalize) X(ncclCommDestroy)       \
   X(ncclCommAbort) X(ncclCommGetAsyncError) X(ncclCommCount) X(ncclCommUserRank) X(ncclCommCuDevice)        \
-  X(ncclGroupStart) X(ncclGroupEnd) X(ncclAllGather) X(ncclReduceScatter) X(ncclAllReduce) X(ncclBroadcast)
+  X(ncclGroupStart) X(ncclGroupEnd) X(ncclAllGather) X(ncclReduceScatter) X(ncclAllReduce) X(ncclBroadcast)        \
+  X(cudaStreamBeginCapture) X(cudaStreamEndCapture) X(cudaStreamIsCapturing) X(cudaThreadExchangeStreamCaptureMode)  \
+  X(cudaGraphInstantiate) X(cudaGraphLaunch) X(cudaGraphExecDestroy) X(cudaGraphDestroy)
 
 enum class Call : int {
 #define FSDP_CUDA_EMULATOR_ENUM(name) name,

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tools/cuda_emulator/capture.hpp"
 #include "tools/cuda_emulator/entry.hpp"
 #include "tools/cuda_emulator/kernels.hpp"
 
@@ -80,25 +81,30 @@ extern "C" {
 // ---- memory ----
 cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   FSDP_EMULATOR_ENTER(cudaMalloc);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaMalloc"); e != cudaSuccess) return e;
   return allocate(entry, p, bytes, Space::device, "cudaMalloc", nullptr);
 }
 cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaMallocAsync);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
+  if (s->capture) return capture_malloc(entry, *s, p, bytes);
   return allocate(entry, p, bytes, Space::device, "cudaMallocAsync", s);
 }
 cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
   FSDP_EMULATOR_ENTER(cudaMallocHost);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaMallocHost"); e != cudaSuccess) return e;
   return allocate(entry, p, bytes, Space::pinned, "cudaMallocHost", nullptr);
 }
 cudaError_t cudaHostAlloc(void** p, std::size_t bytes, unsigned int flags) {
   FSDP_EMULATOR_ENTER(cudaHostAlloc);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaHostAlloc"); e != cudaSuccess) return e;
   (void)flags;  // portable / mapped / write-combined: all the same host memory here
   return allocate(entry, p, bytes, Space::pinned, "cudaHostAlloc", nullptr);
 }
 cudaError_t cudaFree(void* p) {
   FSDP_EMULATOR_ENTER(cudaFree);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaFree"); e != cudaSuccess) return e;
   if (p && !rt().release(p, Space::device, "cudaFree", nullptr))
     return entry.fail(cudaErrorInvalidValue, "cudaFree of a pointer that is not a live device allocation");
   return cudaSuccess;
@@ -107,12 +113,17 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaFreeAsync);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
-  if (p && !rt().release(p, Space::device, "cudaFreeAsync", s))
-    return entry.fail(cudaErrorInvalidValue, "cudaFreeAsync of a pointer that is not a live device allocation");
+  if (s->capture) return capture_free(entry, *s, p);
+  if (p && !rt().release(p, Space::device, "cudaFreeAsync", s)) {
+    const Freed* f = rt().find_freed(p);
+    return entry.fail(cudaErrorInvalidValue, std::string("cudaFreeAsync of a pointer that is not a live device allocation") +
+                                                 (f ? " (" + f->how + " freed it)" : ""));
+  }
   return cudaSuccess;
 }
 cudaError_t cudaFreeHost(void* p) {
   FSDP_EMULATOR_ENTER(cudaFreeHost);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaFreeHost"); e != cudaSuccess) return e;
   if (p && !rt().release(p, Space::pinned, "cudaFreeHost", nullptr))
     return entry.fail(cudaErrorInvalidValue, "cudaFreeHost of a pointer that is not a live pinned allocation");
   return cudaSuccess;
@@ -131,6 +142,12 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const vo
   attributes->device = -1;
   const Allocation* a = rt().find(ptr);
   if (!a) {
+    if (const GraphAllocation* g = find_graph_allocation(ptr)) {  // a graph's, live or not
+      attributes->type = cudaMemoryTypeDevice;
+      attributes->device = g->device;
+      attributes->devicePointer = const_cast<void*>(ptr);
+      return cudaSuccess;
+    }
     attributes->type = cudaMemoryTypeUnregistered;
     attributes->hostPointer = const_cast<void*>(ptr);
     return cudaSuccess;
@@ -151,10 +168,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
   FSDP_EMULATOR_ENTER(cudaMemcpyAsync);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
+  if (s->capture) {
+    if (kind < cudaMemcpyHostToHost || kind > cudaMemcpyDefault) return entry.fail(cudaErrorInvalidMemcpyDirection);
+    if (cudaError_t e = capture_copy_check(entry, *s, dst, src, bytes, "cudaMemcpyAsync"); e != cudaSuccess) return e;
+    return capture_op(entry, *s, "cudaMemcpyAsync",
+                      [=](cudaStream_t on) { return cudaMemcpyAsync(dst, src, bytes, kind, on); });
+  }
   return copy_on(entry, *s, dst, src, bytes, kind, "cudaMemcpyAsync");
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
   FSDP_EMULATOR_ENTER(cudaMemcpy);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaMemcpy"); e != cudaSuccess) return e;
   Stream& s = *rt().resolve(nullptr, current_device);
   const cudaError_t e = copy_on(entry, s, dst, src, bytes, kind, "cudaMemcpy");
   if (!rt().wait_for(Clock(s.clock), "cudaMemcpy"))  // synchronous
@@ -166,10 +190,15 @@ cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t 
   FSDP_EMULATOR_ENTER(cudaMemsetAsync);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
+  if (s->capture) {
+    if (cudaError_t e = entry.require_current(*s, "cudaMemsetAsync"); e != cudaSuccess) return e;
+    return capture_op(entry, *s, "cudaMemsetAsync", [=](cudaStream_t on) { return cudaMemsetAsync(p, value, bytes, on); });
+  }
   return memset_on(entry, *s, p, value, bytes, "cudaMemsetAsync");
 }
 cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
   FSDP_EMULATOR_ENTER(cudaMemset);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaMemset"); e != cudaSuccess) return e;
   Stream& s = *rt().resolve(nullptr, current_device);
   const cudaError_t e = memset_on(entry, s, p, value, bytes, "cudaMemset");
   if (!rt().wait_for(Clock(s.clock), "cudaMemset"))
@@ -215,6 +244,18 @@ cudaError_t cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** arg
       shared_mem != 0)
     return entry.fail(cudaErrorInvalidConfiguration, std::string(k->name) + ": launch configuration");
   const KernelArgs a{args, grid.x, block.x};
+  if (s->capture) {  // the arguments are the caller's only during the call: a copy of each is kept
+    auto saved = std::make_shared<std::vector<std::vector<std::byte>>>();
+    for (std::size_t i = 0; i < k->arg_bytes.size(); ++i) {
+      const auto* v = static_cast<const std::byte*>(args[i]);
+      saved->emplace_back(v, v + k->arg_bytes[i]);
+    }
+    return capture_op(entry, *s, k->name, [func, grid, block, saved](cudaStream_t on) {
+      std::vector<void*> ptrs;
+      for (auto& v : *saved) ptrs.push_back(v.data());
+      return cudaLaunchKernel(func, grid, block, ptrs.data(), 0, on);
+    });
+  }
   std::vector<Range> ranges;
   k->ranges(a, ranges);
   const std::uint64_t t = rt().queue_op(*s);

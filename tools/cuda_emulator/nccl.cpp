@@ -48,6 +48,7 @@
 #include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/detail/host_math.hpp"
 #include "fsdp/core/dtype.hpp"
+#include "tools/cuda_emulator/capture.hpp"
 #include "tools/cuda_emulator/entry.hpp"
 
 namespace cuda_emulator::detail {
@@ -384,6 +385,23 @@ ncclResult_t collective(Call call, Kind kind, const void* send, void* recv, std:
   if (s->device != c->device)
     return nccl_fail(ncclInvalidUsage, std::string(name) + ": a stream of cuda:" + std::to_string(s->device) +
                                            " for a communicator on cuda:" + std::to_string(c->device));
+  if (s->capture) {  // queued again at each launch of the graph, through this entry point
+    const cudaError_t e = capture_op(entry, *s, name, [=](cudaStream_t on) {
+      ncclResult_t r = ncclSuccess;
+      switch (kind) {
+        case Kind::all_gather: r = ncclAllGather(send, recv, count, type, comm, on); break;
+        case Kind::reduce_scatter: r = ncclReduceScatter(send, recv, count, type, static_cast<ncclRedOp_t>(op), comm, on); break;
+        case Kind::all_reduce: r = ncclAllReduce(send, recv, count, type, static_cast<ncclRedOp_t>(op), comm, on); break;
+        case Kind::broadcast: r = ncclBroadcast(send, recv, count, type, root, comm, on); break;
+        case Kind::split: break;
+      }
+      if (r == ncclSuccess) return cudaSuccess;
+      detail_code = last_error = cudaErrorUnknown;  // NCCL's words, for cudaGraphLaunch's error
+      last_detail = nccl_last_error;
+      return cudaErrorUnknown;
+    });
+    return e == cudaSuccess ? ncclSuccess : nccl_fail(ncclInvalidUsage, last_detail);
+  }
   const std::size_t n = count, world = static_cast<std::size_t>(c->size);
   const std::size_t in_bytes = (kind == Kind::reduce_scatter ? n * world : n) * es;
   const std::size_t out_bytes = (kind == Kind::all_gather ? n * world : n) * es;

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "tools/cuda_emulator/capture.hpp"
 #include "tools/cuda_emulator/entry.hpp"
 
 namespace cuda_emulator {
@@ -100,6 +101,17 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidKernelImage: return "cudaErrorInvalidKernelImage";
     case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorLaunchTimeout: return "cudaErrorLaunchTimeout";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+    case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
     default: return "cudaErrorUnknown";
   }
 }
@@ -153,6 +165,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 cudaError_t cudaDeviceSynchronize() {
   FSDP_EMULATOR_ENTER(cudaDeviceSynchronize);
+  if (cudaError_t e = check_unsafe_call(entry, "cudaDeviceSynchronize"); e != cudaSuccess) return e;
   const Clock work = rt().device_work(current_device);  // a copy: the wait releases the lock
   if (!rt().wait_for(work, "cudaDeviceSynchronize")) return entry.fail(cudaErrorLaunchTimeout, "a hang (see the violations)");
   rt().host.join(work);
@@ -179,6 +192,8 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamDestroy);
+  if (Stream* s = stream ? rt().resolve(stream, current_device) : nullptr; s && s->capture)
+    return capture_prohibits(entry, *s, "cudaStreamDestroy");
   if (!stream || !rt().destroy_stream(reinterpret_cast<Stream*>(stream))) return entry.unknown("stream");
   return cudaSuccess;
 }
@@ -186,6 +201,8 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamSynchronize);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
+  if (s->capture) return capture_prohibits(entry, *s, "cudaStreamSynchronize");
+  if (cudaError_t e = check_unsafe_call(entry, "cudaStreamSynchronize"); e != cudaSuccess) return e;
   rt().order(*s);
   const Clock c = s->clock;  // a copy: the wait releases the lock, and s may go meanwhile
   if (!rt().wait_for(c, "cudaStreamSynchronize on " + rt().describe(*s)))
@@ -197,6 +214,8 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   FSDP_EMULATOR_ENTER(cudaStreamQuery);
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
+  if (s->capture) return capture_prohibits(entry, *s, "cudaStreamQuery");
+  if (cudaError_t e = check_unsafe_call(entry, "cudaStreamQuery"); e != cudaSuccess) return e;
   rt().progress();
   rt().order(*s);  // a blocking stream waits for the legacy one, and the other way round
   if (rt().incomplete(s->clock)) return cudaErrorNotReady;  // not an error: not recorded as the last one
@@ -215,6 +234,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   Stream* s = rt().resolve(stream, current_device);
   auto* e = reinterpret_cast<Event*>(event);
   if (!s || !rt().known(e)) return entry.unknown(s ? "event" : "stream");
+  if (s->capture || e->capture) return capture_wait(entry, *s, *e, flags);
   if (flags != 0) return entry.fail(cudaErrorInvalidValue, "cudaStreamWaitEvent: flags not emulated");
   if (e->recorded) s->clock.join(e->clock);  // waiting on a never-recorded event is a no-op
   return cudaSuccess;
@@ -244,6 +264,9 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (!s || !rt().known(e)) return entry.unknown(s ? "event" : "stream");
   if (s->device != e->device)
     return entry.fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: the event and the stream are on different devices");
+  if (s->capture) return capture_record(entry, *s, *e);
+  e->capture = nullptr;  // a point of a stream again
+  e->seen.clear();
   rt().order(*s);
   e->clock = s->clock;
   e->recorded = true;
@@ -253,6 +276,8 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventQuery);
   auto* e = reinterpret_cast<Event*>(event);
   if (!rt().known(e)) return entry.unknown("event");
+  if (e->capture) return captured_event_use(entry, *e, "cudaEventQuery");
+  if (cudaError_t r = check_unsafe_call(entry, "cudaEventQuery"); r != cudaSuccess) return r;
   rt().progress();
   if (rt().incomplete(e->clock)) return cudaErrorNotReady;
   rt().host.join(e->clock);  // eager: the recorded work is done unless a pending operation holds it
@@ -262,6 +287,8 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   FSDP_EMULATOR_ENTER(cudaEventSynchronize);
   auto* e = reinterpret_cast<Event*>(event);
   if (!rt().known(e)) return entry.unknown("event");
+  if (e->capture) return captured_event_use(entry, *e, "cudaEventSynchronize");
+  if (cudaError_t r = check_unsafe_call(entry, "cudaEventSynchronize"); r != cudaSuccess) return r;
   const Clock c = e->clock;  // a copy: the wait releases the lock
   if (!rt().wait_for(c, "cudaEventSynchronize")) return entry.fail(cudaErrorLaunchTimeout, "a hang (see the violations)");
   rt().host.join(c);
@@ -277,6 +304,8 @@ cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* user_
   Stream* s = rt().resolve(stream, current_device);
   if (!s) return entry.unknown("stream");
   if (!fn) return entry.fail(cudaErrorInvalidValue, "cudaLaunchHostFunc with a null function");
+  if (s->capture)
+    return capture_op(entry, *s, "cudaLaunchHostFunc", [fn, user_data](cudaStream_t on) { return cudaLaunchHostFunc(on, fn, user_data); });
   auto returned = std::make_shared<std::atomic<bool>>(false);
   rt().add_pending(*s, rt().queue_op(*s), "a host function (cudaLaunchHostFunc)", [fn, user_data, returned, started = false](Pending& p) mutable {
     if (!started) {

@@ -169,6 +169,43 @@ std::byte* Runtime::allocate(std::size_t bytes, Space space, int device, const c
   return p;
 }
 
+std::byte* Runtime::graph_storage(std::size_t bytes) {
+  return static_cast<std::byte*>(::operator new(bytes, std::align_val_t{kAlignment}, std::nothrow));
+}
+
+void Runtime::adopt(const GraphAllocation& g, Stream& on) {
+  Allocation a;
+  a.base = g.base;
+  a.bytes = g.bytes;
+  a.space = Space::device;
+  a.device = g.device;
+  a.how = "cudaMallocAsync (a graph's allocation node)";
+  a.graph_owned = true;
+  a.made_on = on.id;
+  a.made_at = queue_op(on);
+  // A replay whose free has not been queued yet (a graph launched again meanwhile) keeps
+  // the one live entry: the address is the graph's.
+  if (live_.emplace(reinterpret_cast<std::uintptr_t>(g.base), std::move(a)).second) live_bytes_[0] += g.bytes;
+}
+
+// The storage of a graph no handle refers to any more: a live entry (a replay whose free
+// never ran) is dropped, and the bytes join the quarantine as the runtime's own, so a late
+// use is still reported and nothing pending can lose them.
+void Runtime::drop_graph_memory(GraphData& g) {
+  for (GraphAllocation& a : g.allocations) {
+    if (!a.base) continue;
+    if (auto it = live_.find(reinterpret_cast<std::uintptr_t>(a.base)); it != live_.end()) {
+      live_bytes_[0] -= it->second.bytes;
+      live_.erase(it);
+    }
+    for (Freed& f : freed_)
+      if (f.base == a.base) f.owned = false;  // an older entry of a replay's free: not deleted twice
+    freed_.push_back({a.base, a.bytes, "cudaGraphDestroy", true});
+    freed_bytes_ += a.bytes;
+    a.base = nullptr;
+  }
+}
+
 std::shared_ptr<Pending> Runtime::add_pending(Stream& s, std::uint64_t time, std::string what,
                                               std::function<void(Pending&)> step) {
   auto p = std::make_shared<Pending>();
@@ -264,14 +301,14 @@ bool Runtime::release(void* p, Space space, const char* how, Stream* on) {
   if (on && a.made_on != Allocation::kNoStream && at->at(a.made_on) < a.made_at)
     violation("stream-order race: " + freer + " frees the allocation at " + hex(a.base) + " before its " + a.how +
               " on stream #" + std::to_string(a.made_on) + " is ordered before the free");
-  freed_.push_back({a.base, a.bytes, how});
+  freed_.push_back({a.base, a.bytes, how, !a.graph_owned});
   freed_bytes_ += a.bytes;
   live_bytes_[static_cast<int>(space)] -= a.bytes;
   live_.erase(it);
   // Kept while an operation is pending: a deferred one queued before the free may still use it.
   while (pending_.empty() && !freed_.empty() && (freed_bytes_ > kQuarantineBytes || freed_.size() > kQuarantineBlocks)) {
     freed_bytes_ -= freed_.front().bytes;
-    ::operator delete(freed_.front().base, std::align_val_t{kAlignment});
+    if (freed_.front().owned) ::operator delete(freed_.front().base, std::align_val_t{kAlignment});
     freed_.pop_front();
   }
   return true;

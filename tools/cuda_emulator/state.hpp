@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace cuda_emulator::detail {
@@ -38,18 +39,71 @@ struct Clock {
   }
 };
 
+struct Capture;
+
 struct Stream {
   int device = 0;
   bool blocking = false;  // synchronizes with the device's legacy default stream
   bool legacy = false;
   std::size_t id = 0;
   Clock clock;
+  std::shared_ptr<Capture> capture;  // set while the stream is capturing (graph.cpp)
 };
 
 struct Event {
   int device = 0;
   bool recorded = false;
   Clock clock;  // the recording stream's, at the record
+  // Set when its last record was captured (into that capture's event `slot`, knowing what
+  // `seen` says of the capture's streams); cleared by an eager record.
+  std::shared_ptr<Capture> capture;
+  std::size_t slot = 0;
+  std::vector<long> seen;
+};
+
+// Stream capture (graph.cpp). A capture records what is queued on its streams as nodes,
+// in the order the host queued them, instead of running it; a launch of the instantiated
+// graph queues them again, on the launch stream and on streams of the executable graph's
+// own, through the same entry points, so a replay is checked like eager calls.
+struct GraphAllocation {  // cudaMallocAsync in a capture: one address for every replay
+  std::byte* base = nullptr;
+  std::size_t bytes = 0;
+  int device = 0;
+  bool freed_in_capture = false;
+};
+
+struct Node {
+  enum class Kind { op, record, wait, alloc, free } kind = Kind::op;
+  std::size_t stream = 0;      // the capture's stream slot (0: the one it began on)
+  std::size_t event = 0;       // record, wait: the capture's event slot
+  std::size_t allocation = 0;  // alloc, free: in GraphData::allocations
+  std::string what;
+  std::function<cudaError_t(cudaStream_t)> issue;  // op: queues the call again on a stream
+};
+
+struct GraphData {
+  int device = 0;
+  std::vector<Node> nodes;
+  std::size_t streams = 1, events = 0;
+  std::vector<GraphAllocation> allocations;  // storage owned here (Runtime::drop_graph_memory)
+  int executables = 0;  // instantiated and not destroyed (one at a time when it has memory nodes)
+};
+
+struct Capture {
+  unsigned long long id = 0;
+  std::string name;  // "the capture #N begun on stream #S (cuda:D)", for messages after its stream is gone
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;
+  Stream* origin = nullptr;
+  std::shared_ptr<GraphData> graph;  // until it ends (events recorded in it keep the Capture, not its graph)
+  std::map<Stream*, std::size_t> streams;  // every stream in the capture, by slot
+  // Per slot: the last node each slot has that is ordered before this slot's next node
+  // (-1: none), and this slot's own last node that is not a wait. Joined back = the
+  // origin has seen every other slot's last node.
+  std::vector<std::vector<long>> seen;
+  std::vector<long> last;
+  std::string invalidated;  // why, once a prohibited call invalidated it
+  bool ended = false;
 };
 
 // One access to an allocation: bytes [begin, end) from its base, by an operation at
@@ -73,6 +127,7 @@ struct Allocation {
   std::size_t made_on = kNoStream;        // cudaMallocAsync's stream, else none
   std::uint64_t made_at = 0;
   std::vector<Access> accesses;           // pruned (see Runtime::record_access)
+  bool graph_owned = false;               // a graph's memory, live during a replay
   static constexpr std::size_t kNoStream = static_cast<std::size_t>(-1);
 };
 
@@ -81,6 +136,7 @@ struct Freed {
   std::byte* base;
   std::size_t bytes;
   std::string how;  // "cudaFreeAsync", "cudaFree", "cudaFreeHost"
+  bool owned = true;  // false: a graph's memory (its storage stays with the graph)
 };
 
 // An operation that does not complete when it is queued: an NCCL collective (until every
@@ -168,6 +224,15 @@ class Runtime {
   Allocation* find(const void* p);            // the live allocation holding p, if any
   const Freed* find_freed(const void* p) const;
   std::size_t live_bytes(Space space) const { return live_bytes_[static_cast<int>(space)]; }
+  // A graph's memory (graph.cpp): storage made at capture, live only from its allocation
+  // node to its free node in each replay (adopt, then release), deleted with the graph.
+  std::byte* graph_storage(std::size_t bytes);
+  void adopt(const GraphAllocation& g, Stream& on);
+  void drop_graph_memory(GraphData& g);
+
+  // Captures under way (graph.cpp), and this thread's capture interaction mode.
+  std::vector<std::shared_ptr<Capture>> captures;
+  unsigned long long next_capture_id = 1;
 
   // Checks one access of `bytes` at p by `what` at time `time` on s; appends a message to
   // `error` and returns false when p is not usable (not live, out of bounds, or pageable

@@ -26,6 +26,12 @@ void cuda_check(cudaError_t e, const char* call, Where&&... where) {
           cudaGetErrorName(e), ")");
 }
 
+// Set on a thread while fsdp::CapturedStep frees a failed step's buffers into a capture
+// that a prohibited call invalidated (fsdp/graph/captured_step.hpp): CudaDevice then takes
+// cudaErrorStreamCaptureInvalidated as done, since that work joins a graph that never runs
+// and cudaStreamEndCapture reports the failure. Nowhere else is that error ignored.
+inline thread_local bool discarding_failed_capture = false;
+
 // Between polls: a few yields (collectives often finish within microseconds), then short
 // sleeps so many waiting ranks on few cores do not starve the one that must progress.
 inline void cuda_poll_backoff(int spins) {

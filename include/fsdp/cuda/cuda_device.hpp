@@ -119,6 +119,7 @@ class CudaDevice {
     void* p = nullptr;
     if (space == MemorySpace::device) {  // from the stream's device's pool: no Guard needed
       check(cudaMallocAsync(&p, bytes, stream_), "cudaMallocAsync(", bytes, " bytes)");
+      if (!p) detail::fail("CudaDevice(cuda:", index_, "): cudaMallocAsync(", bytes, " bytes) gave no memory");
     } else {
       Guard g(*this);
       check(cudaMallocHost(&p, bytes), "cudaMallocHost(", bytes, " bytes)");
@@ -343,6 +344,8 @@ class CudaDevice {
   void check(cudaError_t e, const char* call, Parts&&... parts) const {
     if (e == cudaSuccess) return;
     (void)cudaGetLastError();  // clear it unless sticky, so the next call does not see it
+    // fsdp::CapturedStep freeing a failed step's buffers into the capture that failed.
+    if (e == cudaErrorStreamCaptureInvalidated && detail::discarding_failed_capture) return;
     detail::fail_as(detail::cuda_error_kind(e), "CudaDevice(cuda:", index_, "): ", call, std::forward<Parts>(parts)...,
                     " failed: ", cudaGetErrorString(e), " (", cudaGetErrorName(e), ")");
   }

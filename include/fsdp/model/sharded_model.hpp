@@ -33,6 +33,10 @@
 
 namespace fsdp {
 
+namespace detail {
+struct CaptureAccess;
+}  // namespace detail
+
 // Every unit of a model summoned at once (FSDP's summon_full_params on the root; see
 // ShardedModel::summon_full_params). Ends each unit's summon when it goes, in unit order on
 // every rank (the writeback check is a collective per unit); leaving by exception drops the
@@ -241,6 +245,7 @@ class ShardedModel : public RunTimeSettings<ShardedModel> {
 
  private:
   friend class RunTimeSettings<ShardedModel>;
+  friend struct detail::CaptureAccess;
   // RunTimeSettings<ShardedModel>'s (fsdp/unit/run_time_settings.hpp): every unit checked
   // first, so a refused call changes none.
   template <class Check, class Change>
@@ -427,6 +432,57 @@ FSDP_DECL std::string ShardedModel::unit_names() const {
 #endif  // FSDP_DEFINES_IMPLEMENTATION
 
 namespace detail {
+// What fsdp::CapturedStep (fsdp/graph/captured_step.hpp) needs of a model, and nothing an
+// engine calls: the capture switch (ExecutionOrder::capturing), and why a step cannot be
+// captured now ("" when it can).
+struct CaptureAccess {
+  static void set_capturing(ShardedModel& m, bool on) { m.order_->capturing = on; }
+  // abort_step's local part (every unit frees what the step held), which a capture can
+  // record; the agreement across ranks that follows waits on the host, after the capture.
+  static void abandon_step(ShardedModel& m) {
+    for (auto& u : m.units_) internals(*u).abandon_step();
+    m.order_->abort_pass();
+  }
+  // Each unit's gradient state between steps (Unit's step_state), in unit order: what a
+  // replay must find as the capture found it.
+  static std::vector<std::string> step_states(const ShardedModel& m) {
+    std::vector<std::string> out;
+    out.reserve(m.units_.size());
+    for (const auto& u : m.units_) out.push_back(internals(*u).step_state());
+    return out;
+  }
+  // Puts each unit's gradient state back to `states` (step_states' form): where a capture
+  // left it (nothing ran), or where a replay leaves it (what the captured step did).
+  static void set_step_states(ShardedModel& m, const std::vector<std::string>& states) {
+    for (std::size_t i = 0; i < m.units_.size() && i < states.size(); ++i)
+      internals(*m.units_[i]).set_grad_is_zero(states[i].rfind("zero", 0) == 0);
+  }
+  static std::string unit_name(const ShardedModel& m, std::size_t i) {
+    return std::string(display_name(m.units_.at(i)->fqn()));
+  }
+  static std::string not_capturable(const ShardedModel& m) {
+    if (!m.order_->iteration_recorded())
+      return "no step has ended yet: run one eagerly first (the first iteration records the order of the units and "
+             "agrees on it across ranks, on the host)";
+    for (const auto& u : m.units_) {
+      if (u->state() != TrainingState::IDLE)
+        return "unit '" + std::string(display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
+               ": capture a whole step, begun between steps";
+      const UnitConfig c = u->config();
+      const std::string unit = "unit '" + std::string(display_name(u->fqn())) + "'";
+      if (c.policies.offload)
+        return unit + " offloads its parameters (OffloadParams): finish_backward then synchronizes the device for a "
+               "CPU optimizer, which a graph cannot";
+      if (c.post_accumulate_grad_hook)
+        return unit + " has a post-accumulate-grad hook: it runs on the host, once at the capture, never at a replay";
+      if (internals(*u).settings_unagreed())
+        return unit + "'s run-time settings changed since the last step, and the ranks agree on them in the next "
+               "backward, on the host: run one step eagerly first";
+    }
+    return {};
+  }
+};
+
 template <class G> struct is_mesh : std::false_type {};
 template <class C> struct is_mesh<DeviceMesh<C>> : std::true_type {};
 

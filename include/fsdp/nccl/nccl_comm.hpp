@@ -146,6 +146,20 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   std::string broken_by() const { return state_->broken_by(); }
   bool broken() const { return !broken_by().empty(); }
 
+  // CUDA graph capture of a training step: fsdp::CapturedStep (fsdp/graph/captured_step.hpp)
+  // calls these; an engine need not. Between begin_capture and end_capture the collectives
+  // issued are recorded into the graph captured on `stream` (which NcclCommOptions::after,
+  // or ::stream, must be), with their tags in up to `max_tagged` slots of the capture's own;
+  // each replay, once queued on `stream`, is tracked as one collective (track_replay):
+  // bounded by the timeout, its tags compared once it has completed. abandon_capture: the
+  // capture failed, and waits for what it recorded return at once.
+  void begin_capture(cudaStream_t stream, std::size_t max_tagged) { state_->begin_capture(stream, max_tagged); }
+  void abandon_capture() { state_->abandon_capture(); }
+  std::shared_ptr<const detail::NcclCapture> end_capture() { return state_->end_capture(); }
+  Work track_replay(cudaStream_t stream, std::shared_ptr<const detail::NcclCapture> capture, std::uint64_t replay) {
+    return Work(std::make_unique<detail::NcclPending>(state_, state_->track_replay(stream, std::move(capture), replay)));
+  }
+
   // ncclCommSplit: collective over this communicator; ranks passing the same color (>= 0)
   // form a new one on the same GPU, ordered by (key, rank). Every rank first learns every
   // rank's color (an all_gather), so a bad color fails on all ranks alike.

@@ -4,7 +4,9 @@
 // (nccl_state.hpp), its creation (nccl_comm.hpp) and nccl_group (nccl_group.hpp) wait with;
 // the collectives an open nccl_group has issued.
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -35,6 +37,8 @@ inline ncclResult_t nccl_settle(ncclComm_t comm, NcclClock::time_point deadline)
   }
 }
 
+struct NcclCapture;
+
 struct NcclInFlight {
   NcclInFlight() = default;
   NcclInFlight(const NcclInFlight&) = delete;
@@ -50,6 +54,35 @@ struct NcclInFlight {
   bool complete = false;  // and, when tagged, every rank's tag equals call.tag
   bool retired = false;   // complete, and so is every collective issued before it (tags compared)
   int tag_slot = -1;      // where its tag was gathered (NcclTagRing), or -1: untagged
+  // Recorded into a CUDA graph (NcclCommState::begin_capture): it runs at each replay, and
+  // has no state of its own on the host: only its replays are tracked and waited for.
+  bool captured = false;
+  std::shared_ptr<const NcclCapture> captured_by;  // the capture it was recorded in
+  // A replay of a captured step (NcclCommState::track_replay): what it is called in
+  // messages, and the captured tags to compare once it has completed.
+  std::string label;
+  std::shared_ptr<const NcclCapture> replay_of;
+  std::string describe() const { return label.empty() ? call.describe() : label; }
+};
+
+// The collectives one capture recorded, for its replays: their tags' slots (mapped pinned
+// memory of their own, gathered again by every replay and reused by no eager collective),
+// each slot's call (to name it in a mismatch), and how many collectives there were.
+struct NcclCapture {
+  NcclCapture() = default;
+  NcclCapture(const NcclCapture&) = delete;
+  NcclCapture& operator=(const NcclCapture&) = delete;
+  ~NcclCapture() {
+    if (host) cudaFreeHost(host);
+  }
+  std::uint64_t* host = nullptr;    // slot i holds every rank's tag at [i * ranks, (i + 1) * ranks)
+  std::uint64_t* device = nullptr;  // the same memory as the GPU addresses it
+  std::size_t capacity = 0, ranks = 0, rank = 0;
+  std::vector<CollectiveCall> tagged;  // slot i's call
+  std::size_t collectives = 0;
+  std::uint64_t first_seq = 0, last_seq = 0;
+  // The capture failed and is dropped: its collectives never run, and nothing waits for them.
+  bool abandoned = false;
 };
 
 class NcclCommState;

@@ -32,6 +32,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -146,10 +147,20 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       nccl_active_group->issued.push_back({shared_from_this(), f});
       ++grouped_;
     }
-    if (call.tag && gathers_tags_) claim_tag_slot_locked(f, at);
+    std::uint64_t* captured_tag = nullptr;  // its tag's slot in the capture under way
+    if (capture_) {
+      f->captured = true;
+      f->captured_by = capture_;
+      ++capture_->collectives;
+      if (call.tag && gathers_tags_) captured_tag = claim_capture_slot_locked(call, at);
+    } else if (call.tag && gathers_tags_) {
+      claim_tag_slot_locked(f, at);
+    }
     f->issued = NcclClock::now();
-    ncclResult_t r = f->tag_slot >= 0 ? tags_.enqueue_with_tag(static_cast<std::size_t>(f->tag_slot), enqueue, comm_, f->stream)
-                                       : enqueue(comm_, f->stream);
+    ncclResult_t r = captured_tag ? NcclTagRing::enqueue_with_gathered_tag(captured_tag, static_cast<std::size_t>(rank),
+                                                                           enqueue, comm_, f->stream)
+                     : f->tag_slot >= 0 ? tags_.enqueue_with_tag(static_cast<std::size_t>(f->tag_slot), enqueue, comm_, f->stream)
+                                        : enqueue(comm_, f->stream);
     if (r == ncclInProgress) r = nccl_settle(comm_, f->issued + options.timeout);
     if (r == ncclInProgress)
       fail_locked(at.text() + " was not enqueued within " + std::to_string(options.timeout.count()) + " ms by " +
@@ -158,14 +169,94 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (r != ncclSuccess)
       fail_locked(at.text() + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq,
                   nccl_error_kind(r));
-    in_flight_.push_back(f);
+    if (!f->captured) in_flight_.push_back(f);  // a captured one: its replays are tracked instead
     if (!nccl_active_group) record_locked(*f);
+    return f;
+  }
+
+  // CUDA graph capture (fsdp/graph/captured_step.hpp). Between begin_capture and
+  // end_capture the collectives issued are recorded into the graph being captured on
+  // `stream` (the communicator's streams join the capture through NcclCommOptions::after,
+  // which must be that stream), and none is tracked here: the watchdog would query events
+  // that mark points of a graph. A tagged one gathers its tag into a slot of the capture's
+  // own, `capacity` of them, allocated here, before the stream captures (allocating pinned
+  // memory during a capture is prohibited). Each replay is then tracked as one collective
+  // (track_replay): the watchdog bounds it by NcclCommOptions::timeout, and once it has
+  // completed every captured tag is compared, as the collectives' own would have been.
+  void begin_capture(cudaStream_t stream, std::size_t capacity) {
+    std::lock_guard lk(mu_);
+    if (!broken_.empty())
+      fail_as(broken_kind_, where(), ": a capture cannot begin: the communicator broke earlier: ", broken_);
+    if (capture_) fail(where(), ": a capture is under way on it already (one at a time)");
+    if (!streams_.ordered_after(stream))
+      fail(where(), ": its collectives would not join a capture of stream ", static_cast<const void*>(stream),
+           ": set NcclCommOptions::after (or ::stream) to the stream the step is captured on");
+    auto c = std::make_shared<NcclCapture>();
+    c->ranks = static_cast<std::size_t>(size);
+    c->rank = static_cast<std::size_t>(rank);
+    c->capacity = gathers_tags_ ? capacity : 0;
+    c->first_seq = seq_;
+    if (c->capacity) {
+      CurrentDevice current(device, where_);
+      const std::size_t bytes = c->capacity * c->ranks * sizeof(std::uint64_t);
+      void* host = nullptr;
+      cuda_check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+                 "cudaHostAlloc(captured tag slots)", where_);
+      c->host = static_cast<std::uint64_t*>(host);
+      std::memset(c->host, 0, bytes);
+      void* dev = nullptr;
+      cuda_check(cudaHostGetDevicePointer(&dev, host, 0), "cudaHostGetDevicePointer(captured tag slots)", where_);
+      c->device = static_cast<std::uint64_t*>(dev);
+    }
+    capture_ = std::move(c);
+  }
+  // The capture under way failed: the collectives it recorded will never run, and waits
+  // for them return at once (so a failed step's cleanup, inside the capture, can free).
+  void abandon_capture() {
+    std::lock_guard lk(mu_);
+    if (capture_) capture_->abandoned = true;
+  }
+  std::shared_ptr<const NcclCapture> end_capture() {
+    std::lock_guard lk(mu_);
+    if (capture_) capture_->last_seq = seq_;
+    return std::exchange(capture_, nullptr);
+  }
+  // The `replay`th launch of `c`'s graph, just queued on `stream`: tracked as one
+  // collective, whose event follows the graph there.
+  std::shared_ptr<NcclInFlight> track_replay(cudaStream_t stream, std::shared_ptr<const NcclCapture> c, std::uint64_t replay) {
+    std::lock_guard lk(mu_);
+    auto f = std::make_shared<NcclInFlight>();
+    f->call.seq = seq_++;
+    const std::string first = "#" + std::to_string(c->first_seq), last = "#" + std::to_string(c->last_seq - 1);
+    f->label = "replay " + std::to_string(replay) + " of a captured step (" +
+               (c->collectives == 0   ? std::string("no collective")
+                : c->collectives == 1 ? "1 collective, " + first + " when captured"
+                                      : std::to_string(c->collectives) + " collectives, " + first + " to " + last +
+                                            " when captured") +
+               ") as collective #" + std::to_string(f->call.seq);
+    if (!broken_.empty())
+      fail_as(broken_kind_, where(), ": ", f->describe(), " not tracked: the communicator broke earlier: ", broken_);
+    CurrentDevice current(device, where_);
+    f->stream = stream;
+    f->event = streams_.take_event(where_);
+    f->replay_of = std::move(c);
+    f->issued = NcclClock::now();
+    cuda_check(cudaEventRecord(f->event, stream), "cudaEventRecord(after a replay)", where_);
+    f->recorded = true;
+    in_flight_.push_back(f);
     return f;
   }
 
   // True once `f` has completed; throws when it failed, timed out, or the communicator broke.
   bool poll(NcclInFlight& f) {
+    std::vector<std::shared_ptr<const NcclCapture>> release;  // destroyed after the lock is released
     std::lock_guard lk(mu_);
+    ReleaseOutside outside{release, released_};
+    if (f.captured) {
+      if (f.captured_by->abandoned) return true;  // never runs: nothing to wait for
+      fail(where(), ": wait() on ", f.describe(), ", which was captured into a CUDA graph: it runs at each replay of ",
+           "the graph, and what is waited for is the replay (fsdp::CapturedStep::wait)");
+    }
     // Retired: it and every collective before it were compared. Complete but not retired
     // (a tag slot's reuse found it so) and broken since: no NCCL call on an aborted comm.
     if (f.retired || (f.complete && !broken_.empty())) return true;
@@ -178,7 +269,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     // A host wait is also the check of collectives waited for on the GPU before it.
     const ncclResult_t state = nccl_async_state(comm_);
     if (state != ncclSuccess && state != ncclInProgress)
-      fail_locked(where() + ": " + f.call.describe() +
+      fail_locked(where() + ": " + f.describe() +
                       " completed, but NCCL reported an asynchronous error: " + nccl_error_text(state, comm_),
                   f.call.seq, nccl_error_kind(state));
     // Those before it have completed too (in order): their tags are compared now, not at
@@ -201,7 +292,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // wait takes the event's record of this moment: reusing the event later cannot move it.
   void enqueue_wait(NcclInFlight& f, cudaStream_t stream) {
     std::lock_guard lk(mu_);
-    if (f.complete) return;
+    if (f.complete || (f.captured && f.captured_by->abandoned)) return;
     check_waitable_locked(f, "a stream was made to wait for ");
     cuda_check(cudaStreamWaitEvent(stream, f.event, 0), "cudaStreamWaitEvent", CallAt{where_, f.call});
   }
@@ -257,10 +348,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void check_waitable_locked(const NcclInFlight& f, const char* what) const {
     if (!broken_.empty()) {
       if (broken_seq_ == f.call.seq) fail_as(broken_kind_, broken_);
-      fail_as(broken_kind_, where(), ": ", f.call.describe(), " did not complete: ", broken_);
+      fail_as(broken_kind_, where(), ": ", f.describe(), " did not complete: ", broken_);
     }
     if (!f.recorded)
-      fail(where(), ": ", what, f.call.describe(),
+      fail(where(), ": ", what, f.describe(),
            " inside an nccl_group: NCCL launches the group's collectives when it ends; wait after it");
   }
 
@@ -288,22 +379,29 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       reason_kind_ = ErrorKind::mismatch;
       return mismatch;
     }
+    if (q == cudaErrorCapturedEvent) {  // issued while its stream was captured, by an engine that did not say so
+      (void)cudaGetLastError();
+      reason_kind_ = ErrorKind::misuse;
+      return where() + ": " + f.describe() + " was issued while the stream it follows (NcclCommOptions::after) was " +
+             "being captured into a CUDA graph, but this communicator was not told (pass it to fsdp::CapturedStep): " +
+             "its event marks a point of the graph, which cannot be waited for here";
+    }
     if (q != cudaErrorNotReady) {
       (void)cudaGetLastError();
       reason_kind_ = cuda_error_kind(q);
-      return where() + ": " + f.call.describe() + " failed: cudaEventQuery: " + cudaGetErrorString(q) + " (" +
+      return where() + ": " + f.describe() + " failed: cudaEventQuery: " + cudaGetErrorString(q) + " (" +
              cudaGetErrorName(q) + ")";
     }
     const ncclResult_t state = nccl_async_state(comm_);
     if (state != ncclSuccess && state != ncclInProgress) {
       reason_kind_ = nccl_error_kind(state);
-      return where() + ": " + f.call.describe() + " failed: NCCL reported an asynchronous error: " +
+      return where() + ": " + f.describe() + " failed: NCCL reported an asynchronous error: " +
              nccl_error_text(state, comm_);
     }
     const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(NcclClock::now() - f.issued);
     reason_kind_ = ErrorKind::timeout;
     if (age > options.timeout)
-      return where() + ": " + f.call.describe() + " did not complete within " +
+      return where() + ": " + f.describe() + " did not complete within " +
              std::to_string(options.timeout.count()) + " ms of being issued (NcclCommOptions::timeout): a peer is " +
              "dead, stalled, or issued a different collective; NCCL async state: " + nccl_error_text(state, comm_);
     return {};
@@ -311,6 +409,14 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
   // "" when every rank gathered `f`'s tag (or it is untagged), else the mismatch.
   std::string tag_mismatch_locked(const NcclInFlight& f) const {
+    if (f.replay_of) {  // every captured collective's tag, as gathered by this replay
+      const NcclCapture& c = *f.replay_of;
+      for (std::size_t i = 0; i < c.tagged.size(); ++i) {
+        std::string m = tag_mismatch(c.tagged[i], {c.host + i * c.ranks, c.ranks}, c.rank);
+        if (!m.empty()) return where() + ": in " + f.describe() + ": " + m;
+      }
+      return {};
+    }
     if (f.tag_slot < 0) return {};
     std::string m = tag_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), static_cast<std::size_t>(rank));
     return m.empty() ? m : where() + ": " + m;
@@ -318,6 +424,18 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
   // A slot of the ring for `f`'s tag, written with it: the next one, once the collective
   // that used it last has completed (polled here, bounded by the timeout, if it has not).
+  // The next slot of the capture under way for `call`'s tag, written with it.
+  std::uint64_t* claim_capture_slot_locked(const CollectiveCall& call, const CallAt& at) {
+    NcclCapture& c = *capture_;
+    if (c.tagged.size() == c.capacity)
+      fail(at.text(), ": more than ", c.capacity, " tagged collectives in one captured step ",
+           "(CaptureOptions::max_tagged_collectives)");
+    std::uint64_t* slot = c.host + c.tagged.size() * c.ranks;
+    slot[c.rank] = call.tag;
+    c.tagged.push_back(call);
+    return c.device + (c.tagged.size() - 1) * c.ranks;
+  }
+
   void claim_tag_slot_locked(const std::shared_ptr<NcclInFlight>& f, const CallAt& at) {
     const std::size_t slot = tags_.next();
     std::shared_ptr<NcclInFlight>& last = tags_.last_user(slot);
@@ -351,6 +469,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       }
       if (!f.complete) break;
       streams_.give_back(std::exchange(f.event, nullptr));  // poll() and enqueue_wait() read `complete` only now
+      if (f.replay_of) released_.push_back(std::move(f.replay_of));  // freed outside the lock (release_outside)
       f.retired = true;
       const bool reached = &f == upto;
       in_flight_.pop_front();  // may free `f`
@@ -361,6 +480,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
 
   void watch() {
     cudaSetDevice(device);
+    // Its event queries are of collectives issued eagerly, never of a graph's: legal while
+    // the engine's thread captures a step, which in CUDA's default (global) mode would
+    // prohibit them from any thread not relaxed (and invalidate the capture).
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&relaxed);
     std::unique_lock lk(mu_);
     while (!stopping_) {
       cv_.wait_for(lk, options.watchdog_interval);
@@ -369,6 +493,12 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       std::uint64_t seq = 0;
       const std::string reason = retire_locked(seq);
       if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_);
+      if (!released_.empty()) {  // a captured step's tag memory: cudaFreeHost may wait for the device
+        auto release = std::exchange(released_, {});
+        lk.unlock();
+        release.clear();
+        lk.lock();
+      }
       if (in_flight_.empty() && !aborted_) {  // a peer may fail between collectives
         const ncclResult_t state = nccl_async_state(comm_);
         if (state != ncclSuccess && state != ncclInProgress)
@@ -394,6 +524,16 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   NcclStreams streams_;
   const bool gathers_tags_ = size > 1 || nccl_tags_on_one_rank;
   NcclTagRing tags_;  // allocated where gathers_tags_
+  std::shared_ptr<NcclCapture> capture_;  // between begin_capture and end_capture
+  // The last references to captured steps' tag memory, taken by retire_locked: released by
+  // the watchdog and poll() once they no longer hold mu_ (cudaFreeHost may wait for the
+  // device, which must never happen under the lock the watchdog needs).
+  std::vector<std::shared_ptr<const NcclCapture>> released_;
+  struct ReleaseOutside {  // moves released_ into `into` as the caller's lock goes
+    std::vector<std::shared_ptr<const NcclCapture>>& into;
+    std::vector<std::shared_ptr<const NcclCapture>>& from;
+    ~ReleaseOutside() { into = std::exchange(from, {}); }
+  };
   std::condition_variable cv_;
   bool stopping_ = false;
   std::thread watchdog_;

@@ -64,6 +64,10 @@ class NcclStreams {
     cuda_check(cudaStreamWaitEvent(stream, after_event_, 0), "cudaStreamWaitEvent(after stream)", at);
   }
 
+  // Whether collectives issued now are ordered after `stream`'s work (and so join a
+  // capture of it): it is the `after` stream, or the one stream they run on.
+  bool ordered_after(cudaStream_t stream) const { return stream && (after_ == stream || (!owns_streams_ && gather_ == stream)); }
+
   // An event for the next collective: a completed one's, else a new one.
   template <class At>
   cudaEvent_t take_event(const At& at) {

@@ -74,12 +74,17 @@ class NcclTagRing {
   // ncclGroupEnd's result (ncclInProgress on a nonblocking communicator: to be settled).
   template <class Enqueue>
   ncclResult_t enqueue_with_tag(std::size_t slot, Enqueue& enqueue, ncclComm_t comm, cudaStream_t stream) const {
+    return enqueue_with_gathered_tag(device_gathered(slot), rank_, enqueue, comm, stream);
+  }
+  // The same for any slot of every rank's tag (`gathered`, this rank's at [rank]).
+  template <class Enqueue>
+  static ncclResult_t enqueue_with_gathered_tag(std::uint64_t* gathered, std::size_t rank, Enqueue& enqueue,
+                                                ncclComm_t comm, cudaStream_t stream) {
     const ncclResult_t started = ncclGroupStart();
     if (started != ncclSuccess) return started;
     auto ok = [](ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; };
     const ncclResult_t payload = enqueue(comm, stream);
-    const ncclResult_t tag =
-        ok(payload) ? ncclAllGather(device_mine(slot), device_gathered(slot), 1, ncclUint64, comm, stream) : ncclSuccess;
+    const ncclResult_t tag = ok(payload) ? ncclAllGather(gathered + rank, gathered, 1, ncclUint64, comm, stream) : ncclSuccess;
     const ncclResult_t ended = ncclGroupEnd();  // always: the group must close
     return !ok(payload) ? payload : !ok(tag) ? tag : ended;
   }

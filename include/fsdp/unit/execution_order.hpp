@@ -41,6 +41,13 @@ class ExecutionOrder final : public UnitNames {
   // At most this many units gathered ahead of the one computing (FSDP's limit_all_gathers).
   int max_prefetched = 2;
   Trace* trace = nullptr;  // where units record their spans; null: no tracing
+  // A step being captured into a CUDA graph (fsdp/graph/captured_step.hpp): the hooks run
+  // once, to be recorded, and finish_backward checks no reduction on the host (it would
+  // wait inside the capture); each replay's wait does instead.
+  bool capturing = false;
+  // Whether the first iteration, which records the order and agrees on it across ranks,
+  // has ended (a capture needs it: its agreements wait on the host).
+  bool iteration_recorded() const { return backward_recorded_; }
 
   // The tag of unit `index`'s collectives now (fsdp/core/collective_tag.hpp): its all-gathers
   // are tagged forward or backward by the pass the model is in (a prefetch by the pass of

@@ -446,6 +446,17 @@ class FlatParamGroup {
   void finish_reductions(const detail::TracedWait& wait) { reduction_.finish_reductions(flat_, wait); }
   // The host-side check of the reductions the device waited for (finish_backward).
   void check_reductions_on_host(const detail::TracedWait& wait) { reduction_.check_on_host(wait); }
+  void drop_reduction_checks() { reduction_.drop_checks(); }
+  // What a step captured into a CUDA graph depends on besides the settings (fsdp::CapturedStep):
+  // per flat parameter, whether a gradient sum is kept across steps (an unsharded gradient
+  // or its cast of an unsynchronized backward, or shard-group sums awaiting the replicate
+  // all-reduce) and whether the sharded gradient exists (a hook may have freed it).
+  std::string gradient_state() const {
+    std::string s;
+    for (const auto& fp : flat_)
+      s += fp.grad_kept || fp.full_grad || fp.reduce_in || fp.partial ? 'k' : '-', s += fp.shard_grad ? 's' : 'n';
+    return s;
+  }
   void zero_grad(detail::ZeroBatch& batch) { reduction_.zero_grad(flat_, batch); }
   void zero_grad() {
     detail::ZeroBatch::run([&](detail::ZeroBatch& batch) { zero_grad(batch); });

@@ -111,7 +111,10 @@ inline void ShardedUnit::finish_backward_body() {
   finish_reduction();
   // The host needs the gradients now (the optimizer step), and a collective the device
   // waited for can fail only here: the host-side check of every reduction since the last.
-  group_.check_reductions_on_host(waiter());
+  if (order_ && order_->capturing)
+    group_.drop_reduction_checks();  // the replays' wait checks them (CapturedStep::wait)
+  else
+    group_.check_reductions_on_host(waiter());
   uses_.end_pass();
   // Gathered ahead for a pass it did not run in, or kept after a forward for a backward
   // that never came (its outputs did not reach the loss): FSDP's final callback reshards too.

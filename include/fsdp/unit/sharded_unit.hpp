@@ -164,6 +164,9 @@ class ShardedUnit : public Unit {
   // The unit's gradient is final once its reduction completes: the engine's hook runs.
   void finish_reduction() override { finish_reduction_body(); }
   void abandon_step() override { abandon_step_body(); }
+  std::string step_state() const override { return (grad_is_zero_ ? "zero " : "reduced ") + group_.gradient_state(); }
+  void set_grad_is_zero(bool zero) override { grad_is_zero_ = zero; }
+  bool settings_unagreed() const override { return sync_ != agreed_sync_ || reshard_ != agreed_reshard_; }
   void zero_grad(detail::ZeroBatch& batch) override {
     HookScope scope(*this, "zero_grad");
     expect({TrainingState::IDLE}, "zero_grad");

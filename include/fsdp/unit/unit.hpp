@@ -140,6 +140,16 @@ class UnitInternals {
   virtual void finish_reduction() = 0;
   // abort_step's local part: no collective.
   virtual void abandon_step() = 0;
+  // Between steps: the gradient state a step captured into a CUDA graph replays from
+  // (fsdp::CapturedStep compares it at every replay): "zero" or "reduced", then
+  // FlatParamGroup::gradient_state().
+  virtual std::string step_state() const = 0;
+  // Sets what step_state's first word says: a captured step's host state follows its graph
+  // (nothing ran at the capture; a replay does what the captured step did).
+  virtual void set_grad_is_zero(bool zero) = 0;
+  // Whether run-time settings changed since the ranks last agreed on them (the next
+  // backward agrees again, a collective waited for on the host).
+  virtual bool settings_unagreed() const = 0;
   // set_reshard_after_forward: `group` for a partial reshard, else whether to reshard. The
   // check refuses a group this unit cannot use, changing nothing (set calls it again).
   virtual void check_post_forward_group(CommRef group) const = 0;
