@@ -122,6 +122,27 @@ TEST_CASE("the mismatch message of a backend that gathers only tags (NcclComm) n
                  "rank 1 called all_gather(count=101, dtype=f32) as collective #20"));
 }
 
+TEST_CASE("gathered tags with a peer's abort_step: that rank is the root, its note quoted where brought") {
+  fsdp::detail::CollectiveCall mine{fsdp::detail::CollectiveKind::all_reduce, nullptr, nullptr, 1, fsdp::DType::i32,
+                                    fsdp::ReduceOp::min};
+  mine.tag = fsdp::CollectiveTag{2, fsdp::TagPhase::forward, 1}.packed();
+  const std::uint64_t abort = fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0}.packed();
+  // Ranks 1 and 3 abort; rank 0 and 2 compute: the lowest aborting rank is the root.
+  const std::vector<std::uint64_t> tags{mine.tag, abort, mine.tag, abort};
+  CHECK(fsdp::detail::abort_root(tags, 0) == 1);
+  CHECK(fsdp::detail::abort_root(tags, 2) == 1);
+  CHECK(fsdp::detail::abort_root(tags, 3) == -1);  // it aborted too: its error is its own
+  CHECK(fsdp::detail::abort_root(std::vector<std::uint64_t>{mine.tag, 0, mine.tag}, 0) == -1);  // untagged: no root
+  const auto note = std::make_shared<const std::string>("engine kernel failed");
+  const std::string quoted = fsdp::detail::tag_mismatch(mine, tags, 0, 1, note);
+  CAPTURE(quoted);
+  CHECK(contains(quoted, "rank 1 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
+                         "exception: \"engine kernel failed\")"));
+  CHECK(contains(quoted, "rank 3 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
+                         "exception) as collective #0"));  // its note was not brought
+  CHECK_FALSE(contains(fsdp::detail::tag_mismatch(mine, tags, 0), "engine kernel failed"));
+}
+
 TEST_CASE("whole calls that differ in shape are a mismatch too; ranks of a split group are named as in the world") {
   using fsdp::detail::CollectiveCall;
   using fsdp::detail::CollectiveKind;

@@ -71,13 +71,16 @@ TEST_CASE("abort_step's note: every rank quotes the aborting rank's exception, w
     if (comm.rank() == 0) tag = fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note};
     std::int32_t mine = 1, all = 0;
     fsdp::Work w = comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag);
-    const std::string e = error_of([&] {
+    const auto thrown = test_support::thrown_by([&] {
       if (poll)
         while (!w.ready()) {
         }
       w.wait();
     });
+    const std::string& e = thrown.message;
     CAPTURE(e);
+    // The others fail because rank 0 aborted: an echo of rank 0 (fsdp::exit_status: 86).
+    CHECK(thrown.echo_of == (comm.rank() == 0 ? -1 : 0));
     CHECK(contains(e, "rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
                       "exception: \"engine kernel failed\")"));
     CHECK(contains(e, "rank 1 called all_reduce(count=1, dtype=i32, op=min) of unit #2 (forward, pass 1)"));

@@ -394,6 +394,25 @@ TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::s
     const auto got = recv[r]->get();
     for (std::size_t i = 0; i < n; ++i) CHECK(got[i] == value(0, i) + value(1, i));
   }
+  // abort_step's note between ranks of one process (the communicators share an in-process
+  // store for it): rank 1's error quotes rank 0's exception and echoes rank 0.
+  const Names names;
+  const auto note = std::make_shared<const std::string>("engine kernel failed");
+  std::vector<fsdp::Work> agreement;
+  fsdp::nccl_group([&] {
+    agreement.push_back(comms[0].all_reduce(send[0]->p, recv[0]->p, 1, DType::f32, ReduceOp::min,
+                                            fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note}));
+    agreement.push_back(comms[1].all_reduce(send[1]->p, recv[1]->p, 1, DType::f32, ReduceOp::min,
+                                            fsdp::CollectiveTag{2, fsdp::TagPhase::forward, 1, &names}));
+  });
+  const auto own = test_support::thrown_by([&] { agreement[0].wait(); });
+  const auto echo = test_support::thrown_by([&] { agreement[1].wait(); });
+  CAPTURE(echo.message);
+  CHECK(own.echo_of == -1);
+  CHECK(echo.echo_of == 0);
+  CHECK(contains(echo.message, "rank 0 called all_reduce(count=1, dtype=f32, op=min) of abort_step (the step was left "
+                               "by an exception: \"engine kernel failed\") as collective #1, rank 1 called "
+                               "all_reduce(count=1, dtype=f32, op=min) of unit 'block2' (forward, pass 1)"));
 }
 
 // ---- cases run in child processes --------------------------------------------------
@@ -520,6 +539,28 @@ void rank_child() {
     cudaStreamSynchronize(s);
     cudaGraphExecDestroy(same.first), cudaGraphExecDestroy(other.first);
   }
+  {  // abort_step's note (issue 35): rank 0 left its step by an exception and agrees on the
+     // abort, its agreement carrying that exception's message, while the others gather a
+     // unit; NCCL gathers only the tags, the note comes through the store. Every other rank's
+     // error quotes it and is an echo of rank 0; rank 0's is its own. Then the same on a
+     // communicator split from it (ranks 0 and 1 of each color: the note keys are its own).
+    const Names names;
+    REQUIRE(cudaSetDevice(rank) == cudaSuccess);
+    fsdp::NcclCommOptions o4 = o;
+    o4.store_key = "aborting";
+    NcclComm ab = NcclComm::from_store(store, rank, world, rank, o4);
+    NcclComm pair = ab.split(rank / 2, rank);  // of 2 ranks one pair, of 4 two
+    const auto note = std::make_shared<const std::string>("engine kernel failed on rank " + std::to_string(rank));
+    auto agree_or_gather = [&](NcclComm& c) {
+      GpuBuffer buf(DType::i32, 1);
+      fsdp::CollectiveTag tag{2, fsdp::TagPhase::forward, 1, &names};
+      if (c.rank() == 0) tag = fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note};
+      const auto t = test_support::thrown_by([&] { c.all_reduce(buf.p, buf.p, 1, DType::i32, ReduceOp::min, tag).wait(); });
+      return t.message + "\nECHO_OF: " + std::to_string(t.echo_of);
+    };
+    std::printf("NOTE_ERROR: %s\n", agree_or_gather(ab).c_str());
+    std::printf("SPLIT_NOTE_ERROR: %s\n", agree_or_gather(pair).c_str());
+  }
   // A stalled peer: rank 1 joins a second communicator and then issues nothing.
   fsdp::NcclCommOptions quick;
   quick.timeout = std::chrono::milliseconds(1500);
@@ -598,6 +639,26 @@ TEST_CASE("processes through a TcpStore: collectives, split, collective tags, a 
                                    "): in replay 3 of a captured step (1 collective, #3 when captured) as collective #4: "
                                    "collective mismatch: " + captured_calls + " (seen on rank " + std::to_string(r) + ")"));
     CHECK(contains(result.out, "barrier as collective #2 not started: the communicator broke earlier"));
+    // abort_step's note: quoted on every rank, in the rank list every rank builds alike;
+    // the others' errors are echoes of rank 0 (fsdp::exit_status: 86).
+    const std::string quoted = "rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left "
+                               "by an exception: \"engine kernel failed on rank ";
+    const auto after = [&](const std::string& marker) {
+      const auto at = result.out.find(marker);
+      return at == std::string::npos ? std::string() : result.out.substr(at, result.out.find("ECHO_OF", at) + 12 - at);
+    };
+    const std::string note_error = after("NOTE_ERROR: "), split_error = after("SPLIT_NOTE_ERROR: ");
+    CAPTURE(note_error);
+    CAPTURE(split_error);
+    CHECK(contains(note_error, quoted + "0\")"));
+    // (rank 0's list names the units by its own tag's names: it passed none)
+    CHECK(contains(note_error, std::string("rank 1 called all_reduce(count=1, dtype=i32, op=min) of unit ") +
+                                   (r == 0 ? "#2" : "'block2'") + " (forward, pass 1)"));
+    CHECK(contains(note_error, r == 0 ? "ECHO_OF: -1" : "ECHO_OF: 0"));
+    // Rank 0 of each pair is world rank 0 or 2: its own note, not world rank 0's.
+    CHECK(contains(split_error, "/split#0(color " + std::to_string(r / 2) + ")"));
+    CHECK(contains(split_error, quoted + std::to_string(r / 2 * 2) + "\")"));
+    CHECK(contains(split_error, r % 2 == 0 ? "ECHO_OF: -1" : "ECHO_OF: 0"));
     if (r == 0) {
       // The watchdog thread or the waiting call may see the timeout first; the error names
       // the collective either way ("watchdog: " says which saw it).

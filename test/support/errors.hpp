@@ -3,6 +3,7 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/core/detail/echoed_error.hpp>
 #include <fsdp/core/error.hpp>
 
 namespace test_support {
@@ -20,15 +21,19 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
-// The fsdp::Error `fn` throws, as its message and its kind; "" and nullopt if it throws none.
+// The fsdp::Error `fn` throws, as its message, its kind and, for an echo of another rank's
+// failure (detail::EchoedError), that rank; "", nullopt and -1 if it throws none.
 struct Thrown {
   std::string message;
   std::optional<fsdp::ErrorKind> kind;
+  int echo_of = -1;  // -1: not an echo (or no error)
 };
 template <class Fn>
 Thrown thrown_by(Fn&& fn) {
   try {
     fn();
+  } catch (const fsdp::detail::EchoedError& e) {
+    return {e.what(), e.kind(), e.failed_rank()};
   } catch (const fsdp::Error& e) {
     return {e.what(), e.kind()};
   }

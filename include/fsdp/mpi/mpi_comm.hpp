@@ -284,8 +284,8 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     call.seq = state_->seq++;
     const auto broken_by = state_->broken_by();
     if (!broken_by.empty())
-      detail::fail_as(state_->broken_by_kind(), where(), ": ", call.describe(),
-                      " not started: the communicator broke earlier: ", broken_by);
+      detail::fail_echo_if(state_->broken_by_echo_of(), state_->broken_by_kind(), where(), ": ", call.describe(),
+                           " not started: the communicator broke earlier: ", broken_by);
     return call;
   }
 

@@ -21,8 +21,12 @@
 // MPI, writing into buffers the caller is free to release, and the peers may be waiting in
 // it; MPI offers no way to cancel a collective. Such a job must be torn down, so instead of
 // MPI_Finalize (which could wait forever for those peers) the end of the session then
-// calls MPI_Abort, which makes mpirun end every rank. abort() does it earlier.
+// calls MPI_Abort, which makes mpirun end every rank. abort() does it earlier. mpirun names
+// the rank whose MPI_Abort came first: a rank whose failure only echoes a peer's abort_step
+// (detail::EchoedError) therefore gives that peer up to kEchoAbortDelay to abort first, and
+// aborts with fsdp::kEchoExitStatus, so the job's report leads with the root cause.
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstdio>
 #include <cstdlib>
@@ -30,13 +34,20 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/exit_status.hpp"
 #include "fsdp/mpi/mpi_types.hpp"
 
 namespace fsdp {
 
 namespace detail {
+
+// How long a rank whose failure echoes a peer's waits, at its session's end, before its own
+// MPI_Abort (see the top of this file). The root cause is printed by then on its rank.
+inline constexpr std::chrono::milliseconds kEchoAbortDelay{1500};
 
 // State shared by a session and its communicators.
 struct MpiRuntime {
@@ -73,10 +84,12 @@ struct MpiRuntime {
 
   ~MpiRuntime() {
     if (has_failed()) {
+      const bool echo = failure_echo_of() >= 0;
+      if (echo) std::this_thread::sleep_for(kEchoAbortDelay);  // the root's abort first; mpirun may end us sooner
       std::fprintf(stderr, "fsdp: world rank %d: aborting the MPI job after a failed collective: %s\n", world_rank,
                    failure().c_str());
       std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 1);
+      MPI_Abort(MPI_COMM_WORLD, echo ? kEchoExitStatus : 1);
     }
     int finalized = 0;
     MPI_Finalized(&finalized);  // by MPI's owner, when that is not this session
@@ -95,7 +108,7 @@ struct MpiRuntime {
   // while unwinding. After a failure fsdp makes no MPI call but MPI_Abort.
   std::unique_lock<std::mutex> lock_for_call(const std::string& where) {
     if (has_failed())
-      fail_as(failure_kind(), where, ": not started: the MPI job already failed (", failure(),
+      fail_echo_if(failure_echo_of(), failure_kind(), where, ": not started: the MPI job already failed (", failure(),
               "); fsdp makes no further MPI calls, since a timed-out collective could still write into freed "
               "buffers. End the job (the MpiSession aborts it when it ends)");
     return lock();
@@ -108,11 +121,13 @@ struct MpiRuntime {
   }
 
   // Records the first failure that leaves MPI in an unknown state.
-  void mark_failed(const std::string& reason, ErrorKind kind) {
+  // `echo_of`: the rank whose abort_step it follows (an echo), or -1.
+  void mark_failed(const std::string& reason, ErrorKind kind, int echo_of = -1) {
     std::lock_guard lk(failure_mutex);
     if (failed.exchange(true)) return;
     first_failure = reason;
     first_failure_kind = kind;
+    first_failure_echo_of = echo_of;
   }
   bool has_failed() const { return failed.load(); }
   std::string failure() const {
@@ -122,6 +137,10 @@ struct MpiRuntime {
   ErrorKind failure_kind() const {
     std::lock_guard lk(failure_mutex);
     return first_failure_kind;
+  }
+  int failure_echo_of() const {
+    std::lock_guard lk(failure_mutex);
+    return first_failure_echo_of;
   }
 
   // The process's runtime: the live one if a session or communicator still holds it,
@@ -149,6 +168,7 @@ struct MpiRuntime {
   mutable std::mutex failure_mutex;
   std::string first_failure;
   ErrorKind first_failure_kind = ErrorKind::misuse;
+  int first_failure_echo_of = -1;
 };
 
 }  // namespace detail

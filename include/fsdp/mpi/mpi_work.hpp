@@ -70,26 +70,33 @@ struct MpiCommState {
 
   // A failure that leaves this communicator out of step with its peers: later collectives
   // on it fail at once, and the session will abort the job.
-  // `kind`: timeout, mismatch, or misuse for an MPI error (MPI says no more).
-  [[noreturn]] void fail_collective(const std::string& message, ErrorKind kind) {
+  // `kind`: timeout, mismatch, or misuse for an MPI error (MPI says no more). `echo_of`:
+  // the rank whose abort_step this failure follows (its error is an echo), or -1.
+  [[noreturn]] void fail_collective(const std::string& message, ErrorKind kind, int echo_of = -1) {
     {
       std::lock_guard lk(broken_mutex);
       if (broken.empty()) {
         broken = message;
         broken_kind = kind;
+        broken_echo_of = echo_of;
       }
     }
-    rt->mark_failed(message, kind);
-    fail_as(kind, message);
+    rt->mark_failed(message, kind, echo_of);
+    fail_echo_if(echo_of, kind, message);
   }
   // MPI paired different collectives here, which completed on this rank: its buffers are
   // safe, but later collectives on it could meet leftover messages, so it takes no more.
   // The job goes on (a peer still waiting in them times out and fails it).
-  void break_comm(const std::string& message) {
+  void break_comm(const std::string& message, int echo_of = -1) {
     std::lock_guard lk(broken_mutex);
     if (!broken.empty()) return;
     broken = message;
     broken_kind = ErrorKind::mismatch;
+    broken_echo_of = echo_of;
+  }
+  int broken_by_echo_of() const {
+    std::lock_guard lk(broken_mutex);
+    return broken_echo_of;
   }
   std::string broken_by() const {
     std::lock_guard lk(broken_mutex);
@@ -117,6 +124,7 @@ struct MpiCommState {
   mutable std::mutex broken_mutex;  // a Work may be waited on by another thread
   std::string broken;               // the failure that broke it; empty while healthy
   ErrorKind broken_kind = ErrorKind::misuse;  // and its kind
+  int broken_echo_of = -1;                    // and the rank it echoes (fail_collective), or -1
 };
 
 inline constexpr int kMpiTimedOut = -1;  // not an MPI error code (those are >= 0)
@@ -175,7 +183,7 @@ class MpiPending final : public Work::Pending {
   bool finish(bool blocking) {
     if (done_) {
       if (!mismatch_.empty())
-        fail_as(ErrorKind::mismatch, mismatch_);  // also on a wait() after the ready() that found it
+        fail_echo_if(echo_of_, ErrorKind::mismatch, mismatch_);  // also on a wait() after the ready() that found it
       return true;
     }
     if (comm_->rt->has_failed()) comm_->rt->lock_for_call(comm_->where() + ": " + call_.describe());  // throws
@@ -196,6 +204,8 @@ class MpiPending final : public Work::Pending {
           return false;
         if (note && root != comm_->rank)
           mismatch = check_->mismatch(call_, comm_->rank, comm_->world_ranks, root, std::move(note));
+        // This rank fails because `root` aborted its step, unless it aborted its own too.
+        if (root != comm_->rank && CollectiveTag::unpack(call_.tag).phase != TagPhase::abort_step) echo_of_ = root;
       }
     // Collectives that differ in more than their tags often never complete: waiting the
     // whole timeout for them only delays an error already known (known now, not when
@@ -208,21 +218,21 @@ class MpiPending final : public Work::Pending {
     const std::string at = comm_->where() + ": ";
     if (rc == kMpiTimedOut)
       comm_->fail_collective(at + timed_out(calls_rc, mismatch),
-                             mismatch.empty() ? ErrorKind::timeout : ErrorKind::mismatch);
+                             mismatch.empty() ? ErrorKind::timeout : ErrorKind::mismatch, echo_of_);
     if (rc != MPI_SUCCESS) {
       const char* in = calls_rc != MPI_SUCCESS ? "MPI_Test of the call descriptors' MPI_Iallgather" : "MPI_Test";
       comm_->fail_collective(at + (mismatch.empty() ? "" : mismatch + "; MPI paired the different collectives: ") +
                                  call_.describe() + " failed in " + in + ": " + mpi_error_text(rc),
-                             mismatch.empty() ? ErrorKind::misuse : ErrorKind::mismatch);
+                             mismatch.empty() ? ErrorKind::misuse : ErrorKind::mismatch, echo_of_);
     }
     done_ = true;
     if (!mismatch.empty()) {  // the result is not used
       mismatch_ = at + mismatch;
       if (!check_->tags_only()) {
         mismatch_ += "; MPI paired the different collectives, so this communicator takes no more collectives";
-        comm_->break_comm(mismatch_);
+        comm_->break_comm(mismatch_, echo_of_);
       }
-      fail_as(ErrorKind::mismatch, mismatch_);
+      fail_echo_if(echo_of_, ErrorKind::mismatch, mismatch_);
     }
     epilogue_.run();
     return true;
@@ -344,6 +354,7 @@ class MpiPending final : public Work::Pending {
   std::shared_ptr<const std::string> received_note_;  // its note (null: it had none)
   std::optional<std::chrono::steady_clock::time_point> note_deadline_;  // set when the mismatch is first seen
   std::string mismatch_;  // the ranks' calls differed: the result is not used
+  int echo_of_ = -1;      // the peer whose abort_step the mismatch is (this rank's error echoes it), or -1
 };
 
 }  // namespace fsdp::detail

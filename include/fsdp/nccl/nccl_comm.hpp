@@ -21,7 +21,8 @@
 // store) or create() (one process driving several GPUs, one rank each). Communicators are
 // nonblocking; a watchdog aborts one whose collective is not complete within
 // NcclCommOptions::timeout, or that NCCL reports an error on (see nccl_state.hpp), so a
-// dead or stalled peer becomes an fsdp::Error on every survivor, never a hang.
+// dead or stalled peer becomes an fsdp::Error on every survivor, never a hang. A rank's
+// abort_step note reaches its peers' errors through the store (nccl_notes.hpp).
 //
 // As with any communicator, every rank issues the same collectives in the same order, from
 // one thread at a time; buffers stay untouched until the Work completes.
@@ -73,7 +74,9 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       id = detail::nccl_unique_id_from_hex(store.get(options.store_key, options.setup_timeout), options.store_key);
     }
     ncclComm_t comm = init(id, rank, world, device, options, at + " (cuda:" + std::to_string(device) + ")");
-    return NcclComm(detail::NcclCommState::make(comm, rank, world, device, options.name, options));
+    // abort_step's notes go through a bounded client of the same store (nccl_notes.hpp).
+    detail::NcclNotes notes{store.bounded_client(detail::kStoreRequestBound), options.store_key + "/abort_notes"};
+    return NcclComm(detail::NcclCommState::make(comm, rank, world, device, options.name, options, std::move(notes)));
   }
 
   // One communicator per entry of `devices` (distinct GPUs), rank i on devices[i], all in
@@ -122,9 +125,10 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       detail::fail_as(kind, at, ": ", error);
     }
     std::vector<NcclComm> out;
+    const detail::NcclNotes notes{std::make_shared<HashStore>(), "abort_notes"};  // the ranks share this process
     for (int i = 0; i < n; ++i) {
       try {
-        out.push_back(NcclComm(detail::NcclCommState::make(comms[i], i, n, devices[i], options.name, options)));
+        out.push_back(NcclComm(detail::NcclCommState::make(comms[i], i, n, devices[i], options.name, options, notes)));
       } catch (...) {
         for (int j = i + 1; j < n; ++j) ncclCommAbort(comms[j]);
         throw;
@@ -180,7 +184,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     {
       auto lk = state_->lock();
       if (!state_->broken_locked().empty())
-        detail::fail_as(state_->broken_kind_locked(), at,
+        detail::fail_echo_if(state_->broken_echo_of_locked(), state_->broken_kind_locked(), at,
                         ": the communicator broke earlier: ", state_->broken_locked());
       detail::CurrentDevice current(device(), at);
       // A nonblocking split is a job of the parent's: NCCL writes the new communicator from
@@ -206,7 +210,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       }
     }
     return NcclComm(detail::NcclCommState::make(comm, new_rank, static_cast<int>(members.size()), device(),
-                                                child.name, child));
+                                                child.name, child, state_->notes.child("/" + child.name)));
   }
 
  private:

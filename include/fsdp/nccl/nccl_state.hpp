@@ -27,6 +27,11 @@
 // compare and gathers no tags. A tagged call waits on the host only when the tag slot it
 // needs is still used by a collective issued NcclTagRing::kSlots tagged collectives earlier.
 //
+// A rank that calls abort_step while its peers compute also sets its note (the exception
+// that left its step) in the communicator's store before issuing the agreement; the ranks
+// that find the mismatch quote it, and their errors are echoes of that rank
+// (detail::EchoedError): see nccl_notes.hpp.
+//
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <atomic>
 #include <chrono>
@@ -36,15 +41,18 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
 
 #include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/detail/collective_mismatch.hpp"
+#include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/nccl/nccl_abort.hpp"
 #include "fsdp/nccl/nccl_in_flight.hpp"
+#include "fsdp/nccl/nccl_notes.hpp"
 #include "fsdp/nccl/nccl_streams.hpp"
 #include "fsdp/nccl/nccl_tag_ring.hpp"
 #include "fsdp/nccl/nccl_types.hpp"
@@ -59,8 +67,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
  public:
   // Takes `comm` (initialized, this rank's): on failure here it is aborted.
   static std::shared_ptr<NcclCommState> make(ncclComm_t comm, int rank, int size, int device, std::string name,
-                                             NcclCommOptions options) {
-    std::shared_ptr<NcclCommState> s(new NcclCommState(comm, rank, size, device, std::move(name), std::move(options)));
+                                             NcclCommOptions options, NcclNotes notes = {}) {
+    std::shared_ptr<NcclCommState> s(
+        new NcclCommState(comm, rank, size, device, std::move(name), std::move(options), std::move(notes)));
     try {
       s->start();
     } catch (...) {
@@ -107,6 +116,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   const int device;
   const std::string name;
   const NcclCommOptions options;
+  const NcclNotes notes;  // where abort_step's notes travel (nccl_notes.hpp)
 
   // Given NcclCommOptions::stream, both are that stream.
   cudaStream_t all_gather_stream() const { return streams_.gather(); }
@@ -133,9 +143,14 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // by next_seq), and follows it with an event (or leaves that to the enclosing nccl_group).
   template <class Enqueue>
   std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
+    // abort_step's agreement: its note goes to the store first, so that a peer which finds
+    // the mismatch once the agreement has run finds the note there (not under the lock: a
+    // store request).
+    if (call.note && gathers_tags_ && CollectiveTag::unpack(call.tag).phase == TagPhase::abort_step)
+      notes.post(rank, call.tag, *call.note);
     std::lock_guard lk(mu_);
     if (!broken_.empty())
-      fail_as(broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
     const CallAt at{where_, call};  // streamed into a message only on failure
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
@@ -186,7 +201,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void begin_capture(cudaStream_t stream, std::size_t capacity) {
     std::lock_guard lk(mu_);
     if (!broken_.empty())
-      fail_as(broken_kind_, where(), ": a capture cannot begin: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": a capture cannot begin: the communicator broke earlier: ", broken_);
     if (capture_) fail(where(), ": a capture is under way on it already (one at a time)");
     if (!streams_.ordered_after(stream))
       fail(where(), ": its collectives would not join a capture of stream ", static_cast<const void*>(stream),
@@ -235,7 +250,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
                                             " when captured") +
                ") as collective #" + std::to_string(f->call.seq);
     if (!broken_.empty())
-      fail_as(broken_kind_, where(), ": ", f->describe(), " not tracked: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", f->describe(), " not tracked: the communicator broke earlier: ", broken_);
     CurrentDevice current(device, where_);
     f->stream = stream;
     f->event = streams_.take_event(where_);
@@ -263,7 +278,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (!f.complete) {
       check_waitable_locked(f, "wait() on ");
       const std::string reason = inspect_locked(f);
-      if (!reason.empty()) fail_locked(reason, f.call.seq, reason_kind_);
+      if (!reason.empty()) fail_locked(reason, f.call.seq, reason_kind_, reason_echo_of_);
       if (!f.complete) return false;
     }
     // A host wait is also the check of collectives waited for on the GPU before it.
@@ -277,7 +292,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     // collective's state is not this wait's.
     std::uint64_t seq = 0;
     const std::string earlier = retire_locked(seq, &f);
-    if (!earlier.empty()) fail_locked(earlier, seq, reason_kind_);
+    if (!earlier.empty()) fail_locked(earlier, seq, reason_kind_, reason_echo_of_);
     return true;
   }
 
@@ -301,6 +316,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::unique_lock<std::mutex> lock() { return std::unique_lock(mu_); }
   const std::string& broken_locked() const { return broken_; }
   ErrorKind broken_kind_locked() const { return broken_kind_; }
+  int broken_echo_of_locked() const { return broken_echo_of_; }
   ncclComm_t comm_locked() const { return comm_; }
   void record_locked(NcclInFlight& f) {
     const CallAt at{where_, f.call};
@@ -311,12 +327,14 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // Records why the communicator broke (the first reason wins) and aborts it, unless an
   // nccl_group that issued on it is still open: NCCL has not launched that group yet, so its
   // end aborts instead (group_ended_locked).
-  // `kind`: what every error quoting `reason` throws.
-  void abort_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind) {
+  // `kind`: what every error quoting `reason` throws; `echo_of`: the rank whose abort_step
+  // it follows (those errors are echoes of it), or -1.
+  void abort_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind, int echo_of = -1) {
     if (broken_.empty()) {
       broken_ = reason + "; the communicator is aborted (ncclCommAbort)";
       broken_seq_ = seq;
       broken_kind_ = kind;
+      broken_echo_of_ = echo_of;
     }
     if (aborted_ || grouped_ > 0) return;
     aborter_.start(comm_, device);  // returns at once: the abort may wait for the device (nccl_abort.hpp)
@@ -325,21 +343,23 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // The group that issued `n` collectives here has ended (ncclGroupEnd returned).
   void group_ended_locked(std::size_t n) {
     grouped_ -= n;
-    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_, broken_kind_);
+    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_, broken_kind_, broken_echo_of_);
   }
 
-  [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind) {
-    abort_locked(reason, seq, kind);
-    fail_as(broken_kind_, broken_);
+  [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind, int echo_of = -1) {
+    abort_locked(reason, seq, kind, echo_of);
+    fail_echo_if(broken_echo_of_, broken_kind_, broken_);
   }
 
  private:
-  NcclCommState(ncclComm_t comm, int rank, int size, int device, std::string name, NcclCommOptions options)
+  NcclCommState(ncclComm_t comm, int rank, int size, int device, std::string name, NcclCommOptions options,
+                NcclNotes notes)
       : rank(rank),
         size(size),
         device(device),
         name(std::move(name)),
         options(std::move(options)),
+        notes(std::move(notes)),
         where_(nccl_where(this->name, rank, size) + " (cuda:" + std::to_string(device) + ")"),
         comm_(comm) {}
 
@@ -347,8 +367,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // nccl_group has not ended (`what`: "wait() on ", ...).
   void check_waitable_locked(const NcclInFlight& f, const char* what) const {
     if (!broken_.empty()) {
-      if (broken_seq_ == f.call.seq) fail_as(broken_kind_, broken_);
-      fail_as(broken_kind_, where(), ": ", f.describe(), " did not complete: ", broken_);
+      if (broken_seq_ == f.call.seq) fail_echo_if(broken_echo_of_, broken_kind_, broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", f.describe(), " did not complete: ", broken_);
     }
     if (!f.recorded)
       fail(where(), ": ", what, f.describe(),
@@ -369,9 +389,11 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   }
 
   // Why the communicator must be aborted while `f` is in flight, or "" (f.complete says
-  // whether it has finished), with its kind in reason_kind_. A tagged collective whose
-  // ranks' tags differ never completes.
+  // whether it has finished), with its kind in reason_kind_ and, where it follows a peer's
+  // abort_step, that rank in reason_echo_of_. A tagged collective whose ranks' tags differ
+  // never completes.
   std::string inspect_locked(NcclInFlight& f) {
+    reason_echo_of_ = -1;
     const cudaError_t q = cudaEventQuery(f.event);
     if (q == cudaSuccess) {
       std::string mismatch = tag_mismatch_locked(f);
@@ -407,19 +429,31 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return {};
   }
 
-  // "" when every rank gathered `f`'s tag (or it is untagged), else the mismatch.
-  std::string tag_mismatch_locked(const NcclInFlight& f) const {
+  // "" when every rank gathered `f`'s tag (or it is untagged), else the mismatch; where a
+  // peer called abort_step, with its note (from the store: one bounded request, on this
+  // failure path only) and that rank in reason_echo_of_.
+  std::string tag_mismatch_locked(const NcclInFlight& f) {
     if (f.replay_of) {  // every captured collective's tag, as gathered by this replay
       const NcclCapture& c = *f.replay_of;
       for (std::size_t i = 0; i < c.tagged.size(); ++i) {
-        std::string m = tag_mismatch(c.tagged[i], {c.host + i * c.ranks, c.ranks}, c.rank);
+        std::string m = quoted_mismatch(c.tagged[i], {c.host + i * c.ranks, c.ranks});
         if (!m.empty()) return where() + ": in " + f.describe() + ": " + m;
       }
       return {};
     }
     if (f.tag_slot < 0) return {};
-    std::string m = tag_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), static_cast<std::size_t>(rank));
+    std::string m = quoted_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)));
     return m.empty() ? m : where() + ": " + m;
+  }
+  std::string quoted_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags) {
+    const auto self = static_cast<std::size_t>(rank);
+    std::string m = tag_mismatch(mine, tags, self);
+    if (m.empty()) return m;
+    const int root = abort_root(tags, self);
+    if (root < 0) return m;
+    reason_echo_of_ = root;
+    auto note = notes.fetch(root, tags[static_cast<std::size_t>(root)]);
+    return note ? tag_mismatch(mine, tags, self, root, std::move(note)) : m;
   }
 
   // A slot of the ring for `f`'s tag, written with it: the next one, once the collective
@@ -446,7 +480,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
                   f->call.seq, ErrorKind::misuse);
     for (int spins = 0; last && !last->complete; ++spins) {
       const std::string reason = inspect_locked(*last);
-      if (!reason.empty()) fail_locked(reason, last->call.seq, reason_kind_);
+      if (!reason.empty()) fail_locked(reason, last->call.seq, reason_kind_, reason_echo_of_);
       if (!last->complete) cuda_poll_backoff(spins);
     }
     tags_.set_mine(slot, f->call.tag);
@@ -492,7 +526,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       if (stopping_) break;
       std::uint64_t seq = 0;
       const std::string reason = retire_locked(seq);
-      if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_);
+      if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_, reason_echo_of_);
       if (!released_.empty()) {  // a captured step's tag memory: cudaFreeHost may wait for the device
         auto release = std::exchange(released_, {});
         lk.unlock();
@@ -516,7 +550,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::string broken_;              // why it was aborted; empty while healthy
   std::uint64_t broken_seq_ = ~std::uint64_t{0};  // the collective that broke it
   ErrorKind broken_kind_ = ErrorKind::misuse;     // what the errors quoting broken_ throw
+  int broken_echo_of_ = -1;                       // the rank they echo (abort_locked), or -1
   ErrorKind reason_kind_ = ErrorKind::misuse;     // the kind of inspect_locked's last reason
+  int reason_echo_of_ = -1;                       // and the rank it echoes, or -1
   std::uint64_t seq_ = 0;
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <sstream>
 #include <string>
@@ -70,15 +71,28 @@ inline std::string collective_mismatch(std::span<const CollectiveCall> calls, st
 
 // The same for a backend that gathers only the ranks' tags (tags[r]: rank r's packed
 // CollectiveTag, 0 untagged): each rank is shown with `mine`'s shape, its own tag, and
-// `mine`'s unit names (every rank's model names its units alike).
-inline std::string tag_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags, std::size_t self) {
+// `mine`'s unit names (every rank's model names its units alike). A peer's note is not
+// gathered: `note_rank`'s is `note` where the backend brought it by other means.
+inline std::string tag_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags, std::size_t self,
+                                int note_rank = -1, std::shared_ptr<const std::string> note = nullptr) {
   if (std::all_of(tags.begin(), tags.end(), [&](std::uint64_t t) { return t == mine.tag; })) return {};  // every collective
   std::vector<CollectiveCall> calls(tags.size(), mine);
   for (std::size_t r = 0; r < tags.size(); ++r) {
     calls[r].tag = tags[r];
-    if (r != self) calls[r].note = nullptr;  // a peer's note is its own, and not gathered
+    if (r != self) calls[r].note = static_cast<int>(r) == note_rank ? note : nullptr;
   }
   return collective_mismatch(calls, self);
+}
+
+// The rank whose failure the others' errors echo after the mismatch in `tags` (packed
+// CollectiveTags, as tag_mismatch takes them): the lowest rank whose call is abort_step's
+// agreement, unless `self`'s is one too (its error is then its own); -1 where none is.
+inline int abort_root(std::span<const std::uint64_t> tags, std::size_t self) {
+  auto aborts = [](std::uint64_t t) { return t && CollectiveTag::unpack(t).phase == TagPhase::abort_step; };
+  if (self < tags.size() && aborts(tags[self])) return -1;
+  for (std::size_t r = 0; r < tags.size(); ++r)
+    if (aborts(tags[r])) return static_cast<int>(r);
+  return -1;
 }
 
 }  // namespace fsdp::detail

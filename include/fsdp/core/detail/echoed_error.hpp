@@ -35,6 +35,14 @@ template <class... Parts>
   throw EchoedError(kind, failed_rank, os.str());
 }
 
+// fail_echo when `failed_rank` is a rank (>= 0), else fail_as: for a backend that learns
+// only at run time whether its failure came from a peer.
+template <class... Parts>
+[[noreturn]] void fail_echo_if(int failed_rank, ErrorKind kind, const Parts&... parts) {
+  if (failed_rank >= 0) fail_echo(kind, failed_rank, parts...);
+  fail_as(kind, parts...);
+}
+
 // Whether `e` holds an echo of another rank's failure (false for null).
 inline bool is_echo(const std::exception_ptr& e) noexcept {
   try {
