@@ -96,13 +96,8 @@ std::shared_ptr<GraphData> end(Capture& c) {
   return std::exchange(c.graph, nullptr);
 }
 
-// The device memory that `p` is in, eager or of this capture's graph.
-bool known_memory(Capture& c, const void* p) {
-  if (rt().find(p)) return true;
-  const auto* b = static_cast<const std::byte*>(p);
-  return std::ranges::any_of(c.graph->allocations,
-                             [&](const GraphAllocation& a) { return a.base && b >= a.base && b < a.base + a.bytes; });
-}
+// Whether `p` is in device memory: eager, or of a graph (live or not).
+bool known_memory(const void* p) { return rt().find(p) || find_graph_allocation(p); }
 
 void drop_if_last(std::shared_ptr<GraphData>& data) {
   if (data && data.use_count() == 1) rt().drop_graph_memory(*data);
@@ -176,7 +171,7 @@ cudaError_t capture_op(Entry& entry, Stream& s, std::string what, std::function<
 
 cudaError_t capture_copy_check(Entry& entry, Stream& s, void* dst, const void* src, std::size_t bytes, const char* what) {
   Capture& c = *s.capture;
-  if (bytes == 0 || (known_memory(c, dst) && known_memory(c, src))) return cudaSuccess;
+  if (bytes == 0 || (known_memory(dst) && known_memory(src))) return cudaSuccess;
   invalidate(c, std::string(what) + " of pageable host memory");
   return entry.fail(cudaErrorStreamCaptureUnsupported,
                     std::string(what) + " in " + describe(c) +

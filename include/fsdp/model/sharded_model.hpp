@@ -461,13 +461,8 @@ struct CaptureAccess {
     return std::string(display_name(m.units_.at(i)->fqn()));
   }
   static std::string not_capturable(const ShardedModel& m) {
-    if (!m.order_->iteration_recorded())
-      return "no step has ended yet: run one eagerly first (the first iteration records the order of the units and "
-             "agrees on it across ranks, on the host)";
+    if (std::string why = not_between_steps(m); !why.empty()) return why;
     for (const auto& u : m.units_) {
-      if (u->state() != TrainingState::IDLE)
-        return "unit '" + std::string(display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
-               ": capture a whole step, begun between steps";
       const UnitConfig c = u->config();
       const std::string unit = "unit '" + std::string(display_name(u->fqn())) + "'";
       if (c.policies.offload)
@@ -479,6 +474,18 @@ struct CaptureAccess {
         return unit + "'s run-time settings changed since the last step, and the ranks agree on them in the next "
                "backward, on the host: run one step eagerly first";
     }
+    return {};
+  }
+  // "" when a step has ended and every unit is between steps, else why not: what a replay
+  // checks besides the states and the configuration, which cover the rest of the above.
+  static std::string not_between_steps(const ShardedModel& m) {
+    if (!m.order_->iteration_recorded())
+      return "no step has ended yet: run one eagerly first (the first iteration records the order of the units and "
+             "agrees on it across ranks, on the host)";
+    for (const auto& u : m.units_)
+      if (u->state() != TrainingState::IDLE)
+        return "unit '" + std::string(display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
+               ": capture a whole step, begun between steps";
     return {};
   }
 };
