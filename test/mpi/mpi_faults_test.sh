@@ -23,10 +23,11 @@ for np in 2 4; do
   # A rank that only echoes rank 0's failure lets rank 0 abort first and aborts with
   # errorcode 86 (fsdp::kEchoExitStatus): where the job ended in MPI_Abort, the abort mpirun
   # names is rank 0's own (errorcode 1) or says it is an echo, never an echo posing as a cause.
-  if grep -q 'MPI_ABORT was invoked' <<<"$job_out"; then
+  # (Open MPI's words; a job that ended non-zero without them fails the check too.)
+  if [[ $job_rc != 0 ]]; then
     grep -A1 'MPI_ABORT was invoked' <<<"$job_out" | head -2 | tr '\n' ' ' |
       grep -Eq 'invoked on rank 0 in communicator MPI_COMM_WORLD *with errorcode 1\.|with errorcode 86\.' ||
-      fail "own job (np=$np): mpirun named an abort that is neither rank 0's nor marked as an echo"
+      fail "own job (np=$np): mpirun named no abort, or one that is neither rank 0's nor marked as an echo"
   fi
 done
 finish

@@ -42,12 +42,12 @@ passing_job() {
 # per_rank_job NP END CASE: a job of the one test case CASE (a doctest pattern) in which
 # ranks fail, so every rank prints its own verdict (FSDP_MPI_TEST_PER_RANK) and each must
 # have passed. END=abort: the job must end in MPI_Abort's status; END=any: any end but a hang.
-# The job's output stays in job_out for further checks.
+# The job's output and exit status stay in job_out and job_rc for further checks.
 per_rank_job() {
   local np="$1" end="$2" label="$3" start=$SECONDS out rc passed
   out=$(FSDP_MPI_TEST_PER_RANK=1 run "$np" --test-case="$label")
   rc=$?
-  job_out=$out
+  job_out=$out job_rc=$rc
   echo "$out"
   echo "$label (np=$np): exit $rc after $((SECONDS - start)) s"
   if [[ $rc == 124 || $rc == 137 ]]; then

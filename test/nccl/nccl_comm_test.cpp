@@ -560,6 +560,26 @@ void rank_child() {
     };
     std::printf("NOTE_ERROR: %s\n", agree_or_gather(ab).c_str());
     std::printf("SPLIT_NOTE_ERROR: %s\n", agree_or_gather(pair).c_str());
+    // As in a real step: the others gather a unit (another shape), which NCCL never
+    // completes against the agreement, so no tag is ever compared. The watchdog finds rank
+    // 0's word in the store once the gather is 1 s old, well before the 4 s timeout; rank
+    // 0's own agreement times out.
+    fsdp::NcclCommOptions o5 = o;
+    o5.store_key = "shapes";
+    o5.timeout = std::chrono::seconds(4);
+    NcclComm shapes = NcclComm::from_store(store, rank, world, rank, o5);
+    GpuBuffer one(DType::i32, 1), send4(DType::f32, 4), recv4(DType::f32, 4 * static_cast<std::size_t>(world));
+    const auto start = std::chrono::steady_clock::now();
+    const auto t = test_support::thrown_by([&] {
+      if (rank == 0)
+        shapes.all_reduce(one.p, one.p, 1, DType::i32, ReduceOp::min,
+                          fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note}).wait();
+      else
+        shapes.all_gather(send4.p, recv4.p, 4, DType::f32, {2, fsdp::TagPhase::forward, 1, &names}).wait();
+    });
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    std::printf("SHAPES_ERROR: %s\nSHAPES_ECHO_OF: %d\nSHAPES_MS: %lld\n", t.message.c_str(), t.echo_of,
+                static_cast<long long>(ms.count()));
   }
   // A stalled peer: rank 1 joins a second communicator and then issues nothing.
   fsdp::NcclCommOptions quick;
@@ -659,6 +679,20 @@ TEST_CASE("processes through a TcpStore: collectives, split, collective tags, a 
     CHECK(contains(split_error, "/split#0(color " + std::to_string(r / 2) + ")"));
     CHECK(contains(split_error, quoted + std::to_string(r / 2 * 2) + "\")"));
     CHECK(contains(split_error, r % 2 == 0 ? "ECHO_OF: -1" : "ECHO_OF: 0"));
+    // Calls of different shapes: the word in the store, not the tags, names rank 0.
+    if (r == 0) {
+      CHECK(contains(result.out, "SHAPES_ERROR: fsdp: "));
+      CHECK(contains(result.out, "as collective #0 did not complete within 4000 ms"));
+      CHECK(contains(result.out, "SHAPES_ECHO_OF: -1"));
+    } else {
+      CHECK(contains(result.out, "all_gather(count=4, dtype=f32) of unit 'block2' (forward, pass 1) as collective #0 "
+                                 "cannot complete: rank 0 issued abort_step's agreement as this collective instead "
+                                 "(the step was left by an exception: \"engine kernel failed on rank 0\")"));
+      CHECK(contains(result.out, "SHAPES_ECHO_OF: 0"));
+      const auto at = result.out.find("SHAPES_MS: ");
+      REQUIRE(at != std::string::npos);
+      CHECK(std::atoll(result.out.c_str() + at + 11) < 3500);  // the word at 1 s (2 s if the first look came early)
+    }
     if (r == 0) {
       // The watchdog thread or the waiting call may see the timeout first; the error names
       // the collective either way ("watchdog: " says which saw it).

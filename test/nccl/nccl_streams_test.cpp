@@ -313,7 +313,7 @@ TEST_CASE("a step that cannot be captured is refused, naming why" * doctest::ski
   sm.zero_grad();
   sm.set_reshard_after_forward(false);
   CHECK(contains(error_of([&] { step.replay(); }),
-                 "replay 2 refused: the model's run-time settings changed since the capture"));
+                 "replay 2 refused: unit '<root>''s run-time settings changed since the last step"));
   sm.set_reshard_after_forward(true);
   step.replay();
   step.wait();

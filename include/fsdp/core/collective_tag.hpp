@@ -62,7 +62,8 @@ struct CollectiveTag {
   // call in a mismatch quotes it (describe(true)): a backend that lays every rank's call
   // side by side in this process (ThreadComm, CudaThreadComm's host path) or publishes its
   // own call's words (TcpComm's reports through the store) brings it to every rank, as
-  // does MpiComm, sending it after a mismatch; NcclComm gathers tags only (reliability.md).
+  // does MpiComm, sending it after a mismatch, and NcclComm, through its store
+  // (nccl/nccl_notes.hpp; reliability.md).
   std::shared_ptr<const std::string> note{};
 
   static constexpr int kUnitBits = 20, kStepBits = 40;

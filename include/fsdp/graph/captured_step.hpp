@@ -203,9 +203,9 @@ class CapturedStep {
       detail::fail("CapturedStep: replay() before wait() of replay ", replays_,
                    " returned: each replay's collectives are checked before the next one reuses their tag slots");
     const std::uint64_t next = replays_ + 1;
-    // Offloading, hooks and settings not yet agreed were refused at the capture: a replay
-    // with the same configuration cannot have them.
-    const std::string why = detail::CaptureAccess::not_between_steps(*model_);
+    // Offloading and hooks were refused at the capture, and are in the configuration that
+    // is compared below: they are not looked for again.
+    const std::string why = detail::CaptureAccess::not_replayable(*model_);
     if (!why.empty()) detail::fail("CapturedStep: replay ", next, " refused: ", why);
     const std::vector<std::string> states = detail::CaptureAccess::step_states(*model_);
     for (std::size_t i = 0; i < states.size() && i < states_.size(); ++i)

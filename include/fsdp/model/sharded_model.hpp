@@ -461,7 +461,7 @@ struct CaptureAccess {
     return std::string(display_name(m.units_.at(i)->fqn()));
   }
   static std::string not_capturable(const ShardedModel& m) {
-    if (std::string why = not_between_steps(m); !why.empty()) return why;
+    if (std::string why = not_replayable(m); !why.empty()) return why;
     for (const auto& u : m.units_) {
       const UnitConfig c = u->config();
       const std::string unit = "unit '" + std::string(display_name(u->fqn())) + "'";
@@ -470,22 +470,25 @@ struct CaptureAccess {
                "CPU optimizer, which a graph cannot";
       if (c.post_accumulate_grad_hook)
         return unit + " has a post-accumulate-grad hook: it runs on the host, once at the capture, never at a replay";
-      if (internals(*u).settings_unagreed())
-        return unit + "'s run-time settings changed since the last step, and the ranks agree on them in the next "
-               "backward, on the host: run one step eagerly first";
     }
     return {};
   }
-  // "" when a step has ended and every unit is between steps, else why not: what a replay
-  // checks besides the states and the configuration, which cover the rest of the above.
-  static std::string not_between_steps(const ShardedModel& m) {
+  // "" when a step has ended and every unit is between steps with its settings agreed,
+  // else why not: what a replay checks besides the states and the configuration, which
+  // cover the rest of the above (offloading and hooks are in the configuration). Settings
+  // can be unagreed with the captured configuration: changed, a step run, changed back.
+  static std::string not_replayable(const ShardedModel& m) {
     if (!m.order_->iteration_recorded())
       return "no step has ended yet: run one eagerly first (the first iteration records the order of the units and "
              "agrees on it across ranks, on the host)";
-    for (const auto& u : m.units_)
+    for (const auto& u : m.units_) {
       if (u->state() != TrainingState::IDLE)
         return "unit '" + std::string(display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
                ": capture a whole step, begun between steps";
+      if (internals(*u).settings_unagreed())
+        return "unit '" + std::string(display_name(u->fqn())) + "''s run-time settings changed since the last step, " +
+               "and the ranks agree on them in the next backward, on the host: run one step eagerly first";
+    }
     return {};
   }
 };

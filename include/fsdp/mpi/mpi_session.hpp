@@ -85,10 +85,10 @@ struct MpiRuntime {
   ~MpiRuntime() {
     if (has_failed()) {
       const bool echo = failure_echo_of() >= 0;
-      if (echo) std::this_thread::sleep_for(kEchoAbortDelay);  // the root's abort first; mpirun may end us sooner
       std::fprintf(stderr, "fsdp: world rank %d: aborting the MPI job after a failed collective: %s\n", world_rank,
                    failure().c_str());
       std::fflush(stderr);
+      if (echo) std::this_thread::sleep_for(kEchoAbortDelay);  // the root's abort first; mpirun may end us sooner
       MPI_Abort(MPI_COMM_WORLD, echo ? kEchoExitStatus : 1);
     }
     int finalized = 0;

@@ -205,7 +205,9 @@ class MpiPending final : public Work::Pending {
         if (note && root != comm_->rank)
           mismatch = check_->mismatch(call_, comm_->rank, comm_->world_ranks, root, std::move(note));
         // This rank fails because `root` aborted its step, unless it aborted its own too.
-        if (root != comm_->rank && CollectiveTag::unpack(call_.tag).phase != TagPhase::abort_step) echo_of_ = root;
+        // (Named by its world rank, as the message names it.)
+        if (root != comm_->rank && CollectiveTag::unpack(call_.tag).phase != TagPhase::abort_step)
+          echo_of_ = comm_->world_ranks.empty() ? root : comm_->world_ranks[static_cast<std::size_t>(root)];
       }
     // Collectives that differ in more than their tags often never complete: waiting the
     // whole timeout for them only delays an error already known (known now, not when
@@ -354,7 +356,7 @@ class MpiPending final : public Work::Pending {
   std::shared_ptr<const std::string> received_note_;  // its note (null: it had none)
   std::optional<std::chrono::steady_clock::time_point> note_deadline_;  // set when the mismatch is first seen
   std::string mismatch_;  // the ranks' calls differed: the result is not used
-  int echo_of_ = -1;      // the peer whose abort_step the mismatch is (this rank's error echoes it), or -1
+  int echo_of_ = -1;      // the world rank whose abort_step the mismatch is (this rank's error echoes it), or -1
 };
 
 }  // namespace fsdp::detail

@@ -30,6 +30,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <utility>
@@ -73,9 +74,14 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     } else {
       id = detail::nccl_unique_id_from_hex(store.get(options.store_key, options.setup_timeout), options.store_key);
     }
+    // Word of abort_step goes through a bounded client of the same store, under keys of this
+    // communicator's own (nccl_notes.hpp); made before NCCL's, so nothing here can leak it.
+    char id_hash[17];
+    std::snprintf(id_hash, sizeof id_hash, "%016llx",
+                  static_cast<unsigned long long>(detail::NcclNotes::hash(&id, sizeof id)));
+    detail::NcclNotes notes =
+        world > 1 ? detail::NcclNotes::bounded(store, options.store_key + "/abort_notes/" + id_hash) : detail::NcclNotes{};
     ncclComm_t comm = init(id, rank, world, device, options, at + " (cuda:" + std::to_string(device) + ")");
-    // abort_step's notes go through a bounded client of the same store (nccl_notes.hpp).
-    detail::NcclNotes notes{store.bounded_client(detail::kStoreRequestBound), options.store_key + "/abort_notes"};
     return NcclComm(detail::NcclCommState::make(comm, rank, world, device, options.name, options, std::move(notes)));
   }
 
@@ -92,6 +98,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
                        "; NCCL needs one GPU per rank of a communicator");
     for (int d : devices) check_device(d, at);
     const int n = static_cast<int>(devices.size());
+    const detail::NcclNotes notes = n > 1 ? detail::NcclNotes::in_process() : detail::NcclNotes{};  // word of abort_step
     ncclUniqueId id;
     detail::nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", at);
     std::vector<ncclComm_t> comms(devices.size(), nullptr);
@@ -125,7 +132,6 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       detail::fail_as(kind, at, ": ", error);
     }
     std::vector<NcclComm> out;
-    const detail::NcclNotes notes{std::make_shared<HashStore>(), "abort_notes"};  // the ranks share this process
     for (int i = 0; i < n; ++i) {
       try {
         out.push_back(NcclComm(detail::NcclCommState::make(comms[i], i, n, devices[i], options.name, options, notes)));
@@ -180,6 +186,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     Options child = state_->options;
     child.name = state_->name + "/split#" + std::to_string(state_->next_split()) + "(color " + std::to_string(color) + ")";
     ncclConfig_t config = detail::nccl_nonblocking_config(child.name.c_str());
+    detail::NcclNotes notes = state_->notes.child("/" + child.name);  // before NCCL's: nothing to leak
     ncclComm_t comm = nullptr;
     {
       auto lk = state_->lock();
@@ -210,7 +217,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
       }
     }
     return NcclComm(detail::NcclCommState::make(comm, new_rank, static_cast<int>(members.size()), device(),
-                                                child.name, child, state_->notes.child("/" + child.name)));
+                                                child.name, child, std::move(notes)));
   }
 
  private:

@@ -27,10 +27,12 @@
 // compare and gathers no tags. A tagged call waits on the host only when the tag slot it
 // needs is still used by a collective issued NcclTagRing::kSlots tagged collectives earlier.
 //
-// A rank that calls abort_step while its peers compute also sets its note (the exception
-// that left its step) in the communicator's store before issuing the agreement; the ranks
-// that find the mismatch quote it, and their errors are echoes of that rank
-// (detail::EchoedError): see nccl_notes.hpp.
+// A rank that calls abort_step leaves word in the communicator's store (which rank, at
+// which collective, and its note: the exception that left its step) before issuing the
+// agreement. A peer whose collective of that number mismatched (the tags), or stays in
+// flight (a collective of another shape, which NCCL never completes: the watchdog looks
+// for word at ages 1, 2, 4, ... s, outside the lock) or timed out, fails naming that rank
+// and quoting its note, as an echo of it (detail::EchoedError). See nccl_notes.hpp.
 //
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <atomic>
@@ -41,6 +43,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -143,11 +146,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // by next_seq), and follows it with an event (or leaves that to the enclosing nccl_group).
   template <class Enqueue>
   std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
-    // abort_step's agreement: its note goes to the store first, so that a peer which finds
-    // the mismatch once the agreement has run finds the note there (not under the lock: a
+    // abort_step's agreement: word of it goes to the store first, so that a peer which
+    // finds the mismatch once the agreement has run finds it there (not under the lock: a
     // store request).
-    if (call.note && gathers_tags_ && CollectiveTag::unpack(call.tag).phase == TagPhase::abort_step)
-      notes.post(rank, call.tag, *call.note);
+    if (gathers_tags_ && aborts(call)) notes.post(call.seq, rank, call.note);
     std::lock_guard lk(mu_);
     if (!broken_.empty())
       fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
@@ -421,6 +423,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
              nccl_error_text(state, comm_);
     }
     const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(NcclClock::now() - f.issued);
+    if (age > options.timeout && broken_.empty() && !f.replay_of)  // a peer's word says why, if it left any
+      if (std::string why = aborted_by_word_locked(f, notes.fetch(f.call.seq)); !why.empty()) return why;
     reason_kind_ = ErrorKind::timeout;
     if (age > options.timeout)
       return where() + ": " + f.describe() + " did not complete within " +
@@ -442,18 +446,38 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       return {};
     }
     if (f.tag_slot < 0) return {};
-    std::string m = quoted_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)));
+    std::string m = quoted_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), f.call.seq);
     return m.empty() ? m : where() + ": " + m;
   }
-  std::string quoted_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags) {
+  // `seq`: the collective's number on every rank (none for a replay's captured ones). The
+  // word was left before the agreement was issued, so it is there; one bounded store
+  // request under the lock, once per communicator (a failure path: it is aborted next).
+  std::string quoted_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags,
+                              std::optional<std::uint64_t> seq = std::nullopt) {
     const auto self = static_cast<std::size_t>(rank);
     std::string m = tag_mismatch(mine, tags, self);
     if (m.empty()) return m;
     const int root = abort_root(tags, self);
     if (root < 0) return m;
     reason_echo_of_ = root;
-    auto note = notes.fetch(root, tags[static_cast<std::size_t>(root)]);
-    return note ? tag_mismatch(mine, tags, self, root, std::move(note)) : m;
+    if (!seq || !broken_.empty()) return m;
+    auto word = notes.fetch(*seq);
+    return word && word->rank == root && word->note ? tag_mismatch(mine, tags, self, root, std::move(word->note)) : m;
+  }
+
+  static bool aborts(const CollectiveCall& call) {
+    return call.tag && CollectiveTag::unpack(call.tag).phase == TagPhase::abort_step;
+  }
+  // Why `f` cannot complete, where a peer left word that it issued abort_step's agreement
+  // as `f`'s collective (sets reason_kind_ and reason_echo_of_); "" where that is not so.
+  std::string aborted_by_word_locked(const NcclInFlight& f, const std::optional<NcclNotes::Word>& word) {
+    if (!word || word->rank == rank || word->rank < 0 || word->rank >= size || aborts(f.call)) return {};
+    reason_kind_ = ErrorKind::mismatch;
+    reason_echo_of_ = word->rank;
+    return where() + ": " + f.describe() + " cannot complete: rank " + std::to_string(word->rank) +
+           " issued abort_step's agreement as this collective instead (the step was left by an exception" +
+           (word->note ? ": \"" + *word->note + "\"" : std::string()) +
+           "), and NCCL does not complete collectives that differ";
   }
 
   // A slot of the ring for `f`'s tag, written with it: the next one, once the collective
@@ -512,6 +536,22 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return {};
   }
 
+  // The number of the oldest collective in flight when it is time to look for a peer's word
+  // about it (nccl_notes.hpp): at ages 1, 2, 4, ... s, so a stuck collective costs a few
+  // store requests and a healthy slow one hardly any.
+  std::optional<std::uint64_t> word_due_locked() {
+    if (!notes || !broken_.empty() || in_flight_.empty()) return std::nullopt;
+    const NcclInFlight& f = *in_flight_.front();
+    if (!f.recorded || f.complete || f.replay_of || aborts(f.call)) return std::nullopt;
+    if (f.call.seq != word_seq_) {
+      word_seq_ = f.call.seq;
+      word_after_ = std::chrono::seconds(1);
+    }
+    if (NcclClock::now() - f.issued < word_after_) return std::nullopt;
+    word_after_ *= 2;
+    return f.call.seq;
+  }
+
   void watch() {
     cudaSetDevice(device);
     // Its event queries are of collectives issued eagerly, never of a graph's: legal while
@@ -527,6 +567,15 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       std::uint64_t seq = 0;
       const std::string reason = retire_locked(seq);
       if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_, reason_echo_of_);
+      if (const auto due = word_due_locked()) {  // a collective long in flight: did a peer abort there?
+        lk.unlock();
+        const auto word = notes.fetch(*due);
+        lk.lock();
+        if (word && broken_.empty() && !in_flight_.empty() && in_flight_.front()->call.seq == *due &&
+            !in_flight_.front()->complete)
+          if (std::string why = aborted_by_word_locked(*in_flight_.front(), word); !why.empty())
+            abort_locked("watchdog: " + why, *due, reason_kind_, reason_echo_of_);
+      }
       if (!released_.empty()) {  // a captured step's tag memory: cudaFreeHost may wait for the device
         auto release = std::exchange(released_, {});
         lk.unlock();
@@ -553,6 +602,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   int broken_echo_of_ = -1;                       // the rank they echo (abort_locked), or -1
   ErrorKind reason_kind_ = ErrorKind::misuse;     // the kind of inspect_locked's last reason
   int reason_echo_of_ = -1;                       // and the rank it echoes, or -1
+  std::uint64_t word_seq_ = ~std::uint64_t{0};    // word_due_locked: the collective it looks at
+  NcclClock::duration word_after_{};              // and its age at the next look
   std::uint64_t seq_ = 0;
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
