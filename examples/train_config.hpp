@@ -22,14 +22,17 @@ template <class Reduce, class F>
 void with_block_gather(const std::string& name, F&& f) {
   if (name == "int8") f(fsdp::CommPrecision<fsdp::Int8Blocks<>, Reduce>{});
   else if (name == "fp8") f(fsdp::CommPrecision<fsdp::F8E4M3Blocks<>, Reduce>{});
+  else if (name == "fp8e5m2") f(fsdp::CommPrecision<fsdp::F8E5M2Blocks<>, Reduce>{});
   else f(fsdp::CommPrecision<fsdp::MXFP8, Reduce>{});
 }
-inline bool is_block_gather(const std::string& name) { return name == "int8" || name == "fp8" || name == "mxfp8"; }
+inline bool is_block_gather(const std::string& name) {
+  return name == "int8" || name == "fp8" || name == "fp8e5m2" || name == "mxfp8";
+}
 
 // Runtime --precision, --comm-precision, --gather-dtype and --offload -> the compile-time
 // policies: f(Precision{}, CommPrecision{}, Offload{}). `comm_bf16`: --comm-precision bf16
 // (both collectives in bf16, under f32 computation only; main() refuses it otherwise);
-// `gather`: --gather-dtype (f32, bf16, fp8, mxfp8 or int8; "" for --comm-precision's).
+// `gather`: --gather-dtype (f32, bf16, fp8, fp8e5m2, mxfp8 or int8; "" for --comm-precision's).
 // Under bf16 or fp16 computation, gathers move that dtype unless --gather-dtype names a
 // block format (main() refuses f32 and the other 16-bit dtype there).
 template <class F>

@@ -24,15 +24,15 @@ import sys
 rows = {}
 for line in open(sys.argv[1]):
     f = line.split()
-    if f and f[0] in ("f32", "bf16", "fp8", "mxfp8", "int8") and len(f) == 7:
+    if f and f[0] in ("f32", "bf16", "fp8", "fp8e5m2", "mxfp8", "int8") and len(f) == 7:
         rows[f[0]] = (int(f[1]), float(f[2]), float(f[3]), float(f[4]))
 bad = []
-if sorted(rows) != sorted(["f32", "bf16", "fp8", "mxfp8", "int8"]):
+if sorted(rows) != sorted(["f32", "bf16", "fp8", "fp8e5m2", "mxfp8", "int8"]):
     bad.append(f"rows printed: {sorted(rows)}")
 else:
     if rows["f32"][1] != 1.0 or rows["f32"][3] != 1.0: bad.append(f"f32's ratios: {rows['f32']}")
     if abs(rows["bf16"][1] - 0.5) > 1e-3: bad.append(f"bf16's bytes ratio {rows['bf16'][1]}, not 0.5")
-    for q in ("fp8", "mxfp8", "int8"):
+    for q in ("fp8", "fp8e5m2", "mxfp8", "int8"):
         if not 0 < rows[q][1] < 1 / 3: bad.append(f"{q}'s bytes ratio {rows[q][1]}")
     if any(r[2] <= 0 for r in rows.values()): bad.append("a median time <= 0")
 for b in bad: print("FAIL:", b)

@@ -283,6 +283,7 @@ TEST_CASE("a block format's all-gather: plan == measured peak, its slots, the f3
   check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>>({1, 3});
   check_common_prefetch<fsdp::FullShard, Int8, fsdp::OffloadParams>({1, 2});
   check_plan<fsdp::HybridShard, fsdp::CommPrecision<fsdp::F8E4M3Blocks<16>, float>>({2, 2});
+  check_plan<fsdp::FullShard, fsdp::CommPrecision<fsdp::F8E5M2Blocks<16>, float>, fsdp::OffloadParams>({1, 2});
 }
 
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {

@@ -109,6 +109,11 @@ expect_error comm_precision_8bit "the 8-bit floats need per-block scales" <<'EOF
 fsdp::Policies<fsdp::CommPrecision<fsdp::f8e4m3>> p;
 EOF
 
+expect_error comm_precision_e5m2_names_blocks "fsdp::F8E5M2Blocks<128>, fsdp::MXFP8); the 8-bit floats need per-block scales" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::f8e5m2>> p;
+EOF
+
 expect_error mixed_precision_8bit "MixedPrecision dtypes must be floating point" <<'EOF'
 #include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::MixedPrecision<float, fsdp::e8m0>> p;
@@ -122,6 +127,11 @@ EOF
 expect_error block_gather_empty_block "Int8Blocks<Block> needs a positive Block" <<'EOF'
 #include "fsdp/policy/policies.hpp"
 fsdp::Policies<fsdp::CommPrecision<fsdp::Int8Blocks<0>, float>> p;
+EOF
+
+expect_error block_gather_empty_e5m2_block "F8E5M2Blocks<Block> needs a positive Block" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+fsdp::Policies<fsdp::CommPrecision<fsdp::F8E5M2Blocks<0>, float>> p;
 EOF
 
 expect_error block_gather_wrong_mx_block "block format has a block its format cannot have" <<'EOF'

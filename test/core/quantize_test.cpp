@@ -1,6 +1,6 @@
 // fsdp/core/quantize.hpp: the 8-bit wire formats of quantized collectives (issue 38).
 // Specifies the bit conversions of OCP OFP8 E4M3 / E5M2 and of the MX scale E8M0, and
-// block quantization to int8 and E4M3 with f32 scales and to MXFP8 with e8m0 scales.
+// block quantization to int8, E4M3 and E5M2 with f32 scales and to MXFP8 with e8m0 scales.
 //
 // The conversions are checked against references written here in another way: decoding
 // from the sign / exponent / mantissa fields with std::ldexp, encoding by a search for the
@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -120,10 +121,11 @@ double amax_of(std::span<const float> x) {
 }
 
 // n values whose magnitudes differ by block (block b scaled by 2^(b % 9 - 4)), with signs,
-// a few exact zeros, and values from 2^-12 to 1 of the block's magnitude.
-std::vector<float> sample(std::size_t n, std::size_t block, std::uint32_t seed) {
+// a few exact zeros, and values from 2^lowest (2^-12 unless given) to 1 of the block's
+// magnitude.
+std::vector<float> sample(std::size_t n, std::size_t block, std::uint32_t seed, double lowest = -12) {
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> exponent(-12, 0);
+  std::uniform_real_distribution<double> exponent(lowest, 0);
   std::vector<float> x(n);
   for (std::size_t i = 0; i < n; ++i) {
     const int b = static_cast<int>(i / block);
@@ -378,50 +380,206 @@ TEST_CASE("int8 blocks: wrong sizes, a zero block size and non-finite values are
   CHECK(contains(e, "(block 2)"));
 }
 
-// ---- e4m3 blocks and tensor --------------------------------------------------------------
+// ---- e4m3 and e5m2 blocks, e4m3 tensor ---------------------------------------------------
 
-// Checks e4m3 dequantization: relative error <= 2^-4 where x / scale is normal in E4M3
-// (>= 2^-6), absolute error <= half the smallest subnormal (2^-10) times scale below it.
-void check_e4m3_error(const std::vector<float>& x, const std::vector<float>& back, double scale, std::size_t first,
-                      std::size_t count) {
+// An OFP8 format with one f32 scale per block (quantize_f8e4m3_blocks, quantize_f8e5m2_blocks).
+struct F8Blocks {
+  const char* name;
+  double qmax;             // the largest finite value: the amax's quotient by the scale
+  std::uint8_t max_code;   // its pattern
+  int mant_bits;           // 3, 2
+  int min_normal_exp;      // the smallest normal value is 2^min_normal_exp: 2^-6, 2^-14
+  double sample_lowest;    // the round-trip test's smallest values, relative to a block's
+  void (*quantize)(std::span<const float>, std::span<std::uint8_t>, std::span<float>, std::size_t);
+  void (*dequantize)(std::span<const std::uint8_t>, std::span<const float>, std::span<float>, std::size_t);
+};
+// E5M2's values go down to 2^-34 of a block's: below its smallest subnormal (2^-16 / 57344,
+// about 2^-31.8 of the amax), so the test meets its normal, subnormal and zero codes.
+const F8Blocks kE4M3Blocks{"e4m3", 448, 0x7e, 3, -6, -12, fsdp::quantize_f8e4m3_blocks, fsdp::dequantize_f8e4m3_blocks};
+const F8Blocks kE5M2Blocks{"e5m2", 57344, 0x7b, 2, -14, -34, fsdp::quantize_f8e5m2_blocks,
+                           fsdp::dequantize_f8e5m2_blocks};
+
+// Checks a dequantization. Where x / scale is normal in the format (>= 2^min_normal_exp),
+// rounding to nearest moves it by at most half its binade's step, 2^(e - mant_bits - 1)
+// for a quotient in [2^e, 2^(e+1)), so by at most 2^-(mant_bits + 1) of itself: 2^-4 for
+// E4M3, 2^-3 for E5M2; the scale (a product, exact but for one float rounding) carries
+// that to x. Below, the step is the smallest subnormal's, 2^(min_normal_exp - mant_bits),
+// so the error is at most half of it times the scale: 2^-10 * scale (E4M3), 2^-17 * scale
+// (E5M2). The slack covers the float quotient x / scale and the float product.
+void check_f8_error(const F8Blocks& f, const std::vector<float>& x, const std::vector<float>& back, double scale,
+                    std::size_t first, std::size_t count) {
   const double slack = 1 + std::ldexp(1.0, -16);
   for (std::size_t i = first; i < first + count; ++i) {
     CAPTURE(i);
     const double err = std::fabs(static_cast<double>(x[i]) - back[i]);
-    if (std::fabs(x[i]) >= std::ldexp(scale, -6)) CHECK(err <= std::ldexp(std::fabs(x[i]), -4) * slack);
-    else CHECK(err <= std::ldexp(scale, -10) * slack);
+    if (std::fabs(x[i]) >= std::ldexp(scale, f.min_normal_exp))
+      CHECK(err <= std::ldexp(std::fabs(x[i]), -(f.mant_bits + 1)) * slack);
+    else
+      CHECK(err <= std::ldexp(scale, f.min_normal_exp - f.mant_bits - 1) * slack);
     if (x[i] == 0) CHECK(back[i] == 0.0f);
   }
 }
+void check_e4m3_error(const std::vector<float>& x, const std::vector<float>& back, double scale, std::size_t first,
+                      std::size_t count) {
+  check_f8_error(kE4M3Blocks, x, back, scale, first, count);
+}
 
-TEST_CASE("e4m3 blocks: scale amax/448, relative error within 2^-4, the amax exact") {
-  const std::size_t block = 128, n = 1000;
-  const std::vector<float> x = sample(n, block, 11);
-  std::vector<std::uint8_t> q(n);
-  std::vector<float> scales(8), back(n);
-  fsdp::quantize_f8e4m3_blocks(x, q, scales);
-  fsdp::dequantize_f8e4m3_blocks(q, scales, back);
-  for (std::size_t b = 0; b < 8; ++b) {
-    CAPTURE(b);
-    const std::size_t first = b * block, count = std::min(block, n - first);
-    const double amax = amax_of(std::span<const float>(x).subspan(first, count));
-    CHECK(scales[b] == float_at_least(amax / 448.0));
-    check_e4m3_error(x, back, scales[b], first, count);
-    for (std::size_t i = first; i < first + count; ++i)
-      if (std::fabs(x[i]) == amax) CHECK((q[i] & 0x7f) == 0x7e);  // 448
+TEST_CASE("e4m3 and e5m2 blocks: scale amax/448 or amax/57344, relative error within 2^-4 or 2^-3, the amax exact") {
+  for (const F8Blocks* f : {&kE4M3Blocks, &kE5M2Blocks}) {
+    CAPTURE(f->name);
+    const std::size_t block = 128, n = 1000;
+    const std::vector<float> x = sample(n, block, 11, f->sample_lowest);
+    std::vector<std::uint8_t> q(n);
+    std::vector<float> scales(8), back(n);
+    f->quantize(x, q, scales, block);
+    f->dequantize(q, scales, back, block);
+    int subnormal_or_zero = 0;
+    for (std::size_t b = 0; b < 8; ++b) {
+      CAPTURE(b);
+      const std::size_t first = b * block, count = std::min(block, n - first);
+      const double amax = amax_of(std::span<const float>(x).subspan(first, count));
+      CHECK(scales[b] == float_at_least(amax / f->qmax));
+      check_f8_error(*f, x, back, scales[b], first, count);
+      for (std::size_t i = first; i < first + count; ++i) {
+        if (std::fabs(x[i]) == amax) CHECK((q[i] & 0x7f) == f->max_code);  // 448, 57344
+        subnormal_or_zero += x[i] != 0 && (q[i] & 0x7f) >> f->mant_bits == 0;
+      }
+    }
+    if (f == &kE5M2Blocks) CHECK(subnormal_or_zero > 0);  // the sample reaches below E5M2's normals
+    // An all-zero block: scale 0, codes 0, exact zeros; sizes and NaN as for int8.
+    std::vector<float> z = {0, 0, 0, 5}, zs(2), zb(4);
+    std::vector<std::uint8_t> zq(4, 0xaa);
+    f->quantize(z, zq, zs, 3);
+    CHECK(zs[0] == 0.0f);
+    CHECK((zq[0] == 0 && zq[1] == 0 && zq[2] == 0));
+    f->dequantize(zq, zs, zb, 3);
+    CHECK(zb == z);
+    CHECK_FALSE(std::signbit(zb[0]));
+    CHECK(error_of([&] { f->quantize(z, zq, zs, 2); }).empty());  // 2 blocks of 2: fine
+    CHECK(contains(error_of([&] { f->quantize(z, zq, zs, 1); }), "quantize_f8" + std::string(f->name) + "_blocks"));
+    CHECK(contains(error_of([&] { f->quantize(z, zq, zs, 1); }), "scales has 2 elements, want 4"));
+    CHECK(contains(error_of([&] { f->quantize(z, std::span(zq).first(3), zs, 3); }), "q has 3"));
+    CHECK(contains(error_of([&] { f->dequantize(zq, std::span(zs).first(1), zb, 3); }), "scales has 1"));
+    z[3] = std::numeric_limits<float>::quiet_NaN();
+    CHECK(contains(error_of([&] { f->quantize(z, zq, zs, 3); }), "(block 1)"));
   }
-  // An all-zero block: scale 0, codes 0, exact zeros; sizes and NaN as for int8.
-  std::vector<float> z = {0, 0, 0, 5}, zs(2), zb(4);
-  std::vector<std::uint8_t> zq(4);
-  fsdp::quantize_f8e4m3_blocks(z, zq, zs, 3);
-  CHECK(zs[0] == 0.0f);
-  fsdp::dequantize_f8e4m3_blocks(zq, zs, zb, 3);
-  CHECK(zb == z);
-  CHECK(error_of([&] { fsdp::quantize_f8e4m3_blocks(z, zq, zs, 2); }).empty());  // 2 blocks of 2: fine
-  CHECK(contains(error_of([&] { fsdp::quantize_f8e4m3_blocks(z, zq, zs, 1); }), "scales has 2 elements, want 4"));
-  CHECK(contains(error_of([&] { fsdp::quantize_f8e4m3_blocks(z, std::span(zq).first(3), zs, 3); }), "q has 3"));
-  z[3] = std::numeric_limits<float>::quiet_NaN();
-  CHECK(contains(error_of([&] { fsdp::quantize_f8e4m3_blocks(z, zq, zs, 3); }), "(block 1)"));
+}
+
+TEST_CASE("e5m2 blocks: a block worked out by hand") {
+  // Blocks of 9. Block 0: amax 56, so the scale is 56 / 57344 = 2^-10 (exact) and each
+  // code is E5M2 (bias 15, 2 mantissa bits) of x * 2^10:
+  //   56      -> 57344 = 1.75 * 2^15: exponent 30 = 11110, mantissa 11     -> 0x7b (the largest)
+  //   -1      -> -1024 = -1.0 * 2^10: exponent 25 = 11001, mantissa 00     -> 0xe4
+  //   0.3f    -> 307.2: between 256 and 320 (steps of 64 in 2^8..2^9), above
+  //              their midpoint 288 -> 320 = 1.25 * 2^8: 10111, 01         -> 0x5d (back: 0.3125)
+  //   3.5     -> 3584 = 1.75 * 2^11: 11010, 11                             -> 0x6b
+  //   -20     -> -20480 = -1.25 * 2^14: 11101, 01                          -> 0xf5
+  //   0.5625  -> 576 = 1.125 * 2^9: a tie between 1.0 and 1.25, to the even
+  //              mantissa 00 -> 512: 11000, 00                             -> 0x60 (back: 0.5)
+  //   -1.375  -> -1408 = -1.375 * 2^10: a tie between 1.25 and 1.5, to the
+  //              even mantissa 10 -> -1536: 11001, 10                      -> 0xe6 (back: -1.5)
+  //   0       -> 0                                                        -> 0x00
+  //   3*2^-27 -> 3 * 2^-17 = 1.5 subnormal steps of 2^-16: a tie between
+  //              1 and 2 steps, to the even 2: 00000, 10                   -> 0x02 (back: 2^-25)
+  // Block 1 (short): all zero, scale 0, codes 0.
+  const float tiny = std::ldexp(3.0f, -27);
+  const std::vector<float> x = {56, -1, 0.3f, 3.5f, -20, 0.5625f, -1.375f, 0, tiny, 0, 0};
+  std::vector<std::uint8_t> q(x.size(), 0xaa);
+  std::vector<float> scales(2, -1.0f), back(x.size());
+  fsdp::quantize_f8e5m2_blocks(x, q, scales, 9);
+  CHECK(scales == std::vector<float>{std::ldexp(1.0f, -10), 0.0f});
+  CHECK(std::vector<int>(q.begin(), q.end()) ==
+        std::vector<int>{0x7b, 0xe4, 0x5d, 0x6b, 0xf5, 0x60, 0xe6, 0x00, 0x02, 0x00, 0x00});
+  fsdp::dequantize_f8e5m2_blocks(q, scales, back, 9);
+  CHECK(back == std::vector<float>{56, -1, 0.3125f, 3.5f, -20, 0.5f, -1.5f, 0, std::ldexp(1.0f, -25), 0, 0});
+  // The same block in E4M3 (scale 56 / 448 = 1/8): 3 * 2^-27 / scale = 3 * 2^-24 is below
+  // half E4M3's smallest subnormal (2^-10), so it becomes 0; E5M2 kept it within 2^-3.
+  std::vector<std::uint8_t> q4(x.size());
+  fsdp::quantize_f8e4m3_blocks(x, q4, scales, 9);
+  CHECK(scales[0] == 0.125f);
+  CHECK(q4[8] == 0x00);
+}
+
+TEST_CASE("e5m2 blocks saturate at 57344: each block's amax gets the largest code, from 2^-110 to FLT_MAX") {
+  // Blocks of 5, each with its own amax 2^e * (1 + u), u in [0, 1), e from -110 (the scale
+  // amax / 57344 then still a normal float) to 127, one element -amax, the others smaller.
+  // The scale is amax / 57344 rounded up, so amax / scale rounds to 57344 (0x7b), never
+  // beyond: the saturating encoding keeps any quotient a rounding above it at 0x7b too.
+  std::mt19937 rng(57344);
+  std::uniform_real_distribution<double> mant(1.0, 2.0), frac(-1.0, 1.0);
+  std::vector<float> x;
+  for (int e = -110; e <= 127; ++e) {
+    const auto amax = static_cast<float>(std::min(std::ldexp(mant(rng), e), double{std::numeric_limits<float>::max()}));
+    for (int i = 0; i < 5; ++i) x.push_back(i == (e + 110) % 5 ? -amax : static_cast<float>(frac(rng)) * amax);
+  }
+  const std::size_t blocks = x.size() / 5;
+  std::vector<std::uint8_t> q(x.size());
+  std::vector<float> scales(blocks), back(x.size());
+  fsdp::quantize_f8e5m2_blocks(x, q, scales, 5);
+  fsdp::dequantize_f8e5m2_blocks(q, scales, back, 5);
+  for (std::size_t b = 0; b < blocks; ++b) {
+    CAPTURE(b);
+    const auto xs = std::span<const float>(x).subspan(b * 5, 5);
+    const double amax = amax_of(xs);
+    CHECK(scales[b] == float_at_least(amax / 57344.0));
+    for (std::size_t i = b * 5; i < b * 5 + 5; ++i) {
+      CAPTURE(i);
+      if (std::fabs(x[i]) == amax) {
+        CHECK(q[i] == 0xfb);  // -57344
+        // Back: 57344 * scale, rounded once to a float and clamped to FLT_MAX; never below
+        // the amax, since the scale was rounded up.
+        CHECK(back[i] == -static_cast<float>(std::min(57344.0 * scales[b], double{std::numeric_limits<float>::max()})));
+        CHECK(-static_cast<double>(back[i]) >= amax);
+      }
+      CHECK((q[i] & 0x7f) <= 0x7b);  // never inf or NaN
+    }
+  }
+}
+
+TEST_CASE("e5m2 blocks through the device path: a block with an inf or NaN becomes a NaN block, the others as the host functions") {
+  // Blocks of 4: block 0 finite, block 1 holds +inf, block 2 finite, block 3 NaN and -inf,
+  // block 4 (short) finite.
+  const float inf = INFINITY, nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = {1, -2, 3, 0.25f, 5, inf, 7, 8, -100, 0.5f, 0, 6, 1, nan, -inf, 2, 9, -3};
+  std::vector<std::uint8_t> q(x.size(), 0xaa);
+  std::vector<float> scales(5, -1.0f);
+  const auto bad = fsdp::detail::quantize_poisoning_nonfinite(fsdp::QuantFormat::f8e5m2_blocks, x.data(), x.size(),
+                                                              q.data(), scales.data(), 4);
+  CHECK(bad == std::optional<std::size_t>(5));  // the lowest non-finite element
+  CHECK(std::isnan(scales[1]));
+  CHECK(std::isnan(scales[3]));
+  for (std::size_t i = 4; i < 8; ++i) CHECK(q[i] == 0);
+  for (std::size_t i = 12; i < 16; ++i) CHECK(q[i] == 0);
+  // The finite blocks: what quantize_f8e5m2_blocks writes for each alone.
+  for (std::size_t b : {0, 2, 4}) {
+    CAPTURE(b);
+    const std::size_t count = std::min<std::size_t>(4, x.size() - 4 * b);
+    std::vector<std::uint8_t> want(count);
+    float want_scale = -1;
+    fsdp::quantize_f8e5m2_blocks(std::span<const float>(x).subspan(4 * b, count), want, std::span(&want_scale, 1), 4);
+    CHECK(scales[b] == want_scale);
+    CHECK(std::equal(want.begin(), want.end(), q.begin() + static_cast<std::ptrdiff_t>(4 * b)));
+  }
+  CHECK(scales[2] == float_at_least(100.0 / 57344));
+  // Back: NaN for every element of a NaN block, never a number; the others as
+  // dequantize_f8e5m2_blocks gives them.
+  std::vector<float> back(x.size()), want(x.size());
+  fsdp::detail::dequantize_any(fsdp::QuantFormat::f8e5m2_blocks, q.data(), scales.data(), x.size(), back.data(), 4);
+  fsdp::dequantize_f8e5m2_blocks(q, scales, want, 4);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    CAPTURE(i);
+    const bool nan_block = i / 4 == 1 || i / 4 == 3;
+    CHECK(std::isnan(back[i]) == nan_block);
+    if (!nan_block) {
+      CHECK(back[i] == want[i]);
+      CHECK(std::fabs(static_cast<double>(back[i]) - x[i]) <= std::ldexp(std::fabs(x[i]), -3) * (1 + std::ldexp(1.0, -16)));
+    }
+  }
+  CHECK(fsdp::name_of(fsdp::QuantFormat::f8e5m2_blocks) == "f8e5m2_blocks");
+  CHECK(fsdp::scale_bytes(fsdp::QuantFormat::f8e5m2_blocks) == 4);
+  CHECK(contains(error_of([&] { fsdp::check_quant_block(fsdp::QuantFormat::f8e5m2_blocks, 0, "here"); }),
+                 "here: f8e5m2_blocks needs a positive block, got block = 0"));
+  CHECK(error_of([&] { fsdp::check_quant_block(fsdp::QuantFormat::f8e5m2_blocks, 7, "here"); }).empty());
 }
 
 TEST_CASE("e4m3 tensor: one scale amax/448 over all the elements") {

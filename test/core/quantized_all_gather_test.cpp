@@ -61,7 +61,10 @@ struct Case {
   QuantFormat f;
   std::size_t block;
 };
-constexpr Case kCases[] = {{QuantFormat::int8_blocks, 128}, {QuantFormat::f8e4m3_blocks, 50}, {QuantFormat::mxfp8, 32}};
+constexpr Case kCases[] = {{QuantFormat::int8_blocks, 128},
+                           {QuantFormat::f8e4m3_blocks, 50},
+                           {QuantFormat::f8e5m2_blocks, 96},
+                           {QuantFormat::mxfp8, 32}};
 
 }  // namespace
 
@@ -244,7 +247,7 @@ TEST_CASE("HostDevice quantizes as the host functions do, writing a block with a
                                host_back, 128);
   CHECK(same_bits(std::vector<float>(back.begin(), back.begin() + 128), host_back));
   CHECK(std::all_of(back.begin() + 128, back.end(), [](float v) { return std::isnan(v); }));  // never a number
-  for (QuantFormat f : {QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {  // the other formats' NaN blocks
+  for (QuantFormat f : {QuantFormat::f8e4m3_blocks, QuantFormat::f8e5m2_blocks, QuantFormat::mxfp8}) {  // the other formats' NaN blocks
     CAPTURE(fsdp::name_of(f));
     std::vector<std::uint8_t> codes(200, 0x55), sc(7 * 4, 0x55);
     device.quantize(f, x.data(), 200, codes.data(), sc.data(), 32);

@@ -666,21 +666,25 @@ Bytes bytes_of_floats(const std::vector<float>& v) {
 
 // Values that reach every branch of the encoders: per block of 32 a magnitude from float's
 // subnormals to near its largest, zeros and an all-zero block, and blocks whose amax makes
-// the scale exactly 1 for int8 (127) and E4M3 (448), holding halfway cases (2.5, -3.5;
-// E4M3's 1.0625 lies between 1 and 1.125) that must round to even.
+// the scale exactly 1 for int8 (127), E4M3 (448) and E5M2 (57344), holding halfway cases
+// (2.5, -3.5; E4M3's 1.0625 lies between 1 and 1.125; E5M2's 1.125 between 1 and 1.25,
+// -1.375 between 1.25 and 1.5, 1.5 * 2^-16 between its first two subnormals) that must
+// round to even.
 std::vector<float> quantize_inputs(std::size_t n, std::mt19937_64& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   std::uniform_int_distribution<int> exponent(-140, 120);
   std::vector<float> x(n);
   for (std::size_t first = 0; first < n; first += 32) {
-    const std::size_t kind = (first / 32) % 8;
+    const std::size_t kind = (first / 32) % 9;
     const float mag = std::ldexp(1.0f, exponent(rng));
     for (std::size_t i = first; i < std::min(n, first + 32); ++i) {
       if (kind == 0) x[i] = 0.0f;
       else if (kind == 1) x[i] = (i == first) ? 127.0f : (i % 2 ? 2.5f : -3.5f) + static_cast<float>(i % 5);
       else if (kind == 2) x[i] = (i == first) ? 448.0f : (i % 2 ? 1.0625f : -1.1875f);
       else if (kind == 3) x[i] = unit(rng) * 3.0e38f;  // near FLT_MAX
+      else if (kind == 4)
+        x[i] = (i == first) ? 57344.0f : i % 3 == 0 ? std::ldexp(1.5f, -16) : (i % 2 ? 1.125f : -1.375f);
       else x[i] = normal(rng) * mag;
     }
   }
@@ -702,6 +706,7 @@ TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in e
   };
   for (const Case c : {Case{QuantFormat::int8_blocks, 128}, Case{QuantFormat::int8_blocks, 50},
                        Case{QuantFormat::f8e4m3_blocks, 128}, Case{QuantFormat::f8e4m3_blocks, 7},
+                       Case{QuantFormat::f8e5m2_blocks, 128}, Case{QuantFormat::f8e5m2_blocks, 7},
                        Case{QuantFormat::mxfp8, 32}}) {
     const std::string what = std::string(fsdp::name_of(c.f)) + ", block " + std::to_string(c.block);
     CAPTURE(what);
@@ -728,7 +733,8 @@ TEST_CASE("quantize and dequantize match fsdp/core/quantize.hpp bit for bit in e
                                       std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
   const Bytes e8m0_scales{127, 0, 254, 0xff, 1, 200, 128, 126};
   const DeviceBuffer dcodes(dev, codes);
-  for (QuantFormat f : {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {
+  for (QuantFormat f :
+       {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::f8e5m2_blocks, QuantFormat::mxfp8}) {
     const bool mx = f == QuantFormat::mxfp8;
     const std::size_t block = mx ? 32 : 256;
     Bytes scales;
@@ -754,7 +760,8 @@ TEST_CASE("quantize writes a block holding an inf or NaN as a NaN block and name
   x[300] = std::numeric_limits<float>::quiet_NaN();
   x[301] = -std::numeric_limits<float>::infinity();
   const DeviceBuffer dx(dev, bytes_of_floats(x));
-  for (QuantFormat f : {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::mxfp8}) {
+  for (QuantFormat f :
+       {QuantFormat::int8_blocks, QuantFormat::f8e4m3_blocks, QuantFormat::f8e5m2_blocks, QuantFormat::mxfp8}) {
     CAPTURE(fsdp::name_of(f));
     const std::size_t block = f == QuantFormat::mxfp8 ? 32 : 128;
     const std::size_t blocks = (x.size() + block - 1) / block;

@@ -110,6 +110,7 @@ TEST_CASE("all-gathers in a block format: training on CudaDevice equals HostDevi
       "e4m3, offload");
   check.template operator()<fsdp::MixedPrecision<fsdp::bf16>, fsdp::NoOffload, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>>(
       "mxfp8, bf16");
+  check.template operator()<fsdp::FullPrecision, fsdp::NoOffload, fsdp::CommPrecision<fsdp::F8E5M2Blocks<32>, float>>("e5m2");
   for (auto* d : cuda.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
 }
 

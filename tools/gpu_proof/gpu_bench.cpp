@@ -106,7 +106,7 @@ void bench_quantize(fsdp::CudaDevice& dev) {
   void* scales = dev.allocate(n / 32 * 4);
   dev.copy(x, host.data(), n * 4);
   for (const fsdp::QuantFormat f : {fsdp::QuantFormat::int8_blocks, fsdp::QuantFormat::f8e4m3_blocks,
-                                    fsdp::QuantFormat::mxfp8}) {
+                                    fsdp::QuantFormat::f8e5m2_blocks, fsdp::QuantFormat::mxfp8}) {
     const std::size_t block = f == fsdp::QuantFormat::mxfp8 ? 32 : 128;
     const double scale_bytes = static_cast<double>(n / block * fsdp::scale_bytes(f));
     dev.quantize(f, x, n, q, scales, block);  // warm-up

@@ -1,7 +1,7 @@
 #pragma once
 // A quantized all-gather (issue 38): each rank's shard of f32 values crosses the wire as
-// one-byte codes and one scale per block (fsdp/core/quantize.hpp's formats: int8 or E4M3
-// blocks with f32 scales, MXFP8 with e8m0 scales), about a quarter of the f32 bytes, and
+// one-byte codes and one scale per block (fsdp/core/quantize.hpp's formats: int8, E4M3 or
+// E5M2 blocks with f32 scales, MXFP8 with e8m0 scales), about a quarter of the f32 bytes, and
 // every rank turns the gathered codes back into f32. Each rank quantizes its own shard,
 // its blocks cut from its own first value, so no block spans two ranks and the ranks need
 // not agree on any scale first (DeepSpeed ZeRO++ gathers int8 weights this way, qwZ).

@@ -12,6 +12,7 @@ enum class QuantFormat : int {
   int8_blocks = 0,    // quantize_int8_blocks: int8 codes, one f32 scale per block (default 128)
   f8e4m3_blocks = 1,  // quantize_f8e4m3_blocks: E4M3 codes, one f32 scale per block (default 128)
   mxfp8 = 2,          // quantize_mxfp8: E4M3 codes, one e8m0 scale per block of 32 (fixed)
+  f8e5m2_blocks = 3,  // quantize_f8e5m2_blocks: E5M2 codes, one f32 scale per block (default 128)
 };
 
 inline constexpr std::string_view name_of(QuantFormat f) {
@@ -19,6 +20,7 @@ inline constexpr std::string_view name_of(QuantFormat f) {
     case QuantFormat::int8_blocks: return "int8_blocks";
     case QuantFormat::f8e4m3_blocks: return "f8e4m3_blocks";
     case QuantFormat::mxfp8: return "mxfp8";
+    case QuantFormat::f8e5m2_blocks: return "f8e5m2_blocks";
   }
   return "?";
 }

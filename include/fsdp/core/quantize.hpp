@@ -1,7 +1,7 @@
 #pragma once
 // 8-bit wire formats for quantized collectives (issue 38), host side: block quantization
-// of host spans to int8 or E4M3 with one scale per block (f32 scales, or e8m0 scales for
-// MXFP8). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
+// of host spans to int8, E4M3 or E5M2 with one scale per block (f32 scales, or e8m0 scales
+// for MXFP8). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
 // DType::f8e4m3, f8e5m2 and e8m0); here the values travel as spans of std::uint8_t bit
 // patterns (int8 as std::int8_t).
 #include <algorithm>
@@ -77,7 +77,7 @@ inline float round_half_even(float v) {
   return lo;
 }
 
-// The f32-scaled block quantizations (int8, E4M3), `fn` naming the call in messages: per
+// The f32-scaled block quantizations (int8, E4M3, E5M2), `fn` naming the call in messages: per
 // block, its amax (a non-finite value refused), its scale amax / qmax rounded up
 // (scale_for), then each code encode(x / scale), or the zero code for an all-zero block.
 template <class Code, class Encode>
@@ -144,6 +144,24 @@ inline void quantize_f8e4m3_tensor(std::span<const float> x, std::span<std::uint
 inline void dequantize_f8e4m3_tensor(std::span<const std::uint8_t> q, float scale, std::span<float> x) {
   if (q.empty() && x.empty()) return;
   dequantize_f8e4m3_blocks(q, std::span<const float>(&scale, 1), x, std::max<std::size_t>(q.size(), 1));
+}
+
+// ---- E5M2 with one f32 scale per block --------------------------------------------------
+// As E4M3 blocks, with E5M2's largest value: scales[b] = amax_b / 57344, q = e5m2(x / scale),
+// saturating. Two mantissa bits to E4M3's three, so a rounding error of up to 2^-3 of a
+// value, not 2^-4; but five exponent bits, so that bound holds down to 2^-29 of the
+// block's amax, where E4M3's holds to 2^-14 (below, subnormal codes keep less). Worth
+// it for blocks whose values span many binades (an outlier beside small values);
+// otherwise E4M3, or int8, keeps more of each value.
+inline void quantize_f8e5m2_blocks(std::span<const float> x, std::span<std::uint8_t> q, std::span<float> scales,
+                                   std::size_t block = 128) {
+  detail::quantize_blocks("quantize_f8e5m2_blocks", x, q, scales, block, 57344.0f,
+                          [](float v) { return float_to_f8e5m2_bits(v, true); });
+}
+inline void dequantize_f8e5m2_blocks(std::span<const std::uint8_t> q, std::span<const float> scales,
+                                     std::span<float> x, std::size_t block = 128) {
+  detail::dequantize_blocks("dequantize_f8e5m2_blocks", q, scales, x, block,
+                            [](std::uint8_t c) { return f8e5m2_bits_to_float(c); });
 }
 
 // ---- MXFP8 (OCP Microscaling, E4M3 elements): blocks of 32, one e8m0 scale each --------
@@ -217,13 +235,15 @@ inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, co
         quantize_int8_blocks(xs, {reinterpret_cast<std::int8_t*>(cs.data()), cs.size()}, {s32 + b, 1}, xs.size());
         break;
       case QuantFormat::f8e4m3_blocks: quantize_f8e4m3_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
+      case QuantFormat::f8e5m2_blocks: quantize_f8e5m2_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
       case QuantFormat::mxfp8: quantize_mxfp8(xs, cs, {s8 + b, 1}); break;
     }
   }
   return bad;
 }
 
-// Its inverse for n codes (dequantize_int8_blocks, dequantize_f8e4m3_blocks, dequantize_mxfp8).
+// Its inverse for n codes (dequantize_int8_blocks, dequantize_f8e4m3_blocks,
+// dequantize_f8e5m2_blocks, dequantize_mxfp8).
 inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
   const auto* codes = static_cast<const std::uint8_t*>(q);
   const std::size_t blocks = block_count(n, block);
@@ -234,6 +254,9 @@ inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std
       break;
     case QuantFormat::f8e4m3_blocks:
       dequantize_f8e4m3_blocks({codes, n}, {static_cast<const float*>(scales), blocks}, {x, n}, block);
+      break;
+    case QuantFormat::f8e5m2_blocks:
+      dequantize_f8e5m2_blocks({codes, n}, {static_cast<const float*>(scales), blocks}, {x, n}, block);
       break;
     case QuantFormat::mxfp8: dequantize_mxfp8({codes, n}, {static_cast<const std::uint8_t*>(scales), blocks}, {x, n}); break;
   }

@@ -281,36 +281,52 @@ extern "C" __global__ void fsdp_cast_zero(void* dst, int to, const void* src, in
 }
 
 // ---- block quantization: fsdp/core/quantize.hpp's formats, line for line ----------------
-enum { Q_INT8 = 0, Q_E4M3 = 1, Q_MXFP8 = 2 };  // fsdp::QuantFormat
+enum { Q_INT8 = 0, Q_E4M3 = 1, Q_MXFP8 = 2, Q_E5M2 = 3 };  // fsdp::QuantFormat
 
-// float -> E4M3 (E4M3FN), to nearest with ties to even, saturating: fsdp::detail::float_to_f8
-// with kE4M3 (bias 7, 3 mantissa bits, largest 0x7e = 448, NaN 0x7f).
-__device__ unsigned char float_to_e4m3_sat(float f) {
+// float -> an OFP8 pattern, to nearest with ties to even, saturating: fsdp::detail::float_to_f8
+// with saturate = true, for the format of `bias` and `mant` mantissa bits whose largest
+// finite pattern is `max_finite` and NaN `nan` (no sign): +-inf and what rounds beyond the
+// largest give +-max_finite, a NaN keeps its sign.
+__device__ __forceinline__ unsigned char float_to_f8_sat(float f, int bias, int mant, u32 max_finite, u32 nan) {
   const u32 u = __float_as_uint(f);
   const u32 sign = (u >> 24) & 0x80u;
   const u32 abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return (unsigned char)(sign | 0x7fu);
-  if (abs == 0x7f800000u) return (unsigned char)(sign | 0x7eu);
+  if (abs > 0x7f800000u) return (unsigned char)(sign | nan);
+  if (abs == 0x7f800000u) return (unsigned char)(sign | max_finite);
   const int e = (int)(abs >> 23) - 127;
-  if (e < -7 - 3) return (unsigned char)sign;
+  if (e < -bias - mant) return (unsigned char)sign;
   const u32 m = (abs & 0x7fffffu) | 0x800000u;
-  const int sub = 1 - 7 - e;
-  const int drop = 23 - 3 + (sub > 0 ? sub : 0);
+  const int sub = 1 - bias - e;
+  const int drop = 23 - mant + (sub > 0 ? sub : 0);
   u32 r = m >> drop;
   const u32 rest = m & ((1u << drop) - 1u), half = 1u << (drop - 1);
   if (rest > half || (rest == half && (r & 1u))) ++r;
-  const int biased = e + 7 > 1 ? e + 7 : 1;
-  const u32 bits = ((u32)(biased - 1) << 3) + r;
-  return (unsigned char)(sign | (bits > 0x7eu ? 0x7eu : bits));
+  const int biased = e + bias > 1 ? e + bias : 1;
+  const u32 bits = ((u32)(biased - 1) << mant) + r;
+  return (unsigned char)(sign | (bits > max_finite ? max_finite : bits));
 }
 
-// E4M3 -> float, exact: fsdp::f8e4m3_bits_to_float.
-__device__ float e4m3_to_float(unsigned char b) {
+// OFP8 pattern -> float, exact: fsdp::detail::f8_to_float. A `special` pattern is inf when
+// `inf` (E5M2's S.11111.00), else NaN.
+__device__ __forceinline__ float f8_to_float(unsigned char b, int bias, int mant, bool special, bool inf) {
   const u32 sign = (u32)(b & 0x80u) << 24;
-  const u32 e = (b & 0x7fu) >> 3, m = b & 7u;
-  if ((b & 0x7fu) == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
-  if (e == 0) return __uint_as_float(sign | __float_as_uint((float)m * __uint_as_float((u32)(128 - 7 - 3) << 23)));
-  return __uint_as_float(sign | (e - 7u + 127u) << 23 | m << 20);
+  const u32 e = (b & 0x7fu) >> mant, m = b & ((1u << mant) - 1u);
+  if (special) return __uint_as_float(sign | (inf ? 0x7f800000u : 0x7fc00000u));
+  if (e == 0)
+    return __uint_as_float(sign | __float_as_uint((float)m * __uint_as_float((u32)(128 - bias - mant) << 23)));
+  return __uint_as_float(sign | (e + 127u - (u32)bias) << 23 | m << (23 - mant));
+}
+
+// E4M3 (E4M3FN): bias 7, 3 mantissa bits, largest 0x7e = 448, NaN S.1111.111, no inf
+// (fsdp::float_to_f8e4m3_bits saturating, fsdp::f8e4m3_bits_to_float).
+__device__ unsigned char float_to_e4m3_sat(float f) { return float_to_f8_sat(f, 7, 3, 0x7eu, 0x7fu); }
+__device__ float e4m3_to_float(unsigned char b) { return f8_to_float(b, 7, 3, (b & 0x7fu) == 0x7fu, false); }
+
+// E5M2: bias 15, 2 mantissa bits, largest 0x7b = 57344, NaN 0x7e (a quiet NaN), inf
+// S.11111.00 (fsdp::float_to_f8e5m2_bits saturating, fsdp::f8e5m2_bits_to_float).
+__device__ unsigned char float_to_e5m2_sat(float f) { return float_to_f8_sat(f, 15, 2, 0x7bu, 0x7eu); }
+__device__ float e5m2_to_float(unsigned char b) {
+  return f8_to_float(b, 15, 2, (b & 0x7cu) == 0x7cu, (b & 0x7fu) == 0x7cu);
 }
 
 // fsdp::detail::scale_for: amax / qmax in double, rounded up to a float, at least the
@@ -362,14 +378,17 @@ extern "C" __global__ void fsdp_quantize(void* q, void* scales, const float* x, 
       for (u64 i = first + lane; i < end; i += 32) ((unsigned char*)q)[i] = float_to_e4m3_sat(ldexpf(x[i], -shared));
       continue;
     }
-    const float scale = quant_scale_for(amax, format == Q_INT8 ? 127.0f : 448.0f);
+    const float scale = quant_scale_for(amax, format == Q_INT8 ? 127.0f : format == Q_E5M2 ? 57344.0f : 448.0f);
     if (lane == 0) ((float*)scales)[b] = scale;
     for (u64 i = first + lane; i < end; i += 32) {
       if (format == Q_INT8) {
         const float r = scale == 0.0f ? 0.0f : rintf(x[i] / scale);  // ties to even
         ((signed char*)q)[i] = (signed char)(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r));
+      } else if (scale == 0.0f) {
+        ((unsigned char*)q)[i] = (unsigned char)0;
       } else {
-        ((unsigned char*)q)[i] = scale == 0.0f ? (unsigned char)0 : float_to_e4m3_sat(x[i] / scale);
+        const float v = x[i] / scale;
+        ((unsigned char*)q)[i] = format == Q_E5M2 ? float_to_e5m2_sat(v) : float_to_e4m3_sat(v);
       }
     }
   }
@@ -386,7 +405,8 @@ extern "C" __global__ void fsdp_dequantize(float* x, const void* q, const void* 
       x[i] = s == 0xffu ? __uint_as_float(0x7fc00000u) : ldexpf(e4m3_to_float(((const unsigned char*)q)[i]), (int)s - 127);
       continue;
     }
-    const float code = format == Q_INT8 ? (float)((const signed char*)q)[i] : e4m3_to_float(((const unsigned char*)q)[i]);
+    const unsigned char c = ((const unsigned char*)q)[i];
+    const float code = format == Q_INT8 ? (float)(signed char)c : format == Q_E5M2 ? e5m2_to_float(c) : e4m3_to_float(c);
     const double d = (double)code * (double)((const float*)scales)[i / block];
     x[i] = (float)(d < -top ? -top : (top < d ? top : d));
   }

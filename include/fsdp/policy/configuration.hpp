@@ -32,7 +32,7 @@ struct PrecisionConfig {
   bool keep_low_precision_grads = false;
   bool comm = false;  // CommPrecision<Gather, Reduce>
   DType comm_gather = DType::f32, comm_reduce = DType::f32;
-  // Gather is a block format (Int8Blocks, F8E4M3Blocks, MXFP8): comm_gather is then u8.
+  // Gather is a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8): comm_gather is then u8.
   bool comm_quantized = false;
   QuantFormat comm_gather_format = QuantFormat::int8_blocks;
   std::size_t comm_gather_block = 0;
@@ -77,7 +77,7 @@ template <class Config, class D>
 constexpr void check_device_quantizes() {
   if constexpr (gathers_quantized<typename Config::comm_precision>())
     static_assert(QuantizingDevice<D>,
-                  "fsdp: CommPrecision with a block format (Int8Blocks, F8E4M3Blocks, MXFP8) needs a device that "
+                  "fsdp: CommPrecision with a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8) needs a device that "
                   "quantizes: quantize(format, x, n, q, scales, block), dequantize(format, q, scales, n, x, block) and "
                   "quantize_nonfinite() (fsdp::QuantizingDevice; fsdp::HostDevice and fsdp::CudaDevice have them)");
 }
@@ -161,10 +161,16 @@ inline void print_precision(std::ostream& os, const PrecisionConfig& p) {
   }
   if (!p.comm) return;
   os << " CommPrecision<";
-  if (!p.comm_quantized) os << name_of(p.comm_gather);
-  else if (p.comm_gather_format == QuantFormat::int8_blocks) os << "Int8Blocks<" << p.comm_gather_block << ">";
-  else if (p.comm_gather_format == QuantFormat::f8e4m3_blocks) os << "F8E4M3Blocks<" << p.comm_gather_block << ">";
-  else os << "MXFP8";
+  if (!p.comm_quantized) {
+    os << name_of(p.comm_gather);
+  } else {
+    switch (p.comm_gather_format) {
+      case QuantFormat::int8_blocks: os << "Int8Blocks<" << p.comm_gather_block << ">"; break;
+      case QuantFormat::f8e4m3_blocks: os << "F8E4M3Blocks<" << p.comm_gather_block << ">"; break;
+      case QuantFormat::f8e5m2_blocks: os << "F8E5M2Blocks<" << p.comm_gather_block << ">"; break;
+      case QuantFormat::mxfp8: os << "MXFP8"; break;
+    }
+  }
   os << ", " << name_of(p.comm_reduce) << ">";
 }
 }  // namespace detail

@@ -115,7 +115,7 @@ struct FullPrecision {
 // dicts gather in the master dtype, unrounded. With MixedPrecision, Reduce comes from here:
 // MixedPrecision may then set only Param (and Buffer).
 //
-// Gather may also be a block format (Int8Blocks, F8E4M3Blocks, MXFP8 below): each rank
+// Gather may also be a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8 below): each rank
 // quantizes its own f32 shard into one-byte codes and one scale per block (its blocks
 // cut from its own first element, so no block spans two ranks and no scale is agreed),
 // the all-gather moves those, and every rank dequantizes them into the compute-dtype
@@ -135,6 +135,17 @@ template <std::size_t Block = 128>
 struct F8E4M3Blocks {  // E4M3 codes, one f32 scale (amax / 448) per Block elements
   static_assert(Block > 0, "fsdp: F8E4M3Blocks<Block> needs a positive Block (128 is the default)");
   static constexpr QuantFormat format = QuantFormat::f8e4m3_blocks;
+  static constexpr std::size_t block = Block;
+};
+// E5M2 codes, one f32 scale (amax / 57344) per Block elements. Two mantissa bits, so each
+// value is rounded by up to 2^-3 of itself (E4M3's: 2^-4), for a wider range: the bound
+// holds for values down to 2^-29 of their block's largest (E4M3's: 2^-14). Pick it when a
+// block mixes an outlier with far smaller values; else F8E4M3Blocks or Int8Blocks keep
+// more of each value.
+template <std::size_t Block = 128>
+struct F8E5M2Blocks {
+  static_assert(Block > 0, "fsdp: F8E5M2Blocks<Block> needs a positive Block (128 is the default)");
+  static constexpr QuantFormat format = QuantFormat::f8e5m2_blocks;
   static constexpr std::size_t block = Block;
 };
 struct MXFP8 {  // OCP MXFP8: E4M3 codes, one e8m0 (power-of-two) scale per 32 elements
@@ -183,11 +194,11 @@ struct CommPrecision {
   }();
   static_assert(!quantized || (gather_format == QuantFormat::mxfp8 ? gather_block == kMxBlock : gather_block > 0),
                 "fsdp: CommPrecision's block format has a block its format cannot have: MXFP8's is 32 elements, "
-                "int8 and E4M3 blocks need a positive one");
+                "int8, E4M3 and E5M2 blocks need a positive one");
   static_assert((quantized || is_compute_dtype(gather)) && is_compute_dtype(reduce),
                 "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16), or for "
-                "Gather a block format (fsdp::Int8Blocks<128>, fsdp::F8E4M3Blocks<128>, fsdp::MXFP8); "
-                "the 8-bit floats need per-block scales and are not one");
+                "Gather a block format (fsdp::Int8Blocks<128>, fsdp::F8E4M3Blocks<128>, fsdp::F8E5M2Blocks<128>, "
+                "fsdp::MXFP8); the 8-bit floats need per-block scales and are not one");
 };
 struct FullCommPrecision {  // collectives in the compute dtype (MixedPrecision's Param, else the parameters')
   using fsdp_policy_slot = comm_precision_slot;
