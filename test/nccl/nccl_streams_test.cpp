@@ -313,7 +313,9 @@ TEST_CASE("a step that cannot be captured is refused, naming why" * doctest::ski
   sm.zero_grad();
   sm.set_reshard_after_forward(false);
   CHECK(contains(error_of([&] { step.replay(); }),
-                 "replay 2 refused: unit '<root>''s run-time settings changed since the last step"));
+                 "replay 2 refused: unit '<root>': its run-time settings changed since the last step, and the ranks "
+                 "agree on them in the next backward, on the host, which a replay does not run: set them back as "
+                 "captured, or run a step eagerly and capture again"));
   sm.set_reshard_after_forward(true);
   step.replay();
   step.wait();

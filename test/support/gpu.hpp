@@ -62,9 +62,10 @@ inline std::vector<int> test_worlds() {
 }
 
 // Whether fewer GPUs are visible than the largest of test_worlds() needs.
+// None left (FSDP_NCCL_TEST_WORLDS=4 under TSan): skipped, as with too few GPUs.
 inline bool too_few_gpus_for_test_worlds() {
   const std::vector<int> worlds = test_worlds();
-  return fsdp::cuda_device_count() < *std::max_element(worlds.begin(), worlds.end());
+  return worlds.empty() || fsdp::cuda_device_count() < *std::max_element(worlds.begin(), worlds.end());
 }
 
 }  // namespace test_support

@@ -461,7 +461,7 @@ struct CaptureAccess {
     return std::string(display_name(m.units_.at(i)->fqn()));
   }
   static std::string not_capturable(const ShardedModel& m) {
-    if (std::string why = not_replayable(m); !why.empty()) return why;
+    if (std::string why = not_replayable(m, false); !why.empty()) return why;
     for (const auto& u : m.units_) {
       const UnitConfig c = u->config();
       const std::string unit = "unit '" + std::string(display_name(u->fqn())) + "'";
@@ -477,7 +477,8 @@ struct CaptureAccess {
   // else why not: what a replay checks besides the states and the configuration, which
   // cover the rest of the above (offloading and hooks are in the configuration). Settings
   // can be unagreed with the captured configuration: changed, a step run, changed back.
-  static std::string not_replayable(const ShardedModel& m) {
+  // `replay`: for a replay (what to do differs).
+  static std::string not_replayable(const ShardedModel& m, bool replay = true) {
     if (!m.order_->iteration_recorded())
       return "no step has ended yet: run one eagerly first (the first iteration records the order of the units and "
              "agrees on it across ranks, on the host)";
@@ -486,8 +487,11 @@ struct CaptureAccess {
         return "unit '" + std::string(display_name(u->fqn())) + "' is in state " + std::string(name_of(u->state())) +
                ": capture a whole step, begun between steps";
       if (internals(*u).settings_unagreed())
-        return "unit '" + std::string(display_name(u->fqn())) + "''s run-time settings changed since the last step, " +
-               "and the ranks agree on them in the next backward, on the host: run one step eagerly first";
+        return "unit '" + std::string(display_name(u->fqn())) + "': its run-time settings changed since the last " +
+               "step, and the ranks agree on them in the next backward, on the host" +
+               (replay ? ", which a replay does not run: set them back as captured, or run a step eagerly and capture "
+                         "again"
+                       : ": run one step eagerly first");
     }
     return {};
   }

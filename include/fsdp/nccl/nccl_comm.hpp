@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -186,7 +187,8 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     Options child = state_->options;
     child.name = state_->name + "/split#" + std::to_string(state_->next_split()) + "(color " + std::to_string(color) + ")";
     ncclConfig_t config = detail::nccl_nonblocking_config(child.name.c_str());
-    detail::NcclNotes notes = state_->notes.child("/" + child.name);  // before NCCL's: nothing to leak
+    detail::NcclNotes notes =  // before NCCL's: nothing to leak
+        members.size() > 1 ? state_->notes.child("/" + child.name) : detail::NcclNotes{};
     ncclComm_t comm = nullptr;
     {
       auto lk = state_->lock();
@@ -271,8 +273,22 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
 
   friend class detail::CollectiveCalls<NcclComm>;
 
-  // One NCCL call per collective, after its buffers are checked (`count` is per rank).
+  // abort_step's agreement first leaves word of itself in the store (nccl_notes.hpp), before
+  // its host buffer is staged (a CUDA error that failed the step may fail the staging),
+  // and takes it back if NCCL never took the agreement.
   Work issue(detail::CollectiveCall call) {
+    const std::optional<std::uint64_t> word = state_->post_word(call);
+    if (!word) return issue_call(std::move(call));
+    try {
+      return issue_call(std::move(call));
+    } catch (...) {
+      state_->take_back_word(*word);
+      throw;
+    }
+  }
+
+  // One NCCL call per collective, after its buffers are checked (`count` is per rank).
+  Work issue_call(detail::CollectiveCall call) {
     const std::size_t bytes = call.count * size_of(call.dtype);
     const std::size_t all = bytes * static_cast<std::size_t>(size());
     using Kind = detail::CollectiveKind;
@@ -375,7 +391,7 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     else if (recv_in_send) to_gpu(send, send_bytes), call.send = gpu, gpu_recv = gpu + (recv - send);
     else to_gpu(send, send_bytes), call.send = gpu, gpu_recv = gpu + send_bytes;
     call.recv = gpu_recv;
-    issue(call).wait();
+    issue_call(call).wait();
     detail::cuda_check(cudaMemcpy(recv, gpu_recv, recv_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy(host staging)", at);
     return Work{};
   }

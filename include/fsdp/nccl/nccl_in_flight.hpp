@@ -54,6 +54,10 @@ struct NcclInFlight {
   bool complete = false;  // and, when tagged, every rank's tag equals call.tag
   bool retired = false;   // complete, and so is every collective issued before it (tags compared)
   int tag_slot = -1;      // where its tag was gathered (NcclTagRing), or -1: untagged
+  // Its place among the collectives this rank has enqueued on the communicator (the same
+  // on every rank while they are in step: NCCL pairs calls by it); where word of a peer's
+  // abort_step is looked for (nccl_notes.hpp).
+  std::uint64_t launch = 0;
   // Recorded into a CUDA graph (NcclCommState::begin_capture): it runs at each replay, and
   // has no state of its own on the host: only its replays are tracked and waited for.
   bool captured = false;

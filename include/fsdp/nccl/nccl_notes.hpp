@@ -1,29 +1,45 @@
 #pragma once
-// Where an NcclComm's abort_step agreement leaves word for the peers: which rank aborted
+// Where an NcclComm's abort_step agreement leaves word for the peers: which rank aborted,
 // at which collective, and its note (CollectiveTag::note: the exception that left its
 // step). NCCL gathers only each rank's 8-byte tag, and only once a collective completes
 // (nccl_tag_ring.hpp): a peer still inside the step learns from the tags that rank R
 // called abort_step where the calls had the same shape, and learns nothing where they did
 // not (a unit's all_gather meets the agreement's all_reduce: NCCL never completes them and
-// the peer times out). So the aborting rank also leaves word in a store before it issues
-// the agreement, under the agreement's collective number, and a rank whose collective of
-// that number mismatched or timed out reads it there: its error names the aborting rank,
-// quotes its note, and is an echo of it (detail::EchoedError). Failure paths only: a step
-// that succeeds never touches the store.
+// the peer would time out). So the aborting rank leaves word in a store before it issues
+// the agreement (before staging its host buffer too), under the agreement's place among
+// the collectives enqueued on the communicator (NcclInFlight::launch: NCCL pairs calls by
+// it), and a rank whose collective in that place mismatched, stays in flight or timed out
+// reads it there: its error names the aborting rank, quotes its note, and is an echo of it
+// (detail::EchoedError). It also leaves word that it left that collective, which the
+// aborting rank's watchdog looks for, so that rank's agreement fails too, on its own
+// account, instead of waiting out the timeout. An agreement that was never enqueued takes
+// its word back.
+//
+// Costs: nothing while collectives complete within a second. A collective still in flight
+// after 1 s (a slow or straggling peer, or a host far ahead of its GPU) costs a store
+// request from the watchdog at ages 1, 2, 4 and 8 s, then every 8 s, outside the
+// communicator's lock. The failure paths make a few more.
 //
 // The store: a bounded client (Store::bounded_client: every request bounded by
-// kStoreRequestBound, on a connection of its own, one per process however many
-// communicators use it) of from_store()'s store, made at setup where the world has more
-// than one rank, and made again once when a request fails; create()'s
-// communicators, ranks of one process, share an in-process HashStore. A store with no
-// bounded client (an in-process store, which the communicator could outlive) carries no
-// word: the errors then say what the tags say, or time out, as before. Word is best
-// effort: a store that fails leaves the quote out, never the agreement or the error.
+// kStoreRequestBound, on a connection of its own, shared by the communicators of a
+// process) of from_store()'s store, made at setup where the world has more than one rank.
+// Where a request fails, the watchdog's and the post's are tried once more on a new client
+// (a client that timed out once refuses every later request); those made under the
+// communicator's lock are not. create()'s communicators, ranks of one process, share an
+// in-process HashStore. A store with no bounded client (an in-process store, which the
+// communicator could outlive) carries no word: the errors then say what the tags say, or
+// time out, as before. Word is best effort: a store that fails leaves the word out, never
+// the agreement or the error.
 //
-// Keys: `prefix/N` for collective number N, where the prefix is unique to the
+// Not covered: a collective of a split communicator (HybridShard's shard and replica
+// groups) whose peer aborted on the parent (the agreement runs on the world): different
+// keys; and the collectives of a captured step's replay.
+//
+// Keys: `prefix/L` and `prefix/L/left` for place L, where the prefix is unique to the
 // communicator (from_store: its store key and a hash of its unique id; a split adds the
-// child's name), so no word of another communicator or another agreement is read. The
-// first rank to abort at N sets it (compare_set); its value is "<rank>\n<note>".
+// child's name), so no word of another communicator is read. The first rank to abort at L
+// sets it (compare_set); values are "<rank>\n<text>".
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -39,8 +55,8 @@ namespace fsdp::detail {
 class NcclNotes {
  public:
   struct Word {
-    int rank = -1;                             // the rank that aborted
-    std::shared_ptr<const std::string> note;  // its note; null: it had none
+    int rank = -1;                             // the rank that left it
+    std::shared_ptr<const std::string> text;  // its note (or what it left); null: none
   };
 
   NcclNotes() = default;  // no word travels
@@ -61,40 +77,35 @@ class NcclNotes {
 
   // The word of a communicator split from this one (`suffix`: the same on its ranks).
   NcclNotes child(const std::string& suffix) const {
-    NcclNotes n;
-    if (!channel_) return n;
-    n.channel_ = std::make_shared<Channel>();
-    n.channel_->store = channel_->store;
-    n.channel_->prefix = channel_->prefix + suffix;
-    return n;
+    if (!channel_) return {};
+    std::lock_guard lk(channel_->mu);
+    return NcclNotes(channel_->store, channel_->prefix + suffix);
   }
 
-  // Rank `rank` is about to issue abort_step's agreement as collective `seq`.
-  void post(std::uint64_t seq, int rank, const std::shared_ptr<const std::string>& note) const noexcept {
+  // Rank `rank` is about to issue abort_step's agreement in place `launch`.
+  void post(std::uint64_t launch, int rank, const std::shared_ptr<const std::string>& note) const noexcept {
+    set(launch, "", rank, note ? *note : std::string(), true);
+  }
+  // Its agreement was never enqueued: the place will hold another collective.
+  void take_back(std::uint64_t launch) const noexcept {
     if (!channel_) return;
     try {
-      const std::string value = std::to_string(rank) + "\n" + (note ? *note : std::string());
-      channel_->request([&](Store& s) { (void)s.compare_set(key(seq), "", value); });
-    } catch (...) {  // best effort: the agreement goes on without it
+      channel_->request([&](Store& s) { (void)s.delete_key(key(launch)); }, true);
+    } catch (...) {
     }
   }
+  // Rank `rank` left its collective in place `launch` (`what`: that collective) because of
+  // the word there.
+  void leave(std::uint64_t launch, int rank, const std::string& what, bool renew) const noexcept {
+    set(launch, "/left", rank, what, renew);
+  }
 
-  // The word left at collective `seq`, if any.
-  std::optional<Word> fetch(std::uint64_t seq) const noexcept {
-    if (!channel_) return std::nullopt;
-    try {
-      std::optional<std::string> value;
-      channel_->request([&](Store& s) { value = s.try_get(key(seq)); });
-      if (!value) return std::nullopt;
-      const auto cut = value->find('\n');
-      if (cut == std::string::npos || cut == 0 || cut > 9) return std::nullopt;
-      Word w;
-      w.rank = std::stoi(value->substr(0, cut));
-      if (value->size() > cut + 1) w.note = std::make_shared<const std::string>(value->substr(cut + 1));
-      return w;
-    } catch (...) {  // a store that fails: the error goes on without the word
-      return std::nullopt;
-    }
+  // The word left in place `launch` (`renew`: may make a new client when a request fails;
+  // not under the communicator's lock).
+  std::optional<Word> fetch(std::uint64_t launch, bool renew) const noexcept { return get(launch, "", renew); }
+  // Who left their collective in place `launch`, if anyone.
+  std::optional<Word> left(std::uint64_t launch, bool renew) const noexcept {
+    return get(launch, "/left", renew);
   }
 
   // FNV-1a: the same 64 bits on every rank for the same bytes (a unique id's).
@@ -109,10 +120,10 @@ class NcclNotes {
     std::mutex mu;  // the client may be replaced (request)
     std::shared_ptr<Store> store;
     std::string prefix;
-    // `fn(store)`; when it throws, once more on a new bounded client of the same server
-    // (a client that timed out once refuses every later request).
+    // `fn(store)`; when it throws and `renew`, once more on a new bounded client of the
+    // same server (a client that timed out once refuses every later request).
     template <class Fn>
-    void request(Fn&& fn) {
+    void request(Fn&& fn, bool renew) {
       std::shared_ptr<Store> s;
       {
         std::lock_guard lk(mu);
@@ -125,8 +136,8 @@ class NcclNotes {
       } catch (...) {
         failed = std::current_exception();
       }
-      std::shared_ptr<Store> fresh = s->bounded_client(kStoreRequestBound);
-      if (!fresh) std::rethrow_exception(failed);  // in-process: nothing to renew
+      std::shared_ptr<Store> fresh = renew ? s->bounded_client(kStoreRequestBound) : nullptr;
+      if (!fresh) std::rethrow_exception(failed);  // in-process, or not now: nothing to renew
       {
         std::lock_guard lk(mu);
         store = fresh;
@@ -142,7 +153,35 @@ class NcclNotes {
     channel_->prefix = std::move(prefix);
   }
 
-  std::string key(std::uint64_t seq) const { return channel_->prefix + "/" + std::to_string(seq); }
+  std::string key(std::uint64_t launch) const { return channel_->prefix + "/" + std::to_string(launch); }
+
+  // The keys below are built only where there is a channel.
+  void set(std::uint64_t launch, const char* suffix, int rank, const std::string& text, bool renew) const noexcept {
+    if (!channel_) return;
+    try {
+      const std::string k = key(launch) + suffix;
+      const std::string value = std::to_string(rank) + "\n" + text;
+      channel_->request([&](Store& s) { (void)s.compare_set(k, "", value); }, renew);
+    } catch (...) {  // best effort: the caller goes on without it
+    }
+  }
+  std::optional<Word> get(std::uint64_t launch, const char* suffix, bool renew) const noexcept {
+    if (!channel_) return std::nullopt;
+    try {
+      const std::string k = key(launch) + suffix;
+      std::optional<std::string> value;
+      channel_->request([&](Store& s) { value = s.try_get(k); }, renew);
+      if (!value) return std::nullopt;
+      const auto cut = value->find('\n');
+      if (cut == std::string::npos || cut == 0 || cut > 9) return std::nullopt;
+      Word w;
+      w.rank = std::stoi(value->substr(0, cut));
+      if (value->size() > cut + 1) w.text = std::make_shared<const std::string>(value->substr(cut + 1));
+      return w;
+    } catch (...) {  // a store that fails: the caller goes on without the word
+      return std::nullopt;
+    }
+  }
 
   std::shared_ptr<Channel> channel_;  // null: no word travels
 };

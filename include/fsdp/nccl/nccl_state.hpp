@@ -27,12 +27,14 @@
 // compare and gathers no tags. A tagged call waits on the host only when the tag slot it
 // needs is still used by a collective issued NcclTagRing::kSlots tagged collectives earlier.
 //
-// A rank that calls abort_step leaves word in the communicator's store (which rank, at
-// which collective, and its note: the exception that left its step) before issuing the
-// agreement. A peer whose collective of that number mismatched (the tags), or stays in
-// flight (a collective of another shape, which NCCL never completes: the watchdog looks
-// for word at ages 1, 2, 4, ... s, outside the lock) or timed out, fails naming that rank
-// and quoting its note, as an echo of it (detail::EchoedError). See nccl_notes.hpp.
+// A rank that calls abort_step leaves word in the communicator's store (which rank, in
+// which place among the collectives enqueued, and its note: the exception that left its
+// step) before issuing the agreement. A peer whose collective in that place mismatched
+// (the tags), or stays in flight (a collective of another shape, which NCCL never
+// completes: the watchdog looks for word at ages 1, 2, 4, 8, 16, ... s, outside the lock)
+// or timed out, fails naming that rank and quoting its note, as an echo of it
+// (detail::EchoedError), and leaves word that it left, which ends the aborting rank's
+// agreement too. See nccl_notes.hpp.
 //
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <atomic>
@@ -146,10 +148,6 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // by next_seq), and follows it with an event (or leaves that to the enclosing nccl_group).
   template <class Enqueue>
   std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
-    // abort_step's agreement: word of it goes to the store first, so that a peer which
-    // finds the mismatch once the agreement has run finds it there (not under the lock: a
-    // store request).
-    if (gathers_tags_ && aborts(call)) notes.post(call.seq, rank, call.note);
     std::lock_guard lk(mu_);
     if (!broken_.empty())
       fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
@@ -186,9 +184,34 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     if (r != ncclSuccess)
       fail_locked(at.text() + " failed in " + nccl_function + ": " + nccl_error_text(r, comm_), call.seq,
                   nccl_error_kind(r));
+    f->launch = launched_++;
     if (!f->captured) in_flight_.push_back(f);  // a captured one: its replays are tracked instead
     if (!nccl_active_group) record_locked(*f);
     return f;
+  }
+
+  // abort_step's agreement `call`, about to be issued (before its host buffer is staged):
+  // its word goes to the store first (not under the lock: a store request), in the place
+  // it will take, so that a peer that finds the mismatch, or waits in that place, finds it
+  // there. Returns that place, or none (no word: not an agreement, no store, or broken).
+  std::optional<std::uint64_t> post_word(const CollectiveCall& call) {
+    if (!gathers_tags_ || !notes || !aborts(call)) return std::nullopt;
+    std::uint64_t place = 0;
+    {
+      std::lock_guard lk(mu_);
+      if (!broken_.empty()) return std::nullopt;
+      place = launched_;
+    }
+    notes.post(place, rank, call.note);
+    return place;
+  }
+  // The agreement whose word is in `place` failed before NCCL took it: the word goes.
+  void take_back_word(std::uint64_t place) {
+    {
+      std::lock_guard lk(mu_);
+      if (launched_ > place) return;  // enqueued: the word stands
+    }
+    notes.take_back(place);
   }
 
   // CUDA graph capture (fsdp/graph/captured_step.hpp). Between begin_capture and
@@ -424,7 +447,10 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     }
     const auto age = std::chrono::duration_cast<std::chrono::milliseconds>(NcclClock::now() - f.issued);
     if (age > options.timeout && broken_.empty() && !f.replay_of)  // a peer's word says why, if it left any
-      if (std::string why = aborted_by_word_locked(f, notes.fetch(f.call.seq)); !why.empty()) return why;
+      if (std::string why = aborted_by_word_locked(f, notes.fetch(f.launch, false)); !why.empty()) {
+        notes.leave(f.launch, rank, f.describe(), false);  // the aborting rank's agreement ends too
+        return why;
+      }
     reason_kind_ = ErrorKind::timeout;
     if (age > options.timeout)
       return where() + ": " + f.describe() + " did not complete within " +
@@ -446,23 +472,24 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       return {};
     }
     if (f.tag_slot < 0) return {};
-    std::string m = quoted_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), f.call.seq);
+    std::string m = quoted_mismatch(f.call, tags_.gathered(static_cast<std::size_t>(f.tag_slot)), f.launch);
     return m.empty() ? m : where() + ": " + m;
   }
-  // `seq`: the collective's number on every rank (none for a replay's captured ones). The
-  // word was left before the agreement was issued, so it is there; one bounded store
-  // request under the lock, once per communicator (a failure path: it is aborted next).
+  // `place`: the collective's place on every rank (none for a replay's captured ones). The
+  // word was left before the agreement was issued, so it is there if the store took it;
+  // one bounded store request under the lock, once per communicator (a failure path: it
+  // is aborted next).
   std::string quoted_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags,
-                              std::optional<std::uint64_t> seq = std::nullopt) {
+                              std::optional<std::uint64_t> place = std::nullopt) {
     const auto self = static_cast<std::size_t>(rank);
     std::string m = tag_mismatch(mine, tags, self);
     if (m.empty()) return m;
     const int root = abort_root(tags, self);
     if (root < 0) return m;
     reason_echo_of_ = root;
-    if (!seq || !broken_.empty()) return m;
-    auto word = notes.fetch(*seq);
-    return word && word->rank == root && word->note ? tag_mismatch(mine, tags, self, root, std::move(word->note)) : m;
+    if (!place || !broken_.empty()) return m;
+    auto word = notes.fetch(*place, false);
+    return word && word->rank == root && word->text ? tag_mismatch(mine, tags, self, root, std::move(word->text)) : m;
   }
 
   static bool aborts(const CollectiveCall& call) {
@@ -476,7 +503,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     reason_echo_of_ = word->rank;
     return where() + ": " + f.describe() + " cannot complete: rank " + std::to_string(word->rank) +
            " issued abort_step's agreement as this collective instead (the step was left by an exception" +
-           (word->note ? ": \"" + *word->note + "\"" : std::string()) +
+           (word->text ? ": \"" + *word->text + "\"" : std::string()) +
            "), and NCCL does not complete collectives that differ";
   }
 
@@ -536,20 +563,49 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return {};
   }
 
-  // The number of the oldest collective in flight when it is time to look for a peer's word
-  // about it (nccl_notes.hpp): at ages 1, 2, 4, ... s, so a stuck collective costs a few
-  // store requests and a healthy slow one hardly any.
+  // The place of the oldest collective in flight when it is time to look for word about it
+  // (nccl_notes.hpp): at ages 1, 2, 4 and 8 s, then every 8 s, so a collective that
+  // completes within a second costs nothing and a stuck one is found within seconds.
   std::optional<std::uint64_t> word_due_locked() {
     if (!notes || !broken_.empty() || in_flight_.empty()) return std::nullopt;
     const NcclInFlight& f = *in_flight_.front();
-    if (!f.recorded || f.complete || f.replay_of || aborts(f.call)) return std::nullopt;
-    if (f.call.seq != word_seq_) {
-      word_seq_ = f.call.seq;
-      word_after_ = std::chrono::seconds(1);
+    if (!f.recorded || f.complete || f.replay_of) return std::nullopt;
+    const auto age = NcclClock::now() - f.issued;
+    if (f.launch != word_place_) {
+      word_place_ = f.launch;
+      word_next_ = std::chrono::seconds(1);
     }
-    if (NcclClock::now() - f.issued < word_after_) return std::nullopt;
-    word_after_ *= 2;
-    return f.call.seq;
+    if (age < word_next_) return std::nullopt;
+    word_next_ = age < std::chrono::seconds(8) ? word_next_ * 2 : age + std::chrono::seconds(8);
+    return f.launch;
+  }
+
+  // The watchdog's look at `place`, the oldest collective in flight (word_due_locked), with
+  // `lk` released for the store requests: a peer's word that it aborted there fails this
+  // rank's collective as an echo (and says this rank left it); for this rank's own
+  // agreement, word that a peer left ends it at once, on this rank's own account.
+  void look_for_word(std::unique_lock<std::mutex>& lk, std::uint64_t place) {
+    const bool own_agreement = aborts(in_flight_.front()->call);
+    const std::string what = in_flight_.front()->describe();
+    lk.unlock();
+    std::optional<NcclNotes::Word> word = own_agreement ? notes.left(place, true) : notes.fetch(place, true);
+    const bool blames = word && !own_agreement && word->rank != rank && word->rank >= 0 && word->rank < size;
+    if (blames) notes.leave(place, rank, what, true);  // before the lock: the aborting rank stops waiting
+    lk.lock();
+    if (!word || !broken_.empty() || in_flight_.empty() || in_flight_.front()->launch != place ||
+        in_flight_.front()->complete)
+      return;
+    const NcclInFlight& f = *in_flight_.front();
+    if (own_agreement) {
+      if (word->rank == rank || word->rank < 0 || word->rank >= size) return;
+      abort_locked("watchdog: " + where() + ": " + f.describe() + " cannot complete: rank " +
+                       std::to_string(word->rank) + " left " + (word->text ? *word->text : std::string("its collective")) +
+                       " in its place, which NCCL does not complete against this one",
+                   f.call.seq, ErrorKind::mismatch);
+      return;
+    }
+    if (std::string why = aborted_by_word_locked(f, word); !why.empty())
+      abort_locked("watchdog: " + why, f.call.seq, reason_kind_, reason_echo_of_);
   }
 
   void watch() {
@@ -567,15 +623,7 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
       std::uint64_t seq = 0;
       const std::string reason = retire_locked(seq);
       if (!reason.empty()) abort_locked("watchdog: " + reason, seq, reason_kind_, reason_echo_of_);
-      if (const auto due = word_due_locked()) {  // a collective long in flight: did a peer abort there?
-        lk.unlock();
-        const auto word = notes.fetch(*due);
-        lk.lock();
-        if (word && broken_.empty() && !in_flight_.empty() && in_flight_.front()->call.seq == *due &&
-            !in_flight_.front()->complete)
-          if (std::string why = aborted_by_word_locked(*in_flight_.front(), word); !why.empty())
-            abort_locked("watchdog: " + why, *due, reason_kind_, reason_echo_of_);
-      }
+      if (const auto due = word_due_locked()) look_for_word(lk, *due);  // a collective long in flight
       if (!released_.empty()) {  // a captured step's tag memory: cudaFreeHost may wait for the device
         auto release = std::exchange(released_, {});
         lk.unlock();
@@ -602,8 +650,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   int broken_echo_of_ = -1;                       // the rank they echo (abort_locked), or -1
   ErrorKind reason_kind_ = ErrorKind::misuse;     // the kind of inspect_locked's last reason
   int reason_echo_of_ = -1;                       // and the rank it echoes, or -1
-  std::uint64_t word_seq_ = ~std::uint64_t{0};    // word_due_locked: the collective it looks at
-  NcclClock::duration word_after_{};              // and its age at the next look
+  std::uint64_t launched_ = 0;                     // collectives enqueued so far (NcclInFlight::launch)
+  std::uint64_t word_place_ = ~std::uint64_t{0};  // word_due_locked: the collective it looks at
+  NcclClock::duration word_next_{};               // and its age at the next look
   std::uint64_t seq_ = 0;
   std::uint64_t splits_ = 0;
   std::size_t grouped_ = 0;  // issued inside an nccl_group that has not ended
