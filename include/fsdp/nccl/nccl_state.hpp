@@ -31,10 +31,10 @@
 // which place among the collectives enqueued, and its note: the exception that left its
 // step) before issuing the agreement. A peer whose collective in that place mismatched
 // (the tags), or stays in flight (a collective of another shape, which NCCL never
-// completes: the watchdog looks for word at ages 1, 2, 4, 8, 16, ... s, outside the lock)
-// or timed out, fails naming that rank and quoting its note, as an echo of it
-// (detail::EchoedError), and leaves word that it left, which ends the aborting rank's
-// agreement too. See nccl_notes.hpp.
+// completes: the watchdog looks for word at ages 1, 2, 4 and 8 s, then every 8 s,
+// outside the lock) or timed out, fails naming that rank and quoting its note, as an
+// echo of it (detail::EchoedError), and leaves word that it left, which ends the aborting
+// rank's agreement too. See nccl_notes.hpp.
 //
 // One mutex guards the ncclComm_t: the watchdog may abort (and so free) it at any time.
 #include <atomic>
@@ -150,7 +150,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   std::shared_ptr<NcclInFlight> issue(CollectiveCall call, const char* nccl_function, Enqueue&& enqueue) {
     std::lock_guard lk(mu_);
     if (!broken_.empty())
-      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", call.describe(), " not started: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", call.describe(),
+                   " not started: the communicator broke earlier: ", broken_);
     const CallAt at{where_, call};  // streamed into a message only on failure
     CurrentDevice current(device, at);
     auto f = std::make_shared<NcclInFlight>();
@@ -226,7 +227,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   void begin_capture(cudaStream_t stream, std::size_t capacity) {
     std::lock_guard lk(mu_);
     if (!broken_.empty())
-      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": a capture cannot begin: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(),
+                   ": a capture cannot begin: the communicator broke earlier: ", broken_);
     if (capture_) fail(where(), ": a capture is under way on it already (one at a time)");
     if (!streams_.ordered_after(stream))
       fail(where(), ": its collectives would not join a capture of stream ", static_cast<const void*>(stream),
@@ -275,7 +277,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
                                             " when captured") +
                ") as collective #" + std::to_string(f->call.seq);
     if (!broken_.empty())
-      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", f->describe(), " not tracked: the communicator broke earlier: ", broken_);
+      fail_echo_if(broken_echo_of_, broken_kind_, where(), ": ", f->describe(),
+                   " not tracked: the communicator broke earlier: ", broken_);
     CurrentDevice current(device, where_);
     f->stream = stream;
     f->event = streams_.take_event(where_);
@@ -368,7 +371,8 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
   // The group that issued `n` collectives here has ended (ncclGroupEnd returned).
   void group_ended_locked(std::size_t n) {
     grouped_ -= n;
-    if (grouped_ == 0 && !broken_.empty() && !aborted_) abort_locked(broken_, broken_seq_, broken_kind_, broken_echo_of_);
+    if (grouped_ == 0 && !broken_.empty() && !aborted_)
+      abort_locked(broken_, broken_seq_, broken_kind_, broken_echo_of_);
   }
 
   [[noreturn]] void fail_locked(const std::string& reason, std::uint64_t seq, ErrorKind kind, int echo_of = -1) {
@@ -598,8 +602,9 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     const NcclInFlight& f = *in_flight_.front();
     if (own_agreement) {
       if (word->rank == rank || word->rank < 0 || word->rank >= size) return;
+      const std::string left = word->text ? *word->text : std::string("its collective");
       abort_locked("watchdog: " + where() + ": " + f.describe() + " cannot complete: rank " +
-                       std::to_string(word->rank) + " left " + (word->text ? *word->text : std::string("its collective")) +
+                       std::to_string(word->rank) + " left " + left +
                        " in its place, which NCCL does not complete against this one",
                    f.call.seq, ErrorKind::mismatch);
       return;
