@@ -40,6 +40,7 @@
 #include "fsdp/core/communicator.hpp"
 #include "fsdp/cuda/cuda_device.hpp"
 #include "fsdp/core/detail/collective_call.hpp"
+#include "fsdp/core/detail/fingerprint.hpp"
 #include "fsdp/core/device_mesh.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/nccl/nccl_group.hpp"
@@ -77,9 +78,10 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
     }
     // Word of abort_step goes through a bounded client of the same store, under keys of this
     // communicator's own (nccl_notes.hpp); made before NCCL's, so nothing here can leak it.
+    detail::Fingerprint id_fingerprint;  // the same 64 bits on every rank
+    id_fingerprint.add_bytes(&id, sizeof id);
     char id_hash[17];
-    std::snprintf(id_hash, sizeof id_hash, "%016llx",
-                  static_cast<unsigned long long>(detail::NcclNotes::hash(&id, sizeof id)));
+    std::snprintf(id_hash, sizeof id_hash, "%016llx", static_cast<unsigned long long>(id_fingerprint.value()));
     detail::NcclNotes notes =
         world > 1 ? detail::NcclNotes::bounded(store, options.store_key + "/abort_notes/" + id_hash) : detail::NcclNotes{};
     ncclComm_t comm = init(id, rank, world, device, options, at + " (cuda:" + std::to_string(device) + ")");

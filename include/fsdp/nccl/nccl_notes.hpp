@@ -108,13 +108,6 @@ class NcclNotes {
     return get(launch, "/left", renew);
   }
 
-  // FNV-1a: the same 64 bits on every rank for the same bytes (a unique id's).
-  static std::uint64_t hash(const void* data, std::size_t n) {
-    std::uint64_t h = 0xcbf29ce484222325ull;
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * 0x100000001b3ull;
-    return h;
-  }
-
  private:
   struct Channel {
     std::mutex mu;  // the client may be replaced (request)
