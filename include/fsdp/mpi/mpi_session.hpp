@@ -84,9 +84,18 @@ struct MpiRuntime {
 
   ~MpiRuntime() {
     if (has_failed()) {
-      const bool echo = failure_echo_of() >= 0;
-      std::fprintf(stderr, "fsdp: world rank %d: aborting the MPI job after a failed collective: %s\n", world_rank,
-                   failure().c_str());
+      const int echo_of = failure_echo_of();
+      const bool echo = echo_of >= 0;
+      // An echo says so on its own line too: mpirun's banner naming the first MPI_Abort is
+      // Open MPI's words, which it may fail to print (show_help "Out of resource").
+      if (echo)
+        std::fprintf(stderr,
+                     "fsdp: world rank %d: aborting the MPI job after a failed collective, an echo of world rank "
+                     "%d's abort_step (exit status %d): %s\n",
+                     world_rank, echo_of, kEchoExitStatus, failure().c_str());
+      else
+        std::fprintf(stderr, "fsdp: world rank %d: aborting the MPI job after a failed collective: %s\n", world_rank,
+                     failure().c_str());
       std::fflush(stderr);
       if (echo) std::this_thread::sleep_for(kEchoAbortDelay);  // the root's abort first; mpirun may end us sooner
       MPI_Abort(MPI_COMM_WORLD, echo ? kEchoExitStatus : 1);
