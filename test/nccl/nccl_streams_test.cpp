@@ -337,6 +337,39 @@ TEST_CASE("a step that cannot be captured is refused, naming why" * doctest::ski
   CHECK(contains(untold_comm.broken_by(), "was not told (pass it to fsdp::CapturedStep)"));
   dev.synchronize();
   scratch_dev.deallocate(scratch, 64);
+  // A communicator of the step that broke since (here a collective that timed out behind
+  // a held stream): the replay is refused with the communicator's own failure and kind, as
+  // its next eager collective would be (an echo's stays an echo), not as a misuse.
+  EngineStream held;
+  fsdp::CudaDevice held_dev(0, held.s);
+  NcclComm timing_out = one_rank_comm(held.s, std::chrono::milliseconds(300));
+  test_support::Net<CudaDevice> held_net(held_dev, kConfig);
+  auto held_sm = fsdp::shard<fsdp::FullShard>(held_net, timing_out, held_dev, fsdp::wrap_types<test_support::Layer>{});
+  QueuedStep<CudaDevice> held_queued(held_dev, 1);
+  held_sm.zero_grad();
+  test_support::forward_backward(held_dev, held_net, held_sm, kConfig, 0, 0, 1.0);
+  held_sm.finish_backward();
+  held_sm.zero_grad();
+  fsdp::CapturedStep held_step(held_sm, held.s, {&timing_out}, [&] {
+    held_queued.run(held_net, held_sm);
+    held_sm.finish_backward();
+  });
+  static Gate gate;  // outlives the process's last use of the stream
+  gate.hold(held.s, std::chrono::seconds(20));
+  void* x = held_dev.allocate(64);
+  timing_out.all_reduce(x, x, 16, fsdp::DType::f32, fsdp::ReduceOp::sum);  // behind the gate: times out
+  const auto broke_by = Clock::now() + std::chrono::seconds(10);
+  while (!timing_out.broken() && Clock::now() < broke_by) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  gate.open();
+  held_sm.zero_grad();
+  const auto refused = test_support::thrown_by([&] { held_step.replay(); });
+  CHECK(contains(refused.message, "CapturedStep: replay 1 refused: NcclComm '"));
+  CHECK(contains(refused.message, "the communicator broke earlier: "));
+  CHECK(contains(refused.message, "did not complete within 300 ms"));
+  CHECK(refused.kind == fsdp::ErrorKind::timeout);
+  CHECK(refused.echo_of == -1);
+  CHECK(held_step.replays() == 0);
+  // x stays allocated: the aborted all_reduce is never known to be done with it.
 }
 
 #ifdef FSDP_NCCL_STREAMS_TCP

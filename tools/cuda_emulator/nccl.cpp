@@ -273,12 +273,14 @@ ncclResult_t nccl_fail(ncclResult_t r, std::string text) {
 
 // Collective `seq` is done on this rank (every rank's part read, or ended by an abort):
 // advances `low`, publishes it (low-<rank>), and removes this rank's contributions that
-// every rank has done with, so a long run keeps only what is in flight on disk.
+// every rank has done with, so a long run keeps only what is in flight on disk. Not once
+// the communicator was aborted: its directory may be gone (the last rank out removes it)
+// while a collective queued behind a held stream still ends.
 void completed(CommState& c, std::uint64_t seq) {
   c.done_above.insert(seq);
   const std::uint64_t before = c.low;
   while (c.done_above.count(c.low)) c.done_above.erase(c.low++);
-  if (c.low == before || c.dir.empty()) return;
+  if (c.low == before || c.dir.empty() || c.phase != CommState::Phase::ready) return;
   Header h;
   h.count = c.low;
   write_whole(c.dir / ("low-" + std::to_string(c.rank)), h, nullptr);

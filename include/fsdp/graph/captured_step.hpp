@@ -217,10 +217,10 @@ class CapturedStep {
     if (model_->config() != config_)
       detail::fail("CapturedStep: replay ", next, " refused: the model's run-time settings changed since the capture ",
                    "(a replay does what was captured): capture the step again");
+    // A broken communicator refuses the replay with its own failure (its kind; an echo of
+    // the peer whose abort_step broke it), as its next eager collective would.
     for (NcclComm* c : comms_)
-      if (c->broken())
-        detail::fail_as(ErrorKind::misuse, "CapturedStep: replay ", next, " refused: NcclComm '", c->name(),
-                        "' broke earlier: ", c->broken_by());
+      c->fail_if_broken("CapturedStep: replay " + std::to_string(next) + " refused: NcclComm '" + c->name() + "'");
     detail::cuda_check(cudaGraphLaunch(exec_, stream_), "cudaGraphLaunch", "CapturedStep");
     detail::CaptureAccess::set_step_states(*model_, states_after_);  // as the captured step left them
     replays_ = next;

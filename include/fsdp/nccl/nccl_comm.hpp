@@ -158,6 +158,9 @@ class NcclComm : public detail::CollectiveCalls<NcclComm> {
   // Why a collective failed and the communicator was aborted; empty while healthy.
   std::string broken_by() const { return state_->broken_by(); }
   bool broken() const { return !broken_by().empty(); }
+  // Throws that failure, as the communicator's next collective would (its kind, an echo of
+  // the peer whose abort_step broke it), after `at`; nothing while healthy.
+  void fail_if_broken(const std::string& at) const { state_->fail_if_broken(at); }
 
   // CUDA graph capture of a training step: fsdp::CapturedStep (fsdp/graph/captured_step.hpp)
   // calls these; an engine need not. Between begin_capture and end_capture the collectives

@@ -137,6 +137,14 @@ class NcclCommState : public std::enable_shared_from_this<NcclCommState> {
     return broken_;
   }
 
+  // Throws what a collective issued now would: the failure that broke the communicator,
+  // with its kind (an echo where it echoes a peer's abort_step), after `at`; nothing while
+  // healthy.
+  void fail_if_broken(const std::string& at) const {
+    std::lock_guard lk(mu_);
+    if (!broken_.empty()) fail_echo_if(broken_echo_of_, broken_kind_, at, ": the communicator broke earlier: ", broken_);
+  }
+
   // The next collective's number (taken before checking its arguments, so that messages
   // about a refused call name it too).
   std::uint64_t next_seq() {
