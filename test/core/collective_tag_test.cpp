@@ -98,12 +98,18 @@ TEST_CASE("ThreadComm: different tags fail on every rank naming each rank's unit
   }
 }
 
+// An all_gather of 101 f32 values, collective #`seq`, tagged as unit `unit`'s in forward.
+fsdp::detail::CollectiveCall unit_gather(const Names& names, std::uint32_t unit, std::uint64_t seq) {
+  fsdp::detail::CollectiveCall c{fsdp::detail::CollectiveKind::all_gather, nullptr, nullptr, 101, fsdp::DType::f32};
+  c.seq = seq;
+  c.tag = fsdp::CollectiveTag{unit, fsdp::TagPhase::forward, 1}.packed();
+  c.names = &names;
+  return c;
+}
+
 TEST_CASE("the mismatch message of a backend that gathers only tags (NcclComm) names every rank's unit") {
   const Names names;
-  fsdp::detail::CollectiveCall mine{fsdp::detail::CollectiveKind::all_gather, nullptr, nullptr, 101, fsdp::DType::f32};
-  mine.seq = 20;
-  mine.tag = fsdp::CollectiveTag{0, fsdp::TagPhase::forward, 1}.packed();
-  mine.names = &names;
+  const auto mine = unit_gather(names, 0, 20);
   const std::uint64_t other = fsdp::CollectiveTag{1, fsdp::TagPhase::forward, 1}.packed();
   const std::vector<std::uint64_t> same{mine.tag, mine.tag, mine.tag};
   CHECK(fsdp::detail::tag_mismatch(mine, same, 1).empty());
@@ -141,6 +147,23 @@ TEST_CASE("gathered tags with a peer's abort_step: that rank is the root, its no
   CHECK(contains(quoted, "rank 3 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left by an "
                          "exception) as collective #0"));  // its note was not brought
   CHECK_FALSE(contains(fsdp::detail::tag_mismatch(mine, tags, 0), "engine kernel failed"));
+}
+
+TEST_CASE("gathered tags: a peer's agreement is shown with the agreement's shape, not with this rank's") {
+  const Names names;
+  const auto gather = unit_gather(names, 1, 7);
+  const std::uint64_t abort = fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0}.packed();
+  // Rank 0 gathers a unit; rank 1 issued abort_step's agreement (an all_reduce of one i32).
+  const std::string seen_by_gatherer = fsdp::detail::tag_mismatch(gather, std::vector<std::uint64_t>{gather.tag, abort}, 0);
+  CAPTURE(seen_by_gatherer);
+  CHECK(contains(seen_by_gatherer, "rank 0 called all_gather(count=101, dtype=f32) of unit 'block1' (forward, pass 1) "
+                                   "as collective #7"));
+  CHECK(contains(seen_by_gatherer, "rank 1 called all_reduce(count=1, dtype=i32, op=min) of abort_step"));
+  CHECK_FALSE(contains(seen_by_gatherer, "rank 1 called all_gather"));
+  // The take-over's agreement is one too; a unit's collective is not.
+  CHECK(fsdp::detail::is_agreement_tag(fsdp::CollectiveTag{0, fsdp::TagPhase::take_over, 0}.packed()));
+  CHECK_FALSE(fsdp::detail::is_agreement_tag(gather.tag));
+  CHECK_FALSE(fsdp::detail::is_agreement_tag(0));
 }
 
 TEST_CASE("whole calls that differ in shape are a mismatch too; ranks of a split group are named as in the world") {

@@ -400,9 +400,10 @@ TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::s
   const auto note = std::make_shared<const std::string>("engine kernel failed");
   std::vector<fsdp::Work> agreement;
   fsdp::nccl_group([&] {
-    agreement.push_back(comms[0].all_reduce(send[0]->p, recv[0]->p, 1, DType::f32, ReduceOp::min,
+    // abort_step's agreement is an all_reduce of one i32 with min (detail::all_ranks_agree).
+    agreement.push_back(comms[0].all_reduce(send[0]->p, recv[0]->p, 1, DType::i32, ReduceOp::min,
                                             fsdp::CollectiveTag{0, fsdp::TagPhase::abort_step, 0, nullptr, note}));
-    agreement.push_back(comms[1].all_reduce(send[1]->p, recv[1]->p, 1, DType::f32, ReduceOp::min,
+    agreement.push_back(comms[1].all_reduce(send[1]->p, recv[1]->p, 1, DType::i32, ReduceOp::min,
                                             fsdp::CollectiveTag{2, fsdp::TagPhase::forward, 1, &names}));
   });
   const auto own = test_support::thrown_by([&] { agreement[0].wait(); });
@@ -410,9 +411,9 @@ TEST_CASE("several ranks in one process, launched in an nccl_group" * doctest::s
   CAPTURE(echo.message);
   CHECK(own.echo_of == -1);
   CHECK(echo.echo_of == 0);
-  CHECK(contains(echo.message, "rank 0 called all_reduce(count=1, dtype=f32, op=min) of abort_step (the step was left "
+  CHECK(contains(echo.message, "rank 0 called all_reduce(count=1, dtype=i32, op=min) of abort_step (the step was left "
                                "by an exception: \"engine kernel failed\") as collective #1, rank 1 called "
-                               "all_reduce(count=1, dtype=f32, op=min) of unit 'block2' (forward, pass 1)"));
+                               "all_reduce(count=1, dtype=i32, op=min) of unit 'block2' (forward, pass 1)"));
 }
 
 // ---- cases run in child processes --------------------------------------------------

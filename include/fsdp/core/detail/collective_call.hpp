@@ -69,6 +69,28 @@ struct CollectiveCall {
   }
 };
 
+// The model's own agreements (detail::all_ranks_agree in fingerprint.hpp: the take-over at
+// setup, abort_step) are all one call: an all_reduce of one i32 with min. Their tags say
+// so, so a backend that gathers only its peers' tags (NcclComm) knows what such a peer called.
+inline constexpr std::size_t kAgreementCount = 1;
+inline constexpr DType kAgreementDType = DType::i32;
+inline constexpr ReduceOp kAgreementOp = ReduceOp::min;
+inline bool is_agreement_tag(std::uint64_t tag) {
+  if (!tag) return false;
+  const TagPhase p = CollectiveTag::unpack(tag).phase;
+  return p == TagPhase::abort_step || p == TagPhase::take_over;
+}
+// `c` (its number, tag and note kept) with the agreement's shape.
+inline CollectiveCall as_agreement(CollectiveCall c) {
+  c.kind = CollectiveKind::all_reduce;
+  c.send = c.recv = nullptr;
+  c.count = kAgreementCount;
+  c.dtype = kAgreementDType;
+  c.op = kAgreementOp;
+  c.root = 0;
+  return c;
+}
+
 // "<where>: <call>" for messages, formatted only when one is written (cuda_check and fail
 // stream it): backends pass it on every call without building a string.
 struct CallAt {

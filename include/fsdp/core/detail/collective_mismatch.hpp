@@ -70,16 +70,21 @@ inline std::string collective_mismatch(std::span<const CollectiveCall> calls, st
 }
 
 // The same for a backend that gathers only the ranks' tags (tags[r]: rank r's packed
-// CollectiveTag, 0 untagged): each rank is shown with `mine`'s shape, its own tag, and
-// `mine`'s unit names (every rank's model names its units alike). A peer's note is not
-// gathered: `note_rank`'s is `note` where the backend brought it by other means.
+// CollectiveTag, 0 untagged) beside a collective that completed: a peer whose tag is an
+// agreement's (is_agreement_tag) is shown with the agreement's shape, which that tag
+// implies; any other with `mine`'s (NCCL completed the calls together, so their bytes
+// matched), its own tag, and `mine`'s unit names (every rank's model names its units
+// alike). A peer's note is not gathered: `note_rank`'s is `note` where the backend brought
+// it by other means.
 inline std::string tag_mismatch(const CollectiveCall& mine, std::span<const std::uint64_t> tags, std::size_t self,
                                 int note_rank = -1, std::shared_ptr<const std::string> note = nullptr) {
   if (std::all_of(tags.begin(), tags.end(), [&](std::uint64_t t) { return t == mine.tag; })) return {};  // every collective
   std::vector<CollectiveCall> calls(tags.size(), mine);
   for (std::size_t r = 0; r < tags.size(); ++r) {
+    if (r == self) continue;
     calls[r].tag = tags[r];
-    if (r != self) calls[r].note = static_cast<int>(r) == note_rank ? note : nullptr;
+    calls[r].note = static_cast<int>(r) == note_rank ? note : nullptr;
+    if (is_agreement_tag(tags[r])) calls[r] = as_agreement(calls[r]);
   }
   return collective_mismatch(calls, self);
 }

@@ -16,6 +16,7 @@
 
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/detail/backend_ref.hpp"
+#include "fsdp/core/detail/collective_call.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
@@ -83,8 +84,9 @@ FSDP_DECL void check_same_across_ranks(const CommRef& comm, const Fingerprint& f
 
 inline bool all_ranks_agree(const CommRef& comm, bool ok, const CollectiveTag* tag = nullptr) {
   if (comm.size() == 1) return ok;
+  static_assert(kAgreementDType == DType::i32 && kAgreementCount == 1);
   std::int32_t mine = ok ? 1 : 0, all = 0;
-  comm.all_reduce(&mine, &all, 1, DType::i32, ReduceOp::min, tag).wait();
+  comm.all_reduce(&mine, &all, kAgreementCount, kAgreementDType, kAgreementOp, tag).wait();
   return all == 1;
 }
 
