@@ -197,8 +197,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
   {  // the sharded model and all that uses it end here, before the trace is written
     // Runtime flags -> compile-time policies. Only fsdp::shard takes them as types, and
     // every combination returns the same fsdp::ShardedModel, so the training
-    // below is compiled once per communicator, not once per combination (5 strategies x 22
-    // precisions, comm precisions and gather formats x offload: 220 fsdp::shard calls).
+    // below is compiled once per communicator, not once per combination (5 strategies x 30
+    // precisions, comm precisions and gather formats x offload: 300 fsdp::shard calls).
     std::optional<fsdp::ShardedModel> built;
     fsdp::with_strategy(cfg.strategy, [&](auto chosen) {
       with_precision_and_offload(param_dtype, cfg.comm_precision == "bf16", cfg.gather_dtype, cfg.offload, [&](auto mixed, auto comm_precision, auto off) {
@@ -446,10 +446,13 @@ int main(int argc, char** argv) {
   auto* gather_dtype = app.add_option("--gather-dtype", cfg.gather_dtype,
                                       "what all-gathers move: f32, bf16, or a block format (CommPrecision's Gather): fp8 "
                                       "(E4M3 blocks of 128), fp8e5m2 (E5M2 blocks of 128: a wider range, one mantissa "
-                                      "bit less), mxfp8 (MXFP8, blocks of 32) or int8 (int8 blocks of 128), "
+                                      "bit less), mxfp8 (MXFP8, blocks of 32) or int8 (int8 blocks of 128), or per "
+                                      "tensor: fp8tensor (E4M3, one scale per parameter, agreed by an all-reduce of "
+                                      "the amaxes before each gather; codes only on the wire) or fp8e5m2tensor (E5M2), "
                                       "dequantized into the compute dtype; default: --comm-precision's, or --precision's; "
                                       "prints a step's collectives")
-                           ->check(CLI::IsMember({"f32", "bf16", "fp8", "fp8e5m2", "mxfp8", "int8"}));
+                           ->check(CLI::IsMember(
+                               {"f32", "bf16", "fp8", "fp8e5m2", "mxfp8", "int8", "fp8tensor", "fp8e5m2tensor"}));
   app.add_option_function<std::string>(
          "--local-gradients",
          [&cfg](const std::string& text) {
@@ -616,7 +619,8 @@ int main(int argc, char** argv) {
   if (cfg.precision != "fp32" && !cfg.gather_dtype.empty() && !train_example::is_block_gather(cfg.gather_dtype) &&
       cfg.gather_dtype != cfg.precision) {
     fmt::print(stderr, "--gather-dtype {} with --precision {}: all-gathers move the compute dtype ({}) or a block format "
-               "(fp8, fp8e5m2, mxfp8, int8)\n", cfg.gather_dtype, cfg.precision, cfg.precision);
+               "(fp8, fp8e5m2, mxfp8, int8) or a per-tensor one (fp8tensor, fp8e5m2tensor)\n", cfg.gather_dtype,
+               cfg.precision, cfg.precision);
     return 2;
   }
   if (cfg.comm_precision != "fp32" && cfg.precision != "fp32") {

@@ -16,25 +16,30 @@ inline fsdp::DType precision_dtype(const std::string& name) {
   return name == "bf16" ? fsdp::DType::bf16 : name == "fp16" ? fsdp::DType::f16 : fsdp::DType::f32;
 }
 
-// --gather-dtype names a block format: its CommPrecision Gather, with Reduce (the gradient
-// reduction's dtype) as given; f(CommPrecision{}). `name` is checked by the flag.
+// --gather-dtype names a block format or a per-tensor one (fp8tensor, fp8e5m2tensor): its
+// CommPrecision Gather, with Reduce (the gradient reduction's dtype) as given;
+// f(CommPrecision{}). `name` is checked by the flag.
 template <class Reduce, class F>
 void with_block_gather(const std::string& name, F&& f) {
   if (name == "int8") f(fsdp::CommPrecision<fsdp::Int8Blocks<>, Reduce>{});
   else if (name == "fp8") f(fsdp::CommPrecision<fsdp::F8E4M3Blocks<>, Reduce>{});
   else if (name == "fp8e5m2") f(fsdp::CommPrecision<fsdp::F8E5M2Blocks<>, Reduce>{});
+  else if (name == "fp8tensor") f(fsdp::CommPrecision<fsdp::F8E4M3Tensor, Reduce>{});
+  else if (name == "fp8e5m2tensor") f(fsdp::CommPrecision<fsdp::F8E5M2Tensor, Reduce>{});
   else f(fsdp::CommPrecision<fsdp::MXFP8, Reduce>{});
 }
 inline bool is_block_gather(const std::string& name) {
-  return name == "int8" || name == "fp8" || name == "fp8e5m2" || name == "mxfp8";
+  return name == "int8" || name == "fp8" || name == "fp8e5m2" || name == "mxfp8" || name == "fp8tensor" ||
+         name == "fp8e5m2tensor";
 }
 
 // Runtime --precision, --comm-precision, --gather-dtype and --offload -> the compile-time
 // policies: f(Precision{}, CommPrecision{}, Offload{}). `comm_bf16`: --comm-precision bf16
 // (both collectives in bf16, under f32 computation only; main() refuses it otherwise);
-// `gather`: --gather-dtype (f32, bf16, fp8, fp8e5m2, mxfp8 or int8; "" for --comm-precision's).
-// Under bf16 or fp16 computation, gathers move that dtype unless --gather-dtype names a
-// block format (main() refuses f32 and the other 16-bit dtype there).
+// `gather`: --gather-dtype (f32, bf16, fp8, fp8e5m2, mxfp8, int8, fp8tensor or fp8e5m2tensor;
+// "" for --comm-precision's). Under bf16 or fp16 computation, gathers move that dtype unless
+// --gather-dtype names a block or per-tensor format (main() refuses f32 and the other
+// 16-bit dtype there).
 template <class F>
 void with_precision_and_offload(fsdp::DType param, bool comm_bf16, const std::string& gather, bool offload, F&& f) {
   auto with_offload = [&](auto precision, auto comm) {

@@ -5,7 +5,7 @@
 // everything a unit runs (setup, hooks, flat parameters, summon), and the other functions
 // that depend on no template argument (fsdp/core/config.hpp): ShardedModel's and
 // ExecutionOrder's members, ThreadComm's and ThreadGroupState's collective steps,
-// ThreadGroup::run's threads (run_ranks), HostDevice's block quantization, the setup's
+// ThreadGroup::run's threads (run_ranks), HostDevice's quantization, the setup's
 // cross-rank check (detail::check_same_across_ranks), the host arithmetic. The engine's
 // files then compile only what they call. Bazel: depend on //:fsdp_separate, which compiles
 // src/fsdp_separate.cpp (this header) and defines FSDP_SEPARATE_COMPILATION for its users.

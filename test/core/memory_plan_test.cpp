@@ -286,6 +286,15 @@ TEST_CASE("a block format's all-gather: plan == measured peak, its slots, the f3
   check_plan<fsdp::FullShard, fsdp::CommPrecision<fsdp::F8E5M2Blocks<16>, float>, fsdp::OffloadParams>({1, 2});
 }
 
+TEST_CASE("a per-tensor format's all-gather: plan == measured peak, its slots and its amaxes, the f32 buffer under bf16") {
+  using E4 = fsdp::CommPrecision<fsdp::F8E4M3Tensor, float>;
+  check_common_prefetch<fsdp::FullShard, E4>({1, 3});
+  check_common_prefetch<fsdp::FullShard, fsdp::MixedPrecision<fsdp::bf16>, fsdp::CommPrecision<fsdp::F8E5M2Tensor, fsdp::bf16>>({1, 3});
+  check_common_prefetch<fsdp::FullShard, E4, fsdp::OffloadParams>({1, 2});
+  check_plan<fsdp::HybridShard, fsdp::CommPrecision<fsdp::F8E5M2Tensor, float>>({2, 2});
+  check_common_prefetch<fsdp::FullShard, E4>({1, 3}, {.layout = fsdp::ShardLayout::block_aligned(8)});
+}
+
 TEST_CASE("ShardGradOp and NoShard: plan == measured peak, per precision x offload") {
   check_precisions_and_offload<fsdp::ShardGradOp>({1, 3});
   check_precisions_and_offload<fsdp::NoShard>({1, 2});
@@ -327,6 +336,21 @@ TEST_CASE("block-aligned and parameter-atomic shard layouts: the padding planned
   const Outcome aligned = train_and_plan<false, fsdp::FullShard, fsdp::BackwardPre>({1, 3}, {.layout = fsdp::ShardLayout::block_aligned(32)});
   CHECK(aligned.device[0].peak_bytes > flat.device[0].peak_bytes);
   CHECK(aligned.plan[0].peak_bytes() == aligned.device[0].peak_bytes);
+}
+
+TEST_CASE("planning by hand a per-tensor gather needs the parameters one by one: it keeps an amax per parameter") {
+  using T = fsdp::CommPrecision<fsdp::F8E4M3Tensor, float>;
+  fsdp::PlannedUnit u;
+  u.flat.push_back({});
+  u.flat[0].numel = 20;
+  fsdp::PlanOptions o;
+  o.mesh = {1, 2};
+  CHECK_THROWS_WITH_AS((fsdp::plan<fsdp::FullShard, T>({u}, o)),
+                       doctest::Contains("a per-tensor gather (f8e4m3_tensor) keeps an amax per parameter"), fsdp::Error);
+  u.flat[0].params = {{.numel = 10}, {.numel = 10}};
+  const auto planned = fsdp::plan<fsdp::FullShard, T>({u}, o);
+  CHECK(planned.steady[0] == 2 * 10 * 4);  // shard + sharded gradient, as in f32
+  CHECK(planned.peak_bytes() > planned.steady[0]);
 }
 
 TEST_CASE("planning by hand under a block-aligned layout needs the parameters one by one") {

@@ -261,6 +261,32 @@ void f(Net& n, fsdp::ThreadComm& c, PlainDevice& d) {
 }
 EOF
 
+expect_error tensor_gather_device_without_abs_max "needs a device that scales per tensor" <<EOF
+$shard_prelude
+struct PlainDevice : fsdp::HostDevice { void abs_max() = delete; };  // quantizes in blocks, not per tensor
+void f(Net& n, fsdp::ThreadComm& c, PlainDevice& d) {
+  auto m = fsdp::shard<fsdp::FullShard, fsdp::CommPrecision<fsdp::F8E4M3Tensor, float>>(n, c, d);
+}
+EOF
+
+expect_ok block_gather_device_without_abs_max <<EOF
+$shard_prelude
+struct PlainDevice : fsdp::HostDevice { void abs_max() = delete; };  // block formats need no per-tensor ops
+static_assert(fsdp::QuantizingDevice<PlainDevice> && !fsdp::TensorScalingDevice<PlainDevice>);
+void f(Net& n, fsdp::ThreadComm& c, PlainDevice& d) {
+  auto m = fsdp::shard<fsdp::FullShard, fsdp::CommPrecision<fsdp::F8E5M2Blocks<>, float>>(n, c, d);
+}
+EOF
+
+expect_error tensor_gather_with_a_block "block format has a block its format cannot have" <<'EOF'
+#include "fsdp/policy/policies.hpp"
+struct MyTensor {  // a per-tensor format given a block
+  static constexpr fsdp::QuantFormat format = fsdp::QuantFormat::f8e4m3_tensor;
+  static constexpr std::size_t block = 128;
+};
+fsdp::Policies<fsdp::CommPrecision<MyTensor, float>> p;
+EOF
+
 expect_ok scaler_on_a_device <<'EOF'
 #include "fsdp/model/grad_scaler.hpp"
 #include "fsdp/host/host_device.hpp"

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
@@ -592,6 +593,130 @@ TEST_CASE("e4m3 tensor: one scale amax/448 over all the elements") {
   fsdp::dequantize_f8e4m3_tensor(q, scale, back);
   check_e4m3_error(x, back, scale, 0, x.size());
   CHECK(contains(error_of([&] { fsdp::quantize_f8e4m3_tensor(x, std::span(q).first(5), scale); }), "q has 5"));
+}
+
+// ---- e5m2 tensor, and the per-tensor helpers a device's kernels share ---------------------
+
+TEST_CASE("e5m2 tensor: one scale amax/57344 over all the elements, the codes of one block of the whole tensor") {
+  const std::vector<float> x = sample(777, 100, 6, -34);
+  std::vector<std::uint8_t> q(x.size()), q_block(x.size());
+  std::vector<float> back(x.size());
+  float scale = -1, block_scale = -1;
+  fsdp::quantize_f8e5m2_tensor(x, q, scale);
+  CHECK(scale == float_at_least(amax_of(x) / 57344.0));
+  fsdp::quantize_f8e5m2_blocks(x, q_block, std::span<float>(&block_scale, 1), x.size());
+  CHECK(q == q_block);
+  CHECK(scale == block_scale);
+  fsdp::dequantize_f8e5m2_tensor(q, scale, back);
+  check_f8_error(kE5M2Blocks, x, back, scale, 0, x.size());
+  CHECK(contains(error_of([&] { fsdp::quantize_f8e5m2_tensor(x, std::span(q).first(5), scale); }), "q has 5"));
+  std::vector<float> bad = x;
+  bad[500] = INFINITY;
+  CHECK(contains(error_of([&] { fsdp::quantize_f8e5m2_tensor(bad, q, scale); }), "x[500] is inf"));
+  // Empty: scale 0, nothing to dequantize; all zeros: scale 0, zero codes, exact zeros.
+  fsdp::quantize_f8e5m2_tensor({}, {}, scale);
+  CHECK(scale == 0.0f);
+  fsdp::dequantize_f8e5m2_tensor({}, 1.0f, {});
+  std::vector<float> zeros(9, 0.0f), zeros_back(9, -1.0f);
+  std::vector<std::uint8_t> zq(9, 0xaa);
+  fsdp::quantize_f8e5m2_tensor(zeros, zq, scale);
+  CHECK(scale == 0.0f);
+  CHECK(zq == std::vector<std::uint8_t>(9, 0));
+  fsdp::dequantize_f8e5m2_tensor(zq, scale, zeros_back);
+  CHECK(zeros_back == zeros);
+}
+
+TEST_CASE("per-tensor helpers: abs_max with the inf rule, quantize and dequantize with an agreed amax") {
+  using fsdp::QuantFormat;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = sample(1000, 128, 7, -30);
+  // abs_max: the largest |x|; 0 over no values or zeros; +inf (never NaN) for an inf or NaN.
+  CHECK(fsdp::detail::abs_max_or_inf(x.data(), x.size()) == static_cast<float>(amax_of(x)));
+  CHECK(fsdp::detail::abs_max_or_inf(x.data(), 0) == 0.0f);
+  const std::vector<float> zeros(5, 0.0f), negzero{-0.0f};
+  CHECK(fsdp::detail::abs_max_or_inf(zeros.data(), zeros.size()) == 0.0f);
+  CHECK_FALSE(std::signbit(fsdp::detail::abs_max_or_inf(negzero.data(), 1)));
+  for (const float bad : {inf, -inf, nan, -nan}) {
+    std::vector<float> y = x;
+    y[321] = bad;
+    const float a = fsdp::detail::abs_max_or_inf(y.data(), y.size());
+    CHECK(a == inf);
+    CHECK_FALSE(std::signbit(a));
+  }
+  // max_over_rows: the ranks' rows of amaxes (rank-major, as gathered) into the agreed ones.
+  const std::vector<float> rows{1, 5, 0, 2,  //
+                                3, 2, 0, inf,  //
+                                0, 7, 0, 1};
+  std::vector<float> agreed(4, -1.0f);
+  fsdp::detail::max_over_rows(rows.data(), 3, 4, agreed.data());
+  CHECK(agreed == std::vector<float>{3, 7, 0, inf});
+  fsdp::detail::max_over_rows(rows.data(), 1, 4, agreed.data());  // one rank: its own row
+  CHECK(agreed == std::vector<float>{1, 5, 0, 2});
+  const std::vector<float> with_nan{1, nan, 4, 2};  // never an amax: still read as poisoned
+  fsdp::detail::max_over_rows(with_nan.data(), 2, 2, agreed.data());
+  CHECK(agreed[0] == 4.0f);
+  CHECK(agreed[1] == inf);
+  struct Tensor {
+    QuantFormat f;
+    float qmax;
+    void (*quantize)(std::span<const float>, std::span<std::uint8_t>, float&);
+    void (*dequantize)(std::span<const std::uint8_t>, float, std::span<float>);
+  };
+  for (const Tensor t : {Tensor{QuantFormat::f8e4m3_tensor, 448.0f, fsdp::quantize_f8e4m3_tensor, fsdp::dequantize_f8e4m3_tensor},
+                         Tensor{QuantFormat::f8e5m2_tensor, 57344.0f, fsdp::quantize_f8e5m2_tensor,
+                                fsdp::dequantize_f8e5m2_tensor}}) {
+    CAPTURE(fsdp::name_of(t.f));
+    CHECK(fsdp::detail::tensor_qmax(t.f) == t.qmax);
+    std::vector<std::uint8_t> want_q(x.size());
+    std::vector<float> want(x.size());
+    float scale = 0;
+    t.quantize(x, want_q, scale);
+    t.dequantize(want_q, scale, want);
+    // Cut into three slices with their own amaxes, quantized with the whole tensor's
+    // (the ranks' agreed max): the codes and values of the whole tensor, bit for bit.
+    std::vector<std::uint8_t> q(x.size(), 0xaa);
+    std::vector<float> back(x.size());
+    float agreed = 0;
+    const std::size_t cuts[] = {0, 300, 301, x.size()};
+    for (std::size_t k = 0; k + 1 < std::size(cuts); ++k)
+      agreed = std::max(agreed, fsdp::detail::abs_max_or_inf(x.data() + cuts[k], cuts[k + 1] - cuts[k]));
+    for (std::size_t k = 0; k + 1 < std::size(cuts); ++k) {
+      fsdp::detail::quantize_tensor_with_amax(t.f, x.data() + cuts[k], cuts[k + 1] - cuts[k], q.data() + cuts[k], agreed);
+      fsdp::detail::dequantize_tensor_with_amax(t.f, q.data() + cuts[k], cuts[k + 1] - cuts[k], agreed, back.data() + cuts[k]);
+    }
+    CHECK(q == want_q);
+    CHECK(std::memcmp(back.data(), want.data(), back.size() * sizeof(float)) == 0);
+    CHECK(back != x);  // the round trip did round
+    // A slice quantized with its own, smaller amax gets other codes: the agreement matters.
+    std::vector<std::uint8_t> own(300);
+    fsdp::detail::quantize_tensor_with_amax(t.f, x.data(), 300, own.data(), fsdp::detail::abs_max_or_inf(x.data(), 300));
+    CHECK(own != std::vector<std::uint8_t>(want_q.begin(), want_q.begin() + 300));
+    // Zero amax: zero codes, exact zeros; no values: nothing written.
+    std::vector<std::uint8_t> zq(5, 0xaa);
+    std::vector<float> zback(5, -1.0f);
+    fsdp::detail::quantize_tensor_with_amax(t.f, zeros.data(), 5, zq.data(), 0.0f);
+    fsdp::detail::dequantize_tensor_with_amax(t.f, zq.data(), 5, 0.0f, zback.data());
+    CHECK(zq == std::vector<std::uint8_t>(5, 0));
+    CHECK(zback == zeros);
+    fsdp::detail::quantize_tensor_with_amax(t.f, x.data(), 0, nullptr, 1.0f);
+    fsdp::detail::dequantize_tensor_with_amax(t.f, nullptr, 0, 1.0f, nullptr);
+    // A non-finite agreed amax: zero codes, and NaN in every element back, never a number.
+    fsdp::detail::quantize_tensor_with_amax(t.f, x.data(), x.size(), q.data(), inf);
+    CHECK(q == std::vector<std::uint8_t>(x.size(), 0));
+    fsdp::detail::dequantize_tensor_with_amax(t.f, want_q.data(), x.size(), inf, back.data());
+    CHECK(std::all_of(back.begin(), back.end(), [](float v) { return std::isnan(v); }));
+    // A slot of n codes, no scales.
+    constexpr auto slot = fsdp::detail::quant_slot(QuantFormat::f8e4m3_tensor, 13, 0, false);
+    static_assert(slot.scales_at == 0 && slot.codes_at == 0 && slot.used == 13 && slot.bytes == 16);
+    static_assert(fsdp::detail::quant_slot(QuantFormat::f8e5m2_tensor, 16, 0, true).bytes == 24);
+    static_assert(fsdp::is_per_tensor(QuantFormat::f8e5m2_tensor) && !fsdp::is_per_tensor(QuantFormat::mxfp8));
+  }
+  CHECK(fsdp::name_of(QuantFormat::f8e4m3_tensor) == "f8e4m3_tensor");
+  CHECK(fsdp::name_of(QuantFormat::f8e5m2_tensor) == "f8e5m2_tensor");
+  CHECK(contains(error_of([] { (void)fsdp::detail::tensor_qmax(QuantFormat::f8e4m3_blocks); }),
+                 "f8e4m3_blocks is a block format"));
+  CHECK(contains(error_of([] { fsdp::check_quant_block(QuantFormat::f8e4m3_tensor, 0, "here"); }),
+                 "here: f8e4m3_tensor scales per tensor, not per block"));
 }
 
 // ---- MXFP8 -------------------------------------------------------------------------------

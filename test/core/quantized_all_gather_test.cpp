@@ -66,6 +66,32 @@ constexpr Case kCases[] = {{QuantFormat::int8_blocks, 128},
                            {QuantFormat::f8e5m2_blocks, 96},
                            {QuantFormat::mxfp8, 32}};
 
+// Each rank's quantized_all_gather of shard_of(rank, n) on `world` thread ranks, counted.
+struct GatherRun {
+  std::vector<std::string> errors;
+  std::vector<std::vector<float>> got;
+  std::vector<fsdp::CollectiveCounts> counts;
+  std::vector<std::size_t> live_after;
+};
+GatherRun run_gather(int world, QuantFormat f, std::size_t block, std::size_t n) {
+  GatherRun out;
+  out.got.resize(world);
+  out.counts.resize(world);
+  out.live_after.assign(world, 1);
+  out.errors = test_support::errors_per_rank(world, [&](fsdp::ThreadComm& comm) {
+    fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
+    HostDevice device;
+    const std::vector<float> shard = shard_of(comm.rank(), n);
+    std::vector<float> full(n * world, -1.0f);
+    fsdp::quantized_all_gather(counted, device, f, block, shard.data(), n, full.data());
+    const auto i = static_cast<std::size_t>(comm.rank());
+    out.got[i] = full;
+    out.counts[i] = counted.counts();
+    out.live_after[i] = device.stats(fsdp::MemorySpace::device).live_bytes;
+  });
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("quantized_all_gather: every rank gets every shard as the host functions round-trip it, in one gather of "
@@ -75,19 +101,7 @@ TEST_CASE("quantized_all_gather: every rank gets every shard as the host functio
   for (const Case c : kCases) {
     CAPTURE(fsdp::name_of(c.f));
     const std::vector<float> want = expected_full(c.f, c.block, world, n);
-    std::vector<std::vector<float>> got(world);
-    std::vector<fsdp::CollectiveCounts> counts(world);
-    std::vector<std::size_t> live_after(world, 1);
-    const auto errors = test_support::errors_per_rank(world, [&](fsdp::ThreadComm& comm) {
-      fsdp::CountingCommunicator<fsdp::ThreadComm> counted(comm);
-      HostDevice device;
-      const std::vector<float> shard = shard_of(comm.rank(), n);
-      std::vector<float> full(n * world, -1.0f);
-      fsdp::quantized_all_gather(counted, device, c.f, c.block, shard.data(), n, full.data());
-      got[static_cast<std::size_t>(comm.rank())] = full;
-      counts[static_cast<std::size_t>(comm.rank())] = counted.counts();
-      live_after[static_cast<std::size_t>(comm.rank())] = device.stats(fsdp::MemorySpace::device).live_bytes;
-    });
+    const auto [errors, got, counts, live_after] = run_gather(world, c.f, c.block, n);
     // A slot per rank: an 8-byte status, the scales, the codes, rounded up to 8 bytes.
     const std::size_t blocks = (n + c.block - 1) / c.block;
     const std::size_t slot = (8 + blocks * (c.f == QuantFormat::mxfp8 ? 1 : 4) + n + 7) / 8 * 8;
@@ -138,6 +152,67 @@ TEST_CASE("quantized_all_gather: an inf or NaN in any rank's shard is the same e
                                     std::to_string(r) + ": rank 1's shard holds an inf or NaN at element 217"));
       CHECK(untouched[i]);
       CHECK(live_after[i] == 0);
+    }
+  }
+}
+
+TEST_CASE("quantized_all_gather per tensor: one agreed scale, the whole gathered tensor quantized per tensor, bit for "
+          "bit; an inf or NaN is the same error on every rank") {
+  constexpr int world = 3;
+  constexpr std::size_t n = 301;  // slots padded to 8
+  for (const QuantFormat f : {QuantFormat::f8e4m3_tensor, QuantFormat::f8e5m2_tensor}) {
+    CAPTURE(fsdp::name_of(f));
+    // Every shard back to back, quantized as one tensor by the public functions and back.
+    std::vector<float> all;
+    for (int r = 0; r < world; ++r) {
+      const auto x = shard_of(r, n);
+      all.insert(all.end(), x.begin(), x.end());
+    }
+    std::vector<std::uint8_t> q(all.size());
+    std::vector<float> want(all.size());
+    float scale = 0;
+    if (f == QuantFormat::f8e4m3_tensor) {
+      fsdp::quantize_f8e4m3_tensor(all, q, scale);
+      fsdp::dequantize_f8e4m3_tensor(q, scale, want);
+    } else {
+      fsdp::quantize_f8e5m2_tensor(all, q, scale);
+      fsdp::dequantize_f8e5m2_tensor(q, scale, want);
+    }
+    const auto [errors, got, counts, live_after] = run_gather(world, f, 0, n);
+    const std::size_t slot = (8 + n + 7) / 8 * 8;  // the status, the codes: no scales
+    CHECK(fsdp::quantized_slot_bytes(f, n, 0) == slot);
+    for (std::size_t i = 0; i < world; ++i) {
+      CAPTURE(i);
+      CHECK(errors[i].empty());
+      CHECK(same_bits(got[i], want));
+      CHECK(got[i] != all);  // it did round
+      CHECK(counts[i][fsdp::Collective::all_reduce].calls == 0);
+      CHECK(counts[i][fsdp::Collective::all_gather].calls == 2);  // the amaxes, 4 bytes a rank, then the slots
+      CHECK(counts[i][fsdp::Collective::all_gather].bytes == 4 * world + slot * world);
+      CHECK(live_after[i] == 0);
+    }
+    // An inf or NaN: the lowest rank's first such element is named on every rank.
+    std::vector<char> untouched(world, 0);
+    const auto bad = test_support::errors_per_rank(world, [&](fsdp::ThreadComm& comm) {
+      HostDevice device;
+      std::vector<float> shard = shard_of(comm.rank(), n);
+      if (comm.rank() == 1) shard[217] = std::numeric_limits<float>::quiet_NaN(), shard[250] = -INFINITY;
+      if (comm.rank() == 2) shard[5] = INFINITY;
+      std::vector<float> full(n * world, -1.0f);
+      try {
+        fsdp::quantized_all_gather(comm, device, f, 0, shard.data(), n, full.data());
+      } catch (...) {
+        untouched[static_cast<std::size_t>(comm.rank())] =
+            std::all_of(full.begin(), full.end(), [](float v) { return v == -1.0f; }) &&
+            device.stats(fsdp::MemorySpace::device).live_bytes == 0;
+        throw;
+      }
+    });
+    for (std::size_t i = 0; i < world; ++i) {
+      CAPTURE(bad[i]);
+      CHECK(contains(bad[i], "quantized_all_gather (" + std::string(fsdp::name_of(f)) + ", 301 values per rank) on rank " +
+                                 std::to_string(i) + ": rank 1's shard holds an inf or NaN at element 217"));
+      CHECK(untouched[i]);
     }
   }
 }

@@ -788,3 +788,95 @@ TEST_CASE("quantize writes a block holding an inf or NaN as a NaN block and name
   CHECK(test_support::contains(test_support::error_of([&] { dev.dequantize(QuantFormat::int8_blocks, nullptr, nullptr, 1, nullptr, 0); }),
                                "CudaDevice(cuda:0)::dequantize: int8_blocks needs a positive block, got block = 0"));
 }
+
+// Per-tensor scaling (TensorScalingDevice): abs_max, quantize_tensor and dequantize_tensor
+// against fsdp/core/quantize.hpp's detail helpers, on values from float's subnormals to
+// near its largest, with the amax read from device memory: the slice's own, a larger
+// (agreed) one, zero, a subnormal one, and +inf (zero codes, NaNs back).
+TEST_CASE("per-tensor abs_max, quantize_tensor and dequantize_tensor match the host helpers bit for bit" *
+          doctest::skip(no_gpu)) {
+  CudaDevice dev;
+  std::mt19937_64 rng(5);
+  const std::size_t n = 10000 + 37;
+  const std::vector<float> x = quantize_inputs(n, rng);
+  const DeviceBuffer dx(dev, bytes_of_floats(x));
+  auto read_float = [](const DeviceBuffer& b) {
+    float v;
+    const Bytes bytes = b.read();
+    std::memcpy(&v, bytes.data(), sizeof v);
+    return v;
+  };
+  // abs_max over the whole input, a slice, no values, and values holding an inf or a NaN.
+  DeviceBuffer damax(dev, Bytes(4, 0xaa));
+  struct Slice {
+    std::size_t first, count;
+  };
+  for (const Slice sl : {Slice{0, n}, Slice{123, 4567}, Slice{5, 0}, Slice{96, 32}}) {
+    CAPTURE(sl.first);
+    CAPTURE(sl.count);
+    dev.abs_max(static_cast<const float*>(dx.p) + sl.first, sl.count, static_cast<float*>(damax.p));
+    const float want = fsdp::detail::abs_max_or_inf(x.data() + sl.first, sl.count);
+    const float got = read_float(damax);
+    CHECK(std::memcmp(&got, &want, sizeof got) == 0);
+  }
+  for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<float> y(x.begin(), x.begin() + 1000);
+    y[777] = bad;
+    const DeviceBuffer dy(dev, bytes_of_floats(y));
+    dev.abs_max(static_cast<const float*>(dy.p), y.size(), static_cast<float*>(damax.p));
+    const float got = read_float(damax);
+    CHECK(got == std::numeric_limits<float>::infinity());  // +inf, never NaN
+  }
+  // max_over_rows over 3 rows (ranks) of 1000 amaxes, one of them inf.
+  {
+    std::vector<float> rows(3000);
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = std::fabs(x[i]);
+    rows[1500] = std::numeric_limits<float>::infinity();
+    std::vector<float> want(1000);
+    fsdp::detail::max_over_rows(rows.data(), 3, 1000, want.data());
+    const DeviceBuffer drows(dev, bytes_of_floats(rows));
+    DeviceBuffer dout(dev, Bytes(1000 * 4, 0xaa));
+    dev.max_over_rows(static_cast<const float*>(drows.p), 3, 1000, static_cast<float*>(dout.p));
+    check_same(bytes_of_floats(want), dout.read(), DType::f32, "max_over_rows");
+  }
+  const float local = fsdp::detail::abs_max_or_inf(x.data(), n);
+  for (const QuantFormat f : {QuantFormat::f8e4m3_tensor, QuantFormat::f8e5m2_tensor}) {
+    // The input's own amax (near FLT_MAX: most codes round to zero), amaxes that saturate
+    // its large values and encode its small ones normally or as subnormals, 0 and inf.
+    for (const float amax : {local, 1000.0f, 1.0f, 3.0e38f, 0.0f, 1e-40f, std::numeric_limits<float>::infinity()}) {
+      const std::string what = std::string(fsdp::name_of(f)) + ", amax " + std::to_string(amax);
+      CAPTURE(what);
+      Bytes q(n);
+      fsdp::detail::quantize_tensor_with_amax(f, x.data(), n, q.data(), amax);
+      const DeviceBuffer da(dev, bytes_of_floats({amax}));
+      DeviceBuffer dq(dev, Bytes(n, 0xaa));
+      dev.quantize_tensor(f, static_cast<const float*>(dx.p), n, dq.p, static_cast<const float*>(da.p));
+      check_same(q, dq.read(), DType::u8, what + ": codes");
+      std::vector<float> back(n);
+      fsdp::detail::dequantize_tensor_with_amax(f, q.data(), n, amax, back.data());
+      DeviceBuffer dy(dev, Bytes(n * 4, 0xaa));
+      dev.dequantize_tensor(f, dq.p, n, static_cast<const float*>(da.p), static_cast<float*>(dy.p));
+      check_same(bytes_of_floats(back), dy.read(), DType::f32, what + ": dequantized");
+    }
+    // Every code, with the amaxes of a scale of 1, of a subnormal scale and near FLT_MAX.
+    Bytes codes(256);
+    for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<unsigned char>(i);
+    const DeviceBuffer dcodes(dev, codes);
+    const float qmax = fsdp::detail::tensor_qmax(f);
+    for (const float amax : {qmax, 1e-42f, 3.4e38f}) {
+      std::vector<float> back(256);
+      fsdp::detail::dequantize_tensor_with_amax(f, codes.data(), 256, amax, back.data());
+      const DeviceBuffer da(dev, bytes_of_floats({amax}));
+      DeviceBuffer dy(dev, Bytes(256 * 4, 0));
+      dev.dequantize_tensor(f, dcodes.p, 256, static_cast<const float*>(da.p), static_cast<float*>(dy.p));
+      check_same(bytes_of_floats(back), dy.read(), DType::f32, std::string(fsdp::name_of(f)) + ": every code");
+    }
+  }
+  CHECK(test_support::contains(
+      test_support::error_of([&] { dev.quantize_tensor(QuantFormat::f8e4m3_blocks, nullptr, 1, nullptr, nullptr); }),
+      "CudaDevice(cuda:0)::quantize_tensor: f8e4m3_blocks is a block format"));
+  CHECK(test_support::contains(
+      test_support::error_of([&] { dev.quantize(QuantFormat::f8e5m2_tensor, nullptr, 1, nullptr, nullptr, 0); }),
+      "CudaDevice(cuda:0)::quantize: f8e5m2_tensor scales per tensor, not per block"));
+}

@@ -23,7 +23,9 @@ TEST_CASE("NVRTC compiles the kernel source, with no GPU needed") {
   REQUIRE(!ptx.code.empty());
   CHECK(ptx.code.back() == '\0');
   const std::string text(ptx.code.data());
-  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast", "fsdp_unscale", "fsdp_zero_spans", "fsdp_cast_zero"}) {
+  for (const char* k : {"fsdp_scale", "fsdp_accumulate", "fsdp_cast", "fsdp_unscale", "fsdp_zero_spans", "fsdp_cast_zero",
+                        "fsdp_quantize", "fsdp_dequantize", "fsdp_abs_max", "fsdp_max_over_rows", "fsdp_quantize_tensor",
+                        "fsdp_dequantize_tensor"}) {
     CAPTURE(k);
     CHECK(text.find(std::string(".entry ") + k + "(") != std::string::npos);  // the entry itself, not a prefix
   }

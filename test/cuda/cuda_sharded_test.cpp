@@ -81,7 +81,8 @@ TEST_CASE("training on CudaDevice equals training on HostDevice bit for bit, for
   }
 }
 
-// All-gathers in a block format (CommPrecision<Int8Blocks<32>, ...>, MXFP8): the CUDA
+// All-gathers in a block format (CommPrecision<Int8Blocks<32>, ...>, MXFP8) or per tensor
+// (F8E4M3Tensor, F8E5M2Tensor: the amaxes agreed on the device, no host wait): the CUDA
 // kernels quantize and dequantize as the host functions do, so CUDA training still equals
 // host training bit for bit, with the same allocations (the slots, the f32 buffer under
 // bf16, the staged offloaded shard).
@@ -111,6 +112,10 @@ TEST_CASE("all-gathers in a block format: training on CudaDevice equals HostDevi
   check.template operator()<fsdp::MixedPrecision<fsdp::bf16>, fsdp::NoOffload, fsdp::CommPrecision<fsdp::MXFP8, fsdp::bf16>>(
       "mxfp8, bf16");
   check.template operator()<fsdp::FullPrecision, fsdp::NoOffload, fsdp::CommPrecision<fsdp::F8E5M2Blocks<32>, float>>("e5m2");
+  check.template operator()<fsdp::FullPrecision, fsdp::NoOffload, fsdp::CommPrecision<fsdp::F8E4M3Tensor, float>>(
+      "e4m3 per tensor");
+  check.template operator()<fsdp::MixedPrecision<fsdp::bf16>, fsdp::OffloadParams,
+                            fsdp::CommPrecision<fsdp::F8E5M2Tensor, fsdp::bf16>>("e5m2 per tensor, bf16, offload");
   for (auto* d : cuda.ptrs) CHECK(d->stats(fsdp::MemorySpace::device).live_bytes == 0);
 }
 

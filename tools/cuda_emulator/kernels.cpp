@@ -136,6 +136,53 @@ const Kernel kKernels[] = {
        r.push_back({a.get<void*>(0), static_cast<std::size_t>(n) * sizeof(float), true});
      },
      dequantize_run, {8, 8, 8, 8, 4, 8}},
+    // Per-tensor scaling: fsdp/core/quantize.hpp's helpers, the amax read from (emulated)
+    // device memory as the GPU kernels read it. abs_max runs whole: the max its blocks fold
+    // into the zeroed *out.
+    {"fsdp_abs_max",
+     [](const KernelArgs& a, std::vector<Range>& r) {
+       r.push_back({a.get<const void*>(0), static_cast<std::size_t>(a.get<u64>(1)) * sizeof(float), false});
+       r.push_back({a.get<void*>(2), sizeof(float), true});
+     },
+     [](const KernelArgs& a) {
+       *a.get<float*>(2) = fsdp::detail::abs_max_or_inf(a.get<const float*>(0), a.get<u64>(1));
+     },
+     {8, 8, 8}},
+    {"fsdp_max_over_rows",
+     [](const KernelArgs& a, std::vector<Range>& r) {
+       const u64 rows = a.get<u64>(2), n = a.get<u64>(3);
+       r.push_back({a.get<const void*>(1), static_cast<std::size_t>(rows * n) * sizeof(float), false});
+       r.push_back({a.get<void*>(0), static_cast<std::size_t>(n) * sizeof(float), true});
+     },
+     [](const KernelArgs& a) {
+       fsdp::detail::max_over_rows(a.get<const float*>(1), a.get<u64>(2), a.get<u64>(3), a.get<float*>(0));
+     },
+     {8, 8, 8, 8}},
+    {"fsdp_quantize_tensor",
+     [](const KernelArgs& a, std::vector<Range>& r) {
+       const u64 n = a.get<u64>(2);
+       r.push_back({a.get<const void*>(1), static_cast<std::size_t>(n) * sizeof(float), false});
+       r.push_back({a.get<const void*>(4), sizeof(float), false});
+       r.push_back({a.get<void*>(0), static_cast<std::size_t>(n), true});
+     },
+     [](const KernelArgs& a) {
+       fsdp::detail::quantize_tensor_with_amax(static_cast<fsdp::QuantFormat>(a.get<int>(3)), a.get<const float*>(1),
+                                               a.get<u64>(2), a.get<std::uint8_t*>(0), *a.get<const float*>(4));
+     },
+     {8, 8, 8, 4, 8}},
+    {"fsdp_dequantize_tensor",
+     [](const KernelArgs& a, std::vector<Range>& r) {
+       const u64 n = a.get<u64>(2);
+       r.push_back({a.get<const void*>(1), static_cast<std::size_t>(n), false});
+       r.push_back({a.get<const void*>(4), sizeof(float), false});
+       r.push_back({a.get<void*>(0), static_cast<std::size_t>(n) * sizeof(float), true});
+     },
+     [](const KernelArgs& a) {
+       fsdp::detail::dequantize_tensor_with_amax(static_cast<fsdp::QuantFormat>(a.get<int>(3)),
+                                                 a.get<const std::uint8_t*>(1), a.get<u64>(2), *a.get<const float*>(4),
+                                                 a.get<float*>(0));
+     },
+     {8, 8, 8, 4, 8}},
 };
 
 }  // namespace

@@ -15,7 +15,7 @@
 // FSDP_DEFINES_IMPLEMENTATION says whether this file defines such functions. Besides
 // detail::make_unit (the unit's implementation), they are the functions that depend on no
 // template argument of what every engine file uses: ShardedModel's and ExecutionOrder's
-// members, the thread-rank backend's collectives, HostDevice's block quantization, the
+// members, the thread-rank backend's collectives, HostDevice's quantization, the
 // setup's cross-rank check, the host arithmetic; each header declares them and defines
 // them under `#if FSDP_DEFINES_IMPLEMENTATION`, and includes there, not at its top, what
 // only those definitions use. A free function of them (make_unit, the host arithmetic,

@@ -1,7 +1,9 @@
 #pragma once
 // The Device concept: every byte the library allocates goes through it, so it can count
 // live and peak bytes per memory space; plus the few element-wise operations the library
-// runs on its own buffers (zeroing, scaling by the divide factors, accumulating gradients).
+// runs on its own buffers (zeroing, scaling by the divide factors, accumulating gradients),
+// and the optional capabilities the library uses where a device has them (unscaling,
+// block and per-tensor quantization, batched zeroing, a queue).
 #include <concepts>
 #include <cstddef>
 #include <optional>
@@ -84,6 +86,33 @@ concept QuantizingDevice = Device<D> && requires(D& d, QuantFormat f, const floa
   d.quantize(f, x, n, q, s, n);
   d.dequantize(f, q, s, n, y, n);
   { d.quantize_nonfinite() } -> std::same_as<std::optional<std::size_t>>;
+};
+
+// A Device that quantizes with one scale per tensor (QuantFormat::f8e4m3_tensor,
+// f8e5m2_tensor: CommPrecision<F8E4M3Tensor, ...>), the scale agreed by the ranks first.
+// Every pointer is in device space, and the amaxes are read and written by the device, so
+// the host never waits on one:
+//   d.abs_max(x, n, out)                    *out = max |x[i]| over n values (n may be 0:
+//                                           writes 0); +inf when any is inf or NaN, never
+//                                           NaN; queued
+//   d.max_over_rows(in, rows, n, out)       out[i] = the largest of in[r * n + i] over the
+//                                           rows (the ranks' amaxes, gathered rank by
+//                                           rank, into the agreed ones); queued
+//   d.quantize_tensor(f, x, n, q, amax)     n codes encode(x / scale_for(*amax, qmax)),
+//                                           zero codes when that scale is 0 or *amax is
+//                                           not finite; queued
+//   d.dequantize_tensor(f, q, n, amax, y)   n codes back into f32 with that scale; every
+//                                           element NaN when *amax is not finite; queued
+// fsdp/core/quantize.hpp's detail::abs_max_or_inf, max_over_rows, quantize_tensor_with_amax
+// and dequantize_tensor_with_amax say what each computes; HostDevice and CudaDevice agree bit
+// for bit. A device without them still gathers in the block formats.
+template <class D>
+concept TensorScalingDevice = Device<D> && requires(D& d, QuantFormat f, const float* x, std::size_t n, float* out,
+                                                    void* q, const void* cq, const float* amax, float* y) {
+  d.abs_max(x, n, out);
+  d.max_over_rows(amax, n, n, out);
+  d.quantize_tensor(f, x, n, q, amax);
+  d.dequantize_tensor(f, cq, n, amax, y);
 };
 
 // One buffer to zero: fill_zero's arguments.

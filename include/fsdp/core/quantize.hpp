@@ -1,7 +1,8 @@
 #pragma once
 // 8-bit wire formats for quantized collectives (issue 38), host side: block quantization
 // of host spans to int8, E4M3 or E5M2 with one scale per block (f32 scales, or e8m0 scales
-// for MXFP8). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
+// for MXFP8), and E4M3 or E5M2 with one scale per tensor (with the helpers a device's
+// per-tensor kernels share: abs_max, quantize and dequantize with an agreed amax). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
 // DType::f8e4m3, f8e5m2 and e8m0); here the values travel as spans of std::uint8_t bit
 // patterns (int8 as std::int8_t).
 #include <algorithm>
@@ -146,7 +147,7 @@ inline void dequantize_f8e4m3_tensor(std::span<const std::uint8_t> q, float scal
   dequantize_f8e4m3_blocks(q, std::span<const float>(&scale, 1), x, std::max<std::size_t>(q.size(), 1));
 }
 
-// ---- E5M2 with one f32 scale per block --------------------------------------------------
+// ---- E5M2 with one f32 scale per block, or per tensor ----------------------------------
 // As E4M3 blocks, with E5M2's largest value: scales[b] = amax_b / 57344, q = e5m2(x / scale),
 // saturating. Two mantissa bits to E4M3's three, so a rounding error of up to 2^-3 of a
 // value, not 2^-4; but five exponent bits, so that bound holds down to 2^-29 of the
@@ -162,6 +163,16 @@ inline void dequantize_f8e5m2_blocks(std::span<const std::uint8_t> q, std::span<
                                      std::span<float> x, std::size_t block = 128) {
   detail::dequantize_blocks("dequantize_f8e5m2_blocks", q, scales, x, block,
                             [](std::uint8_t c) { return f8e5m2_bits_to_float(c); });
+}
+
+// Per tensor: one block spanning all of x, its scale in `scale` (amax / 57344).
+inline void quantize_f8e5m2_tensor(std::span<const float> x, std::span<std::uint8_t> q, float& scale) {
+  if (x.empty() && q.empty()) { scale = 0; return; }
+  quantize_f8e5m2_blocks(x, q, std::span<float>(&scale, 1), std::max<std::size_t>(x.size(), 1));
+}
+inline void dequantize_f8e5m2_tensor(std::span<const std::uint8_t> q, float scale, std::span<float> x) {
+  if (q.empty() && x.empty()) return;
+  dequantize_f8e5m2_blocks(q, std::span<const float>(&scale, 1), x, std::max<std::size_t>(q.size(), 1));
 }
 
 // ---- MXFP8 (OCP Microscaling, E4M3 elements): blocks of 32, one e8m0 scale each --------
@@ -198,8 +209,13 @@ inline void dequantize_mxfp8(std::span<const std::uint8_t> q, std::span<const st
 }
 
 // Checks a format's block size (MXFP8's is 32, the others' any positive number); `who`
-// names the caller in the message.
+// names the caller in the message. A per-tensor format has no blocks: refused here, so a
+// block quantize never receives one (its scale is agreed first: quantize_tensor).
 inline void check_quant_block(QuantFormat f, std::size_t block, std::string_view who) {
+  if (is_per_tensor(f))
+    detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f),
+                    " scales per tensor, not per block: quantize it with the device's abs_max, quantize_tensor and "
+                    "dequantize_tensor (fsdp::TensorScalingDevice) after the ranks agree on each tensor's amax");
   if (f == QuantFormat::mxfp8 ? block != kMxBlock : block == 0)
     detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f), " needs ",
             f == QuantFormat::mxfp8 ? "block = 32 (the MX block)" : "a positive block", ", got block = ", block);
@@ -212,9 +228,11 @@ namespace detail {
 // a block holding an inf or NaN does not throw but is written as a NaN block (zero codes,
 // scale NaN, or 0xff in e8m0), which every format's dequantization turns into NaNs, so
 // no inf or NaN ever comes back a number. Returns the lowest such element's index, if
-// any. The block is checked by the caller (check_quant_block).
+// any. A per-tensor format, or a block its format does not take, is refused
+// (check_quant_block).
 inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, const float* x, std::size_t n, void* q,
                                                                void* scales, std::size_t block) {
+  check_quant_block(f, block, "quantize");
   std::optional<std::size_t> bad;
   auto* codes = static_cast<std::uint8_t*>(q);
   auto* s8 = static_cast<std::uint8_t*>(scales);
@@ -237,6 +255,8 @@ inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, co
       case QuantFormat::f8e4m3_blocks: quantize_f8e4m3_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
       case QuantFormat::f8e5m2_blocks: quantize_f8e5m2_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
       case QuantFormat::mxfp8: quantize_mxfp8(xs, cs, {s8 + b, 1}); break;
+      case QuantFormat::f8e4m3_tensor:
+      case QuantFormat::f8e5m2_tensor: check_quant_block(f, block, "fsdp::detail::quantize_poisoning_nonfinite"); break;
     }
   }
   return bad;
@@ -245,6 +265,7 @@ inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, co
 // Its inverse for n codes (dequantize_int8_blocks, dequantize_f8e4m3_blocks,
 // dequantize_f8e5m2_blocks, dequantize_mxfp8).
 inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
+  check_quant_block(f, block, "dequantize");
   const auto* codes = static_cast<const std::uint8_t*>(q);
   const std::size_t blocks = block_count(n, block);
   switch (f) {
@@ -259,7 +280,83 @@ inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std
       dequantize_f8e5m2_blocks({codes, n}, {static_cast<const float*>(scales), blocks}, {x, n}, block);
       break;
     case QuantFormat::mxfp8: dequantize_mxfp8({codes, n}, {static_cast<const std::uint8_t*>(scales), blocks}, {x, n}); break;
+    case QuantFormat::f8e4m3_tensor:
+    case QuantFormat::f8e5m2_tensor: check_quant_block(f, block, "fsdp::detail::dequantize_any"); break;
   }
+}
+
+// ---- per-tensor scaling with an agreed amax (a unit's F8E4M3Tensor / F8E5M2Tensor gather) --
+// What a device's abs_max, quantize_tensor and dequantize_tensor do (HostDevice's, and the
+// emulated GPU kernels'), so every device computes the same bits. The ranks holding slices
+// of one tensor each take their slice's abs_max, agree on the largest (an all-reduce max:
+// scale_for is monotone, so the largest local amax is the tensor's), then quantize their
+// slice with it: the codes are those quantize_f8e4m3_tensor / quantize_f8e5m2_tensor give
+// for the whole tensor.
+
+// The largest code of a per-tensor format (E4M3's 448, E5M2's 57344).
+inline float tensor_qmax(QuantFormat f, std::string_view who = "quantize_tensor") {
+  if (!is_per_tensor(f))
+    fail_as(ErrorKind::misuse, "fsdp::", who, ": ", name_of(f), " is a block format, not a per-tensor one "
+            "(f8e4m3_tensor, f8e5m2_tensor)");
+  return f == QuantFormat::f8e4m3_tensor ? 448.0f : 57344.0f;
+}
+
+// max |x[i]| over n values (0 for n = 0); +inf when any is inf or NaN, never NaN, so that
+// the ranks' max reduction is defined on every backend whatever its NaN rule, and a tensor
+// holding one agrees on a non-finite amax.
+inline float abs_max_or_inf(const float* x, std::size_t n) {
+  float amax = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return std::numeric_limits<float>::infinity();
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  return amax;
+}
+
+// out[i] = the largest of in[r * n + i] over `rows` rows (0 for no rows): the ranks'
+// amaxes of n tensors, gathered rank by rank, into the agreed ones. An amax is never NaN
+// (abs_max_or_inf), so this is a plain max; a NaN would still be read as +inf, as
+// abs_max_or_inf reads one, since agreement must never drop a poisoned tensor.
+inline void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float m = 0;
+    for (std::size_t r = 0; r < rows; ++r) {
+      const float v = in[r * n + i];
+      m = std::isnan(v) ? std::numeric_limits<float>::infinity() : std::max(m, v);
+    }
+    out[i] = m;
+  }
+}
+
+// n values of x into n codes with the tensor's agreed `amax`: scale = scale_for(amax,
+// qmax), code = encode(x / scale) saturating, zero codes for scale 0, as the block
+// formats encode. A non-finite amax writes zero codes (dequantize_tensor_with_amax turns
+// them into NaNs, never numbers).
+inline void quantize_tensor_with_amax(QuantFormat f, const float* x, std::size_t n, std::uint8_t* q, float amax) {
+  const float qmax = tensor_qmax(f);
+  if (!std::isfinite(amax)) {
+    std::fill_n(q, n, std::uint8_t{0});
+    return;
+  }
+  const float scale = scale_for(amax, qmax);
+  const bool e4m3 = f == QuantFormat::f8e4m3_tensor;
+  for (std::size_t i = 0; i < n; ++i)
+    q[i] = scale == 0 ? std::uint8_t{0}
+                      : e4m3 ? float_to_f8e4m3_bits(x[i] / scale, true) : float_to_f8e5m2_bits(x[i] / scale, true);
+}
+
+// Its inverse: y = decode(q) * scale_for(amax, qmax) (decode_scaled); every element NaN
+// when amax is not finite (the tensor held an inf or NaN on some rank).
+inline void dequantize_tensor_with_amax(QuantFormat f, const std::uint8_t* q, std::size_t n, float amax, float* y) {
+  const float qmax = tensor_qmax(f, "dequantize_tensor");
+  if (!std::isfinite(amax)) {
+    std::fill_n(y, n, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const float scale = scale_for(amax, qmax);
+  const bool e4m3 = f == QuantFormat::f8e4m3_tensor;
+  for (std::size_t i = 0; i < n; ++i)
+    y[i] = decode_scaled(e4m3 ? f8e4m3_bits_to_float(q[i]) : f8e5m2_bits_to_float(q[i]), scale);
 }
 
 }  // namespace detail

@@ -9,7 +9,8 @@
 //   - copy: cudaMemcpyAsync(cudaMemcpyDefault) in any direction (unified addressing);
 //   - fill_zero: cudaMemsetAsync; fill_zero_batch: one kernel launch per 128 buffers;
 //     cast_zeroing: one kernel, a cast and up to 128 buffers zeroed;
-//   - scale / accumulate / cast / unscale / quantize / dequantize: kernels compiled at run time with NVRTC for this GPU's
+//   - scale / accumulate / cast / unscale / quantize / dequantize and the per-tensor
+//     abs_max / max_over_rows / quantize_tensor / dequantize_tensor: kernels compiled at run time with NVRTC for this GPU's
 //     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
 //     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
@@ -287,6 +288,48 @@ class CudaDevice {
     launch(kernels().dequantize, grid_for(n), args, stream_, "fsdp_dequantize ", name_of(format), ", ", n, " elements");
   }
 
+  // Per-tensor scaling (TensorScalingDevice), bit for bit fsdp/core/quantize.hpp's
+  // detail::abs_max_or_inf, max_over_rows, quantize_tensor_with_amax and
+  // dequantize_tensor_with_amax; the
+  // amaxes stay in device memory (no host wait). abs_max zeroes *out, then each block of
+  // the launch folds its largest |x| into it (atomicMax): a parameter's slice is one
+  // launch over as many blocks as its elements need, so a large slice is not left to one SM.
+  void abs_max(const float* x, std::size_t n, float* out) {
+    Guard g(*this);
+    check(cudaMemsetAsync(out, 0, sizeof(float), stream_), "cudaMemsetAsync(abs_max)");
+    if (n == 0) return;
+    unsigned long long count = n;
+    void* args[] = {const_cast<float**>(&x), &count, &out};
+    launch(kernels().abs_max, grid_for(n), args, stream_, "fsdp_abs_max, ", n, " elements");
+  }
+  void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out) {
+    if (n == 0) return;
+    Guard g(*this);
+    unsigned long long r = rows, count = n;
+    void* args[] = {&out, const_cast<float**>(&in), &r, &count};
+    launch(kernels().max_over_rows, grid_for(n), args, stream_, "fsdp_max_over_rows, ", rows, " rows of ", n);
+  }
+  void quantize_tensor(QuantFormat format, const float* x, std::size_t n, void* q, const float* amax) {
+    check_tensor_format(format, "quantize_tensor");
+    if (n == 0) return;
+    Guard g(*this);
+    unsigned long long count = n;
+    int f = static_cast<int>(format);
+    void* args[] = {&q, const_cast<float**>(&x), &count, &f, const_cast<float**>(&amax)};
+    launch(kernels().quantize_tensor, grid_for(n), args, stream_, "fsdp_quantize_tensor ", name_of(format), ", ", n,
+           " elements");
+  }
+  void dequantize_tensor(QuantFormat format, const void* q, std::size_t n, const float* amax, float* y) {
+    check_tensor_format(format, "dequantize_tensor");
+    if (n == 0) return;
+    Guard g(*this);
+    unsigned long long count = n;
+    int f = static_cast<int>(format);
+    void* args[] = {&y, const_cast<void**>(&q), &count, &f, const_cast<float**>(&amax)};
+    launch(kernels().dequantize_tensor, grid_for(n), args, stream_, "fsdp_dequantize_tensor ", name_of(format), ", ", n,
+           " elements");
+  }
+
   // The lowest index, within its call's x, of an inf or NaN that a quantize since the last
   // call met (its block was written as a NaN block), or nullopt; clears it. Waits
   // for the stream, as found_nonfinite does. Over several quantizes it is the lowest of
@@ -318,7 +361,8 @@ class CudaDevice {
  private:
   struct Kernels {
     cudaKernel_t scale = nullptr, accumulate = nullptr, cast = nullptr, unscale = nullptr, zero_spans = nullptr,
-                 cast_zero = nullptr, quantize = nullptr, dequantize = nullptr;
+                 cast_zero = nullptr, quantize = nullptr, dequantize = nullptr, abs_max = nullptr, max_over_rows = nullptr,
+                 quantize_tensor = nullptr, dequantize_tensor = nullptr;
   };
 
   // Makes this device current for the calling thread, restoring the previous one after:
@@ -366,7 +410,10 @@ class CudaDevice {
       const std::pair<cudaKernel_t*, const char*> names[] = {
           {&k.scale, "fsdp_scale"}, {&k.accumulate, "fsdp_accumulate"}, {&k.cast, "fsdp_cast"},
           {&k.unscale, "fsdp_unscale"}, {&k.zero_spans, "fsdp_zero_spans"},
-          {&k.cast_zero, "fsdp_cast_zero"}, {&k.quantize, "fsdp_quantize"}, {&k.dequantize, "fsdp_dequantize"}};
+          {&k.cast_zero, "fsdp_cast_zero"}, {&k.quantize, "fsdp_quantize"}, {&k.dequantize, "fsdp_dequantize"},
+          {&k.abs_max, "fsdp_abs_max"}, {&k.max_over_rows, "fsdp_max_over_rows"},
+          {&k.quantize_tensor, "fsdp_quantize_tensor"},
+          {&k.dequantize_tensor, "fsdp_dequantize_tensor"}};
       for (auto [slot, name] : names) {
         const cudaError_t e = cudaLibraryGetKernel(slot, lib, name);
         if (e != cudaSuccess) {
@@ -394,6 +441,14 @@ class CudaDevice {
   }
   unsigned grid_for(std::size_t n) const { return capped((n + threads_per_block - 1) / threads_per_block); }  // n elements
   unsigned grid_for(const detail::ZeroSpans& t) const { return capped(t.first_block[t.count]); }  // a zero table
+
+  // A block format given to quantize_tensor or dequantize_tensor is refused, as a per-tensor
+  // one given to quantize is (check_quant_block).
+  void check_tensor_format(QuantFormat f, const char* op) const {
+    if (!is_per_tensor(f))
+      detail::fail_as(ErrorKind::misuse, "CudaDevice(cuda:", index_, ")::", op, ": ", name_of(f),
+                      " is a block format; ", op, " takes f8e4m3_tensor or f8e5m2_tensor");
+  }
 
   // A dtype the kernels do not compute in (detail::has_kernels) is refused here rather than
   // left undone on the GPU.
@@ -429,5 +484,6 @@ static_assert(BatchZeroingDevice<CudaDevice>);
 static_assert(CastZeroingDevice<CudaDevice>);
 static_assert(QueuedDevice<CudaDevice>);
 static_assert(QuantizingDevice<CudaDevice>);
+static_assert(TensorScalingDevice<CudaDevice>);
 
 }  // namespace fsdp

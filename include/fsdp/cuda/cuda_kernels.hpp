@@ -1,6 +1,6 @@
 #pragma once
 // The element-wise kernels of fsdp::CudaDevice (scale, accumulate, cast, unscale, block
-// quantization) as NVRTC source, and their compilation for one GPU architecture, through the on-disk cache of
+// and per-tensor quantization) as NVRTC source, and their compilation for one GPU architecture, through the on-disk cache of
 // fsdp/cuda/kernel_cache.hpp. Compiling needs NVRTC only, no GPU, so CI checks that the
 // source builds (and the cache works) everywhere the toolkit is installed.
 #include <nvrtc.h>
@@ -281,7 +281,7 @@ extern "C" __global__ void fsdp_cast_zero(void* dst, int to, const void* src, in
 }
 
 // ---- block quantization: fsdp/core/quantize.hpp's formats, line for line ----------------
-enum { Q_INT8 = 0, Q_E4M3 = 1, Q_MXFP8 = 2, Q_E5M2 = 3 };  // fsdp::QuantFormat
+enum { Q_INT8 = 0, Q_E4M3 = 1, Q_MXFP8 = 2, Q_E5M2 = 3, Q_E4M3_TENSOR = 4, Q_E5M2_TENSOR = 5 };  // fsdp::QuantFormat
 
 // float -> an OFP8 pattern, to nearest with ties to even, saturating: fsdp::detail::float_to_f8
 // with saturate = true, for the format of `bias` and `mant` mantissa bits whose largest
@@ -409,6 +409,77 @@ extern "C" __global__ void fsdp_dequantize(float* x, const void* q, const void* 
     const float code = format == Q_INT8 ? (float)(signed char)c : format == Q_E5M2 ? e5m2_to_float(c) : e4m3_to_float(c);
     const double d = (double)code * (double)((const float*)scales)[i / block];
     x[i] = (float)(d < -top ? -top : (top < d ? top : d));
+  }
+}
+
+// ---- per-tensor scaling: fsdp::detail::abs_max_or_inf, quantize_tensor_with_amax and
+// dequantize_tensor_with_amax, line for line; the amax is read from device memory.
+
+// *out = max |x[i]|, +inf for an inf or NaN, over as many blocks as the slice needs: each
+// thread's largest |x| as bits (non-negative floats order as their bits do, and an inf or
+// NaN counts as inf's bits), a tree over the block's shared memory, then one atomicMax
+// per block into *out, which CudaDevice::abs_max zeroes first (so n = 0 gives 0).
+extern "C" __global__ void fsdp_abs_max(const float* x, u64 n, float* out) {
+  __shared__ u32 best[256];  // CudaDevice's threads_per_block
+  u32 m = 0;
+  FSDP_FOR_EACH(i, n) {
+    const u32 a = __float_as_uint(x[i]) & 0x7fffffffu;
+    const u32 v = a >= 0x7f800000u ? 0x7f800000u : a;
+    m = v > m ? v : m;
+  }
+  best[threadIdx.x] = m;
+  __syncthreads();
+  for (u32 half = blockDim.x / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half && best[threadIdx.x + half] > best[threadIdx.x]) best[threadIdx.x] = best[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && best[0] != 0) atomicMax((u32*)out, best[0]);
+}
+
+// out[i] = the largest of in[r * n + i] over the rows (the ranks' gathered amaxes), compared
+// as bits as fsdp_abs_max does (a NaN, which no amax is, read as inf): fsdp::detail::max_over_rows.
+extern "C" __global__ void fsdp_max_over_rows(float* out, const float* in, u64 rows, u64 n) {
+  FSDP_FOR_EACH(i, n) {
+    u32 m = 0;
+    for (u64 r = 0; r < rows; ++r) {
+      const u32 a = __float_as_uint(in[r * n + i]) & 0x7fffffffu;
+      const u32 v = a > 0x7f800000u ? 0x7f800000u : a;
+      m = v > m ? v : m;
+    }
+    out[i] = __uint_as_float(m);
+  }
+}
+
+// q[i] = encode(x[i] / scale_for(*amax, qmax)), saturating; zero codes for scale 0 or a
+// non-finite *amax.
+extern "C" __global__ void fsdp_quantize_tensor(void* q, const float* x, u64 n, int format, const float* amax_at) {
+  const float amax = *amax_at;
+  const float scale = finite_f32(amax) ? quant_scale_for(amax, format == Q_E5M2_TENSOR ? 57344.0f : 448.0f) : 0.0f;
+  FSDP_FOR_EACH(i, n) {
+    unsigned char c = 0;
+    if (scale != 0.0f) {
+      const float v = x[i] / scale;
+      c = format == Q_E5M2_TENSOR ? float_to_e5m2_sat(v) : float_to_e4m3_sat(v);
+    }
+    ((unsigned char*)q)[i] = c;
+  }
+}
+
+// y[i] = decode(q[i]) * scale_for(*amax, qmax) in double, clamped to the finite floats
+// (fsdp::detail::decode_scaled); NaN everywhere for a non-finite *amax.
+extern "C" __global__ void fsdp_dequantize_tensor(float* y, const void* q, u64 n, int format, const float* amax_at) {
+  const double top = 3.4028234663852886e38;  // FLT_MAX
+  const float amax = *amax_at;
+  const bool finite = finite_f32(amax);
+  const float scale = finite ? quant_scale_for(amax, format == Q_E5M2_TENSOR ? 57344.0f : 448.0f) : 0.0f;
+  FSDP_FOR_EACH(i, n) {
+    if (!finite) {
+      y[i] = __uint_as_float(0x7fc00000u);
+      continue;
+    }
+    const unsigned char c = ((const unsigned char*)q)[i];
+    const double d = (double)(format == Q_E5M2_TENSOR ? e5m2_to_float(c) : e4m3_to_float(c)) * (double)scale;
+    y[i] = (float)(d < -top ? -top : (top < d ? top : d));
   }
 }
 )cuda";

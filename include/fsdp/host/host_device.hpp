@@ -71,6 +71,13 @@ class HostDevice {
   void quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales, std::size_t block);
   void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block);
   std::optional<std::size_t> quantize_nonfinite() { return std::exchange(first_bad_, std::nullopt); }
+  // Per-tensor scaling (see TensorScalingDevice): fsdp/core/quantize.hpp's
+  // detail::abs_max_or_inf, max_over_rows, quantize_tensor_with_amax and
+  // dequantize_tensor_with_amax.
+  void abs_max(const float* x, std::size_t n, float* out);
+  void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out);
+  void quantize_tensor(QuantFormat f, const float* x, std::size_t n, void* q, const float* amax);
+  void dequantize_tensor(QuantFormat f, const void* q, std::size_t n, const float* amax, float* y);
 
   MemoryStats stats(MemorySpace space = MemorySpace::device) const { return counter_.stats(space); }
   void reset_peak(MemorySpace space = MemorySpace::device) { counter_.reset_peak(space); }
@@ -83,6 +90,7 @@ class HostDevice {
 
 static_assert(UnscalingDevice<HostDevice>);
 static_assert(QuantizingDevice<HostDevice>);
+static_assert(TensorScalingDevice<HostDevice>);
 
 #if FSDP_DEFINES_IMPLEMENTATION
 FSDP_DECL void HostDevice::quantize(QuantFormat f, const float* x, std::size_t n, void* q, void* scales,
@@ -96,6 +104,20 @@ FSDP_DECL void HostDevice::dequantize(QuantFormat f, const void* q, const void* 
                                       std::size_t block) {
   check_quant_block(f, block, "HostDevice::dequantize");
   detail::dequantize_any(f, q, scales, n, x, block);
+}
+
+FSDP_DECL void HostDevice::abs_max(const float* x, std::size_t n, float* out) { *out = detail::abs_max_or_inf(x, n); }
+
+FSDP_DECL void HostDevice::max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out) {
+  detail::max_over_rows(in, rows, n, out);
+}
+
+FSDP_DECL void HostDevice::quantize_tensor(QuantFormat f, const float* x, std::size_t n, void* q, const float* amax) {
+  detail::quantize_tensor_with_amax(f, x, n, static_cast<std::uint8_t*>(q), *amax);
+}
+
+FSDP_DECL void HostDevice::dequantize_tensor(QuantFormat f, const void* q, std::size_t n, const float* amax, float* y) {
+  detail::dequantize_tensor_with_amax(f, static_cast<const std::uint8_t*>(q), n, *amax, y);
 }
 #endif  // FSDP_DEFINES_IMPLEMENTATION
 

@@ -64,7 +64,8 @@ struct PlannedUnit {
     std::int64_t deferred_numel = 0;
     // Its parameters one by one, in order, where each one's place depends on the others'
     // sizes (PlanOptions::shard_layout block_aligned or param_atomic); numel and deferred_numel are then their
-    // sums, or 0. Empty: one parameter of numel elements (exact under element_flat).
+    // sums, or 0. Empty: one parameter of numel elements (exact under element_flat, and
+    // refused under a per-tensor gather, whose amaxes count the parameters).
     // fsdp::plan(model) fills it.
     struct Param {
       std::int64_t numel = 0;
@@ -377,6 +378,11 @@ inline MemoryPlan plan_for(const PolicyConfig& policy, const std::vector<Planned
       } else if (options.shard_layout.depends_on_each_size() && policy.shards_parameters && f.numel > 0) {
         detail::fail("fsdp::plan: unit '", name, "': under the shard layout ", name_of(options.shard_layout),
                      " where each parameter lies depends on each one's size; list them in PlannedUnit::Flat::params");
+      } else if (policy.precision.comm_quantized && is_per_tensor(policy.precision.comm_gather_format) &&
+                 policy.shards_parameters && f.numel > 0) {
+        detail::fail("fsdp::plan: unit '", name, "': a per-tensor gather (", name_of(policy.precision.comm_gather_format),
+                     ") keeps an amax per parameter, so the plan needs the parameters; list them in "
+                     "PlannedUnit::Flat::params");
       }
       checked_product<std::int64_t>(f.numel, static_cast<std::int64_t>(size_of(f.dtype)),
                                     "fsdp::plan: unit '" + name + "': the bytes of a flat parameter");

@@ -32,7 +32,8 @@ struct PrecisionConfig {
   bool keep_low_precision_grads = false;
   bool comm = false;  // CommPrecision<Gather, Reduce>
   DType comm_gather = DType::f32, comm_reduce = DType::f32;
-  // Gather is a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8): comm_gather is then u8.
+  // Gather is a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8) or a per-tensor one
+  // (F8E4M3Tensor, F8E5M2Tensor): comm_gather is then u8.
   bool comm_quantized = false;
   QuantFormat comm_gather_format = QuantFormat::int8_blocks;
   std::size_t comm_gather_block = 0;
@@ -72,14 +73,26 @@ struct PolicyConfig {
 
 namespace detail {
 // A block format's all-gather (CommPrecision<Int8Blocks<...>, ...>) quantizes on the
-// device: checked where the policies meet the device (fsdp::shard, fsdp::Sharded).
+// device, a per-tensor one's also takes amaxes there: checked where the policies meet the
+// device (fsdp::shard, fsdp::Sharded).
 template <class Config, class D>
 constexpr void check_device_quantizes() {
-  if constexpr (gathers_quantized<typename Config::comm_precision>())
-    static_assert(QuantizingDevice<D>,
-                  "fsdp: CommPrecision with a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8) needs a device that "
-                  "quantizes: quantize(format, x, n, q, scales, block), dequantize(format, q, scales, n, x, block) and "
-                  "quantize_nonfinite() (fsdp::QuantizingDevice; fsdp::HostDevice and fsdp::CudaDevice have them)");
+  using CP = typename Config::comm_precision;
+  if constexpr (gathers_quantized<CP>()) {
+    if constexpr (is_per_tensor(CP::gather_format))
+      static_assert(TensorScalingDevice<D>,
+                    "fsdp: CommPrecision with a per-tensor format (F8E4M3Tensor, F8E5M2Tensor) needs a device that "
+                    "scales per tensor: abs_max(x, n, out), max_over_rows(in, rows, n, out), quantize_tensor(format, "
+                    "x, n, q, amax) and "
+                    "dequantize_tensor(format, q, n, amax, y), amaxes in device memory (fsdp::TensorScalingDevice; "
+                    "fsdp::HostDevice and fsdp::CudaDevice have them), or a block format (F8E4M3Blocks<128>)");
+    else
+      static_assert(QuantizingDevice<D>,
+                    "fsdp: CommPrecision with a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8) needs a "
+                    "device that quantizes: quantize(format, x, n, q, scales, block), dequantize(format, q, scales, n, "
+                    "x, block) and quantize_nonfinite() (fsdp::QuantizingDevice; fsdp::HostDevice and fsdp::CudaDevice "
+                    "have them)");
+  }
 }
 }  // namespace detail
 
@@ -169,6 +182,8 @@ inline void print_precision(std::ostream& os, const PrecisionConfig& p) {
       case QuantFormat::f8e4m3_blocks: os << "F8E4M3Blocks<" << p.comm_gather_block << ">"; break;
       case QuantFormat::f8e5m2_blocks: os << "F8E5M2Blocks<" << p.comm_gather_block << ">"; break;
       case QuantFormat::mxfp8: os << "MXFP8"; break;
+      case QuantFormat::f8e4m3_tensor: os << "F8E4M3Tensor"; break;
+      case QuantFormat::f8e5m2_tensor: os << "F8E5M2Tensor"; break;
     }
   }
   os << ", " << name_of(p.comm_reduce) << ">";

@@ -115,7 +115,8 @@ struct FullPrecision {
 // dicts gather in the master dtype, unrounded. With MixedPrecision, Reduce comes from here:
 // MixedPrecision may then set only Param (and Buffer).
 //
-// Gather may also be a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8 below): each rank
+// Gather may also be a block format (Int8Blocks, F8E4M3Blocks, F8E5M2Blocks, MXFP8 below; or
+// a per-tensor one, F8E4M3Tensor and F8E5M2Tensor, whose scale the ranks agree on): each rank
 // quantizes its own f32 shard into one-byte codes and one scale per block (its blocks
 // cut from its own first element, so no block spans two ranks and no scale is agreed),
 // the all-gather moves those, and every rank dequantizes them into the compute-dtype
@@ -151,6 +152,26 @@ struct F8E5M2Blocks {
 struct MXFP8 {  // OCP MXFP8: E4M3 codes, one e8m0 (power-of-two) scale per 32 elements
   static constexpr QuantFormat format = QuantFormat::mxfp8;
   static constexpr std::size_t block = kMxBlock;
+};
+
+// Per-tensor scaling (as torchao's float8 all-gather): one f32 scale per *parameter*,
+// scale_for(amax, qmax) of the amax of the whole unsharded parameter, which the ranks of
+// the shard group agree on before quantizing (each writes its slices' amaxes, one small
+// all_gather of one f32 per parameter, whose largest per parameter is the agreed amax,
+// then each quantizes its slices with it). The wire then carries codes only, no scales (1.00 byte per value), and
+// the gathered parameter is, bit for bit, quantize_f8e4m3_tensor (or _f8e5m2_) of the whole
+// parameter and back. The cost: one outlier coarsens its whole parameter (blocks confine
+// it to 128 values), and the small all-gather runs before the quantize. A parameter holding an
+// inf or NaN on any rank arrives as NaNs in every element, on every rank; the others are
+// unaffected. Needs a device with abs_max, max_over_rows, quantize_tensor and
+// dequantize_tensor (fsdp::TensorScalingDevice: HostDevice and CudaDevice). No block: `block` is 0.
+struct F8E4M3Tensor {  // E4M3 codes, one f32 scale (amax / 448) per parameter
+  static constexpr QuantFormat format = QuantFormat::f8e4m3_tensor;
+  static constexpr std::size_t block = 0;
+};
+struct F8E5M2Tensor {  // E5M2 codes, one f32 scale (amax / 57344) per parameter
+  static constexpr QuantFormat format = QuantFormat::f8e5m2_tensor;
+  static constexpr std::size_t block = 0;
 };
 
 namespace detail {
@@ -192,13 +213,17 @@ struct CommPrecision {
     if constexpr (quantized) return std::size_t{Gather::block};
     else return std::size_t{0};
   }();
-  static_assert(!quantized || (gather_format == QuantFormat::mxfp8 ? gather_block == kMxBlock : gather_block > 0),
+  static_assert(!quantized || (gather_format == QuantFormat::mxfp8 ? gather_block == kMxBlock
+                               : is_per_tensor(gather_format)    ? gather_block == 0
+                                                                 : gather_block > 0),
                 "fsdp: CommPrecision's block format has a block its format cannot have: MXFP8's is 32 elements, "
-                "int8, E4M3 and E5M2 blocks need a positive one");
+                "int8, E4M3 and E5M2 blocks need a positive one, the per-tensor formats (F8E4M3Tensor, "
+                "F8E5M2Tensor) none (0)");
   static_assert((quantized || is_compute_dtype(gather)) && is_compute_dtype(reduce),
                 "fsdp: CommPrecision dtypes must be floating point (float, double, fsdp::bf16, fsdp::f16), or for "
                 "Gather a block format (fsdp::Int8Blocks<128>, fsdp::F8E4M3Blocks<128>, fsdp::F8E5M2Blocks<128>, "
-                "fsdp::MXFP8); the 8-bit floats need per-block scales and are not one");
+                "fsdp::MXFP8); the 8-bit floats need per-block scales (or a per-tensor one: fsdp::F8E4M3Tensor, "
+                "fsdp::F8E5M2Tensor) and are not one");
 };
 struct FullCommPrecision {  // collectives in the compute dtype (MixedPrecision's Param, else the parameters')
   using fsdp_policy_slot = comm_precision_slot;

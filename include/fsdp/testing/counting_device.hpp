@@ -3,7 +3,8 @@
 // kind. On a GPU every operation is one runtime call (an allocation, a copy, a memset, a
 // kernel launch), each a few microseconds of host time, so the counts per unit and step
 // are the library's device-call budget: tests pin them and benchmarks print them on a
-// machine without a GPU. Whatever else D offers (a queue, unscale, quantize) is passed through.
+// machine without a GPU. Whatever else D offers (a queue, unscale, quantize, per-tensor
+// scaling) is passed through.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -16,14 +17,15 @@ namespace fsdp {
 
 enum class DeviceOp : std::uint8_t {
   allocate, deallocate, copy, fill_zero, fill_zero_batch, scale, accumulate, cast, cast_zeroing, unscale, quantize,
-  dequantize
+  dequantize, abs_max, max_over_rows, quantize_tensor, dequantize_tensor
 };
-inline constexpr std::size_t device_op_kinds = 12;
+inline constexpr std::size_t device_op_kinds = 16;
 
 constexpr std::string_view name_of(DeviceOp op) {
   constexpr std::array<std::string_view, device_op_kinds> names{
       "allocate", "deallocate", "copy", "fill_zero", "fill_zero_batch", "scale", "accumulate", "cast", "cast_zeroing",
-      "unscale", "quantize", "dequantize"};
+      "unscale", "quantize", "dequantize", "abs_max", "max_over_rows", "quantize_tensor",
+      "dequantize_tensor"};
   return names[static_cast<std::size_t>(op)];
 }
 
@@ -105,6 +107,27 @@ class CountingDevice {
     requires QuantizingDevice<D>
   {
     return inner_->quantize_nonfinite();
+  }
+  // abs_max is one call even over no values: it still writes its 0.
+  void abs_max(const float* x, std::size_t n, float* out)
+    requires TensorScalingDevice<D>
+  {
+    note(DeviceOp::abs_max, 1), inner_->abs_max(x, n, out);
+  }
+  void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out)
+    requires TensorScalingDevice<D>
+  {
+    note(DeviceOp::max_over_rows, n), inner_->max_over_rows(in, rows, n, out);
+  }
+  void quantize_tensor(QuantFormat f, const float* x, std::size_t n, void* q, const float* amax)
+    requires TensorScalingDevice<D>
+  {
+    note(DeviceOp::quantize_tensor, n), inner_->quantize_tensor(f, x, n, q, amax);
+  }
+  void dequantize_tensor(QuantFormat f, const void* q, std::size_t n, const float* amax, float* y)
+    requires TensorScalingDevice<D>
+  {
+    note(DeviceOp::dequantize_tensor, n), inner_->dequantize_tensor(f, q, n, amax, y);
   }
   DeviceQueue queue() const
     requires QueuedDevice<D>

@@ -240,6 +240,7 @@ class FlatParamGroup {
   // codes; the padding zeroed, so every byte sent is written) and gathers the slots in
   // place. An offloaded shard is copied to the device first. finish_gather dequantizes.
   void start_quantized_gather(FlatParam& fp, std::size_t S, const CollectiveTag* tag) {
+    if (fp.scaled_per_tensor()) return start_tensor_scaled_gather(fp, S, tag);
     const auto slot = fp.quant_slot();
     fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
     auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot.bytes;
@@ -253,10 +254,101 @@ class FlatParamGroup {
     fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot.bytes, DType::u8, tag);
   }
 
+  // The all-gather of a per-tensor format (CommPrecision<F8E4M3Tensor, ...>): one scale per
+  // parameter, from the amax of the whole unsharded parameter. This rank writes the amax
+  // of each of its slices into its row of fp.amax (0 for parameters it holds none of; +inf
+  // for a slice holding an inf or NaN), the shard group gathers the rows, and the largest
+  // per parameter is the agreed amax (scale_for is monotone, so the largest local amax
+  // gives the whole parameter's scale exactly); each slice is quantized with it into this
+  // rank's slot (codes only; the padding zero codes) and the slots are gathered in place.
+  // The amaxes travel by all-gather, not all-reduce(max): every backend gathers device
+  // memory (CudaThreadComm reduces it only with sum), and NcclComm queues all-gathers on
+  // its all-gather stream, where a backward prefetch does not wait behind the gradient
+  // reduce-scatters of the reduce stream. The quantize waits for that gather on the
+  // device's queue where it has one (as finish_gather waits for a gather; no host check
+  // here either: a failure breaks the communicator), else on the host. Both gathers carry
+  // the unit's tag: every rank runs them, in this order, for the same unit and pass. A
+  // flat parameter with no elements gathers as the block formats do, nothing to scale.
+  // fp.amax: the agreed row, then one row per shard rank (none on a one-rank group).
+  void start_tensor_scaled_gather(FlatParam& fp, std::size_t S, const CollectiveTag* tag) {
+    const auto& L = fp.layout;
+    const std::size_t P = L.params().size();
+    const auto slot = fp.quant_slot();
+    fp.wire = device_.allocate(fp.wire_bytes(), MemorySpace::device);
+    auto* mine = static_cast<std::byte*>(fp.wire) + static_cast<std::size_t>(groups_.shard_rank) * slot.bytes;
+    if (S == 0) {
+      fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot.bytes, DType::u8, tag);
+      return;
+    }
+    fp.amax = device_.allocate(fp.amax_bytes(), MemorySpace::device);
+    const std::size_t ranks = fp.shard_ranks();
+    auto* agreed = static_cast<float*>(fp.amax);
+    float* rows = ranks > 1 ? agreed + P : agreed;
+    float* local = rows + (ranks > 1 ? static_cast<std::size_t>(groups_.shard_rank) * P : 0);
+    device_.fill_zero(local, P * sizeof(float));
+    std::size_t held = 0;  // elements of this shard inside parameters: the rest is padding
+    for (std::size_t i = 0; i < P; ++i) held += static_cast<std::size_t>(L.slice(i, groups_.shard_rank).count);
+    if (held < S) device_.fill_zero(mine, slot.bytes);  // padding between or after the slices
+    else if (slot.bytes > slot.used) device_.fill_zero(mine + slot.used, slot.bytes - slot.used);
+    detail::DeviceScratch staged(device_, offloaded() ? fp.shard_bytes() : 0);
+    if (staged.data) device_.copy(staged.data, fp.shard, fp.shard_bytes());
+    const auto* x = static_cast<const float*>(staged.data ? staged.data : fp.shard);
+    for (std::size_t i = 0; i < P; ++i) {
+      const ShardSlice sl = L.slice(i, groups_.shard_rank);
+      if (sl.count) device_.abs_max(x + sl.shard_offset, static_cast<std::size_t>(sl.count), local + i);
+    }
+    if (ranks > 1) {
+      Work gathered = groups_.all_gather(device_, local, rows, P, DType::f32, tag);
+      if (!gathered.completed_inline()) detail::wait_for_use(gathered, device_, detail::TracedWait{}, "wait all_gather");
+      device_.max_over_rows(rows, ranks, P, agreed);
+    }
+    for (std::size_t i = 0; i < P; ++i) {
+      const ShardSlice sl = L.slice(i, groups_.shard_rank);
+      if (sl.count)
+        device_.quantize_tensor(fp.quant_format, x + sl.shard_offset, static_cast<std::size_t>(sl.count),
+                                mine + slot.codes_at + sl.shard_offset, agreed + i);
+    }
+    staged.release();
+    fp.gather_work = groups_.all_gather(device_, mine, fp.wire, slot.bytes, DType::u8, tag);
+  }
+
+  // finish_gather's half of a per-tensor format: each shard rank's slot holds the codes of
+  // its S elements of the padded buffer; each parameter's part of it is dequantized with
+  // that parameter's agreed amax (NaNs in every element where it is not finite), and the
+  // padding comes out as zeros (the slot's region zeroed first where it holds any).
+  void dequantize_tensor_scaled(FlatParam& fp, DType as) {
+    const auto& L = fp.layout;
+    const auto S = static_cast<std::size_t>(L.shard_numel());
+    const auto padded = static_cast<std::size_t>(L.padded_numel());
+    const auto slot = fp.quant_slot();
+    const auto* amax = static_cast<const float*>(fp.amax);
+    detail::DeviceScratch f32(device_, as == DType::f32 ? 0 : FlatParam::bytes(L.shard_numel(), DType::f32));
+    for (std::size_t r = 0; S != 0 && r < padded / S; ++r) {
+      const auto* codes = static_cast<const std::byte*>(fp.wire) + r * slot.bytes + slot.codes_at;
+      auto* place = static_cast<std::byte*>(fp.full) + r * S * size_of(as);
+      auto* out = f32.data ? static_cast<float*>(f32.data) : reinterpret_cast<float*>(place);
+      const std::size_t lo = r * S, hi = lo + S;
+      std::size_t covered = 0;
+      for (const auto& p : L.params()) {
+        const auto b = static_cast<std::size_t>(p.offset), e = b + static_cast<std::size_t>(p.numel);
+        covered += std::max(b, lo) < std::min(e, hi) ? std::min(e, hi) - std::max(b, lo) : 0;
+      }
+      if (covered < S) device_.fill_zero(out, S * sizeof(float));
+      for (std::size_t i = 0; i < L.params().size(); ++i) {
+        const auto b = std::max(static_cast<std::size_t>(L.params()[i].offset), lo);
+        const auto e = std::min(static_cast<std::size_t>(L.params()[i].offset + L.params()[i].numel), hi);
+        if (b < e) device_.dequantize_tensor(fp.quant_format, codes + (b - lo), e - b, amax + i, out + (b - lo));
+      }
+      if (f32.data) device_.cast(place, as, f32.data, DType::f32, S);
+    }
+    f32.release();
+  }
+
   // Hands a gathered buffer to the engine: waits for its all-gather, widens a narrower
   // gather into the compute-dtype buffer (freeing the narrow one), or dequantizes each
-  // shard rank's slot of a block format's (through an f32 buffer when the compute dtype
-  // is another), binds the parameters.
+  // shard rank's slot of a block format's, or each parameter of a per-tensor format's
+  // with its agreed amax (through an f32 buffer when the compute dtype is another), binds
+  // the parameters.
   void finish_gather(FlatParam& fp, DType as, const detail::TracedWait& wait) {
     // On a queued device the compute queue waits, not the host (no empty spans if inline).
     if (!fp.gather_work.completed_inline()) detail::wait_for_use(fp.gather_work, device_, wait, "wait all_gather");
@@ -264,7 +356,9 @@ class FlatParamGroup {
     if (fp.wire) {
       const auto padded = static_cast<std::size_t>(fp.layout.padded_numel());
       fp.full = device_.allocate(FlatParam::bytes(fp.layout.padded_numel(), as), MemorySpace::device);
-      if (fp.quantized) {  // only a block format's all-gather fills the wire of such a flat parameter
+      if (fp.scaled_per_tensor()) {  // only its all-gather fills the wire of such a flat parameter
+        dequantize_tensor_scaled(fp, as);
+      } else if (fp.quantized) {  // only a block format's all-gather fills the wire of such a flat parameter
         const auto S = static_cast<std::size_t>(fp.layout.shard_numel());
         const auto slot = fp.quant_slot();
         // One launch per shard rank (the slots are apart); under another compute dtype each
@@ -283,6 +377,7 @@ class FlatParamGroup {
       }
       release(fp.wire, fp.wire_bytes(), MemorySpace::device);
     }
+    release(fp.amax, fp.amax_bytes(), MemorySpace::device);
     detail::bind_tensors(fp, fp.full, &detail::ParamBinding::param, as);
     fp.unbound = false;
     release(fp.post_forward, fp.post_forward_bytes(), MemorySpace::device);  // gathered from: done
@@ -493,6 +588,7 @@ class FlatParamGroup {
 
   void release_unsharded_params(FlatParam& fp) {
     release(fp.wire, fp.wire_bytes(), MemorySpace::device);  // gathered ahead, never widened
+    release(fp.amax, fp.amax_bytes(), MemorySpace::device);
     if (!fp.full || fp.full == fp.shard) return;
     device_.deallocate(fp.full, FlatParam::bytes(full_numel(fp), fp.full_dtype), fp.full_space);
     fp.full = nullptr;

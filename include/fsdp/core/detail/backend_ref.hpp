@@ -74,6 +74,15 @@ class CommRef {
   const VTable* vt_;
 };
 
+// DeviceRef's refusal of a per-tensor op on a device without it (no TensorScalingDevice).
+template <class D>
+[[noreturn]] void no_tensor_scaling(const char* op) {
+  fail_as(ErrorKind::misuse, "this device (", type_name(typeid(D)), ") has no ", op,
+          ": per-tensor scaling (F8E4M3Tensor, F8E5M2Tensor) needs abs_max, max_over_rows, quantize_tensor and "
+          "dequantize_tensor "
+          "(fsdp::TensorScalingDevice); gather in a block format (F8E4M3Blocks<128>) on it instead");
+}
+
 class DeviceRef {
  public:
   template <Device D>
@@ -100,6 +109,17 @@ class DeviceRef {
   void dequantize(QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) const {
     vt_->dequantize(obj_, f, q, scales, n, x, block);
   }
+  // Per-tensor scaling (TensorScalingDevice), refused as above on a device without it.
+  void abs_max(const float* x, std::size_t n, float* out) const { vt_->abs_max(obj_, x, n, out); }
+  void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out) const {
+    vt_->max_over_rows(obj_, in, rows, n, out);
+  }
+  void quantize_tensor(QuantFormat f, const float* x, std::size_t n, void* q, const float* amax) const {
+    vt_->quantize_tensor(obj_, f, x, n, q, amax);
+  }
+  void dequantize_tensor(QuantFormat f, const void* q, std::size_t n, const float* amax, float* y) const {
+    vt_->dequantize_tensor(obj_, f, q, n, amax, y);
+  }
   void synchronize() const { vt_->synchronize(obj_); }
   MemoryStats stats(MemorySpace s) const { return vt_->stats(obj_, s); }
   // The device's queue (QueuedDevice), or a null handle: collectives are waited on the host.
@@ -120,6 +140,10 @@ class DeviceRef {
     void (*cast_zeroing)(void*, void*, DType, const void*, DType, std::size_t, std::span<const ZeroSpan>);
     void (*quantize)(void*, QuantFormat, const float*, std::size_t, void*, void*, std::size_t);
     void (*dequantize)(void*, QuantFormat, const void*, const void*, std::size_t, float*, std::size_t);
+    void (*abs_max)(void*, const float*, std::size_t, float*);
+    void (*max_over_rows)(void*, const float*, std::size_t, std::size_t, float*);
+    void (*quantize_tensor)(void*, QuantFormat, const float*, std::size_t, void*, const float*);
+    void (*dequantize_tensor)(void*, QuantFormat, const void*, std::size_t, const float*, float*);
     void (*synchronize)(void*);
     MemoryStats (*stats)(void*, MemorySpace);
     DeviceQueue (*queue)(void*);
@@ -147,6 +171,22 @@ class DeviceRef {
       [](void* o, QuantFormat f, const void* q, const void* scales, std::size_t n, float* x, std::size_t block) {
         if constexpr (QuantizingDevice<D>) static_cast<D*>(o)->dequantize(f, q, scales, n, x, block);
         else fail_as(ErrorKind::misuse, "this device (", type_name(typeid(D)), ") does not dequantize (no QuantizingDevice)");
+      },
+      [](void* o, const float* x, std::size_t n, float* out) {
+        if constexpr (TensorScalingDevice<D>) static_cast<D*>(o)->abs_max(x, n, out);
+        else no_tensor_scaling<D>("abs_max");
+      },
+      [](void* o, const float* in, std::size_t rows, std::size_t n, float* out) {
+        if constexpr (TensorScalingDevice<D>) static_cast<D*>(o)->max_over_rows(in, rows, n, out);
+        else no_tensor_scaling<D>("max_over_rows");
+      },
+      [](void* o, QuantFormat f, const float* x, std::size_t n, void* q, const float* amax) {
+        if constexpr (TensorScalingDevice<D>) static_cast<D*>(o)->quantize_tensor(f, x, n, q, amax);
+        else no_tensor_scaling<D>("quantize_tensor");
+      },
+      [](void* o, QuantFormat f, const void* q, std::size_t n, const float* amax, float* y) {
+        if constexpr (TensorScalingDevice<D>) static_cast<D*>(o)->dequantize_tensor(f, q, n, amax, y);
+        else no_tensor_scaling<D>("dequantize_tensor");
       },
       [](void* o) { static_cast<D*>(o)->synchronize(); },
       [](void* o, MemorySpace s) -> MemoryStats { return static_cast<D*>(o)->stats(s); },

@@ -148,6 +148,10 @@ class PlanDevice {
   void quantize(QuantFormat, const float*, std::size_t, void*, void*, std::size_t) {}
   void dequantize(QuantFormat, const void*, const void*, std::size_t, float*, std::size_t) {}
   std::optional<std::size_t> quantize_nonfinite() { return std::nullopt; }
+  void abs_max(const float*, std::size_t, float*) {}
+  void max_over_rows(const float*, std::size_t, std::size_t, float*) {}
+  void quantize_tensor(QuantFormat, const float*, std::size_t, void*, const float*) {}
+  void dequantize_tensor(QuantFormat, const void*, std::size_t, const float*, float*) {}
   void synchronize() {}
   MemoryStats stats(MemorySpace s) const { return {ledger_->live(s), ledger_->peak(s).bytes, 0}; }
   void reset_peak(MemorySpace) {}

@@ -42,9 +42,14 @@ struct FlatParam {
                                // or one quantized slot per shard rank (quantized_slot_bytes each)
   // CommPrecision's Gather is a block format (detail::gathers_quantized): the all-gather
   // moves, per shard rank, a slot of its block scales then its codes (rounded up to 8 bytes).
+  // A per-tensor format (is_per_tensor(quant_format)): the slot holds codes only, and
+  // `amax` (device space) from the start of the gather until finish_gather has
+  // dequantized: the agreed amax of each parameter of the layout, then, on a shard group
+  // of several ranks, each rank's row of its slices' amaxes, which the group gathers.
   bool quantized = false;
   QuantFormat quant_format = QuantFormat::int8_blocks;
   std::size_t quant_block = 0;
+  void* amax = nullptr;
   // Partial resharding: this rank's 1/k of the unsharded parameters (`gather` dtype),
   // kept from forward for the backward all-gather inside the post-forward group.
   void* post_forward = nullptr;
@@ -86,6 +91,14 @@ struct FlatParam {
     return detail::quant_slot(quant_format, static_cast<std::size_t>(layout.shard_numel()), quant_block, false);
   }
   std::size_t quant_slot_bytes() const { return quant_slot().bytes; }
+  bool scaled_per_tensor() const { return quantized && is_per_tensor(quant_format); }
+  std::size_t shard_ranks() const {  // the shard group's size, as the layout was cut for it
+    const auto S = layout.shard_numel();
+    return S == 0 ? 1 : static_cast<std::size_t>(layout.padded_numel() / S);
+  }
+  std::size_t amax_bytes() const {
+    return layout.params().size() * sizeof(float) * (shard_ranks() > 1 ? shard_ranks() + 1 : 1);
+  }
   std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
   std::size_t partial_bytes() const { return bytes(layout.shard_numel(), accumulate); }
   bool gather_issued() const { return full || wire; }
