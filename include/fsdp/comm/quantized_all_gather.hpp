@@ -19,8 +19,8 @@
 // device to read a status on its hot path (docs/precision_and_offload.md).
 //
 // The per-tensor formats (QuantFormat::f8e4m3_tensor, f8e5m2_tensor) scale the whole
-// gathered tensor with one scale: the ranks first agree on its amax (one all_reduce(max)
-// of one f32), then the slots carry a status word and codes only. They need a
+// gathered tensor with one scale: the ranks first agree on its amax (an all-gather of one
+// f32 per rank, and the largest), then the slots carry a status word and codes only. They need a
 // TensorScalingDevice (refused with an fsdp::Error on a device without it); `block` is
 // unused for them.
 #include <algorithm>

@@ -288,8 +288,9 @@ inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std
 // ---- per-tensor scaling with an agreed amax (a unit's F8E4M3Tensor / F8E5M2Tensor gather) --
 // What a device's abs_max, quantize_tensor and dequantize_tensor do (HostDevice's, and the
 // emulated GPU kernels'), so every device computes the same bits. The ranks holding slices
-// of one tensor each take their slice's abs_max, agree on the largest (an all-reduce max:
-// scale_for is monotone, so the largest local amax is the tensor's), then quantize their
+// of one tensor each take their slice's abs_max, agree on the largest (an all-gather of
+// them, then max_over_rows: scale_for is monotone, so the largest local amax is the
+// tensor's), then quantize their
 // slice with it: the codes are those quantize_f8e4m3_tensor / quantize_f8e5m2_tensor give
 // for the whole tensor.
 

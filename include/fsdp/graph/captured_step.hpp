@@ -220,7 +220,8 @@ class CapturedStep {
     // A broken communicator refuses the replay with its own failure (its kind; an echo of
     // the peer whose abort_step broke it), as its next eager collective would.
     for (NcclComm* c : comms_)
-      c->fail_if_broken("CapturedStep: replay " + std::to_string(next) + " refused: NcclComm '" + c->name() + "'");
+      if (c->broken())  // the message built only then: a healthy replay allocates nothing here
+        c->fail_if_broken("CapturedStep: replay " + std::to_string(next) + " refused: NcclComm '" + c->name() + "'");
     detail::cuda_check(cudaGraphLaunch(exec_, stream_), "cudaGraphLaunch", "CapturedStep");
     detail::CaptureAccess::set_step_states(*model_, states_after_);  // as the captured step left them
     replays_ = next;
