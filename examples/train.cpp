@@ -447,8 +447,8 @@ int main(int argc, char** argv) {
                                       "what all-gathers move: f32, bf16, or a block format (CommPrecision's Gather): fp8 "
                                       "(E4M3 blocks of 128), fp8e5m2 (E5M2 blocks of 128: a wider range, one mantissa "
                                       "bit less), mxfp8 (MXFP8, blocks of 32) or int8 (int8 blocks of 128), or per "
-                                      "tensor: fp8tensor (E4M3, one scale per parameter, agreed by an all-reduce of "
-                                      "the amaxes before each gather; codes only on the wire) or fp8e5m2tensor (E5M2), "
+                                      "tensor: fp8tensor (E4M3, one scale per parameter, agreed through an all-gather "
+                                      "of the amaxes before each gather; codes only on the wire) or fp8e5m2tensor (E5M2), "
                                       "dequantized into the compute dtype; default: --comm-precision's, or --precision's; "
                                       "prints a step's collectives")
                            ->check(CLI::IsMember(

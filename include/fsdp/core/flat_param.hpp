@@ -153,6 +153,14 @@ class FlatParamLayout {
     return end;
   }
 
+  // The elements of rank r's shard that belong to parameters; the rest of its
+  // shard_numel() is padding (or gaps between parameters).
+  std::int64_t param_numel_on(int rank) const {
+    std::int64_t held = 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) held += slice(i, rank).count;
+    return held;
+  }
+
   ShardSlice slice(std::size_t param, int rank) const {
     const auto& p = params_.at(param);
     const std::int64_t lo = std::max(p.offset, rank * shard_numel_);

@@ -4,7 +4,7 @@
 // (CommPrecision's quantized Gather, fsdp/policy/policies.hpp) names, without either
 // including the host arithmetic. Block formats carry their scales beside the codes; the
 // per-tensor formats carry codes only, their one scale per tensor agreed by the ranks
-// (an all-reduce of the amaxes) before anything is quantized.
+// (the largest of their gathered amaxes) before anything is quantized.
 #include <cstddef>
 #include <string_view>
 

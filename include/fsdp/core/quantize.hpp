@@ -2,7 +2,8 @@
 // 8-bit wire formats for quantized collectives (issue 38), host side: block quantization
 // of host spans to int8, E4M3 or E5M2 with one scale per block (f32 scales, or e8m0 scales
 // for MXFP8), and E4M3 or E5M2 with one scale per tensor (with the helpers a device's
-// per-tensor kernels share: abs_max, quantize and dequantize with an agreed amax). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
+// per-tensor kernels share: abs_max, the ranks' largest, quantize and dequantize with an
+// agreed amax). The bit conversions of the 8-bit floats are fsdp/core/f8.hpp's (the dtypes
 // DType::f8e4m3, f8e5m2 and e8m0); here the values travel as spans of std::uint8_t bit
 // patterns (int8 as std::int8_t).
 #include <algorithm>
@@ -214,7 +215,7 @@ inline void dequantize_mxfp8(std::span<const std::uint8_t> q, std::span<const st
 inline void check_quant_block(QuantFormat f, std::size_t block, std::string_view who) {
   if (is_per_tensor(f))
     detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f),
-                    " scales per tensor, not per block: quantize it with the device's abs_max, quantize_tensor and "
+                    " scales per tensor, not per block: quantize it with the device's quantize_tensor and "
                     "dequantize_tensor (fsdp::TensorScalingDevice) after the ranks agree on each tensor's amax");
   if (f == QuantFormat::mxfp8 ? block != kMxBlock : block == 0)
     detail::fail_as(ErrorKind::misuse, who, ": ", name_of(f), " needs ",
@@ -256,7 +257,7 @@ inline std::optional<std::size_t> quantize_poisoning_nonfinite(QuantFormat f, co
       case QuantFormat::f8e5m2_blocks: quantize_f8e5m2_blocks(xs, cs, {s32 + b, 1}, xs.size()); break;
       case QuantFormat::mxfp8: quantize_mxfp8(xs, cs, {s8 + b, 1}); break;
       case QuantFormat::f8e4m3_tensor:
-      case QuantFormat::f8e5m2_tensor: check_quant_block(f, block, "fsdp::detail::quantize_poisoning_nonfinite"); break;
+      case QuantFormat::f8e5m2_tensor: break;  // refused above
     }
   }
   return bad;
@@ -281,18 +282,17 @@ inline void dequantize_any(QuantFormat f, const void* q, const void* scales, std
       break;
     case QuantFormat::mxfp8: dequantize_mxfp8({codes, n}, {static_cast<const std::uint8_t*>(scales), blocks}, {x, n}); break;
     case QuantFormat::f8e4m3_tensor:
-    case QuantFormat::f8e5m2_tensor: check_quant_block(f, block, "fsdp::detail::dequantize_any"); break;
+    case QuantFormat::f8e5m2_tensor: break;  // refused above
   }
 }
 
 // ---- per-tensor scaling with an agreed amax (a unit's F8E4M3Tensor / F8E5M2Tensor gather) --
-// What a device's abs_max, quantize_tensor and dequantize_tensor do (HostDevice's, and the
-// emulated GPU kernels'), so every device computes the same bits. The ranks holding slices
-// of one tensor each take their slice's abs_max, agree on the largest (an all-gather of
-// them, then max_over_rows: scale_for is monotone, so the largest local amax is the
-// tensor's), then quantize their
-// slice with it: the codes are those quantize_f8e4m3_tensor / quantize_f8e5m2_tensor give
-// for the whole tensor.
+// What a device's abs_max, max_over_rows, quantize_tensor and dequantize_tensor do
+// (HostDevice's, and the emulated GPU kernels'), so every device computes the same bits.
+// The ranks holding slices of one tensor each take their slice's abs_max, agree on the
+// largest (an all-gather of them, then max_over_rows: scale_for is monotone, so the
+// largest local amax is the tensor's), then quantize their slice with it: the codes are
+// those quantize_f8e4m3_tensor / quantize_f8e5m2_tensor give for the whole tensor.
 
 // The largest code of a per-tensor format (E4M3's 448, E5M2's 57344).
 inline float tensor_qmax(QuantFormat f, std::string_view who = "quantize_tensor") {
@@ -303,8 +303,7 @@ inline float tensor_qmax(QuantFormat f, std::string_view who = "quantize_tensor"
 }
 
 // max |x[i]| over n values (0 for n = 0); +inf when any is inf or NaN, never NaN, so that
-// the ranks' max reduction is defined on every backend whatever its NaN rule, and a tensor
-// holding one agrees on a non-finite amax.
+// a tensor holding one on any rank agrees on a non-finite amax (max_over_rows keeps it).
 inline float abs_max_or_inf(const float* x, std::size_t n) {
   float amax = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -316,8 +315,8 @@ inline float abs_max_or_inf(const float* x, std::size_t n) {
 
 // out[i] = the largest of in[r * n + i] over `rows` rows (0 for no rows): the ranks'
 // amaxes of n tensors, gathered rank by rank, into the agreed ones. An amax is never NaN
-// (abs_max_or_inf), so this is a plain max; a NaN would still be read as +inf, as
-// abs_max_or_inf reads one, since agreement must never drop a poisoned tensor.
+// (abs_max_or_inf); a NaN would still be read as +inf, since agreement must never drop a
+// poisoned tensor.
 inline void max_over_rows(const float* in, std::size_t rows, std::size_t n, float* out) {
   for (std::size_t i = 0; i < n; ++i) {
     float m = 0;

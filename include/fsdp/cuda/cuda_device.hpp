@@ -10,7 +10,8 @@
 //   - fill_zero: cudaMemsetAsync; fill_zero_batch: one kernel launch per 128 buffers;
 //     cast_zeroing: one kernel, a cast and up to 128 buffers zeroed;
 //   - scale / accumulate / cast / unscale / quantize / dequantize and the per-tensor
-//     abs_max / max_over_rows / quantize_tensor / dequantize_tensor: kernels compiled at run time with NVRTC for this GPU's
+//     abs_max / max_over_rows / quantize_tensor / dequantize_tensor: kernels compiled at
+//     run time with NVRTC for this GPU's
 //     architecture (once per CudaDevice, on first use; kept in an on-disk cache so later
 //     processes skip the compile, see fsdp/cuda/kernel_cache.hpp), loaded with the runtime's library
 //     API (cudaLibraryLoadData + cudaLibraryGetKernel) and launched with cudaLaunchKernel.
@@ -290,8 +291,7 @@ class CudaDevice {
 
   // Per-tensor scaling (TensorScalingDevice), bit for bit fsdp/core/quantize.hpp's
   // detail::abs_max_or_inf, max_over_rows, quantize_tensor_with_amax and
-  // dequantize_tensor_with_amax; the
-  // amaxes stay in device memory (no host wait). abs_max zeroes *out, then each block of
+  // dequantize_tensor_with_amax; the amaxes stay in device memory (no host wait). abs_max zeroes *out, then each block of
   // the launch folds its largest |x| into it (atomicMax): a parameter's slice is one
   // launch over as many blocks as its elements need, so a large slice is not left to one SM.
   void abs_max(const float* x, std::size_t n, float* out) {
@@ -310,24 +310,10 @@ class CudaDevice {
     launch(kernels().max_over_rows, grid_for(n), args, stream_, "fsdp_max_over_rows, ", rows, " rows of ", n);
   }
   void quantize_tensor(QuantFormat format, const float* x, std::size_t n, void* q, const float* amax) {
-    check_tensor_format(format, "quantize_tensor");
-    if (n == 0) return;
-    Guard g(*this);
-    unsigned long long count = n;
-    int f = static_cast<int>(format);
-    void* args[] = {&q, const_cast<float**>(&x), &count, &f, const_cast<float**>(&amax)};
-    launch(kernels().quantize_tensor, grid_for(n), args, stream_, "fsdp_quantize_tensor ", name_of(format), ", ", n,
-           " elements");
+    launch_per_tensor(&Kernels::quantize_tensor, "quantize_tensor", format, q, x, n, amax);
   }
   void dequantize_tensor(QuantFormat format, const void* q, std::size_t n, const float* amax, float* y) {
-    check_tensor_format(format, "dequantize_tensor");
-    if (n == 0) return;
-    Guard g(*this);
-    unsigned long long count = n;
-    int f = static_cast<int>(format);
-    void* args[] = {&y, const_cast<void**>(&q), &count, &f, const_cast<float**>(&amax)};
-    launch(kernels().dequantize_tensor, grid_for(n), args, stream_, "fsdp_dequantize_tensor ", name_of(format), ", ", n,
-           " elements");
+    launch_per_tensor(&Kernels::dequantize_tensor, "dequantize_tensor", format, y, q, n, amax);
   }
 
   // The lowest index, within its call's x, of an inf or NaN that a quantize since the last
@@ -442,12 +428,20 @@ class CudaDevice {
   unsigned grid_for(std::size_t n) const { return capped((n + threads_per_block - 1) / threads_per_block); }  // n elements
   unsigned grid_for(const detail::ZeroSpans& t) const { return capped(t.first_block[t.count]); }  // a zero table
 
-  // A block format given to quantize_tensor or dequantize_tensor is refused, as a per-tensor
-  // one given to quantize is (check_quant_block).
-  void check_tensor_format(QuantFormat f, const char* op) const {
-    if (!is_per_tensor(f))
-      detail::fail_as(ErrorKind::misuse, "CudaDevice(cuda:", index_, ")::", op, ": ", name_of(f),
+  // quantize_tensor and dequantize_tensor: one launch of `kernel` (out, in, n, format,
+  // amax). A block format is refused, as a per-tensor one given to quantize is
+  // (check_quant_block).
+  void launch_per_tensor(cudaKernel_t Kernels::*kernel, const char* op, QuantFormat format, void* out, const void* in,
+                         std::size_t n, const float* amax) {
+    if (!is_per_tensor(format))
+      detail::fail_as(ErrorKind::misuse, "CudaDevice(cuda:", index_, ")::", op, ": ", name_of(format),
                       " is a block format; ", op, " takes f8e4m3_tensor or f8e5m2_tensor");
+    if (n == 0) return;
+    Guard g(*this);
+    unsigned long long count = n;
+    int f = static_cast<int>(format);
+    void* args[] = {&out, const_cast<void**>(&in), &count, &f, const_cast<float**>(&amax)};
+    launch(kernels().*kernel, grid_for(n), args, stream_, "fsdp_", op, " ", name_of(format), ", ", n, " elements");
   }
 
   // A dtype the kernels do not compute in (detail::has_kernels) is refused here rather than

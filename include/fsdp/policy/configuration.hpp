@@ -83,8 +83,8 @@ constexpr void check_device_quantizes() {
       static_assert(TensorScalingDevice<D>,
                     "fsdp: CommPrecision with a per-tensor format (F8E4M3Tensor, F8E5M2Tensor) needs a device that "
                     "scales per tensor: abs_max(x, n, out), max_over_rows(in, rows, n, out), quantize_tensor(format, "
-                    "x, n, q, amax) and "
-                    "dequantize_tensor(format, q, n, amax, y), amaxes in device memory (fsdp::TensorScalingDevice; "
+                    "x, n, q, amax) and dequantize_tensor(format, q, n, amax, y), amaxes in device memory "
+                    "(fsdp::TensorScalingDevice; "
                     "fsdp::HostDevice and fsdp::CudaDevice have them), or a block format (F8E4M3Blocks<128>)");
     else
       static_assert(QuantizingDevice<D>,

@@ -157,14 +157,15 @@ struct MXFP8 {  // OCP MXFP8: E4M3 codes, one e8m0 (power-of-two) scale per 32 e
 // Per-tensor scaling (as torchao's float8 all-gather): one f32 scale per *parameter*,
 // scale_for(amax, qmax) of the amax of the whole unsharded parameter, which the ranks of
 // the shard group agree on before quantizing (each writes its slices' amaxes, one small
-// all_gather of one f32 per parameter, whose largest per parameter is the agreed amax,
-// then each quantizes its slices with it). The wire then carries codes only, no scales (1.00 byte per value), and
-// the gathered parameter is, bit for bit, quantize_f8e4m3_tensor (or _f8e5m2_) of the whole
-// parameter and back. The cost: one outlier coarsens its whole parameter (blocks confine
-// it to 128 values), and the small all-gather runs before the quantize. A parameter holding an
-// inf or NaN on any rank arrives as NaNs in every element, on every rank; the others are
-// unaffected. Needs a device with abs_max, max_over_rows, quantize_tensor and
-// dequantize_tensor (fsdp::TensorScalingDevice: HostDevice and CudaDevice). No block: `block` is 0.
+// all-gather of one f32 per parameter, whose largest per parameter is the agreed amax,
+// then each quantizes its slices with it). The wire then carries codes only, no scales
+// (1.00 byte per value), and the gathered parameter is, bit for bit,
+// quantize_f8e4m3_tensor (or _f8e5m2_) of the whole parameter and back. The cost: one
+// outlier coarsens its whole parameter (blocks confine it to 128 values), and the small
+// all-gather runs before the quantize. A parameter holding an inf or NaN on any rank
+// arrives as NaNs in every element, on every rank; the others are unaffected. Needs a
+// device with abs_max, max_over_rows, quantize_tensor and dequantize_tensor
+// (fsdp::TensorScalingDevice: HostDevice and CudaDevice). No block: `block` is 0.
 struct F8E4M3Tensor {  // E4M3 codes, one f32 scale (amax / 448) per parameter
   static constexpr QuantFormat format = QuantFormat::f8e4m3_tensor;
   static constexpr std::size_t block = 0;

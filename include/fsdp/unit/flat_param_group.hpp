@@ -281,14 +281,13 @@ class FlatParamGroup {
       return;
     }
     fp.amax = device_.allocate(fp.amax_bytes(), MemorySpace::device);
-    const std::size_t ranks = fp.shard_ranks();
+    const auto ranks = static_cast<std::size_t>(L.world());
     auto* agreed = static_cast<float*>(fp.amax);
     float* rows = ranks > 1 ? agreed + P : agreed;
     float* local = rows + (ranks > 1 ? static_cast<std::size_t>(groups_.shard_rank) * P : 0);
     device_.fill_zero(local, P * sizeof(float));
-    std::size_t held = 0;  // elements of this shard inside parameters: the rest is padding
-    for (std::size_t i = 0; i < P; ++i) held += static_cast<std::size_t>(L.slice(i, groups_.shard_rank).count);
-    if (held < S) device_.fill_zero(mine, slot.bytes);  // padding between or after the slices
+    if (static_cast<std::size_t>(L.param_numel_on(groups_.shard_rank)) < S)
+      device_.fill_zero(mine, slot.bytes);  // padding between or after the slices
     else if (slot.bytes > slot.used) device_.fill_zero(mine + slot.used, slot.bytes - slot.used);
     detail::DeviceScratch staged(device_, offloaded() ? fp.shard_bytes() : 0);
     if (staged.data) device_.copy(staged.data, fp.shard, fp.shard_bytes());
@@ -319,25 +318,20 @@ class FlatParamGroup {
   void dequantize_tensor_scaled(FlatParam& fp, DType as) {
     const auto& L = fp.layout;
     const auto S = static_cast<std::size_t>(L.shard_numel());
-    const auto padded = static_cast<std::size_t>(L.padded_numel());
     const auto slot = fp.quant_slot();
     const auto* amax = static_cast<const float*>(fp.amax);
     detail::DeviceScratch f32(device_, as == DType::f32 ? 0 : FlatParam::bytes(L.shard_numel(), DType::f32));
-    for (std::size_t r = 0; S != 0 && r < padded / S; ++r) {
-      const auto* codes = static_cast<const std::byte*>(fp.wire) + r * slot.bytes + slot.codes_at;
-      auto* place = static_cast<std::byte*>(fp.full) + r * S * size_of(as);
+    for (int r = 0; S != 0 && r < L.world(); ++r) {
+      const auto at = static_cast<std::size_t>(r);
+      const auto* codes = static_cast<const std::byte*>(fp.wire) + at * slot.bytes + slot.codes_at;
+      auto* place = static_cast<std::byte*>(fp.full) + at * S * size_of(as);
       auto* out = f32.data ? static_cast<float*>(f32.data) : reinterpret_cast<float*>(place);
-      const std::size_t lo = r * S, hi = lo + S;
-      std::size_t covered = 0;
-      for (const auto& p : L.params()) {
-        const auto b = static_cast<std::size_t>(p.offset), e = b + static_cast<std::size_t>(p.numel);
-        covered += std::max(b, lo) < std::min(e, hi) ? std::min(e, hi) - std::max(b, lo) : 0;
-      }
-      if (covered < S) device_.fill_zero(out, S * sizeof(float));
+      if (static_cast<std::size_t>(L.param_numel_on(r)) < S) device_.fill_zero(out, S * sizeof(float));
       for (std::size_t i = 0; i < L.params().size(); ++i) {
-        const auto b = std::max(static_cast<std::size_t>(L.params()[i].offset), lo);
-        const auto e = std::min(static_cast<std::size_t>(L.params()[i].offset + L.params()[i].numel), hi);
-        if (b < e) device_.dequantize_tensor(fp.quant_format, codes + (b - lo), e - b, amax + i, out + (b - lo));
+        const ShardSlice sl = L.slice(i, r);
+        if (sl.count)
+          device_.dequantize_tensor(fp.quant_format, codes + sl.shard_offset, static_cast<std::size_t>(sl.count), amax + i,
+                                    out + sl.shard_offset);
       }
       if (f32.data) device_.cast(place, as, f32.data, DType::f32, S);
     }

@@ -92,12 +92,9 @@ struct FlatParam {
   }
   std::size_t quant_slot_bytes() const { return quant_slot().bytes; }
   bool scaled_per_tensor() const { return quantized && is_per_tensor(quant_format); }
-  std::size_t shard_ranks() const {  // the shard group's size, as the layout was cut for it
-    const auto S = layout.shard_numel();
-    return S == 0 ? 1 : static_cast<std::size_t>(layout.padded_numel() / S);
-  }
-  std::size_t amax_bytes() const {
-    return layout.params().size() * sizeof(float) * (shard_ranks() > 1 ? shard_ranks() + 1 : 1);
+  std::size_t amax_bytes() const {  // the agreed row, and one per shard rank where there are several
+    const auto ranks = static_cast<std::size_t>(layout.world());
+    return layout.params().size() * sizeof(float) * (ranks > 1 ? ranks + 1 : 1);
   }
   std::size_t post_forward_bytes() const { return bytes(post_forward_numel, gather); }
   std::size_t partial_bytes() const { return bytes(layout.shard_numel(), accumulate); }
