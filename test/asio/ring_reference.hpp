@@ -70,6 +70,10 @@ inline Bytes ring_expected(fsdp::detail::CollectiveKind kind, const std::vector<
       return Bytes(inputs[root].begin(), inputs[root].begin() + count * es);
     case K::barrier:
       return {};
+    case K::ring_shift: {  // the left neighbour's buffer
+      const Bytes& left = inputs[(rank + n - 1) % n];
+      return Bytes(left.begin(), left.begin() + count * es);
+    }
   }
   return {};
 }

@@ -5,6 +5,7 @@
 // link carries each byte once, and that no plan deadlocks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -139,6 +140,32 @@ TEST_CASE("each byte crosses each link once; many segments in flight never deadl
     REQUIRE(res2.finished);
     for (int r = 0; r < n; ++r) CHECK(res2.payload_per_link[r] == 2 * (n - 1) * count * 4);
   }
+}
+
+TEST_CASE("ring_shift: each rank gets its left neighbour's buffer in one step, each byte once per link") {
+  for (int n = 1; n <= 6; ++n)
+    for (std::size_t count : {0, 1, 7, 100})
+      for (std::size_t seg : {4, 12, 64, 1 << 20})
+        for (DType t : {DType::f32, DType::i64, DType::bf16}) {
+          const Case c{K::ring_shift, n, count, t};
+          CAPTURE(c.str());
+          CAPTURE(seg);
+          check(c, seg);
+          const auto res = simulate(c, seg, 2);
+          REQUIRE(res.finished);
+          for (int r = 0; r < n; ++r) CHECK(res.payload_per_link[r] == (n > 1 ? count * fsdp::size_of(t) : 0));
+          // Frames: one per segment, and one (empty) for nothing, so that a neighbour in
+          // another collective always meets one; none on one rank.
+          fsdp::detail::RingPlanner planner(0, n, seg);
+          Bytes send(count * fsdp::size_of(t)), recv(send.size());
+          const auto& plan = planner.plan({K::ring_shift, send.data(), recv.data(), count, t});
+          const std::size_t per_seg = std::max<std::size_t>(1, seg / fsdp::size_of(t));
+          const std::size_t frames = n == 1 ? 0 : std::max<std::size_t>(1, (count + per_seg - 1) / per_seg);
+          CHECK(plan.sends.size() == frames);
+          CHECK(plan.recvs.size() == frames);
+          if (n > 1) CHECK(plan.local.empty());
+          else if (count) CHECK(plan.local.size() == 1);
+        }
 }
 
 TEST_CASE("different schedules give the same bits") {

@@ -24,8 +24,11 @@ inline fsdp::Work issue(C& comm, const fsdp::detail::CollectiveCall& c) {
     case K::all_reduce: return comm.all_reduce(c.send, c.recv, c.count, c.dtype, c.op);
     case K::broadcast: return comm.broadcast(c.send, c.recv, c.count, c.dtype, c.root);
     case K::barrier: return comm.barrier();
+    case K::ring_shift:
+      if constexpr (fsdp::RingShiftCommunicator<C>) return comm.ring_shift(c.send, c.recv, c.count, c.dtype);
+      break;
   }
-  return {};
+  throw fsdp::Error("test issue(): this communicator has no " + std::string(fsdp::detail::name_of(c.kind)));
 }
 
 // Every kind, each count in place or not, sums whose result depends on the order.
@@ -75,8 +78,8 @@ inline void check_against_reference(TcpWorld& world, const std::vector<Case>& ca
     for (int r = 0; r < c.ranks; ++r) {
       CAPTURE(c.str());
       CAPTURE(r);
-      // Only reduce_scatter's result differs from rank to rank.
-      if (r == 0 || c.kind == K::reduce_scatter)
+      // Only reduce_scatter's and ring_shift's results differ from rank to rank.
+      if (r == 0 || c.kind == K::reduce_scatter || c.kind == K::ring_shift)
         expected = test_support::ring_expected(c.kind, inputs, r, c.count, c.dtype, c.op, c.root);
       CHECK(out[i][r] == expected);
     }

@@ -112,6 +112,52 @@ TEST_CASE("ranks one collective apart, and ranks that disagree on a broadcast's 
   }
 }
 
+// ring_shift is one ring step: a rank hears only from its left neighbour. The ranks next to
+// the odd one fail in the call itself; a ring_shift rank farther away may complete it (its
+// left neighbour made the same call, so its result is right), as the ranks upstream of a
+// mismatch in a broadcast chain do, and fails at its next collective, naming the mismatch.
+TEST_CASE("ring_shift against an all_gather of the same count: every rank fails, naming both calls") {
+  // The odd rank (1) calls all_gather among ring_shifts, or ring_shift among all_gathers.
+  for (int n : {2, 3, 4})
+    for (bool odd_shifts : {false, true}) {
+      CAPTURE(n);
+      CAPTURE(odd_shifts);
+      TcpWorld world(n, with_timeout(5s, n == 3 ? 2 : 1));
+      std::vector<std::string> first(n);
+      std::vector<int> right_values(n, 0);
+      const auto t0 = Clock::now();
+      const auto errors = world.each([&](TcpComm& comm, int r) {
+        std::vector<float> in(4, static_cast<float>(r)), out(4 * static_cast<std::size_t>(n), -1.0f);
+        const bool shifts = (r == 1) == odd_shifts;
+        try {
+          if (shifts) comm.ring_shift(in.data(), out.data(), 4, DType::f32).wait();
+          else comm.all_gather(in.data(), out.data(), 4, DType::f32).wait();
+          right_values[r] = shifts && std::all_of(out.begin(), out.begin() + 4, [&](float x) {
+                              return x == static_cast<float>((r + n - 1) % n);
+                            });
+        } catch (const fsdp::Error& e) {
+          first[r] = e.what();
+        }
+        comm.barrier().wait();  // fails: the communicator is broken by now, or breaks meanwhile
+      });
+      CHECK(seconds_since(t0) < 4.0);  // not the 5 s timeout
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        CAPTURE(first[r]);
+        CAPTURE(errors[r]);
+        // The odd rank and its right neighbour meet a frame of the other call; all_gather
+        // ranks wait for frames that pass through the odd rank.
+        if (r == 1 || r == 2 % n || odd_shifts) CHECK_FALSE(first[r].empty());
+        if (first[r].empty()) CHECK(right_values[r] == 1);  // completed: its left neighbour shifted too
+        for (const std::string& e : {first[r].empty() ? errors[r] : first[r], errors[r]}) {
+          CHECK(contains(e, "collective mismatch"));
+          CHECK(contains(e, "ring_shift(count=4, dtype=f32) as collective #0"));
+          CHECK(contains(e, "all_gather(count=4, dtype=f32) as collective #0"));
+        }
+      }
+    }
+}
+
 TEST_CASE("a rank that closes its communicator mid-collective: every other rank fails naming it") {
   for (int io : test_support::kIoThreads) {
     CAPTURE(io);

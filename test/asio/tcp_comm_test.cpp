@@ -4,8 +4,11 @@
 // asynchrony, split and a 2x2 DeviceMesh. Failures are in tcp_comm_failure_test.cpp.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -119,6 +122,7 @@ TEST_CASE("on 2 ranks every result equals ThreadComm's bit for bit") {
     }
     cases.push_back({K::all_gather, 2, 100, t});
     cases.push_back({K::broadcast, 2, 100, t, ReduceOp::sum, 1});
+    cases.push_back({K::ring_shift, 2, 100, t});
   }
   TcpWorld world(2, test_support::ok_options(64, 2));
   const auto tcp = run_cases(world, cases, 5);
@@ -192,6 +196,79 @@ TEST_CASE("collectives return at once and complete in order on the communicator'
     CHECK_MESSAGE(errors[r].empty(), errors[r]);
     CHECK_MESSAGE(ok[r], "rank ", r);
   }
+}
+
+// 1003 f32 / i64 / bf16 elements in 64-byte segments: 63, 126 and 32 frames; over shared
+// memory and over the sockets alone.
+TEST_CASE("ring_shift on 1..4 ranks: each rank receives its left neighbour's buffer, across many segments") {
+  static_assert(fsdp::RingShiftCommunicator<TcpComm>);
+  for (int n = 1; n <= 4; ++n)
+    for (int io : test_support::kIoThreads)
+      for (bool shm : {true, false}) {
+        CAPTURE(n);
+        CAPTURE(io);
+        CAPTURE(shm);
+        auto o = test_support::ok_options(64, io);
+        o.shared_memory = shm;
+        TcpWorld world(n, o);
+        std::vector<Case> cases;
+        for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
+          cases.push_back({K::ring_shift, n, count, DType::f32});
+        cases.push_back({K::ring_shift, n, 1003, DType::i64});
+        cases.push_back({K::ring_shift, n, 1003, DType::bf16});
+        cases.push_back({K::all_gather, n, 5, DType::f32});  // the ring stays in step after it
+        check_against_reference(world, cases);
+      }
+}
+
+TEST_CASE("ring_shift: recv holds rank r-1's values, send and the bytes past recv are untouched") {
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    TcpWorld world(n, test_support::ok_options(48, 1));
+    const std::size_t count = 1000;  // 84 frames of 12 f32, 167 of 6 i64: ragged ends
+    std::vector<int> bad(n, -1);
+    const auto errors = world.each([&](TcpComm& comm, int r) {
+      std::vector<float> send(count), recv(count + 3, -1.0f);
+      std::vector<std::int64_t> send64(count), recv64(count + 3, -1);
+      for (std::size_t i = 0; i < count; ++i) {
+        send[i] = static_cast<float>(1000 * r + static_cast<int>(i));
+        send64[i] = (std::int64_t{1} << 40) * r + static_cast<std::int64_t>(i);  // the high word too
+      }
+      const auto sent = send;
+      const auto sent64 = send64;
+      comm.ring_shift(send.data(), recv.data(), count, DType::f32).wait();
+      comm.ring_shift(send64.data(), recv64.data(), count, DType::i64).wait();
+      const int left = (r + n - 1) % n;
+      int b = send != sent || send64 != sent64;
+      for (std::size_t i = 0; i < count; ++i) {
+        b += recv[i] != static_cast<float>(1000 * left + static_cast<int>(i));
+        b += recv64[i] != (std::int64_t{1} << 40) * left + static_cast<std::int64_t>(i);
+      }
+      for (std::size_t i = count; i < count + 3; ++i) b += recv[i] != -1.0f || recv64[i] != -1;
+      bad[r] = b;
+    });
+    for (int r = 0; r < n; ++r) {
+      CHECK_MESSAGE(errors[r].empty(), errors[r]);
+      CHECK_MESSAGE(bad[r] == 0, "rank ", r);
+    }
+  }
+}
+
+TEST_CASE("the frame header carries ring_shift, and refuses the kind code past it") {
+  std::array<std::byte, fsdp::detail::FrameHeader::kSize> bytes{};
+  fsdp::detail::CollectiveCall c{K::ring_shift, nullptr, nullptr, 7, DType::bf16};
+  c.seq = 3;
+  fsdp::detail::FrameHeader::data_for(c, 2, 14).encode(bytes.data());
+  std::string problem;
+  const auto back = fsdp::detail::FrameHeader::decode(bytes.data(), problem);
+  CAPTURE(problem);
+  REQUIRE(back);
+  CHECK(back->kind == K::ring_shift);
+  CHECK(back->matches(c));
+  CHECK(back->call().describe() == "ring_shift(count=7, dtype=bf16) as collective #3");
+  bytes[5] = std::byte{static_cast<unsigned char>(static_cast<int>(K::ring_shift) + 1)};  // the kind's byte
+  CHECK_FALSE(fsdp::detail::FrameHeader::decode(bytes.data(), problem));
+  CHECK(problem == "frame names an unknown collective, dtype or op");
 }
 
 TEST_CASE("split: MPI_Comm_split semantics; a 2x2 DeviceMesh over TcpComm") {

@@ -452,6 +452,41 @@ TEST_CASE("barrier: nobody leaves before everybody has arrived") {
   }
 }
 
+TEST_CASE("ring_shift: each rank receives rank r-1's buffer (mod N), on 1 to 4 ranks") {
+  static_assert(fsdp::RingShiftCommunicator<ThreadComm>);
+  for (int n : {1, 2, 3, 4}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{300000}}) {  // 300000: 2 and 3 chunks of 1 MiB
+      CAPTURE(n);
+      CAPTURE(count);
+      auto value = [](int r, std::size_t i) { return static_cast<float>(1000 * r) + static_cast<float>(i) * 0.5f; };
+      std::vector<int> bad(n, -1);
+      ThreadGroup group(n, kOk);
+      group.run([&](ThreadComm& c) {
+        const int r = c.rank(), left = (r + n - 1) % n;
+        std::vector<float> send(count), recv(count + 1, -1.0f);
+        std::vector<std::int64_t> send64(count), recv64(count + 1, -1);
+        for (std::size_t i = 0; i < count; ++i) {
+          send[i] = value(r, i);
+          send64[i] = (std::int64_t{1} << 40) * r + static_cast<std::int64_t>(i);
+        }
+        c.ring_shift(send.data(), recv.data(), count, DType::f32).wait();
+        c.ring_shift(send64.data(), recv64.data(), count, DType::i64).wait();
+        int b = recv[count] != -1.0f || recv64[count] != -1;  // nothing past `count`
+        for (std::size_t i = 0; i < count; ++i) {
+          b += recv[i] != value(left, i) || send[i] != value(r, i);
+          b += recv64[i] != (std::int64_t{1} << 40) * left + static_cast<std::int64_t>(i);
+        }
+        bad[r] = b;
+      });
+      for (int r = 0; r < n; ++r) CHECK(bad[r] == 0);
+    }
+  }
+  // One rank: send may be recv (it copies nothing then).
+  float x[3] = {1, 2, 3};
+  ThreadGroup(1, kOk).run([&](ThreadComm& c) { c.ring_shift(x, x, 3, DType::f32).wait(); });
+  CHECK((x[0] == 1 && x[1] == 2 && x[2] == 3));
+}
+
 TEST_CASE("float reductions are bitwise reproducible whatever the arrival order") {
   const int n = 8;
   const std::size_t count = 4096;
@@ -754,6 +789,54 @@ TEST_CASE("broadcast with a root outside the group fails on every rank") {
       CAPTURE(r);
       CAPTURE(msgs[r]);
       CHECK(contains(msgs[r], "root " + std::to_string(bad_root)));
+    }
+  }
+}
+
+TEST_CASE("ring_shift refuses overlapping buffers before it meets the other ranks") {
+  for (int n : {2, 3}) {
+    CAPTURE(n);
+    std::vector<std::string> msgs(n);
+    std::vector<int> after(n, 0);
+    ThreadGroup group(n, kShort);
+    group.run([&](ThreadComm& c) {
+      float buf[8] = {};
+      // In place (send == recv) on rank 0, partly overlapping on the others.
+      try {
+        c.ring_shift(buf, c.rank() == 0 ? buf : buf + 2, 4, DType::f32).wait();
+      } catch (const fsdp::Error& e) {
+        msgs[c.rank()] = e.what();
+      }
+      // Nothing was issued: the group is still in step.
+      float send = static_cast<float>(c.rank()), recv = -1.0f;
+      c.ring_shift(&send, &recv, 1, DType::f32).wait();
+      after[c.rank()] = recv == static_cast<float>((c.rank() + n - 1) % n);
+    });
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "rank " + std::to_string(r) + ": ring_shift(count=4, dtype=f32)"));
+      CHECK(contains(msgs[r], "overlap"));
+      CHECK(after[r] == 1);
+    }
+  }
+}
+
+TEST_CASE("ring_shift on one rank, all_gather of the same count on the others: every rank fails naming both") {
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    const auto msgs = errors_per_rank(n, kShort, [n](ThreadComm& c) {
+      std::vector<float> send(4, 1.0f), recv(4 * static_cast<std::size_t>(n));
+      if (c.rank() == 0) c.ring_shift(send.data(), recv.data(), 4, DType::f32).wait();
+      else c.all_gather(send.data(), recv.data(), 4, DType::f32).wait();
+    });
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CAPTURE(msgs[r]);
+      CHECK(contains(msgs[r], "mismatch"));
+      CHECK(contains(msgs[r], "ring_shift(count=4, dtype=f32)"));
+      CHECK(contains(msgs[r], "all_gather(count=4, dtype=f32)"));
+      CHECK_FALSE(contains(msgs[r], "timed out"));
     }
   }
 }

@@ -39,7 +39,8 @@ TEST_CASE("call descriptor: 16 bytes, 24 for groups past 2^24 ranks; every field
   CHECK(MpiCallDescriptor::words(1 << 24) == 2);
   CHECK(MpiCallDescriptor::words((1 << 24) + 1) == 3);
   const CollectiveKind kinds[] = {CollectiveKind::all_gather, CollectiveKind::reduce_scatter,
-                                  CollectiveKind::all_reduce, CollectiveKind::broadcast, CollectiveKind::barrier};
+                                  CollectiveKind::all_reduce, CollectiveKind::broadcast, CollectiveKind::barrier,
+                                  CollectiveKind::ring_shift};
   const std::size_t counts[] = {0, 1, 13, static_cast<std::size_t>(INT_MAX)};
   const std::uint64_t tags[] = {0, fsdp::CollectiveTag{(1u << 20) - 1, fsdp::TagPhase::summon, (1ull << 40) - 1}.packed()};
   for (auto kind : kinds)

@@ -168,6 +168,49 @@ TEST_CASE("broadcast: every root and dtype; in place on the root; other ranks' s
   }
 }
 
+TEST_CASE("ring_shift: every dtype, counts 0, 1, 5, 13 and 100000; rank r receives rank r-1's buffer") {
+  static_assert(fsdp::RingShiftCommunicator<fsdp::MpiComm>);
+  auto comm = test_mpi::world();
+  const int n = comm.size(), me = comm.rank(), left = (me + n - 1) % n;
+  for (DType t : test_mpi::kAllDTypes) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{13}, std::size_t{100000}}) {
+      const std::size_t bytes = count * fsdp::size_of(t);
+      const Bytes send = test_mpi::input(me, count, t);
+      Bytes recv(bytes + kGuard, kUntouched);
+      comm.ring_shift(send.data(), recv.data(), count, t).wait();
+      const Bytes want = test_mpi::input(left, count, t);
+      CHECK_MESSAGE(difference(recv.data(), want.data(), count, t) == "", label(comm, "ring_shift", t, count, false),
+                    ": ", difference(recv.data(), want.data(), count, t));
+      CHECK_MESSAGE(guard_intact(recv, bytes), label(comm, "ring_shift", t, count, false));
+      CHECK(send == test_mpi::input(me, count, t));
+    }
+  }
+  // Several outstanding beside other collectives, waited in reverse order (each Work keeps
+  // the count arrays MPI reads); then on one rank of a split, where it copies.
+  const std::size_t count = 9;
+  std::vector<Bytes> sends, recvs;
+  for (int k = 0; k < 3; ++k) {
+    sends.push_back(test_mpi::input(me + k, count, DType::i64));
+    recvs.emplace_back(count * 8, kUntouched);
+  }
+  Bytes gathered(count * 8 * n);
+  std::vector<fsdp::Work> works;
+  for (int k = 0; k < 3; ++k) {
+    works.push_back(comm.ring_shift(sends[k].data(), recvs[k].data(), count, DType::i64));
+    if (k == 1) works.push_back(comm.all_gather(sends[0].data(), gathered.data(), count, DType::i64));
+  }
+  for (auto w = works.rbegin(); w != works.rend(); ++w) w->wait();
+  for (int k = 0; k < 3; ++k)
+    CHECK(difference(recvs[k].data(), test_mpi::input(left + k, count, DType::i64).data(), count, DType::i64) == "");
+  auto alone = comm.split(me, 0);
+  REQUIRE(alone.size() == 1);
+  Bytes copy(count * 8, kUntouched);
+  alone.ring_shift(sends[2].data(), copy.data(), count, DType::i64).wait();
+  CHECK(copy == sends[2]);
+  alone.ring_shift(copy.data(), copy.data(), count, DType::i64).wait();  // one rank: in place is allowed
+  CHECK(copy == sends[2]);
+}
+
 TEST_CASE("barrier: no rank leaves before the last one arrives") {
   auto comm = test_mpi::world();
   comm.barrier().wait();  // start together

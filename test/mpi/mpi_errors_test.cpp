@@ -120,6 +120,17 @@ TEST_CASE("argument errors: refused before MPI, named, and the communicator stay
   CHECK(contains(e, "broadcast(count=8, dtype=f32, root=" + std::to_string(comm.size()) + ")"));
   CHECK(contains(e, "root " + std::to_string(comm.size()) + " is outside [0, " + std::to_string(comm.size()) + ")"));
 
+  // ring_shift: a null buffer; overlapping buffers, refused before the call is numbered.
+  e = error_of([&] { comm.ring_shift(nullptr, b.data(), 4, DType::f32); });
+  CHECK(contains(e, me));
+  CHECK(contains(e, "ring_shift(count=4, dtype=f32) as collective #"));
+  CHECK(contains(e, "send buffer is null"));
+  if (comm.size() > 1) {
+    e = error_of([&] { comm.ring_shift(b.data(), b.data() + 2, 4, DType::f32); });
+    CHECK(contains(e, "rank " + std::to_string(comm.rank()) + ": ring_shift(count=4, dtype=f32): its send and recv "
+                      "buffers overlap"));
+  }
+
   // Nothing reached MPI: the ranks are still in step, and nothing is broken.
   CHECK_FALSE(comm.broken());
   std::int32_t one = 1, total = 0;

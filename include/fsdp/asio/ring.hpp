@@ -11,6 +11,8 @@
 //                   of `count` (the first count % N chunks hold one element more).
 //   broadcast       a chain root -> root+1 -> ... -> root-1, after one empty frame per link.
 //   barrier         all_gather of nothing: N-1 empty frames.
+//   ring_shift      one step: rank r sends its whole buffer to r+1 and receives r-1's into
+//                   recv (never the same memory), at least one frame (empty for count 0).
 // Steps are cut into segments of at most segment_bytes; frames go out segment-major in a
 // wavefront (step s of segment j at time j + 2s), so a rank forwards segment j while the
 // next ones are still arriving, and a reduction overlaps the transfers around it.
@@ -22,7 +24,10 @@
 // and avg is that sum finished once by rank c (detail::finish_avg) before it is gathered.
 //
 // Every collective sends at least one frame on every link before it waits for anything,
-// so ranks that call different collectives always meet a frame that tells them so.
+// so ranks that call different collectives always meet a frame that tells them so. A rank
+// whose own frames all match may still finish its call (the root of a broadcast, a
+// ring_shift rank whose left neighbour shifted too); the ABORT of the ranks that met the
+// mismatch then fails its next collective.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -120,6 +125,10 @@ class RingPlanner {
       case CollectiveKind::barrier:
         chunks(0, false);
         if (n_ > 1) ring_pass({nullptr, 0}, {nullptr, 0}, nullptr, 0, n_ - 1, false);
+        break;
+      case CollectiveKind::ring_shift:
+        if (n_ == 1) add_local(send, recv, bytes, false);
+        else shift(send, recv, bytes);
         break;
     }
     if (plan_.sends.size() > std::numeric_limits<std::uint32_t>::max())
@@ -279,6 +288,20 @@ class RingPlanner {
       plan_.recvs.push_back({recv + b, len});
       if (pos != n_ - 1) plan_.sends.push_back({recv + b, len, static_cast<std::int64_t>(plan_.recvs.size()) - 1});
     }
+  }
+
+  // ring_shift: `send` goes right and the left neighbour's buffer lands in `recv`, segment
+  // by segment. No frame waits for another (the buffers are separate), and there is at
+  // least one frame, empty for 0 bytes, so a neighbour's other collective is met.
+  void shift(const std::byte* send, std::byte* recv, std::size_t bytes) {
+    const std::size_t seg = seg_elems_ * esize_;
+    std::size_t b = 0;
+    do {
+      const std::size_t len = std::min(seg, bytes - b);
+      plan_.sends.push_back({send + b, len, -1});
+      plan_.recvs.push_back({recv + b, len});
+      b += len;
+    } while (b < bytes);
   }
 
   const int rank_, n_;

@@ -106,6 +106,7 @@ struct TcpCommLinks {
 class TcpComm : public detail::CollectiveCalls<TcpComm> {
  public:
   static constexpr bool checks_tags = true;  // in each frame's header, against the receiver's call
+  static constexpr bool shifts_ring = true;  // ring_shift(): one ring step (fsdp/asio/ring.hpp)
   using Options = TcpCommOptions;
 
   // Collective over `size` ranks sharing `store`: blocks until this rank is connected to
@@ -179,5 +180,6 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
 
 static_assert(Communicator<TcpComm>);
 static_assert(SplittableCommunicator<TcpComm>);
+static_assert(RingShiftCommunicator<TcpComm>);
 
 }  // namespace fsdp

@@ -119,7 +119,7 @@ struct FrameHeader {
       problem = "bad frame magic " + std::to_string(magic);
     } else if (type < static_cast<std::uint8_t>(FrameType::data) || type > static_cast<std::uint8_t>(FrameType::credit)) {
       problem = "unknown frame type " + std::to_string(type);
-    } else if (kind > static_cast<std::uint8_t>(CollectiveKind::barrier) || !is_dtype_code(dtype) ||
+    } else if (kind > static_cast<std::uint8_t>(CollectiveKind::ring_shift) || !is_dtype_code(dtype) ||
                op > static_cast<std::uint8_t>(ReduceOp::min)) {
       problem = "frame names an unknown collective, dtype or op";
     } else {

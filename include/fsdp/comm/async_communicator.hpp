@@ -103,6 +103,12 @@ class AsyncCommunicator : public detail::WrappedCollectives<AsyncCommunicator<C>
     return issue("broadcast", n * size_of(t), [=](C& c) { c.broadcast(s, r, n, t, root).wait(); });
   }
   Work barrier() { return issue("barrier", no_size, [](C& c) { c.barrier().wait(); }); }
+  // Where the wrapped communicator has it (fsdp::RingShiftCommunicator).
+  template <class Inner = C>
+    requires RingShiftCommunicator<Inner>
+  Work ring_shift(const void* s, void* r, std::size_t n, DType t) {
+    return issue("ring_shift", n * size_of(t), [=](C& c) { c.ring_shift(s, r, n, t).wait(); });
+  }
 
   // Collective: splits the wrapped communicator (MPI_Comm_split semantics) on the worker,
   // after the collectives already queued, waits for it, and returns a new stream that owns

@@ -36,6 +36,16 @@ concept Communicator = requires(C& c, const void* send, void* recv, std::size_t 
   { c.barrier() } -> std::convertible_to<Work>;
 };
 
+// An optional collective, for what needs one peer, not all of them: each rank sends `count`
+// elements to rank + 1 and receives rank - 1's (mod size), with separate buffers; on one
+// rank it copies. Every link carries one chunk, so a copy of every rank's state on its
+// neighbour costs one state per link (an all_gather would cost size - 1 of them), and
+// holds one. fsdp::PeerCheckpoint uses it; ThreadComm, TcpComm and MpiComm have it.
+template <class C>
+concept RingShiftCommunicator = Communicator<C> && requires(C& c, const void* send, void* recv, std::size_t count, DType t) {
+  { c.ring_shift(send, recv, count, t) } -> std::convertible_to<Work>;
+};
+
 // Readable failure for a type that does not fit, used at the library's entry points.
 template <class C>
 constexpr void check_communicator() {

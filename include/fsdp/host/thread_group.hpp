@@ -50,6 +50,7 @@ struct ThreadGroupState;  // fsdp/host/thread_group_state.hpp
 class ThreadComm : public detail::CollectiveCalls<ThreadComm> {
  public:
   static constexpr bool checks_tags = true;  // compared at the rendezvous, with the calls
+  static constexpr bool shifts_ring = true;  // ring_shift(): RingShiftCommunicator
 
   int rank() const { return rank_; }
   int size() const;
@@ -198,6 +199,8 @@ FSDP_DECL bool ThreadComm::execute(const detail::CollectiveCall& c, const std::v
       return true;
     case detail::CollectiveKind::broadcast:
       return copy(out, c.root, 0);
+    case detail::CollectiveKind::ring_shift:
+      return copy(out, (rank_ + n - 1) % n, 0);
     case detail::CollectiveKind::reduce_scatter:
     case detail::CollectiveKind::all_reduce: {
       const std::size_t off = c.kind == detail::CollectiveKind::reduce_scatter ? rank_ * c.count : 0;
@@ -232,6 +235,7 @@ FSDP_DECL std::string ThreadComm::what_of(const std::exception_ptr& e) {
 #endif  // FSDP_DEFINES_IMPLEMENTATION
 
 static_assert(Communicator<ThreadComm>);
+static_assert(RingShiftCommunicator<ThreadComm>);
 
 class ThreadGroup {
  public:

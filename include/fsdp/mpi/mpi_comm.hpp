@@ -4,6 +4,7 @@
 //
 //   all_gather -> MPI_Iallgather         reduce_scatter -> MPI_Ireduce_scatter_block
 //   all_reduce -> MPI_Iallreduce         broadcast -> MPI_Ibcast      barrier -> MPI_Ibarrier
+//   ring_shift -> MPI_Ialltoallv with one count: to rank + 1, from rank - 1
 //
 // split() is MPI_Comm_split, so a DeviceMesh can be built over it. NCCL's in-place forms
 // (all_gather with send == recv + rank*count, reduce_scatter with recv == send + rank*count,
@@ -81,6 +82,7 @@ struct MpiCommOptions {
 class MpiComm : public detail::CollectiveCalls<MpiComm> {
  public:
   static constexpr bool checks_tags = true;  // every tagged call's descriptor is compared at wait()
+  static constexpr bool shifts_ring = true;  // ring_shift(): RingShiftCommunicator, see shift()
   using Options = MpiCommOptions;
 
   // A duplicate of MPI_COMM_WORLD; collective over every rank of the job.
@@ -178,6 +180,7 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
       case detail::CollectiveKind::reduce_scatter: return scatter(call);
       case detail::CollectiveKind::all_reduce: return reduce(call);
       case detail::CollectiveKind::broadcast: return bcast(call);
+      case detail::CollectiveKind::ring_shift: return shift(call);
       case detail::CollectiveKind::barrier: break;
     }
     return start(call, "MPI_Ibarrier", [&](MPI_Request* req) { return MPI_Ibarrier(state_->comm, req); });
@@ -249,6 +252,33 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
     const MPI_Datatype type = types().datatype(call.dtype);
     return start(call, "MPI_Ibcast",
                  [&](MPI_Request* req) { return MPI_Ibcast(call.recv, n, type, root, state_->comm, req); });
+  }
+
+  // ring_shift as one nonblocking collective, so that it is ordered, compared and waited
+  // for as the others are: an MPI_Ialltoallv whose only counts are `count` to rank + 1 and
+  // from rank - 1. MPI reads the count arrays until it completes, so its Work keeps them.
+  // On one rank the copy is made here (send may then be recv) and MPI moves nothing.
+  Work shift(const detail::CollectiveCall& call) {
+    const int n = size();
+    const std::size_t bytes = call.count * size_of(call.dtype);
+    check(call, call.send, bytes, call.recv, bytes, n == 1, "one rank");
+    if (n == 1 && bytes && call.send != call.recv) std::memmove(call.recv, call.send, bytes);
+    const auto un = static_cast<std::size_t>(n);
+    // Send counts, send displacements, receive counts, receive displacements: zeros but two.
+    auto args = std::make_unique<int[]>(4 * un);
+    int* const counts = args.get();
+    if (n > 1) {
+      counts[static_cast<std::size_t>((rank() + 1) % n)] = static_cast<int>(call.count);
+      counts[2 * un + static_cast<std::size_t>((rank() + n - 1) % n)] = static_cast<int>(call.count);
+    }
+    const MPI_Datatype type = types().datatype(call.dtype);
+    return start(
+        call, "MPI_Ialltoallv",
+        [&](MPI_Request* req) {
+          return MPI_Ialltoallv(call.send, counts, counts + un, type, call.recv, counts + 2 * un, counts + 3 * un, type,
+                                state_->comm, req);
+        },
+        {}, std::move(args));
   }
 
   // Ranks that disagree on MpiCommOptions::check_calls would pair one rank's descriptor
@@ -323,9 +353,10 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
 
   // Issues the MPI call under the MPI lock, behind its call descriptor's exchange when the
   // calls are compared; its Work polls both.
+  // `mpi_args`: arrays the MPI call reads until it completes (kept by the Work).
   template <class Issue>
   Work start(const detail::CollectiveCall& call, const char* mpi_function, Issue&& issue,
-             detail::MpiEpilogue epilogue = {}) {
+             detail::MpiEpilogue epilogue = {}, std::unique_ptr<int[]> mpi_args = nullptr) {
     MPI_Request req = MPI_REQUEST_NULL;
     std::optional<detail::MpiCallCheck> check;
     if (size() > 1 && (state_->check_calls || call.tag)) check.emplace(call, size());
@@ -342,7 +373,7 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
       state_->fail_collective(
           where() + ": " + call.describe() + " failed in " + mpi_function + ": " + detail::mpi_error_text(rc),
           ErrorKind::misuse);
-    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(check)));
+    return Work(std::make_unique<detail::MpiPending>(state_, req, call, epilogue, std::move(check), std::move(mpi_args)));
   }
 
   std::shared_ptr<detail::MpiCommState> state_;
@@ -350,5 +381,6 @@ class MpiComm : public detail::CollectiveCalls<MpiComm> {
 
 static_assert(Communicator<MpiComm>);
 static_assert(SplittableCommunicator<MpiComm>);
+static_assert(RingShiftCommunicator<MpiComm>);
 
 }  // namespace fsdp

@@ -170,9 +170,11 @@ class MpiPending final : public Work::Pending {
   // How long wait() still gives a collective whose ranks' calls are known to differ.
   static constexpr std::chrono::milliseconds kMismatchGrace{2000};
 
+  // `args`: arrays MPI reads until `req` completes (MpiComm's ring_shift counts), or null.
   MpiPending(std::shared_ptr<MpiCommState> comm, MPI_Request req, CollectiveCall call, MpiEpilogue epilogue,
-             std::optional<MpiCallCheck> check = std::nullopt)
-      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), check_(std::move(check)) {}
+             std::optional<MpiCallCheck> check = std::nullopt, std::unique_ptr<int[]> args = nullptr)
+      : comm_(std::move(comm)), req_(req), call_(call), epilogue_(epilogue), check_(std::move(check)),
+        args_(std::move(args)) {}
 
   void wait() override { finish(true); }
   bool ready() override { return finish(false); }
@@ -350,6 +352,7 @@ class MpiPending final : public Work::Pending {
   CollectiveCall call_;
   MpiEpilogue epilogue_;
   std::optional<MpiCallCheck> check_;  // empty: the ranks' calls are not compared
+  std::unique_ptr<int[]> args_;        // what MPI reads until req_ completes, or null
   bool done_ = false;
   bool note_sent_ = false;  // share_note: this rank, the root, sent its note for this Work
   bool note_received_ = false;  // share_note: the root's message for this Work arrived here

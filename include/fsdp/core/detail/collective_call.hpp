@@ -25,7 +25,9 @@
 
 namespace fsdp::detail {
 
-enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier };
+// ring_shift last: TcpFrame's header check takes every code up to barrier's as a kind it
+// knows, and ring_shift's only where the frame's peer can send one (any TcpComm can).
+enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, ring_shift };
 
 inline std::string_view name_of(CollectiveKind k) {
   switch (k) {
@@ -34,6 +36,7 @@ inline std::string_view name_of(CollectiveKind k) {
     case CollectiveKind::all_reduce: return "all_reduce";
     case CollectiveKind::broadcast: return "broadcast";
     case CollectiveKind::barrier: return "barrier";
+    case CollectiveKind::ring_shift: return "ring_shift";
   }
   return "?";
 }
@@ -121,6 +124,10 @@ inline void finish_avg(void* sum, std::size_t n, DType t, int ranks) {
 
 template <class Backend>
 concept backend_checks_tags = requires { requires Backend::checks_tags; };
+// A backend that carries out CollectiveKind::ring_shift declares
+// `static constexpr bool shifts_ring = true` and gets ring_shift() (RingShiftCommunicator).
+template <class Backend>
+concept backend_shifts_ring = requires { requires Backend::shifts_ring; };
 
 // The five collectives of the Communicator concept for a backend that runs every call
 // through one private `Work issue(CollectiveCall)` (made visible with
@@ -147,6 +154,19 @@ class CollectiveCalls {
     return self().issue({CollectiveKind::broadcast, send, recv, count, t, ReduceOp::sum, root});
   }
   Work barrier() { return self().issue({CollectiveKind::barrier}); }
+  // RingShiftCommunicator (fsdp/core/communicator.hpp): `count` elements to rank + 1,
+  // rank - 1's into `recv`. A template for the reason the tagged calls below are.
+  template <class Self = Backend>
+    requires backend_shifts_ring<Self>
+  Work ring_shift(const void* send, void* recv, std::size_t count, DType t) {
+    const std::size_t bytes = count * size_of(t);
+    const auto* s = static_cast<const std::byte*>(send);
+    auto* r = static_cast<std::byte*>(recv);
+    if (bytes && s < r + bytes && r < s + bytes && !(self().size() == 1 && s == r))  // one rank: in place copies nothing
+      fail("rank ", self().rank(), ": ring_shift(count=", count, ", dtype=", name_of(t),
+           "): its send and recv buffers overlap; give it two buffers");
+    return self().issue({CollectiveKind::ring_shift, send, recv, count, t});
+  }
 
   // The tagged calls are templates so that their constraint is checked where they are
   // called, on the complete Backend. A constraint on Backend itself is checked by clang 14
