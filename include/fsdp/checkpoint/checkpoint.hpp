@@ -14,6 +14,7 @@
 
 #include "fsdp/checkpoint/async_checkpoint.hpp"
 #include "fsdp/checkpoint/full_checkpoint.hpp"
+#include "fsdp/checkpoint/peer_checkpoint.hpp"
 #include "fsdp/checkpoint/sharded_checkpoint.hpp"
 
 namespace fsdp {
