@@ -7,7 +7,9 @@
 # the script prints each run's wall time, the medians, the difference (what the failure
 # cost: the restart, the checkpoint load and the redone steps) and how many steps were
 # redone, and checks that both runs trained the same parameters (the fingerprint line).
-# In-memory recovery (issue 37, item 2) is to be measured against this.
+# The same kill with in-memory recovery runs third in each round (--peer-checkpoint
+# --restart-scope rank: only the killed rank restarts; every rank restores the last step
+# from its peers' copies in host memory), against the restart of every rank in the same run.
 #
 # Usage: bench/restart.sh [TRAIN_BINARY] [RUNS]   (default: bazel-bin/examples/train, 3)
 # Or: bazel run -c opt //bench:restart [-- RUNS]
@@ -59,7 +61,7 @@ fingerprint() { sed -n 's/^[0-9.]* \[rank 0\] parameters: xxh64=//p' "$1"; }
 
 echo "model: ${model[*]}; $nproc TCP processes, $steps steps, --save-every $every; killed: --kill $kill --max-restarts 1"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-plain=() killed=() startup=() recovery=()
+plain=() killed=() startup=() recovery=() memory=() memory_recovery=()
 for ((i = 1; i <= runs; i++)); do
   read -r wall first _ < <(one plain)
   [[ -e $tmp/failed ]] && exit 1
@@ -67,16 +69,23 @@ for ((i = 1; i <= runs; i++)); do
   read -r wall _ again < <(one killed --kill "$kill" --max-restarts 1)
   [[ -e $tmp/failed ]] && exit 1
   killed+=("$wall") recovery+=("$again")
-  printf 'run %d: without a failure %.2f s (first step after %.2f s); with rank %s killed and the job restarted %.2f s (from the kill to training again: %.2f s)\n' \
-    "$i" "${plain[-1]}" "${startup[-1]}" "${kill%@*}" "${killed[-1]}" "${recovery[-1]}"
+  read -r wall _ again < <(one memory --kill "$kill" --max-restarts 1 --restart-scope rank --peer-checkpoint)
+  [[ -e $tmp/failed ]] && exit 1
+  memory+=("$wall") memory_recovery+=("$again")
+  printf 'run %d: without a failure %.2f s (first step after %.2f s); with rank %s killed and the job restarted %.2f s (from the kill to training again: %.2f s); recovered in memory %.2f s (%.2f s)\n' \
+    "$i" "${plain[-1]}" "${startup[-1]}" "${kill%@*}" "${killed[-1]}" "${recovery[-1]}" "${memory[-1]}" "${memory_recovery[-1]}"
 done
 p=$(printf '%s\n' "${plain[@]}" | median) k=$(printf '%s\n' "${killed[@]}" | median)
 s0=$(printf '%s\n' "${startup[@]}" | median) rec=$(printf '%s\n' "${recovery[@]}" | median)
+m=$(printf '%s\n' "${memory[@]}" | median) mrec=$(printf '%s\n' "${memory_recovery[@]}" | median)
 resumed=$(sed -n 's/^[0-9.]* \[rank 0\] checkpoint: resumed step \([0-9]*\) from .*/\1/p' "$tmp/killed.log")
 printf 'median: %.2f s without a failure, %.2f s with one (%.2fx); the failure cost %.2f s\n' "$p" "$k" \
   "$(echo "$k / $p" | bc -l)" "$(echo "$k - $p" | bc -l)"
 printf 'median: from the kill to training again %.2f s, of which a fresh start of the job takes about %.2f s (its time to the first step without a failure: starting processes, the example'"'"'s unsharded reference run on rank 0, sharding)\n' \
   "$rec" "$s0"
+printf 'median, recovered in memory (only rank %s restarted): %.2f s (%.2fx of without a failure; the failure and the copies cost %.2f s), from the kill to training again %.2f s (%.2fx of the restart'"'"'s)\n' \
+  "${kill%@*}" "$m" "$(echo "$m / $p" | bc -l)" "$(echo "$m - $p" | bc -l)" "$mrec" "$(echo "$mrec / $rec" | bc -l)"
+sed -n 's/^[0-9.]* \[rank 0\] \(recovered: .*\)/in memory: \1/p' "$tmp/memory.log"
 echo "killed as step ${kill#*@} began; resumed from step ${resumed:-?} (the last committed checkpoint);" \
   "steps redone: $(( ${kill#*@} - 1 - ${resumed:-0} ))"
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -85,4 +94,9 @@ if [[ -z $(fingerprint "$tmp/plain.log") || $(fingerprint "$tmp/plain.log") != $
     "$(fingerprint "$tmp/killed.log")" >&2
   exit 1
 fi
-echo "parameters: xxh64=$(fingerprint "$tmp/killed.log") in both (bit for bit)"
+if [[ $(fingerprint "$tmp/plain.log") != $(fingerprint "$tmp/memory.log") ]]; then
+  echo "bench/restart.sh: the run recovered in memory trained other parameters: $(fingerprint "$tmp/plain.log") vs" \
+    "$(fingerprint "$tmp/memory.log")" >&2
+  exit 1
+fi
+echo "parameters: xxh64=$(fingerprint "$tmp/killed.log") in all three (bit for bit)"

@@ -18,7 +18,8 @@
 // step, and every K steps with --save-every K. --resume DIR loads one on any number of ranks
 // with any strategy and continues from its step to --steps; with the same global batch
 // (ranks x --batch) the run sees the same data as one that never stopped, and on the same
-// ranks and strategy it trains bit for bit the same model.
+// ranks and strategy it trains bit for bit the same model. --peer-checkpoint keeps a copy
+// of every rank's state in host memory, and one on the next rank, after every step.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -170,11 +171,17 @@ void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
                              (code == 127 ? ": no gnuplot here; apt install gnuplot-nox)" : ")"));
 }
 
+// Thrown when the peer checkpoint cannot restore the ranks: the rank exits with
+// fsdp::kNoReplacementExitStatus, and fsdp_run --restart-scope rank stops the job.
+struct NoRecovery : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // One rank's training on any communicator. Figures reach rank 0 through the communicator
 // itself (the ranks may be processes on other hosts), and rank 0 prints them.
 template <fsdp::SplittableCommunicator C>
 Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const Reference* reference,
-                   const Resume* resume) {
+                   const Resume* resume, fsdp::PeerCheckpoint& peer, Recovery& recovery) {
   const int r = comm.rank();
   const int world = comm.size();
   const fsdp::DType param_dtype = precision_dtype(cfg.precision);
@@ -299,6 +306,38 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       if (!result.stepped) ++summary.skipped_steps;
       return result.loss;
     };
+    // --peer-checkpoint: a copy of every rank's state after every step, and one before the
+    // first; after a failure (--restart-scope rank) every rank restores from them instead.
+    auto refresh_peer = [&](int done) {
+      if constexpr (fsdp::RingShiftCommunicator<decltype(stream)>)
+        peer.refresh(stream, sharded, optimizer_state, done);
+      else
+        throw std::runtime_error("--peer-checkpoint: this backend's communicator has no ring_shift (NCCL and the CUDA "
+                                 "thread ranks do not yet)");
+    };
+    if (cfg.peer_checkpoint && recovery.restore) {
+      if constexpr (fsdp::RingShiftCommunicator<decltype(stream)>) {
+        std::string why;
+        if (!peer.restorable_step(stream, &why))  // the state is gone: a replacement cannot mend that
+          throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Start the job again from the "
+                                       "last checkpoint on disk (--resume)", r, why));
+        const fsdp::PeerRestore restored = peer.restore(stream, sharded, optimizer_state);
+        first_step = static_cast<int>(restored.step);
+        recovery.restore = false;
+        if (recovery.failures > 0) {  // a survivor: what it trains again (the interrupted step too), and how long it took
+          recovery.redone_steps += recovery.done + 1 - first_step;
+          recovery.recovery_ms_max = std::max<std::int64_t>(
+              recovery.recovery_ms_max,
+              std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - recovery.failed_at).count());
+        }
+        if (r == 0)
+          fmt::print("recovery: every rank restored step {} from the peer checkpoint (rank{} {} from a neighbour's copy)\n",
+                     first_step, restored.replaced.size() == 1 ? "" : "s", fmt::join(restored.replaced, ", "));
+        std::fflush(stdout);
+      }
+    } else if (cfg.peer_checkpoint) {
+      refresh_peer(first_step);
+    }
     for (int s = first_step; s < cfg.steps; ++s) {
       step_now = s + 1;
       kill_here("begin");
@@ -336,6 +375,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         summary.loss = global;
       }
       const int done = s + 1;
+      recovery.done = done;
+      if (cfg.peer_checkpoint) refresh_peer(done);  // the step's copies, before anything else can fail
       commit_save(true);
       if (!cfg.save_dir.empty() && (done == cfg.steps || (cfg.save_every > 0 && done % cfg.save_every == 0))) {
         commit_save(false);
@@ -359,6 +400,15 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       XXH64_update(h, values.data(), values.size() * sizeof(float));
     }
     summary.fingerprint = XXH64_digest(h);
+    summary.peer_bytes = peer.host_bytes();
+    if (cfg.restart_scope == "rank") {  // the largest over the ranks, for rank 0's line
+      const std::int64_t mine[4] = {recovery.failures, fsdp::DistEnv::launched() ? fsdp::DistEnv::from_env().restart_count : 0,
+                                    recovery.redone_steps, recovery.recovery_ms_max};
+      std::int64_t most[4];
+      stream.all_reduce(mine, most, 4, fsdp::DType::i64, fsdp::ReduceOp::max).wait();
+      summary.failures = static_cast<int>(most[0]), summary.restarts = static_cast<int>(most[1]);
+      summary.redone_steps = static_cast<int>(most[2]), summary.recovery_ms_max = most[3];
+    }
     XXH64_freeState(h);
   }
   if (tracing) {
@@ -541,6 +591,9 @@ int main(int argc, char** argv) {
                               "save a sharded checkpoint (model, optimizer state, step) into this directory after the last step")
                    ->check(kNonEmptyPath);
   integer_flag(app, "--save-every", cfg.save_every, 1, 1000000, "also save every K steps (needs --save)")->needs(save);
+  switch_flag(app, "--peer-checkpoint", cfg.peer_checkpoint,
+              "after every step, keep a copy of each rank's state in host memory and one on the next rank "
+              "(fsdp::PeerCheckpoint: what in-memory recovery needs; costs two copies of a rank's state)");
   app.add_option("--resume", cfg.resume_dir,
                  "load a checkpoint saved with --save (on any number of ranks, any strategy) and continue from its "
                  "step to --steps")
@@ -550,6 +603,12 @@ int main(int argc, char** argv) {
                                 "with --backend tcp: when a rank fails, restart every rank, up to this many times "
                                 "(fsdp_run --max-restarts); with --save, a restarted job resumes from the last "
                                 "checkpoint saved there");
+  auto* scope = app.add_option("--restart-scope", cfg.restart_scope,
+                                "with --max-restarts: job (every rank restarts, resuming from --save), or rank (only the "
+                                "failed rank is restarted; the others keep their state, rejoin it, and every rank restores "
+                                "from --peer-checkpoint's copies, redoing the interrupted step)")
+                    ->check(CLI::IsMember({"job", "rank"}))
+                    ->needs(restarts);
   auto* kill = app.add_option_function<std::string>(
                       "--kill",
                       [&cfg](const std::string& text) {
@@ -579,6 +638,18 @@ int main(int argc, char** argv) {
                       "only (see --max-restarts)")
                    ->type_name("RANK@STEP[:PHASE]");
   CLI11_PARSE(app, argc, argv);
+  if (scope->count() > 0 && cfg.restart_scope == "rank") {
+    const char* why = !cfg.peer_checkpoint                  ? "needs --peer-checkpoint (the copies every rank restores from)"
+                      : nproc < 2                           ? "needs --nproc 2 or more (a rank's copy is on another rank)"
+                      : cfg.precision == "fp16"             ? "cannot be combined with --precision fp16 (the loss scaler's state is not in the copies)"
+                      : cfg.optimizer == "muon"             ? "cannot be combined with --optimizer muon (its state is not in the copies)"
+                      : cfg.optimizer_in_backward           ? "cannot be combined with --optimizer-in-backward (its optimizers' state is not in the copies)"
+                                                            : nullptr;
+    if (why) {
+      fmt::print(stderr, "--restart-scope rank {}\n", why);
+      return 2;
+    }
+  }
   if ((restarts->count() > 0 || kill->count() > 0) && backend != "tcp") {
     fmt::print(stderr, "{} needs --backend tcp (processes the launcher can restart)\n",
                restarts->count() > 0 ? "--max-restarts" : "--kill");
@@ -668,7 +739,9 @@ int main(int argc, char** argv) {
       const Reference ref = train_unsharded(cfg, ranks);
       Summary summary;
       fsdp::ThreadGroup(ranks).run([&](fsdp::ThreadComm& comm) {
-        Summary s = train_rank(comm, cfg, mesh, &ref, resume ? &*resume : nullptr);
+        fsdp::PeerCheckpoint peer;
+        Recovery recovery;
+        Summary s = train_rank(comm, cfg, mesh, &ref, resume ? &*resume : nullptr, peer, recovery);
         if (comm.rank() == 0) summary = s;
       });
       print_summary(cfg, ranks, mesh, backend, summary, ref);
@@ -680,6 +753,7 @@ int main(int argc, char** argv) {
       fsdp::launch::Options launch;
       launch.nproc = nproc;
       launch.max_restarts = max_restarts;
+      launch.restart_scope = cfg.restart_scope == "rank" ? fsdp::launch::RestartScope::rank : fsdp::launch::RestartScope::job;
       return fsdp::launch::relaunch_self(launch, argc, argv);  // each copy runs the branch below
     }
     // A restarted job (--max-restarts) resumes from the last checkpoint it committed to
@@ -693,7 +767,9 @@ int main(int argc, char** argv) {
                    cfg.kill_rank, env.world_size);
         return 2;
       }
-      if (env.restart_count > 0) {
+      if (env.restart_count > 0 && cfg.restart_scope == "rank") {
+        cfg.kill_rank = -1;  // a replacement: it restores from its peers' copies, not from --save
+      } else if (env.restart_count > 0) {
         cfg.kill_rank = -1;  // the fault is injected into the first start only
         if (const auto step = restart_step(cfg, env.world_size); step && *step >= cfg.steps) {
           if (env.rank == 0)
@@ -713,23 +789,46 @@ int main(int argc, char** argv) {
       }
     }
     // One rank of a multi-process job.
+    fsdp::PeerCheckpoint peer;  // --peer-checkpoint: kept across a recovery (--restart-scope rank)
+    Recovery recovery;
+    std::optional<Reference> ref;
     auto run_rank = [&](auto& comm) {
       const auto mesh = choose_mesh(cfg.strategy, mesh_text, comm.size());
       const auto resume = resume_point(cfg, comm.size());
-      std::optional<Reference> ref;
-      if (comm.rank() == 0) ref = train_unsharded(cfg, comm.size());
-      const Summary s = train_rank(comm, cfg, mesh, ref ? &*ref : nullptr, resume ? &*resume : nullptr);
+      if (comm.rank() == 0 && !ref) ref = train_unsharded(cfg, comm.size());
+      const Summary s = train_rank(comm, cfg, mesh, ref ? &*ref : nullptr, resume ? &*resume : nullptr, peer, recovery);
       if (comm.rank() == 0) print_summary(cfg, comm.size(), mesh, backend, s, *ref);
     };
     if (backend == "tcp") {
       auto group = fsdp::TcpProcessGroup::from_env();
-      run_rank(group.comm());
+      recovery.restore = group.epoch() > 0;  // a replacement for a failed rank: it restores with the others
+      // --restart-scope rank: a lost peer is replaced by the launcher; this rank keeps its
+      // peer checkpoint, rejoins the replacement and the other survivors, and trains on from
+      // the step they restore. Bounded: each rejoin waits for a replacement the launcher
+      // starts (at most --max-restarts of them), at most the communicator's timeout.
+      for (;;) {
+        try {
+          run_rank(group.comm());
+          break;
+        } catch (const fsdp::Error& e) {
+          if (cfg.restart_scope != "rank" || e.kind() != fsdp::ErrorKind::peer_lost) throw;
+          recovery.failed_at = std::chrono::steady_clock::now();
+          ++recovery.failures;
+          recovery.restore = true;
+          fmt::print(stderr, "{}\nrank {}: lost a peer at step {}; rejoining its replacement (in-memory recovery)\n", e.what(),
+                     group.env().rank, recovery.done + 1);
+          group.rejoin();
+        }
+      }
     } else {
       fsdp::MpiSession session(argc, argv);
       auto comm = fsdp::MpiComm::world(session);
       run_rank(comm);
     }
     return 0;
+  } catch (const NoRecovery& e) {
+    fmt::print(stderr, "{}\n", e.what());
+    return fsdp::kNoReplacementExitStatus;
   } catch (const fsdp::Error& e) {
     fmt::print(stderr, "{}\n", e.what());
     return fsdp::exit_status(e, 2);  // an echo of another rank's failure: fsdp_run reports that rank first

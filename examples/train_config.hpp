@@ -86,6 +86,13 @@ struct Config {
   bool reshard_after_backward = true;  // --reshard-after-backward false: keep parameters between micro-batches
   std::string save_dir, resume_dir;
   int save_every = 0;  // 0: save after the last step only
+  // --peer-checkpoint: after every step, a copy of this rank's state in host memory and one
+  // on rank + 1 (fsdp::PeerCheckpoint::refresh), what in-memory recovery keeps up to date.
+  bool peer_checkpoint = false;
+  // --restart-scope rank (with --max-restarts and --peer-checkpoint): the launcher replaces
+  // a failed rank only; the others rejoin it (TcpProcessGroup::rejoin), rebuild their model
+  // and every rank restores from the peer checkpoint. "job": every rank restarts.
+  std::string restart_scope = "job";
   // --kill RANK@STEP: that rank kills itself (SIGKILL) as step STEP (1-based) begins (0,
   // RANK@end: after the last step and its checkpoint), on the job's first start only
   // (TORCHELASTIC_RESTART_COUNT 0); rank -1: never. Fault injection for --max-restarts: the

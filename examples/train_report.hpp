@@ -3,6 +3,7 @@
 // it prints (the README's `final:` line among them); and the mesh the flags choose.
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,8 +20,24 @@ struct Summary {
   std::uint64_t fingerprint = 0;  // xxh64 of every trained parameter's bits, in FQN order
   std::size_t peak = 0, host_peak = 0;
   int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
+  std::size_t peer_bytes = 0;  // --peer-checkpoint: host memory of rank 0's copies
+  // --restart-scope rank, the largest over the ranks: recoveries a survivor went through,
+  // the launcher's restarts, the steps trained again (the interrupted one included), and
+  // from a failure being caught to the model restored.
+  int failures = 0, restarts = 0, redone_steps = 0;
+  std::int64_t recovery_ms_max = 0;
   fsdp::CollectiveCounts last_step;  // rank 0's collectives in the last step, every group together
   fsdp::CollectiveCounts last_step_post_forward;  // those of them inside --reshard-after-forward N's group
+};
+
+// One rank's in-memory recoveries (--restart-scope rank), across its trainings.
+struct Recovery {
+  bool restore = false;  // the next training restores from the peer checkpoint
+  int failures = 0;      // failures this rank survived
+  int done = 0;          // steps done when the last failure was caught
+  int redone_steps = 0;
+  std::int64_t recovery_ms_max = 0;
+  std::chrono::steady_clock::time_point failed_at{};  // when the last failure was caught
 };
 
 // Unsharded reference: one model, the whole global batch, every byte through a counting
@@ -68,6 +85,13 @@ inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_sha
              backend == "thread" ? "" : "; backend " + backend);
   fmt::print("per-rank peak is {:.1f}% of unsharded\n", 100.0 * static_cast<double>(s.peak) / static_cast<double>(ref.peak));
   if (cfg.offload) fmt::print("host space: peak {} B per rank (the offloaded shards and the optimizer state)\n", s.host_peak);
+  if (cfg.restart_scope == "rank")
+    fmt::print("recovered: failures={} restarts={} redone_steps={} recovery_ms_max={}\n", s.failures, s.restarts, s.redone_steps,
+               s.recovery_ms_max);
+  if (cfg.peer_checkpoint)
+    fmt::print("peer checkpoint: {} B of host memory on rank 0 (a copy of its state and one of rank {}'s, refreshed every step, "
+               "and the buffers of the previous ones, reused)\n",
+               s.peer_bytes, world - 1);
   if (precision_dtype(cfg.precision) == fsdp::DType::f16)
     fmt::print("fp16: the loss scaler skipped {} of {} steps\n", s.skipped_steps, cfg.steps);
   if (!cfg.trace_dir.empty())

@@ -338,6 +338,118 @@ TEST_CASE("--max-restarts: when the restarts run out, the last start's failure i
   CHECK(once.out.find("[rank 0] 0/0") != std::string::npos);
 }
 
+TEST_CASE("--restart-scope rank: only the failed rank is started again, with its count and epoch; the others go on") {
+  // Rank 1 fails on its first start (killed, or an echo's status: replaced all the same);
+  // ranks 0 and 2 wait (bounded) for its replacement and exit 0 only once it ran. Each
+  // start appends to $DIR/starts and writes its environment to $DIR/env<RANK>.<count>.
+  for (const std::string fail : {"kill -KILL $$", "exit 86"}) {
+    CAPTURE(fail);
+    TempDir dir;
+    const std::string d = dir.path();
+    const Finished f = fsdp_run(
+        {"--nproc", "3", "--max-restarts", "2", "--restart-scope", "rank"},
+        "echo \"$RANK $TORCHELASTIC_RESTART_COUNT ${FSDP_COMM_EPOCH-unset}\" >> " + d + "/starts; env | sort > " + d +
+            "/env$RANK.$TORCHELASTIC_RESTART_COUNT; "
+            "if [ $RANK = 1 ]; then [ $TORCHELASTIC_RESTART_COUNT = 0 ] && " + fail + "; echo replacement; touch " + d +
+            "/replaced; exit 0; fi; "
+            "i=0; while [ ! -e " + d + "/replaced ] && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; "
+            "[ -e " + d + "/replaced ] && echo done",
+        {"FSDP_COMM_EPOCH=7"});  // fsdp_run's own is not passed on
+    MESSAGE("fsdp_run returned after ", f.seconds, " s");
+    CHECK(f.status == 0);
+    CHECK(f.seconds < 4.0);
+    const std::string status = fail == "exit 86" ? "86" : "137 (signal SIGKILL)";
+    CHECK(f.err == "fsdp_run: rank 1 exited with status " + status +
+                       "; starting a replacement for rank 1 (restart 1 of 2); the other ranks go on\n");
+    CHECK(by_rank(f.out) == std::map<int, std::string>{{0, "done"}, {1, "replacement"}, {2, "done"}});
+    std::vector<std::string> starts = lines_of(read_file(dir.file("starts")));
+    std::sort(starts.begin(), starts.end());
+    CHECK(starts == std::vector<std::string>{"0 0 unset", "1 0 unset", "1 1 1", "2 0 unset"});
+    // The replacement's environment is the original's but for its count and epoch.
+    std::vector<std::string> original = lines_of(read_file(dir.file("env1.0")));
+    std::vector<std::string> replacement = lines_of(read_file(dir.file("env1.1")));
+    REQUIRE(!original.empty());
+    auto drop = [](std::vector<std::string>& env, const std::string& line) {
+      const auto it = std::find(env.begin(), env.end(), line);
+      CHECK_MESSAGE(it != env.end(), "no ", line);
+      if (it != env.end()) env.erase(it);
+    };
+    drop(original, "TORCHELASTIC_RESTART_COUNT=0");
+    drop(replacement, "TORCHELASTIC_RESTART_COUNT=1");
+    drop(replacement, "FSDP_COMM_EPOCH=1");
+    CHECK(original == replacement);
+  }
+}
+
+TEST_CASE("--restart-scope rank: when the replacements run out, the job stops as in scope job") {
+  // Rank 1 fails on every start, once ranks 0 and 2 run (each with a child of its own).
+  TempDir dir;
+  const std::string d = dir.path();
+  const Finished f = fsdp_run({"--nproc", "3", "--max-restarts", "2", "--restart-scope", "rank", "--grace-ms", "2000"},
+                              "echo \"$RANK $TORCHELASTIC_RESTART_COUNT\" >> " + d + "/starts; "
+                              "if [ $RANK = 1 ]; then i=0; while ! { [ -s " + d + "/child0 ] && [ -s " + d +
+                                  "/child2 ]; } && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; exit 3; fi; "
+                              "sleep 30 & echo $! > " + d + "/child$RANK.tmp; mv " + d + "/child$RANK.tmp " + d +
+                                  "/child$RANK; wait");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s");
+  CHECK(f.status == 3);
+  CHECK(f.seconds < 3.0);  // sh dies of the SIGTERM at once: no wait for the SIGKILL
+  CHECK(f.err ==
+        "fsdp_run: rank 1 exited with status 3; starting a replacement for rank 1 (restart 1 of 2); the other ranks go on\n"
+        "fsdp_run: rank 1 exited with status 3; starting a replacement for rank 1 (restart 2 of 2); the other ranks go on\n"
+        "fsdp_run: rank 1 exited with status 3; stopping the other ranks\n"
+        "fsdp_run: no restart left (--max-restarts 2); the job failed with status 3\n");
+  std::vector<std::string> starts = lines_of(read_file(dir.file("starts")));
+  std::sort(starts.begin(), starts.end());
+  CHECK(starts == std::vector<std::string>{"0 0", "1 0", "1 1", "1 2", "2 0"});
+  check_gone(dir, "child", {0, 2});  // the others were stopped, with what they started
+}
+
+TEST_CASE("--restart-scope rank: a rank exiting 87 (no replacement can mend it) stops the job without a restart") {
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "3", "--restart-scope", "rank", "--grace-ms", "2000"},
+                              "if [ $RANK = 1 ]; then exit 87; fi; sleep 30");
+  CHECK(f.status == 87);
+  CHECK(f.seconds < 3.0);
+  CHECK(f.err == "fsdp_run: rank 1 exited with status 87 (a replacement cannot mend it; no restart); stopping the other ranks\n");
+}
+
+TEST_CASE("--restart-scope rank: two ranks failing together are replaced together, under one epoch") {
+  // Ranks 1 and 2 fail on their first start, after both have started (so that fsdp_run
+  // finds them failed at once); rank 0 waits for both replacements.
+  TempDir dir;
+  const std::string d = dir.path();
+  const Finished f = fsdp_run(
+      {"--nproc", "3", "--max-restarts", "2", "--restart-scope", "rank"},
+      "echo \"$RANK $TORCHELASTIC_RESTART_COUNT ${FSDP_COMM_EPOCH-unset}\" >> " + d + "/starts; "
+      "if [ $RANK != 0 ]; then [ $TORCHELASTIC_RESTART_COUNT != 0 ] && { touch " + d + "/replaced$RANK; exit 0; }; "
+      "touch " + d + "/up$RANK; i=0; while ! { [ -e " + d + "/up1 ] && [ -e " + d + "/up2 ]; } && [ $i -lt 500 ]; do "
+      "i=$((i+1)); sleep 0.01; done; sleep 0.2; exit 5; fi; "
+      "i=0; while ! { [ -e " + d + "/replaced1 ] && [ -e " + d + "/replaced2 ]; } && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; "
+      "[ -e " + d + "/replaced1 ] && [ -e " + d + "/replaced2 ] && echo done");
+  CHECK(f.status == 0);
+  CHECK(by_rank(f.out) == std::map<int, std::string>{{0, "done"}});
+  std::vector<std::string> starts = lines_of(read_file(dir.file("starts")));
+  std::sort(starts.begin(), starts.end());
+  // Both replacements: count 2 and epoch 2, the store's generation (their difference) 0.
+  CHECK(starts == std::vector<std::string>{"0 0 unset", "1 0 unset", "1 2 2", "2 0 unset", "2 2 2"});
+}
+
+TEST_CASE("--restart-scope rank: a rank failing once every other rank has exited is not replaced") {
+  // Rank 0 finishes; rank 1 fails after it: a replacement would find nobody to rejoin.
+  TempDir dir;
+  const std::string d = dir.path();
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "3", "--restart-scope", "rank"},
+                              "echo \"$RANK $TORCHELASTIC_RESTART_COUNT\" >> " + d + "/starts; "
+                              "if [ $RANK = 0 ]; then touch " + d + "/finished; exit 0; fi; "
+                              "i=0; while [ ! -e " + d + "/finished ] && [ $i -lt 500 ]; do i=$((i+1)); sleep 0.01; done; "
+                              "sleep 0.3; exit 3");
+  CHECK(f.status == 3);
+  CHECK(f.err.find("starting a replacement") == std::string::npos);
+  std::vector<std::string> starts = lines_of(read_file(dir.file("starts")));
+  std::sort(starts.begin(), starts.end());
+  CHECK(starts == std::vector<std::string>{"0 0", "1 0"});
+}
+
 TEST_CASE("SIGINT to fsdp_run reaches every rank; fsdp_run exits 130") {
   TempDir dir;
   ChildProcess job({fsdp_run_path(), "--nproc", "2", "/bin/sh", "-c",
@@ -392,6 +504,13 @@ TEST_CASE("bad command lines exit 2 naming the flag; nothing starts") {
        "--store external with --nnodes 2 needs TORCHELASTIC_RUN_ID set to the same id on every node"},
       {{"--env", "FSDP_STORE_EXTERNAL=1"}, "--env FSDP_STORE_EXTERNAL: fsdp_run says who hosts the store itself"},
       {{"--env", "FSDP_STORE_HOST=rank0"}, "--env FSDP_STORE_HOST: fsdp_run says who hosts the store itself"},
+      {{"--restart-scope", "node"}, "--restart-scope: node not in {job,rank}"},
+      {{"--restart-scope", "rank"}, "--restart-scope rank needs --max-restarts 1 or more"},
+      {{"--restart-scope", "rank", "--max-restarts", "1", "--store", "rank0"},
+       "--restart-scope rank with --store rank0: it needs the store fsdp_run hosts"},
+      {{"--restart-scope", "rank", "--max-restarts", "1", "--nnodes", "2", "--master-port", "29500"},
+       "--restart-scope rank with --nnodes 2"},
+      {{"--env", "FSDP_COMM_EPOCH=1"}, "--env FSDP_COMM_EPOCH: fsdp_run sets FSDP_COMM_EPOCH itself"},
   };
   for (const auto& c : cases) {
     const auto& flags = c.first;

@@ -1,6 +1,7 @@
 // fsdp::launch as a library: fsdp_run's command-line parsing, find_free_port, run() in
 // this process (status, restored signal handling), relaunch_self, and the store it hosts
-// (outliving rank 0, one port and a new generation per restart).
+// (outliving rank 0, one port and a new generation per restart, and what it is told in
+// --restart-scope rank).
 #include <doctest/doctest.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -9,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -16,6 +18,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -95,6 +98,25 @@ TEST_CASE("parse and validate refuse bad values, naming flag and value") {
   CHECK(parse_error({"--max-restarts", "1", "--nnodes", "2", "--master-port", "9", "p"}) ==
         "fsdp: launch: --max-restarts 1 with --nnodes 2: a restart starts this node's ranks only, and the other "
         "nodes' would not follow (restarts are for one node)");
+  CHECK(parse({"p"}).options.restart_scope == launch::RestartScope::job);
+  CHECK(parse({"--restart-scope", "job", "p"}).options.restart_scope == launch::RestartScope::job);
+  CHECK(parse({"--restart-scope", "rank", "--max-restarts", "2", "p"}).options.restart_scope ==
+        launch::RestartScope::rank);
+  CHECK(parse_error({"--restart-scope", "ranks", "--max-restarts", "2", "p"}) ==
+        "fsdp: launch: --restart-scope: ranks not in {job,rank}");
+  CHECK(parse_error({"--restart-scope", "rank", "p"}) ==
+        "fsdp: launch: --restart-scope rank needs --max-restarts 1 or more (how many failed ranks to replace in all)");
+  CHECK(parse_error({"--restart-scope", "rank", "--max-restarts", "1", "--nnodes", "2", "--master-port", "9", "p"}) ==
+        "fsdp: launch: --restart-scope rank with --nnodes 2: a replacement is started on this node only, announced "
+        "in fsdp_run's own store (one node only)");
+  for (const char* store : {"rank0", "external"})
+    CHECK(parse_error({"--restart-scope", "rank", "--max-restarts", "1", "--store", store, "--master-port", "9", "p"}) ==
+          "fsdp: launch: --restart-scope rank with --store " + std::string(store) +
+              ": it needs the store fsdp_run hosts (--store launcher, the default), which outlives every rank and "
+              "which fsdp_run edits to announce each replacement");
+  CHECK(parse_error({"--env", "FSDP_COMM_EPOCH=1", "p"}) ==
+        "fsdp: launch: --env FSDP_COMM_EPOCH: fsdp_run sets FSDP_COMM_EPOCH itself, on a replacement rank "
+        "(--restart-scope rank)");
   CHECK(parse_error({"--env", "TORCHELASTIC_RESTART_COUNT=2", "p"}) ==
         "fsdp: launch: --env TORCHELASTIC_RESTART_COUNT: fsdp_run sets TORCHELASTIC_RESTART_COUNT itself (see "
         "--max-restarts; a TORCHELASTIC_RUN_ID in fsdp_run's own environment is passed on)");
@@ -285,6 +307,50 @@ const bool store_rank_exits = [] {
   }
 }();
 
+// The children of the rank-scope case below (FSDP_LAUNCHER_TEST_REPLACE names a directory):
+// three ranks of one store generation, each start appending "RANK COUNT" to $DIR/starts.
+// Rank 1 claims its place and exits 1 on its first start. Its replacement, before it claims
+// the place again, must find the claim gone and the store's fsdp/job/epoch at 1, as its
+// FSDP_COMM_EPOCH says; it then claims the place and sets "replaced". Ranks 0 and 2 wait
+// for that key and read the epoch. Exit status: 0 as expected; 3 an exception; 10 the
+// failed rank's claim was still there; 11 the epoch key was not 1; 12 the replacement's
+// FSDP_COMM_EPOCH or TORCHELASTIC_RESTART_COUNT was not 1; 13 a survivor saw another epoch.
+const bool replace_rank_exits = [] {
+  const char* dir = std::getenv("FSDP_LAUNCHER_TEST_REPLACE");
+  if (!dir || !fsdp::DistEnv::launched()) return false;
+  using namespace std::chrono_literals;
+  const auto env = fsdp::DistEnv::from_env();
+  std::ofstream(std::string(dir) + "/starts", std::ios::app) << env.rank << " " << env.restart_count << "\n";
+  fsdp::TcpStoreOptions quick;
+  quick.timeout = 10000ms;
+  quick.connect_timeout = 10000ms;
+  // The store keeps one generation for the whole job in rank scope, while a replacement's
+  // TORCHELASTIC_RESTART_COUNT counts the replacements: its client must say generation 0.
+  quick.generation = 0;
+  try {
+    if (env.restart_count > 0) {
+      const char* epoch = std::getenv("FSDP_COMM_EPOCH");
+      if (env.rank != 1 || env.restart_count != 1 || !epoch || std::string(epoch) != "1") std::_Exit(12);
+      fsdp::TcpStoreOptions plain = quick;
+      plain.token = env.token;
+      fsdp::TcpStore probe(env.master_addr, env.master_port, plain);
+      if (probe.try_get(fsdp::claim_key(1))) std::_Exit(10);
+      if (probe.try_get(launch::kEpochKey) != std::optional<std::string>("1")) std::_Exit(11);
+    }
+    auto c = fsdp::connect_store(env, quick);
+    if (env.rank == 1 && env.restart_count == 0) std::_Exit(1);
+    if (env.rank == 1) {
+      c.store->set("replaced", "1");
+      std::_Exit(0);
+    }
+    c.store->get("replaced", 10000ms);
+    std::_Exit(c.store->add(launch::kEpochKey, 0) == 1 ? 0 : 13);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "replace child, rank %d: %s\n", env.rank, e.what());
+    std::_Exit(3);
+  }
+}();
+
 namespace {
 // A directory of its own for one case's children, removed with what they wrote.
 struct ChildDir {
@@ -294,8 +360,14 @@ struct ChildDir {
     path = name;
   }
   ~ChildDir() {
-    for (const char* f : {"rank0", "port0", "port1"}) ::unlink((path + "/" + f).c_str());
+    for (const char* f : {"rank0", "port0", "port1", "starts"}) ::unlink((path + "/" + f).c_str());
     ::rmdir(path.c_str());
+  }
+  std::vector<std::string> lines(const std::string& name) const {
+    std::ifstream in(path + "/" + name);
+    std::vector<std::string> out;
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
   }
   std::string read(const std::string& name) const {
     std::ifstream in(path + "/" + name);
@@ -335,4 +407,21 @@ TEST_CASE("a restart under fsdp_run's store: the same port, a new generation wit
   CHECK(launch::relaunch_self(o, 1, argv) == 0);
   CHECK_FALSE(dir.read("port0").empty());
   CHECK(dir.read("port0") == dir.read("port1"));
+}
+
+TEST_CASE("--restart-scope rank: the store gives the failed rank's claim back and counts the epoch before its "
+          "replacement starts") {
+  const ChildDir dir;
+  launch::Options o;
+  o.nproc = 3;
+  o.prefix_output = false;
+  o.grace = std::chrono::milliseconds(200);
+  o.max_restarts = 1;
+  o.restart_scope = launch::RestartScope::rank;
+  o.env = {{"FSDP_LAUNCHER_TEST_REPLACE", dir.path}};
+  const char* argv[] = {"launcher_test"};
+  CHECK(launch::relaunch_self(o, 1, argv) == 0);
+  std::vector<std::string> starts = dir.lines("starts");
+  std::sort(starts.begin(), starts.end());
+  CHECK(starts == Strings{"0 0", "1 0", "1 1", "2 0"});  // ranks 0 and 2 started once
 }

@@ -50,8 +50,16 @@ inline Command parse(int argc, const char* const* argv) {
                      "account, to report it first (default 2000; 0: stop at once)");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts,
                  "when a rank fails, stop every rank and start the whole job again, up to this many times; each start "
-                 "sees its number in TORCHELASTIC_RESTART_COUNT (default 0)");
-  app.add_option("--timeout-ms", timeout_ms, "stop the job and fail after this long, each start of it with --max-restarts (default 0: no limit)");
+                 "sees its number in TORCHELASTIC_RESTART_COUNT (default 0). With --restart-scope rank: start a "
+                 "replacement for the failed rank, up to this many in all");
+  std::string restart_scope = name_of(o.restart_scope);
+  app.add_option("--restart-scope", restart_scope,
+                 "job (default): stop every rank and start the job again; rank: start a replacement for the failed "
+                 "rank only, the others go on (they must rebuild their communicator: fsdp::TcpProcessGroup::rejoin)")
+      ->check(CLI::IsMember({"job", "rank"}));
+  app.add_option("--timeout-ms", timeout_ms,
+                 "stop the job and fail after this long, each start of it with --max-restarts (the whole job with "
+                 "--restart-scope rank) (default 0: no limit)");
   app.add_option("--env", env, "KEY=VALUE for every rank (repeatable)")->allow_extra_args(false);
   app.footer("Then PROGRAM [ARGS...]: everything from the first word that is not an option above (or after "
              "'--') is the program's.");
@@ -77,6 +85,7 @@ inline Command parse(int argc, const char* const* argv) {
     if (eq == std::string::npos || eq == 0) fsdp::detail::fail("launch: --env '", entry, "' is not KEY=VALUE");
     o.env.emplace_back(entry.substr(0, eq), entry.substr(eq + 1));
   }
+  o.restart_scope = restart_scope == "rank" ? RestartScope::rank : RestartScope::job;
   o.store = store == "rank0" ? StoreHost::rank0 : store == "external" ? StoreHost::external : StoreHost::launcher;
   o.prefix_output = !no_prefix;
   o.grace = std::chrono::milliseconds(grace_ms);

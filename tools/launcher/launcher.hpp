@@ -38,6 +38,24 @@
 // it before the ranks start (every key of the failed start is dropped, and a process left
 // from it is refused; TcpStoreServer, "Generations"). A signal to the launcher ends the job
 // without a restart.
+//
+// Restarts of one rank (`restart_scope` rank, fsdp_run --restart-scope rank; for in-memory
+// recovery): a failed rank is replaced and the others go on, untouched, keeping what they
+// hold in memory; they rebuild their communicator with the replacement
+// (fsdp::TcpProcessGroup::rejoin). The launcher prints "fsdp_run: rank R exited with
+// status S (signal NAME); starting a replacement for rank R (restart k of N); the other
+// ranks go on", kills what the failed rank left in its process group, then, in its own
+// store (one generation for the whole job), deletes the rank's claim (fsdp::claim_key) so
+// the replacement can claim it again and adds 1 to fsdp/job/epoch, giving e; only then
+// does it start the replacement, with the original's environment except
+// TORCHELASTIC_RESTART_COUNT=k (the job's replacements so far, this one included) and
+// FSDP_COMM_EPOCH=e. Ranks that fail within 100 ms of the first failure are replaced together,
+// under one epoch (e grows by their number, so e = k for every replacement and the store's
+// generation, k - e, stays 0), so that the survivors and every replacement meet in one
+// ring. `max_restarts` counts replacements in all. A failure with none left, or a rank
+// exiting fsdp::kNoReplacementExitStatus (87: the ranks found no copy to restore it from),
+// stops the job as above, and so does a failure once every other rank has exited (a
+// replacement would find nobody to rejoin); `timeout` bounds the whole job.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -61,6 +79,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/asio/tcp_store.hpp"
 #include "fsdp/asio/tcp_store_server.hpp"
 #include "fsdp/core/dist_env.hpp"
 #include "fsdp/core/error.hpp"
@@ -92,6 +111,11 @@ inline int find_free_port() {
                           "launch: cannot bind 127.0.0.1:0 to find a free port: ", std::strerror(err));
   return ntohs(addr.sin_port);
 }
+
+// The store's count of replacement ranks started (RestartScope::rank), which the
+// survivors wait on (fsdp::TcpProcessGroup::rejoin): an integer, as Store::add keeps it,
+// absent (0) until the first replacement.
+inline constexpr const char* kEpochKey = "fsdp/job/epoch";
 
 namespace detail {
 
@@ -183,13 +207,19 @@ class Job {
   static constexpr std::chrono::milliseconds kDrainAfterExit{500};
   // Upper bound on one poll, should a wake-up ever be lost.
   static constexpr std::chrono::milliseconds kMaxPoll{250};
+  // RestartScope::rank: how long after a failure fsdp_run waits for others before it
+  // replaces them all under one epoch.
+  static constexpr std::chrono::milliseconds kReplaceSettle{100};
 
-  // `store`: where the ranks find the store (port, token to add, whether it is external).
+  // `store`: where the ranks find the store (port, token to add, whether it is external);
+  // `hosted`: fsdp_run's own store, if it hosts one (RestartScope::rank needs it).
   Job(const Options& o, std::string program, bool search_path, std::vector<std::string> argv, const StoreAccess& store,
-      int restart = 0, std::string run_id = {})
-      : options_(o) {
+      int restart = 0, std::string run_id = {}, fsdp::TcpStoreServer* hosted = nullptr)
+      : options_(o), hosted_(hosted) {
     validate(o);
-    LaunchSpec spec;
+    if (o.restart_scope == RestartScope::rank && !hosted)
+      fsdp::detail::fail("launch: --restart-scope rank needs the store fsdp_run hosts, and this fsdp_run hosts none");
+    LaunchSpec& spec = spec_;
     spec.program = std::move(program);
     spec.search_path = search_path;
     spec.argv = std::move(argv);
@@ -215,7 +245,7 @@ class Job {
     for (;;) {
       reap();
       const auto now = Clock::now();
-      if (std::all_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r->exited(); })) {
+      if (!replace_at_ && std::all_of(ranks_.begin(), ranks_.end(), [](auto& r) { return r->exited(); })) {
         if (stopping_ && !killed_) kill_all();  // what the stopped ranks left behind goes with them
         if (!drain_until) drain_until = now + kDrainAfterExit;
         if (!any_stream_open() || now >= *drain_until) break;
@@ -224,6 +254,7 @@ class Job {
       const bool timing = !stopping_ && !drain_until && options_.timeout.count() > 0;
       if (timing && now >= started + options_.timeout && !failed_.empty()) {  // echoes waiting for their cause: report them now
         echo_deadline_ = now;
+        timeout_reached_ = true;  // and failures waiting for their replacement
         reap();
         continue;
       }
@@ -239,6 +270,7 @@ class Job {
       if (stopping_ && !killed_) next = std::min(next, kill_at_);
       if (timing && !stopping_) next = std::min(next, started + options_.timeout);
       if (echo_deadline_ && !stopping_) next = std::min(next, *echo_deadline_);
+      if (replace_at_) next = std::min(next, *replace_at_);
       wait_for_events(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
     }
     for (auto& r : ranks_) {
@@ -253,11 +285,31 @@ class Job {
 
  private:
   static bool echoed(const RankProcess* r) { return !r->killed_by_signal() && r->status() == fsdp::kEchoExitStatus; }
+  static bool unmendable(const RankProcess* r) { return !r->killed_by_signal() && r->status() == fsdp::kNoReplacementExitStatus; }
 
   void reap() {
     const std::size_t before = failed_.size();  // exited non-zero before the job was stopped
     for (auto& r : ranks_)
       if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed_.push_back(r.get());
+    // RestartScope::rank: the failed ranks are replaced, all at once, while restarts are
+    // left; a rank that says a replacement cannot mend it (fsdp::kNoReplacementExitStatus)
+    // stops the job instead. An echo (fsdp::kEchoExitStatus) is a failure like any other
+    // here: that process is gone all the same, and only a replacement lets the others go on.
+    // Failures within kReplaceSettle of the first are replaced together (ranks lost with
+    // one machine, or one signal, exit a few milliseconds apart).
+    // Not when every other rank has exited (a replacement would wait for a ring nobody
+    // joins), nor once the job's timeout is reached.
+    if (options_.restart_scope == RestartScope::rank && !stopping_ && !failed_.empty() && !timeout_reached_ &&
+        !still_running().empty() &&
+        std::none_of(failed_.begin(), failed_.end(), [](auto* r) { return unmendable(r); }) &&
+        restarts_ + static_cast<int>(failed_.size()) <= options_.max_restarts) {
+      if (!replace_at_) replace_at_ = Clock::now() + kReplaceSettle;
+      if (Clock::now() < *replace_at_) return;
+      replace_at_.reset();
+      replace(failed_);
+      failed_.clear();
+    }
+    replace_at_.reset();
     if (stopping_ || failed_.empty()) return;
     const bool own = std::any_of(failed_.begin(), failed_.end(), [](auto* r) { return !echoed(r); });
     if (!own) {  // only echoes so far: the rank they echo may still be on its way out
@@ -277,6 +329,7 @@ class Job {
       line += (line.empty() ? "fsdp_run: rank " : "; rank ") + std::to_string(r->rank()) + " exited with status " +
               std::to_string(r->status());
       if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
+      if (unmendable(r) && options_.restart_scope == RestartScope::rank) line += " (a replacement cannot mend it; no restart)";
       if (echoed(r))
         line += own                      ? " (an echo of that failure)"
                 : still_running().empty() ? " (an echo of another rank's failure; every rank has exited, none with a "
@@ -289,6 +342,57 @@ class Job {
     if (!still_running().empty()) line += "; stopping the other ranks";
     say(line);
     stop(SIGTERM);
+  }
+
+  // Starts a replacement for each failed rank in its place (RestartScope::rank; see the top
+  // of the file): their last output, a line for each, what they left behind killed, the
+  // store told (every claim given back, then one epoch for all of them, so that the
+  // survivors and every replacement meet in the same ring), then the new processes.
+  void replace(const std::vector<RankProcess*>& failed) {
+    for (std::size_t i = 0; i < failed.size(); ++i) {
+      RankProcess* r = failed[i];
+      drain_stream(r->out());
+      drain_stream(r->err());
+      const std::string rank = std::to_string(r->rank());
+      std::string line = "fsdp_run: rank " + rank + " exited with status " + std::to_string(r->status());
+      if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
+      say(line + "; starting a replacement for rank " + rank + " (restart " +
+          std::to_string(restarts_ + 1 + static_cast<int>(i)) + " of " + std::to_string(options_.max_restarts) +
+          "); the other ranks go on");
+      r->signal(SIGKILL);  // its group: nothing it started may touch the store once the replacement is announced
+      finish_stream(r->out());
+      finish_stream(r->err());
+    }
+    restarts_ += static_cast<int>(failed.size());
+    LaunchSpec spec = spec_;
+    spec.restart = restarts_;  // TORCHELASTIC_RESTART_COUNT - FSDP_COMM_EPOCH: the store's generation, unchanged
+    spec.comm_epoch = announce_replacements(failed);
+    for (RankProcess* r : failed) {
+      auto fresh = std::make_unique<RankProcess>(r->rank(), r->local_rank());
+      fresh->start(options_, spec);
+      for (auto& slot : ranks_)
+        if (slot.get() == r) slot = std::move(fresh);  // the failed one is reaped as it goes
+    }
+  }
+
+  // In fsdp_run's store: gives each failed rank's claim back, so that its replacement can
+  // claim it (fsdp::claim_place), then adds their number to kEpochKey in one step (the
+  // epoch counts the replacements started). Returns the new epoch.
+  std::int64_t announce_replacements(const std::vector<RankProcess*>& failed) {
+    for (RankProcess* r : failed) {
+      store_wire::Request release;
+      release.verb = store_wire::Verb::delete_key;
+      release.keys = {fsdp::claim_key(r->rank())};
+      hosted_->apply(release);
+    }
+    store_wire::Request count;
+    count.verb = store_wire::Verb::add;
+    count.keys = {kEpochKey};
+    count.delta = static_cast<std::int64_t>(failed.size());
+    const store_wire::Reply epoch = hosted_->apply(count);
+    if (epoch.status != store_wire::Status::ok)
+      fsdp::detail::fail("launch: cannot announce the replacement of rank ", failed.front()->rank(), " in the job's store: ", epoch.value);
+    return epoch.number;
   }
 
   // Sends `sig` to every rank still running; SIGKILL follows after the grace period.
@@ -375,6 +479,11 @@ class Job {
   static void say(const std::string& line) { write_all(2, line + "\n"); }
 
   Options options_;
+  fsdp::TcpStoreServer* hosted_;  // fsdp_run's store, or null
+  LaunchSpec spec_;               // what every rank was started with
+  int restarts_ = 0;              // replacements started (RestartScope::rank)
+  std::optional<Clock::time_point> replace_at_;  // failed ranks wait for their replacement until then
+  bool timeout_reached_ = false;                 // no replacement after the job's timeout
   SignalGuard signals_;  // before ranks_: installed before the first start, restored after the last reap
   std::vector<std::unique_ptr<RankProcess>> ranks_;
   std::optional<int> result_;
@@ -415,10 +524,12 @@ inline int run_with_restarts(const Options& options, const std::string& program,
     if (hosted) hosted->begin_generation(static_cast<std::uint64_t>(restart));
     if (options.store == StoreHost::rank0)
       store = {options.master_port ? options.master_port : find_free_port(), token_to_add(options)};
-    Job job(options, program, search_path, argv, store, restart, run_id);
+    Job job(options, program, search_path, argv, store, restart, run_id, hosted.get());
     const int status = job.supervise();
-    if (status == 0 || job.interrupted() || restart == options.max_restarts) {
-      if (status != 0 && options.max_restarts > 0 && !job.interrupted())
+    // RestartScope::rank: one start, whose Job replaced failed ranks until none was left.
+    const bool rank_scope = options.restart_scope == RestartScope::rank;
+    if (status == 0 || job.interrupted() || rank_scope || restart == options.max_restarts) {
+      if (status != 0 && options.max_restarts > 0 && !job.interrupted() && !(rank_scope && status == fsdp::kNoReplacementExitStatus))
         write_all(2, "fsdp_run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
                          "); the job failed with status " + std::to_string(status) + "\n");
       return status;

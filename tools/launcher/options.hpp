@@ -28,6 +28,21 @@ namespace fsdp::launch {
 // environment is not passed on).
 using fsdp::StoreHost;
 
+// What fsdp_run starts again when a rank fails and --max-restarts allows (fsdp_run
+// --restart-scope):
+//  job (the default): every rank is stopped and the whole job started again, as the
+//    store's next generation.
+//  rank: only the failed rank is started again, as a replacement with the same RANK; the
+//    others go on, with what they hold in memory, and rebuild their communicator with it
+//    (fsdp::TcpProcessGroup::rejoin). Before it starts the replacement, fsdp_run gives the
+//    failed rank's claim back in its store (fsdp::claim_key) and adds 1 to the store's
+//    fsdp/job/epoch, the count the survivors wait on; the replacement gets that count in
+//    FSDP_COMM_EPOCH. One node, fsdp_run's own store (--store launcher) only.
+enum class RestartScope { job, rank };
+
+// "job", "rank".
+constexpr const char* name_of(RestartScope s) { return s == RestartScope::rank ? "rank" : "job"; }
+
 struct Options {
   int nproc = 1;      // ranks on this node (torchrun's --nproc-per-node)
   int nnodes = 1;     // nodes in the job, each running fsdp_run with the same nproc
@@ -47,10 +62,13 @@ struct Options {
   // When a rank fails, every rank is stopped and the whole job started again, up to this
   // many times (torchrun's --max-restarts): each start gets the restart count in
   // TORCHELASTIC_RESTART_COUNT, so a program can resume from its last checkpoint, and is
-  // the store's next generation (see StoreHost for the store's port and token).
+  // the store's next generation (see StoreHost for the store's port and token). With
+  // restart_scope rank, this many replacements of failed ranks in all instead.
   int max_restarts = 0;
+  RestartScope restart_scope = RestartScope::job;  // see RestartScope
   // 0: none; else the whole job is stopped (as for a failure) and run() throws after it,
-  // without a restart. With max_restarts it bounds each start, not all of them.
+  // without a restart. With max_restarts (scope job) it bounds each start, not all of
+  // them; in scope rank, the whole job, replacements included.
   std::chrono::milliseconds timeout{0};
   // Extra variables for every rank (KEY, VALUE); they may not name a per-rank variable.
   std::vector<std::pair<std::string, std::string>> env;
@@ -72,6 +90,9 @@ inline constexpr const char* kExternalStoreVariable = "FSDP_STORE_EXTERNAL";
 inline constexpr const char* kRestartCountVariable = "TORCHELASTIC_RESTART_COUNT";
 inline constexpr const char* kMaxRestartsVariable = "TORCHELASTIC_MAX_RESTARTS";
 inline constexpr const char* kRunIdVariable = "TORCHELASTIC_RUN_ID";
+// Which rebuild of the communicator a replacement rank joins (RestartScope::rank): set on
+// replacements only; fsdp_run does not pass on one of its own environment.
+inline constexpr const char* kCommEpochVariable = "FSDP_COMM_EPOCH";
 inline constexpr int kMaxRestarts = 1000;
 
 // DistEnv reads WORLD_SIZE up to 2^20; past a few thousand processes per node the machine
@@ -112,6 +133,17 @@ inline void validate(const Options& o) {
          " set to the same id on every node (the store tells jobs apart by it; one drawn per node would differ)");
   if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts)
     fail("launch: --max-restarts must be in [0, ", kMaxRestarts, "], got ", o.max_restarts);
+  if (o.restart_scope == RestartScope::rank) {
+    if (o.max_restarts < 1)
+      fail("launch: --restart-scope rank needs --max-restarts 1 or more (how many failed ranks to replace in all)");
+    if (o.nnodes > 1)
+      fail("launch: --restart-scope rank with --nnodes ", o.nnodes,
+           ": a replacement is started on this node only, announced in fsdp_run's own store (one node only)");
+    if (o.store != StoreHost::launcher)
+      fail("launch: --restart-scope rank with --store ", name_of(o.store),
+           ": it needs the store fsdp_run hosts (--store launcher, the default), which outlives every rank and "
+           "which fsdp_run edits to announce each replacement");
+  }
   if (o.max_restarts > 0 && o.nnodes > 1)
     fail("launch: --max-restarts ", o.max_restarts, " with --nnodes ", o.nnodes,
          ": a restart starts this node's ranks only, and the other nodes' would not follow (restarts are for one node)");
@@ -129,6 +161,8 @@ inline void validate(const Options& o) {
     if (key == kRestartCountVariable || key == kMaxRestartsVariable || key == kRunIdVariable)
       fail("launch: --env ", key, ": fsdp_run sets ", key, " itself (see --max-restarts; a ", kRunIdVariable,
            " in fsdp_run's own environment is passed on)");
+    if (key == kCommEpochVariable)
+      fail("launch: --env ", key, ": fsdp_run sets ", key, " itself, on a replacement rank (--restart-scope rank)");
   }
 }
 

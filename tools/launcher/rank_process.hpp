@@ -36,8 +36,12 @@ struct LaunchSpec {
   std::string token;  // FSDP_STORE_TOKEN to add; empty when the environment has one (or --store external)
   StoreHost store = StoreHost::launcher;  // FSDP_STORE_HOST
   bool reset_sigpipe = true;
-  int restart = 0;  // how many times the job was restarted before this start (--max-restarts)
+  // How many times the job was restarted before this start (--max-restarts); for a
+  // replacement (RestartScope::rank), the replacements so far, this one included.
+  int restart = 0;
   std::string run_id;  // the job's id, the same for every start
+  // FSDP_COMM_EPOCH: set on a replacement for a failed rank only (RestartScope::rank).
+  std::optional<long long> comm_epoch;
 };
 
 // Where the store must listen for the job's ranks to reach it, when that is not its
@@ -66,10 +70,12 @@ inline std::vector<std::string> rank_environment(const Options& o, const LaunchS
   if (spec.store == StoreHost::rank0 && !std::getenv(kBindVariable) && !set.count(kBindVariable))
     if (auto bind = store_bind_address(o)) set[kBindVariable] = *bind;
   if (!spec.token.empty()) set[kTokenVariable] = spec.token;
+  if (spec.comm_epoch) set[kCommEpochVariable] = std::to_string(*spec.comm_epoch);
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
     const std::string entry(*e), key = entry.substr(0, entry.find('='));
-    if (!set.count(key) && key != kExternalStoreVariable) env.push_back(entry);  // --store says it
+    // --store says who hosts the store; only a replacement gets an epoch, fsdp_run's own.
+    if (!set.count(key) && key != kExternalStoreVariable && key != kCommEpochVariable) env.push_back(entry);
   }
   for (const auto& [key, value] : set) env.push_back(key + "=" + value);
   return env;
@@ -163,6 +169,7 @@ class RankProcess {
   }
 
   int rank() const { return rank_; }
+  int local_rank() const { return local_rank_; }
   bool exited() const { return status_.has_value(); }
   // The exit status (exit code, or 128 + signal); valid once exited().
   int status() const { return status_.value_or(-1); }

@@ -12,6 +12,12 @@
 //   FSDP_COMM_ADDR    the IP this rank listens on for its ring neighbours; default: the
 //                     local address of its connection to the store, i.e. the interface
 //                     that reaches MASTER_ADDR (127.0.0.1 on one host)
+// A rank lost and replaced (fsdp_run --restart-scope rank): the survivors catch the failure
+// (an fsdp::Error of kind peer_lost), drop what they built on the communicator and call
+// rejoin(), which waits for the launcher to announce the replacement (the store's
+// fsdp/job/epoch grows) and connects a new ring under that epoch's prefix; the replacement
+// starts in it (FSDP_COMM_EPOCH). Then every rank rebuilds its model and restores it
+// (fsdp::PeerCheckpoint::restore). docs/failures.md#in-memory-recovery.
 // Teardown is ordered so no rank loses the store while it still needs it: the ranks meet
 // in a barrier, close their rings, give their claims back and count themselves out in the
 // store, and rank 0 stops the server last. The teardown barrier is the job's last collective, and it fails when
@@ -64,6 +70,9 @@ class TcpProcessGroup {
     connection_ = connect_store(env_, store_options);
     if (const char* addr = std::getenv("FSDP_COMM_ADDR"); addr && *addr) comm_options.address = addr;
     else if (comm_options.address.empty()) comm_options.address = connection_.store->local_address();
+    comm_options_ = comm_options;
+    epoch_ = env_.comm_epoch;
+    comm_options.prefix = prefix_of(comm_options.prefix, epoch_);
     comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(comm_options));
   }
 
@@ -85,12 +94,48 @@ class TcpProcessGroup {
       std::rethrow_exception(failure);
   }
 
+  // After a peer was lost: closes this rank's ring (no teardown barrier: a peer is gone),
+  // waits until the launcher has started a replacement (fsdp/job/epoch in the store beyond
+  // this rank's epoch, at most the communicator's timeout) and connects the ring of that
+  // epoch with it and the other survivors. comm() is then the new communicator; anything
+  // built on the old one (streams, meshes, the sharded model) must be built again. Throws
+  // fsdp::Error (peer_lost) when no replacement is announced in time: a job that is not
+  // restarting ranks (fsdp_run --restart-scope rank) never announces one.
+  void rejoin() {
+    if (!comm_) detail::fail("TcpProcessGroup::rejoin on rank ", env_.rank, ": the group was torn down (finish() ran)");
+    comm_.reset();  // closes the links: peers still in a collective fail at once
+    const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
+    std::int64_t announced = 0;
+    for (;;) {
+      announced = connection_.store->add(epoch_key, 0);
+      if (announced > epoch_) break;
+      if (std::chrono::steady_clock::now() >= deadline)
+        detail::fail_as(ErrorKind::peer_lost, "TcpProcessGroup::rejoin on rank ", env_.rank, ": no replacement rank was announced within ",
+                        comm_options_.timeout.count(), " ms (the store's ", epoch_key, " stayed at ", announced,
+                        "); only fsdp_run --restart-scope rank starts one");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    epoch_ = static_cast<int>(announced);
+    TcpCommOptions options = comm_options_;
+    options.prefix = prefix_of(options.prefix, epoch_);
+    comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(options));
+  }
+  // Which rebuild of the communicator comm() is: 0 at the start, the launcher's count after
+  // a rejoin() or in a replacement.
+  int epoch() const { return epoch_; }
+
   TcpComm& comm() { return *comm_; }
   Store& store() { return *connection_.store; }
   const DistEnv& env() const { return env_; }
 
  private:
   static constexpr const char* done_key = "fsdp/process_group/done";
+  // The launcher adds 1 for every replacement it starts (fsdp_run --restart-scope rank).
+  static constexpr const char* epoch_key = "fsdp/job/epoch";
+  // Each epoch's ring under a prefix of its own, so no key of an earlier ring is read.
+  static std::string prefix_of(const std::string& prefix, int epoch) {
+    return epoch == 0 ? prefix : prefix + "/e" + std::to_string(epoch);
+  }
 
   struct Teardown {
     std::exception_ptr failure;  // the teardown barrier's, or null
@@ -150,6 +195,8 @@ class TcpProcessGroup {
   DistEnv env_;
   int unwinding_at_start_ = 0;  // std::uncaught_exceptions() when constructed
   StoreConnection connection_;
+  TcpCommOptions comm_options_;  // as the environment left them, the prefix without its epoch
+  int epoch_ = 0;
   std::optional<TcpComm> comm_;
 };
 

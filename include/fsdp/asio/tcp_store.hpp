@@ -140,9 +140,15 @@ class TcpStore final : public Store {
 
   std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
 
+  // The job's whole restarts: TORCHELASTIC_RESTART_COUNT less the replacements of single
+  // ranks (FSDP_COMM_EPOCH; fsdp_run --restart-scope rank keeps the store's generation).
+  static std::uint64_t launch_generation() {
+    const long long restarts = DistEnv::number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0);
+    const long long replacements = DistEnv::number("FSDP_COMM_EPOCH", 0, 1 << 20, false).value_or(0);
+    return static_cast<std::uint64_t>(std::max(0LL, restarts - replacements));
+  }
   static TcpStoreOptions with_launch_defaults(TcpStoreOptions o) {
-    if (!o.generation)
-      o.generation = static_cast<std::uint64_t>(DistEnv::number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
+    if (!o.generation) o.generation = launch_generation();
     if (!o.job) o.job = DistEnv::text("TORCHELASTIC_RUN_ID", false).value_or("");
     if (o.job->size() > store_wire::max_job_bytes)
       detail::fail("store client: job id (TORCHELASTIC_RUN_ID) of ", o.job->size(), " bytes exceeds ",
@@ -369,11 +375,12 @@ struct StoreConnection {
 // makes rank 0 first start the server there, listening on $FSDP_STORE_BIND (default
 // 127.0.0.1; anything else needs a token); launcher (fsdp_run) and external
 // (tools/fsdp_store) say one already runs. The token defaults to env.token, the generation
-// to env.restart_count, the job to env.run_id. Each rank then claims its place
+// to the job's whole restarts (env.restart_count, less the replacements of single ranks,
+// env.comm_epoch: fsdp_run --restart-scope rank keeps the generation), the job to env.run_id. Each rank then claims its place
 // (claim_place above), except in a store run apart.
 inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
   if (options.token.empty()) options.token = env.token;
-  if (!options.generation) options.generation = static_cast<std::uint64_t>(env.restart_count);
+  if (!options.generation) options.generation = static_cast<std::uint64_t>(std::max(0, env.restart_count - env.comm_epoch));
   if (!options.job) options.job = env.run_id;
   const StoreHost host = DistEnv::store_host();
   StoreConnection c;

@@ -162,6 +162,35 @@ class TcpStoreServer {
     finished.get();
   }
 
+  // Does `request`, a verb that never waits (set, try_get, add, compare_set, delete_key,
+  // num_keys), on the keys served, as a client's request would be done, and returns the
+  // reply (Status::error for an add to a value that is not an integer); a get or wait
+  // parked on a key it sets is answered. For the host itself: fsdp_run announces a
+  // replacement rank this way. A get, wait or hello is refused (fsdp::Error), and so is a
+  // call from the server's own thread, as for begin_generation.
+  store_wire::Reply apply(store_wire::Request request) {
+    if (request.verb == store_wire::Verb::hello || store_wire::detail::waits(request.verb))
+      detail::fail("store server: apply(", store_wire::name_of(request.verb), "): only a verb that never waits");
+    if (std::this_thread::get_id() == thread_.get_id())
+      detail::fail("store server: apply called from the server's own thread (its log), which would wait for itself");
+    const store_wire::Verb verb = request.verb;
+    auto done = std::make_shared<std::promise<store_wire::Reply>>();
+    auto answered = done->get_future();
+    boost::asio::post(io_, [this, request = std::move(request), done] {
+      try {
+        store_wire::Reply reply = table_.apply(request);
+        if (store_wire::StoreTable::may_set_keys(request.verb)) wake_waiters();
+        done->set_value(std::move(reply));
+      } catch (...) {
+        done->set_exception(std::current_exception());
+      }
+    });
+    if (answered.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
+      detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_, ": apply(",
+                      store_wire::name_of(verb), ") got no answer from the server's thread within 10 s (it has stopped)");
+    return answered.get();
+  }
+
  private:
   using tcp = boost::asio::ip::tcp;
   using error_code = boost::system::error_code;

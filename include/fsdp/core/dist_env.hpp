@@ -51,6 +51,10 @@ struct DistEnv {
   // TORCHELASTIC_RUN_ID: the job's id, the same for every start of it (empty when unset):
   // a restarted job resumes only from checkpoints that carry it, not another job's.
   std::string run_id;
+  // FSDP_COMM_EPOCH: which rebuild of the job's communicator this process joins (0 when
+  // unset). fsdp_run --restart-scope rank sets it on a replacement for a failed rank; the
+  // survivors reach the same epoch through TcpProcessGroup::rejoin().
+  int comm_epoch = 0;
 
   // True when RANK and WORLD_SIZE are both set (the program was launched as one rank of
   // a job); a lone process then runs as world size 1.
@@ -69,6 +73,7 @@ struct DistEnv {
     e.token = text("FSDP_STORE_TOKEN", false).value_or("");
     e.restart_count = static_cast<int>(number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
     e.run_id = text("TORCHELASTIC_RUN_ID", false).value_or("");
+    e.comm_epoch = static_cast<int>(number("FSDP_COMM_EPOCH", 0, 1 << 20, false).value_or(0));
     return e;
   }
 

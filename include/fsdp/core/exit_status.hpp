@@ -24,6 +24,12 @@ namespace fsdp {
 // other than 0 and this one is a failure of the rank's own.
 inline constexpr int kEchoExitStatus = 86;
 
+// The exit status of a rank that a replacement cannot mend: under fsdp_run
+// --restart-scope rank, the ranks found no copy to restore a lost rank from
+// (fsdp::PeerCheckpoint::restore), so replacing this one would start a rank with nothing
+// to restore either. fsdp_run then stops the job instead of replacing it.
+inline constexpr int kNoReplacementExitStatus = 87;
+
 // `own` for an error of this rank's own (a programming error, a bad file, a refused
 // allocation), kEchoExitStatus for an echo of another rank's failure.
 inline int exit_status(const std::exception& e, int own = 1) noexcept {

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# examples/train recovers a lost rank in memory (issue 37, item 2): each case kills one rank
+# (SIGKILL) at a seeded random step and phase (--kill RANK@STEP:PHASE: as the step begins,
+# mid backward once a unit's gradient is final, or before the optimizer); the launcher
+# starts a replacement for that rank only (--restart-scope rank); the other ranks keep
+# running, rejoin it, and every rank restores the last step of the peer checkpoint
+# (--peer-checkpoint: each rank's state in its own memory and its neighbour's) and redoes
+# the steps since. The parameters must equal, bit for bit, those of the same job without a
+# failure, no rank but the killed one may start twice, and the job says what it recovered.
+# FullShard on 2 and 4 processes, and ShardGradOp on 3. Every run is bounded (timeout 120 s).
+#
+# Usage: train_recover_test.sh TRAIN_BINARY [SEED] [CASES]
+set -u
+# A rank that stalls fails within this (its error says what it waited for), inside the 120 s bound.
+export FSDP_TIMEOUT_MS=30000
+train="$1"
+seed=${2:-20261202}
+cases=${3:-9}
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+RANDOM=$seed
+
+fingerprint() { sed -n 's/^\[rank 0\] parameters: xxh64=//p' <<<"$1"; }
+steps=6
+small=(--blocks 3 --hidden 128 --backend tcp --steps "$steps")
+declare -A job=([full2]="--nproc 2 --strategy FULL_SHARD" [full4]="--nproc 4 --strategy FULL_SHARD"
+                [grad3]="--nproc 3 --strategy SHARD_GRAD_OP")
+declare -A nproc=([full2]=2 [full4]=4 [grad3]=3) whole=()
+kinds=(full2 full4 grad3)
+for kind in "${kinds[@]}"; do
+  # shellcheck disable=SC2086
+  out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} 2>&1) || { fail "$kind: the run without a failure failed: $out"; continue; }
+  whole[$kind]=$(fingerprint "$out")
+  [[ -n ${whole[$kind]} ]] || fail "$kind: no parameters line: $out"
+done
+
+# What the copies cannot restore is refused before anything starts (exit 2, saying why).
+refused() {
+  local want=$1
+  shift
+  out=$(timeout 60 "$train" "${small[@]}" --max-restarts 1 --restart-scope rank "$@" 2>&1)
+  rc=$?
+  if ((rc != 2)) || ! grep -qF -- "$want" <<<"$out"; then fail "refusal of $*: exit $rc: $out"; else echo "PASS: refused $*"; fi
+}
+refused "--restart-scope rank needs --peer-checkpoint (the copies every rank restores from)"
+refused "--restart-scope rank needs --nproc 2 or more" --peer-checkpoint --nproc 1
+refused "--restart-scope rank cannot be combined with --precision fp16" --peer-checkpoint --precision fp16
+
+phases=(begin backward optimizer)
+for ((i = 1; i <= cases; i++)); do
+  kind=${kinds[$(((i - 1) % ${#kinds[@]}))]}
+  phase=${phases[$(((i - 1) / ${#kinds[@]} % ${#phases[@]}))]}  # every phase under every job; rank and step drawn
+  rank=$((RANDOM % nproc[$kind]))
+  step=$((RANDOM % steps + 1))
+  kill="$rank@$step:$phase"
+  name="case $i ($kind, --kill $kill)"
+  start=$SECONDS
+  # shellcheck disable=SC2086
+  out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} --peer-checkpoint --max-restarts 1 --restart-scope rank \
+    --kill "$kill" 2>&1)
+  rc=$?
+  if ((rc != 0)); then
+    fail "$name: exited $rc: $(tail -8 <<<"$out")"
+  elif ! grep -q "^fsdp_run: rank $rank exited with status 137 (signal SIGKILL); starting a replacement for rank $rank" <<<"$out"; then
+    fail "$name: the kill and the replacement are not reported: $out"
+  elif grep -q "restarting every rank" <<<"$out"; then
+    fail "$name: the job restarted every rank: $out"
+  elif [[ "$(fingerprint "$out")" != "${whole[$kind]}" ]]; then
+    fail "$name: parameters $(fingerprint "$out"), without the failure ${whole[$kind]}"
+  elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint (rank $rank from a neighbour's copy)" <<<"$out"; then
+    fail "$name: no restore from the peer checkpoint: $out"
+  elif ! grep -q "^\[rank 0\] recovered: failures=1 restarts=1 redone_steps=[0-9]* recovery_ms_max=[0-9]*$" <<<"$out"; then
+    fail "$name: no recovered line: $out"
+  else
+    survivors=$(grep -c "lost a peer at step" <<<"$out")
+    if ((survivors != nproc[$kind] - 1)); then
+      fail "$name: $survivors ranks say they rejoined, not $((nproc[$kind] - 1)): $out"
+    else
+      echo "PASS: $name: $(sed -n 's/^\[rank 0\] \(recovered: .*\)/\1/p' <<<"$out"), same parameters ($((SECONDS - start)) s)"
+    fi
+  fi
+done
+
+[[ $failures -eq 0 ]] && echo "all $cases cases as expected (seed $seed)" || { echo "$failures case(s) wrong (seed $seed)"; exit 1; }
