@@ -91,7 +91,10 @@ Outcome run(int world, std::optional<Loss> loss) {
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer<Strategy> t(comm);
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& model = t.model;
+    auto& sm = t.sm;
+    auto& opt = t.opt;
+    auto& st = t.st;
     auto peer = std::make_unique<fsdp::PeerCheckpoint>();
     const int local = test_support::kGlobalBatch / world;
     bool failed = false;
@@ -189,7 +192,8 @@ TEST_CASE("refresh() refuses ranks that pass different steps, and a communicator
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer t(comm);
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& sm = t.sm;
+    auto& st = t.st;
     fsdp::PeerCheckpoint peer;
     step_errors[r] = test_support::thrown_by([&] { peer.refresh(comm, sm, &st, 5 + comm.rank()); });
     CHECK_FALSE(peer.step());  // nothing committed
@@ -209,7 +213,9 @@ TEST_CASE("refresh() refuses ranks that pass different steps, and a communicator
 TEST_CASE("a copy is checked before it is loaded: its checksum, its rank, world and step") {
   fsdp::ThreadGroup(1).run([&](fsdp::ThreadComm& comm) {
     Trainer t(comm);
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& model = t.model;
+    auto& sm = t.sm;
+    auto& st = t.st;
     auto bytes = fsdp::detail::serialize_peer_state(sm, &st, 0, 1, 4);
     auto view = [&] { return bytes.view(); };
     const auto dict = fsdp::detail::parse_peer_state(view(), 0, 1, 4, "copy");
@@ -252,7 +258,10 @@ std::pair<std::int64_t, Params> refresh_cut_short(int failing) {
   fsdp::ThreadGroup(world, options).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer t(comm);
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& model = t.model;
+    auto& sm = t.sm;
+    auto& opt = t.opt;
+    auto& st = t.st;
     peers[r] = std::make_unique<fsdp::PeerCheckpoint>();
     for (int s = 0; s < 4; ++s) {
       engine::sharded_step(model, sm, opt, engine::make_batch(c, s, comm.rank() * local, local));
@@ -267,7 +276,10 @@ std::pair<std::int64_t, Params> refresh_cut_short(int failing) {
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer t(comm, 7);  // starts elsewhere: only the restore brings it back
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& model = t.model;
+    auto& sm = t.sm;
+    auto& opt = t.opt;
+    auto& st = t.st;
     CHECK(peers[r]->restorable_step(comm).has_value());
     restored[r] = peers[r]->restore(comm, sm, &st).step;
     for (int s = static_cast<int>(restored[r]); s < kSteps; ++s) {
@@ -303,7 +315,8 @@ TEST_CASE("restorable_step() tells a state that is gone from one that can be res
   fsdp::ThreadGroup(2).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer t(comm);
-    auto& [model, device, sm, alloc, opt, st] = t;
+    auto& sm = t.sm;
+    auto& st = t.st;
     fsdp::PeerCheckpoint peer;
     restorable[r] = peer.restorable_step(comm, &why[r]).has_value();  // nothing refreshed yet
     peer.refresh(comm, sm, &st, 0);

@@ -141,7 +141,7 @@ class TcpStoreServer {
     if (std::this_thread::get_id() == thread_.get_id())
       detail::fail("store server: begin_generation called from the server's own thread (its log), which would wait "
                    "for itself");
-    auto done = std::make_shared<std::promise<void>>();
+    auto done = std::make_shared<std::promise<Failure>>();
     auto finished = done->get_future();
     boost::asio::post(io_, [this, g, done] {
       try {
@@ -149,9 +149,9 @@ class TcpStoreServer {
           detail::fail("store server: cannot begin generation ", g, ": it serves generation ", generation_,
                        " already (generations only grow)");
         if (g > generation_) begin(job_, g, "its host began it");
-        done->set_value();
-      } catch (...) {
-        done->set_exception(std::current_exception());
+        done->set_value({});
+      } catch (const std::exception& e) {
+        done->set_value(Failure::of(e));
       }
     });
     // The server's thread answers at once unless it has stopped, which it does only when
@@ -159,7 +159,7 @@ class TcpStoreServer {
     if (finished.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
       detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_,
                       ": begin_generation(", g, ") got no answer from the server's thread within 10 s (it has stopped)");
-    finished.get();
+    finished.get().rethrow();
   }
 
   // Does `request`, a verb that never waits (set, try_get, add, compare_set, delete_key,
@@ -174,24 +174,42 @@ class TcpStoreServer {
     if (std::this_thread::get_id() == thread_.get_id())
       detail::fail("store server: apply called from the server's own thread (its log), which would wait for itself");
     const store_wire::Verb verb = request.verb;
-    auto done = std::make_shared<std::promise<store_wire::Reply>>();
+    auto done = std::make_shared<std::promise<std::pair<store_wire::Reply, Failure>>>();
     auto answered = done->get_future();
     boost::asio::post(io_, [this, request = std::move(request), done] {
       try {
         store_wire::Reply reply = table_.apply(request);
         if (store_wire::StoreTable::may_set_keys(request.verb)) wake_waiters();
-        done->set_value(std::move(reply));
-      } catch (...) {
-        done->set_exception(std::current_exception());
+        done->set_value({std::move(reply), {}});
+      } catch (const std::exception& e) {
+        done->set_value({store_wire::Reply{}, Failure::of(e)});
       }
     });
     if (answered.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
       detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_, ": apply(",
                       store_wire::name_of(verb), ") got no answer from the server's thread within 10 s (it has stopped)");
-    return answered.get();
+    auto [reply, failure] = answered.get();
+    failure.rethrow();
+    return reply;
   }
 
  private:
+  // A failure on the server's thread, handed to the caller's as text: the caller throws
+  // an fsdp::Error of its own, so no exception object is shared by the two threads (their
+  // reference counts live in a libstdc++ that ThreadSanitizer does not see).
+  struct Failure {
+    std::optional<ErrorKind> kind;
+    std::string message;
+    static Failure of(const std::exception& e) {
+      std::string m = e.what();
+      if (m.rfind("fsdp: ", 0) == 0) m.erase(0, 6);
+      return {kind_of(e), std::move(m)};
+    }
+    void rethrow() const {
+      if (kind) throw Error(*kind, message);
+    }
+  };
+
   using tcp = boost::asio::ip::tcp;
   using error_code = boost::system::error_code;
   class Session;
