@@ -272,15 +272,17 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     // --kill RANK@STEP:PHASE: a lost rank, as the OOM killer or a node would lose it.
     int step_now = 0;  // 1-based, the step being trained
     auto kill_here = [&](std::string_view phase) {
-      if (r != cfg.kill_rank || step_now != cfg.kill_step || phase != cfg.kill_phase) return;
-      std::fflush(nullptr);
-      std::raise(SIGKILL);
+      for (const auto& k : cfg.kills)
+        if (r == k.rank && step_now == k.step && phase == k.phase) {
+          std::fflush(nullptr);
+          std::raise(SIGKILL);
+        }
     };
-    if (cfg.kill_phase == "backward")  // on every rank alike; it computes nothing and keeps the gradient
+    if (cfg.kills_in("backward"))  // on every rank alike; it computes nothing and keeps the gradient
       sharded.set_post_accumulate_grad_hook([&](fsdp::Unit&) { kill_here("backward"); });
     engine::BeforeStep clip;  // --clip: the global 2-norm over every shard of every rank
     if (cfg.clip > 0) clip = [&] { fsdp::clip_grad_norm(sharded, mesh, device, {.max_norm = cfg.clip}); };
-    if (cfg.kill_phase == "optimizer")
+    if (cfg.kills_in("optimizer"))
       clip = [&, clip_norm = clip] {
         kill_here("optimizer");
         if (clip_norm) clip_norm();
@@ -321,10 +323,12 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         if (!peer.restorable_step(stream, &why))  // the state is gone: a replacement cannot mend that
           throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Start the job again from the "
                                        "last checkpoint on disk (--resume)", r, why));
+        step_now = recovery.done + 1;  // the step that failed
+        if (recovery.failures > 0) kill_here("recovery");  // a second failure, before the copies move
         const fsdp::PeerRestore restored = peer.restore(stream, sharded, optimizer_state);
         first_step = static_cast<int>(restored.step);
         recovery.restore = false;
-        if (recovery.failures > 0) {  // a survivor: what it trains again (the interrupted step too), and how long it took
+        if (!std::exchange(recovery.replacement, false)) {  // a survivor: what it trains again (the interrupted step too), and how long it took
           recovery.redone_steps += recovery.done + 1 - first_step;
           recovery.recovery_ms_max = std::max<std::int64_t>(
               recovery.recovery_ms_max,
@@ -387,10 +391,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       }
     }
     commit_save(false);
-    if (r == cfg.kill_rank && cfg.kill_step == 0) {  // --kill RANK@end: a failure after training was done
-      std::fflush(nullptr);
-      std::raise(SIGKILL);
-    }
+    step_now = 0;
+    kill_here("end");  // --kill RANK@end: a failure after training was done
     // The trained parameters, gathered (a collective), fingerprinted: two runs trained the
     // same model bit for bit exactly when their fingerprints agree.
     XXH64_state_t* h = XXH64_createState();
@@ -609,34 +611,40 @@ int main(int argc, char** argv) {
                                 "from --peer-checkpoint's copies, redoing the interrupted step)")
                     ->check(CLI::IsMember({"job", "rank"}))
                     ->needs(restarts);
-  auto* kill = app.add_option_function<std::string>(
+  auto* kill = app.add_option_function<std::vector<std::string>>(
                       "--kill",
-                      [&cfg](const std::string& text) {
-                        strictly([&] {
-                          const auto at = text.find('@');
-                          if (at == std::string::npos) fsdp::detail::fail("--kill: '", text, "' is not RANK@STEP");
-                          cfg.kill_rank = fsdp::detail::parse_integer<int>(text.substr(0, at), "--kill (the rank)", 0, 255);
-                          std::string when = text.substr(at + 1);
-                          if (const auto colon = when.find(':'); colon != std::string::npos) {
-                            cfg.kill_phase = when.substr(colon + 1);
-                            when.resize(colon);
-                            if (cfg.kill_phase != "begin" && cfg.kill_phase != "backward" && cfg.kill_phase != "optimizer" &&
-                                cfg.kill_phase != "save")
-                              fsdp::detail::fail("--kill: phase '", cfg.kill_phase,
-                                                 "' is not begin, backward, optimizer or save");
-                          }
-                          if (when == "end" && text.find(':') != std::string::npos)
-                            fsdp::detail::fail("--kill: RANK@end takes no phase");
-                          cfg.kill_step = when == "end" ? 0 : fsdp::detail::parse_integer<int>(when, "--kill (the step)", 1, 1000000);
-                          return 0;
-                        });
+                      [&cfg](const std::vector<std::string>& texts) {
+                        for (const auto& text : texts)
+                          strictly([&] {
+                            Config::Kill k;
+                            const auto at = text.find('@');
+                            if (at == std::string::npos) fsdp::detail::fail("--kill: '", text, "' is not RANK@STEP");
+                            k.rank = fsdp::detail::parse_integer<int>(text.substr(0, at), "--kill (the rank)", 0, 255);
+                            std::string when = text.substr(at + 1);
+                            if (const auto colon = when.find(':'); colon != std::string::npos) {
+                              k.phase = when.substr(colon + 1);
+                              when.resize(colon);
+                              if (k.phase != "begin" && k.phase != "backward" && k.phase != "optimizer" && k.phase != "save" &&
+                                  k.phase != "recovery")
+                                fsdp::detail::fail("--kill: phase '", k.phase, "' is not begin, backward, optimizer, save or recovery");
+                            }
+                            if (when == "end" && text.find(':') != std::string::npos)
+                              fsdp::detail::fail("--kill: RANK@end takes no phase");
+                            if (when == "end") k.phase = "end";
+                            k.step = when == "end" ? 0 : fsdp::detail::parse_integer<int>(when, "--kill (the step)", 1, 1000000);
+                            cfg.kills.push_back(k);
+                            return 0;
+                          });
                       },
                       "with --backend tcp: fault injection; rank RANK kills itself (SIGKILL) in step STEP: as it "
                       "begins (PHASE begin, the default), once a unit's gradient is final (backward), before the "
-                      "optimizer (optimizer; not on a step the fp16 loss scaler skips) or while its checkpoint is "
-                      "written (save); RANK@end: after the last step and its checkpoint. On the job's first start "
-                      "only (see --max-restarts)")
-                   ->type_name("RANK@STEP[:PHASE]");
+                      "optimizer (optimizer; not on a step the fp16 loss scaler skips), while its checkpoint is "
+                      "written (save), or, under --restart-scope rank, while the survivors recover from another "
+                      "rank's failure in that step (recovery); RANK@end: after the last step and its checkpoint. "
+                      "Repeat it to kill several ranks. On the job's first start only (see --max-restarts)")
+                   ->type_name("RANK@STEP[:PHASE]")
+                   ->expected(1)
+                   ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   CLI11_PARSE(app, argc, argv);
   if (scope->count() > 0 && cfg.restart_scope == "rank") {
     const char* why = !cfg.peer_checkpoint                  ? "needs --peer-checkpoint (the copies every rank restores from)"
@@ -664,25 +672,36 @@ int main(int argc, char** argv) {
                        "set); give --max-restarts to its launcher (fsdp_run --max-restarts) instead\n");
     return 2;
   }
-  const bool no_such_rank = !fsdp::DistEnv::launched() && cfg.kill_rank >= nproc;  // launched: checked against WORLD_SIZE below
-  if (kill->count() > 0 && (no_such_rank || cfg.kill_step > cfg.steps)) {
-    fmt::print(stderr, "--kill {}@{}: {}\n", cfg.kill_rank, cfg.kill_step,
-               no_such_rank ? fmt::format("there is no rank {} among --nproc {}", cfg.kill_rank, nproc)
-                                      : fmt::format("there is no step {} in --steps {}", cfg.kill_step, cfg.steps));
-    return 2;
-  }
-  const bool saves_then = !cfg.save_dir.empty() && (cfg.kill_step == cfg.steps ||
-                                                     (cfg.save_every > 0 && cfg.kill_step % cfg.save_every == 0));
-  if (kill->count() > 0 && cfg.kill_phase == "save" && !saves_then) {
-    fmt::print(stderr, "--kill {}@{}:save: step {} saves no checkpoint (--save and --save-every decide which do)\n",
-               cfg.kill_rank, cfg.kill_step, cfg.kill_step);
-    return 2;
-  }
-  if (kill->count() > 0 && (cfg.kill_phase == "backward" || cfg.kill_phase == "optimizer") && cfg.optimizer_in_backward) {
-    fmt::print(stderr, "--kill ...:{} cannot be combined with --optimizer-in-backward: {}\n", cfg.kill_phase,
-               cfg.kill_phase == "backward" ? "it uses the post-accumulate-grad hook that --optimizer-in-backward needs"
-                                            : "there is no optimizer step after backward to kill before");
-    return 2;
+  for (const auto& k : cfg.kills) {
+    const std::string label = k.phase == "end" ? fmt::format("--kill {}@end", k.rank) : fmt::format("--kill {}@{}:{}", k.rank, k.step, k.phase);
+    const bool no_such_rank = !fsdp::DistEnv::launched() && k.rank >= nproc;  // launched: checked against WORLD_SIZE below
+    const bool saves_then = !cfg.save_dir.empty() && (k.step == cfg.steps || (cfg.save_every > 0 && k.step % cfg.save_every == 0));
+    const bool failure_first = std::any_of(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) {
+      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "end";
+    });
+    const auto twice = std::count_if(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) { return o.rank == k.rank; });
+    std::string why;
+    if (twice > 1)
+      why = fmt::format("rank {} is killed more than once; a rank dies once (its replacement is not killed)", k.rank);
+    else if (no_such_rank)
+      why = fmt::format("there is no rank {} among --nproc {}", k.rank, nproc);
+    else if (k.step > cfg.steps)
+      why = fmt::format("there is no step {} in --steps {}", k.step, cfg.steps);
+    else if (k.phase == "save" && !saves_then)
+      why = fmt::format("step {} saves no checkpoint (--save and --save-every decide which do)", k.step);
+    else if ((k.phase == "backward" || k.phase == "optimizer") && cfg.optimizer_in_backward)
+      why = k.phase == "backward" ? "cannot be combined with --optimizer-in-backward: it uses the post-accumulate-grad hook "
+                                    "that --optimizer-in-backward needs"
+                                  : "cannot be combined with --optimizer-in-backward: there is no optimizer step after "
+                                    "backward to kill before";
+    else if (k.phase == "recovery" && cfg.restart_scope != "rank")
+      why = "needs --restart-scope rank (only there do survivors recover)";
+    else if (k.phase == "recovery" && !failure_first)
+      why = fmt::format("needs another rank killed in step {} (not in its recovery): the failure recovered from", k.step);
+    if (!why.empty()) {
+      fmt::print(stderr, "{}: {}\n", label, why);
+      return 2;
+    }
   }
   cfg.model.loss = cfg.local_gradients == fsdp::LocalGradients::sum ? engine::LossReduction::sum : engine::LossReduction::mean;
   cfg.report_comm = comm_precision->count() > 0 || gather_dtype->count() > 0 || persistence->count() > 0 || layout->count() > 0 ||
@@ -762,15 +781,15 @@ int main(int argc, char** argv) {
     if (backend == "tcp") {
       const fsdp::DistEnv env = fsdp::DistEnv::from_env();
       cfg.run_id = env.run_id;
-      if (cfg.kill_rank >= env.world_size) {
-        fmt::print(stderr, "--kill {}@{}: there is no rank {} among {} ranks\n", cfg.kill_rank, cfg.kill_step,
-                   cfg.kill_rank, env.world_size);
-        return 2;
-      }
+      for (const auto& k : cfg.kills)
+        if (k.rank >= env.world_size) {
+          fmt::print(stderr, "--kill {}@{}: there is no rank {} among {} ranks\n", k.rank, k.step, k.rank, env.world_size);
+          return 2;
+        }
       if (env.restart_count > 0 && cfg.restart_scope == "rank") {
-        cfg.kill_rank = -1;  // a replacement: it restores from its peers' copies, not from --save
+        cfg.kills.clear();  // a replacement: it restores from its peers' copies, not from --save
       } else if (env.restart_count > 0) {
-        cfg.kill_rank = -1;  // the fault is injected into the first start only
+        cfg.kills.clear();  // the fault is injected into the first start only
         if (const auto step = restart_step(cfg, env.world_size); step && *step >= cfg.steps) {
           if (env.rank == 0)
             fmt::print("restart {}: the last checkpoint in {} is after step {}, the last: the job had finished "
@@ -801,7 +820,7 @@ int main(int argc, char** argv) {
     };
     if (backend == "tcp") {
       auto group = fsdp::TcpProcessGroup::from_env();
-      recovery.restore = group.epoch() > 0;  // a replacement for a failed rank: it restores with the others
+      recovery.restore = recovery.replacement = group.epoch() > 0;  // a replacement for a failed rank: it restores with the others
       // --restart-scope rank: a lost peer is replaced by the launcher; this rank keeps its
       // peer checkpoint, rejoins the replacement and the other survivors, and trains on from
       // the step they restore. Bounded: each rejoin waits for a replacement the launcher
@@ -812,11 +831,13 @@ int main(int argc, char** argv) {
           break;
         } catch (const fsdp::Error& e) {
           if (cfg.restart_scope != "rank" || e.kind() != fsdp::ErrorKind::peer_lost) throw;
-          recovery.failed_at = std::chrono::steady_clock::now();
+          const bool recovering = recovery.restore;  // a failure during a recovery: timed from the first
+          if (!recovering) recovery.failed_at = std::chrono::steady_clock::now();
           ++recovery.failures;
           recovery.restore = true;
-          fmt::print(stderr, "{}\nrank {}: lost a peer at step {}; rejoining its replacement (in-memory recovery)\n", e.what(),
-                     group.env().rank, recovery.done + 1);
+          fmt::print(stderr, "{}\nrank {}: lost a peer {}; rejoining its replacement (in-memory recovery)\n", e.what(),
+                     group.env().rank,
+                     recovering ? std::string("while recovering") : fmt::format("at step {}", recovery.done + 1));
           group.rejoin();
         }
       }

@@ -1,8 +1,11 @@
 #pragma once
 // examples/train.cpp's configuration: its flags, and how the runtime --precision,
 // --comm-precision and --offload become compile-time policies.
+#include <algorithm>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include <fsdp/fsdp.hpp>
 
@@ -93,16 +96,24 @@ struct Config {
   // a failed rank only; the others rejoin it (TcpProcessGroup::rejoin), rebuild their model
   // and every rank restores from the peer checkpoint. "job": every rank restarts.
   std::string restart_scope = "job";
-  // --kill RANK@STEP: that rank kills itself (SIGKILL) as step STEP (1-based) begins (0,
-  // RANK@end: after the last step and its checkpoint), on the job's first start only
-  // (TORCHELASTIC_RESTART_COUNT 0); rank -1: never. Fault injection for --max-restarts: the
-  // restarted job resumes from the last checkpoint --save wrote.
-  int kill_rank = -1, kill_step = 0;
-  // Where in step kill_step: "begin" (before its forward), "backward" (once the first
-  // unit's gradient is final: some reductions done, others not), "optimizer" (after the
-  // gradients are final, before the optimizer), "save" (the step's checkpoint being
-  // written in the background).
-  std::string kill_phase = "begin";
+  // --kill RANK@STEP[:PHASE], once or more: that rank kills itself (SIGKILL) in step STEP
+  // (1-based; 0, RANK@end: after the last step and its checkpoint), on the job's first
+  // start only (a restarted or replacement process injects nothing). Fault injection for
+  // --max-restarts and --restart-scope rank.
+  struct Kill {
+    int rank = -1, step = 0;
+    // Where in the step: "begin" (before its forward), "backward" (once the first unit's
+    // gradient is final: some reductions done, others not), "optimizer" (after the
+    // gradients are final, before the optimizer), "save" (the step's checkpoint being
+    // written in the background), "recovery" (a survivor, in the in-memory recovery from
+    // another rank's failure in that step: after every rank agreed what to restore,
+    // before the copies move).
+    std::string phase = "begin";
+  };
+  std::vector<Kill> kills;
+  bool kills_in(std::string_view phase) const {
+    return std::any_of(kills.begin(), kills.end(), [&](const Kill& k) { return k.phase == phase; });
+  }
   // The job's id (TORCHELASTIC_RUN_ID, under a launcher), saved with every checkpoint: a
   // restarted job resumes only from its own checkpoints, not from another job's left in
   // the same --save directory. Empty: not saved.

@@ -33,11 +33,12 @@ struct Summary {
 // One rank's in-memory recoveries (--restart-scope rank), across its trainings.
 struct Recovery {
   bool restore = false;  // the next training restores from the peer checkpoint
+  bool replacement = false;  // started for a failed rank: it redoes nothing, it has not trained
   int failures = 0;      // failures this rank survived
   int done = 0;          // steps done when the last failure was caught
   int redone_steps = 0;
   std::int64_t recovery_ms_max = 0;
-  std::chrono::steady_clock::time_point failed_at{};  // when the last failure was caught
+  std::chrono::steady_clock::time_point failed_at{};  // when the failure recovered from was caught (the first of several)
 };
 
 // Unsharded reference: one model, the whole global batch, every byte through a counting

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -24,6 +25,15 @@ using test_support::contains;
 using test_support::Params;
 
 constexpr int kSteps = 6;
+
+// One rank's copy alone, exactly its size (refresh() writes it into a padded buffer).
+fsdp::detail::PeerBytes serialize(fsdp::ShardedModel& model, fsdp::OptimizerState* optimizer, int rank, int world,
+                                  std::int64_t step) {
+  const fsdp::detail::PeerStateWriter w(model, optimizer);
+  auto out = fsdp::detail::PeerBytes::of_size(w.size());
+  w.write(out.data.get(), rank, world, step);
+  return out;
+}
 
 // What happens to the run between steps: after step `after` (0-based) has run, before its
 // refresh, ranks `lost` lose their memory (parameters, optimizer state and PeerCheckpoint
@@ -216,7 +226,7 @@ TEST_CASE("a copy is checked before it is loaded: its checksum, its rank, world 
     auto& model = t.model;
     auto& sm = t.sm;
     auto& st = t.st;
-    auto bytes = fsdp::detail::serialize_peer_state(sm, &st, 0, 1, 4);
+    auto bytes = serialize(sm, &st, 0, 1, 4);
     auto view = [&] { return bytes.view(); };
     const auto dict = fsdp::detail::parse_peer_state(view(), 0, 1, 4, "copy");
     CHECK(dict.optim_scalars.at("step") == "0");

@@ -7,7 +7,8 @@
 # (--peer-checkpoint: each rank's state in its own memory and its neighbour's) and redoes
 # the steps since. The parameters must equal, bit for bit, those of the same job without a
 # failure, no rank but the killed one may start twice, and the job says what it recovered.
-# FullShard on 2 and 4 processes, and ShardGradOp on 3. Every run is bounded (timeout 120 s).
+# FullShard on 2 and 4 processes, and ShardGradOp on 3; then two ranks lost, the second
+# during the recovery from the first. Every run is bounded (timeout 120 s).
 #
 # Usage: train_recover_test.sh TRAIN_BINARY [SEED] [CASES]
 set -u
@@ -45,6 +46,9 @@ refused() {
 refused "--restart-scope rank needs --peer-checkpoint (the copies every rank restores from)"
 refused "--restart-scope rank needs --nproc 2 or more" --peer-checkpoint --nproc 1
 refused "--restart-scope rank cannot be combined with --precision fp16" --peer-checkpoint --precision fp16
+refused "--kill 2@3:recovery: needs another rank killed in step 3 (not in its recovery)" --peer-checkpoint --nproc 4 --kill 2@3:recovery
+refused "--kill 1@4:recovery: needs another rank killed in step 4" --peer-checkpoint --nproc 4 --kill 0@3 --kill 1@4:recovery
+refused "--kill 1@3:begin: rank 1 is killed more than once; a rank dies once" --peer-checkpoint --nproc 4 --kill 1@3 --kill 1@4
 
 phases=(begin backward optimizer)
 for ((i = 1; i <= cases; i++)); do
@@ -77,6 +81,57 @@ for ((i = 1; i <= cases; i++)); do
       fail "$name: $survivors ranks say they rejoined, not $((nproc[$kind] - 1)): $out"
     else
       echo "PASS: $name: $(sed -n 's/^\[rank 0\] \(recovered: .*\)/\1/p' <<<"$out"), same parameters ($((SECONDS - start)) s)"
+    fi
+  fi
+done
+
+# A second failure during the recovery from the first (--kill R@S:recovery: a survivor dies
+# after every rank agreed what to restore, before the copies move), on 4 processes. When
+# the two ranks are not neighbours every copy survives: the job recovers twice over, to the
+# same parameters. When the second held the first's copy, no step can be restored: every
+# rank says so and exits 87, and fsdp_run ends the job instead of starting more ranks (it
+# stops those still running; they may all have exited by the time it looks).
+for twice in apart neighbours; do
+  first=$((RANDOM % 4))
+  apart=1
+  [[ $twice == apart ]] && apart=2
+  second=$(((first + apart) % 4))
+  step=$((RANDOM % steps + 1))
+  phase=${phases[$((RANDOM % ${#phases[@]}))]}
+  name="second failure, $twice (full4, --kill $first@$step:$phase --kill $second@$step:recovery)"
+  start=$SECONDS
+  # shellcheck disable=SC2086
+  out=$(timeout 120 "$train" "${small[@]}" ${job[full4]} --peer-checkpoint --max-restarts 3 --restart-scope rank \
+    --kill "$first@$step:$phase" --kill "$second@$step:recovery" 2>&1)
+  rc=$?
+  while_recovering=$(grep -c "lost a peer while recovering; rejoining" <<<"$out")
+  if [[ $twice == apart ]]; then
+    if ((rc != 0)); then
+      fail "$name: exited $rc: $(tail -8 <<<"$out")"
+    elif ! grep -q "^fsdp_run: rank $second exited with status 137 (signal SIGKILL); starting a replacement for rank $second (restart 2 of 3)" <<<"$out"; then
+      fail "$name: the second kill and its replacement are not reported: $out"
+    elif ((while_recovering != 3)); then
+      fail "$name: $while_recovering ranks say they lost a peer while recovering, not 3: $out"
+    elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint (ranks $((first < second ? first : second)), $((first < second ? second : first)) from a neighbour's copy)" <<<"$out"; then
+      fail "$name: no restore of both ranks: $out"
+    elif ! grep -q "^\[rank 0\] recovered: failures=2 restarts=2 redone_steps=1 recovery_ms_max=[0-9]*$" <<<"$out"; then
+      fail "$name: no recovered line with two failures: $out"
+    elif [[ "$(fingerprint "$out")" != "${whole[full4]}" ]]; then
+      fail "$name: parameters $(fingerprint "$out"), without the failures ${whole[full4]}"
+    else
+      echo "PASS: $name: $(sed -n 's/^\[rank 0\] \(recovered: .*\)/\1/p' <<<"$out"), same parameters ($((SECONDS - start)) s)"
+    fi
+  else
+    if ((rc != 87)); then
+      fail "$name: exited $rc, not 87 (no recovery possible): $(tail -8 <<<"$out")"
+    elif ! grep -q "in-memory recovery is not possible: rank $first was lost and so was rank $second, which held its copy. Start the job again from the last checkpoint on disk" <<<"$out"; then
+      fail "$name: no rank says why it cannot recover: $out"
+    elif ! grep -q "^fsdp_run: rank [0-9] exited with status 87 (a replacement cannot mend it; no restart)" <<<"$out"; then
+      fail "$name: fsdp_run does not stop the job: $out"
+    elif grep -q "restart 3 of 3" <<<"$out"; then
+      fail "$name: a third rank was started: $out"
+    else
+      echo "PASS: $name: exit 87, rank $first's copy named as lost with rank $second ($((SECONDS - start)) s)"
     fi
   fi
 done

@@ -335,7 +335,7 @@ const bool replace_rank_exits = [] {
       plain.token = env.token;
       fsdp::TcpStore probe(env.master_addr, env.master_port, plain);
       if (probe.try_get(fsdp::claim_key(1))) std::_Exit(10);
-      if (probe.try_get(launch::kEpochKey) != std::optional<std::string>("1")) std::_Exit(11);
+      if (probe.try_get(fsdp::kEpochKey) != std::optional<std::string>("1")) std::_Exit(11);
     }
     auto c = fsdp::connect_store(env, quick);
     if (env.rank == 1 && env.restart_count == 0) std::_Exit(1);
@@ -344,7 +344,7 @@ const bool replace_rank_exits = [] {
       std::_Exit(0);
     }
     c.store->get("replaced", 10000ms);
-    std::_Exit(c.store->add(launch::kEpochKey, 0) == 1 ? 0 : 13);
+    std::_Exit(c.store->add(fsdp::kEpochKey, 0) == 1 ? 0 : 13);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "replace child, rank %d: %s\n", env.rank, e.what());
     std::_Exit(3);

@@ -112,10 +112,6 @@ inline int find_free_port() {
   return ntohs(addr.sin_port);
 }
 
-// The store's count of replacement ranks started (RestartScope::rank), which the
-// survivors wait on (fsdp::TcpProcessGroup::rejoin): an integer, as Store::add keeps it,
-// absent (0) until the first replacement.
-inline constexpr const char* kEpochKey = "fsdp/job/epoch";
 
 namespace detail {
 
@@ -376,7 +372,7 @@ class Job {
   }
 
   // In fsdp_run's store: gives each failed rank's claim back, so that its replacement can
-  // claim it (fsdp::claim_place), then adds their number to kEpochKey in one step (the
+  // claim it (fsdp::claim_place), then adds their number to fsdp::kEpochKey in one step (the
   // epoch counts the replacements started). Returns the new epoch.
   std::int64_t announce_replacements(const std::vector<RankProcess*>& failed) {
     for (RankProcess* r : failed) {
@@ -387,7 +383,7 @@ class Job {
     }
     store_wire::Request count;
     count.verb = store_wire::Verb::add;
-    count.keys = {kEpochKey};
+    count.keys = {fsdp::kEpochKey};
     count.delta = static_cast<std::int64_t>(failed.size());
     const store_wire::Reply epoch = hosted_->apply(count);
     if (epoch.status != store_wire::Status::ok)

@@ -107,11 +107,11 @@ class TcpProcessGroup {
     const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
     std::int64_t announced = 0;
     for (;;) {
-      announced = connection_.store->add(epoch_key, 0);
+      announced = connection_.store->add(kEpochKey, 0);
       if (announced > epoch_) break;
       if (std::chrono::steady_clock::now() >= deadline)
         detail::fail_as(ErrorKind::peer_lost, "TcpProcessGroup::rejoin on rank ", env_.rank, ": no replacement rank was announced within ",
-                        comm_options_.timeout.count(), " ms (the store's ", epoch_key, " stayed at ", announced,
+                        comm_options_.timeout.count(), " ms (the store's ", kEpochKey, " stayed at ", announced,
                         "); only fsdp_run --restart-scope rank starts one");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -130,9 +130,7 @@ class TcpProcessGroup {
 
  private:
   static constexpr const char* done_key = "fsdp/process_group/done";
-  // The launcher adds 1 for every replacement it starts (fsdp_run --restart-scope rank).
-  static constexpr const char* epoch_key = "fsdp/job/epoch";
-  // Each epoch's ring under a prefix of its own, so no key of an earlier ring is read.
+  // Each epoch (kEpochKey) has its ring under a prefix of its own, so no key of an earlier ring is read.
   static std::string prefix_of(const std::string& prefix, int epoch) {
     return epoch == 0 ? prefix : prefix + "/e" + std::to_string(epoch);
   }

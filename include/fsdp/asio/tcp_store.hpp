@@ -140,15 +140,8 @@ class TcpStore final : public Store {
 
   std::string where() const { return "store at " + host_ + ":" + std::to_string(port_); }
 
-  // The job's whole restarts: TORCHELASTIC_RESTART_COUNT less the replacements of single
-  // ranks (FSDP_COMM_EPOCH; fsdp_run --restart-scope rank keeps the store's generation).
-  static std::uint64_t launch_generation() {
-    const long long restarts = DistEnv::number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0);
-    const long long replacements = DistEnv::number("FSDP_COMM_EPOCH", 0, 1 << 20, false).value_or(0);
-    return static_cast<std::uint64_t>(std::max(0LL, restarts - replacements));
-  }
   static TcpStoreOptions with_launch_defaults(TcpStoreOptions o) {
-    if (!o.generation) o.generation = launch_generation();
+    if (!o.generation) o.generation = DistEnv::store_generation_from_env();
     if (!o.job) o.job = DistEnv::text("TORCHELASTIC_RUN_ID", false).value_or("");
     if (o.job->size() > store_wire::max_job_bytes)
       detail::fail("store client: job id (TORCHELASTIC_RUN_ID) of ", o.job->size(), " bytes exceeds ",
@@ -342,6 +335,10 @@ class TcpStore final : public Store {
 // store run apart, tools/fsdp_store, may serve one job after another, so it is not
 // claimed.)
 inline std::string claim_key(int rank) { return "fsdp/job/rank/" + std::to_string(rank); }
+// The count of single-rank replacements, the communicator's epoch: fsdp_run
+// --restart-scope rank adds to it as it starts them, TcpProcessGroup::rejoin() waits for
+// it to grow. An integer, as Store::add keeps it, absent (0) until the first replacement.
+inline constexpr const char* kEpochKey = "fsdp/job/epoch";
 inline void claim_place(TcpStore& store, const DistEnv& env) {
   const std::string where = "the store at " + store.host() + ":" + std::to_string(store.port());
   const std::string size = std::to_string(env.world_size);
@@ -375,12 +372,11 @@ struct StoreConnection {
 // makes rank 0 first start the server there, listening on $FSDP_STORE_BIND (default
 // 127.0.0.1; anything else needs a token); launcher (fsdp_run) and external
 // (tools/fsdp_store) say one already runs. The token defaults to env.token, the generation
-// to the job's whole restarts (env.restart_count, less the replacements of single ranks,
-// env.comm_epoch: fsdp_run --restart-scope rank keeps the generation), the job to env.run_id. Each rank then claims its place
+// to env.store_generation() (the job's whole restarts), the job to env.run_id. Each rank then claims its place
 // (claim_place above), except in a store run apart.
 inline StoreConnection connect_store(const DistEnv& env, TcpStoreOptions options = {}) {
   if (options.token.empty()) options.token = env.token;
-  if (!options.generation) options.generation = static_cast<std::uint64_t>(std::max(0, env.restart_count - env.comm_epoch));
+  if (!options.generation) options.generation = env.store_generation();
   if (!options.job) options.job = env.run_id;
   const StoreHost host = DistEnv::store_host();
   StoreConnection c;

@@ -184,14 +184,6 @@ class PeerStateWriter {
   std::size_t size_ = 0;
 };
 
-// The copy alone, exactly its size (tests; refresh() writes into a padded buffer).
-inline PeerBytes serialize_peer_state(ShardedModel& model, OptimizerState* optimizer, int rank, int world, std::int64_t step) {
-  const PeerStateWriter w(model, optimizer);
-  PeerBytes out = PeerBytes::of_size(w.size());
-  w.write(out.data.get(), rank, world, step);
-  return out;
-}
-
 // Reads a copy's fields, each checked to lie inside it.
 class PeerStateReader {
  public:

@@ -4,6 +4,7 @@
 // TORCHELASTIC_RUN_ID. fsdp_run (tools/) sets them; so can a cluster script by hand.
 // FSDP_STORE_TOKEN, if set, is a shared secret the store demands; FSDP_STORE_HOST (or
 // FSDP_STORE_EXTERNAL) says who serves the store.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -55,6 +56,19 @@ struct DistEnv {
   // unset). fsdp_run --restart-scope rank sets it on a replacement for a failed rank; the
   // survivors reach the same epoch through TcpProcessGroup::rejoin().
   int comm_epoch = 0;
+
+  // The store's membership generation this process joins: the job's whole restarts, that
+  // is restart_count less the replacements of single ranks (comm_epoch: fsdp_run
+  // --restart-scope rank keeps the generation). A stale rank of an earlier start is refused.
+  std::uint64_t store_generation() const { return static_cast<std::uint64_t>(std::max(0, restart_count - comm_epoch)); }
+  // The same from the environment alone, where RANK and the others may be unset (a store
+  // client that is not a rank).
+  static std::uint64_t store_generation_from_env() {
+    DistEnv e;
+    e.restart_count = static_cast<int>(number("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, false).value_or(0));
+    e.comm_epoch = static_cast<int>(number("FSDP_COMM_EPOCH", 0, 1 << 20, false).value_or(0));
+    return e.store_generation();
+  }
 
   // True when RANK and WORLD_SIZE are both set (the program was launched as one rank of
   // a job); a lone process then runs as world size 1.
