@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <concepts>
 #include <sys/wait.h>
 
@@ -36,6 +37,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <optional>
 #include <span>
 #include <type_traits>
@@ -625,8 +628,9 @@ int main(int argc, char** argv) {
                               k.phase = when.substr(colon + 1);
                               when.resize(colon);
                               if (k.phase != "begin" && k.phase != "backward" && k.phase != "optimizer" && k.phase != "save" &&
-                                  k.phase != "recovery")
-                                fsdp::detail::fail("--kill: phase '", k.phase, "' is not begin, backward, optimizer, save or recovery");
+                                  k.phase != "recovery" && k.phase != "rejoin")
+                                fsdp::detail::fail("--kill: phase '", k.phase,
+                                                   "' is not begin, backward, optimizer, save, recovery or rejoin");
                             }
                             if (when == "end" && text.find(':') != std::string::npos)
                               fsdp::detail::fail("--kill: RANK@end takes no phase");
@@ -640,7 +644,8 @@ int main(int argc, char** argv) {
                       "begins (PHASE begin, the default), once a unit's gradient is final (backward), before the "
                       "optimizer (optimizer; not on a step the fp16 loss scaler skips), while its checkpoint is "
                       "written (save), or, under --restart-scope rank, while the survivors recover from another "
-                      "rank's failure in that step (recovery); RANK@end: after the last step and its checkpoint. "
+                      "rank's failure in that step (recovery: once they agreed what to restore; rejoin: 300 ms "
+                      "after the failure, before rejoining, while the others' new ring forms); RANK@end: after the last step and its checkpoint. "
                       "Repeat it to kill several ranks. On the job's first start only (see --max-restarts)")
                    ->type_name("RANK@STEP[:PHASE]")
                    ->expected(1)
@@ -677,7 +682,7 @@ int main(int argc, char** argv) {
     const bool no_such_rank = !fsdp::DistEnv::launched() && k.rank >= nproc;  // launched: checked against WORLD_SIZE below
     const bool saves_then = !cfg.save_dir.empty() && (k.step == cfg.steps || (cfg.save_every > 0 && k.step % cfg.save_every == 0));
     const bool failure_first = std::any_of(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) {
-      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "end";
+      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "rejoin" && o.phase != "end";
     });
     const auto twice = std::count_if(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) { return o.rank == k.rank; });
     std::string why;
@@ -694,9 +699,9 @@ int main(int argc, char** argv) {
                                     "that --optimizer-in-backward needs"
                                   : "cannot be combined with --optimizer-in-backward: there is no optimizer step after "
                                     "backward to kill before";
-    else if (k.phase == "recovery" && cfg.restart_scope != "rank")
+    else if ((k.phase == "recovery" || k.phase == "rejoin") && cfg.restart_scope != "rank")
       why = "needs --restart-scope rank (only there do survivors recover)";
-    else if (k.phase == "recovery" && !failure_first)
+    else if ((k.phase == "recovery" || k.phase == "rejoin") && !failure_first)
       why = fmt::format("needs another rank killed in step {} (not in its recovery): the failure recovered from", k.step);
     if (!why.empty()) {
       fmt::print(stderr, "{}: {}\n", label, why);
@@ -838,7 +843,13 @@ int main(int argc, char** argv) {
           fmt::print(stderr, "{}\nrank {}: lost a peer {}; rejoining its replacement (in-memory recovery)\n", e.what(),
                      group.env().rank,
                      recovering ? std::string("while recovering") : fmt::format("at step {}", recovery.done + 1));
-          group.rejoin();
+          for (const auto& k : cfg.kills)  // --kill R@S:rejoin: later than the launcher's 100 ms, so a failure of its own
+            if (!recovering && k.phase == "rejoin" && k.rank == group.env().rank && k.step == recovery.done + 1) {
+              std::fflush(nullptr);
+              std::this_thread::sleep_for(std::chrono::milliseconds(300));
+              std::raise(SIGKILL);
+            }
+          recovery.failures += group.rejoin();  // and any failure while its ring formed
         }
       }
     } else {

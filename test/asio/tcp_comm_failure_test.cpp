@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -216,6 +218,45 @@ TEST_CASE("a rank that never joins fails construction on its neighbours, naming 
                                   ": rank 2 never joined communicator fsdp/comm (waited 300 ms for its address)"));
   }
   CHECK(!store->try_get("fsdp/comm/addr/0"));  // a failed rank leaves no stale address behind
+}
+
+TEST_CASE("abandon_join: a join that cannot complete ends as soon as the callback gives a reason, as a lost peer") {
+  // Rank 2 never joins; 200 ms in, the callback starts returning a reason (what
+  // TcpProcessGroup does when the launcher announces a newer epoch). Without it the
+  // ranks would wait out their 20 s timeout (see the case above).
+  auto store = std::make_shared<fsdp::HashStore>();
+  std::atomic<bool> superseded{false};
+  std::atomic<int> asked{0};
+  auto options = with_timeout(20000ms);
+  options.abandon_join = [&]() -> std::optional<std::string> {
+    ++asked;
+    if (!superseded) return std::nullopt;
+    return std::string("a newer ring was announced");
+  };
+  std::array<std::optional<fsdp::ErrorKind>, 2> kinds;
+  std::array<std::string, 2> messages;
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        TcpComm comm(store, r, 3, options);
+      } catch (const fsdp::Error& e) {
+        kinds[r] = e.kind(), messages[r] = e.what();
+      }
+    });
+  std::this_thread::sleep_for(200ms);
+  superseded = true;
+  for (auto& t : ranks) t.join();
+  CHECK(seconds_since(t0) < 2.0);
+  CHECK(asked >= 2);  // asked while waiting, before the reason came
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(messages[r]);
+    REQUIRE(kinds[r]);
+    CHECK(*kinds[r] == fsdp::ErrorKind::peer_lost);
+    CHECK(contains(messages[r], "rank " + std::to_string(r) +
+                                    ": left communicator fsdp/comm before it formed: a newer ring was announced"));
+  }
 }
 
 TEST_CASE("the store going away while ranks wait for one that never joins: the error still names it") {

@@ -48,7 +48,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -95,6 +97,12 @@ struct TcpCommOptions {
   // Payload bytes in flight on one shared-memory link (rounded to whole segments, at
   // least 2, at most 1024 of them): how far a sender may run ahead of its neighbour.
   std::size_t shared_memory_bytes = std::size_t{8} << 20;
+  // Called every 100 ms while this rank joins the ring (construction and split()), on the
+  // joining thread: a reason it returns ends the join with fsdp::ErrorKind::peer_lost and
+  // that reason, instead of waiting out `timeout` for a rank that will not come.
+  // TcpProcessGroup leaves a ring whose epoch was superseded (another rank failed while
+  // it formed). Empty: never.
+  std::function<std::optional<std::string>()> abandon_join;
 };
 
 // Which of this rank's ring links carry payloads through shared memory.
@@ -132,7 +140,7 @@ class TcpComm : public detail::CollectiveCalls<TcpComm> {
     core_ = std::make_unique<detail::TcpCommCore>(
         std::move(store), detail::RingIdentity{options.prefix, rank, size, options.address, options.segment_bytes,
                                                options.socket_buffer_bytes, io_threads == 2, shm,
-                                               options.shared_memory_bytes, options.timeout});
+                                               options.shared_memory_bytes, options.timeout, options.abandon_join});
   }
 
   TcpComm(TcpComm&&) noexcept = default;

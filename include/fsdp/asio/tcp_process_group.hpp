@@ -16,7 +16,9 @@
 // (an fsdp::Error of kind peer_lost), drop what they built on the communicator and call
 // rejoin(), which waits for the launcher to announce the replacement (the store's
 // fsdp/job/epoch grows) and connects a new ring under that epoch's prefix; the replacement
-// starts in it (FSDP_COMM_EPOCH). Then every rank rebuilds its model and restores it
+// starts in it (FSDP_COMM_EPOCH). A rank that fails while that ring forms never joins it:
+// the others leave it when the next epoch is announced and join that one (join_ring).
+// Then every rank rebuilds its model and restores it
 // (fsdp::PeerCheckpoint::restore). docs/failures.md#in-memory-recovery.
 // Teardown is ordered so no rank loses the store while it still needs it: the ranks meet
 // in a barrier, close their rings, give their claims back and count themselves out in the
@@ -37,8 +39,10 @@
 // through std::terminate, its message printed; call finish() there instead.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,6 +54,7 @@
 #include "fsdp/asio/tcp_store.hpp"
 #include "fsdp/core/detail/echoed_error.hpp"
 #include "fsdp/core/dist_env.hpp"
+#include "fsdp/core/parse.hpp"
 
 namespace fsdp {
 
@@ -71,9 +76,7 @@ class TcpProcessGroup {
     if (const char* addr = std::getenv("FSDP_COMM_ADDR"); addr && *addr) comm_options.address = addr;
     else if (comm_options.address.empty()) comm_options.address = connection_.store->local_address();
     comm_options_ = comm_options;
-    epoch_ = env_.comm_epoch;
-    comm_options.prefix = prefix_of(comm_options.prefix, epoch_);
-    comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(comm_options));
+    join_ring(env_.comm_epoch);
   }
 
   // Not movable: from_env() returns it by guaranteed copy elision.
@@ -100,8 +103,10 @@ class TcpProcessGroup {
   // epoch with it and the other survivors. comm() is then the new communicator; anything
   // built on the old one (streams, meshes, the sharded model) must be built again. Throws
   // fsdp::Error (peer_lost) when no replacement is announced in time: a job that is not
-  // restarting ranks (fsdp_run --restart-scope rank) never announces one.
-  void rejoin() {
+  // restarting ranks (fsdp_run --restart-scope rank) never announces one. When another
+  // rank fails while that ring forms, it joins the next epoch's instead (see join_ring);
+  // returns how many rings it left so: failures it survived beyond the one it was called for.
+  int rejoin() {
     if (!comm_) detail::fail("TcpProcessGroup::rejoin on rank ", env_.rank, ": the group was torn down (finish() ran)");
     comm_.reset();  // closes the links: peers still in a collective fail at once
     const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
@@ -115,10 +120,7 @@ class TcpProcessGroup {
                         "); only fsdp_run --restart-scope rank starts one");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    epoch_ = static_cast<int>(announced);
-    TcpCommOptions options = comm_options_;
-    options.prefix = prefix_of(options.prefix, epoch_);
-    comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(options));
+    return join_ring(static_cast<int>(announced));
   }
   // Which rebuild of the communicator comm() is: 0 at the start, the launcher's count after
   // a rejoin() or in a replacement.
@@ -130,6 +132,46 @@ class TcpProcessGroup {
 
  private:
   static constexpr const char* done_key = "fsdp/process_group/done";
+  // The launcher's count of replacements (kEpochKey), 0 before the first: read without
+  // writing, so a job that replaces nothing keeps no such key.
+  static std::int64_t announced_epoch(Store& store) {
+    const auto text = store.try_get(kEpochKey);
+    return text ? detail::parse_integer<std::int64_t>(*text, kEpochKey, 0, 1 << 20) : 0;
+  }
+  // Connects the ring of `epoch`, or of a later one: a rank that fails while the ring
+  // forms never joins it, and the launcher announces the epoch of its replacement (the
+  // store's kEpochKey grows). The ranks waiting in the superseded ring leave it
+  // (TcpCommOptions::abandon_join) and join the newest. Bounded: each pass needs a new
+  // epoch, which only a replacement the launcher starts brings, and each waits at most the
+  // communicator's timeout.
+  // Returns how many rings it left.
+  int join_ring(int epoch) {
+    for (int left = 0;; ++left) {
+      epoch_ = epoch;
+      TcpCommOptions options = comm_options_;
+      options.prefix = prefix_of(options.prefix, epoch);
+      if (!options.abandon_join)
+        options.abandon_join = [store = connection_.store, epoch]() -> std::optional<std::string> {
+          const std::int64_t announced = announced_epoch(*store);
+          if (announced <= epoch) return std::nullopt;
+          return "the launcher announced epoch " + std::to_string(announced) + " (a rank failed while epoch " +
+                 std::to_string(epoch) + "'s ring formed, and was replaced)";
+        };
+      try {
+        comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(options));
+        return left;
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::peer_lost || comm_options_.abandon_join) throw;
+        std::int64_t announced = 0;
+        try {
+          announced = announced_epoch(*connection_.store);
+        } catch (const Error&) {  // the store is gone too: the join's own error says more
+        }
+        if (announced <= epoch) throw;
+        epoch = static_cast<int>(announced);
+      }
+    }
+  }
   // Each epoch (kEpochKey) has its ring under a prefix of its own, so no key of an earlier ring is read.
   static std::string prefix_of(const std::string& prefix, int epoch) {
     return epoch == 0 ? prefix : prefix + "/e" + std::to_string(epoch);

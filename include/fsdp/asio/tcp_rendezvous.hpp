@@ -47,6 +47,8 @@ struct RingIdentity {
   bool shared_memory = false;   // offer / accept shared-memory links (shm_handshake.hpp)
   std::size_t shared_memory_bytes = 0;  // size of the shared ring this rank offers
   std::chrono::milliseconds timeout{0};
+  // Asked every 100 ms while joining: a reason ends the join (TcpCommOptions::abandon_join).
+  std::function<std::optional<std::string>()> abandon;
 
   int left() const { return (rank + size - 1) % size; }
   int right() const { return (rank + 1) % size; }
@@ -77,6 +79,7 @@ class RingJoiner {
                    "could not publish its address for communicator " + id_.prefix);
     start_accept();
     look_up_right();
+    watch();
     while (!(left_ && right_done_) && !failure_ && io_.run_one_until(deadline_)) {
     }
     // A refusal still being written to the left neighbour goes out before the sockets close
@@ -90,6 +93,7 @@ class RingJoiner {
     error_code ignored;
     acceptor_.close(ignored);
     timer_.cancel();
+    watch_timer_.cancel();
     for (auto& in : incoming_) in->socket.close(ignored);
     if (!ok) right_.close(ignored);
     io_.restart();
@@ -206,6 +210,24 @@ class RingJoiner {
     timer_.expires_after(backoff);
     timer_.async_wait([this, backoff](error_code ec) {
       if (!ec) look_up_right(std::min(backoff * 2, std::chrono::milliseconds(50)));
+    });
+  }
+
+  // RingIdentity::abandon, every 100 ms until the join ends. A store that fails it is the
+  // join's own paths' to report: the watch only stops.
+  void watch() {
+    if (!id_.abandon) return;
+    watch_timer_.expires_after(std::chrono::milliseconds(100));
+    watch_timer_.async_wait([this](error_code ec) {
+      if (ec || failure_) return;
+      std::optional<std::string> why;
+      try {
+        why = id_.abandon();
+      } catch (const Error&) {
+        return;
+      }
+      if (why) return record_failure(id_.where() + "left communicator " + id_.prefix + " before it formed: " + *why, ErrorKind::peer_lost);
+      watch();
     });
   }
 
@@ -395,6 +417,7 @@ class RingJoiner {
   tcp::acceptor acceptor_{io_};
   tcp::socket right_{io_};
   boost::asio::steady_timer timer_{io_};
+  boost::asio::steady_timer watch_timer_{io_};  // watch(): RingIdentity::abandon
   std::vector<std::shared_ptr<Incoming>> incoming_;
   std::optional<tcp::socket> left_;
   bool right_done_ = false;
