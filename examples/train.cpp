@@ -644,8 +644,8 @@ int main(int argc, char** argv) {
                       "begins (PHASE begin, the default), once a unit's gradient is final (backward), before the "
                       "optimizer (optimizer; not on a step the fp16 loss scaler skips), while its checkpoint is "
                       "written (save), or, under --restart-scope rank, while the survivors recover from another "
-                      "rank's failure in that step (recovery: once they agreed what to restore; rejoin: 300 ms "
-                      "after the failure, before rejoining, while the others' new ring forms); RANK@end: after the last step and its checkpoint. "
+                      "rank's failure in that step (recovery: once they agreed what to restore; rejoin: before "
+                      "rejoining, while the others' new ring forms); RANK@end: after the last step and its checkpoint. "
                       "Repeat it to kill several ranks. On the job's first start only (see --max-restarts)")
                    ->type_name("RANK@STEP[:PHASE]")
                    ->expected(1)
@@ -682,7 +682,9 @@ int main(int argc, char** argv) {
     const bool no_such_rank = !fsdp::DistEnv::launched() && k.rank >= nproc;  // launched: checked against WORLD_SIZE below
     const bool saves_then = !cfg.save_dir.empty() && (k.step == cfg.steps || (cfg.save_every > 0 && k.step % cfg.save_every == 0));
     const bool failure_first = std::any_of(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) {
-      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "rejoin" && o.phase != "end";
+      // save: that rank dies after the step's refresh, so the others fail in the next step
+      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "rejoin" && o.phase != "end" &&
+             o.phase != "save";
     });
     const auto twice = std::count_if(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) { return o.rank == k.rank; });
     std::string why;
@@ -702,7 +704,8 @@ int main(int argc, char** argv) {
     else if ((k.phase == "recovery" || k.phase == "rejoin") && cfg.restart_scope != "rank")
       why = "needs --restart-scope rank (only there do survivors recover)";
     else if ((k.phase == "recovery" || k.phase == "rejoin") && !failure_first)
-      why = fmt::format("needs another rank killed in step {} (not in its recovery): the failure recovered from", k.step);
+      why = fmt::format("needs another rank killed in step {} (begin, backward or optimizer): the failure recovered from",
+                        k.step);
     if (!why.empty()) {
       fmt::print(stderr, "{}: {}\n", label, why);
       return 2;
@@ -788,7 +791,8 @@ int main(int argc, char** argv) {
       cfg.run_id = env.run_id;
       for (const auto& k : cfg.kills)
         if (k.rank >= env.world_size) {
-          fmt::print(stderr, "--kill {}@{}: there is no rank {} among {} ranks\n", k.rank, k.step, k.rank, env.world_size);
+          fmt::print(stderr, "--kill {}@{}: there is no rank {} among {} ranks\n", k.rank,
+                     k.phase == "end" ? std::string("end") : std::to_string(k.step), k.rank, env.world_size);
           return 2;
         }
       if (env.restart_count > 0 && cfg.restart_scope == "rank") {
@@ -843,10 +847,15 @@ int main(int argc, char** argv) {
           fmt::print(stderr, "{}\nrank {}: lost a peer {}; rejoining its replacement (in-memory recovery)\n", e.what(),
                      group.env().rank,
                      recovering ? std::string("while recovering") : fmt::format("at step {}", recovery.done + 1));
-          for (const auto& k : cfg.kills)  // --kill R@S:rejoin: later than the launcher's 100 ms, so a failure of its own
+          // --kill R@S:rejoin: once fsdp_run announced the first replacement (its batch of
+          // failures is closed: this one is a failure of its own), and the others had 300 ms
+          // to start joining that epoch's ring.
+          for (const auto& k : cfg.kills)
             if (!recovering && k.phase == "rejoin" && k.rank == group.env().rank && k.step == recovery.done + 1) {
-              std::fflush(nullptr);
+              for (int i = 0; i < 3000 && !group.store().try_get(fsdp::kEpochKey); ++i)  // bounded: 30 s
+                std::this_thread::sleep_for(std::chrono::milliseconds(10));
               std::this_thread::sleep_for(std::chrono::milliseconds(300));
+              std::fflush(nullptr);
               std::raise(SIGKILL);
             }
           recovery.failures += group.rejoin();  // and any failure while its ring formed

@@ -46,7 +46,10 @@ refused() {
 refused "--restart-scope rank needs --peer-checkpoint (the copies every rank restores from)"
 refused "--restart-scope rank needs --nproc 2 or more" --peer-checkpoint --nproc 1
 refused "--restart-scope rank cannot be combined with --precision fp16" --peer-checkpoint --precision fp16
-refused "--kill 2@3:recovery: needs another rank killed in step 3 (not in its recovery)" --peer-checkpoint --nproc 4 --kill 2@3:recovery
+refused "--kill 2@3:recovery: needs another rank killed in step 3 (begin, backward or optimizer)" --peer-checkpoint --nproc 4 --kill 2@3:recovery
+# A rank killed while its checkpoint is written dies after the step's refresh: the others fail in the next step.
+refused "--kill 2@2:rejoin: needs another rank killed in step 2 (begin, backward or optimizer)" --peer-checkpoint --nproc 4 \
+  --save "${TEST_TMPDIR:-/tmp}/recover_refusal" --save-every 2 --kill 1@2:save --kill 2@2:rejoin
 refused "--kill 1@4:recovery: needs another rank killed in step 4" --peer-checkpoint --nproc 4 --kill 0@3 --kill 1@4:recovery
 refused "--kill 1@3:begin: rank 1 is killed more than once; a rank dies once" --peer-checkpoint --nproc 4 --kill 1@3 --kill 1@4
 

@@ -97,12 +97,14 @@ struct TcpCommOptions {
   // Payload bytes in flight on one shared-memory link (rounded to whole segments, at
   // least 2, at most 1024 of them): how far a sender may run ahead of its neighbour.
   std::size_t shared_memory_bytes = std::size_t{8} << 20;
-  // Called every 100 ms while this rank joins the ring (construction and split()), on the
-  // joining thread: a reason it returns ends the join with fsdp::ErrorKind::peer_lost and
-  // that reason, instead of waiting out `timeout` for a rank that will not come.
-  // TcpProcessGroup leaves a ring whose epoch was superseded (another rank failed while
-  // it formed). Empty: never.
-  std::function<std::optional<std::string>()> abandon_join;
+  // Called every 100 ms while this rank waits for its ring neighbours (construction and
+  // split()), on the joining thread, with the store the join reads (each request bounded,
+  // 2 s): a reason it returns ends the join with fsdp::ErrorKind::peer_lost and that
+  // reason, instead of waiting out `timeout` for a rank that will not come. A call that
+  // throws, or a store that does not answer, gives no reason that time. TcpProcessGroup
+  // leaves a ring whose epoch was superseded (another rank failed while it formed).
+  // Empty: never.
+  std::function<std::optional<std::string>(Store&)> abandon_join;
 };
 
 // Which of this rank's ring links carry payloads through shared memory.

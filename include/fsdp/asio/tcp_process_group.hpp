@@ -106,6 +106,8 @@ class TcpProcessGroup {
   // restarting ranks (fsdp_run --restart-scope rank) never announces one. When another
   // rank fails while that ring forms, it joins the next epoch's instead (see join_ring);
   // returns how many rings it left so: failures it survived beyond the one it was called for.
+  // A rank whose neighbours both joined may finish joining a ring that others leave: its
+  // first collective then fails with peer_lost, so keep calling rejoin() on that error.
   int rejoin() {
     if (!comm_) detail::fail("TcpProcessGroup::rejoin on rank ", env_.rank, ": the group was torn down (finish() ran)");
     comm_.reset();  // closes the links: peers still in a collective fail at once
@@ -151,8 +153,8 @@ class TcpProcessGroup {
       TcpCommOptions options = comm_options_;
       options.prefix = prefix_of(options.prefix, epoch);
       if (!options.abandon_join)
-        options.abandon_join = [store = connection_.store, epoch]() -> std::optional<std::string> {
-          const std::int64_t announced = announced_epoch(*store);
+        options.abandon_join = [epoch](Store& store) -> std::optional<std::string> {
+          const std::int64_t announced = announced_epoch(store);
           if (announced <= epoch) return std::nullopt;
           return "the launcher announced epoch " + std::to_string(announced) + " (a rank failed while epoch " +
                  std::to_string(epoch) + "'s ring formed, and was replaced)";
@@ -161,7 +163,8 @@ class TcpProcessGroup {
         comm_.emplace(connection_.store, env_.rank, env_.world_size, std::move(options));
         return left;
       } catch (const Error& e) {
-        if (e.kind() != ErrorKind::peer_lost || comm_options_.abandon_join) throw;
+        // A join that timed out as the next epoch came is superseded all the same.
+        if ((e.kind() != ErrorKind::peer_lost && e.kind() != ErrorKind::timeout) || comm_options_.abandon_join) throw;
         std::int64_t announced = 0;
         try {
           announced = announced_epoch(*connection_.store);

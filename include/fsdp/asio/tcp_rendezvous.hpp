@@ -48,7 +48,7 @@ struct RingIdentity {
   std::size_t shared_memory_bytes = 0;  // size of the shared ring this rank offers
   std::chrono::milliseconds timeout{0};
   // Asked every 100 ms while joining: a reason ends the join (TcpCommOptions::abandon_join).
-  std::function<std::optional<std::string>()> abandon;
+  std::function<std::optional<std::string>(Store&)> abandon;
 
   int left() const { return (rank + size - 1) % size; }
   int right() const { return (rank + 1) % size; }
@@ -213,8 +213,9 @@ class RingJoiner {
     });
   }
 
-  // RingIdentity::abandon, every 100 ms until the join ends. A store that fails it is the
-  // join's own paths' to report: the watch only stops.
+  // RingIdentity::abandon, every 100 ms until the join ends, through the bounded client
+  // (ask_store). A call that throws or goes unanswered gives no reason: a store that failed
+  // is the join's own paths' to report, and the watch asks again.
   void watch() {
     if (!id_.abandon) return;
     watch_timer_.expires_after(std::chrono::milliseconds(100));
@@ -222,9 +223,9 @@ class RingJoiner {
       if (ec || failure_) return;
       std::optional<std::string> why;
       try {
-        why = id_.abandon();
-      } catch (const Error&) {
-        return;
+        ask_store([&](Store& s) { why = id_.abandon(s); });
+      } catch (...) {
+        why.reset();
       }
       if (why) return record_failure(id_.where() + "left communicator " + id_.prefix + " before it formed: " + *why, ErrorKind::peer_lost);
       watch();
