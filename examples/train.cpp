@@ -32,6 +32,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -174,6 +175,14 @@ void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
                              (code == 127 ? ": no gnuplot here; apt install gnuplot-nox)" : ")"));
 }
 
+// --kill: this process dies as the OOM killer or a lost node would end it, its output
+// written first.
+[[noreturn]] void kill_self() {
+  std::fflush(nullptr);
+  std::raise(SIGKILL);
+  std::abort();  // not reached: SIGKILL cannot be caught
+}
+
 // Thrown when the peer checkpoint cannot restore the ranks: the rank exits with
 // fsdp::kNoReplacementExitStatus, and fsdp_run --restart-scope rank stops the job.
 struct NoRecovery : std::runtime_error {
@@ -275,11 +284,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     // --kill RANK@STEP:PHASE: a lost rank, as the OOM killer or a node would lose it.
     int step_now = 0;  // 1-based, the step being trained
     auto kill_here = [&](std::string_view phase) {
-      for (const auto& k : cfg.kills)
-        if (r == k.rank && step_now == k.step && phase == k.phase) {
-          std::fflush(nullptr);
-          std::raise(SIGKILL);
-        }
+      if (cfg.kills_at(r, step_now, phase)) kill_self();
     };
     if (cfg.kills_in("backward"))  // on every rank alike; it computes nothing and keeps the gradient
       sharded.set_post_accumulate_grad_hook([&](fsdp::Unit&) { kill_here("backward"); });
@@ -327,7 +332,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
           throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Start the job again from the "
                                        "last checkpoint on disk (--resume)", r, why));
         step_now = recovery.done + 1;  // the step that failed
-        if (recovery.failures > 0) kill_here("recovery");  // a second failure, before the copies move
+        kill_here("recovery");         // a second failure, before the copies move
         const fsdp::PeerRestore restored = peer.restore(stream, sharded, optimizer_state);
         first_step = static_cast<int>(restored.step);
         recovery.restore = false;
@@ -683,8 +688,7 @@ int main(int argc, char** argv) {
     const bool saves_then = !cfg.save_dir.empty() && (k.step == cfg.steps || (cfg.save_every > 0 && k.step % cfg.save_every == 0));
     const bool failure_first = std::any_of(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) {
       // save: that rank dies after the step's refresh, so the others fail in the next step
-      return o.rank != k.rank && o.step == k.step && o.phase != "recovery" && o.phase != "rejoin" && o.phase != "end" &&
-             o.phase != "save";
+      return o.rank != k.rank && o.step == k.step && !o.in_recovery() && o.phase != "end" && o.phase != "save";
     });
     const auto twice = std::count_if(cfg.kills.begin(), cfg.kills.end(), [&](const Config::Kill& o) { return o.rank == k.rank; });
     std::string why;
@@ -701,9 +705,9 @@ int main(int argc, char** argv) {
                                     "that --optimizer-in-backward needs"
                                   : "cannot be combined with --optimizer-in-backward: there is no optimizer step after "
                                     "backward to kill before";
-    else if ((k.phase == "recovery" || k.phase == "rejoin") && cfg.restart_scope != "rank")
+    else if (k.in_recovery() && cfg.restart_scope != "rank")
       why = "needs --restart-scope rank (only there do survivors recover)";
-    else if ((k.phase == "recovery" || k.phase == "rejoin") && !failure_first)
+    else if (k.in_recovery() && !failure_first)
       why = fmt::format("needs another rank killed in step {} (begin, backward or optimizer): the failure recovered from",
                         k.step);
     if (!why.empty()) {
@@ -850,14 +854,12 @@ int main(int argc, char** argv) {
           // --kill R@S:rejoin: once fsdp_run announced the first replacement (its batch of
           // failures is closed: this one is a failure of its own), and the others had 300 ms
           // to start joining that epoch's ring.
-          for (const auto& k : cfg.kills)
-            if (!recovering && k.phase == "rejoin" && k.rank == group.env().rank && k.step == recovery.done + 1) {
-              for (int i = 0; i < 3000 && !group.store().try_get(fsdp::kEpochKey); ++i)  // bounded: 30 s
-                std::this_thread::sleep_for(std::chrono::milliseconds(10));
-              std::this_thread::sleep_for(std::chrono::milliseconds(300));
-              std::fflush(nullptr);
-              std::raise(SIGKILL);
-            }
+          if (!recovering && cfg.kills_at(group.env().rank, recovery.done + 1, "rejoin")) {
+            for (int i = 0; i < 3000 && !group.store().try_get(fsdp::kEpochKey); ++i)  // bounded: 30 s
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            kill_self();
+          }
           recovery.failures += group.rejoin();  // and any failure while its ring formed
         }
       }

@@ -105,14 +105,20 @@ struct Config {
     // Where in the step: "begin" (before its forward), "backward" (once the first unit's
     // gradient is final: some reductions done, others not), "optimizer" (after the
     // gradients are final, before the optimizer), "save" (the step's checkpoint being
-    // written in the background), "recovery" (a survivor, in the in-memory recovery from
-    // another rank's failure in that step: after every rank agreed what to restore,
-    // before the copies move).
+    // written in the background), "end" (step 0: after training). In the in-memory
+    // recovery from another rank's failure in that step, on a survivor: "recovery" (after
+    // every rank agreed what to restore, before the copies move), "rejoin" (before it
+    // rejoins, once fsdp_run announced the first replacement).
     std::string phase = "begin";
+    bool in_recovery() const { return phase == "recovery" || phase == "rejoin"; }
   };
   std::vector<Kill> kills;
   bool kills_in(std::string_view phase) const {
     return std::any_of(kills.begin(), kills.end(), [&](const Kill& k) { return k.phase == phase; });
+  }
+  // Whether rank `rank` dies at `step` in `phase`.
+  bool kills_at(int rank, int step, std::string_view phase) const {
+    return std::any_of(kills.begin(), kills.end(), [&](const Kill& k) { return k.rank == rank && k.step == step && k.phase == phase; });
   }
   // The job's id (TORCHELASTIC_RUN_ID, under a launcher), saved with every checkpoint: a
   // restarted job resumes only from its own checkpoints, not from another job's left in

@@ -112,7 +112,6 @@ inline int find_free_port() {
   return ntohs(addr.sin_port);
 }
 
-
 namespace detail {
 
 // 128 random bits as 32 hex digits.

@@ -114,7 +114,7 @@ class TcpProcessGroup {
     const auto deadline = std::chrono::steady_clock::now() + comm_options_.timeout;
     std::int64_t announced = 0;
     for (;;) {
-      announced = connection_.store->add(kEpochKey, 0);
+      announced = announced_epoch(*connection_.store);
       if (announced > epoch_) break;
       if (std::chrono::steady_clock::now() >= deadline)
         detail::fail_as(ErrorKind::peer_lost, "TcpProcessGroup::rejoin on rank ", env_.rank, ": no replacement rank was announced within ",

@@ -55,6 +55,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
+#include "fsdp/core/detail/root_cause.hpp"
 #include "fsdp/core/detail/timeout.hpp"
 #include "fsdp/asio/store_protocol.hpp"
 #include "fsdp/asio/store_table.hpp"
@@ -141,7 +142,7 @@ class TcpStoreServer {
     if (std::this_thread::get_id() == thread_.get_id())
       detail::fail("store server: begin_generation called from the server's own thread (its log), which would wait "
                    "for itself");
-    auto done = std::make_shared<std::promise<Failure>>();
+    auto done = std::make_shared<std::promise<detail::OwnFailure>>();
     auto finished = done->get_future();
     boost::asio::post(io_, [this, g, done] {
       try {
@@ -150,8 +151,8 @@ class TcpStoreServer {
                        " already (generations only grow)");
         if (g > generation_) begin(job_, g, "its host began it");
         done->set_value({});
-      } catch (const std::exception& e) {
-        done->set_value(Failure::of(e));
+      } catch (...) {
+        done->set_value(detail::own_failure(std::current_exception()));
       }
     });
     // The server's thread answers at once unless it has stopped, which it does only when
@@ -159,7 +160,7 @@ class TcpStoreServer {
     if (finished.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
       detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_,
                       ": begin_generation(", g, ") got no answer from the server's thread within 10 s (it has stopped)");
-    finished.get().rethrow();
+    rethrow(finished.get());
   }
 
   // Does `request`, a verb that never waits (set, try_get, add, compare_set, delete_key,
@@ -174,41 +175,33 @@ class TcpStoreServer {
     if (std::this_thread::get_id() == thread_.get_id())
       detail::fail("store server: apply called from the server's own thread (its log), which would wait for itself");
     const store_wire::Verb verb = request.verb;
-    auto done = std::make_shared<std::promise<std::pair<store_wire::Reply, Failure>>>();
+    auto done = std::make_shared<std::promise<std::pair<store_wire::Reply, detail::OwnFailure>>>();
     auto answered = done->get_future();
     boost::asio::post(io_, [this, request = std::move(request), done] {
       try {
         store_wire::Reply reply = table_.apply(request);
         if (store_wire::StoreTable::may_set_keys(request.verb)) wake_waiters();
         done->set_value({std::move(reply), {}});
-      } catch (const std::exception& e) {
-        done->set_value({store_wire::Reply{}, Failure::of(e)});
+      } catch (...) {
+        done->set_value({store_wire::Reply{}, detail::own_failure(std::current_exception())});
       }
     });
     if (answered.wait_for(std::chrono::seconds(10)) != std::future_status::ready)
       detail::fail_as(ErrorKind::timeout, "store server at ", options_.host, ":", port_, ": apply(",
                       store_wire::name_of(verb), ") got no answer from the server's thread within 10 s (it has stopped)");
     auto [reply, failure] = answered.get();
-    failure.rethrow();
+    rethrow(failure);
     return reply;
   }
 
  private:
-  // A failure on the server's thread, handed to the caller's as text: the caller throws
-  // an fsdp::Error of its own, so no exception object is shared by the two threads (their
-  // reference counts live in a libstdc++ that ThreadSanitizer does not see).
-  struct Failure {
-    std::optional<ErrorKind> kind;
-    std::string message;
-    static Failure of(const std::exception& e) {
-      std::string m = e.what();
-      if (m.rfind("fsdp: ", 0) == 0) m.erase(0, 6);
-      return {kind_of(e), std::move(m)};
-    }
-    void rethrow() const {
-      if (kind) throw Error(*kind, message);
-    }
-  };
+  // A failure on the server's thread reaches the caller's as text (detail::own_failure,
+  // taken there): the caller throws an fsdp::Error of its own, so no exception object is
+  // shared by the two threads (their reference counts live in a libstdc++ that
+  // ThreadSanitizer does not see).
+  static void rethrow(const detail::OwnFailure& failure) {
+    if (failure.kind) throw Error(*failure.kind, failure.message);
+  }
 
   using tcp = boost::asio::ip::tcp;
   using error_code = boost::system::error_code;
