@@ -10,7 +10,9 @@
 #
 # Usage: bench/peer_checkpoint.sh [TRAIN_BINARY] [RUNS]   (default: bazel-bin/examples/train, 3)
 # Or: bazel run -c opt //bench:peer_checkpoint [-- RUNS]
-# Model and job (environment): NPROC=4 STEPS=30 BLOCKS=6 DIM=256 HIDDEN=1024
+# Model and job (environment): NPROC=4 STEPS=30 BLOCKS=6 DIM=256 HIDDEN=1024, and
+# STRATEGY=FULL_SHARD (HYBRID_SHARD with MESH=2x2: the replicas hold the copies, and refresh
+# sends none to rank + 1)
 set -uo pipefail
 
 train=${1:-bazel-bin/examples/train}
@@ -21,7 +23,8 @@ if [[ -n ${RUNFILES_DIR:-} || -d "$0.runfiles" ]]; then  # bazel run
 fi
 runs=${2:-3}
 nproc=${NPROC:-4} steps=${STEPS:-30}
-model=(--blocks "${BLOCKS:-6}" --dim "${DIM:-256}" --hidden "${HIDDEN:-1024}")
+model=(--blocks "${BLOCKS:-6}" --dim "${DIM:-256}" --hidden "${HIDDEN:-1024}" --strategy "${STRATEGY:-FULL_SHARD}")
+[[ -n ${MESH:-} ]] && model+=(--mesh "$MESH")
 [[ -x $train ]] || { echo "bench/peer_checkpoint.sh: no train binary at '$train' (bazel build -c opt //examples:train)" >&2; exit 2; }
 [[ $runs =~ ^[1-9][0-9]?$ ]] || { echo "bench/peer_checkpoint.sh: RUNS must be 1..99, got '$runs'" >&2; exit 2; }
 [[ $steps =~ ^[0-9]+$ && $steps -ge 3 ]] || { echo "bench/peer_checkpoint.sh: STEPS must be at least 3, got '$steps'" >&2; exit 2; }

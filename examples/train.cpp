@@ -342,9 +342,14 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
               recovery.recovery_ms_max,
               std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - recovery.failed_at).count());
         }
-        if (r == 0)
-          fmt::print("recovery: every rank restored step {} from the peer checkpoint (rank{} {} from a neighbour's copy)\n",
-                     first_step, restored.replaced.size() == 1 ? "" : "s", fmt::join(restored.replaced, ", "));
+        if (r == 0) {  // each replaced rank, and where its state came from
+          std::vector<std::string> from;
+          for (std::size_t i = 0; i < restored.replaced.size(); ++i)
+            from.push_back(restored.from_replica[i]
+                               ? fmt::format("rank {} from its replica rank {}", restored.replaced[i], restored.sources[i])
+                               : fmt::format("rank {} from rank {}'s copy", restored.replaced[i], restored.sources[i]));
+          fmt::print("recovery: every rank restored step {} from the peer checkpoint ({})\n", first_step, fmt::join(from, "; "));
+        }
         std::fflush(stdout);
       }
     } else if (cfg.peer_checkpoint) {
@@ -411,6 +416,7 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     }
     summary.fingerprint = XXH64_digest(h);
     summary.peer_bytes = peer.host_bytes();
+    summary.peer_on_replicas = peer.on_replicas();
     if (cfg.restart_scope == "rank") {  // the largest over the ranks, for rank 0's line
       const std::int64_t mine[4] = {recovery.failures, fsdp::DistEnv::launched() ? fsdp::DistEnv::from_env().restart_count : 0,
                                     recovery.redone_steps, recovery.recovery_ms_max};

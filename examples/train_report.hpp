@@ -21,6 +21,7 @@ struct Summary {
   std::size_t peak = 0, host_peak = 0;
   int skipped_steps = 0;  // fp16: steps the loss scaler skipped (the same on every rank)
   std::size_t peer_bytes = 0;  // --peer-checkpoint: host memory of rank 0's copies
+  bool peer_on_replicas = false;  // and whether its replicas hold them (none sent to rank + 1)
   // --restart-scope rank, the largest over the ranks: recoveries a survivor went through,
   // the launcher's restarts, the steps trained again (the interrupted one included), and
   // from a failure being caught to the model restored.
@@ -89,7 +90,11 @@ inline void print_summary(const Config& cfg, int world, fsdp::MeshShape mesh_sha
   if (cfg.restart_scope == "rank")
     fmt::print("recovered: failures={} restarts={} redone_steps={} recovery_ms_max={}\n", s.failures, s.restarts, s.redone_steps,
                s.recovery_ms_max);
-  if (cfg.peer_checkpoint)
+  if (cfg.peer_checkpoint && s.peer_on_replicas)
+    fmt::print("peer checkpoint: {} B of host memory on rank 0 (a copy of its state, which its replicas also hold, refreshed "
+               "every step, and the buffer of the previous one, reused)\n",
+               s.peer_bytes);
+  else if (cfg.peer_checkpoint)
     fmt::print("peer checkpoint: {} B of host memory on rank 0 (a copy of its state and one of rank {}'s, refreshed every step, "
                "and the buffers of the previous ones, reused)\n",
                s.peer_bytes, world - 1);

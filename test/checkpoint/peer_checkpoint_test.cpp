@@ -1,7 +1,7 @@
-// fsdp::PeerCheckpoint: a rank whose memory is gone gets its state back from its neighbour,
-// the survivors go back to their own copy, and training goes on to the parameters of a run
-// without the failure, bit for bit. Losses it cannot recover from fail on every rank alike
-// and load nothing.
+// fsdp::PeerCheckpoint: a rank whose memory is gone gets its state back from its neighbour
+// (from a replica under HybridShard), the survivors go back to their own copy, and training
+// goes on to the parameters of a run without the failure, bit for bit. Losses it cannot
+// recover from fail on every rank alike and load nothing.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -49,19 +49,31 @@ struct Outcome {
   std::vector<fsdp::PeerRestore> reports; // every rank's restore()
   std::vector<test_support::Thrown> errors;  // every rank's restore() failure
   std::vector<char> untouched;            // whether a failed restore left the rank's state as it was
+  std::vector<char> on_replicas;          // every rank's PeerCheckpoint::on_replicas() at the end
+  std::vector<std::size_t> host_bytes;    // and its host_bytes()
+  std::vector<float> gain_scale;          // and the first element of its buffer gain.scale
 };
 
-// One rank's reference engine sharded with Strategy, its AdamW and the AdamW's state.
+// One rank's reference engine sharded with Strategy (the hybrid ones over a mesh of
+// replicate groups of world/2 ranks and shard groups of 2: ranks r and r + 2 hold the same
+// shards), its AdamW and the AdamW's state.
 template <class Strategy = fsdp::FullShard>
 struct Trainer {
   engine::Model model;
   fsdp::HostDevice device;
+  std::unique_ptr<fsdp::DeviceMesh<fsdp::ThreadComm>> mesh;
   fsdp::ShardedModel sm;
   engine::DeviceAllocator<fsdp::HostDevice> alloc{device};
   engine::AdamW opt{{}, alloc};
   engine::AdamWState st{opt, sm};
   explicit Trainer(fsdp::ThreadComm& comm, std::uint64_t seed = 1)
-      : model(test_support::resume_config(seed)), sm(fsdp::shard<Strategy>(model, comm, device, engine::Wrap{})) {}
+      : model(test_support::resume_config(seed)),
+        mesh(Strategy::hybrid ? std::make_unique<fsdp::DeviceMesh<fsdp::ThreadComm>>(comm, fsdp::MeshShape{comm.size() / 2, 2}) : nullptr),
+        sm(make(comm)) {}
+  fsdp::ShardedModel make(fsdp::ThreadComm& comm) {
+    if constexpr (Strategy::hybrid) return fsdp::shard<Strategy>(model, *mesh, device, engine::Wrap{});
+    else return fsdp::shard<Strategy>(model, comm, device, engine::Wrap{});
+  }
 };
 
 // Overwrites this rank's shards and optimizer state, as a replacement process starts with
@@ -90,14 +102,20 @@ std::vector<float> local_state(fsdp::ShardedModel& sm, engine::AdamWState& st) {
   return out;
 }
 
+// Trains kSteps steps with a refresh after each; `distinct`: before each refresh, rank 0's
+// buffer gain.scale takes a value no other rank has (a buffer each rank computes from its
+// own data), so that no rank's copy equals its replicas'.
 template <class Strategy>
-Outcome run(int world, std::optional<Loss> loss) {
+Outcome run(int world, std::optional<Loss> loss, fsdp::PeerCheckpointOptions options = {}, bool distinct = false) {
   const auto c = test_support::resume_config();
   Outcome out;
   std::vector<Params> params(static_cast<std::size_t>(world));
   out.reports.resize(static_cast<std::size_t>(world));
   out.errors.resize(static_cast<std::size_t>(world));
   out.untouched.resize(static_cast<std::size_t>(world));
+  out.on_replicas.resize(static_cast<std::size_t>(world));
+  out.host_bytes.resize(static_cast<std::size_t>(world));
+  out.gain_scale.resize(static_cast<std::size_t>(world));
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer<Strategy> t(comm);
@@ -105,7 +123,7 @@ Outcome run(int world, std::optional<Loss> loss) {
     auto& sm = t.sm;
     auto& opt = t.opt;
     auto& st = t.st;
-    auto peer = std::make_unique<fsdp::PeerCheckpoint>();
+    auto peer = std::make_unique<fsdp::PeerCheckpoint>(options);
     const int local = test_support::kGlobalBatch / world;
     bool failed = false;
     for (int s = 0; s < kSteps;) {
@@ -115,7 +133,8 @@ Outcome run(int world, std::optional<Loss> loss) {
         failed = true;
         if (std::count(loss->lost.begin(), loss->lost.end(), comm.rank())) {
           scramble(sm, st, opt);
-          peer = std::make_unique<fsdp::PeerCheckpoint>();
+          model.gain.scale.data()[0] = -1.0f;
+          peer = std::make_unique<fsdp::PeerCheckpoint>(options);
         }
         if (!loss->restore) continue;
         const auto before = local_state(sm, st);
@@ -128,8 +147,12 @@ Outcome run(int world, std::optional<Loss> loss) {
         s = static_cast<int>(out.reports[r].step);
         continue;
       }
+      if (distinct && comm.rank() == 0) model.gain.scale.data()[0] = 1000.0f + static_cast<float>(s);
       peer->refresh(comm, sm, &st, s);
     }
+    out.on_replicas[r] = peer->on_replicas();
+    out.host_bytes[r] = peer->host_bytes();
+    out.gain_scale[r] = model.gain.scale.data()[0];
     params[r] = engine::gather_full_parameters(model, sm);
   });
   out.params = params[0];
@@ -187,6 +210,69 @@ TEST_CASE("two neighbours lost at once: every rank fails alike and nothing is lo
   }
 }
 
+TEST_CASE("under HybridShard a lost rank's state comes from its replica, and nothing is sent to rank + 1") {
+  const Params expected = run<fsdp::HybridShard>(4, std::nullopt).params;
+  fsdp::PeerCheckpointOptions neighbours;
+  neighbours.use_replicas = false;
+  const Outcome ring = run<fsdp::HybridShard>(4, std::nullopt, neighbours);
+  CHECK(ring.params == expected);  // the copies change nothing
+  for (const int lost : {1, 2}) {  // their replicas: ranks 3 and 0
+    CAPTURE(lost);
+    const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {lost}});
+    CHECK(o.params == expected);  // bit for bit
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const auto& rep = o.reports[static_cast<std::size_t>(r)];
+      CHECK(rep.step == 3);
+      CHECK(rep.replaced == std::vector<int>{lost});
+      CHECK(rep.sources == std::vector<int>{(lost + 2) % 4});
+      CHECK(rep.from_replica == std::vector<char>{1});
+      CHECK(o.on_replicas[static_cast<std::size_t>(r)]);
+      // One copy and one kept for the next refresh, against four: no neighbour's copy.
+      CHECK(o.host_bytes[static_cast<std::size_t>(r)] * 2 == ring.host_bytes[static_cast<std::size_t>(r)]);
+      CHECK_FALSE(ring.on_replicas[static_cast<std::size_t>(r)]);
+    }
+  }
+  // Without replicas the copy comes from rank + 1, as under FullShard.
+  const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {1}}, neighbours);
+  CHECK(o.params == expected);
+  CHECK(o.reports[0].sources == std::vector<int>{2});
+  CHECK(o.reports[0].from_replica == std::vector<char>{0});
+}
+
+TEST_CASE("under HybridShard two neighbours lost are restored from their replicas; a shard whose every replica is lost is not") {
+  const Params expected = run<fsdp::HybridShard>(4, std::nullopt).params;
+  const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {1, 2}});
+  CHECK(o.params == expected);
+  CHECK(o.reports[0].replaced == std::vector<int>{1, 2});
+  CHECK(o.reports[0].sources == std::vector<int>{3, 0});
+  const Outcome both = run<fsdp::HybridShard>(4, Loss{3, {1, 3}});  // ranks 1 and 3 hold the same shards
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const auto& e = both.errors[static_cast<std::size_t>(r)];
+    REQUIRE(e.kind);
+    CHECK(*e.kind == fsdp::ErrorKind::peer_lost);
+    CHECK(contains(e.message, "rank 1 was lost and so was its replica, rank 3, which held the same state"));
+    CHECK(both.untouched[static_cast<std::size_t>(r)]);
+  }
+  // The same two lost without replicas: rank 1's copy is on rank 2 and rank 3's on rank 0.
+  fsdp::PeerCheckpointOptions neighbours;
+  neighbours.use_replicas = false;
+  CHECK(run<fsdp::HybridShard>(4, Loss{3, {1, 3}}, neighbours).params == expected);
+}
+
+TEST_CASE("a replica whose bytes differ is no copy: refresh() sends every copy to rank + 1, and the lost rank gets its own state back") {
+  const Outcome expected = run<fsdp::HybridShard>(4, std::nullopt, {}, true);
+  CHECK(expected.gain_scale[0] == 1006.0f);  // rank 0's own value, set before the last refresh
+  CHECK(expected.gain_scale[2] != 1006.0f);  // and not its replica's
+  const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {0}}, {}, true);
+  CHECK(o.params == expected.params);
+  CHECK(o.reports[1].sources == std::vector<int>{1});  // rank 0's copy, from rank 1, not rank 2's state
+  CHECK(o.reports[1].from_replica == std::vector<char>{0});
+  CHECK(o.gain_scale[0] == 1006.0f);
+  for (int r = 0; r < 4; ++r) CHECK_FALSE(o.on_replicas[static_cast<std::size_t>(r)]);
+}
+
 TEST_CASE("restore() before any refresh fails on every rank") {
   const Outcome o = run<fsdp::FullShard>(2, Loss{0, {}});
   for (const auto& e : o.errors) {
@@ -238,6 +324,13 @@ TEST_CASE("a copy is checked before it is loaded: its checksum, its rank, world 
     const auto wrong_step = thrown_by([&] { fsdp::detail::parse_peer_state(view(), 0, 1, 5, "copy"); });
     CHECK(wrong_step.kind == fsdp::ErrorKind::mismatch);
     CHECK(contains(wrong_step.message, "copy: the copy is rank 0's of 1 ranks at step 4, not rank 0's of 1 at step 5"));
+    fsdp::detail::relabel_peer_state(bytes.data.get(), 3);  // another rank's name, its payload the same
+    CHECK(fsdp::detail::parse_peer_state(view(), 3, 1, 4, "copy").slices.size() == dict.slices.size());
+    bytes.data[8 * 3] ^= std::byte{1};  // the header's rank field
+    const auto header = thrown_by([&] { fsdp::detail::parse_peer_state(view(), 3, 1, 4, "copy"); });
+    CHECK(header.kind == fsdp::ErrorKind::corrupt);
+    CHECK(contains(header.message, "copy: the copy's header checksum does not match its header"));
+    bytes.data[8 * 3] ^= std::byte{1};
     bytes.data[bytes.size / 2] ^= std::byte{1};
     const auto damaged = thrown_by([&] { fsdp::detail::parse_peer_state(view(), 0, 1, 4, "copy"); });
     CHECK(damaged.kind == fsdp::ErrorKind::corrupt);
@@ -363,6 +456,26 @@ TEST_CASE("the step restore() picks when a refresh was cut short") {
   CHECK(fsdp::detail::peer_restore_step({{5, 10, 10}, {}, {5, 10, 0, 5, 10, 10}, {5, 10, 10}}, why) == 5);
   // Two ranks, rank 1 lost: rank 0 holds its copy (the ring's two links are one pair).
   CHECK(fsdp::detail::peer_restore_step({{5, 10, 10}, {}}, why) == 5);
+}
+
+TEST_CASE("the step restore() picks where replicas hold the copies (shard groups of 2 in 4 ranks)") {
+  using H = fsdp::detail::PeerHoldings;
+  std::string why;
+  const H shared5{5, 10, 0, -1, 0, 0, 5, 2};
+  // Rank 1 lost: its replica rank 3 holds step 5 (no neighbour's copy anywhere).
+  CHECK(fsdp::detail::peer_restore_step({shared5, {}, shared5, shared5}, why) == 5);
+  // A refresh to 6 whose check of the replicas completed on rank 0 only: the others hold 6
+  // pending, and rank 3's pending copy is rank 1's state at 6 (rank 0 saw their checksums agree).
+  const H shared6{6, 10, 0, -1, 0, 0, 6, 2}, pending6{5, 10, 0, 6, 10, 0, 5, 2};
+  CHECK(fsdp::detail::peer_restore_step({shared6, {}, pending6, pending6}, why) == 6);
+  // No rank saw the check of 6 complete: step 5, from rank 3's committed copy.
+  CHECK(fsdp::detail::peer_restore_step({pending6, {}, pending6, pending6}, why) == 5);
+  // Rank 1 and its replica rank 3 lost.
+  why.clear();
+  CHECK_FALSE(fsdp::detail::peer_restore_step({shared5, {}, shared5, {}}, why));
+  CHECK(contains(why, "rank 1 was lost and so was its replica, rank 3, which held the same state"));
+  // A step whose replicas differed (no shared step): rank + 1's copy, as without replicas.
+  CHECK(fsdp::detail::peer_restore_step({{5, 10, 10}, {}, {5, 10, 10}, {5, 10, 10}}, why) == 5);
 }
 
 }  // namespace checkpoint_peer_checkpoint_test

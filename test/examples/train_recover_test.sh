@@ -4,11 +4,13 @@
 # mid backward once a unit's gradient is final, or before the optimizer); the launcher
 # starts a replacement for that rank only (--restart-scope rank); the other ranks keep
 # running, rejoin it, and every rank restores the last step of the peer checkpoint
-# (--peer-checkpoint: each rank's state in its own memory and its neighbour's) and redoes
-# the steps since. The parameters must equal, bit for bit, those of the same job without a
-# failure, no rank but the killed one may start twice, and the job says what it recovered.
-# FullShard on 2 and 4 processes, and ShardGradOp on 3; then two ranks lost, the second
-# during the recovery from the first. Every run is bounded (timeout 120 s).
+# (--peer-checkpoint: each rank's state in its own memory and its neighbour's; under
+# HybridShard, its replica's) and redoes the steps since. The parameters must equal, bit
+# for bit, those of the same job without a failure, no rank but the killed one may start
+# twice, and the job says what it recovered and from where. FullShard on 2 and 4
+# processes, ShardGradOp on 3 and HybridShard on 4 (mesh 2x2: ranks r and r + 2 are
+# replicas); then two ranks lost, the second during the recovery from the first. Every run
+# is bounded (timeout 120 s).
 #
 # Usage: train_recover_test.sh TRAIN_BINARY [SEED] [CASES]
 set -u
@@ -16,7 +18,7 @@ set -u
 export FSDP_TIMEOUT_MS=30000
 train="$1"
 seed=${2:-20261202}
-cases=${3:-9}
+cases=${3:-12}
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 RANDOM=$seed
@@ -25,9 +27,14 @@ fingerprint() { sed -n 's/^\[rank 0\] parameters: xxh64=//p' <<<"$1"; }
 steps=6
 small=(--blocks 3 --hidden 128 --backend tcp --steps "$steps")
 declare -A job=([full2]="--nproc 2 --strategy FULL_SHARD" [full4]="--nproc 4 --strategy FULL_SHARD"
-                [grad3]="--nproc 3 --strategy SHARD_GRAD_OP")
-declare -A nproc=([full2]=2 [full4]=4 [grad3]=3) whole=()
-kinds=(full2 full4 grad3)
+                [grad3]="--nproc 3 --strategy SHARD_GRAD_OP" [hyb4]="--nproc 4 --strategy HYBRID_SHARD --mesh 2x2")
+declare -A nproc=([full2]=2 [full4]=4 [grad3]=3 [hyb4]=4) whole=()
+kinds=(full2 full4 grad3 hyb4)
+# Where rank R's state comes from: its replica R + 2 under the 2x2 mesh, else rank R + 1's copy.
+source_of() {
+  local kind=$1 r=$2
+  if [[ $kind == hyb4 ]]; then echo "rank $r from its replica rank $(((r + 2) % 4))"; else echo "rank $r from rank $(((r + 1) % nproc[$kind]))'s copy"; fi
+}
 for kind in "${kinds[@]}"; do
   # shellcheck disable=SC2086
   out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} 2>&1) || { fail "$kind: the run without a failure failed: $out"; continue; }
@@ -74,7 +81,7 @@ for ((i = 1; i <= cases; i++)); do
     fail "$name: the job restarted every rank: $out"
   elif [[ "$(fingerprint "$out")" != "${whole[$kind]}" ]]; then
     fail "$name: parameters $(fingerprint "$out"), without the failure ${whole[$kind]}"
-  elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint (rank $rank from a neighbour's copy)" <<<"$out"; then
+  elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint ($(source_of "$kind" "$rank"))$" <<<"$out"; then
     fail "$name: no restore from the peer checkpoint: $out"
   elif ! grep -q "^\[rank 0\] recovered: failures=1 restarts=1 redone_steps=[0-9]* recovery_ms_max=[0-9]*$" <<<"$out"; then
     fail "$name: no recovered line: $out"
@@ -90,56 +97,66 @@ done
 
 # A second failure during the recovery from the first (--kill R@S:recovery: a survivor dies
 # after every rank agreed what to restore, before the copies move), on 4 processes. When
-# the two ranks are not neighbours every copy survives: the job recovers twice over, to the
-# same parameters. When the second held the first's copy, no step can be restored: every
-# rank says so and exits 87, and fsdp_run ends the job instead of starting more ranks (it
-# stops those still running; they may all have exited by the time it looks).
+# the two ranks' states each have a copy left (FullShard: they are not neighbours;
+# HybridShard: they are not replicas) the job recovers twice over, to the same parameters.
+# When the second held the first's state, no step can be restored: every rank says so and
+# exits 87, and fsdp_run ends the job instead of starting more ranks (it stops those still
+# running; they may all have exited by the time it looks).
 # forming: the second rank dies 300 ms after the first failure, before it rejoins
 # (--kill B@S:rejoin): the others' new ring cannot form, they leave it when the launcher
 # announces the next epoch, and join that one with both replacements.
-for twice in apart neighbours forming; do
+for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:replicas; do
+  kind=${twice%%:*} twice=${twice#*:}
   first=$((RANDOM % 4))
   apart=2
   [[ $twice == neighbours ]] && apart=1
   second=$(((first + apart) % 4))
+  low=$((first < second ? first : second)) high=$((first < second ? second : first))
   when=recovery
   [[ $twice == forming ]] && when=rejoin
   step=$((RANDOM % steps + 1))
   phase=${phases[$((RANDOM % ${#phases[@]}))]}
-  name="second failure, $twice (full4, --kill $first@$step:$phase --kill $second@$step:$when)"
+  name="second failure, $twice ($kind, --kill $first@$step:$phase --kill $second@$step:$when)"
   start=$SECONDS
   # shellcheck disable=SC2086
-  out=$(timeout 120 "$train" "${small[@]}" ${job[full4]} --peer-checkpoint --max-restarts 3 --restart-scope rank \
+  out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} --peer-checkpoint --max-restarts 3 --restart-scope rank \
     --kill "$first@$step:$phase" --kill "$second@$step:$when" 2>&1)
   rc=$?
   while_recovering=$(grep -c "lost a peer while recovering; rejoining" <<<"$out")
-  if [[ $twice != neighbours ]]; then
+  if [[ $kind:$twice == full4:neighbours ]]; then
+    why="rank $first was lost and so was rank $second, which held its copy"
+  elif [[ $twice == replicas ]]; then
+    why="rank $low was lost and so was its replica, rank $high, which held the same state"
+  else
+    why=""
+  fi
+  if [[ -z $why ]]; then
     if ((rc != 0)); then
       fail "$name: exited $rc: $(tail -8 <<<"$out")"
     elif ! grep -q "^fsdp_run: rank $second exited with status 137 (signal SIGKILL); starting a replacement for rank $second (restart 2 of 3)" <<<"$out"; then
       fail "$name: the second kill and its replacement are not reported: $out"
-    elif [[ $twice == apart ]] && ((while_recovering != 3)); then  # (forming: the ring left fails no collective)
+    elif [[ $twice != forming ]] && ((while_recovering != 3)); then  # (forming: the ring left fails no collective)
       fail "$name: $while_recovering ranks say they lost a peer while recovering, not 3: $out"
-    elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint (ranks $((first < second ? first : second)), $((first < second ? second : first)) from a neighbour's copy)" <<<"$out"; then
+    elif ! grep -q "^\[rank 0\] recovery: every rank restored step [0-9]* from the peer checkpoint ($(source_of "$kind" "$low"); $(source_of "$kind" "$high"))$" <<<"$out"; then
       fail "$name: no restore of both ranks: $out"
     elif ! grep -q "^\[rank 0\] recovered: failures=2 restarts=2 redone_steps=1 recovery_ms_max=[0-9]*$" <<<"$out"; then
       fail "$name: no recovered line with two failures: $out"
-    elif [[ "$(fingerprint "$out")" != "${whole[full4]}" ]]; then
-      fail "$name: parameters $(fingerprint "$out"), without the failures ${whole[full4]}"
+    elif [[ "$(fingerprint "$out")" != "${whole[$kind]}" ]]; then
+      fail "$name: parameters $(fingerprint "$out"), without the failures ${whole[$kind]}"
     else
       echo "PASS: $name: $(sed -n 's/^\[rank 0\] \(recovered: .*\)/\1/p' <<<"$out"), same parameters ($((SECONDS - start)) s)"
     fi
   else
     if ((rc != 87)); then
       fail "$name: exited $rc, not 87 (no recovery possible): $(tail -8 <<<"$out")"
-    elif ! grep -q "in-memory recovery is not possible: rank $first was lost and so was rank $second, which held its copy. Start the job again from the last checkpoint on disk" <<<"$out"; then
+    elif ! grep -q "in-memory recovery is not possible: $why. Start the job again from the last checkpoint on disk" <<<"$out"; then
       fail "$name: no rank says why it cannot recover: $out"
     elif ! grep -q "^fsdp_run: rank [0-9] exited with status 87 (a replacement cannot mend it; no restart)" <<<"$out"; then
       fail "$name: fsdp_run does not stop the job: $out"
     elif grep -q "restart 3 of 3" <<<"$out"; then
       fail "$name: a third rank was started: $out"
     else
-      echo "PASS: $name: exit 87, rank $first's copy named as lost with rank $second ($((SECONDS - start)) s)"
+      echo "PASS: $name: exit 87, $why ($((SECONDS - start)) s)"
     fi
   fi
 done

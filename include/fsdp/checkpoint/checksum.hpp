@@ -22,6 +22,12 @@ class Xxh64 {
     if (n != 0) XXH64_update(&state_, data, n);
   }
   std::uint64_t digest() const { return XXH64_digest(&state_); }
+  // The digest of one contiguous range.
+  static std::uint64_t of(const void* data, std::size_t n) {
+    Xxh64 h;
+    h.update(data, n);
+    return h.digest();
+  }
 
  private:
   XXH64_state_t state_;

@@ -1,31 +1,37 @@
 #pragma once
-// fsdp::PeerCheckpoint: a checkpoint in host memory, with a copy on the next rank, so that a
-// job that loses a rank does not go back to the checkpoint on disk. After the optimizer step
-// every rank calls refresh(): it copies its own state (its shards, their optimizer states,
-// the optimizer's scalars, the buffers) into host memory and sends that copy to rank + 1 in
-// one ring_shift, receiving rank - 1's. When a rank is replaced (its process restarted, its
-// memory gone), every rank calls restore(): the replacement receives its state from the rank
-// that holds its copy, the survivors take their own copy back, and all are at the same
+// fsdp::PeerCheckpoint: a checkpoint in host memory, with its copies on other ranks, so that
+// a job that loses a rank does not go back to the checkpoint on disk. After the optimizer
+// step every rank calls refresh(): it copies its own state (its shards, their optimizer
+// states, the optimizer's scalars, the buffers) into host memory. Where the model keeps
+// replicas (HybridShard's replicate groups, NoShard), that is all: the same state is
+// already on the ranks of the rank's replicate group, and refresh() checks, by checksum,
+// that they hold it byte for byte. Otherwise, or where a replica's bytes differ (buffers
+// each rank computes from its own data), it sends the copy to rank + 1 in one ring_shift,
+// receiving rank - 1's. When a rank is replaced (its process restarted, its memory gone),
+// every rank calls restore(): the replacement receives its state from a replica or from the
+// rank that holds its copy, the survivors take their own copy back, and all are at the same
 // step, which restore() returns: the engine redoes the steps from there with the same data.
 //
-// Why a copy of one's own state as well as the neighbour's: an optimizer step cannot be
-// undone. The lost rank's copy is of the last refresh, and a survivor may have stepped
-// past it (a rank dies after the others' last collective of a step, before its own
-// optimizer step), so the survivors go back to the refresh, not forward.
+// Why a copy of one's own state as well: an optimizer step cannot be undone. The lost
+// rank's copy is of the last refresh, and a survivor may have stepped past it (a rank dies
+// after the others' last collective of a step, before its own optimizer step), so the
+// survivors go back to the refresh, not forward.
 //
-// Why the commit: refresh() sends the new copies, then agrees that every rank received
-// its neighbour's, and only then drops the previous copies. A rank lost in between leaves
-// some ranks with the new pair and some with only the previous one; restore() picks the
-// newest step that every rank can be brought to, from what each reports, and says so when
-// there is none (two neighbours lost at once: the copy of the first was on the second).
-// Every copy carries its rank, the world size, its step and an XXH64 checksum, checked
-// before anything is loaded.
+// Why the commit: refresh() makes the new copies, then agrees that every rank has them
+// (the checksums' all_gather; after a ring_shift, an all_reduce), and only then drops the
+// previous copies. A rank lost in between leaves some ranks with the new copies and some
+// with only the previous ones; restore() picks the newest step that every rank can be
+// brought to, from what each reports, and says so when there is none (two neighbours lost
+// at once: the copy of the first was on the second; every replica of a shard lost). Every
+// copy carries its rank, the world size, its step and XXH64 checksums, checked before
+// anything is loaded.
 //
-// Host memory: two copies of this rank's share of the state (its own and its neighbour's),
-// and two more, kept for the next refresh (PeerCheckpointOptions::reuse_buffers) or only
-// while a refresh is being committed. Collectives run on `comm`, the world
-// communicator the model was sharded over (a RingShiftCommunicator: ThreadComm, TcpComm,
-// MpiComm). See docs/failures.md#in-memory-recovery.
+// Host memory: one copy of this rank's share of the state with replicas, two otherwise
+// (its own and its neighbour's), and as many again, kept for the next refresh
+// (PeerCheckpointOptions::reuse_buffers) or only while a refresh is being committed.
+// Collectives run on `comm`, the world communicator the model was sharded over (a
+// RingShiftCommunicator: ThreadComm, TcpComm, MpiComm). See
+// docs/failures.md#in-memory-recovery.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -54,7 +60,9 @@ namespace fsdp {
 // What restore() did.
 struct PeerRestore {
   std::int64_t step = 0;          // the step every rank is at now: redo the steps from here
-  std::vector<int> replaced;      // ranks that received their state from a neighbour
+  std::vector<int> replaced;      // ranks that received their state from another rank
+  std::vector<int> sources;       // for each of `replaced`, the rank it came from
+  std::vector<char> from_replica; // for each of `replaced`: 1 from a replica, 0 from rank + 1's copy
   std::size_t bytes_received = 0; // of state this rank received (0 on a survivor)
 };
 
@@ -62,20 +70,35 @@ namespace detail {
 
 // One rank's state as bytes: a header, then every slice and scalar. Both ends are the same
 // build of the same program, so fields are in host order.
+// The payload has a checksum of its own: replicas' payloads are the same bytes under
+// different headers, so refresh() compares payload checksums, and a copy received from a
+// replica is relabelled (a new header) without reading its payload again.
 struct PeerStateHeader {
   std::uint64_t magic = 0x4650445345455046ull;  // "FPEESDPF"
-  std::uint64_t checksum = 0;                   // checksum_of: this header (checksum 0) and the payload
+  std::uint64_t checksum = 0;                   // header_checksum: this header, its checksum field 0
+  std::uint64_t payload_checksum = 0;           // XXH64 of the payload
   std::int64_t rank = 0, world = 0, step = 0;
   std::uint64_t slices = 0, scalars = 0, payload = 0;  // payload: bytes after the header
 };
 
-// XXH64 of the header (its checksum field zeroed) and the payload after it.
-inline std::uint64_t checksum_of(PeerStateHeader h, const std::byte* payload) {
+inline std::uint64_t header_checksum(PeerStateHeader h) {
   h.checksum = 0;
-  checkpoint::Xxh64 sum;
-  sum.update(&h, sizeof h);
-  sum.update(payload, h.payload);
-  return sum.digest();
+  return checkpoint::Xxh64::of(&h, sizeof h);
+}
+
+inline PeerStateHeader header_of(const std::byte* copy) {
+  PeerStateHeader h;
+  std::memcpy(&h, copy, sizeof h);
+  return h;
+}
+
+// Gives a checked copy another rank's name (a replica's state, received by the rank it
+// restores): the header rewritten, the payload as it is.
+inline void relabel_peer_state(std::byte* copy, int rank) {
+  PeerStateHeader h = header_of(copy);
+  h.rank = rank;
+  h.checksum = header_checksum(h);
+  std::memcpy(copy, &h, sizeof h);
 }
 
 // Host bytes that are not zeroed first (a vector's resize would write every byte once
@@ -173,7 +196,8 @@ class PeerStateWriter {
     if (h.payload + sizeof h != size_)
       fail("PeerCheckpoint on rank ", rank, ": the state changed while it was copied (", size_, " bytes measured, ",
            h.payload + sizeof h, " written)");
-    h.checksum = checksum_of(h, out + sizeof h);
+    h.payload_checksum = checkpoint::Xxh64::of(out + sizeof h, h.payload);
+    h.checksum = header_checksum(h);
     std::memcpy(out, &h, sizeof h);
   }
 
@@ -214,17 +238,20 @@ class PeerStateReader {
 };
 
 // The state in `bytes` (at least the copy's own length: a received copy may be padded),
-// checked to be whole and to be rank `rank`'s of `world` ranks at `step`.
+// checked to be whole and to be rank `rank`'s of `world` ranks at `step` (a replica's
+// copy: that replica's rank).
 inline ShardedStateDict parse_peer_state(std::span<const std::byte> bytes, int rank, int world, std::int64_t step,
                                          const std::string& what) {
   PeerStateHeader h;
   if (bytes.size() < sizeof h) fail_as(ErrorKind::corrupt, what, ": ", bytes.size(), " bytes, shorter than a copy's header");
-  std::memcpy(&h, bytes.data(), sizeof h);
+  h = header_of(bytes.data());
   if (h.magic != PeerStateHeader{}.magic) fail_as(ErrorKind::corrupt, what, ": not a peer checkpoint's copy (its first bytes are wrong)");
+  if (header_checksum(h) != h.checksum) fail_as(ErrorKind::corrupt, what, ": the copy's header checksum does not match its header (damaged in memory or on the way)");
   if (h.payload > bytes.size() - sizeof h)
     fail_as(ErrorKind::corrupt, what, ": the copy says it holds ", h.payload, " bytes, but ", bytes.size() - sizeof h, " arrived");
   const auto payload = bytes.subspan(sizeof h, h.payload);
-  if (checksum_of(h, payload.data()) != h.checksum) fail_as(ErrorKind::corrupt, what, ": the copy's checksum does not match its bytes (damaged in memory or on the way)");
+  if (checkpoint::Xxh64::of(payload.data(), payload.size()) != h.payload_checksum)
+    fail_as(ErrorKind::corrupt, what, ": the copy's checksum does not match its bytes (damaged in memory or on the way)");
   if (h.rank != rank || h.world != world || h.step != step)
     fail_as(ErrorKind::mismatch, what, ": the copy is rank ", h.rank, "'s of ", h.world, " ranks at step ", h.step, ", not rank ", rank,
             "'s of ", world, " at step ", step);
@@ -261,9 +288,14 @@ inline ShardedStateDict parse_peer_state(std::span<const std::byte> bytes, int r
 
 // One rank's report at restore(): what it holds, as i64 fields (all_gather'd).
 struct PeerHoldings {
-  static constexpr std::size_t kFields = 6;
+  static constexpr std::size_t kFields = 8;
   std::int64_t step = -1, own = 0, held = 0;                  // committed: step, bytes of each copy
   std::int64_t pending_step = -1, pending_own = 0, pending_held = 0;  // a refresh not yet committed
+  // The step of a refresh that found every rank's copy equal to its replicas', byte for
+  // byte (this rank committed it: -1 if none): at that step a replica's own copy, committed
+  // or pending, is a lost rank's state.
+  std::int64_t shared_step = -1;
+  std::int64_t stride = 0;  // the ranks of a shard group when shared_step was committed (replicas: r mod stride)
   bool lost() const { return step < 0 && pending_step < 0; }
   // Bytes of this rank's own state at `s`, or of its left neighbour's; 0: none.
   // (A refresh at the committed step, as restore() runs, may hold a copy only pending.)
@@ -271,15 +303,71 @@ struct PeerHoldings {
   std::int64_t held_at(std::int64_t s) const { return s == step && held > 0 ? held : s == pending_step ? pending_held : 0; }
 };
 
+// Where a lost rank's state at a step comes from.
+struct PeerSource {
+  int rank = -1;
+  bool replica = false;  // its own copy (a replica's state), else its copy of rank - 1's
+  std::int64_t bytes = 0;
+};
+
+// The ranks that hold rank r's state under a mesh whose shard groups are `stride` ranks
+// (0: no replicas): r's replicate group, r itself left out.
+inline std::vector<int> peer_replicas(int r, int n, int stride) {
+  std::vector<int> out;
+  if (stride > 0)
+    for (int q = r % stride; q < n; q += stride)
+      if (q != r) out.push_back(q);
+  return out;
+}
+
+// Lost rank r's state at step s: from a surviving replica (a refresh at s found every copy
+// equal to its replicas'), else from its right neighbour's copy; nullopt, and why, if none.
+inline std::optional<PeerSource> peer_source(const std::vector<PeerHoldings>& ranks, int stride, int r, std::int64_t s,
+                                             std::ostream& why) {
+  const int n = static_cast<int>(ranks.size());
+  const auto at = [&](int q) -> const PeerHoldings& { return ranks[static_cast<std::size_t>(q)]; };
+  bool shared = false;
+  for (const auto& h : ranks) shared = shared || (!h.lost() && h.shared_step == s);
+  if (shared) {
+    const auto replicas = peer_replicas(r, n, stride);
+    bool survivor = false;
+    for (const int q : replicas) {
+      if (!at(q).lost() && at(q).own_at(s) > 0) return PeerSource{q, true, at(q).own_at(s)};
+      survivor = survivor || !at(q).lost();
+    }
+    std::ostringstream list;
+    for (std::size_t i = 0; i < replicas.size(); ++i) list << (i ? ", " : "") << replicas[i];
+    if (survivor)
+      why << "no replica of lost rank " << r << " (rank" << (replicas.size() == 1 ? " " : "s ") << list.str() << ") holds its state at step " << s;
+    else
+      why << "rank " << r << " was lost and so " << (replicas.size() == 1 ? "was its replica, rank " : "were its replicas, ranks ")
+          << list.str() << ", which held the same state";
+    return std::nullopt;
+  }
+  const int right = (r + 1) % n;
+  if (n == 1)
+    why << "rank 0 was lost and is the only rank";
+  else if (at(right).lost())
+    why << "rank " << r << " was lost and so was rank " << right << ", which held its copy";
+  else if (at(right).held_at(s) <= 0)
+    why << "rank " << right << " holds no copy of lost rank " << r << "'s state at step " << s;
+  else
+    return PeerSource{right, false, at(right).held_at(s)};
+  return std::nullopt;
+}
+
 // The newest step every rank can be brought to: each survivor has its own copy at it and
-// each lost rank's right neighbour survived with that rank's copy at it. nullopt: none, and
-// `why` says what is missing at the newest step anyone holds.
+// each lost rank has a source (peer_source). nullopt: none, and `why` says what is missing
+// at the newest step anyone holds.
 inline std::optional<std::int64_t> peer_restore_step(const std::vector<PeerHoldings>& ranks, std::string& why) {
   const int n = static_cast<int>(ranks.size());
   std::vector<std::int64_t> steps;
-  for (const auto& r : ranks)
+  std::int64_t stride = 0;  // the same on every rank that refreshed (one model)
+  for (const auto& r : ranks) {
+    stride = std::max(stride, r.stride);
     for (const auto s : {r.step, r.pending_step})
       if (s >= 0) steps.push_back(s);
+  }
   std::sort(steps.rbegin(), steps.rend());
   steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
   if (steps.empty()) {
@@ -290,16 +378,10 @@ inline std::optional<std::int64_t> peer_restore_step(const std::vector<PeerHoldi
     std::ostringstream missing;
     for (int r = 0; r < n && missing.tellp() == 0; ++r) {
       const auto& me = ranks[static_cast<std::size_t>(r)];
-      const int right = (r + 1) % n;
-      const auto& holder = ranks[static_cast<std::size_t>(right)];
       if (!me.lost() && me.own_at(s) <= 0)
         missing << "rank " << r << " holds no copy of its own state at step " << s;
-      else if (me.lost() && n == 1)
-        missing << "rank 0 was lost and is the only rank";
-      else if (me.lost() && holder.lost())
-        missing << "rank " << r << " was lost and so was rank " << right << ", which held its copy";
-      else if (me.lost() && holder.held_at(s) <= 0)
-        missing << "rank " << right << " holds no copy of lost rank " << r << "'s state at step " << s;
+      else if (me.lost())
+        (void)peer_source(ranks, static_cast<int>(stride), r, s, missing);
     }
     if (missing.tellp() == 0) return s;
     if (why.empty()) why = missing.str();
@@ -310,9 +392,13 @@ inline std::optional<std::int64_t> peer_restore_step(const std::vector<PeerHoldi
 }  // namespace detail
 
 struct PeerCheckpointOptions {
+  // Where the model keeps replicas (HybridShard, NoShard), use them as the copies: no
+  // copy is sent to rank + 1 when every rank's copy equals its replicas', byte for byte
+  // (checked at every refresh). Off: every rank's copy goes to rank + 1 all the same.
+  bool use_replicas = true;
   // Keep the previous copies' buffers for the next refresh instead of freeing them: four
-  // buffers of a copy's size stay allocated (two otherwise), and a refresh writes into
-  // memory already mapped. Fresh buffers cost their page faults on every refresh (the
+  // buffers of a copy's size stay allocated (two otherwise; two and one where replicas
+  // hold the copies), and a refresh writes into memory already mapped. Fresh buffers cost their page faults on every refresh (the
   // kernel zeroes each page): on the 2-core development machine, 4 thread ranks with 9.5 MB
   // copies, 44 ms per refresh against 25 ms with this on.
   bool reuse_buffers = true;
@@ -323,11 +409,12 @@ class PeerCheckpoint {
   PeerCheckpoint() = default;
   explicit PeerCheckpoint(PeerCheckpointOptions options) : options_(options) {}
 
-  // Copies this rank's state into host memory, sends the copy to rank + 1, receives rank
-  // - 1's, and agrees that every rank received one before dropping the previous copies.
-  // `step`: the number the engine gives the state (the next step to run), the same on
-  // every rank. A collective over `comm`, the world communicator the model was sharded
-  // over; call it with every unit idle (after the optimizer step).
+  // Copies this rank's state into host memory; where replicas hold the same bytes, checks
+  // that they do, else sends the copy to rank + 1 and receives rank - 1's; and agrees that
+  // every rank has its copies before dropping the previous ones. `step`: the number the
+  // engine gives the state (the next step to run), the same on every rank. A collective
+  // over `comm`, the world communicator the model was sharded over; call it with every
+  // unit idle (after the optimizer step).
   template <RingShiftCommunicator C>
   void refresh(C& comm, ShardedModel& model, OptimizerState* optimizer, std::int64_t step) {
     const int rank = static_cast<int>(comm.rank()), world = static_cast<int>(comm.size());
@@ -348,6 +435,24 @@ class PeerCheckpoint {
     writer.write(own.data.get(), rank, world, step);
     std::memset(own.data.get() + writer.size(), 0, n - writer.size());
     pending_own_ = Copy{std::move(own), step};  // whole: restore() may pick it
+    if (const int stride = replica_stride(model); stride > 0) {
+      // Every rank's payload checksum, in one all_gather: whether each copy equals its
+      // replicas' (then they are the copies, and nothing is sent), and the commit.
+      const auto mine = static_cast<std::int64_t>(detail::header_of(pending_own_.bytes.data.get()).payload_checksum);
+      std::vector<std::int64_t> sums(static_cast<std::size_t>(world));
+      comm.all_gather(&mine, sums.data(), 1, DType::i64).wait();
+      bool same = true;
+      for (int r = 0; r < world; ++r) same = same && sums[static_cast<std::size_t>(r)] == sums[static_cast<std::size_t>(r % stride)];
+      if (same) {
+        spare_own_ = options_.reuse_buffers ? std::move(own_.bytes) : detail::PeerBytes{};
+        spare_held_ = detail::PeerBytes{};
+        own_ = std::move(pending_own_);
+        held_ = Copy{};
+        pending_own_ = Copy{};
+        shared_step_ = step, stride_ = stride;
+        return;
+      }
+    }
     auto held = take_spare(spare_held_, n);
     comm.ring_shift(pending_own_.bytes.data.get(), held.data.get(), n / 8, DType::i64).wait();
     pending_held_ = Copy{std::move(held), step};
@@ -361,11 +466,13 @@ class PeerCheckpoint {
     held_ = std::move(pending_held_);
     pending_own_ = Copy{};
     pending_held_ = Copy{};
+    shared_step_ = -1;
   }
 
   // Brings every rank to the newest step all can reach: a rank with no copies (a
-  // replacement, whose PeerCheckpoint is new) receives its state from rank + 1; the others
-  // load their own copy. Then refreshes, so every rank holds its neighbour's copy again.
+  // replacement, whose PeerCheckpoint is new) receives its state from a replica or from
+  // rank + 1; the others load their own copy. Then refreshes, so that every rank's state
+  // has its copies again.
   // A collective over `comm`; checks every copy before anything is loaded, and fails on
   // every rank alike, loading nothing, when a rank's state has no copy left.
   template <RingShiftCommunicator C>
@@ -376,25 +483,32 @@ class PeerCheckpoint {
     const std::vector<detail::PeerHoldings> ranks = holdings(comm);
     std::string why;
     const auto step = detail::peer_restore_step(ranks, why);
+    std::int64_t stride = 0;
+    for (const auto& h : ranks) stride = std::max(stride, h.stride);
     if (!step)
       detail::fail_as(ErrorKind::peer_lost, at, ": no step that every rank can be restored to: ", why,
                       ". Nothing was loaded; resume from the last checkpoint on disk");
     PeerRestore report;
     report.step = *step;
-    // The lost ranks' copies, each broadcast from its holder (every rank takes part).
+    // The lost ranks' copies, each broadcast from its source (every rank takes part).
     detail::PeerBytes received;
+    int source = -1;
+    bool from_replica = false;
     for (int lost = 0; lost < world; ++lost) {
       if (!ranks[static_cast<std::size_t>(lost)].lost()) continue;
+      std::ostringstream ignored;
+      const detail::PeerSource from = *detail::peer_source(ranks, static_cast<int>(stride), lost, *step, ignored);
       report.replaced.push_back(lost);
-      const int holder = (lost + 1) % world;
-      const std::int64_t bytes = ranks[static_cast<std::size_t>(holder)].held_at(*step);
-      auto buffer = detail::PeerBytes::of_size(static_cast<std::size_t>(bytes));
-      if (rank == holder) {
-        const Copy& c = held_.step == *step && held_.bytes.size ? held_ : pending_held_;  // as PeerHoldings::held_at
+      report.sources.push_back(from.rank);
+      report.from_replica.push_back(from.replica ? 1 : 0);
+      auto buffer = detail::PeerBytes::of_size(static_cast<std::size_t>(from.bytes));
+      if (rank == from.rank) {  // as PeerHoldings::own_at and held_at
+        const Copy& c = from.replica ? (own_.step == *step && own_.bytes.size ? own_ : pending_own_)
+                                     : (held_.step == *step && held_.bytes.size ? held_ : pending_held_);
         std::memcpy(buffer.data.get(), c.bytes.data.get(), buffer.size);
       }
-      comm.broadcast(buffer.data.get(), buffer.data.get(), buffer.size / 8, DType::i64, holder).wait();  // whole words (refresh)
-      if (rank == lost) received = std::move(buffer), report.bytes_received = received.size;
+      comm.broadcast(buffer.data.get(), buffer.data.get(), buffer.size / 8, DType::i64, from.rank).wait();  // whole words (refresh)
+      if (rank == lost) received = std::move(buffer), report.bytes_received = received.size, source = from.rank, from_replica = from.replica;
     }
     // Every rank checks its state before any rank loads.
     std::optional<ShardedStateDict> state;
@@ -403,8 +517,12 @@ class PeerCheckpoint {
     try {
       const bool replaced = ranks[static_cast<std::size_t>(rank)].lost();
       const detail::PeerBytes& bytes = replaced ? received : own_.step == *step ? own_.bytes : pending_own_.bytes;
-      const std::string what = at + (replaced ? ": the copy received from rank " + std::to_string((rank + 1) % world) : ": its own copy");
-      state = detail::parse_peer_state(bytes.view(), rank, world, *step, what);
+      const std::string what = at + (!replaced      ? ": its own copy"
+                                     : from_replica ? ": the state received from rank " + std::to_string(source) + ", its replica"
+                                                    : ": the copy received from rank " + std::to_string(source));
+      state = detail::parse_peer_state(bytes.view(), from_replica ? source : rank, world, *step, what);
+      state->rank = rank;
+      if (from_replica) detail::relabel_peer_state(received.data.get(), rank);  // this rank's own copy from now on
     } catch (const std::exception& e) {
       bad = detail::message_of(e), bad_kind = kind_of(e, ErrorKind::corrupt);
     }
@@ -427,6 +545,9 @@ class PeerCheckpoint {
     held_ = std::move(held);
     pending_own_ = Copy{};
     pending_held_ = Copy{};
+    // The replicas' check of the chosen step holds on: every rank now holds those bytes.
+    shared_step_ = std::any_of(ranks.begin(), ranks.end(), [&](const auto& h) { return !h.lost() && h.shared_step == *step; }) ? *step : -1;
+    stride_ = stride;
     refresh(comm, model, optimizer, *step);
     return report;
   }
@@ -446,6 +567,9 @@ class PeerCheckpoint {
   // The step of the committed copies; nullopt before the first refresh (and on a
   // replacement until its restore).
   std::optional<std::int64_t> step() const { return own_.step < 0 ? std::nullopt : std::optional(own_.step); }
+  // Whether the committed copies are replicas' (the last refresh found every rank's copy
+  // equal to its replicas' and sent none to rank + 1).
+  bool on_replicas() const { return own_.step >= 0 && shared_step_ == own_.step; }
   // Host memory the copies hold now, the buffers kept for the next refresh included.
   std::size_t host_bytes() const {
     return own_.bytes.size + held_.bytes.size + pending_own_.bytes.size + pending_held_.bytes.size + spare_own_.size +
@@ -462,14 +586,15 @@ class PeerCheckpoint {
   template <class C>
   std::vector<detail::PeerHoldings> holdings(C& comm) const {
     const int world = static_cast<int>(comm.size());
-    const std::int64_t fields[detail::PeerHoldings::kFields] = {own_.step, size_of(own_), size_of(held_), pending_own_.step,
-                                                                size_of(pending_own_), size_of(pending_held_)};
+    const std::int64_t fields[detail::PeerHoldings::kFields] = {own_.step,         size_of(own_),          size_of(held_),
+                                                                pending_own_.step, size_of(pending_own_),  size_of(pending_held_),
+                                                                shared_step_,      shared_step_ < 0 ? 0 : stride_};
     std::vector<std::int64_t> all(detail::PeerHoldings::kFields * static_cast<std::size_t>(world));
     comm.all_gather(fields, all.data(), detail::PeerHoldings::kFields, DType::i64).wait();
     std::vector<detail::PeerHoldings> ranks;
     for (int r = 0; r < world; ++r) {
       const std::int64_t* f = all.data() + detail::PeerHoldings::kFields * static_cast<std::size_t>(r);
-      ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5]});
+      ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
     }
     return ranks;
   }
@@ -489,6 +614,14 @@ class PeerCheckpoint {
                      "; call it between steps, with every unit IDLE (abort_step() first after a failure)");
   }
 
+  // The size of the model's shard groups when it keeps replicas (rank r's state is also on
+  // ranks r mod stride + k stride: DeviceMesh's layout), 0 if it keeps none or they are not
+  // to be used. A guess that refresh() checks: a replica whose bytes differ is no copy.
+  int replica_stride(ShardedModel& model) const {
+    const MeshShape mesh = fsdp::detail::internals(model[0]).mesh_shape();
+    return options_.use_replicas && mesh.replicate > 1 ? mesh.shard : 0;
+  }
+
   static detail::PeerBytes take_spare(detail::PeerBytes& spare, std::size_t n) {
     if (spare.size == n) return std::move(spare);
     spare = detail::PeerBytes{};  // the copies changed size: this one fits no more
@@ -498,6 +631,8 @@ class PeerCheckpoint {
   detail::PeerBytes spare_own_, spare_held_;  // reuse_buffers: the copies before the last commit
   Copy own_, held_;                  // committed: this rank's state and rank - 1's, at one step
   Copy pending_own_, pending_held_;  // a refresh in flight, kept when it fails before its commit
+  std::int64_t shared_step_ = -1;    // the step whose copies every rank's replicas hold (PeerHoldings::shared_step)
+  int stride_ = 0;                   // with it: replica_stride
 };
 
 }  // namespace fsdp
