@@ -184,7 +184,8 @@ void plot_plan(const fsdp::MemoryPlan& plan, const std::string& png) {
 }
 
 // Thrown when the peer checkpoint cannot restore the ranks: the rank exits with
-// fsdp::kNoReplacementExitStatus, and fsdp_run --restart-scope rank stops the job.
+// fsdp::kNoReplacementExitStatus, and fsdp_run --restart-scope rank starts the whole job
+// again (from --save's last checkpoint), or stops it when no restart is left.
 struct NoRecovery : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -329,8 +330,10 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
       if constexpr (fsdp::RingShiftCommunicator<decltype(stream)>) {
         std::string why;
         if (!peer.restorable_step(stream, &why))  // the state is gone: a replacement cannot mend that
-          throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Start the job again from the "
-                                       "last checkpoint on disk (--resume)", r, why));
+          throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Exiting {}: fsdp_run starts every "
+                                       "rank again, from the last checkpoint --save wrote (from scratch without one), while "
+                                       "restarts are left",
+                                       r, why, fsdp::kNoReplacementExitStatus));
         step_now = recovery.done + 1;  // the step that failed
         kill_here("recovery");         // a second failure, before the copies move
         const fsdp::PeerRestore restored = peer.restore(stream, sharded, optimizer_state);
@@ -795,7 +798,9 @@ int main(int argc, char** argv) {
     }
     // A restarted job (--max-restarts) resumes from the last checkpoint it committed to
     // --save, if any; a job killed before its first save starts again from scratch, the
-    // same way; one whose last checkpoint is its final one had finished training.
+    // same way; one whose last checkpoint is its final one had finished training. Under
+    // --restart-scope rank a replacement (FSDP_COMM_EPOCH set) restores from its peers
+    // instead; the whole job starts again only when they could not (exit 87).
     if (backend == "tcp") {
       const fsdp::DistEnv env = fsdp::DistEnv::from_env();
       cfg.run_id = env.run_id;
@@ -805,7 +810,7 @@ int main(int argc, char** argv) {
                      k.phase == "end" ? std::string("end") : std::to_string(k.step), k.rank, env.world_size);
           return 2;
         }
-      if (env.restart_count > 0 && cfg.restart_scope == "rank") {
+      if (env.comm_epoch > 0) {
         cfg.kills.clear();  // a replacement: it restores from its peers' copies, not from --save
       } else if (env.restart_count > 0) {
         cfg.kills.clear();  // the fault is injected into the first start only

@@ -100,16 +100,23 @@ done
 # the two ranks' states each have a copy left (FullShard: they are not neighbours;
 # HybridShard: they are not replicas) the job recovers twice over, to the same parameters.
 # When the second held the first's state, no step can be restored: every rank says so and
-# exits 87, and fsdp_run ends the job instead of starting more ranks (it stops those still
-# running; they may all have exited by the time it looks).
+# exits 87, and fsdp_run starts the whole job again (restart 3 of 3), which resumes from
+# the last checkpoint --save wrote (full4 neighbours, --save-every 2), or from scratch
+# without one (hyb4 replicas), and trains the same parameters. With no restart left
+# (exhausted: --max-restarts 2) the job ends with status 87.
 # forming: the second rank dies 300 ms after the first failure, before it rejoins
 # (--kill B@S:rejoin): the others' new ring cannot form, they leave it when the launcher
 # announces the next epoch, and join that one with both replacements.
-for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:replicas; do
+save_dir="${TEST_TMPDIR:-/tmp}/recover_fallback.$$"
+for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:replicas full4:exhausted; do
   kind=${twice%%:*} twice=${twice#*:}
   first=$((RANDOM % 4))
   apart=2
-  [[ $twice == neighbours ]] && apart=1
+  [[ $twice == neighbours || $twice == exhausted ]] && apart=1
+  restarts=3 save=()
+  [[ $twice == exhausted ]] && restarts=2
+  rm -rf "$save_dir"
+  [[ $kind:$twice == full4:neighbours ]] && save=(--save "$save_dir" --save-every 2)
   second=$(((first + apart) % 4))
   low=$((first < second ? first : second)) high=$((first < second ? second : first))
   when=recovery
@@ -119,18 +126,39 @@ for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:rep
   name="second failure, $twice ($kind, --kill $first@$step:$phase --kill $second@$step:$when)"
   start=$SECONDS
   # shellcheck disable=SC2086
-  out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} --peer-checkpoint --max-restarts 3 --restart-scope rank \
-    --kill "$first@$step:$phase" --kill "$second@$step:$when" 2>&1)
+  out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} --peer-checkpoint --max-restarts $restarts --restart-scope rank \
+    "${save[@]}" --kill "$first@$step:$phase" --kill "$second@$step:$when" 2>&1)
   rc=$?
   while_recovering=$(grep -c "lost a peer while recovering; rejoining" <<<"$out")
-  if [[ $kind:$twice == full4:neighbours ]]; then
+  if [[ $kind == full4 && $apart == 1 ]]; then
     why="rank $first was lost and so was rank $second, which held its copy"
   elif [[ $twice == replicas ]]; then
     why="rank $low was lost and so was its replica, rank $high, which held the same state"
   else
     why=""
   fi
-  if [[ -z $why ]]; then
+  if [[ -n $why ]] && ! grep -q "in-memory recovery is not possible: $why. Exiting 87" <<<"$out"; then
+    fail "$name: no rank says why it cannot recover: $out"
+  elif [[ -n $why ]] && ! grep -q "^fsdp_run: rank [0-9] exited with status 87 (a replacement cannot mend it)" <<<"$out"; then
+    fail "$name: fsdp_run does not stop the job: $out"
+  elif [[ -n $why && $twice != exhausted ]]; then
+    if [[ ${#save[@]} -gt 0 ]]; then
+      from="resuming from the last checkpoint in $save_dir\|no checkpoint of this job in $save_dir; starting from scratch"
+    else
+      from="no checkpoint of this job in (no --save); starting from scratch"
+    fi
+    if ((rc != 0)); then
+      fail "$name: exited $rc after falling back to a restart of every rank: $(tail -8 <<<"$out")"
+    elif ! grep -q "^fsdp_run: in-memory recovery is not possible; restarting every rank (restart 3 of 3)$" <<<"$out"; then
+      fail "$name: fsdp_run does not start every rank again: $out"
+    elif ! grep -q "^\[rank 0\] restart 3: \($from\)" <<<"$out"; then
+      fail "$name: the restart does not say where it resumed from: $out"
+    elif [[ "$(fingerprint "$out")" != "${whole[$kind]}" ]]; then
+      fail "$name: parameters $(fingerprint "$out") after the restart, without the failures ${whole[$kind]}"
+    else
+      echo "PASS: $name: $why; every rank restarted ($(sed -n 's/^\[rank 0\] restart 3: //p' <<<"$out" | head -1)), same parameters ($((SECONDS - start)) s)"
+    fi
+  elif [[ -z $why ]]; then
     if ((rc != 0)); then
       fail "$name: exited $rc: $(tail -8 <<<"$out")"
     elif ! grep -q "^fsdp_run: rank $second exited with status 137 (signal SIGKILL); starting a replacement for rank $second (restart 2 of 3)" <<<"$out"; then
@@ -148,17 +176,16 @@ for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:rep
     fi
   else
     if ((rc != 87)); then
-      fail "$name: exited $rc, not 87 (no recovery possible): $(tail -8 <<<"$out")"
-    elif ! grep -q "in-memory recovery is not possible: $why. Start the job again from the last checkpoint on disk" <<<"$out"; then
-      fail "$name: no rank says why it cannot recover: $out"
-    elif ! grep -q "^fsdp_run: rank [0-9] exited with status 87 (a replacement cannot mend it; no restart)" <<<"$out"; then
-      fail "$name: fsdp_run does not stop the job: $out"
-    elif grep -q "restart 3 of 3" <<<"$out"; then
-      fail "$name: a third rank was started: $out"
+      fail "$name: exited $rc, not 87 (no recovery possible, no restart left): $(tail -8 <<<"$out")"
+    elif ! grep -q "^fsdp_run: no restart left (--max-restarts 2); the job failed with status 87$" <<<"$out"; then
+      fail "$name: fsdp_run does not end the job for want of restarts: $out"
+    elif grep -q "restart 3 of" <<<"$out"; then
+      fail "$name: a third start: $out"
     else
-      echo "PASS: $name: exit 87, $why ($((SECONDS - start)) s)"
+      echo "PASS: $name: exit 87, $why, no restart left ($((SECONDS - start)) s)"
     fi
   fi
 done
+rm -rf "$save_dir"
 
 [[ $failures -eq 0 ]] && echo "all $cases cases as expected (seed $seed)" || { echo "$failures case(s) wrong (seed $seed)"; exit 1; }

@@ -405,12 +405,42 @@ TEST_CASE("--restart-scope rank: when the replacements run out, the job stops as
   check_gone(dir, "child", {0, 2});  // the others were stopped, with what they started
 }
 
-TEST_CASE("--restart-scope rank: a rank exiting 87 (no replacement can mend it) stops the job without a restart") {
+TEST_CASE("--restart-scope rank: a rank exiting 87 (no replacement can mend it) is not replaced: every rank starts again") {
+  // Rank 1 is killed on the first start and replaced; its replacement exits 87 (no copy
+  // to restore it from). The whole job starts again as in scope job, counting both
+  // restarts, without an epoch; then every rank succeeds.
+  TempDir dir;
+  const std::string d = dir.path();
   const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "3", "--restart-scope", "rank", "--grace-ms", "2000"},
+                              "echo \"$RANK $TORCHELASTIC_RESTART_COUNT ${FSDP_COMM_EPOCH-unset}\" >> " + d + "/starts; "
+                              "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then kill -KILL $$; fi; "
+                              "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 1 ]; then exit 87; fi; "
+                              "if [ $TORCHELASTIC_RESTART_COUNT = 2 ]; then echo whole; exit 0; fi; sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s");
+  CHECK(f.status == 0);
+  CHECK(f.seconds < 4.0);
+  CHECK(f.err ==
+        "fsdp_run: rank 1 exited with status 137 (signal SIGKILL); starting a replacement for rank 1 (restart 1 of 3); the "
+        "other ranks go on\n"
+        "fsdp_run: rank 1 exited with status 87 (a replacement cannot mend it); stopping the other ranks\n"
+        "fsdp_run: in-memory recovery is not possible; restarting every rank (restart 2 of 3)\n");
+  CHECK(by_rank(f.out) == std::map<int, std::string>{{0, "whole"}, {1, "whole"}});
+  std::vector<std::string> starts = lines_of(read_file(dir.file("starts")));
+  std::sort(starts.begin(), starts.end());
+  CHECK(starts == std::vector<std::string>{"0 0 unset", "0 2 unset", "1 0 unset", "1 1 1", "1 2 unset"});
+}
+
+TEST_CASE("--restart-scope rank: a rank exiting 87 with no restart left ends the job with its status") {
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "1", "--restart-scope", "rank", "--grace-ms", "2000"},
+                              "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then kill -KILL $$; fi; "
                               "if [ $RANK = 1 ]; then exit 87; fi; sleep 30");
   CHECK(f.status == 87);
   CHECK(f.seconds < 3.0);
-  CHECK(f.err == "fsdp_run: rank 1 exited with status 87 (a replacement cannot mend it; no restart); stopping the other ranks\n");
+  CHECK(f.err ==
+        "fsdp_run: rank 1 exited with status 137 (signal SIGKILL); starting a replacement for rank 1 (restart 1 of 1); the "
+        "other ranks go on\n"
+        "fsdp_run: rank 1 exited with status 87 (a replacement cannot mend it); stopping the other ranks\n"
+        "fsdp_run: no restart left (--max-restarts 1); the job failed with status 87\n");
 }
 
 TEST_CASE("--restart-scope rank: two ranks failing together are replaced together, under one epoch") {

@@ -55,7 +55,8 @@ inline Command parse(int argc, const char* const* argv) {
   std::string restart_scope = name_of(o.restart_scope);
   app.add_option("--restart-scope", restart_scope,
                  "job (default): stop every rank and start the job again; rank: start a replacement for the failed "
-                 "rank only, the others go on (they must rebuild their communicator: fsdp::TcpProcessGroup::rejoin)")
+                 "rank only, the others go on (they must rebuild their communicator: fsdp::TcpProcessGroup::rejoin); a "
+                 "rank exiting 87 (no copy to restore from) makes it stop and start every rank again")
       ->check(CLI::IsMember({"job", "rank"}));
   app.add_option("--timeout-ms", timeout_ms,
                  "stop the job and fail after this long, each start of it with --max-restarts (the whole job with "

@@ -52,10 +52,15 @@
 // FSDP_COMM_EPOCH=e. Ranks that fail within 100 ms of the first failure are replaced together,
 // under one epoch (e grows by their number, so e = k for every replacement and the store's
 // generation, k - e, stays 0), so that the survivors and every replacement meet in one
-// ring. `max_restarts` counts replacements in all. A failure with none left, or a rank
-// exiting fsdp::kNoReplacementExitStatus (87: the ranks found no copy to restore it from),
-// stops the job as above, and so does a failure once every other rank has exited (a
-// replacement would find nobody to rejoin); `timeout` bounds the whole job.
+// ring. `max_restarts` counts replacements in all. A failure with none left stops the job
+// as above, and so does a failure once every other rank has exited (a replacement would
+// find nobody to rejoin); `timeout` bounds the whole job. A rank exiting
+// fsdp::kNoReplacementExitStatus (87: the ranks found no copy to restore a lost rank from)
+// is not replaced either: the job is stopped, and, while restarts are left, started again
+// whole, as in scope job ("fsdp_run: in-memory recovery is not possible; restarting every
+// rank (restart k of N)"), its ranks counting the replacements before in
+// TORCHELASTIC_RESTART_COUNT, without FSDP_COMM_EPOCH: the program falls back to what it
+// saved on disk.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -219,6 +224,7 @@ class Job {
     spec.search_path = search_path;
     spec.argv = std::move(argv);
     spec.restart = restart;
+    restarts_ = restart;
     spec.run_id = std::move(run_id);
     spec.port = store.port;
     spec.token = store.token;
@@ -232,6 +238,10 @@ class Job {
 
   // Whether the launcher itself was told to stop (SIGINT, SIGTERM, SIGHUP): no restart then.
   bool interrupted() const { return interrupted_; }
+  // The restarts so far: the `restart` it was started with, and the replacements it started.
+  int restarts() const { return restarts_; }
+  // Whether it ended because a rank said no replacement can mend it (RestartScope::rank).
+  bool unmendable() const { return unmendable_; }
 
   // Runs until every rank has exited; returns the job's status (see the top of the file).
   int supervise() {
@@ -288,7 +298,7 @@ class Job {
       if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed_.push_back(r.get());
     // RestartScope::rank: the failed ranks are replaced, all at once, while restarts are
     // left; a rank that says a replacement cannot mend it (fsdp::kNoReplacementExitStatus)
-    // stops the job instead. An echo (fsdp::kEchoExitStatus) is a failure like any other
+    // stops the job instead (run_with_restarts then starts it again whole). An echo (fsdp::kEchoExitStatus) is a failure like any other
     // here: that process is gone all the same, and only a replacement lets the others go on.
     // Failures within kReplaceSettle of the first are replaced together (ranks lost with
     // one machine, or one signal, exit a few milliseconds apart).
@@ -324,7 +334,10 @@ class Job {
       line += (line.empty() ? "fsdp_run: rank " : "; rank ") + std::to_string(r->rank()) + " exited with status " +
               std::to_string(r->status());
       if (r->killed_by_signal()) line += " (signal " + signal_name(r->status() - 128) + ")";
-      if (unmendable(r) && options_.restart_scope == RestartScope::rank) line += " (a replacement cannot mend it; no restart)";
+      if (unmendable(r) && options_.restart_scope == RestartScope::rank) {
+        line += " (a replacement cannot mend it)";
+        unmendable_ = true;
+      }
       if (echoed(r))
         line += own                      ? " (an echo of that failure)"
                 : still_running().empty() ? " (an echo of another rank's failure; every rank has exited, none with a "
@@ -476,7 +489,8 @@ class Job {
   Options options_;
   fsdp::TcpStoreServer* hosted_;  // fsdp_run's store, or null
   LaunchSpec spec_;               // what every rank was started with
-  int restarts_ = 0;              // replacements started (RestartScope::rank)
+  int restarts_ = 0;              // restarts so far: the start's, then each replacement (RestartScope::rank)
+  bool unmendable_ = false;       // a rank exited kNoReplacementExitStatus (RestartScope::rank)
   std::optional<Clock::time_point> replace_at_;  // failed ranks wait for their replacement until then
   bool timeout_reached_ = false;                 // no replacement after the job's timeout
   SignalGuard signals_;  // before ranks_: installed before the first start, restored after the last reap
@@ -515,22 +529,28 @@ inline int run_with_restarts(const Options& options, const std::string& program,
       }
     }
   }
-  for (int restart = 0;; ++restart) {
+  // `restart`: the restarts before this start (under RestartScope::rank the replacements
+  // too), its TORCHELASTIC_RESTART_COUNT and its store generation.
+  for (int restart = 0;;) {
     if (hosted) hosted->begin_generation(static_cast<std::uint64_t>(restart));
     if (options.store == StoreHost::rank0)
       store = {options.master_port ? options.master_port : find_free_port(), token_to_add(options)};
     Job job(options, program, search_path, argv, store, restart, run_id, hosted.get());
     const int status = job.supervise();
-    // RestartScope::rank: one start, whose Job replaced failed ranks until none was left.
+    restart = job.restarts();
+    // RestartScope::rank: one start replaces failed ranks until none is left; it is
+    // started again whole only when a rank found that no replacement can mend it.
     const bool rank_scope = options.restart_scope == RestartScope::rank;
-    if (status == 0 || job.interrupted() || rank_scope || restart == options.max_restarts) {
-      if (status != 0 && options.max_restarts > 0 && !job.interrupted() && !(rank_scope && status == fsdp::kNoReplacementExitStatus))
+    if (status == 0 || job.interrupted() || (rank_scope && !job.unmendable()) || restart >= options.max_restarts) {
+      if (status != 0 && options.max_restarts > 0 && !job.interrupted())
         write_all(2, "fsdp_run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
                          "); the job failed with status " + std::to_string(status) + "\n");
       return status;
     }
-    write_all(2, "fsdp_run: restarting every rank (restart " + std::to_string(restart + 1) + " of " +
-                     std::to_string(options.max_restarts) + ")\n");
+    ++restart;
+    write_all(2, std::string(rank_scope ? "fsdp_run: in-memory recovery is not possible; " : "fsdp_run: ") +
+                     "restarting every rank (restart " + std::to_string(restart) + " of " + std::to_string(options.max_restarts) +
+                     ")\n");
   }
 }
 

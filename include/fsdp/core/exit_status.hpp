@@ -27,7 +27,9 @@ inline constexpr int kEchoExitStatus = 86;
 // The exit status of a rank that a replacement cannot mend: under fsdp_run
 // --restart-scope rank, the ranks found no copy to restore a lost rank from
 // (fsdp::PeerCheckpoint::restore), so replacing this one would start a rank with nothing
-// to restore either. fsdp_run then stops the job instead of replacing it.
+// to restore either. fsdp_run then stops the job instead of replacing it, and starts every
+// rank again while restarts are left, as --restart-scope job does: the program falls back
+// to what it saved on disk.
 inline constexpr int kNoReplacementExitStatus = 87;
 
 // `own` for an error of this rank's own (a programming error, a bad file, a refused
