@@ -319,9 +319,13 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
     };
     // --peer-checkpoint: a copy of every rank's state after every step, and one before the
     // first; after a failure (--restart-scope rank) every rank restores from them instead.
+    // The copies carry what a checkpoint on disk carries beside the model (the fp16 loss
+    // scaler's state among it), and restore() gives it back.
     auto refresh_peer = [&](int done) {
       if constexpr (fsdp::RingShiftCommunicator<decltype(stream)>)
-        peer.refresh(stream, sharded, optimizer_state, done);
+        peer.refresh(stream, sharded, optimizer_state, done,
+                     checkpoint_metadata(cfg, world, done, scaled ? std::optional(scaler.state()) : std::nullopt,
+                                         summary.skipped_steps));
       else
         throw std::runtime_error("--peer-checkpoint: this backend's communicator has no ring_shift (NCCL and the CUDA "
                                  "thread ranks do not yet)");
@@ -338,6 +342,12 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         kill_here("recovery");         // a second failure, before the copies move
         const fsdp::PeerRestore restored = peer.restore(stream, sharded, optimizer_state);
         first_step = static_cast<int>(restored.step);
+        if (scaled) {  // the loss scaler as it was at that step, and the steps it had skipped
+          Resume at;
+          read_scaler(restored.metadata, fmt::format("rank {}: the peer checkpoint of step {}", r, first_step), at);
+          scaler.load_state(*at.scaler);
+          summary.skipped_steps = at.skipped_steps;
+        }
         recovery.restore = false;
         if (!std::exchange(recovery.replacement, false)) {  // a survivor: what it trains again (the interrupted step too), and how long it took
           recovery.redone_steps += recovery.done + 1 - first_step;
@@ -550,6 +560,10 @@ int main(int argc, char** argv) {
   integer_flag(app, "--accumulate", cfg.accumulate, 1, 1 << 16,
                "micro-batches per optimizer step (gradient accumulation); all but the last run under no_sync, "
                "keeping unsharded gradients instead of reducing them");
+  integer_flag(app, "--scaler-growth-interval", cfg.scaler_growth_interval, 1, 1 << 30,
+               "with --precision fp16: good steps before the loss scale doubles (default 2000); 1 doubles it every "
+               "step until a step overflows and is skipped (the unsharded reference has no loss scaler: once a step is "
+               "skipped, its loss differs)");
   switch_flag(app, "--sync-every-microbatch", cfg.sync_every_microbatch,
               "with --accumulate: reduce-scatter every micro-batch and accumulate sharded (less memory, more communication)");
   auto* clip = app.add_option_function<std::string>(
@@ -668,7 +682,6 @@ int main(int argc, char** argv) {
   if (scope->count() > 0 && cfg.restart_scope == "rank") {
     const char* why = !cfg.peer_checkpoint                  ? "needs --peer-checkpoint (the copies every rank restores from)"
                       : nproc < 2                           ? "needs --nproc 2 or more (a rank's copy is on another rank)"
-                      : cfg.precision == "fp16"             ? "cannot be combined with --precision fp16 (the loss scaler's state is not in the copies)"
                       : cfg.optimizer == "muon"             ? "cannot be combined with --optimizer muon (its state is not in the copies)"
                       : cfg.optimizer_in_backward           ? "cannot be combined with --optimizer-in-backward (its optimizers' state is not in the copies)"
                                                             : nullptr;

@@ -51,6 +51,22 @@ inline std::map<std::string, std::string> checkpoint_metadata(const Config& cfg,
   return m;
 }
 
+// The fp16 loss scaler's state and skipped steps in checkpoint_metadata's keys (a
+// checkpoint on disk, a peer checkpoint's copy), into `r`; `where` names the source.
+inline void read_scaler(const std::map<std::string, std::string>& metadata, const std::string& where, Resume& r) {
+  auto number = [&](const std::string& key, auto value) {
+    const auto it = metadata.find(key);
+    if (it == metadata.end())
+      fsdp::detail::fail(where, ": has no loss scaler state ('", key, "'; not saved with --precision fp16), which this run needs");
+    const std::string& t = it->second;
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), value);
+    if (ec != std::errc{} || end != t.data() + t.size()) fsdp::detail::fail(where, ": metadata '", key, "' is not a number: '", t, "'");
+    return value;
+  };
+  r.scaler = fsdp::GradScalerState{number("train.loss_scale", 0.0), number("train.loss_scale_good_steps", 0)};
+  r.skipped_steps = number("train.skipped_steps", 0);
+}
+
 // The checkpoint in cfg.resume_dir, checked against this run before anything trains: its
 // index and every file's header (checksums are verified by the load), then the metadata.
 // Not a collective: every rank (or the launcher) reads it.
@@ -95,12 +111,7 @@ inline Resume read_resume(const Config& cfg, int world) {
                        fsdp::name_of(cfg.local_gradients), "; the optimizer's state and the loss scale are sized to those gradients");
   if (r.model != model_text(cfg))
     fsdp::detail::fail(where, ": saved for a model of ", r.model, ", this run's has ", model_text(cfg));
-  if (precision_dtype(cfg.precision) == fsdp::DType::f16) {
-    if (!metadata.count("train.loss_scale"))
-      fsdp::detail::fail(where, ": has no loss scaler state (not saved with --precision fp16), which this run needs");
-    r.scaler = fsdp::GradScalerState{number("train.loss_scale", 0.0), number("train.loss_scale_good_steps", 0)};
-    r.skipped_steps = number("train.skipped_steps", 0);
-  }
+  if (precision_dtype(cfg.precision) == fsdp::DType::f16) read_scaler(metadata, where, r);
   return r;
 }
 

@@ -77,6 +77,7 @@ struct Config {
   bool report_comm = false;  // either flag given: print the collectives of a step
   double clip = 0;  // --clip: the max gradient 2-norm; 0: no clipping
   int accumulate = 1;                  // --accumulate: micro-batches per step
+  int scaler_growth_interval = 2000;   // --scaler-growth-interval: fp16's good steps before the loss scale grows
   bool sync_every_microbatch = false;  // GradientSyncMode::reduce_every_microbatch
   bool plan = false;  // --plan: print fsdp::plan's per-rank peak before the first step
   std::string plot;   // --plot FILE: with --plan, rank 0's planned timeline as a PNG (gnuplot)
@@ -151,6 +152,7 @@ struct Config {
   // (to a power of two), or its first steps overflow and are skipped.
   fsdp::GradScalerOptions scaler_options(int world) const {
     fsdp::GradScalerOptions o;
+    o.growth_interval = scaler_growth_interval;
     if (local_gradients == fsdp::LocalGradients::sum)
       for (std::int64_t n = static_cast<std::int64_t>(world) * batch_per_rank; n > 1 && o.init_scale > 1; n = (n + 1) / 2)
         o.init_scale /= 2;

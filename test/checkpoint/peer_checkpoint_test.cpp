@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,6 +53,7 @@ struct Outcome {
   std::vector<char> on_replicas;          // every rank's PeerCheckpoint::on_replicas() at the end
   std::vector<std::size_t> host_bytes;    // and its host_bytes()
   std::vector<float> gain_scale;          // and the first element of its buffer gain.scale
+  std::vector<float> restored_gain_scale; // that element right after its restore()
 };
 
 // One rank's reference engine sharded with Strategy (the hybrid ones over a mesh of
@@ -102,9 +104,10 @@ std::vector<float> local_state(fsdp::ShardedModel& sm, engine::AdamWState& st) {
   return out;
 }
 
-// Trains kSteps steps with a refresh after each; `distinct`: before each refresh, rank 0's
-// buffer gain.scale takes a value no other rank has (a buffer each rank computes from its
-// own data), so that no rank's copy equals its replicas'.
+// Trains kSteps steps with a refresh after each, its metadata the step ("engine.step");
+// `distinct`: before each refresh, rank 0's buffer gain.scale takes a value no other rank
+// has (a buffer each rank computes from its own data), and its metadata also holds its rank
+// ("engine.rank"), so that rank 0's copy differs from its replica rank 2's.
 template <class Strategy>
 Outcome run(int world, std::optional<Loss> loss, fsdp::PeerCheckpointOptions options = {}, bool distinct = false) {
   const auto c = test_support::resume_config();
@@ -116,6 +119,7 @@ Outcome run(int world, std::optional<Loss> loss, fsdp::PeerCheckpointOptions opt
   out.on_replicas.resize(static_cast<std::size_t>(world));
   out.host_bytes.resize(static_cast<std::size_t>(world));
   out.gain_scale.resize(static_cast<std::size_t>(world));
+  out.restored_gain_scale.resize(static_cast<std::size_t>(world));
   fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     Trainer<Strategy> t(comm);
@@ -144,11 +148,14 @@ Outcome run(int world, std::optional<Loss> loss, fsdp::PeerCheckpointOptions opt
           out.untouched[r] = local_state(sm, st) == before && opt.step_count() == steps_before;
           return;
         }
+        out.restored_gain_scale[r] = model.gain.scale.data()[0];
         s = static_cast<int>(out.reports[r].step);
         continue;
       }
       if (distinct && comm.rank() == 0) model.gain.scale.data()[0] = 1000.0f + static_cast<float>(s);
-      peer->refresh(comm, sm, &st, s);
+      std::map<std::string, std::string> metadata{{"engine.step", std::to_string(s)}};
+      if (distinct && comm.rank() == 0) metadata["engine.rank"] = "0";
+      peer->refresh(comm, sm, &st, s, metadata);
     }
     out.on_replicas[r] = peer->on_replicas();
     out.host_bytes[r] = peer->host_bytes();
@@ -171,6 +178,7 @@ TEST_CASE("a rank that lost its memory is restored from its neighbour's copy, an
       CAPTURE(r);
       const auto& rep = o.reports[static_cast<std::size_t>(r)];
       CHECK(rep.step == 3);  // the refresh after step 2: step 3 is redone
+      CHECK(rep.metadata == std::map<std::string, std::string>{{"engine.step", "3"}});  // the engine's, of that step
       CHECK(rep.replaced == std::vector<int>{lost});
       CHECK((rep.bytes_received > 0) == (r == lost));
     }
@@ -263,14 +271,47 @@ TEST_CASE("under HybridShard two neighbours lost are restored from their replica
 
 TEST_CASE("a replica whose bytes differ is no copy: refresh() sends every copy to rank + 1, and the lost rank gets its own state back") {
   const Outcome expected = run<fsdp::HybridShard>(4, std::nullopt, {}, true);
-  CHECK(expected.gain_scale[0] == 1006.0f);  // rank 0's own value, set before the last refresh
-  CHECK(expected.gain_scale[2] != 1006.0f);  // and not its replica's
   const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {0}}, {}, true);
   CHECK(o.params == expected.params);
   CHECK(o.reports[1].sources == std::vector<int>{1});  // rank 0's copy, from rank 1, not rank 2's state
   CHECK(o.reports[1].from_replica == std::vector<char>{0});
-  CHECK(o.gain_scale[0] == 1006.0f);
+  CHECK(o.restored_gain_scale[0] == 1003.0f);  // its own buffer of step 3 (scrambled to -1 before the restore)
+  CHECK(o.restored_gain_scale[2] != 1003.0f);
+  CHECK(o.reports[0].metadata.at("engine.rank") == "0");  // rank 0's own metadata, from rank 1's copy
+  CHECK(o.reports[2].metadata.count("engine.rank") == 0);
   for (int r = 0; r < 4; ++r) CHECK_FALSE(o.on_replicas[static_cast<std::size_t>(r)]);
+}
+
+TEST_CASE("where one replicate group's copies differ, the other group's still serve: two neighbours lost, both restored") {
+  // Rank 0's buffer differs from its replica rank 2's: every refresh sends its copy to
+  // rank + 1, and ranks 1 and 3 still agree. Rank 1 comes from its replica, rank 2 from
+  // rank 3's copy.
+  const Outcome expected = run<fsdp::HybridShard>(4, std::nullopt, {}, true);
+  const Outcome o = run<fsdp::HybridShard>(4, Loss{3, {1, 2}}, {}, true);
+  CHECK(o.params == expected.params);
+  CHECK(o.reports[0].replaced == std::vector<int>{1, 2});
+  CHECK(o.reports[0].sources == std::vector<int>{3, 3});
+  CHECK(o.reports[0].from_replica == std::vector<char>{1, 0});
+}
+
+TEST_CASE("refresh() refuses ranks that disagree on using replicas") {
+  std::vector<test_support::Thrown> errors(4);
+  fsdp::ThreadGroup(4).run([&](fsdp::ThreadComm& comm) {
+    Trainer<fsdp::HybridShard> t(comm);
+    fsdp::PeerCheckpointOptions options;
+    options.use_replicas = comm.rank() != 1;
+    fsdp::PeerCheckpoint peer(options);
+    errors[static_cast<std::size_t>(comm.rank())] = test_support::thrown_by([&] { peer.refresh(comm, t.sm, &t.st, 1); });
+    CHECK_FALSE(peer.step());
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[r].kind);
+    CHECK(*errors[r].kind == fsdp::ErrorKind::mismatch);
+    CHECK(contains(errors[r].message, "PeerCheckpoint::refresh on rank " + std::to_string(r) + ": this rank " +
+                                          (r == 1 ? "does not use replicas as copies (shard groups of 0" : "uses replicas as copies (shard groups of 2")));
+    CHECK(contains(errors[r].message, "but the ranks range from 0 to 2; every rank must pass the same PeerCheckpointOptions::use_replicas"));
+  }
 }
 
 TEST_CASE("restore() before any refresh fails on every rank") {
@@ -410,6 +451,84 @@ TEST_CASE("a refresh cut short by a lost rank: restore() takes the newest step e
   const auto [step, params] = refresh_cut_short(3);
   CHECK(step == 4);
   CHECK(params == expected);
+}
+
+// A ThreadComm whose rank, once armed, fails right after a refresh's checksum all_gather
+// (count 1) has completed on it, before it could act on it: what a rank lost then leaves
+// (ThreadComm's fault hook fails a collective on every rank alike, never on some only).
+struct FailsAfterCheck {
+  fsdp::ThreadComm& comm;
+  bool armed = false;
+  int rank() const { return comm.rank(); }
+  int size() const { return comm.size(); }
+  fsdp::Work all_gather(const void* send, void* recv, std::size_t n, fsdp::DType t) {
+    comm.all_gather(send, recv, n, t).wait();
+    if (armed && n == 1) {
+      armed = false;
+      throw fsdp::Error(fsdp::ErrorKind::peer_lost, "lost after the replicas' check (injected)");
+    }
+    return fsdp::Work{};
+  }
+  fsdp::Work all_reduce(const void* send, void* recv, std::size_t n, fsdp::DType t, fsdp::ReduceOp op) { return comm.all_reduce(send, recv, n, t, op); }
+  fsdp::Work reduce_scatter(const void* send, void* recv, std::size_t n, fsdp::DType t, fsdp::ReduceOp op) {
+    return comm.reduce_scatter(send, recv, n, t, op);
+  }
+  fsdp::Work broadcast(const void* send, void* recv, std::size_t n, fsdp::DType t, int root) { return comm.broadcast(send, recv, n, t, root); }
+  fsdp::Work barrier() { return comm.barrier(); }
+  fsdp::Work ring_shift(const void* send, void* recv, std::size_t n, fsdp::DType t) { return comm.ring_shift(send, recv, n, t); }
+};
+
+// HybridShard 2x2: refresh(4) fails on ranks `cut` right after the replicas' check, so they
+// hold step 4 pending while the others committed it; then rank `lost` loses its memory and
+// every rank restores. Returns rank 0's report and its parameters after training to the end.
+std::pair<fsdp::PeerRestore, Params> replicas_checked_on_some(const std::vector<int>& cut, int lost) {
+  const auto c = test_support::resume_config();
+  constexpr int world = 4;
+  const int local = test_support::kGlobalBatch / world;
+  std::vector<std::unique_ptr<fsdp::PeerCheckpoint>> peers(world);
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    Trainer<fsdp::HybridShard> t(comm);
+    peers[r] = std::make_unique<fsdp::PeerCheckpoint>();
+    FailsAfterCheck failing{comm};
+    for (int s = 0; s < 4; ++s) {
+      engine::sharded_step(t.model, t.sm, t.opt, engine::make_batch(c, s, comm.rank() * local, local));
+      failing.armed = s == 3 && std::count(cut.begin(), cut.end(), comm.rank());
+      const auto failed = test_support::thrown_by([&] { peers[r]->refresh(failing, t.sm, &t.st, s + 1); });
+      CHECK(static_cast<bool>(failed.kind) == (s == 3 && std::count(cut.begin(), cut.end(), comm.rank()) > 0));
+    }
+  });
+  peers[static_cast<std::size_t>(lost)] = std::make_unique<fsdp::PeerCheckpoint>();
+  std::vector<fsdp::PeerRestore> reports(world);
+  std::vector<Params> params(world);
+  fsdp::ThreadGroup(world).run([&](fsdp::ThreadComm& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    Trainer<fsdp::HybridShard> t(comm, 7);  // starts elsewhere: only the restore brings it back
+    reports[r] = peers[r]->restore(comm, t.sm, &t.st);
+    for (int s = static_cast<int>(reports[r].step); s < kSteps; ++s) {
+      engine::sharded_step(t.model, t.sm, t.opt, engine::make_batch(c, s, comm.rank() * local, local));
+      peers[r]->refresh(comm, t.sm, &t.st, s + 1);
+    }
+    params[r] = engine::gather_full_parameters(t.model, t.sm);
+  });
+  return {reports[0], params[0]};
+}
+
+TEST_CASE("a replicas' check that completed on some ranks only: restore() takes its step, from what the survivors saw") {
+  const Params expected = run<fsdp::HybridShard>(4, std::nullopt).params;
+  // Ranks 2 and 3 hold step 4 pending; ranks 0 and 1 committed it.
+  // Rank 2 lost: its replica rank 0 saw its group agree at step 4.
+  const auto [lost2, params2] = replicas_checked_on_some({2, 3}, 2);
+  CHECK(lost2.step == 4);
+  CHECK(lost2.sources == std::vector<int>{0});
+  CHECK(lost2.from_replica == std::vector<char>{1});
+  CHECK(params2 == expected);
+  // Rank 0 lost: its replica rank 2 never learnt the check's outcome, but rank 1 did (every
+  // copy agreed): rank 2's pending copy of step 4 serves.
+  const auto [lost0, params0] = replicas_checked_on_some({2, 3}, 0);
+  CHECK(lost0.step == 4);
+  CHECK(lost0.sources == std::vector<int>{2});
+  CHECK(params0 == expected);
 }
 
 TEST_CASE("restorable_step() tells a state that is gone from one that can be restored, on every rank") {

@@ -5,11 +5,11 @@
 # starts a replacement for that rank only (--restart-scope rank); the other ranks keep
 # running, rejoin it, and every rank restores the last step of the peer checkpoint
 # (--peer-checkpoint: each rank's state in its own memory and its neighbour's; under
-# HybridShard, its replica's) and redoes the steps since. The parameters must equal, bit
+# HybridShard, its replica's; with the fp16 loss scaler's state) and redoes the steps since. The parameters must equal, bit
 # for bit, those of the same job without a failure, no rank but the killed one may start
 # twice, and the job says what it recovered and from where. FullShard on 2 and 4
 # processes, ShardGradOp on 3 and HybridShard on 4 (mesh 2x2: ranks r and r + 2 are
-# replicas); then two ranks lost, the second during the recovery from the first. Every run
+# replicas), then fp16 on 4 with a loss scale that changes every step; then two ranks lost, the second during the recovery from the first. Every run
 # is bounded (timeout 120 s).
 #
 # Usage: train_recover_test.sh TRAIN_BINARY [SEED] [CASES]
@@ -18,7 +18,7 @@ set -u
 export FSDP_TIMEOUT_MS=30000
 train="$1"
 seed=${2:-20261202}
-cases=${3:-12}
+cases=${3:-20}
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 RANDOM=$seed
@@ -30,17 +30,24 @@ declare -A job=([full2]="--nproc 2 --strategy FULL_SHARD" [full4]="--nproc 4 --s
                 [grad3]="--nproc 3 --strategy SHARD_GRAD_OP" [hyb4]="--nproc 4 --strategy HYBRID_SHARD --mesh 2x2")
 declare -A nproc=([full2]=2 [full4]=4 [grad3]=3 [hyb4]=4) whole=()
 kinds=(full2 full4 grad3 hyb4)
+# fp16 whose loss scale doubles every step until a step overflows and is skipped: the
+# scaler's state changes every step, and the copies carry it (PeerCheckpoint's metadata).
+job[fp16]="--nproc 4 --strategy FULL_SHARD --precision fp16 --scaler-growth-interval 1"
+nproc[fp16]=4
 # Where rank R's state comes from: its replica R + 2 under the 2x2 mesh, else rank R + 1's copy.
 source_of() {
   local kind=$1 r=$2
   if [[ $kind == hyb4 ]]; then echo "rank $r from its replica rank $(((r + 2) % 4))"; else echo "rank $r from rank $(((r + 1) % nproc[$kind]))'s copy"; fi
 }
-for kind in "${kinds[@]}"; do
+declare -A skipped=()
+for kind in "${kinds[@]}" fp16; do
   # shellcheck disable=SC2086
   out=$(timeout 120 "$train" "${small[@]}" ${job[$kind]} 2>&1) || { fail "$kind: the run without a failure failed: $out"; continue; }
   whole[$kind]=$(fingerprint "$out")
   [[ -n ${whole[$kind]} ]] || fail "$kind: no parameters line: $out"
+  skipped[$kind]=$(sed -n 's/^\[rank 0\] fp16: the loss scaler skipped \([0-9]*\) of.*/\1/p' <<<"$out")
 done
+[[ ${skipped[fp16]:-0} -gt 0 ]] || fail "fp16: the loss scaler skipped no step, so the test shows nothing: $out"
 
 # What the copies cannot restore is refused before anything starts (exit 2, saying why).
 refused() {
@@ -52,7 +59,6 @@ refused() {
 }
 refused "--restart-scope rank needs --peer-checkpoint (the copies every rank restores from)"
 refused "--restart-scope rank needs --nproc 2 or more" --peer-checkpoint --nproc 1
-refused "--restart-scope rank cannot be combined with --precision fp16" --peer-checkpoint --precision fp16
 refused "--kill 2@3:recovery: needs another rank killed in step 3 (begin, backward or optimizer)" --peer-checkpoint --nproc 4 --kill 2@3:recovery
 # A rank killed while its checkpoint is written dies after the step's refresh: the others fail in the next step.
 refused "--kill 2@2:rejoin: needs another rank killed in step 2 (begin, backward or optimizer)" --peer-checkpoint --nproc 4 \
@@ -61,9 +67,11 @@ refused "--kill 1@4:recovery: needs another rank killed in step 4" --peer-checkp
 refused "--kill 1@3:begin: rank 1 is killed more than once; a rank dies once" --peer-checkpoint --nproc 4 --kill 1@3 --kill 1@4
 
 phases=(begin backward optimizer)
-for ((i = 1; i <= cases; i++)); do
+for ((i = 1; i <= cases + 2; i++)); do
   kind=${kinds[$(((i - 1) % ${#kinds[@]}))]}
   phase=${phases[$(((i - 1) / ${#kinds[@]} % ${#phases[@]}))]}  # every phase under every job; rank and step drawn
+  # Then fp16 twice (not at the optimizer: a skipped step has no optimizer phase to die in).
+  ((i > cases)) && kind=fp16 phase=${phases[$((i - cases - 1))]}
   rank=$((RANDOM % nproc[$kind]))
   step=$((RANDOM % steps + 1))
   kill="$rank@$step:$phase"
@@ -85,6 +93,8 @@ for ((i = 1; i <= cases; i++)); do
     fail "$name: no restore from the peer checkpoint: $out"
   elif ! grep -q "^\[rank 0\] recovered: failures=1 restarts=1 redone_steps=[0-9]* recovery_ms_max=[0-9]*$" <<<"$out"; then
     fail "$name: no recovered line: $out"
+  elif [[ $kind == fp16 ]] && ! grep -q "^\[rank 0\] fp16: the loss scaler skipped ${skipped[fp16]} of $steps steps$" <<<"$out"; then
+    fail "$name: the loss scaler did not skip the ${skipped[fp16]} steps it skips without the failure: $out"
   else
     survivors=$(grep -c "lost a peer at step" <<<"$out")
     if ((survivors != nproc[$kind] - 1)); then
@@ -188,4 +198,4 @@ for twice in full4:apart full4:neighbours full4:forming hyb4:neighbours hyb4:rep
 done
 rm -rf "$save_dir"
 
-[[ $failures -eq 0 ]] && echo "all $cases cases as expected (seed $seed)" || { echo "$failures case(s) wrong (seed $seed)"; exit 1; }
+[[ $failures -eq 0 ]] && echo "all $((cases + 2)) random cases and the two-failure cases as expected (seed $seed)" || { echo "$failures case(s) wrong (seed $seed)"; exit 1; }

@@ -2,7 +2,8 @@
 // fsdp::PeerCheckpoint: a checkpoint in host memory, with its copies on other ranks, so that
 // a job that loses a rank does not go back to the checkpoint on disk. After the optimizer
 // step every rank calls refresh(): it copies its own state (its shards, their optimizer
-// states, the optimizer's scalars, the buffers) into host memory. Where the model keeps
+// states, the optimizer's scalars, the buffers, and the engine's own state as text:
+// `metadata`, as a sharded checkpoint on disk keeps it) into host memory. Where the model keeps
 // replicas (HybridShard's replicate groups, NoShard), that is all: the same state is
 // already on the ranks of the rank's replicate group, and refresh() checks, by checksum,
 // that they hold it byte for byte. Otherwise, or where a replica's bytes differ (buffers
@@ -60,6 +61,9 @@ namespace fsdp {
 // What restore() did.
 struct PeerRestore {
   std::int64_t step = 0;          // the step every rank is at now: redo the steps from here
+  // What the engine passed to refresh() with this rank's state at `step` (a loss scaler's
+  // state, a data loader's position): load it as the model's state was loaded.
+  std::map<std::string, std::string> metadata;
   std::vector<int> replaced;      // ranks that received their state from another rank
   std::vector<int> sources;       // for each of `replaced`, the rank it came from
   std::vector<char> from_replica; // for each of `replaced`: 1 from a replica, 0 from rank + 1's copy
@@ -78,7 +82,7 @@ struct PeerStateHeader {
   std::uint64_t checksum = 0;                   // header_checksum: this header, its checksum field 0
   std::uint64_t payload_checksum = 0;           // XXH64 of the payload
   std::int64_t rank = 0, world = 0, step = 0;
-  std::uint64_t slices = 0, scalars = 0, payload = 0;  // payload: bytes after the header
+  std::uint64_t slices = 0, scalars = 0, metadata = 0, payload = 0;  // payload: bytes after the header
 };
 
 inline std::uint64_t header_checksum(PeerStateHeader h) {
@@ -146,14 +150,18 @@ void for_each_peer_slice(ShardedModel& model, OptimizerState* optimizer, F&& f) 
 // largest before anything is written), then the bytes, into `size` bytes at least.
 class PeerStateWriter {
  public:
-  PeerStateWriter(ShardedModel& model, OptimizerState* optimizer)
-      : model_(model), optimizer_(optimizer), scalars_(optimizer ? optimizer->scalars() : std::map<std::string, std::string>{}) {
+  PeerStateWriter(ShardedModel& model, OptimizerState* optimizer, const std::map<std::string, std::string>& metadata = {})
+      : model_(model),
+        optimizer_(optimizer),
+        scalars_(optimizer ? optimizer->scalars() : std::map<std::string, std::string>{}),
+        metadata_(metadata) {
     std::size_t n = sizeof(PeerStateHeader);
     for_each_peer_slice(model_, optimizer_, [&](const StateKey& key, DType t, std::span<const std::int64_t> shape, std::int64_t,
                                                 std::int64_t count, const Unit&, const void*) {
       n += 1 + 8 + key.state.size() + 8 + key.fqn.size() + 1 + 8 + 8 * shape.size() + 8 + 8 + static_cast<std::size_t>(count) * size_of(t);
     });
     for (const auto& [k, v] : scalars_) n += 16 + k.size() + v.size();
+    for (const auto& [k, v] : metadata_) n += 16 + k.size() + v.size();
     size_ = n;
   }
   std::size_t size() const { return size_; }
@@ -192,6 +200,11 @@ class PeerStateWriter {
       put_string(v);
       ++h.scalars;
     }
+    for (const auto& [k, v] : metadata_) {
+      put_string(k);
+      put_string(v);
+      ++h.metadata;
+    }
     h.payload = static_cast<std::uint64_t>(at - out) - sizeof h;
     if (h.payload + sizeof h != size_)
       fail("PeerCheckpoint on rank ", rank, ": the state changed while it was copied (", size_, " bytes measured, ",
@@ -205,6 +218,7 @@ class PeerStateWriter {
   ShardedModel& model_;
   OptimizerState* optimizer_;
   std::map<std::string, std::string> scalars_;
+  const std::map<std::string, std::string>& metadata_;
   std::size_t size_ = 0;
 };
 
@@ -239,9 +253,9 @@ class PeerStateReader {
 
 // The state in `bytes` (at least the copy's own length: a received copy may be padded),
 // checked to be whole and to be rank `rank`'s of `world` ranks at `step` (a replica's
-// copy: that replica's rank).
+// copy: that replica's rank); its metadata into `metadata`, if given.
 inline ShardedStateDict parse_peer_state(std::span<const std::byte> bytes, int rank, int world, std::int64_t step,
-                                         const std::string& what) {
+                                         const std::string& what, std::map<std::string, std::string>* metadata = nullptr) {
   PeerStateHeader h;
   if (bytes.size() < sizeof h) fail_as(ErrorKind::corrupt, what, ": ", bytes.size(), " bytes, shorter than a copy's header");
   h = header_of(bytes.data());
@@ -283,24 +297,35 @@ inline ShardedStateDict parse_peer_state(std::span<const std::byte> bytes, int r
     std::string k = r.get_string();
     out.optim_scalars[std::move(k)] = r.get_string();
   }
+  for (std::uint64_t i = 0; i < h.metadata; ++i) {
+    std::string k = r.get_string();
+    std::string v = r.get_string();
+    if (metadata) (*metadata)[std::move(k)] = std::move(v);
+  }
   return out;
 }
 
 // One rank's report at restore(): what it holds, as i64 fields (all_gather'd).
 struct PeerHoldings {
-  static constexpr std::size_t kFields = 8;
+  static constexpr std::size_t kFields = 10;
   std::int64_t step = -1, own = 0, held = 0;                  // committed: step, bytes of each copy
   std::int64_t pending_step = -1, pending_own = 0, pending_held = 0;  // a refresh not yet committed
-  // The step of a refresh that found every rank's copy equal to its replicas', byte for
-  // byte (this rank committed it: -1 if none): at that step a replica's own copy, committed
-  // or pending, is a lost rank's state.
+  // The step of a refresh that found every rank's copy equal to its replicas' (by
+  // checksum) and sent no copy to rank + 1 (the step of this rank's committed copy; -1 if
+  // not): at that step a replica's own copy, committed or pending, is a lost rank's state.
   std::int64_t shared_step = -1;
-  std::int64_t stride = 0;  // the ranks of a shard group when shared_step was committed (replicas: r mod stride)
+  std::int64_t stride = 0;  // the ranks of a shard group (replicas: r mod stride); 0: no replicas
+  // Whether this rank's committed and pending copies equal those of its replicate group
+  // (its check of that refresh completed): then a lost replica's state is the same.
+  std::int64_t own_replicated = 0, pending_replicated = 0;
   bool lost() const { return step < 0 && pending_step < 0; }
   // Bytes of this rank's own state at `s`, or of its left neighbour's; 0: none.
   // (A refresh at the committed step, as restore() runs, may hold a copy only pending.)
   std::int64_t own_at(std::int64_t s) const { return s == step && own > 0 ? own : s == pending_step ? pending_own : 0; }
   std::int64_t held_at(std::int64_t s) const { return s == step && held > 0 ? held : s == pending_step ? pending_held : 0; }
+  bool replicated_at(std::int64_t s) const {
+    return s == step && own > 0 ? own_replicated != 0 : s == pending_step && pending_replicated != 0;
+  }
 };
 
 // Where a lost rank's state at a step comes from.
@@ -320,26 +345,31 @@ inline std::vector<int> peer_replicas(int r, int n, int stride) {
   return out;
 }
 
-// Lost rank r's state at step s: from a surviving replica (a refresh at s found every copy
-// equal to its replicas'), else from its right neighbour's copy; nullopt, and why, if none.
+// Lost rank r's state at step s: from a surviving replica where a survivor saw, at s, that
+// r's copy equalled its replicas' (every copy did, or those of r's group), else from its
+// right neighbour's copy; nullopt, and why, if none.
 inline std::optional<PeerSource> peer_source(const std::vector<PeerHoldings>& ranks, int stride, int r, std::int64_t s,
                                              std::ostream& why) {
   const int n = static_cast<int>(ranks.size());
   const auto at = [&](int q) -> const PeerHoldings& { return ranks[static_cast<std::size_t>(q)]; };
-  bool shared = false;
+  bool shared = false;  // no copy was sent to rank + 1 at s: the replicas are the only copies
   for (const auto& h : ranks) shared = shared || (!h.lost() && h.shared_step == s);
+  const auto replicas = peer_replicas(r, n, stride);
+  for (const int q : replicas)
+    if (!at(q).lost() && at(q).replicated_at(s)) return PeerSource{q, true, at(q).own_at(s)};
   if (shared) {
-    const auto replicas = peer_replicas(r, n, stride);
-    bool survivor = false;
+    std::vector<int> alive;
     for (const int q : replicas) {
       if (!at(q).lost() && at(q).own_at(s) > 0) return PeerSource{q, true, at(q).own_at(s)};
-      survivor = survivor || !at(q).lost();
+      if (!at(q).lost()) alive.push_back(q);
     }
     std::ostringstream list;
     for (std::size_t i = 0; i < replicas.size(); ++i) list << (i ? ", " : "") << replicas[i];
-    if (survivor)
-      why << "no replica of lost rank " << r << " (rank" << (replicas.size() == 1 ? " " : "s ") << list.str() << ") holds its state at step " << s;
-    else
+    if (!alive.empty()) {
+      why << "lost rank " << r << "'s replicas that survived (rank";
+      for (std::size_t i = 0; i < alive.size(); ++i) why << (i ? ", " : alive.size() == 1 ? " " : "s ") << alive[i];
+      why << ") hold no copy of step " << s;
+    } else
       why << "rank " << r << " was lost and so " << (replicas.size() == 1 ? "was its replica, rank " : "were its replicas, ranks ")
           << list.str() << ", which held the same state";
     return std::nullopt;
@@ -412,20 +442,28 @@ class PeerCheckpoint {
   // Copies this rank's state into host memory; where replicas hold the same bytes, checks
   // that they do, else sends the copy to rank + 1 and receives rank - 1's; and agrees that
   // every rank has its copies before dropping the previous ones. `step`: the number the
-  // engine gives the state (the next step to run), the same on every rank. A collective
-  // over `comm`, the world communicator the model was sharded over; call it with every
-  // unit idle (after the optimizer step).
+  // engine gives the state (the next step to run), the same on every rank. `metadata`:
+  // the engine's own state, kept with this rank's and given back by restore() (a loss
+  // scaler's, a data loader's position). A collective over `comm`, the world communicator
+  // the model was sharded over; call it with every unit idle (after the optimizer step).
   template <RingShiftCommunicator C>
-  void refresh(C& comm, ShardedModel& model, OptimizerState* optimizer, std::int64_t step) {
+  void refresh(C& comm, ShardedModel& model, OptimizerState* optimizer, std::int64_t step,
+               const std::map<std::string, std::string>& metadata = {}) {
     const int rank = static_cast<int>(comm.rank()), world = static_cast<int>(comm.size());
     check_model(comm, model, "refresh");
-    const detail::PeerStateWriter writer(model, optimizer);
-    // One all_reduce(max) agrees on the largest copy (the ring_shift's size) and checks the step.
-    std::int64_t agreed[3] = {static_cast<std::int64_t>(writer.size()), step, -step};
-    comm.all_reduce(agreed, agreed, 3, DType::i64, ReduceOp::max).wait();
+    const detail::PeerStateWriter writer(model, optimizer, metadata);
+    // One all_reduce(max) agrees on the largest copy (the ring_shift's size) and checks the
+    // step and the replicas' use (which collectives follow), the same on every rank.
+    const int stride = replica_stride(model);
+    std::int64_t agreed[5] = {static_cast<std::int64_t>(writer.size()), step, -step, stride, -stride};
+    comm.all_reduce(agreed, agreed, 5, DType::i64, ReduceOp::max).wait();
     if (agreed[1] != step || -agreed[2] != step)
       detail::fail_as(ErrorKind::mismatch, where(rank, "refresh"), ": this rank's step is ", step,
                       ", but the ranks passed steps from ", -agreed[2], " to ", agreed[1], "; every rank must pass the same");
+    if (agreed[3] != stride || -agreed[4] != stride)
+      detail::fail_as(ErrorKind::mismatch, where(rank, "refresh"), ": this rank ", stride > 0 ? "uses" : "does not use",
+                      " replicas as copies (shard groups of ", stride, " ranks; 0: none), but the ranks range from ", -agreed[4],
+                      " to ", agreed[3], "; every rank must pass the same PeerCheckpointOptions::use_replicas and model");
     // Every rank sends as many bytes: the smaller copies padded, to whole 8-byte words (an
     // MPI count of words reaches 16 GiB where one of bytes stops at 2).
     const auto n = (static_cast<std::size_t>(agreed[0]) + 7) / 8 * 8;
@@ -435,21 +473,29 @@ class PeerCheckpoint {
     writer.write(own.data.get(), rank, world, step);
     std::memset(own.data.get() + writer.size(), 0, n - writer.size());
     pending_own_ = Copy{std::move(own), step};  // whole: restore() may pick it
-    if (const int stride = replica_stride(model); stride > 0) {
-      // Every rank's payload checksum, in one all_gather: whether each copy equals its
-      // replicas' (then they are the copies, and nothing is sent), and the commit.
+    stride_ = stride;
+    if (stride > 0) {
+      // Every rank's payload checksum, in one all_gather: which copies equal their
+      // replicas'. When all do, the replicas are the copies, nothing is sent, and this is
+      // the commit; otherwise the ring below runs too, and this rank's replicas still
+      // serve for it where its group's copies agreed.
       const auto mine = static_cast<std::int64_t>(detail::header_of(pending_own_.bytes.data.get()).payload_checksum);
       std::vector<std::int64_t> sums(static_cast<std::size_t>(world));
       comm.all_gather(&mine, sums.data(), 1, DType::i64).wait();
-      bool same = true;
-      for (int r = 0; r < world; ++r) same = same && sums[static_cast<std::size_t>(r)] == sums[static_cast<std::size_t>(r % stride)];
-      if (same) {
+      bool all = true, group = true;
+      for (int r = 0; r < world; ++r) {
+        const bool equal = sums[static_cast<std::size_t>(r)] == sums[static_cast<std::size_t>(r % stride)];
+        all = all && equal;
+        if (r % stride == rank % stride) group = group && equal;
+      }
+      pending_own_.replicated = group;
+      if (all) {
         spare_own_ = options_.reuse_buffers ? std::move(own_.bytes) : detail::PeerBytes{};
         spare_held_ = detail::PeerBytes{};
         own_ = std::move(pending_own_);
+        own_.shared = true;
         held_ = Copy{};
         pending_own_ = Copy{};
-        shared_step_ = step, stride_ = stride;
         return;
       }
     }
@@ -466,7 +512,6 @@ class PeerCheckpoint {
     held_ = std::move(pending_held_);
     pending_own_ = Copy{};
     pending_held_ = Copy{};
-    shared_step_ = -1;
   }
 
   // Brings every rank to the newest step all can reach: a rank with no copies (a
@@ -483,7 +528,7 @@ class PeerCheckpoint {
     const std::vector<detail::PeerHoldings> ranks = holdings(comm);
     std::string why;
     const auto step = detail::peer_restore_step(ranks, why);
-    std::int64_t stride = 0;
+    std::int64_t stride = 0;  // as peer_restore_step
     for (const auto& h : ranks) stride = std::max(stride, h.stride);
     if (!step)
       detail::fail_as(ErrorKind::peer_lost, at, ": no step that every rank can be restored to: ", why,
@@ -520,7 +565,7 @@ class PeerCheckpoint {
       const std::string what = at + (!replaced      ? ": its own copy"
                                      : from_replica ? ": the state received from rank " + std::to_string(source) + ", its replica"
                                                     : ": the copy received from rank " + std::to_string(source));
-      state = detail::parse_peer_state(bytes.view(), from_replica ? source : rank, world, *step, what);
+      state = detail::parse_peer_state(bytes.view(), from_replica ? source : rank, world, *step, what, &report.metadata);
       state->rank = rank;
       if (from_replica) detail::relabel_peer_state(received.data.get(), rank);  // this rank's own copy from now on
     } catch (const std::exception& e) {
@@ -545,10 +590,17 @@ class PeerCheckpoint {
     held_ = std::move(held);
     pending_own_ = Copy{};
     pending_held_ = Copy{};
-    // The replicas' check of the chosen step holds on: every rank now holds those bytes.
-    shared_step_ = std::any_of(ranks.begin(), ranks.end(), [&](const auto& h) { return !h.lost() && h.shared_step == *step; }) ? *step : -1;
-    stride_ = stride;
-    refresh(comm, model, optimizer, *step);
+    // What the survivors knew of the chosen step's replicas holds on for these copies (a
+    // refresh below that fails leaves them the committed ones).
+    const auto known = [&](int r) {
+      const auto& h = ranks[static_cast<std::size_t>(r)];
+      return !h.lost() && (h.shared_step == *step || h.replicated_at(*step));
+    };
+    own_.shared = std::any_of(ranks.begin(), ranks.end(), [&](const auto& h) { return !h.lost() && h.shared_step == *step; });
+    own_.replicated = own_.shared || known(rank);
+    for (const int q : detail::peer_replicas(rank, world, static_cast<int>(stride))) own_.replicated = own_.replicated || known(q);
+    own_.replicated = own_.replicated && stride > 0;
+    refresh(comm, model, optimizer, *step, report.metadata);
     return report;
   }
 
@@ -569,7 +621,7 @@ class PeerCheckpoint {
   std::optional<std::int64_t> step() const { return own_.step < 0 ? std::nullopt : std::optional(own_.step); }
   // Whether the committed copies are replicas' (the last refresh found every rank's copy
   // equal to its replicas' and sent none to rank + 1).
-  bool on_replicas() const { return own_.step >= 0 && shared_step_ == own_.step; }
+  bool on_replicas() const { return own_.step >= 0 && own_.shared; }
   // Host memory the copies hold now, the buffers kept for the next refresh included.
   std::size_t host_bytes() const {
     return own_.bytes.size + held_.bytes.size + pending_own_.bytes.size + pending_held_.bytes.size + spare_own_.size +
@@ -580,21 +632,23 @@ class PeerCheckpoint {
   struct Copy {
     detail::PeerBytes bytes;
     std::int64_t step = -1;
+    bool replicated = false;  // its replicate group's copies equal it (PeerHoldings::own_replicated)
+    bool shared = false;      // every rank's did, and no copy went to rank + 1 (PeerHoldings::shared_step)
   };
   static std::int64_t size_of(const Copy& c) { return c.step < 0 ? 0 : static_cast<std::int64_t>(c.bytes.size); }
   // What every rank holds (an all_gather).
   template <class C>
   std::vector<detail::PeerHoldings> holdings(C& comm) const {
     const int world = static_cast<int>(comm.size());
-    const std::int64_t fields[detail::PeerHoldings::kFields] = {own_.step,         size_of(own_),          size_of(held_),
-                                                                pending_own_.step, size_of(pending_own_),  size_of(pending_held_),
-                                                                shared_step_,      shared_step_ < 0 ? 0 : stride_};
+    const std::int64_t fields[detail::PeerHoldings::kFields] = {
+        own_.step,         size_of(own_),        size_of(held_),        pending_own_.step, size_of(pending_own_),
+        size_of(pending_held_), own_.shared ? own_.step : -1, stride_, own_.replicated, pending_own_.replicated};
     std::vector<std::int64_t> all(detail::PeerHoldings::kFields * static_cast<std::size_t>(world));
     comm.all_gather(fields, all.data(), detail::PeerHoldings::kFields, DType::i64).wait();
     std::vector<detail::PeerHoldings> ranks;
     for (int r = 0; r < world; ++r) {
       const std::int64_t* f = all.data() + detail::PeerHoldings::kFields * static_cast<std::size_t>(r);
-      ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
+      ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
     }
     return ranks;
   }
@@ -631,8 +685,7 @@ class PeerCheckpoint {
   detail::PeerBytes spare_own_, spare_held_;  // reuse_buffers: the copies before the last commit
   Copy own_, held_;                  // committed: this rank's state and rank - 1's, at one step
   Copy pending_own_, pending_held_;  // a refresh in flight, kept when it fails before its commit
-  std::int64_t shared_step_ = -1;    // the step whose copies every rank's replicas hold (PeerHoldings::shared_step)
-  int stride_ = 0;                   // with it: replica_stride
+  int stride_ = 0;                   // replica_stride at the last refresh
 };
 
 }  // namespace fsdp
