@@ -335,8 +335,8 @@ Summary train_rank(C& comm, const Config& cfg, fsdp::MeshShape mesh_shape, const
         std::string why;
         if (!peer.restorable_step(stream, &why))  // the state is gone: a replacement cannot mend that
           throw NoRecovery(fmt::format("rank {}: in-memory recovery is not possible: {}. Exiting {}: fsdp_run starts every "
-                                       "rank again, from the last checkpoint --save wrote (from scratch without one), while "
-                                       "restarts are left",
+                                       "rank again, from the last checkpoint --save wrote (else from --resume, or from "
+                                       "scratch), while restarts are left",
                                        r, why, fsdp::kNoReplacementExitStatus));
         step_now = recovery.done + 1;  // the step that failed
         kill_here("recovery");         // a second failure, before the copies move

@@ -499,6 +499,17 @@ TEST_CASE("SIGINT to fsdp_run reaches every rank; fsdp_run exits 130") {
   check_gone(dir, "child", {0, 1});
 }
 
+TEST_CASE("--restart-scope rank: --timeout-ms bounds the whole job, its restarts after an exit 87 included") {
+  // Every start: rank 1 exits 87 after 0.6 s; 1.5 s of timeout leaves room for two starts, not four.
+  const Finished f = fsdp_run({"--nproc", "2", "--max-restarts", "3", "--restart-scope", "rank", "--timeout-ms", "1500"},
+                              "if [ $RANK = 1 ]; then sleep 0.6; exit 87; fi; exec sleep 30");
+  MESSAGE("fsdp_run returned after ", f.seconds, " s");
+  CHECK(f.status != 0);
+  CHECK(f.seconds < 4.0);  // about 1.5 s
+  CHECK(f.err.find("restarting every rank (restart 1 of 3)") != std::string::npos);
+  CHECK(f.err.find("restart 3 of 3") == std::string::npos);
+}
+
 TEST_CASE("--timeout-ms stops a job that runs too long and fails naming the ranks") {
   const Finished f = fsdp_run({"--nproc", "2", "--timeout-ms", "300"}, "exec sleep 30");
   MESSAGE("fsdp_run returned after ", f.seconds, " s with --timeout-ms 300");

@@ -60,7 +60,8 @@
 // whole, as in scope job ("fsdp_run: in-memory recovery is not possible; restarting every
 // rank (restart k of N)"), its ranks counting the replacements before in
 // TORCHELASTIC_RESTART_COUNT, without FSDP_COMM_EPOCH: the program falls back to what it
-// saved on disk.
+// saved on disk. Those whole starts count against `max_restarts` too, and `timeout` bounds
+// them all together.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -298,7 +299,8 @@ class Job {
       if (!r->exited() && r->try_reap() && !stopping_ && r->status() != 0) failed_.push_back(r.get());
     // RestartScope::rank: the failed ranks are replaced, all at once, while restarts are
     // left; a rank that says a replacement cannot mend it (fsdp::kNoReplacementExitStatus)
-    // stops the job instead (run_with_restarts then starts it again whole). An echo (fsdp::kEchoExitStatus) is a failure like any other
+    // stops the job instead (run_with_restarts then starts it again whole, while restarts
+    // and the job's timeout are left). An echo (fsdp::kEchoExitStatus) is a failure like any other
     // here: that process is gone all the same, and only a replacement lets the others go on.
     // Failures within kReplaceSettle of the first are replaced together (ranks lost with
     // one machine, or one signal, exit a few milliseconds apart).
@@ -531,17 +533,25 @@ inline int run_with_restarts(const Options& options, const std::string& program,
   }
   // `restart`: the restarts before this start (under RestartScope::rank the replacements
   // too), its TORCHELASTIC_RESTART_COUNT and its store generation.
+  // RestartScope::rank: `timeout` bounds the whole job, the starts after a fallback included.
+  const bool rank_scope = options.restart_scope == RestartScope::rank;
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   for (int restart = 0;;) {
+    Options start = options;
+    if (rank_scope && options.timeout.count() > 0)
+      start.timeout = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                  deadline - std::chrono::steady_clock::now()));
     if (hosted) hosted->begin_generation(static_cast<std::uint64_t>(restart));
     if (options.store == StoreHost::rank0)
       store = {options.master_port ? options.master_port : find_free_port(), token_to_add(options)};
-    Job job(options, program, search_path, argv, store, restart, run_id, hosted.get());
+    Job job(start, program, search_path, argv, store, restart, run_id, hosted.get());
     const int status = job.supervise();
     restart = job.restarts();
     // RestartScope::rank: one start replaces failed ranks until none is left; it is
-    // started again whole only when a rank found that no replacement can mend it.
-    const bool rank_scope = options.restart_scope == RestartScope::rank;
-    if (status == 0 || job.interrupted() || (rank_scope && !job.unmendable()) || restart >= options.max_restarts) {
+    // started again whole only when a rank found that no replacement can mend it, and
+    // the job's timeout has not passed.
+    const bool expired = rank_scope && options.timeout.count() > 0 && std::chrono::steady_clock::now() >= deadline;
+    if (status == 0 || job.interrupted() || (rank_scope && (!job.unmendable() || expired)) || restart >= options.max_restarts) {
       if (status != 0 && options.max_restarts > 0 && !job.interrupted())
         write_all(2, "fsdp_run: no restart left (--max-restarts " + std::to_string(options.max_restarts) +
                          "); the job failed with status " + std::to_string(status) + "\n");

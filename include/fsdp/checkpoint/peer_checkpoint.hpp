@@ -218,7 +218,7 @@ class PeerStateWriter {
   ShardedModel& model_;
   OptimizerState* optimizer_;
   std::map<std::string, std::string> scalars_;
-  const std::map<std::string, std::string>& metadata_;
+  std::map<std::string, std::string> metadata_;  // a copy: the writer may outlive a temporary map
   std::size_t size_ = 0;
 };
 
@@ -315,8 +315,10 @@ struct PeerHoldings {
   // not): at that step a replica's own copy, committed or pending, is a lost rank's state.
   std::int64_t shared_step = -1;
   std::int64_t stride = 0;  // the ranks of a shard group (replicas: r mod stride); 0: no replicas
-  // Whether this rank's committed and pending copies equal those of its replicate group
-  // (its check of that refresh completed): then a lost replica's state is the same.
+  // Whether this rank's committed and pending copies equal those of its replicate group:
+  // its own check of that refresh completed, or (set by restore()) a survivor's did, whose
+  // all_gather held this rank's checksum of the same bytes. Then a lost replica's state is
+  // the same.
   std::int64_t own_replicated = 0, pending_replicated = 0;
   bool lost() const { return step < 0 && pending_step < 0; }
   // Bytes of this rank's own state at `s`, or of its left neighbour's; 0: none.
